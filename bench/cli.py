@@ -1,0 +1,318 @@
+"""`jaxserve bench {serve,sweep,throughput,latency,compare}`; flags follow `vllm bench` where it has one.
+
+`jaxserve/cli.py` calls `add_bench_parser(subparsers)`; each command sets `func(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.metrics import DEFAULT_PERCENTILES, SLO
+from bench.workloads import WORKLOAD_NAMES, TokenizerLike, TokenSampler, Workload
+
+DEFAULT_RESULT_DIR = Path("out/bench")
+
+
+# ----- shared flags --------------------------------------------------------------------------
+
+
+def _add_workload_args(p: argparse.ArgumentParser, default_prompt_format: str, add_seed: bool = True) -> None:
+    """Workload flags; `add_seed=False` where the engine flags already define --seed (it then seeds both)."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", "--dataset-name", dest="workload", choices=WORKLOAD_NAMES, default="random")
+    g.add_argument("--workload-file", "--dataset-path", dest="workload_file", help="JSONL file (--workload jsonl)")
+    g.add_argument("--num-prompts", type=int, default=100, help="requests (random, shared-prefix, long-prompt: short ones)")
+    g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
+    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
+    g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0)
+    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
+    g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per shared prefix")
+    g.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens per question")
+    g.add_argument("--long-num", type=int, default=4, help="long-prompt: long prompts among --num-prompts short")
+    g.add_argument("--long-len", type=int, default=1536, help="long-prompt: tokens per long prompt")
+    g.add_argument("--short-len", type=int, default=64, help="long-prompt: tokens per short prompt")
+    g.add_argument("--num-sessions", type=int, default=8, help="multi-turn: conversations")
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    g.add_argument("--user-len", type=int, default=32, help="multi-turn: tokens per user message")
+    g.add_argument("--system-len", type=int, default=0, help="multi-turn: tokens of the system prompt")
+    g.add_argument("--prompt-format", choices=("ids", "text"), default=default_prompt_format,
+                   help="send prompts as token ids or as text (peers' servers take text)")  # fmt: skip
+    if add_seed:
+        g.add_argument("--seed", type=int, default=0)
+
+
+def workload_factory(args: argparse.Namespace) -> Callable[[TokenizerLike, set[int], int], Workload]:
+    """A function (tokenizer, special ids, seed offset) -> the workload the flags describe."""
+    from bench import workloads as w
+
+    def make(tokenizer: TokenizerLike, special: set[int], seed_offset: int = 0) -> Workload:
+        sampler = TokenSampler(tokenizer, args.seed + seed_offset, special)
+        text = args.prompt_format == "text"
+        if args.workload == "random":
+            return w.random_workload(sampler, args.num_prompts, args.input_len, args.output_len, args.range_ratio, text)
+        if args.workload == "facts32":
+            return w.facts32_workload(sampler, text)
+        if args.workload == "shared-prefix":
+            per_prefix = math.ceil(args.num_prompts / args.num_prefixes)
+            return w.shared_prefix_workload(sampler, args.num_prefixes, per_prefix, args.prefix_len, args.suffix_len,
+                                            args.output_len, text)  # fmt: skip
+        if args.workload == "long-prompt":
+            return w.long_prompt_workload(sampler, args.num_prompts, args.short_len, args.long_num, args.long_len,
+                                          args.output_len, text)  # fmt: skip
+        if args.workload == "multi-turn":
+            return w.multi_turn_workload(sampler, args.num_sessions, args.turns, args.user_len, args.output_len,
+                                         args.system_len)  # fmt: skip
+        if not args.workload_file:
+            raise SystemExit("--workload jsonl needs --workload-file")
+        return w.jsonl_workload(args.workload_file, tokenizer, args.output_len)
+
+    return make
+
+
+def _add_peer_args(p: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
+    g = p.add_argument_group("peer (optional; measured in the same run on the same workload and GGUF)")
+    g.add_argument("--peer", choices=choices, default=None)
+    g.add_argument("--peer-python", default=None, help="interpreter that has the peer installed (default: this one)")
+    g.add_argument("--peer-threads", type=int, default=2, help="CPU threads for the peer")
+
+
+def _add_output_args(p: argparse.ArgumentParser, ignore_eos_flag: bool = True) -> None:
+    p.add_argument("--result-file", default=None, help=f"JSON output (default: {DEFAULT_RESULT_DIR}/KIND-WORKLOAD-TIME.json)")
+    if ignore_eos_flag:
+        p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                       help="let requests stop at EOS (default: exactly max_tokens each, as vLLM's random dataset)")  # fmt: skip
+
+
+def _result_path(args: argparse.Namespace, kind: str, name: str) -> Path:
+    if args.result_file:
+        return Path(args.result_file)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return DEFAULT_RESULT_DIR / f"{kind}-{name.replace(':', '-')}-{stamp}.json"
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    values = tuple(float(x) for x in text.split(",") if x.strip())
+    if not values or any(not 0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError("percentiles are numbers in (0, 100], comma-separated")
+    return values
+
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    from checkpoints.registry import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (tokenizer, server model, peers' GGUF)")
+    p.add_argument("--base-url", default=None, help="a running jaxserve server (default: start one on a free port)")
+    p.add_argument("--served-model-name", default=None, help="`model` field of the requests (default: --model)")
+    p.add_argument("--server-args", default="", help="extra `jaxserve serve` flags when starting the server, one string")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: requests in flight at most")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions", help="for single-turn workloads")
+    p.add_argument("--multi-turn-api", choices=("history", "sessions"), default="history",
+                   help="multi-turn: resend the chat history, or use /v1/sessions")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--slo", type=SLO.parse, default=None, metavar="TTFT_MS,TPOT_MS", help="goodput SLO, e.g. 500,100")
+    p.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", type=_percentiles,
+                   default=DEFAULT_PERCENTILES, help="e.g. 50,90,99")  # fmt: skip
+    p.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
+    p.add_argument("--save-detailed", action="store_true", help="keep every inter-token gap in the JSON")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--peer-n-ctx", type=int, default=4096, help="context of the llama-cpp server")
+    _add_workload_args(p, "text")
+    _add_peer_args(p, ("llama-cpp",))
+    _add_output_args(p)
+
+
+def _serve_options(args: argparse.Namespace) -> Any:
+    from bench.serve import ServeOptions
+
+    return ServeOptions(model=args.model, base_url=args.base_url, served_model_name=args.served_model_name,
+                        server_args=shlex.split(args.server_args), startup_timeout_s=args.startup_timeout,
+                        api_key=args.api_key, ignore_eos=args.ignore_eos, peer=args.peer,
+                        peer_python=args.peer_python, peer_threads=args.peer_threads,
+                        peer_n_ctx=args.peer_n_ctx)  # fmt: skip
+
+
+def _load_spec(args: argparse.Namespace, rate: float, concurrency: int | None) -> Any:
+    from bench.load import LoadSpec
+
+    return LoadSpec(request_rate=rate, max_concurrency=concurrency, seed=args.seed, api=args.api,
+                    multi_turn_api=args.multi_turn_api, request_timeout_s=args.request_timeout)  # fmt: skip
+
+
+def _tokenizer(model: str) -> tuple[Any, set[int]]:
+    from bench.model_files import load_tokenizer, special_token_ids
+
+    tokenizer = load_tokenizer(model)
+    return tokenizer, special_token_ids(tokenizer)
+
+
+def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A missing peer or a server that does not come up is a clear message and exit code 2."""
+
+    def wrapper(args: argparse.Namespace) -> int:
+        from bench.peers.runner import PeerUnavailable
+        from bench.server_process import ServerStartError
+
+        try:
+            return run(args)
+        except (PeerUnavailable, ServerStartError) as e:
+            print(f"jaxserve bench: {e}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+# ----- commands ------------------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from bench.report import print_result, write_json
+    from bench.serve import run_serve
+
+    tokenizer, special = _tokenizer(args.model)
+    workload = workload_factory(args)(tokenizer, special)
+    path = _result_path(args, "serve", workload.name)
+    stem = str(path.with_suffix("")) if args.plot else None
+    if stem:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    result = run_serve(_serve_options(args), workload, _load_spec(args, args.request_rate, args.max_concurrency),
+                       tokenizer, args.slo, args.percentiles, args.save_detailed, stem, args.progress)  # fmt: skip
+    print_result(result)
+    write_json(result, path)
+    print(f"results: {path}" + (f"; plots: {', '.join(result['plots'])}" if "plots" in result else ""))
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from bench.report import write_json
+    from bench.sweep import SweepPoint, print_sweep, run_sweep
+
+    if (args.request_rates is None) == (args.concurrencies is None):
+        raise SystemExit("give exactly one of --request-rates or --concurrencies")
+    if args.request_rates is not None:
+        xlabel = "request_rate"
+        points = [SweepPoint(r, _load_spec(args, r, args.max_concurrency)) for r in args.request_rates]
+    else:
+        xlabel = "max_concurrency"
+        points = [SweepPoint(c, _load_spec(args, math.inf, c)) for c in args.concurrencies]
+    tokenizer, special = _tokenizer(args.model)
+    make = workload_factory(args)
+    path = _result_path(args, "sweep", args.workload)
+    stem = str(path.with_suffix("")) if args.plot else None
+    if stem:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    result = run_sweep(_serve_options(args), lambda i: make(tokenizer, special, i), points, xlabel, tokenizer,
+                       args.slo, args.slo_attainment, args.percentiles, stem, args.progress)  # fmt: skip
+    print_sweep(result, _SWEEP_KEYS)
+    write_json(result, path)
+    print(f"results: {path}" + (f"; plots: {', '.join(result['plots'])}" if "plots" in result else ""))
+    return 0
+
+
+_SWEEP_KEYS = ["completed", "failed", "request_throughput", "output_throughput", "request_goodput", "slo_attainment",
+               "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms"]  # fmt: skip
+
+
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    from jaxserve.cli import engine_config_from_args
+
+    return dataclasses.asdict(engine_config_from_args(args))
+
+
+def _peer_spec(args: argparse.Namespace) -> Any:
+    from bench.offline import PeerSpec
+    from bench.peers.runner import check_peer
+
+    if args.peer is None:
+        return None
+    check_peer(args.peer, args.peer_python)  # fail before the long jaxserve part, not after it
+    return PeerSpec(args.peer, args.peer_python, args.peer_threads, getattr(args, "peer_batch_size", 32))
+
+
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    from bench.offline import run_throughput
+    from bench.report import print_result, write_json
+
+    peer = _peer_spec(args)
+    make = workload_factory(args)
+    result = run_throughput(args.model, _engine_args(args), lambda tok, special: make(tok, special, 0), peer,
+                            args.ignore_eos, args.progress)  # fmt: skip
+    print_result(result)
+    path = _result_path(args, "throughput", result["workload"]["name"])
+    write_json(result, path)
+    print(f"results: {path}")
+    return 0
+
+
+def _cmd_latency(args: argparse.Namespace) -> int:
+    from bench.offline import run_latency
+    from bench.report import print_result, write_json
+
+    result = run_latency(args.model, _engine_args(args), args.input_len, args.output_len, args.num_iters,
+                         args.num_iters_warmup, args.seed, _peer_spec(args))  # fmt: skip
+    print_result(result)
+    path = _result_path(args, "latency", "single")
+    write_json(result, path)
+    print(f"results: {path}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from bench.report import compare
+
+    print(compare(args.a, args.b))
+    return 0
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `bench` and its commands to the `jaxserve` command's subparsers."""
+    from jaxserve.cli import add_engine_args
+
+    bench = subparsers.add_parser("bench", help="serving and offline benchmarks, with peers")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = sub.add_parser("serve", help="load a server over HTTP and measure TTFT, TPOT, ITL, throughput, goodput")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")
+    _add_serving_args(p)
+    p.set_defaults(func=_guarded(_cmd_serve))
+
+    p = sub.add_parser("sweep", help="several request rates or concurrencies -> latency-throughput curve")
+    p.add_argument("--request-rates", type=float, nargs="+", default=None)
+    p.add_argument("--concurrencies", type=int, nargs="+", default=None)
+    p.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="a point meets the SLO when this fraction of its requests does")  # fmt: skip
+    _add_serving_args(p)
+    p.set_defaults(func=_guarded(_cmd_sweep))
+
+    p = sub.add_parser("throughput", help="offline engine throughput on a workload (no HTTP)")
+    add_engine_args(p)
+    _add_workload_args(p, "ids", add_seed=False)
+    _add_peer_args(p, ("transformers", "llama-cpp"))
+    p.add_argument("--peer-batch-size", type=int, default=32, help="transformers: prompts per generate() batch")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    _add_output_args(p)
+    p.set_defaults(func=_guarded(_cmd_throughput))
+
+    p = sub.add_parser("latency", help="one request: prefill time and per-token decode time")
+    add_engine_args(p)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    _add_peer_args(p, ("transformers", "llama-cpp"))
+    _add_output_args(p, ignore_eos_flag=False)
+    p.set_defaults(func=_guarded(_cmd_latency))
+
+    p = sub.add_parser("compare", help="compare two result JSON files")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(func=_cmd_compare)
+    return bench

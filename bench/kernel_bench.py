@@ -1,0 +1,302 @@
+"""Kernel benchmark: Pallas paged attention vs the pure-JAX reference vs JAX's shipped kernel.
+
+    python3 -m bench.kernel_bench            # the GPU grid (batch 1-256, context 128-32k, ...)
+    python3 -m bench.kernel_bench --quick    # a tiny grid; on CPU the kernels run interpreted
+
+Decode cases report the K/V bytes a sequence must read (its touched pages, K and V) divided by
+the time per call, next to the bandwidth of a device-to-device copy measured in the same run
+(read + write bytes / time): the fraction of the copy bandwidth is the figure of merit, since
+decode attention is memory-bound (see kernels_pallas/decode.py for the floor). They also time
+`jax.experimental.pallas.ops.gpu.paged_attention` (one layer, q pre-scaled) on the same
+inputs. Prefill cases report achieved TFLOP/s against the reference. Absolute times mean
+something only on a GPU; on CPU the interpreted kernels are slow by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import common, decode, prefill, reference
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    context: int
+    group: int  # query heads per kv head
+    block_size: int
+    num_kv_heads: int = 8
+    head_dim: int = 128
+
+    def label(self) -> str:
+        return f"b{self.batch} ctx{self.context} g{self.group} bs{self.block_size}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCase:
+    num_seqs: int
+    chunk: int
+    history: int
+    group: int
+    block_size: int
+    num_kv_heads: int = 8
+    head_dim: int = 128
+
+    def label(self) -> str:
+        return f"s{self.num_seqs} chunk{self.chunk} hist{self.history} g{self.group} bs{self.block_size}"
+
+
+def gpu_decode_grid() -> list[DecodeCase]:
+    """Batch x context at GQA 4 / block 16, then GQA ratios and block sizes at one mid point.
+    Batch x context is capped at 2M tokens (~8.6 GB of bf16 K/V at 8 x 128, plus the
+    reference's gathered copy)."""
+    cases = [DecodeCase(b, c, 4, 16) for b in (1, 8, 64, 256) for c in (128, 2048, 32768)
+             if b * c <= 2 ** 21]
+    cases += [DecodeCase(64, 4096, g, 16) for g in (1, 8)]
+    cases += [DecodeCase(64, 4096, 4, bs) for bs in (8, 32)]
+    return cases
+
+
+def quick_decode_grid() -> list[DecodeCase]:
+    return [DecodeCase(b, c, g, 16, num_kv_heads=2, head_dim=64)
+            for b, c, g in ((1, 128, 4), (4, 256, 4), (4, 256, 1))]
+
+
+def gpu_prefill_grid() -> list[PrefillCase]:
+    return [PrefillCase(4, 512, 0, 4, 16), PrefillCase(4, 512, 4096, 4, 16),
+            PrefillCase(16, 128, 2048, 8, 16)]
+
+
+def quick_prefill_grid() -> list[PrefillCase]:
+    return [PrefillCase(2, 16, 24, 4, 16, num_kv_heads=2, head_dim=64)]
+
+
+def time_call(fn: Callable[[], jax.Array], iters: int, repeats: int = 3) -> float:
+    """Seconds per call: best of `repeats` means over `iters` back-to-back calls (compiled first)."""
+    jax.block_until_ready(fn())
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn()
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def copy_bandwidth(nbytes: int, dtype, iters: int) -> float:
+    """Bytes/s of a device-to-device elementwise copy (x + 1): read + write, as HBM sees it."""
+    x = jnp.zeros((nbytes // jnp.dtype(dtype).itemsize,), dtype)
+    copy = jax.jit(lambda a: a + 1)
+    return 2 * x.nbytes / time_call(lambda: copy(x), max(iters, 10), repeats=5)
+
+
+def _pool(key, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype):
+    """One layer of K and V in the shipped op's layout [KVH, NB, BS, D], random on device."""
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    kk, kv = jax.random.split(key)
+    return (jax.random.normal(kk, shape, jnp.float32).astype(dtype),
+            jax.random.normal(kv, shape, jnp.float32).astype(dtype))
+
+
+def _scattered_tables(rng, rows: int, width: int) -> jax.Array:
+    """Distinct blocks 1..rows*width in random order (block 0 stays reserved)."""
+    return jnp.asarray(rng.permutation(np.arange(1, rows * width + 1)).reshape(rows, width), jnp.int32)
+
+
+def shipped_k_splits(width: int) -> int:
+    """Largest power of two <= 16 dividing the table width (the shipped op requires it)."""
+    splits = 16
+    while width % splits:
+        splits //= 2
+    return splits
+
+
+def _time_variants(row: dict, variants: dict[str, Callable], args: tuple, iters: int) -> None:
+    """Time each variant into row[name_s] and its max abs difference from the reference into
+    row[name_err]; a variant that fails here (unsupported shape, out of memory) is reported
+    as row[name_error] instead of ending the run."""
+    want = None
+    for name, fn in variants.items():
+        try:
+            out = fn(*args)
+            if name == "reference":
+                want = out
+            row[f"{name}_s"] = time_call(lambda: fn(*args), iters)
+            row[f"{name}_out"] = out
+        except Exception as e:
+            row[f"{name}_s"] = None
+            row[f"{name}_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+    for name in variants:
+        out = row.pop(f"{name}_out", None)
+        if out is not None and want is not None:
+            diff = jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))
+            row[f"{name}_err"] = float(jnp.max(diff))
+
+
+def bench_decode(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps: float) -> dict:
+    rng = np.random.default_rng(0)
+    width = common.cdiv(case.context, case.block_size)
+    k, v = _pool(jax.random.key(0), case.num_kv_heads, case.batch * width + 1, case.block_size,
+                 case.head_dim, dtype)
+    num_heads = case.num_kv_heads * case.group
+    q = jax.random.normal(jax.random.key(1), (case.batch, num_heads, case.head_dim)).astype(dtype)
+    tables = _scattered_tables(rng, case.batch, width)
+    lengths = jnp.full((case.batch,), case.context, jnp.int32)
+    scale = case.head_dim ** -0.5
+    layer = jnp.int32(0)
+
+    # k[None]: the stacked [1, KVH, NB, BS, D] view inside jit is a bitcast, not a copy.
+    ours = jax.jit(lambda q, k, v, t, n: decode.decode_attention(
+        q, k[None], v[None], layer, t, n, scale=scale, interpret=interpret))
+    ref = jax.jit(lambda q, k, v, t, n: reference.decode_attention(
+        q, k[None], v[None], layer, t, n, scale=scale))
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    splits = shipped_k_splits(width)
+    shipped = jax.jit(lambda q, k, v, t, n: paged_attention(
+        (q.astype(jnp.float32) * scale).astype(q.dtype), k, v, t, n,
+        pages_per_compute_block=min(8, width // splits), k_splits=splits, interpret=interpret))
+
+    args = (q, k, v, tables, lengths)
+    row = {"kind": "decode", "case": case.label(), **dataclasses.asdict(case)}
+    touched = case.batch * width * case.block_size
+    row["kv_bytes"] = 2 * touched * case.num_kv_heads * case.head_dim * jnp.dtype(dtype).itemsize
+    _time_variants(row, {"ours": ours, "reference": ref, "shipped": shipped}, args, iters)
+    if row["ours_s"]:
+        row["ours_gbps"] = row["kv_bytes"] / row["ours_s"] / 1e9
+        row["ours_pct_copy"] = 100 * row["kv_bytes"] / row["ours_s"] / copy_bps
+        if row.get("shipped_s"):
+            row["speedup_vs_shipped"] = row["shipped_s"] / row["ours_s"]
+        if row.get("reference_s"):
+            row["speedup_vs_reference"] = row["reference_s"] / row["ours_s"]
+    del k, v
+    return row
+
+
+def bench_prefill(case: PrefillCase, dtype, interpret: bool, iters: int) -> dict:
+    rng = np.random.default_rng(0)
+    total = case.history + case.chunk
+    width = common.cdiv(total, case.block_size)
+    k, v = _pool(jax.random.key(0), case.num_kv_heads, case.num_seqs * width + 1, case.block_size,
+                 case.head_dim, dtype)
+    num_heads = case.num_kv_heads * case.group
+    tokens = case.num_seqs * case.chunk
+    q = jax.random.normal(jax.random.key(1), (tokens, num_heads, case.head_dim)).astype(dtype)
+    tables = _scattered_tables(rng, case.num_seqs, width)
+    seq_lens = jnp.full((case.num_seqs,), total, jnp.int32)
+    query_start = jnp.arange(case.num_seqs + 1, dtype=jnp.int32) * case.chunk
+    scale = case.head_dim ** -0.5
+    layer = jnp.int32(0)
+    ours = jax.jit(lambda q, k, v, t, n, s: prefill.prefill_attention(
+        q, k[None], v[None], layer, t, n, s, scale=scale, interpret=interpret))
+    ref = jax.jit(lambda q, k, v, t, n, s: reference.prefill_attention(
+        q, k[None], v[None], layer, t, n, s, scale=scale))
+    args = (q, k, v, tables, seq_lens, query_start)
+    # QK^T and PV over the history plus the causal half of the chunk.
+    keys_per_row = case.history + (case.chunk + 1) / 2
+    flops = 4 * tokens * keys_per_row * num_heads * case.head_dim
+    row = {"kind": "prefill", "case": case.label(), **dataclasses.asdict(case), "flops": flops}
+    _time_variants(row, {"ours": ours, "reference": ref}, args, iters)
+    for name in ("ours", "reference"):
+        if row[f"{name}_s"]:
+            row[f"{name}_tflops"] = flops / row[f"{name}_s"] / 1e12
+    if row["ours_s"] and row["reference_s"]:
+        row["speedup_vs_reference"] = row["reference_s"] / row["ours_s"]
+    return row
+
+
+def _ms(x: float | None) -> str:
+    return "   n/a" if x is None else f"{1e3 * x:8.3f}"
+
+
+def print_tables(rows: list[dict], copy_bps: float, out=sys.stdout) -> None:
+    print(f"\ncopy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s", file=out)
+    print(f"{'decode case':<28} {'KV MB':>8} {'ours ms':>8} {'GB/s':>8} {'%copy':>6} "
+          f"{'ref ms':>8} {'jax ms':>8} {'x jax':>6} {'x ref':>6}", file=out)
+    for r in (r for r in rows if r["kind"] == "decode"):
+        print(f"{r['case']:<28} {r['kv_bytes'] / 1e6:8.1f} {_ms(r['ours_s'])} "
+              f"{r.get('ours_gbps', 0):8.1f} {r.get('ours_pct_copy', 0):6.1f} "
+              f"{_ms(r.get('reference_s'))} {_ms(r.get('shipped_s'))} "
+              f"{r.get('speedup_vs_shipped', float('nan')):6.2f} "
+              f"{r.get('speedup_vs_reference', float('nan')):6.2f}", file=out)
+        for key in ("ours_error", "reference_error", "shipped_error"):
+            if key in r:
+                print(f"    {key}: {r[key]}", file=out)
+    prefill_rows = [r for r in rows if r["kind"] == "prefill"]
+    if prefill_rows:
+        print(f"{'prefill case':<36} {'ours ms':>8} {'TFLOP/s':>8} {'ref ms':>8} {'x ref':>6}", file=out)
+        for r in prefill_rows:
+            print(f"{r['case']:<36} {_ms(r['ours_s'])} {r.get('ours_tflops', 0):8.2f} "
+                  f"{_ms(r.get('reference_s'))} {r.get('speedup_vs_reference', float('nan')):6.2f}",
+                  file=out)
+            for key in ("ours_error", "reference_error"):
+                if key in r:
+                    print(f"    {key}: {r[key]}", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU, or a smoke run)")
+    parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    parser.add_argument("--iters", type=int, default=None, help="calls per timing (default 20 GPU, 2 CPU)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--no-prefill", action="store_true")
+    args = parser.parse_args(argv)
+
+    on_cpu = jax.default_backend() == "cpu"
+    interpret = common.resolve_interpret(None)
+    dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
+    iters = args.iters or (2 if on_cpu else 20)
+    quick = args.quick or on_cpu
+    decode_cases = quick_decode_grid() if quick else gpu_decode_grid()
+    prefill_cases = [] if args.no_prefill else (quick_prefill_grid() if quick else gpu_prefill_grid())
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+          f"dtype {dtype.name}, pallas {'interpreted' if interpret else 'native'}, {iters} iters")
+
+    # CPU: 16 MiB (bigger fresh outputs pay page faults every call); GPU: 1 GiB, past any cache.
+    copy_bps = copy_bandwidth((16 if on_cpu else 1024) * 2 ** 20, dtype, iters)
+    rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        if args.json:  # rewritten after every case, so a run cut short still leaves its rows
+            with open(args.json, "w") as f:
+                json.dump({"copy_bps": copy_bps, "device": jax.devices()[0].device_kind,
+                           "interpret": interpret, "dtype": dtype.name, "rows": rows}, f, indent=1)
+
+    for case in decode_cases:
+        record(bench_decode(case, dtype, interpret, iters, copy_bps))
+        r = rows[-1]
+        print(f"  {r['case']}: ours {_ms(r['ours_s'])} ms, ref {_ms(r.get('reference_s'))} ms, "
+              f"jax {_ms(r.get('shipped_s'))} ms", flush=True)
+    for pcase in prefill_cases:
+        record(bench_prefill(pcase, dtype, interpret, iters))
+        print(f"  {rows[-1]['case']}: ours {_ms(rows[-1]['ours_s'])} ms", flush=True)
+    print_tables(rows, copy_bps)
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    errors = [r for r in rows if "ours_error" in r or r.get("ours_err", 0) > tolerance]
+    pct = [r["ours_pct_copy"] for r in rows if "ours_pct_copy" in r]
+    if pct:
+        print(f"median decode bandwidth: {statistics.median(pct):.1f}% of copy")
+    if errors:
+        print(f"FAILED or MISMATCHED vs reference in {len(errors)} case(s): "
+              + ", ".join(r["case"] for r in errors))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""`jaxserve bench serve`: load a server with a workload and measure it on the client.
+
+The target is a running server (`--base-url`) or a `jaxserve serve` this command starts itself on
+a free loopback port and stops afterwards. With `--peer llama-cpp`, llama-cpp-python's OpenAI
+server is then started on the same GGUF and sent the same requests on the same arrival schedule;
+the two never run at the same time (one shared CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import sys
+import urllib.error
+import urllib.request
+from typing import Any, Iterator
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.http_client import Endpoint
+from bench.load import LoadSpec, run_load
+from bench.metrics import SLO, RequestRecord, compute_metrics, latency_lists, metrics_by_group
+from bench.model_files import gguf_path
+from bench.peers.runner import check_peer
+from bench.plots import plot_cdfs, plot_latency_curves
+from bench.report import OURS, with_ratios
+from bench.server_process import ManagedServer, free_port, jaxserve_argv, llamacpp_argv
+from bench.system_info import system_info
+from bench.workloads import TokenizerLike, Workload
+
+SERVE_PEERS = ("llama-cpp",)
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    model: str
+    base_url: str | None = None  # a running jaxserve server; None: start one
+    served_model_name: str | None = None  # the `model` field sent (default: the model spec)
+    server_args: list[str] = dataclasses.field(default_factory=list)  # extra `jaxserve serve` flags
+    startup_timeout_s: float = 900.0
+    api_key: str | None = None
+    ignore_eos: bool = True  # every request generates exactly max_tokens (fair token counts)
+    peer: str | None = None
+    peer_python: str | None = None
+    peer_threads: int = 2
+    peer_n_ctx: int = 4096
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One workload run against one endpoint."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    metrics: dict[str, Any]
+    groups: dict[str, Any]
+    server_counters: dict[str, float] | None
+
+    def to_json(self, detailed: bool = False) -> dict[str, Any]:
+        requests = [
+            {"group": r.group, "success": r.success, "error": r.error or None, "prompt_tokens": r.prompt_tokens,
+             "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens, "ttft_s": r.ttft, "tpot_s": r.tpot,
+             "e2el_s": r.e2el, **({"itl_s": r.itl} if detailed else {})}
+            for r in self.records
+        ]  # fmt: skip
+        return {"results": self.metrics, "groups": self.groups, "server_counters_delta": self.server_counters,
+                "requests": requests}  # fmt: skip
+
+    @property
+    def latency_lists(self) -> dict[str, list[float]]:
+        return latency_lists(self.records)
+
+
+def scrape_counters(base_url: str) -> dict[str, float] | None:
+    """Every counter sample of a Prometheus `/metrics` page, or None when the server has none."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+            text = response.read().decode("utf-8")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None
+    counters = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "counter":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                counters[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return counters
+
+
+def measure(endpoint: Endpoint, workload: Workload, spec: LoadSpec, tokenizer: TokenizerLike, slo: SLO | None,
+            percentiles: tuple[float, ...], label: str = "", show_progress: bool = True) -> RunResult:  # fmt: skip
+    before = scrape_counters(endpoint.base_url)
+    records, duration = asyncio.run(run_load(endpoint, workload, spec, tokenizer, show_progress, label))
+    after = scrape_counters(endpoint.base_url)
+    counters = None
+    if before is not None and after is not None:
+        counters = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    return RunResult(records, duration, compute_metrics(records, duration, slo, percentiles),
+                     metrics_by_group(records, duration, slo, percentiles), counters)  # fmt: skip
+
+
+@contextlib.contextmanager
+def jaxserve_endpoint(opts: ServeOptions) -> Iterator[tuple[Endpoint, dict[str, Any]]]:
+    extra = {"ignore_eos": True} if opts.ignore_eos else {}
+    name = opts.served_model_name or opts.model
+    if opts.base_url:
+        yield Endpoint(opts.base_url.rstrip("/"), name, extra, opts.api_key), {"base_url": opts.base_url}
+        return
+    port = free_port()
+    argv = jaxserve_argv(opts.model, port, opts.server_args)
+    with ManagedServer(argv, port, "/health", opts.startup_timeout_s, name="jaxserve") as server:
+        info = {"argv": argv, "startup_s": server.startup_seconds, "log": str(server.log_path)}
+        yield Endpoint(server.base_url, name, extra, opts.api_key), info
+
+
+@contextlib.contextmanager
+def llamacpp_endpoint(opts: ServeOptions, eos_token_ids: tuple[int, ...]) -> Iterator[tuple[Endpoint, dict[str, Any]]]:
+    """llama-cpp-python's OpenAI server on the model's GGUF; EOS is banned through logit_bias when
+    `ignore_eos` is set (that server has no ignore_eos)."""
+    versions = check_peer("llama-cpp-server", opts.peer_python)
+    gguf = str(gguf_path(opts.model))
+    port = free_port()
+    argv = llamacpp_argv(opts.peer_python or sys.executable, gguf, port, opts.peer_threads, opts.peer_n_ctx)
+    extra = {"logit_bias": {str(t): -100.0 for t in eos_token_ids}} if opts.ignore_eos else {}
+    with ManagedServer(argv, port, "/v1/models", opts.startup_timeout_s, name="llama-cpp") as server:
+        info = {"argv": argv, "startup_s": server.startup_seconds, "versions": versions}
+        yield Endpoint(server.base_url, opts.served_model_name or opts.model, extra), info
+
+
+def endpoint_for(backend: str, opts: ServeOptions, tokenizer: Any):
+    if backend == OURS:
+        return jaxserve_endpoint(opts)
+    if backend == "llama-cpp":
+        return llamacpp_endpoint(opts, tuple(tokenizer.eos_token_ids))
+    raise ValueError(f"unknown serving peer {backend!r}; choose from {SERVE_PEERS}")
+
+
+def server_dtype(server_args: list[str]) -> str:
+    from jaxserve.config import EngineConfig
+
+    if "--dtype" in server_args[:-1]:
+        return server_args[server_args.index("--dtype") + 1]
+    return EngineConfig.dtype
+
+
+def curve_x(spec: LoadSpec, metrics: dict[str, Any]) -> float:
+    """Where a run sits on a latency-vs-rate plot: its offered rate, or the achieved one if unpaced."""
+    return spec.request_rate if spec.request_rate != float("inf") else metrics["request_throughput"]
+
+
+def run_serve(opts: ServeOptions, workload: Workload, spec: LoadSpec, tokenizer: Any, slo: SLO | None,
+              percentiles: tuple[float, ...], detailed: bool = False, plot_stem: str | None = None,
+              show_progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """jaxserve, then the peer if any, on the same workload and schedule; returns the result JSON."""
+    backends: dict[str, Any] = {}
+    runs: dict[str, RunResult] = {}
+    for backend in [OURS, *([opts.peer] if opts.peer else [])]:
+        with endpoint_for(backend, opts, tokenizer) as (endpoint, info):
+            runs[backend] = measure(endpoint, workload, spec, tokenizer, slo, percentiles, backend, show_progress)
+        backends[backend] = {**runs[backend].to_json(detailed), "info": info}
+    result = {
+        "kind": "serve",
+        "system": system_info(include_jax_devices=opts.base_url is None),
+        "model": opts.model,
+        "dtype": server_dtype(opts.server_args),
+        "config": {"server_args": opts.server_args, "base_url": opts.base_url, "peer_threads": opts.peer_threads},
+        "workload": workload.describe(),
+        "run": {**spec.describe(), "slo": dataclasses.asdict(slo) if slo else None, "ignore_eos": opts.ignore_eos},
+        "backends": backends,
+    }
+    with_ratios(result)
+    if plot_stem:
+        title = f"{opts.model}, {workload.name}"
+        cdf = plot_cdfs({b: r.latency_lists for b, r in runs.items()}, f"{plot_stem}-cdf.png", title)
+        curves = {b: [(curve_x(spec, r.metrics), r.metrics)] for b, r in runs.items()}
+        latency = plot_latency_curves(curves, f"{plot_stem}-latency.png", "request rate (req/s)", title)
+        result["plots"] = [str(cdf), str(latency)]
+    return result

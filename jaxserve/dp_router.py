@@ -1,0 +1,166 @@
+"""Data parallelism: N engine replicas, each on its own 1 x tp sub-mesh, behind one router.
+
+`DataParallelRouter` has the engine interface the offline `LLM` and the async engine use
+(`add_request`, `step`, `abort`, `has_unfinished_requests`, `is_active`, `encode_prompt`,
+`warm_up`, `tokenizer`), so it stands in for an `LLMEngine`; `make_engine` returns one or the
+other from `EngineConfig.data_parallel_size`.
+
+Routing is cache-aware, after SGLang's router: a request goes to the replica whose prefix cache
+holds the longest match of its prompt when that match covers enough of the prompt and the
+replicas' loads are not too far apart; otherwise to the least-loaded replica. A request that
+names a session goes where the session's earlier turns went (their KV is cached there).
+Load is the number of unfinished sequences a replica holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from checkpoints.loaded import LoadedModel
+from checkpoints.registry import load_model
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import Delta
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from sharding.mesh import make_mesh, replica_meshes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPolicy:
+    """When a prefix hit outweighs load balance.
+
+    A replica's cached prefix counts when it covers at least `match_fraction` of the prompt.
+    Loads count as imbalanced (route by load alone) when the busiest replica has more than
+    `balance_abs` sequences over the idlest and more than `balance_rel` times its load.
+    """
+
+    match_fraction: float = 0.5
+    balance_abs: int = 16
+    balance_rel: float = 1.5
+
+
+def choose_replica(matches: Sequence[int], loads: Sequence[int], prompt_len: int, policy: RoutingPolicy) -> int:
+    """Index of the replica for a prompt of `prompt_len` tokens, given each replica's cached
+    prefix length (`matches`) and load. Ties go to the less loaded, then the lower index."""
+    hi, lo = max(loads), min(loads)
+    imbalanced = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
+    best = max(matches)
+    if not imbalanced and best > 0 and best >= policy.match_fraction * prompt_len:
+        candidates = [i for i, m in enumerate(matches) if m == best]
+    else:
+        candidates = list(range(len(loads)))
+    return min(candidates, key=lambda i: (loads[i], i))
+
+
+class DataParallelRouter:
+    """Engine replicas behind one engine-like interface. Like `LLMEngine`, not thread-safe: one
+    thread drives it; `step` runs the replicas' steps concurrently on a private pool."""
+
+    def __init__(self, engines: Sequence[LLMEngine], policy: RoutingPolicy | None = None):
+        if not engines:
+            raise ValueError("a router needs at least one engine")
+        self.replicas = list(engines)
+        self.policy = policy or RoutingPolicy()
+        first = self.replicas[0]
+        self.config = first.config
+        self.model_config = first.model_config
+        self.model_name = first.model_name
+        self.tokenizer = first.tokenizer
+        self._owner: dict[str, int] = {}  # unfinished request id -> replica
+        self._sessions: dict[Hashable, int] = {}
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="dp-replica")
+
+    @classmethod
+    def build(cls, model: str | LoadedModel, config: EngineConfig, devices: list | None = None,
+              policy: RoutingPolicy | None = None) -> "DataParallelRouter":
+        """`config.data_parallel_size` replicas over the first dp x tp devices; the checkpoint is
+        read once and each replica places its own shards."""
+        mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
+        engines = [LLMEngine(loaded, config, sub_mesh) for sub_mesh in replica_meshes(mesh)]
+        router = cls(engines, policy)
+        if isinstance(model, str):
+            for engine in engines:
+                engine.model_name = model
+            router.model_name = model
+        return router
+
+    # ----- routing ------------------------------------------------------------------------
+
+    def loads(self) -> list[int]:
+        return [e.scheduler.num_unfinished for e in self.replicas]
+
+    def route(self, prompt_ids: Sequence[int], session_id: Hashable | None = None) -> int:
+        """The replica a prompt would go to now (sessions stick to their first replica)."""
+        if session_id is not None and session_id in self._sessions:
+            return self._sessions[session_id]
+        matches = [e.kv.match_prefix(prompt_ids).num_tokens for e in self.replicas]
+        return choose_replica(matches, self.loads(), len(prompt_ids), self.policy)
+
+    def end_session(self, session_id: Hashable) -> None:
+        """Forget a session's replica; its next request is routed afresh."""
+        self._sessions.pop(session_id, None)
+
+    # ----- the engine interface -----------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    session_id: Hashable | None = None) -> list[Request]:
+        if request_id in self._owner:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ids = self.encode_prompt(prompt)
+        index = self.route(ids, session_id)
+        group = self.replicas[index].add_request(request_id, ids, params)
+        self._owner[request_id] = index
+        if session_id is not None:
+            self._sessions[session_id] = index
+        return group
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.replicas[0].encode_prompt(prompt)
+
+    def step(self) -> list[Delta]:
+        busy = [e for e in self.replicas if e.has_unfinished_requests()]
+        if len(busy) == 1:
+            per_replica = [busy[0].step()]
+        else:
+            per_replica = list(self._pool.map(LLMEngine.step, busy))
+        deltas = [d for replica_deltas in per_replica for d in replica_deltas]
+        for d in deltas:
+            if d.finished and not self.is_active(d.request_id):
+                self._owner.pop(d.request_id, None)
+        return deltas
+
+    def abort(self, request_id: str) -> list[Delta]:
+        index = self._owner.pop(request_id, None)
+        return [] if index is None else self.replicas[index].abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.replicas)
+
+    def is_active(self, request_id: str) -> bool:
+        index = self._owner.get(request_id)
+        return index is not None and self.replicas[index].is_active(request_id)
+
+    def warm_up(self) -> float:
+        return sum(e.warm_up() for e in self.replicas)
+
+    @property
+    def num_compilations(self) -> int:
+        return sum(e.num_compilations for e in self.replicas)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def make_engine(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | DataParallelRouter:
+    """One engine, or a router over `config.data_parallel_size` replicas."""
+    if config.data_parallel_size > 1:
+        return DataParallelRouter.build(model, config)
+    return LLMEngine(model, config)

@@ -1,0 +1,77 @@
+"""Block copies the runner must execute before the next step, in stages.
+
+The KV manager plans copies as it goes: copy-on-write of a shared partial block (device ->
+device), swap-out and spill of evicted cached blocks (device -> host), swap-in and reload of
+cached blocks (host -> device). A block or slot freed by one operation may be handed out again
+by the next one in the same scheduling round, so the order matters: the plan's meaning is
+"execute the copies one by one, in the order they were planned, then run the step".
+
+To let the runner batch them, consecutive copies are grouped into stages. Within a stage every
+copy has the same kind, no copy reads a location another copy of the stage writes, and no two
+copies write the same location, so a stage can run as one gather followed by one scatter
+(`dst[...] = src[...]` with fancy indexing). Stages must run in order.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class CopyKind(enum.Enum):
+    DEVICE_TO_HOST = "device_to_host"
+    HOST_TO_DEVICE = "host_to_device"
+    DEVICE_TO_DEVICE = "device_to_device"
+
+
+@dataclass
+class CopyStage:
+    """Copies of one kind that can run together: `dst[i] <- src[i]` for all i at once."""
+
+    kind: CopyKind
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    _written: set[int] = field(default_factory=set, repr=False)
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(zip(self.src, self.dst))
+
+    def as_array(self) -> np.ndarray:
+        """int32 array of shape [n, 2]: column 0 the sources, column 1 the destinations."""
+        return np.array([self.src, self.dst], dtype=np.int32).T.reshape(-1, 2)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+class CopyPlan:
+    """An ordered list of copy stages, filled by the KV manager, drained by the scheduler."""
+
+    def __init__(self) -> None:
+        self._stages: list[CopyStage] = []
+
+    def add(self, kind: CopyKind, src: int, dst: int) -> None:
+        stages = self._stages
+        stage = stages[-1] if stages else None
+        # Only device -> device copies read the space they write (read-after-write hazard).
+        if (stage is None or stage.kind is not kind or dst in stage._written
+                or (kind is CopyKind.DEVICE_TO_DEVICE and src in stage._written)):
+            stage = CopyStage(kind)
+            stages.append(stage)
+        stage.src.append(src)
+        stage.dst.append(dst)
+        stage._written.add(dst)
+
+    def take(self) -> list[CopyStage]:
+        """Return the planned stages and start an empty plan."""
+        stages, self._stages = self._stages, []
+        return stages
+
+    def __len__(self) -> int:
+        return sum(len(stage) for stage in self._stages)
+
+    def __bool__(self) -> bool:
+        return bool(self._stages)

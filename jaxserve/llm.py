@@ -1,0 +1,111 @@
+"""Offline batch generation, with vLLM's names: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterable, Sequence
+
+from tqdm import tqdm
+
+from checkpoints.registry import DEFAULT_MODEL
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Offline engine. Keyword arguments are `EngineConfig` fields (max_num_seqs, dtype, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, warm_up: bool = True, **engine_args: Any):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(engine_args) - fields
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine = LLMEngine(model, EngineConfig(**engine_args))
+        self.warm_up_seconds = self.engine.warm_up() if warm_up else 0.0
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]});
+        results come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        return self._run([_as_prompt(p) for p in prompts], params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[str | list[int]], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, params in zip(prompts, params_list):
+            rid = f"offline-{next(self._ids)}"
+            group = engine.add_request(rid, prompt, params)
+            order.append(rid)
+            outputs[rid] = RequestOutput(
+                request_id=rid,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=group[0].prompt_token_ids,
+                outputs=[CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
+                         for i in range(params.n)],
+                finished=False,
+            )
+        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm, unit="req")
+        remaining = {rid: len(outputs[rid].outputs) for rid in order}
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                rid = d.request_id
+                out = outputs[rid].outputs[d.index]
+                out.text += d.text
+                out.token_ids.extend(d.token_ids)
+                if out.logprobs is not None and d.logprobs:
+                    out.logprobs.extend(d.logprobs)
+                if d.finished:
+                    out.finish_reason = d.finish_reason
+                    outputs[rid].num_cached_tokens = max(outputs[rid].num_cached_tokens, d.usage.cached_tokens)
+                    remaining[rid] -= 1
+                    if remaining[rid] == 0:
+                        outputs[rid].finished = True
+                        bar.update(1)
+        bar.close()
+        return [outputs[rid] for rid in order]
+
+
+def _as_prompt(p: PromptType) -> str | list[int]:
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return list(p["prompt_token_ids"])
+        if "prompt" in p:
+            return p["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(p, str) or (isinstance(p, Iterable) and not isinstance(p, str)):
+        return p if isinstance(p, str) else list(p)
+    raise TypeError(f"unsupported prompt type {type(p).__name__}")

@@ -1,0 +1,96 @@
+"""Per-sequence output handling: detokenize incrementally, apply stop conditions, cut deltas.
+
+Stop strings never leak: text that could still turn out to be the start of a stop string is
+held back until the next token decides it (or the sequence ends).
+"""
+
+from __future__ import annotations
+
+from jaxserve.outputs import Delta, TokenLogprob, Usage
+from jaxserve.request import FinishReason, Request
+from jaxserve.runner import SampledToken
+from jaxserve.tokenizer import Tokenizer
+
+
+def _stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+class SequenceStream:
+    def __init__(self, group_id: str, request: Request, index: int, tokenizer: Tokenizer, max_model_len: int):
+        self.group_id = group_id  # the id the caller used; `request` may be one of n choices
+        self.request = request
+        self.index = index
+        self.max_model_len = max_model_len
+        params = request.params
+        self.detokenizer = tokenizer.detokenizer(skip_special_tokens=params.skip_special_tokens)
+        self.stops = list(params.stop)
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.update(request.eos_token_ids)
+        self.text = ""
+        self.cut_at_stop_string = False
+        self.emitted = 0  # characters of `text` already delivered
+        self.new_token_ids: list[int] = []
+        self.new_logprobs: list[TokenLogprob] = []
+        self.all_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+
+    def add_token(self, sampled: SampledToken) -> FinishReason | None:
+        """Append a sampled token; return why the sequence finished, if it did."""
+        req = self.request
+        tok = sampled.token_id
+        req.output_token_ids.append(tok)
+        self.new_token_ids.append(tok)
+        if self.all_logprobs is not None:
+            k = req.params.logprobs or 0
+            lp = TokenLogprob(tok, sampled.logprob,
+                              [(int(i), float(p)) for i, p in zip(sampled.top_ids[:k], sampled.top_logprobs[:k])])
+            self.new_logprobs.append(lp)
+            self.all_logprobs.append(lp)
+        if tok in self.stop_ids:
+            return FinishReason.STOP
+        before = len(self.text)
+        self.text += self.detokenizer.add(tok)
+        if self.stops:
+            window = max(0, before - max(len(s) for s in self.stops) + 1)
+            hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.cut_at_stop_string = True
+                return FinishReason.STOP
+        if len(req.output_token_ids) >= req.params.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def take_delta(self, finish_reason: FinishReason | None, usage: Usage | None) -> Delta | None:
+        """The output since the last delta, or None when there is nothing to report yet."""
+        if finish_reason is not None:
+            if not self.cut_at_stop_string:
+                self.text += self.detokenizer.finish()
+            end = len(self.text)
+        else:
+            end = len(self.text) - _stop_holdback(self.text, self.stops)
+        text = self.text[self.emitted:end]
+        if not text and not self.new_token_ids and finish_reason is None:
+            return None
+        self.emitted = max(self.emitted, end)
+        delta = Delta(
+            request_id=self.group_id,
+            index=self.index,
+            text=text,
+            token_ids=self.new_token_ids,
+            logprobs=self.new_logprobs if self.all_logprobs is not None else None,
+            finish_reason=finish_reason.value if finish_reason is not None else None,
+            usage=usage,
+        )
+        self.new_token_ids, self.new_logprobs = [], []
+        return delta

@@ -1,0 +1,75 @@
+"""A generation request's state as the scheduler and engine see it (no JAX here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # recompute: back to the waiting queue with its tokens kept
+    SWAPPED = "swapped"  # its blocks live in the host tier until it is swapped back in
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token id / stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the client or by shutdown
+    ERROR = "error"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence being generated. `n > 1` requests are expanded into n of these by the engine.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache. The tokens to compute
+    next are `all_token_ids[num_computed_tokens:]`: the rest of the prompt while prefilling,
+    then the one token sampled last step.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's own seed, or one drawn for it at creation
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,315 @@
+"""Model runner: turns a SchedulerOutput into bucketed arrays and runs the compiled steps.
+
+Every jitted step sees only bucketed shapes: a decode step is keyed by (batch, block-table
+width), a ragged prefill step by (tokens, sequences, block-table width). `warm_up()` compiles
+the whole cross product ahead of time (`lower().compile()`), and `num_compilations` counts every
+compilation, so a test can prove that serving after warm-up compiles nothing.
+
+The KV cache is donated to every step and updated in place. Block moves planned by the KV
+manager (copy-on-write copies, swap-out to and swap-in from the host tier) run as small jitted
+gathers and scatters of a fixed chunk size, before the model step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from checkpoints.config import ModelConfig
+from jaxserve.config import EngineConfig, bucket_for
+from jaxserve.kv import CopyKind
+from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
+from jaxserve.sampler import RowSampling, SamplerOutput, SamplingTensors, sample
+from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
+from sharding.kv_heads import replicate_kv_heads
+from sharding.mesh import make_mesh, plan_tensor_parallel
+from sharding.rules import cache_sharding, param_shardings, replicated
+
+logger = logging.getLogger(__name__)
+
+BLOCK_MOVE_CHUNK = 32  # block copies / swaps are padded to this many (block 0 -> block 0)
+
+
+@dataclasses.dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray  # [K] int32
+    top_logprobs: np.ndarray  # [K] float32
+
+
+def enable_persistent_compilation_cache(path: str) -> None:
+    """JAX's on-disk compilation cache: a restart with the same buckets compiles nothing new."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _cast_params(params: Any, dtype: jnp.dtype) -> Any:
+    """Matrices and embeddings in the compute dtype; norm scales stay f32. Arrays already on
+    devices (restored into shards) are cast there, never pulled back to the host."""
+    def cast(path, x):
+        target = np.float32 if "scale" in jax.tree_util.keystr(path) else dtype
+        return x.astype(target) if isinstance(x, jax.Array) else np.asarray(x, target)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None) -> Mesh:
+    """The 1 x tp mesh this runner's replica runs on."""
+    if mesh is None:
+        if engine_config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs one engine per replica; build them with jaxserve.dp_router.make_engine"
+            )
+        return make_mesh(engine_config.tensor_parallel_size)
+    if mesh.shape["dp"] != 1 or mesh.shape["tp"] != engine_config.tensor_parallel_size:
+        raise ValueError(
+            f"a runner needs a 1 x tensor_parallel_size ({engine_config.tensor_parallel_size}) mesh, "
+            f"got dp x tp = {mesh.shape['dp']} x {mesh.shape['tp']}"
+        )
+    return mesh
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params: Any, engine_config: EngineConfig, mesh: Mesh | None = None):
+        self.engine_config = engine_config
+        if engine_config.compilation_cache_dir:
+            enable_persistent_compilation_cache(engine_config.compilation_cache_dir)
+        # Tensor parallel: heads split over "tp"; kv heads repeated where tp needs more of them,
+        # so `self.config` (what the model and cache are built with) may have more kv heads.
+        plan = plan_tensor_parallel(config.num_heads, config.num_kv_heads, engine_config.tensor_parallel_size)
+        self.mesh = _runner_mesh(engine_config, mesh)
+        self.config = config = dataclasses.replace(config, num_kv_heads=plan.served_kv_heads)
+        self.dtype = jnp.dtype(engine_config.dtype)
+        self.attention_backend = engine_config.attention_backend or default_attention_backend()
+        attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
+        self.model = LlamaModel(config, attention, self.dtype)
+        params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
+        self.param_shardings = param_shardings(params, self.mesh)
+        self.params = jax.device_put(params, self.param_shardings)
+
+        bs = engine_config.block_size
+        tp = engine_config.tensor_parallel_size  # kv_cache_memory is per device
+        self.num_blocks = engine_config.num_blocks or max(
+            2, engine_config.kv_cache_memory * tp // KVCache.bytes_per_block(config, bs, self.dtype)
+        )
+        self.cache_sharding = cache_sharding(self.mesh)
+        self.cache = jax.jit(
+            lambda: KVCache.zeros(config, self.num_blocks, bs, self.dtype), out_shardings=self.cache_sharding
+        )()
+        host_shape = (config.num_layers, config.num_kv_heads, max(engine_config.swap_space_blocks, 1), bs, config.head_dim)
+        self.host_k = np.zeros(host_shape, self.dtype)
+        self.host_v = np.zeros(host_shape, self.dtype)
+
+        # Explicit shardings on every executable: host inputs replicated, logits gathered to the
+        # full vocabulary once (out_shardings), the cache kept split over kv heads and donated.
+        rep, kv = replicated(self.mesh), self.cache_sharding
+        self._step = jax.jit(
+            self._step_fn, donate_argnums=(1,),
+            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep), out_shardings=(rep, kv),
+        )
+        # Sampling is its own executable, keyed by row count only (its penalty history always
+        # spans max_model_len), so it compiles once per row bucket, not once per step shape.
+        self._sample = jax.jit(sample, in_shardings=rep, out_shardings=rep)
+        self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), in_shardings=(kv, rep, rep), out_shardings=kv)
+        self._gather = jax.jit(self._gather_fn, in_shardings=(kv, rep), out_shardings=kv)
+        self._scatter = jax.jit(
+            self._scatter_fn, donate_argnums=(0,), in_shardings=(kv, rep, kv, kv), out_shardings=kv
+        )
+        self._executables: dict[tuple, Any] = {}
+        self.num_compilations = 0
+        self.last_step_time = 0.0
+
+    # ----- the jitted functions -------------------------------------------------------------
+
+    def _step_fn(self, params, cache, tokens, positions, meta, logits_indices):
+        return self.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices)
+
+    @staticmethod
+    def _copy_fn(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+        return KVCache(cache.k.at[:, :, dst].set(cache.k[:, :, src]), cache.v.at[:, :, dst].set(cache.v[:, :, src]))
+
+    @staticmethod
+    def _gather_fn(cache: KVCache, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return cache.k[:, :, blocks], cache.v[:, :, blocks]
+
+    @staticmethod
+    def _scatter_fn(cache: KVCache, blocks: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+        return KVCache(cache.k.at[:, :, blocks].set(k), cache.v.at[:, :, blocks].set(v))
+
+    # ----- compilation ----------------------------------------------------------------------
+
+    def _compiled(self, key: tuple, fn, args: tuple, warming_up: bool = False):
+        exe = self._executables.get(key)
+        if exe is None:
+            if not warming_up:
+                logger.warning("compiling a new variant at serving time: %s", key)
+            exe = fn.lower(*args).compile()
+            self._executables[key] = exe
+            self.num_compilations += 1
+        return exe
+
+    def _run_step(self, key: tuple, args: tuple, sampling: SamplingTensors, warming_up: bool = False) -> SamplerOutput:
+        logits, self.cache = self._compiled(key, self._step, args, warming_up)(*args)
+        rows = logits.shape[0]
+        return self._compiled(("sample", rows), self._sample, (logits, sampling), warming_up)(logits, sampling)
+
+    def warm_up(self) -> float:
+        """Compile every bucket of both steps; return the seconds it took."""
+        ec = self.engine_config
+        t0 = time.perf_counter()
+        for w in ec.block_table_buckets:
+            for b in ec.decode_batch_buckets:
+                self._run_step(*self._decode_arrays([], b, w), warming_up=True)
+            for t in ec.prefill_token_buckets:
+                for s in ec.prefill_seq_buckets:
+                    self._run_step(*self._prefill_arrays([], t, s, w), warming_up=True)
+        # The block-move helpers have one shape each; compiling them here keeps serving free of it.
+        zeros = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
+        self.cache = self._copy(self.cache, zeros, zeros)
+        k, v = self._gather(self.cache, zeros)
+        self.cache = self._scatter(self.cache, zeros, k, v)
+        return time.perf_counter() - t0
+
+    def bucket_summary(self) -> str:
+        ec = self.engine_config
+        return (
+            f"decode batch {list(ec.decode_batch_buckets)} x block-table width {list(ec.block_table_buckets)}; "
+            f"prefill tokens {list(ec.prefill_token_buckets)} x seqs {list(ec.prefill_seq_buckets)} "
+            f"x width {list(ec.block_table_buckets)}: {ec.num_compiled_variants()} step variants"
+        )
+
+    # ----- building bucketed arrays ---------------------------------------------------------
+
+    def _width_bucket(self, chunks: list[ScheduledChunk]) -> int:
+        bs = self.engine_config.block_size
+        need = max((-(-(c.start + c.num_new_tokens) // bs) for c in chunks), default=1)
+        return bucket_for(need, self.engine_config.block_table_buckets)
+
+    def _row_sampling(self, chunk: ScheduledChunk) -> RowSampling | None:
+        if not chunk.sample:
+            return None
+        req = chunk.request
+        return RowSampling(
+            params=req.params, seed=req.seed, position=req.num_tokens,
+            prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids,
+        )
+
+    def _fill_tables(self, chunks: list[ScheduledChunk], rows: int, width: int) -> np.ndarray:
+        tables = np.zeros((rows, width), np.int32)
+        for i, c in enumerate(chunks):
+            n = min(len(c.block_table), width)
+            tables[i, :n] = c.block_table[:n]
+        return tables
+
+    def _sampling(self, chunks: list[ScheduledChunk], rows: int) -> SamplingTensors:
+        row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
+        return SamplingTensors.build(row_params, rows, self.engine_config.max_model_len)
+
+    def _decode_arrays(self, chunks: list[ScheduledChunk], batch: int, width: int) -> tuple[tuple, tuple, SamplingTensors]:
+        bs = self.engine_config.block_size
+        tokens = np.zeros(batch, np.int32)
+        positions = np.zeros(batch, np.int32)
+        slots = np.zeros(batch, np.int32)
+        seq_lens = np.zeros(batch, np.int32)
+        tables = self._fill_tables(chunks, batch, width)
+        for i, c in enumerate(chunks):
+            tokens[i] = c.request.all_token_ids[c.start]
+            positions[i] = c.start
+            slots[i] = tables[i, c.start // bs] * bs + c.start % bs
+            seq_lens[i] = c.start + 1
+        meta = AttentionMetadata(slots, tables, seq_lens)
+        args = (self.params, self.cache, tokens, positions, meta, np.arange(batch, dtype=np.int32))
+        return ("decode", batch, width), args, self._sampling(chunks, batch)
+
+    def _prefill_arrays(
+        self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int
+    ) -> tuple[tuple, tuple, SamplingTensors]:
+        bs = self.engine_config.block_size
+        tokens = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slots = np.zeros(num_tokens, np.int32)
+        seq_lens = np.zeros(num_seqs, np.int32)
+        query_start = np.zeros(num_seqs + 1, np.int32)
+        logits_indices = np.zeros(num_seqs, np.int32)
+        tables = self._fill_tables(chunks, num_seqs, width)
+        row = 0
+        for i, c in enumerate(chunks):
+            n = c.num_new_tokens
+            pos = np.arange(c.start, c.start + n)
+            tokens[row:row + n] = c.token_ids
+            positions[row:row + n] = pos
+            slots[row:row + n] = tables[i, pos // bs] * bs + pos % bs
+            seq_lens[i] = c.start + n
+            row += n
+            query_start[i + 1] = row
+            logits_indices[i] = row - 1
+        query_start[len(chunks) + 1:] = row
+        meta = AttentionMetadata(slots, tables, seq_lens, query_start)
+        args = (self.params, self.cache, tokens, positions, meta, logits_indices)
+        return ("prefill", num_tokens, num_seqs, width), args, self._sampling(chunks, num_seqs)
+
+    # ----- execution ------------------------------------------------------------------------
+
+    def execute(self, sched: SchedulerOutput) -> list[tuple[ScheduledChunk, SampledToken]]:
+        """Run one scheduled step; return the sampled token of every chunk that asked for one."""
+        t0 = time.perf_counter()
+        self._move_blocks(sched)
+        ec = self.engine_config
+        launched = []
+        if sched.prefills:
+            chunks = sched.prefills
+            out = self._run_step(*self._prefill_arrays(
+                chunks,
+                bucket_for(sum(c.num_new_tokens for c in chunks), ec.prefill_token_buckets),
+                bucket_for(len(chunks), ec.prefill_seq_buckets),
+                self._width_bucket(chunks),
+            ))
+            launched.append((chunks, out))
+        if sched.decodes:
+            chunks = sched.decodes
+            out = self._run_step(*self._decode_arrays(
+                chunks, bucket_for(len(chunks), ec.decode_batch_buckets), self._width_bucket(chunks)
+            ))
+            launched.append((chunks, out))
+        results = []
+        for chunks, out in launched:
+            out: SamplerOutput = jax.device_get(out)
+            for i, c in enumerate(chunks):
+                if c.sample:
+                    results.append((c, SampledToken(int(out.tokens[i]), float(out.logprobs[i]),
+                                                    out.top_ids[i], out.top_logprobs[i])))
+        self.last_step_time = time.perf_counter() - t0
+        return results
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """Execute the KV manager's copy plan, stage by stage, in order."""
+        for stage in sched.copy_stages:
+            for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
+                src, dst = stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK]
+                if stage.kind is CopyKind.DEVICE_TO_DEVICE:
+                    self.cache = self._copy(self.cache, _padded(src), _padded(dst))
+                elif stage.kind is CopyKind.DEVICE_TO_HOST:
+                    k, v = jax.device_get(self._gather(self.cache, _padded(src)))
+                    self.host_k[:, :, dst] = k[:, :, : len(src)]
+                    self.host_v[:, :, dst] = v[:, :, : len(src)]
+                else:  # host -> device; padding rows rewrite block 0, which no sequence reads
+                    k = np.zeros(self.host_k.shape[:2] + (BLOCK_MOVE_CHUNK,) + self.host_k.shape[3:], self.dtype)
+                    v = np.zeros_like(k)
+                    k[:, :, : len(src)] = self.host_k[:, :, src]
+                    v[:, :, : len(src)] = self.host_v[:, :, src]
+                    self.cache = self._scatter(self.cache, _padded(dst), k, v)
+
+
+def _padded(ids: list[int]) -> np.ndarray:
+    out = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
+    out[: len(ids)] = ids
+    return out

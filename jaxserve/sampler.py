@@ -1,0 +1,379 @@
+"""On-device sampling for a padded batch of logits, jittable inside the runner's step.
+
+Per row, in vLLM's order: penalties (repetition on prompt + output tokens, then frequency
+and presence on output tokens), then greedy argmax (temperature 0) or: temperature, top-k,
+top-p, min-p, and a random draw. The draw uses a key made from the request's seed and the
+position being generated only (`fold_in(key(seed), position)`), never from the row index or
+the batch, so a seeded request yields the same tokens alone or among any neighbours.
+
+Nothing here sorts the vocabulary (a full sort costs ~10 ms per row on CPU):
+- top-k: `lax.top_k` with a small static k when every row asks for k <= 64, otherwise an
+  exact bisection over the logits' bit patterns for the k-th largest value;
+- top-p: the same exact bisection for the smallest threshold whose kept mass reaches p;
+- the draw is a two-level Gumbel-max: a block of 256 tokens is chosen with probability
+  equal to its mass, then a token inside it, so a row needs ~450 random numbers, not V.
+Both top-k paths yield the same threshold value, so which one runs (decided by the whole
+batch) never changes a row's result. Each expensive stage sits behind a `lax.cond` on
+"does any row need it", so all-greedy batches and padding rows cost no random draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+TOP_K_FAST_MAX = 64  # rows with top_k <= this use lax.top_k instead of the bisection
+DRAW_BLOCK = 256  # tokens per block of the two-level Gumbel-max draw
+_KEY_BITS = 32  # bisection steps: one per bit of a float32 key
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """What the builder needs to know about one running request for this step."""
+
+    params: SamplingParams
+    seed: int  # the request's seed, or the one drawn for it at creation
+    position: int  # index (in the whole sequence) of the token being generated
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings of a padded batch of B rows (numpy on the host, jax inside jit).
+
+    Padding rows are greedy with no penalties, so they never enable an expensive stage.
+    """
+
+    temperature: jax.Array  # f32[B]; 0 = greedy
+    top_k: jax.Array  # i32[B]; 0 = off
+    top_p: jax.Array  # f32[B]; 1 = off
+    min_p: jax.Array  # f32[B]; 0 = off
+    presence_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    repetition_penalty: jax.Array  # f32[B]
+    seed: jax.Array  # u32[B, 2]: threefry key data (high, low 32 bits of the 64-bit seed)
+    positions: jax.Array  # i32[B]: position of the token being generated
+    num_logprobs: jax.Array  # i32[B]: -1 = none, 0 = sampled token only, k = also top k
+    history: jax.Array  # i32[B, Lh]: token ids seen so far, -1 = empty
+    history_is_output: jax.Array  # bool[B, Lh]: True where history holds a generated token
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[RowSampling | None], batch_size: int, history_len: int
+    ) -> SamplingTensors:
+        """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays.
+
+        History is written only for rows with penalties (and the prompt only when the
+        repetition penalty needs it); raises ValueError if a row's tokens exceed `history_len`.
+        """
+        if len(rows) > batch_size:
+            raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
+        temperature = np.zeros(batch_size, np.float32)
+        top_p = np.ones(batch_size, np.float32)
+        min_p = np.zeros(batch_size, np.float32)
+        presence = np.zeros(batch_size, np.float32)
+        frequency = np.zeros(batch_size, np.float32)
+        repetition = np.ones(batch_size, np.float32)
+        top_k = np.zeros(batch_size, np.int32)
+        positions = np.zeros(batch_size, np.int32)
+        num_logprobs = np.full(batch_size, -1, np.int32)
+        seed = np.zeros((batch_size, 2), np.uint32)
+        history = np.full((batch_size, history_len), -1, np.int32)
+        is_output = np.zeros((batch_size, history_len), np.bool_)
+
+        live = [i for i, row in enumerate(rows) if row is not None]
+        if live:
+            params = [rows[i].params for i in live]
+            floats = np.array(
+                [
+                    (
+                        p.temperature,
+                        p.top_p,
+                        p.min_p,
+                        p.presence_penalty,
+                        p.frequency_penalty,
+                        p.repetition_penalty,
+                    )
+                    for p in params
+                ],
+                np.float32,
+            )
+            temperature[live] = floats[:, 0]
+            top_p[live] = floats[:, 1]
+            min_p[live] = floats[:, 2]
+            presence[live] = floats[:, 3]
+            frequency[live] = floats[:, 4]
+            repetition[live] = floats[:, 5]
+            ints = np.array(
+                [
+                    (
+                        p.top_k,
+                        rows[i].position,
+                        -1 if p.logprobs is None else p.logprobs,
+                    )
+                    for i, p in zip(live, params)
+                ],
+                np.int64,
+            )
+            top_k[live] = ints[:, 0]
+            positions[live] = ints[:, 1]
+            num_logprobs[live] = ints[:, 2]
+            seeds = [rows[i].seed % (1 << 64) for i in live]
+            seed[live] = np.array([(s >> 32, s & 0xFFFFFFFF) for s in seeds], np.uint32)
+            for i, p in zip(live, params):
+                if p.has_penalties:
+                    _write_history(rows[i], p, history[i], is_output[i])
+        return cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            seed=seed,
+            positions=positions,
+            num_logprobs=num_logprobs,
+            history=history,
+            history_is_output=is_output,
+        )
+
+
+def _write_history(
+    row: RowSampling, params: SamplingParams, history: np.ndarray, is_output: np.ndarray
+) -> None:
+    """Fills one row's history; prompt tokens only matter to the repetition penalty."""
+    prompt = row.prompt_ids if params.repetition_penalty != 1.0 else ()
+    n_prompt, n_output = len(prompt), len(row.output_ids)
+    if n_prompt + n_output > history.shape[0]:
+        raise ValueError(
+            f"{n_prompt + n_output} history tokens exceed the history length {history.shape[0]}"
+        )
+    history[:n_prompt] = prompt
+    history[n_prompt : n_prompt + n_output] = row.output_ids
+    is_output[n_prompt : n_prompt + n_output] = True
+
+
+class SamplerOutput(NamedTuple):
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]: raw log-softmax of the sampled token; NaN if no row asked
+    top_ids: jax.Array  # i32[B, K]: most likely tokens (raw logits); -1 if no row asked
+    top_logprobs: jax.Array  # f32[B, K]: their raw log-softmax; -inf if no row asked
+
+
+def sample(
+    logits: jax.Array, t: SamplingTensors, num_top_logprobs: int = MAX_LOGPROBS
+) -> SamplerOutput:
+    """Chooses one token per row of `logits` f32[B, V]. `num_top_logprobs` is static."""
+    raw = logits.astype(jnp.float32)
+    penalized = lax.cond(_any_penalty(t), apply_penalties, lambda x, _: x, raw, t)
+    greedy_tokens = _argmax(penalized)
+    is_greedy = t.temperature <= 0.0
+    tokens = lax.cond(
+        jnp.all(is_greedy),
+        lambda: greedy_tokens,
+        lambda: jnp.where(is_greedy, greedy_tokens, _draw(sampling_logits(penalized, t), t)),
+    )
+    logprobs, top_ids, top_logprobs = _logprobs(raw, tokens, t.num_logprobs, num_top_logprobs)
+    return SamplerOutput(tokens, logprobs, top_ids, top_logprobs)
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Repetition penalty over prompt + output tokens, then frequency and presence over output."""
+    batch, vocab = logits.shape
+    rows = lax.broadcasted_iota(jnp.int32, t.history.shape, 0)
+    ids = jnp.where(t.history < 0, vocab, t.history)  # out of range: dropped by the scatter
+    seen = jnp.zeros((batch, vocab), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    output_counts = (
+        jnp.zeros((batch, vocab), jnp.float32)
+        .at[rows, ids]
+        .add(t.history_is_output.astype(jnp.float32), mode="drop")
+    )
+    rep = t.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    x = x - t.frequency_penalty[:, None] * output_counts
+    return x - t.presence_penalty[:, None] * (output_counts > 0)
+
+
+def sampling_logits(penalized: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Temperature-scaled logits with -inf outside the top-k, top-p and min-p sets.
+
+    Rows with temperature 0 are scaled by 1 (they are answered by argmax instead).
+    """
+    batch, vocab = penalized.shape
+    temperature = jnp.where(t.temperature > 0.0, t.temperature, 1.0)
+    x = penalized / temperature[:, None]
+    row_max = jnp.max(x, axis=-1)
+    neg_inf = jnp.full((batch,), -jnp.inf, jnp.float32)
+
+    top_k_on = (t.top_k > 0) & (t.top_k < vocab)
+    k = jnp.where(top_k_on, t.top_k, vocab)
+    k_threshold = lax.cond(jnp.any(top_k_on), _top_k_threshold, lambda *_: neg_inf, x, k)
+    k_threshold = jnp.where(top_k_on, k_threshold, -jnp.inf)
+
+    top_p_on = t.top_p < 1.0
+    p_threshold = lax.cond(
+        jnp.any(top_p_on),
+        _top_p_threshold,
+        lambda *_: neg_inf,
+        x,
+        row_max,
+        k_threshold,
+        t.top_p,
+    )
+    p_threshold = jnp.where(top_p_on, p_threshold, -jnp.inf)
+
+    # min-p compares probabilities with the largest one; the ratio is unchanged by top-k/p.
+    min_p_threshold = jnp.where(t.min_p > 0.0, row_max + jnp.log(t.min_p), -jnp.inf)
+    threshold = jnp.maximum(jnp.maximum(k_threshold, p_threshold), min_p_threshold)
+    return jnp.where(x >= threshold[:, None], x, -jnp.inf)
+
+
+def _any_penalty(t: SamplingTensors) -> jax.Array:
+    return jnp.any(
+        (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0) | (t.repetition_penalty != 1.0)
+    )
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """First index of each row's maximum; XLA's variadic argmax is ~5x slower on CPU."""
+    vocab = x.shape[-1]
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(is_max, lax.broadcasted_iota(jnp.int32, x.shape, 1), vocab), -1)
+    return jnp.minimum(index, vocab - 1)  # a NaN row has no maximum; any token will do
+
+
+def _top_k_threshold(x: jax.Array, k: jax.Array) -> jax.Array:
+    """The k-th largest value of each row (k = V for rows without top-k)."""
+    fast_k = min(TOP_K_FAST_MAX, x.shape[-1])
+
+    def by_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
+        values = lax.top_k(x, fast_k)[0]
+        return jnp.take_along_axis(values, jnp.clip(k - 1, 0, fast_k - 1)[:, None], 1)[:, 0]
+
+    def by_bisection(x: jax.Array, k: jax.Array) -> jax.Array:
+        # All V >= k tokens are kept at the minimum; rows without top-k (k = V) start converged.
+        lower = jnp.where(k < x.shape[-1], jnp.min(x, axis=-1), jnp.max(x, axis=-1))
+        return _largest_threshold(x, jnp.ones_like(x), k.astype(jnp.float32), lower)
+
+    return lax.cond(jnp.all(k <= fast_k), by_top_k, by_bisection, x, k)
+
+
+def _top_p_threshold(
+    x: jax.Array, row_max: jax.Array, k_threshold: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Smallest-set threshold: the largest t whose kept mass (within top-k) reaches top_p."""
+    weight = jnp.where(x >= k_threshold[:, None], jnp.exp(x - row_max[:, None]), 0.0)
+    target = top_p * jnp.sum(weight, axis=-1)
+    # Tokens below row_max + log((1 - p) / V) hold less than (1 - p) of the mass together, so
+    # the answer lies above that (one more unit of margin for rounding): a narrower search.
+    # Rows without top-p start (and stay) at their maximum: they cost no search steps.
+    tail = row_max + jnp.log((1.0 - top_p) / x.shape[-1]) - 1.0
+    lower = jnp.where(top_p < 1.0, jnp.maximum(tail, k_threshold), row_max)
+    return _largest_threshold(x, weight, target, lower)
+
+
+def _largest_threshold(
+    x: jax.Array, weight: jax.Array, target: jax.Array, lower: jax.Array
+) -> jax.Array:
+    """Per row, the largest value t of x with sum(weight[x >= t]) >= target.
+
+    `lower` must satisfy the condition. Exact: bisects over the order-preserving integer
+    keys of float32 values between `lower` and the row maximum (at most 32 steps, fewer for
+    a narrow range), one weighted masked sum over the row per step.
+    """
+    keys = _order_key(x)
+    lo, hi = _order_key(lower), jnp.max(keys, axis=-1)  # the answer lies in [lo, hi]
+
+    def step(state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        lo, hi, steps = state
+        span = hi - lo
+        mid = lo + (span >> 1) + (span & 1)  # upper middle, never above hi
+        ok = jnp.sum(jnp.where(keys >= mid[:, None], weight, 0.0), axis=-1) >= target
+        return (
+            jnp.where(ok, mid, lo),
+            jnp.where(ok, hi, jnp.where(mid > lo, mid - 1, lo)),
+            steps + 1,
+        )
+
+    def searching(state: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        lo, hi, steps = state
+        return jnp.any(lo < hi) & (steps < _KEY_BITS)
+
+    lo, _, _ = lax.while_loop(searching, step, (jnp.minimum(lo, hi), hi, 0))
+    return _from_order_key(lo)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """uint32 keys ordered like the float32 values (negatives flipped, positives signed)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_order_key(keys: jax.Array) -> jax.Array:
+    positive = (keys >> 31) == 1
+    bits = jnp.where(positive, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _gumbel_noise(t: SamplingTensors, size: int) -> jax.Array:
+    """f32[B, size] Gumbel noise per row, keyed by fold_in(key(seed), position) only."""
+    seeds = jax.random.wrap_key_data(t.seed, impl="threefry2x32")
+    keys = jax.vmap(jax.random.fold_in)(seeds, t.positions)
+    return jax.vmap(lambda key: jax.random.gumbel(key, (size,)))(keys)
+
+
+def _draw(masked: jax.Array, t: SamplingTensors) -> jax.Array:
+    """One draw per row from softmax(masked), by a two-level Gumbel-max.
+
+    A block is chosen with Gumbel noise on the blocks' log-sum-exp (probability = its mass),
+    then a token inside it with Gumbel noise on its logits: exact, and ~V/256 + 256 random
+    numbers per row instead of V.
+    """
+    batch, vocab = masked.shape
+    num_blocks = -(-vocab // DRAW_BLOCK)
+    pad = num_blocks * DRAW_BLOCK - vocab
+    padded = jnp.pad(masked, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    blocks = padded.reshape(batch, num_blocks, DRAW_BLOCK)
+    noise = _gumbel_noise(t, num_blocks + DRAW_BLOCK)
+    block = _argmax(jax.nn.logsumexp(blocks, axis=-1) + noise[:, :num_blocks])
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0, :]
+    return block * DRAW_BLOCK + _argmax(inside + noise[:, num_blocks:])
+
+
+def _logprobs(
+    raw: jax.Array, tokens: jax.Array, num_logprobs: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw log-softmax of the sampled tokens and the top k, computed only if a row asks."""
+    batch = raw.shape[0]
+    log_z = lax.cond(
+        jnp.any(num_logprobs >= 0),
+        lambda: jax.nn.logsumexp(raw, axis=-1),
+        lambda: jnp.full((batch,), jnp.nan, jnp.float32),
+    )
+    sampled = jnp.take_along_axis(raw, tokens[:, None], axis=1)[:, 0] - log_z
+    if k == 0:
+        return sampled, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
+
+    def top() -> tuple[jax.Array, jax.Array]:
+        values, ids = lax.top_k(raw, min(k, raw.shape[1]))  # a vocabulary smaller than k: pad
+        pad = ((0, 0), (0, k - values.shape[1]))
+        ids = jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
+        return ids, jnp.pad(values - log_z[:, None], pad, constant_values=-jnp.inf)
+
+    def none() -> tuple[jax.Array, jax.Array]:
+        return jnp.full((batch, k), -1, jnp.int32), jnp.full((batch, k), -jnp.inf, jnp.float32)
+
+    top_ids, top_logprobs = lax.cond(jnp.any(num_logprobs > 0), top, none)
+    return sampled, top_ids, top_logprobs

@@ -1,0 +1,137 @@
+"""How one request wants its tokens chosen, with vLLM's field names (no JAX here).
+
+Validation happens once, at construction: every later layer (scheduler, sampler, server)
+may trust the values. All failures raise `ValueError` naming the field, so the server can
+turn them into a 400 response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenAI's limit)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling settings of one request (vLLM's names and defaults).
+
+    `top_k` 0 or -1 means "off" (stored as 0). `temperature` 0 means greedy. `logprobs` None
+    returns no log-probabilities, 0 only the sampled token's, k (<= 20) also the k most
+    likely tokens'. `seed` None lets the engine draw a seed for the request once, so its
+    random stream is still fixed for its whole life (including preemption and recompute).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    priority: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_ints()
+        self._check_floats()
+        self.stop = self._checked_stop(self.stop)
+        self.stop_token_ids = self._checked_stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def _check_ints(self) -> None:
+        for name in ("n", "max_tokens", "top_k", "priority"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be an integer or None, got {value!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or at least 1, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def _check_floats(self) -> None:
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}"
+            )
+
+    @staticmethod
+    def _checked_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop cannot contain an empty string")
+        return list(stop)
+
+    @staticmethod
+    def _checked_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+        return [int(i) for i in ids]

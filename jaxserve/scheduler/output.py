@@ -1,0 +1,52 @@
+"""What the scheduler hands the runner for one step (plain Python + numpy)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.kv import CopyStage
+from jaxserve.request import Request
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """One request's work this step: compute `num_new_tokens` tokens from `start`.
+
+    The tokens are `request.all_token_ids[start:start + num_new_tokens]`; `block_table` covers
+    every position below `start + num_new_tokens`. `sample` is true when this chunk reaches the
+    request's last token, so the step must sample the next one.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_table: np.ndarray  # int32
+    sample: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """A step: prefill chunks (ragged step) and decodes (one token each), plus block moves.
+
+    The runner first executes `copy_stages` in order (copy-on-write, swap-out, swap-in and
+    prefix-cache spill/reload copies planned by the KV manager), then the model.
+    """
+
+    prefills: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    decodes: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    copy_stages: list[CopyStage] = dataclasses.field(default_factory=list)
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefills or self.decodes or self.copy_stages)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.prefills) + len(self.decodes)

@@ -1,0 +1,236 @@
+"""Iteration-level scheduler with chunked prefill, preemption and three queue policies.
+
+Each `schedule()` builds one step under a token budget (`max_num_batched_tokens`) and a
+sequence cap (`max_num_seqs`):
+
+1. every running decode gets one token; when the KV pool is full, the lowest-priority, latest
+   running request is preempted (recompute: its blocks are freed and it re-enters the waiting
+   queue with its tokens; swap: its blocks move to the host tier) until the rest fit;
+2. swapped-out requests come back when their blocks fit again;
+3. prompt chunks: prefills already under way continue first, capped at half the budget while
+   others wait so that one long prompt cannot hold back short ones, then waiting requests
+   are admitted in policy order (FCFS, priority, or longest cached prefix first), with their
+   cached prefix taken from the radix cache. At most `max_num_partial_prefills` prompts are
+   chunked at once; a request whose next block is being computed by another request in this
+   very step waits one step and then hits the cache instead of computing it twice.
+
+No JAX here: the scheduler is host-side bookkeeping on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from jaxserve.config import EngineConfig
+from jaxserve.kv import KVCacheManager
+from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+LPM_STARVATION_SECONDS = 5.0  # under LPM, a request waiting longer than this goes first
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_preemptions = 0
+        self._hashes: dict[Request, list[int]] = {}  # prompt block chain hashes, while queued
+
+    # ----- queue management -----------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Remove a request from whatever queue holds it and release its blocks."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.request_id in self.kv:
+            self.kv.free(req.request_id)
+        self._hashes.pop(req, None)
+        req.finish(reason)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # ----- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget -= self._schedule_decodes(out)
+        self._schedule_swap_ins(out)
+        self._schedule_prefills(out, budget)
+        if out.is_empty and self.running:
+            # Every running request is a prefill that cannot grow: free the least important
+            # one so the others can make progress instead of waiting for each other forever.
+            self._preempt(self._pick_victim(), out)
+            return self.schedule()
+        out.copy_stages = self.kv.take_copies()
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        decoding = [r for r in self.running if not r.is_prefilling]
+        for req in sorted(decoding, key=self._priority_key):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for a more important one
+            while not self.kv.allocate_slots(req.request_id, 1):
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.decodes.append(self._chunk(req, 1))
+        return len(out.decodes)
+
+    def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            req = min(self.swapped, key=self._priority_key)
+            if not self.kv.swap_in(req.request_id):
+                return
+            self.swapped.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
+        in_flight: set[int] = set()  # chain hashes of blocks computed by this step's prefills
+        partial = [r for r in self.running if r.is_prefilling]
+        others_waiting = bool(self.waiting)
+        for req in partial:
+            if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
+                break
+            cap = budget // 2 if others_waiting and budget > cfg.block_size else budget
+            budget -= self._schedule_chunk(req, cap, out, in_flight)
+        num_partial = sum(1 for r in self.running if r.is_prefilling)
+        for req in self._waiting_in_policy_order():
+            if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
+                break
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            hit = self.kv.match_prefix(req.all_token_ids)
+            remaining = req.num_tokens - hit.num_tokens
+            if remaining > budget and num_partial >= cfg.max_num_partial_prefills:
+                continue  # a long prompt waits; shorter ones behind it may go
+            if self._block_in_flight(req, hit.num_tokens, in_flight):
+                continue  # it will find that block in the cache next step
+            n = min(remaining, budget)
+            if n < remaining and not cfg.enable_chunked_prefill:
+                continue
+            if not self.kv.admit(req.request_id, hit, n):
+                break  # the pool is full: admit nothing more this step
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = hit.num_tokens
+            used = self._add_prefill(req, n, out, in_flight)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget -= used
+            if used < remaining:
+                num_partial += 1
+
+    def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: set[int]) -> int:
+        """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self.kv.allocate_slots(req.request_id, n):
+            return 0
+        return self._add_prefill(req, n, out, in_flight)
+
+    def _add_prefill(self, req: Request, n: int, out: SchedulerOutput, in_flight: set[int]) -> int:
+        out.prefills.append(self._chunk(req, n))
+        if self.config.enable_prefix_caching:
+            bs = self.config.block_size
+            first, last = req.num_computed_tokens // bs, (req.num_computed_tokens + n) // bs
+            in_flight.update(self._block_hashes(req)[first:last])
+        return n
+
+    def _block_hashes(self, req: Request) -> list[int]:
+        """Chain hashes of the request's full prompt blocks (hash i covers tokens [0, (i+1) * bs))."""
+        hashes = self._hashes.get(req)
+        if hashes is None:
+            bs, ids, h = self.config.block_size, req.prompt_token_ids, 0
+            hashes = []
+            for i in range(len(ids) // bs):
+                h = hash((h, tuple(ids[i * bs:(i + 1) * bs])))
+                hashes.append(h)
+            self._hashes[req] = hashes
+        return hashes
+
+    def _block_in_flight(self, req: Request, start: int, in_flight: set[int]) -> bool:
+        if not in_flight:
+            return False
+        i = start // self.config.block_size
+        hashes = self._block_hashes(req)
+        return i < len(hashes) and hashes[i] in in_flight
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(req, start, n, self.kv.block_table(req.request_id), sample=start + n == req.num_tokens)
+
+    # ----- policies and preemption ----------------------------------------------------------
+
+    def _priority_key(self, req: Request) -> tuple:
+        """Smaller = more important. FCFS ignores the priority field."""
+        if self.config.scheduling_policy == "priority":
+            return (req.priority, req.arrival_time)
+        return (req.arrival_time,)
+
+    def _waiting_in_policy_order(self) -> list[Request]:
+        policy = self.config.scheduling_policy
+        if policy == "fcfs":
+            return list(self.waiting)
+        if policy == "priority":
+            return sorted(self.waiting, key=self._priority_key)
+        now = time.monotonic()
+        starving = [r for r in self.waiting if now - r.arrival_time > LPM_STARVATION_SECONDS]
+        rest = [r for r in self.waiting if now - r.arrival_time <= LPM_STARVATION_SECONDS]
+        rest.sort(key=lambda r: (-self.kv.match_prefix(r.all_token_ids).num_tokens, r.arrival_time))
+        return starving + rest
+
+    def _pick_victim(self) -> Request:
+        return max(self.running, key=self._priority_key)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        if self.config.preemption_mode == "swap" and not req.is_prefilling:
+            if self.kv.swap_out(req.request_id):
+                req.status = RequestStatus.SWAPPED
+                self.swapped.append(req)
+                logger.info("preempted %s by swap", req.request_id)
+                return
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        logger.info("preempted %s by recompute (%d tokens)", req.request_id, req.num_tokens)
+
+    # ----- after the step -------------------------------------------------------------------
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The step ran: its tokens are in the cache; full blocks join the prefix cache."""
+        for chunk in out.prefills + out.decodes:
+            req = chunk.request
+            if req.is_finished:
+                continue
+            before = req.num_computed_tokens
+            req.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            bs = self.config.block_size
+            if self.config.enable_prefix_caching and req.num_computed_tokens // bs > before // bs:
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids[: req.num_computed_tokens])

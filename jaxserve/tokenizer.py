@@ -1,0 +1,170 @@
+"""Text <-> token ids, chat templates and streaming detokenization for a loaded model.
+
+Chat templates are rendered the way Hugging Face `transformers` renders them
+(`apply_chat_template(..., tokenize=False)`): a sandboxed jinja2 environment with
+`trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` block tag,
+`raise_exception`, `strftime_now`, a `tojson` filter that does not escape HTML and keeps
+non-ASCII characters, the special tokens (`bos_token`, `eos_token`, ...) as variables, and
+messages whose `None`-valued keys are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any, Iterable, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
+
+from checkpoints.tokenizer_bundle import TokenizerBundle
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text in some templates; it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas for streaming.
+
+    A delta never ends inside a multi-byte character: text whose decoding ends in U+FFFD is held
+    back until the following tokens complete it. `"".join(deltas) + finish()` equals
+    `decode(all_ids)`; `finish()` releases what is still held back when the stream ends.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._emitted_chars = 0
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Feed one or more new ids; return the newly completed text (possibly empty)."""
+        ids = [int(i) for i in token_ids] if isinstance(token_ids, Iterable) else [int(token_ids)]
+        pieces = []
+        for token_id in ids:
+            self._ids.append(token_id)
+            piece = self._stream.step(self._tokenizer, token_id)
+            if piece:
+                pieces.append(piece)
+        delta = "".join(pieces)
+        self._emitted_chars += len(delta)
+        return delta
+
+    def finish(self) -> str:
+        """The text still held back (an incomplete character at the very end), as the full decode has it."""
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        tail = full[self._emitted_chars :]
+        self._emitted_chars = len(full)
+        return tail
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+
+class Tokenizer:
+    """The tokenizer of a loaded model (see `checkpoints.load_model(...).tokenizer_bundle`)."""
+
+    def __init__(self, bundle: TokenizerBundle) -> None:
+        self.bundle = bundle
+        self._tokenizer = bundle.tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.bundle.eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.bundle.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.bundle.chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of `text`. Special-token text (e.g. `<|im_start|>`) maps to its id, as in Hugging Face.
+
+        `add_special_tokens=True` adds what the tokenizer's post-processor adds (e.g. a BOS).
+        """
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) to the prompt text.
+
+        Raises `ValueError` when the model has no chat template, and jinja2's `TemplateError`
+        when the template rejects the conversation (e.g. roles out of order).
+        """
+        if self.bundle.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain completion prompt instead")
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        normalized = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        variables = {**self.bundle.special_tokens, **template_kwargs}
+        return compile_chat_template(self.bundle.chat_template).render(
+            messages=normalized,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens)

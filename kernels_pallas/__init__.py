@@ -1,0 +1,30 @@
+"""Tensor layer: paged-attention kernels (Pallas) and their pure-JAX references.
+
+An attention backend is a pair of functions with the signatures of
+`reference.decode_attention` and `reference.prefill_attention`. The model looks one up by
+name with `get_attention_backend` (`default_attention_backend()` names the one for this
+machine) and, under a mesh, wraps it with `shard_attention`.
+"""
+
+from __future__ import annotations
+
+from kernels_pallas import common, decode, prefill, reference
+from kernels_pallas.backends import (
+    BACKENDS,
+    AttentionBackend,
+    default_attention_backend,
+    get_attention_backend,
+)
+from kernels_pallas.sharded import shard_attention
+
+__all__ = [
+    "common",
+    "decode",
+    "prefill",
+    "reference",
+    "BACKENDS",
+    "AttentionBackend",
+    "default_attention_backend",
+    "get_attention_backend",
+    "shard_attention",
+]

@@ -1,0 +1,39 @@
+"""Attention backends by name: a pair of functions with the signatures of
+`reference.decode_attention` and `reference.prefill_attention`.
+
+`reference` is plain JAX (gather + masked softmax): the CPU default and the oracle.
+`pallas` is the Pallas kernels (`decode.py`, `prefill.py`): native on GPU, and run in
+interpret mode wherever JAX's default backend is the CPU (slow; for tests), unless
+$JAXSERVE_PALLAS_INTERPRET says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from kernels_pallas import decode, prefill, reference
+
+BACKENDS = ("reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    decode: Callable
+    prefill: Callable
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "reference":
+        return AttentionBackend("reference", reference.decode_attention, reference.prefill_attention)
+    if name == "pallas":
+        return AttentionBackend("pallas", decode.decode_attention, prefill.prefill_attention)
+    raise ValueError(f"unknown attention backend {name!r}; choose from: {', '.join(BACKENDS)}")
+
+
+def default_attention_backend() -> str:
+    """`pallas` where the kernels run natively (GPU), `reference` elsewhere (CPU, TPU)."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"

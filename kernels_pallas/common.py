@@ -1,0 +1,154 @@
+"""Pieces shared by the Pallas paged-attention kernels.
+
+The kernels are written for the Triton backend of Pallas (jax 0.10 and 0.11) and for
+interpret mode on CPU, so they keep to what both accept:
+
+- Every kernel input is passed whole (no BlockSpecs): neither GPU backend has scalar
+  prefetch, so an index map could not depend on the block table or the layer index anyway.
+  The kernel indexes the refs itself with program ids and values it reads from int32 refs.
+- Every array a kernel loads, stores or computes has a power-of-two number of elements, and
+  the matmuls have at least 16 rows (Triton `tl.dot`); the wrappers pad the query heads of a
+  kv head up to that.
+- K/V pages are gathered with a vector of block ids (`ref[layer, head, pages]`), which
+  lowers to one pointer tensor in Triton (64-bit offsets once the cache passes 4 GiB).
+- Matmuls ask for `Precision.HIGHEST`: on Triton the default for f32 would be TF32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+INTERPRET_ENV = "JAXSERVE_PALLAS_INTERPRET"
+MASKED = -1e30  # finite: a fully masked step must not produce inf - inf = NaN
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """An explicit flag wins; then $JAXSERVE_PALLAS_INTERPRET (0/1); then: interpret on CPU."""
+    if interpret is not None:
+        return bool(interpret)
+    env = os.environ.get(INTERPRET_ENV)
+    if env is not None and env.strip() != "":
+        return env.strip().lower() not in ("0", "false", "no")
+    return jax.default_backend() == "cpu"
+
+
+def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> Any:
+    """Triton launch parameters; None in interpret mode (the interpreter takes none)."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu  # GPU-only concern; imported late
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: Any, b: Any) -> Any:
+    """Ceiling division of non-negative ints (Python ints or int32 scalars inside a kernel)."""
+    return (a + b - 1) // b
+
+
+def check_native_shapes(head_dim: int, block_size: int, tokens_per_step: int, interpret: bool) -> None:
+    """Triton needs power-of-two extents and matmul sides >= 16; the cache's we cannot pad."""
+    if interpret:
+        return
+    for what, n in (("head_dim", head_dim), ("block_size", block_size)):
+        if n & (n - 1):
+            raise ValueError(
+                f"the Pallas GPU kernels need a power-of-two {what}, got {n}; "
+                "use the 'reference' attention backend for this cache"
+            )
+    if head_dim < 16 or tokens_per_step < 16:
+        raise ValueError(
+            f"the Pallas GPU kernels need head_dim >= 16 and >= 16 tokens per step, got "
+            f"head_dim={head_dim}, tokens per step={tokens_per_step}"
+        )
+
+
+def pad_block_table(block_tables: jax.Array, width: int) -> jax.Array:
+    """Pad the last axis with block 0 (reserved, harmless) so the kernel never reads past it."""
+    extra = width - block_tables.shape[-1]
+    if extra == 0:
+        return block_tables.astype(jnp.int32)
+    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, extra)))
+
+
+def group_queries(q: jax.Array, num_kv_heads: int, padded_group: int, dtype: Any) -> jax.Array:
+    """[N, H, D] -> [N, KVH, Gp, D] in the cache's dtype (Triton's dot wants one operand type):
+    the query heads of each kv head, zero-padded to Gp."""
+    n, h, d = q.shape
+    g = h // num_kv_heads
+    qg = q.astype(dtype).reshape(n, num_kv_heads, g, d)
+    if padded_group > g:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_group - g), (0, 0)))
+    return qg
+
+
+class SoftmaxState(NamedTuple):
+    """Running max, running denominator and unnormalized output of an online softmax."""
+
+    m: jax.Array  # [M] f32
+    l: jax.Array  # [M] f32
+    acc: jax.Array  # [M, D] f32
+
+    @classmethod
+    def empty(cls, rows: int, head_dim: int) -> "SoftmaxState":
+        return cls(
+            jnp.full((rows,), MASKED, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32),
+        )
+
+    def normalized(self) -> jax.Array:
+        """acc / l, with rows that saw no key (l == 0) coming out as zeros."""
+        return self.acc / jnp.where(self.l == 0.0, 1.0, self.l)[:, None]
+
+
+def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
+    return lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())),
+        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+    )
+
+
+def attend_step(
+    state: SoftmaxState,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    valid: jax.Array,
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> SoftmaxState:
+    """Fold one tile of keys into the online softmax: q [M, D], k/v [N, D], valid [M, N]."""
+    s = _dot(q, k, 1) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(valid, s, MASKED)
+    m_new = jnp.maximum(state.m, jnp.max(s, axis=1))
+    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(state.m - m_new)
+    l_new = alpha * state.l + jnp.sum(p, axis=1)
+    acc = alpha[:, None] * state.acc + _dot(p.astype(v.dtype), v, 0)
+    return SoftmaxState(m_new, l_new, acc)
+
+
+def load_pages(cache_ref: Any, layer: jax.Array, head: jax.Array, pages: jax.Array) -> jax.Array:
+    """Gather pages [P] of one layer and kv head from the stacked cache -> [P * BS, D]."""
+    block = cache_ref[layer, head, pages]  # [P, BS, D]
+    p, bs, d = block.shape
+    return block.reshape(p * bs, d)
+
+
+def fresh_kernel(kernel: Any, **static: Any) -> Any:
+    """A new partial per configuration (jax 0.11 can reuse a stale jaxpr for a reused callable)."""
+    return functools.partial(kernel, **static)

@@ -1,0 +1,53 @@
+"""Run an attention backend under a mesh: `jax.shard_map` over the kv-head axis.
+
+Attention is independent per kv head, so with the query heads and the cache's kv heads
+split over the tensor-parallel axis each device runs the unmodified kernel on its own heads:
+no communication. The query heads of one kv head are contiguous ([H] = [KVH, group]), so a
+contiguous split of H lines up with a contiguous split of KVH. Block tables, lengths and
+the layer index are replicated.
+
+`check_vma=False`: a `pallas_call` inside `shard_map` fails the varying-manual-axes check
+("manual_axis_type ... must not be None") on the jax versions we run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from kernels_pallas.backends import AttentionBackend
+
+
+def shard_attention(backend: AttentionBackend, mesh: Mesh, axis: str = "tp") -> AttentionBackend:
+    """Wrap a backend's functions so they take arrays sharded over `axis` on the head axes."""
+    if axis not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} have no {axis!r}")
+    ways = mesh.shape[axis]
+    heads = P(None, axis, None)  # q and the output: [N, H, D]
+    cache = P(None, axis)  # [L, KVH, NB, BS, D]
+
+    def check(q: jax.Array, k_cache: jax.Array) -> None:
+        if k_cache.shape[1] % ways or q.shape[1] % ways:
+            raise ValueError(
+                f"{q.shape[1]} query heads / {k_cache.shape[1]} kv heads do not split {ways} ways"
+            )
+
+    def decode(q, k_cache, v_cache, layer, block_tables, lengths, **options):
+        check(q, k_cache)
+        fn = jax.shard_map(
+            functools.partial(backend.decode, **options), mesh=mesh,
+            in_specs=(heads, cache, cache, P(), P(), P()), out_specs=heads, check_vma=False,
+        )
+        return fn(q, k_cache, v_cache, layer, block_tables, lengths)
+
+    def prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, **options):
+        check(q, k_cache)
+        fn = jax.shard_map(
+            functools.partial(backend.prefill, **options), mesh=mesh,
+            in_specs=(heads, cache, cache, P(), P(), P(), P()), out_specs=heads, check_vma=False,
+        )
+        return fn(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start)
+
+    return AttentionBackend(f"{backend.name}[{axis}]", decode, prefill)

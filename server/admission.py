@@ -1,0 +1,35 @@
+"""A bounded waiting queue: refuse work (503) instead of queueing it without end.
+
+The engine runs up to `max_num_seqs` sequences at once; every admitted sequence beyond that
+waits in its queue. The server counts the sequences it has handed to the engine and not yet
+seen finish, and refuses a request whose sequences would push the waiting part past the bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from server.errors import APIError
+
+
+class Admission:
+    def __init__(self, max_running_seqs: int, max_waiting_seqs: int) -> None:
+        self.capacity = max_running_seqs + max_waiting_seqs
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def hold(self, num_seqs: int) -> Iterator[None]:
+        """Count `num_seqs` sequences while the block runs, or raise APIError 503 when full."""
+        if self.in_flight + num_seqs > self.capacity:
+            raise APIError(
+                503,
+                "the server is overloaded: its waiting queue is full; retry later",
+                code="server_overloaded",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += num_seqs
+        try:
+            yield
+        finally:
+            self.in_flight -= num_seqs

@@ -1,0 +1,100 @@
+"""Builds the aiohttp application around a running `AsyncEngine`.
+
+The app does not own the engine: whoever started the engine shuts it down after the app's
+cleanup (`server.cli` for `jaxserve serve`; fixtures in tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from jaxserve.async_engine import AsyncEngine
+from server import routes_ops, routes_openai, routes_sessions
+from server.admission import Admission
+from server.auth import ApiKeys, auth_middleware
+from server.config import ServerConfig
+from server.errors import error_middleware
+from server.metrics import ServerMetrics
+from server.model_info import ModelInfo
+from server.protocol import Limits
+from server.rate_limit import RateLimiter
+from server.session_files import SessionFiles
+from server.session_kv import SessionKV
+from server.sessions import SessionStore
+from server.state import STATE, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+    """The server for `engine` (already started and warmed up)."""
+    info = ModelInfo.from_engine(engine.engine, config.served_model_name)
+    keys = ApiKeys(config.api_keys)
+    files = SessionFiles(config.session_dir) if config.session_dir is not None else None
+    sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files)
+    state = ServerState(
+        engine=engine,
+        config=config,
+        info=info,
+        keys=keys,
+        limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm),
+        admission=Admission(info.max_num_seqs, config.max_waiting_seqs),
+        metrics=ServerMetrics(),
+        sessions=sessions,
+        session_kv=SessionKV(engine, sessions),
+        limits=Limits(
+            max_model_len=info.max_model_len,
+            max_tokens_limit=config.max_tokens_limit or info.max_model_len,
+            max_n=config.max_n,
+        ),
+    )
+    app = web.Application(middlewares=[error_middleware, auth_middleware(keys)], client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    app.add_routes(routes_openai.routes)
+    app.add_routes(routes_sessions.routes)
+    app.add_routes(routes_ops.routes)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    if state.keys.is_open:
+        logger.warning("no API key configured: the server is open to anyone who can reach %s:%d",
+                       state.config.host, state.config.port)
+    def on_step(_engine: object, _deltas: object, seconds: float) -> None:
+        state.metrics.observe_step(seconds)
+
+    owns_hook = state.engine.on_step is None  # several apps may share one engine (tests): first wins
+    if owns_hook:
+        state.engine.on_step = on_step
+    loaded = state.sessions.load()
+    if loaded:
+        logger.info("restored %d sessions from %s", loaded, state.config.session_dir)
+    if state.config.session_pin_blocks_per_key is not None:
+        await state.session_kv.set_budget(state.config.session_pin_blocks_per_key)
+    expiry = asyncio.create_task(_expire_sessions(state))
+    yield
+    expiry.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await expiry
+    for task in list(state.background):
+        task.cancel()
+    await asyncio.gather(*state.background, return_exceptions=True)
+    if owns_hook:
+        state.engine.on_step = None
+
+
+async def _expire_sessions(state: ServerState) -> None:
+    period = min(60.0, state.sessions.ttl / 2)
+    while True:
+        await asyncio.sleep(period)
+        for session in state.sessions.expired():
+            logger.info("session %s expired after %.0f s idle", session.id, state.sessions.ttl)
+            state.sessions.remove(session)
+            await state.session_kv.unpin(session)

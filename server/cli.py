@@ -1,0 +1,117 @@
+"""`jaxserve serve`: load the model, compile every bucket, then serve HTTP until SIGINT/SIGTERM.
+
+`jaxserve/cli.py` (the composition root) registers the subcommand with `add_serve_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from server.auth import read_key_file
+from server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction,
+    add_engine_args: Callable[[argparse.ArgumentParser], None],
+    engine_config_from_args: Callable[[argparse.Namespace], object],
+) -> argparse.ArgumentParser:
+    """Add `serve` (engine flags from `add_engine_args`, server flags from here)."""
+    defaults = ServerConfig()
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with sessions")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=defaults.host)
+    g.add_argument("--port", type=int, default=defaults.port)
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    g.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
+    g.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
+    g.add_argument("--rate-limit-rpm", type=int, default=defaults.rate_limit_rpm, help="requests/minute per key, 0 = off")
+    g.add_argument("--rate-limit-tpm", type=int, default=defaults.rate_limit_tpm,
+                   help="generated tokens/minute per key, 0 = off")
+    g.add_argument("--max-waiting-seqs", type=int, default=defaults.max_waiting_seqs,
+                   help="sequences that may wait beyond --max-num-seqs before requests get 503")
+    g.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    g.add_argument("--max-n", type=int, default=defaults.max_n)
+    g.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)")
+    g.add_argument("--max-prompts", type=int, default=defaults.max_prompts)
+    g.add_argument("--request-timeout", type=float, default=defaults.request_timeout, help="seconds, 0 = none")
+    g.add_argument("--session-dir", type=Path, default=None, help="persist sessions as JSON files here")
+    g.add_argument("--session-ttl", type=float, default=defaults.session_ttl, help="idle seconds before expiry")
+    g.add_argument("--max-sessions-per-key", type=int, default=defaults.max_sessions_per_key)
+    g.add_argument("--max-session-messages", type=int, default=defaults.max_session_messages)
+    g.add_argument("--session-pin-blocks-per-key", type=int, default=None,
+                   help="KV blocks one key's sessions may pin (default: the KV manager's)")
+    g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                   help="seconds in-flight requests get to finish at shutdown")
+    p.set_defaults(func=lambda args: serve(args, engine_config_from_args(args)))
+    return p
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    keys = list(args.api_key)
+    if args.api_key_file:
+        keys += read_key_file(args.api_key_file)
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or Path(str(args.model)).name,
+        api_keys=tuple(keys),
+        rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm,
+        max_waiting_seqs=args.max_waiting_seqs,
+        max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n,
+        max_tokens_limit=args.max_tokens_limit,
+        max_prompts=args.max_prompts,
+        request_timeout=args.request_timeout,
+        session_dir=args.session_dir,
+        session_ttl=args.session_ttl,
+        max_sessions_per_key=args.max_sessions_per_key,
+        max_session_messages=args.max_session_messages,
+        session_pin_blocks_per_key=args.session_pin_blocks_per_key,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def serve(args: argparse.Namespace, engine_config: object) -> int:
+    """Load, warm up, serve; returns 0 after a graceful shutdown."""
+    from aiohttp import web
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from server.app import build_app
+
+    config = server_config_from_args(args)
+    t0 = time.perf_counter()
+    engine = LLMEngine(args.model, engine_config)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"compiling buckets: {engine.runner.bucket_summary()}", flush=True)
+    seconds = engine.warm_up()
+    print(f"warm-up: {engine.num_compilations} compilations in {seconds:.1f} s", flush=True)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    try:
+        app = build_app(async_engine, config)
+        if not config.api_keys:
+            print("WARNING: no API key configured (--api-key / --api-key-file): the server is open", file=sys.stderr)
+        web.run_app(
+            app,
+            host=config.host,
+            port=config.port,
+            shutdown_timeout=config.shutdown_timeout,
+            handler_cancellation=True,
+            access_log=None,
+            print=lambda msg: print(msg.splitlines()[0], flush=True),
+        )
+    finally:
+        async_engine.shutdown()
+    print("server stopped", flush=True)
+    return 0

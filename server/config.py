@@ -1,0 +1,48 @@
+"""Settings of the HTTP layer (the engine has its own `EngineConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "smollm2-135m-instruct"
+
+    # Security. No keys = an open server (a warning is printed at start).
+    api_keys: tuple[str, ...] = ()
+    rate_limit_rpm: int = 0  # requests per minute per key; 0 = unlimited
+    rate_limit_tpm: int = 0  # generated tokens per minute per key; 0 = unlimited
+
+    # Admission and input limits.
+    max_waiting_seqs: int = 256  # sequences queued beyond the engine's max_num_seqs -> 503
+    max_body_bytes: int = 1 << 20
+    max_n: int = 8
+    max_tokens_limit: int | None = None  # None: the model's context length
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    request_timeout: float = 600.0  # seconds from arrival to the last token; 0 = none
+
+    # Sessions.
+    session_dir: Path | None = None  # persist sessions as JSON files here
+    session_ttl: float = 3600.0  # idle seconds before a session expires
+    max_sessions_per_key: int = 64
+    max_session_messages: int = 256
+    session_pin_blocks_per_key: int | None = None  # None: the KV manager's default budget
+
+    # Lifecycle.
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+
+    def __post_init__(self) -> None:
+        for name in ("rate_limit_rpm", "rate_limit_tpm", "max_waiting_seqs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_sessions_per_key", "max_session_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.request_timeout < 0 or self.session_ttl <= 0 or self.shutdown_timeout < 0:
+            raise ValueError("request_timeout and shutdown_timeout must be >= 0, session_ttl > 0")
+        if any(not key or any(c.isspace() for c in key) for key in self.api_keys):
+            raise ValueError("API keys must be non-empty and contain no whitespace")

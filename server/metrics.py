@@ -1,0 +1,88 @@
+"""Prometheus metrics: request latencies and token counts (asyncio side), engine state (snapshot).
+
+Each server has its own `CollectorRegistry`, so several servers (tests) can live in one process.
+Engine gauges come from an `EngineSnapshot` taken on the engine thread for each scrape, so they
+are consistent with each other; the step-time histogram is fed by the engine loop's `on_step`
+hook (prometheus-client metrics are thread-safe).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.engine_snapshot import EngineSnapshot
+
+PREFIX = "jaxserve"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Exports the last engine snapshot (set just before each scrape)."""
+
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None
+        self.engine_alive = False
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(f"{PREFIX}_engine_alive", "1 while the engine loop runs", value=int(self.engine_alive))
+        s = self.snapshot
+        if s is None:
+            return
+        requests = GaugeMetricFamily(f"{PREFIX}_num_requests", "Sequences in the engine by state", labels=["state"])
+        requests.add_metric(["running"], s.running)
+        requests.add_metric(["waiting"], s.waiting)
+        requests.add_metric(["swapped"], s.swapped)
+        requests.add_metric(["preempted"], s.preempted)
+        yield requests
+        blocks = GaugeMetricFamily(f"{PREFIX}_kv_blocks", "KV cache blocks by state", labels=["state"])
+        for state in ("used", "free", "cached", "cached_idle", "pinned"):
+            blocks.add_metric([state], getattr(s.kv, state))
+        yield blocks
+        yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_total", "Usable KV cache blocks", value=s.kv.num_blocks)
+        yield GaugeMetricFamily(f"{PREFIX}_kv_usage_ratio", "Fraction of KV blocks held by requests",
+                                value=s.kv.used / s.kv.num_blocks if s.kv.num_blocks else 0.0)
+        yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate",
+                                "Prompt tokens served from the prefix cache / prompt tokens queried",
+                                value=s.prefix_hit_rate)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=s.prefix_query_tokens)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                                  value=s.prefix_hit_tokens)
+        yield CounterMetricFamily(f"{PREFIX}_preemptions", "Requests preempted by the scheduler", value=s.num_preemptions)
+        yield CounterMetricFamily(f"{PREFIX}_compilations", "XLA compilations of step functions", value=s.num_compilations)
+        yield CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps run", value=s.num_steps)
+        yield CounterMetricFamily(f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (not served from cache)",
+                                  value=s.prompt_tokens_computed)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.engine = _EngineCollector()
+        r.register(self.engine)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "Mean time between generated tokens of a choice",
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to the last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram(f"{PREFIX}_engine_step_seconds", "Duration of one engine step",
+                                   buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter(f"{PREFIX}_requests", "Generation requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_time.observe(seconds)
+
+    def render(self, snapshot: EngineSnapshot | None, engine_alive: bool) -> bytes:
+        self.engine.snapshot = snapshot
+        self.engine.engine_alive = engine_alive
+        return generate_latest(self.registry)

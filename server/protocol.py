@@ -1,0 +1,204 @@
+"""Request bodies -> validated settings: JSON reading, field checks, `SamplingParams`.
+
+OpenAI's rules where they exist: unknown fields are refused (400, naming the field), `null`
+means "not given", and every wrong value is a 400 that names its parameter. vLLM's extra
+sampling fields (top_k, min_p, repetition_penalty, ...) are accepted too. Fields that the API
+defines but this server cannot honour (tools, logit_bias, ...) are accepted only at their
+neutral value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from aiohttp import web
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.errors import APIError, bad_request
+
+SAMPLING_FIELDS = frozenset({
+    "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
+    "priority", "skip_special_tokens",
+})
+# Accepted and ignored: they describe the caller, not the generation.
+METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+STREAM_FIELDS = frozenset({"stream", "stream_options"})
+CHAT_LOGPROB_FIELDS = frozenset({"logprobs", "top_logprobs", "max_completion_tokens"})
+# Fields this server does not implement, with the values that mean "not used".
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "echo": (False,),
+    "suffix": ("",),
+}
+CHAT_FIELDS = (
+    frozenset({"model", "messages"}) | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS | CHAT_LOGPROB_FIELDS
+    | (frozenset(NEUTRAL_VALUES) - {"echo", "suffix"})
+)
+COMPLETION_FIELDS = (
+    frozenset({"model", "prompt", "logprobs", "best_of", "echo", "suffix", "logit_bias"})
+    | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS
+)
+MAX_STOP_STRINGS = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+async def read_json_object(request: web.Request, optional: bool = False) -> dict[str, Any]:
+    """The body as a JSON object, or 400 (413 comes from aiohttp when it is too large).
+    With `optional`, an empty body is an empty object."""
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"could not parse the JSON body of the request: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the JSON body must be an object")
+    return {k: v for k, v in body.items() if v is not None}  # null = not given
+
+
+def check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    for name in body:
+        if name not in allowed:
+            raise bad_request(f"unrecognized request argument supplied: {name}", param=name, code="unknown_field")
+    for name, neutral in NEUTRAL_VALUES.items():
+        if name in body and body[name] not in neutral:
+            raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+
+
+def require_str(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
+    value = body.get(name, default)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"{name} must be a string", param=name)
+    return value
+
+
+def check_model(body: dict[str, Any], served_name: str) -> str:
+    model = require_str(body, "model", served_name)
+    if model != served_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_name!r}",
+                       param="model", code="model_not_found")
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    stream: bool
+    include_usage: bool
+
+
+def parse_stream(body: dict[str, Any]) -> StreamOptions:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return StreamOptions(stream, False)
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+        raise bad_request("stream_options must be an object with include_usage", param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", param="stream_options")
+    return StreamOptions(True, include_usage)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    max_tokens_limit: int
+    max_n: int
+
+
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise bad_request(f"{name} must be an integer", param=name)
+    return value
+
+
+def logprobs_setting(body: dict[str, Any], chat: bool) -> int | None:
+    """SamplingParams.logprobs from the chat (`logprobs` bool + `top_logprobs`) or the
+    completions (`logprobs` int) style."""
+    if chat:
+        wanted = body.get("logprobs", False)
+        if not isinstance(wanted, bool):
+            raise bad_request("logprobs must be a boolean", param="logprobs")
+        top = _int_field(body, "top_logprobs")
+        if top is not None and not wanted:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        return (top or 0) if wanted else None
+    top = _int_field(body, "logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    return top
+
+
+def max_tokens_setting(body: dict[str, Any], limits: Limits, longest_prompt: int, default: int | None) -> int:
+    """max_tokens (or max_completion_tokens), checked against the limit and the context.
+
+    Given explicitly, prompt + max_tokens must fit the context (as in vLLM); when absent, the
+    default is capped to what fits.
+    """
+    given = _int_field(body, "max_completion_tokens")
+    name = "max_completion_tokens"
+    if given is None:
+        given, name = _int_field(body, "max_tokens"), "max_tokens"
+    room = limits.max_model_len - longest_prompt
+    if given is None:
+        cap = min(limits.max_tokens_limit, room)
+        return max(1, cap if default is None else min(default, cap))
+    if given < 1:
+        raise bad_request(f"{name} must be at least 1, got {given}", param=name)
+    if given > limits.max_tokens_limit:
+        raise bad_request(f"{name} must be at most {limits.max_tokens_limit}, got {given}", param=name)
+    if given > room:
+        raise bad_request(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the request asks for "
+            f"{longest_prompt + given} ({longest_prompt} in the prompt, {given} to generate)",
+            param=name, code="context_length_exceeded",
+        )
+    return given
+
+
+def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: int | None, max_n: int) -> SamplingParams:
+    fields = {name: body[name] for name in SAMPLING_FIELDS - {"max_tokens"} if name in body}
+    n = fields.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and n > max_n:
+        raise bad_request(f"n must be at most {max_n}, got {n}", param="n")
+    stop = fields.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+    if "seed" in fields and isinstance(fields["seed"], int) and not -(2**63) <= fields["seed"] < 2**64:
+        raise bad_request("seed must fit in 64 bits", param="seed")
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        first = message.split(" ", 1)[0]
+        raise bad_request(message, param=first if first in SAMPLING_FIELDS else None) from None
+
+
+def check_best_of(body: dict[str, Any]) -> None:
+    best_of = _int_field(body, "best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise bad_request("best_of different from n is not supported", param="best_of", code="unsupported_parameter")

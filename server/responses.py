@@ -1,0 +1,149 @@
+"""OpenAI response and stream-chunk shapes for completions and chat completions."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from jaxserve.outputs import Delta, TokenLogprob
+from server.model_info import ModelInfo
+
+
+@dataclasses.dataclass
+class UsageCount:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclasses.dataclass
+class ChoiceOutput:
+    """What one choice has produced so far (non-streaming responses collect into this)."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(info: ModelInfo, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    content = []
+    for lp in logprobs:
+        token = info.token_text(lp.token_id)
+        top = []
+        for token_id, value in lp.top:
+            top_text = info.token_text(token_id)
+            top.append({"token": top_text, "logprob": value, "bytes": _token_bytes(top_text)})
+        content.append({"token": token, "logprob": lp.logprob, "bytes": _token_bytes(token), "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(info: ModelInfo, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions shape; `offset` is the text length before these tokens."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for lp in logprobs:
+        token = info.token_text(lp.token_id)
+        tokens.append(token)
+        token_logprobs.append(lp.logprob)
+        top_logprobs.append({info.token_text(t): v for t, v in lp.top})
+        text_offset.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+class CompletionShapes:
+    """`text_completion` objects (one response, or the chunks of a stream)."""
+
+    def __init__(self, response_id: str, info: ModelInfo) -> None:
+        self.id = response_id
+        self.info = info
+        self.created = int(time.time())
+        self._offsets: dict[int, int] = {}
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.info.name,
+                "system_fingerprint": None, "choices": choices}
+
+    def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any]:
+        logprobs = None
+        if delta.logprobs is not None:
+            offset = self._offsets.get(index, 0)
+            logprobs = completion_logprobs(self.info, delta.logprobs, offset)
+            self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        body = self._envelope([{"index": index, "text": delta.text, "logprobs": logprobs,
+                                "finish_reason": delta.finish_reason}])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: UsageCount) -> dict[str, Any]:
+        return {**self._envelope([]), "usage": usage.as_dict()}
+
+    def response(self, choices: list[ChoiceOutput], usage: UsageCount) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            logprobs = completion_logprobs(self.info, c.logprobs, 0) if c.logprobs is not None else None
+            out.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return {**self._envelope(out), "usage": usage.as_dict()}
+
+
+class ChatShapes:
+    """`chat.completion` and `chat.completion.chunk` objects."""
+
+    def __init__(self, response_id: str, info: ModelInfo) -> None:
+        self.id = response_id
+        self.info = info
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.info.name,
+                "system_fingerprint": None, "choices": choices}
+
+    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
+        """The first chunk of each choice: the role, no content yet."""
+        body = self._envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any]:
+        logprobs = chat_logprobs(self.info, delta.logprobs) if delta.logprobs is not None else None
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        body = self._envelope("chat.completion.chunk", [{"index": index, "delta": content, "logprobs": logprobs,
+                                                         "finish_reason": delta.finish_reason}])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: UsageCount) -> dict[str, Any]:
+        return {**self._envelope("chat.completion.chunk", []), "usage": usage.as_dict()}
+
+    def response(self, choices: list[ChoiceOutput], usage: UsageCount) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            logprobs = chat_logprobs(self.info, c.logprobs) if c.logprobs is not None else None
+            out.append({"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return {**self._envelope("chat.completion", out), "usage": usage.as_dict()}

@@ -1,0 +1,96 @@
+"""`/v1/completions`, `/v1/chat/completions` and `/v1/models`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from server.auth import OWNER_KEY
+from server.errors import bad_request, not_found
+from server.generation import EngineRequest
+from server.model_info import ModelInfo
+from server.prompts import check_prompt_ids, completion_prompts, parse_messages, render_chat
+from server.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    build_sampling_params,
+    check_best_of,
+    check_fields,
+    check_model,
+    logprobs_setting,
+    max_tokens_setting,
+    parse_stream,
+    read_json_object,
+)
+from server.respond import respond
+from server.responses import ChatShapes, CompletionShapes
+from server.state import STATE
+
+routes = web.RouteTableDef()
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    state = request.app[STATE]
+    state.limiter.admit(request[OWNER_KEY])
+    body = await read_json_object(request)
+    check_fields(body, COMPLETION_FIELDS)
+    check_best_of(body)
+    check_model(body, state.info.name)
+    stream = parse_stream(body)
+    prompts = completion_prompts(body, state.info, state.config.max_prompts)
+    max_tokens = max_tokens_setting(body, state.limits, max(map(len, prompts)), DEFAULT_COMPLETION_MAX_TOKENS)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=False),
+                                   max_n=state.limits.max_n)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = [
+        EngineRequest(response_id if len(prompts) == 1 else f"{response_id}-{i}", ids, params, i * params.n)
+        for i, ids in enumerate(prompts)
+    ]
+    with state.admission.hold(params.n * len(prompts)):
+        generation = state.generation(request, requests, "completions", arrival)
+        return await respond(request, generation, CompletionShapes(response_id, state.info), stream)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    state = request.app[STATE]
+    state.limiter.admit(request[OWNER_KEY])
+    body = await read_json_object(request)
+    check_fields(body, CHAT_FIELDS)
+    check_model(body, state.info.name)
+    stream = parse_stream(body)
+    if "messages" not in body:
+        raise bad_request("messages is required", param="messages")
+    messages = parse_messages(body["messages"])
+    ids = check_prompt_ids(state.info.tokenizer.encode(render_chat(state.info, messages)), state.info, "messages")
+    max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=True),
+                                   max_n=state.limits.max_n)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    with state.admission.hold(params.n):
+        generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)
+        return await respond(request, generation, ChatShapes(response_id, state.info), stream)
+
+
+def _model_card(info: ModelInfo) -> dict[str, object]:
+    return {"id": info.name, "object": "model", "created": info.created, "owned_by": "jaxserve",
+            "max_model_len": info.max_model_len}
+
+
+@routes.get("/v1/models")
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE].info)]})
+
+
+@routes.get("/v1/models/{model}")
+async def model(request: web.Request) -> web.Response:
+    info = request.app[STATE].info
+    if request.match_info["model"] != info.name:
+        raise not_found(f"the model {request.match_info['model']!r} does not exist", code="model_not_found")
+    return web.json_response(_model_card(info))

@@ -1,0 +1,39 @@
+"""`/health` (is the engine loop alive) and `/metrics` (Prometheus text format). No key needed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server.engine_snapshot import take_snapshot
+from server.session_kv import engine_call
+from server.state import STATE
+
+routes = web.RouteTableDef()
+
+STUCK_AFTER_SECONDS = 120.0  # a loop that has not come round for this long is reported unhealthy
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    since = time.monotonic() - engine.last_step_at
+    if not engine.is_alive:
+        return web.json_response({"status": "error", "engine": "stopped"}, status=503)
+    if since > STUCK_AFTER_SECONDS:
+        return web.json_response({"status": "error", "engine": f"no loop iteration for {since:.0f} s"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        snapshot = await engine_call(state.engine, take_snapshot)
+    except asyncio.TimeoutError:
+        snapshot = None
+    body = state.metrics.render(snapshot, state.engine.is_alive)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

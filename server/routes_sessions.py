@@ -1,0 +1,263 @@
+"""`/v1/sessions`: stateful conversations whose history stays in the prefix cache.
+
+    POST   /v1/sessions                       create ({"system", "model", "messages", defaults})
+    GET    /v1/sessions                       the caller's sessions
+    GET    /v1/sessions/{id}                  one session with its messages
+    DELETE /v1/sessions/{id}
+    POST   /v1/sessions/{id}/messages         add a user message and generate the reply
+    PUT    /v1/sessions/{id}/messages/{k}     edit message k: drop what follows, replace it, and
+                                              regenerate the reply when it is a user message
+    POST   /v1/sessions/{id}/fork             {"at": k}: a new session with the first k messages
+    POST   /v1/sessions/{id}/cancel           stop the reply in flight, keeping its partial text
+    POST   /v1/sessions/{id}/continue         generate more of the last assistant message
+
+Replies answer like `/v1/chat/completions` (one JSON object, or SSE chunks with "stream": true)
+and take its sampling parameters, on top of the session's defaults. One reply at a time per
+session: a second gets 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from server.auth import OWNER_KEY
+from server.errors import APIError, bad_request, not_found
+from server.generation import EngineRequest
+from server.prompts import check_prompt_ids, parse_messages, render_chat
+from server.protocol import (
+    SAMPLING_FIELDS,
+    build_sampling_params,
+    check_fields,
+    check_model,
+    logprobs_setting,
+    max_tokens_setting,
+    parse_stream,
+    read_json_object,
+    require_str,
+)
+from server.respond import respond
+from server.responses import ChatShapes, ChoiceOutput
+from server.sessions import Session
+from server.state import STATE, ServerState
+
+routes = web.RouteTableDef()
+
+DEFAULT_FIELDS = (SAMPLING_FIELDS - {"n"}) | {"max_completion_tokens", "logprobs", "top_logprobs"}
+CREATE_FIELDS = DEFAULT_FIELDS | {"model", "system", "messages"}
+REPLY_FIELDS = DEFAULT_FIELDS | {"stream", "stream_options"}
+MESSAGE_FIELDS = REPLY_FIELDS | {"role", "content"}
+CANCEL_WAIT_SECONDS = 30.0
+
+
+def _session(request: web.Request) -> tuple[ServerState, Session]:
+    state = request.app[STATE]
+    return state, state.sessions.get(request[OWNER_KEY], request.match_info["session_id"])
+
+
+def _check_defaults(state: ServerState, defaults: dict[str, Any]) -> None:
+    """Refuse bad defaults when the session is created, not at its first reply."""
+    max_tokens = max_tokens_setting(defaults, state.limits, 1, None)
+    build_sampling_params(defaults, max_tokens=max_tokens, logprobs=logprobs_setting(defaults, chat=True), max_n=1)
+
+
+def _check_length(state: ServerState, messages: list[dict[str, str]]) -> None:
+    limit = state.config.max_session_messages
+    if len(messages) > limit:
+        raise bad_request(f"a session holds at most {limit} messages", param="messages")
+
+
+def _claim(session: Session) -> None:
+    if session.busy:
+        raise APIError(409, "this session is already generating a reply; wait for it or cancel it",
+                       code="session_busy")
+
+
+async def _wait_for_reply(session: Session) -> None:
+    try:
+        await asyncio.wait_for(session.reply_done.wait(), CANCEL_WAIT_SECONDS)
+    except TimeoutError:
+        raise APIError(504, "the reply did not stop in time", code="request_timeout") from None
+
+
+@routes.post("/v1/sessions")
+async def create_session(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json_object(request, optional=True)
+    check_fields(body, CREATE_FIELDS)
+    model = check_model(body, state.info.name)
+    system = require_str(body, "system")
+    messages = parse_messages(body["messages"]) if "messages" in body else []
+    if system is not None:
+        messages = [{"role": "system", "content": system}, *messages]
+    _check_length(state, messages)
+    defaults = {k: v for k, v in body.items() if k in DEFAULT_FIELDS}
+    _check_defaults(state, defaults)
+    session = state.sessions.create(request[OWNER_KEY], model, messages, defaults)
+    return web.json_response(session.public())
+
+
+@routes.get("/v1/sessions")
+async def list_sessions(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    sessions = state.sessions.owned_by(request[OWNER_KEY])
+    return web.json_response({"object": "list", "data": [s.public() for s in sessions]})
+
+
+@routes.get("/v1/sessions/{session_id}")
+async def get_session(request: web.Request) -> web.Response:
+    _, session = _session(request)
+    return web.json_response(session.public())
+
+
+@routes.delete("/v1/sessions/{session_id}")
+async def delete_session(request: web.Request) -> web.Response:
+    state, session = _session(request)
+    if session.reply is not None:
+        session.reply.cancel()
+        await _wait_for_reply(session)
+    state.sessions.remove(session)
+    await state.session_kv.unpin(session)
+    return web.json_response({"id": session.id, "object": "session.deleted", "deleted": True})
+
+
+@routes.post("/v1/sessions/{session_id}/messages")
+async def post_message(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    state, session = _session(request)
+    state.limiter.admit(request[OWNER_KEY])
+    body = await read_json_object(request)
+    check_fields(body, MESSAGE_FIELDS)
+    role = body.get("role", "user")
+    if role != "user":
+        raise bad_request("only user messages can be posted; edit a message to change others", param="role")
+    if "content" not in body:
+        raise bad_request("content is required", param="content")
+    message = parse_messages([{"role": "user", "content": body["content"]}], param="content")[0]
+    messages = [*session.messages, message]
+    _check_length(state, messages + [{"role": "assistant", "content": ""}])
+    return await _reply(request, state, session, body, messages, arrival, continuing=False)
+
+
+@routes.put("/v1/sessions/{session_id}/messages/{index}")
+async def edit_message(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    state, session = _session(request)
+    try:
+        index = int(request.match_info["index"])
+    except ValueError:
+        raise bad_request("the message index must be an integer") from None
+    if not 0 <= index < len(session.messages):
+        raise not_found(f"session {session.id} has no message {index}", code="message_not_found")
+    body = await read_json_object(request)
+    check_fields(body, MESSAGE_FIELDS)
+    if "content" not in body:
+        raise bad_request("content is required", param="content")
+    role = body.get("role", session.messages[index]["role"])
+    message = parse_messages([{"role": role, "content": body["content"]}], param="content")[0]
+    messages = [*session.messages[:index], message]
+    if message["role"] != "user":
+        _claim(session)
+        session.messages = messages
+        session.touch()
+        state.sessions.save(session)
+        return web.json_response(session.public())
+    state.limiter.admit(request[OWNER_KEY])
+    return await _reply(request, state, session, body, messages, arrival, continuing=False)
+
+
+@routes.post("/v1/sessions/{session_id}/continue")
+async def continue_reply(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    state, session = _session(request)
+    state.limiter.admit(request[OWNER_KEY])
+    body = await read_json_object(request, optional=True)
+    check_fields(body, REPLY_FIELDS)
+    if not session.messages or session.messages[-1]["role"] != "assistant":
+        raise bad_request("the last message is not an assistant message; there is nothing to continue")
+    messages = [dict(m) for m in session.messages]
+    return await _reply(request, state, session, body, messages, arrival, continuing=True)
+
+
+@routes.post("/v1/sessions/{session_id}/fork")
+async def fork_session(request: web.Request) -> web.Response:
+    state, session = _session(request)
+    body = await read_json_object(request, optional=True)
+    check_fields(body, frozenset({"at"}))
+    at = body.get("at", len(session.messages))
+    if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= len(session.messages):
+        raise bad_request(f"at must be an integer in [0, {len(session.messages)}]", param="at")
+    messages = session.messages[:at]
+    fork = state.sessions.create(session.owner, session.model, messages, session.defaults, memo=session.memo)
+    if messages:
+        text = render_chat(state.info, messages, add_generation_prompt=False)
+        await state.session_kv.pin_history(fork, fork.memo.encode(state.info.tokenizer, text))
+    return web.json_response(fork.public())
+
+
+@routes.post("/v1/sessions/{session_id}/cancel")
+async def cancel_reply(request: web.Request) -> web.Response:
+    _, session = _session(request)
+    if session.reply is None:
+        raise APIError(409, "this session has no reply in progress", code="no_reply_in_progress")
+    session.reply.cancel()
+    await _wait_for_reply(session)
+    return web.json_response(session.public())
+
+
+async def _reply(
+    request: web.Request,
+    state: ServerState,
+    session: Session,
+    body: dict[str, Any],
+    messages: list[dict[str, str]],
+    arrival: float,
+    continuing: bool,
+) -> web.StreamResponse:
+    """Generate the assistant reply to `messages` (or, `continuing`, extend its last message)
+    and make `messages` plus the reply the session's history."""
+    info = state.info
+    if continuing:
+        prompt_text = render_chat(info, messages[:-1]) + messages[-1]["content"]
+    else:
+        prompt_text = render_chat(info, messages)
+    ids = check_prompt_ids(session.memo.encode(info.tokenizer, prompt_text), info, param="messages")
+    settings = {**session.defaults, **{k: v for k, v in body.items() if k in DEFAULT_FIELDS}}
+    stream = parse_stream(body)
+    max_tokens = max_tokens_setting(settings, state.limits, len(ids), None)
+    params = build_sampling_params(settings, max_tokens=max_tokens, logprobs=logprobs_setting(settings, chat=True),
+                                   max_n=1)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    _claim(session)
+    with state.admission.hold(1):
+        # From here to the reply's end the session is busy; nothing awaits before the claim.
+        previous = session.messages
+        session.messages = messages
+        generation = state.generation(request, [EngineRequest(response_id, ids, params)], "session", arrival)
+        session.reply = generation
+        session.reply_done = asyncio.Event()
+
+        def on_finish(choices: list[ChoiceOutput], _: object) -> None:
+            choice = choices[0]
+            session.reply = None
+            session.reply_done.set()
+            if generation.outcome == "error" and not choice.token_ids:
+                session.messages = previous  # nothing happened: undo the turn
+                return
+            if continuing:
+                messages[-1]["content"] += choice.text
+            else:
+                messages.append({"role": "assistant", "content": choice.text})
+            history = ids + choice.token_ids
+            raw_reply = info.tokenizer.decode(choice.token_ids, skip_special_tokens=False)
+            session.memo.record(prompt_text, ids)
+            session.memo.record(prompt_text + raw_reply, history)
+            session.touch()
+            state.sessions.save(session)
+            state.spawn(state.session_kv.pin_history(session, history))
+
+        return await respond(request, generation, ChatShapes(response_id, info), stream, on_finish)

@@ -1,0 +1,93 @@
+"""Pins each session's latest history in the prefix cache, within the owner's block budget.
+
+All KV work runs on the engine thread (`AsyncEngine.call`). When a new pin does not fit the
+owner's budget, the owner's least recently used other sessions give up their pins until it
+fits (they still work; their next turn may recompute part of the history).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import LLMEngine
+from jaxserve.kv import Pin
+from server.sessions import Session, SessionStore
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CALL_TIMEOUT = 30.0
+
+
+async def engine_call(engine: AsyncEngine, fn: Callable[[LLMEngine], Any]) -> Any:
+    """`engine.call(fn)`, or None when the engine loop is not running (shutting down)."""
+    if not engine.is_alive:
+        return None
+    return await asyncio.wait_for(engine.call(fn), ENGINE_CALL_TIMEOUT)
+
+
+def _pin_within_budget(engine: LLMEngine, owner: str, ids: list[int], old: Pin | None,
+                       others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+    """Runs on the engine thread: pin `ids` replacing `old`, unpinning `others` (LRU first) as
+    needed. Returns the new pin (None if even alone it does not fit) and the pins released."""
+    kv = engine.kv
+    if old is not None and not old.active:
+        old = None
+    released = []
+    pin = kv.pin(owner, ids, replacing=old)
+    for other in others:
+        if pin is not None:
+            break
+        if other.active:
+            kv.unpin(other)
+            released.append(other)
+            pin = kv.pin(owner, ids, replacing=old)
+    if pin is None and old is not None:
+        kv.unpin(old)  # the old history is stale now; do not keep it pinned either
+        released.append(old)
+    return pin, released
+
+
+def _unpin(engine: LLMEngine, pin: Pin) -> None:
+    if pin.active:
+        engine.kv.unpin(pin)
+
+
+class SessionKV:
+    def __init__(self, engine: AsyncEngine, store: SessionStore) -> None:
+        self.engine = engine
+        self.store = store
+
+    async def set_budget(self, blocks_per_owner: int) -> None:
+        def apply(engine: LLMEngine) -> None:
+            engine.kv.pins.budget_per_owner = blocks_per_owner
+
+        await engine_call(self.engine, apply)
+
+    async def pin_history(self, session: Session, ids: list[int]) -> None:
+        """Pin the cached blocks of `ids` for the session, replacing its previous pin."""
+        others = [s for s in self.store.owned_by(session.owner) if s is not session and s.pin is not None]
+        others.sort(key=lambda s: s.last_used)
+        by_pin = {id(s.pin): s for s in others}
+        old = session.pin
+        result = await engine_call(
+            self.engine, lambda e: _pin_within_budget(e, session.owner, ids, old, [s.pin for s in others])
+        )
+        if result is None:
+            return
+        pin, released = result
+        for p in released:
+            holder = by_pin.get(id(p))
+            if holder is not None and holder.pin is p:
+                holder.pin = None
+        if session.pin is old and self.store.contains(session):
+            session.pin = pin
+        elif pin is not None:  # the session was deleted or re-pinned meanwhile: drop this pin
+            await engine_call(self.engine, lambda e: _unpin(e, pin))
+
+    async def unpin(self, session: Session) -> None:
+        pin, session.pin = session.pin, None
+        if pin is not None:
+            await engine_call(self.engine, lambda e: _unpin(e, pin))

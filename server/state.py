@@ -1,0 +1,67 @@
+"""What every route handler shares: the engine, the settings and the server's bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Coroutine
+
+from aiohttp import web
+
+from jaxserve.async_engine import AsyncEngine
+from server.admission import Admission
+from server.auth import OWNER_KEY, ApiKeys
+from server.config import ServerConfig
+from server.generation import EngineRequest, Generation
+from server.metrics import ServerMetrics
+from server.model_info import ModelInfo
+from server.protocol import Limits
+from server.rate_limit import RateLimiter
+from server.session_kv import SessionKV
+from server.sessions import SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    info: ModelInfo
+    keys: ApiKeys
+    limiter: RateLimiter
+    admission: Admission
+    metrics: ServerMetrics
+    sessions: SessionStore
+    session_kv: SessionKV
+    limits: Limits
+    background: set[asyncio.Task] = dataclasses.field(default_factory=set)  # fire-and-forget tasks
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` in the background (session bookkeeping after a reply); failures are logged."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background task failed", exc_info=task.exception())
+
+    def generation(self, request: web.Request, requests: list[EngineRequest], endpoint: str,
+                   arrival: float | None = None) -> Generation:
+        return Generation(
+            self.engine,
+            requests,
+            owner=request[OWNER_KEY],
+            endpoint=endpoint,
+            metrics=self.metrics,
+            limiter=self.limiter,
+            timeout=self.config.request_timeout,
+            arrival=arrival if arrival is not None else time.perf_counter(),
+        )
+
+
+STATE = web.AppKey("jaxserve_state", ServerState)

@@ -1,0 +1,139 @@
+"""Write a small GGUF file the way llama.cpp's converter would, for loader tests.
+
+Weights are written in Hugging Face orientation (`[out, in]`), with the Q/K rows permuted for
+llama.cpp's interleaved RoPE when the architecture is `llama`, and each tensor quantized to a
+chosen type. The function returns what a correct loader must produce: the dequantized weights in
+Hugging Face orientation and layout (un-permuted), keyed by GGUF tensor name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from checkpoints.loaded import LoadedModel
+
+Q = gguf.GGMLQuantizationType
+
+# Default type per tensor kind: every supported type appears at least once.
+DEFAULT_TYPES = {
+    "token_embd.weight": Q.Q8_0,
+    "output.weight": Q.F32,
+    "output_norm.weight": Q.F32,
+    "attn_norm.weight": Q.F32,
+    "ffn_norm.weight": Q.F32,
+    "attn_q.weight": Q.Q4_0,
+    "attn_k.weight": Q.Q4_1,
+    "attn_v.weight": Q.F16,
+    "attn_output.weight": Q.BF16,
+    "ffn_gate.weight": Q.Q8_0,
+    "ffn_up.weight": Q.Q4_1,
+    "ffn_down.weight": Q.Q6_K,
+    "attn_q.bias": Q.F32,
+    "attn_k.bias": Q.F32,
+    "attn_v.bias": Q.F32,
+}
+K_QUANTS = {Q.Q4_K, Q.Q6_K}
+# Byte offsets of the float16 super-block scales in one K-quant block.
+_K_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation of Q/K rows (interleaves the two halves of each head)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape
+    )
+
+
+def hf_weights(model: LoadedModel) -> dict[str, np.ndarray]:
+    """The model's parameters under GGUF tensor names, in Hugging Face orientation."""
+    p, layers = model.params, model.params["layers"]
+    out = {"token_embd.weight": p["embed"]["embedding"], "output_norm.weight": p["final_norm"]["scale"]}
+    if "lm_head" in p:
+        out["output.weight"] = p["lm_head"]["kernel"].T
+    names = {
+        "attn_norm.weight": ("attn_norm", "scale"), "ffn_norm.weight": ("mlp_norm", "scale"),
+        "attn_q.weight": ("q_proj", "kernel"), "attn_k.weight": ("k_proj", "kernel"),
+        "attn_v.weight": ("v_proj", "kernel"), "attn_output.weight": ("o_proj", "kernel"),
+        "ffn_gate.weight": ("gate_proj", "kernel"), "ffn_up.weight": ("up_proj", "kernel"),
+        "ffn_down.weight": ("down_proj", "kernel"), "attn_q.bias": ("q_proj", "bias"),
+        "attn_k.bias": ("k_proj", "bias"), "attn_v.bias": ("v_proj", "bias"),
+    }  # fmt: skip
+    for name, (module, leaf) in names.items():
+        if leaf in layers[module]:
+            for i, value in enumerate(layers[module][leaf]):
+                out[f"blk.{i}.{name}"] = value.T if leaf == "kernel" else value
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def _random_k_quant(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    for offset in _K_SCALE_OFFSETS[qtype]:
+        raw[:, :, offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(
+    path: Path,
+    model: LoadedModel,
+    arch: str = "llama",
+    types: dict[str, Q] | None = None,
+    pre: str = "smollm",
+    skip: tuple[str, ...] = (),
+) -> dict[str, np.ndarray]:
+    """Write `model` as a GGUF file; return the expected dequantized HF-layout weights by name."""
+    types = {**DEFAULT_TYPES, **(types or {})}
+    config, tokenizer = model.config, model.tokenizer_bundle.tokenizer
+    rng = np.random.default_rng(1)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    specials = set(model.tokenizer_bundle.special_tokens.values())
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(vocab[model.tokenizer_bundle.special_tokens["bos_token"]])
+    writer.add_eos_token_id(vocab[model.tokenizer_bundle.special_tokens["eos_token"]])
+    writer.add_chat_template(model.tokenizer_bundle.chat_template)
+
+    expected = {}
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    for name, weight in hf_weights(model).items():
+        if name in skip:
+            continue
+        kind = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        qtype = types[kind]
+        if qtype in K_QUANTS:
+            raw = _random_k_quant(*weight.shape, qtype, rng)
+            dequantized = gguf.quants.dequantize(raw, qtype)
+        elif qtype == Q.F32:
+            raw, dequantized = weight, weight
+        else:
+            raw = gguf.quants.quantize(weight, qtype)
+            dequantized = gguf.quants.dequantize(raw, qtype)
+        expected[name] = dequantized
+        head_count = heads.get(kind.split(".")[0])
+        if arch == "llama" and head_count:
+            # Quantization works on rows of the input dim, so it commutes with this row permutation.
+            raw = llama_cpp_permute(raw, head_count)
+        writer.add_tensor(name, raw, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected

@@ -1,0 +1,32 @@
+"""Test-wide settings: CPU only, and one persistent compilation cache for the whole run so that
+engines built with the same shapes in different tests compile each variant once."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    from jaxserve.runner import enable_persistent_compilation_cache
+
+    enable_persistent_compilation_cache(str(tmp_path_factory.mktemp("xla-cache")))
+
+
+def _assert_kv_all_free(engine) -> None:
+    """No request left and every device block free or reclaimable (cached, held by nobody)."""
+    assert not engine.has_unfinished_requests(), "requests left in the engine"
+    kv = engine.kv
+    kv.check_integrity()
+    usage = kv.usage()
+    assert not kv.request_ids(), f"KV tables left: {kv.request_ids()}"
+    assert usage.used == 0 and usage.pinned == 0, f"KV blocks leaked: {usage}"
+    assert usage.free + usage.cached_idle == usage.num_blocks, f"KV accounting off: {usage}"
+    assert usage.host_swapped == 0, f"swapped blocks leaked: {usage}"
+
+
+@pytest.fixture
+def assert_kv_all_free():
+    return _assert_kv_all_free

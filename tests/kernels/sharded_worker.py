@@ -1,0 +1,64 @@
+"""Run in a subprocess by test_kernel_sharded.py, with 4 simulated CPU devices.
+
+Exits non-zero (an AssertionError) unless every backend, wrapped by `shard_attention` and fed
+head-sharded arrays, matches the unsharded reference and returns head-sharded output.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from kernels_pallas import get_attention_backend, shard_attention  # noqa: E402
+from paged_cases import (LAYER, SCALE, TOLERANCE, assert_close, block_tables, decode_lengths,  # noqa: E402
+                         interpret, make_cache, prefill_sequences, queries, reference_decode,
+                         reference_prefill)
+
+NUM_KV_HEADS, GROUP, BLOCK, WIDTH = 4, 2, 8, 4
+
+
+def main(dp: int, tp: int) -> None:
+    assert len(jax.devices()) == 4, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(dp, tp), ("dp", "tp"))
+    rng = np.random.default_rng(0)
+    cache = make_cache(rng, NUM_KV_HEADS, BLOCK, 24, jnp.float32)
+    k = jax.device_put(cache.k, NamedSharding(mesh, P(None, "tp")))
+    v = jax.device_put(cache.v, NamedSharding(mesh, P(None, "tp")))
+    heads = NamedSharding(mesh, P(None, "tp", None))
+    layer = jnp.int32(LAYER)
+
+    lengths = decode_lengths(rng, BLOCK, WIDTH)
+    tables = block_tables(rng, lengths, WIDTH, cache.num_blocks)
+    q = queries(rng, len(lengths), NUM_KV_HEADS * GROUP, jnp.float32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    want_decode = reference_decode(q, cache.k, cache.v, layer, tables, lengths, scale=SCALE)
+
+    seqs = prefill_sequences(rng, BLOCK, WIDTH)
+    seq_lens = jnp.asarray([h + c for h, c in seqs], jnp.int32)
+    ptables = block_tables(rng, [h + c for h, c in seqs], WIDTH, cache.num_blocks)
+    query_start = jnp.asarray(np.concatenate([[0], np.cumsum([c for _, c in seqs])]), jnp.int32)
+    pq = queries(rng, int(query_start[-1]) + 2, NUM_KV_HEADS * GROUP, jnp.float32)
+    want_prefill = reference_prefill(pq, cache.k, cache.v, layer, ptables, seq_lens, query_start,
+                                     scale=SCALE)
+
+    for name in ("reference", "pallas"):
+        backend = shard_attention(get_attention_backend(name), mesh, "tp")
+        options = {"interpret": interpret()} if name == "pallas" else {}
+        decode = jax.jit(lambda *a: backend.decode(*a, scale=SCALE, **options))
+        got = decode(jax.device_put(q, heads), k, v, layer, tables, lengths)
+        assert got.sharding.spec == P(None, "tp", None), got.sharding
+        assert_close(got, want_decode, TOLERANCE[jnp.float32])
+        prefill = jax.jit(lambda *a: backend.prefill(*a, scale=SCALE, **options))
+        got = prefill(jax.device_put(pq, heads), k, v, layer, ptables, seq_lens, query_start)
+        assert_close(got, want_prefill, TOLERANCE[jnp.float32])
+        print(f"{name} on a {dp}x{tp} mesh: ok")
+
+
+if __name__ == "__main__":
+    for mesh_shape in sys.argv[1:]:  # "DPxTP"
+        main(*map(int, mesh_shape.split("x")))

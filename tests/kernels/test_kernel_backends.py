@@ -1,0 +1,42 @@
+"""Backend registry, the platform default, and how interpret mode is chosen."""
+
+import jax
+import pytest
+
+from kernels_pallas import (BACKENDS, common, decode, default_attention_backend,
+                            get_attention_backend, prefill, reference)
+
+
+def test_registry():
+    assert get_attention_backend("reference").decode is reference.decode_attention
+    pallas = get_attention_backend("pallas")
+    assert (pallas.decode, pallas.prefill) == (decode.decode_attention, prefill.prefill_attention)
+    assert set(BACKENDS) == {"reference", "pallas"}
+    with pytest.raises(ValueError, match="reference, pallas"):
+        get_attention_backend("flash")
+
+
+def test_default_backend_follows_the_platform():
+    want = "pallas" if jax.default_backend() == "gpu" else "reference"
+    assert default_attention_backend() == want
+
+
+def test_interpret_resolution(monkeypatch):
+    monkeypatch.delenv(common.INTERPRET_ENV, raising=False)
+    assert common.resolve_interpret(None) == (jax.default_backend() == "cpu")
+    monkeypatch.setenv(common.INTERPRET_ENV, "0")
+    assert common.resolve_interpret(None) is False
+    monkeypatch.setenv(common.INTERPRET_ENV, "1")
+    assert common.resolve_interpret(None) is True
+    assert common.resolve_interpret(False) is False  # an explicit flag wins over the variable
+
+
+def test_native_shape_checks():
+    common.check_native_shapes(64, 16, 128, interpret=False)
+    common.check_native_shapes(80, 12, 8, interpret=True)  # the interpreter takes any shape
+    with pytest.raises(ValueError, match="head_dim"):
+        common.check_native_shapes(80, 16, 128, interpret=False)
+    with pytest.raises(ValueError, match="block_size"):
+        common.check_native_shapes(64, 12, 96, interpret=False)
+    with pytest.raises(ValueError, match="tokens per step"):
+        common.check_native_shapes(64, 8, 8, interpret=False)

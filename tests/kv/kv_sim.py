@@ -1,0 +1,225 @@
+"""A fake engine that drives a KVCacheManager the way the real one will, with fake KV content.
+
+The "KV" of a token is its token id: a step writes each scheduled token's id into its slot, the
+planned copies move ids between device blocks and host slots exactly as the runner would move
+K/V (stage by stage, each stage one gather then one scatter). A request's block table then must
+read back as its token ids, whatever sharing, copy-on-write, eviction or swapping happened.
+
+Operations are grouped in rounds like the engine's: scheduling calls plan copies and writes,
+`run_step()` executes the copies, then the writes, then caches the blocks that filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.kv import CopyKind, KVCacheManager, Pin
+
+EMPTY = -1
+
+
+@dataclass
+class Req:
+    tokens: list[int]
+    computed: int = 0           # tokens with KV written or being written this round
+    swapped: bool = False
+
+
+@dataclass
+class PinRecord:
+    pin: Pin
+    tokens: list[int]
+
+
+@dataclass
+class FakeEngine:
+    mgr: KVCacheManager
+    reqs: dict[str, Req] = field(default_factory=dict)
+    waiting: dict[str, list[int]] = field(default_factory=dict)   # preempted to recompute
+    pins: list[PinRecord] = field(default_factory=list)
+    busy: set[str] = field(default_factory=set)    # has writes pending in this round
+    pending: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        pool = self.mgr.pool
+        self.bs = pool.block_size
+        self.device = np.full((pool.num_blocks, self.bs), EMPTY, dtype=np.int64)
+        host_slots = self.mgr.host.num_slots if self.mgr.host is not None else 0
+        self.host = np.full((max(host_slots, 1), self.bs), EMPTY, dtype=np.int64)
+
+    # ------------------------------------------------------------- scheduling calls
+
+    def running(self) -> list[str]:
+        return [r for r, q in self.reqs.items() if not q.swapped]
+
+    def idle_running(self) -> list[str]:
+        """Running requests not scheduled this round (the ones a scheduler may preempt or fork)."""
+        return [r for r in self.running() if r not in self.busy]
+
+    def admit(self, rid: str, tokens: list[int], chunk: int, total: int | None = None) -> bool:
+        """Admit with a prefill chunk of `chunk` tokens after the cached prefix, or so that
+        `total` tokens are computed after this round (to keep two engines in step)."""
+        mgr = self.mgr
+        hit = mgr.match_prefix(tokens)
+        assert hit.num_tokens % self.bs == 0 and hit.num_tokens <= max(len(tokens) - 1, 0)
+        n = min(len(tokens) - hit.num_tokens, chunk) if total is None else total - hit.num_tokens
+        can = mgr.can_admit(hit, n)
+        ok = mgr.admit(rid, hit, n)
+        assert ok == can
+        if ok:
+            self.reqs[rid] = Req(list(tokens), hit.num_tokens + n)
+            self._schedule(rid, hit.num_tokens, hit.num_tokens + n)
+            assert mgr.num_tokens(rid) == hit.num_tokens + n
+        return ok
+
+    def step(self, rid: str, chunk: int, new_token: int) -> bool:
+        req = self.reqs[rid]
+        decode = req.computed == len(req.tokens)
+        if decode:
+            req.tokens.append(new_token)    # the token sampled by the previous step
+        n = min(chunk, len(req.tokens) - req.computed)
+        can = self.mgr.can_allocate(rid, n)
+        ok = self.mgr.allocate_slots(rid, n)
+        assert ok == can
+        if ok:
+            self._schedule(rid, req.computed, req.computed + n)
+            req.computed += n
+        elif decode:
+            req.tokens.pop()
+        return ok
+
+    def _schedule(self, rid: str, start: int, stop: int) -> None:
+        self.busy.add(rid)
+        self.pending.append((rid, start, stop))
+
+    def fork(self, parent: str, child: str) -> None:
+        self.mgr.fork(parent, child)
+        req = self.reqs[parent]
+        self.reqs[child] = Req(req.tokens[:req.computed], req.computed)
+
+    def preempt(self, rid: str) -> None:
+        req = self.reqs.pop(rid)
+        self.mgr.free(rid)
+        self.waiting[rid] = req.tokens
+
+    def swap_out(self, rid: str) -> bool:
+        ok = self.mgr.swap_out(rid)
+        if ok:
+            self.reqs[rid].swapped = True
+            assert self.mgr.is_swapped(rid) and len(self.mgr.block_table(rid)) == 0
+        return ok
+
+    def swap_in(self, rid: str) -> bool:
+        can = self.mgr.can_swap_in(rid)
+        ok = self.mgr.swap_in(rid)
+        assert ok == can
+        if ok:
+            self.reqs[rid].swapped = False
+        return ok
+
+    def finish(self, rid: str) -> None:
+        self.reqs.pop(rid)
+        self.mgr.free(rid)
+
+    def pin(self, owner: str, tokens: list[int]) -> Pin | None:
+        pin = self.mgr.pin(owner, tokens)
+        if pin is not None:
+            self.pins.append(PinRecord(pin, list(tokens[:pin.num_tokens])))
+        return pin
+
+    def unpin(self, index: int) -> None:
+        record = self.pins.pop(index)
+        self.mgr.unpin(record.pin)
+
+    # ------------------------------------------------------------- the runner's part
+
+    def run_step(self) -> None:
+        self.execute_copies()
+        for rid, start, stop in self.pending:
+            if rid in self.reqs and not self.reqs[rid].swapped:
+                slots = self.mgr.slot_mapping(rid, start, stop)
+                self.device.reshape(-1)[slots] = self.reqs[rid].tokens[start:stop]
+        self.pending.clear()
+        self.busy.clear()
+        for rid in self.running():
+            req = self.reqs[rid]
+            cached = self.mgr.cache_full_blocks(rid, req.tokens[:req.computed])
+            assert cached <= req.computed // self.bs
+
+    def execute_copies(self) -> None:
+        spaces = {
+            CopyKind.DEVICE_TO_HOST: (self.device, self.host),
+            CopyKind.HOST_TO_DEVICE: (self.host, self.device),
+            CopyKind.DEVICE_TO_DEVICE: (self.device, self.device),
+        }
+        for stage in self.mgr.take_copies():
+            src, dst = spaces[stage.kind]
+            assert len(set(stage.dst)) == len(stage.dst), "a stage writes one place twice"
+            values = src[stage.src]             # one gather ...
+            dst[stage.dst] = values             # ... then one scatter
+
+    # ------------------------------------------------------------- checks
+
+    def content(self, rid: str) -> np.ndarray:
+        n = self.reqs[rid].computed
+        return self.device[self.mgr.block_table(rid)].reshape(-1)[:n]
+
+    def check_bookkeeping(self) -> None:
+        """What must hold after every call: the manager's own check plus an independent recount."""
+        mgr = self.mgr
+        mgr.check_integrity()
+        pool = mgr.pool
+        holders = np.zeros(pool.num_blocks, dtype=np.int64)
+        for rid, req in self.reqs.items():
+            table = mgr.block_table(rid)
+            if req.swapped:
+                assert len(table) == 0
+                continue
+            assert len(table) == -(-mgr.num_tokens(rid) // self.bs), "table does not cover tokens"
+            assert mgr.num_tokens(rid) == req.computed
+            np.add.at(holders, table, 1)
+        cache = mgr.prefix_cache
+        if cache is not None:
+            np.add.at(holders, np.fromiter(cache.device_blocks(), dtype=np.int64), 1)
+        assert holders[0] == 0, "block 0 was handed out"
+        assert list(holders) == pool.refcount, "refcounts differ from the number of holders"
+        for block in range(1, pool.num_blocks):
+            assert pool.is_free(block) == (holders[block] == 0), "free xor referenced"
+        for record in self.pins:    # pinned (locked) paths are never evicted
+            match = cache.match(record.tokens, leave_last_token=False)
+            assert match.num_tokens == record.pin.num_tokens
+
+    def check_content(self) -> None:
+        """After run_step: every running request's blocks read back as its tokens; same for the cache."""
+        assert not self.pending
+        for rid in self.running():
+            req = self.reqs[rid]
+            np.testing.assert_array_equal(self.content(rid), req.tokens[:req.computed],
+                                          err_msg=f"content of {rid}")
+        cache = self.mgr.prefix_cache
+        if cache is None:
+            return
+        for node in cache.nodes():
+            key = np.frombuffer(node.key, dtype=np.int32).reshape(-1, self.bs)
+            stored = (self.device[node.blocks] if node.blocks is not None
+                      else self.host[node.host_slots])
+            np.testing.assert_array_equal(stored, key, err_msg="cached block content")
+
+    def drain(self) -> None:
+        """Finish everything, release pins, clear the cache: the pool must be whole again."""
+        self.run_step()
+        for rid in list(self.reqs):
+            self.finish(rid)
+        while self.pins:
+            self.unpin(0)
+        self.mgr.clear_prefix_cache()
+        self.execute_copies()
+        self.check_bookkeeping()
+        pool = self.mgr.pool
+        assert pool.num_free == pool.num_usable, "blocks leaked"
+        if self.mgr.host is not None:
+            assert self.mgr.host.num_free == self.mgr.host.num_slots, "host slots leaked"
+        usage = self.mgr.usage()
+        assert usage.free == usage.num_blocks and usage.used == usage.cached == 0

@@ -1,0 +1,61 @@
+"""The default model reproduces Hugging Face transformers (f32, same GGUF) token for token.
+
+Reference data: tests/data/smollm2_reference.json, made by tests/data/make_reference.py.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.registry import DEFAULT_MODEL, load_model
+from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
+from kernels_pallas import get_attention_backend
+
+pytestmark = pytest.mark.integration
+REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    from jaxserve import LLM
+
+    return LLM(smollm2, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+               decode_batch_buckets=(8,), prefill_token_buckets=(128,), prefill_seq_buckets=(4,),
+               block_table_buckets=(16,), num_blocks=128)
+
+
+def test_last_position_logits_match_transformers(smollm2):
+    model = LlamaModel(smollm2.config, get_attention_backend("reference"))
+    step = jax.jit(model.apply)
+    for case in REFERENCE["greedy"]:
+        ids = case["prompt_ids"]
+        n = len(ids)
+        cache = KVCache.zeros(smollm2.config, 8, 16, jnp.float32)
+        table = np.arange(1, 8, dtype=np.int32)
+        slots = table[np.arange(n) // 16] * 16 + np.arange(n) % 16
+        meta = AttentionMetadata(jnp.asarray(slots), jnp.asarray(table[None]), jnp.array([n]), jnp.array([0, n]))
+        logits, _ = step({"params": smollm2.params}, jnp.asarray(ids), jnp.arange(n), cache, meta, jnp.array([n - 1]))
+        logits = np.asarray(logits[0])
+        top = case["last_logits_top20"]
+        np.testing.assert_allclose(logits[top["ids"]], top["values"], atol=1e-3, rtol=0, err_msg=case["name"])
+        assert int(logits.argmax()) == case["last_logits_argmax"]
+
+
+def test_greedy_tokens_match_transformers(llm, assert_kv_all_free):
+    from jaxserve import SamplingParams
+
+    cases = REFERENCE["greedy"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        assert out.outputs[0].token_ids == case["new_ids"], case["name"]
+    assert_kv_all_free(llm.engine)
