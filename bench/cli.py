@@ -120,7 +120,7 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--slo", type=SLO.parse, default=None, metavar="TTFT_MS,TPOT_MS", help="goodput SLO, e.g. 500,100")
     p.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", type=_percentiles,
-                   default=DEFAULT_PERCENTILES, help="e.g. 50,90,99")  # fmt: skip
+                   default=DEFAULT_PERCENTILES, help="besides mean and median; e.g. 90,99")  # fmt: skip
     p.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
     p.add_argument("--save-detailed", action="store_true", help="keep every inter-token gap in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from typing import Any, AsyncIterator
 
@@ -32,14 +33,17 @@ class Endpoint:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+_EVENT_END = re.compile(rb"\r?\n\r?\n")  # a blank line ends an SSE event (sse-starlette sends CRLF)
+
+
 async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, dict[str, Any]]]:
     """(arrival time, parsed JSON) for each `data:` event until `[DONE]` or the end of the body."""
     buffer = b""
     async for raw in response.content.iter_any():
         now = time.perf_counter()
         buffer += raw
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
+        while (end := _EVENT_END.search(buffer)) is not None:
+            event, buffer = buffer[: end.start()], buffer[end.end() :]
             for line in event.decode("utf-8").splitlines():
                 if not line.startswith("data:"):
                     continue

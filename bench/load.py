@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import numpy as np
@@ -79,7 +79,7 @@ def _turn_group(conversation: Conversation, turn: int) -> str:
 
 
 async def _run_conversation(http: aiohttp.ClientSession, endpoint: Endpoint, item: Conversation, spec: LoadSpec,
-                            on_record: Any) -> None:  # fmt: skip
+                            on_record: Callable[[RequestRecord], None]) -> None:  # fmt: skip
     """Send the turns in order; a failed turn ends the conversation (its later turns are not sent)."""
     if spec.multi_turn_api == "sessions":
         try:

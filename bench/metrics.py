@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-DEFAULT_PERCENTILES = (50, 90, 99)
+DEFAULT_PERCENTILES = (90, 99)  # mean and median are always reported
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 

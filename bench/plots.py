@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-PERCENTILE_STYLES = {50: "-", 90: "--", 99: ":"}
+PERCENTILE_STYLES = {"median": ("-", "o"), "p90": ("--", "s"), "p99": (":", "^")}
 CURVE_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "end-to-end latency"))
 
 
@@ -43,7 +43,7 @@ def plot_cdfs(series: Mapping[str, Mapping[str, Sequence[float]]], path: str | P
 
 def plot_latency_curves(curves: Mapping[str, Sequence[tuple[float, Mapping[str, float | None]]]], path: str | Path,
                         xlabel: str, title: str = "") -> Path:  # fmt: skip
-    """p50 / p90 / p99 of TTFT, TPOT and E2E latency against x (request rate or concurrency).
+    """median / p90 / p99 of TTFT, TPOT and E2E latency against x (request rate or concurrency).
 
     `curves` maps a backend label to its points: (x, metrics dict from `compute_metrics`).
     """
@@ -53,11 +53,12 @@ def plot_latency_curves(curves: Mapping[str, Sequence[tuple[float, Mapping[str, 
     for ax, (metric, name) in zip(axes, CURVE_METRICS):
         for color, (label, points) in zip(colors, curves.items()):
             points = sorted(points, key=lambda p: p[0])
-            for p, style in PERCENTILE_STYLES.items():
-                xs = [x for x, m in points if m.get(f"p{p}_{metric}_ms") is not None]
-                ys = [m[f"p{p}_{metric}_ms"] for x, m in points if m.get(f"p{p}_{metric}_ms") is not None]
+            for stat, (style, marker) in PERCENTILE_STYLES.items():
+                key = f"{stat}_{metric}_ms"
+                xs = [x for x, m in points if m.get(key) is not None]
+                ys = [m[key] for _, m in points if m.get(key) is not None]
                 if ys:
-                    ax.plot(xs, ys, style, marker="o", color=color, label=f"{label} p{p}")
+                    ax.plot(xs, ys, style, marker=marker, color=color, label=f"{label} {stat}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(name)

@@ -113,7 +113,7 @@ def write_json(result: Mapping[str, Any], path: str | Path) -> None:
 
 
 def compare(path_a: str | Path, path_b: str | Path) -> str:
-    """Side by side: each backend's results in A and in B, with B / A, and what differs in setup."""
+    """Side by side: each backend's results in A and in B, with A / B, and what differs in setup."""
     a, b = (json.loads(Path(p).read_text()) for p in (path_a, path_b))
     lines = []
     for field in ("kind", "model", "dtype"):
@@ -126,8 +126,9 @@ def compare(path_a: str | Path, path_b: str | Path) -> str:
     for field in ("cpu", "cpus_usable", "gpus", "versions"):
         if sys_a.get(field) != sys_b.get(field):
             lines.append(f"note: system {field} differs: {sys_a.get(field)} vs {sys_b.get(field)}")
+    lines.append(f"A = {path_a}\nB = {path_b}")
     for name in [n for n in a["backends"] if n in b["backends"]]:
-        columns = {f"A {Path(path_a).name}": a["backends"][name]["results"], f"B {Path(path_b).name}": b["backends"][name]["results"]}
-        keys = [k for k, v in columns[f"A {Path(path_a).name}"].items() if _is_number(v) or v is None]
-        lines.append(table(f"{name}: A vs B (ratio A/B)", columns, keys))
+        columns = {"A": a["backends"][name]["results"], "B": b["backends"][name]["results"]}
+        keys = [k for k, v in columns["A"].items() if _is_number(v) or v is None]
+        lines.append(table(f"{name}: A vs B", columns, keys))
     return "\n".join(lines)

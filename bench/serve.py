@@ -14,6 +14,7 @@ import dataclasses
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any, Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,7 +37,7 @@ SERVE_PEERS = ("llama-cpp",)
 class ServeOptions:
     model: str
     base_url: str | None = None  # a running jaxserve server; None: start one
-    served_model_name: str | None = None  # the `model` field sent (default: the model spec)
+    served_model_name: str | None = None  # the `model` field sent (default: the spec's file name)
     server_args: list[str] = dataclasses.field(default_factory=list)  # extra `jaxserve serve` flags
     startup_timeout_s: float = 900.0
     api_key: str | None = None
@@ -102,10 +103,15 @@ def measure(endpoint: Endpoint, workload: Workload, spec: LoadSpec, tokenizer: T
                      metrics_by_group(records, duration, slo, percentiles), counters)  # fmt: skip
 
 
+def served_model_name(opts: ServeOptions) -> str:
+    """The `model` field of the requests: as given, else the spec's file name (`jaxserve serve`'s default)."""
+    return opts.served_model_name or Path(opts.model).name
+
+
 @contextlib.contextmanager
 def jaxserve_endpoint(opts: ServeOptions) -> Iterator[tuple[Endpoint, dict[str, Any]]]:
     extra = {"ignore_eos": True} if opts.ignore_eos else {}
-    name = opts.served_model_name or opts.model
+    name = served_model_name(opts)
     if opts.base_url:
         yield Endpoint(opts.base_url.rstrip("/"), name, extra, opts.api_key), {"base_url": opts.base_url}
         return
@@ -127,7 +133,7 @@ def llamacpp_endpoint(opts: ServeOptions, eos_token_ids: tuple[int, ...]) -> Ite
     extra = {"logit_bias": {str(t): -100.0 for t in eos_token_ids}} if opts.ignore_eos else {}
     with ManagedServer(argv, port, "/v1/models", opts.startup_timeout_s, name="llama-cpp") as server:
         info = {"argv": argv, "startup_s": server.startup_seconds, "versions": versions}
-        yield Endpoint(server.base_url, opts.served_model_name or opts.model, extra), info
+        yield Endpoint(server.base_url, served_model_name(opts), extra), info
 
 
 def endpoint_for(backend: str, opts: ServeOptions, tokenizer: Any):

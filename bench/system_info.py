@@ -74,4 +74,6 @@ def system_info(include_jax_devices: bool = False) -> dict[str, Any]:
     }
     if include_jax_devices:
         info["jax_devices"] = jax_devices()
+    accelerators = info["gpus"] or [d for d in info.get("jax_devices", []) if not d.startswith("cpu")]
+    info["accelerator"] = ", ".join(accelerators) if accelerators else "none (CPU only)"
     return info

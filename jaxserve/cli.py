@@ -15,7 +15,7 @@ import time
 import typing
 from pathlib import Path
 
-from checkpoints.registry import DEFAULT_MODEL
+from checkpoints.registry import DEFAULT_MODEL, cache_dir
 from jaxserve.config import EngineConfig
 
 
@@ -32,7 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=int, nargs="+", default=None, help="shape buckets")
         else:
             base = int if "int" in str(hint) else float if "float" in str(hint) else str
-            group.add_argument(flag, type=base, default=f.default)
+            default = f.default
+            if f.name == "compilation_cache_dir":  # restarts of the CLI reuse compiled steps
+                default = str(cache_dir() / "xla")
+            group.add_argument(flag, type=base, default=default)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -97,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     p.set_defaults(func=_cmd_convert)
+
+    # The server and the benchmarks live above jaxserve in the layering: imported here only.
+    from bench.cli import add_bench_parser
+    from server.cli import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args, engine_config_from_args)
+    add_bench_parser(sub)
     return parser
 
 

@@ -12,10 +12,12 @@ gathers and scatters of a fixed chunk size, before the model step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +129,9 @@ class ModelRunner:
         self._executables: dict[tuple, Any] = {}
         self.num_compilations = 0
         self.last_step_time = 0.0
+        # Multi-host: on process 0, called with every device operation of serving (a bucketed
+        # step or a block copy) before it runs, so the other processes can `replay` it.
+        self.mirror: Callable[[tuple], None] | None = None
 
     # ----- the jitted functions -------------------------------------------------------------
 
@@ -158,20 +163,33 @@ class ModelRunner:
         return exe
 
     def _run_step(self, key: tuple, args: tuple, sampling: SamplingTensors, warming_up: bool = False) -> SamplerOutput:
+        if self.mirror is not None and not warming_up:
+            self.mirror(("step", key, args[2:], sampling))
         logits, self.cache = self._compiled(key, self._step, args, warming_up)(*args)
         rows = logits.shape[0]
         return self._compiled(("sample", rows), self._sample, (logits, sampling), warming_up)(logits, sampling)
 
     def warm_up(self) -> float:
-        """Compile every bucket of both steps; return the seconds it took."""
+        """Compile every bucket of both steps and the samplers; return the seconds it took.
+
+        Tracing and lowering hold the GIL and run one by one; XLA's compilations then run on
+        a thread per core.
+        """
         ec = self.engine_config
         t0 = time.perf_counter()
-        for w in ec.block_table_buckets:
-            for b in ec.decode_batch_buckets:
-                self._run_step(*self._decode_arrays([], b, w), warming_up=True)
-            for t in ec.prefill_token_buckets:
-                for s in ec.prefill_seq_buckets:
-                    self._run_step(*self._prefill_arrays([], t, s, w), warming_up=True)
+        variants = [self._decode_arrays([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
+        variants += [self._prefill_arrays([], t, s, w) for w in ec.block_table_buckets
+                     for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
+        lowered = {key: self._step.lower(*args) for key, args, _ in variants if key not in self._executables}
+        for _, args, sampling in variants:
+            rows = args[-1].shape[0]
+            logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+            if ("sample", rows) not in self._executables:
+                lowered[("sample", rows)] = self._sample.lower(logits, sampling)
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            for key, exe in zip(lowered, pool.map(lambda low: low.compile(), lowered.values())):
+                self._executables[key] = exe
+        self.num_compilations += len(lowered)
         # The block-move helpers have one shape each; compiling them here keeps serving free of it.
         zeros = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
         self.cache = self._copy(self.cache, zeros, zeros)
@@ -296,7 +314,11 @@ class ModelRunner:
             for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
                 src, dst = stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK]
                 if stage.kind is CopyKind.DEVICE_TO_DEVICE:
+                    if self.mirror is not None:
+                        self.mirror(("copy", _padded(src), _padded(dst)))
                     self.cache = self._copy(self.cache, _padded(src), _padded(dst))
+                elif self.mirror is not None:
+                    raise RuntimeError("swapping KV blocks to the host is not supported across processes")
                 elif stage.kind is CopyKind.DEVICE_TO_HOST:
                     k, v = jax.device_get(self._gather(self.cache, _padded(src)))
                     self.host_k[:, :, dst] = k[:, :, : len(src)]
@@ -307,6 +329,17 @@ class ModelRunner:
                     k[:, :, : len(src)] = self.host_k[:, :, src]
                     v[:, :, : len(src)] = self.host_v[:, :, src]
                     self.cache = self._scatter(self.cache, _padded(dst), k, v)
+
+    def replay(self, op: tuple) -> None:
+        """Run a device operation that process 0's runner passed to its `mirror` (multi-host:
+        every process must launch the same computations in the same order)."""
+        if op[0] == "step":
+            _, key, host_args, sampling = op
+            self._run_step(key, (self.params, self.cache, *host_args), sampling)
+        elif op[0] == "copy":
+            self.cache = self._copy(self.cache, op[1], op[2])
+        else:
+            raise ValueError(f"unknown mirrored operation {op[0]!r}")
 
 
 def _padded(ids: list[int]) -> np.ndarray:

@@ -5,7 +5,8 @@ Chat templates are rendered the way Hugging Face `transformers` renders them
 `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` block tag,
 `raise_exception`, `strftime_now`, a `tojson` filter that does not escape HTML and keeps
 non-ASCII characters, the special tokens (`bos_token`, `eos_token`, ...) as variables, and
-messages whose `None`-valued keys are dropped.
+messages whose `None`-valued keys are dropped and whose reasoning text appears both as
+`reasoning_content` and `thinking`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Names a message's reasoning may come under; templates read `reasoning_content` (or `thinking`).
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """As transformers does: drop keys whose value is None, and expose reasoning under both names."""
+    normalized = {k: v for k, v in dict(message).items() if v is not None}
+    reasoning = next((normalized[k] for k in _REASONING_KEYS if k in normalized), None)
+    if reasoning is not None:
+        normalized = {"thinking": reasoning, **normalized, "reasoning_content": reasoning}
+    return normalized
+
+
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
@@ -92,19 +106,16 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self) -> str:
-        """The text still held back (an incomplete character at the very end), as the full decode has it."""
+        """At the end of the stream: the text still held back (an incomplete character), as the
+        full decode renders it (U+FFFD)."""
         full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
         tail = full[self._emitted_chars :]
         self._emitted_chars = len(full)
         return tail
 
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
-
 
 class Tokenizer:
-    """The tokenizer of a loaded model (see `checkpoints.load_model(...).tokenizer_bundle`)."""
+    """The tokenizer of a loaded model (see `checkpoints.registry.load_model(...).tokenizer_bundle`)."""
 
     def __init__(self, bundle: TokenizerBundle) -> None:
         self.bundle = bundle
@@ -156,7 +167,7 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
-        normalized = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        normalized = [_normalize_message(m) for m in messages]
         variables = {**self.bundle.special_tokens, **template_kwargs}
         return compile_chat_template(self.bundle.chat_template).render(
             messages=normalized,

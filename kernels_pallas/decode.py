@@ -177,13 +177,17 @@ def decode_attention(
     interpret: bool | None = None,
     pages_per_step: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 8,
     num_stages: int = 2,
 ) -> jax.Array:
     """q [B, H, D] -> [B, H, D]; see `reference.decode_attention` for the contract.
 
     interpret: None = on when JAX's default backend is CPU (or as $JAXSERVE_PALLAS_INTERPRET
     says). pages_per_step (a power of two) and num_splits default to per-shape heuristics.
+    num_warps / num_stages are Triton launch settings (8 warps: a 128-token x 128-dim K/V
+    tile per step is 16k gathered pointers; JAX's shipped kernel uses the same), untuned.
+    Block-table entries past a sequence's pages are never read; `lengths[b]` must not
+    exceed the table's width x block_size.
     """
     interpret = common.resolve_interpret(interpret)
     batch, num_heads, head_dim = q.shape

@@ -66,7 +66,10 @@ def completion_logprobs(info: ModelInfo, logprobs: list[TokenLogprob], offset: i
         token = info.token_text(lp.token_id)
         tokens.append(token)
         token_logprobs.append(lp.logprob)
-        top_logprobs.append({info.token_text(t): v for t, v in lp.top})
+        top: dict[str, float] = {}
+        for token_id, value in lp.top:  # best first; ids that share a text keep the best value
+            top.setdefault(info.token_text(token_id), value)
+        top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}

@@ -28,7 +28,7 @@ async def engine_call(engine: AsyncEngine, fn: Callable[[LLMEngine], Any]) -> An
     return await asyncio.wait_for(engine.call(fn), ENGINE_CALL_TIMEOUT)
 
 
-def _pin_within_budget(engine: LLMEngine, owner: str, ids: list[int], old: Pin | None,
+def pin_within_budget(engine: LLMEngine, owner: str, ids: list[int], old: Pin | None,
                        others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
     """Runs on the engine thread: pin `ids` replacing `old`, unpinning `others` (LRU first) as
     needed. Returns the new pin (None if even alone it does not fit) and the pins released."""
@@ -37,13 +37,17 @@ def _pin_within_budget(engine: LLMEngine, owner: str, ids: list[int], old: Pin |
         old = None
     released = []
     pin = kv.pin(owner, ids, replacing=old)
-    for other in others:
-        if pin is not None:
-            break
-        if other.active:
-            kv.unpin(other)
-            released.append(other)
-            pin = kv.pin(owner, ids, replacing=old)
+    if pin is None and others and kv.prefix_cache is not None:
+        needed = kv.prefix_cache.match(ids, leave_last_token=False).num_blocks
+        if needed <= kv.pins.budget_per_owner:  # else hopeless even alone: keep the others
+            for other in others:
+                if not other.active:
+                    continue
+                kv.unpin(other)
+                released.append(other)
+                pin = kv.pin(owner, ids, replacing=old)
+                if pin is not None:
+                    break
     if pin is None and old is not None:
         kv.unpin(old)  # the old history is stale now; do not keep it pinned either
         released.append(old)
@@ -73,7 +77,7 @@ class SessionKV:
         by_pin = {id(s.pin): s for s in others}
         old = session.pin
         result = await engine_call(
-            self.engine, lambda e: _pin_within_budget(e, session.owner, ids, old, [s.pin for s in others])
+            self.engine, lambda e: pin_within_budget(e, session.owner, ids, old, [s.pin for s in others])
         )
         if result is None:
             return

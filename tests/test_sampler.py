@@ -6,6 +6,7 @@ from jaxserve.sampler import (
     TOP_K_FAST_MAX,
     RowSampling,
     SamplingTensors,
+    _gumbel_noise,
     apply_penalties,
     sample,
     sampling_logits,
@@ -198,6 +199,21 @@ def test_seeded_draws_depend_only_on_seed_and_position() -> None:
             batch_logits[row_of_target] = logits
             out = _sample(batch_logits, _tensors(rows), num_top_logprobs=K)
             assert int(out.tokens[row_of_target]) == expected
+
+
+def test_random_stream_is_fold_in_of_seed_and_position() -> None:
+    streams = [(5, 0), (5, 3), (2**33 + 1, 3)]  # (seed, position)
+    rows = [_row(SamplingParams(), seed=s, position=p) for s, p in streams]
+    noise = np.asarray(_gumbel_noise(jax.device_put(_tensors(rows, 3)), 16))
+    for (seed, position), got in zip(streams, noise):
+        key = jax.random.wrap_key_data(
+            np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl="threefry2x32"
+        )
+        expected = jax.random.gumbel(jax.random.fold_in(key, position), (16,))
+        np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(
+        noise[0], jax.random.gumbel(jax.random.fold_in(jax.random.key(5), 0), (16,))
+    )
 
 
 def test_draws_follow_the_softmax_distribution() -> None:

@@ -5,7 +5,8 @@ from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 def test_defaults_follow_vllm() -> None:
     p = SamplingParams()
-    assert (p.n, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 16, 1.0, 1.0, 0, 0.0)
+    assert (p.n, p.max_tokens, p.temperature, p.top_p) == (1, 16, 1.0, 1.0)
+    assert (p.top_k, p.min_p) == (0, 0.0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert p.stop == [] and p.stop_token_ids == [] and p.seed is None and p.logprobs is None
     assert not p.ignore_eos and p.skip_special_tokens and p.priority == 0

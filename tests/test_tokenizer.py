@@ -6,6 +6,7 @@ tests/data/make_reference.py with transformers on the default model's GGUF.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -38,9 +39,8 @@ def reference() -> dict:
     return json.loads(REFERENCE.read_text())
 
 
-def with_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
-    bundle = tokenizer.bundle
-    return Tokenizer(bundle.__class__(bundle.tokenizer, template, bundle.special_tokens, bundle.eos_token_ids))
+def with_template(tokenizer: Tokenizer, template: str | None) -> Tokenizer:
+    return Tokenizer(dataclasses.replace(tokenizer.bundle, chat_template=template))
 
 
 # --- tiny tokenizer ---------------------------------------------------------------------------
@@ -96,6 +96,17 @@ def test_template_environment_matches_hugging_face(tiny):
         tok.apply_chat_template([{"role": "bad", "content": ""}])
 
 
+def test_messages_normalized_like_hugging_face(tiny):
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.thinking }}/{{ m.reasoning_content }}/{{ m.reasoning }}"
+        "/{{ m.name is defined }}|{% endfor %}"
+    )
+    messages = [{"role": "assistant", "content": "x", "reasoning": "r", "name": None}, {"role": "user", "content": "y"}]
+    # transformers 5.24's apply_chat_template(..., tokenize=False) output for the same input.
+    expected = "assistant:r/r/r/False|user:///False|"
+    assert with_template(tiny, template).apply_chat_template(messages, add_generation_prompt=False) == expected
+
+
 def test_template_sandbox_and_errors(tiny):
     with pytest.raises(jinja2.exceptions.SecurityError):
         with_template(tiny, "{{ messages.__class__.__mro__ }}").apply_chat_template([{"role": "u", "content": ""}])
@@ -114,7 +125,6 @@ def check_stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool
     for delta in deltas:
         assert not delta.endswith("\ufffd"), deltas
     assert "".join(deltas) + detok.finish() == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    assert detok.token_ids == ids
     return deltas
 
 
@@ -141,8 +151,8 @@ def test_detokenizer_random_streams_tiny(tiny, data, skip, chunk):
 def test_detokenizer_on_real_text_never_emits_replacement_characters(tiny, text):
     ids = tiny.encode(text)
     deltas = check_stream(tiny, ids, skip_special_tokens=False)
-    assert "".join(deltas) == text  # nothing held back at the end of complete text
     if "\ufffd" not in text:
+        assert "".join(deltas) == text  # complete text: nothing is held back at the end
         assert all("\ufffd" not in delta for delta in deltas)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from checkpoints.gguf import load_gguf, unpermute_rope_rows
 from checkpoints.tiny_random import build_tiny_random
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
-TEXTS = ["Hello world!  42 apples\n\n1. x", "你好，世界。", "<|im_start|>user\nhi<|im_end|>", "def f(a):\n    return a"]
+TEXTS = ["Hello world!  42 apples\n\n1. x", "你好，世界。", "<|im_start|>user\nhi<|im_end|>", "def f(a):\n  return a"]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_unpermuted_weights_with_rotate_half_rope_match_llama_cpp_rope_on_stored
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tiny_gguf_loads_every_tensor_type_exactly(tmp_path, tiny, arch):
+def test_tiny_gguf_loads_every_tensor_type_exactly(tmp_path, arch):
     model = build_tiny_random(intermediate_size=256, attention_bias=(arch == "qwen2"))
     types = {"ffn_down.weight": Q.Q4_K} if arch == "qwen2" else None
     expected = write_tiny_gguf(tmp_path / "m.gguf", model, arch=arch, types=types)
@@ -88,9 +89,8 @@ def test_tiny_gguf_loads_every_tensor_type_exactly(tmp_path, tiny, arch):
         original = hf_weights(model)[name]
         if "ffn_down" not in name:  # K-quant blocks are random bytes, unrelated to the original
             assert np.abs(got[name] - original).max() <= 0.25 * np.abs(original).max() + 1e-6, name
-    assert loaded.config == model.config.__class__(
-        **{**model.config.__dict__, "architecture": arch, "rms_norm_eps": float(np.float32(1e-5))}
-    )
+    # GGUF stores eps as float32.
+    assert loaded.config == dataclasses.replace(model.config, architecture=arch, rms_norm_eps=float(np.float32(1e-5)))
 
 
 def test_tiny_gguf_tokenizer_and_chat_template(tmp_path, tiny):

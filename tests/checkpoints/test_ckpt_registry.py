@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import zipfile
 
 import jax
@@ -50,7 +51,9 @@ def test_tiny_random_weights_do_not_change_between_processes():
         "[h.update(v.tobytes()) for v in (m.params['embed']['embedding'], m.params['layers']['q_proj']['kernel'])];"
         "print(h.hexdigest())"
     )
-    run = lambda: subprocess.run(["python3", "-c", code], capture_output=True, text=True, check=True).stdout  # noqa: E731
+    def run() -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
     assert run() == run()
 
 
@@ -138,4 +141,5 @@ def test_default_model_loads_from_cache_after_conversion():
     assert is_orbax_dir(registry.cache_dir() / DEFAULT_MODEL / "orbax")
     assert model.config.num_layers == 30 and model.tokenizer_bundle.eos_token_ids == (2,)
     again = load_model(DEFAULT_MODEL)
-    np.testing.assert_array_equal(again.params["layers"]["q_proj"]["kernel"], model.params["layers"]["q_proj"]["kernel"])
+    for path, value in leaves(model.params).items():
+        np.testing.assert_array_equal(leaves(again.params)[path], value, err_msg=path)

@@ -28,6 +28,8 @@ JSON format (all ids are ints, logits floats):
       "name", "messages", "text" (chat template, add_generation_prompt=True), "prompt_ids",
       "new_ids": 32 greedy tokens (argmax each step, not stopped at eos),
       "first_eos_index": index in new_ids of the first eos, or null,
+      "new_margins": top-1 minus top-2 logit at each of those steps (a tiny gap marks a near tie,
+                     where a different but correct f32 summation order may pick the other token),
       "last_logits_top20": {"ids": [...], "values": [...]},               # at the last prompt position
       "last_logits_argmax": int                                           # over the full vocabulary
   }],
@@ -90,7 +92,11 @@ CHAT_TEMPLATES = [
         ],
         True,
     ),
-    ("no_generation_prompt", [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！"}], False),
+    (
+        "no_generation_prompt",
+        [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！"}],
+        False,
+    ),
 ]
 
 GREEDY_PROMPTS = [
@@ -140,17 +146,20 @@ def sha256(path: Path) -> str:
 
 
 @torch.no_grad()
-def greedy(model, prompt_ids: list[int]) -> tuple[list[int], torch.Tensor]:
-    """32 argmax tokens with the KV cache (not stopped at eos), and the last-prompt-position logits."""
+def greedy(model, prompt_ids: list[int]) -> tuple[list[int], list[float], torch.Tensor]:
+    """32 argmax tokens with the KV cache (not stopped at eos), the top-1 minus top-2 logit gap at
+    each step, and the logits at the last prompt position."""
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
     first_logits = out.logits[0, -1].clone()
-    logits, past, new_ids = first_logits, out.past_key_values, []
+    logits, past, new_ids, margins = first_logits, out.past_key_values, [], []
     for _ in range(NEW_TOKENS):
+        top2 = torch.topk(logits, 2).values
+        margins.append(round(float(top2[0] - top2[1]), 5))
         next_id = int(torch.argmax(logits))
         new_ids.append(next_id)
         out = model(input_ids=torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
         logits, past = out.logits[0, -1], out.past_key_values
-    return new_ids, first_logits
+    return new_ids, margins, first_logits
 
 
 def main() -> None:
@@ -194,7 +203,7 @@ def main() -> None:
         text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = ids_of(text)
         assert prompt_ids == raw_backend.encode(text, add_special_tokens=False).ids, name
-        new_ids, logits = greedy(model, prompt_ids)
+        new_ids, margins, logits = greedy(model, prompt_ids)
         top = torch.topk(logits, TOP_K)
         runs.append(
             {
@@ -204,6 +213,7 @@ def main() -> None:
                 "prompt_ids": prompt_ids,
                 "new_ids": new_ids,
                 "first_eos_index": new_ids.index(eos) if eos in new_ids else None,
+                "new_margins": margins,
                 "last_logits_top20": {
                     "ids": top.indices.tolist(),
                     "values": [round(v, 6) for v in top.values.tolist()],

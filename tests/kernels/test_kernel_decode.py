@@ -30,7 +30,7 @@ def run_both(group, block_size, dtype, seed=0, width=WIDTH, **options):
 
 
 # Every GQA ratio and every block size, in pairs that vary both (each case costs a compile).
-@pytest.mark.parametrize("group,block_size", [(1, 8), (3, 16), (4, 32), (8, 8), (8, 16)])
+@pytest.mark.parametrize("group,block_size", [(1, 8), (3, 16), (4, 32), (8, 16)])
 def test_matches_reference_f32(group, block_size):
     got, want = run_both(group, block_size, jnp.float32)
     assert_close(got, want, TOLERANCE[jnp.float32])
@@ -64,7 +64,7 @@ def test_soft_cap_and_sliding_window(num_splits):
 @pytest.mark.parametrize("group,block_size,dtype,k_splits", [
     (1, 8, jnp.float32, 1),
     (4, 16, jnp.float32, 2),
-    (3, 8, jnp.bfloat16, 4),
+    (3, 8, jnp.bfloat16, 2),
 ])
 def test_matches_shipped_paged_attention(group, block_size, dtype, k_splits):
     """JAX's op applies no 1/sqrt(d): give it q * scale. It takes one layer [KVH, P, PS, D]."""

@@ -31,7 +31,7 @@ def run_both(group, block_size, dtype, seed=0, **options):
     return got, want
 
 
-@pytest.mark.parametrize("group,block_size", [(1, 16), (3, 8), (4, 32), (8, 16), (3, 32)])
+@pytest.mark.parametrize("group,block_size", [(1, 16), (3, 8), (4, 32), (8, 16)])
 def test_matches_reference_f32(group, block_size):
     got, want = run_both(group, block_size, jnp.float32)
     assert_close(got, want, TOLERANCE[jnp.float32])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.kv import CopyKind, KVCacheManager, Pin
+from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, Pin
 
 EMPTY = -1
 
@@ -135,7 +135,12 @@ class FakeEngine:
 
     # ------------------------------------------------------------- the runner's part
 
-    def run_step(self) -> None:
+    def run_step(self, cache: bool = True) -> None:
+        """Copies, then the step's writes, then (unless told not to) caching of full blocks.
+
+        A scheduler may cache lazily; skipping it leaves full blocks uncached for a while,
+        possibly shared by forks when they are cached later.
+        """
         self.execute_copies()
         for rid, start, stop in self.pending:
             if rid in self.reqs and not self.reqs[rid].swapped:
@@ -143,18 +148,19 @@ class FakeEngine:
                 self.device.reshape(-1)[slots] = self.reqs[rid].tokens[start:stop]
         self.pending.clear()
         self.busy.clear()
-        for rid in self.running():
+        for rid in self.running() if cache else []:
             req = self.reqs[rid]
             cached = self.mgr.cache_full_blocks(rid, req.tokens[:req.computed])
             assert cached <= req.computed // self.bs
 
-    def execute_copies(self) -> None:
+    def execute_copies(self, stages: list[CopyStage] | None = None) -> None:
+        """Run `stages` (default: whatever the manager planned) the way the runner would."""
         spaces = {
             CopyKind.DEVICE_TO_HOST: (self.device, self.host),
             CopyKind.HOST_TO_DEVICE: (self.host, self.device),
             CopyKind.DEVICE_TO_DEVICE: (self.device, self.device),
         }
-        for stage in self.mgr.take_copies():
+        for stage in self.mgr.take_copies() if stages is None else stages:
             src, dst = spaces[stage.kind]
             assert len(set(stage.dst)) == len(stage.dst), "a stage writes one place twice"
             values = src[stage.src]             # one gather ...
@@ -187,6 +193,8 @@ class FakeEngine:
         assert list(holders) == pool.refcount, "refcounts differ from the number of holders"
         for block in range(1, pool.num_blocks):
             assert pool.is_free(block) == (holders[block] == 0), "free xor referenced"
+        usage = mgr.usage()
+        assert usage.free + usage.used + usage.pinned + usage.cached_idle == usage.num_blocks
         for record in self.pins:    # pinned (locked) paths are never evicted
             match = cache.match(record.tokens, leave_last_token=False)
             assert match.num_tokens == record.pin.num_tokens

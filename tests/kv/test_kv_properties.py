@@ -123,23 +123,25 @@ def apply(eng: FakeEngine, action: tuple, new_id: str, twin: FakeEngine | None =
 
 
 def rounds(actions: list) -> st.SearchStrategy:
-    return st.lists(st.lists(st.one_of(actions), min_size=1, max_size=6), min_size=3, max_size=40)
+    """Rounds of calls; the flag says whether the step caches its full blocks."""
+    calls = st.lists(st.one_of(actions), min_size=1, max_size=6)
+    return st.lists(st.tuples(calls, st.booleans() | st.just(True)), min_size=3, max_size=40)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=rounds(CORE_ACTIONS + CACHE_ACTIONS), num_blocks=st.integers(8, 32),
        host_slots=st.sampled_from([0, 6, 24]), watermark=st.integers(0, 2), spill=st.booleans())
-def test_invariants_hold_after_every_call(workload: list[list[tuple]], num_blocks: int,
+def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool]], num_blocks: int,
                                           host_slots: int, watermark: int, spill: bool) -> None:
     mgr = KVCacheManager(num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots,
                          spill_to_host=spill, pin_budget_blocks=PIN_BUDGET,
                          max_pinned_blocks=num_blocks // 3)
     eng = FakeEngine(mgr)
-    for r, calls in enumerate(workload):
+    for r, (calls, cache) in enumerate(workload):
         for c, action in enumerate(calls):
             apply(eng, action, f"r{r}.{c}")
             eng.check_bookkeeping()
-        eng.run_step()
+        eng.run_step(cache)
         eng.check_bookkeeping()
         eng.check_content()
     eng.drain()
@@ -148,7 +150,7 @@ def test_invariants_hold_after_every_call(workload: list[list[tuple]], num_block
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=rounds(CORE_ACTIONS), num_blocks=st.integers(10, 32),
        host_slots=st.sampled_from([0, 8, 24]))
-def test_prefix_cache_does_not_change_content(workload: list[list[tuple]], num_blocks: int,
+def test_prefix_cache_does_not_change_content(workload: list[tuple[list[tuple], bool]], num_blocks: int,
                                               host_slots: int) -> None:
     """The same workload with and without the prefix cache: same outcomes, same contents.
 
@@ -160,7 +162,7 @@ def test_prefix_cache_does_not_change_content(workload: list[list[tuple]], num_b
                                       num_host_slots=host_slots, enable_prefix_cache=False))
     cached = FakeEngine(KVCacheManager(num_blocks, BS, watermark_blocks=0,
                                        num_host_slots=host_slots, spill_to_host=True))
-    for r, calls in enumerate(workload):
+    for r, (calls, cache) in enumerate(workload):
         for c, action in enumerate(calls):
             outcome = apply(plain, action, f"r{r}.{c}", twin=cached)
             if outcome is False:
@@ -169,7 +171,7 @@ def test_prefix_cache_does_not_change_content(workload: list[list[tuple]], num_b
             plain.check_bookkeeping()
             cached.check_bookkeeping()
         for eng in (plain, cached):
-            eng.run_step()
+            eng.run_step(cache)
             eng.check_content()
         assert plain.running() == cached.running()
         for rid in plain.running():

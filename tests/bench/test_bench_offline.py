@@ -1,0 +1,52 @@
+"""`bench throughput` / `bench latency` on the tiny-random engine, and the peers' missing-dependency path."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from bench.offline import run_latency, run_throughput
+from bench.peers.runner import PeerUnavailable, check_peer, run_offline_peer
+from bench.workloads import TokenSampler, random_workload
+from bench_engine_args import SMALL_ENGINE
+
+
+def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
+    def make(tokenizer, special):
+        return random_workload(TokenSampler(tokenizer, 0, special), 6, input_len=20, output_len=5)
+
+    result = run_throughput("tiny-random", {**SMALL_ENGINE, "compilation_cache_dir": compile_cache}, make,
+                            show_progress=False)  # fmt: skip
+    assert result["kind"] == "throughput" and result["workload"]["total_prompt_tokens"] == 120
+    ours = result["backends"]["jaxserve"]["results"]
+    assert ours["num_requests"] == 6 and ours["total_prompt_tokens"] == 120 and ours["total_output_tokens"] == 30
+    assert ours["output_tokens_per_s"] == pytest.approx(30 / ours["elapsed_s"])
+    assert ours["prompt_tokens_computed"] == 120 - ours["cached_prompt_tokens"]
+    assert ours["compilations_during_run"] == 0
+    assert result["system"]["accelerator"]
+
+
+def test_latency_reports_prefill_and_decode(compile_cache):
+    result = run_latency("tiny-random", {**SMALL_ENGINE, "compilation_cache_dir": compile_cache}, input_len=16,
+                         output_len=6, iters=2, warmup_iters=1)  # fmt: skip
+    ours = result["backends"]["jaxserve"]["results"]
+    assert ours["iterations"] == 2
+    assert 0 < ours["mean_prefill_ms"] < ours["mean_latency_ms"]
+    assert ours["mean_decode_ms_per_token"] > 0
+    assert len(result["backends"]["jaxserve"]["info"]["latency_s"]) == 2
+
+
+def test_missing_peer_is_a_clear_error():
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("llama-cpp-python is installed in this interpreter")
+    with pytest.raises(PeerUnavailable, match="pip install"):
+        check_peer("llama-cpp", sys.executable)
+    job = {"gguf": "unused.gguf", "threads": 1, "mode": "throughput", "batch_size": 1,
+           "requests": [{"prompt_token_ids": [1], "max_tokens": 1}]}  # fmt: skip
+    with pytest.raises(PeerUnavailable, match="llama-cpp-python"):
+        run_offline_peer("llama-cpp", job, sys.executable)

@@ -1,0 +1,261 @@
+"""KV cache manager edge cases: forks, copy-on-write, swap under pressure, watermark, pins."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kv_sim import FakeEngine
+
+from jaxserve.kv import CopyKind, KVCacheManager
+
+BS = 4
+
+
+def engine(num_blocks: int = 32, **kwargs) -> FakeEngine:
+    kwargs.setdefault("watermark_blocks", 0)
+    return FakeEngine(KVCacheManager(num_blocks, BS, **kwargs))
+
+
+def settle(eng: FakeEngine) -> None:
+    """Run the step and check everything."""
+    eng.run_step()
+    eng.check_bookkeeping()
+    eng.check_content()
+
+
+def test_cow_on_a_shared_partial_block_copies_once() -> None:
+    eng = engine()
+    mgr = eng.mgr
+    assert eng.admit("a", [5, 6, 7, 8, 9, 10], chunk=6)   # [5 6 7 8] [9 10 . .]
+    settle(eng)
+    eng.fork("a", "b")
+    shared = int(mgr.block_table("a")[1])
+    assert mgr.pool.refcount[shared] == 2
+    assert eng.step("b", 1, 11)                            # b writes into the shared block
+    (stage,) = mgr.take_copies()
+    copy = int(mgr.block_table("b")[1])
+    assert stage.kind is CopyKind.DEVICE_TO_DEVICE and stage.pairs == [(shared, copy)]
+    assert int(mgr.block_table("a")[1]) == shared != copy
+    assert mgr.pool.refcount[shared] == 1 and mgr.pool.refcount[copy] == 1
+    eng.execute_copies([stage])
+    settle(eng)
+    assert eng.step("a", 1, 12)                            # a is alone now: no copy
+    assert mgr.take_copies() == []
+    settle(eng)
+    assert list(eng.content("a")) == [5, 6, 7, 8, 9, 10, 12]
+    assert list(eng.content("b")) == [5, 6, 7, 8, 9, 10, 11]
+    eng.drain()
+
+
+def test_fork_of_a_fork_shares_then_diverges() -> None:
+    eng = engine()
+    mgr = eng.mgr
+    assert eng.admit("a", [1, 2, 3, 4, 5, 6, 7], chunk=7)
+    settle(eng)
+    eng.fork("a", "b")
+    eng.fork("b", "c")
+    full, partial = (int(b) for b in mgr.block_table("c"))
+    assert mgr.pool.refcount[full] == 4                    # three tables + the prefix cache
+    assert mgr.pool.refcount[partial] == 3
+    for rid, token in (("c", 30), ("b", 20), ("a", 10)):
+        assert eng.step(rid, 1, token)
+    stages = mgr.take_copies()
+    assert [pair[0] for s in stages for pair in s.pairs] == [partial, partial]
+    eng.execute_copies(stages)
+    settle(eng)
+    for rid, token in (("a", 10), ("b", 20), ("c", 30)):
+        assert list(eng.content(rid)) == [1, 2, 3, 4, 5, 6, 7, token]
+    assert int(mgr.block_table("a")[1]) == partial          # the last writer kept the original
+    eng.fork("c", "d")                                     # and a fork of the fork of the fork
+    for _ in range(6):
+        assert eng.step("d", 1, 40)
+        settle(eng)
+    assert list(eng.content("d"))[:8] == [1, 2, 3, 4, 5, 6, 7, 30]
+    assert mgr.usage().shared >= 1
+    eng.drain()
+
+
+def test_swap_in_when_the_pool_is_full_waits_then_restores_content() -> None:
+    eng = engine(num_blocks=9, num_host_slots=8)           # 8 usable blocks
+    mgr = eng.mgr
+    assert eng.admit("a", list(range(10, 22)), chunk=12)   # 3 blocks
+    settle(eng)
+    assert eng.swap_out("a")
+    settle(eng)
+    assert eng.admit("b", list(range(30, 50)), chunk=20)   # 5 blocks
+    assert eng.admit("c", list(range(60, 72)), chunk=12)   # 3 blocks: evicts a's cached ones
+    settle(eng)
+    before = mgr.usage()
+    assert before.free == 0 and before.cached_idle == 0
+    assert not mgr.can_swap_in("a") and not eng.swap_in("a")
+    assert mgr.usage() == before and mgr.is_swapped("a") and mgr.take_copies() == []
+    eng.finish("c")
+    assert eng.swap_in("a")
+    settle(eng)
+    assert list(eng.content("a")) == list(range(10, 22))
+    eng.drain()
+
+
+def test_swap_in_and_out_again_in_one_round_keeps_content() -> None:
+    eng = engine(num_blocks=16, num_host_slots=6)
+    assert eng.admit("a", list(range(1, 11)), chunk=10)
+    settle(eng)
+    assert eng.swap_out("a")
+    settle(eng)
+    assert eng.swap_in("a") and eng.swap_out("a")          # planned back to back
+    assert eng.admit("b", list(range(50, 70)), chunk=20)   # reuses the blocks just freed
+    settle(eng)
+    assert eng.swap_in("a")
+    settle(eng)
+    assert list(eng.content("a")) == list(range(1, 11))
+    eng.drain()
+
+
+def test_swap_out_fails_cleanly_when_the_host_is_full() -> None:
+    eng = engine(num_blocks=16, num_host_slots=2)
+    assert eng.admit("a", list(range(1, 11)), chunk=10)    # 3 blocks > 2 host slots
+    settle(eng)
+    assert not eng.mgr.can_swap_out("a") and not eng.swap_out("a")
+    assert not eng.mgr.is_swapped("a")
+    eng.drain()
+    no_tier = engine()
+    assert no_tier.admit("a", [1, 2, 3], chunk=3)
+    assert not no_tier.swap_out("a")
+    no_tier.drain()
+
+
+def test_watermark_holds_back_admissions_but_not_running_growth() -> None:
+    eng = engine(num_blocks=11, watermark_blocks=2)        # 10 usable
+    mgr = eng.mgr
+    assert eng.admit("a", list(range(100, 140)), chunk=32)  # 8 blocks, leaves 2
+    hit = mgr.match_prefix([1, 2, 3])
+    assert not mgr.can_admit(hit, 3) and not mgr.admit("b", hit, 3)
+    assert eng.step("a", 8, 0)                              # growth may use the reserve
+    assert mgr.num_available_blocks == 0
+    settle(eng)
+    eng.drain()
+
+
+def test_admission_counts_the_idle_blocks_it_is_about_to_lock() -> None:
+    eng = engine(num_blocks=9)                              # 8 usable
+    mgr = eng.mgr
+    prompt = list(range(1, 14))
+    assert eng.admit("a", prompt, chunk=13)                 # 4 blocks, 3 of them full
+    settle(eng)
+    eng.finish("a")                                         # 3 cached idle, 5 free
+    assert eng.admit("b", list(range(50, 70)), chunk=20)    # takes the 5 free blocks
+    hit = mgr.match_prefix(prompt)
+    assert hit.num_tokens == 12 and mgr.num_available_blocks == 3
+    # Reusing the 3 idle blocks locks them, so nothing is left for the 13th token.
+    assert not mgr.can_admit(hit, 1) and not mgr.admit("a2", hit, 1)
+    settle(eng)
+    eng.drain()
+
+
+def test_prefix_hit_on_admission_and_stale_hits() -> None:
+    eng = engine()
+    mgr = eng.mgr
+    prompt = list(range(1, 14))                             # 13 tokens: 3 full blocks
+    assert eng.admit("a", prompt, chunk=13)
+    settle(eng)
+    hit = mgr.match_prefix(prompt)
+    assert hit.num_tokens == 12 and hit.num_host_tokens == 0
+    assert eng.admit("b", [9, 9, 9], chunk=3)
+    with pytest.raises(ValueError, match="stale"):
+        mgr.admit("c", hit, 1)
+    assert eng.admit("c", prompt, chunk=1)
+    assert list(mgr.block_table("c"))[:3] == list(mgr.block_table("a"))[:3]
+    settle(eng)
+    assert mgr.stats.queries == 3 and mgr.stats.hit_tokens == 12
+    eng.drain()
+
+
+def test_spilled_prefix_comes_back_from_the_host_on_a_hit() -> None:
+    eng = engine(num_blocks=9, num_host_slots=8)           # 8 usable device blocks
+    mgr = eng.mgr
+    prompt = list(range(1, 14))
+    assert eng.admit("a", prompt, chunk=13)
+    settle(eng)
+    eng.finish("a")                                         # 3 blocks stay cached, idle
+    assert eng.admit("b", list(range(50, 82)), chunk=32)    # 8 blocks: a's spill to the host
+    settle(eng)
+    assert mgr.usage().host_cached == 3
+    eng.finish("b")
+    hit = mgr.match_prefix(prompt)
+    assert hit.num_tokens == 12 and hit.num_host_tokens == 12
+    assert eng.admit("a2", prompt, chunk=1)
+    stages = mgr.take_copies()                              # b's blocks spill, a's come back
+    loads = [pair for s in stages if s.kind is CopyKind.HOST_TO_DEVICE for pair in s.pairs]
+    assert len(loads) == 3
+    eng.execute_copies(stages)
+    settle(eng)
+    assert list(eng.content("a2")) == prompt
+    assert mgr.stats.host_hit_tokens == 12
+    eng.drain()
+
+
+def test_pins_respect_per_owner_budget_and_survive_clearing() -> None:
+    eng = engine(num_blocks=64, pin_budget_blocks=3, max_pinned_blocks=5)
+    mgr = eng.mgr
+    long, short = list(range(1, 18)), list(range(40, 49))  # 4 and 2 full blocks
+    assert eng.admit("a", long, chunk=17) and eng.admit("b", short, chunk=9)
+    settle(eng)
+    assert mgr.pin("alice", long) is None                  # 4 blocks > budget 3
+    first = mgr.pin("alice", long[:12])
+    assert first is not None and first.num_blocks == 3
+    assert mgr.pin("alice", short) is None                 # 3 + 2 > 3
+    second = mgr.pin("alice", short, replacing=first)      # a session's next turn
+    assert second is not None and not first.active and mgr.pins.pinned_by("alice") == 2
+    bob = mgr.pin("bob", long[:12])
+    assert bob is not None and mgr.pins.total == 5
+    assert mgr.pin("carol", short) is None                 # pool-wide cap
+    eng.finish("a")
+    eng.finish("b")
+    mgr.clear_prefix_cache()
+    assert mgr.prefix_cache.match(long[:12], leave_last_token=False).num_blocks == 3
+    assert mgr.prefix_cache.match(short, leave_last_token=False).num_blocks == 2
+    assert mgr.usage().pinned == 5
+    mgr.unpin(second)
+    with pytest.raises(ValueError):
+        mgr.unpin(second)
+    mgr.unpin(bob)
+    eng.drain()
+
+
+def test_slot_mapping_and_block_table_views() -> None:
+    eng = engine()
+    mgr = eng.mgr
+    assert eng.admit("a", list(range(10)), chunk=10)
+    table = mgr.block_table("a")
+    assert table.dtype == np.int32 and len(table) == 3 and not table.flags.writeable
+    expected = [int(table[p // BS]) * BS + p % BS for p in range(3, 10)]
+    assert mgr.slot_mapping("a", 3, 10).tolist() == expected
+    with pytest.raises(ValueError):
+        mgr.slot_mapping("a", 0, 11)
+    settle(eng)
+    eng.drain()
+
+
+def test_bad_calls_get_clear_errors() -> None:
+    eng = engine(num_host_slots=8)
+    mgr = eng.mgr
+    with pytest.raises(KeyError):
+        mgr.allocate_slots("nope", 1)
+    assert eng.admit("a", [1, 2, 3, 4, 5], chunk=5)
+    with pytest.raises(ValueError, match="already"):
+        mgr.admit("a", mgr.match_prefix([1, 2]), 2)
+    with pytest.raises(ValueError):
+        mgr.allocate_slots("a", -1)
+    with pytest.raises(ValueError, match="slots"):
+        mgr.cache_full_blocks("a", [1, 2, 3, 4, 5, 6])
+    with pytest.raises(ValueError, match="already exists"):
+        mgr.fork("a", "a")
+    with pytest.raises(ValueError, match="not swapped"):
+        mgr.swap_in("a")
+    settle(eng)
+    assert eng.swap_out("a")
+    with pytest.raises(ValueError, match="swapped"):
+        mgr.allocate_slots("a", 1)
+    with pytest.raises(ValueError):
+        KVCacheManager(8, BS, watermark_blocks=7)
+    eng.drain()

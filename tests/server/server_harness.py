@@ -1,0 +1,130 @@
+"""Helpers for the server tests: real servers on loopback ports, plain HTTP calls, SSE parsing.
+
+Each server runs its own aiohttp `AppRunner` on its own event loop in a background thread, as
+`jaxserve serve` does (handler cancellation on, port chosen by the OS). Tests talk to them over
+HTTP with real clients (`openai`, aiohttp, http.client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import LLMEngine
+from server.app import build_app
+from server.config import ServerConfig
+from server.engine_snapshot import EngineSnapshot, take_snapshot
+
+MODEL_NAME = "tiny-random"
+KEY_A = "key-alpha"
+KEY_B = "key-bravo"
+BLOCK_SIZE = 8
+# Few buckets: every one costs seconds of compilation on a 2-core CI machine, and padding a
+# tiny model's step to a bigger bucket costs next to nothing.
+TEST_ENGINE = dict(
+    max_num_seqs=64, max_num_batched_tokens=128, max_model_len=512, block_size=BLOCK_SIZE, num_blocks=1024,
+    decode_batch_buckets=(4, 64), block_table_buckets=(64,), prefill_token_buckets=(128,), prefill_seq_buckets=(4,),
+)
+
+
+class ServerThread:
+    """An app served on 127.0.0.1:<free port> by an event loop in a daemon thread."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self._thread.start()
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        self.app = app
+        self.port = self.run(self._start())
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    async def _start(self) -> int:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        return self._runner.addresses[0][1]
+
+    def run(self, coro: Awaitable[Any], timeout: float = 60.0) -> Any:
+        """Run a coroutine on the server's loop (where the engine's asyncio side lives)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def engine_call(self, engine: AsyncEngine, fn: Callable[[LLMEngine], Any]) -> Any:
+        return self.run(engine.call(fn))
+
+    def stop(self) -> None:
+        try:
+            self.run(self._runner.cleanup())
+        except concurrent.futures.TimeoutError:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def start_server(async_engine: AsyncEngine, **config: Any) -> ServerThread:
+    return ServerThread(build_app(async_engine, ServerConfig(served_model_name=MODEL_NAME, **config)))
+
+
+def snapshot(srv: ServerThread, async_engine: AsyncEngine) -> EngineSnapshot:
+    return srv.engine_call(async_engine, take_snapshot)
+
+
+def wait_until_idle(srv: ServerThread, async_engine: AsyncEngine, timeout: float = 30.0) -> EngineSnapshot:
+    """The engine's state once no request is left in it (aborts arrive within a step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = snapshot(srv, async_engine)
+        if not snap.has_unfinished and snap.kv_requests == 0:
+            return snap
+        if time.monotonic() > deadline:
+            return snap
+        time.sleep(0.05)
+
+
+def check_kv_integrity(srv: ServerThread, async_engine: AsyncEngine) -> None:
+    srv.engine_call(async_engine, lambda e: e.kv.check_integrity())
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    text: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+def send(srv: ServerThread, method: str, path: str, body: Any = None, *, key: str | None = KEY_A,
+         raw: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 60.0) -> Reply:
+    """One plain HTTP request (stdlib client): `body` is sent as JSON, `raw` as is."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=timeout)
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    if key is not None:
+        all_headers["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    try:
+        conn.request(method, path, body=data, headers=all_headers)
+        resp = conn.getresponse()
+        return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read().decode())
+    finally:
+        conn.close()
+
+
+def sse_events(text: str) -> list[Any]:
+    """The `data:` payloads of an SSE body: parsed JSON, or the string "[DONE]"."""
+    events = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

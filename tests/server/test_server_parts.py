@@ -1,0 +1,141 @@
+"""The server's pure parts on their own: rate windows, the bounded queue, the token memo, pins."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from checkpoints.tiny_random import build_tiny_random
+from jaxserve.kv import KVCacheManager
+from jaxserve.tokenizer import Tokenizer
+from server.admission import Admission
+from server.auth import ApiKeys, owner_id, read_key_file
+from server.errors import APIError
+from server.rate_limit import RateLimiter
+from server.session_kv import pin_within_budget
+from server.token_memo import TokenMemo
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_requests_per_minute_window_slides():
+    clock = Clock()
+    limiter = RateLimiter(rpm=2, clock=clock)
+    limiter.admit("a")
+    clock.now += 10
+    limiter.admit("a")
+    with pytest.raises(APIError) as refused:
+        limiter.admit("a")
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "50"
+    limiter.admit("b")  # other keys are not affected
+    clock.now += 50.5  # the first request left the window
+    limiter.admit("a")
+    with pytest.raises(APIError):
+        limiter.admit("a")
+
+
+def test_generated_tokens_throttle_until_they_age_out():
+    clock = Clock()
+    limiter = RateLimiter(tpm=100, clock=clock)
+    limiter.admit("a")
+    limiter.charge_tokens("a", 60)
+    clock.now += 30
+    limiter.admit("a")
+    limiter.charge_tokens("a", 50)
+    with pytest.raises(APIError) as refused:
+        limiter.admit("a")
+    assert refused.value.headers["Retry-After"] == "30"  # when the first 60 tokens leave
+    clock.now += 30.5
+    limiter.admit("a")
+
+
+def test_admission_counts_sequences_and_refuses_past_the_bound():
+    admission = Admission(max_running_seqs=4, max_waiting_seqs=2)
+    with admission.hold(4), admission.hold(2):
+        with pytest.raises(APIError) as refused:
+            with admission.hold(1):
+                pass
+        assert refused.value.status == 503
+    assert admission.in_flight == 0
+    with admission.hold(6):
+        assert admission.in_flight == 6
+
+
+def test_api_keys(tmp_path):
+    keys = ApiKeys(["k1", "k2"])
+    assert keys.authenticate("Bearer k2") == owner_id("k2") != owner_id("k1")
+    for header in (None, "", "Bearer", "Bearer k3", "Token k1", "Bearer k1 k2"):
+        with pytest.raises(APIError):
+            keys.authenticate(header)
+    assert ApiKeys([]).authenticate(None) == "anonymous"
+    path = tmp_path / "keys"
+    path.write_text("# team keys\nk1\n\n  k2  \n")
+    assert read_key_file(path) == ["k1", "k2"]
+    path.write_text("# nothing\n")
+    with pytest.raises(ValueError):
+        read_key_file(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(build_tiny_random().tokenizer_bundle)
+
+
+def test_token_memo_reuses_the_ids_the_engine_saw(tokenizer):
+    memo = TokenMemo()
+    text = "Hello world"
+    assert memo.encode(tokenizer, text) == tokenizer.encode(text)
+    spelled = [tokenizer.encode(c)[0] for c in text]  # a different tokenization of the same text
+    assert spelled != tokenizer.encode(text)
+    memo.record(text, spelled)
+    assert memo.encode(tokenizer, text + "! How are you") == spelled + tokenizer.encode("! How are you")
+    assert memo.encode(tokenizer, "Goodbye") == tokenizer.encode("Goodbye")
+    memo.record("Hello", [1, 2])
+    assert memo.encode(tokenizer, "Hello world today")[: len(spelled)] == spelled  # longest prefix wins
+    restored = TokenMemo.from_json(memo.to_json())
+    assert restored.encode(tokenizer, text + "!") == memo.encode(tokenizer, text + "!")
+
+
+def _cached_kv(pin_budget: int) -> tuple[SimpleNamespace, dict[str, list[int]]]:
+    """A KV manager with three 3-block histories in its prefix cache (block size 4)."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, watermark_blocks=0, pin_budget_blocks=pin_budget,
+                        max_pinned_blocks=32)
+    histories = {name: [base + i for i in range(13)] for name, base in (("a", 10), ("b", 40), ("c", 70))}
+    for name, ids in histories.items():
+        kv.admit(name, kv.match_prefix(ids), len(ids))
+        kv.cache_full_blocks(name, ids)
+        kv.free(name)
+    return SimpleNamespace(kv=kv), histories
+
+
+def test_pins_stay_within_the_owner_budget_releasing_the_least_recent():
+    engine, h = _cached_kv(pin_budget=6)
+    pin_a, released = pin_within_budget(engine, "o", h["a"], None, [])
+    pin_b, _ = pin_within_budget(engine, "o", h["b"], None, [pin_a])
+    assert pin_a.num_blocks == pin_b.num_blocks == 3 and released == []
+    pin_c, released = pin_within_budget(engine, "o", h["c"], None, [pin_a, pin_b])
+    assert pin_c is not None and released == [pin_a] and not pin_a.active and pin_b.active
+    assert engine.kv.pins.pinned_by("o") == 6
+    other, released = pin_within_budget(engine, "p", h["a"], None, [])  # other owners have their own budget
+    assert other is not None and released == []
+    replaced, released = pin_within_budget(engine, "o", h["a"][:8], pin_c, [pin_b])
+    assert replaced.num_blocks == 2 and not pin_c.active and released == []
+    engine.kv.check_integrity()
+
+
+def test_a_history_larger_than_the_budget_releases_nothing_else():
+    engine, h = _cached_kv(pin_budget=2)
+    pin_a, _ = pin_within_budget(engine, "o", h["a"][:8], None, [])
+    assert pin_a.num_blocks == 2
+    pin_b, released = pin_within_budget(engine, "o", h["b"], None, [pin_a])
+    assert pin_b is None and released == [] and pin_a.active
+    stale, released = pin_within_budget(engine, "o", h["c"], pin_a, [])
+    assert stale is None and released == [pin_a] and engine.kv.pins.pinned_by("o") == 0
+    engine.kv.check_integrity()

@@ -1,0 +1,124 @@
+"""Run by test_tensor_data_parallel.py in a subprocess with 8 simulated CPU devices.
+
+For each mesh layout (dp x tp) of the tiny model it builds the engine (a router for dp > 1),
+warms it up, computes the prefill and decode logits of the runner's own bucketed steps,
+generates greedily, and reports everything as one JSON line: tokens, logits, compilation
+counts, the shardings read back from the parameter and cache arrays, and the collectives of
+the compiled steps. The test process makes the assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import jax
+import numpy as np
+
+from checkpoints.tiny_random import build_tiny_random
+from jaxserve.config import EngineConfig
+from jaxserve.dp_router import DataParallelRouter, make_engine
+from jaxserve.request import Request
+from jaxserve.runner import enable_persistent_compilation_cache
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler.output import ScheduledChunk
+from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, generate_greedy
+
+WIDTH = TINY_ENGINE["block_table_buckets"][0]
+COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(.*")
+
+
+def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
+    """Logits of one ragged prefill step over `prompts`, then of one decode step for each."""
+    requests = [Request(f"logits{i}", list(p), SamplingParams(), seed=0) for i, p in enumerate(prompts)]
+    tables = [np.arange(1 + WIDTH * i, 1 + WIDTH * (i + 1), dtype=np.int32) for i in range(len(prompts))]
+    chunks = [ScheduledChunk(r, 0, r.num_tokens, t, True) for r, t in zip(requests, tables)]
+    key, args, _ = runner._prefill_arrays(chunks, TINY_ENGINE["prefill_token_buckets"][0],
+                                          TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)
+    prefill, runner.cache = runner._compiled(key, runner._step, args)(*args)
+    prefill = np.asarray(prefill)[: len(prompts)]
+    for r, row in zip(requests, prefill):
+        r.output_token_ids.append(int(row.argmax()))
+    chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
+    key, args, _ = runner._decode_arrays(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
+    decode, runner.cache = runner._compiled(key, runner._step, args)(*args)
+    return prefill.tolist(), np.asarray(decode)[: len(prompts)].tolist()
+
+
+def shardings(runner) -> dict:
+    """Spec, global shape, shard shapes and devices of every parameter and the cache, from the arrays."""
+    def describe(x: jax.Array) -> dict:
+        return {
+            "spec": str(tuple(x.sharding.spec)),
+            "shape": list(x.shape),
+            "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards}),
+            "devices": sorted(d.id for d in x.sharding.device_set),
+        }
+    out = {jax.tree_util.keystr(path, simple=True, separator="/"): describe(x)
+           for path, x in jax.tree_util.tree_leaves_with_path(runner.params)}
+    out["cache/k"] = describe(runner.cache.k)
+    out["cache/v"] = describe(runner.cache.v)
+    return out
+
+
+def collectives(runner, key: tuple) -> list[dict]:
+    """Collective ops of a compiled step: kind, result shape, and whether in the layer loop."""
+    exe = runner._executables[key]
+    found = []
+    for line in exe.as_text().splitlines():
+        m = COLLECTIVE.search(line)
+        if m:
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            name = op_name.group(1) if op_name else ""
+            found.append({"op": m.group(2), "shape": m.group(1), "in_layer_loop": "while/body" in name,
+                          "op_name": name})
+    return found
+
+
+def run_layout(model, dp: int, tp: int, with_hlo: bool) -> dict:
+    engine = make_engine(model, EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, **TINY_ENGINE))
+    engine.warm_up()
+    warm = engine.num_compilations
+    replicas = engine.replicas if isinstance(engine, DataParallelRouter) else [engine]
+    logits = [step_logits(e.runner, PROMPTS[:3]) for e in replicas]
+    tokens = generate_greedy(engine, PROMPTS)
+    result = {
+        "tokens": tokens,
+        "prefill_logits": [p for p, _ in logits],
+        "decode_logits": [d for _, d in logits],
+        "compilations_after_warm_up": warm,
+        "compilations_after_serving": engine.num_compilations,
+        "shardings": [shardings(e.runner) for e in replicas],
+        "served_kv_heads": replicas[0].runner.config.num_kv_heads,
+        "admissions_per_replica": [e.kv.stats.queries for e in replicas],
+    }
+    if with_hlo:
+        runner = replicas[0].runner
+        result["collectives"] = {
+            "decode": collectives(runner, ("decode", TINY_ENGINE["decode_batch_buckets"][0], WIDTH)),
+            "prefill": collectives(runner, ("prefill", TINY_ENGINE["prefill_token_buckets"][0],
+                                            TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)),
+        }
+    return result
+
+
+def main(cases: list[str]) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    if os.environ.get(CACHE_ENV):  # replicas of one layout compile the same programs
+        enable_persistent_compilation_cache(os.environ[CACHE_ENV])
+    models = {
+        "gqa": build_tiny_random(num_heads=8, num_kv_heads=4),  # 2 query heads per kv head
+        "few_kv": build_tiny_random(num_heads=8, num_kv_heads=2, tie_word_embeddings=True),
+    }
+    results = {}
+    for case in cases:  # "MODEL:DPxTP"
+        name, layout = case.split(":")
+        dp, tp = map(int, layout.split("x"))
+        results[case] = run_layout(models[name], dp, tp, with_hlo=tp > 1 and dp == 1)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
