@@ -16,6 +16,8 @@ OUT="${GPU_CHECK_OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export JAXSERVE_PALLAS_INTERPRET="${JAXSERVE_PALLAS_INTERPRET:-0}"  # 1 only for a CPU dry run
+# tests/conftest.py defaults JAX_PLATFORMS to cpu; here the GPU must be the default backend.
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"
 MODEL="${JAXSERVE_GPU_CHECK_MODEL:-smollm2-135m-instruct}"
 START=$SECONDS
 

@@ -2,7 +2,8 @@
 
 Each call sends one streamed request and returns a `RequestRecord`: the send time, the arrival
 time of every SSE chunk that carried output text, the end of the stream, and the token counts
-(from the final `usage` chunk when the server sends one, else one token per output chunk).
+(from the final `usage` chunk when the server sends one; else `max_tokens` when the stream
+finished for `length`, else one token per output chunk).
 Errors are recorded on the record, never raised, so one bad request does not stop a run.
 """
 
@@ -68,6 +69,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
     record = RequestRecord(start=time.perf_counter(), end=0.0, chunk_times=[], output_tokens=0,
                            prompt_tokens=prompt_tokens, group=group)  # fmt: skip
     usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
     text: list[str] = []
     try:
         async with session.post(url, json={**body, **endpoint.extra_body}, headers=endpoint.headers) as response:
@@ -84,6 +86,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
                         text.append(piece)
                     if event.get("usage"):
                         usage = event["usage"]
+                    for choice in event.get("choices") or []:
+                        finish_reason = choice.get("finish_reason") or finish_reason
     except (aiohttp.ClientError, RuntimeError, ValueError, TimeoutError) as e:
         record.success = False
         record.error = f"{type(e).__name__}: {e}"
@@ -95,6 +99,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             record.cached_tokens = int(details["cached_tokens"])
+    elif finish_reason == "length":  # no usage (llama-cpp-python's server): it stopped at max_tokens
+        record.output_tokens = body["max_tokens"]
     else:
         record.output_tokens = len(record.chunk_times)
     if record.success and not record.chunk_times:

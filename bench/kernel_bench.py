@@ -117,9 +117,11 @@ def _scattered_tables(rng, rows: int, width: int) -> jax.Array:
 
 
 def shipped_k_splits(width: int) -> int:
-    """Largest power of two <= 16 dividing the table width (the shipped op requires it)."""
+    """The shipped op's defaults (16 splits of >= 8 pages) where the table allows: the split
+    count must divide the table width, so take the largest power of two <= 16 that does and
+    leaves each split its 8 pages per step, else fewer splits."""
     splits = 16
-    while width % splits:
+    while splits > 1 and (width % splits or width // splits < 8):
         splits //= 2
     return splits
 
@@ -171,7 +173,7 @@ def bench_decode(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps:
         pages_per_compute_block=min(8, width // splits), k_splits=splits, interpret=interpret))
 
     args = (q, k, v, tables, lengths)
-    row = {"kind": "decode", "case": case.label(), **dataclasses.asdict(case)}
+    row = {"kind": "decode", "case": case.label(), **dataclasses.asdict(case), "jax_k_splits": splits}
     touched = case.batch * width * case.block_size
     row["kv_bytes"] = 2 * touched * case.num_kv_heads * case.head_dim * jnp.dtype(dtype).itemsize
     _time_variants(row, {"ours": ours, "reference": ref, "shipped": shipped}, args, iters)

@@ -5,8 +5,9 @@
 Prints microseconds per operation: allocate+free per block, `match` of a 4,096-token prompt
 against a tree holding 100,000 blocks, `insert`, eviction, and the bookkeeping of one decode step
 for 64 running requests, which is compared with a ~160 ms decode step of the default model at
-batch 64 on the dev CPU (the goal is < 1%). Figures are medians of several repeats; the
-machines are shared, so read them as orders of magnitude.
+batch 64 on the dev CPU (the goal is < 1%). Figures are medians of several repeats of the
+process's CPU time (`time.process_time`), which other load on a shared machine disturbs less
+than wall time does; still, read them as orders of magnitude.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ def median_us(fn: Callable[[], object], number: int, repeat: int = 5,
     for _ in range(repeat):
         if setup is not None:
             setup()
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(number):
             fn()
-        runs.append((time.perf_counter() - start) / number * 1e6)
+        runs.append((time.process_time() - start) / number * 1e6)
     return statistics.median(runs)
 
 

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 from pathlib import Path
 from typing import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
 from server.errors import APIError
-
-logger = logging.getLogger(__name__)
 
 OPEN_OWNER = "anonymous"  # the owner of every request on a server without keys
 OWNER_KEY = web.RequestKey("owner", str)  # where the middleware puts the caller's owner id

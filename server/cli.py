@@ -1,21 +1,17 @@
 """`jaxserve serve`: load the model, compile every bucket, then serve HTTP until SIGINT/SIGTERM.
 
-`jaxserve/cli.py` (the composition root) registers the subcommand with `add_serve_parser`.
+`jaxserve/cli.py` (the composition root) registers the subcommand with `add_serve_parser`;
+importing this module is cheap (the server and the engine are imported when `serve` runs).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from server.auth import read_key_file
 from server.config import ServerConfig
-
-logger = logging.getLogger(__name__)
 
 
 def add_serve_parser(
@@ -56,6 +52,8 @@ def add_serve_parser(
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    from server.auth import read_key_file
+
     keys = list(args.api_key)
     if args.api_key_file:
         keys += read_key_file(args.api_key_file)
@@ -100,8 +98,6 @@ def serve(args: argparse.Namespace, engine_config: object) -> int:
     async_engine.start()
     try:
         app = build_app(async_engine, config)
-        if not config.api_keys:
-            print("WARNING: no API key configured (--api-key / --api-key-file): the server is open", file=sys.stderr)
         web.run_app(
             app,
             host=config.host,

@@ -101,7 +101,7 @@ class Generation:
                 self._track(index, delta)
                 yield index, delta
         finally:
-            if pending and self.outcome == "ok":
+            if (pending or self._cancelled) and self.outcome == "ok":
                 self.outcome = "cancelled"
             for task in tasks:
                 task.cancel()

@@ -245,8 +245,8 @@ async def _reply(
             choice = choices[0]
             session.reply = None
             session.reply_done.set()
-            if generation.outcome == "error" and not choice.token_ids:
-                session.messages = previous  # nothing happened: undo the turn
+            if generation.outcome in ("error", "timeout") and not choice.token_ids:
+                session.messages = previous  # nothing was generated: undo the turn
                 return
             if continuing:
                 messages[-1]["content"] += choice.text

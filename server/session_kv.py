@@ -8,15 +8,12 @@ fits (they still work; their next turn may recompute part of the history).
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, Callable
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.kv import Pin
 from server.sessions import Session, SessionStore
-
-logger = logging.getLogger(__name__)
 
 ENGINE_CALL_TIMEOUT = 30.0
 

@@ -41,17 +41,26 @@ After the step (the KV is written), cache what filled up::
 Preempt: `free(req_id)` (recompute later: admit again, its cached blocks will hit) or
 `swap_out(req_id)` (False when the host tier cannot take it; nothing changed). Resume a swapped
 request with `swap_in(req_id)` (False: not enough device blocks). Finish: `cache_full_blocks`,
-then `free`. Parallel sampling / beams: `fork(parent_id, child_id)` shares every block.
+then `free`. Parallel sampling / beams: `fork(parent_id, child_id)` shares every block and the
+child starts with the parent's `num_tokens`. Preempt and fork requests that are not scheduled in
+the current round: slots allocated in a round count in `num_tokens` before the step writes them.
+
+Peek without changing anything: `can_admit(hit, n)`, `can_allocate(req_id, n)`,
+`can_swap_out(req_id)`, `can_swap_in(req_id)`, `num_available_blocks`.
 
 Sessions: `pin(owner, history_ids, replacing=old_pin)` keeps the cached blocks of a history from
 being evicted, within a per-owner budget (None when over it); `unpin(pin)` releases them.
 
 Metrics and checks: `usage()`, `stats` (prefix hits), `check_integrity()`.
 
+Token ids must fit in int32 (the cache keys tokens as int32 bytes); numpy int32 arrays match
+fastest, lists of ints cost ~0.1 us per matched token to convert.
+
 Design notes. Requests lock the prefix-cache path of their cached leading blocks
-(`cached_blocks`), so a block a request holds is never evicted under it. Swap-out copies the
-whole table to the host (shared prefix blocks too: simple, and the request comes back whole
-whatever the cache did meanwhile).
+(`cached_blocks`), so a block a request holds is never evicted under it. The cache adopts a block
+only while one request holds it, so full blocks a fork shares enter the cache once the sharing
+ends (one side finished or copied). Swap-out copies the whole table to the host (shared prefix
+blocks too: simple, and the request comes back whole whatever the cache did meanwhile).
 """
 
 from __future__ import annotations
@@ -187,8 +196,14 @@ class KVCacheManager:
         if not 0 <= start <= stop <= seq.num_tokens:
             raise ValueError(f"positions [{start}, {stop}) outside the request's "
                              f"{seq.num_tokens} slots")
-        positions = np.arange(start, stop, dtype=np.int32)
         bs = self.block_size
+        block = start // bs
+        if start == stop:
+            return np.empty(0, dtype=np.int32)
+        if stop - 1 < (block + 1) * bs:     # within one block (every decode): no gather
+            base = int(seq.table[block]) * bs - block * bs
+            return np.arange(base + start, base + stop, dtype=np.int32)
+        positions = np.arange(start, stop, dtype=np.int32)
         return seq.table[positions // bs] * bs + positions % bs
 
     @property

@@ -184,9 +184,13 @@ class RadixCache:
         prompt token is always computed and yields logits. A match ending inside a node splits
         it, so the matched part can be locked on its own. Nothing is locked here.
         """
+        bs = self.block_size
         n_tokens = len(tokens) - 1 if leave_last_token else len(tokens)
-        num_blocks = max(n_tokens, 0) // self.block_size
-        key = token_bytes(tokens, num_blocks * self.block_size)
+        num_blocks = max(n_tokens, 0) // bs
+        # Converting a list of ints costs ~0.1 us per token, so convert only as far as the walk
+        # gets (doubling), and a miss costs one block. numpy input converts at memcpy speed.
+        have = num_blocks if isinstance(tokens, np.ndarray) else 0
+        key = token_bytes(tokens, have * bs)
         kb = self._kb
         node = self.root
         device_blocks: list[int] = []
@@ -194,12 +198,25 @@ class RadixCache:
         idle = 0
         i = 0
         while i < num_blocks:
+            if have <= i:
+                grown = min(num_blocks, max(i + 1, 2 * have))
+                key += token_bytes(tokens[have * bs:grown * bs], (grown - have) * bs)
+                have = grown
             child = node.children.get(key[i * kb:(i + 1) * kb])
             if child is None:
                 break
-            m = self._common_blocks(child, key, i, num_blocks)
-            if m < child.length:
-                child = self._split(child, m)
+            wanted = min(num_blocks, i + child.length)
+            if have < wanted:
+                grown = min(num_blocks, max(wanted, 2 * have))
+                key += token_bytes(tokens[have * bs:grown * bs], (grown - have) * bs)
+                have = grown
+            n = child.length
+            if wanted == i + n and key[i * kb:(i + n) * kb] == child.key:
+                m = n                               # the common case: the whole node matches
+            else:
+                m = self._common_blocks(child, key, i, num_blocks)
+                if m < n:
+                    child = self._split(child, m)
             if child.blocks is not None:
                 device_blocks.extend(child.blocks)
                 if child.lock == 0:
@@ -332,6 +349,8 @@ class RadixCache:
         start = self.root if parent is None else parent
         if start.blocks is None:
             raise ValueError("insert below a node that lives on the host")
+        if start is not self.root and start.lock <= 0:
+            raise ValueError("insert below a parent the caller has not locked")
         key = token_bytes(tokens, num_blocks * self.block_size)
         kb = self._kb
         refcount = self.pool.refcount

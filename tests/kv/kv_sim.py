@@ -195,7 +195,7 @@ class FakeEngine:
             assert pool.is_free(block) == (holders[block] == 0), "free xor referenced"
         usage = mgr.usage()
         assert usage.free + usage.used + usage.pinned + usage.cached_idle == usage.num_blocks
-        for record in self.pins:    # pinned (locked) paths are never evicted
+        for record in self.pins if cache is not None else []:   # pinned paths are never evicted
             match = cache.match(record.tokens, leave_last_token=False)
             assert match.num_tokens == record.pin.num_tokens
 

@@ -206,6 +206,31 @@ def test_insert_over_a_spilled_path_takes_the_fresh_device_blocks() -> None:
     pool.decref_all(mine)
 
 
+def test_insert_over_a_spilled_path_leaves_it_on_the_host_if_the_blocks_are_shared() -> None:
+    pool, host = BlockPool(9, BS), HostTier(4)
+    cache = RadixCache(pool, host)
+    cached(cache, seq(1, 2))
+    cache.evict(2)
+    mine = pool.allocate(2)
+    pool.incref(mine[1])                        # a fork sibling holds the second block
+    result = cache.insert(seq(1, 2), mine)
+    assert result.blocks == mine[:1] and cache.num_host_blocks == 1
+    cache.check_integrity({result.node: 1})
+    cache.unlock(result.node)
+    pool.decref_all(mine + mine[1:])
+    cache.check_integrity({})
+
+
+def test_unlock_without_lock_is_an_error() -> None:
+    cache = RadixCache(BlockPool(9, BS))
+    cached(cache, seq(1))
+    node = cache.match(seq(1), leave_last_token=False).node
+    cache.lock(node)
+    cache.unlock(node)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(node)
+
+
 def test_thousands_of_sessions_share_one_system_prompt() -> None:
     pool = BlockPool(20_000, BS)
     cache = RadixCache(pool)

@@ -1,5 +1,5 @@
-"""`serve` as a process: warm-up report, serving, and a graceful exit 0 on SIGTERM that lets the
-request in flight finish."""
+"""`jaxserve serve` as a process: warm-up report, serving, and a graceful exit 0 on SIGTERM that
+lets the request in flight finish."""
 
 from __future__ import annotations
 
@@ -16,16 +16,6 @@ import time
 
 from server_harness import MODEL_NAME, send, sse_events
 
-# The subcommand as jaxserve/cli.py composes it: engine flags from there, server flags from here.
-LAUNCH = """
-import argparse, sys
-from jaxserve.cli import add_engine_args, engine_config_from_args
-from server.cli import add_serve_parser
-parser = argparse.ArgumentParser(prog="jaxserve")
-add_serve_parser(parser.add_subparsers(dest="command", required=True), add_engine_args, engine_config_from_args)
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
-"""
 SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--block-size", "8",
                 "--num-blocks", "128", "--decode-batch-buckets", "4", "--prefill-token-buckets", "32",
                 "--prefill-seq-buckets", "4", "--block-table-buckets", "32"]
@@ -67,8 +57,8 @@ def _wait_for(lines: queue.Queue, seen: list[str], needle: str, timeout: float) 
 def test_serve_warms_up_serves_and_exits_0_on_sigterm():
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-c", LAUNCH, "serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", "k1",
-               *SMALL_ENGINE]
+    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", MODEL_NAME, "--port", str(port),
+               "--api-key", "k1", *SMALL_ENGINE]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen: list[str] = []
     try:
