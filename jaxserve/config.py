@@ -70,7 +70,7 @@ class EngineConfig:
         if self.decode_batch_buckets is None:
             self.decode_batch_buckets = _geometric(1, self.max_num_seqs, 2)
         if self.prefill_token_buckets is None:
-            self.prefill_token_buckets = _geometric(min(32, self.max_num_batched_tokens), self.max_num_batched_tokens, 4)
+            self.prefill_token_buckets = _geometric(min(32, self.max_num_batched_tokens), self.max_num_batched_tokens, 2)
         if self.prefill_seq_buckets is None:
             self.prefill_seq_buckets = _geometric(1, self.max_prefill_seqs, 4)
         if self.block_table_buckets is None:

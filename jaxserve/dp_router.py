@@ -15,10 +15,8 @@ Load is the number of unfinished sequences a replica holds.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import load_model
@@ -28,8 +26,6 @@ from jaxserve.outputs import Delta
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from sharding.mesh import make_mesh, replica_meshes
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Turns a `Generation` into an HTTP response: one JSON object, or an SSE stream of chunks.
 
 Streams start with the first delta, so an error before any output (engine gone, request
-refused) is still an ordinary JSON error with its status. An error after the stream started
+refused) is still an ordinary JSON error with its status. Every stream reports its usage: in a
+last chunk with no choices when `stream_options.include_usage` asks for it (OpenAI's way), else
+on the chunk that finishes the last choice. An error after the stream started
 is sent as an `{"error": ...}` event followed by `[DONE]`. A client that goes away ends the
 generation (its requests are aborted in the engine by `Generation`).
 """
@@ -53,6 +55,7 @@ async def _stream(
 ) -> web.StreamResponse:
     events = EventStream(request)
     started: set[int] = set()
+    finished = 0
     try:
         try:
             async with aclosing(generation.deltas()) as deltas:
@@ -61,8 +64,13 @@ async def _stream(
                     if isinstance(shapes, ChatShapes) and index not in started:
                         started.add(index)
                         await events.send(shapes.role_chunk(index, include_usage))
+                    if delta.finish_reason is not None:
+                        finished += 1
                     if delta.text or delta.finish_reason is not None or delta.logprobs:
-                        await events.send(shapes.chunk(index, delta, include_usage))
+                        chunk = shapes.chunk(index, delta, include_usage)
+                        if finished == len(choices) and not include_usage:
+                            chunk["usage"] = generation.usage.as_dict()  # usage in every response
+                        await events.send(chunk)
             if include_usage:
                 await events.send(shapes.usage_chunk(generation.usage))
         except APIError as e:

@@ -151,9 +151,9 @@ async def edit_message(request: web.Request) -> web.StreamResponse:
         index = int(request.match_info["index"])
     except ValueError:
         raise bad_request("the message index must be an integer") from None
+    body = await read_json_object(request)
     if not 0 <= index < len(session.messages):
         raise not_found(f"session {session.id} has no message {index}", code="message_not_found")
-    body = await read_json_object(request)
     check_fields(body, MESSAGE_FIELDS)
     if "content" not in body:
         raise bad_request("content is required", param="content")
@@ -162,9 +162,11 @@ async def edit_message(request: web.Request) -> web.StreamResponse:
     messages = [*session.messages[:index], message]
     if message["role"] != "user":
         _claim(session)
+        history = render_chat(state.info, messages, add_generation_prompt=False)
         session.messages = messages
         session.touch()
         state.sessions.save(session)
+        state.spawn(state.session_kv.pin_history(session, session.memo.encode(state.info.tokenizer, history)))
         return web.json_response(session.public())
     state.limiter.admit(request[OWNER_KEY])
     return await _reply(request, state, session, body, messages, arrival, continuing=False)

@@ -62,7 +62,7 @@ class HostTier:
         return bool(self._in_use[slot])
 
     def check_integrity(self, held: Iterable[int] | None = None) -> None:
-        """Free xor in use; if `held` (every holder's slots) is given, it must be exactly the used set."""
+        """Free xor in use; `held` (all holders' slots), if given, must be exactly the used set."""
         free = self._free
         if len(set(free)) != len(free):
             raise AssertionError("a host slot is on the free list twice")
@@ -77,5 +77,5 @@ class HostTier:
                 raise AssertionError("a host slot has two holders")
             used = {slot for slot in range(self.num_slots) if self._in_use[slot]}
             if set(held) != used:
-                raise AssertionError(
-                    f"host slots in use {sorted(used)[:8]}... differ from held {sorted(held)[:8]}...")
+                raise AssertionError(f"host slots in use {sorted(used)[:8]}... differ from "
+                                     f"held {sorted(held)[:8]}...")

@@ -140,7 +140,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, *,
                  watermark_blocks: int | None = None, enable_prefix_cache: bool = True,
                  num_host_slots: int = 0, spill_to_host: bool = True,
-                 pin_budget_blocks: int | None = None, max_pinned_blocks: int | None = None) -> None:
+                 pin_budget_blocks: int | None = None,
+                 max_pinned_blocks: int | None = None) -> None:
         """
         watermark_blocks: free blocks that admissions and swap-ins must leave for running
             requests to grow into (default 1% of the pool).
@@ -395,7 +396,7 @@ class KVCacheManager:
         return seq.cached_blocks
 
     def clear_prefix_cache(self) -> int:
-        """Drop every cached block no request or pin holds (both tiers); returns device blocks freed."""
+        """Drop every cached block no request or pin holds (both tiers); returns blocks freed."""
         if self.prefix_cache is None:
             return 0
         self._epoch += 1
@@ -487,7 +488,7 @@ class KVCacheManager:
         return True
 
     def take_copies(self) -> list[CopyStage]:
-        """The block copies planned since the last call, as ordered stages; run them before the step."""
+        """Block copies planned since the last call, as ordered stages: run them before the step."""
         return self.copies.take()
 
     # ------------------------------------------------------------------ pins
@@ -526,7 +527,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ checks
 
     def check_integrity(self) -> None:
-        """Check every invariant of pool, tables, cache, host tier and pins; AssertionError if broken."""
+        """Check the invariants of pool, tables, cache, host tier and pins (AssertionError)."""
         pool = self.pool
         cache = self.prefix_cache
         holders: Counter[int] = Counter()

@@ -42,8 +42,9 @@ class PinLedger:
         return self._by_owner.get(owner, 0)
 
     def fits(self, owner: Hashable, num_blocks: int, replacing: Pin | None = None) -> bool:
-        """Would a pin of `num_blocks` for `owner` stay within both limits (after `replacing` goes)?"""
-        freed_owner = replacing.num_blocks if replacing is not None and replacing.owner == owner else 0
+        """Would a pin of `num_blocks` for `owner` fit both limits, once `replacing` is gone?"""
+        same_owner = replacing is not None and replacing.owner == owner
+        freed_owner = replacing.num_blocks if same_owner else 0
         freed_total = replacing.num_blocks if replacing is not None else 0
         return (self.pinned_by(owner) - freed_owner + num_blocks <= self.budget_per_owner
                 and self.total - freed_total + num_blocks <= self.max_total)

@@ -211,7 +211,7 @@ class RadixCache:
                 key += token_bytes(tokens[have * bs:grown * bs], (grown - have) * bs)
                 have = grown
             n = child.length
-            if wanted == i + n and key[i * kb:(i + n) * kb] == child.key:
+            if key[i * kb:(i + n) * kb] == child.key:   # (shorter when the query ends first)
                 m = n                               # the common case: the whole node matches
             else:
                 m = self._common_blocks(child, key, i, num_blocks)
@@ -228,7 +228,7 @@ class RadixCache:
         return PrefixMatch(node, device_blocks, host_blocks, idle, self.block_size)
 
     def _common_blocks(self, node: RadixNode, key: bytes, i: int, num_blocks: int) -> int:
-        """How many leading blocks of `node` equal key blocks i, i+1, ... (>= 1 if the first does)."""
+        """How many leading blocks of `node` equal key blocks i, i+1, ... (the first one does)."""
         kb = self._kb
         n = min(node.length, num_blocks - i)
         if key[i * kb:(i + n) * kb] == node.key[:n * kb]:
@@ -458,8 +458,8 @@ class RadixCache:
         short = n - pool.num_free
         if short > 0:
             if short > self._idle_device_blocks:
-                raise NoFreeBlocksError(
-                    f"asked for {n} blocks: {pool.num_free} free, {self._idle_device_blocks} evictable")
+                raise NoFreeBlocksError(f"asked for {n} blocks: {pool.num_free} free, "
+                                        f"{self._idle_device_blocks} evictable")
             self.evict(short)
         return pool.allocate(n)
 
@@ -565,7 +565,7 @@ class RadixCache:
         return freed
 
     def clear(self) -> int:
-        """Drop every idle cached block, on both tiers, without spilling. Returns device blocks freed."""
+        """Drop every idle cached block on both tiers, without spilling; returns blocks freed."""
         spill, self.spill_to_host = self.spill_to_host, False
         try:
             freed = self.evict(self._idle_device_blocks)

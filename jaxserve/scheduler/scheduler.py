@@ -128,8 +128,11 @@ class Scheduler:
             if self._block_in_flight(req, hit.num_tokens, in_flight):
                 continue  # it will find that block in the cache next step
             n = min(remaining, budget)
-            if n < remaining and not cfg.enable_chunked_prefill:
-                continue
+            if n < remaining:
+                if not cfg.enable_chunked_prefill:
+                    continue
+                if len(self.waiting) > 1 and budget > cfg.block_size:
+                    n = budget // 2  # a partial prefill leaves room for the prompts behind it
             if not self.kv.admit(req.request_id, hit, n):
                 break  # the pool is full: admit nothing more this step
             req.num_computed_tokens = hit.num_tokens

@@ -200,7 +200,8 @@ class FakeEngine:
             assert match.num_tokens == record.pin.num_tokens
 
     def check_content(self) -> None:
-        """After run_step: every running request's blocks read back as its tokens; same for the cache."""
+        """After run_step: every running request's blocks read back as its tokens, and every
+        cached block as its key."""
         assert not self.pending
         for rid in self.running():
             req = self.reqs[rid]

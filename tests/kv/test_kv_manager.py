@@ -259,3 +259,23 @@ def test_bad_calls_get_clear_errors() -> None:
     with pytest.raises(ValueError):
         KVCacheManager(8, BS, watermark_blocks=7)
     eng.drain()
+
+
+def test_many_turns_of_one_conversation_reuse_the_history() -> None:
+    eng = engine(num_blocks=128)
+    mgr = eng.mgr
+    history: list[int] = []
+    for turn in range(12):
+        prompt = history + [50 + turn, 51, 52, 53, 54]
+        hit = mgr.match_prefix(prompt)
+        assert hit.num_tokens == len(history) // BS * BS     # every full block of the history
+        assert eng.admit(f"t{turn}", prompt, chunk=len(prompt))
+        settle(eng)
+        for token in range(7):                           # the reply
+            assert eng.step(f"t{turn}", 1, 60 + token)
+            settle(eng)
+        history = list(eng.reqs[f"t{turn}"].tokens)
+        eng.finish(f"t{turn}")
+    assert len(list(mgr.prefix_cache.nodes())) <= 2     # one conversation, grown in place
+    assert mgr.stats.hit_rate > 0.7
+    eng.drain()

@@ -131,8 +131,9 @@ def rounds(actions: list) -> st.SearchStrategy:
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=rounds(CORE_ACTIONS + CACHE_ACTIONS), num_blocks=st.integers(8, 32),
        host_slots=st.sampled_from([0, 6, 24]), watermark=st.integers(0, 2), spill=st.booleans())
-def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool]], num_blocks: int,
-                                          host_slots: int, watermark: int, spill: bool) -> None:
+def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool]],
+                                          num_blocks: int, host_slots: int, watermark: int,
+                                          spill: bool) -> None:
     mgr = KVCacheManager(num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots,
                          spill_to_host=spill, pin_budget_blocks=PIN_BUDGET,
                          max_pinned_blocks=num_blocks // 3)
@@ -150,8 +151,8 @@ def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=rounds(CORE_ACTIONS), num_blocks=st.integers(10, 32),
        host_slots=st.sampled_from([0, 8, 24]))
-def test_prefix_cache_does_not_change_content(workload: list[tuple[list[tuple], bool]], num_blocks: int,
-                                              host_slots: int) -> None:
+def test_prefix_cache_does_not_change_content(workload: list[tuple[list[tuple], bool]],
+                                              num_blocks: int, host_slots: int) -> None:
     """The same workload with and without the prefix cache: same outcomes, same contents.
 
     With the cache a request may get more memory (shared blocks), never less, so whenever the

@@ -192,6 +192,19 @@ def test_spill_makes_room_by_dropping_old_host_blocks_and_drops_when_host_is_loc
     cache.copies.take()
 
 
+def test_dropping_a_device_leaf_drops_its_spilled_descendants() -> None:
+    pool, host = BlockPool(9, BS), HostTier(1)
+    cache = RadixCache(pool, host)
+    cached(cache, seq(1, 1, 1, 2))
+    cache.evict(1)                              # [2] to the host, which is now full
+    assert cache.num_host_blocks == 1
+    assert cache.evict(3) == 3                  # [1, 1, 1] cannot spill: dropped with [2]
+    assert cache.num_host_blocks == 0 and host.num_free == 1
+    assert cache.match(seq(1, 1, 1, 2), leave_last_token=False).num_blocks == 0
+    cache.check_integrity({})
+    cache.copies.take()
+
+
 def test_insert_over_a_spilled_path_takes_the_fresh_device_blocks() -> None:
     pool, host = BlockPool(9, BS), HostTier(4)
     cache = RadixCache(pool, host)

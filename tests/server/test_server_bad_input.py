@@ -75,6 +75,7 @@ CASES = [
     ("empty prompt", "POST", COMP, comp(prompt=""), 400, None, "prompt"),
     ("empty prompt list", "POST", COMP, comp(prompt=[]), 400, None, "prompt"),
     ("mixed prompt list", "POST", COMP, comp(prompt=["a", 1]), 400, None, "prompt"),
+    ("too many prompts", "POST", COMP, comp(prompt=["Hello"] * 65), 400, None, "prompt"),
     ("token id out of vocab", "POST", COMP, comp(prompt=[1, 2, 10**6]), 400, None, "prompt"),
     ("negative token id", "POST", COMP, comp(prompt=[-1]), 400, None, "prompt"),
     ("prompt over the context", "POST", COMP, comp(prompt="Hello world " * 400), 400, "context_length_exceeded",

@@ -79,3 +79,15 @@ def test_request_timeout_aborts_the_request(limited, async_engine):
     assert events[-2]["error"]["code"] == "request_timeout"
     snap = wait_until_idle(limited, async_engine)
     assert not snap.has_unfinished and snap.kv.used == 0
+
+
+@pytest.mark.parametrize("limited", [{"max_sessions_per_key": 2}], indirect=True)
+def test_sessions_per_key_are_capped(limited):
+    assert [send(limited, "POST", "/v1/sessions", {}).status for _ in range(2)] == [200, 200]
+    refused = send(limited, "POST", "/v1/sessions", {})
+    assert refused.status == 429 and refused.json["error"]["code"] == "session_limit_reached"
+    assert send(limited, "POST", "/v1/sessions", {}, key=KEY_B).status == 200  # per key
+    first = send(limited, "GET", "/v1/sessions").json["data"][0]["id"]
+    assert send(limited, "POST", f"/v1/sessions/{first}/fork", {"at": 0}).status == 429  # forks count too
+    assert send(limited, "DELETE", f"/v1/sessions/{first}").status == 200
+    assert send(limited, "POST", "/v1/sessions", {}).status == 200

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -129,8 +131,11 @@ def test_completions_accept_token_ids_and_prompt_lists(client):
 
 def test_raw_stream_shape_ends_with_done(server):
     reply = send(server, "POST", "/v1/chat/completions",
-                 {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "stream": True})
+                 {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "ignore_eos": True, "stream": True})
     assert reply.status == 200 and reply.headers["content-type"].startswith("text/event-stream")
     events = reply.text.split("\n\n")
     assert events[-2] == "data: [DONE]" and events[-1] == ""
-    assert '"usage"' not in reply.text  # only with stream_options.include_usage
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all("usage" not in c for c in chunks[:-1])
+    last = chunks[-1]  # without include_usage, usage rides on the chunk that ends the last choice
+    assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 4

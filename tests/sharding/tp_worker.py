@@ -9,14 +9,20 @@ the compiled steps. The test process makes the assertions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
+import tempfile
 
 import jax
 import numpy as np
+from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
+from checkpoints.orbax_io import save_orbax
+from checkpoints.params import param_shapes
+from checkpoints.registry import load_model
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.dp_router import DataParallelRouter, make_engine
@@ -25,9 +31,28 @@ from jaxserve.runner import enable_persistent_compilation_cache
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.output import ScheduledChunk
 from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, generate_greedy
+from sharding.mesh import make_mesh
+from sharding.rules import param_shardings
 
 WIDTH = TINY_ENGINE["block_table_buckets"][0]
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(.*")
+
+
+@contextlib.contextmanager
+def count_xla_compilations():
+    """Yields a list that gets one entry per executable built inside the block: any, not only
+    the runner's own (the event wraps XLA compilation and persistent-cache reads alike)."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
@@ -77,19 +102,25 @@ def collectives(runner, key: tuple) -> list[dict]:
     return found
 
 
-def run_layout(model, dp: int, tp: int, with_hlo: bool) -> dict:
-    engine = make_engine(model, EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, **TINY_ENGINE))
-    engine.warm_up()
+def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str | None = None) -> dict:
+    config = EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, attention_backend=attention_backend,
+                          **TINY_ENGINE)
+    engine = make_engine(model, config)
+    with count_xla_compilations() as warm_up_compiles:
+        engine.warm_up()
     warm = engine.num_compilations
     replicas = engine.replicas if isinstance(engine, DataParallelRouter) else [engine]
     logits = [step_logits(e.runner, PROMPTS[:3]) for e in replicas]
-    tokens = generate_greedy(engine, PROMPTS)
+    with count_xla_compilations() as serving_compiles:
+        tokens = generate_greedy(engine, PROMPTS)
     result = {
         "tokens": tokens,
         "prefill_logits": [p for p, _ in logits],
         "decode_logits": [d for _, d in logits],
         "compilations_after_warm_up": warm,
         "compilations_after_serving": engine.num_compilations,
+        "xla_compilations_during_warm_up": len(warm_up_compiles),
+        "xla_compilations_while_serving": len(serving_compiles),
         "shardings": [shardings(e.runner) for e in replicas],
         "served_kv_heads": replicas[0].runner.config.num_kv_heads,
         "admissions_per_replica": [e.kv.stats.queries for e in replicas],
@@ -100,8 +131,22 @@ def run_layout(model, dp: int, tp: int, with_hlo: bool) -> dict:
             "decode": collectives(runner, ("decode", TINY_ENGINE["decode_batch_buckets"][0], WIDTH)),
             "prefill": collectives(runner, ("prefill", TINY_ENGINE["prefill_token_buckets"][0],
                                             TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)),
+            "sample": collectives(runner, ("sample", TINY_ENGINE["decode_batch_buckets"][0])),
         }
     return result
+
+
+def restore_into_shards(model, tp: int) -> dict:
+    """Save `model` as an orbax checkpoint, restore it straight into the rules' shardings for a
+    1 x tp mesh, and serve it from those arrays."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_orbax(model, f"{tmp}/ckpt")
+        mesh = make_mesh(tp)
+        restored = load_model(f"{tmp}/ckpt", shardings=param_shardings(param_shapes(model.config), mesh))
+    layout = run_layout(restored, 1, tp, with_hlo=False)
+    restored_specs = {jax.tree_util.keystr(p, simple=True, separator="/"): str(tuple(x.sharding.spec))
+                      for p, x in jax.tree_util.tree_leaves_with_path(restored.params)}
+    return {**layout, "restored_specs": restored_specs}
 
 
 def main(cases: list[str]) -> None:
@@ -113,10 +158,15 @@ def main(cases: list[str]) -> None:
         "few_kv": build_tiny_random(num_heads=8, num_kv_heads=2, tie_word_embeddings=True),
     }
     results = {}
-    for case in cases:  # "MODEL:DPxTP"
+    for case in cases:  # "MODEL:DPxTP", "MODEL+pallas:DPxTP" (Pallas attention), "MODEL+restored:1xTP"
         name, layout = case.split(":")
+        model, _, variant = name.partition("+")
         dp, tp = map(int, layout.split("x"))
-        results[case] = run_layout(models[name], dp, tp, with_hlo=tp > 1 and dp == 1)
+        if variant == "restored":
+            results[case] = restore_into_shards(models[model], tp)
+        else:
+            results[case] = run_layout(models[model], dp, tp, with_hlo=tp > 1 and dp == 1,
+                                       attention_backend=variant or None)
     print(json.dumps(results))
 
 

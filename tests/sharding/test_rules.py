@@ -1,0 +1,105 @@
+"""Mesh checks, the tensor-parallel plan, kv-head replication and the partition rules, in
+process (specs only need the mesh's axis sizes: an AbstractMesh stands in for 4 devices)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from checkpoints.params import iter_leaves, param_shapes
+from checkpoints.tiny_random import random_params, tiny_random_config
+from sharding.kv_heads import replicate_kv_heads
+from sharding.mesh import make_mesh, plan_tensor_parallel, replica_meshes
+from sharding.rules import param_shardings, spec_for
+
+TP4 = AbstractMesh((1, 4), ("dp", "tp"))
+
+
+def test_mesh_larger_than_the_devices_is_refused():
+    with pytest.raises(ValueError, match=r"dp x tp = 2 x 4 = 8 devices requested, but only 1 are visible"):
+        make_mesh(tensor_parallel_size=4, data_parallel_size=2)
+    with pytest.raises(ValueError, match=">= 1"):
+        make_mesh(tensor_parallel_size=0)
+
+
+def test_replica_meshes_are_the_rows_of_the_mesh():
+    devices = jax.devices()[:1]
+    (only,) = replica_meshes(make_mesh(1, 1, devices))
+    assert dict(only.shape) == {"dp": 1, "tp": 1} and list(only.devices.flat) == devices
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(h, k) for h in (1, 2, 4, 6, 8, 9, 12, 16) for k in (1, 2, 3, 4, 6, 8)
+                                             if h % k == 0])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 6, 8])
+def test_every_query_head_reads_its_own_kv_head_after_replication(heads, kv_heads, tp):
+    if heads % tp:
+        with pytest.raises(ValueError, match="does not divide"):
+            plan_tensor_parallel(heads, kv_heads, tp)
+        return
+    plan = plan_tensor_parallel(heads, kv_heads, tp)
+    served, r = plan.served_kv_heads, plan.kv_replicas
+    assert served % tp == 0 and heads % served == 0 and served == kv_heads * r
+    for shard in range(tp):  # the heads a shard owns, and the kv heads they read
+        q = range(shard * heads // tp, (shard + 1) * heads // tp)
+        local_kv = range(shard * served // tp, (shard + 1) * served // tp)
+        for h in q:
+            served_head = h // (heads // served)
+            assert served_head in local_kv
+            assert served_head // r == h // (heads // kv_heads)  # same K/V as without tp
+
+
+def test_replicate_kv_heads_repeats_whole_heads():
+    config = tiny_random_config(num_heads=8, num_kv_heads=2, attention_bias=True)
+    params = random_params(config)
+    plan = plan_tensor_parallel(8, 2, 4)
+    out = replicate_kv_heads(params, plan, config.head_dim)
+    d = config.head_dim
+    for name in ("k_proj", "v_proj"):
+        for leaf in ("kernel", "bias"):
+            before, after = params["layers"][name][leaf], out["layers"][name][leaf]
+            assert after.shape[-1] == 4 * d
+            for served in range(4):
+                np.testing.assert_array_equal(after[..., served * d:(served + 1) * d],
+                                              before[..., (served // 2) * d:(served // 2 + 1) * d])
+    assert out["layers"]["q_proj"]["kernel"] is params["layers"]["q_proj"]["kernel"]
+    on_device = replicate_kv_heads(jax.tree.map(jax.numpy.asarray, params), plan, d)
+    np.testing.assert_array_equal(on_device["layers"]["k_proj"]["kernel"], out["layers"]["k_proj"]["kernel"])
+    assert replicate_kv_heads(params, plan_tensor_parallel(8, 2, 2), d) is params
+
+
+@pytest.mark.parametrize("path, spec", [
+    ("embed/embedding", P("tp", None)),
+    ("lm_head/kernel", P(None, "tp")),
+    ("layers/q_proj/kernel", P(None, None, "tp")),
+    ("layers/k_proj/bias", P(None, "tp")),
+    ("layers/up_proj/kernel", P(None, None, "tp")),
+    ("layers/o_proj/kernel", P(None, "tp", None)),
+    ("layers/down_proj/kernel", P(None, "tp", None)),
+    ("layers/attn_norm/scale", P()),
+    ("final_norm/scale", P()),
+])
+def test_rules(path, spec):
+    shapes = dict(iter_leaves(param_shapes(tiny_random_config(num_heads=8, attention_bias=True))))
+    assert spec_for(path, shapes[path], TP4) == spec
+
+
+def test_every_parameter_of_a_model_gets_a_sharding():
+    tree = param_shapes(tiny_random_config(num_heads=8, attention_bias=True))
+    shardings = param_shardings(tree, TP4)
+    assert jax.tree.structure(shardings) == jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, tuple))
+    assert shardings["layers"]["v_proj"]["bias"].spec == P(None, "tp")
+
+
+def test_an_indivisible_dimension_is_replicated_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="sharding.rules"):
+        assert spec_for("embed/embedding", (301, 64), TP4) == P(None, None)
+    assert "301 does not split 4 ways" in caplog.text
+
+
+def test_a_parameter_without_a_rule_is_an_error():
+    with pytest.raises(ValueError, match="no partition rule matches parameter 'layers/rotary/freqs'"):
+        spec_for("layers/rotary/freqs", (4,), TP4)
