@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from checkpoints.registry import DEFAULT_MODEL
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.dp_router import make_engine
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ class LLM:
         unknown = set(engine_args) - fields
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine = LLMEngine(model, EngineConfig(**engine_args))
+        self.engine = make_engine(model, EngineConfig(**engine_args))
         self.warm_up_seconds = self.engine.warm_up() if warm_up else 0.0
         self._ids = itertools.count()
 
