@@ -228,12 +228,17 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _peer_spec(args: argparse.Namespace) -> Any:
+    from bench.model_files import gguf_path
     from bench.offline import PeerSpec
-    from bench.peers.runner import check_peer
+    from bench.peers.runner import PeerUnavailable, check_peer
 
     if args.peer is None:
         return None
     check_peer(args.peer, args.peer_python)  # fail before the long jaxserve part, not after it
+    try:
+        gguf_path(args.model)
+    except ValueError as e:
+        raise PeerUnavailable(str(e)) from e
     return PeerSpec(args.peer, args.peer_python, args.peer_threads, getattr(args, "peer_batch_size", 32))
 
 

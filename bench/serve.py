@@ -23,7 +23,7 @@ from bench.http_client import Endpoint
 from bench.load import LoadSpec, run_load
 from bench.metrics import SLO, RequestRecord, compute_metrics, latency_lists, metrics_by_group
 from bench.model_files import gguf_path
-from bench.peers.runner import check_peer
+from bench.peers.runner import PeerUnavailable, check_peer
 from bench.plots import plot_cdfs, plot_latency_curves
 from bench.report import OURS, with_ratios
 from bench.server_process import ManagedServer, free_port, jaxserve_argv, llamacpp_argv
@@ -136,6 +136,19 @@ def llamacpp_endpoint(opts: ServeOptions, eos_token_ids: tuple[int, ...]) -> Ite
         yield Endpoint(server.base_url, served_model_name(opts), extra), info
 
 
+def check_serving_peer(opts: ServeOptions) -> None:
+    """Fail before jaxserve's run, not after it, when the asked-for peer cannot run."""
+    if opts.peer is None:
+        return
+    if opts.peer not in SERVE_PEERS:
+        raise ValueError(f"unknown serving peer {opts.peer!r}; choose from {SERVE_PEERS}")
+    check_peer("llama-cpp-server", opts.peer_python)
+    try:
+        gguf_path(opts.model)
+    except ValueError as e:
+        raise PeerUnavailable(str(e)) from e
+
+
 def endpoint_for(backend: str, opts: ServeOptions, tokenizer: Any):
     if backend == OURS:
         return jaxserve_endpoint(opts)
@@ -161,6 +174,7 @@ def run_serve(opts: ServeOptions, workload: Workload, spec: LoadSpec, tokenizer:
               percentiles: tuple[float, ...], detailed: bool = False, plot_stem: str | None = None,
               show_progress: bool = True) -> dict[str, Any]:  # fmt: skip
     """jaxserve, then the peer if any, on the same workload and schedule; returns the result JSON."""
+    check_serving_peer(opts)
     backends: dict[str, Any] = {}
     runs: dict[str, RunResult] = {}
     for backend in [OURS, *([opts.peer] if opts.peer else [])]:

@@ -14,8 +14,8 @@ from typing import Any, Callable
 from bench.load import LoadSpec
 from bench.metrics import SLO
 from bench.plots import plot_cdfs, plot_latency_curves
-from bench.report import OURS, table, with_ratios
-from bench.serve import RunResult, ServeOptions, server_dtype, endpoint_for, measure
+from bench.report import OURS, ratios, table, with_ratios
+from bench.serve import RunResult, ServeOptions, check_serving_peer, endpoint_for, measure, server_dtype
 from bench.system_info import system_info
 from bench.workloads import Workload
 
@@ -46,6 +46,7 @@ def run_sweep(opts: ServeOptions, make_workload: Callable[[int], Workload], poin
               tokenizer: Any, slo: SLO | None, target_attainment: float, percentiles: tuple[float, ...],
               plot_stem: str | None = None, show_progress: bool = True) -> dict[str, Any]:  # fmt: skip
     """Every point for jaxserve, then for the peer; `xlabel` names x (request_rate or max_concurrency)."""
+    check_serving_peer(opts)
     workloads = [make_workload(i) for i in range(len(points))]
     runs: dict[str, list[RunResult]] = {}
     backends: dict[str, Any] = {}
@@ -73,6 +74,10 @@ def run_sweep(opts: ServeOptions, make_workload: Callable[[int], Workload], poin
         "backends": backends,
     }
     with_ratios(result)
+    result["point_ratios"] = {
+        peer: [ratios(a["results"], b["results"]) for a, b in zip(backends[OURS]["points"], backends[peer]["points"])]
+        for peer in backends if peer != OURS
+    }  # fmt: skip
     if plot_stem:
         title = f"{opts.model}, {workloads[0].name}"
         curves = {b: [(p.x, r.metrics) for p, r in zip(points, rs)] for b, rs in runs.items()}
@@ -85,7 +90,14 @@ def run_sweep(opts: ServeOptions, make_workload: Callable[[int], Workload], poin
 
 
 def print_sweep(result: dict[str, Any], keys: list[str]) -> None:
-    for name, backend in result["backends"].items():
-        columns = {f"{result['run']['x']}={pt['x']:g}": pt["results"] for pt in backend["points"]}
+    """Each backend's curve, then jaxserve against each peer point by point, with ratios."""
+    xname = result["run"]["x"]
+    backends = result["backends"]
+    for name, backend in backends.items():
+        columns = {f"{xname}={pt['x']:g}": pt["results"] for pt in backend["points"]}
         print(table(f"sweep: {name}", columns, keys))
         print(f"{name}: {backend['results']}")
+    for peer in [n for n in backends if n != OURS]:
+        for ours, theirs in zip(backends[OURS]["points"], backends[peer]["points"]):
+            columns = {OURS: ours["results"], peer: theirs["results"]}
+            print(table(f"{xname}={ours['x']:g}: {OURS} vs {peer}", columns, keys))

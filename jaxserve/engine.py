@@ -58,6 +58,11 @@ class LLMEngine:
             enable_prefix_cache=ec.enable_prefix_caching,
             num_host_slots=ec.swap_space_blocks,
         )
+        # A lone request must always fit the pool, or it could be preempted forever.
+        capacity = (self.kv.pool.num_usable - self.kv.watermark_blocks) * ec.block_size
+        if ec.max_model_len > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", ec.max_model_len, capacity)
+            ec.max_model_len = capacity
         self.scheduler = Scheduler(ec, self.kv)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._streams: dict[Request, SequenceStream] = {}

@@ -88,7 +88,7 @@ def test_shared_prefix_computed_once_within_a_step():
 
 
 def test_priority_policy_orders_admission_and_preempts_least_important():
-    s = make(num_blocks=9, scheduling_policy="priority", max_num_batched_tokens=64)
+    s = make(num_blocks=17, scheduling_policy="priority", max_num_batched_tokens=64)
     low, high = req("low", 12, max_tokens=30, priority=5), req("high", 12, max_tokens=30, priority=0)
     s.add_request(low)
     s.add_request(high)

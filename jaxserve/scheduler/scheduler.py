@@ -74,12 +74,12 @@ class Scheduler:
         budget -= self._schedule_decodes(out)
         self._schedule_swap_ins(out)
         self._schedule_prefills(out, budget)
-        if out.is_empty and self.running:
-            # Every running request is a prefill that cannot grow: free the least important
-            # one so the others can make progress instead of waiting for each other forever.
-            self._preempt(self._pick_victim(), out)
-            return self.schedule()
         out.copy_stages = self.kv.take_copies()
+        if out.is_empty and self.running:
+            # Every running request is a prefill that cannot grow: recompute the least important
+            # one later so the others can make progress instead of waiting for each other forever.
+            self._preempt(self._pick_victim(), out, mode="recompute")
+            return self.schedule()
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
@@ -207,12 +207,12 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         return max(self.running, key=self._priority_key)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self.running.remove(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
-        if self.config.preemption_mode == "swap" and not req.is_prefilling:
+        if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling:
             if self.kv.swap_out(req.request_id):
                 req.status = RequestStatus.SWAPPED
                 self.swapped.append(req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -50,3 +51,12 @@ def test_missing_peer_is_a_clear_error():
            "requests": [{"prompt_token_ids": [1], "max_tokens": 1}]}  # fmt: skip
     with pytest.raises(PeerUnavailable, match="llama-cpp-python"):
         run_offline_peer("llama-cpp", job, sys.executable)
+
+
+def test_cli_refuses_a_peer_it_cannot_run_before_running_anything():
+    for command in (["throughput", "--peer", "transformers", "--peer-python", sys.executable],
+                    ["serve", "--peer", "llama-cpp", "--peer-python", sys.executable]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", *command, "--model", "tiny-random"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "jaxserve bench:" in done.stderr and "Traceback" not in done.stderr
