@@ -178,7 +178,8 @@ def run_latency(model: str, engine_args: dict[str, Any], input_len: int, output_
     gc.collect()
     if peer is not None:
         requests = [{"prompt_token_ids": p, "max_tokens": output_len} for p in prompts]
-        raw = run_offline_peer(peer.name, _peer_job(peer, model, "latency", requests, iters=iters, warmup_iters=warmup_iters))
+        job = _peer_job(peer, model, "latency", requests, iters=iters, warmup_iters=warmup_iters)
+        raw = run_offline_peer(peer.name, job, peer.python)
         backends[peer.name] = {"results": latency_summary(raw["prefill_s"], raw["latency_s"], output_len), "info": raw}
     workload = {"name": "latency", "params": {"input_len": input_len, "output_len": output_len, "seed": seed}}
     run = {"iters": iters, "warmup_iters": warmup_iters}

@@ -22,7 +22,7 @@ def higher_is_better(key: str) -> bool | None:
     """True for rates, False for times, None for plain counts (no judgement)."""
     if "throughput" in key or "goodput" in key or key.endswith("_per_s") or key == "slo_attainment":
         return True
-    if key.endswith("_ms") or key.endswith("_s") or key.endswith("_seconds"):
+    if key.endswith(("_ms", "_s", "_seconds")) or "_ms_per_" in key:
         return False
     return None
 

@@ -126,7 +126,7 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(req, FinishReason.ABORT)
                 deltas.append(self._final_delta(req, FinishReason.ABORT))
-        self._forget_finished_groups()
+        self._forget_if_finished(request_id)
         return deltas
 
     def has_unfinished_requests(self) -> bool:
@@ -146,6 +146,7 @@ class LLMEngine:
         self.stats.model_time += self.runner.last_step_time
         self.scheduler.on_step_done(sched)
         deltas = []
+        finished_groups = set()
         for chunk, sampled in results:
             req = chunk.request
             if req.is_finished:  # aborted while its step was running
@@ -156,12 +157,14 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 deltas.append(self._final_delta(req, reason))
+                finished_groups.add(stream.group_id)
             else:
                 delta = stream.take_delta(None, None)
                 if delta is not None:
                     deltas.append(delta)
         self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
-        self._forget_finished_groups()
+        for group_id in finished_groups:
+            self._forget_if_finished(group_id)
         self.stats.num_steps += 1
         self.stats.step_time += time.perf_counter() - t0
         return deltas
@@ -170,7 +173,9 @@ class LLMEngine:
         usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)
         return self._streams[req].take_delta(reason, usage)
 
-    def _forget_finished_groups(self) -> None:
-        for rid in [rid for rid, g in self._groups.items() if all(r.is_finished for r in g)]:
-            for req in self._groups.pop(rid):
-                self._streams.pop(req, None)
+    def _forget_if_finished(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self._groups[request_id]
+            for req in group:
+                del self._streams[req]

@@ -29,6 +29,7 @@ def test_ratio_is_ours_over_peer_and_the_verdict_knows_the_direction():
 def test_direction_of_keys():
     assert higher_is_better("output_throughput") and higher_is_better("request_goodput")
     assert higher_is_better("p99_ttft_ms") is False and higher_is_better("elapsed_s") is False
+    assert higher_is_better("mean_decode_ms_per_token") is False and higher_is_better("decode_tokens_per_s")
     assert higher_is_better("completed") is None
 
 
