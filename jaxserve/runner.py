@@ -240,7 +240,7 @@ class ModelRunner:
         seq_lens = np.zeros(batch, np.int32)
         tables = self._fill_tables(chunks, batch, width)
         for i, c in enumerate(chunks):
-            tokens[i] = c.request.all_token_ids[c.start]
+            tokens[i] = c.request.last_token_id  # a decode computes the newest token
             positions[i] = c.start
             slots[i] = tables[i, c.start // bs] * bs + c.start % bs
             seq_lens[i] = c.start + 1
