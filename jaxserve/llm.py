@@ -106,6 +106,8 @@ def _as_prompt(p: PromptType) -> str | list[int]:
         if "prompt" in p:
             return p["prompt"]
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    if isinstance(p, str) or (isinstance(p, Iterable) and not isinstance(p, str)):
-        return p if isinstance(p, str) else list(p)
+    if isinstance(p, str):
+        return p
+    if isinstance(p, Iterable):
+        return list(p)
     raise TypeError(f"unsupported prompt type {type(p).__name__}")

@@ -109,12 +109,10 @@ class Scheduler:
         cfg = self.config
         in_flight: set[int] = set()  # chain hashes of blocks computed by this step's prefills
         partial = [r for r in self.running if r.is_prefilling]
-        others_waiting = bool(self.waiting)
         for req in partial:
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
-            cap = budget // 2 if others_waiting and budget > cfg.block_size else budget
-            budget -= self._schedule_chunk(req, cap, out, in_flight)
+            budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, bool(self.waiting)), out, in_flight)
         num_partial = sum(1 for r in self.running if r.is_prefilling)
         for req in self._waiting_in_policy_order():
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
@@ -131,8 +129,7 @@ class Scheduler:
             if n < remaining:
                 if not cfg.enable_chunked_prefill:
                     continue
-                if len(self.waiting) > 1 and budget > cfg.block_size:
-                    n = budget // 2  # a partial prefill leaves room for the prompts behind it
+                n = self._partial_chunk_limit(budget, len(self.waiting) > 1)
             if not self.kv.admit(req.request_id, hit, n):
                 break  # the pool is full: admit nothing more this step
             req.num_computed_tokens = hit.num_tokens
@@ -145,6 +142,11 @@ class Scheduler:
             budget -= used
             if used < remaining:
                 num_partial += 1
+
+    def _partial_chunk_limit(self, budget: int, others_waiting: bool) -> int:
+        """Tokens a prefill that will not finish this step may take: half the budget while
+        other prompts wait, so one long prompt never holds back the short ones behind it."""
+        return budget // 2 if others_waiting and budget > self.config.block_size else budget
 
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: set[int]) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
