@@ -76,6 +76,11 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """The model config of a converted checkpoint, without reading its parameters."""
+    return ModelConfig.from_dict(_read_manifest(Path(path))["config"])
+
+
 def _restore_args(config: ModelConfig, dtype: np.dtype, shardings: Any) -> ParamTree:
     shapes = param_shapes(config)
     is_shape = lambda x: isinstance(x, tuple)  # noqa: E731 - shapes are the leaves here

@@ -26,11 +26,12 @@ from typing import Any, Callable
 
 import jax
 
+from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError, ModelFetchError
 from checkpoints.gguf import load_gguf
 from checkpoints.hf import load_hf_dir
 from checkpoints.loaded import LoadedModel
-from checkpoints.orbax_io import is_orbax_dir, load_orbax, save_orbax
+from checkpoints.orbax_io import is_orbax_dir, load_orbax, read_config, save_orbax
 from checkpoints.params import map_leaves, resolve_dtype
 from checkpoints.tiny_random import build_tiny_random
 
@@ -106,26 +107,34 @@ def _save_atomically(model: LoadedModel, dst: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _on_shardings(model: LoadedModel, shardings: Any) -> LoadedModel:
+ShardingsFor = Callable[[ModelConfig], Any]
+
+
+def _on_shardings(model: LoadedModel, shardings: ShardingsFor | None) -> LoadedModel:
     if shardings is not None:
-        model.params = jax.device_put(model.params, shardings)
+        model.params = jax.device_put(model.params, shardings(model.config))
     return model
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: Any = None) -> LoadedModel:
+def _restore_orbax(path: Path, dtype: Any, shardings: ShardingsFor | None) -> LoadedModel:
+    return load_orbax(path, dtype, None if shardings is None else shardings(read_config(path)))
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: ShardingsFor | None = None) -> LoadedModel:
     """Load a model from a spec (see the module docstring).
 
-    `shardings`: optional pytree of `jax.sharding.Sharding` shaped like the parameter tree; the
-    parameters are then returned as `jax.Array`s placed accordingly (restored straight into
-    shards from a converted checkpoint, `device_put` from other sources). Without it they are
-    numpy arrays.
+    `shardings`: optional function from the model's config to a pytree of `jax.sharding.Sharding`
+    shaped like the parameter tree (a function, because the caller learns the config only from the
+    checkpoint). The parameters are then returned as `jax.Array`s placed accordingly: restored
+    straight into shards from a converted checkpoint (each process reads only its shards),
+    `device_put` from other sources. Without it they are numpy arrays.
     """
     if spec == TINY_RANDOM:
         return _on_shardings(build_tiny_random(dtype), shardings)
     if spec in REGISTERED_GGUF:
         converted = _converted_dir(spec)
         if is_orbax_dir(converted):
-            return load_orbax(converted, dtype, shardings)
+            return _restore_orbax(converted, dtype, shardings)
         model = load_gguf(fetch_gguf(spec))
         _save_atomically(model, converted)
         dtype = resolve_dtype(dtype)
@@ -133,7 +142,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: Any
         return _on_shardings(model, shardings)
     path = Path(spec).expanduser()
     if path.is_dir() and is_orbax_dir(path):
-        return load_orbax(path, dtype, shardings)
+        return _restore_orbax(path, dtype, shardings)
     if path.is_file() and path.suffix == ".gguf":
         return _on_shardings(load_gguf(path, dtype), shardings)
     if path.is_dir() and (path / "config.json").is_file():

@@ -2,18 +2,23 @@
 
 The asyncio side never calls JAX: requests and aborts go into a thread-safe inbox; deltas
 come back to each request's asyncio.Queue through `loop.call_soon_threadsafe`.
+
+The loop drives a `DataParallelRouter`: a lone `LLMEngine` is wrapped in a router of one, so
+requests that name a session reach the replica holding the session's KV either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
+from jaxserve.dp_router import DataParallelRouter
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import Delta
 from jaxserve.sampling_params import SamplingParams
@@ -30,6 +35,7 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    session_id: str | None
     deliver: Callable[[Delta | BaseException], None]
 
 
@@ -42,20 +48,22 @@ class _Abort:
 class _Call:
     """Run fn(engine) on the engine thread (KV pinning for sessions, stats snapshots)."""
 
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[[DataParallelRouter], Any]
     done: Callable[[Any], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | DataParallelRouter):
+        self.engine = engine if isinstance(engine, DataParallelRouter) else DataParallelRouter([engine])
         self._inbox: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._stopping = threading.Event()
         self.last_step_at = time.monotonic()
         self.fatal_error: BaseException | None = None
-        self.on_step: Callable[[LLMEngine, list[Delta], float], None] | None = None  # metrics hook
+        self.on_step: Callable[[DataParallelRouter, list[Delta], float], None] | None = None  # metrics hook
+        # Called on the engine thread when it wakes with nothing to run (multi-host keep-alive).
+        self.on_idle: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -64,15 +72,18 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.fatal_error is None
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       session_id: str | None = None) -> AsyncIterator[Delta]:
         """Stream the request's deltas. Raises ValueError for a prompt the engine cannot serve.
-        Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        Leaving the iteration early (client gone, task cancelled) aborts the request. Requests
+        that name a `session_id` go to the replica that served the session before."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         ids = self.engine.encode_prompt(prompt)  # validation only reads config and the tokenizer
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(request_id, ids, params, lambda d: loop.call_soon_threadsafe(out.put_nowait, d)))
+        deliver = functools.partial(loop.call_soon_threadsafe, out.put_nowait)
+        self._inbox.put(_Add(request_id, ids, params, session_id, deliver))
         remaining = params.n
         finished = False
         try:
@@ -91,8 +102,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps and return its result."""
+    async def call(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
+        """Run fn(router) on the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -122,7 +133,7 @@ class AsyncEngine:
         engine = self.engine
         if isinstance(item, _Add):
             try:
-                engine.add_request(item.request_id, item.prompt_ids, item.params)
+                engine.add_request(item.request_id, item.prompt_ids, item.params, item.session_id)
                 self._deliver[item.request_id] = item.deliver
             except ValueError as e:
                 item.deliver(e)
@@ -165,6 +176,8 @@ class AsyncEngine:
                         del self._deliver[rid]
                     if self.on_step is not None:
                         self.on_step(engine, deltas, time.perf_counter() - t0)
+                elif self.on_idle is not None:
+                    self.on_idle()
                 self.last_step_at = time.monotonic()
         except BaseException as e:  # the loop died: fail every waiting stream loudly
             logger.exception("engine loop failed")

@@ -21,6 +21,9 @@ from jaxserve.config import EngineConfig
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file, HF or Orbax directory")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="split the CPU into this many JAX devices (try --tensor-parallel-size and "
+                             "--data-parallel-size without accelerators)")
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
@@ -110,9 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prepare_jax(args: argparse.Namespace) -> None:
+    """Settings JAX reads once, when its backends start: applied before a command touches JAX."""
+    if getattr(args, "cpu_devices", None) is not None:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    if hasattr(args, "coordinator_address"):  # commands that can run across processes
+        from sharding import multihost
+
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    _prepare_jax(args)
     return args.func(args)
 
 

@@ -1,9 +1,10 @@
 """Data parallelism: N engine replicas, each on its own 1 x tp sub-mesh, behind one router.
 
-`DataParallelRouter` has the engine interface the offline `LLM` and the async engine use
-(`add_request`, `step`, `abort`, `has_unfinished_requests`, `is_active`, `encode_prompt`,
-`warm_up`, `tokenizer`), so it stands in for an `LLMEngine`; `make_engine` returns one or the
-other from `EngineConfig.data_parallel_size`.
+`DataParallelRouter` has the engine interface the offline `LLM` uses (`add_request`, `step`,
+`abort`, `has_unfinished_requests`, `is_active`, `encode_prompt`, `warm_up`, `tokenizer`), so it
+stands in for an `LLMEngine`; `make_engine` returns one or the other from
+`EngineConfig.data_parallel_size`. The async engine (and so the server) always drives a router,
+of one replica when there is no data parallelism, so session routing has one code path.
 
 Routing is cache-aware, after SGLang's router: a request goes to the replica whose prefix cache
 holds the longest match of its prompt when that match covers enough of the prompt and the
@@ -21,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.outputs import Delta
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
@@ -71,7 +72,9 @@ class DataParallelRouter:
         self.tokenizer = first.tokenizer
         self._owner: dict[str, int] = {}  # unfinished request id -> replica
         self._sessions: dict[Hashable, int] = {}
-        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="dp-replica")
+        self._pool = None
+        if len(self.replicas) > 1:
+            self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="dp-replica")
 
     @classmethod
     def build(cls, model: str | LoadedModel, config: EngineConfig, devices: list | None = None,
@@ -90,6 +93,11 @@ class DataParallelRouter:
 
     # ----- routing ------------------------------------------------------------------------
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences all replicas can run at once."""
+        return self.config.max_num_seqs * len(self.replicas)
+
     def loads(self) -> list[int]:
         return [e.scheduler.num_unfinished for e in self.replicas]
 
@@ -97,8 +105,15 @@ class DataParallelRouter:
         """The replica a prompt would go to now (sessions stick to their first replica)."""
         if session_id is not None and session_id in self._sessions:
             return self._sessions[session_id]
+        if len(self.replicas) == 1:
+            return 0
         matches = [e.kv.match_prefix(prompt_ids).num_tokens for e in self.replicas]
         return choose_replica(matches, self.loads(), len(prompt_ids), self.policy)
+
+    def session_replica(self, session_id: Hashable, prompt_ids: Sequence[int]) -> LLMEngine:
+        """The replica that holds a session's KV (routing `prompt_ids` if it has none yet)."""
+        index = self._sessions.setdefault(session_id, self.route(prompt_ids, session_id))
+        return self.replicas[index]
 
     def end_session(self, session_id: Hashable) -> None:
         """Forget a session's replica; its next request is routed afresh."""
@@ -123,8 +138,8 @@ class DataParallelRouter:
 
     def step(self) -> list[Delta]:
         busy = [e for e in self.replicas if e.has_unfinished_requests()]
-        if len(busy) == 1:
-            per_replica = [busy[0].step()]
+        if len(busy) <= 1:
+            per_replica = [e.step() for e in busy]
         else:
             per_replica = list(self._pool.map(LLMEngine.step, busy))
         deltas = [d for replica_deltas in per_replica for d in replica_deltas]
@@ -151,8 +166,15 @@ class DataParallelRouter:
     def num_compilations(self) -> int:
         return sum(e.num_compilations for e in self.replicas)
 
+    @property
+    def stats(self) -> StepStats:
+        """The replicas' step statistics, summed (times are summed too: replica-seconds)."""
+        fields = dataclasses.fields(StepStats)
+        return StepStats(*(sum(getattr(e.stats, f.name) for e in self.replicas) for f in fields))
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def make_engine(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | DataParallelRouter:

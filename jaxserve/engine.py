@@ -20,7 +20,7 @@ from jaxserve.kv import KVCacheManager
 from jaxserve.output_processor import SequenceStream
 from jaxserve.outputs import Delta, Usage
 from jaxserve.request import FinishReason, Request
-from jaxserve.runner import ModelRunner
+from jaxserve.runner import ModelRunner, checkpoint_shardings
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import Tokenizer
@@ -45,7 +45,10 @@ class LLMEngine:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, config: EngineConfig | None = None, mesh: Any = None):
         self.config = config or EngineConfig()
         ec = self.config
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=ec.dtype)
+        if isinstance(model, LoadedModel):
+            loaded = model
+        else:  # restored straight into this replica's shards
+            loaded = load_model(model, dtype=ec.dtype, shardings=checkpoint_shardings(ec, mesh))
         self.model_config = loaded.config
         self.model_name = model if isinstance(model, str) else "custom"
         self.tokenizer = Tokenizer(loaded.tokenizer_bundle)

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
+from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig, bucket_for
 from jaxserve.kv import CopyKind
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
@@ -64,8 +65,8 @@ def _cast_params(params: Any, dtype: jnp.dtype) -> Any:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None) -> Mesh:
-    """The 1 x tp mesh this runner's replica runs on."""
+def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None = None) -> Mesh:
+    """The 1 x tp mesh a runner's replica runs on (checked; by default the first tp devices)."""
     if mesh is None:
         if engine_config.data_parallel_size > 1:
             raise ValueError(
@@ -78,6 +79,16 @@ def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None) -> Mesh:
             f"got dp x tp = {mesh.shape['dp']} x {mesh.shape['tp']}"
         )
     return mesh
+
+
+def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) -> Callable[[ModelConfig], Any]:
+    """Where a checkpoint's parameters are restored, for `load_model(shardings=...)`: the rules'
+    shardings of the checkpoint's own shapes on the runner's mesh (kv heads are repeated later,
+    on device, when tp needs more of them). A model tp cannot split is refused before any read."""
+    def shardings(config: ModelConfig) -> Any:
+        plan_tensor_parallel(config.num_heads, config.num_kv_heads, engine_config.tensor_parallel_size)
+        return param_shardings(param_shapes(config), _runner_mesh(engine_config, mesh))
+    return shardings
 
 
 class ModelRunner:

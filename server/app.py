@@ -97,4 +97,4 @@ async def _expire_sessions(state: ServerState) -> None:
         for session in state.sessions.expired():
             logger.info("session %s expired after %.0f s idle", session.id, state.sessions.ttl)
             state.sessions.remove(session)
-            await state.session_kv.unpin(session)
+            await state.session_kv.end(session)

@@ -11,13 +11,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from jaxserve.config import EngineConfig
 from server.config import ServerConfig
+from sharding.multihost import add_distributed_arguments
 
 
 def add_serve_parser(
     subparsers: argparse._SubParsersAction,
     add_engine_args: Callable[[argparse.ArgumentParser], None],
-    engine_config_from_args: Callable[[argparse.Namespace], object],
+    engine_config_from_args: Callable[[argparse.Namespace], EngineConfig],
 ) -> argparse.ArgumentParser:
     """Add `serve` (engine flags from `add_engine_args`, server flags from here)."""
     defaults = ServerConfig()
@@ -26,6 +28,8 @@ def add_serve_parser(
     g = p.add_argument_group("server")
     g.add_argument("--host", default=defaults.host)
     g.add_argument("--port", type=int, default=defaults.port)
+    g.add_argument("--grpc-port", type=int, default=defaults.grpc_port,
+                   help="also serve the gRPC API (server/grpc_api/jaxserve.proto) on this port, 0 = off")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     g.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
     g.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
@@ -47,6 +51,7 @@ def add_serve_parser(
                    help="KV blocks one key's sessions may pin (default: the KV manager's)")
     g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                    help="seconds in-flight requests get to finish at shutdown")
+    add_distributed_arguments(p.add_argument_group("multi-process (one engine over several hosts)"))
     p.set_defaults(func=lambda args: serve(args, engine_config_from_args(args)))
     return p
 
@@ -60,6 +65,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         served_model_name=args.served_model_name or Path(str(args.model)).name,
         api_keys=tuple(keys),
         rate_limit_rpm=args.rate_limit_rpm,
@@ -79,25 +85,50 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def serve(args: argparse.Namespace, engine_config: object) -> int:
-    """Load, warm up, serve; returns 0 after a graceful shutdown."""
+def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    """Load, warm up, serve; returns 0 after a graceful shutdown.
+
+    In a multi-process job (`--num-processes`, one tensor-parallel engine over every process's
+    devices) process 0 serves HTTP and the others replay its device operations until it stops.
+    """
+    import jax
     from aiohttp import web
 
     from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
+    from jaxserve.dp_router import make_engine
     from server.app import build_app
+    from sharding import multihost
 
     config = server_config_from_args(args)
+    if jax.process_count() > 1 and engine_config.data_parallel_size > 1:
+        raise SystemExit("a multi-process job runs one tensor-parallel engine across all processes; "
+                         "--data-parallel-size must be 1 there")
     t0 = time.perf_counter()
-    engine = LLMEngine(args.model, engine_config)
+    async_engine = AsyncEngine(make_engine(args.model, engine_config))
+    router = async_engine.engine
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"compiling buckets: {engine.runner.bucket_summary()}", flush=True)
-    seconds = engine.warm_up()
-    print(f"warm-up: {engine.num_compilations} compilations in {seconds:.1f} s", flush=True)
-    async_engine = AsyncEngine(engine)
+    replicas = f" on each of {len(router.replicas)} replicas" if len(router.replicas) > 1 else ""
+    print(f"compiling buckets{replicas}: {router.replicas[0].runner.bucket_summary()}", flush=True)
+    seconds = router.warm_up()
+    print(f"warm-up: {router.num_compilations} compilations in {seconds:.1f} s", flush=True)
+    leader = None
+    if jax.process_count() > 1:
+        multihost.barrier("jaxserve-serve-warm")
+        channel = multihost.StepChannel()
+        runner = router.replicas[0].runner
+        if jax.process_index() != 0:
+            count = multihost.follow(runner, channel)
+            print(f"process {jax.process_index()}: replayed {count} device operations; process 0 stopped", flush=True)
+            return 0
+        leader = multihost.Leader(runner, channel)
+        async_engine.on_idle = leader.keep_alive
     async_engine.start()
     try:
         app = build_app(async_engine, config)
+        if config.grpc_port:
+            from server.grpc_api.server import GrpcServer
+
+            GrpcServer(config.host, config.grpc_port).attach(app)
         web.run_app(
             app,
             host=config.host,
@@ -109,5 +140,7 @@ def serve(args: argparse.Namespace, engine_config: object) -> int:
         )
     finally:
         async_engine.shutdown()
+        if leader is not None:
+            leader.stop()
     print("server stopped", flush=True)
     return 0

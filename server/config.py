@@ -10,6 +10,7 @@ from pathlib import Path
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int = 0  # `jaxserve serve` serves the gRPC API on this port too; 0 = no gRPC
     served_model_name: str = "smollm2-135m-instruct"
 
     # Security. No keys = an open server (a warning is printed at start).
@@ -44,5 +45,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.request_timeout < 0 or self.session_ttl <= 0 or self.shutdown_timeout < 0:
             raise ValueError("request_timeout and shutdown_timeout must be >= 0, session_ttl > 0")
+        if not 0 <= self.grpc_port <= 65535 or (self.grpc_port and self.grpc_port == self.port):
+            raise ValueError("grpc_port must be in [0, 65535] and differ from port")
         if any(not key or any(c.isspace() for c in key) for key in self.api_keys):
             raise ValueError("API keys must be non-empty and contain no whitespace")

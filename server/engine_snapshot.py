@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.engine import LLMEngine
+from jaxserve.dp_router import DataParallelRouter
 from jaxserve.kv import KVUsage
 from jaxserve.request import RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
+    """Summed over the data-parallel replicas."""
+
     running: int
     waiting: int
     swapped: int
@@ -28,28 +30,32 @@ class EngineSnapshot:
     num_compilations: int
     num_steps: int
     prompt_tokens_computed: int
+    generated_tokens: int
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
-def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
-    sched = engine.scheduler
-    stats = engine.kv.stats
-    preempted_waiting = sum(1 for r in sched.waiting if r.status is RequestStatus.PREEMPTED)
+def take_snapshot(router: DataParallelRouter) -> EngineSnapshot:
+    replicas = router.replicas
+    scheds = [e.scheduler for e in replicas]
+    kv_stats = [e.kv.stats for e in replicas]
+    preempted_waiting = sum(1 for s in scheds for r in s.waiting if r.status is RequestStatus.PREEMPTED)
+    swapped = sum(len(s.swapped) for s in scheds)
     return EngineSnapshot(
-        running=len(sched.running),
-        waiting=len(sched.waiting),
-        swapped=len(sched.swapped),
-        preempted=preempted_waiting + len(sched.swapped),
-        has_unfinished=engine.has_unfinished_requests(),
-        kv_requests=len(engine.kv.request_ids()),
-        kv=engine.kv.usage(),
-        prefix_query_tokens=stats.query_tokens,
-        prefix_hit_tokens=stats.hit_tokens + stats.host_hit_tokens,
-        num_preemptions=sched.num_preemptions,
-        num_compilations=engine.runner.num_compilations,
-        num_steps=engine.stats.num_steps,
-        prompt_tokens_computed=engine.stats.prompt_tokens_computed,
+        running=sum(len(s.running) for s in scheds),
+        waiting=sum(len(s.waiting) for s in scheds),
+        swapped=swapped,
+        preempted=preempted_waiting + swapped,
+        has_unfinished=router.has_unfinished_requests(),
+        kv_requests=sum(len(e.kv.request_ids()) for e in replicas),
+        kv=KVUsage.total([e.kv.usage() for e in replicas]),
+        prefix_query_tokens=sum(s.query_tokens for s in kv_stats),
+        prefix_hit_tokens=sum(s.hit_tokens + s.host_hit_tokens for s in kv_stats),
+        num_preemptions=sum(s.num_preemptions for s in scheds),
+        num_compilations=router.num_compilations,
+        num_steps=sum(e.stats.num_steps for e in replicas),
+        prompt_tokens_computed=sum(e.stats.prompt_tokens_computed for e in replicas),
+        generated_tokens=sum(e.stats.generated_tokens for e in replicas),
     )

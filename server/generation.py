@@ -32,6 +32,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams
     first_choice: int = 0
+    session_id: str | None = None  # keeps a session's turns on the replica holding its KV
 
 
 @dataclasses.dataclass
@@ -123,7 +124,8 @@ class Generation:
             queue.put_nowait(_DONE)
             return
         try:
-            async with aclosing(self._engine.generate(req.request_id, req.prompt_ids, req.params)) as stream:
+            stream = self._engine.generate(req.request_id, req.prompt_ids, req.params, req.session_id)
+            async with aclosing(stream):
                 async for delta in stream:
                     queue.put_nowait((req.first_choice + delta.index, delta))
         except Exception as e:  # handed to the consumer, which turns it into an API error

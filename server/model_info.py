@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jaxserve.engine import LLMEngine
+from jaxserve.dp_router import DataParallelRouter
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -24,14 +24,14 @@ class ModelInfo:
     created: int
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine, name: str) -> ModelInfo:
+    def from_engine(cls, engine: DataParallelRouter, name: str) -> ModelInfo:
         config = engine.config
         return cls(
             name=name,
             tokenizer=engine.tokenizer,
             vocab_size=engine.model_config.vocab_size,
             max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=engine.max_num_seqs,
             block_size=config.block_size,
             created=int(time.time()),
         )

@@ -8,6 +8,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from jaxserve.async_engine import AsyncEngine
 from server.engine_snapshot import take_snapshot
 from server.session_kv import engine_call
 from server.state import STATE
@@ -17,14 +18,21 @@ routes = web.RouteTableDef()
 STUCK_AFTER_SECONDS = 120.0  # a loop that has not come round for this long is reported unhealthy
 
 
+def engine_problem(engine: AsyncEngine) -> str | None:
+    """Why the engine cannot serve (stopped, or stuck), or None when it is healthy."""
+    if not engine.is_alive:
+        return "stopped"
+    since = time.monotonic() - engine.last_step_at
+    if since > STUCK_AFTER_SECONDS:
+        return f"no loop iteration for {since:.0f} s"
+    return None
+
+
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
-    since = time.monotonic() - engine.last_step_at
-    if not engine.is_alive:
-        return web.json_response({"status": "error", "engine": "stopped"}, status=503)
-    if since > STUCK_AFTER_SECONDS:
-        return web.json_response({"status": "error", "engine": f"no loop iteration for {since:.0f} s"}, status=503)
+    problem = engine_problem(request.app[STATE].engine)
+    if problem is not None:
+        return web.json_response({"status": "error", "engine": problem}, status=503)
     return web.json_response({"status": "ok"})
 
 

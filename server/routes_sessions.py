@@ -121,7 +121,7 @@ async def delete_session(request: web.Request) -> web.Response:
         session.reply.cancel()
         await _wait_for_reply(session)
     state.sessions.remove(session)
-    await state.session_kv.unpin(session)
+    await state.session_kv.end(session)
     return web.json_response({"id": session.id, "object": "session.deleted", "deleted": True})
 
 
@@ -239,7 +239,8 @@ async def _reply(
         # From here to the reply's end the session is busy; nothing awaits before the claim.
         previous = session.messages
         session.messages = messages
-        generation = state.generation(request, [EngineRequest(response_id, ids, params)], "session", arrival)
+        engine_request = EngineRequest(response_id, ids, params, session_id=session.id)
+        generation = state.generation(request, [engine_request], "session", arrival)
         session.reply = generation
         session.reply_done = asyncio.Event()
 

@@ -1,8 +1,10 @@
 """Pins each session's latest history in the prefix cache, within the owner's block budget.
 
-All KV work runs on the engine thread (`AsyncEngine.call`). When a new pin does not fit the
-owner's budget, the owner's least recently used other sessions give up their pins until it
-fits (they still work; their next turn may recompute part of the history).
+All KV work runs on the engine thread (`AsyncEngine.call`). A session lives on one
+data-parallel replica (the router keeps it there), and its pin is in that replica's cache.
+When a new pin does not fit the owner's budget, the owner's least recently used other
+sessions on that replica give up their pins until it fits (they still work; their next turn
+may recompute part of the history).
 """
 
 from __future__ import annotations
@@ -11,25 +13,26 @@ import asyncio
 from typing import Any, Callable
 
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import LLMEngine
-from jaxserve.kv import Pin
+from jaxserve.dp_router import DataParallelRouter
+from jaxserve.kv import KVCacheManager, Pin
 from server.sessions import Session, SessionStore
 
 ENGINE_CALL_TIMEOUT = 30.0
 
 
-async def engine_call(engine: AsyncEngine, fn: Callable[[LLMEngine], Any]) -> Any:
+async def engine_call(engine: AsyncEngine, fn: Callable[[DataParallelRouter], Any]) -> Any:
     """`engine.call(fn)`, or None when the engine loop is not running (shutting down)."""
     if not engine.is_alive:
         return None
     return await asyncio.wait_for(engine.call(fn), ENGINE_CALL_TIMEOUT)
 
 
-def pin_within_budget(engine: LLMEngine, owner: str, ids: list[int], old: Pin | None,
-                       others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+def pin_within_budget(kv: KVCacheManager, owner: str, ids: list[int], old: Pin | None,
+                      others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
     """Runs on the engine thread: pin `ids` replacing `old`, unpinning `others` (LRU first) as
-    needed. Returns the new pin (None if even alone it does not fit) and the pins released."""
-    kv = engine.kv
+    needed. Returns the new pin (None if even alone it does not fit) and the pins released.
+    `others` may hold pins of other replicas' caches: those are not `kv`'s to release."""
+    others = [p for p in others if kv.pins.holds(p)]
     if old is not None and not old.active:
         old = None
     released = []
@@ -51,9 +54,10 @@ def pin_within_budget(engine: LLMEngine, owner: str, ids: list[int], old: Pin | 
     return pin, released
 
 
-def _unpin(engine: LLMEngine, pin: Pin) -> None:
-    if pin.active:
-        engine.kv.unpin(pin)
+def _unpin(router: DataParallelRouter, pin: Pin) -> None:
+    for engine in router.replicas:
+        if pin.active and engine.kv.pins.holds(pin):
+            engine.kv.unpin(pin)
 
 
 class SessionKV:
@@ -62,8 +66,9 @@ class SessionKV:
         self.store = store
 
     async def set_budget(self, blocks_per_owner: int) -> None:
-        def apply(engine: LLMEngine) -> None:
-            engine.kv.pins.budget_per_owner = blocks_per_owner
+        def apply(router: DataParallelRouter) -> None:
+            for engine in router.replicas:
+                engine.kv.pins.budget_per_owner = blocks_per_owner
 
         await engine_call(self.engine, apply)
 
@@ -73,9 +78,12 @@ class SessionKV:
         others.sort(key=lambda s: s.last_used)
         by_pin = {id(s.pin): s for s in others}
         old = session.pin
-        result = await engine_call(
-            self.engine, lambda e: pin_within_budget(e, session.owner, ids, old, [s.pin for s in others])
-        )
+
+        def pin(router: DataParallelRouter) -> tuple[Pin | None, list[Pin]]:
+            kv = router.session_replica(session.id, ids).kv
+            return pin_within_budget(kv, session.owner, ids, old, [s.pin for s in others])
+
+        result = await engine_call(self.engine, pin)
         if result is None:
             return
         pin, released = result
@@ -88,7 +96,13 @@ class SessionKV:
         elif pin is not None:  # the session was deleted or re-pinned meanwhile: drop this pin
             await engine_call(self.engine, lambda e: _unpin(e, pin))
 
-    async def unpin(self, session: Session) -> None:
+    async def end(self, session: Session) -> None:
+        """The session is gone: release its pin and its place on a replica."""
         pin, session.pin = session.pin, None
-        if pin is not None:
-            await engine_call(self.engine, lambda e: _unpin(e, pin))
+
+        def end(router: DataParallelRouter) -> None:
+            if pin is not None:
+                _unpin(router, pin)
+            router.end_session(session.id)
+
+        await engine_call(self.engine, end)

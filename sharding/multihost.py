@@ -2,9 +2,15 @@
 
 Every process holds its shards of the parameters and KV cache and must launch the same
 computations in the same order (each step's collectives span all processes). Process 0 runs
-the engine; its runner's `mirror` hook hands each device operation (the bucketed arrays of a
-step, or a block copy) to `StepChannel.send`, which broadcasts it before process 0 runs it.
-The other processes sit in `follow`, receiving and replaying operations until `stop`.
+the engine; a `Leader` sets its runner's `mirror` hook so each device operation (the bucketed
+arrays of a step, or a block move) is broadcast by `StepChannel.send` before process 0 runs it.
+The other processes sit in `follow`, receiving and replaying operations until `Leader.stop`.
+
+Two timeouts shape the protocol. Gloo gives a group's first collective 30 s for every process
+to arrive, and warm-ups on different processes can finish minutes apart: `barrier` (on the
+coordination service, with its own timeout) lines them up first. And a follower blocked in a
+broadcast must not wait on an idle server forever: the engine thread calls
+`Leader.keep_alive` when it has nothing to do, which sends a no-op every few seconds.
 
 Messages are pickled and broadcast with `multihost_utils.broadcast_one_to_all` in two
 collectives: the byte length, then the bytes padded to a power of two (so the broadcast
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import time
 from typing import Any, Protocol
 
 import jax
@@ -28,9 +35,10 @@ from jax.experimental import multihost_utils
 
 _MIN_PAYLOAD = 1 << 12
 _STOP = ("stop",)
+_NOOP = ("noop",)
 
 
-def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+def add_distributed_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """`--coordinator-address`, `--num-processes`, `--process-id` (default: the environment)."""
     parser.add_argument("--coordinator-address", default=None,
                         help="host:port of process 0's coordinator (env JAX_COORDINATOR_ADDRESS)")
@@ -69,6 +77,14 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"${name} must be an integer, got {value!r}") from None
 
 
+def barrier(name: str, timeout_s: float = 1800.0) -> None:
+    """Wait until every process reaches `barrier(name)`. Uses the coordination service, not a
+    device collective, so slow warm-ups on some processes do not trip gloo's 30 s limit."""
+    from jax._src import distributed  # the public sync_global_devices is a gloo collective
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 class Replayer(Protocol):
     mirror: Any
 
@@ -103,21 +119,38 @@ def _padded(data: np.ndarray) -> np.ndarray:
     return out
 
 
-def lead(runner: Replayer, channel: StepChannel) -> None:
-    """On process 0: mirror every device operation of `runner` to the other processes."""
-    runner.mirror = channel.send
+class Leader:
+    """Process 0's side: mirrors every device operation of `runner` to the other processes."""
+
+    def __init__(self, runner: Replayer, channel: StepChannel, keep_alive_s: float = 5.0) -> None:
+        self._channel = channel
+        self._keep_alive_s = keep_alive_s
+        self._last_send = time.monotonic()
+        self.num_sent = 0
+        runner.mirror = self.send
+
+    def send(self, op: tuple) -> None:
+        self._channel.send(op)
+        self._last_send = time.monotonic()
+        self.num_sent += 1
+
+    def keep_alive(self) -> None:
+        """Call from the thread that runs the engine when it is idle: a no-op every few
+        seconds keeps the followers' pending broadcast from timing out."""
+        if time.monotonic() - self._last_send >= self._keep_alive_s:
+            self.send(_NOOP)
+
+    def stop(self) -> None:
+        """Release the followers from `follow`."""
+        self.send(_STOP)
 
 
 def follow(runner: Replayer, channel: StepChannel) -> int:
-    """On the other processes: replay process 0's operations until it calls `stop`; returns
-    how many were replayed."""
+    """On the other processes: replay process 0's operations until it stops; returns how many
+    device operations were replayed (keep-alive no-ops not counted)."""
     count = 0
     while (op := channel.receive())[0] != _STOP[0]:
-        runner.replay(op)
-        count += 1
+        if op[0] != _NOOP[0]:
+            runner.replay(op)
+            count += 1
     return count
-
-
-def stop(channel: StepChannel) -> None:
-    """On process 0: release the followers from `follow`."""
-    channel.send(_STOP)

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -113,6 +113,11 @@ class KVUsage:
     def available(self) -> int:
         """Blocks an allocation can get: free now or by evicting idle cache."""
         return self.free + self.cached_idle
+
+    @classmethod
+    def total(cls, usages: list[KVUsage]) -> KVUsage:
+        """Field-by-field sums (the pools of several data-parallel replicas)."""
+        return cls(*(sum(getattr(u, f.name) for u in usages) for f in fields(cls)))
 
 
 class _Seq:

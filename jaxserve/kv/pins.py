@@ -70,6 +70,10 @@ class PinLedger:
     def pins(self) -> list[Pin]:
         return list(self._pins)
 
+    def holds(self, pin: Pin) -> bool:
+        """Is `pin` one of this ledger's (not another pool's) active pins?"""
+        return pin in self._pins
+
     def check_integrity(self) -> None:
         by_owner: dict[Hashable, int] = {}
         for pin in self._pins:

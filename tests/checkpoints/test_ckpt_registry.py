@@ -58,8 +58,11 @@ def test_tiny_random_weights_do_not_change_between_processes():
 
 
 def test_tiny_random_dtype_and_shardings():
-    device = jax.devices()[0]
-    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), build_tiny_random().params)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def shardings(config):
+        return jax.tree.map(lambda _: device, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+
     model = load_model("tiny-random", dtype="bfloat16", shardings=shardings)
     embedding = model.params["embed"]["embedding"]
     assert isinstance(embedding, jax.Array) and embedding.dtype == jax.numpy.bfloat16

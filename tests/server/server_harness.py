@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import LLMEngine
+from jaxserve.dp_router import DataParallelRouter
 from server.app import build_app
 from server.config import ServerConfig
 from server.engine_snapshot import EngineSnapshot, take_snapshot
@@ -57,7 +57,7 @@ class ServerThread:
         """Run a coroutine on the server's loop (where the engine's asyncio side lives)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def engine_call(self, engine: AsyncEngine, fn: Callable[[LLMEngine], Any]) -> Any:
+    def engine_call(self, engine: AsyncEngine, fn: Callable[[DataParallelRouter], Any]) -> Any:
         return self.run(engine.call(fn))
 
     def stop(self) -> None:
@@ -90,7 +90,7 @@ def wait_until_idle(srv: ServerThread, async_engine: AsyncEngine, timeout: float
 
 
 def check_kv_integrity(srv: ServerThread, async_engine: AsyncEngine) -> None:
-    srv.engine_call(async_engine, lambda e: e.kv.check_integrity())
+    srv.engine_call(async_engine, lambda router: [e.kv.check_integrity() for e in router.replicas])
 
 
 @dataclasses.dataclass

@@ -63,7 +63,7 @@ def _samples(srv) -> dict[tuple, float]:
 
 def test_fifty_streams_with_a_third_hanging_up(server, warm_engine):
     async_engine = warm_engine.async_engine
-    generated_before = server.engine_call(async_engine, lambda e: e.stats.generated_tokens)
+    generated_before = snapshot(server, async_engine).generated_tokens
     metrics_before = _samples(server)
     results = asyncio.run(_run_clients(server.base_url))
 
@@ -83,7 +83,7 @@ def test_fifty_streams_with_a_third_hanging_up(server, warm_engine):
     assert snap.kv.free + snap.kv.cached_idle + snap.kv.pinned == snap.kv.num_blocks
     check_kv_integrity(server, async_engine)
     # Hung-up requests were aborted, not run to their 480 tokens.
-    generated = server.engine_call(async_engine, lambda e: e.stats.generated_tokens) - generated_before
+    generated = snapshot(server, async_engine).generated_tokens - generated_before
     hung_up = NUM_CLIENTS - len(completed)
     assert generated < len(completed) * MAX_TOKENS + hung_up * 60
     assert snapshot(server, async_engine).num_compilations == warm_engine.compilations_after_warm_up

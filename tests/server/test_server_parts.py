@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
@@ -103,7 +101,7 @@ def test_token_memo_reuses_the_ids_the_engine_saw(tokenizer):
     assert restored.encode(tokenizer, text + "!") == memo.encode(tokenizer, text + "!")
 
 
-def _cached_kv(pin_budget: int) -> tuple[SimpleNamespace, dict[str, list[int]]]:
+def _cached_kv(pin_budget: int) -> tuple[KVCacheManager, dict[str, list[int]]]:
     """A KV manager with three 3-block histories in its prefix cache (block size 4)."""
     kv = KVCacheManager(num_blocks=64, block_size=4, watermark_blocks=0, pin_budget_blocks=pin_budget,
                         max_pinned_blocks=32)
@@ -112,30 +110,30 @@ def _cached_kv(pin_budget: int) -> tuple[SimpleNamespace, dict[str, list[int]]]:
         kv.admit(name, kv.match_prefix(ids), len(ids))
         kv.cache_full_blocks(name, ids)
         kv.free(name)
-    return SimpleNamespace(kv=kv), histories
+    return kv, histories
 
 
 def test_pins_stay_within_the_owner_budget_releasing_the_least_recent():
-    engine, h = _cached_kv(pin_budget=6)
-    pin_a, released = pin_within_budget(engine, "o", h["a"], None, [])
-    pin_b, _ = pin_within_budget(engine, "o", h["b"], None, [pin_a])
+    kv, h = _cached_kv(pin_budget=6)
+    pin_a, released = pin_within_budget(kv, "o", h["a"], None, [])
+    pin_b, _ = pin_within_budget(kv, "o", h["b"], None, [pin_a])
     assert pin_a.num_blocks == pin_b.num_blocks == 3 and released == []
-    pin_c, released = pin_within_budget(engine, "o", h["c"], None, [pin_a, pin_b])
+    pin_c, released = pin_within_budget(kv, "o", h["c"], None, [pin_a, pin_b])
     assert pin_c is not None and released == [pin_a] and not pin_a.active and pin_b.active
-    assert engine.kv.pins.pinned_by("o") == 6
-    other, released = pin_within_budget(engine, "p", h["a"], None, [])  # other owners have their own budget
+    assert kv.pins.pinned_by("o") == 6
+    other, released = pin_within_budget(kv, "p", h["a"], None, [])  # other owners have their own budget
     assert other is not None and released == []
-    replaced, released = pin_within_budget(engine, "o", h["a"][:8], pin_c, [pin_b])
+    replaced, released = pin_within_budget(kv, "o", h["a"][:8], pin_c, [pin_b])
     assert replaced.num_blocks == 2 and not pin_c.active and released == []
-    engine.kv.check_integrity()
+    kv.check_integrity()
 
 
 def test_a_history_larger_than_the_budget_releases_nothing_else():
-    engine, h = _cached_kv(pin_budget=2)
-    pin_a, _ = pin_within_budget(engine, "o", h["a"][:8], None, [])
+    kv, h = _cached_kv(pin_budget=2)
+    pin_a, _ = pin_within_budget(kv, "o", h["a"][:8], None, [])
     assert pin_a.num_blocks == 2
-    pin_b, released = pin_within_budget(engine, "o", h["b"], None, [pin_a])
+    pin_b, released = pin_within_budget(kv, "o", h["b"], None, [pin_a])
     assert pin_b is None and released == [] and pin_a.active
-    stale, released = pin_within_budget(engine, "o", h["c"], pin_a, [])
-    assert stale is None and released == [pin_a] and engine.kv.pins.pinned_by("o") == 0
-    engine.kv.check_integrity()
+    stale, released = pin_within_budget(kv, "o", h["c"], pin_a, [])
+    assert stale is None and released == [pin_a] and kv.pins.pinned_by("o") == 0
+    kv.check_integrity()

@@ -29,6 +29,7 @@ def main() -> None:
     engine = LLMEngine(build_tiny_random(num_heads=8, num_kv_heads=4),
                        EngineConfig(tensor_parallel_size=2, **TINY_ENGINE), mesh)
     engine.warm_up()  # every process compiles and runs the same warm-up steps
+    multihost.barrier("worker-warm")
     channel = multihost.StepChannel()
     cache = engine.runner.cache.k
     report = {
@@ -38,9 +39,9 @@ def main() -> None:
         "cache_shape": list(cache.shape),
     }
     if jax.process_index() == 0:
-        multihost.lead(engine.runner, channel)
+        leader = multihost.Leader(engine.runner, channel)
         report["tokens"] = generate_greedy(engine, PROMPTS)
-        multihost.stop(channel)
+        leader.stop()
     else:
         report["replayed"] = multihost.follow(engine.runner, channel)
     report["compilations_after_warm_up_and_serving"] = engine.num_compilations

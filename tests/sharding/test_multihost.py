@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
+from child_process import free_port
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from mesh_cases import HERE, PROMPTS, TINY_ENGINE, generate_greedy
 from sharding import multihost
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_processes(timeout: float = 600) -> list[dict]:

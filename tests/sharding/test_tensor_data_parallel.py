@@ -130,7 +130,7 @@ def test_data_parallel_replicas_share_the_requests(report, case):
 
 
 def test_checkpoint_restores_straight_into_the_rule_shardings(report):
-    """orbax restore with `param_shardings(param_shapes(config), mesh)` as targets; the runner
-    then serves from those device arrays (k/v heads repeated on device)."""
+    """An engine given a checkpoint path restores it with orbax straight into the rules'
+    shardings of its mesh, then serves from those device arrays (k/v heads repeated on device)."""
     specs = report["few_kv+restored:1x4"]["restored_specs"]
     assert specs and all(spec == expected_spec(path) for path, spec in specs.items())

@@ -20,9 +20,8 @@ import jax
 import numpy as np
 from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
-from checkpoints.orbax_io import save_orbax
-from checkpoints.params import param_shapes
-from checkpoints.registry import load_model
+from checkpoints import registry
+from checkpoints.orbax_io import load_orbax, save_orbax
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.dp_router import DataParallelRouter, make_engine
@@ -31,8 +30,6 @@ from jaxserve.runner import enable_persistent_compilation_cache
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.output import ScheduledChunk
 from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, generate_greedy
-from sharding.mesh import make_mesh
-from sharding.rules import param_shardings
 
 WIDTH = TINY_ENGINE["block_table_buckets"][0]
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(.*")
@@ -137,15 +134,25 @@ def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str |
 
 
 def restore_into_shards(model, tp: int) -> dict:
-    """Save `model` as an orbax checkpoint, restore it straight into the rules' shardings for a
-    1 x tp mesh, and serve it from those arrays."""
-    with tempfile.TemporaryDirectory() as tmp:
-        save_orbax(model, f"{tmp}/ckpt")
-        mesh = make_mesh(tp)
-        restored = load_model(f"{tmp}/ckpt", shardings=param_shardings(param_shapes(model.config), mesh))
-    layout = run_layout(restored, 1, tp, with_hlo=False)
+    """Save `model` as an orbax checkpoint and serve it by path: the engine restores it straight
+    into the rules' shardings for its 1 x tp mesh. What the restore returned is read back by
+    watching the registry's call to `load_orbax`."""
+    restored = []
+
+    def watched_load_orbax(*args, **kwargs):
+        restored.append(load_orbax(*args, **kwargs))
+        return restored[-1]
+
+    registry.load_orbax = watched_load_orbax
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_orbax(model, f"{tmp}/ckpt")
+            layout = run_layout(f"{tmp}/ckpt", 1, tp, with_hlo=False)
+    finally:
+        registry.load_orbax = load_orbax
+    (loaded,) = restored
     restored_specs = {jax.tree_util.keystr(p, simple=True, separator="/"): str(tuple(x.sharding.spec))
-                      for p, x in jax.tree_util.tree_leaves_with_path(restored.params)}
+                      for p, x in jax.tree_util.tree_leaves_with_path(loaded.params)}
     return {**layout, "restored_specs": restored_specs}
 
 

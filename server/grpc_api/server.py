@@ -1,0 +1,52 @@
+"""Serves the gRPC API on an aiohttp app's event loop, for as long as the app runs.
+
+One process and one loop serve both APIs, with the app's `ServerState` (engine, keys, limits,
+metrics). The gRPC server starts with the app (a `cleanup_ctx`, after the app's own set-up) and
+begins its graceful stop when the app shuts down, so in-flight gRPC calls drain while the HTTP
+ones do, each for up to `ServerConfig.shutdown_timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+from aiohttp import web
+
+from server.grpc_api.jaxserve_pb2_grpc import add_JaxServeServicer_to_server
+from server.grpc_api.service import JaxServeServicer
+from server.state import STATE
+
+
+class GrpcServer:
+    def __init__(self, host: str, port: int) -> None:
+        """Listen on host:port once attached to an app and started; port 0 takes a free port."""
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port: int | None = None  # the bound port, once started
+        self._stopping: asyncio.Task | None = None
+        self._server: grpc.aio.Server | None = None
+
+    def attach(self, app: web.Application) -> GrpcServer:
+        app.cleanup_ctx.append(self._lifecycle)
+        app.on_shutdown.append(self._begin_stop)
+        return self
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        state = app[STATE]
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", state.config.max_body_bytes)])
+        add_JaxServeServicer_to_server(JaxServeServicer(state), server)
+        self.port = server.add_insecure_port(self.address)
+        await server.start()
+        self._server = server
+        # Printed, as aiohttp prints "Running on ...": the start-up lines `jaxserve serve` shows.
+        print(f"gRPC service listening on {self.address.rsplit(':', 1)[0]}:{self.port}", flush=True)
+        yield
+        await self._begin_stop(app)
+        if self._stopping is not None:
+            await self._stopping
+
+    async def _begin_stop(self, app: web.Application) -> None:
+        """Start the one graceful stop (on the app's shutdown, so that both APIs drain at once)."""
+        if self._stopping is None and self._server is not None:
+            self._stopping = asyncio.create_task(self._server.stop(app[STATE].config.shutdown_timeout))

@@ -1,0 +1,100 @@
+"""The server over two data-parallel replicas: requests spread by load, a session's turns stay
+on the replica that holds its KV (so they reuse it), and ending a session frees it everywhere.
+
+Both replicas run on the one default device: routing does not depend on where replicas run
+(`jaxserve serve --data-parallel-size 2` on two devices is in tests/sharding/test_serve_processes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from checkpoints.tiny_random import build_tiny_random
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.config import EngineConfig
+from jaxserve.dp_router import DataParallelRouter
+from jaxserve.engine import LLMEngine
+from server_harness import KEY_A, MODEL_NAME, TEST_ENGINE, send, snapshot, start_server, wait_until_idle
+from test_server_sessions import cached, create, history_len, reused_blocks_of, turn
+
+
+@pytest.fixture(scope="module")
+def dp_server():
+    model = build_tiny_random()
+    replicas = [LLMEngine(model, EngineConfig(**TEST_ENGINE)) for _ in range(2)]
+    for engine in replicas:
+        engine.warm_up()
+    async_engine = AsyncEngine(DataParallelRouter(replicas))
+    async_engine.start()
+    srv = start_server(async_engine, api_keys=(KEY_A,))
+    yield srv, async_engine
+    srv.stop()
+    async_engine.shutdown()
+    async_engine.engine.close()
+
+
+def _generated_per_replica(srv, async_engine) -> list[int]:
+    return srv.engine_call(async_engine, lambda router: [e.stats.generated_tokens for e in router.replicas])
+
+
+def test_concurrent_requests_spread_over_both_replicas(dp_server, assert_kv_all_free):
+    srv, async_engine = dp_server
+    before = _generated_per_replica(srv, async_engine)
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY_A, max_retries=0) as client:
+            # Prompts with nothing in common: a shared prefix would rightly draw them together.
+            calls = [client.completions.create(model=MODEL_NAME, prompt=f"{i} " * (i + 1), max_tokens=24,
+                                               temperature=0, extra_body={"ignore_eos": True}) for i in range(8)]
+            return [r.choices[0].text for r in await asyncio.gather(*calls)]
+
+    texts = asyncio.run(run())
+    assert len(texts) == 8
+    after = _generated_per_replica(srv, async_engine)
+    per_replica = [a - b for a, b in zip(after, before)]
+    assert sum(per_replica) == 8 * 24 and min(per_replica) >= 24, per_replica  # both replicas served
+    assert wait_until_idle(srv, async_engine).kv_requests == 0
+    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+
+
+def test_a_session_stays_on_its_replica_and_reuses_its_kv(dp_server, assert_kv_all_free):
+    srv, async_engine = dp_server
+    # A long request occupies replica 0, so the session's first turn goes to replica 1.
+    with ThreadPoolExecutor(1) as pool:
+        background = pool.submit(send, srv, "POST", "/v1/completions",
+                                 {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 200, "ignore_eos": True})
+        while srv.engine_call(async_engine, lambda router: router.loads()) != [1, 0]:
+            time.sleep(0.02)
+        sid = create(srv)["id"]
+        first = turn(srv, sid, "What is the capital of France?")
+        assert background.result().status == 200
+    assert srv.engine_call(async_engine, lambda router: router.loads()) == [0, 0]
+    # Both replicas idle, and most of the next prompt is new: routing by load or by prefix
+    # would pick replica 0; the session stays where its KV is.
+    before = _generated_per_replica(srv, async_engine)
+    second = turn(srv, sid, "And now a much longer question about Spain, its cities, rivers and history? " * 4)
+    after = _generated_per_replica(srv, async_engine)
+    assert after[1] - before[1] == second["usage"]["completion_tokens"] and after[0] == before[0]
+    assert cached(second) >= reused_blocks_of(history_len(first))  # the first turn's KV was reused
+    pins = srv.engine_call(async_engine, lambda router: [len(e.kv.pins.pins()) for e in router.replicas])
+    assert pins == [0, 1]  # the session's history is pinned on its own replica
+
+    assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200
+    assert srv.engine_call(async_engine, lambda router: router.route([1] * 64, sid)) == 0  # routed afresh
+    assert wait_until_idle(srv, async_engine).kv_requests == 0
+    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+
+
+def test_metrics_and_snapshot_count_both_replicas(dp_server):
+    srv, async_engine = dp_server
+    snap = snapshot(srv, async_engine)
+    one_pool = srv.engine_call(async_engine, lambda router: router.replicas[0].kv.usage().num_blocks)
+    assert snap.kv.num_blocks == 2 * one_pool
+    assert "jaxserve" in send(srv, "GET", "/metrics", key=None).text
+    models = send(srv, "GET", "/v1/models").json
+    assert models["data"][0]["id"] == MODEL_NAME
