@@ -141,7 +141,7 @@ class ModelRunner:
         self.num_compilations = 0
         self.last_step_time = 0.0
         # Multi-host: on process 0, called with every device operation of serving (a bucketed
-        # step or a block copy) before it runs, so the other processes can `replay` it.
+        # step or a block move) before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
 
     # ----- the jitted functions -------------------------------------------------------------
@@ -323,23 +323,29 @@ class ModelRunner:
         """Execute the KV manager's copy plan, stage by stage, in order."""
         for stage in sched.copy_stages:
             for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
-                src, dst = stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK]
-                if stage.kind is CopyKind.DEVICE_TO_DEVICE:
-                    if self.mirror is not None:
-                        self.mirror(("copy", _padded(src), _padded(dst)))
-                    self.cache = self._copy(self.cache, _padded(src), _padded(dst))
-                elif self.mirror is not None:
-                    raise RuntimeError("swapping KV blocks to the host is not supported across processes")
-                elif stage.kind is CopyKind.DEVICE_TO_HOST:
-                    k, v = jax.device_get(self._gather(self.cache, _padded(src)))
-                    self.host_k[:, :, dst] = k[:, :, : len(src)]
-                    self.host_v[:, :, dst] = v[:, :, : len(src)]
-                else:  # host -> device; padding rows rewrite block 0, which no sequence reads
-                    k = np.zeros(self.host_k.shape[:2] + (BLOCK_MOVE_CHUNK,) + self.host_k.shape[3:], self.dtype)
-                    v = np.zeros_like(k)
-                    k[:, :, : len(src)] = self.host_k[:, :, src]
-                    v[:, :, : len(src)] = self.host_v[:, :, src]
-                    self.cache = self._scatter(self.cache, _padded(dst), k, v)
+                op = ("move", stage.kind, stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK])
+                if self.mirror is not None:
+                    self.mirror(op)
+                self._move(*op[1:])
+
+    def _move(self, kind: CopyKind, src: list[int], dst: list[int]) -> None:
+        """Move up to BLOCK_MOVE_CHUNK blocks. Host copies hold, on each process, the kv heads of
+        its own devices' shards (all heads in one process), so swapping works across hosts."""
+        if kind is CopyKind.DEVICE_TO_DEVICE:
+            self.cache = self._copy(self.cache, _padded(src), _padded(dst))
+        elif kind is CopyKind.DEVICE_TO_HOST:
+            k, v = self._gather(self.cache, _padded(src))
+            for host, blocks in ((self.host_k, k), (self.host_v, v)):
+                for shard in blocks.addressable_shards:
+                    host[shard.index][:, :, dst] = np.asarray(shard.data)[:, :, : len(src)]
+        else:  # host -> device; padding rows rewrite block 0, which no sequence reads
+            shape = self.host_k.shape[:2] + (BLOCK_MOVE_CHUNK,) + self.host_k.shape[3:]
+            blocks = []
+            for host in (self.host_k, self.host_v):
+                chunk = np.zeros(shape, self.dtype)
+                chunk[:, :, : len(src)] = host[:, :, src]
+                blocks.append(jax.make_array_from_callback(shape, self.cache_sharding, chunk.__getitem__))
+            self.cache = self._scatter(self.cache, _padded(dst), *blocks)
 
     def replay(self, op: tuple) -> None:
         """Run a device operation that process 0's runner passed to its `mirror` (multi-host:
@@ -347,8 +353,8 @@ class ModelRunner:
         if op[0] == "step":
             _, key, host_args, sampling = op
             self._run_step(key, (self.params, self.cache, *host_args), sampling)
-        elif op[0] == "copy":
-            self.cache = self._copy(self.cache, op[1], op[2])
+        elif op[0] == "move":
+            self._move(*op[1:])
         else:
             raise ValueError(f"unknown mirrored operation {op[0]!r}")
 

@@ -20,6 +20,9 @@ TINY_ENGINE = dict(
     block_table_buckets=(16,), num_blocks=128,
 )
 
+# Too few blocks for PROMPTS at once: requests are preempted and swapped to the host.
+SWAP_ENGINE = {**TINY_ENGINE, "num_blocks": 20, "preemption_mode": "swap", "swap_space_blocks": 64}
+
 # Lengths 5..70: single-block, multi-block, and one prompt longer than a 64-token step (chunked).
 PROMPTS = [[3 + (7 * i + 5 * j) % 290 for j in range(n)] for i, n in enumerate((5, 17, 30, 70))]
 NEW_TOKENS = 8

@@ -1,5 +1,5 @@
 """Two CPU processes form one tp=2 engine (gloo collectives): process 0 schedules and mirrors
-each bucketed step, process 1 replays it; the tokens equal a one-device engine's."""
+each bucketed step and block move, process 1 replays it; the tokens equal a one-device engine's."""
 
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ def run_two_processes(timeout: float = 600) -> list[dict]:
 def test_two_process_tensor_parallel_matches_one_device():
     leader, follower = run_two_processes()
     one_device = LLMEngine(build_tiny_random(num_heads=8, num_kv_heads=4), EngineConfig(**TINY_ENGINE))
-    assert leader["tokens"] == generate_greedy(one_device, PROMPTS)
+    assert leader["tokens"] == generate_greedy(one_device, PROMPTS)  # a roomy pool: no preemption
+    # Preemption swapped blocks out to each process's host memory and back in.
+    assert leader["preemptions"] >= 1
+    assert leader["mirrored"].get("DEVICE_TO_HOST", 0) >= 1 and leader["mirrored"].get("HOST_TO_DEVICE", 0) >= 1
     # Each process holds one half of the kv heads of the cache.
     for r in (leader, follower):
         assert r["cache_spec"] == "(None, 'tp')"
