@@ -10,9 +10,9 @@ the compiled steps. The test process makes the assertions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-import re
 import sys
 import tempfile
 
@@ -30,9 +30,9 @@ from jaxserve.runner import enable_persistent_compilation_cache
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.output import ScheduledChunk
 from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, generate_greedy
+from sharding import hlo
 
 WIDTH = TINY_ENGINE["block_table_buckets"][0]
-COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(.*")
 
 
 @contextlib.contextmanager
@@ -87,16 +87,7 @@ def shardings(runner) -> dict:
 
 def collectives(runner, key: tuple) -> list[dict]:
     """Collective ops of a compiled step: kind, result shape, and whether in the layer loop."""
-    exe = runner._executables[key]
-    found = []
-    for line in exe.as_text().splitlines():
-        m = COLLECTIVE.search(line)
-        if m:
-            op_name = re.search(r'op_name="([^"]*)"', line)
-            name = op_name.group(1) if op_name else ""
-            found.append({"op": m.group(2), "shape": m.group(1), "in_layer_loop": "while/body" in name,
-                          "op_name": name})
-    return found
+    return [dataclasses.asdict(c) for c in hlo.collectives(runner._executables[key].as_text())]
 
 
 def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str | None = None) -> dict:
