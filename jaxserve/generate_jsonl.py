@@ -3,7 +3,8 @@
 Each input line is an object with `prompt` (string or token ids) or `messages` (a chat), an
 optional `id`, and optional sampling overrides with SamplingParams' names (`max_tokens`,
 `temperature`, ...). Each output line carries the input's `id` (or its line number), in input
-order. A line already present in the output is skipped, so an interrupted run resumes. A bad
+order, and is written (and flushed) as soon as it and every line before it are done. A line
+already present in the output is skipped, so an interrupted run resumes where it stopped. A bad
 line gets an error record and does not stop the others.
 """
 
@@ -80,17 +81,29 @@ def run(llm: LLM, input_path: Path, output_path: Path, defaults: dict[str, Any])
             good.append((idx, llm.engine.encode_prompt(prompt), params))
         except ValueError as e:
             records[idx]["error"] = str(e)
-    results = llm.generate([ids for _, ids, _ in good], [p for _, _, p in good]) if good else []
-    for (idx, _, _), out in zip(good, results):
-        records[idx]["outputs"] = [
-            {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in out.outputs
-        ]
-        records[idx]["usage"] = {
-            "prompt_tokens": len(out.prompt_token_ids),
-            "completion_tokens": sum(len(o.token_ids) for o in out.outputs),
-        }
+    waiting = {idx for idx, _, _ in good}
+    written = 0
     with output_path.open("a") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+        def write_ready() -> None:  # the finished records before the first unfinished one
+            nonlocal written
+            while written < len(records) and written not in waiting:
+                f.write(json.dumps(records[written], ensure_ascii=False) + "\n")
+                written += 1
+            f.flush()
+
+        write_ready()
+        finished = llm.generate_as_completed([ids for _, ids, _ in good], [p for _, _, p in good]) if good else []
+        for position, out in finished:
+            idx = good[position][0]
+            records[idx]["outputs"] = [
+                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in out.outputs
+            ]
+            records[idx]["usage"] = {
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": sum(len(o.token_ids) for o in out.outputs),
+            }
+            waiting.discard(idx)
+            write_ready()
     errors = sum(1 for r in records if "error" in r)
     return {"generated": len(records) - errors, "errors": errors, "skipped": len(done)}

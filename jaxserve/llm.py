@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -40,6 +40,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]});
         results come back in input order."""
+        prompts, params_list = self._normalize(prompts, sampling_params)
+        results: list[RequestOutput] = [None] * len(prompts)  # type: ignore[list-item]
+        for index, output in self._finished([_as_prompt(p) for p in prompts], params_list, use_tqdm):
+            results[index] = output
+        return results
+
+    @staticmethod
+    def _normalize(prompts: PromptType | Sequence[PromptType],
+                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                   ) -> tuple[list[PromptType], list[SamplingParams]]:
+        """Prompts as a list, and one SamplingParams per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -47,7 +58,7 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        return self._run([_as_prompt(p) for p in prompts], params_list, use_tqdm)
+        return prompts, params_list
 
     def chat(
         self,
@@ -62,14 +73,26 @@ class LLM:
         prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[str | list[int]], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def generate_as_completed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Like `generate`, but yields (input index, output) as each request finishes, so a
+        caller can save results while the rest run. Closing the iterator early aborts the rest."""
+        prompts, params_list = self._normalize(prompts, sampling_params)
+        return self._finished([_as_prompt(p) for p in prompts], params_list, use_tqdm)
+
+    def _finished(self, prompts: list[str | list[int]], params_list: list[SamplingParams],
+                  use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
-        order = []
+        index_of: dict[str, int] = {}
         for prompt, params in zip(prompts, params_list):
             rid = f"offline-{next(self._ids)}"
             group = engine.add_request(rid, prompt, params)
-            order.append(rid)
+            index_of[rid] = len(index_of)
             outputs[rid] = RequestOutput(
                 request_id=rid,
                 prompt=prompt if isinstance(prompt, str) else None,
@@ -78,25 +101,30 @@ class LLM:
                          for i in range(params.n)],
                 finished=False,
             )
-        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm, unit="req")
-        remaining = {rid: len(outputs[rid].outputs) for rid in order}
-        while engine.has_unfinished_requests():
-            for d in engine.step():
-                rid = d.request_id
-                out = outputs[rid].outputs[d.index]
-                out.text += d.text
-                out.token_ids.extend(d.token_ids)
-                if out.logprobs is not None and d.logprobs:
-                    out.logprobs.extend(d.logprobs)
-                if d.finished:
-                    out.finish_reason = d.finish_reason
-                    outputs[rid].num_cached_tokens = max(outputs[rid].num_cached_tokens, d.usage.cached_tokens)
-                    remaining[rid] -= 1
-                    if remaining[rid] == 0:
-                        outputs[rid].finished = True
-                        bar.update(1)
-        bar.close()
-        return [outputs[rid] for rid in order]
+        bar = tqdm(total=len(index_of), desc="generating", disable=not use_tqdm, unit="req")
+        remaining = {rid: len(out.outputs) for rid, out in outputs.items()}
+        try:
+            while engine.has_unfinished_requests():
+                for d in engine.step():
+                    rid = d.request_id
+                    out = outputs[rid].outputs[d.index]
+                    out.text += d.text
+                    out.token_ids.extend(d.token_ids)
+                    if out.logprobs is not None and d.logprobs:
+                        out.logprobs.extend(d.logprobs)
+                    if d.finished:
+                        out.finish_reason = d.finish_reason
+                        outputs[rid].num_cached_tokens = max(outputs[rid].num_cached_tokens, d.usage.cached_tokens)
+                        remaining[rid] -= 1
+                        if remaining[rid] == 0:
+                            outputs[rid].finished = True
+                            bar.update(1)
+                            yield index_of[rid], outputs[rid]
+        finally:
+            for rid, out in outputs.items():
+                if not out.finished:
+                    engine.abort(rid)
+            bar.close()
 
 
 def _as_prompt(p: PromptType) -> str | list[int]:

@@ -183,24 +183,27 @@ class ModelRunner:
     def warm_up(self) -> float:
         """Compile every bucket of both steps and the samplers; return the seconds it took.
 
-        Tracing and lowering hold the GIL and run one by one; XLA's compilations then run on
-        a thread per core.
+        Tracing and lowering hold the GIL and run one by one on this thread; each lowered
+        program goes straight to a pool of a thread per core, so XLA compiles the earlier
+        variants while later ones are being traced.
         """
         ec = self.engine_config
         t0 = time.perf_counter()
         variants = [self._decode_arrays([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
         variants += [self._prefill_arrays([], t, s, w) for w in ec.block_table_buckets
                      for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
-        lowered = {key: self._step.lower(*args) for key, args, _ in variants if key not in self._executables}
-        for _, args, sampling in variants:
-            rows = args[-1].shape[0]
-            logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
-            if ("sample", rows) not in self._executables:
-                lowered[("sample", rows)] = self._sample.lower(logits, sampling)
+        pending: dict[tuple, concurrent.futures.Future] = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            for key, exe in zip(lowered, pool.map(lambda low: low.compile(), lowered.values())):
-                self._executables[key] = exe
-        self.num_compilations += len(lowered)
+            for key, args, sampling in variants:
+                rows = args[-1].shape[0]
+                logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+                for program_key, fn, program_args in ((key, self._step, args),
+                                                      (("sample", rows), self._sample, (logits, sampling))):
+                    if program_key not in self._executables and program_key not in pending:
+                        pending[program_key] = pool.submit(fn.lower(*program_args).compile)
+            for key, compiled in pending.items():
+                self._executables[key] = compiled.result()
+        self.num_compilations += len(pending)
         # The block-move helpers have one shape each; compiling them here keeps serving free of it.
         zeros = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
         self.cache = self._copy(self.cache, zeros, zeros)

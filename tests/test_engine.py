@@ -179,3 +179,45 @@ def test_generate_jsonl_with_bad_lines(llm, tmp_path):
     assert "error" in recs["2"] and "error" in recs["c"] and "context" in recs["e"]["error"]
     # Resumable: a second run skips what is done.
     assert run(llm, src, dst, {"max_tokens": 5})["skipped"] == 6
+
+
+def test_generate_as_completed_yields_each_request_when_it_finishes(llm):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 2, 6)]
+    finished = list(llm.generate_as_completed([[5, 6, 7], [8, 9], [10, 11, 12]], params, use_tqdm=False))
+    assert [index for index, _ in finished] == [1, 2, 0]  # shortest first
+    assert [len(out.outputs[0].token_ids) for _, out in finished] == [2, 6, 12]
+    # Closing the iterator early aborts what is still running (the pool check runs after the test).
+    running = llm.generate_as_completed([[5, 6, 7], [8, 9]], params[:2], use_tqdm=False)
+    assert next(running)[0] == 1
+    running.close()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_jsonl_keeps_what_finished_when_interrupted(llm, tmp_path):
+    from jaxserve.generate_jsonl import run
+
+    class InterruptedAfterThree:
+        """The LLM, as if Ctrl-C arrived after three requests finished."""
+
+        engine = llm.engine
+        get_tokenizer = llm.get_tokenizer
+
+        @staticmethod
+        def generate_as_completed(*args, **kwargs):
+            finished = llm.generate_as_completed(*args, **kwargs)
+            for _ in range(3):
+                yield next(finished)
+            finished.close()
+            raise KeyboardInterrupt
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lengths = {"a": 3, "b": 30, "c": 2, "d": 1}  # d, c and a finish before b
+    src.write_text("".join(json.dumps({"id": k, "prompt": [5, 6], "max_tokens": n, "ignore_eos": True}) + "\n"
+                           for k, n in lengths.items()))
+    with pytest.raises(KeyboardInterrupt):
+        run(InterruptedAfterThree(), src, dst, {"temperature": 0.0})
+    assert [json.loads(line)["id"] for line in dst.read_text().splitlines()] == ["a"]  # b holds c and d back
+    assert run(llm, src, dst, {"temperature": 0.0}) == {"generated": 3, "errors": 0, "skipped": 1}
+    records = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b", "c", "d"]
+    assert [r["usage"]["completion_tokens"] for r in records] == list(lengths.values())
