@@ -16,6 +16,8 @@ import typing
 from pathlib import Path
 
 from checkpoints.registry import DEFAULT_MODEL, cache_dir
+
+PACKAGES = ("jaxserve", "server", "bench", "checkpoints", "sharding", "kernels_pallas")
 from jaxserve.config import EngineConfig
 
 
@@ -126,7 +128,11 @@ def _prepare_jax(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    # force: an import may already have configured the root logger. INFO from our packages
+    # only (libraries such as orbax log their I/O at INFO).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for package in PACKAGES:
+        logging.getLogger(package).setLevel(logging.INFO)
     args = build_parser().parse_args(argv)
     _prepare_jax(args)
     return args.func(args)
