@@ -23,7 +23,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    # Hugging Face's `rope_scaling` dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
+    # Hugging Face's `rope_scaling` dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; from GGUF
+    # also {"rope_type": "frequency_factors", "factors": [...]} (llama.cpp's rope_freqs tensor).
     rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False

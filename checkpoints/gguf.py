@@ -26,6 +26,7 @@ from checkpoints.tokenizer_bundle import TokenizerBundle, merge_eos_ids
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K})
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+ROPE_FACTORS = "rope_freqs.weight"  # per-frequency RoPE divisors (Llama 3.1-style scaling)
 
 # GGUF per-layer tensor name -> (module, leaf) in params["layers"].
 _LAYER_TENSORS = {
@@ -82,8 +83,14 @@ def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
+def _rope_scaling(meta: dict[str, Any], arch: str, rope_factors: np.ndarray | None,
+                  source: str) -> dict[str, Any] | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_factors is not None:
+        if kind != "none":
+            raise UnsupportedCheckpointError(f"{source}: both rope_freqs and RoPE scaling {kind!r}")
+        # How llama.cpp carries Llama 3.1-style scaling: one divisor per frequency.
+        return {"rope_type": "frequency_factors", "factors": [float(f) for f in rope_factors]}
     if kind == "none":
         return None
     if kind == "linear":
@@ -91,17 +98,14 @@ def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any
     raise UnsupportedCheckpointError(f"{source}: RoPE scaling {kind!r} in GGUF is not supported")
 
 
-def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_size: int, source: str) -> ModelConfig:
-    """A ModelConfig from GGUF metadata (llama.cpp key names) and the tensors present."""
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_size: int, source: str,
+                         rope_factors: np.ndarray | None = None) -> ModelConfig:
+    """A ModelConfig from GGUF metadata (llama.cpp key names), the tensors present and the
+    `rope_freqs` tensor's values, if the file has one."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedCheckpointError(
             f"{source}: architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
-    if "rope_freqs.weight" in tensor_names:
-        raise UnsupportedCheckpointError(
-            f"{source}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling) are not supported "
-            "from GGUF; load the Hugging Face directory instead"
         )
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
@@ -110,6 +114,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_siz
         rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         if rope_dim != head_dim:
             raise UnsupportedCheckpointError(f"{source}: partial rotary embeddings ({rope_dim} of {head_dim})")
+        if rope_factors is not None and rope_factors.shape != (head_dim // 2,):
+            raise CheckpointError(f"{source}: rope_freqs has shape {rope_factors.shape}, expected ({head_dim // 2},)")
         return ModelConfig(
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -119,7 +125,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_siz
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_rope_scaling(meta, arch, source),
+            rope_scaling=_rope_scaling(meta, arch, rope_factors, source),
             rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -159,6 +165,8 @@ def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, 
     filler = ParamFiller(config, dtype, source)
     unpermute_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FACTORS:  # part of the config, not a parameter
+            continue
         module, leaf, layer = _place(tensor.name, source)
         if not filler.accepts(module, leaf, layer):
             raise UnsupportedCheckpointError(f"{source}: tensor {tensor.name} does not fit the config")
@@ -179,7 +187,8 @@ def load_gguf(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedMod
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{source}: no token_embd.weight tensor")
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
-    config = config_from_metadata(meta, set(tensors), vocab_size, source)
+    rope_factors = _tensor_array(tensors[ROPE_FACTORS], source).reshape(-1) if ROPE_FACTORS in tensors else None
+    config = config_from_metadata(meta, set(tensors), vocab_size, source, rope_factors)
     params = _load_params(reader, config, resolve_dtype(dtype), source)
     return LoadedModel(config=config, params=params, tokenizer_bundle=_tokenizer_bundle(meta, config, source))
 

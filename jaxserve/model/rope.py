@@ -16,7 +16,11 @@ from checkpoints.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies [head_dim // 2], with llama3 / linear scaling applied."""
+    """Per-pair inverse frequencies [head_dim // 2], with llama3 / linear scaling applied.
+
+    `frequency_factors` is how GGUF files carry llama3 scaling: llama.cpp's converter stores
+    each frequency's divisor (`rope_freqs`) instead of the parameters that produce it.
+    """
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     scaling = config.rope_scaling or {}
@@ -25,6 +29,8 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
         return inv_freq.astype(np.float32)
     if rope_type == "linear":
         return (inv_freq / scaling["factor"]).astype(np.float32)
+    if rope_type == "frequency_factors":
+        return (inv_freq / np.asarray(scaling["factors"], np.float64)).astype(np.float32)
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)

@@ -84,8 +84,10 @@ def write_tiny_gguf(
     types: dict[str, Q] | None = None,
     pre: str = "smollm",
     skip: tuple[str, ...] = (),
+    rope_factors: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write `model` as a GGUF file; return the expected dequantized HF-layout weights by name."""
+    """Write `model` as a GGUF file; return the expected dequantized HF-layout weights by name.
+    `rope_factors` become a `rope_freqs.weight` tensor, as in llama.cpp's Llama 3.1 files."""
     types = {**DEFAULT_TYPES, **(types or {})}
     config, tokenizer = model.config, model.tokenizer_bundle.tokenizer
     rng = np.random.default_rng(1)
@@ -132,6 +134,8 @@ def write_tiny_gguf(
             # Quantization works on rows of the input dim, so it commutes with this row permutation.
             raw = llama_cpp_permute(raw, head_count)
         writer.add_tensor(name, raw, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -13,7 +13,9 @@ from ckpt_gguf_fixture import Q, hf_weights, llama_cpp_permute, write_tiny_gguf
 
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.gguf import load_gguf, unpermute_rope_rows
+from checkpoints.orbax_io import load_orbax, save_orbax
 from checkpoints.tiny_random import build_tiny_random
+from jaxserve.model.rope import inverse_frequencies
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 TEXTS = ["Hello world!  42 apples\n\n1. x", "你好，世界。", "<|im_start|>user\nhi<|im_end|>", "def f(a):\n  return a"]
@@ -125,6 +127,43 @@ def test_bfloat16_load(tmp_path, tiny):
     np.testing.assert_allclose(
         loaded.params["embed"]["embedding"].astype(np.float32), expected["token_embd.weight"], rtol=1e-2, atol=1e-2
     )
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """The divisors llama.cpp's converter writes as `rope_freqs` for Llama 3.1-style scaling,
+    following its code (not ours): 1 for short wavelengths, `factor` for long, blended between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def test_llama31_rope_freqs_give_the_llama3_scaled_frequencies(tmp_path, tiny):
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 512}
+    config = tiny.config
+    factors = llama_cpp_rope_factors(config.head_dim, config.rope_theta, llama3)
+    assert len(set(factors.tolist())) > 2  # unscaled, scaled and blended frequencies all occur
+    write_tiny_gguf(tmp_path / "m.gguf", tiny, rope_factors=factors)
+    loaded = load_gguf(tmp_path / "m.gguf")
+    assert loaded.config.rope_scaling["rope_type"] == "frequency_factors"
+    np.testing.assert_allclose(inverse_frequencies(loaded.config),
+                               inverse_frequencies(dataclasses.replace(config, rope_scaling=llama3)), rtol=1e-6)
+    assert set(loaded.params) == set(tiny.params)  # rope_freqs is config, not a parameter
+    save_orbax(loaded, tmp_path / "converted")  # `jaxserve convert` keeps the factors
+    assert load_orbax(tmp_path / "converted").config.rope_scaling == loaded.config.rope_scaling
+    write_tiny_gguf(tmp_path / "bad.gguf", tiny, rope_factors=factors[:-1])
+    with pytest.raises(CheckpointError, match="rope_freqs has shape"):
+        load_gguf(tmp_path / "bad.gguf")
 
 
 def test_missing_file(tmp_path):
