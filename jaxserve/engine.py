@@ -89,6 +89,9 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.encode_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         group = []
         for i in range(params.n):

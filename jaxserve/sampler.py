@@ -1,7 +1,7 @@
 """On-device sampling for a padded batch of logits, jittable inside the runner's step.
 
-Per row: penalties (vLLM/HF semantics: repetition over prompt + output tokens, then
-frequency and presence over output tokens), then either greedy argmax (temperature 0) or
+Per row: logit bias, then penalties (vLLM/HF semantics: repetition over prompt + output
+tokens, then frequency and presence over output tokens), then either greedy argmax (temperature 0) or
 temperature, top-k, top-p (over the top-k survivors, renormalised), min-p and a random
 draw. The draw's key comes from the request's seed and the position being generated only
 (`fold_in(key(seed), position)`), never from the row index or the batch, so a seeded
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 TOP_K_FAST_MAX = 64  # rows with top_k <= this use lax.top_k instead of the bisection
 BLOCK = 256  # tokens per block of the two-level argmax and Gumbel-max draw
@@ -69,6 +69,8 @@ class SamplingTensors:
     num_logprobs: jax.Array  # i32[B]: -1 = none, 0 = sampled token only, k = also top k
     history: jax.Array  # i32[B, Lh]: token ids seen so far, -1 = empty
     history_is_output: jax.Array  # bool[B, Lh]: True where history holds a generated token
+    bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]: tokens with a logit bias, -1 = empty
+    bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]: their biases
 
     @classmethod
     def build(
@@ -93,6 +95,8 @@ class SamplingTensors:
         seed = np.zeros((batch_size, 2), np.uint32)
         history = np.full((batch_size, history_len), -1, np.int32)
         is_output = np.zeros((batch_size, history_len), np.bool_)
+        bias_ids = np.full((batch_size, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((batch_size, MAX_LOGIT_BIAS), np.float32)
 
         live = [i for i, row in enumerate(rows) if row is not None]
         if live:
@@ -105,8 +109,12 @@ class SamplingTensors:
             seeds = [rows[i].seed % (1 << 64) for i in live]
             seed[live] = np.array([(s >> 32, s & 0xFFFFFFFF) for s in seeds], np.uint32)
             for i in live:
-                if rows[i].params.has_penalties:
+                params = rows[i].params
+                if params.has_penalties:
                     _write_history(rows[i], history[i], is_output[i])
+                if params.logit_bias:
+                    bias_ids[i, : len(params.logit_bias)] = list(params.logit_bias)
+                    bias_values[i, : len(params.logit_bias)] = list(params.logit_bias.values())
         return cls(
             temperature=temperature,
             top_k=top_k,
@@ -120,6 +128,8 @@ class SamplingTensors:
             num_logprobs=num_logprobs,
             history=history,
             history_is_output=is_output,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
 
 
@@ -156,7 +166,8 @@ def sample(
 ) -> SamplerOutput:
     """Chooses one token per row of `logits` f32[B, V]. `num_top_logprobs` is static."""
     raw = logits.astype(jnp.float32)
-    penalized = lax.cond(_any_penalty(t), apply_penalties, lambda x, _: x, raw, t)
+    biased = lax.cond(jnp.any(t.bias_ids >= 0), apply_logit_bias, lambda x, _: x, raw, t)
+    penalized = lax.cond(_any_penalty(t), apply_penalties, lambda x, _: x, biased, t)
     greedy_tokens = _argmax(penalized)
     is_greedy = t.temperature <= 0.0
     tokens = lax.cond(
@@ -166,6 +177,14 @@ def sample(
     )
     logprobs, top_ids, top_logprobs = _logprobs(raw, tokens, t.num_logprobs, num_top_logprobs)
     return SamplerOutput(tokens, logprobs, top_ids, top_logprobs)
+
+
+def apply_logit_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Adds each row's biases to its tokens' logits (empty slots, id -1, are dropped)."""
+    vocab = logits.shape[1]
+    rows = lax.broadcasted_iota(jnp.int32, t.bias_ids.shape, 0)
+    ids = jnp.where(t.bias_ids < 0, vocab, t.bias_ids)
+    return logits.at[rows, ids].add(t.bias_values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:

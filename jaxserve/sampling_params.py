@@ -12,6 +12,8 @@ import math
 import numbers
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # the most tokens a request may bias (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # each bias is in [-100, 100] (OpenAI's range)
 
 
 def _is_int(value: object) -> bool:
@@ -30,6 +32,8 @@ class SamplingParams:
     returns no log-probabilities, 0 only the sampled token's, k (<= 20) also the k most
     likely tokens'. `seed` None lets the engine draw a seed for the request once, so its
     random stream is still fixed for its whole life (including preemption and recompute).
+    `logit_bias` maps token ids to values added to their logits before sampling (OpenAI's
+    semantics: -100 bans a token, +100 all but forces it); log-probabilities stay unbiased.
     """
 
     n: int = 1
@@ -48,10 +52,12 @@ class SamplingParams:
     logprobs: int | None = None
     priority: int = 0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._check_ints()
         self._check_floats()
+        self.logit_bias = self._checked_logit_bias(self.logit_bias)
         self.stop = self._checked_stop(self.stop)
         self.stop_token_ids = self._checked_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens"):
@@ -127,6 +133,23 @@ class SamplingParams:
         if any(s == "" for s in stop):
             raise ValueError("stop cannot contain an empty string")
         return list(stop)
+
+    @staticmethod
+    def _checked_logit_bias(bias: object) -> dict[int, float] | None:
+        if bias is None or bias == {}:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        checked = {}
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not _is_real(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+            checked[int(token)] = float(value)
+        return checked
 
     @staticmethod
     def _checked_stop_token_ids(ids: object) -> list[int]:

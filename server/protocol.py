@@ -3,7 +3,7 @@
 OpenAI's rules where they exist: unknown fields are refused (400, naming the field), `null`
 means "not given", and every wrong value is a 400 that names its parameter. vLLM's extra
 sampling fields (top_k, min_p, repetition_penalty, ...) are accepted too. Fields that the API
-defines but this server cannot honour (tools, logit_bias, ...) are accepted only at their
+defines but this server cannot honour (tools, response_format, ...) are accepted only at their
 neutral value.
 """
 
@@ -21,7 +21,7 @@ from server.errors import APIError, bad_request
 SAMPLING_FIELDS = frozenset({
     "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
-    "priority", "skip_special_tokens",
+    "priority", "skip_special_tokens", "logit_bias",
 })
 # Accepted and ignored: they describe the caller, not the generation.
 METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -29,7 +29,6 @@ STREAM_FIELDS = frozenset({"stream", "stream_options"})
 CHAT_LOGPROB_FIELDS = frozenset({"logprobs", "top_logprobs", "max_completion_tokens"})
 # Fields this server does not implement, with the values that mean "not used".
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False),
@@ -49,7 +48,7 @@ CHAT_FIELDS = (
     | (frozenset(NEUTRAL_VALUES) - {"echo", "suffix"})
 )
 COMPLETION_FIELDS = (
-    frozenset({"model", "prompt", "logprobs", "best_of", "echo", "suffix", "logit_bias"})
+    frozenset({"model", "prompt", "logprobs", "best_of", "echo", "suffix"})
     | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS
 )
 MAX_STOP_STRINGS = 16
@@ -180,7 +179,8 @@ def max_tokens_setting(body: dict[str, Any], limits: Limits, longest_prompt: int
     return given
 
 
-def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: int | None, max_n: int) -> SamplingParams:
+def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: int | None, max_n: int,
+                          vocab_size: int) -> SamplingParams:
     fields = {name: body[name] for name in SAMPLING_FIELDS - {"max_tokens"} if name in body}
     n = fields.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > max_n:
@@ -190,12 +190,25 @@ def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: in
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
     if "seed" in fields and isinstance(fields["seed"], int) and not -(2**63) <= fields["seed"] < 2**64:
         raise bad_request("seed must fit in 64 bits", param="seed")
+    if isinstance(fields.get("logit_bias"), dict):
+        fields["logit_bias"] = _token_id_keys(fields["logit_bias"], vocab_size)
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
     except (ValueError, TypeError) as e:
         message = str(e)
         first = message.split(" ", 1)[0]
         raise bad_request(message, param=first if first in SAMPLING_FIELDS else None) from None
+
+
+def _token_id_keys(bias: dict[str, Any], vocab_size: int) -> dict[int, Any]:
+    """JSON object keys are strings: {"50256": -100} -> {50256: -100}, each id in the vocabulary."""
+    try:
+        ids = {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise bad_request(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
+    return ids
 
 
 def check_best_of(body: dict[str, Any]) -> None:

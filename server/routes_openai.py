@@ -45,7 +45,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = completion_prompts(body, state.info, state.config.max_prompts)
     max_tokens = max_tokens_setting(body, state.limits, max(map(len, prompts)), DEFAULT_COMPLETION_MAX_TOKENS)
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=False),
-                                   max_n=state.limits.max_n)
+                                   max_n=state.limits.max_n, vocab_size=state.info.vocab_size)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = [
         EngineRequest(response_id if len(prompts) == 1 else f"{response_id}-{i}", ids, params, i * params.n)
@@ -71,7 +71,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = check_prompt_ids(state.info.tokenizer.encode(render_chat(state.info, messages)), state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=True),
-                                   max_n=state.limits.max_n)
+                                   max_n=state.limits.max_n, vocab_size=state.info.vocab_size)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     with state.admission.hold(params.n):
         generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)

@@ -62,7 +62,8 @@ def _session(request: web.Request) -> tuple[ServerState, Session]:
 def _check_defaults(state: ServerState, defaults: dict[str, Any]) -> None:
     """Refuse bad defaults when the session is created, not at its first reply."""
     max_tokens = max_tokens_setting(defaults, state.limits, 1, None)
-    build_sampling_params(defaults, max_tokens=max_tokens, logprobs=logprobs_setting(defaults, chat=True), max_n=1)
+    build_sampling_params(defaults, max_tokens=max_tokens, logprobs=logprobs_setting(defaults, chat=True), max_n=1,
+                          vocab_size=state.info.vocab_size)
 
 
 def _check_length(state: ServerState, messages: list[dict[str, str]]) -> None:
@@ -232,7 +233,7 @@ async def _reply(
     stream = parse_stream(body)
     max_tokens = max_tokens_setting(settings, state.limits, len(ids), None)
     params = build_sampling_params(settings, max_tokens=max_tokens, logprobs=logprobs_setting(settings, chat=True),
-                                   max_n=1)
+                                   max_n=1, vocab_size=info.vocab_size)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     _claim(session)
     with state.admission.hold(1):

@@ -84,6 +84,23 @@ def test_greedy_applies_penalties_first() -> None:
     assert out.tokens[:2].tolist() == [6, 4]
 
 
+def test_logit_bias_moves_only_its_rows_tokens_and_not_the_logprobs() -> None:
+    logits = _random_logits(4, seed=21)
+    top = logits.argmax(-1)
+    rows = [
+        _row(SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=0)),  # forces token 7
+        _row(SamplingParams(temperature=0, logit_bias={int(top[1]): -100.0})),  # bans the argmax
+        _row(SamplingParams(temperature=0)),  # no bias: untouched by its neighbours' biases
+        _row(SamplingParams(temperature=1.0, logit_bias={3: 100.0, 9: 100.0}), seed=4),  # only 3 or 9 remain
+    ]
+    out = _sample(_padded(logits), _tensors(rows), num_top_logprobs=K)
+    tokens = np.asarray(out.tokens)
+    second = np.argsort(-logits[1])[1]
+    assert tokens[0] == 7 and tokens[1] == second and tokens[2] == top[2] and tokens[3] in (3, 9)
+    raw = logits[0].astype(np.float64)
+    np.testing.assert_allclose(out.logprobs[0], raw[7] - np.log(np.exp(raw).sum()), atol=1e-5)  # unbiased
+
+
 def test_temperature_scales_logits() -> None:
     logits = _random_logits(2, 50)
     rows = [_row(SamplingParams(temperature=0.5)), _row(SamplingParams(temperature=2.0))]
@@ -289,6 +306,10 @@ def test_build_pads_and_encodes_rows() -> None:
     np.testing.assert_array_equal(t.history[:4], expected_history)
     np.testing.assert_array_equal(t.history_is_output[2], [False, False, True, False])
     np.testing.assert_array_equal(t.history_is_output[3], [True, True, False, False])
+    assert (t.bias_ids == -1).all() and not t.bias_values.any()
+    biased = SamplingTensors.build([None, _row(SamplingParams(logit_bias={5: -2.5, 9: 1}))], 2, 4)
+    np.testing.assert_array_equal(biased.bias_ids[:, :3], [[-1, -1, -1], [5, 9, -1]])
+    np.testing.assert_array_equal(biased.bias_values[1, :3], [-2.5, 1, 0])
     with pytest.raises(ValueError, match="history"):
         SamplingTensors.build([_row(SamplingParams(repetition_penalty=1.1), output=[1] * 5)], 1, 4)
     with pytest.raises(ValueError, match="batch"):

@@ -20,6 +20,8 @@ def test_normalisation() -> None:
     assert p.is_greedy and isinstance(p.temperature, float)
     assert p.stop_token_ids == [7, 8]
     assert SamplingParams(stop=None).stop == []
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={5: -100, 6: 1}).logit_bias == {5: -100.0, 6: 1.0}
     stops = ["a", "b"]
     assert SamplingParams(stop=stops).stop is not stops  # later edits do not leak in
 
@@ -64,6 +66,12 @@ def test_accepts_edge_values() -> None:
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"priority": "high"}, "priority"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"logit_bias": {i: 1 for i in range(301)}}, "logit_bias"),
     ],
 )
 def test_rejects_absurd_values(kwargs: dict, field: str) -> None:

@@ -27,9 +27,13 @@ from server.protocol import (
 
 
 def set_fields(message: Message) -> dict[str, Any]:
-    """The fields given in `message` (unset optional fields and empty lists are left out,
-    as JSON's null and absent fields are)."""
-    return {field.name: list(value) if field.is_repeated else value for field, value in message.ListFields()}
+    """The fields given in `message` (unset optional fields and empty lists and maps are left
+    out, as JSON's null and absent fields are); maps become dicts, lists lists."""
+    def plain(field: Any, value: Any) -> Any:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            return dict(value)
+        return list(value) if field.is_repeated else value
+    return {field.name: plain(field, value) for field, value in message.ListFields()}
 
 
 def prompt_ids(request: pb.GenerateRequest, info: ModelInfo) -> tuple[list[int], bool]:
@@ -53,5 +57,5 @@ def parse_generate(request: pb.GenerateRequest, info: ModelInfo, limits: Limits)
     default = None if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = max_tokens_setting(body, limits, len(ids), default)
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=False),
-                                   max_n=limits.max_n)
+                                   max_n=limits.max_n, vocab_size=info.vocab_size)
     return ids, params

@@ -169,6 +169,15 @@ def test_seeded_n_choices_and_stop_strings_follow_http(served):
     assert by_choice(stopped)[2] == {0: "stop"}
 
 
+def test_logit_bias_forces_and_bans_tokens(served):
+    def tokens(bias: dict[int, float]) -> list[int]:
+        params = pb.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logit_bias=bias)
+        return by_choice(generate(served.stub, text=PROMPT, sampling_params=params))[1][0]
+
+    assert tokens({90: 100}) == [90] * 5
+    assert tokens({90: -100, 91: 100}) == [91] * 5
+
+
 def _params(**kw: Any) -> dict[str, Any]:
     return {"text": "Hello", "sampling_params": pb.SamplingParams(**kw)}
 
@@ -192,6 +201,8 @@ BAD_REQUESTS = [
     (_params(n=9), "n must be at most 8", "n"),
     (_params(logprobs=21), "logprobs must be in [0, 20]", "logprobs"),
     (_params(stop=[""]), "stop cannot contain an empty string", "stop"),
+    (_params(logit_bias={5: 101}), "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
+    (_params(logit_bias={10**6: 1}), "logit_bias token ids must be in [0, ", "logit_bias"),
 ]
 
 

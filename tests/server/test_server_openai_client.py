@@ -7,6 +7,7 @@ import json
 import openai
 import pytest
 
+from server.state import STATE
 from server_harness import KEY_A, MODEL_NAME, send
 
 CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. Hello world!"}]
@@ -105,6 +106,18 @@ def test_greedy_logprobs_pick_the_top_token(client):
     for value, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert value == pytest.approx(max(top.values()), abs=1e-4)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_logit_bias_forces_and_bans_tokens(client, server):
+    text_of = server.app[STATE].info.token_text
+    kw = dict(model=MODEL_NAME, prompt=[40, 41, 42], max_tokens=6, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True})
+    forced = client.completions.create(logit_bias={"90": 100}, **kw).choices[0].logprobs
+    assert forced.tokens == [text_of(90)] * 6
+    banned = client.completions.create(logit_bias={"90": -100, "91": 100}, **kw).choices[0].logprobs
+    assert banned.tokens == [text_of(91)] * 6
+    # Log-probabilities stay the model's: the forced token's is its raw one, below the top.
+    assert forced.token_logprobs[0] < max(forced.top_logprobs[0].values())
 
 
 def test_stop_string_cuts_the_text_and_does_not_leak(client):
