@@ -54,11 +54,12 @@ class SequenceStream:
                               [(int(i), float(p)) for i, p in zip(sampled.top_ids[:k], sampled.top_logprobs[:k])])
             self.new_logprobs.append(lp)
             self.all_logprobs.append(lp)
-        if tok in self.stop_ids:
+        stopping = len(req.output_token_ids) >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
+        if stopping and tok in self.stop_ids:
             return FinishReason.STOP
         before = len(self.text)
         self.text += self.detokenizer.add(tok)
-        if self.stops:
+        if stopping and self.stops:
             window = max(0, before - max(len(s) for s in self.stops) + 1)
             hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
             if hits:

@@ -1,6 +1,6 @@
 """On-device sampling for a padded batch of logits, jittable inside the runner's step.
 
-Per row: logit bias, then penalties (vLLM/HF semantics: repetition over prompt + output
+Per row: logit bias (and the ban on stop tokens before `min_tokens`), then penalties (vLLM/HF semantics: repetition over prompt + output
 tokens, then frequency and presence over output tokens), then either greedy argmax (temperature 0) or
 temperature, top-k, top-p (over the top-k survivors, renormalised), min-p and a random
 draw. The draw's key comes from the request's seed and the position being generated only
@@ -31,11 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 TOP_K_FAST_MAX = 64  # rows with top_k <= this use lax.top_k instead of the bisection
 BLOCK = 256  # tokens per block of the two-level argmax and Gumbel-max draw
 _KEY_BITS = 32  # the most bisection steps: one per bit of a float32 key
+MAX_EOS_IDS = 8
+# Bias slots per row: the request's logit_bias, then the stop tokens banned before min_tokens.
+BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,7 @@ class RowSampling:
     position: int  # index (in the whole sequence) of the token being generated
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    banned_ids: Sequence[int] = ()  # tokens that cannot be sampled now (stop tokens before min_tokens)
 
 
 @jax.tree_util.register_dataclass
@@ -69,8 +73,8 @@ class SamplingTensors:
     num_logprobs: jax.Array  # i32[B]: -1 = none, 0 = sampled token only, k = also top k
     history: jax.Array  # i32[B, Lh]: token ids seen so far, -1 = empty
     history_is_output: jax.Array  # bool[B, Lh]: True where history holds a generated token
-    bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]: tokens with a logit bias, -1 = empty
-    bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]: their biases
+    bias_ids: jax.Array  # i32[B, BIAS_SLOTS]: tokens with a logit bias, -1 = empty
+    bias_values: jax.Array  # f32[B, BIAS_SLOTS]: their biases (-inf bans a token)
 
     @classmethod
     def build(
@@ -95,8 +99,8 @@ class SamplingTensors:
         seed = np.zeros((batch_size, 2), np.uint32)
         history = np.full((batch_size, history_len), -1, np.int32)
         is_output = np.zeros((batch_size, history_len), np.bool_)
-        bias_ids = np.full((batch_size, MAX_LOGIT_BIAS), -1, np.int32)
-        bias_values = np.zeros((batch_size, MAX_LOGIT_BIAS), np.float32)
+        bias_ids = np.full((batch_size, BIAS_SLOTS), -1, np.int32)
+        bias_values = np.zeros((batch_size, BIAS_SLOTS), np.float32)
 
         live = [i for i, row in enumerate(rows) if row is not None]
         if live:
@@ -112,9 +116,11 @@ class SamplingTensors:
                 params = rows[i].params
                 if params.has_penalties:
                     _write_history(rows[i], history[i], is_output[i])
-                if params.logit_bias:
-                    bias_ids[i, : len(params.logit_bias)] = list(params.logit_bias)
-                    bias_values[i, : len(params.logit_bias)] = list(params.logit_bias.values())
+                biased = {**(params.logit_bias or {}), **dict.fromkeys(rows[i].banned_ids, -np.inf)}
+                if len(biased) > BIAS_SLOTS:
+                    raise ValueError(f"{len(biased)} biased tokens exceed the {BIAS_SLOTS} bias slots")
+                bias_ids[i, : len(biased)] = list(biased)
+                bias_values[i, : len(biased)] = list(biased.values())
         return cls(
             temperature=temperature,
             top_k=top_k,

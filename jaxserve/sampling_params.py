@@ -14,6 +14,7 @@ import numbers
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # the most tokens a request may bias (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # each bias is in [-100, 100] (OpenAI's range)
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _is_int(value: object) -> bool:
@@ -34,10 +35,13 @@ class SamplingParams:
     random stream is still fixed for its whole life (including preemption and recompute).
     `logit_bias` maps token ids to values added to their logits before sampling (OpenAI's
     semantics: -100 bans a token, +100 all but forces it); log-probabilities stay unbiased.
+    `min_tokens` (vLLM's): until that many tokens are out, EOS and `stop_token_ids` cannot be
+    sampled and stop strings are not looked for.
     """
 
     n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -77,7 +81,7 @@ class SamplingParams:
         )
 
     def _check_ints(self) -> None:
-        for name in ("n", "max_tokens", "top_k", "priority"):
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "priority"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("seed", "logprobs"):
@@ -88,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be 0 or -1 (off) or at least 1, got {self.top_k}")
         if self.top_k == -1:
@@ -157,4 +163,6 @@ class SamplingParams:
             return []
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         return [int(i) for i in ids]

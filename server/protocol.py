@@ -19,7 +19,7 @@ from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError, bad_request
 
 SAMPLING_FIELDS = frozenset({
-    "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
     "priority", "skip_special_tokens", "logit_bias",
 })

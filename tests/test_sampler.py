@@ -101,6 +101,17 @@ def test_logit_bias_moves_only_its_rows_tokens_and_not_the_logprobs() -> None:
     np.testing.assert_allclose(out.logprobs[0], raw[7] - np.log(np.exp(raw).sum()), atol=1e-5)  # unbiased
 
 
+def test_banned_tokens_cannot_be_sampled_even_when_biased_up() -> None:
+    logits = _random_logits(2, seed=22)
+    top = logits.argmax(-1)
+    rows = [
+        RowSampling(SamplingParams(temperature=0, logit_bias={int(top[0]): 50.0}), 0, 0, [], [], [int(top[0])]),
+        RowSampling(SamplingParams(temperature=0), 3, 0, [], [], np.argsort(-logits[1])[:5].tolist()),
+    ]
+    tokens = np.asarray(_sample(_padded(logits), _tensors(rows), num_top_logprobs=K).tokens)
+    assert tokens[0] == np.argsort(-logits[0])[1] and tokens[1] == np.argsort(-logits[1])[5]
+
+
 def test_temperature_scales_logits() -> None:
     logits = _random_logits(2, 50)
     rows = [_row(SamplingParams(temperature=0.5)), _row(SamplingParams(temperature=2.0))]

@@ -66,6 +66,9 @@ def test_accepts_edge_values() -> None:
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"priority": "high"}, "priority"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # above max_tokens (16)
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
         ({"logit_bias": {5: 100.5}}, "logit_bias"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias"),
         ({"logit_bias": {-1: 1}}, "logit_bias"),

@@ -201,6 +201,7 @@ BAD_REQUESTS = [
     (_params(n=9), "n must be at most 8", "n"),
     (_params(logprobs=21), "logprobs must be in [0, 20]", "logprobs"),
     (_params(stop=[""]), "stop cannot contain an empty string", "stop"),
+    (_params(max_tokens=4, min_tokens=5), "min_tokens must be in [0, max_tokens=4]", "min_tokens"),
     (_params(logit_bias={5: 101}), "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
     (_params(logit_bias={10**6: 1}), "logit_bias token ids must be in [0, ", "logit_bias"),
 ]

@@ -120,6 +120,16 @@ def test_logit_bias_forces_and_bans_tokens(client, server):
     assert forced.token_logprobs[0] < max(forced.top_logprobs[0].values())
 
 
+def test_min_tokens_holds_back_eos(client, server):
+    eos = server.app[STATE].info.tokenizer.eos_token_ids[0]
+    kw = dict(model=MODEL_NAME, prompt=[40, 41, 42], max_tokens=8, temperature=0, logit_bias={str(eos): 100})
+    eager = client.completions.create(**kw)  # EOS is all but forced
+    assert (eager.choices[0].finish_reason, eager.usage.completion_tokens) == ("stop", 1)
+    held = client.completions.create(extra_body={"min_tokens": 3}, **kw)
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 4)  # 3 tokens, then EOS
+    assert held.choices[0].text  # the three tokens before EOS
+
+
 def test_stop_string_cuts_the_text_and_does_not_leak(client):
     kw = dict(messages=CHAT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     text = client.chat.completions.create(model=MODEL_NAME, **kw).choices[0].message.content
