@@ -100,9 +100,12 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from sharding import multihost
 
     config = server_config_from_args(args)
-    if jax.process_count() > 1 and engine_config.data_parallel_size > 1:
-        raise SystemExit("a multi-process job runs one tensor-parallel engine across all processes; "
-                         "--data-parallel-size must be 1 there")
+    if jax.process_count() > 1:
+        devices = len(jax.devices())
+        if engine_config.data_parallel_size > 1 or engine_config.tensor_parallel_size != devices:
+            raise SystemExit(f"a multi-process job runs one tensor-parallel engine over all {devices} devices of its "
+                             f"{jax.process_count()} processes: use --tensor-parallel-size {devices} and "
+                             "--data-parallel-size 1")
     t0 = time.perf_counter()
     async_engine = AsyncEngine(make_engine(args.model, engine_config))
     router = async_engine.engine

@@ -65,6 +65,16 @@ def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
     assert "Traceback" not in leader.output + follower.output
 
 
+def test_a_multi_process_job_must_span_every_device():
+    common = ["serve", "--model", "tiny-random", "--port", str(free_port()), "--tensor-parallel-size", "1",
+              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2", *SMALL_ENGINE]
+    with ChildProcess(jaxserve(*common, "--process-id", "0")) as first, \
+            ChildProcess(jaxserve(*common, "--process-id", "1")) as second:
+        for child in (first, second):
+            assert child.finish(120) != 0
+            assert "use --tensor-parallel-size 2 and --data-parallel-size 1" in child.output, child.output
+
+
 def test_one_process_serves_two_data_parallel_replicas_on_cpu_devices(tmp_path):
     port = free_port()
     command = jaxserve("serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1",
