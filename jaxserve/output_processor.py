@@ -61,9 +61,10 @@ class SequenceStream:
         self.text += self.detokenizer.add(tok)
         if stopping and self.stops:
             window = max(0, before - max(len(s) for s in self.stops) + 1)
-            hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
+            hits = [(i, len(s)) for s in self.stops if (i := self.text.find(s, window)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                start, length = min(hits)  # the earliest stop; of two there, the shorter
+                self.text = self.text[: start + (length if req.params.include_stop_str_in_output else 0)]
                 self.cut_at_stop_string = True
                 return FinishReason.STOP
         if len(req.output_token_ids) >= req.params.max_tokens:

@@ -36,7 +36,8 @@ class SamplingParams:
     `logit_bias` maps token ids to values added to their logits before sampling (OpenAI's
     semantics: -100 bans a token, +100 all but forces it); log-probabilities stay unbiased.
     `min_tokens` (vLLM's): until that many tokens are out, EOS and `stop_token_ids` cannot be
-    sampled and stop strings are not looked for.
+    sampled and stop strings are not looked for. `include_stop_str_in_output` (vLLM's) keeps
+    the stop string that ended the text at its end.
     """
 
     n: int = 1
@@ -50,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = dataclasses.field(default_factory=list)
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
@@ -64,7 +66,7 @@ class SamplingParams:
         self.logit_bias = self._checked_logit_bias(self.logit_bias)
         self.stop = self._checked_stop(self.stop)
         self.stop_token_ids = self._checked_stop_token_ids(self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -21,7 +21,7 @@ from server.errors import APIError, bad_request
 SAMPLING_FIELDS = frozenset({
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
-    "priority", "skip_special_tokens", "logit_bias",
+    "priority", "skip_special_tokens", "logit_bias", "include_stop_str_in_output",
 })
 # Accepted and ignored: they describe the caller, not the generation.
 METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserver/grpc_api/jaxserve.proto\x12\x0bjaxserve.v1\"\xcb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfa\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\rH\n\x88\x01\x01\x12\x15\n\x08priority\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\r\x88\x01\x01\x12>\n\nlogit_bias\x18\x11 \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x12 \x01(\rH\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_priorityB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\xbd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxserve.v1.Usage\"`\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x0f\n\rHealthRequest\"\x94\x01\n\x0eHealthResponse\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".jaxserve.v1.HealthResponse.Status\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\">\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.jaxserve.v1.Model\"a\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r2\xe7\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.jaxserve.v1.HealthRequest\x1a\x1b.jaxserve.v1.HealthResponse\x12M\n\nListModels\x12\x1e.jaxserve.v1.ListModelsRequest\x1a\x1f.jaxserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserver/grpc_api/jaxserve.proto\x12\x0bjaxserve.v1\"\xcb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc2\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\rH\n\x88\x01\x01\x12\x15\n\x08priority\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\r\x88\x01\x01\x12>\n\nlogit_bias\x18\x11 \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x12 \x01(\rH\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_priorityB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_output\"\xbd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxserve.v1.Usage\"`\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x0f\n\rHealthRequest\"\x94\x01\n\x0eHealthResponse\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".jaxserve.v1.HealthResponse.Status\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\">\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.jaxserve.v1.Model\"a\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r2\xe7\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.jaxserve.v1.HealthRequest\x1a\x1b.jaxserve.v1.HealthResponse\x12M\n\nListModels\x12\x1e.jaxserve.v1.ListModelsRequest\x1a\x1f.jaxserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=338
   _globals['_CHATMESSAGE']._serialized_end=382
   _globals['_SAMPLINGPARAMS']._serialized_start=385
-  _globals['_SAMPLINGPARAMS']._serialized_end=1147
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=877
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=925
-  _globals['_GENERATERESPONSE']._serialized_start=1150
-  _globals['_GENERATERESPONSE']._serialized_end=1339
-  _globals['_TOKENLOGPROB']._serialized_start=1341
-  _globals['_TOKENLOGPROB']._serialized_end=1437
-  _globals['_TOPLOGPROB']._serialized_start=1439
-  _globals['_TOPLOGPROB']._serialized_end=1486
-  _globals['_USAGE']._serialized_start=1488
-  _globals['_USAGE']._serialized_end=1590
-  _globals['_HEALTHREQUEST']._serialized_start=1592
-  _globals['_HEALTHREQUEST']._serialized_end=1607
-  _globals['_HEALTHRESPONSE']._serialized_start=1610
-  _globals['_HEALTHRESPONSE']._serialized_end=1758
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1696
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1758
-  _globals['_LISTMODELSREQUEST']._serialized_start=1760
-  _globals['_LISTMODELSREQUEST']._serialized_end=1779
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1781
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1837
-  _globals['_MODEL']._serialized_start=1839
-  _globals['_MODEL']._serialized_end=1936
-  _globals['_JAXSERVE']._serialized_start=1939
-  _globals['_JAXSERVE']._serialized_end=2170
+  _globals['_SAMPLINGPARAMS']._serialized_end=1219
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=918
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=966
+  _globals['_GENERATERESPONSE']._serialized_start=1222
+  _globals['_GENERATERESPONSE']._serialized_end=1411
+  _globals['_TOKENLOGPROB']._serialized_start=1413
+  _globals['_TOKENLOGPROB']._serialized_end=1509
+  _globals['_TOPLOGPROB']._serialized_start=1511
+  _globals['_TOPLOGPROB']._serialized_end=1558
+  _globals['_USAGE']._serialized_start=1560
+  _globals['_USAGE']._serialized_end=1662
+  _globals['_HEALTHREQUEST']._serialized_start=1664
+  _globals['_HEALTHREQUEST']._serialized_end=1679
+  _globals['_HEALTHRESPONSE']._serialized_start=1682
+  _globals['_HEALTHRESPONSE']._serialized_end=1830
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1768
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1830
+  _globals['_LISTMODELSREQUEST']._serialized_start=1832
+  _globals['_LISTMODELSREQUEST']._serialized_end=1851
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1853
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1909
+  _globals['_MODEL']._serialized_start=1911
+  _globals['_MODEL']._serialized_end=2008
+  _globals['_JAXSERVE']._serialized_start=2011
+  _globals['_JAXSERVE']._serialized_end=2242
 # @@protoc_insertion_point(module_scope)

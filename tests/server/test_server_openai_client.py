@@ -140,6 +140,10 @@ def test_stop_string_cuts_the_text_and_does_not_leak(client):
     assert out.choices[0].finish_reason == "stop"
     texts, finish, _ = stream_chat(client, stop=stop, **kw)
     assert texts == {0: expected} and finish == {0: "stop"}
+    kw["extra_body"]["include_stop_str_in_output"] = True  # vLLM's option: keep the stop string
+    kept = client.chat.completions.create(model=MODEL_NAME, stop=[stop], **kw).choices[0].message.content
+    assert kept == expected + stop
+    assert stream_chat(client, stop=stop, **kw)[0] == {0: expected + stop}
 
 
 def test_completions_accept_token_ids_and_prompt_lists(client):
