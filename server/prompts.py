@@ -35,8 +35,9 @@ def check_prompt_ids(ids: list[int], info: ModelInfo, param: str = "prompt") -> 
     return ids
 
 
-def completion_prompts(body: dict[str, Any], info: ModelInfo, max_prompts: int) -> list[list[int]]:
-    """`prompt` as a string, a list of strings, a list of token ids, or a list of such lists."""
+def completion_prompts(body: dict[str, Any], info: ModelInfo, max_prompts: int) -> list[tuple[str, list[int]]]:
+    """`prompt` as a string, a list of strings, a list of token ids, or a list of such lists:
+    each prompt's text (token ids decoded, special tokens kept) and token ids."""
     if "prompt" not in body:
         raise bad_request("prompt is required", param="prompt")
     prompt = body["prompt"]
@@ -56,7 +57,11 @@ def completion_prompts(body: dict[str, Any], info: ModelInfo, max_prompts: int) 
     if len(prompts) > max_prompts:
         raise bad_request(f"at most {max_prompts} prompts per request", param="prompt")
     tokenizer = info.tokenizer
-    return [check_prompt_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), info) for p in prompts]
+    out = []
+    for p in prompts:
+        ids = check_prompt_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), info)
+        out.append((p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False), ids))
+    return out
 
 
 def _content_text(content: Any, index: int) -> str:

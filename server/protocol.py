@@ -40,12 +40,11 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "echo": (False,),
     "suffix": ("",),
 }
 CHAT_FIELDS = (
     frozenset({"model", "messages"}) | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS | CHAT_LOGPROB_FIELDS
-    | (frozenset(NEUTRAL_VALUES) - {"echo", "suffix"})
+    | (frozenset(NEUTRAL_VALUES) - {"suffix"})
 )
 COMPLETION_FIELDS = (
     frozenset({"model", "prompt", "logprobs", "best_of", "echo", "suffix"})
@@ -209,6 +208,19 @@ def _token_id_keys(bias: dict[str, Any], vocab_size: int) -> dict[int, Any]:
     if any(not 0 <= i < vocab_size for i in ids):
         raise bad_request(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
     return ids
+
+
+def echo_setting(body: dict[str, Any], logprobs: int | None) -> bool:
+    """Completions' `echo`: return the prompt before the completion (not its log-probabilities)."""
+    echo = body.get("echo")
+    if echo is None:
+        return False
+    if not isinstance(echo, bool):
+        raise bad_request("echo must be a boolean", param="echo")
+    if echo and logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's log-probabilities, which this server does not "
+                          "compute", param="echo", code="unsupported_parameter")
+    return echo
 
 
 def check_best_of(body: dict[str, Any]) -> None:

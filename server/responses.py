@@ -76,13 +76,23 @@ def completion_logprobs(info: ModelInfo, logprobs: list[TokenLogprob], offset: i
 
 
 class CompletionShapes:
-    """`text_completion` objects (one response, or the chunks of a stream)."""
+    """`text_completion` objects (one response, or the chunks of a stream).
 
-    def __init__(self, response_id: str, info: ModelInfo) -> None:
+    With `echo` (the prompt texts, one per prompt, each prompt giving `n` choices) every
+    choice's text starts with its prompt: in the response, or in the first chunk of a stream.
+    """
+
+    def __init__(self, response_id: str, info: ModelInfo, echo: list[str] | None = None, n: int = 1) -> None:
         self.id = response_id
         self.info = info
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
+        self._echo = echo
+        self._n = n
+        self._echoed: set[int] = set()
+
+    def _prompt_text(self, index: int) -> str:
+        return "" if self._echo is None else self._echo[index // self._n]
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.info.name,
@@ -94,7 +104,11 @@ class CompletionShapes:
             offset = self._offsets.get(index, 0)
             logprobs = completion_logprobs(self.info, delta.logprobs, offset)
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-        body = self._envelope([{"index": index, "text": delta.text, "logprobs": logprobs,
+        text = delta.text
+        if index not in self._echoed:
+            self._echoed.add(index)
+            text = self._prompt_text(index) + text
+        body = self._envelope([{"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": delta.finish_reason}])
         if include_usage:
             body["usage"] = None
@@ -107,7 +121,8 @@ class CompletionShapes:
         out = []
         for i, c in enumerate(choices):
             logprobs = completion_logprobs(self.info, c.logprobs, 0) if c.logprobs is not None else None
-            out.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            out.append({"index": i, "text": self._prompt_text(i) + c.text, "logprobs": logprobs,
+                        "finish_reason": c.finish_reason})
         return {**self._envelope(out), "usage": usage.as_dict()}
 
 

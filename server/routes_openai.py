@@ -20,6 +20,7 @@ from server.protocol import (
     check_best_of,
     check_fields,
     check_model,
+    echo_setting,
     logprobs_setting,
     max_tokens_setting,
     parse_stream,
@@ -43,17 +44,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_model(body, state.info.name)
     stream = parse_stream(body)
     prompts = completion_prompts(body, state.info, state.config.max_prompts)
-    max_tokens = max_tokens_setting(body, state.limits, max(map(len, prompts)), DEFAULT_COMPLETION_MAX_TOKENS)
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=False),
-                                   max_n=state.limits.max_n, vocab_size=state.info.vocab_size)
+    longest = max(len(ids) for _, ids in prompts)
+    max_tokens = max_tokens_setting(body, state.limits, longest, DEFAULT_COMPLETION_MAX_TOKENS)
+    logprobs = logprobs_setting(body, chat=False)
+    echo = echo_setting(body, logprobs)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_n=state.limits.max_n,
+                                   vocab_size=state.info.vocab_size)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = [
         EngineRequest(response_id if len(prompts) == 1 else f"{response_id}-{i}", ids, params, i * params.n)
-        for i, ids in enumerate(prompts)
+        for i, (_, ids) in enumerate(prompts)
     ]
+    shapes = CompletionShapes(response_id, state.info, [text for text, _ in prompts] if echo else None, params.n)
     with state.admission.hold(params.n * len(prompts)):
         generation = state.generation(request, requests, "completions", arrival)
-        return await respond(request, generation, CompletionShapes(response_id, state.info), stream)
+        return await respond(request, generation, shapes, stream)
 
 
 @routes.post("/v1/chat/completions")

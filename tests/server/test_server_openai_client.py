@@ -130,6 +130,23 @@ def test_min_tokens_holds_back_eos(client, server):
     assert held.choices[0].text  # the three tokens before EOS
 
 
+def test_echo_puts_each_prompt_before_its_completions(client, server):
+    kw = dict(model=MODEL_NAME, max_tokens=6, temperature=0)
+    texts = ["The quick brown fox", "Hello"]
+    plain = client.completions.create(prompt=texts, n=2, **kw)
+    echoed = client.completions.create(prompt=texts, n=2, echo=True, **kw)
+    assert [c.text for c in echoed.choices] == [texts[i // 2] + c.text for i, c in enumerate(plain.choices)]
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=texts[0], echo=True, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: echoed.choices[0].text}
+    ids = [40, 41, 42]  # token ids are echoed as their text
+    by_ids = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+    prompt_text = server.app[STATE].info.tokenizer.decode(ids, skip_special_tokens=False)
+    assert by_ids == prompt_text + client.completions.create(prompt=ids, **kw).choices[0].text
+
+
 def test_stop_string_cuts_the_text_and_does_not_leak(client):
     kw = dict(messages=CHAT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     text = client.chat.completions.create(model=MODEL_NAME, **kw).choices[0].message.content
