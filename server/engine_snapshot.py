@@ -14,8 +14,18 @@ from jaxserve.request import RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicaLoad:
+    """One data-parallel replica's share: how the router spread the work."""
+
+    running: int
+    waiting: int
+    kv_used: int
+    kv_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
-    """Summed over the data-parallel replicas."""
+    """Summed over the data-parallel replicas (`replicas` has each one's load)."""
 
     running: int
     waiting: int
@@ -31,6 +41,7 @@ class EngineSnapshot:
     num_steps: int
     prompt_tokens_computed: int
     generated_tokens: int
+    replicas: tuple[ReplicaLoad, ...]
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -41,6 +52,7 @@ def take_snapshot(router: DataParallelRouter) -> EngineSnapshot:
     replicas = router.replicas
     scheds = [e.scheduler for e in replicas]
     kv_stats = [e.kv.stats for e in replicas]
+    usages = [e.kv.usage() for e in replicas]
     preempted_waiting = sum(1 for s in scheds for r in s.waiting if r.status is RequestStatus.PREEMPTED)
     swapped = sum(len(s.swapped) for s in scheds)
     return EngineSnapshot(
@@ -50,7 +62,7 @@ def take_snapshot(router: DataParallelRouter) -> EngineSnapshot:
         preempted=preempted_waiting + swapped,
         has_unfinished=router.has_unfinished_requests(),
         kv_requests=sum(len(e.kv.request_ids()) for e in replicas),
-        kv=KVUsage.total([e.kv.usage() for e in replicas]),
+        kv=KVUsage.total(usages),
         prefix_query_tokens=sum(s.query_tokens for s in kv_stats),
         prefix_hit_tokens=sum(s.hit_tokens + s.host_hit_tokens for s in kv_stats),
         num_preemptions=sum(s.num_preemptions for s in scheds),
@@ -58,4 +70,6 @@ def take_snapshot(router: DataParallelRouter) -> EngineSnapshot:
         num_steps=sum(e.stats.num_steps for e in replicas),
         prompt_tokens_computed=sum(e.stats.prompt_tokens_computed for e in replicas),
         generated_tokens=sum(e.stats.generated_tokens for e in replicas),
+        replicas=tuple(ReplicaLoad(len(sched.running), len(sched.waiting), usage.used, usage.num_blocks)
+                       for sched, usage in zip(scheds, usages)),
     )

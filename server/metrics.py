@@ -58,6 +58,17 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps run", value=s.num_steps)
         yield CounterMetricFamily(f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (not served from cache)",
                                   value=s.prompt_tokens_computed)
+        per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",
+                                        "Sequences per data-parallel replica by state", labels=["replica", "state"])
+        kv_per_replica = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage_ratio",
+                                           "Fraction of a data-parallel replica's KV blocks held by requests",
+                                           labels=["replica"])
+        for i, r in enumerate(s.replicas):
+            per_replica.add_metric([str(i), "running"], r.running)
+            per_replica.add_metric([str(i), "waiting"], r.waiting)
+            kv_per_replica.add_metric([str(i)], r.kv_used / r.kv_blocks if r.kv_blocks else 0.0)
+        yield per_replica
+        yield kv_per_replica
 
 
 class ServerMetrics:

@@ -95,6 +95,10 @@ def test_metrics_and_snapshot_count_both_replicas(dp_server):
     snap = snapshot(srv, async_engine)
     one_pool = srv.engine_call(async_engine, lambda router: router.replicas[0].kv.usage().num_blocks)
     assert snap.kv.num_blocks == 2 * one_pool
-    assert "jaxserve" in send(srv, "GET", "/metrics", key=None).text
+    metrics = send(srv, "GET", "/metrics", key=None).text
+    for replica in ("0", "1"):
+        assert f'jaxserve_replica_kv_usage_ratio{{replica="{replica}"}}' in metrics
+        assert f'jaxserve_replica_num_requests{{replica="{replica}",state="running"}}' in metrics
+    assert len(snap.replicas) == 2 and sum(r.kv_blocks for r in snap.replicas) == snap.kv.num_blocks
     models = send(srv, "GET", "/v1/models").json
     assert models["data"][0]["id"] == MODEL_NAME
