@@ -11,19 +11,28 @@ splitting of the original Hugging Face tokenizer, which we rebuild here:
   precedes a digit: "  42" gives `ĠĠ 4 2` here and `Ġ Ġ 4 2` there.)
 - `default` / `gpt-2`: GPT-2's byte-level regex.
 - `llama-bpe` (Llama 3) and `qwen2`: their published split regexes, then byte-level mapping.
+
+`tokenizer.ggml.model == "llama"` files (Llama 2, Mistral 7B v0.1/v0.2, TinyLlama, ...) hold a
+SentencePiece BPE vocabulary instead: pieces, scores and token types, but no merges. See
+`_sentencepiece_bpe` for how that becomes a `tokenizers` BPE, and where it differs from
+SentencePiece itself.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from checkpoints.errors import UnsupportedCheckpointError
 
-# llama.cpp's token types (gguf.TokenType).
+# llama.cpp's token types (gguf.TokenType; the same numbers as SentencePiece's piece types).
+_NORMAL = 1
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+# SentencePiece's whitespace symbol, U+2581.
+_SPACE = "\u2581"
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -80,18 +89,24 @@ def _byte_to_unicode() -> dict[int, str]:
 def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
     """Build the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata."""
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise UnsupportedCheckpointError(
-            f"{source}: tokenizer model {model!r} is not supported from GGUF (only byte-level BPE, 'gpt2'); "
-            "load the model from a Hugging Face directory with tokenizer.json instead"
-        )
+    if model == "gpt2":
+        return _byte_level_bpe(metadata, source)
+    if model == "llama":
+        return _sentencepiece_bpe(metadata, source)
+    raise UnsupportedCheckpointError(
+        f"{source}: tokenizer model {model!r} is not supported from GGUF (only byte-level BPE, 'gpt2', and "
+        "SentencePiece BPE, 'llama'); load the model from a Hugging Face directory with tokenizer.json instead"
+    )
+
+
+def _byte_level_bpe(metadata: dict[str, Any], source: str) -> Tokenizer:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise UnsupportedCheckpointError(
             f"{source}: GGUF pre-tokenizer {pre!r} is not supported; supported: {sorted(PRE_TOKENIZERS)}"
         )
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = _token_types(metadata)
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
 
     # Tokens are stored in the byte-level spelling, except a few added tokens written as plain
@@ -105,31 +120,109 @@ def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
 
     # Control tokens (<|im_start|>, ...) and user-defined ones must match whole in the text.
     # A control token outside the alphabet was respelled above; it cannot be matched as text.
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(tokens, token_types)
-            if kind == _CONTROL and set(t) <= alphabet
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, token_types)
-            if kind == _USER_DEFINED and set(t) <= alphabet
-        ]
-    )
-    tokenizer.post_processor = _post_processor(metadata, tokens)
+    _add_whole_tokens(tokenizer, tokens, token_types, {_CONTROL}, keep=lambda t: set(t) <= alphabet)
+    tokenizer.post_processor = _post_processor(metadata, tokens, add_bos_by_default=False)
     return tokenizer
 
 
-def _post_processor(metadata: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
-    """Add BOS/EOS around encoded text (with add_special_tokens=True) as the file asks."""
+def _sentencepiece_bpe(metadata: dict[str, Any], source: str) -> Tokenizer:
+    """A Llama-style SentencePiece BPE tokenizer (byte fallback), as `LlamaTokenizerFast` builds it.
+
+    Text is normalized as SentencePiece does with Llama's normalizer spec (identity rules, no
+    whitespace collapsing): spaces become "▁" and, unless `tokenizer.ggml.add_space_prefix` is
+    false, one "▁" is prepended. Characters outside the vocabulary become `<0xNN>` byte tokens.
+    Decoding undoes this and strips the prepended space.
+
+    Matches `sentencepiece` on plain text. Differences, shared with llama.cpp and Hugging Face's
+    legacy Llama tokenizer:
+    - Control, unknown and user-defined token strings in the text (`<s>`, `</s>`, ...) map to
+      their ids, and the text after each gets its own "▁" prefix, as if encoded separately
+      (SentencePiece reads control-token strings as plain text and keeps user-defined ones inline).
+    - No merge makes a piece of type UNUSED: SentencePiece merges into them and then splits them
+      back, which a merge list cannot express; here those merges are left out.
+    - Two different splits of one piece overlapping in the text (e.g. "a"+"aa" and "aa"+"a" of
+      "aaa") are tried in a fixed order rather than leftmost first.
+    - tokenizers' ByteFallback decoder (Hugging Face's too) reads a run of byte tokens all or
+      nothing: one byte that is not valid UTF-8 there turns the whole run into U+FFFD, where
+      SentencePiece replaces only the bad bytes. A model sampling such a run breaks `DecodeStream`.
+    """
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    scores: list[float] | None = metadata.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise UnsupportedCheckpointError(
+            f"{source}: a SentencePiece ('llama') vocabulary needs one tokenizer.ggml.scores entry per token "
+            "to rebuild its merges"
+        )
+    token_types = _token_types(metadata)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=sentencepiece_merges(tokens, scores, token_types),
+            unk_token=None if unk_id is None else tokens[unk_id],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    add_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    prefix = [normalizers.Prepend(_SPACE)] if add_prefix else []
+    tokenizer.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", _SPACE)])
+    strip = [decoders.Strip(" ", 1, 0)] if add_prefix else []
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    _add_whole_tokens(tokenizer, tokens, token_types, {_CONTROL, _UNKNOWN}, keep=bool)
+    tokenizer.post_processor = _post_processor(metadata, tokens, add_bos_by_default=True)
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+    """The BPE merges implied by a SentencePiece BPE vocabulary, highest priority first.
+
+    SentencePiece BPE repeatedly joins the adjacent pair whose concatenation is the
+    highest-scoring normal piece. So every split of a normal piece into two normal pieces is a
+    merge, ranked by the score of the piece it makes; ties go to the lower ids, as in Hugging
+    Face's `SentencePieceExtractor`.
+    """
+    ids = {t: i for i, t in enumerate(tokens) if token_types[i] == _NORMAL}
+    ranked = [
+        (-scores[merged_id], merged_id, ids[merged[:cut]], ids[merged[cut:]], merged[:cut], merged[cut:])
+        for merged, merged_id in ids.items()
+        for cut in range(1, len(merged))
+        if merged[:cut] in ids and merged[cut:] in ids
+    ]
+    ranked.sort(key=lambda entry: entry[:4])
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _token_types(metadata: dict[str, Any]) -> list[int]:
+    return metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(metadata["tokenizer.ggml.tokens"])
+
+
+def _add_whole_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int], special_types: set[int],
+                      keep: Callable[[str], bool]) -> None:  # fmt: skip
+    """Make tokens of `special_types` (special) and user-defined ones (not special) match whole
+    in the raw text, before normalization and splitting; `keep` filters out unmatchable ones."""
+    def whole(kinds: set[int], special: bool) -> list[AddedToken]:
+        return [
+            AddedToken(t, special=special, normalized=False)
+            for t, kind in zip(tokens, token_types)
+            if kind in kinds and keep(t)
+        ]
+
+    tokenizer.add_special_tokens(whole(special_types, True))
+    tokenizer.add_tokens(whole({_USER_DEFINED}, False))
+
+
+def _post_processor(metadata: dict[str, Any], tokens: list[str], add_bos_by_default: bool) -> processors.PostProcessor:
+    """Add BOS/EOS around encoded text (with add_special_tokens=True) as the file asks; without
+    `add_bos_token`, SentencePiece files add BOS (as `LlamaTokenizerFast` does), others do not."""
     single = ["$A"]
     special: list[tuple[str, int]] = []
-    for flag, key, position in (("add_bos_token", "bos_token_id", 0), ("add_eos_token", "eos_token_id", 1)):
+    for flag, key, default in (("add_bos_token", "bos_token_id", add_bos_by_default),
+                               ("add_eos_token", "eos_token_id", False)):  # fmt: skip
         token_id = metadata.get(f"tokenizer.ggml.{key}")
-        if metadata.get(f"tokenizer.ggml.{flag}") and token_id is not None:
-            single.insert(0 if position == 0 else len(single), tokens[token_id])
+        if metadata.get(f"tokenizer.ggml.{flag}", default) and token_id is not None:
+            single.insert(0 if key == "bos_token_id" else len(single), tokens[token_id])
             special.append((tokens[token_id], token_id))
     return processors.TemplateProcessing(single=" ".join(single), special_tokens=special)

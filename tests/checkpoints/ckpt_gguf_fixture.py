@@ -8,6 +8,7 @@ Hugging Face orientation and layout (un-permuted), keyed by GGUF tensor name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -77,6 +78,50 @@ def _random_k_quant(rows: int, cols: int, qtype: Q, rng: np.random.Generator) ->
     return raw.reshape(rows, -1)
 
 
+@dataclasses.dataclass(frozen=True)
+class SentencePieceVocab:
+    """A SentencePiece vocabulary as llama.cpp's converter stores it (`tokenizer.ggml.model = "llama"`).
+    The flags are written only when not None, as older files lack them."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]  # SentencePiece piece types, numbered as gguf.TokenType
+    bos_id: int = 1
+    eos_id: int = 2
+    unk_id: int = 0
+    add_bos: bool | None = None
+    add_eos: bool | None = None
+    add_space_prefix: bool | None = None
+
+
+def _write_gpt2_vocab(writer: gguf.GGUFWriter, model: LoadedModel, pre: str) -> None:
+    tokenizer = model.tokenizer_bundle.tokenizer
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    specials = set(model.tokenizer_bundle.special_tokens.values())
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(vocab[model.tokenizer_bundle.special_tokens["bos_token"]])
+    writer.add_eos_token_id(vocab[model.tokenizer_bundle.special_tokens["eos_token"]])
+
+
+def _write_sentencepiece_vocab(writer: gguf.GGUFWriter, vocab: SentencePieceVocab) -> None:
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_scores(vocab.scores)
+    writer.add_token_types(vocab.types)
+    writer.add_bos_token_id(vocab.bos_id)
+    writer.add_eos_token_id(vocab.eos_id)
+    writer.add_unk_token_id(vocab.unk_id)
+    for value, add in ((vocab.add_bos, writer.add_add_bos_token), (vocab.add_eos, writer.add_add_eos_token),
+                       (vocab.add_space_prefix, writer.add_add_space_prefix)):  # fmt: skip
+        if value is not None:
+            add(value)
+
+
 def write_tiny_gguf(
     path: Path,
     model: LoadedModel,
@@ -85,11 +130,13 @@ def write_tiny_gguf(
     pre: str = "smollm",
     skip: tuple[str, ...] = (),
     rope_factors: np.ndarray | None = None,
+    sentencepiece: SentencePieceVocab | None = None,
 ) -> dict[str, np.ndarray]:
     """Write `model` as a GGUF file; return the expected dequantized HF-layout weights by name.
-    `rope_factors` become a `rope_freqs.weight` tensor, as in llama.cpp's Llama 3.1 files."""
+    `rope_factors` become a `rope_freqs.weight` tensor, as in llama.cpp's Llama 3.1 files.
+    The tokenizer is the model's own (byte-level BPE, split as `pre` names), or `sentencepiece`."""
     types = {**DEFAULT_TYPES, **(types or {})}
-    config, tokenizer = model.config, model.tokenizer_bundle.tokenizer
+    config = model.config
     rng = np.random.default_rng(1)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_layers)
@@ -101,16 +148,10 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    tokens = sorted(vocab, key=vocab.get)
-    specials = set(model.tokenizer_bundle.special_tokens.values())
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
-    writer.add_bos_token_id(vocab[model.tokenizer_bundle.special_tokens["bos_token"]])
-    writer.add_eos_token_id(vocab[model.tokenizer_bundle.special_tokens["eos_token"]])
+    if sentencepiece is None:
+        _write_gpt2_vocab(writer, model, pre)
+    else:
+        _write_sentencepiece_vocab(writer, sentencepiece)
     writer.add_chat_template(model.tokenizer_bundle.chat_template)
 
     expected = {}
