@@ -110,8 +110,10 @@ class LLMEngine:
         return group
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, or ValueError when it cannot be served."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Token ids of a prompt, or ValueError when it cannot be served. Text is a completion
+        prompt: it gets what the tokenizer adds (a BOS for Llama 2 / Mistral), as in vLLM; a
+        rendered chat, whose template writes its own BOS, comes as ids."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size

@@ -71,7 +71,7 @@ def run(llm: LLM, input_path: Path, output_path: Path, defaults: dict[str, Any])
         try:
             prompt, params = _parse_line(raw, defaults)
             if isinstance(prompt, list) and isinstance(prompt[0], dict):
-                prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+                prompt = tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
             jobs.append((len(records) - 1, prompt, params))
         except (ValueError, TypeError) as e:
             records[-1]["error"] = str(e)

@@ -70,7 +70,9 @@ class LLM:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+        # Ids, not text: the template writes its own special tokens (a BOS is not added again).
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt))
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate_as_completed(

@@ -30,7 +30,7 @@ class SequenceStream:
         self.index = index
         self.max_model_len = max_model_len
         params = request.params
-        self.detokenizer = tokenizer.detokenizer(skip_special_tokens=params.skip_special_tokens)
+        self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens, context=request.prompt_token_ids)
         self.stops = list(params.stop)
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

@@ -21,7 +21,6 @@ import jinja2.ext
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers.decoders import DecodeStream
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
 
@@ -80,17 +79,42 @@ def compile_chat_template(source: str) -> jinja2.Template:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas for streaming.
 
-    A delta never ends inside a multi-byte character: text whose decoding ends in U+FFFD is held
-    back until the following tokens complete it. `"".join(deltas) + finish()` equals
-    `decode(all_ids)`; `finish()` releases what is still held back when the stream ends.
+    Each new token decodes a short window (tokens already shown, then the new ones) and emits
+    what the window's text gained, as vLLM does. So:
+    - any id sequence works: decoding never fails (bytes that form no character show as U+FFFD);
+    - a delta never ends inside a multi-byte character: text ending in U+FFFD is held back until
+      later tokens complete it, and `finish()` releases what is still held at the end;
+    - `context` (the prompt's last tokens) is decoded before the first new tokens, so decoders
+      that strip a leading space (SentencePiece) keep the space of the first generated word.
+    `"".join(deltas) + finish()` equals what decoding `context + ids` adds to decoding `context`
+    (without context: `decode(ids)`).
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True) -> None:
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True,
+                 context: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._emitted_chars = 0
+        self._ids = [int(i) for i in context[-self.CONTEXT_TOKENS:]] if context else []
+        if self._decode(self._ids).endswith("\ufffd"):
+            self._ids = []  # a prompt ending inside a character would shift every delta
+        self._prefix = 0  # the window starts here: tokens whose text is already out
+        self._read = len(self._ids)  # tokens up to here are shown
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _pending(self) -> str:
+        """What the window's tokens after `_read` add to its text."""
+        shown = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if text.startswith(shown):
+            return text[len(shown):]
+        # The decoder re-rendered text already shown: tokenizers' byte fallback turns a whole run
+        # of byte tokens into U+FFFD once one byte cannot continue it. Decode the new tokens alone,
+        # so only the bad bytes show as U+FFFD (as sentencepiece does).
+        return self._decode(self._ids[self._read:])
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Feed one or more new ids; return the newly completed text (possibly empty)."""
@@ -98,20 +122,18 @@ class IncrementalDetokenizer:
         pieces = []
         for token_id in ids:
             self._ids.append(token_id)
-            piece = self._stream.step(self._tokenizer, token_id)
-            if piece:
-                pieces.append(piece)
-        delta = "".join(pieces)
-        self._emitted_chars += len(delta)
-        return delta
+            text = self._pending()
+            if text and not text.endswith("\ufffd"):
+                pieces.append(text)
+                self._prefix, self._read = self._read, len(self._ids)
+        return "".join(pieces)
 
     def finish(self) -> str:
-        """At the end of the stream: the text still held back (an incomplete character), as the
+        """At the end of the stream: the text still held back (an incomplete character), as a
         full decode renders it (U+FFFD)."""
-        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
-        tail = full[self._emitted_chars :]
-        self._emitted_chars = len(full)
-        return tail
+        text = self._pending()
+        self._prefix, self._read = self._read, len(self._ids)
+        return text
 
 
 class Tokenizer:
@@ -177,5 +199,7 @@ class Tokenizer:
             **variables,
         )
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> IncrementalDetokenizer:
+        """A streaming detokenizer; `context` is the prompt (its last tokens give the first
+        generated word its leading space where the decoder would strip it)."""
+        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens, context=context)

@@ -59,7 +59,7 @@ def completion_prompts(body: dict[str, Any], info: ModelInfo, max_prompts: int) 
     tokenizer = info.tokenizer
     out = []
     for p in prompts:
-        ids = check_prompt_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), info)
+        ids = check_prompt_ids(tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p), info)
         out.append((p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False), ids))
     return out
 

@@ -43,7 +43,7 @@ def prompt_ids(request: pb.GenerateRequest, info: ModelInfo) -> tuple[list[int],
         messages = parse_messages([{"role": m.role, "content": m.content} for m in request.messages.messages])
         return check_prompt_ids(info.tokenizer.encode(render_chat(info, messages)), info, "messages"), True
     if kind == "text":
-        return check_prompt_ids(info.tokenizer.encode(request.text), info), False
+        return check_prompt_ids(info.tokenizer.encode(request.text, add_special_tokens=True), info), False
     if kind == "token_ids":
         return check_prompt_ids(list(request.token_ids.ids), info), False
     raise bad_request("the request has no prompt: set text, token_ids or messages", param="prompt")
