@@ -8,7 +8,9 @@ Both replicas run on the one default device: routing does not depend on where re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -38,6 +40,18 @@ def dp_server():
     async_engine.engine.close()
 
 
+@contextlib.contextmanager
+def replica_0_busy(srv, async_engine) -> Iterator[None]:
+    """A long request occupies replica 0 (the tie-break pick) while the block runs."""
+    with ThreadPoolExecutor(1) as pool:
+        background = pool.submit(send, srv, "POST", "/v1/completions",
+                                 {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 200, "ignore_eos": True})
+        while srv.engine_call(async_engine, lambda router: router.loads()) != [1, 0]:
+            time.sleep(0.02)
+        yield
+        assert background.result().status == 200
+
+
 def _generated_per_replica(srv, async_engine) -> list[int]:
     return srv.engine_call(async_engine, lambda router: [e.stats.generated_tokens for e in router.replicas])
 
@@ -64,15 +78,9 @@ def test_concurrent_requests_spread_over_both_replicas(dp_server, assert_kv_all_
 
 def test_a_session_stays_on_its_replica_and_reuses_its_kv(dp_server, assert_kv_all_free):
     srv, async_engine = dp_server
-    # A long request occupies replica 0, so the session's first turn goes to replica 1.
-    with ThreadPoolExecutor(1) as pool:
-        background = pool.submit(send, srv, "POST", "/v1/completions",
-                                 {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 200, "ignore_eos": True})
-        while srv.engine_call(async_engine, lambda router: router.loads()) != [1, 0]:
-            time.sleep(0.02)
+    with replica_0_busy(srv, async_engine):  # so the session's first turn goes to replica 1
         sid = create(srv)["id"]
         first = turn(srv, sid, "What is the capital of France?")
-        assert background.result().status == 200
     assert srv.engine_call(async_engine, lambda router: router.loads()) == [0, 0]
     # Both replicas idle, and most of the next prompt is new: routing by load or by prefix
     # would pick replica 0; the session stays where its KV is.
@@ -86,6 +94,23 @@ def test_a_session_stays_on_its_replica_and_reuses_its_kv(dp_server, assert_kv_a
 
     assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200
     assert srv.engine_call(async_engine, lambda router: router.route([1] * 64, sid)) == 0  # routed afresh
+    assert wait_until_idle(srv, async_engine).kv_requests == 0
+    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+
+
+def test_a_fork_joins_its_parent_on_the_replica_holding_the_shared_history(dp_server, assert_kv_all_free):
+    srv, async_engine = dp_server
+    with replica_0_busy(srv, async_engine):
+        parent = create(srv)["id"]
+        first = turn(srv, parent, "Tell me about the sea.")
+    assert srv.engine_call(async_engine, lambda router: router.route([], parent)) == 1
+    fork = send(srv, "POST", f"/v1/sessions/{parent}/fork", {}).json["id"]
+    # Both replicas idle: by load the fork would go to replica 0; its history is on replica 1.
+    assert srv.engine_call(async_engine, lambda router: router.route([], fork)) == 1
+    forked = turn(srv, fork, "And about rivers?")
+    assert cached(forked) >= reused_blocks_of(history_len(first))
+    for sid in (parent, fork):
+        assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200
     assert wait_until_idle(srv, async_engine).kv_requests == 0
     srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
 
