@@ -95,6 +95,9 @@ def _rope_scaling(meta: dict[str, Any], arch: str, rope_factors: np.ndarray | No
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    if kind == "yarn":  # llama.cpp's defaults are Hugging Face's (beta_fast 32, beta_slow 1)
+        return {"rope_type": "yarn", "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+                "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"])}
     raise UnsupportedCheckpointError(f"{source}: RoPE scaling {kind!r} in GGUF is not supported")
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints.config import ModelConfig
-from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from jaxserve.model.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from kernels_pallas import AttentionBackend
 
 
@@ -147,7 +147,7 @@ class LlamaModel(nn.Module):
         cfg = self.config
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed")
         h = embed(tokens)
-        cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg))
+        cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg), attention_factor(cfg))
         layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},

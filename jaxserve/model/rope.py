@@ -7,6 +7,7 @@ every checkpoint format.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,8 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
         return (inv_freq / scaling["factor"]).astype(np.float32)
     if rope_type == "frequency_factors":
         return (inv_freq / np.asarray(scaling["factors"], np.float64)).astype(np.float32)
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, config.rope_theta, scaling).astype(np.float32)
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -45,11 +48,47 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [T, head_dim] for integer positions [T]."""
+def _yarn_inverse_frequencies(inv_freq: np.ndarray, theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    """YaRN (arXiv 2309.00071), with Hugging Face's parameters: frequencies that turn fewer than
+    `beta_slow` times over the original context are interpolated (divided by `factor`), those
+    that turn more than `beta_fast` times are kept, and a linear ramp blends the pairs between."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    half = len(inv_freq)
+
+    def pair_turning(rotations: float) -> float:  # the pair index that turns `rotations` times
+        return half * math.log(original / (rotations * 2 * math.pi)) / math.log(theta)
+
+    low, high = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, 2 * half - 1)
+    if low == high:
+        high += 0.001
+    keep = 1.0 - np.clip((np.arange(half) - low) / (high - low), 0.0, 1.0)  # 1: extrapolate (keep)
+    return inv_freq / factor * (1.0 - keep) + inv_freq * keep
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """YaRN's scale of cos and sin (so of the attention logits); 1 for every other RoPE."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, head_dim] for integer positions [T], both multiplied by `scale`."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

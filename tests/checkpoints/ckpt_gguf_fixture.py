@@ -130,10 +130,12 @@ def write_tiny_gguf(
     pre: str = "smollm",
     skip: tuple[str, ...] = (),
     rope_factors: np.ndarray | None = None,
+    yarn: tuple[float, int] | None = None,
     sentencepiece: SentencePieceVocab | None = None,
 ) -> dict[str, np.ndarray]:
     """Write `model` as a GGUF file; return the expected dequantized HF-layout weights by name.
-    `rope_factors` become a `rope_freqs.weight` tensor, as in llama.cpp's Llama 3.1 files.
+    `rope_factors` become a `rope_freqs.weight` tensor, as in llama.cpp's Llama 3.1 files;
+    `yarn` (factor, original context length) is written as llama.cpp's YaRN scaling keys.
     The tokenizer is the model's own (byte-level BPE, split as `pre` names), or `sentencepiece`."""
     types = {**DEFAULT_TYPES, **(types or {})}
     config = model.config
@@ -148,6 +150,10 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.head_dim)
+    if yarn is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(yarn[1])
     if sentencepiece is None:
         _write_gpt2_vocab(writer, model, pre)
     else:

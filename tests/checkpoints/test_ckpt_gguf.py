@@ -166,6 +166,12 @@ def test_llama31_rope_freqs_give_the_llama3_scaled_frequencies(tmp_path, tiny):
         load_gguf(tmp_path / "bad.gguf")
 
 
+def test_yarn_scaling_keys_become_the_hugging_face_rope_scaling(tmp_path, tiny):
+    write_tiny_gguf(tmp_path / "m.gguf", tiny, yarn=(4.0, 4096))
+    assert load_gguf(tmp_path / "m.gguf").config.rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_gguf(tmp_path / "nope.gguf")
