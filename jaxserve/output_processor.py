@@ -32,9 +32,6 @@ class SequenceStream:
         params = request.params
         self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens, context=request.prompt_token_ids)
         self.stops = list(params.stop)
-        self.stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self.stop_ids.update(request.eos_token_ids)
         self.text = ""
         self.cut_at_stop_string = False
         self.emitted = 0  # characters of `text` already delivered
@@ -55,7 +52,7 @@ class SequenceStream:
             self.new_logprobs.append(lp)
             self.all_logprobs.append(lp)
         stopping = len(req.output_token_ids) >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
-        if stopping and tok in self.stop_ids:
+        if stopping and tok in req.stop_token_ids:
             return FinishReason.STOP
         before = len(self.text)
         self.text += self.detokenizer.add(tok)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 import time
 
@@ -65,6 +66,12 @@ class Request:
     @property
     def priority(self) -> int:
         return self.params.priority
+
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end the sequence: the request's stop ids, and EOS unless `ignore_eos`."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return frozenset((*self.params.stop_token_ids, *eos))
 
     @property
     def is_finished(self) -> bool:

@@ -230,13 +230,11 @@ class ModelRunner:
         if not chunk.sample:
             return None
         req = chunk.request
-        params = req.params
-        banned: tuple[int, ...] = ()
-        if len(req.output_token_ids) < params.min_tokens:
-            banned = (*params.stop_token_ids, *(() if params.ignore_eos else req.eos_token_ids))
+        held_back = len(req.output_token_ids) < req.params.min_tokens  # no stop token yet
         return RowSampling(
-            params=params, seed=req.seed, position=req.num_tokens,
-            prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids, banned_ids=banned,
+            params=req.params, seed=req.seed, position=req.num_tokens,
+            prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids,
+            banned_ids=tuple(req.stop_token_ids) if held_back else (),
         )
 
     def _fill_tables(self, chunks: list[ScheduledChunk], rows: int, width: int) -> np.ndarray:

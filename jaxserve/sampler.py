@@ -116,11 +116,12 @@ class SamplingTensors:
                 params = rows[i].params
                 if params.has_penalties:
                     _write_history(rows[i], history[i], is_output[i])
-                biased = {**(params.logit_bias or {}), **dict.fromkeys(rows[i].banned_ids, -np.inf)}
-                if len(biased) > BIAS_SLOTS:
-                    raise ValueError(f"{len(biased)} biased tokens exceed the {BIAS_SLOTS} bias slots")
-                bias_ids[i, : len(biased)] = list(biased)
-                bias_values[i, : len(biased)] = list(biased.values())
+                if params.logit_bias or rows[i].banned_ids:
+                    biased = {**(params.logit_bias or {}), **dict.fromkeys(rows[i].banned_ids, -np.inf)}
+                    if len(biased) > BIAS_SLOTS:
+                        raise ValueError(f"{len(biased)} biased tokens exceed the {BIAS_SLOTS} bias slots")
+                    bias_ids[i, : len(biased)] = list(biased)
+                    bias_values[i, : len(biased)] = list(biased.values())
         return cls(
             temperature=temperature,
             top_k=top_k,
