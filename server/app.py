@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from jaxserve.async_engine import AsyncEngine
-from server import routes_ops, routes_openai, routes_sessions
+from server import routes_ops, routes_openai, routes_sessions, routes_tokenize
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
@@ -58,6 +58,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.add_routes(routes_openai.routes)
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
+    app.add_routes(routes_tokenize.routes)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
