@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import KVCacheManager
@@ -22,7 +23,9 @@ def make(num_blocks=64, **cfg):
 
 
 def req(rid, n_prompt, max_tokens=4, priority=0, prompt=None):
-    ids = prompt if prompt is not None else [(hash(rid) + i) % 50 + 3 for i in range(n_prompt)]
+    # crc32, not hash(): str hashes change per process, and two ids colliding mod 50 would share
+    # a cached prefix in some runs only.
+    ids = prompt if prompt is not None else [(zlib.crc32(rid.encode()) + i) % 50 + 3 for i in range(n_prompt)]
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens, priority=priority), seed=0)
 
 
