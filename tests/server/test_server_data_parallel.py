@@ -45,7 +45,7 @@ def replica_0_busy(srv, async_engine) -> Iterator[None]:
     """A long request occupies replica 0 (the tie-break pick) while the block runs."""
     with ThreadPoolExecutor(1) as pool:
         background = pool.submit(send, srv, "POST", "/v1/completions",
-                                 {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 200, "ignore_eos": True})
+                                 {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 480, "ignore_eos": True})
         while srv.engine_call(async_engine, lambda router: router.loads()) != [1, 0]:
             time.sleep(0.02)
         yield
