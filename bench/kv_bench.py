@@ -58,6 +58,19 @@ def bench_pool() -> None:
     report("pool: allocate(64) + free, per block", median_us(batch, 2_000) / 64)
 
 
+def _cache_prompt(cache: RadixCache, tokens: np.ndarray | list[int]) -> None:
+    """What admitting and finishing a prompt of whole blocks does to the tree: match, fill the
+    rest with new blocks, release."""
+    pool = cache.pool
+    match = cache.match(tokens, leave_last_token=False)
+    cache.lock(match.node)
+    fresh = pool.allocate(len(tokens) // BS - match.num_blocks)
+    result = cache.insert(tokens[match.num_tokens:], fresh, parent=match.node)
+    cache.unlock(match.node)
+    cache.unlock(result.node)
+    pool.decref_all(fresh)
+
+
 def build_tree(num_blocks: int, rng: np.random.Generator) -> tuple[RadixCache, list[np.ndarray]]:
     """A tree of 4,096-token conversations: 10 system prompts of 64 blocks, unique rest."""
     pool = BlockPool(num_blocks + 4 * PROMPT // BS + 64, BS)
@@ -67,13 +80,7 @@ def build_tree(num_blocks: int, rng: np.random.Generator) -> tuple[RadixCache, l
     while cache.num_device_blocks + PROMPT // BS <= num_blocks:
         tokens = np.concatenate([systems[len(sequences) % 10],
                                  rng.integers(0, 49152, PROMPT - 64 * BS, dtype=np.int32)])
-        match = cache.match(tokens, leave_last_token=False)
-        cache.lock(match.node)
-        fresh = pool.allocate(PROMPT // BS - match.num_blocks)
-        result = cache.insert(tokens[match.num_tokens:], fresh, parent=match.node)
-        cache.unlock(match.node)
-        cache.unlock(result.node)
-        pool.decref_all(fresh)
+        _cache_prompt(cache, tokens)
         sequences.append(tokens)
     return cache, sequences
 
@@ -95,17 +102,9 @@ def bench_tree(num_blocks: int, rng: np.random.Generator) -> None:
     report("match: 4096-token prompt, miss", median_us(lambda: cache.match(miss), 200))
 
     # A path made of 255 one-block nodes (a branch at every block): the worst case for depth.
-    pool = cache.pool
     deep = rng.integers(0, 49152, PROMPT).tolist()
     for cut in range(1, PROMPT // BS):
-        branch = deep[:cut * BS] + [1] * BS
-        match = cache.match(branch, leave_last_token=False)
-        cache.lock(match.node)
-        fresh = pool.allocate(cut + 1 - match.num_blocks)
-        result = cache.insert(branch[match.num_tokens:], fresh, parent=match.node)
-        cache.unlock(match.node)
-        cache.unlock(result.node)
-        pool.decref_all(fresh)
+        _cache_prompt(cache, deep[:cut * BS] + [1] * BS)
     deep_hit = deep + [7]
     cache.match(deep_hit)
     report("match: 4096-token prompt through 255 one-block nodes",
@@ -121,14 +120,7 @@ def bench_tree(num_blocks: int, rng: np.random.Generator) -> None:
                                                        dtype=np.int32)]))
 
     def insert() -> None:
-        tokens = tokens_new[0]
-        match = cache.match(tokens, leave_last_token=False)
-        cache.lock(match.node)
-        fresh = pool.allocate(PROMPT // BS - match.num_blocks)
-        result = cache.insert(tokens[match.num_tokens:], fresh, parent=match.node)
-        cache.unlock(match.node)
-        cache.unlock(result.node)
-        pool.decref_all(fresh)
+        _cache_prompt(cache, tokens_new[0])
         cache.evict(PROMPT // BS - 64)              # keep the tree size steady
 
     report("insert: 4096-token prompt, 192 new blocks (+match, +evict)",

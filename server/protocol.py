@@ -87,6 +87,16 @@ def require_str(body: dict[str, Any], name: str, default: str | None = None) -> 
     return value
 
 
+def require_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean field (`null` means not given), or 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", param=name)
+    return value
+
+
 def check_model(body: dict[str, Any], served_name: str) -> str:
     model = require_str(body, "model", served_name)
     if model != served_name:
@@ -102,9 +112,7 @@ class StreamOptions:
 
 
 def parse_stream(body: dict[str, Any]) -> StreamOptions:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("stream must be a boolean", param="stream")
+    stream = require_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
         return StreamOptions(stream, False)
@@ -136,9 +144,7 @@ def logprobs_setting(body: dict[str, Any], chat: bool) -> int | None:
     """SamplingParams.logprobs from the chat (`logprobs` bool + `top_logprobs`) or the
     completions (`logprobs` int) style."""
     if chat:
-        wanted = body.get("logprobs", False)
-        if not isinstance(wanted, bool):
-            raise bad_request("logprobs must be a boolean", param="logprobs")
+        wanted = require_bool(body, "logprobs", False)
         top = _int_field(body, "top_logprobs")
         if top is not None and not wanted:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -212,11 +218,7 @@ def _token_id_keys(bias: dict[str, Any], vocab_size: int) -> dict[int, Any]:
 
 def echo_setting(body: dict[str, Any], logprobs: int | None) -> bool:
     """Completions' `echo`: return the prompt before the completion (not its log-probabilities)."""
-    echo = body.get("echo")
-    if echo is None:
-        return False
-    if not isinstance(echo, bool):
-        raise bad_request("echo must be a boolean", param="echo")
+    echo = require_bool(body, "echo", False)
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs needs the prompt's log-probabilities, which this server does not "
                           "compute", param="echo", code="unsupported_parameter")

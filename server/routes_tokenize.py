@@ -11,19 +11,12 @@ from aiohttp import web
 
 from server.errors import bad_request
 from server.prompts import parse_messages, render_chat
-from server.protocol import check_fields, check_model, read_json_object
+from server.protocol import check_fields, check_model, read_json_object, require_bool
 from server.state import STATE
 
 routes = web.RouteTableDef()
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
-
-
-def _bool_field(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean", param=name)
-    return value
 
 
 @routes.post("/tokenize")
@@ -35,12 +28,12 @@ async def tokenize(request: web.Request) -> web.Response:
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("send exactly one of prompt or messages", param="prompt")
     if "messages" in body:
-        text = render_chat(info, parse_messages(body["messages"]), _bool_field(body, "add_generation_prompt", True))
-        ids = info.tokenizer.encode(text, add_special_tokens=_bool_field(body, "add_special_tokens", False))
+        text = render_chat(info, parse_messages(body["messages"]), require_bool(body, "add_generation_prompt", True))
+        ids = info.tokenizer.encode(text, add_special_tokens=require_bool(body, "add_special_tokens", False))
     else:
         if not isinstance(body["prompt"], str):
             raise bad_request("prompt must be a string", param="prompt")
-        ids = info.tokenizer.encode(body["prompt"], add_special_tokens=_bool_field(body, "add_special_tokens", True))
+        ids = info.tokenizer.encode(body["prompt"], add_special_tokens=require_bool(body, "add_special_tokens", True))
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": info.max_model_len})
 
 

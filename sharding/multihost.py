@@ -126,13 +126,11 @@ class Leader:
         self._channel = channel
         self._keep_alive_s = keep_alive_s
         self._last_send = time.monotonic()
-        self.num_sent = 0
         runner.mirror = self.send
 
     def send(self, op: tuple) -> None:
         self._channel.send(op)
         self._last_send = time.monotonic()
-        self.num_sent += 1
 
     def keep_alive(self) -> None:
         """Call from the thread that runs the engine when it is idle: a no-op every few

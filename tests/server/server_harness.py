@@ -14,7 +14,7 @@ import http.client
 import json
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -118,6 +118,15 @@ def send(srv: ServerThread, method: str, path: str, body: Any = None, *, key: st
         return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read().decode())
     finally:
         conn.close()
+
+
+async def stream_events(resp: Any) -> AsyncIterator[Any]:
+    """The `data:` payloads of a streaming aiohttp response as they arrive: parsed JSON, or "[DONE]"."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield payload if payload == "[DONE]" else json.loads(payload)
 
 
 def sse_events(text: str) -> list[Any]:

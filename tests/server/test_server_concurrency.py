@@ -8,13 +8,12 @@ compiled nothing new, and `/metrics` reports the traffic.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_harness import KEY_A, MODEL_NAME, check_kv_integrity, send, snapshot, wait_until_idle
+from server_harness import KEY_A, MODEL_NAME, check_kv_integrity, send, snapshot, stream_events, wait_until_idle
 
 NUM_CLIENTS = 50
 MAX_TOKENS = 24
@@ -29,12 +28,8 @@ async def _client(http: aiohttp.ClientSession, i: int, hang_up_after: int | None
     assert resp.status == 200, await resp.text()
     text, events = "", []
     try:
-        async for line in resp.content:
-            line = line.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        async for event in stream_events(resp):
+            events.append(event)
             if isinstance(events[-1], dict) and events[-1]["choices"]:
                 text += events[-1]["choices"][0]["delta"].get("content") or ""
             if hang_up_after is not None and len(events) >= hang_up_after:

@@ -7,14 +7,13 @@ the engine did not recompute) and from the `/metrics` hit counter.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.auth import owner_id
-from server_harness import BLOCK_SIZE, KEY_A, send, start_server
+from server_harness import BLOCK_SIZE, KEY_A, send, start_server, stream_events
 
 SYSTEM = "You are a helpful assistant. The answer is in the question. " * 3
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -128,13 +127,8 @@ async def _stream_then_cancel(base: str, sid: str) -> tuple[str, list, dict, int
             assert resp.status == 200
             text, events, cancelled = "", [], None
             busy_status = 0
-            async for line in resp.content:
-                line = line.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                payload = line[len("data: "):]
-                events.append(payload if payload == "[DONE]" else json.loads(payload))
-                event = events[-1]
+            async for event in stream_events(resp):
+                events.append(event)
                 if isinstance(event, dict) and event["choices"]:
                     text += event["choices"][0]["delta"].get("content", "")
                 if cancelled is None and sum(1 for e in events if isinstance(e, dict) and e["choices"]) >= 4:
