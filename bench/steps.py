@@ -16,9 +16,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.runner import ModelRunner
 
 
-def timed(r: ModelRunner, key_args, reps: int = 3) -> float:
+def timed(r: ModelRunner, program, reps: int = 3) -> float:
     """Best wall time of one compiled step over `reps` runs."""
-    key, args, _ = key_args
+    key, args = program[0], r.step_args(program)
     exe = r._compiled(key, r._step, args, True)
     a, best = list(args), float("inf")
     for _ in range(reps + 1):  # the first run is a warm-up

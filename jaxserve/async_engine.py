@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (its part of a step raised); others go on."""
+
+
 @dataclasses.dataclass
 class _Add:
     request_id: str
@@ -150,7 +154,7 @@ class AsyncEngine:
     def _send(self, d: Delta) -> None:
         deliver = self._deliver.get(d.request_id)
         if deliver is not None:
-            deliver(d)
+            deliver(d if d.error is None else RequestFailedError(d.error))
 
     def _loop(self) -> None:
         engine = self.engine

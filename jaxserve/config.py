@@ -46,6 +46,9 @@ class EngineConfig:
     data_parallel_size: int = 1
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
     seed: int = 0
+    # Launch iteration N+1 before reading N's sampled tokens (they feed N+1 on the device), so the
+    # host schedules and post-processes while the device computes. Off: the synchronous loop.
+    async_scheduling: bool = True
 
     # Shape buckets (None: derived from the limits above). Each list is sorted, finite, and
     # every jitted step is compiled for the cross product at warm-up.

@@ -1,8 +1,16 @@
 """The engine: one step loop owning the scheduler, the KV manager and the model runner.
 
-Each `step()`: schedule -> run the model -> advance the scheduler -> append sampled tokens,
-check stops, detokenize -> free finished sequences -> return the deltas. Not thread-safe: the
-async wrapper (`jaxserve.async_engine`) calls it from its own thread only.
+Each `step()` schedules an iteration, launches it on the device without waiting, and then
+processes the outputs of the iteration before it (async scheduling, the default) or of this
+one (`async_scheduling=False`): write each sampled token over its placeholder, apply every
+stop rule, detokenize, free finished sequences, return the deltas. With async scheduling the
+host schedules iteration N+1 and post-processes N-1 while N runs, and N's tokens feed N+1 on
+the device. Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own
+thread only.
+
+Fault isolation: an exception while preparing or post-processing one request's part of an
+iteration fails that request (an ERROR delta, its blocks freed) and the engine goes on; only a
+failure of the device iteration itself propagates.
 """
 
 from __future__ import annotations
@@ -19,10 +27,12 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv import KVCacheManager
 from jaxserve.output_processor import SequenceStream
 from jaxserve.outputs import Delta, Usage
+from jaxserve import faults
 from jaxserve.request import FinishReason, Request
-from jaxserve.runner import ModelRunner, checkpoint_shardings
+from jaxserve.runner import ModelRunner, SampledToken, StepHandle, checkpoint_shardings
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,9 +46,12 @@ class PromptTooLongError(ValueError):
 class StepStats:
     num_steps: int = 0
     step_time: float = 0.0  # all of step(), wall clock
-    model_time: float = 0.0  # runner.execute (arrays, device step, sampling, transfer back)
+    model_time: float = 0.0  # host time in the runner: building and launching, then waiting to read
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
+    # Iterations whose output was read only after the next one was launched (async scheduling).
+    overlapped_reads: int = 0
+    failed_requests: int = 0  # requests ended by an error in their own part of a step
 
 
 class LLMEngine:
@@ -71,6 +84,7 @@ class LLMEngine:
         self._streams: dict[Request, SequenceStream] = {}
         self._groups: dict[str, list[Request]] = {}
         self._rng = random.Random(ec.seed)
+        self._in_flight: StepHandle | None = None  # launched, output not read (async scheduling)
         self.stats = StepStats()
 
     @property
@@ -102,7 +116,7 @@ class LLMEngine:
                 seed=(base_seed + i) % (1 << 31),
                 eos_token_ids=self.eos_token_ids,
             )
-            self._streams[req] = SequenceStream(request_id, req, i, self.tokenizer, self.config.max_model_len)
+            self._streams[req] = SequenceStream(request_id, req, i, self.tokenizer)
             group.append(req)
         self._groups[request_id] = group
         for req in group:
@@ -138,6 +152,8 @@ class LLMEngine:
         return deltas
 
     def has_unfinished_requests(self) -> bool:
+        """Requests not finished yet. (An iteration may still be in flight when the last one ends;
+        it holds only finished requests then, and the next step reads and drops it.)"""
         return bool(self._groups)
 
     def is_active(self, request_id: str) -> bool:
@@ -147,39 +163,118 @@ class LLMEngine:
 
     def step(self) -> list[Delta]:
         t0 = time.perf_counter()
+        if self._in_flight is not None and self._needs_known_tokens():
+            deltas = self._process(self._take_in_flight())  # penalties read every token so far
+        else:
+            deltas = []
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        results = self.runner.execute(sched)
-        self.stats.model_time += self.runner.last_step_time
-        self.scheduler.on_step_done(sched)
+        handle = None
+        if not sched.is_empty:
+            programs = self._prepare(sched, deltas)
+            handle = self.runner.launch(sched, programs)
+            self.scheduler.on_step_launched(sched)
+            self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
+            self.stats.num_steps += 1
+        if self.config.async_scheduling:
+            previous, self._in_flight = self._in_flight, handle
+        else:
+            previous = handle
+        if previous is not None:
+            deltas += self._process(previous)
+        if handle is not None:
+            self.stats.model_time += self.runner.last_prepare_time + self.runner.last_launch_time
+        self.stats.step_time += time.perf_counter() - t0
+        return deltas
+
+    def _take_in_flight(self) -> StepHandle:
+        handle, self._in_flight = self._in_flight, None
+        return handle
+
+    def _needs_known_tokens(self) -> bool:
+        """Whether some request's sampling needs every earlier token on the host (penalties
+        count them there), so the iteration in flight must be read before the next is built."""
+        return any(r.params.has_penalties for r in self.scheduler.running)
+
+    def _prepare(self, sched: SchedulerOutput, deltas: list[Delta]) -> list[tuple]:
+        """The iteration's host arrays. If building them raises, each chunk is tried alone: the
+        requests whose own inputs fail are failed and dropped, and the rest is built again."""
+        try:
+            return self.runner.prepare(sched)
+        except Exception:  # noqa: BLE001 - find whose inputs failed
+            pass
+        for field in ("prefills", "decodes"):
+            kept = []
+            for chunk in getattr(sched, field):
+                try:
+                    self.runner.prepare(SchedulerOutput(**{field: [chunk]}))
+                    kept.append(chunk)
+                except Exception as e:  # noqa: BLE001 - this request's fault
+                    deltas += self._fail(chunk.request, e)
+            setattr(sched, field, kept)
+        return self.runner.prepare(sched)
+
+    def _process(self, handle: StepHandle) -> list[Delta]:
+        """Read an iteration's sampled tokens and update every request it sampled for."""
+        results = self.runner.fetch(handle)
+        self.stats.model_time += self.runner.last_fetch_time
+        self.stats.overlapped_reads += handle.launches_before_fetch > handle.launch_index
         deltas = []
         finished_groups = set()
         for chunk, sampled in results:
             req = chunk.request
-            if req.is_finished:  # aborted while its step was running
+            if req.is_finished:  # aborted, failed or ended while its step was running
                 continue
-            stream = self._streams[req]
-            reason = stream.add_token(sampled)
-            self.stats.generated_tokens += 1
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                deltas.append(self._final_delta(req, reason))
-                finished_groups.add(stream.group_id)
-            else:
-                delta = stream.take_delta(None, None)
-                if delta is not None:
-                    deltas.append(delta)
-        self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
+            try:
+                reason = self._update(req, chunk.output_index, sampled)
+                self.stats.generated_tokens += 1
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    deltas.append(self._final_delta(req, reason))
+                    finished_groups.add(self._streams[req].group_id)
+                else:
+                    self.scheduler.cache_known_blocks(req)
+                    delta = self._streams[req].take_delta(None, None)
+                    if delta is not None:
+                        deltas.append(delta)
+            except Exception as e:  # noqa: BLE001 - one request's fault
+                deltas += self._fail(req, e)
         for group_id in finished_groups:
             self._forget_if_finished(group_id)
-        self.stats.num_steps += 1
-        self.stats.step_time += time.perf_counter() - t0
         return deltas
 
-    def _final_delta(self, req: Request, reason: FinishReason) -> Delta:
+    def _update(self, req: Request, index: int, sampled: SampledToken) -> FinishReason | None:
+        """The one place a sampled token lands: it replaces its placeholder, then every stop rule
+        is applied in order (stop token ids and EOS, stop strings, max_tokens, the context), none
+        of them before `min_tokens` tokens are out. The stream only reads the token."""
+        token = sampled.token_id
+        req.output_token_ids[index] = token
+        num_out = index + 1
+        stream = self._streams[req]
+        checking = num_out >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
+        stream.add_token(sampled)
+        faults.check("stop", req)
+        if checking and token in req.stop_token_ids:
+            return FinishReason.STOP  # finishing drops a later step's placeholder
+        faults.check("detokenize", req)
+        stopped = stream.add_text(token, check_stops=checking)
+        if not stopped and num_out < req.params.max_tokens and req.num_prompt_tokens + num_out < self.config.max_model_len:
+            return None
+        return FinishReason.STOP if stopped else FinishReason.LENGTH
+
+    def _fail(self, req: Request, error: BaseException) -> list[Delta]:
+        """End one request whose part of an iteration raised; the others go on."""
+        logger.error("request %s failed: %r", req.request_id, error, exc_info=error)
+        self.stats.failed_requests += 1
+        group_id = self._streams[req].group_id
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ERROR)
+        delta = self._final_delta(req, FinishReason.ERROR, error)
+        self._forget_if_finished(group_id)
+        return [delta]
+
+    def _final_delta(self, req: Request, reason: FinishReason, error: BaseException | None = None) -> Delta:
         usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)
-        return self._streams[req].take_delta(reason, usage)
+        return self._streams[req].take_delta(reason, usage, error)
 
     def _forget_if_finished(self, request_id: str) -> None:
         group = self._groups.get(request_id)

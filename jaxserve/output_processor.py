@@ -1,7 +1,10 @@
-"""Per-sequence output handling: detokenize incrementally, apply stop conditions, cut deltas.
+"""Per-sequence output handling: detokenize incrementally, find stop strings, cut deltas.
 
-Stop strings never leak: text that could still turn out to be the start of a stop string is
-held back until the next token decides it (or the sequence ends).
+The engine writes each sampled token into the request and applies the stop rules
+(`LLMEngine._update`); a stream only reads the token: it keeps the ids and log-probabilities
+of the next delta, the text, and says whether a stop string has appeared. Stop strings never
+leak: text that could still turn out to be the start of a stop string is held back until the
+next token decides it (or the sequence ends).
 """
 
 from __future__ import annotations
@@ -24,11 +27,10 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 
 class SequenceStream:
-    def __init__(self, group_id: str, request: Request, index: int, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, group_id: str, request: Request, index: int, tokenizer: Tokenizer):
         self.group_id = group_id  # the id the caller used; `request` may be one of n choices
         self.request = request
         self.index = index
-        self.max_model_len = max_model_len
         params = request.params
         self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens, context=request.prompt_token_ids)
         self.stops = list(params.stop)
@@ -37,40 +39,32 @@ class SequenceStream:
         self.emitted = 0  # characters of `text` already delivered
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[TokenLogprob] = []
-        self.all_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
 
-    def add_token(self, sampled: SampledToken) -> FinishReason | None:
-        """Append a sampled token; return why the sequence finished, if it did."""
-        req = self.request
-        tok = sampled.token_id
-        req.output_token_ids.append(tok)
-        self.new_token_ids.append(tok)
-        if self.all_logprobs is not None:
-            k = req.params.logprobs or 0
-            lp = TokenLogprob(tok, sampled.logprob,
-                              [(int(i), float(p)) for i, p in zip(sampled.top_ids[:k], sampled.top_logprobs[:k])])
-            self.new_logprobs.append(lp)
-            self.all_logprobs.append(lp)
-        stopping = len(req.output_token_ids) >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
-        if stopping and tok in req.stop_token_ids:
-            return FinishReason.STOP
+    def add_token(self, sampled: SampledToken) -> None:
+        """Keep a sampled token (and its log-probabilities, if asked) for the next delta."""
+        self.new_token_ids.append(sampled.token_id)
+        k = self.request.params.logprobs
+        if k is not None:
+            top = [(int(i), float(p)) for i, p in zip(sampled.top_ids[:k], sampled.top_logprobs[:k])]
+            self.new_logprobs.append(TokenLogprob(sampled.token_id, sampled.logprob, top))
+
+    def add_text(self, token_id: int, check_stops: bool) -> bool:
+        """Detokenize a token; True when a stop string has appeared (the text is cut there)."""
         before = len(self.text)
-        self.text += self.detokenizer.add(tok)
-        if stopping and self.stops:
-            window = max(0, before - max(len(s) for s in self.stops) + 1)
-            hits = [(i, len(s)) for s in self.stops if (i := self.text.find(s, window)) >= 0]
-            if hits:
-                start, length = min(hits)  # the earliest stop; of two there, the shorter
-                self.text = self.text[: start + (length if req.params.include_stop_str_in_output else 0)]
-                self.cut_at_stop_string = True
-                return FinishReason.STOP
-        if len(req.output_token_ids) >= req.params.max_tokens:
-            return FinishReason.LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        self.text += self.detokenizer.add(token_id)
+        if not (check_stops and self.stops):
+            return False
+        window = max(0, before - max(len(s) for s in self.stops) + 1)
+        hits = [(i, len(s)) for s in self.stops if (i := self.text.find(s, window)) >= 0]
+        if not hits:
+            return False
+        start, length = min(hits)  # the earliest stop; of two there, the shorter
+        self.text = self.text[: start + (length if self.request.params.include_stop_str_in_output else 0)]
+        self.cut_at_stop_string = True
+        return True
 
-    def take_delta(self, finish_reason: FinishReason | None, usage: Usage | None) -> Delta | None:
+    def take_delta(self, finish_reason: FinishReason | None, usage: Usage | None,
+                   error: BaseException | None = None) -> Delta | None:
         """The output since the last delta, or None when there is nothing to report yet."""
         if finish_reason is not None:
             if not self.cut_at_stop_string:
@@ -87,9 +81,10 @@ class SequenceStream:
             index=self.index,
             text=text,
             token_ids=self.new_token_ids,
-            logprobs=self.new_logprobs if self.all_logprobs is not None else None,
+            logprobs=self.new_logprobs if self.request.params.logprobs is not None else None,
             finish_reason=finish_reason.value if finish_reason is not None else None,
             usage=usage,
+            error=None if error is None else f"{type(error).__name__}: {error}",
         )
         self.new_token_ids, self.new_logprobs = [], []
         return delta

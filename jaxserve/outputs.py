@@ -34,6 +34,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     usage: Usage | None  # set on the final delta
+    error: str | None = None  # with finish_reason "error": what went wrong for this sequence
 
     @property
     def finished(self) -> bool:

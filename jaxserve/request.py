@@ -9,6 +9,12 @@ import time
 
 from jaxserve.sampling_params import SamplingParams
 
+# An output token sampled by a step still running on the device. The engine appends one when it
+# launches a step that samples for the request and overwrites it with the token once the step's
+# output is read; a step that consumes it as input takes the token from the previous step's
+# output on the device, so the host never waits for it.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -29,9 +35,10 @@ class FinishReason(str, enum.Enum):
 class Request:
     """One sequence being generated. `n > 1` requests are expanded into n of these by the engine.
 
-    `num_computed_tokens` counts the tokens whose K/V are in the cache. The tokens to compute
-    next are `all_token_ids[num_computed_tokens:]`: the rest of the prompt while prefilling,
-    then the one token sampled last step.
+    `num_computed_tokens` counts the tokens whose K/V are in the cache (or are being written by a
+    launched step). The tokens to compute next are `all_token_ids[num_computed_tokens:]`: the
+    rest of the prompt while prefilling, then the one token sampled last step, which may still
+    be a PLACEHOLDER while that step runs.
     """
 
     request_id: str
@@ -81,6 +88,23 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens from position 0 up to the first one still in flight (a PLACEHOLDER)."""
+        out = self.output_token_ids
+        n = len(out)
+        while n and out[n - 1] == PLACEHOLDER:
+            n -= 1
+        return len(self.prompt_token_ids) + n
+
+    def reaches_length_limit(self, max_model_len: int) -> bool:
+        """True once its tokens, placeholders counted, end it by length: `max_tokens` or the
+        context. Such a request needs no further step even before its last token is read."""
+        return len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len
+
     def finish(self, reason: FinishReason) -> None:
+        """End the request; placeholders of steps still in flight are dropped (never output)."""
+        while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER:
+            self.output_token_ids.pop()
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason

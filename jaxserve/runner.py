@@ -22,12 +22,15 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
 from checkpoints.params import param_shapes
+from jaxserve import faults
 from jaxserve.config import EngineConfig, bucket_for
 from jaxserve.kv import CopyKind
+from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.sampler import RowSampling, SamplerOutput, SamplingTensors, sample
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -39,6 +42,16 @@ from sharding.rules import cache_sharding, param_shardings, replicated
 logger = logging.getLogger(__name__)
 
 BLOCK_MOVE_CHUNK = 32  # block copies / swaps are padded to this many (block 0 -> block 0)
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A launched iteration: for each of its programs, the chunks and the sampler outputs the
+    host will read (tokens; log-probabilities only when a chunk asked for them)."""
+
+    launch_index: int  # 1 for the runner's first launch
+    parts: list[tuple[list[ScheduledChunk], tuple[jax.Array, ...]]]
+    launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
 
 
 @dataclasses.dataclass
@@ -127,27 +140,44 @@ class ModelRunner:
         rep, kv = replicated(self.mesh), self.cache_sharding
         self._step = jax.jit(
             self._step_fn, donate_argnums=(1,),
-            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep), out_shardings=(rep, kv),
+            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv),
         )
         # Sampling is its own executable, keyed by row count only (its penalty history always
         # spans max_model_len), so it compiles once per row bucket, not once per step shape.
-        self._sample = jax.jit(sample, in_shardings=rep, out_shardings=rep)
+        self._sample = jax.jit(self._sample_fn, in_shardings=rep, out_shardings=rep)
+        # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
+        # `decode_offset + j`), stay on the device for the next iteration's placeholders.
+        self.decode_offset = max(engine_config.prefill_seq_buckets)
+        self.sampled_rows = self.decode_offset + max(engine_config.decode_batch_buckets)
+        self._no_tokens = jax.device_put(np.zeros(self.sampled_rows, np.int32), rep)
+        self._prev_sampled = self._no_tokens
+        self.num_launches = 0  # iterations launched (a step handle records the count it saw)
+        self._sampled_rows: dict[Request, int] = {}  # the last launch's rows in its sampled buffer
+        self.last_prepare_time = self.last_launch_time = self.last_fetch_time = 0.0
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), in_shardings=(kv, rep, rep), out_shardings=kv)
         self._gather = jax.jit(self._gather_fn, in_shardings=(kv, rep), out_shardings=kv)
         self._scatter = jax.jit(
             self._scatter_fn, donate_argnums=(0,), in_shardings=(kv, rep, kv, kv), out_shardings=kv
         )
         self._executables: dict[tuple, Any] = {}
+        self._constants: dict[tuple, jax.Array] = {}
         self.num_compilations = 0
-        self.last_step_time = 0.0
         # Multi-host: on process 0, called with every device operation of serving (a bucketed
         # step or a block move) before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
 
     # ----- the jitted functions -------------------------------------------------------------
 
-    def _step_fn(self, params, cache, tokens, positions, meta, logits_indices):
+    def _step_fn(self, params, cache, tokens, positions, meta, logits_indices, prev_sampled, token_src):
+        # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
+        tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
         return self.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices)
+
+    @staticmethod
+    def _sample_fn(logits, sampling, sampled, offset):
+        """Sample, and also write the tokens into this iteration's `sampled` buffer at `offset`."""
+        out = sample(logits, sampling)
+        return out, lax.dynamic_update_slice(sampled, out.tokens, (offset,))
 
     @staticmethod
     def _copy_fn(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -173,12 +203,27 @@ class ModelRunner:
             self.num_compilations += 1
         return exe
 
-    def _run_step(self, key: tuple, args: tuple, sampling: SamplingTensors, warming_up: bool = False) -> SamplerOutput:
+    def _run_steps(self, programs: list[tuple], warming_up: bool = False) -> list[SamplerOutput]:
+        """Run one iteration's programs: each is (key, host_args, sampling, offset), with host_args
+        = (tokens, positions, meta, logits_indices, token_src). Their sampled tokens land in a fresh
+        buffer that becomes the next iteration's `prev_sampled`."""
         if self.mirror is not None and not warming_up:
-            self.mirror(("step", key, args[2:], sampling))
-        logits, self.cache = self._compiled(key, self._step, args, warming_up)(*args)
-        rows = logits.shape[0]
-        return self._compiled(("sample", rows), self._sample, (logits, sampling), warming_up)(logits, sampling)
+            self.mirror(("steps", programs))
+        sampled, outs = self._no_tokens, []
+        for program in programs:
+            key, _, sampling, offset = program
+            args = self.step_args(program)
+            logits, self.cache = self._compiled(key, self._step, args, warming_up)(*args)
+            sample_args = (logits, sampling, sampled, np.int32(offset))
+            out, sampled = self._compiled(("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
+            outs.append(out)
+        self._prev_sampled = sampled
+        return outs
+
+    def step_args(self, program: tuple) -> tuple:
+        """The arguments of the compiled model step for a prepared program (see `prepare`)."""
+        _, (tokens, positions, meta, logits_indices, token_src), _, _ = program
+        return (self.params, self.cache, tokens, positions, meta, logits_indices, self._prev_sampled, token_src)
 
     def warm_up(self) -> float:
         """Compile every bucket of both steps and the samplers; return the seconds it took.
@@ -194,11 +239,14 @@ class ModelRunner:
                      for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
         pending: dict[tuple, concurrent.futures.Future] = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            for key, args, sampling in variants:
-                rows = args[-1].shape[0]
+            for program in variants:
+                key, (*_, logits_indices, _), sampling, offset = program
+                args = self.step_args(program)
+                rows = logits_indices.shape[0]
                 logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+                sample_args = (logits, sampling, self._no_tokens, np.int32(offset))
                 for program_key, fn, program_args in ((key, self._step, args),
-                                                      (("sample", rows), self._sample, (logits, sampling))):
+                                                      (("sample", rows), self._sample, sample_args)):
                     if program_key not in self._executables and program_key not in pending:
                         pending[program_key] = pool.submit(fn.lower(*program_args).compile)
             for key, compiled in pending.items():
@@ -230,6 +278,7 @@ class ModelRunner:
         if not chunk.sample:
             return None
         req = chunk.request
+        faults.check("sampling", req)
         held_back = len(req.output_token_ids) < req.params.min_tokens  # no stop token yet
         return RowSampling(
             params=req.params, seed=req.seed, position=req.num_tokens,
@@ -246,29 +295,51 @@ class ModelRunner:
 
     def _sampling(self, chunks: list[ScheduledChunk], rows: int) -> SamplingTensors:
         row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
-        return SamplingTensors.build(row_params, rows, self.engine_config.max_model_len)
+        return SamplingTensors.build(row_params, rows, self.engine_config.max_model_len, self._device_constant)
 
-    def _decode_arrays(self, chunks: list[ScheduledChunk], batch: int, width: int) -> tuple[tuple, tuple, SamplingTensors]:
+    def _device_constant(self, shape: tuple[int, ...], dtype: np.dtype, fill: object) -> jax.Array:
+        """A filled array kept on the devices (sampling tables no row of a step uses), so that
+        steps do not ship them from the host."""
+        key = (shape, np.dtype(dtype).str, fill)
+        array = self._constants.get(key)
+        if array is None:
+            array = self._constants[key] = jax.device_put(np.full(shape, fill, dtype), replicated(self.mesh))
+        return array
+
+    @staticmethod
+    def _pending_input(chunk: ScheduledChunk, prev_rows: dict[Request, int]) -> int:
+        """Row of the previous iteration's sampled buffer holding this chunk's last input token,
+        when that token is still a PLACEHOLDER (the step that samples it has not been read)."""
+        out = chunk.request.output_token_ids
+        if chunk.sample and out and out[-1] == PLACEHOLDER:
+            return prev_rows[chunk.request]
+        return -1
+
+    def _decode_arrays(self, chunks: list[ScheduledChunk], batch: int, width: int,
+                       prev_rows: dict[Request, int] | None = None) -> tuple:
         bs = self.engine_config.block_size
         tokens = np.zeros(batch, np.int32)
+        token_src = np.full(batch, -1, np.int32)
         positions = np.zeros(batch, np.int32)
         slots = np.zeros(batch, np.int32)
         seq_lens = np.zeros(batch, np.int32)
         tables = self._fill_tables(chunks, batch, width)
         for i, c in enumerate(chunks):
+            faults.check("input", c.request)
             tokens[i] = c.request.last_token_id  # a decode computes the newest token
+            token_src[i] = self._pending_input(c, prev_rows)
             positions[i] = c.start
             slots[i] = tables[i, c.start // bs] * bs + c.start % bs
             seq_lens[i] = c.start + 1
         meta = AttentionMetadata(slots, tables, seq_lens)
-        args = (self.params, self.cache, tokens, positions, meta, np.arange(batch, dtype=np.int32))
-        return ("decode", batch, width), args, self._sampling(chunks, batch)
+        host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
+        return ("decode", batch, width), host_args, self._sampling(chunks, batch), self.decode_offset
 
-    def _prefill_arrays(
-        self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int
-    ) -> tuple[tuple, tuple, SamplingTensors]:
+    def _prefill_arrays(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
+                        prev_rows: dict[Request, int] | None = None) -> tuple:
         bs = self.engine_config.block_size
         tokens = np.zeros(num_tokens, np.int32)
+        token_src = np.full(num_tokens, -1, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         slots = np.zeros(num_tokens, np.int32)
         seq_lens = np.zeros(num_seqs, np.int32)
@@ -277,9 +348,11 @@ class ModelRunner:
         tables = self._fill_tables(chunks, num_seqs, width)
         row = 0
         for i, c in enumerate(chunks):
+            faults.check("input", c.request)
             n = c.num_new_tokens
             pos = np.arange(c.start, c.start + n)
             tokens[row:row + n] = c.token_ids
+            token_src[row + n - 1] = self._pending_input(c, prev_rows)
             positions[row:row + n] = pos
             slots[row:row + n] = tables[i, pos // bs] * bs + pos % bs
             seq_lens[i] = c.start + n
@@ -288,40 +361,76 @@ class ModelRunner:
             logits_indices[i] = row - 1
         query_start[len(chunks) + 1:] = row
         meta = AttentionMetadata(slots, tables, seq_lens, query_start)
-        args = (self.params, self.cache, tokens, positions, meta, logits_indices)
-        return ("prefill", num_tokens, num_seqs, width), args, self._sampling(chunks, num_seqs)
+        host_args = (tokens, positions, meta, logits_indices, token_src)
+        return ("prefill", num_tokens, num_seqs, width), host_args, self._sampling(chunks, num_seqs), 0
 
     # ----- execution ------------------------------------------------------------------------
 
-    def execute(self, sched: SchedulerOutput) -> list[tuple[ScheduledChunk, SampledToken]]:
-        """Run one scheduled step; return the sampled token of every chunk that asked for one."""
+    def prepare(self, sched: SchedulerOutput) -> list[tuple]:
+        """The bucketed host arrays of an iteration's programs (prefill, then decode), one tuple
+        (key, host_args, sampling, offset) each. Host work only: it raises for a request whose
+        inputs cannot be built before anything reaches the device."""
         t0 = time.perf_counter()
-        self._move_blocks(sched)
         ec = self.engine_config
-        launched = []
+        prev_rows = self._sampled_rows
+        programs = []
         if sched.prefills:
             chunks = sched.prefills
-            out = self._run_step(*self._prefill_arrays(
+            programs.append(self._prefill_arrays(
                 chunks,
                 bucket_for(sum(c.num_new_tokens for c in chunks), ec.prefill_token_buckets),
                 bucket_for(len(chunks), ec.prefill_seq_buckets),
                 self._width_bucket(chunks),
+                prev_rows,
             ))
-            launched.append((chunks, out))
         if sched.decodes:
             chunks = sched.decodes
-            out = self._run_step(*self._decode_arrays(
-                chunks, bucket_for(len(chunks), ec.decode_batch_buckets), self._width_bucket(chunks)
+            programs.append(self._decode_arrays(
+                chunks, bucket_for(len(chunks), ec.decode_batch_buckets), self._width_bucket(chunks), prev_rows
             ))
-            launched.append((chunks, out))
+        self.last_prepare_time = time.perf_counter() - t0
+        return programs
+
+    def launch(self, sched: SchedulerOutput, programs: list[tuple]) -> StepHandle:
+        """Dispatch a prepared iteration (block moves, then its steps with their sampling) without
+        waiting for the device. Inputs that are placeholders of the previous iteration are read
+        from its sampled tokens on the device."""
+        t0 = time.perf_counter()
+        self._move_blocks(sched)
+        parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
+        rows = {}
+        outs = self._run_steps(programs)
+        for chunks, (*_, offset) in zip(parts, programs):
+            rows.update((c.request, offset + i) for i, c in enumerate(chunks) if c.sample)
+        self._sampled_rows = rows
+        self.num_launches += 1
+        handle = StepHandle(self.num_launches, [])
+        for chunks, out in zip(parts, outs):
+            wanted = max((c.request.params.logprobs for c in chunks
+                          if c.sample and c.request.params.logprobs is not None), default=None)
+            fields = (out.tokens,) if wanted is None else (out.tokens, out.logprobs) if wanted == 0 else tuple(out)
+            for field in fields:
+                field.copy_to_host_async()
+            handle.parts.append((chunks, fields))
+        self.last_launch_time = time.perf_counter() - t0
+        return handle
+
+    def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, SampledToken]]:
+        """Wait for a launched iteration and read the token (and log-probabilities, if asked) that
+        each of its sampling chunks produced."""
+        t0 = time.perf_counter()
+        handle.launches_before_fetch = self.num_launches
         results = []
-        for chunks, out in launched:
-            out: SamplerOutput = jax.device_get(out)
+        for chunks, fields in handle.parts:
+            tokens, *rest = (np.asarray(f) for f in fields)
+            logprobs = rest[0] if rest else None
+            top_ids, top_logprobs = rest[1:] if len(rest) == 3 else (_NO_TOP_IDS, _NO_TOP_LOGPROBS)
             for i, c in enumerate(chunks):
                 if c.sample:
-                    results.append((c, SampledToken(int(out.tokens[i]), float(out.logprobs[i]),
-                                                    out.top_ids[i], out.top_logprobs[i])))
-        self.last_step_time = time.perf_counter() - t0
+                    lp = float(logprobs[i]) if logprobs is not None else float("nan")
+                    ids, lps = (top_ids[i], top_logprobs[i]) if len(rest) == 3 else (top_ids, top_logprobs)
+                    results.append((c, SampledToken(int(tokens[i]), lp, ids, lps)))
+        self.last_fetch_time = time.perf_counter() - t0
         return results
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:
@@ -355,13 +464,16 @@ class ModelRunner:
     def replay(self, op: tuple) -> None:
         """Run a device operation that process 0's runner passed to its `mirror` (multi-host:
         every process must launch the same computations in the same order)."""
-        if op[0] == "step":
-            _, key, host_args, sampling = op
-            self._run_step(key, (self.params, self.cache, *host_args), sampling)
+        if op[0] == "steps":
+            self._run_steps(op[1])
         elif op[0] == "move":
             self._move(*op[1:])
         else:
             raise ValueError(f"unknown mirrored operation {op[0]!r}")
+
+
+_NO_TOP_IDS = np.zeros(0, np.int32)
+_NO_TOP_LOGPROBS = np.zeros(0, np.float32)
 
 
 def _padded(ids: list[int]) -> np.ndarray:

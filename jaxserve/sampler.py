@@ -23,8 +23,8 @@ batches make no random draws, and padding rows (greedy, no penalties) enable not
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,15 +78,28 @@ class SamplingTensors:
 
     @classmethod
     def build(
-        cls, rows: Sequence[RowSampling | None], batch_size: int, history_len: int
+        cls, rows: Sequence[RowSampling | None], batch_size: int, history_len: int,
+        constant: Callable[[tuple[int, ...], np.dtype, object], Any] | None = None,
     ) -> SamplingTensors:
         """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays.
 
         History is written only for rows with penalties (and the prompt only when the
         repetition penalty needs it); raises ValueError if a row's tokens exceed `history_len`.
+        The history and bias tables, when no row uses them, are `constant(shape, dtype, fill)`:
+        a caller can keep those on the device instead of shipping them every step.
         """
         if len(rows) > batch_size:
             raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
+        live = [i for i, row in enumerate(rows) if row is not None]
+        with_history = any(rows[i].params.has_penalties for i in live)
+        with_bias = any(rows[i].params.logit_bias or rows[i].banned_ids for i in live)
+        constant = constant or _filled
+        new = _filled if with_history else constant
+        history = new((batch_size, history_len), np.int32, -1)
+        is_output = new((batch_size, history_len), np.bool_, False)
+        new = _filled if with_bias else constant
+        bias_ids = new((batch_size, BIAS_SLOTS), np.int32, -1)
+        bias_values = new((batch_size, BIAS_SLOTS), np.float32, 0.0)
         temperature = np.zeros(batch_size, np.float32)
         top_p = np.ones(batch_size, np.float32)
         min_p = np.zeros(batch_size, np.float32)
@@ -97,12 +110,6 @@ class SamplingTensors:
         positions = np.zeros(batch_size, np.int32)
         num_logprobs = np.full(batch_size, -1, np.int32)
         seed = np.zeros((batch_size, 2), np.uint32)
-        history = np.full((batch_size, history_len), -1, np.int32)
-        is_output = np.zeros((batch_size, history_len), np.bool_)
-        bias_ids = np.full((batch_size, BIAS_SLOTS), -1, np.int32)
-        bias_values = np.zeros((batch_size, BIAS_SLOTS), np.float32)
-
-        live = [i for i, row in enumerate(rows) if row is not None]
         if live:
             # One float64 table for the per-row scalars (all exact in float64), then columns.
             table = np.array([_row_scalars(rows[i]) for i in live], np.float64)
@@ -138,6 +145,10 @@ class SamplingTensors:
             bias_ids=bias_ids,
             bias_values=bias_values,
         )
+
+
+def _filled(shape: tuple[int, ...], dtype: np.dtype, fill: object) -> np.ndarray:
+    return np.full(shape, fill, dtype)
 
 
 def _row_scalars(row: RowSampling) -> tuple[float, ...]:

@@ -15,7 +15,7 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from jaxserve.outputs import Delta, Usage
 from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
@@ -170,4 +170,6 @@ def _api_error(error: BaseException) -> APIError:
         return APIError(503, "the engine is not running", code="engine_unavailable")
     if isinstance(error, ValueError):
         return APIError(400, str(error))
+    if isinstance(error, RequestFailedError):
+        return APIError(500, "the engine failed while generating this request", code="internal_error")
     return APIError(500, "the engine failed while generating")

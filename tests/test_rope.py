@@ -48,7 +48,10 @@ def test_the_model_applies_the_yarn_attention_factor():
         engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
                                                block_size=8, num_blocks=32))
         engine.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=1, temperature=0, logprobs=5))
-        (delta,) = [d for d in engine.step() if d.logprobs]
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas += engine.step()
+        (delta,) = [d for d in deltas if d.logprobs]
         return np.array([lp for _, lp in delta.logprobs[0].top])
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}

@@ -32,10 +32,10 @@ def req(rid, n_prompt, max_tokens=4, priority=0, prompt=None):
 def step(s: Scheduler):
     """One engine step without a model: every sampling chunk 'samples' token 7."""
     out = s.schedule()
-    s.on_step_done(out)
+    s.on_step_launched(out)
     for c in out.prefills + out.decodes:
         if c.sample:
-            c.request.output_token_ids.append(7)
+            c.request.output_token_ids[c.output_index] = 7
             if len(c.request.output_token_ids) >= c.request.params.max_tokens:
                 s.finish(c.request, FinishReason.LENGTH)
     s.kv.check_integrity()
@@ -134,7 +134,7 @@ def test_lpm_prefers_cached_prefix_with_starvation_guard(monkeypatch):
     s.add_request(hit)
     out = s.schedule()
     assert [c.request for c in out.prefills] == [hit]
-    s.on_step_done(out)
+    s.on_step_launched(out)
     # A request that waited past the guard goes first whatever its match.
     late = req("late", 0, prompt=list(range(60, 80)))
     late.arrival_time = time.monotonic() - 60

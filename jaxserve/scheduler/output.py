@@ -24,6 +24,7 @@ class ScheduledChunk:
     num_new_tokens: int
     block_table: np.ndarray  # int32
     sample: bool
+    output_index: int = -1  # where its sampled token goes in request.output_token_ids (at launch)
 
     @property
     def token_ids(self) -> list[int]:
@@ -41,7 +42,6 @@ class SchedulerOutput:
     prefills: list[ScheduledChunk] = dataclasses.field(default_factory=list)
     decodes: list[ScheduledChunk] = dataclasses.field(default_factory=list)
     copy_stages: list[CopyStage] = dataclasses.field(default_factory=list)
-    preempted: list[Request] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

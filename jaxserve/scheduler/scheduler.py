@@ -25,7 +25,7 @@ from collections import deque
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import KVCacheManager
-from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -75,15 +75,20 @@ class Scheduler:
         self._schedule_swap_ins(out)
         self._schedule_prefills(out, budget)
         out.copy_stages = self.kv.take_copies()
-        if out.is_empty and self.running:
+        if out.is_empty and self.running and not any(map(self._length_capped, self.running)):
             # Every running request is a prefill that cannot grow: recompute the least important
             # one later so the others can make progress instead of waiting for each other forever.
+            # (Requests done by length free their blocks once their last step's output is read.)
             self._preempt(self._pick_victim(), out, mode="recompute")
             return self.schedule()
         return out
 
+    def _length_capped(self, req: Request) -> bool:
+        return req.reaches_length_limit(self.config.max_model_len)
+
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
-        decoding = [r for r in self.running if not r.is_prefilling]
+        # A request whose last token (maybe still in flight) ends it by length needs no step.
+        decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)]
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for a more important one
@@ -207,13 +212,13 @@ class Scheduler:
         return starving + rest
 
     def _pick_victim(self) -> Request:
-        return max(self.running, key=self._priority_key)
+        growing = [r for r in self.running if not self._length_capped(r)]
+        return max(growing or self.running, key=self._priority_key)
 
     def _preempt(self, req: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self.running.remove(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(req)
         if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling:
             if self.kv.swap_out(req.request_id):
                 req.status = RequestStatus.SWAPPED
@@ -226,16 +231,28 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.info("preempted %s by recompute (%d tokens)", req.request_id, req.num_tokens)
 
-    # ----- after the step -------------------------------------------------------------------
+    # ----- after the launch -----------------------------------------------------------------
 
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """The step ran: its tokens are in the cache; full blocks join the prefix cache."""
+    def on_step_launched(self, out: SchedulerOutput) -> None:
+        """The step is on the device: its tokens count as computed, each sampling chunk gets a
+        PLACEHOLDER for its new token (`chunk.output_index` says where), and full blocks whose
+        tokens are all known join the prefix cache (the device writes them before any later
+        step reads them)."""
         for chunk in out.prefills + out.decodes:
             req = chunk.request
-            if req.is_finished:
-                continue
-            before = req.num_computed_tokens
             req.num_computed_tokens = chunk.start + chunk.num_new_tokens
-            bs = self.config.block_size
-            if self.config.enable_prefix_caching and req.num_computed_tokens // bs > before // bs:
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids[: req.num_computed_tokens])
+            if chunk.sample:
+                chunk.output_index = len(req.output_token_ids)
+                req.output_token_ids.append(PLACEHOLDER)
+            self.cache_known_blocks(req)
+
+    def cache_known_blocks(self, req: Request) -> None:
+        """Insert the request's computed full blocks into the prefix cache, up to its first
+        token still in flight (called again when that token is read)."""
+        if not self.config.enable_prefix_caching or req.status is not RequestStatus.RUNNING:
+            return
+        bs, cached = self.config.block_size, self.kv.num_cached_blocks(req.request_id)
+        if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
+            n = min(req.num_computed_tokens, req.num_known_tokens)
+            if n // bs > cached:
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids[:n])

@@ -44,7 +44,7 @@ def main() -> None:
         mirrored = []
 
         def mirror(op: tuple) -> None:
-            mirrored.append(op[0] if op[0] == "step" else op[1].name)
+            mirrored.append(op[0] if op[0] == "steps" else op[1].name)
             leader.send(op)
 
         engine.runner.mirror = mirror
