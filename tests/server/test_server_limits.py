@@ -67,9 +67,11 @@ def test_full_waiting_queue_is_503(limited, async_engine):
     assert send(limited, "POST", "/v1/chat/completions", CHAT).status == 200  # room again
 
 
-@pytest.mark.parametrize("limited", [{"request_timeout": 1.5}], indirect=True)
+@pytest.mark.parametrize("limited", [{"request_timeout": 0.2}], indirect=True)
 def test_request_timeout_aborts_the_request(limited, async_engine):
-    slow = {**LONG, "max_tokens": 480, "n": 8}  # 480 decode steps: seconds even for the tiny model
+    # 480 decode steps of 8 sequences: far over 0.2 s of host work alone (~1 ms a step at best),
+    # even for the tiny model. (1.5 s was not: on a quiet machine all 480 steps fit in it.)
+    slow = {**LONG, "max_tokens": 480, "n": 8}
     reply = send(limited, "POST", "/v1/chat/completions", slow)
     assert reply.status == 504 and reply.json["error"]["code"] == "request_timeout"
     streamed = send(limited, "POST", "/v1/chat/completions", {**slow, "stream": True})
