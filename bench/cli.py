@@ -239,7 +239,8 @@ def _peer_spec(args: argparse.Namespace) -> Any:
         gguf_path(args.model)
     except ValueError as e:
         raise PeerUnavailable(str(e)) from e
-    return PeerSpec(args.peer, args.peer_python, args.peer_threads, getattr(args, "peer_batch_size", 32))
+    return PeerSpec(args.peer, args.peer_python, args.peer_threads, getattr(args, "peer_batch_size", 32),
+                    getattr(args, "peer_dtype", "float32"))
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
@@ -302,6 +303,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_workload_args(p, "ids", add_seed=False)
     _add_peer_args(p, ("transformers", "llama-cpp"))
     p.add_argument("--peer-batch-size", type=int, default=32, help="transformers: prompts per generate() batch")
+    p.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="transformers: compute dtype (torch's bf16 matmuls are fast on AVX512-BF16 CPUs)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     _add_output_args(p)
     p.set_defaults(func=_guarded(_cmd_throughput))

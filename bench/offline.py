@@ -31,6 +31,7 @@ class PeerSpec:
     python: str | None = None  # interpreter to run it in (default: this one)
     threads: int = 2
     batch_size: int = 32  # transformers' generate batch
+    dtype: str = "float32"  # transformers' compute dtype (float32 | bfloat16)
 
 
 def _jaxserve_llm(model: str, engine_args: dict[str, Any]):
@@ -96,7 +97,7 @@ def _peer_throughput_results(raw: dict[str, Any], requests: list[BenchRequest], 
 
 def _peer_job(peer: PeerSpec, model: str, mode: str, requests: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return {"gguf": str(gguf_path(model)), "threads": peer.threads, "mode": mode, "batch_size": peer.batch_size,
-            "requests": requests, **extra}  # fmt: skip
+            "dtype": peer.dtype, "requests": requests, **extra}  # fmt: skip
 
 
 def _result(kind: str, model: str, engine_args: dict[str, Any], workload: dict[str, Any], run: dict[str, Any],

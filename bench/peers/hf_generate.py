@@ -59,13 +59,14 @@ def main(job_path: str, out_path: str) -> None:
     torch.set_num_threads(job["threads"])
     gguf = Path(job["gguf"])
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    dtype = job.get("dtype", "float32")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
     model.eval()
     load_s = time.perf_counter() - t0
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     pad_id = pad_id[0] if isinstance(pad_id, list) else int(pad_id)
     requests = job["requests"]
-    result = {"peer": "transformers", "load_s": load_s, "threads": job["threads"], "dtype": "float32",
+    result = {"peer": "transformers", "load_s": load_s, "threads": job["threads"], "dtype": dtype,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}  # fmt: skip
     if job["mode"] == "throughput":
         size = job["batch_size"]
