@@ -56,6 +56,9 @@ class EngineConfig:
     prefill_token_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] | None = None
     block_table_buckets: tuple[int, ...] | None = None
+    # Rows of the sampler's programs: a step's logits are padded up to one of these, so the
+    # sampler (costly to compile) has a few variants, not one per step shape.
+    sampler_row_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len % self.block_size:
@@ -78,7 +81,11 @@ class EngineConfig:
             self.prefill_seq_buckets = _geometric(1, self.max_prefill_seqs, 4)
         if self.block_table_buckets is None:
             self.block_table_buckets = _geometric(min(8, max_blocks), max_blocks, 2)
-        for name in ("decode_batch_buckets", "prefill_token_buckets", "prefill_seq_buckets", "block_table_buckets"):
+        if self.sampler_row_buckets is None:
+            rows = max(max(self.decode_batch_buckets), max(self.prefill_seq_buckets))
+            self.sampler_row_buckets = _geometric(min(4, rows), rows, 4)
+        for name in ("decode_batch_buckets", "prefill_token_buckets", "prefill_seq_buckets", "block_table_buckets",
+                     "sampler_row_buckets"):
             setattr(self, name, tuple(sorted(set(getattr(self, name)))))
         if self.decode_batch_buckets[-1] < self.max_num_seqs:
             raise ValueError("decode_batch_buckets must reach max_num_seqs")
@@ -86,6 +93,8 @@ class EngineConfig:
             raise ValueError("prefill_token_buckets must reach max_num_batched_tokens")
         if self.block_table_buckets[-1] < max_blocks:
             raise ValueError("block_table_buckets must reach max_model_len / block_size")
+        if self.sampler_row_buckets[-1] < max(self.decode_batch_buckets[-1], self.prefill_seq_buckets[-1]):
+            raise ValueError("sampler_row_buckets must reach the largest decode batch and prefill sequence buckets")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -163,10 +163,7 @@ class LLMEngine:
 
     def step(self) -> list[Delta]:
         t0 = time.perf_counter()
-        if self._in_flight is not None and self._needs_known_tokens():
-            deltas = self._process(self._take_in_flight())  # penalties read every token so far
-        else:
-            deltas = []
+        deltas = []
         sched = self.scheduler.schedule()
         handle = None
         if not sched.is_empty:
@@ -186,16 +183,7 @@ class LLMEngine:
         self.stats.step_time += time.perf_counter() - t0
         return deltas
 
-    def _take_in_flight(self) -> StepHandle:
-        handle, self._in_flight = self._in_flight, None
-        return handle
-
-    def _needs_known_tokens(self) -> bool:
-        """Whether some request's sampling needs every earlier token on the host (penalties
-        count them there), so the iteration in flight must be read before the next is built."""
-        return any(r.params.has_penalties for r in self.scheduler.running)
-
-    def _prepare(self, sched: SchedulerOutput, deltas: list[Delta]) -> list[tuple]:
+    def _prepare(self, sched: SchedulerOutput, deltas: list[Delta]) -> tuple:
         """The iteration's host arrays. If building them raises, each chunk is tried alone: the
         requests whose own inputs fail are failed and dropped, and the rest is built again."""
         try:

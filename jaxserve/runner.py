@@ -30,9 +30,10 @@ from checkpoints.params import param_shapes
 from jaxserve import faults
 from jaxserve.config import EngineConfig, bucket_for
 from jaxserve.kv import CopyKind
-from jaxserve.request import PLACEHOLDER, Request
+from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
-from jaxserve.sampler import RowSampling, SamplerOutput, SamplingTensors, sample
+from jaxserve.sampler import (PenaltyCounts, RowSampling, SamplerOutput, SamplingTensors, penalty_history, sample,
+                              set_penalty_rows)
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
@@ -42,6 +43,35 @@ from sharding.rules import cache_sharding, param_shardings, replicated
 logger = logging.getLogger(__name__)
 
 BLOCK_MOVE_CHUNK = 32  # block copies / swaps are padded to this many (block 0 -> block 0)
+PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compiled shape)
+
+
+class PenaltySlots:
+    """Rows of the device's PenaltyCounts, one per running request with penalties. A request
+    gets one when it first samples in a run and gives it back when it stops running (finished
+    or preempted: it gets a fresh row, set from its history, when it runs again)."""
+
+    def __init__(self, num_slots: int):
+        self.spare = num_slots  # the zero row of rows without penalties
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slots: dict[Request, int] = {}
+        self.unset: set[Request] = set()  # given a slot whose row is not set on the device yet
+
+    def slot(self, req: Request) -> int:
+        return self._slots[req]
+
+    def holds(self, req: Request) -> bool:
+        return req in self._slots
+
+    def join(self, req: Request) -> None:
+        if req not in self._slots:
+            self._slots[req] = self._free.pop()
+            self.unset.add(req)
+
+    def release_finished(self) -> None:
+        for req in [r for r in self._slots if r.status is not RequestStatus.RUNNING]:
+            self._free.append(self._slots.pop(req))
+            self.unset.discard(req)
 
 
 @dataclasses.dataclass
@@ -144,11 +174,16 @@ class ModelRunner:
         )
         # Sampling is its own executable, keyed by row count only (its penalty history always
         # spans max_model_len), so it compiles once per row bucket, not once per step shape.
-        self._sample = jax.jit(self._sample_fn, in_shardings=rep, out_shardings=rep)
+        self._sample = jax.jit(self._sample_fn, donate_argnums=(4,), in_shardings=rep, out_shardings=rep)
+        # Penalty state on the device: one row of token counts per request with penalties.
+        self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
+        self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
+            engine_config.max_num_seqs, config.vocab_size)
+        self._set_penalty_rows = jax.jit(self._set_penalty_rows_fn, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
-        self.decode_offset = max(engine_config.prefill_seq_buckets)
-        self.sampled_rows = self.decode_offset + max(engine_config.decode_batch_buckets)
+        self.decode_offset = self._sampler_rows(max(engine_config.prefill_seq_buckets))
+        self.sampled_rows = self.decode_offset + self._sampler_rows(max(engine_config.decode_batch_buckets))
         self._no_tokens = jax.device_put(np.zeros(self.sampled_rows, np.int32), rep)
         self._prev_sampled = self._no_tokens
         self.num_launches = 0  # iterations launched (a step handle records the count it saw)
@@ -171,13 +206,18 @@ class ModelRunner:
     def _step_fn(self, params, cache, tokens, positions, meta, logits_indices, prev_sampled, token_src):
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
-        return self.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices)
+        logits, cache = self.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices)
+        rows = logits.shape[0]  # padded to the sampler's bucket (padding rows are zeros)
+        return jnp.pad(logits, ((0, self._sampler_rows(rows) - rows), (0, 0))), cache
+
+    def _sampler_rows(self, rows: int) -> int:
+        return bucket_for(rows, self.engine_config.sampler_row_buckets)
 
     @staticmethod
-    def _sample_fn(logits, sampling, sampled, offset):
+    def _sample_fn(logits, sampling, sampled, offset, counts):
         """Sample, and also write the tokens into this iteration's `sampled` buffer at `offset`."""
-        out = sample(logits, sampling)
-        return out, lax.dynamic_update_slice(sampled, out.tokens, (offset,))
+        out, counts = sample(logits, sampling, counts)
+        return out, lax.dynamic_update_slice(sampled, out.tokens, (offset,)), counts
 
     @staticmethod
     def _copy_fn(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -203,22 +243,36 @@ class ModelRunner:
             self.num_compilations += 1
         return exe
 
-    def _run_steps(self, programs: list[tuple], warming_up: bool = False) -> list[SamplerOutput]:
-        """Run one iteration's programs: each is (key, host_args, sampling, offset), with host_args
-        = (tokens, positions, meta, logits_indices, token_src). Their sampled tokens land in a fresh
-        buffer that becomes the next iteration's `prev_sampled`."""
+    def _run_steps(self, penalty_resets: list[tuple], programs: list[tuple], warming_up: bool = False) -> list[SamplerOutput]:
+        """Run one iteration: first the penalty rows of requests that just got a slot (each reset
+        is (slots, histories, is_output) of PENALTY_RESET_ROWS rows), then the programs, each
+        (key, host_args, sampling, offset) with host_args = (tokens, positions, meta,
+        logits_indices, token_src). Their sampled tokens land in a fresh buffer that becomes the
+        next iteration's `prev_sampled`."""
         if self.mirror is not None and not warming_up:
-            self.mirror(("steps", programs))
+            self.mirror(("steps", penalty_resets, programs))
+        for reset in penalty_resets:
+            args = (self.penalty_counts, *reset[:3], self._prev_sampled, *reset[3:])
+            self.penalty_counts = self._compiled(("penalty_reset",), self._set_penalty_rows, args, warming_up)(*args)
         sampled, outs = self._no_tokens, []
         for program in programs:
             key, _, sampling, offset = program
             args = self.step_args(program)
             logits, self.cache = self._compiled(key, self._step, args, warming_up)(*args)
-            sample_args = (logits, sampling, sampled, np.int32(offset))
-            out, sampled = self._compiled(("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
+            sample_args = (logits, sampling, sampled, np.int32(offset), self.penalty_counts)
+            out, sampled, self.penalty_counts = self._compiled(
+                ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
             outs.append(out)
         self._prev_sampled = sampled
         return outs
+
+    @staticmethod
+    def _set_penalty_rows_fn(counts, slots, history, is_output, prev_sampled, token_src, token_index):
+        """set_penalty_rows, after the history token at `token_index` of each row whose
+        `token_src` >= 0 (a placeholder on the host) is read from the previous iteration."""
+        rows = jnp.arange(history.shape[0])
+        pending = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], history[rows, token_index])
+        return set_penalty_rows(counts, slots, history.at[rows, token_index].set(pending), is_output)
 
     def step_args(self, program: tuple) -> tuple:
         """The arguments of the compiled model step for a prepared program (see `prepare`)."""
@@ -242,13 +296,16 @@ class ModelRunner:
             for program in variants:
                 key, (*_, logits_indices, _), sampling, offset = program
                 args = self.step_args(program)
-                rows = logits_indices.shape[0]
+                rows = self._sampler_rows(logits_indices.shape[0])
                 logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
-                sample_args = (logits, sampling, self._no_tokens, np.int32(offset))
+                sample_args = (logits, sampling, self._no_tokens, np.int32(offset), self.penalty_counts)
                 for program_key, fn, program_args in ((key, self._step, args),
                                                       (("sample", rows), self._sample, sample_args)):
                     if program_key not in self._executables and program_key not in pending:
                         pending[program_key] = pool.submit(fn.lower(*program_args).compile)
+            reset = self._penalty_reset([], {})
+            args = (self.penalty_counts, *reset[:3], self._prev_sampled, *reset[3:])
+            pending[("penalty_reset",)] = pool.submit(self._set_penalty_rows.lower(*args).compile)
             for key, compiled in pending.items():
                 self._executables[key] = compiled.result()
         self.num_compilations += len(pending)
@@ -264,7 +321,8 @@ class ModelRunner:
         return (
             f"decode batch {list(ec.decode_batch_buckets)} x block-table width {list(ec.block_table_buckets)}; "
             f"prefill tokens {list(ec.prefill_token_buckets)} x seqs {list(ec.prefill_seq_buckets)} "
-            f"x width {list(ec.block_table_buckets)}: {ec.num_compiled_variants()} step variants"
+            f"x width {list(ec.block_table_buckets)}: {ec.num_compiled_variants()} step variants; "
+            f"sampler rows {list(ec.sampler_row_buckets)}"
         )
 
     # ----- building bucketed arrays ---------------------------------------------------------
@@ -282,8 +340,8 @@ class ModelRunner:
         held_back = len(req.output_token_ids) < req.params.min_tokens  # no stop token yet
         return RowSampling(
             params=req.params, seed=req.seed, position=req.num_tokens,
-            prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids,
             banned_ids=tuple(req.stop_token_ids) if held_back else (),
+            penalty_slot=self.penalty_slots.slot(req) if req.params.has_penalties else -1,
         )
 
     def _fill_tables(self, chunks: list[ScheduledChunk], rows: int, width: int) -> np.ndarray:
@@ -295,7 +353,7 @@ class ModelRunner:
 
     def _sampling(self, chunks: list[ScheduledChunk], rows: int) -> SamplingTensors:
         row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
-        return SamplingTensors.build(row_params, rows, self.engine_config.max_model_len, self._device_constant)
+        return SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self._device_constant)
 
     def _device_constant(self, shape: tuple[int, ...], dtype: np.dtype, fill: object) -> jax.Array:
         """A filled array kept on the devices (sampling tables no row of a step uses), so that
@@ -333,7 +391,7 @@ class ModelRunner:
             seq_lens[i] = c.start + 1
         meta = AttentionMetadata(slots, tables, seq_lens)
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
-        return ("decode", batch, width), host_args, self._sampling(chunks, batch), self.decode_offset
+        return ("decode", batch, width), host_args, self._sampling(chunks, self._sampler_rows(batch)), self.decode_offset
 
     def _prefill_arrays(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
                         prev_rows: dict[Request, int] | None = None) -> tuple:
@@ -362,18 +420,27 @@ class ModelRunner:
         query_start[len(chunks) + 1:] = row
         meta = AttentionMetadata(slots, tables, seq_lens, query_start)
         host_args = (tokens, positions, meta, logits_indices, token_src)
-        return ("prefill", num_tokens, num_seqs, width), host_args, self._sampling(chunks, num_seqs), 0
+        return ("prefill", num_tokens, num_seqs, width), host_args, self._sampling(chunks, self._sampler_rows(num_seqs)), 0
 
     # ----- execution ------------------------------------------------------------------------
 
-    def prepare(self, sched: SchedulerOutput) -> list[tuple]:
-        """The bucketed host arrays of an iteration's programs (prefill, then decode), one tuple
-        (key, host_args, sampling, offset) each. Host work only: it raises for a request whose
-        inputs cannot be built before anything reaches the device."""
+    def prepare(self, sched: SchedulerOutput) -> tuple[list[Request], list[tuple], list[tuple]]:
+        """An iteration's host arrays: the requests whose penalty rows are set first and those
+        resets' arguments, then one tuple (key, host_args, sampling, offset) per program (prefill,
+        then decode). Host work only: it raises for a request whose inputs cannot be built before
+        anything reaches the device."""
         t0 = time.perf_counter()
         ec = self.engine_config
         prev_rows = self._sampled_rows
         programs = []
+        slots = self.penalty_slots
+        slots.release_finished()
+        penalised = [c.request for c in sched.prefills + sched.decodes if c.sample and c.request.params.has_penalties]
+        for req in penalised:
+            slots.join(req)
+        unset = [req for req in penalised if req in slots.unset]
+        resets = [self._penalty_reset(unset[i:i + PENALTY_RESET_ROWS], prev_rows)
+                  for i in range(0, len(unset), PENALTY_RESET_ROWS)]
         if sched.prefills:
             chunks = sched.prefills
             programs.append(self._prefill_arrays(
@@ -389,9 +456,25 @@ class ModelRunner:
                 chunks, bucket_for(len(chunks), ec.decode_batch_buckets), self._width_bucket(chunks), prev_rows
             ))
         self.last_prepare_time = time.perf_counter() - t0
-        return programs
+        return unset, resets, programs
 
-    def launch(self, sched: SchedulerOutput, programs: list[tuple]) -> StepHandle:
+    def _penalty_reset(self, requests: list[Request], prev_rows: dict[Request, int]) -> tuple[np.ndarray, ...]:
+        """Arguments of a penalty-row reset for up to PENALTY_RESET_ROWS requests' slots: slots,
+        histories so far, which of their tokens are generated, and for a history whose last token
+        is still in flight, its row in the previous iteration's sampled tokens and its index."""
+        length, rows = self.engine_config.max_model_len, PENALTY_RESET_ROWS
+        slots, token_src, token_index = np.full(rows, -1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        history = np.full((rows, length), -1, np.int32)
+        is_output = np.zeros((rows, length), np.bool_)
+        for i, req in enumerate(requests):
+            slots[i] = self.penalty_slots.slot(req)
+            history[i], is_output[i] = penalty_history(req.prompt_token_ids, req.output_token_ids, req.params, length)
+            if req.output_token_ids[-1:] == [PLACEHOLDER]:
+                token_src[i] = prev_rows[req]
+                token_index[i] = int(np.flatnonzero(is_output[i])[-1])
+        return slots, history, is_output, token_src, token_index
+
+    def launch(self, sched: SchedulerOutput, prepared: tuple[list[Request], list[tuple], list[tuple]]) -> StepHandle:
         """Dispatch a prepared iteration (block moves, then its steps with their sampling) without
         waiting for the device. Inputs that are placeholders of the previous iteration are read
         from its sampled tokens on the device."""
@@ -399,7 +482,9 @@ class ModelRunner:
         self._move_blocks(sched)
         parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
         rows = {}
-        outs = self._run_steps(programs)
+        unset, resets, programs = prepared
+        outs = self._run_steps(resets, programs)
+        self.penalty_slots.unset.difference_update(unset)
         for chunks, (*_, offset) in zip(parts, programs):
             rows.update((c.request, offset + i) for i, c in enumerate(chunks) if c.sample)
         self._sampled_rows = rows
@@ -465,7 +550,7 @@ class ModelRunner:
         """Run a device operation that process 0's runner passed to its `mirror` (multi-host:
         every process must launch the same computations in the same order)."""
         if op[0] == "steps":
-            self._run_steps(op[1])
+            self._run_steps(op[1], op[2])
         elif op[0] == "move":
             self._move(*op[1:])
         else:

@@ -18,6 +18,10 @@ Nothing here sorts the vocabulary (a full sort costs ~10 ms per row on CPU):
   equal to its mass, then a token inside it, so a row needs ~450 random numbers, not V.
 Each expensive stage sits behind a `lax.cond` on "does any row need it": all-greedy
 batches make no random draws, and padding rows (greedy, no penalties) enable nothing.
+
+Penalties read per-request token counts that live on the device (`PenaltyCounts`, one row per
+penalty slot): a row is set from the request's history once, when it gets its slot
+(`set_penalty_rows`), and `sample` adds each sampled token to it, so no step ships a history.
 """
 
 from __future__ import annotations
@@ -48,9 +52,57 @@ class RowSampling:
     params: SamplingParams
     seed: int  # the request's seed, or the one drawn for it at creation
     position: int  # index (in the whole sequence) of the token being generated
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
     banned_ids: Sequence[int] = ()  # tokens that cannot be sampled now (stop tokens before min_tokens)
+    penalty_slot: int = -1  # its row of PenaltyCounts (requests with penalties only)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyCounts:
+    """Device state of the penalties: per slot, how often each token was generated, and which
+    tokens the prompt holds. The last row is the spare slot of rows without penalties (zeros)."""
+
+    output: jax.Array  # i32[S + 1, V]
+    prompt: jax.Array  # bool[S + 1, V]
+
+    @classmethod
+    def zeros(cls, num_slots: int, vocab_size: int) -> PenaltyCounts:
+        return cls(jnp.zeros((num_slots + 1, vocab_size), jnp.int32), jnp.zeros((num_slots + 1, vocab_size), jnp.bool_))
+
+    @property
+    def spare_slot(self) -> int:
+        return self.output.shape[0] - 1
+
+
+def penalty_history(prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
+                    history_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """One request's history for `set_penalty_rows`: token ids (-1 = empty) and whether each is
+    generated. Prompt tokens only matter to the repetition penalty."""
+    prompt = prompt_ids if params.repetition_penalty != 1.0 else ()
+    n_prompt, n_output = len(prompt), len(output_ids)
+    if n_prompt + n_output > history_len:
+        raise ValueError(f"{n_prompt + n_output} history tokens exceed the history length {history_len}")
+    history = np.full(history_len, -1, np.int32)
+    is_output = np.zeros(history_len, np.bool_)
+    history[:n_prompt] = prompt
+    history[n_prompt: n_prompt + n_output] = output_ids
+    is_output[n_prompt: n_prompt + n_output] = True
+    return history, is_output
+
+
+def set_penalty_rows(counts: PenaltyCounts, slots: jax.Array, history: jax.Array,
+                     is_output: jax.Array) -> PenaltyCounts:
+    """Set rows `slots` [R] (-1 = none) from histories [R, L] (token ids, -1 = empty) whose
+    `is_output` [R, L] marks the generated tokens."""
+    vocab = counts.output.shape[1]
+    rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
+    ids = jnp.where(history < 0, vocab, history)  # out of range: dropped by the scatter
+    output = jnp.zeros((history.shape[0], vocab), jnp.int32).at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
+    prompt_ids = jnp.where(is_output, vocab, ids)
+    prompt = jnp.zeros((history.shape[0], vocab), jnp.bool_).at[rows, prompt_ids].set(True, mode="drop")
+    target = jnp.where(slots < 0, counts.output.shape[0], slots)  # dropped too
+    return PenaltyCounts(counts.output.at[target].set(output, mode="drop"),
+                         counts.prompt.at[target].set(prompt, mode="drop"))
 
 
 @jax.tree_util.register_dataclass
@@ -71,33 +123,24 @@ class SamplingTensors:
     seed: jax.Array  # u32[B, 2]: threefry key data (high, low 32 bits of the 64-bit seed)
     positions: jax.Array  # i32[B]: position of the token being generated
     num_logprobs: jax.Array  # i32[B]: -1 = none, 0 = sampled token only, k = also top k
-    history: jax.Array  # i32[B, Lh]: token ids seen so far, -1 = empty
-    history_is_output: jax.Array  # bool[B, Lh]: True where history holds a generated token
+    penalty_slots: jax.Array  # i32[B]: each row's PenaltyCounts row (the spare one: no penalties)
     bias_ids: jax.Array  # i32[B, BIAS_SLOTS]: tokens with a logit bias, -1 = empty
     bias_values: jax.Array  # f32[B, BIAS_SLOTS]: their biases (-inf bans a token)
 
     @classmethod
     def build(
-        cls, rows: Sequence[RowSampling | None], batch_size: int, history_len: int,
+        cls, rows: Sequence[RowSampling | None], batch_size: int, spare_slot: int,
         constant: Callable[[tuple[int, ...], np.dtype, object], Any] | None = None,
     ) -> SamplingTensors:
-        """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays.
-
-        History is written only for rows with penalties (and the prompt only when the
-        repetition penalty needs it); raises ValueError if a row's tokens exceed `history_len`.
-        The history and bias tables, when no row uses them, are `constant(shape, dtype, fill)`:
-        a caller can keep those on the device instead of shipping them every step.
-        """
+        """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays. Rows without
+        penalties read PenaltyCounts row `spare_slot`. The bias tables, when no row uses them,
+        are `constant(shape, dtype, fill)`: a caller can keep those on the device instead of
+        shipping them every step."""
         if len(rows) > batch_size:
             raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
         live = [i for i, row in enumerate(rows) if row is not None]
-        with_history = any(rows[i].params.has_penalties for i in live)
         with_bias = any(rows[i].params.logit_bias or rows[i].banned_ids for i in live)
-        constant = constant or _filled
-        new = _filled if with_history else constant
-        history = new((batch_size, history_len), np.int32, -1)
-        is_output = new((batch_size, history_len), np.bool_, False)
-        new = _filled if with_bias else constant
+        new = _filled if with_bias else (constant or _filled)
         bias_ids = new((batch_size, BIAS_SLOTS), np.int32, -1)
         bias_values = new((batch_size, BIAS_SLOTS), np.float32, 0.0)
         temperature = np.zeros(batch_size, np.float32)
@@ -110,6 +153,7 @@ class SamplingTensors:
         positions = np.zeros(batch_size, np.int32)
         num_logprobs = np.full(batch_size, -1, np.int32)
         seed = np.zeros((batch_size, 2), np.uint32)
+        penalty_slots = np.full(batch_size, spare_slot, np.int32)
         if live:
             # One float64 table for the per-row scalars (all exact in float64), then columns.
             table = np.array([_row_scalars(rows[i]) for i in live], np.float64)
@@ -122,7 +166,7 @@ class SamplingTensors:
             for i in live:
                 params = rows[i].params
                 if params.has_penalties:
-                    _write_history(rows[i], history[i], is_output[i])
+                    penalty_slots[i] = rows[i].penalty_slot
                 if params.logit_bias or rows[i].banned_ids:
                     biased = {**(params.logit_bias or {}), **dict.fromkeys(rows[i].banned_ids, -np.inf)}
                     if len(biased) > BIAS_SLOTS:
@@ -140,8 +184,7 @@ class SamplingTensors:
             seed=seed,
             positions=positions,
             num_logprobs=num_logprobs,
-            history=history,
-            history_is_output=is_output,
+            penalty_slots=penalty_slots,
             bias_ids=bias_ids,
             bias_values=bias_values,
         )
@@ -159,19 +202,6 @@ def _row_scalars(row: RowSampling) -> tuple[float, ...]:
             p.repetition_penalty, p.top_k, row.position, logprobs)
 
 
-def _write_history(row: RowSampling, history: np.ndarray, is_output: np.ndarray) -> None:
-    """Fills one row's history; prompt tokens only matter to the repetition penalty."""
-    prompt = row.prompt_ids if row.params.repetition_penalty != 1.0 else ()
-    n_prompt, n_output = len(prompt), len(row.output_ids)
-    if n_prompt + n_output > history.shape[0]:
-        raise ValueError(
-            f"{n_prompt + n_output} history tokens exceed the history length {history.shape[0]}"
-        )
-    history[:n_prompt] = prompt
-    history[n_prompt : n_prompt + n_output] = row.output_ids
-    is_output[n_prompt : n_prompt + n_output] = True
-
-
 class SamplerOutput(NamedTuple):
     tokens: jax.Array  # i32[B]
     logprobs: jax.Array  # f32[B]: raw log-softmax of the sampled token; NaN if no row asked
@@ -180,12 +210,13 @@ class SamplerOutput(NamedTuple):
 
 
 def sample(
-    logits: jax.Array, t: SamplingTensors, num_top_logprobs: int = MAX_LOGPROBS
-) -> SamplerOutput:
-    """Chooses one token per row of `logits` f32[B, V]. `num_top_logprobs` is static."""
+    logits: jax.Array, t: SamplingTensors, counts: PenaltyCounts, num_top_logprobs: int = MAX_LOGPROBS
+) -> tuple[SamplerOutput, PenaltyCounts]:
+    """Chooses one token per row of `logits` f32[B, V] and counts it in its row's penalty slot.
+    `num_top_logprobs` is static."""
     raw = logits.astype(jnp.float32)
-    biased = lax.cond(jnp.any(t.bias_ids >= 0), apply_logit_bias, lambda x, _: x, raw, t)
-    penalized = lax.cond(_any_penalty(t), apply_penalties, lambda x, _: x, biased, t)
+    biased = lax.cond(jnp.any(t.bias_ids >= 0), apply_logit_bias, lambda x, *_: x, raw, t)
+    penalized = lax.cond(_any_penalty(t), apply_penalties, lambda x, *_: x, biased, t, counts)
     greedy_tokens = _argmax(penalized)
     is_greedy = t.temperature <= 0.0
     tokens = lax.cond(
@@ -194,7 +225,14 @@ def sample(
         lambda: jnp.where(is_greedy, greedy_tokens, _draw(sampling_logits(penalized, t), t)),
     )
     logprobs, top_ids, top_logprobs = _logprobs(raw, tokens, t.num_logprobs, num_top_logprobs)
-    return SamplerOutput(tokens, logprobs, top_ids, top_logprobs)
+    counts = lax.cond(_any_penalty(t), _count_tokens, lambda c, *_: c, counts, t, tokens)
+    return SamplerOutput(tokens, logprobs, top_ids, top_logprobs), counts
+
+
+def _count_tokens(counts: PenaltyCounts, t: SamplingTensors, tokens: jax.Array) -> PenaltyCounts:
+    """Add each penalised row's sampled token to its slot (the spare slot is left at zero)."""
+    counted = (t.penalty_slots != counts.spare_slot).astype(jnp.int32)
+    return dataclasses.replace(counts, output=counts.output.at[t.penalty_slots, tokens].add(counted))
 
 
 def apply_logit_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -205,17 +243,10 @@ def apply_logit_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits.at[rows, ids].add(t.bias_values, mode="drop")
 
 
-def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def apply_penalties(logits: jax.Array, t: SamplingTensors, counts: PenaltyCounts) -> jax.Array:
     """Repetition penalty over prompt + output tokens, then frequency and presence over output."""
-    batch, vocab = logits.shape
-    rows = lax.broadcasted_iota(jnp.int32, t.history.shape, 0)
-    ids = jnp.where(t.history < 0, vocab, t.history)  # out of range: dropped by the scatter
-    seen = jnp.zeros((batch, vocab), jnp.bool_).at[rows, ids].set(True, mode="drop")
-    output_counts = (
-        jnp.zeros((batch, vocab), jnp.float32)
-        .at[rows, ids]
-        .add(t.history_is_output.astype(jnp.float32), mode="drop")
-    )
+    output_counts = counts.output[t.penalty_slots].astype(jnp.float32)
+    seen = counts.prompt[t.penalty_slots] | (output_counts > 0)
     rep = t.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     x = x - t.frequency_penalty[:, None] * output_counts

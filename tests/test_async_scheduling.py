@@ -1,15 +1,17 @@
 """Async scheduling (iteration N+1 launched before N's tokens are read) against the synchronous
-loop: the same tokens for greedy, seeded, penalised and stopped requests, under chunked prefill,
-prefix hits and both kinds of preemption; and proof, from the runner's launch counter, that
+loop: the same tokens for greedy, seeded, penalised (their counts live on the device) and stopped
+requests, under chunked prefill, prefix hits and both kinds of preemption; and proof, from the runner's launch counter, that
 reads really come after the next launch."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
+from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 
 SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8,
              decode_batch_buckets=(4, 16), block_table_buckets=(8, 32),
@@ -39,6 +41,8 @@ def mixed_params(n: int) -> list[SamplingParams]:
         SamplingParams(max_tokens=9, temperature=1.0, top_k=5, seed=5, n=2),
         SamplingParams(max_tokens=15, temperature=0.0, min_tokens=6, logprobs=2),
         SamplingParams(max_tokens=16, temperature=0.7, seed=3, stop_token_ids=[40, 41, 42, 43, 44]),
+        SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True, repetition_penalty=1.4,
+                       frequency_penalty=0.3, presence_penalty=0.2),
     ]
     return [kinds[i % len(kinds)] for i in range(n)]
 
@@ -88,3 +92,17 @@ def test_the_next_iteration_is_launched_before_the_previous_is_read(model):
     # Every read but the last one's (nothing left to launch then) followed the next launch.
     assert on.engine.stats.overlapped_reads >= steps - 2 > 0
     assert off.engine.stats.overlapped_reads == 0
+
+
+def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(model):
+    """A request that gets its penalty row while the token it consumes is still a placeholder
+    (readmitted in the iteration after the one sampling it) counts that token from the device."""
+    runner = make_llm(model, True, num_blocks=100).engine.runner
+    req = Request("p", [5, 6, 7], SamplingParams(max_tokens=4, frequency_penalty=1.0), seed=0)
+    req.status = RequestStatus.RUNNING
+    req.output_token_ids = [9, PLACEHOLDER]
+    runner._prev_sampled = jax.device_put(np.arange(runner.sampled_rows, dtype=np.int32) + 20)  # row r: 20 + r
+    runner.penalty_slots.join(req)
+    runner._run_steps([runner._penalty_reset([req], {req: 3})], [])
+    counts = np.asarray(runner.penalty_counts.output)[runner.penalty_slots.slot(req)]
+    assert counts[9] == 1 and counts[23] == 1 and counts.sum() == 2

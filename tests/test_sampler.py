@@ -1,35 +1,69 @@
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from jaxserve.sampler import (
     TOP_K_FAST_MAX,
+    PenaltyCounts,
     RowSampling,
     SamplingTensors,
     _gumbel_noise,
     apply_penalties,
+    penalty_history,
     sample,
     sampling_logits,
+    set_penalty_rows,
 )
 from jaxserve.sampling_params import SamplingParams
 
-_sample = jax.jit(sample, static_argnames="num_top_logprobs")
+_jit_sample = jax.jit(sample, static_argnames="num_top_logprobs")
 _sampling_logits = jax.jit(sampling_logits)
 _apply_penalties = jax.jit(apply_penalties)
+_set_penalty_rows = jax.jit(set_penalty_rows)
 
 V = 1000  # not a multiple of the 256-token draw block, so block padding is exercised
 B = 8  # most tests use this one batch shape (padding rows fill it) to keep compilations few
 K = 5  # top log-probabilities asked of sample()
+HISTORY = 8
 
 
-def _row(
-    params: SamplingParams, seed: int = 0, position: int = 0, prompt=(), output=()
-) -> RowSampling:
-    return RowSampling(params, seed, position, list(prompt), list(output))
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A test row: its sampling settings and the request's tokens so far."""
+
+    sampling: RowSampling
+    prompt: tuple = ()
+    output: tuple = ()
+
+
+def _row(params: SamplingParams, seed: int = 0, position: int = 0, prompt=(), output=(), banned=()) -> Row:
+    return Row(RowSampling(params, seed, position, tuple(banned)), tuple(prompt), tuple(output))
 
 
 def _tensors(rows, batch: int = B) -> SamplingTensors:
-    return SamplingTensors.build(rows, batch, history_len=8)
+    """Row i's penalty slot is i (rows without penalties read the spare slot, B)."""
+    sampling = [None if r is None else dataclasses.replace(r.sampling, penalty_slot=i) for i, r in enumerate(rows)]
+    return SamplingTensors.build(sampling, batch, spare_slot=batch)
+
+
+def _counts(rows, batch: int = B, vocab: int = V) -> PenaltyCounts:
+    """Penalty counts with row i set from row i's history, as the runner sets a new slot."""
+    slots = np.full(batch, -1, np.int32)
+    history = np.full((batch, HISTORY), -1, np.int32)
+    is_output = np.zeros((batch, HISTORY), np.bool_)
+    for i, r in enumerate(rows):
+        if r is not None and r.sampling.params.has_penalties:
+            slots[i] = i
+            history[i], is_output[i] = penalty_history(r.prompt, r.output, r.sampling.params, HISTORY)
+    return _set_penalty_rows(PenaltyCounts.zeros(batch, vocab), slots, history, is_output)
+
+
+def _sample(logits, rows, batch: int = B, k: int = K):
+    counts = _counts(rows, batch, np.shape(logits)[1])
+    out, _ = _jit_sample(logits, _tensors(rows, batch), counts, num_top_logprobs=k)
+    return out
 
 
 def _padded(logits: np.ndarray, batch: int = B) -> np.ndarray:
@@ -70,7 +104,7 @@ def test_greedy_is_argmax_with_first_index_on_ties() -> None:
     logits = _random_logits(8)
     logits[3, [17, 500]] = logits[3].max() + 1.0  # a tie: the first index wins, like np.argmax
     rows = [_row(SamplingParams(temperature=0))] * 7 + [None]
-    out = _sample(logits, _tensors(rows), num_top_logprobs=K)
+    out = _sample(logits, rows, k=K)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
     assert int(out.tokens[3]) == 17
 
@@ -80,7 +114,7 @@ def test_greedy_applies_penalties_first() -> None:
     logits[:, 4], logits[:, 6] = 3.0, 2.0
     params = SamplingParams(temperature=0, repetition_penalty=2.0)  # 3.0 -> 1.5 < 2.0
     rows = [_row(params, output=[4]), _row(params, output=[1])]
-    out = _sample(_padded(logits), _tensors(rows), num_top_logprobs=K)
+    out = _sample(_padded(logits), rows, k=K)
     assert out.tokens[:2].tolist() == [6, 4]
 
 
@@ -93,7 +127,7 @@ def test_logit_bias_moves_only_its_rows_tokens_and_not_the_logprobs() -> None:
         _row(SamplingParams(temperature=0)),  # no bias: untouched by its neighbours' biases
         _row(SamplingParams(temperature=1.0, logit_bias={3: 100.0, 9: 100.0}), seed=4),  # only 3 or 9 remain
     ]
-    out = _sample(_padded(logits), _tensors(rows), num_top_logprobs=K)
+    out = _sample(_padded(logits), rows, k=K)
     tokens = np.asarray(out.tokens)
     second = np.argsort(-logits[1])[1]
     assert tokens[0] == 7 and tokens[1] == second and tokens[2] == top[2] and tokens[3] in (3, 9)
@@ -105,10 +139,10 @@ def test_banned_tokens_cannot_be_sampled_even_when_biased_up() -> None:
     logits = _random_logits(2, seed=22)
     top = logits.argmax(-1)
     rows = [
-        RowSampling(SamplingParams(temperature=0, logit_bias={int(top[0]): 50.0}), 0, 0, [], [], [int(top[0])]),
-        RowSampling(SamplingParams(temperature=0), 3, 0, [], [], np.argsort(-logits[1])[:5].tolist()),
+        _row(SamplingParams(temperature=0, logit_bias={int(top[0]): 50.0}), banned=[int(top[0])]),
+        _row(SamplingParams(temperature=0), seed=3, banned=np.argsort(-logits[1])[:5].tolist()),
     ]
-    tokens = np.asarray(_sample(_padded(logits), _tensors(rows), num_top_logprobs=K).tokens)
+    tokens = np.asarray(_sample(_padded(logits), rows, k=K).tokens)
     assert tokens[0] == np.argsort(-logits[0])[1] and tokens[1] == np.argsort(-logits[1])[5]
 
 
@@ -188,7 +222,7 @@ def test_penalties_follow_vllm_semantics() -> None:
              prompt=prompt, output=output),
         _row(SamplingParams(), prompt=prompt, output=output),  # no penalties: untouched
     ]
-    got = np.asarray(_apply_penalties(logits, _tensors(rows)))
+    got = np.asarray(_apply_penalties(logits, _tensors(rows), _counts(rows)))
 
     def expected(x, rep, freq, pres):
         x = x.copy()
@@ -208,7 +242,7 @@ def test_seeded_draws_depend_only_on_seed_and_position() -> None:
     target = SamplingParams(temperature=0.9, top_p=0.95)
     keys = [(seed, pos) for seed in (1, 2**40 + 1, 99) for pos in (0, 1, 57, 1000)]
     alone = [
-        int(_sample(logits[None], _tensors([_row(target, s, pos)], 1), K).tokens[0])
+        int(_sample(logits[None], [_row(target, s, pos)], 1, k=K).tokens[0])
         for s, pos in keys
     ]
     assert len(set(alone)) >= 6  # the stream really moves with seed and position
@@ -225,7 +259,7 @@ def test_seeded_draws_depend_only_on_seed_and_position() -> None:
             rows[-1] = None
             batch_logits = _random_logits(B, seed=int(rng.integers(1 << 30)))
             batch_logits[row_of_target] = logits
-            out = _sample(batch_logits, _tensors(rows), num_top_logprobs=K)
+            out = _sample(batch_logits, rows, k=K)
             assert int(out.tokens[row_of_target]) == expected
 
 
@@ -251,7 +285,7 @@ def test_draws_follow_the_softmax_distribution() -> None:
     logits[hot] = [0.0, 1.0, 0.5, -0.5, 0.2, -1.0]
     for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.7)):
         rows = [_row(params, seed=s, position=s % 13) for s in range(n)]
-        out = _sample(np.broadcast_to(logits, (n, vocab)), _tensors(rows, n), num_top_logprobs=0)
+        out = _sample(np.broadcast_to(logits, (n, vocab)), rows, n, k=0)
         assert out.top_ids.shape == (n, 0)
         tokens = np.asarray(out.tokens)
         x = logits.astype(np.float64) / params.temperature
@@ -273,14 +307,14 @@ def test_logprobs_come_from_the_raw_log_softmax() -> None:
         None,
         _row(SamplingParams(temperature=1.2, min_p=0.1)),
     ]
-    out = _sample(logits, _tensors(rows), num_top_logprobs=K)
+    out = _sample(logits, rows, k=K)
     log_softmax = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(out.logprobs, log_softmax[np.arange(B), tokens], atol=1e-5)
     top = np.argsort(-logits, axis=-1)[:, :K]
     np.testing.assert_array_equal(out.top_ids, top)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(log_softmax, top, 1), atol=1e-5)
-    quiet = _sample(logits, _tensors([_row(SamplingParams(temperature=0))] * B), num_top_logprobs=K)
+    quiet = _sample(logits, [_row(SamplingParams(temperature=0))] * B, k=K)
     assert np.isnan(quiet.logprobs).all() and (np.asarray(quiet.top_ids) == -1).all()
 
 
@@ -288,8 +322,8 @@ def test_padding_rows_are_harmless() -> None:
     logits = _random_logits(B, seed=5)
     logits[1:] = np.nan  # whatever the runner leaves in padding rows
     real = _row(SamplingParams(temperature=0.8, top_p=0.9, logprobs=2), seed=1, position=4)
-    alone = _sample(logits[:1], _tensors([real], 1), num_top_logprobs=K)
-    padded = _sample(logits, _tensors([real] + [None] * (B - 1)), num_top_logprobs=K)
+    alone = _sample(logits[:1], [real], 1, k=K)
+    padded = _sample(logits, [real] + [None] * (B - 1), k=K)
     np.testing.assert_array_equal(alone.tokens, padded.tokens[:1])
     np.testing.assert_array_equal(alone.top_ids, padded.top_ids[:1])
     # XLA may sum a row in another order for another batch shape: equal up to rounding.
@@ -300,12 +334,12 @@ def test_padding_rows_are_harmless() -> None:
 
 def test_build_pads_and_encodes_rows() -> None:
     rows = [
-        _row(SamplingParams(temperature=0.5, top_k=-1, logprobs=3), seed=2**40 + 7, position=12),
+        RowSampling(SamplingParams(temperature=0.5, top_k=-1, logprobs=3), seed=2**40 + 7, position=12),
         None,
-        _row(SamplingParams(repetition_penalty=1.2), seed=-1, prompt=[4, 5], output=[6]),
-        _row(SamplingParams(presence_penalty=0.5), prompt=[4, 5], output=[6, 7]),
+        RowSampling(SamplingParams(repetition_penalty=1.2), seed=-1, position=0, penalty_slot=3),
+        RowSampling(SamplingParams(presence_penalty=0.5), seed=0, position=0, penalty_slot=0),
     ]
-    t = SamplingTensors.build(rows, batch_size=6, history_len=4)
+    t = SamplingTensors.build(rows, batch_size=6, spare_slot=9)
     np.testing.assert_array_equal(t.seed[0], [256, 7])
     np.testing.assert_array_equal(t.seed[2], [0xFFFFFFFF, 0xFFFFFFFF])  # seeds taken mod 2**64
     np.testing.assert_array_equal(t.temperature, [0.5, 0, 1, 1, 0, 0])  # padding is greedy
@@ -313,15 +347,33 @@ def test_build_pads_and_encodes_rows() -> None:
     np.testing.assert_array_equal(t.positions, [12, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(t.num_logprobs, [3, -1, -1, -1, -1, -1])
     np.testing.assert_allclose(t.repetition_penalty, [1, 1, 1.2, 1, 1, 1])
-    expected_history = [[-1] * 4, [-1] * 4, [4, 5, 6, -1], [6, 7, -1, -1]]
-    np.testing.assert_array_equal(t.history[:4], expected_history)
-    np.testing.assert_array_equal(t.history_is_output[2], [False, False, True, False])
-    np.testing.assert_array_equal(t.history_is_output[3], [True, True, False, False])
+    np.testing.assert_array_equal(t.penalty_slots, [9, 9, 3, 0, 9, 9])  # no penalties: the spare
     assert (t.bias_ids == -1).all() and not t.bias_values.any()
-    biased = SamplingTensors.build([None, _row(SamplingParams(logit_bias={5: -2.5, 9: 1}))], 2, 4)
+    biased = SamplingTensors.build([None, RowSampling(SamplingParams(logit_bias={5: -2.5, 9: 1}), 0, 0)], 2, 2)
     np.testing.assert_array_equal(biased.bias_ids[:, :3], [[-1, -1, -1], [5, 9, -1]])
     np.testing.assert_array_equal(biased.bias_values[1, :3], [-2.5, 1, 0])
-    with pytest.raises(ValueError, match="history"):
-        SamplingTensors.build([_row(SamplingParams(repetition_penalty=1.1), output=[1] * 5)], 1, 4)
     with pytest.raises(ValueError, match="batch"):
-        SamplingTensors.build([None] * 3, 2, 4)
+        SamplingTensors.build([None] * 3, 2, 2)
+
+
+def test_penalty_rows_are_set_from_history_and_count_what_is_sampled() -> None:
+    rep, pres = SamplingParams(repetition_penalty=1.2), SamplingParams(presence_penalty=0.5)
+    history, is_output = zip(penalty_history([4, 5], [6, 6], rep, 4), penalty_history([4, 5], [6, 7], pres, 4))
+    np.testing.assert_array_equal(history, [[4, 5, 6, 6], [6, 7, -1, -1]])  # the prompt only if repetition
+    np.testing.assert_array_equal(is_output, [[False, False, True, True], [True, True, False, False]])
+    with pytest.raises(ValueError, match="history"):
+        penalty_history([], [1] * 5, rep, 4)
+    counts = _set_penalty_rows(PenaltyCounts.zeros(3, 10), np.array([2, 0, -1, -1], np.int32),
+                               np.array(history + ([3, -1, -1, -1],) * 2, np.int32), np.array(is_output + (is_output[0],) * 2))
+    output, prompt = np.asarray(counts.output), np.asarray(counts.prompt)
+    np.testing.assert_array_equal(output[2, [4, 5, 6, 7]], [0, 0, 2, 0])
+    np.testing.assert_array_equal(np.flatnonzero(prompt[2]), [4, 5])
+    np.testing.assert_array_equal(output[0, [6, 7]], [1, 1])
+    assert not output[1].any() and not output[3].any() and not prompt[3].any()  # untouched, spare
+    # sample() counts each penalised row's token in its slot, and nothing in the spare row
+    rows = [RowSampling(SamplingParams(temperature=0, presence_penalty=0.5), 0, 0, penalty_slot=1), None]
+    logits = np.zeros((2, 10), np.float32)
+    logits[:, 8] = 5.0
+    out, counts = _jit_sample(logits, SamplingTensors.build(rows, 2, spare_slot=3), counts, num_top_logprobs=0)
+    assert list(np.asarray(out.tokens)) == [8, 8]
+    assert np.asarray(counts.output)[1, 8] == 1 and not np.asarray(counts.output)[3].any()
