@@ -37,7 +37,7 @@ def report(model: str, tp: int, num_blocks: int, block_size: int, batch: int) ->
     engine = LLMEngine(model, config)
     runner = engine.runner
     width = config.block_table_buckets[-1]
-    args = runner.step_args(runner._decode_arrays([], batch, width))  # one decode bucket is enough to read its HLO
+    args = runner.step_args(runner.inputs.decode([], batch, width))  # one decode bucket is enough to read its HLO
     found = collectives(runner._step.lower(*args).compile().as_text())
     return {
         "tp": tp,

@@ -18,7 +18,7 @@ from jaxserve.runner import ModelRunner
 
 def timed(r: ModelRunner, program, reps: int = 3) -> float:
     """Best wall time of one compiled step over `reps` runs."""
-    key, args = program[0], r.step_args(program)
+    key, args = program.key, r.step_args(program)
     exe = r._compiled(key, r._step, args, True)
     a, best = list(args), float("inf")
     for _ in range(reps + 1):  # the first run is a warm-up
@@ -34,10 +34,10 @@ def main() -> None:
     m = load_model("smollm2-135m-instruct")
     r = ModelRunner(m.config, m.params, EngineConfig(num_blocks=1024))
     # one 128-token prompt: one prefill step of 128 tokens; 32 prompts of 128: 8 steps of 4 x 128 = 512 tokens
-    p1 = timed(r, r._prefill_arrays([], 128, 1, 8))
-    p32 = timed(r, r._prefill_arrays([], 512, 4, 8)) * 8
-    d1 = timed(r, r._decode_arrays([], 1, 16))
-    d32 = timed(r, r._decode_arrays([], 32, 16))
+    p1 = timed(r, r.inputs.prefill([], 128, 1, 8))
+    p32 = timed(r, r.inputs.prefill([], 512, 4, 8)) * 8
+    d1 = timed(r, r.inputs.decode([], 1, 16))
+    d32 = timed(r, r.inputs.decode([], 32, 16))
     print(f"jaxserve batch 1: prefill {128/p1:.0f} tok/s ({p1*1e3:.0f} ms), decode {1/d1:.1f} tok/s ({d1*1e3:.1f} ms/step)")
     print(f"jaxserve batch 32: prefill {32*128/p32:.0f} tok/s ({p32*1e3:.0f} ms for 32x128), decode {32/d32:.1f} tok/s ({d32*1e3:.1f} ms/step)")
 

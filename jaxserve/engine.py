@@ -30,6 +30,7 @@ from jaxserve.outputs import Delta, Usage
 from jaxserve import faults
 from jaxserve.request import FinishReason, Request
 from jaxserve.runner import ModelRunner, SampledToken, StepHandle, checkpoint_shardings
+from jaxserve.runner.inputs import PreparedStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import SchedulerOutput
@@ -167,8 +168,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         handle = None
         if not sched.is_empty:
-            programs = self._prepare(sched, deltas)
-            handle = self.runner.launch(sched, programs)
+            prepared = self._prepare(sched, deltas)
+            handle = self.runner.launch(sched, prepared)
             self.scheduler.on_step_launched(sched)
             self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
             self.stats.num_steps += 1
@@ -183,7 +184,7 @@ class LLMEngine:
         self.stats.step_time += time.perf_counter() - t0
         return deltas
 
-    def _prepare(self, sched: SchedulerOutput, deltas: list[Delta]) -> tuple:
+    def _prepare(self, sched: SchedulerOutput, deltas: list[Delta]) -> PreparedStep:
         """The iteration's host arrays. If building them raises, each chunk is tried alone: the
         requests whose own inputs fail are failed and dropped, and the rest is built again."""
         try:

@@ -57,16 +57,16 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
     requests = [Request(f"logits{i}", list(p), SamplingParams(), seed=0) for i, p in enumerate(prompts)]
     tables = [np.arange(1 + WIDTH * i, 1 + WIDTH * (i + 1), dtype=np.int32) for i in range(len(prompts))]
     chunks = [ScheduledChunk(r, 0, r.num_tokens, t, True) for r, t in zip(requests, tables)]
-    program = runner._prefill_arrays(chunks, TINY_ENGINE["prefill_token_buckets"][0],
+    program = runner.inputs.prefill(chunks, TINY_ENGINE["prefill_token_buckets"][0],
                                      TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)
-    key, args = program[0], runner.step_args(program)
+    key, args = program.key, runner.step_args(program)
     prefill, runner.cache = runner._compiled(key, runner._step, args)(*args)
     prefill = np.asarray(prefill)[: len(prompts)]
     for r, row in zip(requests, prefill):
         r.output_token_ids.append(int(row.argmax()))
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
-    program = runner._decode_arrays(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
-    key, args = program[0], runner.step_args(program)
+    program = runner.inputs.decode(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
+    key, args = program.key, runner.step_args(program)
     decode, runner.cache = runner._compiled(key, runner._step, args)(*args)
     return prefill.tolist(), np.asarray(decode)[: len(prompts)].tolist()
 

@@ -1,0 +1,73 @@
+"""KV block moves planned by the KV manager: copy-on-write copies on the device, swap-out to and
+swap-in from the host tier. Each runs as a small jitted gather / scatter of BLOCK_MOVE_CHUNK
+blocks (padding moves block 0, which no sequence reads), one compiled shape each."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxserve.kv import CopyKind
+from jaxserve.model import KVCache
+
+BLOCK_MOVE_CHUNK = 32  # block copies / swaps are padded to this many (block 0 -> block 0)
+
+
+def _copy(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return KVCache(cache.k.at[:, :, dst].set(cache.k[:, :, src]), cache.v.at[:, :, dst].set(cache.v[:, :, src]))
+
+
+def _gather(cache: KVCache, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return cache.k[:, :, blocks], cache.v[:, :, blocks]
+
+
+def _scatter(cache: KVCache, blocks: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    return KVCache(cache.k.at[:, :, blocks].set(k), cache.v.at[:, :, blocks].set(v))
+
+
+class BlockMover:
+    """Moves blocks of a runner's cache; holds the host tier's copies (on each process, the kv
+    heads of its own devices' shards, so swapping works across hosts)."""
+
+    def __init__(self, cache: KVCache, cache_sharding, replicated, num_host_blocks: int):
+        layers, kv_heads, _, block_size, head_dim = cache.k.shape
+        host_shape = (layers, kv_heads, max(num_host_blocks, 1), block_size, head_dim)
+        self.dtype = cache.k.dtype
+        self.host_k = np.zeros(host_shape, self.dtype)
+        self.host_v = np.zeros(host_shape, self.dtype)
+        self.cache_sharding = cache_sharding
+        kv, rep = cache_sharding, replicated
+        self._copy = jax.jit(_copy, donate_argnums=(0,), in_shardings=(kv, rep, rep), out_shardings=kv)
+        self._gather = jax.jit(_gather, in_shardings=(kv, rep), out_shardings=kv)
+        self._scatter = jax.jit(_scatter, donate_argnums=(0,), in_shardings=(kv, rep, kv, kv), out_shardings=kv)
+
+    def warm_up(self, cache: KVCache) -> KVCache:
+        """Compile the three moves (one shape each) by running them on block 0."""
+        zeros = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
+        cache = self._copy(cache, zeros, zeros)
+        k, v = self._gather(cache, zeros)
+        return self._scatter(cache, zeros, k, v)
+
+    def move(self, cache: KVCache, kind: CopyKind, src: list[int], dst: list[int]) -> KVCache:
+        """Move up to BLOCK_MOVE_CHUNK blocks; returns the cache (donated)."""
+        if kind is CopyKind.DEVICE_TO_DEVICE:
+            return self._copy(cache, _padded(src), _padded(dst))
+        if kind is CopyKind.DEVICE_TO_HOST:
+            k, v = self._gather(cache, _padded(src))
+            for host, blocks in ((self.host_k, k), (self.host_v, v)):
+                for shard in blocks.addressable_shards:
+                    host[shard.index][:, :, dst] = np.asarray(shard.data)[:, :, : len(src)]
+            return cache
+        shape = self.host_k.shape[:2] + (BLOCK_MOVE_CHUNK,) + self.host_k.shape[3:]
+        blocks = []
+        for host in (self.host_k, self.host_v):
+            chunk = np.zeros(shape, self.dtype)
+            chunk[:, :, : len(src)] = host[:, :, src]
+            blocks.append(jax.make_array_from_callback(shape, self.cache_sharding, chunk.__getitem__))
+        return self._scatter(cache, _padded(dst), *blocks)
+
+
+def _padded(ids: list[int]) -> np.ndarray:
+    out = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
+    out[: len(ids)] = ids
+    return out

@@ -1,0 +1,220 @@
+"""Host side of a step: a SchedulerOutput becomes bucketed numpy arrays (no device work here).
+
+A decode program is keyed by (batch, block-table width), a ragged prefill program by (tokens,
+sequences, width); a program's logits are padded to a sampler row bucket. A token that the
+previous iteration sampled and the host has not read yet (a PLACEHOLDER) is given as the row of
+that iteration's sampled buffer to read it from (`token_src`), so it never has to be read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxserve import faults
+from jaxserve.config import EngineConfig, bucket_for
+from jaxserve.model import AttentionMetadata
+from jaxserve.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.sampler import RowSampling, SamplingTensors, penalty_history
+from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+
+PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compiled shape)
+
+
+class Program(NamedTuple):
+    """One compiled step to run: its variant key, host arrays (tokens, positions, attention
+    metadata, logits rows, token sources), sampling settings, and where its sampled tokens go in
+    the iteration's sampled buffer."""
+
+    key: tuple
+    host_args: tuple
+    sampling: SamplingTensors
+    sample_offset: int
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """An iteration's host work: penalty rows to set first (arguments of each reset call, and
+    the requests they are for), then the programs (prefill, then decode)."""
+
+    penalty_resets: list[tuple[np.ndarray, ...]]
+    reset_requests: list[Request]
+    programs: list[Program]
+
+
+class PenaltySlots:
+    """Rows of the device's PenaltyCounts, one per running request with penalties. A request
+    gets one when it first samples in a run and gives it back when it stops running (finished
+    or preempted: it gets a fresh row, set from its history, when it runs again)."""
+
+    def __init__(self, num_slots: int):
+        self.spare = num_slots  # the zero row of rows without penalties
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slots: dict[Request, int] = {}
+        self.unset: set[Request] = set()  # given a slot whose row is not set on the device yet
+
+    def slot(self, req: Request) -> int:
+        return self._slots[req]
+
+    def join(self, req: Request) -> None:
+        if req not in self._slots:
+            self._slots[req] = self._free.pop()
+            self.unset.add(req)
+
+    def release_finished(self) -> None:
+        for req in [r for r in self._slots if r.status is not RequestStatus.RUNNING]:
+            self._free.append(self._slots.pop(req))
+            self.unset.discard(req)
+
+
+class StepInputs:
+    """Builds the arrays of each iteration's programs for one runner."""
+
+    def __init__(self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any]):
+        self.config = engine_config
+        self.constant = constant  # device-resident filled arrays (sampling tables no row uses)
+        self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
+        # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
+        # `decode_offset + j`), stay on the device for the next iteration's placeholders.
+        self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
+        self.sampled_rows = self.decode_offset + self.sampler_rows(max(engine_config.decode_batch_buckets))
+
+    def sampler_rows(self, rows: int) -> int:
+        return bucket_for(rows, self.config.sampler_row_buckets)
+
+    def prepare(self, sched: SchedulerOutput, prev_rows: dict[Request, int]) -> PreparedStep:
+        """`prev_rows`: the previous iteration's row in its sampled buffer for each request it
+        sampled for. Raises for a request whose inputs cannot be built."""
+        ec = self.config
+        slots = self.penalty_slots
+        slots.release_finished()
+        penalised = [c.request for c in sched.prefills + sched.decodes if c.sample and c.request.params.has_penalties]
+        for req in penalised:
+            slots.join(req)
+        unset = [req for req in penalised if req in slots.unset]
+        resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS], prev_rows)
+                  for i in range(0, len(unset), PENALTY_RESET_ROWS)]
+        programs = []
+        if sched.prefills:
+            chunks = sched.prefills
+            programs.append(self.prefill(
+                chunks,
+                bucket_for(sum(c.num_new_tokens for c in chunks), ec.prefill_token_buckets),
+                bucket_for(len(chunks), ec.prefill_seq_buckets),
+                self._width_bucket(chunks),
+                prev_rows,
+            ))
+        if sched.decodes:
+            chunks = sched.decodes
+            programs.append(self.decode(
+                chunks, bucket_for(len(chunks), ec.decode_batch_buckets), self._width_bucket(chunks), prev_rows
+            ))
+        return PreparedStep(resets, unset, programs)
+
+    def decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
+               prev_rows: dict[Request, int] | None = None) -> Program:
+        bs = self.config.block_size
+        tokens = np.zeros(batch, np.int32)
+        token_src = np.full(batch, -1, np.int32)
+        positions = np.zeros(batch, np.int32)
+        slots = np.zeros(batch, np.int32)
+        seq_lens = np.zeros(batch, np.int32)
+        tables = self._fill_tables(chunks, batch, width)
+        for i, c in enumerate(chunks):
+            faults.check("input", c.request)
+            tokens[i] = c.request.last_token_id  # a decode computes the newest token
+            token_src[i] = self._pending_input(c, prev_rows)
+            positions[i] = c.start
+            slots[i] = tables[i, c.start // bs] * bs + c.start % bs
+            seq_lens[i] = c.start + 1
+        meta = AttentionMetadata(slots, tables, seq_lens)
+        host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
+        return Program(("decode", batch, width), host_args, self._sampling(chunks, self.sampler_rows(batch)),
+                       self.decode_offset)
+
+    def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
+                prev_rows: dict[Request, int] | None = None) -> Program:
+        bs = self.config.block_size
+        tokens = np.zeros(num_tokens, np.int32)
+        token_src = np.full(num_tokens, -1, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slots = np.zeros(num_tokens, np.int32)
+        seq_lens = np.zeros(num_seqs, np.int32)
+        query_start = np.zeros(num_seqs + 1, np.int32)
+        logits_indices = np.zeros(num_seqs, np.int32)
+        tables = self._fill_tables(chunks, num_seqs, width)
+        row = 0
+        for i, c in enumerate(chunks):
+            faults.check("input", c.request)
+            n = c.num_new_tokens
+            pos = np.arange(c.start, c.start + n)
+            tokens[row:row + n] = c.token_ids
+            token_src[row + n - 1] = self._pending_input(c, prev_rows)
+            positions[row:row + n] = pos
+            slots[row:row + n] = tables[i, pos // bs] * bs + pos % bs
+            seq_lens[i] = c.start + n
+            row += n
+            query_start[i + 1] = row
+            logits_indices[i] = row - 1
+        query_start[len(chunks) + 1:] = row
+        meta = AttentionMetadata(slots, tables, seq_lens, query_start)
+        host_args = (tokens, positions, meta, logits_indices, token_src)
+        return Program(("prefill", num_tokens, num_seqs, width), host_args,
+                       self._sampling(chunks, self.sampler_rows(num_seqs)), 0)
+
+    def penalty_reset(self, requests: list[Request], prev_rows: dict[Request, int]) -> tuple[np.ndarray, ...]:
+        """Arguments of a penalty-row reset for up to PENALTY_RESET_ROWS requests' slots: slots,
+        histories so far, which of their tokens are generated, and for a history whose last token
+        is still in flight, its row in the previous iteration's sampled tokens and its index."""
+        length, rows = self.config.max_model_len, PENALTY_RESET_ROWS
+        slots, token_src, token_index = np.full(rows, -1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        history = np.full((rows, length), -1, np.int32)
+        is_output = np.zeros((rows, length), np.bool_)
+        for i, req in enumerate(requests):
+            slots[i] = self.penalty_slots.slot(req)
+            history[i], is_output[i] = penalty_history(req.prompt_token_ids, req.output_token_ids, req.params, length)
+            if req.output_token_ids[-1:] == [PLACEHOLDER]:
+                token_src[i] = prev_rows[req]
+                token_index[i] = int(np.flatnonzero(is_output[i])[-1])
+        return slots, history, is_output, token_src, token_index
+
+    def _width_bucket(self, chunks: list[ScheduledChunk]) -> int:
+        bs = self.config.block_size
+        need = max((-(-(c.start + c.num_new_tokens) // bs) for c in chunks), default=1)
+        return bucket_for(need, self.config.block_table_buckets)
+
+    def _row_sampling(self, chunk: ScheduledChunk) -> RowSampling | None:
+        if not chunk.sample:
+            return None
+        req = chunk.request
+        faults.check("sampling", req)
+        held_back = len(req.output_token_ids) < req.params.min_tokens  # no stop token yet
+        return RowSampling(
+            params=req.params, seed=req.seed, position=req.num_tokens,
+            banned_ids=tuple(req.stop_token_ids) if held_back else (),
+            penalty_slot=self.penalty_slots.slot(req) if req.params.has_penalties else -1,
+        )
+
+    @staticmethod
+    def _fill_tables(chunks: list[ScheduledChunk], rows: int, width: int) -> np.ndarray:
+        tables = np.zeros((rows, width), np.int32)
+        for i, c in enumerate(chunks):
+            n = min(len(c.block_table), width)
+            tables[i, :n] = c.block_table[:n]
+        return tables
+
+    def _sampling(self, chunks: list[ScheduledChunk], rows: int) -> SamplingTensors:
+        row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
+        return SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self.constant)
+
+    @staticmethod
+    def _pending_input(chunk: ScheduledChunk, prev_rows: dict[Request, int] | None) -> int:
+        """Row of the previous iteration's sampled buffer holding this chunk's last input token,
+        when that token is still a PLACEHOLDER (the step that samples it has not been read)."""
+        out = chunk.request.output_token_ids
+        if chunk.sample and out and out[-1] == PLACEHOLDER:
+            return prev_rows[chunk.request]
+        return -1

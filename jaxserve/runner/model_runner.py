@@ -1,0 +1,349 @@
+"""The model runner: compiles the bucketed steps and runs a prepared iteration on the devices.
+
+`warm_up()` compiles every bucket ahead of time (`lower().compile()`), and `num_compilations`
+counts every compilation, so a test can prove that serving after warm-up compiles nothing.
+An iteration is launched without waiting for the device (`launch`), and its sampled tokens are
+read later (`fetch`); the next iteration may be launched in between, reading the tokens it
+needs from this one's sampled buffer on the device.
+
+The KV cache is donated to every step and updated in place. Block moves run before the steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+
+from checkpoints.config import ModelConfig
+from checkpoints.params import param_shapes
+from jaxserve.config import EngineConfig
+from jaxserve.model import KVCache, LlamaModel
+from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
+from jaxserve.runner.inputs import PreparedStep, Program, StepInputs
+from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
+from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
+from sharding.kv_heads import replicate_kv_heads
+from sharding.mesh import make_mesh, plan_tensor_parallel
+from sharding.rules import cache_sharding, param_shardings, replicated
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A launched iteration: for each of its programs, the chunks and the sampler outputs the
+    host will read (tokens; log-probabilities only when a chunk asked for them)."""
+
+    launch_index: int  # 1 for the runner's first launch
+    parts: list[tuple[list[ScheduledChunk], tuple[jax.Array, ...]]]
+    launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
+
+
+@dataclasses.dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray  # [K] int32
+    top_logprobs: np.ndarray  # [K] float32
+
+
+def enable_persistent_compilation_cache(path: str) -> None:
+    """JAX's on-disk compilation cache: a restart with the same buckets compiles nothing new."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _cast_params(params: Any, dtype: jnp.dtype) -> Any:
+    """Matrices and embeddings in the compute dtype; norm scales stay f32. Arrays already on
+    devices (restored into shards) are cast there, never pulled back to the host."""
+    def cast(path, x):
+        target = np.float32 if "scale" in jax.tree_util.keystr(path) else dtype
+        return x.astype(target) if isinstance(x, jax.Array) else np.asarray(x, target)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None = None) -> Mesh:
+    """The 1 x tp mesh a runner's replica runs on (checked; by default the first tp devices)."""
+    if mesh is None:
+        if engine_config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs one engine per replica; build them with jaxserve.dp_router.make_engine"
+            )
+        return make_mesh(engine_config.tensor_parallel_size)
+    if mesh.shape["dp"] != 1 or mesh.shape["tp"] != engine_config.tensor_parallel_size:
+        raise ValueError(
+            f"a runner needs a 1 x tensor_parallel_size ({engine_config.tensor_parallel_size}) mesh, "
+            f"got dp x tp = {mesh.shape['dp']} x {mesh.shape['tp']}"
+        )
+    return mesh
+
+
+def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) -> Callable[[ModelConfig], Any]:
+    """Where a checkpoint's parameters are restored, for `load_model(shardings=...)`: the rules'
+    shardings of the checkpoint's own shapes on the runner's mesh (kv heads are repeated later,
+    on device, when tp needs more of them). A model tp cannot split is refused before any read."""
+    def shardings(config: ModelConfig) -> Any:
+        plan_tensor_parallel(config.num_heads, config.num_kv_heads, engine_config.tensor_parallel_size)
+        return param_shardings(param_shapes(config), _runner_mesh(engine_config, mesh))
+    return shardings
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params: Any, engine_config: EngineConfig, mesh: Mesh | None = None):
+        self.engine_config = engine_config
+        if engine_config.compilation_cache_dir:
+            enable_persistent_compilation_cache(engine_config.compilation_cache_dir)
+        # Tensor parallel: heads split over "tp"; kv heads repeated where tp needs more of them,
+        # so `self.config` (what the model and cache are built with) may have more kv heads.
+        plan = plan_tensor_parallel(config.num_heads, config.num_kv_heads, engine_config.tensor_parallel_size)
+        self.mesh = _runner_mesh(engine_config, mesh)
+        self.config = config = dataclasses.replace(config, num_kv_heads=plan.served_kv_heads)
+        self.dtype = jnp.dtype(engine_config.dtype)
+        self.attention_backend = engine_config.attention_backend or default_attention_backend()
+        attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
+        self.model = LlamaModel(config, attention, self.dtype)
+        params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
+        self.param_shardings = param_shardings(params, self.mesh)
+        self.params = jax.device_put(params, self.param_shardings)
+
+        bs = engine_config.block_size
+        tp = engine_config.tensor_parallel_size  # kv_cache_memory is per device
+        self.num_blocks = engine_config.num_blocks or max(
+            2, engine_config.kv_cache_memory * tp // KVCache.bytes_per_block(config, bs, self.dtype)
+        )
+        self.cache_sharding = cache_sharding(self.mesh)
+        self.cache = jax.jit(
+            lambda: KVCache.zeros(config, self.num_blocks, bs, self.dtype), out_shardings=self.cache_sharding
+        )()
+        rep, kv = replicated(self.mesh), self.cache_sharding
+        self.blocks = BlockMover(self.cache, kv, rep, engine_config.swap_space_blocks)
+        self._constants: dict[tuple, jax.Array] = {}
+        self.inputs = StepInputs(engine_config, self._device_constant)
+
+        # Explicit shardings on every executable: host inputs replicated, logits gathered to the
+        # full vocabulary once (out_shardings), the cache kept split over kv heads and donated.
+        self._step = jax.jit(
+            self._step_fn, donate_argnums=(1,),
+            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv),
+        )
+        # Sampling is its own executable, keyed by its row bucket only, so it compiles a few
+        # times, not once per step shape. It updates the penalty counts in place.
+        self._sample = jax.jit(self._sample_fn, donate_argnums=(4,), in_shardings=rep, out_shardings=rep)
+        self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
+            engine_config.max_num_seqs, config.vocab_size)
+        self._set_penalty_rows = jax.jit(self._set_penalty_rows_fn, donate_argnums=(0,), in_shardings=rep,
+                                         out_shardings=rep)
+        self._no_tokens = jax.device_put(np.zeros(self.inputs.sampled_rows, np.int32), rep)
+        self._prev_sampled = self._no_tokens  # the last launched iteration's sampled tokens
+        self._sampled_rows: dict = {}  # and each request's row there
+        self.num_launches = 0
+        self.last_prepare_time = self.last_launch_time = self.last_fetch_time = 0.0
+        self._executables: dict[tuple, Any] = {}
+        self.num_compilations = 0
+        # Multi-host: on process 0, called with every device operation of serving (an iteration's
+        # programs or a block move) before it runs, so the other processes can `replay` it.
+        self.mirror: Callable[[tuple], None] | None = None
+
+    # ----- the jitted functions -------------------------------------------------------------
+
+    def _step_fn(self, params, cache, tokens, positions, meta, logits_indices, prev_sampled, token_src):
+        # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
+        tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
+        logits, cache = self.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices)
+        rows = logits.shape[0]  # padded to the sampler's bucket (padding rows are zeros)
+        return jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0))), cache
+
+    @staticmethod
+    def _sample_fn(logits, sampling, sampled, offset, counts):
+        """Sample, and also write the tokens into this iteration's `sampled` buffer at `offset`."""
+        out, counts = sample(logits, sampling, counts)
+        return out, lax.dynamic_update_slice(sampled, out.tokens, (offset,)), counts
+
+    @staticmethod
+    def _set_penalty_rows_fn(counts, slots, history, is_output, prev_sampled, token_src, token_index):
+        """set_penalty_rows, after the history token at `token_index` of each row whose
+        `token_src` >= 0 (a placeholder on the host) is read from the previous iteration."""
+        rows = jnp.arange(history.shape[0])
+        pending = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], history[rows, token_index])
+        return set_penalty_rows(counts, slots, history.at[rows, token_index].set(pending), is_output)
+
+    def _device_constant(self, shape: tuple[int, ...], dtype: np.dtype, fill: object) -> jax.Array:
+        """A filled array kept on the devices (sampling tables no row of a step uses), so that
+        steps do not ship them from the host."""
+        key = (shape, np.dtype(dtype).str, fill)
+        array = self._constants.get(key)
+        if array is None:
+            array = self._constants[key] = jax.device_put(np.full(shape, fill, dtype), replicated(self.mesh))
+        return array
+
+    # ----- compilation ----------------------------------------------------------------------
+
+    def _compiled(self, key: tuple, fn, args: tuple, warming_up: bool = False):
+        exe = self._executables.get(key)
+        if exe is None:
+            if not warming_up:
+                logger.warning("compiling a new variant at serving time: %s", key)
+            exe = fn.lower(*args).compile()
+            self._executables[key] = exe
+            self.num_compilations += 1
+        return exe
+
+    def step_args(self, program: Program) -> tuple:
+        """The arguments of the compiled model step for a program."""
+        tokens, positions, meta, logits_indices, token_src = program.host_args
+        return (self.params, self.cache, tokens, positions, meta, logits_indices, self._prev_sampled, token_src)
+
+    def _sample_args(self, program: Program, logits: Any, sampled: jax.Array) -> tuple:
+        return (logits, program.sampling, sampled, np.int32(program.sample_offset), self.penalty_counts)
+
+    def _reset_args(self, reset: tuple[np.ndarray, ...]) -> tuple:
+        slots, history, is_output, token_src, token_index = reset
+        return (self.penalty_counts, slots, history, is_output, self._prev_sampled, token_src, token_index)
+
+    def warm_up(self) -> float:
+        """Compile every bucket of both steps, the samplers and the penalty reset; return the
+        seconds it took.
+
+        Tracing and lowering hold the GIL and run one by one on this thread; each lowered
+        program goes straight to a pool of a thread per core, so XLA compiles the earlier
+        variants while later ones are being traced.
+        """
+        ec = self.engine_config
+        t0 = time.perf_counter()
+        programs = [self.inputs.decode([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
+        programs += [self.inputs.prefill([], t, s, w) for w in ec.block_table_buckets
+                     for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
+        pending: dict[tuple, concurrent.futures.Future] = {}
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            def submit(key: tuple, fn, args: tuple) -> None:
+                if key not in self._executables and key not in pending:
+                    pending[key] = pool.submit(fn.lower(*args).compile)
+
+            for program in programs:
+                submit(program.key, self._step, self.step_args(program))
+                rows = program.sampling.temperature.shape[0]
+                logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+                submit(("sample", rows), self._sample, self._sample_args(program, logits, self._no_tokens))
+            submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([], {})))
+            for key, compiled in pending.items():
+                self._executables[key] = compiled.result()
+        self.num_compilations += len(pending)
+        # The block moves have one shape each; compiling them here keeps serving free of it.
+        self.cache = self.blocks.warm_up(self.cache)
+        return time.perf_counter() - t0
+
+    def bucket_summary(self) -> str:
+        ec = self.engine_config
+        return (
+            f"decode batch {list(ec.decode_batch_buckets)} x block-table width {list(ec.block_table_buckets)}; "
+            f"prefill tokens {list(ec.prefill_token_buckets)} x seqs {list(ec.prefill_seq_buckets)} "
+            f"x width {list(ec.block_table_buckets)}: {ec.num_compiled_variants()} step variants; "
+            f"sampler rows {list(ec.sampler_row_buckets)}"
+        )
+
+    # ----- execution ------------------------------------------------------------------------
+
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """An iteration's host arrays (see `StepInputs.prepare`). Host work only: it raises for a
+        request whose inputs cannot be built before anything reaches the device."""
+        t0 = time.perf_counter()
+        prepared = self.inputs.prepare(sched, self._sampled_rows)
+        self.last_prepare_time = time.perf_counter() - t0
+        return prepared
+
+    def launch(self, sched: SchedulerOutput, prepared: PreparedStep) -> StepHandle:
+        """Dispatch a prepared iteration (block moves, then its steps with their sampling) without
+        waiting for the device. Inputs that are placeholders of the previous iteration are read
+        from its sampled tokens on the device."""
+        t0 = time.perf_counter()
+        self._move_blocks(sched)
+        outs = self._run_steps(prepared.penalty_resets, prepared.programs)
+        self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
+        parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
+        self._sampled_rows = {c.request: program.sample_offset + i for chunks, program in zip(parts, prepared.programs)
+                              for i, c in enumerate(chunks) if c.sample}
+        self.num_launches += 1
+        handle = StepHandle(self.num_launches, [])
+        for chunks, out in zip(parts, outs):
+            wanted = max((c.request.params.logprobs for c in chunks
+                          if c.sample and c.request.params.logprobs is not None), default=None)
+            fields = (out.tokens,) if wanted is None else (out.tokens, out.logprobs) if wanted == 0 else tuple(out)
+            for field in fields:
+                field.copy_to_host_async()
+            handle.parts.append((chunks, fields))
+        self.last_launch_time = time.perf_counter() - t0
+        return handle
+
+    def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, SampledToken]]:
+        """Wait for a launched iteration and read the token (and log-probabilities, if asked) that
+        each of its sampling chunks produced."""
+        t0 = time.perf_counter()
+        handle.launches_before_fetch = self.num_launches
+        results = []
+        for chunks, fields in handle.parts:
+            tokens, *rest = (np.asarray(f) for f in fields)
+            logprobs = rest[0] if rest else None
+            with_top = len(rest) == 3
+            for i, c in enumerate(chunks):
+                if c.sample:
+                    lp = float(logprobs[i]) if logprobs is not None else float("nan")
+                    ids, lps = (rest[1][i], rest[2][i]) if with_top else (_NO_TOP_IDS, _NO_TOP_LOGPROBS)
+                    results.append((c, SampledToken(int(tokens[i]), lp, ids, lps)))
+        self.last_fetch_time = time.perf_counter() - t0
+        return results
+
+    def _run_steps(self, penalty_resets: list[tuple], programs: list[Program],
+                   warming_up: bool = False) -> list[SamplerOutput]:
+        """Run one iteration: first the penalty rows of requests that just got a slot, then the
+        programs. Their sampled tokens land in a fresh buffer that becomes the next iteration's
+        `prev_sampled`."""
+        if self.mirror is not None and not warming_up:
+            self.mirror(("steps", penalty_resets, programs))
+        for reset in penalty_resets:
+            args = self._reset_args(reset)
+            self.penalty_counts = self._compiled(("penalty_reset",), self._set_penalty_rows, args, warming_up)(*args)
+        sampled, outs = self._no_tokens, []
+        for program in programs:
+            args = self.step_args(program)
+            logits, self.cache = self._compiled(program.key, self._step, args, warming_up)(*args)
+            sample_args = self._sample_args(program, logits, sampled)
+            out, sampled, self.penalty_counts = self._compiled(
+                ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
+            outs.append(out)
+        self._prev_sampled = sampled
+        return outs
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """Execute the KV manager's copy plan, stage by stage, in order."""
+        for stage in sched.copy_stages:
+            for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
+                op = ("move", stage.kind, stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK])
+                if self.mirror is not None:
+                    self.mirror(op)
+                self.cache = self.blocks.move(self.cache, *op[1:])
+
+    def replay(self, op: tuple) -> None:
+        """Run a device operation that process 0's runner passed to its `mirror` (multi-host:
+        every process must launch the same computations in the same order)."""
+        if op[0] == "steps":
+            self._run_steps(op[1], op[2])
+        elif op[0] == "move":
+            self.cache = self.blocks.move(self.cache, *op[1:])
+        else:
+            raise ValueError(f"unknown mirrored operation {op[0]!r}")
+
+
+_NO_TOP_IDS = np.zeros(0, np.int32)
+_NO_TOP_LOGPROBS = np.zeros(0, np.float32)
