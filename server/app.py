@@ -74,7 +74,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     owns_hook = state.engine.on_step is None  # several apps may share one engine (tests): first wins
     if owns_hook:
         state.engine.on_step = on_step
-    loaded = state.sessions.load()
+    loaded = state.sessions.load(state.info.vocab_size)
     if loaded:
         logger.info("restored %d sessions from %s", loaded, state.config.session_dir)
     if state.config.session_pin_blocks_per_key is not None:

@@ -91,18 +91,24 @@ class SessionKV:
             holder = by_pin.get(id(p))
             if holder is not None and holder.pin is p:
                 holder.pin = None
-        if session.pin is old and self.store.contains(session):
+        if not self.store.contains(session):
+            # Deleted while the pin was being made: `end` ran before this pin existed, so release
+            # it here, and the session's place on its replica that pinning registered again.
+            await self._release(session.id, pin)
+        elif session.pin is old:
             session.pin = pin
-        elif pin is not None:  # the session was deleted or re-pinned meanwhile: drop this pin
+        elif pin is not None:  # re-pinned meanwhile: drop this pin
             await engine_call(self.engine, lambda e: _unpin(e, pin))
 
     async def end(self, session: Session) -> None:
         """The session is gone: release its pin and its place on a replica."""
         pin, session.pin = session.pin, None
+        await self._release(session.id, pin)
 
+    async def _release(self, session_id: str, pin: Pin | None) -> None:
         def end(router: DataParallelRouter) -> None:
             if pin is not None:
                 _unpin(router, pin)
-            router.end_session(session.id)
+            router.end_session(session_id)
 
         await engine_call(self.engine, end)
