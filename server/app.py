@@ -2,6 +2,12 @@
 
 The app does not own the engine: whoever started the engine shuts it down after the app's
 cleanup (`server.cli` for `jaxserve serve`; fixtures in tests).
+
+Shutdown (aiohttp's order: sites stop accepting, idle keep-alive connections close, then
+`on_shutdown`, then in-flight handlers get `FINAL_WRITE_SECONDS`, then cleanup): `_drain` lets
+the generations in flight run for up to `ServerConfig.shutdown_timeout` seconds, then ends each
+one still running with a 503 (a started stream sends it as an error event and `[DONE]`); the
+cleanup writes every session and stops the background tasks.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from server.config import ServerConfig
 from server.errors import error_middleware
 from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
-from server.protocol import Limits
+from server.protocol import BODY_TIMEOUT, Limits
 from server.rate_limit import RateLimiter
 from server.session_files import SessionFiles
 from server.session_kv import SessionKV
@@ -29,6 +35,9 @@ from server.sessions import SessionStore
 from server.state import STATE, ServerState
 
 logger = logging.getLogger(__name__)
+
+FINAL_WRITE_SECONDS = 5.0  # after the drain: for the stopped streams to send their last events
+DRAIN_POLL_SECONDS = 0.05
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
@@ -59,8 +68,24 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_tokenize.routes)
+    app[BODY_TIMEOUT] = config.body_timeout
     app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_drain)
     return app
+
+
+async def _drain(app: web.Application) -> None:
+    state = app[STATE]
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = started + state.config.shutdown_timeout
+    while state.in_flight() and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL_SECONDS)
+    left = state.in_flight()
+    for generation in left:
+        generation.shut_down()
+    logger.info("shutdown: drained in %.2f s; %d requests stopped", loop.time() - started, len(left))
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -87,6 +112,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     for task in list(state.background):
         task.cancel()
     await asyncio.gather(*state.background, return_exceptions=True)
+    state.sessions.save_all()
     if owns_hook:
         state.engine.on_step = None
 

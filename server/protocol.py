@@ -9,6 +9,7 @@ neutral value.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -53,10 +54,17 @@ COMPLETION_FIELDS = (
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds a client may take to send its body
+
+
 async def read_json_object(request: web.Request, optional: bool = False) -> dict[str, Any]:
-    """The body as a JSON object, or 400 (413 comes from aiohttp when it is too large).
-    With `optional`, an empty body is an empty object."""
-    raw = await request.read()
+    """The body as a JSON object, or 400 (413 comes from aiohttp when it is too large; 408 when
+    the client stalls). With `optional`, an empty body is an empty object."""
+    try:
+        raw = await asyncio.wait_for(request.read(), request.config_dict.get(BODY_TIMEOUT))
+    except TimeoutError:
+        raise APIError(408, "the request body did not arrive in time", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     if not raw.strip():
         if optional:
             return {}

@@ -23,6 +23,7 @@ from jaxserve.dp_router import DataParallelRouter
 from server.app import build_app
 from server.config import ServerConfig
 from server.engine_snapshot import EngineSnapshot, take_snapshot
+from server.state import STATE
 
 MODEL_NAME = "tiny-random"
 KEY_A = "key-alpha"
@@ -43,7 +44,9 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        config = app[STATE].config
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
+                                     keepalive_timeout=config.keepalive_timeout, lingering_time=config.body_timeout)
         self.app = app
         self.port = self.run(self._start())
         self.base_url = f"http://127.0.0.1:{self.port}"
