@@ -17,6 +17,7 @@ from aiohttp import web
 
 from server.app import FINAL_WRITE_SECONDS
 from server.grpc_api.jaxserve_pb2_grpc import add_JaxServeServicer_to_server
+from server.grpc_api.malformed import MalformedRequestInterceptor
 from server.grpc_api.service import JaxServeServicer
 from server.state import STATE
 
@@ -36,7 +37,8 @@ class GrpcServer:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         state = app[STATE]
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", state.config.max_body_bytes)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", state.config.max_body_bytes)],
+                                 interceptors=[MalformedRequestInterceptor()])
         add_JaxServeServicer_to_server(JaxServeServicer(state), server)
         self.port = server.add_insecure_port(self.address)
         await server.start()
