@@ -113,6 +113,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
     await asyncio.gather(*state.background, return_exceptions=True)
     state.sessions.save_all()
+    for session in state.sessions.all():  # the engine may outlive this app (tests share one)
+        await state.session_kv.end(session)
     if owns_hook:
         state.engine.on_step = None
 

@@ -165,6 +165,9 @@ class SessionStore:
             raise not_found(f"no session {session_id!r}", code="session_not_found")
         return session
 
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
     def owned_by(self, owner: str) -> list[Session]:
         return sorted((s for s in self._sessions.values() if s.owner == owner), key=lambda s: s.created_at)
 
@@ -190,8 +193,11 @@ class SessionStore:
         session.last_used = now
 
     def save_all(self) -> None:
-        """Write every session as it is (at shutdown); failures are logged."""
-        for session in list(self._sessions.values()):
+        """Write every session that is not replying as it is (at shutdown: last use times);
+        failures are logged."""
+        for session in self.all():
+            if session.busy:
+                continue
             try:
                 self._write(session.record())
             except APIError:

@@ -17,12 +17,13 @@ from server.config import ServerConfig
 from server.grpc_api import jaxserve_pb2 as pb
 from server.grpc_api import jaxserve_pb2_grpc as pb_grpc
 from server.grpc_api.server import GrpcServer
-from server_harness import KEY_A, MODEL_NAME, ServerThread, check_kv_integrity, wait_until_idle
+from server_harness import MODEL_NAME, ServerThread, assert_serving_and_idle
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 CODES: collections.Counter = collections.Counter()
+FUZZ_KEY = "key-grpc-fuzz"
 FAILURES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 uint32 = st.one_of(st.integers(0, 6), st.sampled_from([2**31 - 1, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
@@ -53,7 +54,7 @@ not_messages = st.one_of(st.binary(max_size=40),
 
 @pytest.fixture(scope="module")
 def fuzzed(async_engine):
-    app = build_app(async_engine, ServerConfig(served_model_name=MODEL_NAME, api_keys=(KEY_A,)))
+    app = build_app(async_engine, ServerConfig(served_model_name=MODEL_NAME, api_keys=(FUZZ_KEY,)))
     service = GrpcServer("127.0.0.1", 0).attach(app)
     http = ServerThread(app)
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
@@ -74,7 +75,7 @@ def _call(call) -> None:
 
 
 @FUZZ
-@given(request=requests, key=st.sampled_from([KEY_A, KEY_A, KEY_A, None, "wrong"]))
+@given(request=requests, key=st.sampled_from([FUZZ_KEY, FUZZ_KEY, FUZZ_KEY, None, "wrong"]))
 def test_no_generate_request_fails_internally(fuzzed, request, key):
     _, stub, _ = fuzzed
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
@@ -85,16 +86,14 @@ def test_no_generate_request_fails_internally(fuzzed, request, key):
 @given(data=not_messages)
 def test_bytes_that_are_not_a_request_are_invalid_argument(fuzzed, data):
     _, _, raw = fuzzed
-    _call(raw(data, metadata=(("authorization", f"Bearer {KEY_A}"),), timeout=60))
+    _call(raw(data, metadata=(("authorization", f"Bearer {FUZZ_KEY}"),), timeout=60))
 
 
 def test_after_the_grpc_fuzz_the_engine_serves_and_its_pool_is_idle(fuzzed, async_engine):
     http, stub, _ = fuzzed
     print(f"\ngrpc fuzz: {sum(CODES.values())} calls; codes {dict((c.name, n) for c, n in CODES.items())}")
     assert sum(CODES.values()) >= EXAMPLES and not any(CODES[c] for c in FAILURES)
-    snap = wait_until_idle(http, async_engine)
-    assert not snap.has_unfinished and snap.kv_requests == 0 and snap.kv.used == 0
-    check_kv_integrity(http, async_engine)
+    assert_serving_and_idle(http, async_engine, FUZZ_KEY)
     replies = list(stub.Generate(pb.GenerateRequest(text="Hello", sampling_params=pb.SamplingParams(max_tokens=3)),
-                                 metadata=(("authorization", f"Bearer {KEY_A}"),), timeout=60))
+                                 metadata=(("authorization", f"Bearer {FUZZ_KEY}"),), timeout=60))
     assert sum(len(r.token_ids) for r in replies) == 3

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import collections
 import json
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.auth import owner_id
-from server_harness import MODEL_NAME, check_kv_integrity, send, sse_events, start_server, wait_until_idle
+from server_harness import MODEL_NAME, assert_serving_and_idle, send, sse_events, start_server
 
 FUZZ_KEY = "key-fuzz"
 EXAMPLES_PER_ENDPOINT = 150
@@ -190,10 +188,6 @@ def test_no_input_gets_a_5xx(fuzz_server, live_session, endpoint, data):
     check_response(endpoint, reply)
 
 
-def _pinned(srv, async_engine) -> int:
-    return srv.engine_call(async_engine, lambda r: sum(e.kv.pins.pinned_by(owner_id(FUZZ_KEY)) for e in r.replicas))
-
-
 def test_after_the_fuzz_the_engine_serves_and_its_pool_is_idle(fuzz_server, async_engine):
     total = sum(STATUSES.values())
     errors_5xx = sum(n for (_, status), n in STATUSES.items() if status >= 500)
@@ -203,16 +197,4 @@ def test_after_the_fuzz_the_engine_serves_and_its_pool_is_idle(fuzz_server, asyn
     print(f"\nfuzz: {total} requests over {len({e for e, _ in STATUSES})} endpoints, {errors_5xx} 5xx; "
           f"statuses {dict(sorted(by_status.items()))}")
     assert total >= EXAMPLES_PER_ENDPOINT * len(ENDPOINTS) and errors_5xx == 0
-    assert send(fuzz_server, "GET", "/health", key=None).json == {"status": "ok"}
-    for session in send(fuzz_server, "GET", "/v1/sessions", key=FUZZ_KEY).json["data"]:
-        assert send(fuzz_server, "DELETE", f"/v1/sessions/{session['id']}", key=FUZZ_KEY).status == 200
-    snap = wait_until_idle(fuzz_server, async_engine)
-    assert not snap.has_unfinished and snap.kv_requests == 0 and snap.kv.used == 0
-    check_kv_integrity(fuzz_server, async_engine)
-    deadline = time.monotonic() + 10  # unpinning runs on the engine thread after the deletes
-    while _pinned(fuzz_server, async_engine) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _pinned(fuzz_server, async_engine) == 0
-    reply = send(fuzz_server, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3},
-                 key=FUZZ_KEY)
-    assert reply.status == 200 and reply.json["usage"]["completion_tokens"] == 3
+    assert_serving_and_idle(fuzz_server, async_engine, FUZZ_KEY)

@@ -12,8 +12,7 @@ import time
 
 import aiohttp
 
-from server.auth import owner_id
-from server_harness import MODEL_NAME, check_kv_integrity, send, start_server, stream_events, wait_until_idle
+from server_harness import MODEL_NAME, assert_serving_and_idle, start_server, stream_events
 
 SOAK_KEY = "key-soak"
 MAX_REQUESTS = 3000
@@ -148,20 +147,6 @@ def test_soak_mixed_traffic_leaves_the_engine_serving_and_idle(async_engine):
               f"statuses {dict(sorted(soak.statuses.items()))}")
         assert sent >= 500 and sum(soak.statuses.values()) == sent
         assert soak.statuses[200] > sent // 2 and soak.num_cut > 0
-        assert send(srv, "GET", "/health", key=None).json == {"status": "ok"}
-        for session in send(srv, "GET", "/v1/sessions", key=SOAK_KEY).json["data"]:
-            assert send(srv, "DELETE", f"/v1/sessions/{session['id']}", key=SOAK_KEY).status == 200
-        snap = wait_until_idle(srv, async_engine)
-        assert not snap.has_unfinished and snap.kv_requests == 0 and snap.kv.used == 0
-        check_kv_integrity(srv, async_engine)
-        pinned = lambda: srv.engine_call(async_engine, lambda r: sum(e.kv.pins.pinned_by(owner_id(SOAK_KEY))  # noqa: E731
-                                                                     for e in r.replicas))
-        deadline = time.monotonic() + 10
-        while pinned() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pinned() == 0
-        reply = send(srv, "POST", CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
-                                         "max_tokens": 3, "ignore_eos": True}, key=SOAK_KEY)
-        assert reply.status == 200 and reply.json["usage"]["completion_tokens"] == 3
+        assert_serving_and_idle(srv, async_engine, SOAK_KEY)
     finally:
         srv.stop()
