@@ -58,7 +58,9 @@ def test_sigterm_past_the_timeout_ends_streams_with_an_error_then_done_and_keeps
             assert events[-2]["error"]["code"] == "server_shutting_down", events[-3:]
         assert child.finish(60) == 0
         drain = time.monotonic() - t0
-        print(f"shutdown with 2 streams cut (timeout 0): exit {drain:.2f} s after SIGTERM")
+        drained = child.wait_for("shutdown: drained", timeout=1)
+        assert drained.endswith("2 requests stopped"), drained
+        print(f"\nshutdown with 2 streams cut (timeout 0): exit {drain:.2f} s after SIGTERM; {drained}")
         assert "server stopped" in child.seen
         for bad in ("Traceback", "Event loop is closed", "engine loop failed"):
             assert bad not in child.output, child.output
