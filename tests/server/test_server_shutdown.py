@@ -91,7 +91,7 @@ def _closed_by_server(sock: socket.socket, within: float) -> bool:
         return False
 
 
-def test_idle_keepalive_and_stalled_bodies_are_closed(async_engine):
+def test_idle_keepalive_stalled_headers_and_stalled_bodies_are_closed(async_engine):
     srv = start_server(async_engine, api_keys=(KEY_A,), keepalive_timeout=0.5, body_timeout=0.5)
     try:
         sock = _raw_connection(srv.port)
@@ -99,6 +99,12 @@ def test_idle_keepalive_and_stalled_bodies_are_closed(async_engine):
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         assert _closed_by_server(sock, within=5.0)  # idle past keepalive_timeout
         sock.close()
+
+        for stalled in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"):  # silent; headers never finished
+            sock = _raw_connection(srv.port)
+            sock.sendall(stalled)
+            assert _closed_by_server(sock, within=5.0)
+            sock.close()
 
         sock = _raw_connection(srv.port)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode()
