@@ -10,6 +10,7 @@ from jaxserve.tokenizer import Tokenizer
 from server.admission import Admission
 from server.auth import ApiKeys, owner_id, read_key_file
 from server.errors import APIError
+from server.json_body import MAX_DEPTH, JSONBodyError, nesting_depth, parse_json
 from server.rate_limit import RateLimiter
 from server.session_kv import pin_within_budget
 from server.model_info import ModelInfo
@@ -149,3 +150,14 @@ def test_a_history_larger_than_the_budget_releases_nothing_else():
     stale, released = pin_within_budget(kv, "o", h["c"], pin_a, [])
     assert stale is None and released == [pin_a] and kv.pins.pinned_by("o") == 0
     kv.check_integrity()
+
+
+def test_json_nesting_is_measured_outside_strings():
+    assert nesting_depth(b'{"a": "[[[[{{", "b": [1, [2]]}') == 3
+    assert nesting_depth(b'{"a": "x\\"[[[[\\\\", "b": "]]]"}') == 1  # escaped quotes and backslashes
+    assert nesting_depth(b"1") == 0
+    assert parse_json(b'{"n": 12345678901234567890, "x": [0.5, -1e10, "\\u00e9"]}') == {
+        "n": 12345678901234567890, "x": [0.5, -1e10, "\u00e9"]}
+    for bad in (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), b"1" * 41, b"-Infinity", b'["\\udc80"]', b"\xff"):
+        with pytest.raises(JSONBodyError):
+            parse_json(bad)
