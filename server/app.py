@@ -24,7 +24,7 @@ from server import routes_ops, routes_openai, routes_sessions, routes_tokenize
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
-from server.errors import error_middleware
+from server.errors import APIError, error_middleware
 from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
 from server.protocol import BODY_TIMEOUT, Limits
@@ -113,8 +113,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
     await asyncio.gather(*state.background, return_exceptions=True)
     state.sessions.save_all()
-    for session in state.sessions.all():  # the engine may outlive this app (tests share one)
-        await state.session_kv.end(session)
+    await state.session_kv.end_all(state.sessions.all())  # the engine may outlive this app (tests share one)
     if owns_hook:
         state.engine.on_step = None
 
@@ -125,5 +124,8 @@ async def _expire_sessions(state: ServerState) -> None:
         await asyncio.sleep(period)
         for session in state.sessions.expired():
             logger.info("session %s expired after %.0f s idle", session.id, state.sessions.ttl)
-            state.sessions.remove(session)
+            try:
+                state.sessions.remove(session)
+            except APIError:
+                continue  # its file could not be deleted (logged): the next round tries again
             await state.session_kv.end(session)
