@@ -2,7 +2,11 @@
 
 Validation happens once, at construction: every later layer (scheduler, sampler, server)
 may trust the values. All failures raise `ValueError` naming the field, so the server can
-turn them into a 400 response.
+turn them into a 400 response. The ranges are what the engine's arrays can hold (int32 rows,
+float32 rows) and what keeps one request from slowing the step of every other: stop strings
+are checked against the text on every token of every choice, so their count and length are
+capped. Checks that need the model (token ids below the vocabulary size) are in
+`check_vocabulary`, which the server and the engine call once they know the model.
 """
 
 from __future__ import annotations
@@ -15,6 +19,23 @@ MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenA
 MAX_LOGIT_BIAS = 300  # the most tokens a request may bias (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # each bias is in [-100, 100] (OpenAI's range)
 MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 64  # characters in one stop string
+MAX_STOP_TOTAL_CHARS = 128  # characters in all of a request's stop strings together
+INT32_MAX = 2**31 - 1  # token ids, counts and top_k live in int32 rows
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_TEMPERATURE = 1e-2  # vLLM's floor: lower non-zero temperatures overflow float32 logits; raised to it
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)  # logits are divided by it in float32
+SEED_RANGE = (-(2**63), 2**64)  # a seed fits in 64 bits, signed or not
+
+
+def encodes_as_utf8(text: str) -> bool:
+    """Whether `text` is valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can make)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(value: object) -> bool:
@@ -90,6 +111,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be an integer or None, got {value!r}")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "priority"):
+            if not -INT32_MAX - 1 <= getattr(self, name) <= INT32_MAX:
+                raise ValueError(f"{name} must fit in 32 bits, got {getattr(self, name)}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens < 1:
@@ -113,11 +139,13 @@ class SamplingParams:
             "repetition_penalty",
         ):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not _is_real(value) or not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise ValueError(f"{name} must be a finite 32-bit float, got {value!r}")
             setattr(self, name, float(value))
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -125,10 +153,17 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}"
-            )
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids this request names (stop tokens, biased tokens) exist in a vocabulary of
+        `vocab_size`; else ValueError naming the field."""
+        if any(i >= vocab_size for i in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
 
     @staticmethod
     def _checked_stop(stop: object) -> list[str]:
@@ -140,6 +175,13 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in stop):
             raise ValueError("stop cannot contain an empty string")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if max(map(len, stop), default=0) > MAX_STOP_STRING_CHARS or sum(map(len, stop)) > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters each and "
+                             f"{MAX_STOP_TOTAL_CHARS} together")
+        if not all(map(encodes_as_utf8, stop)):
+            raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         return list(stop)
 
     @staticmethod
@@ -152,8 +194,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
         checked = {}
         for token, value in bias.items():
-            if not _is_int(token) or token < 0:
-                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not _is_int(token) or not 0 <= token <= INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative 32-bit integers), got {token!r}")
             if not _is_real(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
             checked[int(token)] = float(value)
@@ -163,8 +205,8 @@ class SamplingParams:
     def _checked_stop_token_ids(ids: object) -> list[int]:
         if ids is None:
             return []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (non-negative 32-bit integers), got {ids!r}")
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         return [int(i) for i in ids]

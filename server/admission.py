@@ -3,6 +3,9 @@
 The engine runs up to `max_num_seqs` sequences at once; every admitted sequence beyond that
 waits in its queue. The server counts the sequences it has handed to the engine and not yet
 seen finish, and refuses a request whose sequences would push the waiting part past the bound.
+A request with more sequences (n x prompts) than the whole bound could never pass, however long
+the client retried: that is a 400 naming the limit, not a 503. (Each sequence's own length is
+bounded by the context, which the engine already keeps within its KV capacity.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ class Admission:
 
     @contextlib.contextmanager
     def hold(self, num_seqs: int) -> Iterator[None]:
-        """Count `num_seqs` sequences while the block runs, or raise APIError 503 when full."""
+        """Count `num_seqs` sequences while the block runs, or raise APIError 503 when full
+        (400 when they would not fit even into an idle server)."""
+        if num_seqs > self.capacity:
+            raise APIError(
+                400,
+                f"the request asks for {num_seqs} sequences (n times the number of prompts); this server holds "
+                f"at most {self.capacity} at once",
+                param="n",
+                code="request_too_large",
+            )
         if self.in_flight + num_seqs > self.capacity:
             raise APIError(
                 503,

@@ -2,6 +2,12 @@
 
 The app does not own the engine: whoever started the engine shuts it down after the app's
 cleanup (`server.cli` for `jaxserve serve`; fixtures in tests).
+
+Shutdown (aiohttp's order: sites stop accepting, idle keep-alive connections close, then
+`on_shutdown`, then in-flight handlers get `FINAL_WRITE_SECONDS`, then cleanup): `_drain` lets
+the generations in flight run for up to `ServerConfig.shutdown_timeout` seconds, then ends each
+one still running with a 503 (a started stream sends it as an error event and `[DONE]`); the
+cleanup writes every session and stops the background tasks.
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ from server import routes_ops, routes_openai, routes_sessions, routes_tokenize
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
-from server.errors import error_middleware
+from server.errors import APIError, error_middleware
 from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
-from server.protocol import Limits
+from server.protocol import BODY_TIMEOUT, Limits
 from server.rate_limit import RateLimiter
 from server.session_files import SessionFiles
 from server.session_kv import SessionKV
@@ -29,6 +35,9 @@ from server.sessions import SessionStore
 from server.state import STATE, ServerState
 
 logger = logging.getLogger(__name__)
+
+FINAL_WRITE_SECONDS = 5.0  # after the drain: for the stopped streams to send their last events
+DRAIN_POLL_SECONDS = 0.05
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
@@ -59,8 +68,24 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_tokenize.routes)
+    app[BODY_TIMEOUT] = config.body_timeout
     app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_drain)
     return app
+
+
+async def _drain(app: web.Application) -> None:
+    state = app[STATE]
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = started + state.config.shutdown_timeout
+    while state.in_flight() and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL_SECONDS)
+    left = state.in_flight()
+    for generation in left:
+        generation.shut_down()
+    logger.info("shutdown: drained in %.2f s; %d requests stopped", loop.time() - started, len(left))
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -74,7 +99,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     owns_hook = state.engine.on_step is None  # several apps may share one engine (tests): first wins
     if owns_hook:
         state.engine.on_step = on_step
-    loaded = state.sessions.load()
+    loaded = state.sessions.load(state.info.vocab_size)
     if loaded:
         logger.info("restored %d sessions from %s", loaded, state.config.session_dir)
     if state.config.session_pin_blocks_per_key is not None:
@@ -87,6 +112,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     for task in list(state.background):
         task.cancel()
     await asyncio.gather(*state.background, return_exceptions=True)
+    state.sessions.save_all()
+    await state.session_kv.end_all(state.sessions.all())  # the engine may outlive this app (tests share one)
     if owns_hook:
         state.engine.on_step = None
 
@@ -97,5 +124,8 @@ async def _expire_sessions(state: ServerState) -> None:
         await asyncio.sleep(period)
         for session in state.sessions.expired():
             logger.info("session %s expired after %.0f s idle", session.id, state.sessions.ttl)
-            state.sessions.remove(session)
+            try:
+                state.sessions.remove(session)
+            except APIError:
+                continue  # its file could not be deleted (logged): the next round tries again
             await state.session_kv.end(session)

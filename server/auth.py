@@ -54,7 +54,8 @@ class ApiKeys:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise APIError(401, "the Authorization header must be 'Bearer <key>'", code="invalid_api_key")
-        presented = token.encode()
+        # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes; they match no key.
+        presented = token.encode("utf-8", "surrogateescape")
         # Compare with every key in constant time, so timing reveals neither key nor position.
         matched = False
         for key in self._keys:

@@ -43,6 +43,10 @@ def add_serve_parser(
     g.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)")
     g.add_argument("--max-prompts", type=int, default=defaults.max_prompts)
     g.add_argument("--request-timeout", type=float, default=defaults.request_timeout, help="seconds, 0 = none")
+    g.add_argument("--body-timeout", type=float, default=defaults.body_timeout,
+                   help="seconds a client may take to send a request body (then 408)")
+    g.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive_timeout,
+                   help="seconds an idle keep-alive connection stays open")
     g.add_argument("--session-dir", type=Path, default=None, help="persist sessions as JSON files here")
     g.add_argument("--session-ttl", type=float, default=defaults.session_ttl, help="idle seconds before expiry")
     g.add_argument("--max-sessions-per-key", type=int, default=defaults.max_sessions_per_key)
@@ -50,7 +54,8 @@ def add_serve_parser(
     g.add_argument("--session-pin-blocks-per-key", type=int, default=None,
                    help="KV blocks one key's sessions may pin (default: the KV manager's)")
     g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
-                   help="seconds in-flight requests get to finish at shutdown")
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
+                        "with an error event and [DONE]")
     add_distributed_arguments(p.add_argument_group("multi-process (one engine over several hosts)"))
     p.set_defaults(func=lambda args: serve(args, engine_config_from_args(args)))
     return p
@@ -76,6 +81,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens_limit=args.max_tokens_limit,
         max_prompts=args.max_prompts,
         request_timeout=args.request_timeout,
+        body_timeout=args.body_timeout,
+        keepalive_timeout=args.keepalive_timeout,
         session_dir=args.session_dir,
         session_ttl=args.session_ttl,
         max_sessions_per_key=args.max_sessions_per_key,
@@ -91,12 +98,14 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     In a multi-process job (`--num-processes`, one tensor-parallel engine over every process's
     devices) process 0 serves HTTP and the others replay its device operations until it stops.
     """
+    import asyncio
+
     import jax
     from aiohttp import web
 
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.dp_router import make_engine
-    from server.app import build_app
+    from server.app import FINAL_WRITE_SECONDS, build_app
     from sharding import multihost
 
     config = server_config_from_args(args)
@@ -126,23 +135,31 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         leader = multihost.Leader(runner, channel)
         async_engine.on_idle = leader.keep_alive
     async_engine.start()
+
+    async def stop_engine(_app: web.Application) -> None:
+        """Stop the engine thread while the event loop still runs: its last deliveries land."""
+        await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
     try:
         app = build_app(async_engine, config)
         if config.grpc_port:
             from server.grpc_api.server import GrpcServer
 
             GrpcServer(config.host, config.grpc_port).attach(app)
+        app.on_cleanup.append(stop_engine)  # after the app's own cleanup (sessions written)
         web.run_app(
             app,
             host=config.host,
             port=config.port,
-            shutdown_timeout=config.shutdown_timeout,
+            shutdown_timeout=FINAL_WRITE_SECONDS,  # the app's drain already waited --shutdown-timeout
+            keepalive_timeout=config.keepalive_timeout,
+            lingering_time=config.body_timeout,  # how long an unread body is drained after a refusal
             handler_cancellation=True,
             access_log=None,
             print=lambda msg: print(msg.splitlines()[0], flush=True),
         )
     finally:
-        async_engine.shutdown()
+        async_engine.shutdown()  # already stopped unless the app failed to start
         if leader is not None:
             leader.stop()
     print("server stopped", flush=True)

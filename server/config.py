@@ -25,6 +25,8 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # None: the model's context length
     max_prompts: int = 64  # prompts in one /v1/completions request
     request_timeout: float = 600.0  # seconds from arrival to the last token; 0 = none
+    body_timeout: float = 30.0  # seconds a client may take to send a request body (then 408)
+    keepalive_timeout: float = 75.0  # seconds an idle keep-alive connection stays open
 
     # Sessions.
     session_dir: Path | None = None  # persist sessions as JSON files here
@@ -34,7 +36,7 @@ class ServerConfig:
     session_pin_blocks_per_key: int | None = None  # None: the KV manager's default budget
 
     # Lifecycle.
-    shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
 
     def __post_init__(self) -> None:
         for name in ("rate_limit_rpm", "rate_limit_tpm", "max_waiting_seqs"):
@@ -45,6 +47,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.request_timeout < 0 or self.session_ttl <= 0 or self.shutdown_timeout < 0:
             raise ValueError("request_timeout and shutdown_timeout must be >= 0, session_ttl > 0")
+        if self.body_timeout <= 0 or self.keepalive_timeout <= 0:
+            raise ValueError("body_timeout and keepalive_timeout must be > 0")
         if not 0 <= self.grpc_port <= 65535 or (self.grpc_port and self.grpc_port == self.port):
             raise ValueError("grpc_port must be in [0, 65535] and differ from port")
         if any(not key or any(c.isspace() for c in key) for key in self.api_keys):

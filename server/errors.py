@@ -58,7 +58,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.headers.get("Connection", "").lower() == "close":
+            response.force_close()  # e.g. a stalled body: do not wait for the rest of it
+        return response
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -4,7 +4,8 @@ A call may hold several engine requests (a completions request with a list of pr
 gives `n` choices, numbered `first_choice + delta.index`. Leaving the iteration early (client
 gone, handler cancelled, timeout) aborts every request still running in the engine. When the
 iteration ends, however it ends, the call's tokens are counted in the metrics and charged to the
-key's token rate limit.
+key's token rate limit. `shut_down` (the server stopping) ends the iteration with a 503, which a
+stream that has started sends as its last event before `[DONE]`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from server.rate_limit import RateLimiter
 from server.responses import UsageCount
 
 _DONE = object()
+_SHUT_DOWN = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Generation:
         self._timing: dict[int, _ChoiceTiming] = {}
         self._cached: dict[str, int] = {}
         self._cancelled = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.done = False  # the iteration has ended (or never will start: see `shut_down`)
 
     @property
     def num_choices(self) -> int:
@@ -76,7 +80,7 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) in arrival order. Use under `contextlib.aclosing`."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = self._queue
         tasks = [asyncio.create_task(self._pump(r, queue)) for r in self.requests]
         pending = len(tasks)
         deadline = None if self._timeout is None else asyncio.get_running_loop().time() + self._timeout
@@ -95,6 +99,10 @@ class Generation:
                 if item is _DONE:
                     pending -= 1
                     continue
+                if item is _SHUT_DOWN:
+                    self.outcome = "error"
+                    raise APIError(503, "the server is shutting down; the request was stopped",
+                                   code="server_shutting_down")
                 if isinstance(item, BaseException):
                     self.outcome = "error"
                     raise _api_error(item)
@@ -108,6 +116,11 @@ class Generation:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._account()
+            self.done = True
+
+    def shut_down(self) -> None:
+        """End the iteration now with a 503 (the server is stopping); the requests are aborted."""
+        self._queue.put_nowait(_SHUT_DOWN)
 
     def cancel(self) -> None:
         """Abort every request of the call: each choice ends with finish_reason "abort" and

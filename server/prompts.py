@@ -14,6 +14,7 @@ from server.errors import bad_request
 from server.model_info import ModelInfo
 
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
+_MARK = "\ue000"  # a private-use character: marks where a message's stored token ids go
 MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls"}
 
 
@@ -89,10 +90,13 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, str]]:
         if unknown:
             raise bad_request(f"{param}[{i}] has unsupported fields: {sorted(unknown)}", param=param)
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(f"{param}[{i}].role must be one of {sorted(CHAT_ROLES)}", param=param)
         if message.get("tool_calls"):
             raise bad_request(f"{param}[{i}]: tool calls are not supported", param=param)
+        for name in ("name", "refusal"):
+            if message.get(name) is not None and not isinstance(message[name], str):
+                raise bad_request(f"{param}[{i}].{name} must be a string", param=param)
         content = message.get("content")
         if content is None and role != "assistant":
             raise bad_request(f"{param}[{i}].content is required", param=param)
@@ -101,10 +105,52 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, str]]:
     return messages
 
 
-def render_chat(info: ModelInfo, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+def render_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
     """The prompt text of a conversation, from the model's chat template."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     try:
-        return info.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return info.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"the conversation cannot be rendered with the model's chat template: {e}",
                           param="messages") from None
+
+
+def encode_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation: its rendered text, encoded as written, except that an
+    assistant message carrying `token_ids` (the ids the model generated for it, which a
+    session stores) contributes exactly those ids.
+
+    Encoding a reply's text again need not give back the ids the model produced (BPE has
+    several spellings of one text; special tokens and U+FFFD decode to text that encodes to
+    other tokens, sometimes many more). With the stored ids a session's next prompt starts with
+    exactly the ids of its previous prompt plus the reply, so the prefix cache holds all of it
+    and the turn costs what the reply cost. The template is rendered with a marker in place of
+    each such content, and the text between markers is encoded piece by piece. If the template
+    does not render each marker once and in order (it rewrote the content), the whole text is
+    encoded instead.
+    """
+    with_ids = [i for i, m in enumerate(messages) if m.get("token_ids") is not None]
+    if not with_ids or any(_MARK in m["content"] for m in messages):
+        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt))
+    marked = [dict(m, content=f"{_MARK}{i}{_MARK}") if i in with_ids else m for i, m in enumerate(messages)]
+    pieces = render_chat(info, marked, add_generation_prompt).split(_MARK)
+    if pieces[1::2] != [str(i) for i in with_ids]:
+        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt))
+    ids: list[int] = []
+    for text, i in zip(pieces[0::2], with_ids):
+        ids += info.tokenizer.encode(text) if text else []
+        ids += messages[i]["token_ids"]
+    return ids + (info.tokenizer.encode(pieces[-1]) if pieces[-1] else [])
+
+
+def reply_token_ids(info: ModelInfo, prefix_ids: list[int], generated: list[int], text: str,
+                    skip_special_tokens: bool) -> list[int] | None:
+    """The ids to store with an assistant message whose content is `text`: `prefix_ids` (the
+    ids the prompt already held of it, when continuing) plus the generated ids, without a final
+    stop token that the text does not show (the template writes its own end-of-turn).
+    None when those ids do not decode to `text` (a stop string cut the text, say): the message
+    is then encoded from its text."""
+    for ids in (prefix_ids + generated[:-1], prefix_ids + generated):  # a last token that shows nothing goes
+        if info.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == text:
+            return ids
+    return None

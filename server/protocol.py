@@ -9,14 +9,15 @@ neutral value.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import json
 from typing import Any
 
 from aiohttp import web
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError, bad_request
+from server.json_body import JSONBodyError, parse_json
 
 SAMPLING_FIELDS = frozenset({
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -50,22 +51,28 @@ COMPLETION_FIELDS = (
     frozenset({"model", "prompt", "logprobs", "best_of", "echo", "suffix"})
     | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS
 )
-MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds a client may take to send its body
+
+
 async def read_json_object(request: web.Request, optional: bool = False) -> dict[str, Any]:
-    """The body as a JSON object, or 400 (413 comes from aiohttp when it is too large).
-    With `optional`, an empty body is an empty object."""
-    raw = await request.read()
+    """The body as a JSON object, or 400 (413 comes from aiohttp when it is too large; 408 when
+    the client stalls). With `optional`, an empty body is an empty object."""
+    try:
+        raw = await asyncio.wait_for(request.read(), request.config_dict.get(BODY_TIMEOUT))
+    except TimeoutError:
+        raise APIError(408, "the request body did not arrive in time", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     if not raw.strip():
         if optional:
             return {}
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"could not parse the JSON body of the request: {e}") from None
+        body = parse_json(raw)
+    except JSONBodyError as e:
+        raise bad_request(f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the JSON body must be an object")
     return {k: v for k, v in body.items() if v is not None}  # null = not given
@@ -190,30 +197,24 @@ def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: in
     n = fields.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > max_n:
         raise bad_request(f"n must be at most {max_n}, got {n}", param="n")
-    stop = fields.get("stop")
-    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
-    if "seed" in fields and isinstance(fields["seed"], int) and not -(2**63) <= fields["seed"] < 2**64:
-        raise bad_request("seed must fit in 64 bits", param="seed")
     if isinstance(fields.get("logit_bias"), dict):
-        fields["logit_bias"] = _token_id_keys(fields["logit_bias"], vocab_size)
+        fields["logit_bias"] = _token_id_keys(fields["logit_bias"])
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+        params.check_vocabulary(vocab_size)
+        return params
     except (ValueError, TypeError) as e:
         message = str(e)
         first = message.split(" ", 1)[0]
         raise bad_request(message, param=first if first in SAMPLING_FIELDS else None) from None
 
 
-def _token_id_keys(bias: dict[str, Any], vocab_size: int) -> dict[int, Any]:
-    """JSON object keys are strings: {"50256": -100} -> {50256: -100}, each id in the vocabulary."""
+def _token_id_keys(bias: dict[str, Any]) -> dict[int, Any]:
+    """JSON object keys are strings: {"50256": -100} -> {50256: -100}."""
     try:
-        ids = {int(key): value for key, value in bias.items()}
+        return {int(key): value for key, value in bias.items()}
     except ValueError:
         raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
-    if any(not 0 <= i < vocab_size for i in ids):
-        raise bad_request(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
-    return ids
 
 
 def echo_setting(body: dict[str, Any], logprobs: int | None) -> bool:

@@ -11,7 +11,7 @@ from server.auth import OWNER_KEY
 from server.errors import bad_request, not_found
 from server.generation import EngineRequest
 from server.model_info import ModelInfo
-from server.prompts import check_prompt_ids, completion_prompts, parse_messages, render_chat
+from server.prompts import check_prompt_ids, completion_prompts, encode_chat, parse_messages
 from server.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -73,7 +73,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if "messages" not in body:
         raise bad_request("messages is required", param="messages")
     messages = parse_messages(body["messages"])
-    ids = check_prompt_ids(state.info.tokenizer.encode(render_chat(state.info, messages)), state.info, "messages")
+    ids = check_prompt_ids(encode_chat(state.info, messages), state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=True),
                                    max_n=state.limits.max_n, vocab_size=state.info.vocab_size)

@@ -14,6 +14,10 @@
 Replies answer like `/v1/chat/completions` (one JSON object, or SSE chunks with "stream": true)
 and take its sampling parameters, on top of the session's defaults. One reply at a time per
 session: a second gets 409.
+
+Every route that changes a session looks the session up only after it has read the body (the
+only await before the change), so a session deleted while a slow body was arriving is a 404,
+never a late turn in a deleted session.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from aiohttp import web
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request, not_found
 from server.generation import EngineRequest
-from server.prompts import check_prompt_ids, parse_messages, render_chat
+from server.prompts import check_prompt_ids, encode_chat, parse_messages, reply_token_ids
 from server.protocol import (
     SAMPLING_FIELDS,
     build_sampling_params,
@@ -42,7 +46,7 @@ from server.protocol import (
 )
 from server.respond import respond
 from server.responses import ChatShapes, ChoiceOutput
-from server.sessions import Session
+from server.sessions import Message, Session
 from server.state import STATE, ServerState
 
 routes = web.RouteTableDef()
@@ -66,7 +70,7 @@ def _check_defaults(state: ServerState, defaults: dict[str, Any]) -> None:
                           vocab_size=state.info.vocab_size)
 
 
-def _check_length(state: ServerState, messages: list[dict[str, str]]) -> None:
+def _check_length(state: ServerState, messages: list[Message]) -> None:
     limit = state.config.max_session_messages
     if len(messages) > limit:
         raise bad_request(f"a session holds at most {limit} messages", param="messages")
@@ -129,9 +133,9 @@ async def delete_session(request: web.Request) -> web.Response:
 @routes.post("/v1/sessions/{session_id}/messages")
 async def post_message(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
+    body = await read_json_object(request)
     state, session = _session(request)
     state.limiter.admit(request[OWNER_KEY])
-    body = await read_json_object(request)
     check_fields(body, MESSAGE_FIELDS)
     role = body.get("role", "user")
     if role != "user":
@@ -147,12 +151,12 @@ async def post_message(request: web.Request) -> web.StreamResponse:
 @routes.put("/v1/sessions/{session_id}/messages/{index}")
 async def edit_message(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
+    body = await read_json_object(request)
     state, session = _session(request)
     try:
         index = int(request.match_info["index"])
     except ValueError:
         raise bad_request("the message index must be an integer") from None
-    body = await read_json_object(request)
     if not 0 <= index < len(session.messages):
         raise not_found(f"session {session.id} has no message {index}", code="message_not_found")
     check_fields(body, MESSAGE_FIELDS)
@@ -163,11 +167,9 @@ async def edit_message(request: web.Request) -> web.StreamResponse:
     messages = [*session.messages[:index], message]
     if message["role"] != "user":
         _claim(session)
-        history = render_chat(state.info, messages, add_generation_prompt=False)
-        session.messages = messages
-        session.touch()
-        state.sessions.save(session)
-        state.spawn(state.session_kv.pin_history(session, session.memo.encode(state.info.tokenizer, history)))
+        history = encode_chat(state.info, messages, add_generation_prompt=False)
+        state.sessions.commit(session, messages)
+        state.spawn(state.session_kv.pin_history(session, history))
         return web.json_response(session.public())
     state.limiter.admit(request[OWNER_KEY])
     return await _reply(request, state, session, body, messages, arrival, continuing=False)
@@ -176,9 +178,9 @@ async def edit_message(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/sessions/{session_id}/continue")
 async def continue_reply(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
+    body = await read_json_object(request, optional=True)
     state, session = _session(request)
     state.limiter.admit(request[OWNER_KEY])
-    body = await read_json_object(request, optional=True)
     check_fields(body, REPLY_FIELDS)
     if not session.messages or session.messages[-1]["role"] != "assistant":
         raise bad_request("the last message is not an assistant message; there is nothing to continue")
@@ -188,17 +190,16 @@ async def continue_reply(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/v1/sessions/{session_id}/fork")
 async def fork_session(request: web.Request) -> web.Response:
-    state, session = _session(request)
     body = await read_json_object(request, optional=True)
+    state, session = _session(request)
     check_fields(body, frozenset({"at"}))
     at = body.get("at", len(session.messages))
     if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= len(session.messages):
         raise bad_request(f"at must be an integer in [0, {len(session.messages)}]", param="at")
     messages = session.messages[:at]
-    fork = state.sessions.create(session.owner, session.model, messages, session.defaults, memo=session.memo)
+    fork = state.sessions.create(session.owner, session.model, messages, session.defaults)
     if messages:
-        text = render_chat(state.info, messages, add_generation_prompt=False)
-        await state.session_kv.pin_history(fork, fork.memo.encode(state.info.tokenizer, text))
+        await state.session_kv.pin_history(fork, encode_chat(state.info, messages, add_generation_prompt=False))
     return web.json_response(fork.public())
 
 
@@ -217,7 +218,7 @@ async def _reply(
     state: ServerState,
     session: Session,
     body: dict[str, Any],
-    messages: list[dict[str, str]],
+    messages: list[Message],
     arrival: float,
     continuing: bool,
 ) -> web.StreamResponse:
@@ -225,10 +226,13 @@ async def _reply(
     and make `messages` plus the reply the session's history."""
     info = state.info
     if continuing:
-        prompt_text = render_chat(info, messages[:-1]) + messages[-1]["content"]
+        last = messages[-1]
+        open_ids = last.get("token_ids") or (info.tokenizer.encode(last["content"]) if last["content"] else [])
+        prompt = encode_chat(info, messages[:-1]) + open_ids
     else:
-        prompt_text = render_chat(info, messages)
-    ids = check_prompt_ids(session.memo.encode(info.tokenizer, prompt_text), info, param="messages")
+        open_ids = []
+        prompt = encode_chat(info, messages)
+    ids = check_prompt_ids(prompt, info, param="messages")
     settings = {**session.defaults, **{k: v for k, v in body.items() if k in DEFAULT_FIELDS}}
     stream = parse_stream(body)
     max_tokens = max_tokens_setting(settings, state.limits, len(ids), None)
@@ -239,7 +243,7 @@ async def _reply(
     with state.admission.hold(1):
         # From here to the reply's end the session is busy; nothing awaits before the claim.
         previous = session.messages
-        session.messages = messages
+        session.messages = messages  # shown while the reply runs; committed when it ends
         engine_request = EngineRequest(response_id, ids, params, session_id=session.id)
         generation = state.generation(request, [engine_request], "session", arrival)
         session.reply = generation
@@ -252,16 +256,17 @@ async def _reply(
             if generation.outcome in ("error", "timeout") and not choice.token_ids:
                 session.messages = previous  # nothing was generated: undo the turn
                 return
-            if continuing:
-                messages[-1]["content"] += choice.text
-            else:
-                messages.append({"role": "assistant", "content": choice.text})
-            history = ids + choice.token_ids
-            raw_reply = info.tokenizer.decode(choice.token_ids, skip_special_tokens=False)
-            session.memo.record(prompt_text, ids)
-            session.memo.record(prompt_text + raw_reply, history)
-            session.touch()
-            state.sessions.save(session)
-            state.spawn(state.session_kv.pin_history(session, history))
+            content = (messages[-1]["content"] if continuing else "") + choice.text
+            reply: Message = {"role": "assistant", "content": content}
+            stored = reply_token_ids(info, open_ids, choice.token_ids, content, params.skip_special_tokens)
+            if stored is not None:
+                reply["token_ids"] = stored
+            history = [*messages[:-1], reply] if continuing else [*messages, reply]
+            try:
+                state.sessions.commit(session, history)
+            except APIError:
+                session.messages = previous  # not saved: the session stays as it is on disk
+                return
+            state.spawn(state.session_kv.pin_history(session, ids + choice.token_ids))
 
         return await respond(request, generation, ChatShapes(response_id, info), stream, on_finish)

@@ -91,18 +91,31 @@ class SessionKV:
             holder = by_pin.get(id(p))
             if holder is not None and holder.pin is p:
                 holder.pin = None
-        if session.pin is old and self.store.contains(session):
+        if not self.store.contains(session):
+            # Deleted while the pin was being made: `end` ran before this pin existed, so release
+            # it here, and the session's place on its replica that pinning registered again.
+            await self._release([(session.id, pin)])
+        elif session.pin is old:
             session.pin = pin
-        elif pin is not None:  # the session was deleted or re-pinned meanwhile: drop this pin
+        elif pin is not None:  # re-pinned meanwhile: drop this pin
             await engine_call(self.engine, lambda e: _unpin(e, pin))
 
     async def end(self, session: Session) -> None:
         """The session is gone: release its pin and its place on a replica."""
-        pin, session.pin = session.pin, None
+        await self.end_all([session])
 
+    async def end_all(self, sessions: list[Session]) -> None:
+        """`end` for several sessions, in one call on the engine thread."""
+        ended = [(session.id, session.pin) for session in sessions]
+        for session in sessions:
+            session.pin = None
+        await self._release(ended)
+
+    async def _release(self, ended: list[tuple[str, Pin | None]]) -> None:
         def end(router: DataParallelRouter) -> None:
-            if pin is not None:
-                _unpin(router, pin)
-            router.end_session(session.id)
+            for session_id, pin in ended:
+                if pin is not None:
+                    _unpin(router, pin)
+                router.end_session(session_id)
 
         await engine_call(self.engine, end)

@@ -2,7 +2,13 @@
 
 A session never leaks across keys: looking up another key's session is indistinguishable from
 looking up one that does not exist (404). Runtime state (the reply in flight, the KV pin) is
-not persisted; messages, sampling defaults and the token memo are.
+not persisted; messages (assistant ones with the token ids the model generated, see
+`server.prompts.encode_chat`) and sampling defaults are.
+
+With files, every change is written before it becomes visible: `create`, `commit` and `remove`
+write (or delete) the file first and change memory only once that succeeded, so a failed write
+leaves the session, and the key's session count, as they were. Records read back at start-up
+are checked field by field; one that does not pass is quarantined (see `SessionFiles`).
 """
 
 from __future__ import annotations
@@ -10,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.sampling_params import INT32_MAX, encodes_as_utf8
 from server.errors import APIError, not_found
-from server.session_files import SessionFiles
-from server.token_memo import TokenMemo
+from server.session_files import SESSION_ID, SessionFiles
 
 if TYPE_CHECKING:
     from jaxserve.kv import Pin
@@ -24,15 +31,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+Message = dict[str, Any]  # {"role", "content"} and, on generated assistant messages, "token_ids"
+STORED_ROLES = frozenset({"system", "user", "assistant"})
+
+
+def _write_failed(error: OSError) -> APIError:
+    logger.error("could not write a session file: %s", error)
+    return APIError(500, "the session could not be saved; it is unchanged", code="session_write_failed")
+
 
 @dataclasses.dataclass(eq=False)
 class Session:
     id: str
     owner: str
     model: str
-    messages: list[dict[str, str]]
+    messages: list[Message]
     defaults: dict[str, Any]  # sampling parameters with chat-completion names
-    memo: TokenMemo
     created_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
     last_used: float = dataclasses.field(default_factory=time.time)
     # Runtime only.
@@ -44,9 +58,6 @@ class Session:
     def busy(self) -> bool:
         return self.reply is not None
 
-    def touch(self) -> None:
-        self.last_used = time.time()
-
     def public(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -55,34 +66,56 @@ class Session:
             "last_used_at": int(self.last_used),
             "model": self.model,
             "defaults": dict(self.defaults),
-            "messages": [dict(m) for m in self.messages],
+            "messages": [{"role": m["role"], "content": m["content"]} for m in self.messages],
             "replying": self.busy,
         }
 
-    def record(self) -> dict[str, Any]:
+    def record(self, messages: list[Message] | None = None, last_used: float | None = None) -> dict[str, Any]:
+        """What is written to disk: the session as it is, or with `messages` / `last_used` replaced."""
         return {
             "id": self.id,
             "owner": self.owner,
             "model": self.model,
             "created_at": self.created_at,
-            "last_used": self.last_used,
+            "last_used": self.last_used if last_used is None else last_used,
             "defaults": self.defaults,
-            "messages": self.messages,
-            "memo": self.memo.to_json(),
+            "messages": self.messages if messages is None else messages,
         }
 
     @classmethod
-    def from_record(cls, r: dict[str, Any]) -> Session:
-        return cls(
-            id=str(r["id"]),
-            owner=str(r["owner"]),
-            model=str(r["model"]),
-            messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in r["messages"]],
-            defaults=dict(r.get("defaults", {})),
-            memo=TokenMemo.from_json(r.get("memo", [])),
-            created_at=int(r["created_at"]),
-            last_used=float(r["last_used"]),
-        )
+    def from_record(cls, r: Any, vocab_size: int) -> Session:
+        """A session from a record read from disk, or ValueError saying what is wrong with it."""
+        if not isinstance(r, dict):
+            raise ValueError("the record is not an object")
+        for name, kind in (("id", str), ("owner", str), ("model", str), ("created_at", int),
+                           ("last_used", (int, float)), ("defaults", dict), ("messages", list)):
+            if not isinstance(r.get(name), kind) or isinstance(r.get(name), bool):
+                raise ValueError(f"{name} is missing or not of type {kind}")
+        if not SESSION_ID.match(r["id"]):
+            raise ValueError(f"id {r['id']!r} is not a session id")
+        for name in ("created_at", "last_used"):
+            if not math.isfinite(r[name]) or not 0 <= r[name] < 2**53:
+                raise ValueError(f"{name} is not a finite time")
+        if not all(isinstance(k, str) for k in r["defaults"]):
+            raise ValueError("defaults has keys that are not strings")
+        return cls(id=r["id"], owner=r["owner"], model=r["model"],
+                   messages=[_checked_message(m, vocab_size) for m in r["messages"]],
+                   defaults=dict(r["defaults"]), created_at=r["created_at"], last_used=float(r["last_used"]))
+
+
+def _checked_message(m: Any, vocab_size: int) -> Message:
+    if not isinstance(m, dict) or m.get("role") not in STORED_ROLES or not isinstance(m.get("content"), str):
+        raise ValueError(f"message {m!r:.80} is not a {{role, content}} object")
+    if not encodes_as_utf8(m["content"]):
+        raise ValueError("a message content is not valid Unicode")
+    message: Message = {"role": m["role"], "content": m["content"]}
+    ids = m.get("token_ids")
+    if ids is not None:
+        if m["role"] != "assistant" or not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < min(vocab_size, INT32_MAX) for i in ids):
+            raise ValueError("token_ids must be token ids of an assistant message")
+        message["token_ids"] = ids
+    return message
 
 
 class SessionStore:
@@ -95,21 +128,23 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def load(self) -> int:
-        """Read the sessions saved on disk (after a restart); returns how many."""
+    def load(self, vocab_size: int) -> int:
+        """Read the sessions saved on disk (after a restart); returns how many. Bad records
+        are quarantined, the others load."""
         if self.files is None:
             return 0
-        for record in self.files.load_all():
+        for path, record in self.files.records():
             try:
-                session = Session.from_record(record)
-            except (KeyError, TypeError, ValueError) as e:
-                logger.warning("skipping a malformed session record: %r", e)
+                session = Session.from_record(record, vocab_size)
+                if session.id != path.stem:
+                    raise ValueError(f"the record's id {session.id} is not its file's name")
+            except ValueError as e:
+                self.files.quarantine(path, str(e))
                 continue
             self._sessions[session.id] = session
         return len(self._sessions)
 
-    def create(self, owner: str, model: str, messages: list[dict[str, str]], defaults: dict[str, Any],
-               memo: TokenMemo | None = None) -> Session:
+    def create(self, owner: str, model: str, messages: list[Message], defaults: dict[str, Any]) -> Session:
         if sum(1 for s in self._sessions.values() if s.owner == owner) >= self.max_per_owner:
             raise APIError(429, f"this key already has {self.max_per_owner} sessions; delete some first",
                            code="session_limit_reached")
@@ -119,10 +154,9 @@ class SessionStore:
             model=model,
             messages=[dict(m) for m in messages],
             defaults=dict(defaults),
-            memo=memo.copy() if memo is not None else TokenMemo(),
         )
+        self._write(session.record())
         self._sessions[session.id] = session
-        self.save(session)
         return session
 
     def get(self, owner: str, session_id: str) -> Session:
@@ -130,6 +164,9 @@ class SessionStore:
         if session is None or session.owner != owner:
             raise not_found(f"no session {session_id!r}", code="session_not_found")
         return session
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
 
     def owned_by(self, owner: str) -> list[Session]:
         return sorted((s for s in self._sessions.values() if s.owner == owner), key=lambda s: s.created_at)
@@ -139,14 +176,40 @@ class SessionStore:
 
     def remove(self, session: Session) -> None:
         if self._sessions.get(session.id) is session:
-            del self._sessions[session.id]
             if self.files is not None:
-                self.files.delete(session.id)
+                try:
+                    self.files.delete(session.id)
+                except OSError as e:
+                    raise _write_failed(e) from None
+            del self._sessions[session.id]
 
-    def save(self, session: Session) -> None:
-        """Write the session to disk (if persistence is on and it was not deleted meanwhile)."""
-        if self.files is not None and self.contains(session):
-            self.files.save(session.record())
+    def commit(self, session: Session, messages: list[Message]) -> None:
+        """Make `messages` the session's history: on disk first, then in memory (APIError 500,
+        nothing changed, when the write fails). A session deleted meanwhile stays deleted."""
+        now = time.time()
+        if self.contains(session):
+            self._write(session.record(messages, now))
+        session.messages = messages
+        session.last_used = now
+
+    def save_all(self) -> None:
+        """Write every session that is not replying as it is (at shutdown: last use times);
+        failures are logged."""
+        for session in self.all():
+            if session.busy:
+                continue
+            try:
+                self._write(session.record())
+            except APIError:
+                pass
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.files is None:
+            return
+        try:
+            self.files.save(record)
+        except OSError as e:
+            raise _write_failed(e) from None
 
     def expired(self, now: float | None = None) -> list[Session]:
         now = time.time() if now is None else now

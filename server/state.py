@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import weakref
 from typing import Any, Coroutine
 
 from aiohttp import web
@@ -14,6 +15,7 @@ from jaxserve.async_engine import AsyncEngine
 from server.admission import Admission
 from server.auth import OWNER_KEY, ApiKeys
 from server.config import ServerConfig
+from server.errors import APIError
 from server.generation import EngineRequest, Generation
 from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
@@ -23,6 +25,7 @@ from server.session_kv import SessionKV
 from server.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
+
 
 
 @dataclasses.dataclass
@@ -38,6 +41,8 @@ class ServerState:
     session_kv: SessionKV
     limits: Limits
     background: set[asyncio.Task] = dataclasses.field(default_factory=set)  # fire-and-forget tasks
+    draining: bool = False  # shutting down: no new generation starts
+    generations: weakref.WeakSet[Generation] = dataclasses.field(default_factory=weakref.WeakSet)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run `coro` in the background (session bookkeeping after a reply); failures are logged."""
@@ -52,16 +57,28 @@ class ServerState:
 
     def generation(self, request: web.Request, requests: list[EngineRequest], endpoint: str,
                    arrival: float | None = None) -> Generation:
-        return Generation(
+        return self.new_generation(request[OWNER_KEY], requests, endpoint, arrival)
+
+    def new_generation(self, owner: str, requests: list[EngineRequest], endpoint: str,
+                       arrival: float | None = None) -> Generation:
+        """A generation for `owner`, tracked so that shutdown can drain it (503 once draining)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
+        generation = Generation(
             self.engine,
             requests,
-            owner=request[OWNER_KEY],
+            owner=owner,
             endpoint=endpoint,
             metrics=self.metrics,
             limiter=self.limiter,
             timeout=self.config.request_timeout,
             arrival=arrival if arrival is not None else time.perf_counter(),
         )
+        self.generations.add(generation)
+        return generation
+
+    def in_flight(self) -> list[Generation]:
+        return [g for g in self.generations if not g.done]
 
 
 STATE = web.AppKey("jaxserve_state", ServerState)

@@ -1,6 +1,13 @@
 import pytest
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOTAL_CHARS,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 
 
 def test_defaults_follow_vllm() -> None:
@@ -29,7 +36,7 @@ def test_normalisation() -> None:
 def test_accepts_edge_values() -> None:
     p = SamplingParams(
         top_p=1e-6, min_p=1.0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-3,
-        logprobs=MAX_LOGPROBS, seed=2**70, top_k=1, max_tokens=1,
+        logprobs=MAX_LOGPROBS, seed=2**64 - 1, top_k=2**31 - 1, max_tokens=1,
     )
     assert p.has_penalties
     assert SamplingParams(logprobs=0).logprobs == 0
@@ -75,8 +82,45 @@ def test_accepts_edge_values() -> None:
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"logit_bias": [5]}, "logit_bias"),
         ({"logit_bias": {i: 1 for i in range(301)}}, "logit_bias"),
+        # What the engine's int32 / float32 rows can hold.
+        ({"n": 2**31}, "n"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"top_k": 10**310}, "top_k"),
+        ({"priority": -(2**31) - 1}, "priority"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"logit_bias": {2**31: 1}}, "logit_bias"),
+        ({"temperature": 1e39}, "temperature"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"repetition_penalty": 1e4}, "repetition_penalty"),
+        # What one request may cost every other one's step.
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+        ({"stop": ["x" * MAX_STOP_STRING_CHARS] * (MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS + 1)}, "stop"),
+        ({"stop": ["ok", "\ud800"]}, "stop"),
     ],
 )
 def test_rejects_absurd_values(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_longest_allowed_stop_strings_are_accepted() -> None:
+    per = MAX_STOP_TOTAL_CHARS // MAX_STOP_STRINGS
+    assert len(SamplingParams(stop=["y" * per] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
+    assert SamplingParams(stop=["z" * MAX_STOP_STRING_CHARS]).stop[0] == "z" * MAX_STOP_STRING_CHARS
+
+
+def test_tiny_temperature_is_raised_to_the_float32_safe_floor() -> None:
+    assert SamplingParams(temperature=1e-30).temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0).is_greedy
+
+
+@pytest.mark.parametrize("kwargs,field", [({"stop_token_ids": [0, 100]}, "stop_token_ids"),
+                                          ({"logit_bias": {100: 1.0}}, "logit_bias")])
+def test_token_ids_are_checked_against_the_vocabulary(kwargs: dict, field: str) -> None:
+    params = SamplingParams(**kwargs)
+    params.check_vocabulary(101)
+    with pytest.raises(ValueError, match=field):
+        params.check_vocabulary(100)

@@ -2,8 +2,9 @@
 
 One process and one loop serve both APIs, with the app's `ServerState` (engine, keys, limits,
 metrics). The gRPC server starts with the app (a `cleanup_ctx`, after the app's own set-up) and
-begins its graceful stop when the app shuts down, so in-flight gRPC calls drain while the HTTP
-ones do, each for up to `ServerConfig.shutdown_timeout` seconds.
+begins its graceful stop first thing when the app shuts down (it accepts no new call), so
+in-flight gRPC calls drain with the HTTP ones: the app's drain ends every call still running
+after `ServerConfig.shutdown_timeout` seconds with UNAVAILABLE, within the stop's grace.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import AsyncIterator
 import grpc
 from aiohttp import web
 
+from server.app import FINAL_WRITE_SECONDS
 from server.grpc_api.jaxserve_pb2_grpc import add_JaxServeServicer_to_server
+from server.grpc_api.malformed import MalformedRequestInterceptor
 from server.grpc_api.service import JaxServeServicer
 from server.state import STATE
 
@@ -29,12 +32,13 @@ class GrpcServer:
 
     def attach(self, app: web.Application) -> GrpcServer:
         app.cleanup_ctx.append(self._lifecycle)
-        app.on_shutdown.append(self._begin_stop)
+        app.on_shutdown.insert(0, self._begin_stop)  # before the app's drain, which waits
         return self
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         state = app[STATE]
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", state.config.max_body_bytes)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", state.config.max_body_bytes)],
+                                 interceptors=[MalformedRequestInterceptor()])
         add_JaxServeServicer_to_server(JaxServeServicer(state), server)
         self.port = server.add_insecure_port(self.address)
         await server.start()
@@ -49,4 +53,5 @@ class GrpcServer:
     async def _begin_stop(self, app: web.Application) -> None:
         """Start the one graceful stop (on the app's shutdown, so that both APIs drain at once)."""
         if self._stopping is None and self._server is not None:
-            self._stopping = asyncio.create_task(self._server.stop(app[STATE].config.shutdown_timeout))
+            grace = app[STATE].config.shutdown_timeout + FINAL_WRITE_SECONDS
+            self._stopping = asyncio.create_task(self._server.stop(grace))

@@ -15,7 +15,7 @@ from contextlib import aclosing
 import grpc
 
 from server.errors import APIError
-from server.generation import EngineRequest, Generation
+from server.generation import EngineRequest
 from server.grpc_api import jaxserve_pb2 as pb
 from server.grpc_api import jaxserve_pb2_grpc as pb_grpc
 from server.grpc_api.inputs import parse_generate
@@ -56,10 +56,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         ids, params = parse_generate(request, state.info, state.limits)
         request_id = f"grpc-{uuid.uuid4().hex}"
         with state.admission.hold(params.n):
-            generation = Generation(
-                state.engine, [EngineRequest(request_id, ids, params)], owner=owner, endpoint=ENDPOINT,
-                metrics=state.metrics, limiter=state.limiter, timeout=state.config.request_timeout, arrival=arrival,
-            )
+            generation = state.new_generation(owner, [EngineRequest(request_id, ids, params)], ENDPOINT, arrival)
             finished = 0
             async with aclosing(generation.deltas()) as deltas:
                 async for index, delta in deltas:

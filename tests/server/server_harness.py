@@ -21,8 +21,10 @@ from aiohttp import web
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.dp_router import DataParallelRouter
 from server.app import build_app
+from server.auth import owner_id
 from server.config import ServerConfig
 from server.engine_snapshot import EngineSnapshot, take_snapshot
+from server.state import STATE
 
 MODEL_NAME = "tiny-random"
 KEY_A = "key-alpha"
@@ -43,7 +45,9 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        config = app[STATE].config
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
+                                     keepalive_timeout=config.keepalive_timeout, lingering_time=config.body_timeout)
         self.app = app
         self.port = self.run(self._start())
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -91,6 +95,30 @@ def wait_until_idle(srv: ServerThread, async_engine: AsyncEngine, timeout: float
 
 def check_kv_integrity(srv: ServerThread, async_engine: AsyncEngine) -> None:
     srv.engine_call(async_engine, lambda router: [e.kv.check_integrity() for e in router.replicas])
+
+
+def assert_serving_and_idle(srv: ServerThread, async_engine: AsyncEngine, key: str) -> None:
+    """After a storm of requests with `key`: /health is ok; once the key's sessions are deleted no
+    request is left in the engine, no KV block is held or pinned for the key, the pool's books
+    balance, and a new request is served in full."""
+    assert send(srv, "GET", "/health", key=None).json == {"status": "ok"}
+    for session in send(srv, "GET", "/v1/sessions", key=key).json["data"]:
+        assert send(srv, "DELETE", f"/v1/sessions/{session['id']}", key=key).status == 200
+    snap = wait_until_idle(srv, async_engine)
+    assert not snap.has_unfinished and snap.kv_requests == 0 and snap.kv.used == 0
+    check_kv_integrity(srv, async_engine)
+    owner = owner_id(key)
+
+    def pinned() -> int:
+        return srv.engine_call(async_engine, lambda router: sum(e.kv.pins.pinned_by(owner) for e in router.replicas))
+
+    deadline = time.monotonic() + 10  # unpinning runs on the engine thread after the deletes
+    while pinned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pinned() == 0
+    reply = send(srv, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3,
+                                                  "ignore_eos": True}, key=key)
+    assert reply.status == 200 and reply.json["usage"]["completion_tokens"] == 3
 
 
 @dataclasses.dataclass

@@ -18,9 +18,11 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
 from server.app import build_app
 from server.config import ServerConfig
+from server.errors import APIError
 from server.grpc_api import jaxserve_pb2 as pb
 from server.grpc_api import jaxserve_pb2_grpc as pb_grpc
 from server.grpc_api.server import GrpcServer
+from server.grpc_api.status import status_code
 from server.state import STATE
 from server_harness import KEY_A, KEY_B, MODEL_NAME, ServerThread, send, wait_until_idle
 
@@ -251,10 +253,12 @@ def test_api_keys_guard_generate_and_list_models_but_not_health(served):
 def test_full_queue_and_rate_limit_are_resource_exhausted_and_shared_with_http(async_engine):
     limited = Served(async_engine, rate_limit_rpm=2, max_waiting_seqs=0, max_n=128)
     try:
-        overloaded = rpc_error(lambda: generate(limited.stub, text="Hello",
-                                                         sampling_params=pb.SamplingParams(n=65)))
-        assert overloaded.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in overloaded.details()
-        assert trailers(overloaded)["retry-after"] == "1"
+        # 65 sequences never fit a server that holds 64: invalid, not "retry later".
+        too_large = rpc_error(lambda: generate(limited.stub, text="Hello", sampling_params=pb.SamplingParams(n=65)))
+        assert too_large.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 64" in too_large.details()
+        assert trailers(too_large)["error-code"] == "request_too_large"
+        overloaded = APIError(503, "the server is overloaded", code="server_overloaded")
+        assert status_code(overloaded) == grpc.StatusCode.RESOURCE_EXHAUSTED
         body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
         assert send(limited.http, "POST", "/v1/completions", body).status == 200  # the key's second request
         limit = rpc_error(lambda: generate(limited.stub, text="Hello"))

@@ -104,6 +104,35 @@ CASES = [
     ("session with bad default", "POST", "/v1/sessions", {"temperature": -1}, 400, None, "temperature"),
     ("session system not a string", "POST", "/v1/sessions", {"system": 3}, 400, None, "system"),
     ("session for unknown model", "POST", "/v1/sessions", {"model": "gpt-17"}, 404, "model_not_found", "model"),
+    # Bounds the JSON parser itself would not keep (issue 13): 400 before any field is read.
+    ("json nested 60,000 deep", "POST", CHAT, b"[" * 60_000 + b"]" * 60_000, 400, "invalid_json", None),
+    ("object nested past the limit", "POST", COMP, b'{"prompt": ' + b'{"a": ' * 40 + b"1" + b"}" * 41, 400,
+     "invalid_json", None),
+    ("5,000-digit integer", "POST", CHAT, b'{"max_tokens": ' + b"9" * 5000 + b"}", 400, "invalid_json", None),
+    ("NaN", "POST", CHAT, b'{"temperature": NaN}', 400, "invalid_json", None),
+    ("float overflowing to infinity", "POST", CHAT, b'{"temperature": 1e999}', 400, "invalid_json", None),
+    ("lone surrogate in chat content", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "invalid_json", None),
+    ("lone surrogate in a prompt", "POST", COMP, b'{"prompt": "a\\udfffb"}', 400, "invalid_json", None),
+    ("lone surrogate in /tokenize", "POST", "/tokenize", b'{"prompt": "\\ud83d"}', 400, "invalid_json", None),
+    ("lone surrogate in a key", "POST", CHAT, b'{"\\ud800": 1}', 400, "invalid_json", None),
+    ("role a list", "POST", CHAT, chat(messages=[{"role": ["user"], "content": "x"}]), 400, None, "messages"),
+    ("message name a number", "POST", CHAT, chat(messages=[{"role": "user", "content": "x", "name": 5}]), 400, None,
+     "messages"),
+    ("top_k of 310 digits", "POST", COMP, b'{"prompt": "Hi", "top_k": 1' + b"0" * 309 + b"}", 400, "invalid_json",
+     None),
+    ("top_k past int32", "POST", COMP, comp(top_k=2**31), 400, None, "top_k"),
+    ("stop token past int32", "POST", COMP, comp(stop_token_ids=[2**31], min_tokens=1), 400, None, "stop_token_ids"),
+    ("stop token past the vocabulary", "POST", CHAT, chat(stop_token_ids=[99999999], min_tokens=1), 400, None,
+     "stop_token_ids"),
+    ("too many stop strings", "POST", CHAT, chat(stop=["x"] * 17), 400, None, "stop"),
+    ("stop string too long", "POST", CHAT, chat(stop=["x" * 65]), 400, None, "stop"),
+    ("stop strings too long together", "POST", CHAT, chat(stop=["x" * 60] * 3), 400, None, "stop"),
+    ("logit_bias key of 5,000 digits", "POST", COMP, comp(logit_bias={"9" * 5000: 1}), 400, None, "logit_bias"),
+    ("priority past int32", "POST", COMP, comp(priority=-(2**31) - 1), 400, None, "priority"),
+    ("temperature past float32", "POST", COMP, comp(temperature=1e39), 400, None, "temperature"),
+    ("session message with a lone surrogate", "POST", UNKNOWN_SESSION + "/messages",
+     b'{"content": "\\udc00"}', 400, "invalid_json", None),
 ]
 
 SESSION_CASES = [
@@ -169,3 +198,9 @@ def test_server_still_serves_after_the_bad_inputs(server):
     reply = send(server, "POST", CHAT, chat())
     assert reply.status == 200
     assert json.loads(reply.text)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_authorization_header_that_is_not_utf8_is_401(server):
+    for value in (b"Bearer \xff\xfe\xfd", b"\xc3\x28", b"Bearer key-alpha\x80"):
+        reply = send(server, "GET", "/v1/models", key=None, headers={"Authorization": value})
+        assert check_error_shape(reply, 401)["code"] == "invalid_api_key"

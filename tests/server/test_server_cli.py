@@ -43,5 +43,8 @@ def test_serve_warms_up_serves_and_exits_0_on_sigterm():
         assert events[-1] == "[DONE]"
         assert events[-2]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
         assert child.finish(60) == 0
+        drained = child.wait_for("shutdown: drained", timeout=1)
+        assert drained.endswith("0 requests stopped"), drained
+        print(f"\n{drained}")
         assert "server stopped" in child.seen
         assert "Traceback" not in child.output, child.output

@@ -93,3 +93,13 @@ def test_sessions_per_key_are_capped(limited):
     assert send(limited, "POST", f"/v1/sessions/{first}/fork", {"at": 0}).status == 429  # forks count too
     assert send(limited, "DELETE", f"/v1/sessions/{first}").status == 200
     assert send(limited, "POST", "/v1/sessions", {}).status == 200
+
+
+@pytest.mark.parametrize("limited", [{"max_waiting_seqs": 0}], indirect=True)
+def test_a_request_that_can_never_fit_is_400_not_503(limited):
+    """64 prompts x n=2 is twice what this server holds at once: no retry would ever pass."""
+    body = {"model": MODEL_NAME, "prompt": ["Hello"] * 64, "n": 2, "max_tokens": 2}
+    refused = send(limited, "POST", "/v1/completions", body)
+    assert refused.status == 400 and "retry-after" not in refused.headers
+    assert refused.json["error"]["code"] == "request_too_large" and "at most 64" in refused.json["error"]["message"]
+    assert send(limited, "POST", "/v1/completions", {**body, "n": 1}).status == 200  # the same load that fits

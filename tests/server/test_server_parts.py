@@ -1,4 +1,4 @@
-"""The server's pure parts on their own: rate windows, the bounded queue, the token memo, pins."""
+"""The server's pure parts on their own: rate windows, the bounded queue, chat encoding with stored ids, pins."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from jaxserve.tokenizer import Tokenizer
 from server.admission import Admission
 from server.auth import ApiKeys, owner_id, read_key_file
 from server.errors import APIError
+from server.json_body import MAX_DEPTH, JSONBodyError, nesting_depth, parse_json
 from server.rate_limit import RateLimiter
 from server.session_kv import pin_within_budget
-from server.token_memo import TokenMemo
+from server.model_info import ModelInfo
+from server.prompts import encode_chat, reply_token_ids
 
 
 class Clock:
@@ -86,19 +88,30 @@ def tokenizer():
     return Tokenizer(build_tiny_random().tokenizer_bundle)
 
 
-def test_token_memo_reuses_the_ids_the_engine_saw(tokenizer):
-    memo = TokenMemo()
-    text = "Hello world"
-    assert memo.encode(tokenizer, text) == tokenizer.encode(text)
-    spelled = [tokenizer.encode(c)[0] for c in text]  # a different tokenization of the same text
-    assert spelled != tokenizer.encode(text)
-    memo.record(text, spelled)
-    assert memo.encode(tokenizer, text + "! How are you") == spelled + tokenizer.encode("! How are you")
-    assert memo.encode(tokenizer, "Goodbye") == tokenizer.encode("Goodbye")
-    memo.record("Hello", [1, 2])
-    assert memo.encode(tokenizer, "Hello world today")[: len(spelled)] == spelled  # longest prefix wins
-    restored = TokenMemo.from_json(memo.to_json())
-    assert restored.encode(tokenizer, text + "!") == memo.encode(tokenizer, text + "!")
+def test_stored_reply_ids_are_used_as_generated_and_keep_the_prompt_a_prefix(tokenizer):
+    info = ModelInfo("tiny", tokenizer, tokenizer.vocab_size, 512, 4, 8, 0)
+    reply = "Hello world"
+    spelled = [tokenizer.encode(c)[0] for c in reply]  # how a model may have generated this text
+    assert spelled != tokenizer.encode(reply) and tokenizer.decode(spelled) == reply
+    turn = [{"role": "user", "content": "Hi"}]
+    prompt = encode_chat(info, turn)
+    assert prompt == tokenizer.encode(tokenizer.apply_chat_template(turn))  # no stored ids: the text as written
+    history = [*turn, {"role": "assistant", "content": reply, "token_ids": spelled},
+               {"role": "user", "content": "And now?"}]
+    assert encode_chat(info, history)[: len(prompt) + len(spelled)] == prompt + spelled
+    without = [{k: v for k, v in m.items() if k != "token_ids"} for m in history]
+    assert encode_chat(info, without) == tokenizer.encode(tokenizer.apply_chat_template(without))
+    marker_in_text = [*history[:2], {"role": "user", "content": "\ue000 0 \ue000"}]  # markers in user text: fall back
+    assert encode_chat(info, marker_in_text) == tokenizer.encode(tokenizer.apply_chat_template(
+        [{k: v for k, v in m.items() if k != "token_ids"} for m in marker_in_text]))
+
+
+def test_reply_ids_are_stored_only_when_they_decode_to_the_stored_text(tokenizer):
+    info = ModelInfo("tiny", tokenizer, tokenizer.vocab_size, 512, 4, 8, 0)
+    ids = tokenizer.encode("Hello world")
+    assert reply_token_ids(info, [], ids, "Hello world", True) == ids
+    assert reply_token_ids(info, [], ids, "Hello", True) is None  # a stop string cut the text
+    assert reply_token_ids(info, ids[:1], ids[1:], "Hello world", True) == ids  # continued
 
 
 def _cached_kv(pin_budget: int) -> tuple[KVCacheManager, dict[str, list[int]]]:
@@ -137,3 +150,14 @@ def test_a_history_larger_than_the_budget_releases_nothing_else():
     stale, released = pin_within_budget(kv, "o", h["c"], pin_a, [])
     assert stale is None and released == [pin_a] and kv.pins.pinned_by("o") == 0
     kv.check_integrity()
+
+
+def test_json_nesting_is_measured_outside_strings():
+    assert nesting_depth(b'{"a": "[[[[{{", "b": [1, [2]]}') == 3
+    assert nesting_depth(b'{"a": "x\\"[[[[\\\\", "b": "]]]"}') == 1  # escaped quotes and backslashes
+    assert nesting_depth(b"1") == 0
+    assert parse_json(b'{"n": 12345678901234567890, "x": [0.5, -1e10, "\\u00e9"]}') == {
+        "n": 12345678901234567890, "x": [0.5, -1e10, "\u00e9"]}
+    for bad in (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), b"1" * 41, b"-Infinity", b'["\\udc80"]', b"\xff"):
+        with pytest.raises(JSONBodyError):
+            parse_json(bad)
