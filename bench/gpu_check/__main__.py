@@ -76,11 +76,15 @@ def main(argv: list[str] | None = None) -> int:
             result = skipped(stage, "command buffers are off for the whole run", False)
         else:
             result = run_stage(stage, out, args.dry_run, min(stage.limit_s, left), wanted)
-            if wanted and stage.kind == "env" and rejected_flag(result):
-                # This XLA does not know the flag: say so, and run everything without it.
-                command_buffers = False
-                summary["command_buffers"] = "rejected by this XLA (unknown flag); off"
-                result = run_stage(stage, out, args.dry_run, min(stage.limit_s, deadline - time.monotonic()), False)
+            if wanted and stage.kind == "env" and result["status"] != "ok":
+                # Unknown to this XLA, or breaking the kernel chain: if the stage passes without
+                # the flag, say why and run everything without it.
+                why = "unknown to this XLA" if rejected_flag(result) else (result["error"] or result["problems"][0])
+                retry = run_stage(stage, out, args.dry_run, min(stage.limit_s, deadline - time.monotonic()), False)
+                if retry["status"] == "ok":
+                    command_buffers = False
+                    summary["command_buffers"] = f"off (the env stage failed with the flag: {why[:120]})"
+                    result = retry
         if stage.kind == "env" and result["status"] != "ok":
             env_ok = False
         summary["stages"].append(result)

@@ -92,13 +92,13 @@ def prefill_case(config: ModelConfig, dtype: str, pages: int, seed: int) -> dict
 def _cases(plan: Plan):
     """(model, config, dtype, kernel, variant, fn(seed) -> comparison) for every case."""
     pages = plan.correctness_pages
-    for model, config in plan.models.items():
-        for dtype in plan.correctness_dtypes:
-            yield model, config, dtype, "decode", "default splits", functools.partial(
-                decode_case, config, dtype, pages, None)
-            yield model, config, dtype, "decode", f"{FORCED_SPLITS} splits", functools.partial(
-                decode_case, config, dtype, pages, FORCED_SPLITS)
-            yield model, config, dtype, "prefill", "ragged", functools.partial(prefill_case, config, dtype, pages)
+    for model, dtype in plan.correctness:
+        config = plan.models[model]
+        yield model, config, dtype, "decode", "default splits", functools.partial(
+            decode_case, config, dtype, pages, None)
+        yield model, config, dtype, "decode", f"{FORCED_SPLITS} splits", functools.partial(
+            decode_case, config, dtype, pages, FORCED_SPLITS)
+        yield model, config, dtype, "prefill", "ragged", functools.partial(prefill_case, config, dtype, pages)
 
 
 def _failure(row: dict) -> str:

@@ -75,7 +75,7 @@ class Plan:
     dry_run: bool
     dtype: str  # of the weights, the KV cache and the benchmarked kernels
     models: dict[str, ModelConfig]
-    correctness_dtypes: tuple[str, ...]
+    correctness: tuple[tuple[str, str], ...]  # (model, dtype) pairs whose attention shape is checked
     correctness_pages: int  # block-table width of the correctness cases
     decode_model: str  # whose attention shape the decode grid uses
     decode_batches: tuple[int, ...]
@@ -132,7 +132,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         return Plan(
             dry_run=True, dtype="bfloat16",
             models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3},
-            correctness_dtypes=("float32", "bfloat16"), correctness_pages=4,
+            correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")), correctness_pages=4,
             decode_model="llama3-8b", decode_batches=(1, 4), decode_contexts=(64, 256),
             reference_max_tokens=2 ** 21, prefill_cases=((2, 16, 24), (1, 32, 0)),
             copy_bytes=16 * 2 ** 20, matmul_n=256, iters=2,
@@ -146,7 +146,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
     return Plan(
         dry_run=False, dtype="bfloat16",
         models={"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B},
-        correctness_dtypes=("float32", "bfloat16"), correctness_pages=64,
+        correctness=tuple((m, d) for m in models for d in ("float32", "bfloat16")), correctness_pages=64,
         decode_model="llama3-8b", decode_batches=(1, 8, 64, 256), decode_contexts=(512, 4096, 32768),
         # The reference gathers every sequence's pages into a copy: 2M tokens of 8 x 128 bf16
         # K and V are 8.6 GB (plus the pool); past that only ours and JAX's kernel run.
