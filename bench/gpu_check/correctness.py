@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.gpu_check.plan import Plan, Stage
-from bench.gpu_check.record import StageRecord
 from bench import kernel_bench
+from bench.gpu_check.plan import Plan, Stage
+from bench.gpu_check.record import StageRecord, describe_error
 from bench.kernel_bench import random_normal, scattered_tables
 from checkpoints.config import ModelConfig
 from kernels_pallas import common, decode, prefill, reference
@@ -47,8 +47,9 @@ def _compare(got: jax.Array, want: jax.Array, zero_rows: np.ndarray, dtype: str)
     err = float(np.max(np.abs(got32 - want32))) if finite else float("inf")
     bound = kernel_bench.TOLERANCE[dtype] * max(1.0, float(np.max(np.abs(want32))))
     zeros = not got32[zero_rows].any()
-    return {"max_err": err, "bound": bound, "finite": finite, "padding_zero": zeros,
-            "ok": finite and err <= bound and zeros and got.dtype == want.dtype}
+    same_dtype = got.dtype == want.dtype
+    return {"max_err": err, "bound": bound, "finite": finite, "padding_zero": zeros, "same_dtype": same_dtype,
+            "ok": finite and err <= bound and zeros and same_dtype}
 
 
 def decode_case(config: ModelConfig, dtype: str, pages: int, num_splits: int | None, seed: int) -> dict:
@@ -108,11 +109,14 @@ def _failure(row: dict) -> str:
         return "NaN or inf in the output (an element never written?)"
     if not row["padding_zero"]:
         return "padding rows are not zero"
+    if not row["same_dtype"]:
+        return "the output's dtype differs from the reference's"
     return f"max abs error {row['max_err']:.3g} > {row['bound']:.3g}"
 
 
 def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
-    record.info(interpret=common.resolve_interpret(None), tolerance=kernel_bench.TOLERANCE, pages=plan.correctness_pages)
+    record.info(interpret=common.resolve_interpret(None), tolerance=kernel_bench.TOLERANCE,
+                pages=plan.correctness_pages)
     for seed, (model, config, dtype, kernel, variant, fn) in enumerate(_cases(plan)):
         row = {"kernel": kernel, "variant": variant, "model": model, "dtype": dtype,
                "shape": f"kvh{config.num_kv_heads} g{config.q_per_kv} d{config.head_dim}"}
@@ -120,7 +124,7 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
         try:
             row.update(fn(seed))
         except Exception as e:  # one failing case must not hide the others
-            row.update(ok=False, error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            row.update(ok=False, error=describe_error(e))
         row["seconds"] = time.perf_counter() - t0
         record.row(row)
         if not row["ok"]:

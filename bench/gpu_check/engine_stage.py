@@ -79,16 +79,15 @@ def decode_window(engine: LLMEngine, batch: int, w: EngineWorkload, rng: np.rand
     for i, prompt in enumerate(rng.integers(0, vocab, (batch, w.prompt_len))):
         engine.add_request(f"b{batch}-{i}", prompt.tolist(), params)
     generated: dict[str, int] = {}
-    steps = tokens = kv_tokens = 0
-    seconds = 0.0
+    steps = tokens = kv_tokens = prefill_tokens = 0
+    seconds = runner_seconds = 0.0
     finished = False
-    prefill_tokens = engine.stats.prompt_tokens_computed
+    stats = engine.stats
     while engine.has_unfinished_requests():
         timed = len(generated) == batch and not finished
         if timed:
-            if steps == 0:
-                prefill_tokens = engine.stats.prompt_tokens_computed
             kv_tokens += sum(w.prompt_len + n for n in generated.values())  # each reads its whole sequence
+        runner_before, prefill_before = stats.model_time, stats.prompt_tokens_computed
         t0 = time.perf_counter()
         deltas = engine.step()
         elapsed = time.perf_counter() - t0
@@ -98,14 +97,18 @@ def decode_window(engine: LLMEngine, batch: int, w: EngineWorkload, rng: np.rand
         if timed:
             steps += 1
             seconds += elapsed
+            runner_seconds += stats.model_time - runner_before
+            prefill_tokens += stats.prompt_tokens_computed - prefill_before
             tokens += sum(len(d.token_ids) for d in deltas)
     if steps == 0:
         raise RuntimeError(f"batch {batch}: no step had all {batch} sequences decoding; raise max_tokens")
     return {
         "batch": batch, "steps": steps, "tokens": tokens, "seconds": seconds,
         "tok_per_s": tokens / seconds, "step_s": seconds / steps,
+        # runner.execute's share: input arrays, the device step and sampling, the copy back
+        "runner_s": runner_seconds / steps,
         "mean_context": kv_tokens / (steps * batch), "kv_tokens_per_step": kv_tokens / steps,
-        "prefill_tokens_in_window": engine.stats.prompt_tokens_computed - prefill_tokens,
+        "prefill_tokens_in_window": prefill_tokens,
     }
 
 
@@ -175,5 +178,7 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     record.info(compilations_after_warm_up=after, xla_compilations_serving=counter.count)
     if after or counter.count:
         record.problem(f"compiled after warm-up: {after} runner programs, {counter.count} XLA programs while serving")
-    if engine.has_unfinished_requests():
-        record.problem("requests left in the engine")
+    usage = engine.kv.usage()
+    record.info(kv_blocks_used_at_end=usage.used)
+    if engine.has_unfinished_requests() or usage.used:
+        record.problem(f"requests or KV blocks left in the engine ({usage.used} blocks used)")

@@ -13,6 +13,11 @@ def _plain(x: Any) -> Any:
     return x.item() if hasattr(x, "item") else str(x)
 
 
+def describe_error(e: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, cut to `limit` characters."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:limit]
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write through a temporary file and rename, so a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")

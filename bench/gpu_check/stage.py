@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from bench.gpu_check.plan import make_plan
-from bench.gpu_check.record import StageRecord
+from bench.gpu_check.record import StageRecord, describe_error
 
 # stage kind -> (module, function): imported only in the stage's own process.
 RUNNERS = {
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         getattr(importlib.import_module(module), function)(plan, stage, record)
     except Exception as e:
         traceback.print_exc()
-        record.error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+        record.error(describe_error(e))
         return 1
     return 1 if record.data["problems"] else 0
 
