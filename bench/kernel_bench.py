@@ -8,7 +8,8 @@ the time per call, next to the bandwidth of a device-to-device copy measured in 
 (read + write bytes / time): the fraction of the copy bandwidth is the figure of merit, since
 decode attention is memory-bound (see kernels_pallas/decode.py for the floor). They also time
 `jax.experimental.pallas.ops.gpu.paged_attention` (one layer, q pre-scaled) on the same
-inputs. Prefill cases report achieved TFLOP/s against the reference. Absolute times mean
+inputs. Prefill cases report achieved TFLOP/s against the reference and as a share of an
+n x n x n matmul measured in the same run. Absolute times mean
 something only on a GPU; on CPU the interpreted kernels are slow by design.
 """
 

@@ -15,13 +15,14 @@ See bench/README.md ("GPU check") for reading the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
 import time
 from pathlib import Path
 
-from bench.gpu_check.plan import make_plan
+from bench.gpu_check.plan import Stage, make_plan
 from bench.gpu_check.record import write_json
 from bench.gpu_check.supervise import COMMAND_BUFFER_FLAG, rejected_flag, run_stage, skipped
 from bench.gpu_check.table import render
@@ -37,6 +38,39 @@ def _out_dir(arg: str | None) -> Path:
     return Path("out") / "gpu_check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+@dataclasses.dataclass
+class Run:
+    """One run of the plan: where results go, the deadline, and what the env stage decided."""
+
+    out: Path
+    dry_run: bool
+    deadline: float
+    command_buffers: bool
+    summary: dict
+    env_ok: bool = True
+
+    def stage(self, stage: Stage) -> dict:
+        """Run `stage` (or skip it, saying why) and return its result."""
+        left = self.deadline - time.monotonic()
+        wanted = self.command_buffers and stage.command_buffers is not False
+        if not self.env_ok:
+            return skipped(stage, "the env stage failed", wanted)
+        if left < MIN_STAGE_S or (stage.optional and left < stage.limit_s):
+            return skipped(stage, f"time budget: {left:.0f} s left", wanted)
+        if stage.command_buffers is False and not self.command_buffers:
+            return skipped(stage, "command buffers are off for the whole run", False)
+        result = run_stage(stage, self.out, self.dry_run, min(stage.limit_s, left), wanted)
+        if wanted and stage.kind == "env" and result["status"] != "ok":
+            # Unknown to this XLA, or breaking the kernel chain: run everything without the flag.
+            why = "unknown to this XLA" if rejected_flag(result) else (result["error"] or result["problems"][0])
+            self.command_buffers = False
+            self.summary["command_buffers"] = f"off (the env stage failed with the flag: {why[:120]})"
+            result = run_stage(stage, self.out, self.dry_run, min(stage.limit_s, self.deadline - time.monotonic()), False)
+        if stage.kind == "env":
+            self.env_ok = result["status"] == "ok"
+        return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -48,45 +82,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", nargs="+", default=None, metavar="NAME",
                         help="run only these stages (env always runs)")
     args = parser.parse_args(argv)
+    plan = make_plan(args.dry_run, command_buffer_variant=args.triton_command_buffers == "both")
+    unknown = set(args.stages or ()) - {s.name for s in plan.stages}
+    if unknown:
+        parser.error(f"unknown stages {sorted(unknown)}; choose from: {', '.join(s.name for s in plan.stages)}")
+    stages = [s for s in plan.stages if args.stages is None or s.name in args.stages or s.kind == "env"]
 
     out = _out_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = make_plan(args.dry_run, command_buffer_variant=args.triton_command_buffers == "both")
     command_buffers = not args.dry_run and args.triton_command_buffers != "off"
-    stages = [s for s in plan.stages if args.stages is None or s.name in args.stages or s.kind == "env"]
     start = time.monotonic()
-    deadline = start + plan.budget_s
     summary = {"mode": "dry-run" if args.dry_run else "gpu",
                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "budget_s": plan.budget_s, "command_buffers": "n/a (CPU)" if args.dry_run else "off",
-               "command_buffer_flag": COMMAND_BUFFER_FLAG, "stages": [], "total_s": 0.0}
-    if command_buffers:
-        summary["command_buffers"] = "on"
+               "budget_s": plan.budget_s, "command_buffer_flag": COMMAND_BUFFER_FLAG,
+               "command_buffers": "n/a (CPU)" if args.dry_run else ("on" if command_buffers else "off"),
+               "stages": [], "total_s": 0.0}
+    run = Run(out, args.dry_run, start + plan.budget_s, command_buffers, summary)
     print(f"gpu_check ({summary['mode']}): {len(stages)} stages, budget {plan.budget_s:.0f} s, results in {out}",
           flush=True)
-    env_ok = True
     for stage in stages:
-        left = deadline - time.monotonic()
-        wanted = command_buffers and stage.command_buffers is not False
-        if not env_ok:
-            result = skipped(stage, "the env stage failed", wanted)
-        elif left < MIN_STAGE_S or (stage.optional and left < stage.limit_s):
-            result = skipped(stage, f"time budget: {left:.0f} s left", wanted)
-        elif stage.optional and stage.command_buffers is False and not command_buffers:
-            result = skipped(stage, "command buffers are off for the whole run", False)
-        else:
-            result = run_stage(stage, out, args.dry_run, min(stage.limit_s, left), wanted)
-            if wanted and stage.kind == "env" and result["status"] != "ok":
-                # Unknown to this XLA, or breaking the kernel chain: if the stage passes without
-                # the flag, say why and run everything without it.
-                why = "unknown to this XLA" if rejected_flag(result) else (result["error"] or result["problems"][0])
-                retry = run_stage(stage, out, args.dry_run, min(stage.limit_s, deadline - time.monotonic()), False)
-                if retry["status"] == "ok":
-                    command_buffers = False
-                    summary["command_buffers"] = f"off (the env stage failed with the flag: {why[:120]})"
-                    result = retry
-        if stage.kind == "env" and result["status"] != "ok":
-            env_ok = False
+        result = run.stage(stage)
         summary["stages"].append(result)
         summary["total_s"] = time.monotonic() - start
         write_json(out / "gpu_check.json", summary)

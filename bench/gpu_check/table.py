@@ -16,12 +16,13 @@ def _f(x: Any, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
-def _grid(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns padded to their widest cell; the first left-aligned, the others right-aligned."""
+def _grid(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """Columns padded to their widest cell; those in `left` left-aligned, the others right-aligned."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     return [line(headers)] + [line(r) for r in rows]
 
@@ -33,7 +34,7 @@ def _stages_section(summary: dict) -> list[str]:
         if len(s["problems"]) > 2:
             note += f" (+{len(s['problems']) - 2} more)"
         rows.append([s["name"], s["status"], _f(s["seconds"]), _f(s["limit_s"], 0), note[:140]])
-    return _grid(["stage", "status", "seconds", "limit", "note"], rows)
+    return _grid(["stage", "status", "seconds", "limit", "note"], rows, left=(0, 4))
 
 
 def _correctness_section(stage: dict) -> list[str]:
@@ -41,7 +42,7 @@ def _correctness_section(stage: dict) -> list[str]:
              "n/a" if r.get("max_err") is None else f"{r['max_err']:.1e}",
              "n/a" if r.get("bound") is None else f"{r['bound']:.1e}",
              "yes" if r["ok"] else f"NO: {r.get('error', '')[:60]}"] for r in stage["rows"]]
-    return _grid(["case", "model", "dtype", "shape", "max err", "bound", "ok"], rows)
+    return _grid(["case", "model", "dtype", "shape", "max err", "bound", "ok"], rows, left=(0, 6))
 
 
 def _engine_rows(stages: list[dict]) -> list[list[str]]:
@@ -100,11 +101,11 @@ def render(summary: dict, plan: Plan) -> str:
         "",
     ]
     out += _stages_section(summary)
-    if "correctness" in stages:
+    if stages.get("correctness", {}).get("rows"):
         out += ["", "kernel correctness (vs kernels_pallas/reference.py)"] + _correctness_section(stages["correctness"])
     for name, title in (("decode_kernels", "decode kernel"), ("prefill_kernels", "prefill kernel")):
         stage = stages.get(name)
-        if not stage:
+        if not stage or not stage["rows"]:
             continue
         info = stage["info"]
         text = io.StringIO()
@@ -121,5 +122,5 @@ def render(summary: dict, plan: Plan) -> str:
         out += _grid(ENGINE_COLUMNS, engine_rows)
     out += ["", "goals (issue 16)" + ("; dry-run figures are CPU timings of tiny shapes, the goals are for the GPU"
                                       if plan.dry_run else "")]
-    out += _grid(["goal", "measured", "target", "met"], _goal_rows(stages, plan))
+    out += _grid(["goal", "measured", "target", "met"], _goal_rows(stages, plan), left=(0, 1))
     return "\n".join(out) + "\n"
