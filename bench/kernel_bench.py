@@ -114,23 +114,23 @@ def copy_bandwidth(nbytes: int, dtype, iters: int) -> float:
 def matmul_peak(n: int, dtype, iters: int) -> float:
     """FLOP/s of an n x n x n matmul in `dtype` (f32 accumulation): the compute ceiling that
     prefill is held against."""
-    ka, kb = jax.random.split(jax.random.key(2))
-    a, b = (random_normal(k, (n, n), jnp.dtype(dtype)) for k in (ka, kb))
+    a, b = (random_normal(seed, (n, n), jnp.dtype(dtype)) for seed in (2, 3))
     matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     return 2 * n ** 3 / time_call(lambda: matmul(a, b), iters, repeats=5)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def random_normal(key, shape: tuple[int, ...], dtype) -> jax.Array:
-    """Standard-normal values drawn on device in one fused program (no f32 copy of a big pool)."""
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+def random_normal(seed, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Standard-normal values drawn on device in one fused program. The key is XLA's own bit
+    generator (`unsafe_rbg`): threefry's counters would take ~16 bytes per element of scratch,
+    past the memory of a GPU for the largest pools."""
+    return jax.random.normal(jax.random.key(seed, impl="unsafe_rbg"), shape, jnp.float32).astype(dtype)
 
 
-def _pool(key, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype):
+def _pool(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype):
     """One layer of K and V in the shipped op's layout [KVH, NB, BS, D], random on device."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    kk, kv = jax.random.split(key)
-    return random_normal(kk, shape, jnp.dtype(dtype)), random_normal(kv, shape, jnp.dtype(dtype))
+    return random_normal(0, shape, jnp.dtype(dtype)), random_normal(1, shape, jnp.dtype(dtype))
 
 
 def scattered_tables(rng, rows: int, width: int) -> jax.Array:
@@ -176,10 +176,10 @@ def bench_decode(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps:
     whose gathered copy of the pool would not fit) the reference, on the same inputs."""
     rng = np.random.default_rng(0)
     width = common.cdiv(case.context, case.block_size)
-    k, v = _pool(jax.random.key(0), case.num_kv_heads, case.batch * width + 1, case.block_size,
+    k, v = _pool(case.num_kv_heads, case.batch * width + 1, case.block_size,
                  case.head_dim, dtype)
     num_heads = case.num_kv_heads * case.group
-    q = jax.random.normal(jax.random.key(1), (case.batch, num_heads, case.head_dim)).astype(dtype)
+    q = random_normal(2, (case.batch, num_heads, case.head_dim), jnp.dtype(dtype))
     tables = scattered_tables(rng, case.batch, width)
     lengths = jnp.full((case.batch,), case.context, jnp.int32)
     scale = case.head_dim ** -0.5
@@ -220,11 +220,11 @@ def bench_prefill(case: PrefillCase, dtype, interpret: bool, iters: int) -> dict
     rng = np.random.default_rng(0)
     total = case.history + case.chunk
     width = common.cdiv(total, case.block_size)
-    k, v = _pool(jax.random.key(0), case.num_kv_heads, case.num_seqs * width + 1, case.block_size,
+    k, v = _pool(case.num_kv_heads, case.num_seqs * width + 1, case.block_size,
                  case.head_dim, dtype)
     num_heads = case.num_kv_heads * case.group
     tokens = case.num_seqs * case.chunk
-    q = jax.random.normal(jax.random.key(1), (tokens, num_heads, case.head_dim)).astype(dtype)
+    q = random_normal(2, (tokens, num_heads, case.head_dim), jnp.dtype(dtype))
     tables = scattered_tables(rng, case.num_seqs, width)
     seq_lens = jnp.full((case.num_seqs,), total, jnp.int32)
     query_start = jnp.arange(case.num_seqs + 1, dtype=jnp.int32) * case.chunk

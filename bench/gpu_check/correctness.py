@@ -36,8 +36,7 @@ _reference_prefill = jax.jit(reference.prefill_attention, static_argnames=("scal
 
 def _cache(seed: int, config: ModelConfig, num_blocks: int, dtype) -> tuple[jax.Array, jax.Array]:
     shape = (NUM_LAYERS, config.num_kv_heads, num_blocks, BLOCK_SIZE, config.head_dim)
-    kk, kv = jax.random.split(jax.random.key(seed))
-    return random_normal(kk, shape, dtype), random_normal(kv, shape, dtype)
+    return random_normal(3 * seed, shape, dtype), random_normal(3 * seed + 1, shape, dtype)
 
 
 def _compare(got: jax.Array, want: jax.Array, zero_rows: np.ndarray, dtype: str) -> dict:
@@ -60,7 +59,7 @@ def decode_case(config: ModelConfig, dtype: str, pages: int, num_splits: int | N
                int(rng.integers(2, full)), int(rng.integers(2, full)), 0]
     k, v = _cache(seed, config, len(lengths) * pages + 1, dtype)
     tables = scattered_tables(rng, len(lengths), pages)
-    q = random_normal(jax.random.key(seed + 1), (len(lengths), config.num_heads, config.head_dim), dtype)
+    q = random_normal(3 * seed + 2, (len(lengths), config.num_heads, config.head_dim), dtype)
     lens = jnp.asarray(lengths, jnp.int32)
     scale = config.head_dim ** -0.5
     want = _reference_decode(q, k, v, jnp.int32(LAYER), tables, lens, scale=scale)
@@ -81,7 +80,7 @@ def prefill_case(config: ModelConfig, dtype: str, pages: int, seed: int) -> dict
     rows = common.next_power_of_2(int(query_start[-1]) + 8)  # padding rows at the end
     k, v = _cache(seed, config, len(sequences) * pages + 1, dtype)
     tables = scattered_tables(rng, len(sequences), pages)
-    q = random_normal(jax.random.key(seed + 1), (rows, config.num_heads, config.head_dim), dtype)
+    q = random_normal(3 * seed + 2, (rows, config.num_heads, config.head_dim), dtype)
     seq_lens = jnp.asarray([h + c for h, c in sequences], jnp.int32)
     starts = jnp.asarray(query_start)
     scale = config.head_dim ** -0.5

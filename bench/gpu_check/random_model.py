@@ -2,7 +2,8 @@
 
 The weights are drawn inside one jitted program whose outputs are already in the runner's
 shardings, so an 8B-parameter model (16 GB in bf16) never exists on the host and is never
-copied. Norm scales are f32 and everything else is in the compute dtype, as `ModelRunner`
+copied; with XLA's bit generator (`unsafe_rbg`), whose draws fuse into their consumers (threefry's
+counters would take ~73 GB of scratch for the 8B model). Norm scales are f32 and everything else is in the compute dtype, as `ModelRunner`
 would cast them, so the runner takes the arrays as they are. The tokenizer maps id i to the
 word `t<i>`: prompts are token ids, and detokenizing costs what a real vocabulary's would.
 """
@@ -34,7 +35,7 @@ def random_params_on_device(config: ModelConfig, dtype: Any, shardings: Any, see
     dtype = jnp.dtype(dtype)
 
     def init() -> ParamTree:
-        keys = jax.random.split(jax.random.key(seed), len(paths_and_shapes))
+        keys = jax.random.split(jax.random.key(seed, impl="unsafe_rbg"), len(paths_and_shapes))
         leaves = []
         for key, (path, shape) in zip(keys, paths_and_shapes):
             name = path[-1].key
