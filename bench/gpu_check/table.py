@@ -16,6 +16,10 @@ def _f(x: Any, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
 def _grid(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
     """Columns padded to their widest cell; those in `left` left-aligned, the others right-aligned."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
@@ -55,7 +59,7 @@ def _engine_rows(stages: list[dict]) -> list[list[str]]:
         for r in s["rows"]:
             on = overlap_on.get((s["model"], r["batch"]))
             rows.append([label, str(r["batch"]), _f(r["mean_context"], 0), _f(r["tok_per_s"], 0),
-                         _f(1e3 * r["step_s"], 2), _f(1e3 * r["device_s"], 2), _f(1e3 * r["roofline_s"], 2),
+                         _ms(r["step_s"]), _ms(r["device_s"]), _ms(r["roofline_s"]),
                          _f(r["pct_roofline"]), _f(r["pct_roofline_device"]), _f(r["host_pct"]),
                          _f(on["host_pct"]) if on else "n/a",
                          str(info.get("compilations_after_warm_up", "n/a")),
@@ -71,9 +75,9 @@ def _goal_rows(stages: dict[str, dict], plan: Plan) -> list[list[str]]:
     cases = f"batch >= {plan.goal_kernel_min_batch}, context >= {plan.goal_kernel_min_context}"
     big = stages.get("engine_llama3-8b", {}).get("rows", [])
     roof = [r["pct_roofline"] for r in big if r["batch"] == plan.goal_engine_batch]
-    host_on = [r["host_pct"] for s in stages.values() if s["kind"] == "engine" and s["overlap"] for r in s["rows"]]
-    host_off = [r["host_pct"] for s in stages.values() if s["kind"] == "engine" and s["overlap"] is not True
-                for r in s["rows"]]
+    engine = [s for s in stages.values() if s["kind"] == "engine" and not s["name"].endswith("_no_cmdbuf")]
+    host_on = [r["host_pct"] for s in engine if s["overlap"] for r in s["rows"] if r["host_pct"] is not None]
+    host_off = [r["host_pct"] for s in engine if not s["overlap"] for r in s["rows"] if r["host_pct"] is not None]
 
     def met(values: list[float], ok) -> str:
         return "n/a" if not values else ("yes" if ok(values) else "no")
