@@ -127,8 +127,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: Sha
     straight into shards from a converted checkpoint (each process reads only its shards),
     `device_put` from other sources. Without it they are numpy arrays.
     """
-    # Imported here, not with this module: code that only builds models in memory (bench.gpu_check's
-    # random models) then needs neither library (gguf, safetensors).
+    # Imported here, not with this module: code that builds its models in memory (random weights
+    # on a GPU machine without these libraries, say) then needs neither gguf nor safetensors.
     from checkpoints.gguf import load_gguf
     from checkpoints.hf import load_hf_dir
 
