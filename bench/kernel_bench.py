@@ -8,7 +8,8 @@ the time per call, next to the bandwidth of a device-to-device copy measured in 
 (read + write bytes / time): the fraction of the copy bandwidth is the figure of merit, since
 decode attention is memory-bound (see kernels_pallas/decode.py for the floor). They also time
 `jax.experimental.pallas.ops.gpu.paged_attention` (one layer, q pre-scaled) on the same
-inputs. Prefill cases report achieved TFLOP/s against the reference. Absolute times mean
+inputs. Prefill cases report achieved TFLOP/s against the reference and as a share of an
+n x n x n matmul measured in the same run. Absolute times mean
 something only on a GPU; on CPU the interpreted kernels are slow by design.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -27,7 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.kernel_report import ms, print_tables
 from kernels_pallas import common, decode, prefill, reference
+
+
+# Largest accepted difference between a kernel and the reference, by dtype (outputs are
+# averages of unit-normal values, so of order 1).
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +111,29 @@ def copy_bandwidth(nbytes: int, dtype, iters: int) -> float:
     return 2 * x.nbytes / time_call(lambda: copy(x), max(iters, 10), repeats=5)
 
 
-def _pool(key, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype):
+def matmul_peak(n: int, dtype, iters: int) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (f32 accumulation): the compute ceiling that
+    prefill is held against."""
+    a, b = (random_normal(seed, (n, n), jnp.dtype(dtype)) for seed in (2, 3))
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / time_call(lambda: matmul(a, b), iters, repeats=5)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def random_normal(seed, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Standard-normal values drawn on device in one fused program. The key is XLA's own bit
+    generator (`unsafe_rbg`): threefry's counters would take ~16 bytes per element of scratch,
+    past the memory of a GPU for the largest pools."""
+    return jax.random.normal(jax.random.key(seed, impl="unsafe_rbg"), shape, jnp.float32).astype(dtype)
+
+
+def _pool(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype):
     """One layer of K and V in the shipped op's layout [KVH, NB, BS, D], random on device."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    kk, kv = jax.random.split(key)
-    return (jax.random.normal(kk, shape, jnp.float32).astype(dtype),
-            jax.random.normal(kv, shape, jnp.float32).astype(dtype))
+    return random_normal(0, shape, jnp.dtype(dtype)), random_normal(1, shape, jnp.dtype(dtype))
 
 
-def _scattered_tables(rng, rows: int, width: int) -> jax.Array:
+def scattered_tables(rng, rows: int, width: int) -> jax.Array:
     """Distinct blocks 1..rows*width in random order (block 0 stays reserved)."""
     return jnp.asarray(rng.permutation(np.arange(1, rows * width + 1)).reshape(rows, width), jnp.int32)
 
@@ -148,14 +170,17 @@ def _time_variants(row: dict, variants: dict[str, Callable], args: tuple, iters:
             row[f"{name}_err"] = float(jnp.max(diff))
 
 
-def bench_decode(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps: float) -> dict:
+def bench_decode(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps: float,
+                 with_reference: bool = True) -> dict:
+    """One decode case: ours, JAX's shipped op and (unless `with_reference` is off, for cases
+    whose gathered copy of the pool would not fit) the reference, on the same inputs."""
     rng = np.random.default_rng(0)
     width = common.cdiv(case.context, case.block_size)
-    k, v = _pool(jax.random.key(0), case.num_kv_heads, case.batch * width + 1, case.block_size,
+    k, v = _pool(case.num_kv_heads, case.batch * width + 1, case.block_size,
                  case.head_dim, dtype)
     num_heads = case.num_kv_heads * case.group
-    q = jax.random.normal(jax.random.key(1), (case.batch, num_heads, case.head_dim)).astype(dtype)
-    tables = _scattered_tables(rng, case.batch, width)
+    q = random_normal(2, (case.batch, num_heads, case.head_dim), jnp.dtype(dtype))
+    tables = scattered_tables(rng, case.batch, width)
     lengths = jnp.full((case.batch,), case.context, jnp.int32)
     scale = case.head_dim ** -0.5
     layer = jnp.int32(0)
@@ -176,7 +201,10 @@ def bench_decode(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps:
     row = {"kind": "decode", "case": case.label(), **dataclasses.asdict(case), "jax_k_splits": splits}
     touched = case.batch * width * case.block_size
     row["kv_bytes"] = 2 * touched * case.num_kv_heads * case.head_dim * jnp.dtype(dtype).itemsize
-    _time_variants(row, {"ours": ours, "reference": ref, "shipped": shipped}, args, iters)
+    variants = {"ours": ours, "reference": ref, "shipped": shipped}
+    if not with_reference:
+        del variants["reference"]
+    _time_variants(row, variants, args, iters)
     if row["ours_s"]:
         row["ours_gbps"] = row["kv_bytes"] / row["ours_s"] / 1e9
         row["ours_pct_copy"] = 100 * row["kv_bytes"] / row["ours_s"] / copy_bps
@@ -192,12 +220,12 @@ def bench_prefill(case: PrefillCase, dtype, interpret: bool, iters: int) -> dict
     rng = np.random.default_rng(0)
     total = case.history + case.chunk
     width = common.cdiv(total, case.block_size)
-    k, v = _pool(jax.random.key(0), case.num_kv_heads, case.num_seqs * width + 1, case.block_size,
+    k, v = _pool(case.num_kv_heads, case.num_seqs * width + 1, case.block_size,
                  case.head_dim, dtype)
     num_heads = case.num_kv_heads * case.group
     tokens = case.num_seqs * case.chunk
-    q = jax.random.normal(jax.random.key(1), (tokens, num_heads, case.head_dim)).astype(dtype)
-    tables = _scattered_tables(rng, case.num_seqs, width)
+    q = random_normal(2, (tokens, num_heads, case.head_dim), jnp.dtype(dtype))
+    tables = scattered_tables(rng, case.num_seqs, width)
     seq_lens = jnp.full((case.num_seqs,), total, jnp.int32)
     query_start = jnp.arange(case.num_seqs + 1, dtype=jnp.int32) * case.chunk
     scale = case.head_dim ** -0.5
@@ -218,35 +246,6 @@ def bench_prefill(case: PrefillCase, dtype, interpret: bool, iters: int) -> dict
     if row["ours_s"] and row["reference_s"]:
         row["speedup_vs_reference"] = row["reference_s"] / row["ours_s"]
     return row
-
-
-def _ms(x: float | None) -> str:
-    return "   n/a" if x is None else f"{1e3 * x:8.3f}"
-
-
-def print_tables(rows: list[dict], copy_bps: float, out=sys.stdout) -> None:
-    print(f"\ncopy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s", file=out)
-    print(f"{'decode case':<28} {'KV MB':>8} {'ours ms':>8} {'GB/s':>8} {'%copy':>6} "
-          f"{'ref ms':>8} {'jax ms':>8} {'x jax':>6} {'x ref':>6}", file=out)
-    for r in (r for r in rows if r["kind"] == "decode"):
-        print(f"{r['case']:<28} {r['kv_bytes'] / 1e6:8.1f} {_ms(r['ours_s'])} "
-              f"{r.get('ours_gbps', 0):8.1f} {r.get('ours_pct_copy', 0):6.1f} "
-              f"{_ms(r.get('reference_s'))} {_ms(r.get('shipped_s'))} "
-              f"{r.get('speedup_vs_shipped', float('nan')):6.2f} "
-              f"{r.get('speedup_vs_reference', float('nan')):6.2f}", file=out)
-        for key in ("ours_error", "reference_error", "shipped_error"):
-            if key in r:
-                print(f"    {key}: {r[key]}", file=out)
-    prefill_rows = [r for r in rows if r["kind"] == "prefill"]
-    if prefill_rows:
-        print(f"{'prefill case':<36} {'ours ms':>8} {'TFLOP/s':>8} {'ref ms':>8} {'x ref':>6}", file=out)
-        for r in prefill_rows:
-            print(f"{r['case']:<36} {_ms(r['ours_s'])} {r.get('ours_tflops', 0):8.2f} "
-                  f"{_ms(r.get('reference_s'))} {r.get('speedup_vs_reference', float('nan')):6.2f}",
-                  file=out)
-            for key in ("ours_error", "reference_error"):
-                if key in r:
-                    print(f"    {key}: {r[key]}", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,26 +269,28 @@ def main(argv: list[str] | None = None) -> int:
 
     # CPU: 16 MiB (bigger fresh outputs pay page faults every call); GPU: 1 GiB, past any cache.
     copy_bps = copy_bandwidth((16 if on_cpu else 1024) * 2 ** 20, dtype, iters)
+    matmul_flops = matmul_peak(256 if on_cpu else 8192, dtype, iters) if prefill_cases else None
     rows: list[dict] = []
 
     def record(row: dict) -> None:
         rows.append(row)
         if args.json:  # rewritten after every case, so a run cut short still leaves its rows
             with open(args.json, "w") as f:
-                json.dump({"copy_bps": copy_bps, "device": jax.devices()[0].device_kind,
+                json.dump({"copy_bps": copy_bps, "matmul_flops": matmul_flops,
+                           "device": jax.devices()[0].device_kind,
                            "interpret": interpret, "dtype": dtype.name, "rows": rows}, f, indent=1)
 
     for case in decode_cases:
         record(bench_decode(case, dtype, interpret, iters, copy_bps))
         r = rows[-1]
-        print(f"  {r['case']}: ours {_ms(r['ours_s'])} ms, ref {_ms(r.get('reference_s'))} ms, "
-              f"jax {_ms(r.get('shipped_s'))} ms", flush=True)
+        print(f"  {r['case']}: ours {ms(r['ours_s'])} ms, ref {ms(r.get('reference_s'))} ms, "
+              f"jax {ms(r.get('shipped_s'))} ms", flush=True)
     for pcase in prefill_cases:
         record(bench_prefill(pcase, dtype, interpret, iters))
-        print(f"  {rows[-1]['case']}: ours {_ms(rows[-1]['ours_s'])} ms", flush=True)
-    print_tables(rows, copy_bps)
-    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
-    errors = [r for r in rows if "ours_error" in r or r.get("ours_err", 0) > tolerance]
+        print(f"  {rows[-1]['case']}: ours {ms(rows[-1]['ours_s'])} ms", flush=True)
+    print()
+    print_tables(rows, copy_bps, matmul_flops)
+    errors = [r for r in rows if "ours_error" in r or r.get("ours_err", 0) > TOLERANCE[dtype.name]]
     pct = [r["ours_pct_copy"] for r in rows if "ours_pct_copy" in r]
     if pct:
         print(f"median decode bandwidth: {statistics.median(pct):.1f}% of copy")

@@ -28,8 +28,6 @@ import jax
 
 from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError, ModelFetchError
-from checkpoints.gguf import load_gguf
-from checkpoints.hf import load_hf_dir
 from checkpoints.loaded import LoadedModel
 from checkpoints.orbax_io import is_orbax_dir, load_orbax, read_config, save_orbax
 from checkpoints.params import map_leaves, resolve_dtype
@@ -129,6 +127,11 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: Sha
     straight into shards from a converted checkpoint (each process reads only its shards),
     `device_put` from other sources. Without it they are numpy arrays.
     """
+    # Imported here, not with this module: code that builds its models in memory (random weights
+    # on a GPU machine without these libraries, say) then needs neither gguf nor safetensors.
+    from checkpoints.gguf import load_gguf
+    from checkpoints.hf import load_hf_dir
+
     if spec == TINY_RANDOM:
         return _on_shardings(build_tiny_random(dtype), shardings)
     if spec in REGISTERED_GGUF:

@@ -71,24 +71,27 @@ def tiny_random_config(**overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def scale_like_trained(leaf: str, noise: Any, shape: tuple[int, ...]) -> Any:
+    """The values of a leaf named `leaf` (kernel, scale, bias, embedding) from standard-normal
+    `noise` of `shape` (numpy or jax): kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm
+    scales ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2)."""
+    if leaf == "kernel":
+        return noise / np.sqrt(shape[-2])
+    if leaf == "scale":
+        return 1.0 + 0.1 * noise
+    if leaf == "bias":
+        return 0.1 * noise
+    return noise
+
+
 def random_params(config: ModelConfig, seed: int = 0, dtype: Any = "float32") -> ParamTree:
-    """Random parameters for `config`: kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1),
-    norm scales ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2). Same seed, same arrays."""
+    """Random parameters for `config`, scaled as `scale_like_trained` says. Same seed, same arrays."""
     rng = np.random.default_rng(seed)
     dtype = resolve_dtype(dtype)
     flat: dict[str, np.ndarray] = {}
     for path, shape in iter_leaves(param_shapes(config)):
-        leaf = path.rsplit("/", 1)[1]
         noise = rng.standard_normal(shape, dtype=np.float32)
-        if leaf == "kernel":
-            values = noise / np.sqrt(shape[-2])
-        elif leaf == "scale":
-            values = 1.0 + 0.1 * noise
-        elif leaf == "bias":
-            values = 0.1 * noise
-        else:
-            values = noise
-        flat[path] = values.astype(dtype)
+        flat[path] = scale_like_trained(path.rsplit("/", 1)[1], noise, shape).astype(dtype)
     tree: ParamTree = {}
     for path, value in flat.items():
         *parents, leaf = path.split("/")

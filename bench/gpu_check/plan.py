@@ -1,0 +1,162 @@
+"""What the GPU check runs: model shapes, kernel grids, engine workloads and stage time limits,
+for the GPU run and for the CPU dry run (the same stages and code, with tiny shapes).
+
+Nothing here imports JAX: the supervising process reads the plan without touching a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from checkpoints.config import ModelConfig
+from jaxserve.config import EngineConfig
+
+# The EngineConfig field that switches overlap scheduling (the host prepares step N+1 while step N
+# runs), once the engine has one: name it here and every engine stage runs with it off and on.
+OVERLAP_FIELD: str | None = None
+
+# The default model's shape (SmolLM2-135M) and Llama-3-8B's, with random weights in bf16.
+SMOLLM2_135M = ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    max_position_embeddings=131072,
+)
+# Dry-run stand-ins: the same attention grouping (3 and 4 query heads per kv head), tiny sizes.
+TINY_SMOLLM2 = dataclasses.replace(
+    SMOLLM2_135M, vocab_size=512, hidden_size=96, intermediate_size=192, num_layers=2, num_heads=6,
+    num_kv_heads=2, head_dim=16,
+)
+TINY_LLAMA3 = dataclasses.replace(
+    LLAMA3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+    num_kv_heads=2, head_dim=32,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineWorkload:
+    """Per batch size: that many random token-id prompts of `prompt_len`, each generating
+    `max_tokens` greedy tokens (EOS ignored); decode is timed while every sequence decodes."""
+
+    batches: tuple[int, ...]
+    prompt_len: int
+    max_tokens: int
+    max_num_batched_tokens: int
+    max_prefill_seqs: int
+    block_size: int = 16
+
+    @property
+    def max_model_len(self) -> int:
+        tokens = self.prompt_len + self.max_tokens
+        return -(-tokens // self.block_size) * self.block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage, run in its own process under `limit_s` seconds."""
+
+    name: str
+    kind: str  # env | correctness | decode_kernels | prefill_kernels | engine
+    limit_s: float
+    model: str | None = None  # engine stages: a key of Plan.models
+    overlap: bool | None = None  # engine stages: overlap scheduling (None: the engine has none)
+    command_buffers: bool | None = None  # None: as the run's --triton-command-buffers says
+    optional: bool = False  # runs only when the time left covers its whole limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    dry_run: bool
+    dtype: str  # of the weights, the KV cache and the benchmarked kernels
+    models: dict[str, ModelConfig]
+    correctness: tuple[tuple[str, str], ...]  # (model, dtype) pairs whose attention shape is checked
+    correctness_pages: int  # block-table width of the correctness cases
+    decode_model: str  # whose attention shape the decode grid uses
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    reference_max_tokens: int  # the reference runs on decode cases up to batch x context tokens
+    prefill_cases: tuple[tuple[int, int, int], ...]  # (sequences, chunk, history)
+    copy_bytes: int
+    matmul_n: int
+    iters: int
+    workload: EngineWorkload
+    # The issue's goals apply to decode cases from this batch and context up, and to this batch
+    # of the engine on the 8B shape.
+    goal_kernel_min_batch: int
+    goal_kernel_min_context: int
+    goal_engine_batch: int
+    budget_s: float  # the whole run, all stages
+    stages: tuple[Stage, ...]
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage {name!r} in the plan; stages: {', '.join(s.name for s in self.stages)}")
+
+
+def _stages(limits: dict[str, float], models: tuple[str, ...], overlaps: tuple[bool | None, ...],
+            command_buffer_variant: bool) -> tuple[Stage, ...]:
+    stages = [Stage("env", "env", limits["env"]), Stage("correctness", "correctness", limits["correctness"]),
+              Stage("decode_kernels", "decode_kernels", limits["decode_kernels"]),
+              Stage("prefill_kernels", "prefill_kernels", limits["prefill_kernels"])]
+    for model in models:
+        for overlap in overlaps:
+            suffix = "" if not overlap else "_overlap"
+            stages.append(Stage(f"engine_{model}{suffix}", "engine", limits[f"engine_{model}"], model, overlap))
+    if command_buffer_variant:  # the small model's steps are the most launch-bound
+        stages.append(Stage(f"engine_{models[0]}_no_cmdbuf", "engine", limits[f"engine_{models[0]}"],
+                            models[0], overlaps[0], command_buffers=False, optional=True))
+    return tuple(stages)
+
+
+def overlap_modes() -> tuple[bool | None, ...]:
+    """(None,) while the engine has no overlap switch (reported as n/a), else (False, True)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return (False, True) if OVERLAP_FIELD in fields else (None,)
+
+
+def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
+    """The GPU plan (one H200, under 8 minutes) or the dry-run plan (2 CPU cores, ~1 minute).
+    command_buffer_variant: add an engine stage with Triton command buffers off (GPU only)."""
+    models = ("smollm2-135m", "llama3-8b")
+    if dry_run:
+        limits = {"env": 20, "correctness": 50, "decode_kernels": 35, "prefill_kernels": 25,
+                  "engine_smollm2-135m": 40, "engine_llama3-8b": 40}
+        return Plan(
+            dry_run=True, dtype="bfloat16",
+            models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3},
+            correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")), correctness_pages=4,
+            decode_model="llama3-8b", decode_batches=(1, 4), decode_contexts=(64, 256),
+            reference_max_tokens=2 ** 21, prefill_cases=((2, 16, 24), (1, 32, 0)),
+            copy_bytes=16 * 2 ** 20, matmul_n=256, iters=2,
+            workload=EngineWorkload(batches=(1, 4), prompt_len=24, max_tokens=12,
+                                    max_num_batched_tokens=128, max_prefill_seqs=4),
+            goal_kernel_min_batch=4, goal_kernel_min_context=256, goal_engine_batch=4,
+            budget_s=170, stages=_stages(limits, models, overlap_modes(), False),
+        )
+    # The limits add up to the budget, so a stage that overruns never eats into a later one's time;
+    # the optional stage runs only in what the others left.
+    limits = {"env": 30, "correctness": 60, "decode_kernels": 120, "prefill_kernels": 40,
+              "engine_smollm2-135m": 70, "engine_llama3-8b": 130}
+    return Plan(
+        dry_run=False, dtype="bfloat16",
+        models={"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B},
+        correctness=tuple((m, d) for m in models for d in ("float32", "bfloat16")), correctness_pages=64,
+        decode_model="llama3-8b", decode_batches=(1, 8, 64, 256), decode_contexts=(512, 4096, 32768),
+        # The reference gathers every sequence's pages into a copy: 2M tokens of 8 x 128 bf16
+        # K and V are 8.6 GB (plus the pool); past that only ours and JAX's kernel run.
+        reference_max_tokens=2 ** 21,
+        prefill_cases=((4, 512, 0), (4, 512, 4096), (16, 128, 2048), (1, 4096, 0)),
+        copy_bytes=2 ** 30, matmul_n=8192, iters=20,
+        workload=EngineWorkload(batches=(1, 64, 256), prompt_len=512, max_tokens=64,
+                                max_num_batched_tokens=8192, max_prefill_seqs=16),
+        goal_kernel_min_batch=64, goal_kernel_min_context=4096, goal_engine_batch=64,
+        budget_s=450, stages=_stages(limits, models, overlap_modes(), command_buffer_variant),
+    )

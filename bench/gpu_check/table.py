@@ -1,0 +1,130 @@
+"""The GPU check's summary (gpu_check.json) as a text table; the dry run prints the same columns."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from bench.gpu_check.plan import Plan
+from bench.kernel_report import print_decode_table, print_prefill_table
+
+ENGINE_COLUMNS = ["model", "batch", "ctx", "tok/s", "step ms", "device ms", "roofline ms", "%roof",
+                  "%roof dev", "host %", "host % overlap", "compiles", "xla compiles", "warm-up s"]
+
+
+def _f(x: Any, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
+def _grid(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """Columns padded to their widest cell; those in `left` left-aligned, the others right-aligned."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(headers)] + [line(r) for r in rows]
+
+
+def _stages_section(summary: dict) -> list[str]:
+    rows = []
+    for s in summary["stages"]:
+        note = s["error"] or "; ".join(s["problems"][:2]) or ""
+        if len(s["problems"]) > 2:
+            note += f" (+{len(s['problems']) - 2} more)"
+        rows.append([s["name"], s["status"], _f(s["seconds"]), _f(s["limit_s"], 0), note[:140]])
+    return _grid(["stage", "status", "seconds", "limit", "note"], rows, left=(0, 4))
+
+
+def _correctness_section(stage: dict) -> list[str]:
+    rows = [[f"{r['kernel']} {r['variant']}", r["model"], r["dtype"], r["shape"],
+             "n/a" if r.get("max_err") is None else f"{r['max_err']:.1e}",
+             "n/a" if r.get("bound") is None else f"{r['bound']:.1e}",
+             "yes" if r["ok"] else f"NO: {r.get('error', '')[:60]}"] for r in stage["rows"]]
+    return _grid(["case", "model", "dtype", "shape", "max err", "bound", "ok"], rows, left=(0, 6))
+
+
+def _engine_rows(stages: list[dict]) -> list[list[str]]:
+    engine = [s for s in stages if s["kind"] == "engine"]
+    overlap_on = {(s["model"], r["batch"]): r for s in engine if s["overlap"] for r in s["rows"]}
+    rows = []
+    for s in (s for s in engine if not s["overlap"]):
+        label = s["model"] + (" (no cmdbuf)" if s["name"].endswith("_no_cmdbuf") else "")
+        info = s["info"]
+        for r in s["rows"]:
+            on = overlap_on.get((s["model"], r["batch"]))
+            rows.append([label, str(r["batch"]), _f(r["mean_context"], 0), _f(r["tok_per_s"], 0),
+                         _ms(r["step_s"]), _ms(r["device_s"]), _ms(r["roofline_s"]),
+                         _f(r["pct_roofline"]), _f(r["pct_roofline_device"]), _f(r["host_pct"]),
+                         _f(on["host_pct"]) if on else "n/a",
+                         str(info.get("compilations_after_warm_up", "n/a")),
+                         str(info.get("xla_compilations_serving", "n/a")), _f(info.get("warm_up_s"))])
+    return rows
+
+
+def _goal_rows(stages: dict[str, dict], plan: Plan) -> list[list[str]]:
+    decode = [r for r in stages.get("decode_kernels", {}).get("rows", [])
+              if r["batch"] >= plan.goal_kernel_min_batch and r["context"] >= plan.goal_kernel_min_context]
+    pct = [r["ours_pct_copy"] for r in decode if r.get("ours_pct_copy") is not None]
+    vs_jax = [r["speedup_vs_shipped"] for r in decode if r.get("speedup_vs_shipped") is not None]
+    cases = f"batch >= {plan.goal_kernel_min_batch}, context >= {plan.goal_kernel_min_context}"
+    big = stages.get("engine_llama3-8b", {}).get("rows", [])
+    roof = [r["pct_roofline"] for r in big if r["batch"] == plan.goal_engine_batch]
+    engine = [s for s in stages.values() if s["kind"] == "engine" and not s["name"].endswith("_no_cmdbuf")]
+    host_on = [r["host_pct"] for s in engine if s["overlap"] for r in s["rows"] if r["host_pct"] is not None]
+    host_off = [r["host_pct"] for s in engine if not s["overlap"] for r in s["rows"] if r["host_pct"] is not None]
+
+    def met(values: list[float], ok) -> str:
+        return "n/a" if not values else ("yes" if ok(values) else "no")
+
+    return [
+        [f"decode kernel % of copy ({cases})", f"min {_f(min(pct))}" if pct else "n/a", ">= 80", met(pct, lambda v: min(v) >= 80)],
+        [f"decode kernel x JAX's paged_attention (same cases)", f"min {_f(min(vs_jax), 2)}" if vs_jax else "n/a",
+         ">= 1.5", met(vs_jax, lambda v: min(v) >= 1.5)],
+        [f"engine decode step, llama3-8b at batch {plan.goal_engine_batch}, % of HBM roofline", _f(roof[0]) if roof else "n/a",
+         ">= 70", met(roof, lambda v: v[0] >= 70)],
+        ["host % of a step, overlap on", f"max {_f(max(host_on))}" if host_on else
+         f"n/a (no overlap switch yet; off: max {_f(max(host_off)) if host_off else 'n/a'})", "< 5",
+         met(host_on, lambda v: max(v) < 5)],
+    ]
+
+
+def render(summary: dict, plan: Plan) -> str:
+    stages = {s["name"]: s for s in summary["stages"]}
+    env = stages.get("env", {}).get("info", {})
+    out: list[str] = [
+        f"jaxserve GPU check ({'DRY RUN: CPU, tiny shapes, kernels interpreted' if plan.dry_run else 'GPU'}): "
+        f"{env.get('device_kind', '?')} ({env.get('backend', '?')}), jax {env.get('jax', '?')}, "
+        f"Pallas {'interpreted' if env.get('pallas_interpret') else 'native'}, "
+        f"Triton command buffers {summary['command_buffers']}; {summary['total_s']:.0f} s of {plan.budget_s:.0f} s",
+        "",
+    ]
+    out += _stages_section(summary)
+    if stages.get("correctness", {}).get("rows"):
+        out += ["", "kernel correctness (vs kernels_pallas/reference.py)"] + _correctness_section(stages["correctness"])
+    for name, title in (("decode_kernels", "decode kernel"), ("prefill_kernels", "prefill kernel")):
+        stage = stages.get(name)
+        if not stage or not stage["rows"]:
+            continue
+        info = stage["info"]
+        text = io.StringIO()
+        if name == "decode_kernels" and info.get("copy_bps"):
+            print_decode_table(stage["rows"], info["copy_bps"], text)
+        elif name == "prefill_kernels" and info.get("matmul_flops"):
+            print_prefill_table(stage["rows"], info["matmul_flops"], text)
+        if text.getvalue():
+            out += ["", f"{title} ({info.get('dtype')}, {info.get('model_shape')} attention shape)"]
+            out += text.getvalue().rstrip("\n").splitlines()
+    engine_rows = _engine_rows(summary["stages"])
+    if engine_rows:
+        out += ["", "engine decode (LLMEngine, pallas attention, random weights; ctx = mean tokens per sequence)"]
+        out += _grid(ENGINE_COLUMNS, engine_rows)
+    out += ["", "goals (issue 16)" + ("; dry-run figures are CPU timings of tiny shapes, the goals are for the GPU"
+                                      if plan.dry_run else "")]
+    out += _grid(["goal", "measured", "target", "met"], _goal_rows(stages, plan), left=(0, 1))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,126 @@
+"""`python3 -m bench.gpu_check --dry-run`: the GPU check's stages, run on CPU with tiny shapes and
+interpreted kernels, so the command a GPU machine runs cannot rot between GPU draws."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_check.plan import Stage, make_plan
+from bench.gpu_check.supervise import run_stage
+from bench.gpu_check.table import ENGINE_COLUMNS
+
+REPO = Path(__file__).resolve().parents[2]
+PLAN = make_plan(dry_run=True, command_buffer_variant=False)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=400)
+    summary = json.loads((out / "gpu_check.json").read_text())
+    return proc, summary, (out / "gpu_check.txt").read_text()
+
+
+def stage(summary: dict, name: str) -> dict:
+    return next(s for s in summary["stages"] if s["name"] == name)
+
+
+def test_every_stage_runs_and_passes(dry_run):
+    proc, summary, table = dry_run
+    assert [s["name"] for s in summary["stages"]] == [s.name for s in PLAN.stages]
+    failed = {s["name"]: s["error"] or s["problems"] for s in summary["stages"] if s["status"] != "ok"}
+    assert not failed, f"{failed}\n{proc.stdout[-3000:]}"
+    assert proc.returncode == 0
+    assert summary["mode"] == "dry-run"
+    assert stage(summary, "env")["info"]["pallas_interpret"] is True
+    assert proc.stdout.endswith(table), "the table is printed as well as written"
+
+
+def test_correctness_compares_both_kernels_in_both_dtypes(dry_run):
+    rows = stage(dry_run[1], "correctness")["rows"]
+    assert {(r["kernel"], r["dtype"]) for r in rows} == {(k, d) for k in ("decode", "prefill")
+                                                         for d in ("float32", "bfloat16")}
+    assert all(r["ok"] and r["padding_zero"] and r["max_err"] <= r["bound"] for r in rows)
+
+
+def test_kernel_stages_measure_every_case_against_their_peers(dry_run):
+    summary = dry_run[1]
+    decode = stage(summary, "decode_kernels")
+    assert decode["info"]["copy_bps"] > 0
+    assert [(r["batch"], r["context"]) for r in decode["rows"]] == [
+        (b, c) for b in PLAN.decode_batches for c in PLAN.decode_contexts]
+    for r in decode["rows"]:
+        assert r["ours_gbps"] > 0 and r["shipped_s"] > 0 and r["speedup_vs_shipped"] > 0
+        assert r["ours_err"] <= 2e-2  # bf16
+    prefill = stage(summary, "prefill_kernels")
+    assert prefill["info"]["matmul_flops"] > 0
+    assert len(prefill["rows"]) == len(PLAN.prefill_cases)
+    assert all(r["ours_pct_peak"] > 0 for r in prefill["rows"])
+
+
+def test_engine_stages_compile_nothing_after_warm_up(dry_run):
+    summary = dry_run[1]
+    for model in PLAN.models:
+        s = stage(summary, f"engine_{model}")
+        info = s["info"]
+        assert info["compilations_after_warm_up"] == 0 and info["xla_compilations_serving"] == 0
+        assert info["warm_up_s"] > 0 and info["compilations_at_warm_up"] > 0
+        assert [r["batch"] for r in s["rows"]] == list(PLAN.workload.batches)
+        for r in s["rows"]:
+            assert r["tokens"] == r["steps"] * r["batch"], "every timed step decodes the whole batch"
+            assert r["prefill_tokens_in_window"] == 0
+            assert r["tok_per_s"] > 0 and r["device_s"] > 0 and r["roofline_s"] > 0
+            assert 0 <= r["host_pct"] <= 100
+            assert r["mean_context"] > PLAN.workload.prompt_len
+
+
+def test_table_has_the_columns_of_the_gpu_run(dry_run):
+    table = dry_run[2]
+    lines = table.splitlines()
+    assert lines[0].startswith("jaxserve GPU check (DRY RUN")
+    assert any(line.split() == "  ".join(ENGINE_COLUMNS).split() for line in lines)
+    assert any(line.startswith("decode case") and "%copy" in line and "x jax" in line for line in lines)
+    assert any(line.startswith("prefill case") and "%peak" in line for line in lines)
+    engine_rows = [line for line in lines if line.split()[:1] and line.split()[0] in PLAN.models]
+    assert len(engine_rows) == len(PLAN.models) * len(PLAN.workload.batches)
+    assert all("n/a" in row for row in engine_rows), "no overlap switch yet: host % with overlap is n/a"
+    for s in PLAN.stages:
+        assert any(line.split()[:2] == [s.name, "ok"] for line in lines)
+
+
+def test_a_stage_that_overruns_or_crashes_is_recorded(tmp_path):
+    timed_out = run_stage(PLAN.stage("correctness"), tmp_path, True, limit_s=1, command_buffers=False)
+    assert timed_out["status"] == "timeout" and "1 s limit" in timed_out["error"]
+    crashed = run_stage(Stage("no_such_stage", "env", 30), tmp_path, True, limit_s=30, command_buffers=False)
+    assert crashed["status"] == "failed" and "no stage 'no_such_stage'" in crashed["error"]
+
+
+def test_supervisor_never_imports_jax():
+    """It must hold no device memory, which the stages' processes need."""
+    code = "import sys, bench.gpu_check.__main__; assert 'jax' not in sys.modules, 'jax imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_stages_import_without_the_packages_the_gpu_machine_lacks():
+    """The GPU machine has jax, flax, orbax, numpy and tokenizers, but not jinja2, gguf or safetensors."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('jinja2', 'gguf', 'safetensors', 'sentencepiece'):\n"
+        "            raise ImportError(f'{name} is not on the GPU machine')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from bench.gpu_check import stage\n"
+        "import importlib\n"
+        "for module, _ in stage.RUNNERS.values():\n"
+        "    importlib.import_module(module)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
