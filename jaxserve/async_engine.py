@@ -68,6 +68,9 @@ class AsyncEngine:
         self.on_step: Callable[[DataParallelRouter, list[Delta], float], None] | None = None  # metrics hook
         # Called on the engine thread when it wakes with nothing to run (multi-host keep-alive).
         self.on_idle: Callable[[], None] | None = None
+        # Called on the engine thread once the loop has died (a device step failed) and every
+        # waiting stream has its error: the server exits non-zero so a supervisor restarts it.
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -139,8 +142,11 @@ class AsyncEngine:
             try:
                 engine.add_request(item.request_id, item.prompt_ids, item.params, item.session_id)
                 self._deliver[item.request_id] = item.deliver
-            except ValueError as e:
+            except ValueError as e:  # the request cannot be served: the caller's error
                 item.deliver(e)
+            except Exception as e:  # noqa: BLE001 - this request failed alone; the engine goes on
+                logger.exception("adding request %s failed", item.request_id)
+                item.deliver(RequestFailedError(f"{type(e).__name__}: {e}"))
         elif isinstance(item, _Abort):
             for d in engine.abort(item.request_id):
                 self._send(d)
@@ -189,6 +195,8 @@ class AsyncEngine:
             for deliver in self._deliver.values():
                 deliver(EngineDeadError(f"engine loop failed: {e!r}"))
             self._deliver.clear()
+            if self.on_fatal is not None:
+                self.on_fatal(e)
             return
         for rid in list(self._deliver):
             for d in engine.abort(rid):

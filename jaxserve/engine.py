@@ -31,7 +31,7 @@ from jaxserve import faults
 from jaxserve.request import FinishReason, Request
 from jaxserve.runner import ModelRunner, SampledToken, StepHandle, checkpoint_shardings
 from jaxserve.runner.inputs import PreparedStep
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.tokenizer import Tokenizer
@@ -104,11 +104,9 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.encode_prompt(prompt)
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        params.check_vocabulary(self.model_config.vocab_size)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        group = []
+        streams = {}  # all built before any is registered: a failure leaves nothing behind
         for i in range(params.n):
             req = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}-{i}",
@@ -117,8 +115,9 @@ class LLMEngine:
                 seed=(base_seed + i) % (1 << 31),
                 eos_token_ids=self.eos_token_ids,
             )
-            self._streams[req] = SequenceStream(request_id, req, i, self.tokenizer)
-            group.append(req)
+            streams[req] = SequenceStream(request_id, req, i, self.tokenizer)
+        group = list(streams)
+        self._streams.update(streams)
         self._groups[request_id] = group
         for req in group:
             self.scheduler.add_request(req)
@@ -128,6 +127,8 @@ class LLMEngine:
         """Token ids of a prompt, or ValueError when it cannot be served. Text is a completion
         prompt: it gets what the tokenizer adds (a BOS for Llama 2 / Mistral), as in vLLM; a
         rendered chat, whose template writes its own BOS, comes as ids."""
+        if isinstance(prompt, str) and not encodes_as_utf8(prompt):
+            raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")

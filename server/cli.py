@@ -99,6 +99,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     devices) process 0 serves HTTP and the others replay its device operations until it stops.
     """
     import asyncio
+    import os
+    import signal
 
     import jax
     from aiohttp import web
@@ -134,6 +136,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
             return 0
         leader = multihost.Leader(runner, channel)
         async_engine.on_idle = leader.keep_alive
+    # A dead engine loop (a device step failed) stops the server like SIGTERM, and it exits 1.
+    async_engine.on_fatal = lambda _error: os.kill(os.getpid(), signal.SIGTERM)
     async_engine.start()
 
     async def stop_engine(_app: web.Application) -> None:
@@ -162,5 +166,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         async_engine.shutdown()  # already stopped unless the app failed to start
         if leader is not None:
             leader.stop()
+    if async_engine.fatal_error is not None:
+        print(f"server stopped: the engine failed ({async_engine.fatal_error!r})", flush=True)
+        return 1
     print("server stopped", flush=True)
     return 0

@@ -4,11 +4,16 @@ freed) and every other request of the batch finishes with the tokens it gets wit
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams, faults
+from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +59,28 @@ def test_a_fault_fails_only_the_chosen_request(llm, point, assert_kv_all_free):
     assert_kv_all_free(llm.engine)
     # the engine goes on serving
     assert generate(llm, 200)[1][("f200", 0)] == clean[("f0", 0)]
+
+
+def test_a_failing_device_step_stops_the_loop_and_says_so(llm):
+    """Only the device iteration itself is fatal: every waiting stream gets EngineDeadError and
+    `on_fatal` runs (the server then exits non-zero for its supervisor)."""
+    engine = LLMEngine(build_tiny_random(), llm.engine.config)
+    async_engine = AsyncEngine(engine)
+    errors: list[BaseException] = []
+    died = threading.Event()
+    async_engine.on_fatal = lambda e: (errors.append(e), died.set())
+
+    def device_lost(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    engine.runner.launch = device_lost
+    async_engine.start()
+
+    async def generate() -> None:
+        with pytest.raises(EngineDeadError, match="device lost"):
+            async for _ in async_engine.generate("dead", [5, 6, 7], SamplingParams(max_tokens=3)):
+                pass
+
+    asyncio.run(generate())
+    assert died.wait(10) and "device lost" in str(errors[0])
+    assert not async_engine.is_alive

@@ -46,7 +46,7 @@ def engine_config(plan: Plan, config: ModelConfig, stage: Stage) -> EngineConfig
     w = plan.workload
     pages = w.max_model_len // w.block_size
     num_blocks = int(max(w.batches) * pages * KV_HEADROOM) + 2
-    overlap = {} if stage.overlap is None else {OVERLAP_FIELD: stage.overlap}
+    overlap = {OVERLAP_FIELD: stage.overlap}
     return EngineConfig(
         block_size=w.block_size,
         kv_cache_memory=num_blocks * KVCache.bytes_per_block(config, w.block_size, plan.dtype),
@@ -105,7 +105,7 @@ def decode_window(engine: LLMEngine, batch: int, w: EngineWorkload, rng: np.rand
     return {
         "batch": batch, "steps": steps, "tokens": tokens, "seconds": seconds,
         "tok_per_s": tokens / seconds, "step_s": seconds / steps,
-        # runner.execute's share: input arrays, the device step and sampling, the copy back
+        # the runner's host share: building and launching the iteration, then waiting to read it
         "runner_s": runner_seconds / steps,
         "mean_context": kv_tokens / (steps * batch), "kv_tokens_per_step": kv_tokens / steps,
         "prefill_tokens_in_window": prefill_tokens,
@@ -118,25 +118,26 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     read are blocks 1..batch*width, and the new K/V goes to block 0 (reserved, as padding's does),
     so nothing the engine holds is written."""
     width = runner.engine_config.block_table_buckets[-1]
-    key, args, sampling = runner._decode_arrays([], batch, width)
-    step = runner._executables[key]
-    sample = runner._executables[("sample", batch)]
+    program = runner.inputs.decode([], batch, width)
+    step = runner._executables[program.key]
+    sample = runner._executables[("sample", runner.inputs.sampler_rows(batch))]
     tables = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     meta = AttentionMetadata(np.zeros(batch, np.int32), tables, np.full(batch, context, np.int32))
-    tokens, _, _, logits_indices = args[2:]
-    inputs = jax.device_put((tokens, np.full(batch, context - 1, np.int32), meta, logits_indices, sampling),
-                            replicated(runner.mesh))
-    *step_inputs, sampling_tensors = inputs
+    tokens, _, _, logits_indices, token_src = program.host_args
+    step_inputs = jax.device_put((tokens, np.full(batch, context - 1, np.int32), meta, logits_indices,
+                                  runner._no_tokens, token_src), replicated(runner.mesh))
+    sampling, offset = jax.device_put((program.sampling, np.int32(program.sample_offset)), replicated(runner.mesh))
 
-    def once(cache):
+    def once(cache, counts):
         logits, cache = step(runner.params, cache, *step_inputs)
-        return sample(logits, sampling_tensors), cache
+        out, _, counts = sample(logits, sampling, runner._no_tokens, offset, counts)
+        return out, cache, counts
 
-    out, runner.cache = once(runner.cache)
+    out, runner.cache, runner.penalty_counts = once(runner.cache, runner.penalty_counts)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(iters):
-        out, runner.cache = once(runner.cache)
+        out, runner.cache, runner.penalty_counts = once(runner.cache, runner.penalty_counts)
     jax.block_until_ready((out, runner.cache))
     return (time.perf_counter() - t0) / iters
 

@@ -11,9 +11,10 @@ import dataclasses
 from checkpoints.config import ModelConfig
 from jaxserve.config import EngineConfig
 
-# The EngineConfig field that switches overlap scheduling (the host prepares step N+1 while step N
-# runs), once the engine has one: name it here and every engine stage runs with it off and on.
-OVERLAP_FIELD: str | None = None
+# The EngineConfig field that switches overlap (async) scheduling: the host prepares step N+1
+# while step N runs. Engine stages run with it on (the default); the small model, whose steps are
+# the most host-bound, runs again with it off when time is left.
+OVERLAP_FIELD = "async_scheduling"
 
 # The default model's shape (SmolLM2-135M) and Llama-3-8B's, with random weights in bf16.
 SMOLLM2_135M = ModelConfig(
@@ -65,7 +66,7 @@ class Stage:
     kind: str  # env | correctness | decode_kernels | prefill_kernels | engine
     limit_s: float
     model: str | None = None  # engine stages: a key of Plan.models
-    overlap: bool | None = None  # engine stages: overlap scheduling (None: the engine has none)
+    overlap: bool = True  # engine stages: async (overlap) scheduling
     command_buffers: bool | None = None  # None: as the run's --triton-command-buffers says
     optional: bool = False  # runs only when the time left covers its whole limit
 
@@ -101,25 +102,20 @@ class Plan:
         raise KeyError(f"no stage {name!r} in the plan; stages: {', '.join(s.name for s in self.stages)}")
 
 
-def _stages(limits: dict[str, float], models: tuple[str, ...], overlaps: tuple[bool | None, ...],
-            command_buffer_variant: bool) -> tuple[Stage, ...]:
+def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_variant: bool) -> tuple[Stage, ...]:
     stages = [Stage("env", "env", limits["env"]), Stage("correctness", "correctness", limits["correctness"]),
               Stage("decode_kernels", "decode_kernels", limits["decode_kernels"]),
               Stage("prefill_kernels", "prefill_kernels", limits["prefill_kernels"])]
     for model in models:
-        for overlap in overlaps:
-            suffix = "" if not overlap else "_overlap"
-            stages.append(Stage(f"engine_{model}{suffix}", "engine", limits[f"engine_{model}"], model, overlap))
-    if command_buffer_variant:  # the small model's steps are the most launch-bound
+        stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, True))
+    # The optional stages run only in what the others left; the small model's steps are the most
+    # launch-bound, so they show the host's share and the command buffers' effect best.
+    stages.append(Stage(f"engine_{models[0]}_sync", "engine", limits[f"engine_{models[0]}"], models[0], False,
+                        optional=True))
+    if command_buffer_variant:
         stages.append(Stage(f"engine_{models[0]}_no_cmdbuf", "engine", limits[f"engine_{models[0]}"],
-                            models[0], overlaps[0], command_buffers=False, optional=True))
+                            models[0], True, command_buffers=False, optional=True))
     return tuple(stages)
-
-
-def overlap_modes() -> tuple[bool | None, ...]:
-    """(None,) while the engine has no overlap switch (reported as n/a), else (False, True)."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    return (False, True) if OVERLAP_FIELD in fields else (None,)
 
 
 def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
@@ -139,7 +135,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
             workload=EngineWorkload(batches=(1, 4), prompt_len=24, max_tokens=12,
                                     max_num_batched_tokens=128, max_prefill_seqs=4),
             goal_kernel_min_batch=4, goal_kernel_min_context=256, goal_engine_batch=4,
-            budget_s=170, stages=_stages(limits, models, overlap_modes(), False),
+            budget_s=170, stages=_stages(limits, models, False),
         )
     # The limits add up to the budget, so a stage that overruns never eats into a later one's time;
     # the optional stage runs only in what the others left.
@@ -158,5 +154,5 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         workload=EngineWorkload(batches=(1, 64, 256), prompt_len=512, max_tokens=64,
                                 max_num_batched_tokens=8192, max_prefill_seqs=16),
         goal_kernel_min_batch=64, goal_kernel_min_context=4096, goal_engine_batch=64,
-        budget_s=450, stages=_stages(limits, models, overlap_modes(), command_buffer_variant),
+        budget_s=450, stages=_stages(limits, models, command_buffer_variant),
     )
