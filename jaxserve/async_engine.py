@@ -20,10 +20,15 @@ from typing import Any, AsyncIterator, Callable
 
 from jaxserve.dp_router import DataParallelRouter
 from jaxserve.engine import LLMEngine
+from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.kv import Pin
 from jaxserve.outputs import Delta
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+ENGINE_CALL_TIMEOUT = 30.0  # seconds a call on the engine thread may wait for a step to end
 
 
 class EngineDeadError(RuntimeError):
@@ -37,7 +42,7 @@ class RequestFailedError(RuntimeError):
 @dataclasses.dataclass
 class _Add:
     request_id: str
-    prompt_ids: list[int]
+    prompt: str | list[int]
     params: SamplingParams
     session_id: str | None
     deliver: Callable[[Delta | BaseException], None]
@@ -50,7 +55,7 @@ class _Abort:
 
 @dataclasses.dataclass
 class _Call:
-    """Run fn(engine) on the engine thread (KV pinning for sessions, stats snapshots)."""
+    """Run fn(router) on the engine thread (session pins, snapshots)."""
 
     fn: Callable[[DataParallelRouter], Any]
     done: Callable[[Any], None]
@@ -86,11 +91,10 @@ class AsyncEngine:
         that name a `session_id` go to the replica that served the session before."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
-        ids = self.engine.encode_prompt(prompt)  # validation only reads config and the tokenizer
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         deliver = functools.partial(loop.call_soon_threadsafe, out.put_nowait)
-        self._inbox.put(_Add(request_id, ids, params, session_id, deliver))
+        self._inbox.put(_Add(request_id, prompt, params, session_id, deliver))
         remaining = params.n
         finished = False
         try:
@@ -109,8 +113,37 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
-    async def call(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
-        """Run fn(router) on the engine thread between steps and return its result."""
+    # ----- the engine API, on the engine thread between steps (None once the loop has stopped) -
+
+    async def snapshot(self) -> EngineSnapshot | None:
+        return await self._on_engine_thread(DataParallelRouter.snapshot)
+
+    async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
+                          others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
+        """See `LLMEngine.pin_history`; the pin is made on the replica holding the session."""
+        return await self._on_engine_thread(lambda e: e.pin_history(session_id, owner, token_ids, old, others))
+
+    async def unpin(self, pin: Pin) -> None:
+        await self._on_engine_thread(lambda e: e.unpin(pin))
+
+    async def end_sessions(self, ended: list[tuple[str, Pin | None]]) -> None:
+        """Sessions that are gone: release each one's pin and its place on a replica."""
+        def end(router: DataParallelRouter) -> None:
+            for session_id, pin in ended:
+                router.end_session(session_id, pin)
+        await self._on_engine_thread(end)
+
+    async def set_pin_budget(self, blocks_per_owner: int) -> None:
+        await self._on_engine_thread(lambda e: e.set_pin_budget(blocks_per_owner))
+
+    async def inspect(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
+        """Run fn(router) on the engine thread: for tests and debugging tools, which may look at
+        any internal state. The server uses only the methods above."""
+        return await self._on_engine_thread(fn)
+
+    async def _on_engine_thread(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
+        if not self.is_alive:
+            return None
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -125,7 +158,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(settle)
 
         self._inbox.put(_Call(fn, done))
-        return await fut
+        return await asyncio.wait_for(fut, ENGINE_CALL_TIMEOUT)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort everything in flight and stop the loop."""
@@ -140,7 +173,7 @@ class AsyncEngine:
         engine = self.engine
         if isinstance(item, _Add):
             try:
-                engine.add_request(item.request_id, item.prompt_ids, item.params, item.session_id)
+                engine.add_request(item.request_id, item.prompt, item.params, item.session_id)
                 self._deliver[item.request_id] = item.deliver
             except ValueError as e:  # the request cannot be served: the caller's error
                 item.deliver(e)

@@ -23,8 +23,11 @@ from checkpoints.loaded import LoadedModel
 from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, StepStats
+from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.kv import Pin
 from jaxserve.outputs import Delta
 from jaxserve.request import Request
+from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from sharding.mesh import make_mesh, replica_meshes
 
@@ -115,9 +118,41 @@ class DataParallelRouter:
         index = self._sessions.setdefault(session_id, self.route(prompt_ids, session_id))
         return self.replicas[index]
 
-    def end_session(self, session_id: Hashable) -> None:
-        """Forget a session's replica; its next request is routed afresh."""
+    def end_session(self, session_id: Hashable, pin: Pin | None = None) -> None:
+        """Forget a session's replica (its next request is routed afresh) and release its pin."""
         self._sessions.pop(session_id, None)
+        if pin is not None:
+            self.unpin(pin)
+
+    def has_session(self, session_id: Hashable) -> bool:
+        return session_id in self._sessions
+
+    def pin_history(self, session_id: Hashable, owner: str, token_ids: list[int], old: Pin | None,
+                    others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+        """`LLMEngine.pin_history` on the replica that holds the session (routing it there first)."""
+        return self.session_replica(session_id, token_ids).pin_history(owner, token_ids, old, others)
+
+    def unpin(self, pin: Pin) -> None:
+        for engine in self.replicas:
+            engine.unpin(pin)
+
+    def set_pin_budget(self, blocks_per_owner: int) -> None:
+        for engine in self.replicas:
+            engine.set_pin_budget(blocks_per_owner)
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot.total([e.snapshot() for e in self.replicas])
+
+    def bucket_summary(self) -> str:
+        replicas = f" on each of {len(self.replicas)} replicas" if len(self.replicas) > 1 else ""
+        return self.replicas[0].runner.bucket_summary() + replicas
+
+    @property
+    def lone_runner(self) -> ModelRunner:
+        """The runner of a one-replica engine: what a multi-host job mirrors to its followers."""
+        if len(self.replicas) != 1:
+            raise ValueError("a multi-host job runs one replica")
+        return self.replicas[0].runner
 
     # ----- the engine interface -----------------------------------------------------------
 
@@ -127,7 +162,7 @@ class DataParallelRouter:
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.encode_prompt(prompt)
         index = self.route(ids, session_id)
-        group = self.replicas[index].add_request(request_id, ids, params)
+        group = self.replicas[index].add_prompt_ids(request_id, ids, params)
         self._owner[request_id] = index
         if session_id is not None:
             self._sessions[session_id] = index

@@ -23,12 +23,13 @@ from typing import Any
 
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import DEFAULT_MODEL, load_model
+from jaxserve import faults
 from jaxserve.config import EngineConfig
-from jaxserve.kv import KVCacheManager
+from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
+from jaxserve.kv import KVCacheManager, Pin
 from jaxserve.output_processor import SequenceStream
 from jaxserve.outputs import Delta, Usage
-from jaxserve import faults
-from jaxserve.request import FinishReason, Request
+from jaxserve.request import FinishReason, Request, RequestStatus, check_prompt_ids
 from jaxserve.runner import ModelRunner, SampledToken, StepHandle, checkpoint_shardings
 from jaxserve.runner.inputs import PreparedStep
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
@@ -37,10 +38,6 @@ from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room to generate within max_model_len."""
 
 
 @dataclasses.dataclass
@@ -101,9 +98,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
         """Queue a request; `n > 1` becomes n sequences sharing the prompt's blocks."""
+        return self.add_prompt_ids(request_id, self.encode_prompt(prompt), params)
+
+    def add_prompt_ids(self, request_id: str, ids: list[int], params: SamplingParams) -> list[Request]:
+        """`add_request` for token ids that `encode_prompt` returned (they are not checked again)."""
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}")
-        ids = self.encode_prompt(prompt)
         params.check_vocabulary(self.model_config.vocab_size)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         streams = {}  # all built before any is registered: a failure leaves nothing behind
@@ -130,18 +130,7 @@ class LLMEngine:
         if isinstance(prompt, str) and not encodes_as_utf8(prompt):
             raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens "
-                f"including at least one generated token"
-            )
-        return ids
+        return check_prompt_ids(ids, self.model_config.vocab_size, self.config.max_model_len)
 
     def abort(self, request_id: str) -> list[Delta]:
         """Stop a request now; its blocks are freed and final deltas returned."""
@@ -152,6 +141,34 @@ class LLMEngine:
                 deltas.append(self._final_delta(req, FinishReason.ABORT))
         self._forget_if_finished(request_id)
         return deltas
+
+    # ----- state the serving layer reads, and session pins ---------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        sched, kv = self.scheduler, self.kv
+        usage, cache = kv.usage(), kv.stats
+        preempted_waiting = sum(1 for r in sched.waiting if r.status is RequestStatus.PREEMPTED)
+        return EngineSnapshot(
+            running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
+            preempted=preempted_waiting + len(sched.swapped), has_unfinished=self.has_unfinished_requests(),
+            kv_requests=len(kv.request_ids()), kv=usage, prefix_query_tokens=cache.query_tokens,
+            prefix_hit_tokens=cache.hit_tokens + cache.host_hit_tokens, num_preemptions=sched.num_preemptions,
+            num_compilations=self.num_compilations, num_steps=self.stats.num_steps,
+            prompt_tokens_computed=self.stats.prompt_tokens_computed, generated_tokens=self.stats.generated_tokens,
+            replicas=(ReplicaLoad(len(sched.running), len(sched.waiting), usage.used, usage.num_blocks),),
+        )
+
+    def pin_history(self, owner: str, token_ids: list[int], old: Pin | None, others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+        """Pin a session's latest history (see `KVCacheManager.pin_within_budget`)."""
+        return self.kv.pin_within_budget(owner, token_ids, old, others)
+
+    def unpin(self, pin: Pin) -> None:
+        """Release a pin if this engine holds it."""
+        if pin.active and self.kv.pins.holds(pin):
+            self.kv.unpin(pin)
+
+    def set_pin_budget(self, blocks_per_owner: int) -> None:
+        self.kv.pins.budget_per_owner = blocks_per_owner
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished yet. (An iteration may still be in flight when the last one ends;

@@ -121,15 +121,14 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     async_engine = AsyncEngine(make_engine(args.model, engine_config))
     router = async_engine.engine
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
-    replicas = f" on each of {len(router.replicas)} replicas" if len(router.replicas) > 1 else ""
-    print(f"compiling buckets{replicas}: {router.replicas[0].runner.bucket_summary()}", flush=True)
+    print(f"compiling buckets: {router.bucket_summary()}", flush=True)
     seconds = router.warm_up()
     print(f"warm-up: {router.num_compilations} compilations in {seconds:.1f} s", flush=True)
     leader = None
     if jax.process_count() > 1:
         multihost.barrier("jaxserve-serve-warm")
         channel = multihost.StepChannel()
-        runner = router.replicas[0].runner
+        runner = router.lone_runner
         if jax.process_index() != 0:
             count = multihost.follow(runner, channel)
             print(f"process {jax.process_index()}: replayed {count} device operations; process 0 stopped", flush=True)

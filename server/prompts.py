@@ -10,6 +10,8 @@ from typing import Any
 
 import jinja2
 
+from jaxserve.request import PromptTooLongError
+from jaxserve.request import check_prompt_ids as check_engine_prompt_ids
 from server.errors import bad_request
 from server.model_info import ModelInfo
 
@@ -23,17 +25,13 @@ def _is_token_list(value: Any) -> bool:
 
 
 def check_prompt_ids(ids: list[int], info: ModelInfo, param: str = "prompt") -> list[int]:
-    if not ids:
-        raise bad_request("the prompt is empty", param=param)
-    if min(ids) < 0 or max(ids) >= info.vocab_size:
-        raise bad_request(f"prompt token ids must be in [0, {info.vocab_size})", param=param)
-    if len(ids) >= info.max_model_len:
-        raise bad_request(
-            f"this model's maximum context length is {info.max_model_len} tokens, and the prompt has "
-            f"{len(ids)} tokens (at least one token must be left to generate)",
-            param=param, code="context_length_exceeded",
-        )
-    return ids
+    """The engine's prompt check (`jaxserve.request.check_prompt_ids`), as a 400 naming `param`."""
+    try:
+        return check_engine_prompt_ids(ids, info.vocab_size, info.max_model_len)
+    except PromptTooLongError as e:
+        raise bad_request(str(e), param=param, code="context_length_exceeded") from None
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
 
 
 def completion_prompts(body: dict[str, Any], info: ModelInfo, max_prompts: int) -> list[tuple[str, list[int]]]:

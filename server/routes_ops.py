@@ -9,8 +9,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine
-from server.engine_snapshot import take_snapshot
-from server.session_kv import engine_call
 from server.state import STATE
 
 routes = web.RouteTableDef()
@@ -40,7 +38,7 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
-        snapshot = await engine_call(state.engine, take_snapshot)
+        snapshot = await state.engine.snapshot()
     except asyncio.TimeoutError:
         snapshot = None
     body = state.metrics.render(snapshot, state.engine.is_alive)

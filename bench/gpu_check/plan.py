@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from checkpoints.config import ModelConfig
-from jaxserve.config import EngineConfig
 
 # The EngineConfig field that switches overlap (async) scheduling: the host prepares step N+1
 # while step N runs. Engine stages run with it on (the default); the small model, whose steps are

@@ -523,6 +523,33 @@ class KVCacheManager:
             self.unpin(replacing)
         return pin
 
+    def pin_within_budget(self, owner: Hashable, token_ids: Sequence[int], old: Pin | None,
+                          others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+        """Pin `token_ids` for `owner` replacing `old` (a session's previous history), unpinning
+        `others` (the owner's other pins, least recently used first) as needed to fit its budget.
+        Returns the new pin (None if even alone it does not fit) and the pins released. Pins in
+        `others` that this manager does not hold (another replica's) are left alone."""
+        others = [p for p in others if self.pins.holds(p)]
+        if old is not None and not old.active:
+            old = None
+        released = []
+        pin = self.pin(owner, token_ids, replacing=old)
+        if pin is None and others and self.prefix_cache is not None:
+            needed = self.prefix_cache.match(token_ids, leave_last_token=False).num_blocks
+            if needed <= self.pins.budget_per_owner:  # else hopeless even alone: keep the others
+                for other in others:
+                    if not other.active:
+                        continue
+                    self.unpin(other)
+                    released.append(other)
+                    pin = self.pin(owner, token_ids, replacing=old)
+                    if pin is not None:
+                        break
+        if pin is None and old is not None:
+            self.unpin(old)  # the old history is stale now; do not keep it pinned either
+            released.append(old)
+        return pin, released
+
     def unpin(self, pin: Pin) -> None:
         self.pins.remove(pin)
         self._epoch += 1

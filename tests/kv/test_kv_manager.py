@@ -279,3 +279,41 @@ def test_many_turns_of_one_conversation_reuse_the_history() -> None:
     assert len(list(mgr.prefix_cache.nodes())) <= 2     # one conversation, grown in place
     assert mgr.stats.hit_rate > 0.7
     eng.drain()
+
+
+def _cached_kv(pin_budget: int) -> tuple[KVCacheManager, dict[str, list[int]]]:
+    """A KV manager with three 3-block histories in its prefix cache (block size 4)."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, watermark_blocks=0, pin_budget_blocks=pin_budget,
+                        max_pinned_blocks=32)
+    histories = {name: [base + i for i in range(13)] for name, base in (("a", 10), ("b", 40), ("c", 70))}
+    for name, ids in histories.items():
+        kv.admit(name, kv.match_prefix(ids), len(ids))
+        kv.cache_full_blocks(name, ids)
+        kv.free(name)
+    return kv, histories
+
+
+def test_pins_stay_within_the_owner_budget_releasing_the_least_recent():
+    kv, h = _cached_kv(pin_budget=6)
+    pin_a, released = kv.pin_within_budget("o", h["a"], None, [])
+    pin_b, _ = kv.pin_within_budget("o", h["b"], None, [pin_a])
+    assert pin_a.num_blocks == pin_b.num_blocks == 3 and released == []
+    pin_c, released = kv.pin_within_budget("o", h["c"], None, [pin_a, pin_b])
+    assert pin_c is not None and released == [pin_a] and not pin_a.active and pin_b.active
+    assert kv.pins.pinned_by("o") == 6
+    other, released = kv.pin_within_budget("p", h["a"], None, [])  # other owners have their own budget
+    assert other is not None and released == []
+    replaced, released = kv.pin_within_budget("o", h["a"][:8], pin_c, [pin_b])
+    assert replaced.num_blocks == 2 and not pin_c.active and released == []
+    kv.check_integrity()
+
+
+def test_a_history_larger_than_the_budget_releases_nothing_else():
+    kv, h = _cached_kv(pin_budget=2)
+    pin_a, _ = kv.pin_within_budget("o", h["a"][:8], None, [])
+    assert pin_a.num_blocks == 2
+    pin_b, released = kv.pin_within_budget("o", h["b"], None, [pin_a])
+    assert pin_b is None and released == [] and pin_a.active
+    stale, released = kv.pin_within_budget("o", h["c"], pin_a, [])
+    assert stale is None and released == [pin_a] and kv.pins.pinned_by("o") == 0
+    kv.check_integrity()

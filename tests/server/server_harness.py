@@ -23,7 +23,7 @@ from jaxserve.dp_router import DataParallelRouter
 from server.app import build_app
 from server.auth import owner_id
 from server.config import ServerConfig
-from server.engine_snapshot import EngineSnapshot, take_snapshot
+from jaxserve.engine_snapshot import EngineSnapshot
 from server.state import STATE
 
 MODEL_NAME = "tiny-random"
@@ -62,7 +62,7 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def engine_call(self, engine: AsyncEngine, fn: Callable[[DataParallelRouter], Any]) -> Any:
-        return self.run(engine.call(fn))
+        return self.run(engine.inspect(fn))
 
     def stop(self) -> None:
         try:
@@ -78,7 +78,7 @@ def start_server(async_engine: AsyncEngine, **config: Any) -> ServerThread:
 
 
 def snapshot(srv: ServerThread, async_engine: AsyncEngine) -> EngineSnapshot:
-    return srv.engine_call(async_engine, take_snapshot)
+    return srv.run(async_engine.snapshot())
 
 
 def wait_until_idle(srv: ServerThread, async_engine: AsyncEngine, timeout: float = 30.0) -> EngineSnapshot:

@@ -5,14 +5,12 @@ from __future__ import annotations
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
-from jaxserve.kv import KVCacheManager
 from jaxserve.tokenizer import Tokenizer
 from server.admission import Admission
 from server.auth import ApiKeys, owner_id, read_key_file
 from server.errors import APIError
 from server.json_body import MAX_DEPTH, JSONBodyError, nesting_depth, parse_json
 from server.rate_limit import RateLimiter
-from server.session_kv import pin_within_budget
 from server.model_info import ModelInfo
 from server.prompts import encode_chat, reply_token_ids
 
@@ -112,44 +110,6 @@ def test_reply_ids_are_stored_only_when_they_decode_to_the_stored_text(tokenizer
     assert reply_token_ids(info, [], ids, "Hello world", True) == ids
     assert reply_token_ids(info, [], ids, "Hello", True) is None  # a stop string cut the text
     assert reply_token_ids(info, ids[:1], ids[1:], "Hello world", True) == ids  # continued
-
-
-def _cached_kv(pin_budget: int) -> tuple[KVCacheManager, dict[str, list[int]]]:
-    """A KV manager with three 3-block histories in its prefix cache (block size 4)."""
-    kv = KVCacheManager(num_blocks=64, block_size=4, watermark_blocks=0, pin_budget_blocks=pin_budget,
-                        max_pinned_blocks=32)
-    histories = {name: [base + i for i in range(13)] for name, base in (("a", 10), ("b", 40), ("c", 70))}
-    for name, ids in histories.items():
-        kv.admit(name, kv.match_prefix(ids), len(ids))
-        kv.cache_full_blocks(name, ids)
-        kv.free(name)
-    return kv, histories
-
-
-def test_pins_stay_within_the_owner_budget_releasing_the_least_recent():
-    kv, h = _cached_kv(pin_budget=6)
-    pin_a, released = pin_within_budget(kv, "o", h["a"], None, [])
-    pin_b, _ = pin_within_budget(kv, "o", h["b"], None, [pin_a])
-    assert pin_a.num_blocks == pin_b.num_blocks == 3 and released == []
-    pin_c, released = pin_within_budget(kv, "o", h["c"], None, [pin_a, pin_b])
-    assert pin_c is not None and released == [pin_a] and not pin_a.active and pin_b.active
-    assert kv.pins.pinned_by("o") == 6
-    other, released = pin_within_budget(kv, "p", h["a"], None, [])  # other owners have their own budget
-    assert other is not None and released == []
-    replaced, released = pin_within_budget(kv, "o", h["a"][:8], pin_c, [pin_b])
-    assert replaced.num_blocks == 2 and not pin_c.active and released == []
-    kv.check_integrity()
-
-
-def test_a_history_larger_than_the_budget_releases_nothing_else():
-    kv, h = _cached_kv(pin_budget=2)
-    pin_a, _ = pin_within_budget(kv, "o", h["a"][:8], None, [])
-    assert pin_a.num_blocks == 2
-    pin_b, released = pin_within_budget(kv, "o", h["b"], None, [pin_a])
-    assert pin_b is None and released == [] and pin_a.active
-    stale, released = pin_within_budget(kv, "o", h["c"], pin_a, [])
-    assert stale is None and released == [pin_a] and kv.pins.pinned_by("o") == 0
-    kv.check_integrity()
 
 
 def test_json_nesting_is_measured_outside_strings():

@@ -1,0 +1,58 @@
+"""A consistent picture of an engine's state, taken on the engine thread between steps.
+
+Used by `/metrics` and by tests that check that nothing is left behind (no request in the
+engine, no KV block held by a request). Each replica takes its own (`LLMEngine.snapshot`); the
+data-parallel router sums them (`EngineSnapshot.total`). From the server: `await
+async_engine.snapshot()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.kv import KVUsage
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLoad:
+    """One data-parallel replica's share: how the router spread the work."""
+
+    running: int
+    waiting: int
+    kv_used: int
+    kv_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """Summed over the data-parallel replicas (`replicas` has each one's load)."""
+
+    running: int
+    waiting: int
+    swapped: int
+    preempted: int  # waiting to resume after a preemption (recompute) or swapped out
+    has_unfinished: bool
+    kv_requests: int  # requests holding KV block tables
+    kv: KVUsage
+    prefix_query_tokens: int
+    prefix_hit_tokens: int  # from device or host tier: not recomputed
+    num_preemptions: int
+    num_compilations: int
+    num_steps: int
+    prompt_tokens_computed: int
+    generated_tokens: int
+    replicas: tuple[ReplicaLoad, ...]
+
+    @classmethod
+    def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
+        """The replicas' snapshots summed (each keeps its load in `replicas`)."""
+        summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)
+                  if f.name not in ("has_unfinished", "kv", "replicas")}
+        return cls(**summed, has_unfinished=any(s.has_unfinished for s in snapshots),
+                   kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas))
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
