@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from bench.metrics import DEFAULT_PERCENTILES, SLO
 from bench.workloads import WORKLOAD_NAMES, TokenizerLike, TokenSampler, Workload
+from jaxserve.engine_args import add_engine_args, engine_config_from_args
 
 DEFAULT_RESULT_DIR = Path("out/bench")
 
@@ -222,7 +223,6 @@ _SWEEP_KEYS = ["completed", "failed", "request_throughput", "output_throughput",
 
 
 def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    from jaxserve.cli import engine_config_from_args
 
     return dataclasses.asdict(engine_config_from_args(args))
 
@@ -280,7 +280,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `bench` and its commands to the `jaxserve` command's subparsers."""
-    from jaxserve.cli import add_engine_args
 
     bench = subparsers.add_parser("bench", help="serving and offline benchmarks, with peers")
     sub = bench.add_subparsers(dest="bench_command", required=True)

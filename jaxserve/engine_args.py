@@ -1,0 +1,40 @@
+"""Engine flags for every command line (`jaxserve serve`, `chat`, `generate`, `bench ...`).
+
+They are generated from `EngineConfig`'s fields (`--max-num-seqs`, `--dtype`, ...), so every
+engine setting has exactly one flag with the same name as the Python argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from checkpoints.registry import DEFAULT_MODEL, cache_dir
+from jaxserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file, HF or Orbax directory")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="split the CPU into this many JAX devices (try --tensor-parallel-size and "
+                             "--data-parallel-size without accelerators)")
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif "tuple" in str(hint):
+            group.add_argument(flag, type=int, nargs="+", default=None, help="shape buckets")
+        else:
+            base = int if "int" in str(hint) else float if "float" in str(hint) else str
+            default = f.default
+            if f.name == "compilation_cache_dir":  # restarts of the CLI reuse compiled steps
+                default = str(cache_dir() / "xla")
+            group.add_argument(flag, type=base, default=default)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
