@@ -217,10 +217,6 @@ class KVCacheManager:
         return self.prefix_cache.stats if self.prefix_cache is not None else CacheStats()
 
     @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
     def num_available_blocks(self) -> int:
         """Free blocks plus idle cached blocks that eviction would free."""
         cache = self.prefix_cache
