@@ -30,7 +30,7 @@ PHASES = {
 
 def build_engine(batch: int, async_scheduling: bool) -> LLMEngine:
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch * 8), max_model_len=1024,
-                          num_blocks=batch * 40, decode_batch_buckets=(batch,), block_table_buckets=(64,),
+                          num_blocks=batch * 40, decode_batch_buckets=(batch,),
                           prefill_seq_buckets=(4,), async_scheduling=async_scheduling)
     engine = LLMEngine(build_tiny_random(), config)
     engine.warm_up()

@@ -144,8 +144,8 @@ class DataParallelRouter:
         return EngineSnapshot.total([e.snapshot() for e in self.replicas])
 
     def bucket_summary(self) -> str:
-        replicas = f" on each of {len(self.replicas)} replicas" if len(self.replicas) > 1 else ""
-        return self.replicas[0].runner.bucket_summary() + replicas
+        """The shape buckets every replica compiles."""
+        return self.replicas[0].runner.bucket_summary()
 
     @property
     def lone_runner(self) -> ModelRunner:

@@ -121,7 +121,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     async_engine = AsyncEngine(make_engine(args.model, engine_config))
     router = async_engine.engine
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"compiling buckets: {router.bucket_summary()}", flush=True)
+    replicas = f" on each of {len(router.replicas)} replicas" if len(router.replicas) > 1 else ""
+    print(f"compiling buckets{replicas}: {router.bucket_summary()}", flush=True)
     seconds = router.warm_up()
     print(f"warm-up: {router.num_compilations} compilations in {seconds:.1f} s", flush=True)
     leader = None
