@@ -41,7 +41,7 @@ from kernels_pallas import common
 
 TILE_ROWS = 128  # query rows per tile of a long chunk
 SMALL_ROWS = 8  # sequences with at most this many new rows get single-row tiles
-KEY_CHUNK = 256  # keys per step of a tile's loop (tuned on XLA:CPU: bench/attention_cpu.py)
+KEY_CHUNK = 128  # keys per step of a tile's loop (128 beat 256 and 512 on XLA:CPU: bench/attention_cpu.py)
 
 
 def _chunk_kv(cache: jax.Array, layer: jax.Array, ids: jax.Array) -> jax.Array:
