@@ -1,0 +1,106 @@
+"""The pure-JAX reference equals a plain NumPy attention, row by row over each row's own
+sequence: the oracle the tiled reference is checked against (its tiles, single-row tiles, key
+chunks and surplus-row overwrites are all data-dependent, so the cases cross each boundary)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import reference
+from paged_cases import (LAYER, SCALE, TOLERANCE, assert_close, block_tables, make_cache, queries,
+                         reference_decode, reference_prefill)
+
+NUM_KV_HEADS = 2
+GROUP = 3
+BLOCK_SIZE = 16
+WIDTH = 40  # 640 keys: several KEY_CHUNKs
+PADDED_ROWS = 5
+
+
+def numpy_attention(q, k_cache, v_cache, tables, seq_lens, query_start, soft_cap=None, window=None):
+    """float64, one sequence at a time, over exactly its first seq_lens[s] cached tokens."""
+    q, k_cache, v_cache = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache))
+    out = np.zeros_like(q)
+    for s in range(len(seq_lens)):
+        lo, hi, n_keys = query_start[s], query_start[s + 1], seq_lens[s]
+        if hi == lo or n_keys == 0:  # no rows, or a padding entry of decode: zeros
+            continue
+        pages = tables[s, : -(-n_keys // BLOCK_SIZE)]
+        k = k_cache[LAYER][:, pages].reshape(NUM_KV_HEADS, -1, q.shape[-1])[:, :n_keys]
+        v = v_cache[LAYER][:, pages].reshape(NUM_KV_HEADS, -1, q.shape[-1])[:, :n_keys]
+        rows = q[lo:hi].reshape(hi - lo, NUM_KV_HEADS, -1, q.shape[-1])
+        scores = np.einsum("nkgd,kcd->nkgc", rows, k) * SCALE
+        if soft_cap is not None:
+            scores = soft_cap * np.tanh(scores / soft_cap)
+        pos = n_keys - (hi - lo) + np.arange(hi - lo)
+        key = np.arange(n_keys)
+        valid = key[None, :] <= pos[:, None]
+        if window is not None:
+            valid &= key[None, :] > pos[:, None] - window
+        scores = np.where(valid[:, None, None, :], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[lo:hi] = np.einsum("nkgc,kcd->nkgd", probs, v).reshape(hi - lo, -1, q.shape[-1])
+    return out
+
+
+def ragged_case(seed, seqs, dtype=jnp.float32):
+    """seqs: (cached history, new rows) per sequence."""
+    rng = np.random.default_rng(seed)
+    cache = make_cache(rng, NUM_KV_HEADS, BLOCK_SIZE, 200, dtype)
+    seq_lens = np.array([h + n for h, n in seqs], np.int32)
+    tables = np.asarray(block_tables(rng, list(seq_lens), WIDTH, cache.num_blocks))
+    query_start = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    q = queries(rng, int(query_start[-1]) + PADDED_ROWS, NUM_KV_HEADS * GROUP, dtype)
+    return q, cache, tables, seq_lens, query_start
+
+
+# Long chunks over 2 and 3 tiles (the last partial), a chunk over a history of several key
+# chunks, decode-like sequences of 1 and SMALL_ROWS rows between them, a 0-row padding entry.
+MIXED = [(0, 2 * reference.TILE_ROWS + 7), (3, 1), (600, 9), (0, 0), (150, reference.SMALL_ROWS),
+         (37, reference.TILE_ROWS + 1), (639, 1)]
+
+
+@pytest.mark.parametrize("options", [{}, {"soft_cap": 2.0, "sliding_window": 300}])
+def test_prefill_matches_numpy(options):
+    q, cache, tables, seq_lens, query_start = ragged_case(0, MIXED)
+    got = reference_prefill(q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
+                            jnp.asarray(seq_lens), jnp.asarray(query_start), scale=SCALE, **options)
+    want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, query_start,
+                           options.get("soft_cap"), options.get("sliding_window"))
+    assert_close(got, want, TOLERANCE[jnp.float32])
+    assert not np.asarray(got[-PADDED_ROWS:]).any(), "padding rows must give zeros"
+
+
+def test_prefill_bf16_matches_numpy():
+    q, cache, tables, seq_lens, query_start = ragged_case(1, MIXED[:4], jnp.bfloat16)
+    got = reference_prefill(q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
+                            jnp.asarray(seq_lens), jnp.asarray(query_start), scale=SCALE)
+    assert got.dtype == jnp.bfloat16
+    want = numpy_attention(q.astype(jnp.float32), cache.k.astype(jnp.float32),
+                           cache.v.astype(jnp.float32), tables, seq_lens, query_start)
+    assert_close(got, want, TOLERANCE[jnp.bfloat16])
+
+
+def test_a_sequence_does_not_see_its_neighbours():
+    """The same sequence alone and among others gives the same rows."""
+    q, cache, tables, seq_lens, query_start = ragged_case(2, MIXED)
+    args = (cache.k, cache.v, jnp.int32(LAYER))
+    together = reference_prefill(q, *args, jnp.asarray(tables), jnp.asarray(seq_lens),
+                                 jnp.asarray(query_start), scale=SCALE)
+    s = 5
+    lo, hi = query_start[s], query_start[s + 1]
+    alone = reference_prefill(q[lo:hi], *args, jnp.asarray(tables[s:s + 1]), jnp.asarray(seq_lens[s:s + 1]),
+                              jnp.asarray([0, hi - lo], jnp.int32), scale=SCALE)
+    np.testing.assert_allclose(np.asarray(alone), np.asarray(together[lo:hi]), rtol=1e-6, atol=1e-6)
+
+
+def test_decode_matches_numpy():
+    lengths = [1, 640, 0, 257, 16, 300]
+    q, cache, tables, seq_lens, _ = ragged_case(3, [(n - 1, 1) if n else (0, 0) for n in lengths])
+    q = q[: len(lengths)]
+    got = reference_decode(q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
+                           jnp.asarray(seq_lens), scale=SCALE, sliding_window=200)
+    starts = np.arange(len(lengths) + 1, dtype=np.int32)
+    want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, starts, window=200)
+    assert_close(got, want, TOLERANCE[jnp.float32])
