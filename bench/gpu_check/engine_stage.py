@@ -49,10 +49,10 @@ def engine_config(plan: Plan, config: ModelConfig, stage: Stage) -> EngineConfig
     overlap = {OVERLAP_FIELD: stage.overlap}
     return EngineConfig(
         block_size=w.block_size,
-        kv_cache_memory=num_blocks * KVCache.bytes_per_block(config, w.block_size, plan.dtype),
+        kv_cache_memory=num_blocks * KVCache.bytes_per_block(config, w.block_size, plan.engine_dtype),
         max_num_seqs=max(w.batches), max_num_batched_tokens=w.max_num_batched_tokens,
         max_model_len=w.max_model_len, max_prefill_seqs=w.max_prefill_seqs,
-        dtype=plan.dtype, attention_backend="pallas",
+        dtype=plan.engine_dtype, attention_backend="pallas",
         decode_batch_buckets=w.batches, prefill_token_buckets=(w.max_num_batched_tokens,),
         prefill_seq_buckets=(w.max_prefill_seqs,), block_table_buckets=(pages,),
         **overlap,
@@ -145,17 +145,17 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
 def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     config = plan.models[stage.model]
     w = plan.workload
-    copy_bps = kernel_bench.copy_bandwidth(plan.copy_bytes, jnp.dtype(plan.dtype), plan.iters)
+    copy_bps = kernel_bench.copy_bandwidth(plan.copy_bytes, jnp.dtype(plan.engine_dtype), plan.iters)
     ec = engine_config(plan, config, stage)
     t0 = time.perf_counter()
-    engine = LLMEngine(random_model(config, plan.dtype, checkpoint_shardings(ec)(config)), ec)
+    engine = LLMEngine(random_model(config, plan.engine_dtype, checkpoint_shardings(ec)(config)), ec)
     init_s = time.perf_counter() - t0
     runner = engine.runner
     weight_bytes = weight_bytes_per_decode_step(runner.params, runner.config)
-    kv_bytes_per_token = KVCache.bytes_per_block(runner.config, w.block_size, plan.dtype) // w.block_size
+    kv_bytes_per_token = KVCache.bytes_per_block(runner.config, w.block_size, plan.engine_dtype) // w.block_size
     warm_up_s = engine.warm_up()
     compiled = runner.num_compilations
-    record.info(model=stage.model, config=config.to_dict(), dtype=plan.dtype, attention_backend="pallas",
+    record.info(model=stage.model, config=config.to_dict(), dtype=plan.engine_dtype, attention_backend="pallas",
                 overlap=stage.overlap, copy_bps=copy_bps, init_s=init_s, warm_up_s=warm_up_s,
                 compilations_at_warm_up=compiled, weight_bytes=weight_bytes, num_blocks=runner.num_blocks,
                 kv_bytes_per_token=kv_bytes_per_token, buckets=runner.bucket_summary(),

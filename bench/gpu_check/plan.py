@@ -73,7 +73,7 @@ class Stage:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     dry_run: bool
-    dtype: str  # of the weights, the KV cache and the benchmarked kernels
+    dtype: str  # of the benchmarked kernels, and of the engine's weights and KV cache on a GPU
     models: dict[str, ModelConfig]
     correctness: tuple[tuple[str, str], ...]  # (model, dtype) pairs whose attention shape is checked
     correctness_pages: int  # block-table width of the correctness cases
@@ -93,6 +93,9 @@ class Plan:
     goal_engine_batch: int
     budget_s: float  # the whole run, all stages
     stages: tuple[Stage, ...]
+    # The engine stages' weights and KV cache: `dtype` on a GPU; float32 in the dry run, since the
+    # engine refuses bfloat16 on CPU (XLA:CPU runs it 30-100x slower).
+    engine_dtype: str = "bfloat16"
 
     def stage(self, name: str) -> Stage:
         for s in self.stages:
@@ -125,7 +128,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         limits = {"env": 20, "correctness": 50, "decode_kernels": 35, "prefill_kernels": 25,
                   "engine_smollm2-135m": 40, "engine_llama3-8b": 40}
         return Plan(
-            dry_run=True, dtype="bfloat16",
+            dry_run=True, dtype="bfloat16", engine_dtype="float32",
             models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3},
             correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")), correctness_pages=4,
             decode_model="llama3-8b", decode_batches=(1, 4), decode_contexts=(64, 256),
