@@ -1,19 +1,18 @@
 """The pure-JAX reference equals a plain NumPy attention, row by row over each row's own
-sequence: the oracle the tiled reference is checked against (its tiles, single-row tiles, key
-chunks and surplus-row overwrites are all data-dependent, so the cases cross each boundary)."""
+sequence, on a ragged step that mixes long chunks, chunks over long histories, single rows and
+an empty sequence (the reference is the oracle of the Pallas kernels, so it gets one too)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import reference
 from paged_cases import (LAYER, SCALE, TOLERANCE, assert_close, block_tables, make_cache, queries,
                          reference_decode, reference_prefill)
 
 NUM_KV_HEADS = 2
 GROUP = 3
 BLOCK_SIZE = 16
-WIDTH = 40  # 640 keys: several KEY_CHUNKs
+WIDTH = 40  # 640 keys
 PADDED_ROWS = 5
 
 
@@ -55,10 +54,9 @@ def ragged_case(seed, seqs, dtype=jnp.float32):
     return q, cache, tables, seq_lens, query_start
 
 
-# Long chunks over 2 and 3 tiles (the last partial), a chunk over a history of several key
-# chunks, decode-like sequences of 1 and SMALL_ROWS rows between them, a 0-row padding entry.
-MIXED = [(0, 2 * reference.TILE_ROWS + 7), (3, 1), (600, 9), (0, 0), (150, reference.SMALL_ROWS),
-         (37, reference.TILE_ROWS + 1), (639, 1)]
+# (history, new rows): long chunks, a chunk over a long history, decode-like rows between them,
+# and a 0-row padding entry.
+MIXED = [(0, 263), (3, 1), (600, 9), (0, 0), (150, 8), (37, 129), (639, 1)]
 
 
 @pytest.mark.parametrize("options", [{}, {"soft_cap": 2.0, "sliding_window": 300}])
