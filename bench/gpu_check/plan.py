@@ -139,7 +139,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
             workload=EngineWorkload(batches=(1, 4), prompt_len=24, max_tokens=12,
                                     max_num_batched_tokens=128, max_prefill_seqs=4),
             goal_kernel_min_batch=4, goal_kernel_min_context=256, goal_engine_batch=4,
-            budget_s=850, stages=_stages(limits, models, False),
+            budget_s=780, stages=_stages(limits, models, False),
         )
     # The limits add up to the budget, so a stage that overruns never eats into a later one's time;
     # the optional stage runs only in what the others left.

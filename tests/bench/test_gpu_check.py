@@ -23,7 +23,7 @@ PLAN = make_plan(dry_run=True, command_buffer_variant=False)
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
+                          cwd=REPO, capture_output=True, text=True, timeout=PLAN.budget_s + 60)
     summary = json.loads((out / "gpu_check.json").read_text())
     return proc, summary, (out / "gpu_check.txt").read_text()
 
