@@ -264,9 +264,9 @@ class LLMEngine:
             return FinishReason.STOP  # finishing drops a later step's placeholder
         faults.check("detokenize", req)
         stopped = stream.add_text(token, check_stops=checking)
-        if not stopped and num_out < req.params.max_tokens and req.num_prompt_tokens + num_out < self.config.max_model_len:
-            return None
-        return FinishReason.STOP if stopped else FinishReason.LENGTH
+        if stopped:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if req.ends_by_length(num_out, self.config.max_model_len) else None
 
     def _fail(self, req: Request, error: BaseException) -> list[Delta]:
         """End one request whose part of an iteration raised; the others go on."""

@@ -116,10 +116,11 @@ class Request:
             n -= 1
         return len(self.prompt_token_ids) + n
 
-    def reaches_length_limit(self, max_model_len: int) -> bool:
-        """True once its tokens, placeholders counted, end it by length: `max_tokens` or the
-        context. Such a request needs no further step even before its last token is read."""
-        return len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len
+    def ends_by_length(self, num_output: int, max_model_len: int) -> bool:
+        """Whether `num_output` generated tokens end the request by length: `max_tokens` or the
+        context. The engine asks it of each token it reads; the scheduler of the tokens so far,
+        placeholders counted, since such a request needs no further step."""
+        return num_output >= self.params.max_tokens or self.num_prompt_tokens + num_output >= max_model_len
 
     def finish(self, reason: FinishReason) -> None:
         """End the request; placeholders of steps still in flight are dropped (never output)."""

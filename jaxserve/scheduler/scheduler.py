@@ -84,7 +84,7 @@ class Scheduler:
         return out
 
     def _length_capped(self, req: Request) -> bool:
-        return req.reaches_length_limit(self.config.max_model_len)
+        return req.ends_by_length(len(req.output_token_ids), self.config.max_model_len)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         # A request whose last token (maybe still in flight) ends it by length needs no step.
