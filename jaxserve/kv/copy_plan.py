@@ -2,7 +2,8 @@
 
 The KV manager plans copies as it goes: copy-on-write of a shared partial block (device ->
 device), swap-out and spill of evicted cached blocks (device -> host), swap-in and reload of
-cached blocks (host -> device). A block or slot freed by one operation may be handed out again
+cached blocks (host -> device), and writes of cached blocks to the disk tier (device or host ->
+disk: the block is read when its turn in the plan comes, before a later copy overwrites it). A block or slot freed by one operation may be handed out again
 by the next one in the same scheduling round, so the order matters: the plan's meaning is
 "execute the copies one by one, in the order they were planned, then run the step".
 
@@ -24,6 +25,9 @@ class CopyKind(enum.Enum):
     DEVICE_TO_HOST = "device_to_host"
     HOST_TO_DEVICE = "host_to_device"
     DEVICE_TO_DEVICE = "device_to_device"
+    # Writes to the disk tier: `dst` is a ticket of `DiskTier.plan_write`, not a location.
+    DEVICE_TO_DISK = "device_to_disk"
+    HOST_TO_DISK = "host_to_disk"
 
 
 @dataclass

@@ -51,6 +51,13 @@ Peek without changing anything: `can_admit(hit, n)`, `can_allocate(req_id, n)`,
 Sessions: `pin(owner, history_ids, replacing=old_pin)` keeps the cached blocks of a history from
 being evicted, within a per-owner budget (None when over it); `unpin(pin)` releases them.
 
+Disk tier (`disk=`): `match_prefix` also reports `hit.num_disk_tokens`, the blocks after the
+tree's match that are on disk. The scheduler may `start_load(req_id, hit)` instead of admitting:
+the blocks are read into host slots in the background; `poll_loads()` (every step) puts finished
+loads into the tree, and the request, no longer `is_loading`, is admitted with a host hit.
+`cancel_load(req_id)` when a loading request goes away. Cached blocks are written to disk as the
+copy plan's `DEVICE_TO_DISK` / `HOST_TO_DISK` entries (see `disk_link`).
+
 Metrics and checks: `usage()`, `stats` (prefix hits), `check_integrity()`.
 
 Token ids must fit in int32 (the cache keys tokens as int32 bytes); numpy int32 arrays match
@@ -72,7 +79,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool
+from jaxserve.kv.content_keys import ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
+from jaxserve.kv.disk_link import DiskLink, LoadStart
+from jaxserve.kv.disk_tier import DiskTier
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.pins import Pin, PinLedger
 from jaxserve.kv.radix_cache import CacheStats, RadixCache, RadixNode
@@ -91,6 +101,9 @@ class PrefixHit:
     _device_blocks: list[int]
     _idle_path_blocks: int
     _epoch: int
+    num_disk_tokens: int = 0    # after num_tokens: blocks on the disk tier (see start_load)
+    _chain: ChainKeys | None = None
+    _token_ids: Sequence[int] | np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,16 +134,17 @@ class KVUsage:
 
 
 class _Seq:
-    __slots__ = ("table", "num_blocks", "num_tokens", "node", "cached_blocks", "host_slots")
+    __slots__ = ("table", "num_blocks", "num_tokens", "node", "cached_blocks", "host_slots", "chain")
 
     def __init__(self, table: np.ndarray, num_blocks: int, num_tokens: int,
-                 node: RadixNode | None, cached_blocks: int) -> None:
+                 node: RadixNode | None, cached_blocks: int, chain: ChainKeys | None = None) -> None:
         self.table = table                  # int32 with spare capacity; [:num_blocks] is valid
         self.num_blocks = num_blocks
         self.num_tokens = num_tokens
         self.node = node                    # locked prefix-cache node covering [:cached_blocks]
         self.cached_blocks = cached_blocks
         self.host_slots: list[int] | None = None   # set while swapped out
+        self.chain = chain                  # content keys of its blocks (with a disk tier)
 
 
 def _table_with(blocks: Sequence[int], capacity: int) -> np.ndarray:
@@ -146,7 +160,8 @@ class KVCacheManager:
                  watermark_blocks: int | None = None, enable_prefix_cache: bool = True,
                  num_host_slots: int = 0, spill_to_host: bool = True,
                  pin_budget_blocks: int | None = None,
-                 max_pinned_blocks: int | None = None) -> None:
+                 max_pinned_blocks: int | None = None,
+                 disk: DiskTier | None = None, disk_write_through_hits: int = 0) -> None:
         """
         watermark_blocks: free blocks that admissions and swap-ins must leave for running
             requests to grow into (default 1% of the pool).
@@ -154,6 +169,8 @@ class KVCacheManager:
         spill_to_host: blocks evicted from the device prefix cache move to the host tier.
         pin_budget_blocks: most blocks one owner may pin (default 1/8 of the pool).
         max_pinned_blocks: most blocks all pins together may pin (default half the pool).
+        disk: a disk tier under the host tier (needs the prefix cache and host slots).
+        disk_write_through_hits: 0 = write every cached block to disk; N = once hit N times.
         """
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
@@ -170,6 +187,11 @@ class KVCacheManager:
                               usable // 2 if max_pinned_blocks is None else max_pinned_blocks)
         self._seqs: dict[RequestId, _Seq] = {}
         self._epoch = 0
+        self.disk = None
+        if disk is not None:
+            if self.prefix_cache is None:
+                raise ValueError("the disk tier needs the prefix cache")
+            self.disk = DiskLink(disk, self.prefix_cache, self.copies, write_through_hits=disk_write_through_hits)
 
     # ------------------------------------------------------------------ queries
 
@@ -251,14 +273,24 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ admission
 
-    def match_prefix(self, token_ids: Sequence[int] | np.ndarray) -> PrefixHit:
+    def new_chain(self) -> ChainKeys | None:
+        """Content keys for one request's tokens (None without a disk tier): pass the same one to
+        every `match_prefix` of that request, so its keys are computed once."""
+        return self.disk.new_chain() if self.disk is not None else None
+
+    def match_prefix(self, token_ids: Sequence[int] | np.ndarray, chain: ChainKeys | None = None) -> PrefixHit:
         """Find the cached prefix of a prompt. Changes nothing a hit depends on."""
         cache = self.prefix_cache
         if cache is None:
             return PrefixHit(0, 0, len(token_ids), None, [], 0, self._epoch)
         match = cache.match(token_ids)
+        disk_tokens = 0
+        if self.disk is not None:
+            chain = chain if chain is not None else self.disk.new_chain()
+            limit = (len(token_ids) - 1) // self.block_size
+            disk_tokens = self.disk.blocks_on_disk(token_ids, chain, match.num_blocks, limit) * self.block_size
         return PrefixHit(match.num_tokens, match.num_host_tokens, len(token_ids), match.node,
-                         match.device_blocks, match.idle_device_blocks, self._epoch)
+                         match.device_blocks, match.idle_device_blocks, self._epoch, disk_tokens, chain, token_ids)
 
     def _admit_need(self, hit: PrefixHit, num_new_tokens: int) -> int:
         if hit._epoch != self._epoch:
@@ -291,6 +323,9 @@ class KVCacheManager:
         node = hit._node
         if cache is not None:
             cache.lock(node)
+            if self.disk is not None:
+                self.disk.release(req_id, hit.num_tokens)
+                self.disk.count_hits(hit._chain, hit._token_ids, hit._device_blocks)
             if hit.num_host_tokens:
                 path += cache.load_to_device(node)
             cache.stats.record(hit.num_prompt_tokens, hit.num_tokens - hit.num_host_tokens,
@@ -300,8 +335,48 @@ class KVCacheManager:
         new = self._allocate(need - hit.num_host_tokens // self.block_size)
         table = _table_with(path + new, 2 * (len(path) + len(new)))
         self._seqs[req_id] = _Seq(table, len(path) + len(new), hit.num_tokens + num_new_tokens,
-                                  node, len(path))
+                                  node, len(path), hit._chain)
         return True
+
+    # ------------------------------------------------------------------ disk loads
+
+    def start_load(self, req_id: RequestId, hit: PrefixHit) -> LoadStart:
+        """Read the hit's disk blocks into the host tier in the background, instead of admitting.
+
+        STARTED: `is_loading(req_id)` until a later `poll_loads()`; then match and admit again.
+        BUSY: the in-flight bound is reached, try again later. NONE: no room; admit and recompute.
+        """
+        if self.disk is None or not hit.num_disk_tokens:
+            return LoadStart.NONE
+        if hit._epoch != self._epoch:
+            raise ValueError("stale PrefixHit: the manager changed since match_prefix; match again")
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already admitted")
+        result = self.disk.start_load(req_id, hit._node, hit._token_ids, hit._chain,
+                                      hit.num_disk_tokens // self.block_size)
+        if result is LoadStart.STARTED:
+            self._epoch += 1
+        return result
+
+    def poll_loads(self) -> bool:
+        """Put finished disk loads into the prefix cache; True if any finished."""
+        if self.disk is None or not self.disk.poll():
+            return False
+        self._epoch += 1
+        return True
+
+    def is_loading(self, req_id: RequestId) -> bool:
+        return self.disk is not None and self.disk.is_loading(req_id)
+
+    @property
+    def has_pending_loads(self) -> bool:
+        return self.disk is not None and self.disk.has_pending
+
+    def cancel_load(self, req_id: RequestId) -> None:
+        """The request went away: release what its load holds (a no-op if it has none)."""
+        if self.disk is not None:
+            self._epoch += 1
+            self.disk.release(req_id, 0)
 
     # ------------------------------------------------------------------ growth
 
@@ -387,12 +462,19 @@ class KVCacheManager:
         cache.unlock(seq.node)
         seq.node = result.node
         pool = self.pool
+        adopted = []
         for i, cached in enumerate(result.blocks, start=done):
             own = int(table[i])
             if cached != own:       # the cache had these tokens already: use its block
                 pool.incref(cached)
                 pool.decref(own)
                 table[i] = cached
+            elif self.disk is not None:
+                adopted.append(i)
+        if adopted:
+            if seq.chain is None:
+                seq.chain = self.disk.new_chain()
+            self.disk.write_through(seq.chain, token_ids, {i: int(table[i]) for i in adopted})
         seq.cached_blocks = done + len(result.blocks)
         return seq.cached_blocks
 
@@ -417,8 +499,9 @@ class KVCacheManager:
             pool.incref(block)
         if self.prefix_cache is not None:
             self.prefix_cache.lock(parent.node)
+        chain = parent.chain.fork() if parent.chain is not None else None
         self._seqs[child_id] = _Seq(_table_with(blocks, len(parent.table)), parent.num_blocks,
-                                    parent.num_tokens, parent.node, parent.cached_blocks)
+                                    parent.num_tokens, parent.node, parent.cached_blocks, chain)
 
     def free(self, req_id: RequestId) -> None:
         """Release everything the request holds (finish, abort, or preempt-to-recompute)."""
@@ -589,6 +672,11 @@ class KVCacheManager:
             host_held += list(cache.host_slots())
             for pin in self.pins.pins():
                 locks[pin.node] += 1
+            if self.disk is not None:
+                for node in self.disk.locked_nodes():
+                    locks[node] += 1
+                host_held += self.disk.held_slots()
+                self.disk.disk.check_integrity()
             del locks[cache.root]
             cache.check_integrity(dict(locks))
         pool.check_integrity([holders.get(block, 0) for block in range(pool.num_blocks)])

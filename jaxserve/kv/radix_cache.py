@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +85,8 @@ class CacheStats:
     query_tokens: int = 0
     hit_tokens: int = 0         # served from device blocks
     host_hit_tokens: int = 0    # served from the host tier (copied back, not recomputed)
+    device_evictions: int = 0   # blocks evicted from the device (spilled to the host or dropped)
+    host_evictions: int = 0     # blocks dropped from the host tier
 
     def record(self, query_tokens: int, hit_tokens: int, host_hit_tokens: int) -> None:
         self.queries += 1
@@ -152,6 +154,10 @@ class RadixCache:
         self._device_blocks = 0
         self._host_blocks = 0
         self.stats = CacheStats()
+        # Called with (node, n) just before the last n blocks of an idle node leave the cache
+        # (dropped from the device without a host slot, or from the host): the disk tier's
+        # write-back. Not called by `clear`.
+        self.on_drop: Callable[[RadixNode, int], None] | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -450,6 +456,37 @@ class RadixCache:
             loaded.extend(blocks)
         return loaded
 
+    def insert_host(self, parent: RadixNode, tokens: bytes, slots: list[int]) -> tuple[RadixNode, list[int]]:
+        """Add blocks read into host slots (from the disk tier) below `parent` (locked by the caller).
+
+        `tokens` are the blocks' token ids as int32 bytes, continuing `parent`'s path. Positions
+        the tree has already (computed meanwhile) keep the tree's storage; their slots are
+        returned for the caller to free. The rest becomes one new idle host node. Returns the
+        deepest node of the path (not locked) and the slots not taken.
+        """
+        kb = self._kb
+        n = len(slots)
+        if len(tokens) != n * kb:
+            raise ValueError(f"{n} slots need {n * kb} token bytes, got {len(tokens)}")
+        if parent is not self.root and parent.lock <= 0:
+            raise ValueError("insert_host below a parent the caller has not locked")
+        node, i = parent, 0
+        while i < n:
+            child = node.children.get(tokens[i * kb:(i + 1) * kb])
+            if child is None:
+                new = RadixNode(node, tokens[i * kb:], node.end, n - i, None, slots[i:])
+                node.children[new.key[:kb]] = new
+                self._host_blocks += n - i
+                self._make_idle(new)
+                self._touch(node)
+                return new, slots[:i]
+            m = self._common_blocks(child, tokens, i, n)
+            if m < child.length:
+                child = self._split(child, m)
+            node = child
+            i += m
+        return node, slots
+
     # ------------------------------------------------------------------ eviction
 
     def allocate(self, n: int) -> list[int]:
@@ -500,6 +537,8 @@ class RadixCache:
             self._host_blocks += take
         else:
             self._drop_host_subtrees(node)
+            if self.on_drop is not None:
+                self.on_drop(node, take)
             if whole:
                 del self._device_lru[node]
                 self._detach(node)
@@ -507,6 +546,7 @@ class RadixCache:
                 self._trim(node, take)
             self._idle_device_blocks -= take
         self._device_blocks -= take
+        self.stats.device_evictions += take
         pool = self.pool
         for block in tail:
             if not pool.decref(block):
@@ -525,6 +565,9 @@ class RadixCache:
         while stack:
             child = stack.pop()
             stack.extend(child.children.values())
+            if self.on_drop is not None:
+                self.on_drop(child, child.length)
+            self.stats.host_evictions += child.length
             del self._host_lru[child]
             self._idle_host_blocks -= child.length
             self._host_blocks -= child.length
@@ -551,6 +594,9 @@ class RadixCache:
         while freed < num_slots and lru:
             node = next(iter(lru))
             take = min(num_slots - freed, node.length)
+            if self.on_drop is not None:
+                self.on_drop(node, take)
+            self.stats.host_evictions += take
             self.host.free(node.host_slots[node.length - take:])
             if take == node.length:
                 del lru[node]
@@ -567,11 +613,13 @@ class RadixCache:
     def clear(self) -> int:
         """Drop every idle cached block on both tiers, without spilling; returns blocks freed."""
         spill, self.spill_to_host = self.spill_to_host, False
+        on_drop, self.on_drop = self.on_drop, None
         try:
             freed = self.evict(self._idle_device_blocks)
+            self.evict_host(self._idle_host_blocks)
         finally:
             self.spill_to_host = spill
-        self.evict_host(self._idle_host_blocks)
+            self.on_drop = on_drop
         return freed
 
     # ------------------------------------------------------------------ inspection

@@ -20,6 +20,15 @@ from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, Pin
 EMPTY = -1
 
 
+def new_host_array(num_slots: int, block_size: int) -> np.ndarray:
+    return np.full((max(num_slots, 1), block_size), EMPTY, dtype=np.int64)
+
+
+def as_block_arrays(space: np.ndarray) -> np.ndarray:
+    """A [slots, block_size] space seen as the runner's layout, slot on axis 2 (a view)."""
+    return space.reshape(1, 1, *space.shape)
+
+
 @dataclass
 class Req:
     tokens: list[int]
@@ -41,13 +50,14 @@ class FakeEngine:
     pins: list[PinRecord] = field(default_factory=list)
     busy: set[str] = field(default_factory=set)    # has writes pending in this round
     pending: list[tuple[str, int, int]] = field(default_factory=list)
+    host: np.ndarray | None = None   # host slots' content (made here unless a disk tier shares it)
 
     def __post_init__(self) -> None:
         pool = self.mgr.pool
         self.bs = pool.block_size
         self.device = np.full((pool.num_blocks, self.bs), EMPTY, dtype=np.int64)
-        host_slots = self.mgr.host.num_slots if self.mgr.host is not None else 0
-        self.host = np.full((max(host_slots, 1), self.bs), EMPTY, dtype=np.int64)
+        if self.host is None:
+            self.host = new_host_array(self.mgr.host.num_slots if self.mgr.host is not None else 0, self.bs)
 
     # ------------------------------------------------------------- scheduling calls
 
@@ -160,7 +170,11 @@ class FakeEngine:
             CopyKind.HOST_TO_DEVICE: (self.host, self.device),
             CopyKind.DEVICE_TO_DEVICE: (self.device, self.device),
         }
+        to_disk = {CopyKind.DEVICE_TO_DISK: self.device, CopyKind.HOST_TO_DISK: self.host}
         for stage in self.mgr.take_copies() if stages is None else stages:
+            if stage.kind in to_disk:       # the block as it is now, handed to the writer thread
+                self.mgr.disk.disk.write(stage.dst, [as_block_arrays(to_disk[stage.kind][stage.src])])
+                continue
             src, dst = spaces[stage.kind]
             assert len(set(stage.dst)) == len(stage.dst), "a stage writes one place twice"
             values = src[stage.src]             # one gather ...

@@ -1,0 +1,78 @@
+"""Content keys of KV blocks: a chained hash of the tokens up to and including a block.
+
+A block's KV depends on every token before it, and on everything that changes the bytes of
+the cache: the model's weights, the dtype, the block size, the kv-head layout, ... Those are
+folded into a `fingerprint` that seeds the chain, so two engines agree on a key exactly when
+they would have computed the same bytes:
+
+    key[-1] = fingerprint
+    key[i]  = blake2b(key[i-1] || int32 bytes of tokens[i*bs:(i+1)*bs]), 16 bytes
+
+`ChainKeys` memoizes the chain of one growing token sequence (a request's tokens only ever get
+longer), so matching a waiting request again every step costs nothing after the first time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+KEY_BYTES = 16
+
+
+def fingerprint(fields: Mapping[str, object]) -> bytes:
+    """A 16-byte digest of everything that changes a block's bytes (sorted `name=value` pairs)."""
+    if not fields:
+        raise ValueError("a fingerprint needs at least one field")
+    text = "\n".join(f"{name}={fields[name]!r}" for name in sorted(fields))
+    return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+def next_key(previous: bytes, block_tokens: bytes) -> bytes:
+    """The key of a block from the key before it and the block's tokens as int32 bytes."""
+    return hashlib.blake2b(previous + block_tokens, digest_size=KEY_BYTES).digest()
+
+
+def chain_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, num_blocks: int,
+               block_size: int) -> list[bytes]:
+    """Keys of the first `num_blocks` full blocks of `tokens`."""
+    return ChainKeys(seed, block_size).keys(tokens, num_blocks)
+
+
+class ChainKeys:
+    """The chain of keys of one token sequence that only grows; computed as far as asked."""
+
+    __slots__ = ("seed", "block_size", "_keys")
+
+    def __init__(self, seed: bytes, block_size: int) -> None:
+        if len(seed) != KEY_BYTES:
+            raise ValueError(f"the seed must be {KEY_BYTES} bytes, got {len(seed)}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.seed = seed
+        self.block_size = block_size
+        self._keys: list[bytes] = []
+
+    def fork(self) -> ChainKeys:
+        """A copy that goes on with another continuation of the tokens seen so far."""
+        other = ChainKeys(self.seed, self.block_size)
+        other._keys = list(self._keys)
+        return other
+
+    def keys(self, tokens: Sequence[int] | np.ndarray, num_blocks: int) -> list[bytes]:
+        """Keys of blocks [0, num_blocks) of `tokens` (which must extend the tokens seen before)."""
+        bs = self.block_size
+        if num_blocks * bs > len(tokens):
+            raise ValueError(f"{num_blocks} blocks need {num_blocks * bs} tokens, got {len(tokens)}")
+        keys = self._keys
+        done = len(keys)
+        if num_blocks > done:
+            data = np.ascontiguousarray(np.asarray(tokens[done * bs:num_blocks * bs]), dtype=np.int32).tobytes()
+            step = bs * 4
+            previous = keys[-1] if keys else self.seed
+            for i in range(num_blocks - done):
+                previous = next_key(previous, data[i * step:(i + 1) * step])
+                keys.append(previous)
+        return keys[:num_blocks]
