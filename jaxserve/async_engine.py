@@ -166,6 +166,8 @@ class AsyncEngine:
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # the disk tier's last writes
 
     # ----- the engine thread ----------------------------------------------------------------
 

@@ -27,6 +27,14 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers (CPU default: 1 GiB)
     enable_prefix_caching: bool = True
     swap_space_blocks: int = 0  # host-tier capacity for swapped-out blocks (0 = no swapping)
+    kv_host_bytes: int = 0  # host-tier capacity in bytes (the larger of this and swap_space_blocks wins)
+    # Disk tier (off without a directory): blocks keyed by content, shared by engines on one directory
+    # and found again after a restart. See jaxserve/kv/disk_tier.py.
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30  # byte budget of the files this engine keeps
+    kv_disk_write_through_hits: int = 0  # 0: write each block when cached; N: once it was hit N times
+    kv_disk_min_load_tokens: int = 64  # shorter disk hits are recomputed instead of loaded
+    kv_disk_max_inflight_bytes: int = 256 << 20  # bytes being read from disk at once
 
     # Scheduler
     max_num_seqs: int = 64
@@ -67,8 +75,18 @@ class EngineConfig:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.swap_space_blocks <= 0:
-            raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0")
+        if self.preemption_mode == "swap" and self.swap_space_blocks <= 0 and self.kv_host_bytes <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0 or kv_host_bytes > 0")
+        for name in ("swap_space_blocks", "kv_host_bytes", "kv_disk_write_through_hits", "kv_disk_min_load_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_disk_dir is not None:
+            if not self.kv_disk_dir:
+                raise ValueError("kv_disk_dir must be a directory path")
+            if not self.enable_prefix_caching:
+                raise ValueError("the disk tier (kv_disk_dir) needs enable_prefix_caching")
+            if self.kv_disk_bytes <= 0 or self.kv_disk_max_inflight_bytes <= 0:
+                raise ValueError("kv_disk_bytes and kv_disk_max_inflight_bytes must be > 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step.
             self.max_num_batched_tokens = self.max_model_len
@@ -99,6 +117,14 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return self.max_model_len // self.block_size
+
+    def num_host_slots(self, block_bytes: int) -> int:
+        """Host-tier slots: the larger of swap_space_blocks and kv_host_bytes; with a disk tier
+        and neither set, room for two requests of max_model_len (disk loads land there)."""
+        slots = max(self.swap_space_blocks, self.kv_host_bytes // block_bytes)
+        if self.kv_disk_dir is not None and slots == 0:
+            slots = 2 * self.max_blocks_per_seq
+        return slots
 
     def num_compiled_variants(self) -> int:
         decode = len(self.decode_batch_buckets) * len(self.block_table_buckets)

@@ -210,6 +210,8 @@ class DataParallelRouter:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        for engine in self.replicas:
+            engine.close()
 
 
 def make_engine(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | DataParallelRouter:

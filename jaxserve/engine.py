@@ -27,6 +27,8 @@ from jaxserve import faults
 from jaxserve.config import EngineConfig
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv import KVCacheManager, Pin
+from jaxserve.kv.tier_stats import TierStats
+from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.output_processor import SequenceStream
 from jaxserve.outputs import Delta, Usage
 from jaxserve.request import FinishReason, Request, RequestStatus, check_prompt_ids
@@ -65,12 +67,15 @@ class LLMEngine:
         self.tokenizer = Tokenizer(loaded.tokenizer_bundle)
         ec.max_model_len = min(ec.max_model_len, self.model_config.max_position_embeddings)
         self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh)
+        self.disk_tier = build_disk_tier(self.runner, self.model_name)  # None without --kv-disk-dir
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             ec.block_size,
             watermark_blocks=ec.watermark_blocks,
             enable_prefix_cache=ec.enable_prefix_caching,
-            num_host_slots=ec.swap_space_blocks,
+            num_host_slots=self.runner.num_host_slots,
+            disk=self.disk_tier,
+            disk_write_through_hits=ec.kv_disk_write_through_hits,
         )
         # A lone request must always fit the pool, or it could be preempted forever.
         capacity = (self.kv.pool.num_usable - self.kv.watermark_blocks) * ec.block_size
@@ -156,6 +161,7 @@ class LLMEngine:
             num_compilations=self.num_compilations, num_steps=self.stats.num_steps,
             prompt_tokens_computed=self.stats.prompt_tokens_computed, generated_tokens=self.stats.generated_tokens,
             replicas=(ReplicaLoad(len(sched.running), len(sched.waiting), usage.used, usage.num_blocks),),
+            tiers=TierStats.of(kv),
         )
 
     def pin_history(self, owner: str, token_ids: list[int], old: Pin | None, others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
@@ -178,6 +184,12 @@ class LLMEngine:
     def is_active(self, request_id: str) -> bool:
         return request_id in self._groups
 
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop its threads (the blocks are found again by
+        the next engine on the same directory)."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+
     # ----- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
@@ -191,6 +203,8 @@ class LLMEngine:
             self.scheduler.on_step_launched(sched)
             self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
             self.stats.num_steps += 1
+        elif self._in_flight is None and self.kv.has_pending_loads:
+            self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
         if self.config.async_scheduling:
             previous, self._in_flight = self._in_flight, handle
         else:

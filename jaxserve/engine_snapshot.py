@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.kv import KVUsage
+from jaxserve.kv.tier_stats import TierStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +43,16 @@ class EngineSnapshot:
     prompt_tokens_computed: int
     generated_tokens: int
     replicas: tuple[ReplicaLoad, ...]
+    tiers: TierStats = TierStats()  # per-tier hits, bytes, load time, evictions
 
     @classmethod
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         """The replicas' snapshots summed (each keeps its load in `replicas`)."""
         summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)
-                  if f.name not in ("has_unfinished", "kv", "replicas")}
+                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers")}
         return cls(**summed, has_unfinished=any(s.has_unfinished for s in snapshots),
-                   kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas))
+                   kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas),
+                   tiers=TierStats.total([s.tiers for s in snapshots]))
 
     @property
     def prefix_hit_rate(self) -> float:

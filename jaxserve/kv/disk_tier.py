@@ -362,7 +362,9 @@ class DiskTier:
     # ------------------------------------------------------------------ lifetime and checks
 
     def close(self) -> None:
-        """Finish queued writes and stop the threads (loads in flight finish first)."""
+        """Finish queued writes and stop the threads (loads in flight finish first). Idempotent."""
+        if not any(t.is_alive() for t in self._threads):
+            return
         self._writes.put(None)
         self._loads.put(None)
         for t in self._threads:

@@ -1,8 +1,11 @@
 """KV block moves planned by the KV manager: copy-on-write copies on the device, swap-out to and
 swap-in from the host tier. Each runs as a small jitted gather / scatter of BLOCK_MOVE_CHUNK
-blocks (padding moves block 0, which no sequence reads), one compiled shape each."""
+blocks (padding moves block 0, which no sequence reads), one compiled shape each. Writes to the
+disk tier hand the blocks' arrays (device ones still copying to the host) to `disk_sink`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -40,6 +43,8 @@ class BlockMover:
         self._copy = jax.jit(_copy, donate_argnums=(0,), in_shardings=(kv, rep, rep), out_shardings=kv)
         self._gather = jax.jit(_gather, in_shardings=(kv, rep), out_shardings=kv)
         self._scatter = jax.jit(_scatter, donate_argnums=(0,), in_shardings=(kv, rep, kv, kv), out_shardings=kv)
+        # DiskTier.write(tickets, [k, v]) with block i on axis 2: set when the engine has a disk tier.
+        self.disk_sink: Callable[[list[int], list], None] | None = None
 
     def warm_up(self, cache: KVCache) -> KVCache:
         """Compile the three moves (one shape each) by running them on block 0."""
@@ -52,6 +57,15 @@ class BlockMover:
         """Move up to BLOCK_MOVE_CHUNK blocks; returns the cache (donated)."""
         if kind is CopyKind.DEVICE_TO_DEVICE:
             return self._copy(cache, _padded(src), _padded(dst))
+        if kind is CopyKind.DEVICE_TO_DISK:
+            k, v = self._gather(cache, _padded(src))
+            k.copy_to_host_async()
+            v.copy_to_host_async()
+            self.disk_sink(dst, [k, v])  # the writer thread waits for the copies, not this one
+            return cache
+        if kind is CopyKind.HOST_TO_DISK:
+            self.disk_sink(dst, [self.host_k[:, :, src], self.host_v[:, :, src]])  # copies, taken now
+            return cache
         if kind is CopyKind.DEVICE_TO_HOST:
             k, v = self._gather(cache, _padded(src))
             for host, blocks in ((self.host_k, k), (self.host_v, v)):

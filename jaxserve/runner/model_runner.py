@@ -128,7 +128,8 @@ class ModelRunner:
             lambda: KVCache.zeros(config, self.num_blocks, bs, self.dtype), out_shardings=self.cache_sharding
         )()
         rep, kv = replicated(self.mesh), self.cache_sharding
-        self.blocks = BlockMover(self.cache, kv, rep, engine_config.swap_space_blocks)
+        self.num_host_slots = engine_config.num_host_slots(KVCache.bytes_per_block(config, bs, self.dtype))
+        self.blocks = BlockMover(self.cache, kv, rep, self.num_host_slots)
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant)
 

@@ -24,7 +24,7 @@ import time
 from collections import deque
 
 from jaxserve.config import EngineConfig
-from jaxserve.kv import KVCacheManager
+from jaxserve.kv import ChainKeys, KVCacheManager, LoadStart
 from jaxserve.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 
@@ -42,6 +42,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.num_preemptions = 0
         self._hashes: dict[Request, list[int]] = {}  # prompt block chain hashes, while queued
+        self._chains: dict[Request, ChainKeys | None] = {}  # content keys (disk tier), while queued
 
     # ----- queue management -----------------------------------------------------------------
 
@@ -59,7 +60,9 @@ class Scheduler:
             self.waiting.remove(req)
         if req.request_id in self.kv:
             self.kv.free(req.request_id)
+        self.kv.cancel_load(req.request_id)
         self._hashes.pop(req, None)
+        self._chains.pop(req, None)
         req.finish(reason)
 
     @property
@@ -70,6 +73,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.poll_loads()
         budget = self.config.max_num_batched_tokens
         budget -= self._schedule_decodes(out)
         self._schedule_swap_ins(out)
@@ -124,7 +128,13 @@ class Scheduler:
                 break
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            hit = self.kv.match_prefix(req.all_token_ids)
+            if self.kv.is_loading(req.request_id):
+                continue  # its prefix is being read from disk; others go meanwhile
+            hit = self.kv.match_prefix(req.all_token_ids, self._chain(req))
+            if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
+                if self.kv.start_load(req.request_id, hit) is not LoadStart.NONE:
+                    continue  # loading (or waiting for room to load): admitted once on the host
+                hit = self.kv.match_prefix(req.all_token_ids, self._chain(req))
             remaining = req.num_tokens - hit.num_tokens
             if remaining > budget and num_partial >= cfg.max_num_partial_prefills:
                 continue  # a long prompt waits; shorter ones behind it may go
@@ -137,6 +147,7 @@ class Scheduler:
                 n = self._partial_chunk_limit(budget, len(self.waiting) > 1)
             if not self.kv.admit(req.request_id, hit, n):
                 break  # the pool is full: admit nothing more this step
+            self._chains.pop(req, None)
             req.num_computed_tokens = hit.num_tokens
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = hit.num_tokens
@@ -147,6 +158,12 @@ class Scheduler:
             budget -= used
             if used < remaining:
                 num_partial += 1
+
+    def _chain(self, req: Request) -> ChainKeys | None:
+        """The request's content keys (computed once while it waits), None without a disk tier."""
+        if req not in self._chains:
+            self._chains[req] = self.kv.new_chain()
+        return self._chains[req]
 
     def _partial_chunk_limit(self, budget: int, others_waiting: bool) -> int:
         """Tokens a prefill that will not finish this step may take: half the budget while
@@ -208,7 +225,7 @@ class Scheduler:
         now = time.monotonic()
         starving = [r for r in self.waiting if now - r.arrival_time > LPM_STARVATION_SECONDS]
         rest = [r for r in self.waiting if now - r.arrival_time <= LPM_STARVATION_SECONDS]
-        rest.sort(key=lambda r: (-self.kv.match_prefix(r.all_token_ids).num_tokens, r.arrival_time))
+        rest.sort(key=lambda r: (-self.kv.match_prefix(r.all_token_ids, self._chain(r)).num_tokens, r.arrival_time))
         return starving + rest
 
     def _pick_victim(self) -> Request:

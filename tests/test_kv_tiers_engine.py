@@ -1,0 +1,106 @@
+"""The disk tier in the engine (tiny random model): greedy outputs are the same with it on and
+off, after a restart on the same directory, and after a damaged file; a second engine on the
+same directory hits what the first computed; loads run while other requests keep decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from checkpoints.tiny_random import build_tiny_random
+from jaxserve import LLM, SamplingParams
+
+CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=96,
+              decode_batch_buckets=(4,), block_table_buckets=(32,), prefill_token_buckets=(64,),
+              prefill_seq_buckets=(4,), kv_disk_min_load_tokens=16)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97, 40))]
+
+
+def make(disk_dir=None, **overrides) -> LLM:
+    extra = {"kv_disk_dir": str(disk_dir), "kv_disk_bytes": 64 << 20} if disk_dir is not None else {}
+    return LLM(build_tiny_random(), warm_up=False, **{**CONFIG, **extra, **overrides})
+
+
+def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def close(llm: LLM, assert_kv_all_free) -> None:
+    engine = llm.engine
+    assert_kv_all_free(engine)
+    assert not engine.kv.has_pending_loads and not engine.kv.disk.held_slots()
+    engine.step()  # runs the writes the last step planned
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(make())[0]
+
+
+def test_outputs_equal_with_the_disk_tier_on_off_and_after_a_restart(tmp_path, reference, assert_kv_all_free):
+    first = make(tmp_path)
+    assert run(first)[0] == reference
+    close(first, assert_kv_all_free)
+    stats = first.engine.snapshot().tiers
+    assert stats.disk_written_blocks >= (150 + 97 + 40) // 8 and stats.disk_files == stats.disk_written_blocks
+
+    second = make(tmp_path)                      # a restart: nothing on the device or the host
+    tokens, cached = run(second)
+    assert tokens == reference
+    assert cached[0] == 144 and cached[1] == 96  # full blocks, last prompt token computed
+    tiers = second.engine.snapshot().tiers
+    assert tiers.disk_hit_tokens >= 144 + 96 and tiers.disk_loads >= 2 and tiers.disk_bytes_read > 0
+    assert second.engine.stats.prompt_tokens_computed < 150 + 97 + 40 - 200
+    close(second, assert_kv_all_free)
+
+
+def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, reference, assert_kv_all_free):
+    first = make(tmp_path)
+    run(first)
+    close(first, assert_kv_all_free)
+    files = sorted(tmp_path.glob("*/*/*.kvb"))
+    victim = files[len(files) // 2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    second = make(tmp_path)
+    tokens, cached = run(second)
+    assert tokens == reference
+    tiers = second.engine.snapshot().tiers
+    assert tiers.disk_damaged == 1 and tiers.disk_hit_tokens < 144 + 96
+    close(second, assert_kv_all_free)
+    assert second.engine.snapshot().tiers.disk_written_blocks == 1   # the recomputed block, written again
+    assert victim.read_bytes() != bytes(data)
+
+
+def test_a_second_engine_on_the_directory_hits_what_the_first_computed(tmp_path, reference, assert_kv_all_free):
+    a, b = make(tmp_path), make(tmp_path)        # both started before anything was written
+    run(a, PROMPTS[:1])
+    a.engine.step()                               # the last planned writes
+    a.engine.disk_tier.flush()
+    tokens, cached = run(b, PROMPTS[:1])
+    assert tokens == reference[:1] and cached == [144]
+    close(a, assert_kv_all_free)
+    close(b, assert_kv_all_free)
+
+
+def test_short_disk_hits_are_recomputed(tmp_path, assert_kv_all_free):
+    first = make(tmp_path)
+    run(first, PROMPTS[2:])
+    close(first, assert_kv_all_free)
+    second = make(tmp_path, kv_disk_min_load_tokens=64)   # the hit is 40 tokens: not worth a load
+    _, cached = run(second, PROMPTS[2:])
+    assert cached == [0] and second.engine.snapshot().tiers.disk_loads == 0
+    close(second, assert_kv_all_free)
+
+
+def test_bad_disk_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="prefix"):
+        make(tmp_path, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_disk_bytes"):
+        make(tmp_path, kv_disk_bytes=0)
+    with pytest.raises(ValueError, match="kv_disk_min_load_tokens"):
+        make(tmp_path, kv_disk_min_load_tokens=-1)
