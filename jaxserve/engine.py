@@ -187,8 +187,11 @@ class LLMEngine:
     def close(self) -> None:
         """Finish the disk tier's queued writes and stop its threads (the blocks are found again by
         the next engine on the same directory)."""
-        if self.disk_tier is not None:
-            self.disk_tier.close()
+        if self.disk_tier is None:
+            return
+        if self.kv.copies and not self.has_unfinished_requests():
+            self.step()  # the writes the last step planned (blocks it cached)
+        self.disk_tier.close()
 
     # ----- the loop -------------------------------------------------------------------------
 

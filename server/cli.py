@@ -121,6 +121,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     async_engine = AsyncEngine(make_engine(args.model, engine_config))
     router = async_engine.engine
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
+    for disk in {id(e.disk_tier): e.disk_tier for e in router.replicas if e.disk_tier is not None}.values():
+        print(f"KV disk tier in {disk.root}: {disk.num_files} blocks found ({disk.num_bytes / 1e6:.1f} MB)", flush=True)
     replicas = f" on each of {len(router.replicas)} replicas" if len(router.replicas) > 1 else ""
     print(f"compiling buckets{replicas}: {router.bucket_summary()}", flush=True)
     seconds = router.warm_up()

@@ -58,6 +58,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps run", value=s.num_steps)
         yield CounterMetricFamily(f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (not served from cache)",
                                   value=s.prompt_tokens_computed)
+        yield from _tier_metrics(s)
         per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",
                                         "Sequences per data-parallel replica by state", labels=["replica", "state"])
         kv_per_replica = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage_ratio",
@@ -69,6 +70,30 @@ class _EngineCollector(Collector):
             kv_per_replica.add_metric([str(i)], r.kv_used / r.kv_blocks if r.kv_blocks else 0.0)
         yield per_replica
         yield kv_per_replica
+
+
+def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """Per-tier counters of the KV cache (device, host, disk)."""
+    t = s.tiers
+    hits = CounterMetricFamily(f"{PREFIX}_kv_tier_hit_tokens", "Prompt tokens served from each KV tier "
+                               "(host includes what the disk loaded)", labels=["tier"])
+    for tier, value in (("device", t.device_hit_tokens), ("host", t.host_hit_tokens), ("disk", t.disk_hit_tokens)):
+        hits.add_metric([tier], value)
+    yield hits
+    evictions = CounterMetricFamily(f"{PREFIX}_kv_tier_evictions", "Blocks evicted from each KV tier", labels=["tier"])
+    for tier, value in (("device", t.device_evictions), ("host", t.host_evictions), ("disk", t.disk_evictions)):
+        evictions.add_metric([tier], value)
+    yield evictions
+    disk_bytes = CounterMetricFamily(f"{PREFIX}_kv_disk_io_bytes", "Bytes of KV block files", labels=["direction"])
+    disk_bytes.add_metric(["read"], t.disk_bytes_read)
+    disk_bytes.add_metric(["written"], t.disk_bytes_written)
+    yield disk_bytes
+    yield CounterMetricFamily(f"{PREFIX}_kv_disk_loads", "Background loads from the disk tier", value=t.disk_loads)
+    yield CounterMetricFamily(f"{PREFIX}_kv_disk_load_seconds", "Summed wall time of disk loads",
+                              value=t.disk_load_seconds)
+    yield CounterMetricFamily(f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted",
+                              value=t.disk_damaged)
+    yield GaugeMetricFamily(f"{PREFIX}_kv_disk_bytes", "Bytes of block files the disk tier holds", value=t.disk_bytes)
 
 
 class ServerMetrics:

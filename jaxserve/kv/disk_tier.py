@@ -51,6 +51,7 @@ class DiskStats:
     bytes_read: int = 0
     written_blocks: int = 0
     bytes_written: int = 0
+    write_seconds: float = 0.0   # summed wall time of the file writes
     evictions: int = 0           # files deleted to stay within the budget
     damaged: int = 0             # files found damaged (at scan or read) and deleted
     missing: int = 0             # files indexed but gone when read (another engine evicted them)
@@ -268,6 +269,7 @@ class DiskTier:
             return
         path = self.path(key)
         written = 0
+        t0 = time.perf_counter()
         try:
             path.parent.mkdir(exist_ok=True)
             written = write_block(path, self.fingerprint, key, tokens, payload)
@@ -284,6 +286,7 @@ class DiskTier:
                     self._bytes += size
                 self.stats.written_blocks += 1
                 self.stats.bytes_written += written
+                self.stats.write_seconds += time.perf_counter() - t0
 
     def flush(self) -> None:
         """Wait until every queued write is on disk."""

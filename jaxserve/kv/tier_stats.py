@@ -21,6 +21,7 @@ class TierStats:
     disk_bytes_read: int = 0
     disk_bytes_written: int = 0
     disk_written_blocks: int = 0
+    disk_write_seconds: float = 0.0  # summed wall time of the file writes
     disk_damaged: int = 0           # damaged files found and deleted (recomputed, never served)
     disk_files: int = 0
     disk_bytes: int = 0
@@ -36,7 +37,7 @@ class TierStats:
             fields.update(disk_hit_tokens=kv.disk.disk_hit_tokens, disk_evictions=s.evictions, disk_loads=s.loads,
                           disk_loaded_blocks=s.loaded_blocks, disk_load_seconds=s.load_seconds,
                           disk_bytes_read=s.bytes_read, disk_bytes_written=s.bytes_written,
-                          disk_written_blocks=s.written_blocks, disk_damaged=s.damaged, disk_files=disk.num_files,
+                          disk_written_blocks=s.written_blocks, disk_write_seconds=s.write_seconds, disk_damaged=s.damaged, disk_files=disk.num_files,
                           disk_bytes=disk.num_bytes)
         return cls(**fields)
 
