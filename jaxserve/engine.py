@@ -207,7 +207,9 @@ class LLMEngine:
             self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
             self.stats.num_steps += 1
         elif self._in_flight is None and self.kv.has_pending_loads:
+            self.kv.submit_loads()
             self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
+        self.kv.submit_loads()  # after the launch: the copies that read their slots have run
         if self.config.async_scheduling:
             previous, self._in_flight = self._in_flight, handle
         else:

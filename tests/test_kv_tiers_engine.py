@@ -31,8 +31,7 @@ def close(llm: LLM, assert_kv_all_free) -> None:
     engine = llm.engine
     assert_kv_all_free(engine)
     assert not engine.kv.has_pending_loads and not engine.kv.disk.held_slots()
-    engine.step()  # runs the writes the last step planned
-    engine.close()
+    engine.close()  # runs the writes the last step planned, then waits for the writer
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ the plan comes: after the copies that filled it, before any later one that reuse
   is written if the disk does not hold it yet.
 
 Loads. A prompt whose tree match ends where the disk continues it (its next blocks' keys are on
-disk) can start a load: host slots are reserved, the match node is locked, and the disk tier's
-loader thread reads the files into the slots. When the job is done (`poll`), the blocks that
+disk) can start a load: host slots are reserved, the match node is locked, and once the copies
+planned so far have run (`submit`: a slot freed this round may still be read by one of them, a
+host -> device copy or a write-back) the disk tier's loader thread reads the files into the slots. When the job is done (`poll`), the blocks that
 read back whole join the tree as an idle host node locked for the request, and the request's
 next match finds them on the host tier; admission copies them to the device as any host hit.
 """
@@ -40,9 +41,10 @@ class LoadStart(enum.Enum):
 
 @dataclass(eq=False)
 class _Load:
-    job: LoadJob
+    job: LoadJob | None     # None until submitted
     node: RadixNode         # locked for the request: the match node, then the loaded node
     tokens: bytes           # the loaded blocks' token ids (int32 bytes)
+    slots: list[int]        # host slots the load holds until it is done
     done: bool = False
     cancelled: bool = False
     loaded: tuple[int, int] = (0, 0)    # token positions the load added to the tree
@@ -63,6 +65,7 @@ class DiskLink:
         self.disk_hit_tokens = 0        # prompt tokens admitted from blocks the disk tier loaded
         self._loads: dict[Hashable, _Load] = {}
         self._by_job: dict[LoadJob, Hashable] = {}
+        self._unsubmitted: list[tuple[list[bytes], list[bytes], list[int], Hashable]] = []
         self._hits: dict[bytes, int] = {}
         cache.on_drop = self._write_back
 
@@ -145,10 +148,18 @@ class DiskLink:
         keys = chain.keys(tokens, first + n)[first:]
         data = token_bytes(tokens[first * bs:(first + n) * bs], n * bs)
         per_block = [data[i * 4 * bs:(i + 1) * 4 * bs] for i in range(n)]
-        job = disk.start_load(keys, per_block, slots)
-        self._loads[req_id] = _Load(job, node, data)
-        self._by_job[job] = req_id
+        self._unsubmitted.append((keys, per_block, slots, req_id))
+        self._loads[req_id] = _Load(None, node, data, slots=slots)
         return LoadStart.STARTED
+
+    def submit(self) -> None:
+        """Hand the loads started since the last call to the loader thread. Call once the copies
+        planned before them have run (their slots may have been read by those copies)."""
+        for keys, tokens, slots, req_id in self._unsubmitted:
+            job = self.disk.start_load(keys, tokens, slots)
+            self._loads[req_id].job = job
+            self._by_job[job] = req_id
+        self._unsubmitted.clear()
 
     def poll(self) -> bool:
         """Take finished loads into the tree; True if any finished."""
@@ -180,7 +191,8 @@ class DiskLink:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._by_job)
+        """Loads submitted or waiting to be submitted."""
+        return bool(self._by_job or self._unsubmitted)
 
     def release(self, req_id: Hashable, admitted_tokens: int) -> None:
         """The request no longer needs its loaded path locked (admitted, or gone)."""
@@ -189,7 +201,8 @@ class DiskLink:
             return
         if not load.done:
             load.cancelled = True
-            load.job.cancelled = True   # the slots are freed when the loader is done with them
+            if load.job is not None:
+                load.job.cancelled = True   # the slots are freed when the loader is done with them
             return
         del self._loads[req_id]
         self.cache.unlock(load.node)
@@ -203,4 +216,4 @@ class DiskLink:
 
     def held_slots(self) -> list[int]:
         """Host slots that in-flight loads hold (not yet in the tree)."""
-        return [slot for load in self._loads.values() if not load.done for slot in load.job.slots]
+        return [slot for load in self._loads.values() if not load.done for slot in load.slots]

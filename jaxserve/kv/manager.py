@@ -53,7 +53,8 @@ being evicted, within a per-owner budget (None when over it); `unpin(pin)` relea
 
 Disk tier (`disk=`): `match_prefix` also reports `hit.num_disk_tokens`, the blocks after the
 tree's match that are on disk. The scheduler may `start_load(req_id, hit)` instead of admitting:
-the blocks are read into host slots in the background; `poll_loads()` (every step) puts finished
+the blocks are read into host slots in the background once `submit_loads()` is called after the
+step's copies ran; `poll_loads()` (every step) puts finished
 loads into the tree, and the request, no longer `is_loading`, is admitted with a host hit.
 `cancel_load(req_id)` when a loading request goes away. Cached blocks are written to disk as the
 copy plan's `DEVICE_TO_DISK` / `HOST_TO_DISK` entries (see `disk_link`).
@@ -357,6 +358,12 @@ class KVCacheManager:
         if result is LoadStart.STARTED:
             self._epoch += 1
         return result
+
+    def submit_loads(self) -> None:
+        """Start the reads of loads begun since the last call: call it after the copies taken
+        with `take_copies` have run (the runner's launch), or when there were none."""
+        if self.disk is not None:
+            self.disk.submit()
 
     def poll_loads(self) -> bool:
         """Put finished disk loads into the prefix cache; True if any finished."""

@@ -64,6 +64,7 @@ class Driver:
     def poll(self, wait: bool) -> None:
         mgr = self.eng.mgr
         if wait and mgr.has_pending_loads:
+            self.eng.execute_copies()    # what the next launch runs first; then the reads start
             mgr.disk.disk.wait(5)
         mgr.poll_loads()
         for rid in [r for r in self.loading if not mgr.is_loading(r)]:
@@ -80,6 +81,7 @@ class Driver:
         for rid in list(self.loading):
             mgr.cancel_load(rid)
         self.loading.clear()
+        self.eng.execute_copies()
         while mgr.has_pending_loads:
             mgr.disk.disk.wait(5)
             mgr.poll_loads()
@@ -206,6 +208,7 @@ def _served(drv: Driver, rid: str, prompt: list[int]) -> int:
     while True:
         hit = mgr.match_prefix(prompt)
         if hit.num_disk_tokens and mgr.start_load(rid, hit) is LoadStart.STARTED:
+            eng.execute_copies()
             while mgr.is_loading(rid):
                 mgr.disk.disk.wait(5)
                 mgr.poll_loads()
