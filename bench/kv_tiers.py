@@ -19,16 +19,20 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.registry import cache_dir
 from jaxserve import LLM, SamplingParams
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
-    """Seconds to the first token of `prompt` (generation stops there) and its cached tokens."""
+def ttft(llm: LLM, prompt: list[int], what: str) -> tuple[float, int]:
+    """Seconds to the first token of `prompt` (generation stops there) and its cached tokens; printed
+    as they come (a run on a busy machine is long)."""
     t0 = time.perf_counter()
     out = llm.generate({"prompt_token_ids": prompt}, ONE_TOKEN, use_tqdm=False)[0]
-    return time.perf_counter() - t0, out.num_cached_tokens
+    seconds = time.perf_counter() - t0
+    print(f"{what}: TTFT {seconds:.3f} s, {out.num_cached_tokens} cached tokens", flush=True)
+    return seconds, out.num_cached_tokens
 
 
 def machine_disk_bandwidth(directory: Path, nbytes: int = 1 << 30) -> tuple[float, float]:
@@ -63,25 +67,25 @@ def main() -> None:
     config = dict(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=max_len, block_size=bs,
                   num_blocks=max_len // bs + 64, decode_batch_buckets=(1,), prefill_token_buckets=(512,),
                   prefill_seq_buckets=(1,), block_table_buckets=(max_len // bs,),
-                  kv_host_bytes=1 << 30, kv_disk_bytes=4 << 30)
+                  kv_host_bytes=1 << 30, kv_disk_bytes=4 << 30, compilation_cache_dir=str(cache_dir() / "xla"))
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.dir or tmp)
         rng = np.random.default_rng(0)
         conversation, other = (rng.integers(100, 40000, args.tokens).tolist() for _ in range(2))
 
         first = LLM(args.model, kv_disk_dir=str(directory), **config)
-        cold, _ = ttft(first, conversation)                      # computed, written through to disk
-        device, device_cached = ttft(first, conversation)
+        cold, _ = ttft(first, conversation, "recompute (cold)")   # computed, written through to disk
+        device, device_cached = ttft(first, conversation, "device hit")
         kv = first.engine.kv
         kv.prefix_cache.evict(kv.prefix_cache.num_evictable_blocks)   # spill everything to the host
         first.engine.step()                                       # run the spill copies
-        host, host_cached = ttft(first, conversation)
+        host, host_cached = ttft(first, conversation, "host hit")
         first.engine.close()
         written = first.engine.snapshot().tiers
 
         second = LLM(args.model, kv_disk_dir=str(directory), **config)   # the restart
-        recompute, _ = ttft(second, other)
-        disk, disk_cached = ttft(second, conversation)
+        recompute, _ = ttft(second, other, "recompute (after the restart)")
+        disk, disk_cached = ttft(second, conversation, "disk hit (after the restart)")
         loaded = second.engine.snapshot().tiers
         second.engine.close()
         machine_write, machine_read = machine_disk_bandwidth(directory)
