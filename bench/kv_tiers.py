@@ -4,7 +4,8 @@ machine's (a plain large file written with fsync, then read back).
 
     python3 -m bench.kv_tiers [--model smollm2-135m-instruct] [--tokens 4000] [--dir DIR]
 
-The disk hit is taken by a second engine on the same directory after the first one closed (a
+A hit computes its last tokens in the 32-token prefill bucket, so it does not pay a padded
+512-token step. The disk hit is taken by a second engine on the same directory after the first one closed (a
 restart: nothing on its device or host). Ratios come from one run; the machine is shared.
 """
 
@@ -65,7 +66,7 @@ def main() -> None:
     bs = 16
     max_len = -(-(args.tokens + 64) // 512) * 512
     config = dict(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=max_len, block_size=bs,
-                  num_blocks=max_len // bs + 64, decode_batch_buckets=(1,), prefill_token_buckets=(512,),
+                  num_blocks=max_len // bs + 64, decode_batch_buckets=(1,), prefill_token_buckets=(32, 512),
                   prefill_seq_buckets=(1,), block_table_buckets=(max_len // bs,),
                   kv_host_bytes=1 << 30, kv_disk_bytes=4 << 30, compilation_cache_dir=str(cache_dir() / "xla"))
     with tempfile.TemporaryDirectory() as tmp:
