@@ -5,8 +5,9 @@ machine's (a plain large file written with fsync, then read back).
     python3 -m bench.kv_tiers [--model smollm2-135m-instruct] [--tokens 4000] [--dir DIR]
 
 A hit computes its last tokens in the 32-token prefill bucket, so it does not pay a padded
-512-token step. The disk hit is taken by a second engine on the same directory after the first one closed (a
-restart: nothing on its device or host). Ratios come from one run; the machine is shared.
+512-token step. The disk hit is taken by a second engine on the same directory after the first
+one closed (a restart: nothing on its device or host). Ratios come from one run; the machine is
+shared.
 """
 
 from __future__ import annotations
