@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT = 2.0  # seconds a Health or Info call may take before the worker counts as down
 MAX_MESSAGE_BYTES = 64 << 20  # Info carries the tokenizer (a few MB for large vocabularies)
+# gRPC backs off up to 2 minutes between reconnects to an address that refused; a worker that
+# restarts should be back within a health check or two.
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+             ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +75,7 @@ class WorkerClient:
         """The stub, on a channel made on first use (inside the router's event loop)."""
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(
-                self.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                self.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT])
             self._stub = WorkerStub(self._channel)
         return self._stub
 
