@@ -177,8 +177,7 @@ def test_cache_aware_routing_and_the_imbalance_override(cluster):
             assert _went_to(router, _long(_prompt(seed + 100), 2)) == 1  # no match: the least loaded
         else:
             assert went == 1  # router B's thresholds (0, 1x): any imbalance sends it to the least loaded
-        busy.rest()
-        busy.close()
+        busy.close()  # (the disconnect aborts it)
 
 
 def test_abort_on_disconnect_reaches_the_worker(cluster):
