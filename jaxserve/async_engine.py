@@ -113,6 +113,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def health_details(self) -> dict[str, Any]:
+        """What `/health` adds to its status: nothing for one process (a router lists its workers)."""
+        return {}
+
     # ----- the engine API, on the engine thread between steps (None once the loop has stopped) -
 
     async def snapshot(self) -> EngineSnapshot | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from jaxserve.config import EngineConfig
 from server.config import ServerConfig
@@ -22,10 +22,17 @@ def add_serve_parser(
     engine_config_from_args: Callable[[argparse.Namespace], EngineConfig],
 ) -> argparse.ArgumentParser:
     """Add `serve` (engine flags from `add_engine_args`, server flags from here)."""
-    defaults = ServerConfig()
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with sessions")
     add_engine_args(p)
-    g = p.add_argument_group("server")
+    add_server_args(p.add_argument_group("server"))
+    add_distributed_arguments(p.add_argument_group("multi-process (one engine over several hosts)"))
+    p.set_defaults(func=lambda args: serve(args, engine_config_from_args(args)))
+    return p
+
+
+def add_server_args(g: argparse._ArgumentGroup) -> None:
+    """The flags of the public server, which `jaxserve serve` and `jaxserve router` share."""
+    defaults = ServerConfig()
     g.add_argument("--host", default=defaults.host)
     g.add_argument("--port", type=int, default=defaults.port)
     g.add_argument("--grpc-port", type=int, default=defaults.grpc_port,
@@ -56,12 +63,10 @@ def add_serve_parser(
     g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
                         "with an error event and [DONE]")
-    add_distributed_arguments(p.add_argument_group("multi-process (one engine over several hosts)"))
-    p.set_defaults(func=lambda args: serve(args, engine_config_from_args(args)))
-    return p
 
 
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+def server_config_from_args(args: argparse.Namespace, model_name: str | None = None) -> ServerConfig:
+    """The server settings; the served name defaults to `model_name` (else the --model's)."""
     from server.auth import read_key_file
 
     keys = list(args.api_key)
@@ -71,7 +76,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
-        served_model_name=args.served_model_name or Path(str(args.model)).name,
+        served_model_name=args.served_model_name or Path(str(model_name or args.model)).name,
         api_keys=tuple(keys),
         rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm,
@@ -107,7 +112,7 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.dp_router import make_engine
-    from server.app import FINAL_WRITE_SECONDS, build_app
+    from server.app import build_app
     from sharding import multihost
 
     config = server_config_from_args(args)
@@ -153,17 +158,7 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
             GrpcServer(config.host, config.grpc_port).attach(app)
         app.on_cleanup.append(stop_engine)  # after the app's own cleanup (sessions written)
-        web.run_app(
-            app,
-            host=config.host,
-            port=config.port,
-            shutdown_timeout=FINAL_WRITE_SECONDS,  # the app's drain already waited --shutdown-timeout
-            keepalive_timeout=config.keepalive_timeout,
-            lingering_time=config.body_timeout,  # how long an unread body is drained after a refusal
-            handler_cancellation=True,
-            access_log=None,
-            print=lambda msg: print(msg.splitlines()[0], flush=True),
-        )
+        run_app(app, config)
     finally:
         async_engine.shutdown()  # already stopped unless the app failed to start
         if leader is not None:
@@ -173,3 +168,22 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         return 1
     print("server stopped", flush=True)
     return 0
+
+
+def run_app(app: Any, config: ServerConfig) -> None:
+    """Serve `app` (or the coroutine that builds it) until SIGINT/SIGTERM, as `serve` and `router` do."""
+    from aiohttp import web
+
+    from server.app import FINAL_WRITE_SECONDS
+
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        shutdown_timeout=FINAL_WRITE_SECONDS,  # the app's drain already waited --shutdown-timeout
+        keepalive_timeout=config.keepalive_timeout,
+        lingering_time=config.body_timeout,  # how long an unread body is drained after a refusal
+        handler_cancellation=True,
+        access_log=None,
+        print=lambda msg: print(msg.splitlines()[0], flush=True),
+    )

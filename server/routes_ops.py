@@ -28,10 +28,12 @@ def engine_problem(engine: AsyncEngine) -> str | None:
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    problem = engine_problem(request.app[STATE].engine)
+    engine = request.app[STATE].engine
+    problem = engine_problem(engine)
+    details = engine.health_details()  # a router's workers, each up or down
     if problem is not None:
-        return web.json_response({"status": "error", "engine": problem}, status=503)
-    return web.json_response({"status": "ok"})
+        return web.json_response({"status": "error", "engine": problem, **details}, status=503)
+    return web.json_response({"status": "ok", **details})
 
 
 @routes.get("/metrics")

@@ -1,0 +1,77 @@
+"""`jaxserve router`: the public API of `jaxserve serve` over remote workers.
+
+The router loads no model: it waits for a worker to answer, takes the tokenizer and limits
+from it, and serves HTTP (and gRPC with --grpc-port) with the server's routes, sessions, keys
+and limits over a `RemoteEngine`. Workers that are down at start join when they answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.dp_router import RoutingPolicy
+from server.cli import add_server_args, run_app, server_config_from_args
+from server.router.remote_engine import ROUTER_POLICY
+
+
+def _address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"a worker is HOST:PORT, got {text!r}")
+    return text
+
+
+def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("router", help="the OpenAI server over remote workers (jaxserve worker)")
+    g = p.add_argument_group("workers")
+    g.add_argument("--worker", type=_address, action="append", required=True, metavar="HOST:PORT",
+                   help="a worker's address (repeatable)")
+    g.add_argument("--cache-threshold", type=float, default=ROUTER_POLICY.match_fraction,
+                   help="share of a prompt a worker's cached prefix must cover to attract it")
+    g.add_argument("--balance-abs-threshold", type=int, default=ROUTER_POLICY.balance_abs,
+                   help="route by load alone when the busiest worker runs this many more sequences than the idlest...")
+    g.add_argument("--balance-rel-threshold", type=float, default=ROUTER_POLICY.balance_rel,
+                   help="...and this many times as many")
+    g.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker health checks")
+    g.add_argument("--worker-wait-timeout", type=float, default=600.0,
+                   help="seconds to wait at start for a worker to serve")
+    add_server_args(p.add_argument_group("server"))
+    p.set_defaults(func=run_router)
+    return p
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from server.app import build_app
+    from server.router.remote_engine import RemoteEngine
+
+    if not 0.0 <= args.cache_threshold <= 1.0:
+        raise SystemExit(f"--cache-threshold must be in [0, 1], got {args.cache_threshold}")
+    if args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1.0:
+        raise SystemExit("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+    if args.health_check_interval <= 0:
+        raise SystemExit("--health-check-interval must be positive")
+    policy = RoutingPolicy(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+
+    async def make_app() -> web.Application:
+        print(f"waiting for workers: {', '.join(args.worker)}", flush=True)
+        remote = await RemoteEngine.connect(args.worker, policy, args.health_check_interval, args.worker_wait_timeout)
+        up = sum(w.up for w in remote.workers)
+        print(f"{up} of {len(remote.workers)} workers serve {remote.engine.model_name}", flush=True)
+        config = server_config_from_args(args, remote.engine.model_name)
+        app = build_app(remote, config)
+        if config.grpc_port:
+            from server.grpc_api.server import GrpcServer
+
+            GrpcServer(config.host, config.grpc_port).attach(app)
+
+        async def close(_app: web.Application) -> None:
+            await remote.aclose()
+
+        app.on_cleanup.append(close)
+        return app
+
+    run_app(make_app(), server_config_from_args(args, "router"))  # (its host and port: the app's config names the model)
+    print("router stopped", flush=True)
+    return 0

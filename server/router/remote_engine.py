@@ -1,0 +1,405 @@
+"""The `AsyncEngine` API over worker processes: what `jaxserve router` gives the server.
+
+The server (routes, sessions, keys, limits, metrics) cannot tell it from the one-process
+engine: `generate` streams the same deltas, `abort` stops a request, `snapshot` sums the
+workers', and session pins live in the cache of the worker holding the session.
+
+Placement follows the in-process data-parallel router (`choose_replica`, the same policy):
+the approximate prefix tree of each worker (fed with what the router sent it) against the
+sequences the router has running there; a session's turns stay on their worker while it is
+up. A request with n choices becomes n one-sequence worker requests on one worker, with the
+seeds the engine would give its choices. A worker that fails before it streamed anything for
+a sequence gets the sequence retried on another; after that, the sequence ends with an error
+(`WorkerLostError`, a 503 event on a started stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import AsyncIterator
+
+import grpc
+import tokenizers
+
+from checkpoints.tokenizer_bundle import TokenizerBundle
+from jaxserve.async_engine import EngineDeadError, RequestFailedError
+from jaxserve.dp_router import RoutingPolicy, choose_replica
+from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.kv import Pin
+from jaxserve.outputs import Delta
+from jaxserve.request import check_prompt_ids
+from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
+from jaxserve.tokenizer import Tokenizer
+from server.router.sequence import RemoteSequence, worker_params
+from server.router.worker_client import HEALTH_TIMEOUT, WorkerClient, WorkerInfo
+from server.worker_api import worker_pb2 as pb
+from server.worker_api.wire import params_to_json, snapshot_from_json, usage_from_message
+
+logger = logging.getLogger(__name__)
+
+# SGLang's router defaults: a cached prefix counts from 30% of the prompt; route by load alone
+# when the busiest worker runs more than 64 sequences over the idlest and 1.5x its load.
+ROUTER_POLICY = RoutingPolicy(match_fraction=0.3, balance_abs=64, balance_rel=1.5)
+CALL_TIMEOUT = 30.0  # seconds a unary call (pins, loads) may take
+
+
+class WorkerLostError(EngineDeadError):
+    """The worker generating a sequence failed after part of it was streamed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteLimits:
+    max_model_len: int
+    block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteModelConfig:
+    vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteModel:
+    """What the server reads of an engine at start-up (`ModelInfo.from_engine`), from the workers."""
+
+    model_name: str
+    config: RemoteLimits
+    model_config: RemoteModelConfig
+    tokenizer: Tokenizer
+    max_num_seqs: int  # all workers together
+
+    @classmethod
+    def from_info(cls, info: WorkerInfo, num_workers: int) -> RemoteModel:
+        bundle = TokenizerBundle(tokenizers.Tokenizer.from_str(info.tokenizer_json), info.chat_template,
+                                 dict(info.special_tokens), info.eos_token_ids)
+        return cls(info.model, RemoteLimits(info.max_model_len, info.block_size), RemoteModelConfig(info.vocab_size),
+                   Tokenizer(bundle), info.max_num_seqs * num_workers)
+
+
+@dataclasses.dataclass(eq=False)
+class RemotePin(Pin):
+    """A pin held in a worker's cache, by the id the worker gave it."""
+
+    worker: WorkerClient | None = None
+    instance_id: str | None = None  # a restarted worker has lost it
+    remote_id: int = 0
+
+    def on(self, worker: WorkerClient) -> bool:
+        return self.active and self.worker is worker and self.instance_id == worker.instance_id
+
+
+@dataclasses.dataclass
+class _Placed:
+    """One worker request of a call: a choice, and the worker generating it."""
+
+    request_id: str
+    worker: WorkerClient
+
+
+class RemoteEngine:
+    def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy = ROUTER_POLICY,
+                 health_interval: float = 1.0) -> None:
+        if not workers:
+            raise ValueError("a router needs at least one worker")
+        self.workers = list(workers)
+        self.policy = policy
+        self.health_interval = health_interval
+        self.engine: RemoteModel | None = None  # set by `connect`
+        self.fatal_error: BaseException | None = None  # the AsyncEngine API: a router never dies of a worker
+        self.on_step = None  # (the AsyncEngine API) no engine loop runs here
+        self._reference: WorkerInfo | None = None
+        self._requests: dict[str, list[_Placed]] = {}
+        self._sessions: dict[str, WorkerClient] = {}
+        self._pin_budget: int | None = None
+        self._health_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    async def connect(cls, addresses: Sequence[str], policy: RoutingPolicy = ROUTER_POLICY,
+                      health_interval: float = 1.0, timeout: float = 300.0) -> RemoteEngine:
+        """Wait (up to `timeout` s) until a worker serves, then keep checking them all."""
+        remote = cls([WorkerClient(a) for a in addresses], policy, health_interval)
+        deadline = time.monotonic() + timeout
+        while True:
+            await remote.check_workers()
+            if remote.is_alive:
+                break
+            if time.monotonic() > deadline:
+                details = "; ".join(f"{w.address}: {w.detail}" for w in remote.workers)
+                raise ConnectionError(f"no worker served within {timeout:g} s ({details})")
+            await asyncio.sleep(min(0.5, health_interval))
+        remote.engine = RemoteModel.from_info(remote._reference, len(remote.workers))
+        remote._health_task = asyncio.create_task(remote._health_loop())
+        return remote
+
+    # ----- the AsyncEngine API ---------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        """Some worker serves."""
+        return any(w.up for w in self.workers)
+
+    @property
+    def last_step_at(self) -> float:
+        return time.monotonic()  # no loop of its own that could be stuck; workers report theirs
+
+    def health_details(self) -> dict[str, object]:
+        return {"workers": [w.status() for w in self.workers]}
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       session_id: str | None = None) -> AsyncIterator[Delta]:
+        """As `AsyncEngine.generate`, on the worker that routing picks (retried elsewhere when
+        it fails before streaming). Raises ValueError for a prompt the workers cannot serve."""
+        ids = self._prompt_ids(prompt)
+        params.check_vocabulary(self.engine.model_config.vocab_size)
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        worker = self._place(ids, session_id)
+        if params.n == 1:
+            seeds = [params.seed]
+        else:  # the engine's seeds for n choices: consecutive from the request's (or a drawn) seed
+            base = params.seed if params.seed is not None else random.getrandbits(31)
+            seeds = [(base + i) % (1 << 31) for i in range(params.n)]
+        placed = [_Placed(request_id if params.n == 1 else f"{request_id}-{i}", worker) for i in range(params.n)]
+        self._requests[request_id] = placed
+        out: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._run(request_id, i, p, ids, params, seeds[i], session_id, out))
+                 for i, p in enumerate(placed)]
+        remaining = params.n
+        try:
+            while remaining:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:  # cancelling a worker call aborts its request there
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            del self._requests[request_id]
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request on its workers; its streams end with finish_reason "abort"."""
+        for placed in self._requests.get(request_id, ()):
+            self._spawn(placed.worker.stub.Abort(pb.AbortRequest(request_id=placed.request_id), timeout=CALL_TIMEOUT))
+
+    async def snapshot(self) -> EngineSnapshot | None:
+        """The workers' snapshots summed (those that answer); None when none does."""
+        up = [w for w in self.workers if w.up]
+        replies = await asyncio.gather(*(w.stub.Load(pb.LoadRequest(), timeout=CALL_TIMEOUT) for w in up),
+                                       return_exceptions=True)
+        snapshots = [snapshot_from_json(r.snapshot_json) for r in replies if isinstance(r, pb.LoadResponse)]
+        return EngineSnapshot.total(snapshots) if snapshots else None
+
+    async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
+                          others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
+        """`AsyncEngine.pin_history` in the cache of the session's worker (None if unreachable)."""
+        try:
+            worker = self._place(token_ids, session_id)
+        except EngineDeadError:
+            return None
+        mine = [p for p in (*others, old) if isinstance(p, RemotePin) and p.on(worker)]
+        request = pb.PinHistoryRequest(
+            session_id=session_id, owner=owner, token_ids=token_ids,
+            old_pin=old.remote_id if old in mine else 0, others=[p.remote_id for p in others if p in mine])
+        try:
+            reply = await worker.stub.PinHistory(request, timeout=CALL_TIMEOUT)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("pinning a session on %s failed: %s", worker.address, e.code().name)
+            return None
+        by_id = {p.remote_id: p for p in mine}
+        released = [by_id[i] for i in reply.released if i in by_id]
+        for p in released:
+            p.active = False
+        if old in mine and reply.pin:
+            old.active = False  # replaced by the new pin
+        pin = None
+        if reply.pin:
+            pin = RemotePin(owner, reply.num_blocks, reply.num_tokens, worker=worker,
+                            instance_id=worker.instance_id, remote_id=reply.pin)
+        return pin, released
+
+    async def unpin(self, pin: Pin) -> None:
+        if isinstance(pin, RemotePin) and pin.worker is not None and pin.on(pin.worker):
+            pin.active = False
+            await self._quietly(pin.worker, pin.worker.stub.Unpin(pb.UnpinRequest(pin=pin.remote_id),
+                                                                  timeout=CALL_TIMEOUT))
+
+    async def end_sessions(self, ended: list[tuple[str, Pin | None]]) -> None:
+        """Sessions that are gone: forget their workers and release their pins there."""
+        per_worker: dict[WorkerClient, list[pb.EndedSession]] = {}
+        for session_id, pin in ended:
+            worker = self._sessions.pop(session_id, None)
+            if isinstance(pin, RemotePin) and pin.worker is not None and pin.on(pin.worker):
+                pin.active = False
+                per_worker.setdefault(pin.worker, []).append(pb.EndedSession(session_id=session_id, pin=pin.remote_id))
+            elif worker is not None:
+                per_worker.setdefault(worker, []).append(pb.EndedSession(session_id=session_id))
+        await asyncio.gather(*(self._quietly(w, w.stub.EndSessions(pb.EndSessionsRequest(sessions=s),
+                                                                   timeout=CALL_TIMEOUT))
+                               for w, s in per_worker.items() if w.up))
+
+    async def set_pin_budget(self, blocks_per_owner: int) -> None:
+        """Every worker's budget, now and whenever a worker (re)joins."""
+        self._pin_budget = blocks_per_owner
+        await asyncio.gather(*(self._send_pin_budget(w) for w in self.workers if w.up))
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for worker in self.workers:
+            await worker.close()
+
+    # ----- placement -------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """As `LLMEngine.encode_prompt`: text gets what the tokenizer adds; ValueError when bad."""
+        model = self.engine
+        if isinstance(prompt, str):
+            if not encodes_as_utf8(prompt):
+                raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
+            prompt = model.tokenizer.encode(prompt, add_special_tokens=True)
+        return check_prompt_ids(list(prompt), model.model_config.vocab_size, model.config.max_model_len)
+
+    def _place(self, ids: list[int], session_id: str | None) -> WorkerClient:
+        """The worker for a prompt: its session's while that worker is up, else by the policy."""
+        if session_id is not None:
+            worker = self._sessions.get(session_id)
+            if worker is not None and worker.up:
+                return worker
+        worker = self._pick(ids, exclude=())
+        if session_id is not None:
+            self._sessions[session_id] = worker
+        return worker
+
+    def _pick(self, ids: list[int], exclude: Sequence[WorkerClient]) -> WorkerClient:
+        up = [w for w in self.workers if w.up and w not in exclude]
+        if not up:
+            details = "; ".join(f"{w.address}: {w.detail or 'failed'}" for w in self.workers)
+            raise EngineDeadError(f"no worker is available ({details})")
+        index = choose_replica([w.tree.match(ids) for w in up], [w.in_flight for w in up], len(ids), self.policy)
+        return up[index]
+
+    async def _run(self, group_id: str, index: int, placed: _Placed, ids: list[int], params: SamplingParams,
+                   seed: int | None, session_id: str | None, out: asyncio.Queue) -> None:
+        """Generate one choice on `placed.worker`, moving it to another worker while nothing was
+        streamed; its deltas (or the error that ends it) go to `out`."""
+        sequence = RemoteSequence(group_id, index, ids, params, self.engine.tokenizer)
+        request = pb.GenerateRequest(request_id=placed.request_id, prompt_token_ids=ids,
+                                     sampling_params_json=params_to_json(worker_params(params, seed)),
+                                     session_id=session_id or "")
+        tried: list[WorkerClient] = []
+        try:
+            while True:
+                worker = placed.worker
+                tried.append(worker)
+                try:
+                    if await self._stream(worker, request, sequence, out):
+                        return
+                    error = "the stream ended without a final message"
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise ValueError(e.details()) from None
+                    error = f"{e.code().name}: {e.details()}"
+                worker.mark_down(error)
+                if sequence.num_out:
+                    raise WorkerLostError(f"worker {worker.address} failed while generating ({error})")
+                placed.worker = self._pick(ids, exclude=tried)
+                logger.warning("worker %s failed before streaming %s (%s); retrying on %s", worker.address,
+                               placed.request_id, error, placed.worker.address)
+                if session_id is not None:
+                    self._sessions[session_id] = placed.worker
+        except (ValueError, EngineDeadError, RequestFailedError) as e:
+            out.put_nowait(e)
+
+    async def _stream(self, worker: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence,
+                      out: asyncio.Queue) -> bool:
+        """One try on one worker; True when the sequence has ended."""
+        worker.in_flight += 1
+        worker.routed += 1
+        worker.tree.insert(request.prompt_token_ids)
+        call = worker.stub.Generate(request)
+        try:
+            async for msg in call:
+                if msg.finish_reason == "error":
+                    raise RequestFailedError(msg.error or "the worker failed this request")
+                if sequence.feed(msg):  # a stop string: end the text here, and on the worker
+                    cached = await self._end_on_worker(worker, request.request_id, call)
+                    out.put_nowait(sequence.delta("stop", sequence.stop_usage(cached)))
+                    return True
+                delta = sequence.delta(msg.finish_reason or None, usage_from_message(msg))
+                if delta is not None:
+                    out.put_nowait(delta)
+                if msg.finish_reason:
+                    return True
+            return False
+        finally:
+            call.cancel()  # a no-op once the call is over; else the worker aborts the request
+            worker.in_flight -= 1
+
+    async def _end_on_worker(self, worker: WorkerClient, request_id: str, call: grpc.aio.UnaryStreamCall) -> int:
+        """Abort a sequence the router ended; the prompt tokens the worker had cached (from its last message)."""
+        try:
+            await worker.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=CALL_TIMEOUT)
+            async for msg in call:
+                if msg.finish_reason:
+                    return msg.usage.cached_tokens
+        except grpc.aio.AioRpcError:
+            pass
+        return 0
+
+    # ----- health ----------------------------------------------------------------------------
+
+    async def check_workers(self) -> None:
+        """One health check of every worker; a worker that (re)joined is set up afresh."""
+        restarted = await asyncio.gather(*(w.refresh(self._reference) for w in self.workers))
+        for worker, fresh in zip(self.workers, restarted):
+            if not fresh:
+                continue
+            if self._reference is None:
+                self._reference = worker.info
+            for session_id in [s for s, w in self._sessions.items() if w is worker]:
+                del self._sessions[session_id]  # their KV is gone with the old process
+            if self._pin_budget is not None:
+                await self._send_pin_budget(worker)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.check_workers()
+            except Exception:  # noqa: BLE001 - keep checking
+                logger.exception("worker health check failed")
+
+    async def _send_pin_budget(self, worker: WorkerClient) -> None:
+        await self._quietly(worker, worker.stub.SetPinBudget(
+            pb.SetPinBudgetRequest(blocks_per_owner=self._pin_budget), timeout=CALL_TIMEOUT))
+
+    @staticmethod
+    async def _quietly(worker: WorkerClient, call: grpc.aio.UnaryUnaryCall) -> None:
+        """Await a bookkeeping call; a worker that fails it is found by the health check."""
+        try:
+            await call
+        except grpc.aio.AioRpcError as e:
+            logger.warning("call to worker %s failed: %s", worker.address, e.code().name)
+
+    def _spawn(self, call: grpc.aio.UnaryUnaryCall) -> None:
+        async def run() -> None:
+            try:
+                await call
+            except grpc.aio.AioRpcError:
+                pass  # the request is gone with its worker
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

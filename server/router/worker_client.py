@@ -1,0 +1,122 @@
+"""One worker as the router sees it: its connection, what it serves, whether it is up, its load.
+
+`refresh` is the health check: a worker that answers Health and serves is up; one that does
+not is down until a later check finds it serving again. A worker that comes back with another
+instance id has restarted: its cache picture is cleared and the router is told (`restarted`),
+so that sessions placed there are routed afresh and pin budgets sent again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grpc
+
+from server.router.prefix_tree import ApproxPrefixTree
+from server.worker_api import worker_pb2 as pb
+from server.worker_api.worker_pb2_grpc import WorkerStub
+from server.worker_api.wire import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT = 2.0  # seconds a Health or Info call may take before the worker counts as down
+MAX_MESSAGE_BYTES = 64 << 20  # Info carries the tokenizer (a few MB for large vocabularies)
+# gRPC backs off up to 2 minutes between reconnects to an address that refused; a worker that
+# restarts should be back within a health check or two.
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+             ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker serves; every worker of a router must serve the same (`compatible_with`)."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    tokenizer_json: str
+    chat_template: str | None
+    special_tokens: tuple[tuple[str, str], ...]
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_message(cls, msg: pb.InfoResponse) -> WorkerInfo:
+        return cls(msg.model, msg.vocab_size, msg.max_model_len, msg.max_num_seqs, msg.block_size,
+                   msg.tokenizer_json, msg.chat_template if msg.HasField("chat_template") else None,
+                   tuple(sorted(msg.special_tokens.items())), tuple(msg.eos_token_ids))
+
+    def mismatch(self, other: WorkerInfo) -> str | None:
+        """Why a worker serving `other` cannot join workers serving this, or None."""
+        for field in ("model", "vocab_size", "max_model_len", "block_size", "tokenizer_json", "chat_template",
+                      "special_tokens", "eos_token_ids"):
+            if getattr(self, field) != getattr(other, field):
+                return f"it serves another {field.replace('_', ' ')}"
+        return None
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.up = False
+        self.detail = "not checked yet"
+        self.info: WorkerInfo | None = None
+        self.instance_id: str | None = None
+        self.in_flight = 0  # sequences the router has running there
+        self.routed = 0  # sequences the router has sent there since it started
+        self.tree = ApproxPrefixTree()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: WorkerStub | None = None
+
+    @property
+    def stub(self) -> WorkerStub:
+        """The stub, on a channel made on first use (inside the router's event loop)."""
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT])
+            self._stub = WorkerStub(self._channel)
+        return self._stub
+
+    async def refresh(self, reference: WorkerInfo | None) -> bool:
+        """Check the worker; True when it has restarted (or answered for the first time) since
+        the last check that found it up. `reference` is what it must serve (None: anything)."""
+        try:
+            health = await self.stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT)
+            if not health.serving:
+                self.mark_down(f"not serving: {health.detail}")
+                return False
+            restarted = health.instance_id != self.instance_id
+            if restarted:
+                info_msg = await self.stub.Info(pb.InfoRequest(), timeout=HEALTH_TIMEOUT)
+                if info_msg.protocol_version != PROTOCOL_VERSION:
+                    self.mark_down(f"worker protocol {info_msg.protocol_version}, router {PROTOCOL_VERSION}")
+                    return False
+                info = WorkerInfo.from_message(info_msg)
+                problem = reference.mismatch(info) if reference is not None else None
+                if problem is not None:
+                    self.mark_down(f"incompatible: {problem}")
+                    return False
+                self.info, self.instance_id = info, info_msg.instance_id
+                self.tree.clear()
+        except grpc.aio.AioRpcError as e:
+            self.mark_down(f"{e.code().name}: {e.details()}")
+            return False
+        if not self.up:
+            logger.info("worker %s is up", self.address)
+        self.up, self.detail = True, ""
+        return restarted
+
+    def mark_down(self, detail: str) -> None:
+        if self.up:
+            logger.warning("worker %s is down: %s", self.address, detail)
+        self.up, self.detail = False, detail
+
+    def status(self) -> dict[str, object]:
+        return {"address": self.address, "status": "up" if self.up else "down", "detail": self.detail,
+                "in_flight": self.in_flight, "routed": self.routed}
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()

@@ -1,0 +1,80 @@
+"""`jaxserve worker`: one engine process serving the internal `Worker` gRPC service.
+
+Load, compile every bucket, then serve on --host:--port until SIGTERM/SIGINT, when calls in
+flight get --shutdown-timeout seconds to finish. A router (`jaxserve router --worker HOST:PORT`)
+does tokenization, sessions, keys and limits; this process only runs the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+from jaxserve.config import EngineConfig
+
+ROLES = ("both", "prefill", "decode")
+
+
+def add_worker_parser(
+    subparsers: argparse._SubParsersAction,
+    add_engine_args: Callable[[argparse.ArgumentParser], None],
+    engine_config_from_args: Callable[[argparse.Namespace], EngineConfig],
+) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("worker", help="an engine process behind the internal gRPC service of a router")
+    add_engine_args(p)
+    g = p.add_argument_group("worker")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (keep it on a private network)")
+    g.add_argument("--port", type=int, required=True)
+    g.add_argument("--role", choices=ROLES, default="both",
+                   help="both = prefill and decode (prefill/decode disaggregation is not built yet)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
+    p.set_defaults(func=lambda args: run_worker(args, engine_config_from_args(args)))
+    return p
+
+
+def run_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    import asyncio
+    import signal
+
+    import grpc
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.dp_router import make_engine
+    from server.worker_api.service import WorkerServicer
+    from server.worker_api.worker_pb2_grpc import add_WorkerServicer_to_server
+
+    if args.role != "both":
+        raise SystemExit(f"--role {args.role}: prefill/decode disaggregation is not built yet; use --role both")
+    t0 = time.perf_counter()
+    engine = AsyncEngine(make_engine(args.model, engine_config))
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
+    seconds = engine.engine.warm_up()
+    print(f"warm-up: {engine.engine.num_compilations} compilations in {seconds:.1f} s", flush=True)
+    engine.start()
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        add_WorkerServicer_to_server(WorkerServicer(engine, args.role), server)
+        address = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
+        port = server.add_insecure_port(address)
+        await server.start()
+        print(f"worker listening on {args.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        engine.on_fatal = lambda _error: loop.call_soon_threadsafe(stop.set)
+        await stop.wait()
+        await server.stop(args.shutdown_timeout)
+
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.shutdown()
+    if engine.fatal_error is not None:
+        print(f"worker stopped: the engine failed ({engine.fatal_error!r})", flush=True)
+        return 1
+    print("worker stopped", flush=True)
+    return 0

@@ -1,0 +1,117 @@
+"""The worker's servicer: the `Worker` service of `worker.proto` over one `AsyncEngine`.
+
+Each Generate call is one sequence (n = 1); the router expands choices and applies stop
+strings. Session pins live in the engine's prefix cache; the router holds them by the ids this
+servicer hands out (the Pin objects cannot cross the wire).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import grpc
+
+from jaxserve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from jaxserve.kv import Pin
+from server.routes_ops import engine_problem
+from server.worker_api import worker_pb2 as pb
+from server.worker_api import worker_pb2_grpc
+from server.worker_api.wire import PROTOCOL_VERSION, delta_to_message, params_from_json, snapshot_to_json
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncEngine, role: str = "both") -> None:
+        self._engine = engine
+        self._role = role
+        self.instance_id = uuid.uuid4().hex
+        self._pins: dict[int, Pin] = {}
+        self._pin_ids = itertools.count(1)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        router = self._engine.engine
+        bundle = router.tokenizer.bundle
+        return pb.InfoResponse(
+            protocol_version=PROTOCOL_VERSION, instance_id=self.instance_id, model=str(router.model_name),
+            vocab_size=router.model_config.vocab_size, max_model_len=router.config.max_model_len,
+            max_num_seqs=router.max_num_seqs, block_size=router.config.block_size, role=self._role,
+            tokenizer_json=bundle.tokenizer.to_str(), chat_template=bundle.chat_template,
+            special_tokens=bundle.special_tokens, eos_token_ids=bundle.eos_token_ids,
+        )
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            params = params_from_json(request.sampling_params_json)
+            if params.n != 1:
+                raise ValueError("a worker request generates one sequence (n = 1)")
+            stream = self._engine.generate(request.request_id, list(request.prompt_token_ids), params,
+                                           request.session_id or None)
+            async with aclosing(stream):  # leaving early (the call cancelled) aborts the request
+                async for delta in stream:
+                    yield delta_to_message(delta)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except RequestFailedError as e:
+            yield pb.GenerateResponse(finish_reason="error", error=str(e))
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        self._engine.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        problem = engine_problem(self._engine)
+        return pb.HealthResponse(serving=problem is None, detail=problem or "", instance_id=self.instance_id)
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
+        snapshot = await self._engine.snapshot()
+        if snapshot is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
+        return pb.LoadResponse(running=snapshot.running, waiting=snapshot.waiting, kv_used=snapshot.kv.used,
+                               kv_blocks=snapshot.kv.num_blocks, kv_requests=snapshot.kv_requests,
+                               snapshot_json=snapshot_to_json(snapshot))
+
+    async def PinHistory(self, request: pb.PinHistoryRequest,
+                         context: grpc.aio.ServicerContext) -> pb.PinHistoryResponse:
+        old = self._pins.get(request.old_pin)
+        others = [self._pins[i] for i in request.others if i in self._pins]
+        ids = {id(self._pins[i]): i for i in (*request.others, request.old_pin) if i in self._pins}
+        result = await self._engine.pin_history(request.session_id, request.owner, list(request.token_ids), old,
+                                                others)
+        if result is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
+        pin, released = result
+        reply = pb.PinHistoryResponse(released=[ids[id(p)] for p in released if id(p) in ids])
+        for pin_id in reply.released:
+            self._pins.pop(pin_id, None)
+        if old is not None and not old.active:  # replaced by the new pin
+            self._pins.pop(request.old_pin, None)
+        if pin is not None:
+            pin_id = next(self._pin_ids)
+            self._pins[pin_id] = pin
+            reply.pin, reply.num_blocks, reply.num_tokens = pin_id, pin.num_blocks, pin.num_tokens
+        return reply
+
+    async def Unpin(self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext) -> pb.UnpinResponse:
+        pin = self._pins.pop(request.pin, None)
+        if pin is not None:
+            await self._engine.unpin(pin)
+        return pb.UnpinResponse()
+
+    async def EndSessions(self, request: pb.EndSessionsRequest,
+                          context: grpc.aio.ServicerContext) -> pb.EndSessionsResponse:
+        ended = [(s.session_id, self._pins.pop(s.pin, None)) for s in request.sessions]
+        await self._engine.end_sessions(ended)
+        return pb.EndSessionsResponse()
+
+    async def SetPinBudget(self, request: pb.SetPinBudgetRequest,
+                           context: grpc.aio.ServicerContext) -> pb.SetPinBudgetResponse:
+        await self._engine.set_pin_budget(request.blocks_per_owner)
+        return pb.SetPinBudgetResponse()

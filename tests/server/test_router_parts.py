@@ -1,0 +1,83 @@
+"""The router's parts without processes: the approximate prefix tree, the placement policy with
+the router's defaults, the worker wire format, and bad command lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+
+import pytest
+
+from child_process import jaxserve
+from jaxserve.dp_router import choose_replica
+from jaxserve.sampling_params import SamplingParams
+from server.router.prefix_tree import ApproxPrefixTree
+from server.router.remote_engine import ROUTER_POLICY
+from server.router.sequence import worker_params
+from server.router.worker_client import WorkerInfo
+from server.worker_api.wire import params_from_json, params_to_json
+
+
+def test_prefix_tree_matches_splits_and_evicts_least_recently_used():
+    tree = ApproxPrefixTree()
+    tree.insert([1, 2, 3, 4, 5])
+    tree.insert([1, 2, 3, 9])
+    assert tree.num_tokens == 6  # [1 2 3] shared, then [4 5] and [9]
+    assert tree.match([1, 2, 3, 4, 5, 6]) == 5
+    assert tree.match([1, 2, 3, 9, 9]) == 4
+    assert tree.match([1, 2, 7]) == 2
+    assert tree.match([7, 1]) == 0
+    tree.insert([1, 2])  # inside an edge: nothing new
+    assert tree.num_tokens == 6
+    small = ApproxPrefixTree(max_tokens=25)
+    small.insert(list(range(10)))
+    small.insert(list(range(100, 110)))
+    small.match(list(range(10)))  # used: the other one is older
+    small.insert(list(range(200, 210)))
+    assert small.num_tokens == 20
+    assert small.match(list(range(10))) == 10 and small.match(list(range(200, 210))) == 10
+    assert small.match(list(range(100, 110))) == 0
+    small.clear()
+    assert small.num_tokens == 0 and small.match(list(range(10))) == 0
+    with pytest.raises(ValueError):
+        ApproxPrefixTree(max_tokens=0)
+
+
+def test_router_policy_defaults_are_sglangs():
+    assert (ROUTER_POLICY.match_fraction, ROUTER_POLICY.balance_abs, ROUTER_POLICY.balance_rel) == (0.3, 64, 1.5)
+    # 30 of 100 tokens cached on the busier worker: the prefix wins while loads are close...
+    assert choose_replica([30, 0], [10, 0], 100, ROUTER_POLICY) == 0
+    assert choose_replica([29, 0], [10, 0], 100, ROUTER_POLICY) == 1  # ...but not under 30%
+    # Imbalance beyond both thresholds (more than 64 apart and 1.5x) overrides the prefix.
+    assert choose_replica([100, 0], [65, 0], 100, ROUTER_POLICY) == 1
+    assert choose_replica([100, 0], [64, 0], 100, ROUTER_POLICY) == 0
+    assert choose_replica([100, 0], [200, 150], 100, ROUTER_POLICY) == 0  # 50 apart: not imbalanced
+
+
+def test_sampling_params_cross_the_wire_and_bad_json_is_a_clear_error():
+    params = SamplingParams(n=3, max_tokens=7, temperature=0.5, stop=["x"], logit_bias={5: -100.0}, seed=9,
+                            logprobs=2, min_tokens=1)
+    sent = worker_params(params, seed=11)
+    assert (sent.n, sent.seed, sent.stop) == (1, 11, [])
+    assert params_from_json(params_to_json(sent)) == sent
+    for bad, message in [("{", "does not parse"), ("[1]", "JSON object"), ('{"nope": 1}', "unknown sampling"),
+                         ('{"logit_bias": {"a": 1}}', "token ids"), ('{"max_tokens": -1}', "max_tokens")]:
+        with pytest.raises(ValueError, match=message):
+            params_from_json(bad)
+
+
+def test_workers_serving_other_models_cannot_join():
+    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,))
+    assert info.mismatch(dataclasses.replace(info, max_num_seqs=8)) is None  # capacity may differ
+    assert "block size" in info.mismatch(dataclasses.replace(info, block_size=16))
+    assert "tokenizer json" in info.mismatch(dataclasses.replace(info, tokenizer_json="[]"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["router", "--port", "1", "--worker", "nohostport"], "HOST:PORT"),
+    (["router", "--port", "1", "--worker", "h:1", "--cache-threshold", "2"], "--cache-threshold"),
+    (["worker", "--model", "tiny-random", "--port", "1", "--role", "prefill"], "not built yet"),
+])
+def test_bad_command_lines_get_clear_errors(args, message):
+    result = subprocess.run(jaxserve(*args), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and message in result.stderr + result.stdout, result.stderr
