@@ -124,7 +124,7 @@ class Scheduler:
                 break
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            hit = self.kv.match_prefix(req.all_token_ids)
+            hit = self.kv.match_prefix(req.all_token_ids[:req.num_cacheable_tokens])
             remaining = req.num_tokens - hit.num_tokens
             if remaining > budget and num_partial >= cfg.max_num_partial_prefills:
                 continue  # a long prompt waits; shorter ones behind it may go
