@@ -119,6 +119,7 @@ class LLMEngine:
                 params=params,
                 seed=(base_seed + i) % (1 << 31),
                 eos_token_ids=self.eos_token_ids,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             )
             streams[req] = SequenceStream(request_id, req, i, self.tokenizer)
         group = list(streams)
@@ -243,6 +244,9 @@ class LLMEngine:
         """Read an iteration's sampled tokens and update every request it sampled for."""
         results = self.runner.fetch(handle)
         self.stats.model_time += self.runner.last_fetch_time
+        for req, first, scored in self.runner.fetch_prompt_scores(handle):
+            if not req.is_finished:
+                req.add_prompt_logprobs(first, scored)
         self.stats.overlapped_reads += handle.launches_before_fetch > handle.launch_index
         deltas = []
         finished_groups = set()

@@ -114,6 +114,8 @@ class LLM:
                     out.token_ids.extend(d.token_ids)
                     if out.logprobs is not None and d.logprobs:
                         out.logprobs.extend(d.logprobs)
+                    if d.prompt_logprobs is not None:
+                        outputs[rid].prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         out.finish_reason = d.finish_reason
                         outputs[rid].num_cached_tokens = max(outputs[rid].num_cached_tokens, d.usage.cached_tokens)

@@ -39,6 +39,7 @@ class SequenceStream:
         self.emitted = 0  # characters of `text` already delivered
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[TokenLogprob] = []
+        self.sent_prompt_logprobs = False
 
     def add_token(self, sampled: SampledToken) -> None:
         """Keep a sampled token (and its log-probabilities, if asked) for the next delta."""
@@ -85,6 +86,14 @@ class SequenceStream:
             finish_reason=finish_reason.value if finish_reason is not None else None,
             usage=usage,
             error=None if error is None else f"{type(error).__name__}: {error}",
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
         self.new_token_ids, self.new_logprobs = [], []
         return delta
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        scores = self.request.prompt_logprobs
+        if self.sent_prompt_logprobs or scores is None or len(scores) < self.request.num_prompt_tokens:
+            return None
+        self.sent_prompt_logprobs = True
+        return scores

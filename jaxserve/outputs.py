@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first; empty unless logprobs > 0
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt positions only)
 
 
 @dataclasses.dataclass
@@ -35,6 +36,9 @@ class Delta:
     finish_reason: str | None
     usage: Usage | None  # set on the final delta
     error: str | None = None  # with finish_reason "error": what went wrong for this sequence
+    # With params.prompt_logprobs: the prompt's scores (None at position 0), once, on the
+    # sequence's first delta after its whole prompt is scored.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,3 +62,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With params.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -7,6 +7,7 @@ import functools
 import enum
 import time
 
+from jaxserve.outputs import TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 
 # An output token sampled by a step still running on the device. The engine appends one when it
@@ -72,6 +73,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    # With params.prompt_logprobs: each prompt position's log-probability, scored so far (None
+    # at position 0, which has no context); None for a request that does not score its prompt.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -115,6 +119,25 @@ class Request:
         while n and out[n - 1] == PLACEHOLDER:
             n -= 1
         return len(self.prompt_token_ids) + n
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """How much of the sequence a prefix-cache hit may cover: all of it, except for a request
+        still scoring its prompt, whose unscored rows must be computed (their hidden states are
+        what the scores come from)."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens:
+            return self.num_tokens
+        return len(self.prompt_logprobs) - 1  # the row that scores the first unscored position
+
+    def add_prompt_logprobs(self, first: int, scored: list[TokenLogprob]) -> None:
+        """Record the scores of prompt positions `first`, `first + 1`, ...; positions already
+        recorded (scored again by a recompute launched before the first scores were read) are
+        kept as they are."""
+        have = self.prompt_logprobs
+        skip = len(have) - first
+        if skip < 0:
+            raise ValueError(f"prompt scores from position {first} leave a gap after {len(have)}")
+        have.extend(scored[skip:])
 
     def ends_by_length(self, num_output: int, max_model_len: int) -> bool:
         """Whether `num_output` generated tokens end the request by length: `max_tokens` or the

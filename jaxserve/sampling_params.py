@@ -52,7 +52,8 @@ class SamplingParams:
 
     `top_k` 0 or -1 means "off" (stored as 0). `temperature` 0 means greedy. `logprobs` None
     returns no log-probabilities, 0 only the sampled token's, k (<= 20) also the k most
-    likely tokens'. `seed` None lets the engine draw a seed for the request once, so its
+    likely tokens'. `prompt_logprobs` (vLLM's) likewise for every prompt token after the
+    first: its log-probability given the tokens before it, and the k most likely there. `seed` None lets the engine draw a seed for the request once, so its
     random stream is still fixed for its whole life (including preemption and recompute).
     `logit_bias` maps token ids to values added to their logits before sampling (OpenAI's
     semantics: -100 bans a token, +100 all but forces it); log-probabilities stay unbiased.
@@ -77,6 +78,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     priority: int = 0
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -107,7 +109,7 @@ class SamplingParams:
         for name in ("n", "max_tokens", "min_tokens", "top_k", "priority"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be an integer or None, got {value!r}")
@@ -126,8 +128,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 or -1 (off) or at least 1, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def _check_floats(self) -> None:
         for name in (

@@ -22,7 +22,7 @@ from server.json_body import JSONBodyError, parse_json
 SAMPLING_FIELDS = frozenset({
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
-    "priority", "skip_special_tokens", "logit_bias", "include_stop_str_in_output",
+    "priority", "skip_special_tokens", "logit_bias", "include_stop_str_in_output", "prompt_logprobs",
 })
 # Accepted and ignored: they describe the caller, not the generation.
 METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -192,8 +192,12 @@ def max_tokens_setting(body: dict[str, Any], limits: Limits, longest_prompt: int
 
 
 def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: int | None, max_n: int,
-                          vocab_size: int) -> SamplingParams:
+                          vocab_size: int, echo: bool = False) -> SamplingParams:
+    """With `echo` and `logprobs` (completions), the prompt is scored too (prompt_logprobs
+    defaults to logprobs)."""
     fields = {name: body[name] for name in SAMPLING_FIELDS - {"max_tokens"} if name in body}
+    if echo and logprobs is not None:
+        fields.setdefault("prompt_logprobs", logprobs)
     n = fields.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > max_n:
         raise bad_request(f"n must be at most {max_n}, got {n}", param="n")
@@ -217,13 +221,10 @@ def _token_id_keys(bias: dict[str, Any]) -> dict[int, Any]:
         raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
-def echo_setting(body: dict[str, Any], logprobs: int | None) -> bool:
-    """Completions' `echo`: return the prompt before the completion (not its log-probabilities)."""
-    echo = require_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise bad_request("echo with logprobs needs the prompt's log-probabilities, which this server does not "
-                          "compute", param="echo", code="unsupported_parameter")
-    return echo
+def echo_setting(body: dict[str, Any]) -> bool:
+    """Completions' `echo`: return the prompt before the completion (with `logprobs`, the
+    prompt tokens' log-probabilities before the completion's, as lm-eval-harness reads them)."""
+    return require_bool(body, "echo", False)
 
 
 def check_best_of(body: dict[str, Any]) -> None:

@@ -66,7 +66,7 @@ async def _stream(
                         await events.send(shapes.role_chunk(index, include_usage))
                     if delta.finish_reason is not None:
                         finished += 1
-                    if delta.text or delta.finish_reason is not None or delta.logprobs:
+                    if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
                         chunk = shapes.chunk(index, delta, include_usage)
                         if finished == len(choices) and not include_usage:
                             chunk["usage"] = generation.usage.as_dict()  # usage in every response

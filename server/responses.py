@@ -33,8 +33,11 @@ class ChoiceOutput:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: Delta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
@@ -59,31 +62,55 @@ def chat_logprobs(info: ModelInfo, logprobs: list[TokenLogprob]) -> dict[str, An
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(info: ModelInfo, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The legacy completions shape; `offset` is the text length before these tokens."""
+def completion_logprobs(info: ModelInfo, logprobs: list[TokenLogprob], offset: int,
+                        prompt: list[TokenLogprob | None] | None = None,
+                        prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """The legacy completions shape; `offset` is the text length before these tokens. With
+    `echo`, the prompt's scores (`prompt`, None for its first token `prompt_ids[0]`) come first."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for lp in logprobs:
-        token = info.token_text(lp.token_id)
+    entries = ([] if prompt is None else [(prompt_ids[0], None)] + [(lp.token_id, lp) for lp in prompt[1:]])
+    entries += [(lp.token_id, lp) for lp in logprobs]
+    for token_id, lp in entries:
+        token = info.token_text(token_id)
         tokens.append(token)
-        token_logprobs.append(lp.logprob)
-        top: dict[str, float] = {}
-        for token_id, value in lp.top:  # best first; ids that share a text keep the best value
-            top.setdefault(info.token_text(token_id), value)
+        token_logprobs.append(None if lp is None else lp.logprob)
+        top: dict[str, float] | None = None
+        if lp is not None:
+            top = {}
+            for top_id, value in lp.top:  # best first; ids that share a text keep the best value
+                top.setdefault(info.token_text(top_id), value)
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
 
+def prompt_logprobs_field(info: ModelInfo, scores: list[TokenLogprob | None] | None) -> list[Any] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, then a map from token id
+    (as a string) to its logprob, rank and text, for the prompt's token and the most likely ones."""
+    if scores is None:
+        return None
+    out: list[Any] = [None]
+    for lp in scores[1:]:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": info.token_text(lp.token_id)}}
+        for rank, (token_id, value) in enumerate(lp.top, 1):
+            entry.setdefault(str(token_id), {"logprob": value, "rank": rank, "decoded_token": info.token_text(token_id)})
+        out.append(entry)
+    return out
+
+
 class CompletionShapes:
     """`text_completion` objects (one response, or the chunks of a stream).
 
-    With `echo` (the prompt texts, one per prompt, each prompt giving `n` choices) every
-    choice's text starts with its prompt: in the response, or in the first chunk of a stream.
+    With `echo` (the prompts' texts and token ids, each prompt giving `n` choices) every
+    choice's text starts with its prompt: in the response, or in the first chunk of a stream;
+    with logprobs, so do its log-probabilities (the first prompt token's are null).
     """
 
-    def __init__(self, response_id: str, info: ModelInfo, echo: list[str] | None = None, n: int = 1) -> None:
+    def __init__(self, response_id: str, info: ModelInfo, echo: list[tuple[str, list[int]]] | None = None, n: int = 1,
+                 show_prompt_logprobs: bool = False) -> None:
         self.id = response_id
+        self.show_prompt_logprobs = show_prompt_logprobs
         self.info = info
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
@@ -92,24 +119,34 @@ class CompletionShapes:
         self._echoed: set[int] = set()
 
     def _prompt_text(self, index: int) -> str:
-        return "" if self._echo is None else self._echo[index // self._n]
+        return "" if self._echo is None else self._echo[index // self._n][0]
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob], offset: int,
+                  prompt: list[TokenLogprob | None] | None) -> dict[str, Any]:
+        """A choice's completions logprobs; with echo, `prompt` scores come first."""
+        if self._echo is None or prompt is None:
+            return completion_logprobs(self.info, logprobs, offset)
+        return completion_logprobs(self.info, logprobs, offset, prompt, self._echo[index // self._n][1])
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.info.name,
                 "system_fingerprint": None, "choices": choices}
 
     def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any]:
-        logprobs = None
-        if delta.logprobs is not None:
-            offset = self._offsets.get(index, 0)
-            logprobs = completion_logprobs(self.info, delta.logprobs, offset)
-            self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-        text = delta.text
+        text, prompt = delta.text, None
         if index not in self._echoed:
             self._echoed.add(index)
             text = self._prompt_text(index) + text
-        body = self._envelope([{"index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": delta.finish_reason}])
+            prompt = delta.prompt_logprobs
+        logprobs = None
+        if delta.logprobs is not None:
+            offset = self._offsets.get(index, 0)
+            logprobs = self._logprobs(index, delta.logprobs, offset, prompt)
+            self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        if self.show_prompt_logprobs and delta.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_field(self.info, delta.prompt_logprobs)
+        body = self._envelope([choice])
         if include_usage:
             body["usage"] = None
         return body
@@ -120,19 +157,23 @@ class CompletionShapes:
     def response(self, choices: list[ChoiceOutput], usage: UsageCount) -> dict[str, Any]:
         out = []
         for i, c in enumerate(choices):
-            logprobs = completion_logprobs(self.info, c.logprobs, 0) if c.logprobs is not None else None
-            out.append({"index": i, "text": self._prompt_text(i) + c.text, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason})
+            logprobs = self._logprobs(i, c.logprobs, 0, c.prompt_logprobs) if c.logprobs is not None else None
+            choice = {"index": i, "text": self._prompt_text(i) + c.text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if self.show_prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_field(self.info, c.prompt_logprobs)
+            out.append(choice)
         return {**self._envelope(out), "usage": usage.as_dict()}
 
 
 class ChatShapes:
     """`chat.completion` and `chat.completion.chunk` objects."""
 
-    def __init__(self, response_id: str, info: ModelInfo) -> None:
+    def __init__(self, response_id: str, info: ModelInfo, show_prompt_logprobs: bool = False) -> None:
         self.id = response_id
         self.info = info
         self.created = int(time.time())
+        self.show_prompt_logprobs = show_prompt_logprobs  # vLLM's top-level `prompt_logprobs`
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.info.name,
@@ -151,6 +192,8 @@ class ChatShapes:
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         body = self._envelope("chat.completion.chunk", [{"index": index, "delta": content, "logprobs": logprobs,
                                                          "finish_reason": delta.finish_reason}])
+        if self.show_prompt_logprobs and delta.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_field(self.info, delta.prompt_logprobs)
         if include_usage:
             body["usage"] = None
         return body
@@ -164,4 +207,7 @@ class ChatShapes:
             logprobs = chat_logprobs(self.info, c.logprobs) if c.logprobs is not None else None
             out.append({"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
                         "logprobs": logprobs, "finish_reason": c.finish_reason})
-        return {**self._envelope("chat.completion", out), "usage": usage.as_dict()}
+        body = {**self._envelope("chat.completion", out), "usage": usage.as_dict()}
+        if self.show_prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs_field(self.info, choices[0].prompt_logprobs if choices else None)
+        return body

@@ -47,15 +47,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     longest = max(len(ids) for _, ids in prompts)
     max_tokens = max_tokens_setting(body, state.limits, longest, DEFAULT_COMPLETION_MAX_TOKENS)
     logprobs = logprobs_setting(body, chat=False)
-    echo = echo_setting(body, logprobs)
+    echo = echo_setting(body)
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_n=state.limits.max_n,
-                                   vocab_size=state.info.vocab_size)
+                                   vocab_size=state.info.vocab_size, echo=echo)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = [
         EngineRequest(response_id if len(prompts) == 1 else f"{response_id}-{i}", ids, params, i * params.n)
         for i, (_, ids) in enumerate(prompts)
     ]
-    shapes = CompletionShapes(response_id, state.info, [text for text, _ in prompts] if echo else None, params.n)
+    shapes = CompletionShapes(response_id, state.info, prompts if echo else None, params.n,
+                              show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n * len(prompts)):
         generation = state.generation(request, requests, "completions", arrival)
         return await respond(request, generation, shapes, stream)
@@ -80,7 +81,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     with state.admission.hold(params.n):
         generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)
-        return await respond(request, generation, ChatShapes(response_id, state.info), stream)
+        shapes = ChatShapes(response_id, state.info, show_prompt_logprobs="prompt_logprobs" in body)
+        return await respond(request, generation, shapes, stream)
 
 
 def _model_card(info: ModelInfo) -> dict[str, object]:

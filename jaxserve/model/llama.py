@@ -178,9 +178,25 @@ class LlamaModel(nn.Module):
             length=cfg.num_layers,
         )(cfg, self.dtype, self.backend, name="layers")
         (h, k, v), _ = layers((h, cache.k, cache.v), jnp.arange(cfg.num_layers), cos, sin, meta)
+        # Every row's last hidden state, for a caller that scores more rows than it samples
+        # (`head_logits`); kept only when applied with mutable=["intermediates"].
+        self.sow("intermediates", "hidden", h)
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(h[logits_indices])
         if cfg.tie_word_embeddings:
             logits = embed.attend(h)
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")(h)
         return logits.astype(jnp.float32), KVCache(k, v)
+
+
+def head_logits(config: ModelConfig, dtype: Any, params: Any, hidden: jax.Array) -> jax.Array:
+    """f32 logits of last hidden states (the `hidden` rows `LlamaModel` sows): its final norm
+    and output head, with its parameters."""
+    x = RMSNorm(config.rms_norm_eps, dtype).apply({"params": params["final_norm"]}, hidden)
+    if config.tie_word_embeddings:
+        embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype)
+        logits = embed.apply({"params": params["embed"]}, x, method=nn.Embed.attend)
+    else:
+        head = nn.Dense(config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
+        logits = head.apply({"params": params["lm_head"]}, x)
+    return logits.astype(jnp.float32)

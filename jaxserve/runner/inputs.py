@@ -26,13 +26,26 @@ PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compile
 
 class Program(NamedTuple):
     """One compiled step to run: its variant key, host arrays (tokens, positions, attention
-    metadata, logits rows, token sources), sampling settings, and where its sampled tokens go in
-    the iteration's sampled buffer."""
+    metadata, logits rows, token sources), sampling settings, where its sampled tokens go in
+    the iteration's sampled buffer, and the rows to score against given next tokens (prompt
+    log-probabilities: rows and targets, padded to the step's tokens; None when none are)."""
 
     key: tuple
     host_args: tuple
     sampling: SamplingTensors
     sample_offset: int
+    score: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclasses.dataclass
+class PromptScores:
+    """Which prompt positions a prefill program's scored rows are: `count` rows from `row` in
+    its score arrays give `request`'s positions `first`, `first + 1`, ..."""
+
+    request: Request
+    row: int
+    first: int
+    count: int
 
 
 @dataclasses.dataclass
@@ -43,6 +56,7 @@ class PreparedStep:
     penalty_resets: list[tuple[np.ndarray, ...]]
     reset_requests: list[Request]
     programs: list[Program]
+    prompt_scores: list[PromptScores] = dataclasses.field(default_factory=list)  # of the prefill program
 
 
 class PenaltySlots:
@@ -97,7 +111,7 @@ class StepInputs:
         unset = [req for req in penalised if req in slots.unset]
         resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS], prev_rows)
                   for i in range(0, len(unset), PENALTY_RESET_ROWS)]
-        programs = []
+        programs, scores = [], []
         if sched.prefills:
             chunks = sched.prefills
             programs.append(self.prefill(
@@ -106,13 +120,14 @@ class StepInputs:
                 bucket_for(len(chunks), ec.prefill_seq_buckets),
                 self._width_bucket(chunks),
                 prev_rows,
+                scores,
             ))
         if sched.decodes:
             chunks = sched.decodes
             programs.append(self.decode(
                 chunks, bucket_for(len(chunks), ec.decode_batch_buckets), self._width_bucket(chunks), prev_rows
             ))
-        return PreparedStep(resets, unset, programs)
+        return PreparedStep(resets, unset, programs, scores)
 
     def decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
                prev_rows: dict[Request, int] | None = None) -> Program:
@@ -136,7 +151,8 @@ class StepInputs:
                        self.decode_offset)
 
     def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
-                prev_rows: dict[Request, int] | None = None) -> Program:
+                prev_rows: dict[Request, int] | None = None, scores: list[PromptScores] | None = None) -> Program:
+        """A ragged prefill program. Rows that score prompt positions are listed in `scores`."""
         bs = self.config.block_size
         tokens = np.zeros(num_tokens, np.int32)
         token_src = np.full(num_tokens, -1, np.int32)
@@ -163,7 +179,32 @@ class StepInputs:
         meta = AttentionMetadata(slots, tables, seq_lens, query_start)
         host_args = (tokens, positions, meta, logits_indices, token_src)
         return Program(("prefill", num_tokens, num_seqs, width), host_args,
-                       self._sampling(chunks, self.sampler_rows(num_seqs)), 0)
+                       self._sampling(chunks, self.sampler_rows(num_seqs)), 0,
+                       self._score_rows(chunks, num_tokens, scores))
+
+    @staticmethod
+    def _score_rows(chunks: list[ScheduledChunk], num_tokens: int,
+                    scores: list[PromptScores] | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rows and target tokens of the prompt positions these chunks score: the row of
+        position p - 1 gives the log-probability of prompt token p. Positions already scored
+        (before a recompute) are skipped."""
+        rows, targets, row = [], [], 0
+        for c in chunks:
+            req, n = c.request, c.num_new_tokens
+            if req.prompt_logprobs is not None:
+                first = max(len(req.prompt_logprobs), c.start + 1)
+                last = min(c.start + n, req.num_prompt_tokens - 1)
+                if first <= last:
+                    if scores is not None:
+                        scores.append(PromptScores(req, len(rows), first, last - first + 1))
+                    rows.extend(range(row + first - 1 - c.start, row + last - c.start))
+                    targets.extend(req.prompt_token_ids[first:last + 1])
+            row += n
+        if not rows:
+            return None
+        padded_rows, padded_targets = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+        padded_rows[:len(rows)], padded_targets[:len(targets)] = rows, targets
+        return padded_rows, padded_targets
 
     def penalty_reset(self, requests: list[Request], prev_rows: dict[Request, int]) -> tuple[np.ndarray, ...]:
         """Arguments of a penalty-row reset for up to PENALTY_RESET_ROWS requests' slots: slots,

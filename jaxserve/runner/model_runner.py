@@ -29,8 +29,12 @@ from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
 from jaxserve.model import KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
-from jaxserve.runner.inputs import PreparedStep, Program, StepInputs
+from jaxserve.model.llama import head_logits
+from jaxserve.outputs import TokenLogprob
+from jaxserve.request import Request
+from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs
 from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
@@ -48,6 +52,8 @@ class StepHandle:
     launch_index: int  # 1 for the runner's first launch
     parts: list[tuple[list[ScheduledChunk], tuple[jax.Array, ...]]]
     launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
+    # The prefill program's scored prompt positions and their (logprob, rank, top ids, top logprobs).
+    prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
 
 
 @dataclasses.dataclass
@@ -137,8 +143,11 @@ class ModelRunner:
         # full vocabulary once (out_shardings), the cache kept split over kv heads and donated.
         self._step = jax.jit(
             self._step_fn, donate_argnums=(1,),
-            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv),
+            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv, rep),
         )
+        # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, keyed
+        # by the step's token bucket (only steps that score a prompt run it).
+        self._score = jax.jit(self._score_fn, in_shardings=(self.param_shardings, rep, rep, rep), out_shardings=rep)
         # Sampling is its own executable, keyed by its row bucket only, so it compiles a few
         # times, not once per step shape. It updates the penalty counts in place.
         self._sample = jax.jit(self._sample_fn, donate_argnums=(4,), in_shardings=rep, out_shardings=rep)
@@ -160,11 +169,24 @@ class ModelRunner:
     # ----- the jitted functions -------------------------------------------------------------
 
     def _step_fn(self, params, cache, tokens, positions, meta, logits_indices, prev_sampled, token_src):
+        """Logits at `logits_indices` (padded to the sampler's row bucket; padding rows are
+        zeros), the updated cache, and every row's last hidden state (for `_score_fn`)."""
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
-        logits, cache = self.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices)
-        rows = logits.shape[0]  # padded to the sampler's bucket (padding rows are zeros)
-        return jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0))), cache
+        (logits, cache), state = self.model.apply(
+            {"params": params}, tokens, positions, cache, meta, logits_indices, mutable=["intermediates"])
+        rows = logits.shape[0]
+        logits = jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0)))
+        return logits, cache, state["intermediates"]["hidden"][0]
+
+    def _score_fn(self, params, hidden, rows, targets):
+        """Log-probability and rank of `targets[i]` under the logits of row `rows[i]`, and the
+        MAX_LOGPROBS most likely tokens there (unprocessed logits, as vLLM's prompt_logprobs)."""
+        logprobs = jax.nn.log_softmax(head_logits(self.config, self.dtype, params, hidden[rows]), axis=-1)
+        target = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+        rank = 1 + jnp.sum(logprobs > target[:, None], axis=1, dtype=jnp.int32)
+        top_logprobs, top_ids = lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
+        return target, rank, top_ids.astype(jnp.int32), top_logprobs
 
     @staticmethod
     def _sample_fn(logits, sampling, sampled, offset, counts):
@@ -237,6 +259,10 @@ class ModelRunner:
                 rows = program.sampling.temperature.shape[0]
                 logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
                 submit(("sample", rows), self._sample, self._sample_args(program, logits, self._no_tokens))
+            for tokens in ec.prefill_token_buckets:
+                hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.dtype)
+                rows = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+                submit(("score", tokens), self._score, (self.params, hidden, rows, rows))
             submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([], {})))
             for key, compiled in pending.items():
                 self._executables[key] = compiled.result()
@@ -270,7 +296,7 @@ class ModelRunner:
         from its sampled tokens on the device."""
         t0 = time.perf_counter()
         self._move_blocks(sched)
-        outs = self._run_steps(prepared.penalty_resets, prepared.programs)
+        outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs)
         self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
         parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
         self._sampled_rows = {c.request: program.sample_offset + i for chunks, program in zip(parts, prepared.programs)
@@ -284,6 +310,10 @@ class ModelRunner:
             for field in fields:
                 field.copy_to_host_async()
             handle.parts.append((chunks, fields))
+        if scores is not None:
+            for field in scores:
+                field.copy_to_host_async()
+            handle.prompt_scores = (prepared.prompt_scores, scores)
         self.last_launch_time = time.perf_counter() - t0
         return handle
 
@@ -305,26 +335,48 @@ class ModelRunner:
         self.last_fetch_time = time.perf_counter() - t0
         return results
 
+    @staticmethod
+    def fetch_prompt_scores(handle: StepHandle) -> list[tuple[Request, int, list[TokenLogprob]]]:
+        """Wait for a launched iteration's prompt scores: for each request it scored, the first
+        position and the scores of that position and the ones after it (with the request's
+        `prompt_logprobs` most likely tokens)."""
+        if handle.prompt_scores is None:
+            return []
+        scored, fields = handle.prompt_scores
+        logprob, rank, top_ids, top_logprobs = (np.asarray(f) for f in fields)
+        results = []
+        for s in scored:
+            k = s.request.params.prompt_logprobs
+            rows = range(s.row, s.row + s.count)
+            results.append((s.request, s.first, [
+                TokenLogprob(s.request.prompt_token_ids[s.first + i], float(logprob[r]),
+                             [(int(t), float(p)) for t, p in zip(top_ids[r, :k], top_logprobs[r, :k])], int(rank[r]))
+                for i, r in enumerate(rows)]))
+        return results
+
     def _run_steps(self, penalty_resets: list[tuple], programs: list[Program],
-                   warming_up: bool = False) -> list[SamplerOutput]:
+                   warming_up: bool = False) -> tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
-        programs. Their sampled tokens land in a fresh buffer that becomes the next iteration's
-        `prev_sampled`."""
+        programs (and the prompt scores of the one that has any). The sampled tokens land in a
+        fresh buffer that becomes the next iteration's `prev_sampled`."""
         if self.mirror is not None and not warming_up:
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
             args = self._reset_args(reset)
             self.penalty_counts = self._compiled(("penalty_reset",), self._set_penalty_rows, args, warming_up)(*args)
-        sampled, outs = self._no_tokens, []
+        sampled, outs, scores = self._no_tokens, [], None
         for program in programs:
             args = self.step_args(program)
-            logits, self.cache = self._compiled(program.key, self._step, args, warming_up)(*args)
+            logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
+            if program.score is not None:
+                score_args = (self.params, hidden, *program.score)
+                scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)
             sample_args = self._sample_args(program, logits, sampled)
             out, sampled, self.penalty_counts = self._compiled(
                 ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
             outs.append(out)
         self._prev_sampled = sampled
-        return outs
+        return outs, scores
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:
         """Execute the KV manager's copy plan, stage by stage, in order."""

@@ -130,11 +130,12 @@ class Scheduler:
                 break
             if self.kv.is_loading(req.request_id):
                 continue  # its prefix is being read from disk; others go meanwhile
-            hit = self.kv.match_prefix(req.all_token_ids, self._chain(req))
+            cacheable = req.all_token_ids[:req.num_cacheable_tokens]
+            hit = self.kv.match_prefix(cacheable, self._chain(req))
             if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
                 if self.kv.start_load(req.request_id, hit) is not LoadStart.NONE:
                     continue  # loading (or waiting for room to load): admitted once on the host
-                hit = self.kv.match_prefix(req.all_token_ids, self._chain(req))
+                hit = self.kv.match_prefix(cacheable, self._chain(req))
             remaining = req.num_tokens - hit.num_tokens
             if remaining > budget and num_partial >= cfg.max_num_partial_prefills:
                 continue  # a long prompt waits; shorter ones behind it may go

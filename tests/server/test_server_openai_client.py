@@ -147,6 +147,41 @@ def test_echo_puts_each_prompt_before_its_completions(client, server):
     assert by_ids == prompt_text + client.completions.create(prompt=ids, **kw).choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, server):
+    """lm-eval-harness's loglikelihood request: echo + logprobs + max_tokens 1; the prompt's
+    tokens come first in the logprobs, the first one with null values."""
+    ids = [40, 41, 42, 43, 44, 45]
+    kw = dict(model=MODEL_NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=2)
+    echoed = client.completions.create(echo=True, **kw).choices[0]
+    scored = client.completions.create(extra_body={"prompt_logprobs": 2}, **kw).choices[0]
+    info = server.app[STATE].info
+    lp = echoed.logprobs
+    assert lp.tokens == [info.token_text(i) for i in ids] + scored.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    vllm = scored.model_extra["prompt_logprobs"]  # vLLM's field: None, then {id: {logprob, rank, decoded_token}}
+    assert vllm[0] is None and len(vllm) == len(ids)
+    assert lp.token_logprobs[1:len(ids)] == [vllm[p][str(ids[p])]["logprob"] for p in range(1, len(ids))]
+    assert all(v <= 0 for v in lp.token_logprobs[1:len(ids)])
+    for p in range(1, len(ids)):
+        best = max(vllm[p].values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1 and len(lp.top_logprobs[p]) <= 2
+        assert max(lp.top_logprobs[p].values()) == best["logprob"]
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    assert lp.token_logprobs[len(ids):] == scored.logprobs.token_logprobs  # then the completion's
+    streamed = [c for chunk in client.completions.create(echo=True, stream=True, **kw) for c in chunk.choices]
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+    values = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+    assert (tokens, values) == (lp.tokens, lp.token_logprobs)
+
+
+def test_chat_prompt_logprobs_are_returned_for_the_rendered_prompt(client):
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0,
+                                           extra_body={"prompt_logprobs": 0})
+    scores = reply.model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == reply.usage.prompt_tokens
+    assert all(len(entry) >= 1 and all(e["logprob"] <= 0 for e in entry.values()) for entry in scores[1:])
+
+
 def test_stop_string_cuts_the_text_and_does_not_leak(client):
     kw = dict(messages=CHAT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     text = client.chat.completions.create(model=MODEL_NAME, **kw).choices[0].message.content
