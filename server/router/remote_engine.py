@@ -155,6 +155,8 @@ class RemoteEngine:
                        session_id: str | None = None) -> AsyncIterator[Delta]:
         """As `AsyncEngine.generate`, on the worker that routing picks (retried elsewhere when
         it fails before streaming). Raises ValueError for a prompt the workers cannot serve."""
+        if params.prompt_logprobs is not None:  # the worker protocol carries no prompt scores yet
+            raise ValueError("prompt_logprobs (and echo with logprobs) are not served through the router yet")
         ids = self._prompt_ids(prompt)
         params.check_vocabulary(self.engine.model_config.vocab_size)
         if request_id in self._requests:

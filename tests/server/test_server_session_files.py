@@ -184,7 +184,10 @@ def test_kill_9_during_session_writes_leaves_each_session_at_its_previous_or_new
         writers = [threading.Thread(target=_write_loop, args=(port, sid, acked, stop)) for sid in sids]
         for w in writers:
             w.start()
-        time.sleep(1.5)
+        deadline = time.monotonic() + 120  # the writes must be under way, however slow the machine
+        while min(acked.values()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # and in the middle of one
         child.proc.kill()  # SIGKILL: no handler runs
         child.proc.wait()
         stop.set()
