@@ -59,3 +59,17 @@ def test_greedy_tokens_match_transformers(llm, assert_kv_all_free):
     for case, out in zip(cases, outs):
         assert out.outputs[0].token_ids == case["new_ids"], case["name"]
     assert_kv_all_free(llm.engine)
+
+
+def test_prompt_logprobs_match_transformers(llm, assert_kv_all_free):
+    """vLLM's prompt_logprobs (lm-eval-harness's loglikelihood path) against transformers' log_softmax
+    at every prompt position (tests/data/smollm2_prompt_logprobs.json, by make_prompt_logprobs.py)."""
+    from jaxserve import SamplingParams
+
+    cases = json.loads((Path(__file__).parent / "data" / "smollm2_prompt_logprobs.json").read_text())["prompts"]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        got = [s.logprob for s in out.prompt_logprobs[1:]]
+        np.testing.assert_allclose(got, case["logprobs"], atol=1e-3, rtol=0, err_msg=case["name"])
+    assert_kv_all_free(llm.engine)
