@@ -6,8 +6,12 @@ import dataclasses
 import functools
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.structured import GrammarState
 
 # An output token sampled by a step still running on the device. The engine appends one when it
 # launches a step that samples for the request and overwrites it with the token once the step's
@@ -72,6 +76,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    grammar: GrammarState | None = None  # structured output: the sequence's grammar position
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -115,6 +120,12 @@ class Request:
         while n and out[n - 1] == PLACEHOLDER:
             n -= 1
         return len(self.prompt_token_ids) + n
+
+    @property
+    def awaits_token(self) -> bool:
+        """A constrained request whose last sampled token is still in flight: its next mask
+        depends on that token, so it cannot be scheduled to sample until the token is read."""
+        return self.grammar is not None and bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
 
     def ends_by_length(self, num_output: int, max_model_len: int) -> bool:
         """Whether `num_output` generated tokens end the request by length: `max_tokens` or the

@@ -130,7 +130,7 @@ class ModelRunner:
         rep, kv = replicated(self.mesh), self.cache_sharding
         self.blocks = BlockMover(self.cache, kv, rep, engine_config.swap_space_blocks)
         self._constants: dict[tuple, jax.Array] = {}
-        self.inputs = StepInputs(engine_config, self._device_constant)
+        self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
 
         # Explicit shardings on every executable: host inputs replicated, logits gathered to the
         # full vocabulary once (out_shardings), the cache kept split over kv heads and donated.
