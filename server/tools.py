@@ -96,7 +96,7 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> Tool
         return ToolChoice(value if tools else "none")
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
         name = value["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
         return ToolChoice("function", name)
     raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
