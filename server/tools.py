@@ -127,8 +127,8 @@ class ToolFormat:
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list | None]:
         """The messages and the `tools` variable to render the chat template with (no tools:
         none are shown, but earlier calls and results in the conversation still are)."""
-        if self.template_renders_tools:
-            return messages, tools or None
+        if self.template_renders_tools:  # templates read a call's arguments as an object, as in transformers
+            return [_with_argument_objects(m) for m in messages], tools or None
         messages = [_hermes_message(m) for m in messages]
         if not tools:
             return messages, None
@@ -195,6 +195,13 @@ def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
     if message["role"] == "tool":
         return {"role": "tool", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
     return message
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c)}} for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
 
 
 def _arguments(call: dict[str, Any]) -> Any:
