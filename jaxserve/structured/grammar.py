@@ -60,7 +60,6 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
         self._words = mask_words(vocab_size)
-        self.num_tokens = 0  # tokens consumed so far
 
     def next_mask(self) -> np.ndarray:
         """int32[ceil(V / 32)]: the tokens allowed next."""
@@ -72,7 +71,6 @@ class GrammarState:
         """Consume a sampled token; GrammarRejectedError if the grammar does not allow it."""
         if not self._matcher.consume_token(int(token_id)):
             raise GrammarRejectedError(f"token {token_id} is not allowed by the grammar: {self._matcher.get_error()}")
-        self.num_tokens += 1
 
     @property
     def is_finished(self) -> bool:
