@@ -37,6 +37,7 @@ from jaxserve.runner.inputs import PreparedStep
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import SchedulerOutput
+from jaxserve.structured import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class LLMEngine:
             ec.max_model_len = capacity
         self.scheduler = Scheduler(ec, self.kv)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size,
+                                        self.eos_token_ids)
         self._streams: dict[Request, SequenceStream] = {}
         self._groups: dict[str, list[Request]] = {}
         self._rng = random.Random(ec.seed)
@@ -111,6 +114,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         params.check_vocabulary(self.model_config.vocab_size)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        grammars = [None] * params.n if params.guided is None else self.grammars.states(params.guided, params.n)
         streams = {}  # all built before any is registered: a failure leaves nothing behind
         for i in range(params.n):
             req = Request(
@@ -120,6 +124,7 @@ class LLMEngine:
                 seed=(base_seed + i) % (1 << 31),
                 eos_token_ids=self.eos_token_ids,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                grammar=grammars[i],
             )
             streams[req] = SequenceStream(request_id, req, i, self.tokenizer)
         group = list(streams)
@@ -273,11 +278,15 @@ class LLMEngine:
         return deltas
 
     def _update(self, req: Request, index: int, sampled: SampledToken) -> FinishReason | None:
-        """The one place a sampled token lands: it replaces its placeholder, then every stop rule
-        is applied in order (stop token ids and EOS, stop strings, max_tokens, the context), none
-        of them before `min_tokens` tokens are out. The stream only reads the token."""
+        """The one place a sampled token lands: it replaces its placeholder and advances the
+        request's grammar (structured output), then every stop rule is applied in order (stop
+        token ids and EOS, stop strings, a grammar that allows nothing more, max_tokens, the
+        context), none of them but the grammar's before `min_tokens` tokens are out. The stream
+        only reads the token."""
         token = sampled.token_id
         req.output_token_ids[index] = token
+        if req.grammar is not None:
+            req.grammar.advance(token)
         num_out = index + 1
         stream = self._streams[req]
         checking = num_out >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
@@ -287,7 +296,7 @@ class LLMEngine:
             return FinishReason.STOP  # finishing drops a later step's placeholder
         faults.check("detokenize", req)
         stopped = stream.add_text(token, check_stops=checking)
-        if stopped:
+        if stopped or (req.grammar is not None and req.grammar.is_finished):
             return FinishReason.STOP
         return FinishReason.LENGTH if req.ends_by_length(num_out, self.config.max_model_len) else None
 

@@ -6,9 +6,13 @@ import dataclasses
 import functools
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from jaxserve.outputs import TokenLogprob
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.structured import GrammarState
 
 # An output token sampled by a step still running on the device. The engine appends one when it
 # launches a step that samples for the request and overwrites it with the token once the step's
@@ -76,6 +80,7 @@ class Request:
     # With params.prompt_logprobs: each prompt position's log-probability, scored so far (None
     # at position 0, which has no context); None for a request that does not score its prompt.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    grammar: GrammarState | None = None  # structured output: the sequence's grammar position
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -138,6 +143,12 @@ class Request:
         if skip < 0:
             raise ValueError(f"prompt scores from position {first} leave a gap after {len(have)}")
         have.extend(scored[skip:])
+
+    @property
+    def awaits_token(self) -> bool:
+        """A constrained request whose last sampled token is still in flight: its next mask
+        depends on that token, so it cannot be scheduled to sample until the token is read."""
+        return self.grammar is not None and bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
 
     def ends_by_length(self, num_output: int, max_model_len: int) -> bool:
         """Whether `num_output` generated tokens end the request by length: `max_tokens` or the

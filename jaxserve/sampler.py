@@ -1,6 +1,7 @@
 """On-device sampling for a padded batch of logits, jittable inside the runner's step.
 
-Per row: logit bias (and the ban on stop tokens before `min_tokens`), then penalties (vLLM/HF semantics: repetition over prompt + output
+Per row: logit bias (and the ban on stop tokens before `min_tokens`), the token mask of
+structured output (a packed bitmask computed on the host; batches without one skip it), then penalties (vLLM/HF semantics: repetition over prompt + output
 tokens, then frequency and presence over output tokens), then either greedy argmax (temperature 0) or
 temperature, top-k, top-p (over the top-k survivors, renormalised), min-p and a random
 draw. The draw's key comes from the request's seed and the position being generated only
@@ -54,6 +55,7 @@ class RowSampling:
     position: int  # index (in the whole sequence) of the token being generated
     banned_ids: Sequence[int] = ()  # tokens that cannot be sampled now (stop tokens before min_tokens)
     penalty_slot: int = -1  # its row of PenaltyCounts (requests with penalties only)
+    token_mask: np.ndarray | None = None  # int32[ceil(V / 32)] allowed tokens (structured output)
 
 
 @jax.tree_util.register_dataclass
@@ -126,15 +128,17 @@ class SamplingTensors:
     penalty_slots: jax.Array  # i32[B]: each row's PenaltyCounts row (the spare one: no penalties)
     bias_ids: jax.Array  # i32[B, BIAS_SLOTS]: tokens with a logit bias, -1 = empty
     bias_values: jax.Array  # f32[B, BIAS_SLOTS]: their biases (-inf bans a token)
+    token_mask: jax.Array  # i32[B, W]: bit t % 32 of word t // 32 = token t allowed; -1 = all
 
     @classmethod
     def build(
         cls, rows: Sequence[RowSampling | None], batch_size: int, spare_slot: int,
-        constant: Callable[[tuple[int, ...], np.dtype, object], Any] | None = None,
+        constant: Callable[[tuple[int, ...], np.dtype, object], Any] | None = None, mask_words: int = 0,
     ) -> SamplingTensors:
         """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays. Rows without
-        penalties read PenaltyCounts row `spare_slot`. The bias tables, when no row uses them,
-        are `constant(shape, dtype, fill)`: a caller can keep those on the device instead of
+        penalties read PenaltyCounts row `spare_slot`. The bias tables and the token mask
+        (`mask_words` = ceil(V / 32) words per row), when no row uses them, are
+        `constant(shape, dtype, fill)`: a caller can keep those on the device instead of
         shipping them every step."""
         if len(rows) > batch_size:
             raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
@@ -143,6 +147,12 @@ class SamplingTensors:
         new = _filled if with_bias else (constant or _filled)
         bias_ids = new((batch_size, BIAS_SLOTS), np.int32, -1)
         bias_values = new((batch_size, BIAS_SLOTS), np.float32, 0.0)
+        masked = [i for i in live if rows[i].token_mask is not None]
+        token_mask = (_filled if masked else (constant or _filled))((batch_size, mask_words), np.int32, -1)
+        for i in masked:
+            if rows[i].token_mask.shape != (mask_words,):
+                raise ValueError(f"a token mask of shape {rows[i].token_mask.shape} in a batch of {mask_words} words")
+            token_mask[i] = rows[i].token_mask
         temperature = np.zeros(batch_size, np.float32)
         top_p = np.ones(batch_size, np.float32)
         min_p = np.zeros(batch_size, np.float32)
@@ -187,6 +197,7 @@ class SamplingTensors:
             penalty_slots=penalty_slots,
             bias_ids=bias_ids,
             bias_values=bias_values,
+            token_mask=token_mask,
         )
 
 
@@ -216,6 +227,8 @@ def sample(
     `num_top_logprobs` is static."""
     raw = logits.astype(jnp.float32)
     biased = lax.cond(jnp.any(t.bias_ids >= 0), apply_logit_bias, lambda x, *_: x, raw, t)
+    if t.token_mask.shape[1]:  # a batch built without mask words has no masks
+        biased = lax.cond(jnp.any(t.token_mask != -1), apply_token_mask, lambda x, *_: x, biased, t)
     penalized = lax.cond(_any_penalty(t), apply_penalties, lambda x, *_: x, biased, t, counts)
     greedy_tokens = _argmax(penalized)
     is_greedy = t.temperature <= 0.0
@@ -241,6 +254,15 @@ def apply_logit_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     rows = lax.broadcasted_iota(jnp.int32, t.bias_ids.shape, 0)
     ids = jnp.where(t.bias_ids < 0, vocab, t.bias_ids)
     return logits.at[rows, ids].add(t.bias_values, mode="drop")
+
+
+def apply_token_mask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """-inf for the tokens each row's packed mask forbids (a row of -1 words allows all)."""
+    batch, vocab = logits.shape
+    words = lax.bitcast_convert_type(t.token_mask, jnp.uint32)
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    allowed = bits.reshape(batch, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors, counts: PenaltyCounts) -> jax.Array:

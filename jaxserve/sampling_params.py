@@ -15,6 +15,8 @@ import dataclasses
 import math
 import numbers
 
+from jaxserve.structured.spec import GuidedDecoding
+
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # the most tokens a request may bias (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # each bias is in [-100, 100] (OpenAI's range)
@@ -59,7 +61,8 @@ class SamplingParams:
     semantics: -100 bans a token, +100 all but forces it); log-probabilities stay unbiased.
     `min_tokens` (vLLM's): until that many tokens are out, EOS and `stop_token_ids` cannot be
     sampled and stop strings are not looked for. `include_stop_str_in_output` (vLLM's) keeps
-    the stop string that ended the text at its end.
+    the stop string that ended the text at its end. `guided` constrains the output to a JSON
+    schema, regex, choice or grammar (structured output; see `jaxserve.structured`).
     """
 
     n: int = 1
@@ -82,6 +85,7 @@ class SamplingParams:
     priority: int = 0
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -92,6 +96,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise ValueError(f"guided must be a GuidedDecoding, got {self.guided!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -18,6 +18,7 @@ from server.model_info import ModelInfo
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 _MARK = "\ue000"  # a private-use character: marks where a message's stored token ids go
 MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls"}
+TOOL_MESSAGE_FIELDS = MESSAGE_FIELDS | {"tool_call_id"}
 
 
 def _is_token_list(value: Any) -> bool:
@@ -76,22 +77,30 @@ def _content_text(content: Any, index: int) -> str:
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def parse_messages(value: Any, param: str = "messages") -> list[dict[str, str]]:
-    """Chat messages as plain {"role", "content"} dicts (developer -> system)."""
+def parse_messages(value: Any, param: str = "messages", tools: bool = False) -> list[dict[str, Any]]:
+    """Chat messages as plain {"role", "content"} dicts (developer -> system). With `tools` (chat
+    completions), also "tool" messages (with their `tool_call_id`) and assistant messages with
+    `tool_calls` (kept under that key, with content "" when they have none)."""
     if not isinstance(value, list) or not value:
         raise bad_request(f"{param} must be a non-empty list of messages", param=param)
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise bad_request(f"{param}[{i}] must be an object", param=param)
-        unknown = set(message) - MESSAGE_FIELDS
+        unknown = set(message) - (TOOL_MESSAGE_FIELDS if tools else MESSAGE_FIELDS)
         if unknown:
             raise bad_request(f"{param}[{i}] has unsupported fields: {sorted(unknown)}", param=param)
         role = message.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise bad_request(f"{param}[{i}].role must be one of {sorted(CHAT_ROLES)}", param=param)
+        roles = CHAT_ROLES | {"tool"} if tools else CHAT_ROLES
+        if not isinstance(role, str) or role not in roles:
+            raise bad_request(f"{param}[{i}].role must be one of {sorted(roles)}", param=param)
         if message.get("tool_calls"):
-            raise bad_request(f"{param}[{i}]: tool calls are not supported", param=param)
+            if not tools or role != "assistant":
+                raise bad_request(f"{param}[{i}]: only assistant messages of chat completions may hold tool calls",
+                                  param=param)
+            messages.append({"role": role, "content": _content_text(message.get("content") or "", i),
+                             "tool_calls": _tool_calls(message["tool_calls"], f"{param}[{i}]", param)})
+            continue
         for name in ("name", "refusal"):
             if message.get(name) is not None and not isinstance(message[name], str):
                 raise bad_request(f"{param}[{i}].{name} must be a string", param=param)
@@ -99,21 +108,45 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, str]]:
         if content is None and role != "assistant":
             raise bad_request(f"{param}[{i}].content is required", param=param)
         text = "" if content is None else _content_text(content, i)
-        messages.append({"role": "system" if role == "developer" else role, "content": text})
+        parsed = {"role": "system" if role == "developer" else role, "content": text}
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise bad_request(f"{param}[{i}].tool_call_id must be a string", param=param)
+            parsed["tool_call_id"] = message["tool_call_id"]
+        messages.append(parsed)
     return messages
 
 
-def render_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The prompt text of a conversation, from the model's chat template."""
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+def _tool_calls(value: Any, where: str, param: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, checked: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if not isinstance(value, list):
+        raise bad_request(f"{where}.tool_calls must be a list", param=param)
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or call.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
+            raise bad_request(f'{where}.tool_calls[{j}] must be {{"id", "type": "function", "function": {{"name": str, '
+                              f'"arguments": str}}}}', param=param)
+        calls.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return calls
+
+
+def render_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text of a conversation, from the model's chat template (given `tools` too)."""
+    keys = ("role", "content", "tool_calls", "tool_call_id")
+    plain = [{k: m[k] for k in keys if k in m} for m in messages]
     try:
-        return info.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        return info.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"the conversation cannot be rendered with the model's chat template: {e}",
                           param="messages") from None
 
 
-def encode_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a conversation: its rendered text, encoded as written, except that an
     assistant message carrying `token_ids` (the ids the model generated for it, which a
     session stores) contributes exactly those ids.
@@ -129,11 +162,11 @@ def encode_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_
     """
     with_ids = [i for i, m in enumerate(messages) if m.get("token_ids") is not None]
     if not with_ids or any(_MARK in m["content"] for m in messages):
-        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt))
+        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt, tools))
     marked = [dict(m, content=f"{_MARK}{i}{_MARK}") if i in with_ids else m for i, m in enumerate(messages)]
-    pieces = render_chat(info, marked, add_generation_prompt).split(_MARK)
+    pieces = render_chat(info, marked, add_generation_prompt, tools).split(_MARK)
     if pieces[1::2] != [str(i) for i in with_ids]:
-        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt))
+        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt, tools))
     ids: list[int] = []
     for text, i in zip(pieces[0::2], with_ids):
         ids += info.tokenizer.encode(text) if text else []

@@ -2,9 +2,9 @@
 
 OpenAI's rules where they exist: unknown fields are refused (400, naming the field), `null`
 means "not given", and every wrong value is a 400 that names its parameter. vLLM's extra
-sampling fields (top_k, min_p, repetition_penalty, ...) are accepted too. Fields that the API
-defines but this server cannot honour (tools, response_format, ...) are accepted only at their
-neutral value.
+sampling fields (top_k, min_p, repetition_penalty, ...) are accepted too, and so are structured
+output's `response_format` and vLLM's `guided_*` extras. Fields that the API defines but this
+server cannot honour (audio, prediction, ...) are accepted only at their neutral value.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.structured import GuidedDecoding
 from server.errors import APIError, bad_request
 from server.json_body import JSONBodyError, parse_json
 
@@ -24,18 +25,18 @@ SAMPLING_FIELDS = frozenset({
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
     "priority", "skip_special_tokens", "logit_bias", "include_stop_str_in_output", "prompt_logprobs",
 })
+# Structured output: OpenAI's response_format and vLLM's extras (at most one of them).
+GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
+TOOL_FIELDS = frozenset({"tools", "tool_choice"})
 # Accepted and ignored: they describe the caller, not the generation.
 METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 STREAM_FIELDS = frozenset({"stream", "stream_options"})
 CHAT_LOGPROB_FIELDS = frozenset({"logprobs", "top_logprobs", "max_completion_tokens"})
 # Fields this server does not implement, with the values that mean "not used".
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -45,11 +46,11 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 CHAT_FIELDS = (
     frozenset({"model", "messages"}) | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS | CHAT_LOGPROB_FIELDS
-    | (frozenset(NEUTRAL_VALUES) - {"suffix"})
+    | GUIDED_FIELDS | TOOL_FIELDS | (frozenset(NEUTRAL_VALUES) - {"suffix"})
 )
 COMPLETION_FIELDS = (
     frozenset({"model", "prompt", "logprobs", "best_of", "echo", "suffix"})
-    | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS
+    | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS | GUIDED_FIELDS
 )
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -191,10 +192,65 @@ def max_tokens_setting(body: dict[str, Any], limits: Limits, longest_prompt: int
     return given
 
 
+def guided_setting(body: dict[str, Any]) -> GuidedDecoding | None:
+    """The structured-output constraint of `response_format` or a `guided_*` field (at most one);
+    400 naming the field and the problem when it is malformed or the grammar library rejects it."""
+    given = {name: body[name] for name in GUIDED_FIELDS if name in body}
+    if given.get("response_format") == {"type": "text"}:
+        del given["response_format"]
+    if len(given) > 1:
+        raise bad_request(f"at most one of {sorted(given)} may be given", param=sorted(given)[1])
+    if not given:
+        return None
+    (name, value), = given.items()
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "guided_json":
+            return GuidedDecoding("json", _json_value(value, name))
+        return GuidedDecoding({"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}[name],
+                              value)
+    except ValueError as e:
+        raise bad_request(f"{name}: {e}", param=name, code="invalid_schema") from None
+
+
+def _response_format(value: Any) -> GuidedDecoding:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object" and set(value) == {"type"}:
+        return GuidedDecoding("json_object")
+    if kind == "json_schema" and set(value) == {"type", "json_schema"} and isinstance(value["json_schema"], dict):
+        spec = value["json_schema"]
+        if set(spec) - {"name", "description", "schema", "strict"}:
+            raise ValueError(f"json_schema has unsupported fields: {sorted(set(spec) - {'name', 'description', 'schema', 'strict'})}")
+        if "name" in spec and not isinstance(spec["name"], str):
+            raise ValueError("json_schema.name must be a string")
+        if "strict" in spec and not isinstance(spec["strict"], bool):
+            raise ValueError("json_schema.strict must be a boolean")
+        return GuidedDecoding("json", spec["schema"]) if "schema" in spec else GuidedDecoding("json_object")
+    raise ValueError('must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                     '{"name": ..., "schema": {...}}}')
+
+
+def _json_value(value: Any, name: str) -> Any:
+    """vLLM's guided_json: a schema object, or the schema as JSON text."""
+    if isinstance(value, str):
+        try:
+            return parse_json(value.encode("utf-8"))
+        except JSONBodyError as e:
+            raise ValueError(f"the schema is not valid JSON: {e}") from None
+    return value
+
+
 def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: int | None, max_n: int,
-                          vocab_size: int, echo: bool = False) -> SamplingParams:
-    """With `echo` and `logprobs` (completions), the prompt is scored too (prompt_logprobs
-    defaults to logprobs)."""
+                          vocab_size: int, guided: GuidedDecoding | None = None, echo: bool = False) -> SamplingParams:
+    """The request's SamplingParams; `guided` (a tool call to enforce) replaces the body's
+    structured-output fields, which may not be given with it. With `echo` and `logprobs`
+    (completions), the prompt is scored too (prompt_logprobs defaults to logprobs)."""
+    given = guided_setting(body)
+    if guided is not None and given is not None:
+        raise bad_request("a required or named tool_choice cannot be combined with structured output fields",
+                          param="tool_choice")
+    guided = guided or given
     fields = {name: body[name] for name in SAMPLING_FIELDS - {"max_tokens"} if name in body}
     if echo and logprobs is not None:
         fields.setdefault("prompt_logprobs", logprobs)
@@ -204,7 +260,7 @@ def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: in
     if isinstance(fields.get("logit_bias"), dict):
         fields["logit_bias"] = _token_id_keys(fields["logit_bias"])
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, guided=guided, **fields)
         params.check_vocabulary(vocab_size)
         return params
     except (ValueError, TypeError) as e:

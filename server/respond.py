@@ -68,6 +68,8 @@ async def _stream(
                         finished += 1
                     if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
                         chunk = shapes.chunk(index, delta, include_usage)
+                        if chunk is None:  # held back (a tool call still being written)
+                            continue
                         if finished == len(choices) and not include_usage:
                             chunk["usage"] = generation.usage.as_dict()  # usage in every response
                         await events.send(chunk)

@@ -8,6 +8,7 @@ from typing import Any
 
 from jaxserve.outputs import Delta, TokenLogprob
 from server.model_info import ModelInfo
+from server.tools import ToolCalling
 
 
 @dataclasses.dataclass
@@ -167,12 +168,18 @@ class CompletionShapes:
 
 
 class ChatShapes:
-    """`chat.completion` and `chat.completion.chunk` objects."""
+    """`chat.completion` and `chat.completion.chunk` objects. With `tools`, a reply's tool calls
+    become `tool_calls` (finish_reason "tool_calls"); a stream shows content up to where a call
+    starts and sends the calls, each with its index, in the choice's last chunk."""
 
-    def __init__(self, response_id: str, info: ModelInfo, show_prompt_logprobs: bool = False) -> None:
+    def __init__(self, response_id: str, info: ModelInfo, tools: ToolCalling | None = None,
+                 show_prompt_logprobs: bool = False) -> None:
         self.id = response_id
         self.info = info
         self.created = int(time.time())
+        self._tools = tools
+        self._texts: dict[int, str] = {}  # with tools: each choice's text so far
+        self._shown: dict[int, int] = {}  # and how much of it was sent as content
         self.show_prompt_logprobs = show_prompt_logprobs  # vLLM's top-level `prompt_logprobs`
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -187,16 +194,38 @@ class ChatShapes:
             body["usage"] = None
         return body
 
-    def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any]:
+    def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any] | None:
+        """The chunk of a delta; None when it has nothing to show yet (a tool call in progress)."""
         logprobs = chat_logprobs(self.info, delta.logprobs) if delta.logprobs is not None else None
-        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-        body = self._envelope("chat.completion.chunk", [{"index": index, "delta": content, "logprobs": logprobs,
-                                                         "finish_reason": delta.finish_reason}])
+        finish_reason = delta.finish_reason
+        if self._tools is None:
+            content = {"content": delta.text} if delta.text or finish_reason is None else {}
+        else:
+            content, finish_reason = self._tool_delta(index, delta)
+            if content is None and logprobs is None:
+                return None
+        body = self._envelope("chat.completion.chunk", [{"index": index, "delta": content or {}, "logprobs": logprobs,
+                                                         "finish_reason": finish_reason}])
         if self.show_prompt_logprobs and delta.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_field(self.info, delta.prompt_logprobs)
         if include_usage:
             body["usage"] = None
         return body
+
+    def _tool_delta(self, index: int, delta: Delta) -> tuple[dict[str, Any] | None, str | None]:
+        """A tool request's delta: content newly safe to show, and at the end the calls."""
+        text = self._texts[index] = self._texts.get(index, "") + delta.text
+        shown = self._shown.get(index, 0)
+        if delta.finish_reason is None:
+            end = max(shown, self._tools.shown(text))
+            self._shown[index] = end
+            return ({"content": text[shown:end]} if end > shown else None), None
+        content, calls = self._tools.reply(text)
+        if not calls:
+            return {"content": text[shown:]} if len(text) > shown else {}, delta.finish_reason
+        body: dict[str, Any] = {"content": content[shown:]} if content and len(content) > shown else {}
+        body["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+        return body, "tool_calls"
 
     def usage_chunk(self, usage: UsageCount) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage.as_dict()}
@@ -205,8 +234,14 @@ class ChatShapes:
         out = []
         for i, c in enumerate(choices):
             logprobs = chat_logprobs(self.info, c.logprobs) if c.logprobs is not None else None
-            out.append({"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+            finish_reason = c.finish_reason
+            if self._tools is not None:
+                content, calls = self._tools.reply(c.text)
+                if calls:
+                    message = {**message, "content": content, "tool_calls": [call.as_dict() for call in calls]}
+                    finish_reason = "tool_calls"
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         body = {**self._envelope("chat.completion", out), "usage": usage.as_dict()}
         if self.show_prompt_logprobs:
             body["prompt_logprobs"] = prompt_logprobs_field(self.info, choices[0].prompt_logprobs if choices else None)

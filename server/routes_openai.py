@@ -25,10 +25,12 @@ from server.protocol import (
     max_tokens_setting,
     parse_stream,
     read_json_object,
+    require_bool,
 )
 from server.respond import respond
 from server.responses import ChatShapes, CompletionShapes
 from server.state import STATE
+from server.tools import ToolCalling, ToolFormat, forced_constraint, parse_tool_choice, parse_tools
 
 routes = web.RouteTableDef()
 
@@ -73,15 +75,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = parse_stream(body)
     if "messages" not in body:
         raise bad_request("messages is required", param="messages")
-    messages = parse_messages(body["messages"])
-    ids = check_prompt_ids(encode_chat(state.info, messages), state.info, "messages")
+    messages = parse_messages(body["messages"], tools=True)
+    tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
+    tool_format = ToolFormat(state.info.tokenizer.chat_template)
+    shown_tools = tools if choice.mode != "none" else []
+    messages, template_tools = tool_format.prompt(messages, shown_tools)
+    ids = check_prompt_ids(encode_chat(state.info, messages, tools=template_tools), state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
+    forced = forced_constraint(tools, choice, require_bool(body, "parallel_tool_calls", True))
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=True),
-                                   max_n=state.limits.max_n, vocab_size=state.info.vocab_size)
+                                   max_n=state.limits.max_n, vocab_size=state.info.vocab_size, guided=forced)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    shapes = ChatShapes(response_id, state.info, ToolCalling(tool_format, choice) if shown_tools else None,
+                        show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n):
         generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)
-        shapes = ChatShapes(response_id, state.info, show_prompt_logprobs="prompt_logprobs" in body)
         return await respond(request, generation, shapes, stream)
 
 

@@ -34,6 +34,7 @@ from server.errors import APIError, bad_request, not_found
 from server.generation import EngineRequest
 from server.prompts import check_prompt_ids, encode_chat, parse_messages, reply_token_ids
 from server.protocol import (
+    GUIDED_FIELDS,
     SAMPLING_FIELDS,
     build_sampling_params,
     check_fields,
@@ -51,7 +52,7 @@ from server.state import STATE, ServerState
 
 routes = web.RouteTableDef()
 
-DEFAULT_FIELDS = (SAMPLING_FIELDS - {"n"}) | {"max_completion_tokens", "logprobs", "top_logprobs"}
+DEFAULT_FIELDS = (SAMPLING_FIELDS - {"n"}) | {"max_completion_tokens", "logprobs", "top_logprobs"} | GUIDED_FIELDS
 CREATE_FIELDS = DEFAULT_FIELDS | {"model", "system", "messages"}
 REPLY_FIELDS = DEFAULT_FIELDS | {"stream", "stream_options"}
 MESSAGE_FIELDS = REPLY_FIELDS | {"role", "content"}

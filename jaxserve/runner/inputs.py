@@ -20,6 +20,7 @@ from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.sampler import RowSampling, SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from jaxserve.structured import mask_words
 
 PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compiled shape)
 
@@ -87,9 +88,11 @@ class PenaltySlots:
 class StepInputs:
     """Builds the arrays of each iteration's programs for one runner."""
 
-    def __init__(self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any]):
+    def __init__(self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any],
+                 vocab_size: int):
         self.config = engine_config
         self.constant = constant  # device-resident filled arrays (sampling tables no row uses)
+        self.mask_words = mask_words(vocab_size)  # of a structured-output token mask row
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
@@ -237,6 +240,7 @@ class StepInputs:
             params=req.params, seed=req.seed, position=req.num_tokens,
             banned_ids=tuple(req.stop_token_ids) if held_back else (),
             penalty_slot=self.penalty_slots.slot(req) if req.params.has_penalties else -1,
+            token_mask=None if req.grammar is None else req.grammar.next_mask(),
         )
 
     @staticmethod
@@ -249,7 +253,7 @@ class StepInputs:
 
     def _sampling(self, chunks: list[ScheduledChunk], rows: int) -> SamplingTensors:
         row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
-        return SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self.constant)
+        return SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self.constant, self.mask_words)
 
     @staticmethod
     def _pending_input(chunk: ScheduledChunk, prev_rows: dict[Request, int] | None) -> int:

@@ -137,7 +137,7 @@ class ModelRunner:
         self.num_host_slots = engine_config.num_host_slots(KVCache.bytes_per_block(config, bs, self.dtype))
         self.blocks = BlockMover(self.cache, kv, rep, self.num_host_slots)
         self._constants: dict[tuple, jax.Array] = {}
-        self.inputs = StepInputs(engine_config, self._device_constant)
+        self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
 
         # Explicit shardings on every executable: host inputs replicated, logits gathered to the
         # full vocabulary once (out_shardings), the cache kept split over kv heads and donated.

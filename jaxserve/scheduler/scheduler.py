@@ -79,10 +79,11 @@ class Scheduler:
         self._schedule_swap_ins(out)
         self._schedule_prefills(out, budget)
         out.copy_stages = self.kv.take_copies()
-        if out.is_empty and self.running and not any(map(self._length_capped, self.running)):
+        if out.is_empty and self.running and not any(self._length_capped(r) or r.awaits_token for r in self.running):
             # Every running request is a prefill that cannot grow: recompute the least important
             # one later so the others can make progress instead of waiting for each other forever.
-            # (Requests done by length free their blocks once their last step's output is read.)
+            # (Requests done by length free their blocks once their last step's output is read;
+            # constrained ones waiting for a token in flight run again once it is read.)
             self._preempt(self._pick_victim(), out, mode="recompute")
             return self.schedule()
         return out
@@ -91,8 +92,10 @@ class Scheduler:
         return req.ends_by_length(len(req.output_token_ids), self.config.max_model_len)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
-        # A request whose last token (maybe still in flight) ends it by length needs no step.
-        decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)]
+        # A request whose last token (maybe still in flight) ends it by length needs no step; a
+        # constrained one waits for its token in flight (its next mask depends on it).
+        decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)
+                    and not r.awaits_token]
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for a more important one
@@ -117,7 +120,7 @@ class Scheduler:
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
         in_flight: set[int] = set()  # chain hashes of blocks computed by this step's prefills
-        partial = [r for r in self.running if r.is_prefilling]
+        partial = [r for r in self.running if r.is_prefilling and not r.awaits_token]
         for req in partial:
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
@@ -128,6 +131,8 @@ class Scheduler:
                 break
             if len(self.running) >= cfg.max_num_seqs:
                 break
+            if req.awaits_token:
+                continue  # preempted with its last token in flight
             if self.kv.is_loading(req.request_id):
                 continue  # its prefix is being read from disk; others go meanwhile
             cacheable = req.all_token_ids[:req.num_cacheable_tokens]

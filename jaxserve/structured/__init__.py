@@ -1,0 +1,11 @@
+"""Structured output: grammars that constrain what a request may generate (llguidance).
+
+`GuidedDecoding` (in `SamplingParams.guided`) says what the output must match; the engine keeps
+one `GrammarState` per sequence, asks it for the packed mask of allowed tokens before each step
+that samples for it, and advances it with each sampled token (`LLMEngine._update`).
+"""
+
+from jaxserve.structured.grammar import GrammarCompiler, GrammarState, mask_words
+from jaxserve.structured.spec import GUIDED_KINDS, GuidedDecoding
+
+__all__ = ["GUIDED_KINDS", "GrammarCompiler", "GrammarState", "GuidedDecoding", "mask_words"]

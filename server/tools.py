@@ -1,0 +1,282 @@
+"""Tool calling on chat completions: `tools` and `tool_choice` checked, tools rendered into the
+prompt, and the reply's calls parsed into OpenAI's `tool_calls`.
+
+Two tool-call formats, chosen from the model's chat template:
+- Hermes style (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), the default. A
+  template that does not render `tools` itself (SmolLM2-Instruct's, the default model's, has no
+  tool support at all) gets the tools and this format described in its system message.
+- Llama 3 (templates that know `<|python_tag|>`): the template renders the tools; a call is a JSON
+  object with "name" and "parameters", optionally after `<|python_tag|>`, several joined by ";".
+
+`tool_choice` "required" and a named function are enforced with structured output, as vLLM does:
+"required" constrains the reply to a JSON array of {"name", "parameters"} objects over the given
+tools, a named function to that function's arguments object. "none" neither renders the tools nor
+parses calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any
+
+from jaxserve.structured import GuidedDecoding
+from server.errors import bad_request
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+
+    def as_dict(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolChoice:
+    mode: str  # "none", "auto", "required" or "function"
+    name: str | None = None  # the function, for mode "function"
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`tools` as a list of checked {"type": "function", "function": {...}} objects; 400 naming
+    the tool and field otherwise (a parameters schema the grammar library rejects included)."""
+    tools = body.get("tools", [])
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list of tools", param="tools")
+    checked, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise bad_request(f'{where} must be an object {{"type": "function", "function": {{...}}}}', param="tools")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise bad_request(f"{where}.function must be an object", param="tools")
+        if set(function) - FUNCTION_FIELDS:
+            raise bad_request(f"{where}.function has unsupported fields: {sorted(set(function) - FUNCTION_FIELDS)}",
+                              param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad_request(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'", param="tools")
+        if name in names:
+            raise bad_request(f"{where}.function.name {name!r} is given twice", param="tools")
+        names.add(name)
+        if "description" in function and not isinstance(function["description"], str):
+            raise bad_request(f"{where}.function.description must be a string", param="tools")
+        if "strict" in function and not isinstance(function["strict"], bool):
+            raise bad_request(f"{where}.function.strict must be a boolean", param="tools")
+        parameters = function.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise bad_request(f"{where}.function.parameters must be a JSON schema object", param="tools")
+        try:
+            GuidedDecoding("json", parameters)
+        except ValueError as e:
+            raise bad_request(f"{where}.function.parameters: {e}", param="tools") from None
+        checked.append({"type": "function", "function": {**function, "parameters": parameters}})
+    return checked
+
+
+def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoice:
+    """`tool_choice` (default "auto" with tools, "none" without); 400 when it names no given tool."""
+    value = body.get("tool_choice", "auto" if tools else "none")
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise bad_request('tool_choice "required" needs tools', param="tool_choice")
+        return ToolChoice(value if tools else "none")
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
+        return ToolChoice("function", name)
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                      '{"name": ...}}', param="tool_choice")
+
+
+def forced_constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool) -> GuidedDecoding | None:
+    """The structured-output constraint that enforces "required" or a named function."""
+    functions = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    if choice.mode == "function":
+        return GuidedDecoding("json", functions[choice.name])
+    if choice.mode != "required":
+        return None
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+                       "required": ["name", "parameters"], "additionalProperties": False}
+                      for name, parameters in functions.items()]}
+    return GuidedDecoding("json", {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})})
+
+
+class ToolFormat:
+    """How one chat template shows tools to the model and how the model writes its calls."""
+
+    def __init__(self, template: str | None) -> None:
+        source = template or ""
+        self.llama3 = PYTHON_TAG in source
+        self.template_renders_tools = "tools" in source
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list | None]:
+        """The messages and the `tools` variable to render the chat template with (no tools:
+        none are shown, but earlier calls and results in the conversation still are)."""
+        if self.template_renders_tools:  # templates read a call's arguments as an object, as in transformers
+            return [_with_argument_objects(m) for m in messages], tools or None
+        messages = [_hermes_message(m) for m in messages]
+        if not tools:
+            return messages, None
+        description = _hermes_system_text(tools)
+        if messages[0]["role"] == "system":
+            return [{**messages[0], "content": messages[0]["content"] + "\n\n" + description}] + messages[1:], None
+        return [{"role": "system", "content": description}] + messages, None
+
+    def call_start(self, text: str) -> int | None:
+        """Where the first call starts in a reply's text, if one has."""
+        if self.llama3:
+            stripped = text.lstrip()
+            return len(text) - len(stripped) if stripped.startswith(("{", PYTHON_TAG)) else None
+        at = text.find(HERMES_OPEN)
+        return None if at < 0 else at
+
+    def holdback(self, text: str) -> int:
+        """Characters at the end of `text` that may still become the start of a call."""
+        if self.llama3:
+            return len(text) if not text.strip() or PYTHON_TAG.startswith(text.lstrip()) else 0
+        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(HERMES_OPEN[:k]):
+                return k
+        return 0
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a reply; a reply whose calls do not parse is all content."""
+        start = self.call_start(text)
+        if start is None:
+            return text, []
+        calls = _llama3_calls(text[start:]) if self.llama3 else _hermes_calls(text[start:])
+        if calls is None:
+            return text, []
+        content = text[:start].strip()
+        return content or None, calls
+
+
+def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall] | None:
+    """The calls of a reply constrained by `forced_constraint` (None if it was cut short)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if choice.mode == "function":
+        return [ToolCall(choice.name, json.dumps(value, ensure_ascii=False))]
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+def _hermes_system_text(tools: list[dict[str, Any]]) -> str:
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return (f"You may call these functions:\n<tools>\n{listed}\n</tools>\nTo call one, reply with\n"
+            f'{HERMES_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{HERMES_CLOSE}')
+
+
+def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message for a template without tool support: calls and results written out as text."""
+    calls = message.get("tool_calls")
+    if calls:
+        written = "\n".join(
+            f'{HERMES_OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False)}'
+            f"\n{HERMES_CLOSE}" for c in calls)
+        text = (message.get("content") or "") + ("\n" if message.get("content") else "") + written
+        return {"role": "assistant", "content": text}
+    if message["role"] == "tool":
+        return {"role": "tool", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    return message
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c)}} for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    try:
+        return json.loads(call["function"]["arguments"])
+    except (json.JSONDecodeError, TypeError):
+        return call["function"]["arguments"]
+
+
+def _hermes_calls(text: str) -> list[ToolCall] | None:
+    calls = []
+    for block in text.split(HERMES_OPEN)[1:]:
+        call = _call(block.split(HERMES_CLOSE, 1)[0], "arguments")
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _llama3_calls(text: str) -> list[ToolCall] | None:
+    text = text.strip().removeprefix(PYTHON_TAG)
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call_object(value, "parameters")
+        if call is None:
+            return None
+        calls.append(call)
+        at = end
+        while at < len(text) and text[at] in " \n\t;":
+            at += 1
+    return calls or None
+
+
+def _call(text: str, arguments_key: str) -> ToolCall | None:
+    try:
+        return _call_object(json.loads(text), arguments_key)
+    except json.JSONDecodeError:
+        return None
+
+
+def _call_object(value: Any, arguments_key: str) -> ToolCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCalling:
+    """A chat request's tool setup, as the response shapes need it."""
+
+    format: ToolFormat
+    choice: ToolChoice
+
+    @property
+    def forced(self) -> bool:
+        return self.choice.mode in ("required", "function")
+
+    def reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished reply."""
+        if self.forced:
+            calls = parse_forced(text, self.choice)
+            return (text, []) if calls is None else (None, calls)
+        return self.format.parse(text)
+
+    def shown(self, text: str) -> int:
+        """How much of an unfinished reply may be streamed as content: everything before a call
+        (or before what may still become one); nothing of a forced reply."""
+        if self.forced:
+            return 0
+        start = self.format.call_start(text)
+        return len(text) - self.format.holdback(text) if start is None else start

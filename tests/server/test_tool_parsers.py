@@ -1,0 +1,83 @@
+"""Tool-call parsing and the streamed tool-call shape, without an engine: the Hermes-style format
+(the default model's) and Llama 3's, text before a call, several calls, malformed calls left as
+content, what a stream holds back, and `delta.tool_calls` with indexes in the last chunk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.outputs import Delta
+from server.responses import ChatShapes
+from server.tools import ToolCalling, ToolChoice, ToolFormat, forced_constraint, parse_forced
+
+HERMES = ToolFormat("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # renders no tools
+LLAMA3 = ToolFormat("{% if tools %}{{ tools | tojson }}{% endif %}<|python_tag|>")
+
+
+def test_hermes_calls_with_content_before_them():
+    text = 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n' \
+           '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    content, calls = HERMES.parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+
+
+@pytest.mark.parametrize("text", ["no call here", '<tool_call>{"name": "a", "arguments": ', '<tool_call>[1]</tool_call>'])
+def test_hermes_text_without_a_whole_call_is_content(text):
+    assert HERMES.parse(text) == (text, [])
+
+
+def test_llama3_calls_with_python_tag_and_semicolons():
+    text = '<|python_tag|>{"name": "a", "parameters": {"q": "x"}}; {"name": "b", "parameters": {"n": 2}}'
+    content, calls = LLAMA3.parse(text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"q": "x"}), ("b", {"n": 2})]
+    assert LLAMA3.parse("Paris is sunny.") == ("Paris is sunny.", [])
+
+
+def test_holdback_of_a_partial_marker():
+    assert HERMES.holdback("Sure <tool") == len("<tool")
+    assert HERMES.holdback("Sure") == 0
+    assert LLAMA3.holdback("  ") == 2 and LLAMA3.holdback("<|pyth") == len("<|pyth") and LLAMA3.holdback("Hi") == 0
+
+
+def test_forced_constraints_and_their_parse():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    required = forced_constraint(tools, ToolChoice("required"), parallel=False)
+    assert required.value["maxItems"] == 1 and required.value["items"]["anyOf"][0]["properties"]["name"] == {"const": "f"}
+    assert forced_constraint(tools, ToolChoice("function", "f"), True).value == {"type": "object"}
+    assert forced_constraint(tools, ToolChoice("auto"), True) is None
+    calls = parse_forced('[{"name": "f", "parameters": {"k": [1]}}]', ToolChoice("required"))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"k": [1]})]
+    assert parse_forced('{"k": 1', ToolChoice("function", "f")) is None  # cut by max_tokens
+
+
+class _Info:
+    name = "m"
+
+
+def _delta(text: str, finish: str | None = None) -> Delta:
+    return Delta("r", 0, text, [1], None, finish, None)
+
+
+def test_stream_shows_content_then_sends_the_calls_with_indexes():
+    shapes = ChatShapes("id", _Info(), ToolCalling(HERMES, ToolChoice("auto")))
+    pieces = ["Checking", " <tool", '_call>{"name": "a", ', '"arguments": {"x": 2}}</tool_call>', ""]
+    chunks = [shapes.chunk(0, _delta(p, "stop" if i == len(pieces) - 1 else None), False) for i, p in enumerate(pieces)]
+    shown = [c["choices"][0]["delta"].get("content") for c in chunks if c is not None]
+    assert "".join(s for s in shown if s) == "Checking "
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls"
+    (call,) = last["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "a", "arguments": '{"x": 2}'}
+
+
+def test_response_without_calls_keeps_its_text_and_finish_reason():
+    from server.responses import ChoiceOutput, UsageCount
+
+    shapes = ChatShapes("id", _Info(), ToolCalling(HERMES, ToolChoice("auto")))
+    body = shapes.response([ChoiceOutput(text="Hello", finish_reason="length")], UsageCount())
+    assert body["choices"][0]["message"]["content"] == "Hello" and body["choices"][0]["finish_reason"] == "length"
+    assert "tool_calls" not in body["choices"][0]["message"]
