@@ -9,13 +9,17 @@ from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv.manager import KVUsage
 from jaxserve.outputs import Delta, TokenLogprob, Usage
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import GuidedDecoding
 from server.worker_api import worker_pb2 as pb
 
 PROTOCOL_VERSION = 1
 
 
 def params_to_json(params: SamplingParams) -> str:
-    return json.dumps(dataclasses.asdict(params))
+    fields = dataclasses.asdict(params)
+    if params.guided is not None:  # the constraint travels as what it was built from
+        fields["guided"] = {"kind": params.guided.kind, "value": params.guided.value}
+    return json.dumps(fields)
 
 
 def params_from_json(text: str) -> SamplingParams:
@@ -36,6 +40,11 @@ def params_from_json(text: str) -> SamplingParams:
             fields["logit_bias"] = {int(k): v for k, v in bias.items()}
         except ValueError:
             raise ValueError("logit_bias keys must be token ids") from None
+    guided = fields.get("guided")
+    if guided is not None:
+        if not isinstance(guided, dict) or set(guided) != {"kind", "value"}:
+            raise ValueError("guided must be an object with kind and value")
+        fields["guided"] = GuidedDecoding(**guided)
     try:
         return SamplingParams(**fields)
     except TypeError as e:

@@ -15,6 +15,7 @@ from server.router.prefix_tree import ApproxPrefixTree
 from server.router.remote_engine import ROUTER_POLICY
 from server.router.sequence import worker_params
 from server.router.worker_client import WorkerInfo
+from jaxserve.structured import GuidedDecoding
 from server.worker_api.wire import params_from_json, params_to_json
 
 
@@ -60,7 +61,10 @@ def test_sampling_params_cross_the_wire_and_bad_json_is_a_clear_error():
     sent = worker_params(params, seed=11)
     assert (sent.n, sent.seed, sent.stop) == (1, 11, [])
     assert params_from_json(params_to_json(sent)) == sent
-    for bad, message in [("{", "does not parse"), ("[1]", "JSON object"), ('{"nope": 1}', "unknown sampling"),
+    guided = SamplingParams(guided=GuidedDecoding("json", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+                            prompt_logprobs=1)
+    assert params_from_json(params_to_json(guided)) == guided
+    for bad, message in [('{"guided": {"kind": "regex"}}', "kind and value"),("{", "does not parse"), ("[1]", "JSON object"), ('{"nope": 1}', "unknown sampling"),
                          ('{"logit_bias": {"a": 1}}', "token ids"), ('{"max_tokens": -1}', "max_tokens")]:
         with pytest.raises(ValueError, match=message):
             params_from_json(bad)
