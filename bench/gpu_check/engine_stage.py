@@ -129,7 +129,7 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     sampling, offset = jax.device_put((program.sampling, np.int32(program.sample_offset)), replicated(runner.mesh))
 
     def once(cache, counts):
-        logits, cache = step(runner.params, cache, *step_inputs)
+        logits, cache, _ = step(runner.params, cache, *step_inputs)
         out, _, counts = sample(logits, sampling, runner._no_tokens, offset, counts)
         return out, cache, counts
 

@@ -60,14 +60,14 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
     program = runner.inputs.prefill(chunks, TINY_ENGINE["prefill_token_buckets"][0],
                                      TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)
     key, args = program.key, runner.step_args(program)
-    prefill, runner.cache = runner._compiled(key, runner._step, args)(*args)
+    prefill, runner.cache, _ = runner._compiled(key, runner._step, args)(*args)
     prefill = np.asarray(prefill)[: len(prompts)]
     for r, row in zip(requests, prefill):
         r.output_token_ids.append(int(row.argmax()))
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
     program = runner.inputs.decode(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
     key, args = program.key, runner.step_args(program)
-    decode, runner.cache = runner._compiled(key, runner._step, args)(*args)
+    decode, runner.cache, _ = runner._compiled(key, runner._step, args)(*args)
     return prefill.tolist(), np.asarray(decode)[: len(prompts)].tolist()
 
 
