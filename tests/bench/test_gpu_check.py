@@ -17,6 +17,8 @@ from bench.gpu_check.table import ENGINE_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
 PLAN = make_plan(dry_run=True, command_buffer_variant=False)
+# The dry run's own budget bounds it; pytest's default limit (pyproject) is shorter.
+pytestmark = pytest.mark.timeout(int(PLAN.budget_s) + 120)
 
 
 @pytest.fixture(scope="module")
