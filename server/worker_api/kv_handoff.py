@@ -21,7 +21,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import grpc
 import numpy as np
@@ -116,7 +117,7 @@ class KVHandoff:
         self.leases = LeaseTable(lease_timeout)
         self._peers: dict[str, tuple[grpc.aio.Channel, WorkerStub]] = {}
         self._sweeper: asyncio.Task | None = None
-        self._releases: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()
 
     def start(self) -> None:
         """Start releasing leases past their timeout (call inside the serving event loop)."""
@@ -126,7 +127,7 @@ class KVHandoff:
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
-        await asyncio.gather(*self._releases, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
         for channel, _ in self._peers.values():
             await channel.close()
 
@@ -227,7 +228,7 @@ class KVHandoff:
             self.release_hold(hold)
             raise
         finally:
-            await self._ack(source)
+            self._in_background(self._ack(source))  # the request need not wait for it
             stats.seconds = time.perf_counter() - t0
         if stats.error:
             logger.warning("KV transfer from %s: %s", source.address, stats.error)
@@ -283,9 +284,12 @@ class KVHandoff:
     def release_hold(self, hold: Hold | None) -> None:
         """Release a hold on the engine thread, in the background (safe in a cancelled task)."""
         if hold is not None:
-            task = asyncio.get_running_loop().create_task(self._release(hold))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._in_background(self._release(hold))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _holding(self, fn: Callable[[DataParallelRouter], Hold]) -> Hold | None:
         """fn(router) on the engine thread, returning a hold; if the caller is cancelled meanwhile,
