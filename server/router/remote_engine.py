@@ -133,18 +133,16 @@ class RemoteEngine:
     async def connect(cls, addresses: Sequence[str], policy: RoutingPolicy = ROUTER_POLICY,
                       health_interval: float = 1.0, timeout: float = 300.0, decode_addresses: Sequence[str] = (),
                       prefill_addresses: Sequence[str] = ()) -> RemoteEngine:
-        """Wait (up to `timeout` s) until a worker that generates serves (and every prefill
-        worker, which placement needs to know of), then keep checking them all. `addresses` are
-        colocated workers (--role both), `decode_addresses` decode workers."""
+        """Wait (up to `timeout` s) until a worker that generates serves, then keep checking them
+        all. `addresses` are colocated workers (--role both), `decode_addresses` decode workers;
+        until a prefill worker is up, decode workers run requests whole."""
         workers = [WorkerClient(a) for a in addresses] + [WorkerClient(a, ("decode", "both")) for a in decode_addresses]
         prefill = [WorkerClient(a, ("prefill", "both")) for a in prefill_addresses]
         remote = cls(workers, policy, health_interval, prefill)
         deadline = time.monotonic() + timeout
         while True:
             await remote.check_workers()
-            if remote.is_alive and all(w.up for w in remote.prefill_workers):
-                break
-            if time.monotonic() > deadline and remote.is_alive:
+            if remote.is_alive:
                 break
             if time.monotonic() > deadline:
                 details = "; ".join(f"{w.address}: {w.detail}" for w in remote.workers)
