@@ -74,8 +74,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         lease = self._handoff.lease_message(request.request_id)
                         if lease is not None:
                             msg.lease.CopyFrom(lease)
+                        # Handed over: a caller that reads this message may cancel the call at once
+                        # (the router does); one that never reads it leaves the lease to its timeout.
+                        leased_out = True
                     yield msg
-                    leased_out = delta.finished
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
