@@ -46,6 +46,7 @@ class _Add:
     params: SamplingParams
     session_id: str | None
     deliver: Callable[[Delta | BaseException], None]
+    on_finish: Callable[[DataParallelRouter, Delta], None] | None = None
 
 
 @dataclasses.dataclass
@@ -66,6 +67,7 @@ class AsyncEngine:
         self.engine = engine if isinstance(engine, DataParallelRouter) else DataParallelRouter([engine])
         self._inbox: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}
+        self._on_finish: dict[str, Callable[[DataParallelRouter, Delta], None]] = {}
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._stopping = threading.Event()
         self.last_step_at = time.monotonic()
@@ -85,16 +87,21 @@ class AsyncEngine:
         return self._thread.is_alive() and self.fatal_error is None
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       session_id: str | None = None) -> AsyncIterator[Delta]:
+                       session_id: str | None = None,
+                       on_finish: Callable[[DataParallelRouter, Delta], None] | None = None) -> AsyncIterator[Delta]:
         """Stream the request's deltas. Raises ValueError for a prompt the engine cannot serve.
         Leaving the iteration early (client gone, task cancelled) aborts the request. Requests
-        that name a `session_id` go to the replica that served the session before."""
+        that name a `session_id` go to the replica that served the session before.
+        `on_finish(router, final_delta)` (n = 1 only) runs on the engine thread as the sequence
+        ends, before any later step: a prefill worker holds the prompt's blocks there."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         deliver = functools.partial(loop.call_soon_threadsafe, out.put_nowait)
-        self._inbox.put(_Add(request_id, prompt, params, session_id, deliver))
+        if on_finish is not None and params.n != 1:
+            raise ValueError("on_finish needs n = 1")
+        self._inbox.put(_Add(request_id, prompt, params, session_id, deliver, on_finish))
         remaining = params.n
         finished = False
         try:
@@ -140,6 +147,10 @@ class AsyncEngine:
     async def set_pin_budget(self, blocks_per_owner: int) -> None:
         await self._on_engine_thread(lambda e: e.set_pin_budget(blocks_per_owner))
 
+    async def between_steps(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
+        """Run fn(router) on the engine thread between steps (a worker's KV transfers)."""
+        return await self._on_engine_thread(fn)
+
     async def inspect(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
         """Run fn(router) on the engine thread: for tests and debugging tools, which may look at
         any internal state. The server uses only the methods above."""
@@ -181,6 +192,8 @@ class AsyncEngine:
             try:
                 engine.add_request(item.request_id, item.prompt, item.params, item.session_id)
                 self._deliver[item.request_id] = item.deliver
+                if item.on_finish is not None:
+                    self._on_finish[item.request_id] = item.on_finish
             except ValueError as e:  # the request cannot be served: the caller's error
                 item.deliver(e)
             except Exception as e:  # noqa: BLE001 - this request failed alone; the engine goes on
@@ -197,6 +210,12 @@ class AsyncEngine:
                 item.done(e)
 
     def _send(self, d: Delta) -> None:
+        on_finish = self._on_finish.pop(d.request_id, None) if d.finished else None
+        if on_finish is not None:
+            try:
+                on_finish(self.engine, d)
+            except Exception:  # noqa: BLE001 - the request's output stands; the hook's work is lost
+                logger.exception("on_finish of request %s failed", d.request_id)
         deliver = self._deliver.get(d.request_id)
         if deliver is not None:
             deliver(d if d.error is None else RequestFailedError(d.error))
@@ -223,6 +242,7 @@ class AsyncEngine:
                         self._send(d)
                     for rid in [r for r in self._deliver if not engine.is_active(r)]:
                         del self._deliver[rid]
+                        self._on_finish.pop(rid, None)
                     if self.on_step is not None:
                         self.on_step(engine, deltas, time.perf_counter() - t0)
                 elif self.on_idle is not None:
@@ -234,6 +254,7 @@ class AsyncEngine:
             for deliver in self._deliver.values():
                 deliver(EngineDeadError(f"engine loop failed: {e!r}"))
             self._deliver.clear()
+            self._on_finish.clear()
             if self.on_fatal is not None:
                 self.on_fatal(e)
             return

@@ -25,6 +25,19 @@ class ReplicaLoad:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVTransferStats:
+    """KV moved from prefill to decode workers, as a disaggregating router counts it (from what
+    the decode workers report of each pull)."""
+
+    transfers: int = 0  # prompts handed over
+    blocks_pulled: int = 0
+    blocks_skipped: int = 0  # the decode worker's prefix cache had them
+    bytes: int = 0
+    seconds: float = 0.0  # pulls and writes into the decode worker's cache, summed
+    failed: int = 0  # handed over without their KV (recomputed on the decode worker)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
     """Summed over the data-parallel replicas (`replicas` has each one's load)."""
 
@@ -44,12 +57,13 @@ class EngineSnapshot:
     generated_tokens: int
     replicas: tuple[ReplicaLoad, ...]
     tiers: TierStats = TierStats()  # per-tier hits, bytes, load time, evictions
+    kv_transfer: KVTransferStats = KVTransferStats()  # a disaggregating router's
 
     @classmethod
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         """The replicas' snapshots summed (each keeps its load in `replicas`)."""
         summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)
-                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers")}
+                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer")}
         return cls(**summed, has_unfinished=any(s.has_unfinished for s in snapshots),
                    kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas),
                    tiers=TierStats.total([s.tiers for s in snapshots]))

@@ -59,6 +59,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (not served from cache)",
                                   value=s.prompt_tokens_computed)
         yield from _tier_metrics(s)
+        yield from _transfer_metrics(s)
         per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",
                                         "Sequences per data-parallel replica by state", labels=["replica", "state"])
         kv_per_replica = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage_ratio",
@@ -94,6 +95,23 @@ def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted",
                               value=t.disk_damaged)
     yield GaugeMetricFamily(f"{PREFIX}_kv_disk_bytes", "Bytes of block files the disk tier holds", value=t.disk_bytes)
+
+
+def _transfer_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """KV moved from prefill to decode workers (a disaggregating router); per request = total / transfers."""
+    t = s.kv_transfer
+    yield CounterMetricFamily(f"{PREFIX}_kv_transfers", "Prompts whose KV a decode worker pulled from a prefill worker",
+                              value=t.transfers)
+    blocks = CounterMetricFamily(f"{PREFIX}_kv_transfer_blocks", "KV blocks of handed-over prompts: pulled, or "
+                                 "skipped (the decode worker's prefix cache had them)", labels=["kind"])
+    blocks.add_metric(["pulled"], t.blocks_pulled)
+    blocks.add_metric(["skipped"], t.blocks_skipped)
+    yield blocks
+    yield CounterMetricFamily(f"{PREFIX}_kv_transfer_bytes", "KV bytes pulled by decode workers", value=t.bytes)
+    yield CounterMetricFamily(f"{PREFIX}_kv_transfer_seconds", "Time of the pulls (with the writes into the "
+                              "decode worker's cache), summed", value=t.seconds)
+    yield CounterMetricFamily(f"{PREFIX}_kv_transfer_failures", "Handed-over prompts whose KV did not arrive "
+                              "(recomputed on the decode worker)", value=t.failed)
 
 
 class ServerMetrics:

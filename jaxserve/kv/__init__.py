@@ -8,6 +8,7 @@ from jaxserve.kv.content_keys import ChainKeys, fingerprint
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
 from jaxserve.kv.disk_link import LoadStart
 from jaxserve.kv.disk_tier import DiskStats, DiskTier, HostBlockArrays
+from jaxserve.kv.holds import Hold
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.manager import KVCacheManager, KVUsage, PrefixHit
 from jaxserve.kv.pins import Pin, PinLedger
@@ -16,6 +17,6 @@ from jaxserve.kv.radix_cache import CacheStats, InsertResult, PrefixMatch, Radix
 __all__ = [
     "RESERVED_BLOCK", "BlockPool", "NoFreeBlocksError", "ChainKeys", "fingerprint", "CopyKind", "CopyPlan",
     "CopyStage", "LoadStart", "DiskStats", "DiskTier", "HostBlockArrays",
-    "HostTier", "KVCacheManager", "KVUsage", "PrefixHit", "Pin", "PinLedger", "CacheStats",
+    "Hold", "HostTier", "KVCacheManager", "KVUsage", "PrefixHit", "Pin", "PinLedger", "CacheStats",
     "InsertResult", "PrefixMatch", "RadixCache", "RadixNode",
 ]

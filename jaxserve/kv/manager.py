@@ -59,6 +59,10 @@ loads into the tree, and the request, no longer `is_loading`, is admitted with a
 `cancel_load(req_id)` when a loading request goes away. Cached blocks are written to disk as the
 copy plan's `DEVICE_TO_DISK` / `HOST_TO_DISK` entries (see `disk_link`).
 
+KV handed between workers (prefill/decode disaggregation, see `holds`): `hold_prefix(ids)`
+keeps a prompt's cached device blocks until `release_hold`; the receiving side writes pulled KV
+into `allocate_import(n)` blocks and adds them with `adopt_import(hold, ids, blocks)`.
+
 Metrics and checks: `usage()`, `stats` (prefix hits), `check_integrity()`.
 
 Token ids must fit in int32 (the cache keys tokens as int32 bytes); numpy int32 arrays match
@@ -84,6 +88,7 @@ from jaxserve.kv.content_keys import ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
 from jaxserve.kv.disk_link import DiskLink, LoadStart
 from jaxserve.kv.disk_tier import DiskTier
+from jaxserve.kv.holds import Hold
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.pins import Pin, PinLedger
 from jaxserve.kv.radix_cache import CacheStats, RadixCache, RadixNode
@@ -187,6 +192,7 @@ class KVCacheManager:
         self.pins = PinLedger(usable // 8 if pin_budget_blocks is None else pin_budget_blocks,
                               usable // 2 if max_pinned_blocks is None else max_pinned_blocks)
         self._seqs: dict[RequestId, _Seq] = {}
+        self._holds: set[Hold] = set()
         self._epoch = 0
         self.disk = None
         if disk is not None:
@@ -642,6 +648,65 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             self.prefix_cache.unlock(pin.node)
 
+    # ------------------------------------------------------------------ holds
+
+    def hold_prefix(self, token_ids: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> Hold:
+        """Hold the cached device blocks that start `token_ids` (its full blocks, at most
+        `max_blocks`): not evicted until `release_hold`. Blocks spilled to the host are left out
+        (they follow the device ones). Empty without a prefix cache."""
+        self._epoch += 1
+        cache = self.prefix_cache
+        if cache is None:
+            hold = Hold([])
+        else:
+            n = len(token_ids) if max_blocks is None else min(len(token_ids), max_blocks * self.block_size)
+            node = cache.match(token_ids[:n], leave_last_token=False).node
+            while node.blocks is None:
+                node = node.parent
+            cache.lock(node)
+            hold = Hold(cache.path_blocks(node), node)
+        self._holds.add(hold)
+        return hold
+
+    def release_hold(self, hold: Hold) -> None:
+        if not hold.active or hold not in self._holds:
+            raise ValueError("release of a hold that is not active")
+        self._epoch += 1
+        self._holds.remove(hold)
+        hold.active = False
+        if self.prefix_cache is not None:
+            self.prefix_cache.unlock(hold.node)
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
+    def allocate_import(self, n: int) -> list[int]:
+        """Up to `n` fresh blocks for KV read from another engine: fewer (maybe none) where more
+        would eat into the watermark. Write their KV, then `adopt_import` them. Evicting idle
+        cached blocks for them may plan copies: run `take_copies()` before writing."""
+        self._epoch += 1
+        return self._allocate(max(0, min(n, self.num_available_blocks - self.watermark_blocks)))
+
+    def adopt_import(self, hold: Hold, token_ids: Sequence[int] | np.ndarray, blocks: list[int]) -> Hold:
+        """Add `blocks` (from `allocate_import`, KV written) to the prefix cache after the path
+        `hold` holds: blocks[i] has the KV of block `hold.num_blocks + i` of `token_ids`.
+        Returns a hold of the longer path, which replaces `hold`. Blocks whose tokens the cache
+        has already go back to the pool."""
+        if not hold.active:
+            raise ValueError("adopt_import after a hold that is not active")
+        cache = self.prefix_cache
+        if cache is None:
+            raise ValueError("imported blocks go into the prefix cache: enable it")
+        bs, first = self.block_size, hold.num_blocks
+        self._epoch += 1
+        result = cache.insert(token_ids[first * bs:(first + len(blocks)) * bs], blocks, parent=hold.node)
+        self.pool.decref_all(blocks)
+        longer = Hold(hold.blocks + result.blocks, result.node)
+        self._holds.add(longer)
+        self.release_hold(hold)
+        return longer
+
     # ------------------------------------------------------------------ checks
 
     def check_integrity(self) -> None:
@@ -679,6 +744,8 @@ class KVCacheManager:
             host_held += list(cache.host_slots())
             for pin in self.pins.pins():
                 locks[pin.node] += 1
+            for hold in self._holds:
+                locks[hold.node] += 1
             if self.disk is not None:
                 for node in self.disk.locked_nodes():
                     locks[node] += 1

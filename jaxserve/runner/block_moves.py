@@ -1,7 +1,8 @@
 """KV block moves planned by the KV manager: copy-on-write copies on the device, swap-out to and
-swap-in from the host tier. Each runs as a small jitted gather / scatter of BLOCK_MOVE_CHUNK
-blocks (padding moves block 0, which no sequence reads), one compiled shape each. Writes to the
-disk tier hand the blocks' arrays (device ones still copying to the host) to `disk_sink`."""
+swap-in from the host tier; and reads and writes of KV handed between engines (disaggregation).
+Each runs as a small jitted gather / scatter of BLOCK_MOVE_CHUNK blocks (padding moves block 0,
+which no sequence reads), one compiled shape each. Writes to the disk tier hand the blocks'
+arrays (device ones still copying to the host) to `disk_sink`."""
 
 from __future__ import annotations
 
@@ -72,13 +73,24 @@ class BlockMover:
                 for shard in blocks.addressable_shards:
                     host[shard.index][:, :, dst] = np.asarray(shard.data)[:, :, : len(src)]
             return cache
+        return self.write(cache, dst, self.host_k[:, :, src], self.host_v[:, :, src])
+
+    def read(self, cache: KVCache, blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of up to BLOCK_MOVE_CHUNK device blocks as host arrays, block i on axis 2 (KV
+        handed to another engine)."""
+        k, v = self._gather(cache, _padded(blocks))
+        return np.asarray(k)[:, :, : len(blocks)], np.asarray(v)[:, :, : len(blocks)]
+
+    def write(self, cache: KVCache, blocks: list[int], k: np.ndarray, v: np.ndarray) -> KVCache:
+        """Write host K and V (block i on axis 2) into up to BLOCK_MOVE_CHUNK device blocks;
+        returns the cache (donated)."""
         shape = self.host_k.shape[:2] + (BLOCK_MOVE_CHUNK,) + self.host_k.shape[3:]
-        blocks = []
-        for host in (self.host_k, self.host_v):
+        arrays = []
+        for data in (k, v):
             chunk = np.zeros(shape, self.dtype)
-            chunk[:, :, : len(src)] = host[:, :, src]
-            blocks.append(jax.make_array_from_callback(shape, self.cache_sharding, chunk.__getitem__))
-        return self._scatter(cache, _padded(dst), *blocks)
+            chunk[:, :, : len(blocks)] = data
+            arrays.append(jax.make_array_from_callback(shape, self.cache_sharding, chunk.__getitem__))
+        return self._scatter(cache, _padded(blocks), *arrays)
 
 
 def _padded(ids: list[int]) -> np.ndarray:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from checkpoints.config import ModelConfig
 from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
+from jaxserve.kv import CopyStage
 from jaxserve.model import KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import head_logits
@@ -379,8 +380,11 @@ class ModelRunner:
         return outs, scores
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:
+        self.run_copies(sched.copy_stages)
+
+    def run_copies(self, stages: list[CopyStage]) -> None:
         """Execute the KV manager's copy plan, stage by stage, in order."""
-        for stage in sched.copy_stages:
+        for stage in stages:
             for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
                 op = ("move", stage.kind, stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK])
                 if self.mirror is not None:

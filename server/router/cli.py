@@ -2,7 +2,9 @@
 
 The router loads no model: it waits for a worker to answer, takes the tokenizer and limits
 from it, and serves HTTP (and gRPC with --grpc-port) with the server's routes, sessions, keys
-and limits over a `RemoteEngine`. Workers that are down at start join when they answer.
+and limits over a `RemoteEngine`. Workers that are down at start join when they answer. With
+--prefill-worker and --decode-worker it disaggregates: prompts are prefilled on the former, whose
+KV blocks the latter pull before they decode.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ def _address(text: str) -> str:
 def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("router", help="the OpenAI server over remote workers (jaxserve worker)")
     g = p.add_argument_group("workers")
-    g.add_argument("--worker", type=_address, action="append", required=True, metavar="HOST:PORT",
-                   help="a worker's address (repeatable)")
+    g.add_argument("--worker", type=_address, action="append", default=[], metavar="HOST:PORT",
+                   help="a colocated worker's address (--role both; repeatable)")
+    g.add_argument("--prefill-worker", type=_address, action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill worker (jaxserve worker --role prefill; repeatable): prompts run there and "
+                        "their KV blocks move to a decode worker")
+    g.add_argument("--decode-worker", type=_address, action="append", default=[], metavar="HOST:PORT",
+                   help="a decode worker (jaxserve worker --role decode; repeatable): pulls a prompt's KV blocks "
+                        "from the prefill worker and generates to the end")
     g.add_argument("--cache-threshold", type=float, default=ROUTER_POLICY.match_fraction,
                    help="share of a prompt a worker's cached prefix must cover to attract it")
     g.add_argument("--balance-abs-threshold", type=int, default=ROUTER_POLICY.balance_abs,
@@ -46,6 +54,10 @@ def run_router(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.router.remote_engine import RemoteEngine
 
+    if not args.worker and not args.decode_worker:
+        raise SystemExit("give --worker or --decode-worker (a router needs workers that generate)")
+    if args.prefill_worker and not args.decode_worker:
+        raise SystemExit("--prefill-worker needs --decode-worker")
     if not 0.0 <= args.cache_threshold <= 1.0:
         raise SystemExit(f"--cache-threshold must be in [0, 1], got {args.cache_threshold}")
     if args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1.0:
@@ -55,10 +67,12 @@ def run_router(args: argparse.Namespace) -> int:
     policy = RoutingPolicy(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
 
     async def make_app() -> web.Application:
-        print(f"waiting for workers: {', '.join(args.worker)}", flush=True)
-        remote = await RemoteEngine.connect(args.worker, policy, args.health_check_interval, args.worker_wait_timeout)
-        up = sum(w.up for w in remote.workers)
-        print(f"{up} of {len(remote.workers)} workers serve {remote.engine.model_name}", flush=True)
+        everyone = args.worker + args.decode_worker + args.prefill_worker
+        print(f"waiting for workers: {', '.join(everyone)}", flush=True)
+        remote = await RemoteEngine.connect(args.worker, policy, args.health_check_interval, args.worker_wait_timeout,
+                                            args.decode_worker, args.prefill_worker)
+        up = sum(w.up for w in remote.workers + remote.prefill_workers)
+        print(f"{up} of {len(everyone)} workers serve {remote.engine.model_name}", flush=True)
         config = server_config_from_args(args, remote.engine.model_name)
         app = build_app(remote, config)
         if config.grpc_port:

@@ -11,6 +11,12 @@ up. A request with n choices becomes n one-sequence worker requests on one worke
 seeds the engine would give its choices. A worker that fails before it streamed anything for
 a sequence gets the sequence retried on another; after that, the sequence ends with an error
 (`WorkerLostError`, a 503 event on a started stream).
+
+With prefill workers (`prefill_workers`), a request that `handover.splits` is prefilled on one
+of them (placed by the same policy over their own prefix trees), which streams the first token
+and leases the prompt's KV blocks; the decode worker placed as above pulls the blocks, admits the
+rest of the request and streams it to the end. A prefill worker that fails before its token came
+leaves the request to a decode worker alone; so does a router without a prefill worker up.
 """
 
 from __future__ import annotations
@@ -29,12 +35,13 @@ import tokenizers
 from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.async_engine import EngineDeadError, RequestFailedError
 from jaxserve.dp_router import RoutingPolicy, choose_replica
-from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats
 from jaxserve.kv import Pin
-from jaxserve.outputs import Delta
+from jaxserve.outputs import Delta, Usage
 from jaxserve.request import check_prompt_ids
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.tokenizer import Tokenizer
+from server.router.handover import decode_params, prefill_params, splits
 from server.router.sequence import RemoteSequence, worker_params
 from server.router.worker_client import HEALTH_TIMEOUT, WorkerClient, WorkerInfo
 from server.worker_api import worker_pb2 as pb
@@ -99,14 +106,17 @@ class _Placed:
 
     request_id: str
     worker: WorkerClient
+    prefill: WorkerClient | None = None  # prefilling it (disaggregation)
 
 
 class RemoteEngine:
     def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy = ROUTER_POLICY,
-                 health_interval: float = 1.0) -> None:
+                 health_interval: float = 1.0, prefill_workers: Sequence[WorkerClient] = ()) -> None:
         if not workers:
             raise ValueError("a router needs at least one worker")
-        self.workers = list(workers)
+        self.workers = list(workers)  # colocated or decode workers: they generate to the end
+        self.prefill_workers = list(prefill_workers)
+        self.transfers = KVTransferStats()
         self.policy = policy
         self.health_interval = health_interval
         self.engine: RemoteModel | None = None  # set by `connect`
@@ -121,9 +131,14 @@ class RemoteEngine:
 
     @classmethod
     async def connect(cls, addresses: Sequence[str], policy: RoutingPolicy = ROUTER_POLICY,
-                      health_interval: float = 1.0, timeout: float = 300.0) -> RemoteEngine:
-        """Wait (up to `timeout` s) until a worker serves, then keep checking them all."""
-        remote = cls([WorkerClient(a) for a in addresses], policy, health_interval)
+                      health_interval: float = 1.0, timeout: float = 300.0, decode_addresses: Sequence[str] = (),
+                      prefill_addresses: Sequence[str] = ()) -> RemoteEngine:
+        """Wait (up to `timeout` s) until a worker that generates serves, then keep checking them
+        all. `addresses` are colocated workers (--role both), `decode_addresses` decode workers;
+        until a prefill worker is up, decode workers run requests whole."""
+        workers = [WorkerClient(a) for a in addresses] + [WorkerClient(a, ("decode", "both")) for a in decode_addresses]
+        prefill = [WorkerClient(a, ("prefill", "both")) for a in prefill_addresses]
+        remote = cls(workers, policy, health_interval, prefill)
         deadline = time.monotonic() + timeout
         while True:
             await remote.check_workers()
@@ -149,7 +164,10 @@ class RemoteEngine:
         return time.monotonic()  # no loop of its own that could be stuck; workers report theirs
 
     def health_details(self) -> dict[str, object]:
-        return {"workers": [w.status() for w in self.workers]}
+        details: dict[str, object] = {"workers": [w.status() for w in self.workers]}
+        if self.prefill_workers:
+            details["prefill_workers"] = [w.status() for w in self.prefill_workers]
+        return details
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        session_id: str | None = None) -> AsyncIterator[Delta]:
@@ -170,7 +188,8 @@ class RemoteEngine:
         placed = [_Placed(request_id if params.n == 1 else f"{request_id}-{i}", worker) for i in range(params.n)]
         self._requests[request_id] = placed
         out: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._run(request_id, i, p, ids, params, seeds[i], session_id, out))
+        run = self._run_split if self.prefill_workers and splits(params) else self._run
+        tasks = [asyncio.create_task(run(request_id, i, p, ids, params, seeds[i], session_id, out))
                  for i, p in enumerate(placed)]
         remaining = params.n
         try:
@@ -190,15 +209,19 @@ class RemoteEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request on its workers; its streams end with finish_reason "abort"."""
         for placed in self._requests.get(request_id, ()):
-            self._spawn(placed.worker.stub.Abort(pb.AbortRequest(request_id=placed.request_id), timeout=CALL_TIMEOUT))
+            for worker in {placed.worker, placed.prefill} - {None}:
+                self._spawn(worker.stub.Abort(pb.AbortRequest(request_id=placed.request_id), timeout=CALL_TIMEOUT))
 
     async def snapshot(self) -> EngineSnapshot | None:
-        """The workers' snapshots summed (those that answer); None when none does."""
-        up = [w for w in self.workers if w.up]
+        """The workers' snapshots summed (those that answer), with the KV transfers counted
+        here; None when none answers."""
+        up = [w for w in self.workers + self.prefill_workers if w.up]
         replies = await asyncio.gather(*(w.stub.Load(pb.LoadRequest(), timeout=CALL_TIMEOUT) for w in up),
                                        return_exceptions=True)
         snapshots = [snapshot_from_json(r.snapshot_json) for r in replies if isinstance(r, pb.LoadResponse)]
-        return EngineSnapshot.total(snapshots) if snapshots else None
+        if not snapshots:
+            return None
+        return dataclasses.replace(EngineSnapshot.total(snapshots), kv_transfer=self.transfers)
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
                           others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
@@ -260,7 +283,7 @@ class RemoteEngine:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for worker in self.workers:
+        for worker in self.workers + self.prefill_workers:
             await worker.close()
 
     # ----- placement -------------------------------------------------------------------------
@@ -285,10 +308,13 @@ class RemoteEngine:
             self._sessions[session_id] = worker
         return worker
 
-    def _pick(self, ids: list[int], exclude: Sequence[WorkerClient]) -> WorkerClient:
-        up = [w for w in self.workers if w.up and w not in exclude]
+    def _pick(self, ids: list[int], exclude: Sequence[WorkerClient],
+              among: Sequence[WorkerClient] | None = None) -> WorkerClient:
+        """By the policy, among `among` (the generating workers by default) that are up."""
+        among = self.workers if among is None else among
+        up = [w for w in among if w.up and w not in exclude]
         if not up:
-            details = "; ".join(f"{w.address}: {w.detail or 'failed'}" for w in self.workers)
+            details = "; ".join(f"{w.address}: {w.detail or 'failed'}" for w in among)
             raise EngineDeadError(f"no worker is available ({details})")
         index = choose_replica([w.tree.match(ids) for w in up], [w.in_flight for w in up], len(ids), self.policy)
         return up[index]
@@ -325,9 +351,100 @@ class RemoteEngine:
         except (ValueError, EngineDeadError, RequestFailedError) as e:
             out.put_nowait(e)
 
+    async def _run_split(self, group_id: str, index: int, placed: _Placed, ids: list[int], params: SamplingParams,
+                         seed: int | None, session_id: str | None, out: asyncio.Queue) -> None:
+        """Prefill on a prefill worker, decode on `placed.worker` with the KV it pulls from there.
+        Without a prefill worker up, or when the prefill worker fails before its token, `_run`."""
+        wanted = worker_params(params, seed)
+        sequence = RemoteSequence(group_id, index, ids, params, self.engine.tokenizer)
+        try:
+            prefill = self._pick(ids, exclude=(), among=self.prefill_workers)
+        except EngineDeadError:
+            return await self._run(group_id, index, placed, ids, params, seed, session_id, out)
+        placed.prefill = prefill
+        request = pb.GenerateRequest(request_id=placed.request_id, prompt_token_ids=ids, hold_kv=True,
+                                     sampling_params_json=params_to_json(prefill_params(wanted)))
+        lease = None
+        try:
+            try:
+                last = await self._prefill(prefill, request, sequence)
+                error = "the stream ended without a final message"
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(e.details()) from None
+                last, error = None, f"{e.code().name}: {e.details()}"
+            if last is None:
+                prefill.mark_down(error)
+                logger.warning("prefill worker %s failed on %s; generating it on %s alone", prefill.address,
+                               placed.request_id, placed.worker.address)
+                return await self._run(group_id, index, placed, ids, params, seed, session_id, out)
+            lease = last.lease if last.HasField("lease") else None
+            usage = usage_from_message(last) or Usage(len(ids), sequence.num_out, 0)
+            ends = (last.finish_reason != "length" or sequence.num_out >= params.max_tokens
+                    or len(ids) + sequence.num_out >= self.engine.config.max_model_len)
+            if sequence.stopped or ends:
+                reason = "stop" if sequence.stopped else last.finish_reason
+                out.put_nowait(sequence.delta(reason, sequence.stop_usage(usage.cached_tokens)))
+                return
+            delta = sequence.delta(None, None)  # the first token goes out now
+            if delta is not None:
+                out.put_nowait(delta)
+            rest = pb.GenerateRequest(
+                request_id=placed.request_id, prompt_token_ids=ids + sequence.token_ids,
+                sampling_params_json=params_to_json(decode_params(wanted, sequence.num_out)),
+                session_id=session_id or "",
+                kv_source=pb.KVSource(address=prefill.address, lease=lease) if lease is not None else None)
+            worker = placed.worker
+            try:
+                if not await self._stream(worker, rest, sequence, out, cached_tokens=usage.cached_tokens):
+                    raise WorkerLostError(f"worker {worker.address}: the stream ended without a final message")
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(e.details()) from None
+                worker.mark_down(f"{e.code().name}: {e.details()}")
+                raise WorkerLostError(f"worker {worker.address} failed while generating "
+                                      f"({e.code().name}: {e.details()})") from None
+            lease = None  # the decode worker released it
+        except (ValueError, EngineDeadError, RequestFailedError) as e:
+            out.put_nowait(e)
+        finally:
+            if lease is not None:  # the decode half never ran to the end: free the prefill's blocks now
+                self._spawn(prefill.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id),
+                                                      timeout=CALL_TIMEOUT))
+
+    async def _prefill(self, prefill: WorkerClient, request: pb.GenerateRequest,
+                       sequence: RemoteSequence) -> pb.GenerateResponse | None:
+        """Run the prefill half; its tokens are fed to `sequence`; returns its last message (None
+        when the stream ended without one)."""
+        prefill.in_flight += 1
+        prefill.routed += 1
+        prefill.tree.insert(request.prompt_token_ids)
+        call = prefill.stub.Generate(request)
+        try:
+            async for msg in call:
+                if msg.finish_reason == "error":
+                    raise RequestFailedError(msg.error or "the prefill worker failed this request")
+                if not sequence.stopped:
+                    sequence.feed(msg)
+                if msg.finish_reason:
+                    return msg
+            return None
+        finally:
+            call.cancel()
+            prefill.in_flight -= 1
+
+    def _count_transfer(self, t: pb.KVTransfer) -> None:
+        self.transfers = dataclasses.replace(
+            self.transfers, transfers=self.transfers.transfers + 1,
+            blocks_pulled=self.transfers.blocks_pulled + t.blocks_pulled,
+            blocks_skipped=self.transfers.blocks_skipped + t.blocks_skipped, bytes=self.transfers.bytes + t.bytes,
+            seconds=self.transfers.seconds + t.seconds, failed=self.transfers.failed + bool(t.error))
+
     async def _stream(self, worker: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence,
-                      out: asyncio.Queue) -> bool:
-        """One try on one worker; True when the sequence has ended."""
+                      out: asyncio.Queue, cached_tokens: int | None = None) -> bool:
+        """One try on one worker; True when the sequence has ended. `cached_tokens`: the usage to
+        report for the decode half of a split request (the prefill worker's prefix hit; the
+        prompt and completion tokens the router counted)."""
         worker.in_flight += 1
         worker.routed += 1
         worker.tree.insert(request.prompt_token_ids)
@@ -336,11 +453,17 @@ class RemoteEngine:
             async for msg in call:
                 if msg.finish_reason == "error":
                     raise RequestFailedError(msg.error or "the worker failed this request")
+                if msg.HasField("transfer"):
+                    self._count_transfer(msg.transfer)
                 if sequence.feed(msg):  # a stop string: end the text here, and on the worker
                     cached = await self._end_on_worker(worker, request.request_id, call)
+                    cached = cached if cached_tokens is None else cached_tokens
                     out.put_nowait(sequence.delta("stop", sequence.stop_usage(cached)))
                     return True
-                delta = sequence.delta(msg.finish_reason or None, usage_from_message(msg))
+                usage = usage_from_message(msg)
+                if usage is not None and cached_tokens is not None:
+                    usage = sequence.stop_usage(cached_tokens)
+                delta = sequence.delta(msg.finish_reason or None, usage)
                 if delta is not None:
                     out.put_nowait(delta)
                 if msg.finish_reason:
@@ -365,12 +488,15 @@ class RemoteEngine:
 
     async def check_workers(self) -> None:
         """One health check of every worker; a worker that (re)joined is set up afresh."""
-        restarted = await asyncio.gather(*(w.refresh(self._reference) for w in self.workers))
-        for worker, fresh in zip(self.workers, restarted):
+        everyone = self.workers + self.prefill_workers
+        restarted = await asyncio.gather(*(w.refresh(self._reference) for w in everyone))
+        for worker, fresh in zip(everyone, restarted):
             if not fresh:
                 continue
             if self._reference is None:
                 self._reference = worker.info
+            if worker in self.prefill_workers:
+                continue
             for session_id in [s for s, w in self._sessions.items() if w is worker]:
                 del self._sessions[session_id]  # their KV is gone with the old process
             if self._pin_budget is not None:

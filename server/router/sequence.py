@@ -33,6 +33,8 @@ class RemoteSequence:
                  tokenizer: Tokenizer) -> None:
         self.params = params
         self.num_out = 0
+        self.token_ids: list[int] = []  # sampled so far
+        self.stopped = False  # a stop string ended the text
         self.num_prompt = len(prompt_ids)
         request = Request(request_id=group_id, prompt_token_ids=prompt_ids, params=params, seed=0)
         self._stream = SequenceStream(group_id, request, index, tokenizer)
@@ -44,6 +46,7 @@ class RemoteSequence:
         last = len(msg.token_ids) - 1
         for j, token in enumerate(msg.token_ids):
             self.num_out += 1
+            self.token_ids.append(token)
             lp = logprobs[j] if j < len(logprobs) else None
             top = lp.top if lp is not None else []
             self._stream.add_token(SampledToken(token, lp.logprob if lp is not None else 0.0,
@@ -52,6 +55,7 @@ class RemoteSequence:
             if j == last and msg.finish_reason == FinishReason.STOP.value:
                 break  # the worker stopped on a stop token id or EOS, whose text the engine never adds
             if self._stream.add_text(token, check_stops=self.num_out >= self.params.min_tokens):
+                self.stopped = True
                 return True
         return False
 

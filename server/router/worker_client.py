@@ -58,8 +58,9 @@ class WorkerInfo:
 
 
 class WorkerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, roles: tuple[str, ...] = ("both",)) -> None:
         self.address = address
+        self.roles = roles  # the --role values a worker at this address may have
         self.up = False
         self.detail = "not checked yet"
         self.info: WorkerInfo | None = None
@@ -92,6 +93,9 @@ class WorkerClient:
                 info_msg = await self.stub.Info(pb.InfoRequest(), timeout=HEALTH_TIMEOUT)
                 if info_msg.protocol_version != PROTOCOL_VERSION:
                     self.mark_down(f"worker protocol {info_msg.protocol_version}, router {PROTOCOL_VERSION}")
+                    return False
+                if info_msg.role not in self.roles:
+                    self.mark_down(f"it is a --role {info_msg.role} worker, wanted {' or '.join(self.roles)}")
                     return False
                 info = WorkerInfo.from_message(info_msg)
                 problem = reference.mismatch(info) if reference is not None else None

@@ -2,7 +2,10 @@
 
 Load, compile every bucket, then serve on --host:--port until SIGTERM/SIGINT, when calls in
 flight get --shutdown-timeout seconds to finish. A router (`jaxserve router --worker HOST:PORT`)
-does tokenization, sessions, keys and limits; this process only runs the engine.
+does tokenization, sessions, keys and limits; this process only runs the engine. With --role
+prefill or decode it is one side of prefill/decode disaggregation (`jaxserve router
+--prefill-worker ... --decode-worker ...`): a prefill worker holds a prompt's KV blocks under a
+lease for --kv-lease-timeout seconds, a decode worker pulls them from it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ def add_worker_parser(
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (keep it on a private network)")
     g.add_argument("--port", type=int, required=True)
     g.add_argument("--role", choices=ROLES, default="both",
-                   help="both = prefill and decode (prefill/decode disaggregation is not built yet)")
+                   help="prefill: runs prompts and leases their KV blocks to decode workers; decode: pulls "
+                        "them and generates; both: either, or whole requests")
+    g.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                   help="seconds a prefill worker holds a prompt's KV blocks for a decode worker that does not pull them")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
     p.set_defaults(func=lambda args: run_worker(args, engine_config_from_args(args)))
@@ -39,24 +45,33 @@ def run_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     import signal
 
     import grpc
+    import jax
 
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.dp_router import make_engine
+    from server.worker_api.kv_handoff import MAX_MESSAGE_BYTES, KVHandoff
     from server.worker_api.service import WorkerServicer
     from server.worker_api.worker_pb2_grpc import add_WorkerServicer_to_server
 
-    if args.role != "both":
-        raise SystemExit(f"--role {args.role}: prefill/decode disaggregation is not built yet; use --role both")
+    if args.kv_lease_timeout <= 0:
+        raise SystemExit("--kv-lease-timeout must be positive")
+    one_replica = engine_config.data_parallel_size == 1 and jax.process_count() == 1
+    if args.role != "both" and not one_replica:
+        raise SystemExit(f"--role {args.role} runs one engine replica in one process (no --data-parallel-size, "
+                         "no multi-host)")
     t0 = time.perf_counter()
     engine = AsyncEngine(make_engine(args.model, engine_config))
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
     seconds = engine.engine.warm_up()
     print(f"warm-up: {engine.engine.num_compilations} compilations in {seconds:.1f} s", flush=True)
+    handoff = KVHandoff(engine, args.kv_lease_timeout) if one_replica else None  # (reads the weights' digest)
     engine.start()
 
     async def serve() -> None:
-        server = grpc.aio.server()
-        add_WorkerServicer_to_server(WorkerServicer(engine, args.role), server)
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES + (1 << 20))])
+        if handoff is not None:
+            handoff.start()
+        add_WorkerServicer_to_server(WorkerServicer(engine, args.role, handoff), server)
         address = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
         port = server.add_insecure_port(address)
         await server.start()
@@ -68,6 +83,8 @@ def run_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         engine.on_fatal = lambda _error: loop.call_soon_threadsafe(stop.set)
         await stop.wait()
         await server.stop(args.shutdown_timeout)
+        if handoff is not None:
+            await handoff.close()
 
     try:
         asyncio.run(serve())

@@ -2,7 +2,8 @@
 
 Each Generate call is one sequence (n = 1); the router expands choices and applies stop
 strings. Session pins live in the engine's prefix cache; the router holds them by the ids this
-servicer hands out (the Pin objects cannot cross the wire).
+servicer hands out (the Pin objects cannot cross the wire). Prefill/decode disaggregation (KV
+leases, pulls) is `kv_handoff`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from jaxserve.kv import Pin
 from server.routes_ops import engine_problem
+from server.worker_api.kv_handoff import KVHandoff, LeaseGoneError
 from server.worker_api import worker_pb2 as pb
 from server.worker_api import worker_pb2_grpc
 from server.worker_api.wire import PROTOCOL_VERSION, delta_to_message, params_from_json, snapshot_to_json
@@ -26,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, role: str = "both") -> None:
+    def __init__(self, engine: AsyncEngine, role: str = "both", handoff: KVHandoff | None = None) -> None:
         self._engine = engine
         self._role = role
+        self._handoff = handoff  # None: no disaggregation here
         self.instance_id = uuid.uuid4().hex
         self._pins: dict[int, Pin] = {}
         self._pin_ids = itertools.count(1)
@@ -46,25 +49,75 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        hold, leased_out = None, False
         try:
             params = params_from_json(request.sampling_params_json)
             if params.n != 1:
                 raise ValueError("a worker request generates one sequence (n = 1)")
-            stream = self._engine.generate(request.request_id, list(request.prompt_token_ids), params,
-                                           request.session_id or None)
+            self._check_handoff(request)
+            ids = list(request.prompt_token_ids)
+            transfer = None
+            if request.HasField("kv_source"):
+                hold, transfer = await self._handoff.pull_into_cache(ids, request.kv_source)
+            on_finish = self._handoff.hold_on_finish(request.request_id, ids) if request.hold_kv else None
+            stream = self._engine.generate(request.request_id, ids, params, request.session_id or None, on_finish)
             async with aclosing(stream):  # leaving early (the call cancelled) aborts the request
                 async for delta in stream:
-                    yield delta_to_message(delta)
+                    msg = delta_to_message(delta)
+                    if transfer is not None:
+                        msg.transfer.CopyFrom(transfer)
+                        transfer = None
+                    if hold is not None:  # admitted: the request's own blocks keep the prefix now
+                        self._handoff.release_hold(hold)
+                        hold = None
+                    if request.hold_kv and delta.finished:
+                        lease = self._handoff.lease_message(request.request_id)
+                        if lease is not None:
+                            msg.lease.CopyFrom(lease)
+                        # Handed over: a caller that reads this message may cancel the call at once
+                        # (the router does); one that never reads it leaves the lease to its timeout.
+                        leased_out = True
+                    yield msg
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RequestFailedError as e:
             yield pb.GenerateResponse(finish_reason="error", error=str(e))
+        finally:
+            if self._handoff is not None:
+                self._handoff.release_hold(hold)
+                if request.hold_kv and not leased_out:  # the caller went away before it heard of the lease
+                    self._handoff.drop_leases(request.request_id)
+
+    def _check_handoff(self, request: pb.GenerateRequest) -> None:
+        for wanted, roles, what in ((request.hold_kv, ("prefill", "both"), "hold_kv"),
+                                    (request.HasField("kv_source"), ("decode", "both"), "kv_source")):
+            if wanted and (self._handoff is None or self._role not in roles):
+                raise ValueError(f"{what} needs a worker started with --role {' or '.join(roles)} "
+                                 f"(one engine replica); this one is --role {self._role}")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         self._engine.abort(request.request_id)
+        if self._handoff is not None:
+            await self._handoff.abort(request.request_id)
         return pb.AbortResponse()
+
+    async def PullKV(self, request: pb.PullKVRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KVBlocks]:
+        if self._handoff is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker holds no KV leases")
+        try:
+            async for msg in self._handoff.read(request):
+                yield msg
+        except LeaseGoneError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ReleaseLeaseResponse:
+        released = self._handoff is not None and await self._handoff.release_lease(request.lease_id)
+        return pb.ReleaseLeaseResponse(released=released)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         problem = engine_problem(self._engine)
@@ -76,7 +129,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
         return pb.LoadResponse(running=snapshot.running, waiting=snapshot.waiting, kv_used=snapshot.kv.used,
                                kv_blocks=snapshot.kv.num_blocks, kv_requests=snapshot.kv_requests,
-                               snapshot_json=snapshot_to_json(snapshot))
+                               snapshot_json=snapshot_to_json(snapshot),
+                               kv_leases=len(self._handoff.leases) if self._handoff is not None else 0)
 
     async def PinHistory(self, request: pb.PinHistoryRequest,
                          context: grpc.aio.ServicerContext) -> pb.PinHistoryResponse:

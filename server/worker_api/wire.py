@@ -7,6 +7,7 @@ import json
 
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv.manager import KVUsage
+from jaxserve.kv.tier_stats import TierStats
 from jaxserve.outputs import Delta, TokenLogprob, Usage
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import GuidedDecoding
@@ -83,4 +84,6 @@ def snapshot_from_json(text: str) -> EngineSnapshot:
     fields = json.loads(text)
     fields["kv"] = KVUsage(**fields["kv"])
     fields["replicas"] = tuple(ReplicaLoad(**r) for r in fields["replicas"])
+    fields["tiers"] = TierStats(**fields["tiers"])
+    fields.pop("kv_transfer", None)  # a router's count, not a worker's
     return EngineSnapshot(**fields)

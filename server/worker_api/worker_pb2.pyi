@@ -46,30 +46,106 @@ class InfoResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "session_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "session_id", "hold_kv", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KV_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    hold_kv: bool
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., session_id: _Optional[str] = ..., hold_kv: _Optional[bool] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class KVLease(_message.Message):
+    __slots__ = ("lease_id", "num_blocks", "last_key", "timeout_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    num_blocks: int
+    last_key: bytes
+    timeout_s: float
+    def __init__(self, lease_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., last_key: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class KVSource(_message.Message):
+    __slots__ = ("address", "lease")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    lease: KVLease
+    def __init__(self, address: _Optional[str] = ..., lease: _Optional[_Union[KVLease, _Mapping]] = ...) -> None: ...
+
+class KVTransfer(_message.Message):
+    __slots__ = ("blocks_pulled", "blocks_skipped", "bytes", "seconds", "error")
+    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    blocks_pulled: int
+    blocks_skipped: int
+    bytes: int
+    seconds: float
+    error: str
+    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_skipped: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PullKVRequest(_message.Message):
+    __slots__ = ("lease_id", "first_block", "num_blocks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    first_block: int
+    num_blocks: int
+    def __init__(self, lease_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class KVBlocks(_message.Message):
+    __slots__ = ("first_block", "num_blocks", "k", "v")
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    first_block: int
+    num_blocks: int
+    k: bytes
+    v: bytes
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage", "error")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage", "error", "lease", "transfer")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
     usage: Usage
     error: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    lease: KVLease
+    transfer: KVTransfer
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., lease: _Optional[_Union[KVLease, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
@@ -122,20 +198,22 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "kv_used", "kv_blocks", "kv_requests", "snapshot_json")
+    __slots__ = ("running", "waiting", "kv_used", "kv_blocks", "kv_requests", "snapshot_json", "kv_leases")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_used: int
     kv_blocks: int
     kv_requests: int
     snapshot_json: str
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_requests: _Optional[int] = ..., snapshot_json: _Optional[str] = ...) -> None: ...
+    kv_leases: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_requests: _Optional[int] = ..., snapshot_json: _Optional[str] = ..., kv_leases: _Optional[int] = ...) -> None: ...
 
 class PinHistoryRequest(_message.Message):
     __slots__ = ("session_id", "owner", "token_ids", "old_pin", "others")

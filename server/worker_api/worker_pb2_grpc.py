@@ -79,6 +79,16 @@ class WorkerStub:
                 request_serializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetRequest.SerializeToString,
                 response_deserializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetResponse.FromString,
                 _registered_method=True)
+        self.PullKV = channel.unary_stream(
+                '/jaxserve.worker.v1.Worker/PullKV',
+                request_serializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=server_dot_worker__api_dot_worker__pb2.KVBlocks.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/jaxserve.worker.v1.Worker/ReleaseLease',
+                request_serializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -143,6 +153,21 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKV(self, request, context):
+        """Prefill/decode disaggregation (a prefill worker's side): the K and V bytes of blocks a lease
+        holds (see GenerateRequest.hold_kv), pulled by a decode worker; then released by it (the ack),
+        by an Abort of the request, or by the lease's timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +215,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SetPinBudget,
                     request_deserializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetRequest.FromString,
                     response_serializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetResponse.SerializeToString,
+            ),
+            'PullKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKV,
+                    request_deserializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.FromString,
+                    response_serializer=server_dot_worker__api_dot_worker__pb2.KVBlocks.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,6 +470,60 @@ class Worker:
             '/jaxserve.worker.v1.Worker/SetPinBudget',
             server_dot_worker__api_dot_worker__pb2.SetPinBudgetRequest.SerializeToString,
             server_dot_worker__api_dot_worker__pb2.SetPinBudgetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jaxserve.worker.v1.Worker/PullKV',
+            server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
+            server_dot_worker__api_dot_worker__pb2.KVBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.worker.v1.Worker/ReleaseLease',
+            server_dot_worker__api_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+            server_dot_worker__api_dot_worker__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,7 +80,12 @@ def test_workers_serving_other_models_cannot_join():
 @pytest.mark.parametrize("args, message", [
     (["router", "--port", "1", "--worker", "nohostport"], "HOST:PORT"),
     (["router", "--port", "1", "--worker", "h:1", "--cache-threshold", "2"], "--cache-threshold"),
-    (["worker", "--model", "tiny-random", "--port", "1", "--role", "prefill"], "not built yet"),
+    (["router", "--port", "1"], "give --worker or --decode-worker"),
+    (["router", "--port", "1", "--worker", "h:1", "--prefill-worker", "h:2"], "--prefill-worker needs --decode-worker"),
+    (["worker", "--model", "tiny-random", "--port", "1", "--role", "prefill", "--data-parallel-size", "2"],
+     "one engine replica"),
+    (["worker", "--model", "tiny-random", "--port", "1", "--role", "decode", "--kv-lease-timeout", "0"],
+     "--kv-lease-timeout must be positive"),
 ])
 def test_bad_command_lines_get_clear_errors(args, message):
     result = subprocess.run(jaxserve(*args), capture_output=True, text=True, timeout=120)
