@@ -37,7 +37,9 @@ def stage(summary: dict, name: str) -> dict:
 def test_every_stage_runs_and_passes(dry_run):
     proc, summary, table = dry_run
     assert [s["name"] for s in summary["stages"]] == [s.name for s in PLAN.stages]
-    failed = {s["name"]: s["error"] or s["problems"] for s in summary["stages"] if s["status"] != "ok"}
+    # An optional stage runs only in the time the others left (see __main__.Run.stage).
+    failed = {s["name"]: s["error"] or s["problems"] for s in summary["stages"]
+              if s["status"] != "ok" and not (s["status"] == "skipped" and PLAN.stage(s["name"]).optional)}
     assert not failed, f"{failed}\n{proc.stdout[-3000:]}"
     assert proc.returncode == 0
     assert summary["mode"] == "dry-run"
