@@ -1,6 +1,6 @@
 """The disk tier in the engine (tiny random model): greedy outputs are the same with it on and
 off, after a restart on the same directory, and after a damaged file; a second engine on the
-same directory hits what the first computed; loads run while other requests keep decoding."""
+same directory hits what the first computed; a clean close writes the prefix cache the disk lacks."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def close(llm: LLM, assert_kv_all_free) -> None:
     engine = llm.engine
     assert_kv_all_free(engine)
     assert not engine.kv.has_pending_loads and not engine.kv.disk.held_slots()
-    engine.close()  # runs the writes the last step planned, then waits for the writer
+    llm.close()  # writes what the disk lacks of the prefix cache, then waits for the writer
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,23 @@ def test_outputs_equal_with_the_disk_tier_on_off_and_after_a_restart(tmp_path, r
     assert tiers.disk_hit_tokens >= 144 + 96 and tiers.disk_loads >= 2 and tiers.disk_bytes_read > 0
     assert second.engine.stats.prompt_tokens_computed < 150 + 97 + 40 - 200
     close(second, assert_kv_all_free)
+
+
+def test_a_clean_close_writes_the_prefix_cache_and_the_restart_hits_it(tmp_path, reference, assert_kv_all_free):
+    first = make(tmp_path, kv_disk_write_through_hits=1000)   # nothing reaches the disk while it runs
+    assert run(first)[0] == reference
+    assert first.engine.snapshot().tiers.disk_written_blocks == 0
+    close(first, assert_kv_all_free)
+    written = first.engine.snapshot().tiers.disk_written_blocks
+    assert written >= (150 + 97 + 40) // 8 and written == len(list(tmp_path.glob("*/*/*.kvb")))
+
+    second = make(tmp_path, kv_disk_write_through_hits=1000)
+    tokens, cached = run(second)
+    assert tokens == reference
+    assert cached[0] == 144 and cached[1] == 96
+    assert second.engine.snapshot().tiers.disk_hit_tokens >= 144 + 96
+    close(second, assert_kv_all_free)
+    assert second.engine.snapshot().tiers.disk_written_blocks == 0   # it had nothing the disk lacked
 
 
 def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, reference, assert_kv_all_free):

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from checkpoints.config import ModelConfig
 from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
+from jaxserve.kv import CopyStage
 from jaxserve.model import KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import head_logits
@@ -295,7 +296,7 @@ class ModelRunner:
         waiting for the device. Inputs that are placeholders of the previous iteration are read
         from its sampled tokens on the device."""
         t0 = time.perf_counter()
-        self._move_blocks(sched)
+        self.move_blocks(sched.copy_stages)
         outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs)
         self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
         parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
@@ -378,9 +379,9 @@ class ModelRunner:
         self._prev_sampled = sampled
         return outs, scores
 
-    def _move_blocks(self, sched: SchedulerOutput) -> None:
-        """Execute the KV manager's copy plan, stage by stage, in order."""
-        for stage in sched.copy_stages:
+    def move_blocks(self, stages: list[CopyStage]) -> None:
+        """Execute the KV manager's copy plan, stage by stage, in order (a step does it first)."""
+        for stage in stages:
             for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
                 op = ("move", stage.kind, stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK])
                 if self.mirror is not None:
