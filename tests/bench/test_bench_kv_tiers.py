@@ -6,6 +6,7 @@ from __future__ import annotations
 from bench.kv_tier_report import from_server_counters, from_tier_stats
 from bench.report import print_result
 from bench.serve import parse_counters
+from bench.sweep import print_sweep
 from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv import KVUsage
 from jaxserve.kv.tier_stats import TierStats
@@ -43,6 +44,11 @@ def test_offline_and_server_counters_give_the_same_report(capsys):
     print_result(result)
     out = capsys.readouterr().out
     assert "jaxserve, KV tiers" in out and "disk_hit_tokens" in out and "125.00" in out
+    points = [{"x": x, "results": {"completed": 1}, "kv_tiers": served} for x in (1, 2)]
+    print_sweep({"run": {"x": "max_concurrency"}, "backends": {"jaxserve": {"results": {}, "points": points}}},
+                ["completed"])
+    out = capsys.readouterr().out
+    assert "sweep: jaxserve, KV tiers" in out and "max_concurrency=2" in out
 
 
 def test_no_tier_counters_no_report():
