@@ -52,7 +52,7 @@ def ttft(llm: LLM, prompt: list[int], what: str) -> dict[str, Any]:
     out = llm.generate({"prompt_token_ids": prompt}, ONE_TOKEN, use_tqdm=False)[0]
     seconds = time.perf_counter() - t0
     tiers = from_tier_stats(before, llm.engine.snapshot().tiers)
-    print(f"{what}: TTFT {seconds:.3f} s, {out.num_cached_tokens} cached tokens", flush=True)
+    print(f"{what}: TTFT {seconds:.3f} s, {out.num_cached_tokens} cached tokens; tiers {json.dumps(tiers)}", flush=True)
     return {"ttft_s": seconds, "cached_tokens": out.num_cached_tokens, "first_token": out.outputs[0].token_ids[0],
             "tiers": tiers}
 
