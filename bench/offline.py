@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from bench.kv_tier_report import from_tier_stats
 from bench.model_files import gguf_path, special_token_ids
 from bench.peers.runner import run_offline_peer
 from bench.report import OURS, with_ratios
@@ -50,16 +51,18 @@ def _engine_counters(llm) -> dict[str, float]:
     return stats
 
 
-def measure_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True, show_progress: bool = True) -> dict[str, Any]:
-    """Run every request through `llm.generate` and report rates and engine counters."""
+def measure_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True,
+                       show_progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run every request through `llm.generate`; returns rates and engine counters, and the KV
+    tier counters of the run."""
     from jaxserve import SamplingParams
 
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=ignore_eos) for r in requests]
-    before = _engine_counters(llm)
+    before, tiers_before = _engine_counters(llm), llm.engine.snapshot().tiers
     t0 = time.perf_counter()
     outputs = llm.generate([_prompt(r) for r in requests], params, use_tqdm=show_progress)
     elapsed = time.perf_counter() - t0
-    after = _engine_counters(llm)
+    after, tiers_after = _engine_counters(llm), llm.engine.snapshot().tiers
     delta = {k: after[k] - before[k] for k in after}
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -77,7 +80,7 @@ def measure_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = Tru
         "model_time_s": delta["model_time"],
         "host_time_s": delta["step_time"] - delta["model_time"],
         "compilations_during_run": int(delta["num_compilations"]),
-    }
+    }, from_tier_stats(tiers_before, tiers_after)
 
 
 def _peer_throughput_results(raw: dict[str, Any], requests: list[BenchRequest], tokenizer: TokenizerLike) -> dict[str, Any]:
@@ -115,10 +118,11 @@ def run_throughput(model: str, engine_args: dict[str, Any], make_workload: Calla
     tokenizer = llm.get_tokenizer()
     workload = make_workload(tokenizer, special_token_ids(tokenizer))
     requests = workload.requests
-    ours = measure_throughput(llm, requests, ignore_eos, show_progress)
+    ours, tiers = measure_throughput(llm, requests, ignore_eos, show_progress)
     info = {"warm_up_s": llm.warm_up_seconds, "num_compilations": llm.engine.num_compilations,
             "engine_config": dataclasses.asdict(llm.engine.config)}  # fmt: skip
-    backends: dict[str, Any] = {OURS: {"results": ours, "info": info}}
+    backends: dict[str, Any] = {OURS: {"results": ours, "kv_tiers": tiers, "info": info}}
+    llm.close()
     del llm
     gc.collect()
     if peer is not None:
@@ -163,6 +167,7 @@ def run_latency(model: str, engine_args: dict[str, Any], input_len: int, output_
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     prefill_s, latency_s = [], []
+    tiers_before = llm.engine.snapshot().tiers
     for i in range(warmup_iters + iters):
         t0 = time.perf_counter()
         llm.generate({"prompt_token_ids": prompts[2 * i]}, one, use_tqdm=False)
@@ -174,7 +179,9 @@ def run_latency(model: str, engine_args: dict[str, Any], input_len: int, output_
             latency_s.append(t2 - t1)
     info = {"warm_up_s": llm.warm_up_seconds, "prefill_s": prefill_s, "latency_s": latency_s,
             "num_compilations": llm.engine.num_compilations}  # fmt: skip
-    backends: dict[str, Any] = {OURS: {"results": latency_summary(prefill_s, latency_s, output_len), "info": info}}
+    backends: dict[str, Any] = {OURS: {"results": latency_summary(prefill_s, latency_s, output_len), "info": info,
+                                       "kv_tiers": from_tier_stats(tiers_before, llm.engine.snapshot().tiers)}}
+    llm.close()
     del llm
     gc.collect()
     if peer is not None:

@@ -1,7 +1,8 @@
 """Result files and tables: every benchmark writes one JSON of the same shape, printed the same way.
 
     {"kind": "serve" | "throughput" | "latency" | "sweep", "system": {...}, "model": ..., "dtype": ...,
-     "config": {...}, "workload": {...}, "backends": {"jaxserve": {"results": {...}, ...}, PEER: {...}},
+     "config": {...}, "workload": {...}, "backends": {"jaxserve": {"results": {...}, "kv_tiers": {...}, ...},
+                                                       PEER: {...}},
      "ratios": {PEER: {key: jaxserve / PEER}}}
 
 A ratio is always jaxserve's figure over the peer's; the table says for each row whether that is
@@ -97,6 +98,8 @@ def print_result(result: Mapping[str, Any], keys: Iterable[str] | None = None) -
     for name, backend in backends.items():
         for group, metrics in (backend.get("groups") or {}).items():
             print(table(f"{name}, group {group!r}", {name: metrics}, keys))
+        if backend.get("kv_tiers"):
+            print(table(f"{name}, KV tiers", {name: backend["kv_tiers"]}))
 
 
 def with_ratios(result: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.http_client import Endpoint
+from bench.kv_tier_report import from_server_counters
 from bench.load import LoadSpec, run_load
 from bench.metrics import SLO, RequestRecord, compute_metrics, latency_lists, metrics_by_group
 from bench.model_files import gguf_path
@@ -57,6 +58,7 @@ class RunResult:
     metrics: dict[str, Any]
     groups: dict[str, Any]
     server_counters: dict[str, float] | None
+    kv_tiers: dict[str, Any] | None = None  # the server's per-tier KV counters over the run
 
     def to_json(self, detailed: bool = False) -> dict[str, Any]:
         requests = [
@@ -66,7 +68,7 @@ class RunResult:
             for r in self.records
         ]  # fmt: skip
         return {"results": self.metrics, "groups": self.groups, "server_counters_delta": self.server_counters,
-                "requests": requests}  # fmt: skip
+                "kv_tiers": self.kv_tiers, "requests": requests}  # fmt: skip
 
     @property
     def latency_lists(self) -> dict[str, list[float]]:
@@ -80,6 +82,11 @@ def scrape_counters(base_url: str) -> dict[str, float] | None:
             text = response.read().decode("utf-8")
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """Every counter sample of a Prometheus text page, named `name_total{label=value,...}`."""
     counters = {}
     for family in text_string_to_metric_families(text):
         if family.type != "counter":
@@ -96,11 +103,12 @@ def measure(endpoint: Endpoint, workload: Workload, spec: LoadSpec, tokenizer: T
     before = scrape_counters(endpoint.base_url)
     records, duration = asyncio.run(run_load(endpoint, workload, spec, tokenizer, show_progress, label))
     after = scrape_counters(endpoint.base_url)
-    counters = None
+    counters = tiers = None
     if before is not None and after is not None:
         counters = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        tiers = from_server_counters(before, after)
     return RunResult(records, duration, compute_metrics(records, duration, slo, percentiles),
-                     metrics_by_group(records, duration, slo, percentiles), counters)  # fmt: skip
+                     metrics_by_group(records, duration, slo, percentiles), counters, tiers)  # fmt: skip
 
 
 def served_model_name(opts: ServeOptions) -> str:

@@ -97,6 +97,9 @@ def print_sweep(result: dict[str, Any], keys: list[str]) -> None:
         columns = {f"{xname}={pt['x']:g}": pt["results"] for pt in backend["points"]}
         print(table(f"sweep: {name}", columns, keys))
         print(f"{name}: {backend['results']}")
+        tiers = {f"{xname}={pt['x']:g}": pt["kv_tiers"] for pt in backend["points"] if pt.get("kv_tiers")}
+        if tiers:
+            print(table(f"sweep: {name}, KV tiers", tiers))
     for peer in [n for n in backends if n != OURS]:
         for ours, theirs in zip(backends[OURS]["points"], backends[peer]["points"]):
             columns = {OURS: ours["results"], peer: theirs["results"]}

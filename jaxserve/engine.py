@@ -26,13 +26,14 @@ from checkpoints.registry import DEFAULT_MODEL, load_model
 from jaxserve import faults
 from jaxserve.config import EngineConfig
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
-from jaxserve.kv import KVCacheManager, Pin
+from jaxserve.kv import CopyStage, KVCacheManager, Pin
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.output_processor import SequenceStream
 from jaxserve.outputs import Delta, Usage
 from jaxserve.request import FinishReason, Request, RequestStatus, check_prompt_ids
 from jaxserve.runner import ModelRunner, SampledToken, StepHandle, checkpoint_shardings
+from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.inputs import PreparedStep
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.scheduler import Scheduler
@@ -191,13 +192,31 @@ class LLMEngine:
         return request_id in self._groups
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes and stop its threads (the blocks are found again by
-        the next engine on the same directory)."""
-        if self.disk_tier is None:
+        """A clean shutdown's disk work, so the next engine on the directory finds the prefix cache:
+        read the iteration in flight (its full blocks enter the cache), write the cached blocks
+        (device and host tier) the disk lacks, most recently used first within the disk budget,
+        wait for the writes and stop the disk tier's threads. Requests still unfinished are not run
+        further; their cached blocks are written too. Idempotent; nothing to do without a disk tier."""
+        if self.disk_tier is None or self.disk_tier.closed:
             return
-        if self.kv.copies and not self.has_unfinished_requests():
-            self.step()  # the writes the last step planned (blocks it cached)
+        flushed = 0
+        try:
+            if self._in_flight is not None:
+                handle, self._in_flight = self._in_flight, None
+                self._process(handle)
+            flushed = self.kv.flush_to_disk()
+            # The writes the last step planned, then the flush's, a chunk at a time with the writer
+            # caught up after each: the device holds one chunk of gathered blocks, not the cache twice.
+            for stage in self.kv.take_copies():
+                for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
+                    part = slice(i, i + BLOCK_MOVE_CHUNK)
+                    self.runner.move_blocks([CopyStage(stage.kind, stage.src[part], stage.dst[part])])
+                    self.disk_tier.flush()
+        except Exception:  # noqa: BLE001 - e.g. a failed device: keep what is on disk, stop cleanly
+            logger.exception("writing the prefix cache to the KV disk tier at shutdown failed")
         self.disk_tier.close()
+        logger.info("KV disk tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) on disk",
+                    flushed, self.disk_tier.num_files, self.disk_tier.num_bytes / 1e6)
 
     # ----- the loop -------------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ def write_blocks(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], k: np.
     Fewer blocks are taken when the pool is short (the request recomputes the rest)."""
     kv, runner = engine.kv, engine.runner
     blocks = kv.allocate_import(k.shape[2])
-    runner.run_copies(kv.take_copies())  # evictions for them plan copies that read the old contents
+    runner.move_blocks(kv.take_copies())  # evictions for them plan copies that read the old contents
     k, v = k[:, :, :len(blocks)], v[:, :, :len(blocks)]
     for i in range(0, len(blocks), BLOCK_MOVE_CHUNK):
         part = slice(i, i + BLOCK_MOVE_CHUNK)

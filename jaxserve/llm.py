@@ -32,6 +32,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Write what the KV disk tier (`kv_disk_dir`) lacks of the prefix cache and stop its threads,
+        so the next engine on the directory finds it; nothing to do without a disk tier."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

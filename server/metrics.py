@@ -92,6 +92,8 @@ def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_loads", "Background loads from the disk tier", value=t.disk_loads)
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_load_seconds", "Summed wall time of disk loads",
                               value=t.disk_load_seconds)
+    yield CounterMetricFamily(f"{PREFIX}_kv_disk_write_seconds", "Summed wall time of block file writes",
+                              value=t.disk_write_seconds)
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted",
                               value=t.disk_damaged)
     yield GaugeMetricFamily(f"{PREFIX}_kv_disk_bytes", "Bytes of block files the disk tier holds", value=t.disk_bytes)

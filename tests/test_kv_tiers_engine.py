@@ -1,14 +1,18 @@
 """The disk tier in the engine (tiny random model): greedy outputs are the same with it on and
 off, after a restart on the same directory, and after a damaged file; a second engine on the
-same directory hits what the first computed; loads run while other requests keep decoding."""
+same directory hits what the first computed; a clean close writes the prefix cache the disk lacks;
+a request waiting for a slow disk does not hold up the others."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
+from jaxserve.kv import disk_tier
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=96,
               decode_batch_buckets=(4,), block_table_buckets=(32,), prefill_token_buckets=(64,),
@@ -31,7 +35,7 @@ def close(llm: LLM, assert_kv_all_free) -> None:
     engine = llm.engine
     assert_kv_all_free(engine)
     assert not engine.kv.has_pending_loads and not engine.kv.disk.held_slots()
-    engine.close()  # runs the writes the last step planned, then waits for the writer
+    llm.close()  # writes what the disk lacks of the prefix cache, then waits for the writer
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,23 @@ def test_outputs_equal_with_the_disk_tier_on_off_and_after_a_restart(tmp_path, r
     assert tiers.disk_hit_tokens >= 144 + 96 and tiers.disk_loads >= 2 and tiers.disk_bytes_read > 0
     assert second.engine.stats.prompt_tokens_computed < 150 + 97 + 40 - 200
     close(second, assert_kv_all_free)
+
+
+def test_a_clean_close_writes_the_prefix_cache_and_the_restart_hits_it(tmp_path, reference, assert_kv_all_free):
+    first = make(tmp_path, kv_disk_write_through_hits=1000)   # nothing reaches the disk while it runs
+    assert run(first)[0] == reference
+    assert first.engine.snapshot().tiers.disk_written_blocks == 0
+    close(first, assert_kv_all_free)
+    written = first.engine.snapshot().tiers.disk_written_blocks
+    assert written >= (150 + 97 + 40) // 8 and written == len(list(tmp_path.glob("*/*/*.kvb")))
+
+    second = make(tmp_path, kv_disk_write_through_hits=1000)
+    tokens, cached = run(second)
+    assert tokens == reference
+    assert cached[0] == 144 and cached[1] == 96
+    assert second.engine.snapshot().tiers.disk_hit_tokens >= 144 + 96
+    close(second, assert_kv_all_free)
+    assert second.engine.snapshot().tiers.disk_written_blocks == 0   # it had nothing the disk lacked
 
 
 def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, reference, assert_kv_all_free):
@@ -84,6 +105,43 @@ def test_a_second_engine_on_the_directory_hits_what_the_first_computed(tmp_path,
     assert tokens == reference[:1] and cached == [144]
     close(a, assert_kv_all_free)
     close(b, assert_kv_all_free)
+
+
+def test_a_request_loading_from_disk_does_not_stall_the_others(tmp_path, reference, monkeypatch,
+                                                               assert_kv_all_free):
+    first = make(tmp_path)
+    run(first, PROMPTS[:1])
+    close(first, assert_kv_all_free)
+    gate = threading.Event()                     # a slow disk: no file is read until the gate opens
+    read_block = disk_tier.read_block
+    monkeypatch.setattr(disk_tier, "read_block", lambda *args: gate.wait(120) and read_block(*args))
+    llm = make(tmp_path)
+    engine = llm.engine
+    tokens: dict[str, list[int]] = {"other": [], "loaded": []}
+    cached = {}
+
+    def step() -> None:
+        for d in engine.step():
+            tokens[d.request_id] += d.token_ids
+            if d.usage is not None:
+                cached[d.request_id] = d.usage.cached_tokens
+
+    try:
+        engine.add_request("other", PROMPTS[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        while not tokens["other"]:
+            step()
+        engine.add_request("loaded", PROMPTS[0], GREEDY)
+        before = len(tokens["other"])
+        for _ in range(6):
+            step()
+            assert engine.kv.is_loading("loaded")
+        assert len(tokens["other"]) - before >= 5   # decoding went on while the load waited for the disk
+    finally:
+        gate.set()
+    while engine.has_unfinished_requests():
+        step()
+    assert tokens["loaded"] == reference[0] and cached["loaded"] == 144
+    close(llm, assert_kv_all_free)
 
 
 def test_short_disk_hits_are_recomputed(tmp_path, assert_kv_all_free):

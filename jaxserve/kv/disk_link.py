@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.kv.content_keys import ChainKeys, chain_keys
+from jaxserve.kv.content_keys import ChainKeys, chain_keys, next_key
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan
 from jaxserve.kv.disk_tier import DiskTier, LoadJob
 from jaxserve.kv.radix_cache import RadixCache, RadixNode, token_bytes
@@ -84,10 +84,12 @@ class DiskLink:
 
     # ------------------------------------------------------------------ writes
 
-    def _plan(self, kind: CopyKind, src: int, key: bytes, tokens: bytes) -> None:
+    def _plan(self, kind: CopyKind, src: int, key: bytes, tokens: bytes) -> bool:
+        """Plan writing one block; False when it is on disk already or being written."""
         ticket = self.disk.plan_write(key, tokens)
         if ticket is not None:
             self.copies.add(kind, src, ticket)
+        return ticket is not None
 
     def write_through(self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray, blocks: dict[int, int]) -> None:
         """A request's blocks just entered the cache: `blocks` maps block index -> device block."""
@@ -125,6 +127,37 @@ class DiskLink:
         for j in range(node.length - take, node.length):
             i = node.start + j
             self._plan(kind, storage[j], keys[i], path[i * bs:(i + 1) * bs].tobytes())
+
+    def flush(self) -> int:
+        """At a clean shutdown: plan writes of the cached blocks (device and host tier) the disk
+        lacks, so the next engine on the directory finds them. Most recently used first, and no
+        more blocks than the disk budget holds, counting the cached blocks already on disk (those
+        are touched, so the new files evict older ones, never them). Written oldest first, so the
+        disk's LRU order (and the file times the next start sorts by) follows the cache's.
+        Returns the blocks planned for writing."""
+        disk, kb = self.disk, self.block_size * 4
+        room = disk.capacity_bytes // disk.block_file_bytes
+        keys: dict[RadixNode, bytes] = {self.cache.root: disk.fingerprint}  # last key of each node's path
+        chosen: list[tuple[RadixNode, int, bytes]] = []
+        for node in self.cache.nodes_by_recency():
+            if len(chosen) == room:
+                break
+            key = keys[node.parent]
+            for j in range(min(node.length, room - len(chosen))):
+                key = next_key(key, node.key[j * kb:(j + 1) * kb])
+                chosen.append((node, j, key))
+            keys[node] = key
+        planned = 0
+        for node, j, key in reversed(chosen):
+            if disk.contains(key):
+                disk.touch(key)
+                continue
+            if node.on_device:
+                kind, src = CopyKind.DEVICE_TO_DISK, node.blocks[j]
+            else:
+                kind, src = CopyKind.HOST_TO_DISK, node.host_slots[j]
+            planned += self._plan(kind, src, key, node.key[j * kb:(j + 1) * kb])
+        return planned
 
     # ------------------------------------------------------------------ loads
 

@@ -168,6 +168,17 @@ class DiskTier:
             n += 1
         return n
 
+    def touch(self, key: bytes) -> None:
+        """Mark a block on disk as just used (LRU order, and its file's time for the next scan)."""
+        with self._lock:
+            if key not in self._index:
+                return
+            self._index.move_to_end(key)
+        try:
+            os.utime(self.path(key))
+        except OSError:
+            pass
+
     def _make_room(self, size: int) -> bool:
         """Delete least recently used files until `size` more bytes fit (lock held)."""
         if size > self.capacity_bytes:
@@ -364,9 +375,13 @@ class DiskTier:
 
     # ------------------------------------------------------------------ lifetime and checks
 
+    @property
+    def closed(self) -> bool:
+        return not any(t.is_alive() for t in self._threads)
+
     def close(self) -> None:
         """Finish queued writes and stop the threads (loads in flight finish first). Idempotent."""
-        if not any(t.is_alive() for t in self._threads):
+        if self.closed:
             return
         self._writes.put(None)
         self._loads.put(None)

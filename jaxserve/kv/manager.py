@@ -57,7 +57,8 @@ the blocks are read into host slots in the background once `submit_loads()` is c
 step's copies ran; `poll_loads()` (every step) puts finished
 loads into the tree, and the request, no longer `is_loading`, is admitted with a host hit.
 `cancel_load(req_id)` when a loading request goes away. Cached blocks are written to disk as the
-copy plan's `DEVICE_TO_DISK` / `HOST_TO_DISK` entries (see `disk_link`).
+copy plan's `DEVICE_TO_DISK` / `HOST_TO_DISK` entries (see `disk_link`); at a clean shutdown,
+`flush_to_disk()` plans those the disk lacks.
 
 KV handed between workers (prefill/decode disaggregation, see `holds`): `hold_prefix(ids)`
 keeps a prompt's cached device blocks until `release_hold`; the receiving side writes pulled KV
@@ -384,6 +385,12 @@ class KVCacheManager:
     @property
     def has_pending_loads(self) -> bool:
         return self.disk is not None and self.disk.has_pending
+
+    def flush_to_disk(self) -> int:
+        """At a clean shutdown: plan disk writes of the cached blocks the disk tier lacks, within
+        its budget (see `DiskLink.flush`); run the copies, then close the tier. Returns the blocks
+        planned (0 without a disk tier)."""
+        return self.disk.flush() if self.disk is not None else 0
 
     def cancel_load(self, req_id: RequestId) -> None:
         """The request went away: release what its load holds (a no-op if it has none)."""

@@ -632,6 +632,13 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def nodes_by_recency(self) -> list[RadixNode]:
+        """Every node but the root, most recently used first: the locked ones (in use or pinned),
+        then idle device nodes, then idle host nodes, each LRU newest first. A node never comes
+        before its parent, so any leading part of the list is a set of whole prefixes."""
+        locked = [node for node in self.nodes() if node.lock > 0]
+        return locked + list(reversed(self._device_lru)) + list(reversed(self._host_lru))
+
     def device_blocks(self) -> Iterator[int]:
         for node in self.nodes():
             if node.blocks is not None:

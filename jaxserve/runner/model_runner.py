@@ -296,7 +296,7 @@ class ModelRunner:
         waiting for the device. Inputs that are placeholders of the previous iteration are read
         from its sampled tokens on the device."""
         t0 = time.perf_counter()
-        self._move_blocks(sched)
+        self.move_blocks(sched.copy_stages)
         outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs)
         self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
         parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
@@ -379,11 +379,8 @@ class ModelRunner:
         self._prev_sampled = sampled
         return outs, scores
 
-    def _move_blocks(self, sched: SchedulerOutput) -> None:
-        self.run_copies(sched.copy_stages)
-
-    def run_copies(self, stages: list[CopyStage]) -> None:
-        """Execute the KV manager's copy plan, stage by stage, in order."""
+    def move_blocks(self, stages: list[CopyStage]) -> None:
+        """Execute the KV manager's copy plan, stage by stage, in order (a step does it first)."""
         for stage in stages:
             for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
                 op = ("move", stage.kind, stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK])

@@ -26,6 +26,9 @@ def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
     assert ours["prompt_tokens_computed"] == 120 - ours["cached_prompt_tokens"]
     assert ours["compilations_during_run"] == 0
     assert result["system"]["accelerator"]
+    tiers = result["backends"]["jaxserve"]["kv_tiers"]
+    assert tiers["device_hit_tokens"] + tiers["host_hit_tokens"] + tiers["disk_hit_tokens"] == ours["cached_prompt_tokens"]
+    assert tiers["disk_loads"] == 0 and tiers["disk_bytes_written"] == 0   # no disk tier here
 
 
 def test_latency_reports_prefill_and_decode(compile_cache):

@@ -78,12 +78,18 @@ def test_multi_turn_through_sessions_reuses_the_history(tmp_path, running_server
 
 def test_shared_prefix_hits_the_prefix_cache(tmp_path, running_server):
     result_file = tmp_path / "sp.json"
-    bench("--base-url", running_server, "--workload", "shared-prefix", "--prompt-format", "ids",
+    done = bench("--base-url", running_server, "--workload", "shared-prefix", "--prompt-format", "ids",
           "--num-prefixes", "2", "--prefix-len", "48", "--suffix-len", "8", "--num-prompts", "8",
           "--output-len", "4", "--max-concurrency", "2", "--seed", "11", "--result-file", str(result_file))  # fmt: skip
-    metrics = json.loads(result_file.read_text())["backends"]["jaxserve"]["results"]
+    ours = json.loads(result_file.read_text())["backends"]["jaxserve"]
+    metrics = ours["results"]
     assert metrics["completed"] == 8
     # 8 prompts over 2 prefixes of 3 full blocks, 2 in flight: only the first request of a prefix and
     # one sent alongside it can miss, so at least 4 prompts reuse all 48 prefix tokens
     assert metrics["total_cached_prompt_tokens"] >= 4 * 48
     assert metrics["prefill_tokens_computed"] == metrics["total_input_tokens"] - metrics["total_cached_prompt_tokens"]
+    # the server's per-tier counters over the run: every cached token came from one tier (no disk tier here)
+    tiers = ours["kv_tiers"]
+    assert tiers["device_hit_tokens"] + tiers["host_hit_tokens"] == metrics["total_cached_prompt_tokens"]
+    assert tiers["disk_hit_tokens"] == tiers["disk_bytes_read"] == 0
+    assert "jaxserve, KV tiers" in done.stdout

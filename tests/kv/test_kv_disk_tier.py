@@ -6,8 +6,9 @@ invariants (a block in one place per tier, host slots held by the tree, swapped 
 loads and nothing else, the disk within its byte budget); after every step every running
 request and every cached block (host blocks that came from disk included) reads back as its
 tokens. At the end every block and slot is free, the disk index equals the files on disk and
-every file holds exactly its tokens. Then: a restart on the same directory finds the blocks, a
-damaged file is dropped (never loaded), and two managers on one directory share blocks.
+every file holds exactly its tokens, also after the shutdown flush. Then: a restart on the same
+directory finds the blocks, a damaged file is dropped (never loaded), two managers on one directory
+share blocks, and the shutdown flush writes the most recently used cached blocks within the budget.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class Driver:
             mgr.poll_loads()
         for rid in list(self.eng.waiting):
             mgr.cancel_load(rid)        # loaded but never admitted
+        mgr.flush_to_disk()             # a clean shutdown: what is cached goes to disk, within budget
+        self.eng.execute_copies()
+        mgr.disk.disk.flush()
+        check_disk_files(mgr.disk.disk)
         self.eng.drain()
         mgr.disk.disk.flush()
         check_disk_files(mgr.disk.disk)
@@ -279,6 +284,27 @@ def test_two_managers_on_one_directory_share_blocks(tmp_path) -> None:
     assert _served(Driver(b), "b", PROMPT) == 24    # found with a stat of the next key
     _close(a)
     _close(b)
+
+
+def test_the_shutdown_flush_writes_what_is_cached_newest_first_within_the_budget(tmp_path) -> None:
+    older, newer = PROMPT, list(range(100, 125))        # 6 full blocks each
+    eng = make(tmp_path, num_blocks=16, host_slots=8, disk_blocks=8, hits=100)  # no write-through
+    _served(Driver(eng), "a", older)
+    eng.mgr.prefix_cache.evict(6)                          # spilled: the older prompt is on the host
+    eng.execute_copies()
+    _served(Driver(eng), "b", newer)
+    assert eng.mgr.disk.disk.stats.written_blocks == 0
+    assert eng.mgr.flush_to_disk() == 8                    # the budget: 6 newer blocks, 2 older ones
+    eng.execute_copies()
+    eng.mgr.disk.disk.flush()
+    check_disk_files(eng.mgr.disk.disk)
+    assert eng.mgr.flush_to_disk() == 0                    # all of it is on disk, or does not fit
+    _close(eng)
+    again = make(tmp_path, num_blocks=16, host_slots=8, disk_blocks=8, hits=100)   # the restart
+    assert again.mgr.disk.disk.num_files == 8
+    assert _served(Driver(again), "b", newer) == 24        # whole: no block of its chain is missing
+    assert _served(Driver(again), "a", older) == 8         # its first two blocks; the rest recomputed
+    _close(again)
 
 
 def test_bad_settings_are_refused(tmp_path) -> None:

@@ -1,6 +1,7 @@
 """A session survives a restart with its KV: `jaxserve serve` with --session-dir and --kv-disk-dir,
-a conversation, SIGTERM, a new server on the same directories, and the next turn's prompt is
-served from the disk tier (`usage.prompt_tokens_details.cached_tokens`). And two servers running
+a conversation, SIGTERM (the clean shutdown writes the prefix cache to disk), a new server on the
+same directories, and the next turn's prompt is served from the disk tier
+(`usage.prompt_tokens_details.cached_tokens`). And two servers running
 at once on one --kv-disk-dir: the second hits the blocks the first computed."""
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ class _Port:
         self.port = port
 
 
-def _serve(port: int, session_dir, kv_dir) -> ChildProcess:
+def _serve(port: int, session_dir, kv_dir, *extra: str) -> ChildProcess:
     return ChildProcess(jaxserve("serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", KEY,
                                  "--session-dir", str(session_dir), "--kv-disk-dir", str(kv_dir),
-                                 "--kv-disk-bytes", str(64 << 20), "--kv-disk-min-load-tokens", "16", *SMALL_ENGINE))
+                                 "--kv-disk-bytes", str(64 << 20), "--kv-disk-min-load-tokens", "16", *extra,
+                                 *SMALL_ENGINE))
 
 
 def _ok(reply):
@@ -44,13 +46,15 @@ def _metric(port: int, name: str) -> float:
 def test_a_session_resumes_with_its_kv_from_disk_after_a_restart(tmp_path):
     sessions, kv = tmp_path / "sessions", tmp_path / "kv"
     port = free_port()
-    with _serve(port, sessions, kv) as child:
+    # Blocks are written only once hit 1000 times, i.e. never while it runs: the clean shutdown writes them.
+    with _serve(port, sessions, kv, "--kv-disk-write-through-hits", "1000") as child:
         child.wait_for("Running on", timeout=300)
         sid = _ok(send(_Port(port), "POST", "/v1/sessions", {"system": "You answer in one line."}, key=KEY))["id"]
         for q in ("Tell me about the sea and its tides.", "And about the moon, please, in some detail?",
                   "What links the two of them?"):
             last = _turn(port, sid, q)
         history = last["usage"]["prompt_tokens"] + last["usage"]["completion_tokens"]
+        assert _metric(port, 'jaxserve_kv_disk_io_bytes_total{direction="written"}') == 0
         child.terminate()
         assert child.finish(120) == 0, child.output
     assert list(kv.glob("*/*/*.kvb")), "no block was written to disk"
