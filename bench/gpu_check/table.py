@@ -85,7 +85,7 @@ def _goal_rows(stages: dict[str, dict], plan: Plan) -> list[list[str]]:
 
     return [
         [f"decode kernel % of copy ({cases})", f"min {_f(min(pct))}" if pct else "n/a", ">= 80", met(pct, lambda v: min(v) >= 80)],
-        [f"decode kernel x JAX's paged_attention (same cases)", f"min {_f(min(vs_jax), 2)}" if vs_jax else "n/a",
+        ["decode kernel x JAX's paged_attention (same cases)", f"min {_f(min(vs_jax), 2)}" if vs_jax else "n/a",
          ">= 1.5", met(vs_jax, lambda v: min(v) >= 1.5)],
         [f"engine decode step, llama3-8b at batch {plan.goal_engine_batch}, % of HBM roofline", _f(roof[0]) if roof else "n/a",
          ">= 70", met(roof, lambda v: v[0] >= 70)],

@@ -43,7 +43,7 @@ from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.tokenizer import Tokenizer
 from server.router.handover import decode_params, prefill_params, splits
 from server.router.sequence import RemoteSequence, worker_params
-from server.router.worker_client import HEALTH_TIMEOUT, WorkerClient, WorkerInfo
+from server.router.worker_client import WorkerClient, WorkerInfo
 from server.worker_api import worker_pb2 as pb
 from server.worker_api.wire import params_to_json, snapshot_from_json, usage_from_message
 
