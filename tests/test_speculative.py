@@ -18,6 +18,7 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampler import PenaltyCounts, RowSampling, SamplingTensors, sampling_logits
+from jaxserve.speculative import propose_ngram
 from jaxserve.speculative.verify import verify
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=200,
@@ -169,9 +170,18 @@ def test_logprobs_of_accepted_tokens_and_prefix_hits_on_verified_output(plain, s
 
 
 def test_seeded_sampling_keeps_its_distribution(plain, speculative, assert_kv_all_free):
-    """The first three tokens of 320 seeded requests (top-k 2: eight outcomes), with and without
-    speculation: a two-sample chi-square test, and speculation did accept and reject drafts."""
-    prompt = repetitive_prompts(1, seed=3)[0]
+    """The first three tokens of 320 seeded requests (top-k 2: eight outcomes; the second and third
+    come from one verify step of one draft), with and without speculation: a two-sample
+    chi-square test, and speculation did accept and reject drafts."""
+    # The prompt: a start and the model's own greedy continuation up to a point where, after the
+    # likeliest next token, the n-gram draft is the greedy token after it (the continuation repeats
+    # itself there), so that drafts are likely, neither certain nor impossible.
+    start = repetitive_prompts(1, seed=3)[0]["prompt_token_ids"]
+    greedy = outputs(plain, [{"prompt_token_ids": start}], [SamplingParams(max_tokens=40, temperature=0.0,
+                                                                            ignore_eos=True)])[0][0]
+    cut = next(i for i in range(1, len(greedy) - 1)
+               if propose_ngram(start + greedy[:i + 1], 1, 1, 3) == [greedy[i + 1]])
+    prompt = {"prompt_token_ids": start + greedy[:cut]}
     n = 320
 
     def histogram(llm: LLM, base_seed: int) -> collections.Counter:
