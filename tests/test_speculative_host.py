@@ -117,3 +117,12 @@ def test_no_drafts_above_the_batch_threshold_for_a_token_in_flight_or_past_max_t
     sched.finish(b, "stop")
     kv.check_integrity()
     assert kv.usage().used == 0
+
+
+def test_the_host_side_imports_no_jax():
+    import jaxserve.speculative
+    import jaxserve.speculative.config
+    import jaxserve.speculative.ngram
+
+    for mod in (jaxserve.speculative, jaxserve.speculative.config, jaxserve.speculative.ngram):
+        assert "import jax" not in open(mod.__file__).read()
