@@ -36,8 +36,8 @@ from jaxserve.request import Request
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs
 from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.speculative.verify import verify
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from jaxserve.speculative.verify import verify
 from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.mesh import make_mesh, plan_tensor_parallel
