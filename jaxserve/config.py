@@ -7,6 +7,9 @@ enable_prefix_caching, enable_chunked_prefill, ...), so users can carry their se
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+from jaxserve.speculative.config import SpeculativeConfig
 
 
 def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -57,6 +60,9 @@ class EngineConfig:
     # Launch iteration N+1 before reading N's sampled tokens (they feed N+1 on the device), so the
     # host schedules and post-processes while the device computes. Off: the synchronous loop.
     async_scheduling: bool = True
+    # N-gram speculative decoding (off: None): a SpeculativeConfig, its dict, or its JSON text
+    # (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`); parsed here.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     # Shape buckets (None: derived from the limits above). Each list is sorted, finite, and
     # every jitted step is compiled for the cross product at warm-up.
@@ -69,6 +75,7 @@ class EngineConfig:
     sampler_row_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.max_model_len % self.block_size:
             raise ValueError("max_model_len must be a multiple of block_size")
         if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
@@ -113,6 +120,11 @@ class EngineConfig:
             raise ValueError("block_table_buckets must reach max_model_len / block_size")
         if self.sampler_row_buckets[-1] < max(self.decode_batch_buckets[-1], self.prefill_seq_buckets[-1]):
             raise ValueError("sampler_row_buckets must reach the largest decode batch and prefill sequence buckets")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (None: speculation off)."""
+        return self.speculative_config  # type: ignore[return-value]
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -8,6 +8,14 @@ host schedules iteration N+1 and post-processes N-1 while N runs, and N's tokens
 the device. Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own
 thread only.
 
+Speculative decoding (`speculative_config`): while at most `disable_by_batch_size` requests
+run, steps are synchronous. Drafts are looked up in a request's known tokens, and a verified
+step's accepted count decides where the request's next step starts, so the step in flight is read
+before scheduling (no placeholder is ever verified) and a step that verifies drafts is read at
+once, before the next one is scheduled. At such batch sizes the device step dwarfs the host work
+that async scheduling would overlap; larger batches do not speculate and stay asynchronous.
+Greedy output is the same either way (tests/test_speculative.py).
+
 Fault isolation: an exception while preparing or post-processing one request's part of an
 iteration fails that request (an ERROR delta, its blocks freed) and the engine goes on; only a
 failure of the device iteration itself propagates.
@@ -37,7 +45,7 @@ from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.inputs import PreparedStep
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.scheduler import Scheduler
-from jaxserve.scheduler.output import SchedulerOutput
+from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 
@@ -54,6 +62,14 @@ class StepStats:
     # Iterations whose output was read only after the next one was launched (async scheduling).
     overlapped_reads: int = 0
     failed_requests: int = 0  # requests ended by an error in their own part of a step
+    # Speculative decoding: steps that verified drafts, drafts verified, drafts accepted.
+    speculative_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 class LLMEngine:
@@ -223,6 +239,9 @@ class LLMEngine:
     def step(self) -> list[Delta]:
         t0 = time.perf_counter()
         deltas = []
+        if self._in_flight is not None and self.scheduler.may_speculate():
+            deltas += self._process(self._in_flight)  # drafts need the tokens in flight
+            self._in_flight = None
         sched = self.scheduler.schedule()
         handle = None
         if not sched.is_empty:
@@ -231,16 +250,18 @@ class LLMEngine:
             self.scheduler.on_step_launched(sched)
             self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
             self.stats.num_steps += 1
+            self.stats.speculative_steps += sched.is_speculative
         elif self._in_flight is None and self.kv.has_pending_loads:
             self.kv.submit_loads()
             self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
         self.kv.submit_loads()  # after the launch: the copies that read their slots have run
-        if self.config.async_scheduling:
-            previous, self._in_flight = self._in_flight, handle
-        else:
-            previous = handle
-        if previous is not None:
-            deltas += self._process(previous)
+        if self.config.async_scheduling and not sched.is_speculative:
+            previous, self._in_flight = [self._in_flight], handle
+        else:  # read in launch order
+            previous, self._in_flight = [self._in_flight, handle], None
+        for launched in previous:
+            if launched is not None:
+                deltas += self._process(launched)
         if handle is not None:
             self.stats.model_time += self.runner.last_prepare_time + self.runner.last_launch_time
         self.stats.step_time += time.perf_counter() - t0
@@ -274,13 +295,12 @@ class LLMEngine:
         self.stats.overlapped_reads += handle.launches_before_fetch > handle.launch_index
         deltas = []
         finished_groups = set()
-        for chunk, sampled in results:
+        for chunk, tokens in results:
             req = chunk.request
             if req.is_finished:  # aborted, failed or ended while its step was running
                 continue
             try:
-                reason = self._update(req, chunk.output_index, sampled)
-                self.stats.generated_tokens += 1
+                reason = self._update_all(req, chunk, tokens)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
                     deltas.append(self._final_delta(req, reason))
@@ -295,6 +315,25 @@ class LLMEngine:
         for group_id in finished_groups:
             self._forget_if_finished(group_id)
         return deltas
+
+    def _update_all(self, req: Request, chunk: ScheduledChunk, tokens: list[SampledToken]) -> FinishReason | None:
+        """Land a chunk's tokens in order: one, or a verified decode's accepted drafts and the
+        token after them. Every stop rule applies to each; tokens after a stop are dropped. A
+        verified request that goes on keeps the K/V of its accepted drafts only."""
+        reason = None
+        for i, sampled in enumerate(tokens):
+            if i:
+                req.output_token_ids.append(sampled.token_id)
+            reason = self._update(req, chunk.output_index + i, sampled)
+            self.stats.generated_tokens += 1
+            if reason is not None:
+                break
+        if chunk.draft:
+            self.stats.draft_tokens += len(chunk.draft)
+            self.stats.accepted_tokens += len(tokens) - 1
+            if reason is None:
+                self.scheduler.accept_drafts(req, len(tokens) - 1)
+        return reason
 
     def _update(self, req: Request, index: int, sampled: SampledToken) -> FinishReason | None:
         """The one place a sampled token lands: it replaces its placeholder and advances the

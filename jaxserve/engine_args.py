@@ -24,7 +24,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        if hint is bool:
+        if f.name == "speculative_config":
+            group.add_argument(flag, default=None, metavar="JSON",
+                               help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                                    '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
+        elif hint is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif "tuple" in str(hint):
             group.add_argument(flag, type=int, nargs="+", default=None, help="shape buckets")

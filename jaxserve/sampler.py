@@ -267,8 +267,14 @@ def apply_token_mask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors, counts: PenaltyCounts) -> jax.Array:
     """Repetition penalty over prompt + output tokens, then frequency and presence over output."""
-    output_counts = counts.output[t.penalty_slots].astype(jnp.float32)
-    seen = counts.prompt[t.penalty_slots] | (output_counts > 0)
+    return penalize(logits, t, counts.output[t.penalty_slots], counts.prompt[t.penalty_slots])
+
+
+def penalize(logits: jax.Array, t: SamplingTensors, output_counts: jax.Array, in_prompt: jax.Array) -> jax.Array:
+    """`apply_penalties` with each row's output token counts [B, V] and prompt tokens [B, V]
+    given (speculative verification adds the draft tokens before a row to its counts)."""
+    output_counts = output_counts.astype(jnp.float32)
+    seen = in_prompt | (output_counts > 0)
     rep = t.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     x = x - t.frequency_penalty[:, None] * output_counts
@@ -427,11 +433,15 @@ def _from_order_key(keys: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def row_keys(t: SamplingTensors) -> jax.Array:
+    """Each row's random key: fold_in(key(seed), position), nothing else."""
+    seeds = jax.random.wrap_key_data(t.seed, impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(seeds, t.positions)
+
+
 def _gumbel_noise(t: SamplingTensors, size: int) -> jax.Array:
     """f32[B, size] Gumbel noise per row, keyed by fold_in(key(seed), position) only."""
-    seeds = jax.random.wrap_key_data(t.seed, impl="threefry2x32")
-    keys = jax.vmap(jax.random.fold_in)(seeds, t.positions)
-    return jax.vmap(lambda key: jax.random.gumbel(key, (size,)))(keys)
+    return jax.vmap(lambda key: jax.random.gumbel(key, (size,)))(row_keys(t))
 
 
 def _draw(masked: jax.Array, t: SamplingTensors) -> jax.Array:

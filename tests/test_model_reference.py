@@ -24,13 +24,15 @@ def smollm2():
     return load_model(DEFAULT_MODEL)
 
 
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, decode_batch_buckets=(8,),
+              prefill_token_buckets=(128,), prefill_seq_buckets=(4,), block_table_buckets=(16,), num_blocks=128)
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2):
     from jaxserve import LLM
 
-    return LLM(smollm2, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
-               decode_batch_buckets=(8,), prefill_token_buckets=(128,), prefill_seq_buckets=(4,),
-               block_table_buckets=(16,), num_blocks=128)
+    return LLM(smollm2, **ENGINE)
 
 
 def test_last_position_logits_match_transformers(smollm2):
@@ -58,6 +60,26 @@ def test_greedy_tokens_match_transformers(llm, assert_kv_all_free):
     outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
     for case, out in zip(cases, outs):
         assert out.outputs[0].token_ids == case["new_ids"], case["name"]
+    assert_kv_all_free(llm.engine)
+
+
+def test_speculative_greedy_tokens_match_transformers(smollm2, assert_kv_all_free):
+    """N-gram speculative decoding (drafts verified in one step) keeps greedy output token for
+    token: the golden prompts batched (one verify program of 8 rows) and one alone."""
+    from jaxserve import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(smollm2, warm_up=False, speculative_config=spec, **ENGINE)
+    cases = REFERENCE["greedy"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        assert out.outputs[0].token_ids == case["new_ids"], case["name"]
+    code = next(c for c in cases if c["name"] == "code")
+    assert llm.generate({"prompt_token_ids": code["prompt_ids"]}, params, use_tqdm=False)[0].outputs[0].token_ids \
+        == code["new_ids"]
+    stats = llm.engine.stats
+    assert stats.accepted_tokens > 0 and stats.speculative_steps > 0
     assert_kv_all_free(llm.engine)
 
 

@@ -441,6 +441,21 @@ class KVCacheManager:
         seq.num_tokens += num_new_tokens
         return True
 
+    def release_slots(self, req_id: RequestId, num_tokens: int) -> None:
+        """Shrink a running request to its first `num_tokens` slots, freeing the blocks past them
+        (speculative decoding: the slots of rejected draft tokens). Cached blocks are kept: they
+        only ever hold computed tokens."""
+        seq = self._running(req_id)
+        bs = self.block_size
+        if not seq.cached_blocks * bs <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"cannot shrink {req_id!r} from {seq.num_tokens} to {num_tokens} slots "
+                             f"({seq.cached_blocks} cached blocks)")
+        keep = -(-num_tokens // bs)
+        self._epoch += 1
+        self.pool.decref_all(seq.table[keep:seq.num_blocks].tolist())
+        seq.num_blocks = keep
+        seq.num_tokens = num_tokens
+
     def _append_blocks(self, seq: _Seq, blocks: list[int]) -> None:
         end = seq.num_blocks + len(blocks)
         if end > len(seq.table):

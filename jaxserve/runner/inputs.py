@@ -29,13 +29,16 @@ class Program(NamedTuple):
     """One compiled step to run: its variant key, host arrays (tokens, positions, attention
     metadata, logits rows, token sources), sampling settings, where its sampled tokens go in
     the iteration's sampled buffer, and the rows to score against given next tokens (prompt
-    log-probabilities: rows and targets, padded to the step's tokens; None when none are)."""
+    log-probabilities: rows and targets, padded to the step's tokens; None when none are), and
+    for a verify program the drafts its sampler tests."""
 
     key: tuple
     host_args: tuple
     sampling: SamplingTensors
     sample_offset: int
     score: tuple[np.ndarray, np.ndarray] | None = None
+    # A verify program (speculative decoding): each row's draft to test and the drafts before it.
+    drafts: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -98,6 +101,14 @@ class StepInputs:
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
         self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
         self.sampled_rows = self.decode_offset + self.sampler_rows(max(engine_config.decode_batch_buckets))
+        spec = engine_config.speculative
+        self.verify_rows = 0 if spec is None else spec.num_speculative_tokens + 1  # rows per verified sequence
+        # Verify programs exist for the decode batch buckets up to the first that holds the
+        # largest batch that speculates.
+        self.verify_batches = () if spec is None else tuple(
+            b for b in engine_config.decode_batch_buckets
+            if b <= bucket_for(min(spec.disable_by_batch_size, engine_config.max_num_seqs),
+                               engine_config.decode_batch_buckets))
 
     def sampler_rows(self, rows: int) -> int:
         return bucket_for(rows, self.config.sampler_row_buckets)
@@ -127,9 +138,11 @@ class StepInputs:
             ))
         if sched.decodes:
             chunks = sched.decodes
-            programs.append(self.decode(
-                chunks, bucket_for(len(chunks), ec.decode_batch_buckets), self._width_bucket(chunks), prev_rows
-            ))
+            batch = bucket_for(len(chunks), ec.decode_batch_buckets)
+            if any(c.draft for c in chunks):
+                programs.append(self.verify(chunks, batch, self._width_bucket(chunks, self.verify_rows)))
+            else:
+                programs.append(self.decode(chunks, batch, self._width_bucket(chunks), prev_rows))
         return PreparedStep(resets, unset, programs, scores)
 
     def decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
@@ -152,6 +165,45 @@ class StepInputs:
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         return Program(("decode", batch, width), host_args, self._sampling(chunks, self.sampler_rows(batch)),
                        self.decode_offset)
+
+    def verify(self, chunks: list[ScheduledChunk], batch: int, width: int) -> Program:
+        """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
+        sequence (its last token, then its drafts; rows past a shorter draft are padding that
+        writes into block 0) with logits at every row, and one sampling row per logits row.
+        Every token of its chunks is known on the host: speculative steps are synchronous (see
+        `LLMEngine.step`)."""
+        bs, rows = self.config.block_size, self.verify_rows
+        num_tokens = batch * rows
+        tokens = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slots = np.zeros(num_tokens, np.int32)
+        seq_lens = np.zeros(batch, np.int32)
+        query_start = np.zeros(batch + 1, np.int32)
+        tables = self._fill_tables(chunks, batch, width)
+        drafts = np.full(num_tokens, -1, np.int32)
+        history = np.full((num_tokens, rows - 1), -1, np.int32)
+        row_params: list[RowSampling | None] = [None] * num_tokens
+        for i, c in enumerate(chunks):
+            faults.check("input", c.request)
+            req, row, n = c.request, i * rows, 1 + len(c.draft)
+            if PLACEHOLDER in req.output_token_ids[-1:]:
+                raise ValueError(f"request {req.request_id!r} is verified with its last token in flight")
+            pos = c.start + np.arange(rows)
+            tokens[row:row + n] = [req.last_token_id, *c.draft]
+            positions[row:row + rows] = pos
+            slots[row:row + n] = tables[i, pos[:n] // bs] * bs + pos[:n] % bs
+            seq_lens[i] = c.start + rows
+            query_start[i + 1] = row + rows
+            drafts[row:row + n - 1] = c.draft
+            for j in range(n):
+                history[row + j, :j] = c.draft[:j]
+                row_params[row + j] = self._row_sampling(c, j)
+        query_start[len(chunks) + 1:] = len(chunks) * rows
+        meta = AttentionMetadata(slots, tables, seq_lens, query_start)
+        host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
+        sampling = SamplingTensors.build(row_params, num_tokens, self.penalty_slots.spare, self.constant,
+                                         self.mask_words)
+        return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history))
 
     def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
                 prev_rows: dict[Request, int] | None = None, scores: list[PromptScores] | None = None) -> Program:
@@ -225,22 +277,24 @@ class StepInputs:
                 token_index[i] = int(np.flatnonzero(is_output[i])[-1])
         return slots, history, is_output, token_src, token_index
 
-    def _width_bucket(self, chunks: list[ScheduledChunk]) -> int:
+    def _width_bucket(self, chunks: list[ScheduledChunk], rows: int | None = None) -> int:
+        """Block-table width of the chunks' steps (`rows`: positions per sequence, if fixed)."""
         bs = self.config.block_size
-        need = max((-(-(c.start + c.num_new_tokens) // bs) for c in chunks), default=1)
+        need = max((-(-(c.start + (rows or c.num_new_tokens)) // bs) for c in chunks), default=1)
         return bucket_for(need, self.config.block_table_buckets)
 
-    def _row_sampling(self, chunk: ScheduledChunk) -> RowSampling | None:
+    def _row_sampling(self, chunk: ScheduledChunk, ahead: int = 0) -> RowSampling | None:
+        """The chunk's sampling row; `ahead` > 0: the row after its first `ahead` drafts."""
         if not chunk.sample:
             return None
         req = chunk.request
         faults.check("sampling", req)
-        held_back = len(req.output_token_ids) < req.params.min_tokens  # no stop token yet
+        held_back = len(req.output_token_ids) + ahead < req.params.min_tokens  # no stop token yet
         return RowSampling(
-            params=req.params, seed=req.seed, position=req.num_tokens,
+            params=req.params, seed=req.seed, position=req.num_tokens + ahead,
             banned_ids=tuple(req.stop_token_ids) if held_back else (),
             penalty_slot=self.penalty_slots.slot(req) if req.params.has_penalties else -1,
-            token_mask=None if req.grammar is None else req.grammar.next_mask(),
+            token_mask=None if req.grammar is None or ahead else req.grammar.next_mask(),
         )
 
     @staticmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInpu
 from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from jaxserve.speculative.verify import verify
 from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.mesh import make_mesh, plan_tensor_parallel
@@ -152,6 +154,13 @@ class ModelRunner:
         # Sampling is its own executable, keyed by its row bucket only, so it compiles a few
         # times, not once per step shape. It updates the penalty counts in place.
         self._sample = jax.jit(self._sample_fn, donate_argnums=(4,), in_shardings=rep, out_shardings=rep)
+        # Speculative decoding: verify steps keep every row's logits (no padding to a sampler
+        # bucket), and their sampler (keyed by its rows) accepts or rejects the drafts.
+        self._verify_step = jax.jit(
+            functools.partial(self._step_fn, pad_logits=False), donate_argnums=(1,),
+            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv, rep),
+        )
+        self._verify = jax.jit(verify, donate_argnums=(2,), in_shardings=rep, out_shardings=rep)
         self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
             engine_config.max_num_seqs, config.vocab_size)
         self._set_penalty_rows = jax.jit(self._set_penalty_rows_fn, donate_argnums=(0,), in_shardings=rep,
@@ -169,15 +178,18 @@ class ModelRunner:
 
     # ----- the jitted functions -------------------------------------------------------------
 
-    def _step_fn(self, params, cache, tokens, positions, meta, logits_indices, prev_sampled, token_src):
-        """Logits at `logits_indices` (padded to the sampler's row bucket; padding rows are
-        zeros), the updated cache, and every row's last hidden state (for `_score_fn`)."""
+    def _step_fn(self, params, cache, tokens, positions, meta, logits_indices, prev_sampled, token_src,
+                 pad_logits: bool = True):
+        """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
+        off; padding rows are zeros), the updated cache, and every row's last hidden state (for
+        `_score_fn`)."""
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
         (logits, cache), state = self.model.apply(
             {"params": params}, tokens, positions, cache, meta, logits_indices, mutable=["intermediates"])
         rows = logits.shape[0]
-        logits = jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0)))
+        if pad_logits:
+            logits = jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0)))
         return logits, cache, state["intermediates"]["hidden"][0]
 
     def _score_fn(self, params, hidden, rows, targets):
@@ -232,13 +244,16 @@ class ModelRunner:
     def _sample_args(self, program: Program, logits: Any, sampled: jax.Array) -> tuple:
         return (logits, program.sampling, sampled, np.int32(program.sample_offset), self.penalty_counts)
 
+    def _verify_args(self, program: Program, logits: Any) -> tuple:
+        return (logits, program.sampling, self.penalty_counts, *program.drafts)
+
     def _reset_args(self, reset: tuple[np.ndarray, ...]) -> tuple:
         slots, history, is_output, token_src, token_index = reset
         return (self.penalty_counts, slots, history, is_output, self._prev_sampled, token_src, token_index)
 
     def warm_up(self) -> float:
-        """Compile every bucket of both steps, the samplers and the penalty reset; return the
-        seconds it took.
+        """Compile every bucket of both steps, the samplers and the penalty reset (and, with
+        speculative decoding, the verify steps and their samplers); return the seconds it took.
 
         Tracing and lowering hold the GIL and run one by one on this thread; each lowered
         program goes straight to a pool of a thread per core, so XLA compiles the earlier
@@ -249,6 +264,7 @@ class ModelRunner:
         programs = [self.inputs.decode([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
         programs += [self.inputs.prefill([], t, s, w) for w in ec.block_table_buckets
                      for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
+        verifies = [self.inputs.verify([], b, w) for w in ec.block_table_buckets for b in self.inputs.verify_batches]
         pending: dict[tuple, concurrent.futures.Future] = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             def submit(key: tuple, fn, args: tuple) -> None:
@@ -260,6 +276,11 @@ class ModelRunner:
                 rows = program.sampling.temperature.shape[0]
                 logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
                 submit(("sample", rows), self._sample, self._sample_args(program, logits, self._no_tokens))
+            for program in verifies:
+                submit(program.key, self._verify_step, self.step_args(program))
+                rows = program.sampling.temperature.shape[0]
+                logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+                submit(("verify_sample", rows), self._verify, self._verify_args(program, logits))
             for tokens in ec.prefill_token_buckets:
                 hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.dtype)
                 rows = jax.ShapeDtypeStruct((tokens,), jnp.int32)
@@ -279,6 +300,8 @@ class ModelRunner:
             f"prefill tokens {list(ec.prefill_token_buckets)} x seqs {list(ec.prefill_seq_buckets)} "
             f"x width {list(ec.block_table_buckets)}: {ec.num_compiled_variants()} step variants; "
             f"sampler rows {list(ec.sampler_row_buckets)}"
+            + (f"; verify (speculative, {self.inputs.verify_rows} rows per sequence) batch "
+               f"{list(self.inputs.verify_batches)} x width {list(ec.block_table_buckets)}" if self.inputs.verify_rows else "")
         )
 
     # ----- execution ------------------------------------------------------------------------
@@ -301,7 +324,7 @@ class ModelRunner:
         self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
         parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
         self._sampled_rows = {c.request: program.sample_offset + i for chunks, program in zip(parts, prepared.programs)
-                              for i, c in enumerate(chunks) if c.sample}
+                              if program.drafts is None for i, c in enumerate(chunks) if c.sample}
         self.num_launches += 1
         handle = StepHandle(self.num_launches, [])
         for chunks, out in zip(parts, outs):
@@ -318,9 +341,10 @@ class ModelRunner:
         self.last_launch_time = time.perf_counter() - t0
         return handle
 
-    def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, SampledToken]]:
-        """Wait for a launched iteration and read the token (and log-probabilities, if asked) that
-        each of its sampling chunks produced."""
+    def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
+        """Wait for a launched iteration and read the tokens (and log-probabilities, if asked) that
+        each of its sampling chunks produced: one, or for a verified decode its accepted drafts
+        and the token after them."""
         t0 = time.perf_counter()
         handle.launches_before_fetch = self.num_launches
         results = []
@@ -328,11 +352,20 @@ class ModelRunner:
             tokens, *rest = (np.asarray(f) for f in fields)
             logprobs = rest[0] if rest else None
             with_top = len(rest) == 3
+            verified = tokens.ndim == 2  # [B, k + 1] from a verify program; its other fields by row
             for i, c in enumerate(chunks):
-                if c.sample:
-                    lp = float(logprobs[i]) if logprobs is not None else float("nan")
-                    ids, lps = (rest[1][i], rest[2][i]) if with_top else (_NO_TOP_IDS, _NO_TOP_LOGPROBS)
-                    results.append((c, SampledToken(int(tokens[i]), lp, ids, lps)))
+                if not c.sample:
+                    continue
+                rows = range(i * tokens.shape[1], (i + 1) * tokens.shape[1]) if verified else (i,)
+                ids = tokens[i] if verified else tokens[i:i + 1]
+                sampled = []
+                for row, token in zip(rows, ids.tolist()):
+                    if token < 0:
+                        break
+                    lp = float(logprobs[row]) if logprobs is not None else float("nan")
+                    top = (rest[1][row], rest[2][row]) if with_top else (_NO_TOP_IDS, _NO_TOP_LOGPROBS)
+                    sampled.append(SampledToken(token, lp, *top))
+                results.append((c, sampled))
         self.last_fetch_time = time.perf_counter() - t0
         return results
 
@@ -368,6 +401,13 @@ class ModelRunner:
         sampled, outs, scores = self._no_tokens, [], None
         for program in programs:
             args = self.step_args(program)
+            if program.drafts is not None:
+                logits, self.cache, _ = self._compiled(program.key, self._verify_step, args, warming_up)(*args)
+                verify_args = self._verify_args(program, logits)
+                out, self.penalty_counts = self._compiled(
+                    ("verify_sample", logits.shape[0]), self._verify, verify_args, warming_up)(*verify_args)
+                outs.append(out)
+                continue
             logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
             if program.score is not None:
                 score_args = (self.params, hidden, *program.score)

@@ -25,6 +25,9 @@ class ScheduledChunk:
     block_table: np.ndarray  # int32
     sample: bool
     output_index: int = -1  # where its sampled token goes in request.output_token_ids (at launch)
+    # Speculative decoding (decodes only): draft tokens verified after the last token; their
+    # slots are allocated, and the ones rejected are released when the step is read.
+    draft: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -49,4 +52,8 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.prefills) + len(self.decodes)
+        return sum(c.num_new_tokens for c in self.prefills) + sum(1 + len(c.draft) for c in self.decodes)
+
+    @property
+    def is_speculative(self) -> bool:
+        return any(c.draft for c in self.decodes)

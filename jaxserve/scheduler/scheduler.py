@@ -14,6 +14,10 @@ sequence cap (`max_num_seqs`):
    chunked at once; a request whose next block is being computed by another request in this
    very step waits one step and then hits the cache instead of computing it twice.
 
+With speculative decoding configured and at most `disable_by_batch_size` decodes, each decode
+whose tokens are all known gets n-gram draft tokens and slots for them; the slots of rejected
+drafts are released when the step is read (`accept_drafts`).
+
 No JAX here: the scheduler is host-side bookkeeping on the hot path.
 """
 
@@ -27,6 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv import ChainKeys, KVCacheManager, LoadStart
 from jaxserve.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from jaxserve.speculative import propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -96,17 +101,46 @@ class Scheduler:
         # constrained one waits for its token in flight (its next mask depends on it).
         decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)
                     and not r.awaits_token]
+        speculating = self._speculates(decoding)
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for a more important one
-            while not self.kv.allocate_slots(req.request_id, 1):
+            draft = self._draft(req) if speculating else []
+            if draft and not self.kv.allocate_slots(req.request_id, 1 + len(draft)):
+                draft = []  # no room for the drafts: a plain decode
+            while not draft and not self.kv.allocate_slots(req.request_id, 1):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.decodes.append(self._chunk(req, 1))
-        return len(out.decodes)
+                chunk = self._chunk(req, 1)
+                chunk.draft = draft
+                out.decodes.append(chunk)
+        return sum(1 + len(c.draft) for c in out.decodes)
+
+    def may_speculate(self) -> bool:
+        """Whether this step could verify drafts (speculation on and few enough running)."""
+        spec = self.config.speculative
+        return spec is not None and len(self.running) <= spec.disable_by_batch_size
+
+    def _speculates(self, decoding: list[Request]) -> bool:
+        """Drafts this step: at most disable_by_batch_size decodes, and room in every one's
+        context for a verify step (k + 1 positions from its last token)."""
+        spec = self.config.speculative
+        if spec is None or not decoding or len(decoding) > spec.disable_by_batch_size:
+            return False
+        room = self.config.max_model_len - spec.num_speculative_tokens
+        return all(r.num_tokens <= room for r in decoding)
+
+    def _draft(self, req: Request) -> list[int]:
+        """The request's n-gram draft, at most as long as it may still generate; none for a
+        constrained request (its next masks depend on each token) or one with a token in flight."""
+        spec = self.config.speculative
+        k = min(spec.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if k <= 0 or req.grammar is not None or PLACEHOLDER in req.output_token_ids[-1:]:
+            return []
+        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
@@ -268,6 +302,12 @@ class Scheduler:
                 chunk.output_index = len(req.output_token_ids)
                 req.output_token_ids.append(PLACEHOLDER)
             self.cache_known_blocks(req)
+
+    def accept_drafts(self, req: Request, num_accepted: int) -> None:
+        """A verified decode was read and `num_accepted` of its drafts were kept: their K/V are
+        valid (the request's next token follows them), the slots of the rest are released."""
+        req.num_computed_tokens += num_accepted
+        self.kv.release_slots(req.request_id, req.num_computed_tokens)
 
     def cache_known_blocks(self, req: Request) -> None:
         """Insert the request's computed full blocks into the prefix cache, up to its first

@@ -1,0 +1,128 @@
+"""Host side of n-gram speculative decoding (no JAX): the proposer, the config, and the
+scheduler's drafts with their KV slots (allocated for every draft, released for the rejected)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.kv import KVCacheManager
+from jaxserve.request import PLACEHOLDER, Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.speculative import SpeculativeConfig, propose_ngram
+
+
+def test_the_longest_recurring_ngram_proposes_what_followed_its_latest_occurrence():
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # "1 2 3" recurs once (at 0): the 3-gram wins over the later "2 3" at 6.
+    assert propose_ngram(tokens, 2, 1, 3) == [4, 5]
+    # Limited to 2-grams, the latest "2 3" (at 6) is followed by 7, 8.
+    assert propose_ngram(tokens, 3, 1, 2) == [7, 8, 1]
+    assert propose_ngram([5, 6, 5, 6, 5], 4, 1, 2) == [6, 5]  # the draft stops at the sequence's end
+    assert propose_ngram([4, 4, 4], 2, 1, 1) == [4]
+
+
+def test_no_draft_without_a_recurring_ngram_of_at_least_min_n():
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []
+    assert propose_ngram([1, 2, 9, 1, 2, 8, 2], 3, 2, 3) == []  # only "2" recurs
+    assert propose_ngram([7], 3, 1, 3) == []
+    assert propose_ngram([1, 1], 0, 1, 1) == []
+
+
+def test_config_takes_vllms_names_from_json_or_a_dict():
+    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 4, 4)
+    assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative.prompt_lookup_min == 5
+    assert EngineConfig(speculative_config="").speculative is None
+    for bad in ('{"method": "eagle", "num_speculative_tokens": 2}', '{"num_speculative_tokens": 0}',
+                '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+                '{"num_speculative_tokens": 2, "lookahead": 1}', '{"method": "ngram"}', "[1]", "{"):
+        with pytest.raises(ValueError):
+            EngineConfig(speculative_config=bad)
+
+
+def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int = 64):
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64, block_size=4,
+                          num_blocks=num_blocks,
+                          speculative_config={"num_speculative_tokens": k, "prompt_lookup_min": 1,
+                                              "prompt_lookup_max": 2, "disable_by_batch_size": disable_by_batch_size})
+    kv = KVCacheManager(num_blocks, 4)
+    return Scheduler(config, kv), kv
+
+
+def decoding(sched: Scheduler, rid: str, prompt: list[int], first: int, max_tokens: int = 20) -> Request:
+    """A request through its prefill, with its first token read."""
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), seed=0)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert [c.request for c in out.prefills] == [req]
+    sched.on_step_launched(out)
+    req.output_token_ids[-1] = first
+    return req
+
+
+def test_drafts_get_slots_and_the_rejected_ones_are_released():
+    sched, kv = make_scheduler(k=3)
+    req = decoding(sched, "a", [1, 2, 3, 4, 5, 6, 1, 2], 3)  # "2 3" recurs: draft 4 5 6
+    out = sched.schedule()
+    (chunk,) = out.decodes
+    assert chunk.draft == [4, 5, 6] and out.num_tokens == 4
+    assert kv.num_tokens("a") == 9 + 3  # the last token's slot and one per draft
+    assert len(chunk.block_table) == 3  # 12 slots of 4
+    sched.on_step_launched(out)
+    req.output_token_ids[-1] = 4  # the verify step accepted one draft, then sampled 9
+    req.output_token_ids.append(9)
+    sched.accept_drafts(req, 1)
+    assert req.num_computed_tokens == kv.num_tokens("a") == 10  # positions 0..9 hold valid K/V
+    assert len(kv.block_table("a")) == 3
+    kv.check_integrity()
+
+
+def test_a_rejected_draft_that_crossed_a_block_frees_that_block():
+    sched, kv = make_scheduler(k=3)
+    req = decoding(sched, "a", [5, 6, 7, 5, 6, 7, 5], 6)  # 8 tokens: two full blocks of 4
+    free_before = kv.num_available_blocks
+    out = sched.schedule()
+    assert out.decodes[0].draft == [7, 5, 6]
+    assert kv.num_available_blocks == free_before - 1  # positions 8..10 need a third block
+    sched.on_step_launched(out)
+    req.output_token_ids[-1] = 2  # the first draft rejected: 2 instead of 7
+    sched.accept_drafts(req, 0)
+    assert kv.num_tokens("a") == 8 and kv.num_available_blocks == free_before
+    kv.check_integrity()
+
+
+def test_no_drafts_above_the_batch_threshold_for_a_token_in_flight_or_past_max_tokens():
+    sched, kv = make_scheduler(k=3, disable_by_batch_size=1)
+    a = Request("a", [1, 2, 1, 2], SamplingParams(max_tokens=20), seed=0)
+    b = Request("b", [3, 4, 3, 4], SamplingParams(max_tokens=5), seed=0)
+    for req in (a, b):
+        sched.add_request(req)
+    out = sched.schedule()
+    sched.on_step_launched(out)
+    a.output_token_ids[-1], b.output_token_ids[-1] = 1, 3
+    assert not sched.may_speculate()
+    out = sched.schedule()
+    assert len(out.decodes) == 2 and not out.is_speculative  # two decodes > threshold 1
+    sched.on_step_launched(out)
+    sched.finish(a, "stop")
+    assert sched.may_speculate()
+    out = sched.schedule()  # b's last token is still in flight: nothing to look up
+    assert out.decodes[0].request is b and out.decodes[0].draft == []
+    sched.on_step_launched(out)
+    b.output_token_ids[-2:] = [4, 3]
+    out = sched.schedule()  # 3 of 5 generated: one draft at most, "4 3" was followed by 4
+    assert out.decodes[0].draft == [4]
+    sched.finish(b, "stop")
+    kv.check_integrity()
+    assert kv.usage().used == 0
+
+
+def test_the_host_side_imports_no_jax():
+    import jaxserve.speculative
+    import jaxserve.speculative.config
+    import jaxserve.speculative.ngram
+
+    for mod in (jaxserve.speculative, jaxserve.speculative.config, jaxserve.speculative.ngram):
+        assert "import jax" not in open(mod.__file__).read()
