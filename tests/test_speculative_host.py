@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import KVCacheManager
-from jaxserve.request import PLACEHOLDER, Request
+from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.speculative import SpeculativeConfig, propose_ngram
