@@ -18,12 +18,14 @@ import argparse
 import statistics
 import time
 
+import numpy as np
+
 from checkpoints.registry import DEFAULT_MODEL, load_model
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured import GuidedDecoding
+from jaxserve.structured import GuidedDecoding, mask_words
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
 
@@ -58,9 +60,10 @@ def run_batch(engine: LLMEngine, batch: int, constrained: int, tokens: int, tag:
 def grammar_seconds_per_token(engine: LLMEngine, token_ids: list[int]) -> float:
     """Host time of llguidance for one constrained token: the mask, then the advance."""
     state = engine.grammars.states(GuidedDecoding("json", SCHEMA), 1)[0]
+    mask = np.empty(mask_words(engine.model_config.vocab_size), np.int32)
     t0 = time.perf_counter()
     for token in token_ids:
-        state.next_mask()
+        state.write_mask(mask)
         state.advance(token)
     return (time.perf_counter() - t0) / max(1, len(token_ids))
 

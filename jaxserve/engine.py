@@ -9,7 +9,8 @@ the device. Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls i
 thread only.
 
 Speculative decoding (`speculative_config`): while at most `disable_by_batch_size` requests
-run, steps are synchronous. Drafts are looked up in a request's known tokens, and a verified
+run and the scheduler has not paused speculation (after steps that found no draft), steps are
+synchronous. Drafts are looked up in a request's known tokens, and a verified
 step's accepted count decides where the request's next step starts, so the step in flight is read
 before scheduling (no placeholder is ever verified) and a step that verifies drafts is read at
 once, before the next one is scheduled. At such batch sizes the device step dwarfs the host work

@@ -1,5 +1,6 @@
 """Test-wide settings: CPU only, and one persistent compilation cache for the whole run so that
-engines built with the same shapes in different tests compile each variant once."""
+engines built with the same shapes in different tests compile each variant once (shared by the
+pytest-xdist workers, which the README's test command starts, one per core)."""
 
 import os
 
@@ -12,7 +13,10 @@ import pytest  # noqa: E402
 def _compilation_cache(tmp_path_factory):
     from jaxserve.runner import enable_persistent_compilation_cache
 
-    enable_persistent_compilation_cache(str(tmp_path_factory.mktemp("xla-cache")))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    enable_persistent_compilation_cache(str(root / "xla-cache"))
 
 
 def _assert_kv_all_free(engine) -> None:

@@ -119,6 +119,39 @@ def test_no_drafts_above_the_batch_threshold_for_a_token_in_flight_or_past_max_t
     assert kv.usage().used == 0
 
 
+def test_draftless_steps_pause_speculation_for_doubling_stretches_and_a_draft_ends_the_pause():
+    """While paused, `may_speculate` is False: the engine keeps async scheduling's overlap."""
+    sched, kv = make_scheduler(k=2)
+    req = decoding(sched, "a", [10, 11, 12, 13], 14, max_tokens=60)
+    seen = []
+    for token in range(15, 27):  # tokens that never recur: no draft anywhere
+        seen.append(sched.may_speculate())
+        out = sched.schedule()
+        assert not out.is_speculative
+        sched.on_step_launched(out)
+        req.output_token_ids[-1] = token
+    T, F = True, False
+    assert seen == [T, F, T, F, F, T, F, F, F, F, T, F]  # pauses of 1, 2, 4, then 8
+    for token in range(27, 40):
+        if sched.may_speculate():
+            break
+        sched.on_step_launched(sched.schedule())
+        req.output_token_ids[-1] = token
+    assert token == 34  # the 8-step pause had 7 steps left
+    req.output_token_ids[-1] = 11  # "11" recurs in the prompt, followed by 12 13
+    out = sched.schedule()
+    assert out.decodes[0].draft == [12, 13]
+    sched.on_step_launched(out)
+    req.output_token_ids[-1] = 5  # both drafts rejected
+    sched.accept_drafts(req, 0)
+    assert sched.may_speculate()  # a step with a draft ended the backoff
+    sched.on_step_launched(sched.schedule())
+    req.output_token_ids[-1] = 6
+    assert not sched.may_speculate()  # the next draftless step pauses for 1 again, not 16
+    sched.finish(req, "stop")
+    kv.check_integrity()
+
+
 def test_the_host_side_imports_no_jax():
     import jaxserve.speculative
     import jaxserve.speculative.config

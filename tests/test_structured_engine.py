@@ -9,6 +9,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
@@ -102,3 +103,23 @@ def test_async_gives_the_sync_tokens():
 def test_constraints_the_library_rejects_raise_value_error(kind, value, message):
     with pytest.raises(ValueError, match=message):
         GuidedDecoding(kind, value)
+
+
+def test_a_constrained_rows_mask_is_written_after_its_step_is_built(llm):
+    """`prepare` leaves the mask row allowing everything and lists it; the runner writes it with
+    `write_token_masks` once the model step is on the device (the mask overlaps the step)."""
+    from jaxserve.runner.inputs import write_token_masks
+
+    engine = llm.engine
+    (req,) = engine.add_request("mask-timing", "Hi", SamplingParams(max_tokens=4, guided=GuidedDecoding("json", SCHEMA)))
+    try:
+        (program,) = engine.runner.prepare(engine.scheduler.schedule()).programs
+        assert program.masks == ((0, req.grammar),)
+        assert (program.sampling.token_mask[0] == -1).all()  # not computed yet
+        written = write_token_masks(program)
+        assert written.masks == ()
+        allowed = np.unpackbits(program.sampling.token_mask[0].view(np.uint8), bitorder="little")
+        assert 0 < allowed.sum() < engine.model_config.vocab_size  # a JSON object's start only
+        assert (program.sampling.token_mask[1:] == -1).all()  # padding rows allow everything
+    finally:
+        engine.abort("mask-timing")

@@ -20,7 +20,7 @@ from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.sampler import RowSampling, SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
-from jaxserve.structured import mask_words
+from jaxserve.structured import GrammarState, mask_words
 
 PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compiled shape)
 
@@ -29,8 +29,9 @@ class Program(NamedTuple):
     """One compiled step to run: its variant key, host arrays (tokens, positions, attention
     metadata, logits rows, token sources), sampling settings, where its sampled tokens go in
     the iteration's sampled buffer, and the rows to score against given next tokens (prompt
-    log-probabilities: rows and targets, padded to the step's tokens; None when none are), and
-    for a verify program the drafts its sampler tests."""
+    log-probabilities: rows and targets, padded to the step's tokens; None when none are), for
+    a verify program the drafts its sampler tests, and the constrained rows whose token masks
+    are still to be written (`write_token_masks`)."""
 
     key: tuple
     host_args: tuple
@@ -39,6 +40,18 @@ class Program(NamedTuple):
     score: tuple[np.ndarray, np.ndarray] | None = None
     # A verify program (speculative decoding): each row's draft to test and the drafts before it.
     drafts: tuple[np.ndarray, np.ndarray] | None = None
+    # Structured output: (sampling row, grammar) of each constrained row. Their mask rows allow
+    # every token until `write_token_masks` writes them, after the model step is dispatched.
+    masks: tuple[tuple[int, GrammarState], ...] = ()
+
+
+def write_token_masks(program: Program) -> Program:
+    """Write the grammar masks of a program's constrained rows into its sampling tensors, and
+    return it without them. The runner calls this once the program's model step is on the
+    device, so llguidance's work overlaps the step instead of delaying its launch."""
+    for row, grammar in program.masks:
+        grammar.write_mask(program.sampling.token_mask[row])
+    return program._replace(masks=())
 
 
 @dataclasses.dataclass
@@ -96,6 +109,7 @@ class StepInputs:
         self.config = engine_config
         self.constant = constant  # device-resident filled arrays (sampling tables no row uses)
         self.mask_words = mask_words(vocab_size)  # of a structured-output token mask row
+        self._unwritten_mask = np.full(self.mask_words, -1, np.int32)  # a constrained row before its mask
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
@@ -163,8 +177,8 @@ class StepInputs:
             seq_lens[i] = c.start + 1
         meta = AttentionMetadata(slots, tables, seq_lens)
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
-        return Program(("decode", batch, width), host_args, self._sampling(chunks, self.sampler_rows(batch)),
-                       self.decode_offset)
+        sampling, masks = self._sampling(chunks, self.sampler_rows(batch))
+        return Program(("decode", batch, width), host_args, sampling, self.decode_offset, masks=masks)
 
     def verify(self, chunks: list[ScheduledChunk], batch: int, width: int) -> Program:
         """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
@@ -203,7 +217,8 @@ class StepInputs:
         host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
         sampling = SamplingTensors.build(row_params, num_tokens, self.penalty_slots.spare, self.constant,
                                          self.mask_words)
-        return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history))
+        return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history),
+                       masks=self._constrained_rows(chunks, rows))
 
     def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
                 prev_rows: dict[Request, int] | None = None, scores: list[PromptScores] | None = None) -> Program:
@@ -233,9 +248,9 @@ class StepInputs:
         query_start[len(chunks) + 1:] = row
         meta = AttentionMetadata(slots, tables, seq_lens, query_start)
         host_args = (tokens, positions, meta, logits_indices, token_src)
-        return Program(("prefill", num_tokens, num_seqs, width), host_args,
-                       self._sampling(chunks, self.sampler_rows(num_seqs)), 0,
-                       self._score_rows(chunks, num_tokens, scores))
+        sampling, masks = self._sampling(chunks, self.sampler_rows(num_seqs))
+        return Program(("prefill", num_tokens, num_seqs, width), host_args, sampling, 0,
+                       self._score_rows(chunks, num_tokens, scores), masks=masks)
 
     @staticmethod
     def _score_rows(chunks: list[ScheduledChunk], num_tokens: int,
@@ -294,7 +309,7 @@ class StepInputs:
             params=req.params, seed=req.seed, position=req.num_tokens + ahead,
             banned_ids=tuple(req.stop_token_ids) if held_back else (),
             penalty_slot=self.penalty_slots.slot(req) if req.params.has_penalties else -1,
-            token_mask=None if req.grammar is None or ahead else req.grammar.next_mask(),
+            token_mask=None if req.grammar is None or ahead else self._unwritten_mask,
         )
 
     @staticmethod
@@ -305,9 +320,17 @@ class StepInputs:
             tables[i, :n] = c.block_table[:n]
         return tables
 
-    def _sampling(self, chunks: list[ScheduledChunk], rows: int) -> SamplingTensors:
+    def _sampling(self, chunks: list[ScheduledChunk],
+                  rows: int) -> tuple[SamplingTensors, tuple[tuple[int, GrammarState], ...]]:
+        """The chunks' sampling tensors, one row each, and their constrained rows (`Program.masks`)."""
         row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
-        return SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self.constant, self.mask_words)
+        tensors = SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self.constant, self.mask_words)
+        return tensors, self._constrained_rows(chunks, 1)
+
+    @staticmethod
+    def _constrained_rows(chunks: list[ScheduledChunk], rows_per_chunk: int) -> tuple[tuple[int, GrammarState], ...]:
+        return tuple((i * rows_per_chunk, c.request.grammar) for i, c in enumerate(chunks)
+                     if c.sample and c.request.grammar is not None)
 
     @staticmethod
     def _pending_input(chunk: ScheduledChunk, prev_rows: dict[Request, int] | None) -> int:

@@ -34,7 +34,7 @@ from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import head_logits
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
-from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs
+from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
 from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -392,8 +392,10 @@ class ModelRunner:
                    warming_up: bool = False) -> tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
         programs (and the prompt scores of the one that has any). The sampled tokens land in a
-        fresh buffer that becomes the next iteration's `prev_sampled`."""
+        fresh buffer that becomes the next iteration's `prev_sampled`. A program's grammar masks
+        are written while its model step runs (multi-host: before, for the followers' copy)."""
         if self.mirror is not None and not warming_up:
+            programs = [write_token_masks(p) for p in programs]
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
             args = self._reset_args(reset)
@@ -403,12 +405,13 @@ class ModelRunner:
             args = self.step_args(program)
             if program.drafts is not None:
                 logits, self.cache, _ = self._compiled(program.key, self._verify_step, args, warming_up)(*args)
-                verify_args = self._verify_args(program, logits)
+                verify_args = self._verify_args(write_token_masks(program), logits)
                 out, self.penalty_counts = self._compiled(
                     ("verify_sample", logits.shape[0]), self._verify, verify_args, warming_up)(*verify_args)
                 outs.append(out)
                 continue
             logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
+            program = write_token_masks(program)
             if program.score is not None:
                 score_args = (self.params, hidden, *program.score)
                 scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)

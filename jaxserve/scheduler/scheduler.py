@@ -16,7 +16,9 @@ sequence cap (`max_num_seqs`):
 
 With speculative decoding configured and at most `disable_by_batch_size` decodes, each decode
 whose tokens are all known gets n-gram draft tokens and slots for them; the slots of rejected
-drafts are released when the step is read (`accept_drafts`).
+drafts are released when the step is read (`accept_drafts`). A step that looked for drafts and
+found none pauses speculation for 1, 2, 4 ... steps (at most SPECULATION_MAX_PAUSE), so a batch
+whose text does not repeat keeps async scheduling's overlap most of the time.
 
 No JAX here: the scheduler is host-side bookkeeping on the hot path.
 """
@@ -36,6 +38,7 @@ from jaxserve.speculative import propose_ngram
 logger = logging.getLogger(__name__)
 
 LPM_STARVATION_SECONDS = 5.0  # under LPM, a request waiting longer than this goes first
+SPECULATION_MAX_PAUSE = 16  # steps without speculation after draftless ones, at most
 
 
 class Scheduler:
@@ -48,6 +51,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._hashes: dict[Request, list[int]] = {}  # prompt block chain hashes, while queued
         self._chains: dict[Request, ChainKeys | None] = {}  # content keys (disk tier), while queued
+        self._speculation_backoff = 0  # length of the last pause (0: the last speculating step drafted)
+        self._speculation_pause = 0  # steps left to schedule without speculating
 
     # ----- queue management -----------------------------------------------------------------
 
@@ -102,10 +107,13 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)
                     and not r.awaits_token]
         speculating = self._speculates(decoding)
+        looked_up = False  # some request's tokens were searched for a draft
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for a more important one
-            draft = self._draft(req) if speculating else []
+            draft = self._draft(req) if speculating else None
+            looked_up |= draft is not None
+            draft = draft or []
             if draft and not self.kv.allocate_slots(req.request_id, 1 + len(draft)):
                 draft = []  # no room for the drafts: a plain decode
             while not draft and not self.kv.allocate_slots(req.request_id, 1):
@@ -117,29 +125,42 @@ class Scheduler:
                 chunk = self._chunk(req, 1)
                 chunk.draft = draft
                 out.decodes.append(chunk)
+        if looked_up:
+            self._after_speculating(drafted=out.is_speculative)
+        elif self._speculation_pause:
+            self._speculation_pause -= 1
         return sum(1 + len(c.draft) for c in out.decodes)
 
     def may_speculate(self) -> bool:
-        """Whether this step could verify drafts (speculation on and few enough running)."""
+        """Whether this step could verify drafts: speculation on, few enough running, and no
+        pause after draftless steps."""
         spec = self.config.speculative
-        return spec is not None and len(self.running) <= spec.disable_by_batch_size
+        return (spec is not None and not self._speculation_pause
+                and len(self.running) <= spec.disable_by_batch_size)
 
     def _speculates(self, decoding: list[Request]) -> bool:
-        """Drafts this step: at most disable_by_batch_size decodes, and room in every one's
-        context for a verify step (k + 1 positions from its last token)."""
-        spec = self.config.speculative
-        if spec is None or not decoding or len(decoding) > spec.disable_by_batch_size:
+        """Drafts this step: `may_speculate`, and room in every decode's context for a verify
+        step (k + 1 positions from its last token)."""
+        if not decoding or not self.may_speculate():
             return False
-        room = self.config.max_model_len - spec.num_speculative_tokens
+        room = self.config.max_model_len - self.config.speculative.num_speculative_tokens
         return all(r.num_tokens <= room for r in decoding)
 
-    def _draft(self, req: Request) -> list[int]:
-        """The request's n-gram draft, at most as long as it may still generate; none for a
-        constrained request (its next masks depend on each token) or one with a token in flight."""
+    def _after_speculating(self, drafted: bool) -> None:
+        """A step that looked for drafts and found none doubles the pause (1, 2, 4 ... steps);
+        one with a draft ends it."""
+        self._speculation_backoff = 0 if drafted else min(max(1, 2 * self._speculation_backoff),
+                                                          SPECULATION_MAX_PAUSE)
+        self._speculation_pause = self._speculation_backoff
+
+    def _draft(self, req: Request) -> list[int] | None:
+        """The request's n-gram draft, at most as long as it may still generate ([] if its
+        tokens hold none); None, not looked up, for a constrained request (its next masks depend
+        on each token), one with a token in flight, or one with no token left to draft."""
         spec = self.config.speculative
         k = min(spec.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
         if k <= 0 or req.grammar is not None or PLACEHOLDER in req.output_token_ids[-1:]:
-            return []
+            return None
         return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:

@@ -54,18 +54,19 @@ class GrammarRejectedError(RuntimeError):
 
 
 class GrammarState:
-    """One sequence's position in its grammar. `next_mask` is asked before a step samples for
+    """One sequence's position in its grammar. `write_mask` is asked before a step samples for
     the sequence, `advance` with the token that step sampled."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
         self._words = mask_words(vocab_size)
 
-    def next_mask(self) -> np.ndarray:
-        """int32[ceil(V / 32)]: the tokens allowed next."""
-        mask = np.empty(self._words, np.int32)
-        self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return mask
+    def write_mask(self, out: np.ndarray) -> None:
+        """Write the tokens allowed next into `out`, a contiguous int32[ceil(V / 32)] row (of the
+        step's sampling tensors: no copy)."""
+        if out.dtype != np.int32 or out.shape != (self._words,) or not out.flags.c_contiguous:
+            raise ValueError(f"a token mask row must be contiguous int32[{self._words}]")
+        self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
     def advance(self, token_id: int) -> None:
         """Consume a sampled token; GrammarRejectedError if the grammar does not allow it."""

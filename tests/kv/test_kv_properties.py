@@ -128,7 +128,7 @@ def rounds(actions: list) -> st.SearchStrategy:
     return st.lists(st.tuples(calls, st.booleans() | st.just(True)), min_size=3, max_size=40)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=rounds(CORE_ACTIONS + CACHE_ACTIONS), num_blocks=st.integers(8, 32),
        host_slots=st.sampled_from([0, 6, 24]), watermark=st.integers(0, 2), spill=st.booleans())
 def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool]],
@@ -148,7 +148,7 @@ def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool
     eng.drain()
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=rounds(CORE_ACTIONS), num_blocks=st.integers(10, 32),
        host_slots=st.sampled_from([0, 8, 24]))
 def test_prefix_cache_does_not_change_content(workload: list[tuple[list[tuple], bool]],
