@@ -60,7 +60,7 @@ def test_chunked_prefill_and_prefix_cache_do_not_change_outputs(llm):
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert texts(again) == base
     assert sum(o.num_cached_tokens for o in again) > 0
-    unchunked = make_llm(num_blocks=512, enable_chunked_prefill=False, enable_prefix_caching=False,
+    unchunked = make_llm(warm_up=False, num_blocks=512, enable_chunked_prefill=False, enable_prefix_caching=False,
                          prefill_token_buckets=(32, 256))
     assert texts(unchunked.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)) == base
 
@@ -70,7 +70,7 @@ def test_preempted_requests_resume_with_the_same_output(llm, mode, assert_kv_all
     prompts = mixed_prompts(24, seed=2)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = texts(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
-    tight = make_llm(num_blocks=60, preemption_mode=mode, swap_space_blocks=200 if mode == "swap" else 0)
+    tight = make_llm(warm_up=False, num_blocks=60, preemption_mode=mode, swap_space_blocks=200 if mode == "swap" else 0)
     got = texts(tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == expected

@@ -103,7 +103,7 @@ def test_async_and_sync_scheduling_give_the_same_scores():
     params = [SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)] * 2
     results = []
     for overlap in (True, False):
-        llm = LLM(build_tiny_random(), **SMALL, async_scheduling=overlap)
+        llm = LLM(build_tiny_random(), warm_up=False, **SMALL, async_scheduling=overlap)
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         results.append([[(s.token_id, s.logprob, s.top) for s in o.prompt_logprobs[1:]] for o in outs])
     assert results[0] == results[1]
