@@ -15,7 +15,9 @@ step's accepted count decides where the request's next step starts, so the step 
 before scheduling (no placeholder is ever verified) and a step that verifies drafts is read at
 once, before the next one is scheduled. At such batch sizes the device step dwarfs the host work
 that async scheduling would overlap; larger batches do not speculate and stay asynchronous.
-Greedy output is the same either way (tests/test_speculative.py).
+Greedy output is the same either way (tests/test_speculative.py). Structured output: a
+constrained request's next mask depends on its last token, so while one waits for a token in
+flight that step is read before the next is scheduled, as for drafts.
 
 Fault isolation: an exception while preparing or post-processing one request's part of an
 iteration fails that request (an ERROR delta, its blocks freed) and the engine goes on; only a
@@ -240,8 +242,10 @@ class LLMEngine:
     def step(self) -> list[Delta]:
         t0 = time.perf_counter()
         deltas = []
-        if self._in_flight is not None and self.scheduler.may_speculate():
-            deltas += self._process(self._in_flight)  # drafts need the tokens in flight
+        if self._in_flight is not None and (self.scheduler.may_speculate() or self.scheduler.awaits_tokens()):
+            # Drafts, and the next grammar mask of a constrained request, need the tokens in flight:
+            # such iterations run without overlap rather than leave those requests out of every other one.
+            deltas += self._process(self._in_flight)
             self._in_flight = None
         sched = self.scheduler.schedule()
         handle = None

@@ -14,7 +14,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 
 SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8,
-             decode_batch_buckets=(4, 16), block_table_buckets=(8, 32),
+             decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
              prefill_token_buckets=(32, 64), prefill_seq_buckets=(1, 4))
 
 
@@ -97,7 +97,7 @@ def test_the_next_iteration_is_launched_before_the_previous_is_read(model):
 def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(model):
     """A request that gets its penalty row while the token it consumes is still a placeholder
     (readmitted in the iteration after the one sampling it) counts that token from the device."""
-    runner = make_llm(model, True, num_blocks=100).engine.runner
+    runner = make_llm(model, True, num_blocks=400).engine.runner
     req = Request("p", [5, 6, 7], SamplingParams(max_tokens=4, frequency_penalty=1.0), seed=0)
     req.status = RequestStatus.RUNNING
     req.output_token_ids = [9, PLACEHOLDER]

@@ -12,7 +12,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.request import PromptTooLongError
 
 SMALL = dict(max_num_seqs=64, max_num_batched_tokens=128, max_model_len=256, block_size=8,
-             decode_batch_buckets=(1, 4, 16, 64), block_table_buckets=(8, 32),
+             decode_batch_buckets=(1, 4, 16, 64), block_table_buckets=(32,),
              prefill_token_buckets=(32, 128), prefill_seq_buckets=(1, 4))
 
 

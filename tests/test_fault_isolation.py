@@ -19,7 +19,7 @@ from jaxserve.engine import LLMEngine
 @pytest.fixture(scope="module")
 def llm():
     return LLM(build_tiny_random(), warm_up=False, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
-               block_size=8, num_blocks=300, decode_batch_buckets=(4, 16), block_table_buckets=(8, 32),
+               block_size=8, num_blocks=300, decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
                prefill_token_buckets=(32, 64), prefill_seq_buckets=(1, 4))
 
 

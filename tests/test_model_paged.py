@@ -42,10 +42,11 @@ def run_chunks(model, params, tokens, chunk_sizes, table):
     for n in chunk_sizes:
         pos = np.arange(start, start + n)
         slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
-        meta = AttentionMetadata(jnp.asarray(slots, jnp.int32), jnp.asarray(table[None], jnp.int32),
-                                 jnp.array([start + n], jnp.int32), jnp.array([0, n], jnp.int32))
-        logits, cache = step(params, jnp.asarray(tokens[start:start + n]), jnp.asarray(pos), cache,
-                             meta, jnp.arange(n))
+        # numpy inputs: building them with jnp would compile a small program per chunk size
+        meta = AttentionMetadata(slots.astype(np.int32), table[None].astype(np.int32),
+                                 np.array([start + n], np.int32), np.array([0, n], np.int32))
+        logits, cache = step(params, np.asarray(tokens[start:start + n], np.int32), pos.astype(np.int32), cache,
+                             meta, np.arange(n, dtype=np.int32))
         out.append(np.asarray(logits))
         start += n
     return np.concatenate(out)
@@ -56,9 +57,10 @@ def run_decode(model, params, tokens, table):
     step = jax.jit(model.apply)
     out = []
     for p, tok in enumerate(tokens):
-        meta = AttentionMetadata(jnp.array([table[p // BLOCK] * BLOCK + p % BLOCK], jnp.int32),
-                                 jnp.asarray(table[None], jnp.int32), jnp.array([p + 1], jnp.int32))
-        logits, cache = step(params, jnp.array([tok]), jnp.array([p]), cache, meta, jnp.array([0]))
+        meta = AttentionMetadata(np.array([table[p // BLOCK] * BLOCK + p % BLOCK], np.int32),
+                                 table[None].astype(np.int32), np.array([p + 1], np.int32))
+        logits, cache = step(params, np.array([tok], np.int32), np.array([p], np.int32), cache, meta,
+                             np.array([0], np.int32))
         out.append(np.asarray(logits))
     return np.concatenate(out)
 

@@ -24,7 +24,7 @@ def smollm2():
     return load_model(DEFAULT_MODEL)
 
 
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, decode_batch_buckets=(8,),
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, decode_batch_buckets=(8,), sampler_row_buckets=(8,),
               prefill_token_buckets=(128,), prefill_seq_buckets=(4,), block_table_buckets=(16,), num_blocks=128)
 
 
@@ -63,6 +63,7 @@ def test_greedy_tokens_match_transformers(llm, assert_kv_all_free):
     assert_kv_all_free(llm.engine)
 
 
+@pytest.mark.slow
 def test_speculative_greedy_tokens_match_transformers(smollm2, assert_kv_all_free):
     """N-gram speculative decoding (drafts verified in one step) keeps greedy output token for
     token: the golden prompts batched (one verify program of 8 rows) and one alone."""

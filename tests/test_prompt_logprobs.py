@@ -15,7 +15,7 @@ from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
 
 SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=256,
-             decode_batch_buckets=(4, 16), block_table_buckets=(32,), prefill_token_buckets=(32, 64),
+             decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,), prefill_token_buckets=(32, 64),
              prefill_seq_buckets=(4,))
 
 

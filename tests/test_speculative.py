@@ -22,7 +22,7 @@ from jaxserve.speculative import propose_ngram
 from jaxserve.speculative.verify import verify
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=200,
-             decode_batch_buckets=(2, 8), block_table_buckets=(16,), prefill_token_buckets=(64,),
+             decode_batch_buckets=(2, 8), block_table_buckets=(16,), sampler_row_buckets=(8,), prefill_token_buckets=(64,),
              prefill_seq_buckets=(4,))
 # Speculation while at most 4 requests run: 8 running requests decode without it.
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

@@ -17,7 +17,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.structured import GuidedDecoding
 
 SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=256,
-             decode_batch_buckets=(16,), block_table_buckets=(32,), prefill_token_buckets=(64,),
+             decode_batch_buckets=(16,), block_table_buckets=(32,), sampler_row_buckets=(16,), prefill_token_buckets=(64,),
              prefill_seq_buckets=(4,))
 SCHEMA = {
     "type": "object",
@@ -83,13 +83,18 @@ def test_stop_string_ends_a_constrained_request(llm):
     assert out.text == "aaa" and out.finish_reason == "stop"
 
 
-def test_async_gives_the_sync_tokens():
+def test_async_gives_the_sync_tokens_in_as_many_steps():
     params = SamplingParams(n=2, max_tokens=60, temperature=1.0, seed=11, guided=GuidedDecoding("json", SCHEMA))
+    free = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)  # an unconstrained neighbour
     runs = []
     for async_scheduling in (True, False):
         llm = LLM(build_tiny_random(), warm_up=False, async_scheduling=async_scheduling, **SMALL)
-        runs.append([c.token_ids for c in outputs(llm, ["p", "q"], params)])
-    assert runs[0] == runs[1]
+        outs = llm.generate(["p", "q", "r"], [params, params, free], use_tqdm=False)
+        runs.append(([c.token_ids for o in outs for c in o.outputs], llm.engine.stats.num_steps))
+    assert runs[0][0] == runs[1][0]
+    # A constrained request's next mask waits for its token in flight, but it still joins every
+    # iteration (none runs its unconstrained neighbour alone): as many steps as the synchronous loop.
+    assert runs[0][1] == runs[1][1]
 
 
 @pytest.mark.parametrize("kind,value,message", [

@@ -131,6 +131,10 @@ class Scheduler:
             self._speculation_pause -= 1
         return sum(1 + len(c.draft) for c in out.decodes)
 
+    def awaits_tokens(self) -> bool:
+        """Whether a running constrained request waits for its last token, still in flight."""
+        return any(r.awaits_token for r in self.running)
+
     def may_speculate(self) -> bool:
         """Whether this step could verify drafts: speculation on, few enough running, and no
         pause after draftless steps."""

@@ -34,6 +34,7 @@ def stage(summary: dict, name: str) -> dict:
     return next(s for s in summary["stages"] if s["name"] == name)
 
 
+@pytest.mark.slow
 def test_every_stage_runs_and_passes(dry_run):
     proc, summary, table = dry_run
     assert [s["name"] for s in summary["stages"]] == [s.name for s in PLAN.stages]
@@ -47,6 +48,7 @@ def test_every_stage_runs_and_passes(dry_run):
     assert proc.stdout.endswith(table), "the table is printed as well as written"
 
 
+@pytest.mark.slow
 def test_correctness_compares_both_kernels_in_both_dtypes(dry_run):
     rows = stage(dry_run[1], "correctness")["rows"]
     assert {(r["kernel"], r["dtype"]) for r in rows} == {(k, d) for k in ("decode", "prefill")
@@ -54,6 +56,7 @@ def test_correctness_compares_both_kernels_in_both_dtypes(dry_run):
     assert all(r["ok"] and r["padding_zero"] and r["max_err"] <= r["bound"] for r in rows)
 
 
+@pytest.mark.slow
 def test_kernel_stages_measure_every_case_against_their_peers(dry_run):
     summary = dry_run[1]
     decode = stage(summary, "decode_kernels")
@@ -69,6 +72,7 @@ def test_kernel_stages_measure_every_case_against_their_peers(dry_run):
     assert all(r["ours_pct_peak"] > 0 for r in prefill["rows"])
 
 
+@pytest.mark.slow
 def test_engine_stages_compile_nothing_after_warm_up(dry_run):
     summary = dry_run[1]
     for model in PLAN.models:
@@ -85,6 +89,7 @@ def test_engine_stages_compile_nothing_after_warm_up(dry_run):
             assert r["mean_context"] > PLAN.workload.prompt_len
 
 
+@pytest.mark.slow
 def test_table_has_the_columns_of_the_gpu_run(dry_run):
     table = dry_run[2]
     lines = table.splitlines()

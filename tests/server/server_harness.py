@@ -35,6 +35,7 @@ BLOCK_SIZE = 8
 TEST_ENGINE = dict(
     max_num_seqs=64, max_num_batched_tokens=128, max_model_len=512, block_size=BLOCK_SIZE, num_blocks=1024,
     decode_batch_buckets=(4, 64), block_table_buckets=(64,), prefill_token_buckets=(128,), prefill_seq_buckets=(4,),
+    sampler_row_buckets=(64,),
 )
 
 

@@ -19,7 +19,7 @@ from server.grpc_api import jaxserve_pb2_grpc as pb_grpc
 from server.grpc_api.server import GrpcServer
 from server_harness import MODEL_NAME, ServerThread, assert_serving_and_idle
 
-EXAMPLES = 300
+EXAMPLES = 150
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 CODES: collections.Counter = collections.Counter()

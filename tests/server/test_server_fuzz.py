@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from server_harness import MODEL_NAME, assert_serving_and_idle, send, sse_events, start_server
 
 FUZZ_KEY = "key-fuzz"
-EXAMPLES_PER_ENDPOINT = 150
+EXAMPLES_PER_ENDPOINT = 100  # hypothesis's default
 FUZZ = settings(max_examples=EXAMPLES_PER_ENDPOINT, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 STATUSES: collections.Counter = collections.Counter()  # (endpoint, status) -> count, for the summary

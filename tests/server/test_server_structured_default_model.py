@@ -73,7 +73,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 @pytest.fixture(scope="module")
 def smol():
     config = EngineConfig(max_num_seqs=40, max_num_batched_tokens=256, max_model_len=512, block_size=16,
-                          num_blocks=800, decode_batch_buckets=(8, 40), prefill_token_buckets=(256,),
+                          num_blocks=800, decode_batch_buckets=(8, 40), prefill_token_buckets=(256,), sampler_row_buckets=(40,),
                           prefill_seq_buckets=(8,), block_table_buckets=(32,))
     engine = LLMEngine(DEFAULT_MODEL, config)
     engine.warm_up()

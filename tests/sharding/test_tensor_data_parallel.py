@@ -16,14 +16,15 @@ BASELINES = ["gqa:1x1", "few_kv:1x1"]
 # gqa: 8 query heads, 4 kv heads. few_kv: 8 query heads, 2 kv heads (fewer than tp=4), tied LM head.
 # +pallas: the Pallas kernels (interpreted on CPU) instead of the reference attention.
 # +restored: parameters restored from an orbax checkpoint straight into their shards.
-LAYOUTS = ["gqa:1x2", "gqa:1x4", "gqa:2x2", "gqa:2x4", "few_kv:1x4", "gqa+pallas:1x2", "few_kv+restored:1x4"]
+# Each layout costs a warm-up (~1 minute on CI): tp=2 is covered by the Pallas layout, dp x tp by 2x2.
+LAYOUTS = ["gqa:1x4", "gqa:2x2", "few_kv:1x4", "gqa+pallas:1x2", "few_kv+restored:1x4"]
 L, E, F, V, D = 2, 64, 128, 300, 16  # tiny model: layers, hidden, MLP, vocab, head dim
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     cache = str(tmp_path_factory.mktemp("xla-cache-tp"))
-    return run_worker("tp_worker.py", *BASELINES, *LAYOUTS, env={CACHE_ENV: cache})
+    return run_worker("tp_worker.py", *BASELINES, *LAYOUTS, env={CACHE_ENV: cache}, timeout=1500)
 
 
 def baseline(report: dict, case: str) -> dict:
@@ -50,8 +51,8 @@ def test_logits_within_1e5_of_one_device(report, case, step):
 @pytest.mark.parametrize("case", BASELINES + LAYOUTS)
 def test_no_recompilation_after_warm_up(report, case):
     r = report[case]
-    # each replica: 2 steps, 2 samplers, the penalty reset, the prompt scorer
-    assert r["compilations_after_warm_up"] == 6 * len(r["shardings"])
+    # each replica: 2 steps, the sampler, the penalty reset, the prompt scorer
+    assert r["compilations_after_warm_up"] == 5 * len(r["shardings"])
     assert r["compilations_after_serving"] == r["compilations_after_warm_up"]
     # Nor anything outside the runner's count. (The listener does see the warm-up's; fewer than
     # the runner's count where an identical program was compiled for an earlier layout.)
@@ -73,7 +74,7 @@ def expected_spec(path: str) -> str:
     return "(None, None, 'tp')"  # q, k, v, gate, up
 
 
-@pytest.mark.parametrize("case", ["gqa:1x2", "gqa:1x4", "gqa:2x4", "few_kv:1x4", "few_kv+restored:1x4"])
+@pytest.mark.parametrize("case", ["gqa+pallas:1x2", "gqa:1x4", "gqa:2x2", "few_kv:1x4", "few_kv+restored:1x4"])
 def test_parameters_and_cache_carry_the_tp_shardings(report, case):
     dp, tp = map(int, case.split(":")[1].split("x"))
     replicas = report[case]["shardings"]
@@ -104,7 +105,7 @@ def test_kv_heads_are_replicated_when_fewer_than_tp(report):
     assert report["few_kv:1x1"]["served_kv_heads"] == 2  # no copies on one device
 
 
-@pytest.mark.parametrize("case", ["gqa:1x2", "gqa:1x4", "few_kv:1x4", "gqa+pallas:1x2"])
+@pytest.mark.parametrize("case", ["gqa:1x4", "few_kv:1x4", "gqa+pallas:1x2"])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_compiled_step_has_only_the_expected_collectives(report, case, step):
     """Per layer: the all-reduces completing o_proj and down_proj (row-parallel). Once per step:
@@ -119,12 +120,12 @@ def test_compiled_step_has_only_the_expected_collectives(report, case, step):
     assert outside == [("all-gather", f"f32[{logit_rows},{V}]"), ("all-reduce", f"f32[{rows},{E}]")]
 
 
-@pytest.mark.parametrize("case", ["gqa:1x2", "gqa:1x4"])
+@pytest.mark.parametrize("case", ["gqa+pallas:1x2", "gqa:1x4"])
 def test_sampler_needs_no_collectives(report, case):
     assert report[case]["collectives"]["sample"] == []  # it reads the gathered logits
 
 
-@pytest.mark.parametrize("case", ["gqa:2x2", "gqa:2x4"])
+@pytest.mark.parametrize("case", ["gqa:2x2"])
 def test_data_parallel_replicas_share_the_requests(report, case):
     admissions = report[case]["admissions_per_replica"]
     assert sum(admissions) == len(PROMPTS) and min(admissions) >= 1
