@@ -17,6 +17,7 @@ from bench.server_process import ManagedServer, free_port, jaxserve_argv
 from bench_engine_args import SMALL_ENGINE, engine_flags
 
 ENGINE_ARGS = engine_flags(SMALL_ENGINE)
+pytestmark = pytest.mark.slow
 TIMEOUT_S = 600
 STATS = ("mean", "median", "p90", "p99")
 

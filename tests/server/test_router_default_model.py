@@ -17,7 +17,7 @@ from server.app import build_app
 from server.config import ServerConfig
 from server_harness import ServerThread
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16, num_blocks=128,
               decode_batch_buckets=(4,), prefill_token_buckets=(64,), prefill_seq_buckets=(4,),

@@ -6,12 +6,14 @@ at once on one --kv-disk-dir: the second hits the blocks the first computed."""
 
 from __future__ import annotations
 
+import pytest
 import time
 
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import BLOCK_SIZE, MODEL_NAME, send
 
 KEY = "k1"
+pytestmark = pytest.mark.slow
 
 
 class _Port:

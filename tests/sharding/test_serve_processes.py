@@ -46,6 +46,7 @@ def _completion_text(port: int, prompt: list[int]) -> str:
     return reply.choices[0].text
 
 
+@pytest.mark.slow
 def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
     port = free_port()
     common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", "--tensor-parallel-size", "2",
@@ -75,6 +76,7 @@ def test_a_multi_process_job_must_span_every_device():
             assert "use --tensor-parallel-size 2 and --data-parallel-size 1" in child.output, child.output
 
 
+@pytest.mark.slow
 def test_one_process_serves_two_data_parallel_replicas_on_cpu_devices(tmp_path):
     port = free_port()
     command = jaxserve("serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1",
