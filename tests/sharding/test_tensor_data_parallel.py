@@ -19,6 +19,8 @@ BASELINES = ["gqa:1x1", "few_kv:1x1"]
 # Each layout costs a warm-up (~1 minute on CI): tp=2 is covered by the Pallas layout, dp x tp by 2x2.
 LAYOUTS = ["gqa:1x4", "gqa:2x2", "few_kv:1x4", "gqa+pallas:1x2", "few_kv+restored:1x4"]
 L, E, F, V, D = 2, 64, 128, 300, 16  # tiny model: layers, hidden, MLP, vocab, head dim
+# The first test waits for the worker (10 minutes on a busy CI machine): above pyproject's 900 s per test.
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
