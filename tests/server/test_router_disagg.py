@@ -36,6 +36,9 @@ def _prompt(seed: int, n: int) -> list[int]:
     return random.Random(seed).choices(range(3, 299), k=n)
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def cluster(_compilation_cache):
     cache_dir = jax.config.jax_compilation_cache_dir

@@ -12,6 +12,8 @@ import json
 import socket
 import time
 
+import pytest
+
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import KEY_A, MODEL_NAME, send, sse_events, start_server
 
@@ -36,6 +38,7 @@ def _serve(port: int, session_dir, *extra: str) -> ChildProcess:
                                  "--session-dir", str(session_dir), *SMALL_ENGINE, *extra))
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_timeout_ends_streams_with_an_error_then_done_and_keeps_sessions(tmp_path):
     port = free_port()
     with _serve(port, tmp_path, "--shutdown-timeout", "0") as child:
