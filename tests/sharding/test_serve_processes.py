@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import openai
+import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
