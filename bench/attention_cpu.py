@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernel_bench import _scattered_tables, copy_bandwidth, time_call
+from bench.kernel_bench import copy_bandwidth, scattered_tables, time_call
 from kernels_pallas import reference
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
@@ -46,7 +46,7 @@ def matmul_flops_per_s(iters: int) -> float:
 def bench_prefill(num_seqs: int, chunk: int, history: int, width: int, iters: int) -> tuple[float, float]:
     """(seconds per layer, useful FLOPs)."""
     k, v = _cache(num_seqs, width)
-    tables = _scattered_tables(np.random.default_rng(0), num_seqs, width)
+    tables = scattered_tables(np.random.default_rng(0), num_seqs, width)
     q = jax.random.normal(jax.random.key(1), (num_seqs * chunk, KV_HEADS * GROUP, HEAD_DIM))
     seq_lens = jnp.full((num_seqs,), history + chunk, jnp.int32)
     query_start = jnp.arange(num_seqs + 1, dtype=jnp.int32) * chunk
@@ -59,7 +59,7 @@ def bench_prefill(num_seqs: int, chunk: int, history: int, width: int, iters: in
 def bench_decode(batch: int, context: int, width: int, iters: int) -> tuple[float, float]:
     """(seconds per layer, K/V bytes the batch must read)."""
     k, v = _cache(batch, width)
-    tables = _scattered_tables(np.random.default_rng(0), batch, width)
+    tables = scattered_tables(np.random.default_rng(0), batch, width)
     q = jax.random.normal(jax.random.key(1), (batch, KV_HEADS * GROUP, HEAD_DIM))
     lengths = jnp.full((batch,), context, jnp.int32)
     fn = jax.jit(functools.partial(reference.decode_attention, scale=HEAD_DIM**-0.5))

@@ -165,7 +165,6 @@ def main() -> None:
     config = dict(max_num_seqs=seqs, max_num_batched_tokens=512, max_model_len=max_len, block_size=bs,
                   num_blocks=2 * max_len // bs + 64, decode_batch_buckets=(seqs,), prefill_token_buckets=(32, 512),
                   prefill_seq_buckets=(1,), max_prefill_seqs=1,
-                  block_table_buckets=(16, max_len // bs),   # short decoders do not attend over max_len
                   kv_host_bytes=1 << 30, kv_disk_bytes=4 << 30, compilation_cache_dir=str(cache_dir() / "xla"))
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:   # /var/tmp: a disk, not a tmpfs
         directory = Path(args.dir or tmp)

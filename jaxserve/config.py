@@ -65,7 +65,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     # Shape buckets (None: derived from the limits above). Each list is sorted, finite, and
-    # every jitted step is compiled for the cross product at warm-up.
+    # every jitted step is compiled for the cross product at warm-up. Block-table widths only
+    # matter to the `reference` attention backend, whose work grows with the width.
     decode_batch_buckets: tuple[int, ...] | None = None
     prefill_token_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] | None = None
@@ -103,9 +104,13 @@ class EngineConfig:
         if self.prefill_token_buckets is None:
             self.prefill_token_buckets = _geometric(min(32, self.max_num_batched_tokens), self.max_num_batched_tokens, 2)
         if self.prefill_seq_buckets is None:
-            self.prefill_seq_buckets = _geometric(1, self.max_prefill_seqs, 4)
+            # One count: a prefill step's unused sequence slots cost a few empty attention tiles
+            # and logits rows, less than compiling a variant per count would.
+            self.prefill_seq_buckets = (self.max_prefill_seqs,)
         if self.block_table_buckets is None:
-            self.block_table_buckets = _geometric(min(8, max_blocks), max_blocks, 2)
+            # One width: the serving backends (paged_jax, Pallas) walk a block table only up to
+            # each sequence's length, so a wider table costs a few bytes, not attention work.
+            self.block_table_buckets = (max_blocks,)
         if self.sampler_row_buckets is None:
             rows = max(max(self.decode_batch_buckets), max(self.prefill_seq_buckets))
             self.sampler_row_buckets = _geometric(min(4, rows), rows, 4)

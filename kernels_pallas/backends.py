@@ -1,7 +1,8 @@
 """Attention backends by name: a pair of functions with the signatures of
 `reference.decode_attention` and `reference.prefill_attention`.
 
-`reference` is plain JAX (gather + masked softmax): the CPU default and the oracle.
+`reference` is plain JAX (gather + masked softmax), kept simple: the oracle of the others.
+`jax` is plain JAX that reads only what the sequences hold (`paged_jax.py`): the CPU default.
 `pallas` is the Pallas kernels (`decode.py`, `prefill.py`): native on GPU, and run in
 interpret mode wherever JAX's default backend is the CPU (slow; for tests), unless
 $JAXSERVE_PALLAS_INTERPRET says otherwise.
@@ -14,9 +15,9 @@ from typing import Callable
 
 import jax
 
-from kernels_pallas import decode, prefill, reference
+from kernels_pallas import decode, paged_jax, prefill, reference
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("jax", "reference", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +30,13 @@ class AttentionBackend:
 def get_attention_backend(name: str) -> AttentionBackend:
     if name == "reference":
         return AttentionBackend("reference", reference.decode_attention, reference.prefill_attention)
+    if name == "jax":
+        return AttentionBackend("jax", paged_jax.decode_attention, paged_jax.prefill_attention)
     if name == "pallas":
         return AttentionBackend("pallas", decode.decode_attention, prefill.prefill_attention)
     raise ValueError(f"unknown attention backend {name!r}; choose from: {', '.join(BACKENDS)}")
 
 
 def default_attention_backend() -> str:
-    """`pallas` where the kernels run natively (GPU), `reference` elsewhere (CPU, TPU)."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    """`pallas` where the kernels run natively (GPU), `jax` elsewhere (CPU, TPU)."""
+    return "pallas" if jax.default_backend() == "gpu" else "jax"

@@ -92,6 +92,39 @@ def group_queries(q: jax.Array, num_kv_heads: int, padded_group: int, dtype: Any
     return qg
 
 
+def tile_layout(query_start: jax.Array, seq_lens: jax.Array, num_tiles: int, block_q: int) -> jax.Array:
+    """[num_tiles, 4] int32: (sequence, first row, rows, position of the first row) per tile.
+
+    Unused tiles get (0, 0, 0, 0): no rows, so the kernel reads nothing and writes zeros.
+    """
+    query_start = query_start.astype(jnp.int32)
+    seq_lens = seq_lens.astype(jnp.int32)
+    q_len = query_start[1:] - query_start[:-1]
+    tiles = cdiv(q_len, block_q)
+    tile_end = jnp.cumsum(tiles)
+    tile_begin = tile_end - tiles
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), q_len.shape[0] - 1)
+    local = (t - tile_begin[seq]) * block_q
+    used = t < tile_end[-1]
+    rows = jnp.where(used, jnp.clip(q_len[seq] - local, 0, block_q), 0)
+    first_row = jnp.where(used, query_start[seq] + local, 0)
+    first_pos = jnp.where(used, seq_lens[seq] - q_len[seq] + local, 0)
+    return jnp.stack([jnp.where(used, seq, 0), first_row, rows, first_pos], axis=1).astype(jnp.int32)
+
+
+def row_to_tile(query_start: jax.Array, num_tokens: int, block_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each flattened row: its tile, its offset in the tile, and whether it is real."""
+    query_start = query_start.astype(jnp.int32)
+    q_len = query_start[1:] - query_start[:-1]
+    tiles = cdiv(q_len, block_q)
+    tile_begin = jnp.cumsum(tiles) - tiles
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, q_len.shape[0] - 1)
+    local = t - query_start[seq]
+    return tile_begin[seq] + local // block_q, local % block_q, t < query_start[-1]
+
+
 class SoftmaxState(NamedTuple):
     """Running max, running denominator and unnormalized output of an online softmax."""
 

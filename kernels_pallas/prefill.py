@@ -60,39 +60,6 @@ def default_pages_per_step(block_size: int, table_width: int) -> int:
     return max(pages, common.next_power_of_2(common.cdiv(16, block_size)))
 
 
-def tile_layout(query_start: jax.Array, seq_lens: jax.Array, num_tiles: int, block_q: int) -> jax.Array:
-    """[num_tiles, 4] int32: (sequence, first row, rows, position of the first row) per tile.
-
-    Unused tiles get (0, 0, 0, 0): no rows, so the kernel reads nothing and writes zeros.
-    """
-    query_start = query_start.astype(jnp.int32)
-    seq_lens = seq_lens.astype(jnp.int32)
-    q_len = query_start[1:] - query_start[:-1]
-    tiles = common.cdiv(q_len, block_q)
-    tile_end = jnp.cumsum(tiles)
-    tile_begin = tile_end - tiles
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), q_len.shape[0] - 1)
-    local = (t - tile_begin[seq]) * block_q
-    used = t < tile_end[-1]
-    rows = jnp.where(used, jnp.clip(q_len[seq] - local, 0, block_q), 0)
-    first_row = jnp.where(used, query_start[seq] + local, 0)
-    first_pos = jnp.where(used, seq_lens[seq] - q_len[seq] + local, 0)
-    return jnp.stack([jnp.where(used, seq, 0), first_row, rows, first_pos], axis=1).astype(jnp.int32)
-
-
-def _row_to_tile(query_start: jax.Array, num_tokens: int, block_q: int):
-    """For each flattened row: its tile, its offset in the tile, and whether it is real."""
-    query_start = query_start.astype(jnp.int32)
-    q_len = query_start[1:] - query_start[:-1]
-    tiles = common.cdiv(q_len, block_q)
-    tile_begin = jnp.cumsum(tiles) - tiles
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, q_len.shape[0] - 1)
-    local = t - query_start[seq]
-    return tile_begin[seq] + local // block_q, local % block_q, t < query_start[-1]
-
-
 def _prefill_kernel(
     layer_ref, tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
     *, cfg: PrefillConfig, block_size: int,
@@ -150,7 +117,7 @@ def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cf
     tables = common.pad_block_table(block_tables, width)
     qg = common.group_queries(q, num_kv_heads, padded_group, k_cache.dtype)
     qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, 0), (0, 0)))  # a tile may start near the end
-    tiles = tile_layout(query_start, seq_lens, num_tiles, block_q)
+    tiles = common.tile_layout(query_start, seq_lens, num_tiles, block_q)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
     kernel = common.fresh_kernel(_prefill_kernel, cfg=cfg, block_size=block_size)
@@ -166,7 +133,7 @@ def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cf
     )(layer, tiles, tables, qg, k_cache, v_cache)
 
     out = out.reshape(num_tiles, num_kv_heads, block_q, padded_group, head_dim)
-    tile, offset, real = _row_to_tile(query_start, num_tokens, block_q)
+    tile, offset, real = common.row_to_tile(query_start, num_tokens, block_q)
     rows = out[tile, :, offset, :group]  # [T, KVH, G, D]
     rows = jnp.where(real[:, None, None, None], rows, jnp.zeros((), rows.dtype))
     return rows.reshape(num_tokens, num_heads, head_dim)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import common, reference
+from kernels_pallas import common, paged_jax, reference
 
 NUM_LAYERS = 3
 LAYER = 2
@@ -27,6 +27,12 @@ reference_decode = jax.jit(reference.decode_attention,
                            static_argnames=("scale", "soft_cap", "sliding_window"))
 reference_prefill = jax.jit(reference.prefill_attention,
                             static_argnames=("scale", "soft_cap", "sliding_window"))
+# The plain-JAX backends by name: (decode, prefill), each jitted once per shape.
+PLAIN_JAX = {
+    "reference": (reference_decode, reference_prefill),
+    "jax": (jax.jit(paged_jax.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
+            jax.jit(paged_jax.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window"))),
+}
 
 
 def interpret() -> bool:

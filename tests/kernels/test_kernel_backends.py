@@ -4,20 +4,22 @@ import jax
 import pytest
 
 from kernels_pallas import (BACKENDS, common, decode, default_attention_backend,
-                            get_attention_backend, prefill, reference)
+                            get_attention_backend, paged_jax, prefill, reference)
 
 
 def test_registry():
     assert get_attention_backend("reference").decode is reference.decode_attention
     pallas = get_attention_backend("pallas")
     assert (pallas.decode, pallas.prefill) == (decode.decode_attention, prefill.prefill_attention)
-    assert set(BACKENDS) == {"reference", "pallas"}
-    with pytest.raises(ValueError, match="reference, pallas"):
+    plain = get_attention_backend("jax")
+    assert (plain.decode, plain.prefill) == (paged_jax.decode_attention, paged_jax.prefill_attention)
+    assert set(BACKENDS) == {"jax", "reference", "pallas"}
+    with pytest.raises(ValueError, match="jax, reference, pallas"):
         get_attention_backend("flash")
 
 
 def test_default_backend_follows_the_platform():
-    want = "pallas" if jax.default_backend() == "gpu" else "reference"
+    want = "pallas" if jax.default_backend() == "gpu" else "jax"
     assert default_attention_backend() == want
 
 

@@ -1,4 +1,5 @@
-"""A small random Llama generates the same greedy tokens with the pallas and reference backends.
+"""A small random Llama generates the same greedy tokens with the serving backends (pallas and
+jax) as with the reference backend.
 
 Two sequences are prefilled together (ragged, the second in two chunks), then decoded in one
 batch with a padded entry; the pallas kernels run interpreted on CPU.
@@ -7,6 +8,7 @@ batch with a padded entry; the pallas kernels run interpreted on CPU.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
@@ -77,7 +79,8 @@ def generate(backend_name, params, prompts, tables, steps):
     return np.stack(tokens, axis=1), np.stack(all_logits, axis=1)
 
 
-def test_greedy_tokens_match_reference():
+@pytest.mark.parametrize("backend", ["pallas", "jax"])
+def test_greedy_tokens_match_reference(backend):
     rng = np.random.default_rng(0)
     params = init_params()
     prompts = (rng.integers(0, CONFIG.vocab_size, 11), rng.integers(0, CONFIG.vocab_size, 17))
@@ -85,6 +88,6 @@ def test_greedy_tokens_match_reference():
     # IEEE f32 dense matmuls: on a GPU the default (TF32) would blur a 1e-4 comparison.
     with jax.default_matmul_precision("float32"):
         want_tokens, want_logits = generate("reference", params, prompts, tables, steps=6)
-        got_tokens, got_logits = generate("pallas", params, prompts, tables, steps=6)
+        got_tokens, got_logits = generate(backend, params, prompts, tables, steps=6)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got_tokens, want_tokens)

@@ -1,13 +1,13 @@
-"""The pure-JAX reference equals a plain NumPy attention, row by row over each row's own
+"""Both plain-JAX backends equal a plain NumPy attention, row by row over each row's own
 sequence, on a ragged step that mixes long chunks, chunks over long histories, single rows and
-an empty sequence (the reference is the oracle of the Pallas kernels, so it gets one too)."""
+an empty sequence: the reference (the oracle of the Pallas kernels, so it gets one too) and
+`paged_jax` (the CPU default, which walks the block tables only up to each tile's last key)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_cases import (LAYER, SCALE, TOLERANCE, assert_close, block_tables, make_cache, queries,
-                         reference_decode, reference_prefill)
+from paged_cases import LAYER, PLAIN_JAX, SCALE, TOLERANCE, assert_close, block_tables, make_cache, queries
 
 NUM_KV_HEADS = 2
 GROUP = 3
@@ -59,10 +59,14 @@ def ragged_case(seed, seqs, dtype=jnp.float32):
 MIXED = [(0, 263), (3, 1), (600, 9), (0, 0), (150, 8), (37, 129), (639, 1)]
 
 
+BACKENDS = pytest.mark.parametrize("backend", sorted(PLAIN_JAX))
+
+
+@BACKENDS
 @pytest.mark.parametrize("options", [{}, {"soft_cap": 2.0, "sliding_window": 300}])
-def test_prefill_matches_numpy(options):
+def test_prefill_matches_numpy(backend, options):
     q, cache, tables, seq_lens, query_start = ragged_case(0, MIXED)
-    got = reference_prefill(q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
+    got = PLAIN_JAX[backend][1](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
                             jnp.asarray(seq_lens), jnp.asarray(query_start), scale=SCALE, **options)
     want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, query_start,
                            options.get("soft_cap"), options.get("sliding_window"))
@@ -70,9 +74,10 @@ def test_prefill_matches_numpy(options):
     assert not np.asarray(got[-PADDED_ROWS:]).any(), "padding rows must give zeros"
 
 
-def test_prefill_bf16_matches_numpy():
+@BACKENDS
+def test_prefill_bf16_matches_numpy(backend):
     q, cache, tables, seq_lens, query_start = ragged_case(1, MIXED[:4], jnp.bfloat16)
-    got = reference_prefill(q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
+    got = PLAIN_JAX[backend][1](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
                             jnp.asarray(seq_lens), jnp.asarray(query_start), scale=SCALE)
     assert got.dtype == jnp.bfloat16
     want = numpy_attention(q.astype(jnp.float32), cache.k.astype(jnp.float32),
@@ -80,25 +85,44 @@ def test_prefill_bf16_matches_numpy():
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
 
 
-def test_a_sequence_does_not_see_its_neighbours():
+@BACKENDS
+def test_a_sequence_does_not_see_its_neighbours(backend):
     """The same sequence alone and among others gives the same rows."""
     q, cache, tables, seq_lens, query_start = ragged_case(2, MIXED)
     args = (cache.k, cache.v, jnp.int32(LAYER))
-    together = reference_prefill(q, *args, jnp.asarray(tables), jnp.asarray(seq_lens),
+    prefill = PLAIN_JAX[backend][1]
+    together = prefill(q, *args, jnp.asarray(tables), jnp.asarray(seq_lens),
                                  jnp.asarray(query_start), scale=SCALE)
     s = 5
     lo, hi = query_start[s], query_start[s + 1]
-    alone = reference_prefill(q[lo:hi], *args, jnp.asarray(tables[s:s + 1]), jnp.asarray(seq_lens[s:s + 1]),
+    alone = prefill(q[lo:hi], *args, jnp.asarray(tables[s:s + 1]), jnp.asarray(seq_lens[s:s + 1]),
                               jnp.asarray([0, hi - lo], jnp.int32), scale=SCALE)
     np.testing.assert_allclose(np.asarray(alone), np.asarray(together[lo:hi]), rtol=1e-6, atol=1e-6)
 
 
-def test_decode_matches_numpy():
+@BACKENDS
+@pytest.mark.parametrize("options", [{"sliding_window": 200}, {"soft_cap": 3.0}])
+def test_decode_matches_numpy(backend, options):
     lengths = [1, 640, 0, 257, 16, 300]
     q, cache, tables, seq_lens, _ = ragged_case(3, [(n - 1, 1) if n else (0, 0) for n in lengths])
     q = q[: len(lengths)]
-    got = reference_decode(q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
-                           jnp.asarray(seq_lens), scale=SCALE, sliding_window=200)
+    got = PLAIN_JAX[backend][0](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
+                           jnp.asarray(seq_lens), scale=SCALE, **options)
     starts = np.arange(len(lengths) + 1, dtype=np.int32)
-    want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, starts, window=200)
+    want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, starts, options.get("soft_cap"),
+                           options.get("sliding_window"))
+    assert_close(got, want, TOLERANCE[jnp.float32])
+    assert not np.asarray(got[2]).any(), "a padded entry (length 0) must give zeros"
+
+
+@BACKENDS
+def test_decode_window_past_the_first_pages(backend):
+    """Every sequence's window starts pages in (paged_jax's loop starts there too)."""
+    lengths = [640, 513, 0, 300]
+    q, cache, tables, seq_lens, _ = ragged_case(4, [(n - 1, 1) if n else (0, 0) for n in lengths])
+    q = q[: len(lengths)]
+    got = PLAIN_JAX[backend][0](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
+                                jnp.asarray(seq_lens), scale=SCALE, sliding_window=70)
+    starts = np.arange(len(lengths) + 1, dtype=np.int32)
+    want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, starts, window=70)
     assert_close(got, want, TOLERANCE[jnp.float32])

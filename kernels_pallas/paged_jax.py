@@ -1,0 +1,166 @@
+"""Paged attention in plain JAX that reads only what the sequences hold: the CPU default.
+
+Same contracts as `reference.decode_attention` and `reference.prefill_attention`. The
+reference gathers every sequence's whole block table (the step's width bucket) and scores
+every query row against it, and its ragged prefill scores each row against every sequence
+of the step; on XLA:CPU that made attention most of a step's time (a batch-64 decode at a
+128-page width: ~180 ms per layer, where its K/V are ~50 MB). This backend does what the
+Pallas kernels do, in XLA:
+
+- query rows are cut into tiles that never cross a sequence (a decode row is a tile of one
+  row; a prefill chunk of n rows is ceil(n / block_q) tiles), so a tile reads only its own
+  sequence's pages;
+- a `fori_loop` walks the block tables `pages_per_step` pages at a time, with an f32 online
+  softmax, and stops at the longest tile's last position: the work follows the sequences'
+  lengths, not the width of the block tables (so a wide table costs almost nothing).
+
+The floor is the same as the kernels': K/V bytes read once per tile over memory bandwidth
+for decode, QK^T and PV flops for long prefill chunks (`bench.attention_cpu` reports both).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas import common
+
+BLOCK_Q = 32  # prefill rows per tile
+# Keys per loop step: about ROWS_X_TOKENS / (tiles x rows per tile), within [32, 128]. Measured
+# on XLA:CPU at the default model's shapes: 32 for a batch-64 decode, 128 for batch 1, 32-64 for
+# prefill steps of 512 rows; fewer keys per step pay the loop, more pay for larger scores.
+ROWS_X_TOKENS = 2048
+MIN_TOKENS_PER_STEP, MAX_TOKENS_PER_STEP = 32, 128
+
+
+def _tokens_per_step(rows: int, block_size: int, width: int) -> int:
+    """Keys per loop step (a whole number of pages, no more than the table holds)."""
+    tokens = common.next_power_of_2(max(1, ROWS_X_TOKENS // max(rows, 1)))
+    tokens = min(max(tokens, MIN_TOKENS_PER_STEP), MAX_TOKENS_PER_STEP, common.next_power_of_2(width) * block_size)
+    return max(block_size, tokens // block_size * block_size)
+
+
+def attend_tiles(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    first_pos: jax.Array,
+    num_rows: jax.Array,
+    *,
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+) -> jax.Array:
+    """Causal attention of query tiles over their sequences' pages.
+
+    q [N, Q, KVH, G, D]: tile n's row i sits at position `first_pos[n] + i` of the sequence
+    whose pages are `tables[n]` [W], and is real for i < `num_rows[n]`. Returns f32
+    [N, Q, KVH, G, D], zeros for rows that are not real.
+    """
+    n, bq, kvh, g, d = q.shape
+    bs = k_cache.shape[3]
+    tokens = _tokens_per_step(n * bq, bs, tables.shape[1])
+    pages_per_step = tokens // bs
+    tables = common.pad_block_table(tables, common.cdiv(tables.shape[1], pages_per_step) * pages_per_step)
+    pos = first_pos[:, None] + jnp.arange(bq)  # [N, Q]
+    real = jnp.arange(bq)[None, :] < num_rows[:, None]
+    num_keys = jnp.where(num_rows > 0, first_pos + num_rows, 0)
+    step_hi = common.cdiv(jnp.max(num_keys), tokens)
+    step_lo = 0
+    if sliding_window is not None:
+        first_key = jnp.where(num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), jnp.iinfo(jnp.int32).max)
+        step_lo = jnp.minimum(jnp.min(first_key) // tokens, step_hi)
+    key_offsets = jnp.arange(tokens)
+    heads = jnp.arange(kvh)[None, :, None]
+    # Rows of a tile and kv head side by side: q [N, KVH, Q * G, D], so each product below is
+    # a batched matmul with its batch axes (tile, kv head) leading in every operand.
+    q = q.transpose(0, 2, 1, 3, 4).reshape(n, kvh, bq * g, d)
+    row_pos = jnp.repeat(pos, g, axis=1)[:, None, :, None]  # [N, 1, Q * G, 1]
+    row_real = jnp.repeat(real, g, axis=1)[:, None, :, None]
+
+    def body(i, state):
+        m, l, acc = state  # [N, KVH, Q * G], same, [N, KVH, Q * G, D]
+        pages = lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, axis=1)  # [N, P]
+        k = k_cache[layer, heads, pages[:, None, :]].reshape(n, kvh, tokens, d)  # [N, KVH, P * BS, D]
+        v = v_cache[layer, heads, pages[:, None, :]].reshape(n, kvh, tokens, d)
+        s = jnp.einsum("nkrd,nkcd->nkrc", q, k, precision=lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key = (i * tokens + key_offsets)[None, None, None, :]
+        valid = (key <= row_pos) & row_real  # [N, 1, Q * G, P * BS]
+        if sliding_window is not None:
+            valid &= key > row_pos - sliding_window
+        s = jnp.where(valid, s, common.MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("nkrc,nkcd->nkrd", p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+        return m_new, l, alpha[..., None] * acc + pv
+
+    rows = bq * g
+    empty = (jnp.full((n, kvh, rows), common.MASKED, jnp.float32), jnp.zeros((n, kvh, rows), jnp.float32),
+             jnp.zeros((n, kvh, rows, d), jnp.float32))
+    _, l, acc = lax.fori_loop(step_lo, step_hi, body, empty)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    return out.reshape(n, kvh, bq, g, d).transpose(0, 2, 1, 3, 4)
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """q [B, H, D] -> [B, H, D]; sequence b attends to its first `lengths[b]` cached tokens."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[1]
+    lengths = lengths.astype(jnp.int32)
+    out = attend_tiles(
+        q.reshape(b, 1, kvh, h // kvh, d), k_cache, v_cache, layer, block_tables.astype(jnp.int32),
+        jnp.maximum(lengths - 1, 0), (lengths > 0).astype(jnp.int32),
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+    )
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+def prefill_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's history."""
+    t, h, d = q.shape
+    kvh = k_cache.shape[1]
+    block_q = min(BLOCK_Q, common.next_power_of_2(t))
+    num_tiles = common.cdiv(t, block_q) + seq_lens.shape[0]
+    tiles = common.tile_layout(query_start, seq_lens, num_tiles, block_q)  # seq, first row, rows, first pos
+    padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))  # a tile may start near the end
+    rows = tiles[:, 1:2] + jnp.arange(block_q)  # [N, Q]
+    qt = padded[rows].reshape(num_tiles, block_q, kvh, h // kvh, d)
+    out = attend_tiles(
+        qt, k_cache, v_cache, layer, block_tables.astype(jnp.int32)[tiles[:, 0]], tiles[:, 3], tiles[:, 2],
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+    )
+    tile, offset, real = common.row_to_tile(query_start, t, block_q)
+    out = jnp.where(real[:, None, None, None], out[tile, offset], 0.0)  # [T, KVH, G, D]
+    return out.reshape(t, h, d).astype(q.dtype)
