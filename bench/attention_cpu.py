@@ -1,5 +1,6 @@
-"""The reference attention backend at the default model's shapes, per layer, against peers
-measured in the same run (a plain f32 matmul for prefill, a copy for decode):
+"""The plain-JAX attention backends (CPU) at the default model's shapes, per layer: `jax`
+(paged_jax, the CPU default) against `reference` and the floors measured in the same run (a
+plain f32 matmul for prefill, a copy for decode):
 
     python3 -m bench.attention_cpu            # SmolLM2-135M: 9 heads, 3 kv heads, head_dim 64
     python3 -m bench.attention_cpu --layers 30 --iters 3
@@ -9,6 +10,7 @@ S * chunk rows with block tables `width` pages wide (the step's bucket: wider th
 sequences need, as in serving). Useful FLOPs count QK^T and PV over each row's own causal
 history; the figure of merit is their rate as a share of the matmul's. Decode cases report the
 K/V bytes the sequences must read per call as a share of the copy bandwidth (read + write).
+`x ref` is how many times faster than the reference the `jax` backend ran.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernel_bench import copy_bandwidth, scattered_tables, time_call
-from kernels_pallas import reference
+from kernels_pallas import paged_jax, reference
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
 # (sequences, chunk, history, width in pages)
@@ -43,26 +45,26 @@ def matmul_flops_per_s(iters: int) -> float:
     return 2 * 512 * 576 * 1536 / time_call(lambda: dot(x, w), iters)
 
 
-def bench_prefill(num_seqs: int, chunk: int, history: int, width: int, iters: int) -> tuple[float, float]:
-    """(seconds per layer, useful FLOPs)."""
+def bench_prefill(module, num_seqs: int, chunk: int, history: int, width: int, iters: int) -> tuple[float, float]:
+    """(seconds per layer of `module`'s prefill_attention, useful FLOPs)."""
     k, v = _cache(num_seqs, width)
     tables = scattered_tables(np.random.default_rng(0), num_seqs, width)
     q = jax.random.normal(jax.random.key(1), (num_seqs * chunk, KV_HEADS * GROUP, HEAD_DIM))
     seq_lens = jnp.full((num_seqs,), history + chunk, jnp.int32)
     query_start = jnp.arange(num_seqs + 1, dtype=jnp.int32) * chunk
-    fn = jax.jit(functools.partial(reference.prefill_attention, scale=HEAD_DIM**-0.5))
+    fn = jax.jit(functools.partial(module.prefill_attention, scale=HEAD_DIM**-0.5))
     seconds = time_call(lambda: fn(q, k, v, jnp.int32(0), tables, seq_lens, query_start), iters)
     flops = 4 * num_seqs * chunk * (history + (chunk + 1) / 2) * KV_HEADS * GROUP * HEAD_DIM
     return seconds, flops
 
 
-def bench_decode(batch: int, context: int, width: int, iters: int) -> tuple[float, float]:
-    """(seconds per layer, K/V bytes the batch must read)."""
+def bench_decode(module, batch: int, context: int, width: int, iters: int) -> tuple[float, float]:
+    """(seconds per layer of `module`'s decode_attention, K/V bytes the batch must read)."""
     k, v = _cache(batch, width)
     tables = scattered_tables(np.random.default_rng(0), batch, width)
     q = jax.random.normal(jax.random.key(1), (batch, KV_HEADS * GROUP, HEAD_DIM))
     lengths = jnp.full((batch,), context, jnp.int32)
-    fn = jax.jit(functools.partial(reference.decode_attention, scale=HEAD_DIM**-0.5))
+    fn = jax.jit(functools.partial(module.decode_attention, scale=HEAD_DIM**-0.5))
     seconds = time_call(lambda: fn(q, k, v, jnp.int32(0), tables, lengths), iters)
     return seconds, 2 * batch * context * KV_HEADS * HEAD_DIM * 4
 
@@ -75,17 +77,23 @@ def main() -> None:
     peak = matmul_flops_per_s(args.iters)
     copy_bps = copy_bandwidth(1 << 24, jnp.float32, args.iters)  # 64 MB would time page faults
     print(f"f32 matmul 512x576x1536: {peak / 1e9:.0f} GFLOP/s; copy: {copy_bps / 1e9:.1f} GB/s")
-    print(f"{'prefill S x chunk / history / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GFLOP/s':>8} {'%matmul':>8}")
+    print(f"{'prefill S x chunk / history / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GFLOP/s':>8} "
+          f"{'%matmul':>8} {'ref ms':>8} {'x ref':>6}")
     for case in PREFILL:
-        seconds, flops = bench_prefill(*case, args.iters)
+        seconds, flops = bench_prefill(paged_jax, *case, args.iters)
+        ref_seconds, _ = bench_prefill(reference, *case, args.iters)
         label = f"{case[0]} x {case[1]} / {case[2]} / {case[3]}"
         print(f"{label:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
-              f"{flops / seconds / 1e9:8.1f} {100 * flops / seconds / peak:8.1f}")
-    print(f"{'decode batch / context / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GB/s':>8} {'%copy':>8}")
+              f"{flops / seconds / 1e9:8.1f} {100 * flops / seconds / peak:8.1f} "
+              f"{ref_seconds * 1e3:8.2f} {ref_seconds / seconds:6.1f}")
+    print(f"{'decode batch / context / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GB/s':>8} {'%copy':>8} "
+          f"{'ref ms':>8} {'x ref':>6}")
     for case in DECODE:
-        seconds, nbytes = bench_decode(*case, args.iters)
+        seconds, nbytes = bench_decode(paged_jax, *case, args.iters)
+        ref_seconds, _ = bench_decode(reference, *case, args.iters)
         print(f"{'%d / %d / %d' % case:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
-              f"{nbytes / seconds / 1e9:8.1f} {100 * nbytes / seconds / copy_bps:8.1f}")
+              f"{nbytes / seconds / 1e9:8.1f} {100 * nbytes / seconds / copy_bps:8.1f} "
+              f"{ref_seconds * 1e3:8.2f} {ref_seconds / seconds:6.1f}")
 
 
 if __name__ == "__main__":
