@@ -63,7 +63,6 @@ def test_greedy_tokens_match_transformers(llm, assert_kv_all_free):
     assert_kv_all_free(llm.engine)
 
 
-@pytest.mark.slow
 def test_speculative_greedy_tokens_match_transformers(smollm2, assert_kv_all_free):
     """N-gram speculative decoding (drafts verified in one step) keeps greedy output token for
     token: the golden prompts batched (one verify program of 8 rows) and one alone."""

@@ -13,7 +13,6 @@ from bench.workloads import TokenSampler, random_workload
 from bench_engine_args import SMALL_ENGINE
 
 
-@pytest.mark.slow
 def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
     def make(tokenizer, special):
         return random_workload(TokenSampler(tokenizer, 0, special), 6, input_len=20, output_len=5)

@@ -216,7 +216,6 @@ def test_missing_tensor(tmp_path, tiny):
         load_gguf(tmp_path / "m.gguf")
 
 
-@pytest.mark.slow
 @pytest.mark.integration
 def test_default_model_matches_transformers_weights():
     """Our un-permuted Q/K rows equal the weights transformers loads from the same GGUF."""

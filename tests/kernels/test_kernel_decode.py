@@ -29,17 +29,15 @@ def run_both(group, block_size, dtype, seed=0, width=WIDTH, **options):
     return got, want
 
 
-# Every GQA ratio and every block size, in pairs that vary both (each case costs a compile; CI runs
-# the unmarked ones, -m slow the rest).
-@pytest.mark.parametrize("group,block_size", [pytest.param(1, 8, marks=pytest.mark.slow), (3, 16),
-                                              pytest.param(4, 32, marks=pytest.mark.slow), (8, 16)])
+# Every GQA ratio and every block size, in pairs that vary both.
+@pytest.mark.parametrize("group,block_size", [(1, 8), (3, 16), (4, 32), (8, 16)])
 def test_matches_reference_f32(group, block_size):
     got, want = run_both(group, block_size, jnp.float32)
     assert_close(got, want, TOLERANCE[jnp.float32])
     assert not np.asarray(got[-1]).any(), "a padded entry (length 0) must give zeros"
 
 
-@pytest.mark.parametrize("group,block_size", [(1, 16), pytest.param(8, 32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("group,block_size", [(1, 16), (8, 32)])
 def test_matches_reference_bf16(group, block_size):
     got, want = run_both(group, block_size, jnp.bfloat16, seed=1)
     assert_close(got, want, TOLERANCE[jnp.bfloat16])

@@ -16,7 +16,6 @@ def greedy_tokens(backend: str) -> list[int]:
     return out.outputs[0].token_ids
 
 
-@pytest.mark.slow
 def test_pallas_backend_generates_the_reference_tokens():
     want = greedy_tokens("reference")
     assert len(want) == 6

@@ -31,14 +31,13 @@ def run_both(group, block_size, dtype, seed=0, **options):
     return got, want
 
 
-@pytest.mark.parametrize("group,block_size", [pytest.param(1, 16, marks=pytest.mark.slow), (3, 8),
-                                              pytest.param(4, 32, marks=pytest.mark.slow), (8, 16)])
+@pytest.mark.parametrize("group,block_size", [(1, 16), (3, 8), (4, 32), (8, 16)])
 def test_matches_reference_f32(group, block_size):
     got, want = run_both(group, block_size, jnp.float32)
     assert_close(got, want, TOLERANCE[jnp.float32])
 
 
-@pytest.mark.parametrize("group,block_size", [(4, 8), pytest.param(1, 32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("group,block_size", [(4, 8), (1, 32)])
 def test_matches_reference_bf16(group, block_size):
     got, want = run_both(group, block_size, jnp.bfloat16, seed=1)
     assert_close(got, want, TOLERANCE[jnp.bfloat16])

@@ -15,7 +15,6 @@ from kernels_pallas import common, get_attention_backend, shard_attention
 HERE = pathlib.Path(__file__).parent
 
 
-@pytest.mark.slow
 def test_sharded_backends_match_reference():
     """tp=4 (one kv head per device) and dp=2 x tp=2 (replicated over dp), in one subprocess."""
     # Simulated devices exist on the CPU platform only, where Pallas runs interpreted.

@@ -36,7 +36,6 @@ def _prompt(seed: int, n: int) -> list[int]:
     return random.Random(seed).choices(range(3, 299), k=n)
 
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import BLOCK_SIZE, MODEL_NAME, send
 
 KEY = "k1"
-pytestmark = pytest.mark.slow
 
 
 class _Port:

@@ -38,7 +38,6 @@ def _serve(port: int, session_dir, *extra: str) -> ChildProcess:
                                  "--session-dir", str(session_dir), *SMALL_ENGINE, *extra))
 
 
-@pytest.mark.slow
 def test_sigterm_past_the_timeout_ends_streams_with_an_error_then_done_and_keeps_sessions(tmp_path):
     port = free_port()
     with _serve(port, tmp_path, "--shutdown-timeout", "0") as child:

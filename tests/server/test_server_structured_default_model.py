@@ -20,7 +20,7 @@ from server.app import build_app
 from server.config import ServerConfig
 from server_harness import ServerThread, wait_until_idle
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 
 def obj(properties: dict, required: list | None = None) -> dict:

@@ -25,7 +25,6 @@ def test_default_model_refuses_tp2_with_a_clear_error():
         LLM(DEFAULT_MODEL, tensor_parallel_size=2, warm_up=False)
 
 
-@pytest.mark.slow
 @pytest.mark.integration
 def test_default_model_tp3_equals_one_device():
     r = run_worker("default_model_worker.py", devices=3)
