@@ -1,4 +1,4 @@
-"""Pieces shared by the Pallas paged-attention kernels.
+"""Pieces shared by the Pallas paged-attention kernels (and, for the tile layout, paged_jax).
 
 The kernels are written for the Triton backend of Pallas (jax 0.10 and 0.11) and for
 interpret mode on CPU, so they keep to what both accept:
