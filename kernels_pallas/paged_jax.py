@@ -26,19 +26,19 @@ from jax import lax
 
 from kernels_pallas import common
 
-BLOCK_Q = 32  # prefill rows per tile
-# Keys per loop step: about ROWS_X_TOKENS / (tiles x rows per tile), within [32, 128]. Measured
-# on XLA:CPU at the default model's shapes: 32 for a batch-64 decode, 128 for batch 1, 32-64 for
-# prefill steps of 512 rows; fewer keys per step pay the loop, more pay for larger scores.
-ROWS_X_TOKENS = 2048
+BLOCK_Q = 64  # prefill rows per tile
+GROUP_ROWS = 256  # query rows (tiles x rows per tile) that walk the pages together
+PREFILL_TOKENS_PER_STEP = 64
+# Decode: keys per loop step about DECODE_ROWS_X_TOKENS / batch, within [32, 128]. Measured on
+# XLA:CPU at the default model's shapes: 32 for batch 64, 128 for batch 1; fewer keys per step
+# pay the loop, more pay for larger scores. Prefill: 64 rows per tile, 4 tiles per group, 64 keys.
+DECODE_ROWS_X_TOKENS = 2048
 MIN_TOKENS_PER_STEP, MAX_TOKENS_PER_STEP = 32, 128
 
 
-def _tokens_per_step(rows: int, block_size: int, width: int) -> int:
-    """Keys per loop step (a whole number of pages, no more than the table holds)."""
-    tokens = common.next_power_of_2(max(1, ROWS_X_TOKENS // max(rows, 1)))
-    tokens = min(max(tokens, MIN_TOKENS_PER_STEP), MAX_TOKENS_PER_STEP, common.next_power_of_2(width) * block_size)
-    return max(block_size, tokens // block_size * block_size)
+def decode_tokens_per_step(batch: int) -> int:
+    return min(max(common.next_power_of_2(max(1, DECODE_ROWS_X_TOKENS // batch)), MIN_TOKENS_PER_STEP),
+               MAX_TOKENS_PER_STEP)
 
 
 def attend_tiles(
@@ -50,6 +50,7 @@ def attend_tiles(
     first_pos: jax.Array,
     num_rows: jax.Array,
     *,
+    tokens_per_step: int,
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -59,56 +60,71 @@ def attend_tiles(
     q [N, Q, KVH, G, D]: tile n's row i sits at position `first_pos[n] + i` of the sequence
     whose pages are `tables[n]` [W], and is real for i < `num_rows[n]`. Returns f32
     [N, Q, KVH, G, D], zeros for rows that are not real.
+
+    Tiles go in groups of GROUP_ROWS rows; each group walks the pages from its first key in its
+    window to its own last key, `tokens_per_step` keys at a time, so groups after the last real
+    tile cost nothing and a chunk's early rows stop early (causality).
     """
     n, bq, kvh, g, d = q.shape
     bs = k_cache.shape[3]
-    tokens = _tokens_per_step(n * bq, bs, tables.shape[1])
+    group = max(1, min(n, GROUP_ROWS // bq))
+    pad = common.cdiv(n, group) * group - n
+    tokens = max(bs, min(tokens_per_step, common.next_power_of_2(tables.shape[1]) * bs) // bs * bs)
     pages_per_step = tokens // bs
     tables = common.pad_block_table(tables, common.cdiv(tables.shape[1], pages_per_step) * pages_per_step)
-    pos = first_pos[:, None] + jnp.arange(bq)  # [N, Q]
-    real = jnp.arange(bq)[None, :] < num_rows[:, None]
-    num_keys = jnp.where(num_rows > 0, first_pos + num_rows, 0)
-    step_hi = common.cdiv(jnp.max(num_keys), tokens)
-    step_lo = 0
-    if sliding_window is not None:
-        first_key = jnp.where(num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), jnp.iinfo(jnp.int32).max)
-        step_lo = jnp.minimum(jnp.min(first_key) // tokens, step_hi)
-    key_offsets = jnp.arange(tokens)
-    heads = jnp.arange(kvh)[None, :, None]
+    tables = jnp.pad(tables, ((0, pad), (0, 0)))
+    first_pos, num_rows = jnp.pad(first_pos, (0, pad)), jnp.pad(num_rows, (0, pad))
     # Rows of a tile and kv head side by side: q [N, KVH, Q * G, D], so each product below is
     # a batched matmul with its batch axes (tile, kv head) leading in every operand.
-    q = q.transpose(0, 2, 1, 3, 4).reshape(n, kvh, bq * g, d)
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0), (0, 0))).transpose(0, 2, 1, 3, 4).reshape(n + pad, kvh, bq * g, d)
+    pos = first_pos[:, None] + jnp.arange(bq)  # [N, Q]
+    real = jnp.arange(bq)[None, :] < num_rows[:, None]
     row_pos = jnp.repeat(pos, g, axis=1)[:, None, :, None]  # [N, 1, Q * G, 1]
     row_real = jnp.repeat(real, g, axis=1)[:, None, :, None]
-
-    def body(i, state):
-        m, l, acc = state  # [N, KVH, Q * G], same, [N, KVH, Q * G, D]
-        pages = lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, axis=1)  # [N, P]
-        k = k_cache[layer, heads, pages[:, None, :]].reshape(n, kvh, tokens, d)  # [N, KVH, P * BS, D]
-        v = v_cache[layer, heads, pages[:, None, :]].reshape(n, kvh, tokens, d)
-        s = jnp.einsum("nkrd,nkcd->nkrc", q, k, precision=lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key = (i * tokens + key_offsets)[None, None, None, :]
-        valid = (key <= row_pos) & row_real  # [N, 1, Q * G, P * BS]
-        if sliding_window is not None:
-            valid &= key > row_pos - sliding_window
-        s = jnp.where(valid, s, common.MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = alpha * l + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("nkrc,nkcd->nkrd", p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-        return m_new, l, alpha[..., None] * acc + pv
-
+    num_keys = jnp.where(num_rows > 0, first_pos + num_rows, 0)
+    first_key = jnp.iinfo(jnp.int32).max  # of a tile's window; none for empty tiles
+    if sliding_window is not None:
+        first_key = jnp.where(num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), first_key)
+    heads = jnp.arange(kvh)[None, :, None]
+    key_offsets = jnp.arange(tokens)
     rows = bq * g
-    empty = (jnp.full((n, kvh, rows), common.MASKED, jnp.float32), jnp.zeros((n, kvh, rows), jnp.float32),
-             jnp.zeros((n, kvh, rows, d), jnp.float32))
-    _, l, acc = lax.fori_loop(step_lo, step_hi, body, empty)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
-    return out.reshape(n, kvh, bq, g, d).transpose(0, 2, 1, 3, 4)
+
+    def group_body(gi, out):
+        take = lambda x: lax.dynamic_slice_in_dim(x, gi * group, group, axis=0)  # noqa: E731
+        q_g, tables_g, pos_g, real_g, keys_g = take(q), take(tables), take(row_pos), take(row_real), take(num_keys)
+        step_hi = common.cdiv(jnp.max(keys_g), tokens)
+        step_lo = 0 if sliding_window is None else jnp.minimum(jnp.min(take(first_key)) // tokens, step_hi)
+
+        def body(i, state):
+            m, l, acc = state  # [group, KVH, Q * G], same, [group, KVH, Q * G, D]
+            pages = lax.dynamic_slice_in_dim(tables_g, i * pages_per_step, pages_per_step, axis=1)
+            k = k_cache[layer, heads, pages[:, None, :]].reshape(group, kvh, tokens, d)
+            v = v_cache[layer, heads, pages[:, None, :]].reshape(group, kvh, tokens, d)
+            s = jnp.einsum("nkrd,nkcd->nkrc", q_g, k, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32) * scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            key = (i * tokens + key_offsets)[None, None, None, :]
+            valid = (key <= pos_g) & real_g  # [group, 1, Q * G, tokens]
+            if sliding_window is not None:
+                valid &= key > pos_g - sliding_window
+            s = jnp.where(valid, s, common.MASKED)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("nkrc,nkcd->nkrd", p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+            return m_new, l, alpha[..., None] * acc + pv
+
+        empty = (jnp.full((group, kvh, rows), common.MASKED, jnp.float32), jnp.zeros((group, kvh, rows), jnp.float32),
+                 jnp.zeros((group, kvh, rows, d), jnp.float32))
+        _, l, acc = lax.fori_loop(step_lo, step_hi, body, empty)
+        return lax.dynamic_update_slice_in_dim(out, acc / jnp.where(l == 0.0, 1.0, l)[..., None], gi * group, axis=0)
+
+    last_real = jnp.max(jnp.where(num_rows > 0, jnp.arange(n + pad), -1))
+    out = lax.fori_loop(0, (last_real + group) // group, group_body, jnp.zeros((n + pad, kvh, rows, d), jnp.float32))
+    return out[:n].reshape(n, kvh, bq, g, d).transpose(0, 2, 1, 3, 4)
 
 
 def decode_attention(
@@ -129,7 +145,7 @@ def decode_attention(
     lengths = lengths.astype(jnp.int32)
     out = attend_tiles(
         q.reshape(b, 1, kvh, h // kvh, d), k_cache, v_cache, layer, block_tables.astype(jnp.int32),
-        jnp.maximum(lengths - 1, 0), (lengths > 0).astype(jnp.int32),
+        jnp.maximum(lengths - 1, 0), (lengths > 0).astype(jnp.int32), tokens_per_step=decode_tokens_per_step(b),
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
     return out.reshape(b, h, d).astype(q.dtype)
@@ -159,7 +175,7 @@ def prefill_attention(
     qt = padded[rows].reshape(num_tiles, block_q, kvh, h // kvh, d)
     out = attend_tiles(
         qt, k_cache, v_cache, layer, block_tables.astype(jnp.int32)[tiles[:, 0]], tiles[:, 3], tiles[:, 2],
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        tokens_per_step=PREFILL_TOKENS_PER_STEP, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
     tile, offset, real = common.row_to_tile(query_start, t, block_q)
     out = jnp.where(real[:, None, None, None], out[tile, offset], 0.0)  # [T, KVH, G, D]
