@@ -142,7 +142,7 @@ class SoftmaxState(NamedTuple):
 
     def normalized(self) -> jax.Array:
         """acc / l, with rows that saw no key (l == 0) coming out as zeros."""
-        return self.acc / jnp.where(self.l == 0.0, 1.0, self.l)[:, None]
+        return self.acc / jnp.where(self.l == 0.0, 1.0, self.l)[..., None]
 
 
 def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:

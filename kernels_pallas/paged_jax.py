@@ -10,15 +10,18 @@ Pallas kernels do, in XLA:
 - query rows are cut into tiles that never cross a sequence (a decode row is a tile of one
   row; a prefill chunk of n rows is ceil(n / block_q) tiles), so a tile reads only its own
   sequence's pages;
-- a `fori_loop` walks the block tables `pages_per_step` pages at a time, with an f32 online
-  softmax, and stops at the longest tile's last position: the work follows the sequences'
-  lengths, not the width of the block tables (so a wide table costs almost nothing).
+- tiles go in groups; each group's `fori_loop` walks its block tables a few pages at a time,
+  with the kernels' f32 online softmax (`common.attend_step`), and stops at the group's last
+  key: the work follows the sequences' lengths, not the width of the block tables (so a wide
+  table costs almost nothing), and groups after the last real tile cost nothing.
 
 The floor is the same as the kernels': K/V bytes read once per tile over memory bandwidth
 for decode, QK^T and PV flops for long prefill chunks (`bench.attention_cpu` reports both).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,53 +77,43 @@ def attend_tiles(
     tables = common.pad_block_table(tables, common.cdiv(tables.shape[1], pages_per_step) * pages_per_step)
     tables = jnp.pad(tables, ((0, pad), (0, 0)))
     first_pos, num_rows = jnp.pad(first_pos, (0, pad)), jnp.pad(num_rows, (0, pad))
-    # Rows of a tile and kv head side by side: q [N, KVH, Q * G, D], so each product below is
-    # a batched matmul with its batch axes (tile, kv head) leading in every operand.
+    # Rows of a tile and kv head side by side: q [N, KVH, Q * G, D], so each product is a
+    # batched matmul with its batch axes (tile, kv head) leading in every operand.
     q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0), (0, 0))).transpose(0, 2, 1, 3, 4).reshape(n + pad, kvh, bq * g, d)
     pos = first_pos[:, None] + jnp.arange(bq)  # [N, Q]
     real = jnp.arange(bq)[None, :] < num_rows[:, None]
-    row_pos = jnp.repeat(pos, g, axis=1)[:, None, :, None]  # [N, 1, Q * G, 1]
-    row_real = jnp.repeat(real, g, axis=1)[:, None, :, None]
+    row_pos = jnp.repeat(pos, g, axis=1)[:, :, None]  # [N, Q * G, 1]
+    row_real = jnp.repeat(real, g, axis=1)[:, :, None]
     num_keys = jnp.where(num_rows > 0, first_pos + num_rows, 0)
-    first_key = jnp.iinfo(jnp.int32).max  # of a tile's window; none for empty tiles
-    if sliding_window is not None:
-        first_key = jnp.where(num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), first_key)
     heads = jnp.arange(kvh)[None, :, None]
     key_offsets = jnp.arange(tokens)
     rows = bq * g
+    # The Pallas kernels' online-softmax step, per (tile, kv head); the mask is shared by kv heads.
+    attend = jax.vmap(jax.vmap(functools.partial(common.attend_step, scale=scale, soft_cap=soft_cap),
+                               in_axes=(0, 0, 0, 0, None)))
+    empty = jax.vmap(jax.vmap(lambda _: common.SoftmaxState.empty(rows, d)))(jnp.zeros((group, kvh)))
 
     def group_body(gi, out):
         take = lambda x: lax.dynamic_slice_in_dim(x, gi * group, group, axis=0)  # noqa: E731
-        q_g, tables_g, pos_g, real_g, keys_g = take(q), take(tables), take(row_pos), take(row_real), take(num_keys)
-        step_hi = common.cdiv(jnp.max(keys_g), tokens)
-        step_lo = 0 if sliding_window is None else jnp.minimum(jnp.min(take(first_key)) // tokens, step_hi)
+        q_g, tables_g, pos_g, real_g = take(q), take(tables), take(row_pos), take(row_real)
+        step_hi = common.cdiv(jnp.max(take(num_keys)), tokens)
+        step_lo = 0
+        if sliding_window is not None:  # from the group's first key in a window
+            first_key = jnp.where(num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), jnp.iinfo(jnp.int32).max)
+            step_lo = jnp.minimum(jnp.min(take(first_key)) // tokens, step_hi)
 
         def body(i, state):
-            m, l, acc = state  # [group, KVH, Q * G], same, [group, KVH, Q * G, D]
             pages = lax.dynamic_slice_in_dim(tables_g, i * pages_per_step, pages_per_step, axis=1)
-            k = k_cache[layer, heads, pages[:, None, :]].reshape(group, kvh, tokens, d)
+            k = k_cache[layer, heads, pages[:, None, :]].reshape(group, kvh, tokens, d)  # [group, KVH, tokens, D]
             v = v_cache[layer, heads, pages[:, None, :]].reshape(group, kvh, tokens, d)
-            s = jnp.einsum("nkrd,nkcd->nkrc", q_g, k, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32) * scale
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            key = (i * tokens + key_offsets)[None, None, None, :]
-            valid = (key <= pos_g) & real_g  # [group, 1, Q * G, tokens]
+            key = (i * tokens + key_offsets)[None, None, :]
+            valid = (key <= pos_g) & real_g  # [group, Q * G, tokens]
             if sliding_window is not None:
                 valid &= key > pos_g - sliding_window
-            s = jnp.where(valid, s, common.MASKED)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("nkrc,nkcd->nkrd", p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
-            return m_new, l, alpha[..., None] * acc + pv
+            return attend(state, q_g, k, v, valid)
 
-        empty = (jnp.full((group, kvh, rows), common.MASKED, jnp.float32), jnp.zeros((group, kvh, rows), jnp.float32),
-                 jnp.zeros((group, kvh, rows, d), jnp.float32))
-        _, l, acc = lax.fori_loop(step_lo, step_hi, body, empty)
-        return lax.dynamic_update_slice_in_dim(out, acc / jnp.where(l == 0.0, 1.0, l)[..., None], gi * group, axis=0)
+        state = lax.fori_loop(step_lo, step_hi, body, empty)
+        return lax.dynamic_update_slice_in_dim(out, state.normalized(), gi * group, axis=0)
 
     last_real = jnp.max(jnp.where(num_rows > 0, jnp.arange(n + pad), -1))
     out = lax.fori_loop(0, (last_real + group) // group, group_body, jnp.zeros((n + pad, kvh, rows, d), jnp.float32))
