@@ -125,9 +125,11 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
     p.add_argument("--save-detailed", action="store_true", help="keep every inter-token gap in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--peer-n-ctx", type=int, default=4096, help="context of the llama-cpp server")
+    p.add_argument("--peer-n-ctx", type=int, default=4096, help="context of the llama-cpp server (llama-server: per slot)")
+    p.add_argument("--peer-binary", default="llama-server", help="llama-server: the executable (path or name on PATH)")
+    p.add_argument("--peer-slots", type=int, default=32, help="llama-server: parallel slots (continuous batching)")
     _add_workload_args(p, "text")
-    _add_peer_args(p, ("llama-cpp",))
+    _add_peer_args(p, ("llama-cpp", "llama-server"))
     _add_output_args(p)
 
 
@@ -138,7 +140,8 @@ def _serve_options(args: argparse.Namespace) -> Any:
                         server_args=shlex.split(args.server_args), startup_timeout_s=args.startup_timeout,
                         api_key=args.api_key, ignore_eos=args.ignore_eos, peer=args.peer,
                         peer_python=args.peer_python, peer_threads=args.peer_threads,
-                        peer_n_ctx=args.peer_n_ctx)  # fmt: skip
+                        peer_n_ctx=args.peer_n_ctx, peer_binary=args.peer_binary,
+                        peer_slots=args.peer_slots)  # fmt: skip
 
 
 def _load_spec(args: argparse.Namespace, rate: float, concurrency: int | None) -> Any:

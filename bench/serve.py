@@ -1,9 +1,10 @@
 """`jaxserve bench serve`: load a server with a workload and measure it on the client.
 
 The target is a running server (`--base-url`) or a `jaxserve serve` this command starts itself on
-a free loopback port and stops afterwards. With `--peer llama-cpp`, llama-cpp-python's OpenAI
-server is then started on the same GGUF and sent the same requests on the same arrival schedule;
-the two never run at the same time (one shared CPU).
+a free loopback port and stops afterwards. With `--peer llama-cpp` (llama-cpp-python's OpenAI
+server, one request at a time) or `--peer llama-server` (llama.cpp's own server, continuous
+batching over `--peer-slots` slots), the peer is then started on the same GGUF and sent the same
+requests on the same arrival schedule; the two never run at the same time (one shared CPU).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import shutil
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -27,11 +30,11 @@ from bench.model_files import gguf_path
 from bench.peers.runner import PeerUnavailable, check_peer
 from bench.plots import plot_cdfs, plot_latency_curves
 from bench.report import OURS, with_ratios
-from bench.server_process import ManagedServer, free_port, jaxserve_argv, llamacpp_argv
+from bench.server_process import ManagedServer, free_port, jaxserve_argv, llama_server_argv, llamacpp_argv
 from bench.system_info import system_info
 from bench.workloads import TokenizerLike, Workload
 
-SERVE_PEERS = ("llama-cpp",)
+SERVE_PEERS = ("llama-cpp", "llama-server")
 
 
 @dataclasses.dataclass
@@ -46,7 +49,9 @@ class ServeOptions:
     peer: str | None = None
     peer_python: str | None = None
     peer_threads: int = 2
-    peer_n_ctx: int = 4096
+    peer_n_ctx: int = 4096  # per slot for llama-server
+    peer_binary: str = "llama-server"  # llama-server: the executable (a path, or a name on PATH)
+    peer_slots: int = 32  # llama-server: parallel slots
 
 
 @dataclasses.dataclass
@@ -144,13 +149,40 @@ def llamacpp_endpoint(opts: ServeOptions, eos_token_ids: tuple[int, ...]) -> Ite
         yield Endpoint(server.base_url, served_model_name(opts), extra), info
 
 
+@contextlib.contextmanager
+def llama_server_endpoint(opts: ServeOptions) -> Iterator[tuple[Endpoint, dict[str, Any]]]:
+    """llama.cpp's `llama-server` on the model's GGUF (it takes `ignore_eos` as a request field)."""
+    binary = llama_server_binary(opts)
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
+    gguf = str(gguf_path(opts.model))
+    port = free_port()
+    argv = llama_server_argv(binary, gguf, port, opts.peer_threads, opts.peer_n_ctx, opts.peer_slots)
+    extra = {"ignore_eos": True} if opts.ignore_eos else {}
+    with ManagedServer(argv, port, "/health", opts.startup_timeout_s, name="llama-server") as server:
+        info = {"argv": argv, "startup_s": server.startup_seconds, "versions": {"llama-server": " ".join(version)}}
+        yield Endpoint(server.base_url, served_model_name(opts), extra), info
+
+
+def llama_server_binary(opts: ServeOptions) -> str:
+    binary = shutil.which(opts.peer_binary)
+    if binary is None:
+        raise PeerUnavailable(
+            f"peer 'llama-server' needs llama.cpp's llama-server executable ({opts.peer_binary!r} not found): build "
+            "it from llama.cpp (cmake --build build --target llama-server) and pass --peer-binary PATH"
+        )
+    return binary
+
+
 def check_serving_peer(opts: ServeOptions) -> None:
     """Fail before jaxserve's run, not after it, when the asked-for peer cannot run."""
     if opts.peer is None:
         return
     if opts.peer not in SERVE_PEERS:
         raise ValueError(f"unknown serving peer {opts.peer!r}; choose from {SERVE_PEERS}")
-    check_peer("llama-cpp-server", opts.peer_python)
+    if opts.peer == "llama-server":
+        llama_server_binary(opts)
+    else:
+        check_peer("llama-cpp-server", opts.peer_python)
     try:
         gguf_path(opts.model)
     except ValueError as e:
@@ -162,6 +194,8 @@ def endpoint_for(backend: str, opts: ServeOptions, tokenizer: Any):
         return jaxserve_endpoint(opts)
     if backend == "llama-cpp":
         return llamacpp_endpoint(opts, tuple(tokenizer.eos_token_ids))
+    if backend == "llama-server":
+        return llama_server_endpoint(opts)
     raise ValueError(f"unknown serving peer {backend!r}; choose from {SERVE_PEERS}")
 
 

@@ -1,6 +1,7 @@
 """Start a server as a subprocess on a free loopback port, wait until it answers, stop it after.
 
-Used for `jaxserve serve` (our server) and for llama-cpp-python's OpenAI server (the peer).
+Used for `jaxserve serve` (our server) and for the peers: llama-cpp-python's OpenAI server and
+llama.cpp's own `llama-server`.
 The server's output goes to a log file whose tail is shown when it fails to come up.
 """
 
@@ -104,3 +105,11 @@ def llamacpp_argv(python: str, gguf: str, port: int, threads: int, n_ctx: int) -
     return [python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
             "--interrupt_requests", "False"]  # fmt: skip
+
+
+def llama_server_argv(binary: str, gguf: str, port: int, threads: int, n_ctx: int, slots: int) -> list[str]:
+    """llama.cpp's `llama-server`: continuous batching over `slots` parallel slots of `n_ctx`
+    tokens each (its `-c` is the context of all slots together)."""
+    return [binary, "--model", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
+            "--threads-batch", str(threads), "--ctx-size", str(n_ctx * slots), "--parallel", str(slots),
+            "--cont-batching", "--no-webui"]  # fmt: skip

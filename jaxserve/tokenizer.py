@@ -25,14 +25,19 @@ class IncrementalDetokenizer:
       that strip a leading space (SentencePiece) keep the space of the first generated word.
     `"".join(deltas) + finish()` equals what decoding `context + ids` adds to decoding `context`
     (without context: `decode(ids)`).
+
+    In the steady state every token is shown at once, so the window's shown part is one token:
+    its text comes from `token_texts` (decoded once per vocabulary entry, shared by the
+    tokenizer's detokenizers), and each token costs one decode call, not two.
     """
 
     CONTEXT_TOKENS = 5
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True,
-                 context: Sequence[int] = ()) -> None:
+                 context: Sequence[int] = (), token_texts: dict[int, str] | None = None) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._token_texts = {} if token_texts is None else token_texts
         self._ids = [int(i) for i in context[-self.CONTEXT_TOKENS:]] if context else []
         if self._decode(self._ids).endswith("\ufffd"):
             self._ids = []  # a prompt ending inside a character would shift every delta
@@ -40,7 +45,12 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)  # tokens up to here are shown
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        if len(ids) == 1:
+            text = self._token_texts.get(ids[0])
+            if text is None:
+                text = self._token_texts[ids[0]] = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+            return text
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
 
     def _pending(self) -> str:
         """What the window's tokens after `_read` add to its text."""
@@ -79,6 +89,8 @@ class Tokenizer:
     def __init__(self, bundle: TokenizerBundle) -> None:
         self.bundle = bundle
         self._tokenizer = bundle.tokenizer
+        # Each token's text alone, by skip_special_tokens: see IncrementalDetokenizer.
+        self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -141,4 +153,5 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> IncrementalDetokenizer:
         """A streaming detokenizer; `context` is the prompt (its last tokens give the first
         generated word its leading space where the decoder would strip it)."""
-        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens, context=context)
+        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens, context=context,
+                                      token_texts=self._token_texts[skip_special_tokens])

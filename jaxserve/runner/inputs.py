@@ -168,13 +168,15 @@ class StepInputs:
         slots = np.zeros(batch, np.int32)
         seq_lens = np.zeros(batch, np.int32)
         tables = self._fill_tables(chunks, batch, width)
-        for i, c in enumerate(chunks):
+        for c in chunks:
             faults.check("input", c.request)
-            tokens[i] = c.request.last_token_id  # a decode computes the newest token
-            token_src[i] = self._pending_input(c, prev_rows)
-            positions[i] = c.start
-            slots[i] = tables[i, c.start // bs] * bs + c.start % bs
-            seq_lens[i] = c.start + 1
+        n = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), np.int32, n)
+        tokens[:n] = [c.request.last_token_id for c in chunks]  # a decode computes the newest token
+        token_src[:n] = [self._pending_input(c, prev_rows) for c in chunks]
+        positions[:n] = starts
+        slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
+        seq_lens[:n] = starts + 1
         meta = AttentionMetadata(slots, tables, seq_lens)
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, self.sampler_rows(batch))

@@ -353,13 +353,14 @@ class ModelRunner:
             logprobs = rest[0] if rest else None
             with_top = len(rest) == 3
             verified = tokens.ndim == 2  # [B, k + 1] from a verify program; its other fields by row
+            token_rows = tokens.tolist()
             for i, c in enumerate(chunks):
                 if not c.sample:
                     continue
                 rows = range(i * tokens.shape[1], (i + 1) * tokens.shape[1]) if verified else (i,)
-                ids = tokens[i] if verified else tokens[i:i + 1]
+                ids = token_rows[i] if verified else token_rows[i:i + 1]
                 sampled = []
-                for row, token in zip(rows, ids.tolist()):
+                for row, token in zip(rows, ids):
                     if token < 0:
                         break
                     lp = float(logprobs[row]) if logprobs is not None else float("nan")

@@ -58,8 +58,10 @@ def test_missing_peer_is_a_clear_error():
 
 def test_cli_refuses_a_peer_it_cannot_run_before_running_anything():
     for command in (["throughput", "--peer", "transformers", "--peer-python", sys.executable],
-                    ["serve", "--peer", "llama-cpp", "--peer-python", sys.executable]):  # fmt: skip
+                    ["serve", "--peer", "llama-cpp", "--peer-python", sys.executable],
+                    ["sweep", "--concurrencies", "1", "--peer", "llama-server", "--peer-binary", "/nonexistent/llama-server"]):  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", *command, "--model", "tiny-random"],
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 2, done.stderr[-2000:]
         assert "jaxserve bench:" in done.stderr and "Traceback" not in done.stderr
+        assert command[command.index("--peer") + 1] in done.stderr  # says which peer is missing
