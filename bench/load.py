@@ -121,7 +121,10 @@ async def run_load(endpoint: Endpoint, workload: Workload, spec: LoadSpec, token
     limit = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
     offsets = arrival_times(len(workload.items), spec.request_rate, spec.seed)
     timeout = aiohttp.ClientTimeout(total=spec.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)  # concurrency is ours to limit, not the pool's
+    # Concurrency is ours to limit, not the pool's. A connection per request (as vLLM's benchmark
+    # client): llama-server closes a kept-alive connection after a few requests, and a request
+    # written into one it is closing fails before the server has read it.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         start = time.perf_counter()
 

@@ -109,7 +109,8 @@ def llamacpp_argv(python: str, gguf: str, port: int, threads: int, n_ctx: int) -
 
 def llama_server_argv(binary: str, gguf: str, port: int, threads: int, n_ctx: int, slots: int) -> list[str]:
     """llama.cpp's `llama-server`: continuous batching over `slots` parallel slots of `n_ctx`
-    tokens each (its `-c` is the context of all slots together)."""
+    tokens each (its `-c` is the context of all slots together). Its HTTP threads default to the
+    core count, and connections beyond them were reset under a burst: two per slot."""
     return [binary, "--model", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
             "--threads-batch", str(threads), "--ctx-size", str(n_ctx * slots), "--parallel", str(slots),
-            "--cont-batching", "--no-webui"]  # fmt: skip
+            "--threads-http", str(2 * slots), "--cont-batching", "--no-webui"]  # fmt: skip

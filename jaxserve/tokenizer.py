@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import tokenizers
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
@@ -65,7 +66,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Feed one or more new ids; return the newly completed text (possibly empty)."""
-        ids = [int(i) for i in token_ids] if isinstance(token_ids, Iterable) else [int(token_ids)]
+        ids = [int(token_ids)] if isinstance(token_ids, (int, np.integer)) else [int(i) for i in token_ids]
         pieces = []
         for token_id in ids:
             self._ids.append(token_id)
