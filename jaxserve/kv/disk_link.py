@@ -48,6 +48,9 @@ class _Load:
     done: bool = False
     cancelled: bool = False
     loaded: tuple[int, int] = (0, 0)    # token positions the load added to the tree
+    # Where an earlier load of the same request began adding (a prefix loaded in parts, when the
+    # host tier had room for only some of it): the disk hits counted at admission start there.
+    loaded_from: int | None = None
 
 
 class DiskLink:
@@ -163,8 +166,13 @@ class DiskLink:
 
     def start_load(self, req_id: Hashable, node: RadixNode, tokens: Sequence[int] | np.ndarray,
                    chain: ChainKeys, num_blocks: int) -> LoadStart:
-        """Load the `num_blocks` blocks after `node` (the request's tree match) from disk."""
-        if req_id in self._loads:
+        """Load the `num_blocks` blocks after `node` (the request's tree match) from disk.
+
+        A request whose earlier load is done but that was not admitted yet (its match still
+        continues on disk: the host tier had room for only part of it) loads the rest; its
+        earlier load's lock is handed over once the new one has started."""
+        earlier = self._loads.get(req_id)
+        if earlier is not None and not earlier.done:
             raise ValueError(f"request {req_id!r} is loading already")
         disk, cache = self.disk, self.cache
         cache.lock(node)     # before reserving slots: reserving may evict idle host blocks
@@ -183,6 +191,9 @@ class DiskLink:
         per_block = [data[i * 4 * bs:(i + 1) * 4 * bs] for i in range(n)]
         self._unsubmitted.append((keys, per_block, slots, req_id))
         self._loads[req_id] = _Load(None, node, data, slots=slots)
+        if earlier is not None:  # its blocks are on the path `node` locks now
+            cache.unlock(earlier.node)
+            self._loads[req_id].loaded_from = earlier.loaded[0]
         return LoadStart.STARTED
 
     def submit(self) -> None:
@@ -215,7 +226,8 @@ class DiskLink:
             load.node = node
             load.done = True
             bs = self.block_size
-            load.loaded = ((node.end - good + len(unused)) * bs, node.end * bs)
+            start = (node.end - good + len(unused)) * bs
+            load.loaded = (start if load.loaded_from is None else min(start, load.loaded_from), node.end * bs)
         return bool(finished)
 
     def is_loading(self, req_id: Hashable) -> bool:

@@ -251,6 +251,50 @@ def test_a_restart_finds_the_blocks_on_disk(tmp_path) -> None:
     _close(second)
 
 
+def _wait_loaded(mgr: KVCacheManager, rid: str) -> None:
+    while mgr.is_loading(rid):
+        mgr.disk.disk.wait(5)
+        mgr.poll_loads()
+
+
+def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
+    """The host tier has room for part of a disk prefix; once room frees up, the request loads
+    the rest before it is admitted, and its disk hits count every part."""
+    eng = make(tmp_path, num_blocks=16, host_slots=4, disk_blocks=64)
+    drv, mgr = Driver(eng), eng.mgr
+    _served(drv, "a", PROMPT)
+    eng.execute_copies()
+    mgr.disk.disk.flush()
+    mgr.clear_prefix_cache()                       # PROMPT's 6 blocks are on disk only
+    assert eng.admit("s", [40 + i for i in range(7)], 7)
+    eng.run_step()
+    assert eng.swap_out("s")                       # it holds 2 of the 4 host slots
+    eng.execute_copies()
+    hit = mgr.match_prefix(PROMPT)
+    assert (hit.num_tokens, hit.num_disk_tokens) == (0, 24)
+    assert mgr.start_load("b", hit) is LoadStart.STARTED
+    eng.execute_copies()
+    _wait_loaded(mgr, "b")
+    first = mgr.match_prefix(PROMPT)
+    assert first.num_host_tokens == 8 and first.num_disk_tokens == 16   # room for 2 blocks only
+    assert eng.swap_in("s")
+    eng.execute_copies()
+    eng.finish("s")                                # its host slots are free again
+    rest = mgr.match_prefix(PROMPT)
+    assert mgr.start_load("b", rest) is LoadStart.STARTED
+    eng.execute_copies()
+    _wait_loaded(mgr, "b")
+    final = mgr.match_prefix(PROMPT)
+    assert final.num_host_tokens == 16 and final.num_disk_tokens == 8
+    assert eng.admit("b", PROMPT, len(PROMPT) - final.num_tokens)
+    assert mgr.disk.disk_hit_tokens == 16          # both parts: 8 tokens each
+    eng.run_step()
+    eng.check_content()
+    eng.finish("b")
+    eng.check_bookkeeping()
+    _close(eng)
+
+
 def test_a_damaged_file_is_dropped_and_recomputed_never_served(tmp_path) -> None:
     first = _fresh(tmp_path)
     _served(Driver(first), "a", PROMPT)
