@@ -30,7 +30,7 @@ KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
 PREFILL = [(1, 512, 0, 32), (4, 128, 0, 32), (1, 512, 0, 128), (4, 128, 0, 128), (4, 128, 300, 64),
            (1, 512, 2048, 160)]
 # (batch, context, width in pages)
-DECODE = [(64, 200, 16), (64, 700, 128), (64, 2048, 128), (1, 2048, 128)]
+DECODE = [(32, 200, 128), (64, 200, 16), (64, 700, 128), (64, 2048, 128), (1, 2048, 128)]
 
 
 def _cache(rows: int, width: int) -> tuple[jax.Array, jax.Array]:
