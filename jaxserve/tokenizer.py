@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
 
     In the steady state every token is shown at once, so the window's shown part is one token:
     its text comes from `token_texts` (decoded once per vocabulary entry, shared by the
-    tokenizer's detokenizers), and each token costs one decode call, not two.
+    tokenizer's detokenizers), and such a token costs one decode call, not two.
     """
 
     CONTEXT_TOKENS = 5
