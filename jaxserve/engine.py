@@ -187,7 +187,8 @@ class LLMEngine:
             num_compilations=self.num_compilations, num_steps=self.stats.num_steps,
             prompt_tokens_computed=self.stats.prompt_tokens_computed, generated_tokens=self.stats.generated_tokens,
             replicas=(ReplicaLoad(len(sched.running), len(sched.waiting), usage.used, usage.num_blocks),),
-            tiers=TierStats.of(kv),
+            tiers=TierStats.of(kv), speculative_steps=self.stats.speculative_steps,
+            draft_tokens=self.stats.draft_tokens, accepted_tokens=self.stats.accepted_tokens,
         )
 
     def pin_history(self, owner: str, token_ids: list[int], old: Pin | None, others: list[Pin]) -> tuple[Pin | None, list[Pin]]:

@@ -58,6 +58,10 @@ class EngineSnapshot:
     replicas: tuple[ReplicaLoad, ...]
     tiers: TierStats = TierStats()  # per-tier hits, bytes, load time, evictions
     kv_transfer: KVTransferStats = KVTransferStats()  # a disaggregating router's
+    # N-gram speculative decoding: steps that verified drafts, drafts verified, drafts accepted.
+    speculative_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:

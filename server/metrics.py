@@ -58,6 +58,12 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps run", value=s.num_steps)
         yield CounterMetricFamily(f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (not served from cache)",
                                   value=s.prompt_tokens_computed)
+        yield CounterMetricFamily(f"{PREFIX}_spec_decode_steps", "Engine steps that verified speculative drafts",
+                                  value=s.speculative_steps)
+        yield CounterMetricFamily(f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (n-gram speculation)",
+                                  value=s.draft_tokens)
+        yield CounterMetricFamily(f"{PREFIX}_spec_decode_accepted_tokens", "Draft tokens accepted by verification",
+                                  value=s.accepted_tokens)
         yield from _tier_metrics(s)
         yield from _transfer_metrics(s)
         per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
-from server_harness import MODEL_NAME, ServerThread, send
+from server_harness import MODEL_NAME, TEST_ENGINE, ServerThread, send, start_server
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
 EXPECTED_FAMILIES = {
@@ -16,7 +19,8 @@ EXPECTED_FAMILIES = {
     "jaxserve_prefix_cache_hit_tokens", "jaxserve_preemptions", "jaxserve_compilations", "jaxserve_engine_steps",
     "jaxserve_prompt_tokens_computed", "jaxserve_time_to_first_token_seconds", "jaxserve_time_per_output_token_seconds",
     "jaxserve_e2e_request_latency_seconds", "jaxserve_engine_step_seconds", "jaxserve_prompt_tokens",
-    "jaxserve_generation_tokens", "jaxserve_requests",
+    "jaxserve_generation_tokens", "jaxserve_requests", "jaxserve_spec_decode_steps",
+    "jaxserve_spec_decode_draft_tokens", "jaxserve_spec_decode_accepted_tokens",
 }
 
 
@@ -51,3 +55,25 @@ def test_a_stopped_engine_is_unhealthy_and_refuses_work(async_engine):
         assert "jaxserve_kv_blocks" not in found
     finally:
         srv.stop()
+
+
+def test_metrics_count_speculative_drafts_and_acceptances():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    engine = LLMEngine(build_tiny_random(), EngineConfig(**TEST_ENGINE, speculative_config=spec))
+    ae = AsyncEngine(engine)
+    ae.start()
+    srv = start_server(ae)
+    try:
+        for first in range(4):  # prompts that repeat a span: its n-grams recur (greedy loops do too)
+            span = [first + 5, 17, 9, 33, 21, 8]
+            body = {"model": MODEL_NAME, "prompt": span * 4, "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+            assert send(srv, "POST", "/v1/completions", body, key=None).status == 200
+        found = {name: f.samples[0].value for name, f in families(srv).items() if name.startswith("jaxserve_spec_decode")}
+        stats = engine.stats
+        assert found == {"jaxserve_spec_decode_steps": stats.speculative_steps,
+                         "jaxserve_spec_decode_draft_tokens": stats.draft_tokens,
+                         "jaxserve_spec_decode_accepted_tokens": stats.accepted_tokens}
+        assert stats.speculative_steps > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
+    finally:
+        srv.stop()
+        ae.shutdown()
