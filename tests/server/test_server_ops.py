@@ -57,7 +57,7 @@ def test_a_stopped_engine_is_unhealthy_and_refuses_work(async_engine):
         srv.stop()
 
 
-def test_metrics_count_speculative_drafts_and_acceptances():
+def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     engine = LLMEngine(build_tiny_random(), EngineConfig(**TEST_ENGINE, speculative_config=spec))
     ae = AsyncEngine(engine)
@@ -77,3 +77,4 @@ def test_metrics_count_speculative_drafts_and_acceptances():
     finally:
         srv.stop()
         ae.shutdown()
+    assert_kv_all_free(engine)  # the engine loop has stopped: read from this thread
