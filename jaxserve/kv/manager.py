@@ -351,7 +351,8 @@ class KVCacheManager:
     def start_load(self, req_id: RequestId, hit: PrefixHit) -> LoadStart:
         """Read the hit's disk blocks into the host tier in the background, instead of admitting.
 
-        STARTED: `is_loading(req_id)` until a later `poll_loads()`; then match and admit again.
+        STARTED: `is_loading(req_id)` until a later `poll_loads()`; then match and admit again (a
+        match that still continues on disk, when the host tier had room for part of it, may load again).
         BUSY: the in-flight bound is reached, try again later. NONE: no room; admit and recompute.
         """
         if self.disk is None or not hit.num_disk_tokens:
