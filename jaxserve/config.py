@@ -63,6 +63,10 @@ class EngineConfig:
     # N-gram speculative decoding (off: None): a SpeculativeConfig, its dict, or its JSON text
     # (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`); parsed here.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Multi-step decode: up to this many decode steps of a batch in one device loop (sampling and
+    # stop checks on the device, one read per loop). 1: off. Used for iterations with nothing
+    # to prefill, no speculation and no structured output.
+    num_scheduler_steps: int = 1
 
     # Shape buckets (None: derived from the limits above). Each list is sorted, finite, and
     # every jitted step is compiled for the cross product at warm-up. Block-table widths only
@@ -85,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space_blocks <= 0 and self.kv_host_bytes <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0 or kv_host_bytes > 0")
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
         for name in ("swap_space_blocks", "kv_host_bytes", "kv_disk_write_through_hits", "kv_disk_min_load_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -144,7 +150,7 @@ class EngineConfig:
         return slots
 
     def num_compiled_variants(self) -> int:
-        decode = len(self.decode_batch_buckets) * len(self.block_table_buckets)
+        decode = len(self.decode_batch_buckets) * len(self.block_table_buckets) * (1 + (self.num_scheduler_steps > 1))
         prefill = len(self.prefill_token_buckets) * len(self.prefill_seq_buckets) * len(self.block_table_buckets)
         return decode + prefill
 

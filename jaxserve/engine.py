@@ -19,6 +19,11 @@ Greedy output is the same either way (tests/test_speculative.py). Structured out
 constrained request's next mask depends on its last token, so while one waits for a token in
 flight that step is read before the next is scheduled, as for drafts.
 
+Multi-step decode (`num_scheduler_steps` K > 1): an iteration of unconstrained decodes only
+runs up to K steps in one device program (`ModelRunner` samples and checks stop tokens on the
+device) and is read at once, like a speculative one: the host's work per step is paid once per
+K tokens instead of overlapped.
+
 Fault isolation: an exception while preparing or post-processing one request's part of an
 iteration fails that request (an ERROR delta, its blocks freed) and the engine goes on; only a
 failure of the device iteration itself propagates.
@@ -261,7 +266,7 @@ class LLMEngine:
             self.kv.submit_loads()
             self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
         self.kv.submit_loads()  # after the launch: the copies that read their slots have run
-        if self.config.async_scheduling and not sched.is_speculative:
+        if self.config.async_scheduling and not (sched.is_speculative or sched.is_multi_step):
             previous, self._in_flight = [self._in_flight], handle
         else:  # read in launch order
             previous, self._in_flight = [self._in_flight, handle], None
@@ -323,9 +328,10 @@ class LLMEngine:
         return deltas
 
     def _update_all(self, req: Request, chunk: ScheduledChunk, tokens: list[SampledToken]) -> FinishReason | None:
-        """Land a chunk's tokens in order: one, or a verified decode's accepted drafts and the
-        token after them. Every stop rule applies to each; tokens after a stop are dropped. A
-        verified request that goes on keeps the K/V of its accepted drafts only."""
+        """Land a chunk's tokens in order: one, a verified decode's accepted drafts and the
+        token after them, or a multi-step decode's tokens. Every stop rule applies to each;
+        tokens after a stop are dropped. A request that goes on keeps the K/V of the tokens it
+        kept only."""
         reason = None
         for i, sampled in enumerate(tokens):
             if i:
@@ -337,8 +343,8 @@ class LLMEngine:
         if chunk.draft:
             self.stats.draft_tokens += len(chunk.draft)
             self.stats.accepted_tokens += len(tokens) - 1
-            if reason is None:
-                self.scheduler.accept_drafts(req, len(tokens) - 1)
+        if reason is None and (chunk.draft or chunk.num_steps > 1):
+            self.scheduler.accept_tokens(req, len(tokens) - 1)
         return reason
 
     def _update(self, req: Request, index: int, sampled: SampledToken) -> FinishReason | None:

@@ -83,6 +83,24 @@ def test_speculative_greedy_tokens_match_transformers(smollm2, assert_kv_all_fre
     assert_kv_all_free(llm.engine)
 
 
+def test_multi_step_greedy_tokens_match_transformers(smollm2, assert_kv_all_free):
+    """Multi-step decode (8 decode steps per device loop) keeps greedy output token for token:
+    the golden prompts batched, then one alone."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(smollm2, warm_up=False, num_scheduler_steps=8, **ENGINE)
+    cases = REFERENCE["greedy"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        assert out.outputs[0].token_ids == case["new_ids"], case["name"]
+    steps_before = llm.engine.stats.num_steps
+    out = llm.generate({"prompt_token_ids": cases[0]["prompt_ids"]}, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == cases[0]["new_ids"]
+    assert llm.engine.stats.num_steps - steps_before == 1 + 4  # the prefill's token, then 31 in 4 loops
+    assert_kv_all_free(llm.engine)
+
+
 def test_prompt_logprobs_match_transformers(llm, assert_kv_all_free):
     """vLLM's prompt_logprobs (lm-eval-harness's loglikelihood path) against transformers' log_softmax
     at every prompt position (tests/data/smollm2_prompt_logprobs.json, by make_prompt_logprobs.py)."""

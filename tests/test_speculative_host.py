@@ -73,7 +73,7 @@ def test_drafts_get_slots_and_the_rejected_ones_are_released():
     sched.on_step_launched(out)
     req.output_token_ids[-1] = 4  # the verify step accepted one draft, then sampled 9
     req.output_token_ids.append(9)
-    sched.accept_drafts(req, 1)
+    sched.accept_tokens(req, 1)
     assert req.num_computed_tokens == kv.num_tokens("a") == 10  # positions 0..9 hold valid K/V
     assert len(kv.block_table("a")) == 3
     kv.check_integrity()
@@ -88,7 +88,7 @@ def test_a_rejected_draft_that_crossed_a_block_frees_that_block():
     assert kv.num_available_blocks == free_before - 1  # positions 8..10 need a third block
     sched.on_step_launched(out)
     req.output_token_ids[-1] = 2  # the first draft rejected: 2 instead of 7
-    sched.accept_drafts(req, 0)
+    sched.accept_tokens(req, 0)
     assert kv.num_tokens("a") == 8 and kv.num_available_blocks == free_before
     kv.check_integrity()
 
@@ -143,7 +143,7 @@ def test_draftless_steps_pause_speculation_for_doubling_stretches_and_a_draft_en
     assert out.decodes[0].draft == [12, 13]
     sched.on_step_launched(out)
     req.output_token_ids[-1] = 5  # both drafts rejected
-    sched.accept_drafts(req, 0)
+    sched.accept_tokens(req, 0)
     assert sched.may_speculate()  # a step with a draft ended the backoff
     sched.on_step_launched(sched.schedule())
     req.output_token_ids[-1] = 6

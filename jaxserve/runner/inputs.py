@@ -23,6 +23,7 @@ from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarState, mask_words
 
 PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compiled shape)
+STOP_ID_SLOTS = 8  # stop token ids per row that a multi-step decode checks on the device
 
 
 class Program(NamedTuple):
@@ -43,6 +44,8 @@ class Program(NamedTuple):
     # Structured output: (sampling row, grammar) of each constrained row. Their mask rows allow
     # every token until `write_token_masks` writes them, after the model step is dispatched.
     masks: tuple[tuple[int, GrammarState], ...] = ()
+    # A multi-step decode program: decode steps in its device loop (see `StepInputs.multi_decode`).
+    num_steps: int = 1
 
 
 def write_token_masks(program: Program) -> Program:
@@ -155,6 +158,8 @@ class StepInputs:
             batch = bucket_for(len(chunks), ec.decode_batch_buckets)
             if any(c.draft for c in chunks):
                 programs.append(self.verify(chunks, batch, self._width_bucket(chunks, self.verify_rows)))
+            elif any(c.num_steps > 1 for c in chunks):
+                programs.append(self.multi_decode(chunks, batch, self._width_bucket(chunks), prev_rows))
             else:
                 programs.append(self.decode(chunks, batch, self._width_bucket(chunks), prev_rows))
         return PreparedStep(resets, unset, programs, scores)
@@ -181,6 +186,37 @@ class StepInputs:
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, self.sampler_rows(batch))
         return Program(("decode", batch, width), host_args, sampling, self.decode_offset, masks=masks)
+
+    def multi_decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
+                     prev_rows: dict[Request, int] | None = None) -> Program:
+        """A multi-step decode program: `num_scheduler_steps` decode steps of the batch in one
+        device loop, each feeding its sampled tokens to the next. Row i takes at most
+        `num_steps[i]` steps (its slots are allocated) and stops after one of its `stop_ids`
+        (STOP_ID_SLOTS of them; a stop token beyond those, or a stop string, is caught on the host,
+        which drops what follows). Its sampling row is the same at every step but for the
+        position, so a row whose `min_tokens` ends inside the loop takes steps only up to there
+        (the scheduler's `_num_steps`)."""
+        n = len(chunks)
+        tokens = np.zeros(batch, np.int32)
+        token_src = np.full(batch, -1, np.int32)
+        positions = np.zeros(batch, np.int32)
+        num_steps = np.zeros(batch, np.int32)
+        stop_ids = np.full((batch, STOP_ID_SLOTS), -1, np.int32)
+        tables = self._fill_tables(chunks, batch, width)
+        for i, c in enumerate(chunks):
+            faults.check("input", c.request)
+            req = c.request
+            if len(req.output_token_ids) >= req.params.min_tokens:  # else they are banned anyway
+                ids = sorted(req.stop_token_ids)[:STOP_ID_SLOTS]
+                stop_ids[i, :len(ids)] = ids
+        tokens[:n] = [c.request.last_token_id for c in chunks]
+        token_src[:n] = [self._pending_input(c, prev_rows) for c in chunks]
+        positions[:n] = [c.start for c in chunks]
+        num_steps[:n] = [c.num_steps for c in chunks]
+        host_args = (tokens, positions, tables, num_steps, stop_ids, token_src)
+        sampling, masks = self._sampling(chunks, self.sampler_rows(batch))
+        return Program(("multi_decode", batch, width), host_args, sampling, self.decode_offset, masks=masks,
+                       num_steps=self.config.num_scheduler_steps)
 
     def verify(self, chunks: list[ScheduledChunk], batch: int, width: int) -> Program:
         """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
@@ -297,7 +333,7 @@ class StepInputs:
     def _width_bucket(self, chunks: list[ScheduledChunk], rows: int | None = None) -> int:
         """Block-table width of the chunks' steps (`rows`: positions per sequence, if fixed)."""
         bs = self.config.block_size
-        need = max((-(-(c.start + (rows or c.num_new_tokens)) // bs) for c in chunks), default=1)
+        need = max((-(-(c.start + (rows or max(c.num_new_tokens, c.num_steps))) // bs) for c in chunks), default=1)
         return bucket_for(need, self.config.block_table_buckets)
 
     def _row_sampling(self, chunk: ScheduledChunk, ahead: int = 0) -> RowSampling | None:

@@ -29,7 +29,7 @@ from checkpoints.config import ModelConfig
 from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
-from jaxserve.model import KVCache, LlamaModel
+from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import head_logits
 from jaxserve.outputs import TokenLogprob
@@ -161,6 +161,11 @@ class ModelRunner:
             in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv, rep),
         )
         self._verify = jax.jit(verify, donate_argnums=(2,), in_shardings=rep, out_shardings=rep)
+        # Multi-step decode: the whole loop (model steps and their sampling) is one program.
+        self._multi_step = jax.jit(
+            functools.partial(self._multi_step_fn, loop_steps=engine_config.num_scheduler_steps),
+            donate_argnums=(1, 10), in_shardings=(self.param_shardings, kv, *[rep] * 9), out_shardings=(rep, kv, rep),
+        )
         self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
             engine_config.max_num_seqs, config.vocab_size)
         self._set_penalty_rows = jax.jit(self._set_penalty_rows_fn, donate_argnums=(0,), in_shardings=rep,
@@ -200,6 +205,39 @@ class ModelRunner:
         rank = 1 + jnp.sum(logprobs > target[:, None], axis=1, dtype=jnp.int32)
         top_logprobs, top_ids = lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
         return target, rank, top_ids.astype(jnp.int32), top_logprobs
+
+    def _multi_step_fn(self, params, cache, tokens, positions, tables, num_steps, stop_ids, prev_sampled, token_src,
+                       sampling, counts, loop_steps: int):
+        """`loop_steps` decode steps of a batch in one loop (`StepInputs.multi_decode`): each
+        step writes the rows' K/V, samples their next tokens and feeds them to the next step.
+        Row i's tokens are [B, loop_steps], -1 after its `num_steps[i]` steps or after a stop token
+        it sampled; its log-probabilities are by row i * loop_steps + step. Past its steps a row
+        writes into block 0 (never allocated) and attends to nothing."""
+        bs = self.engine_config.block_size
+        batch, width = tables.shape
+        rows = jnp.arange(batch, dtype=jnp.int32)
+        pad_rows = sampling.temperature.shape[0] - batch
+        tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
+
+        def one_step(carry, step):
+            cache, tokens, counts, done = carry
+            live = step < num_steps
+            pos = positions + step
+            page = tables[rows, jnp.minimum(pos // bs, width - 1)]
+            meta = AttentionMetadata(jnp.where(live, page * bs + pos % bs, 0), tables, jnp.where(live, pos + 1, 0))
+            logits, cache = self.model.apply({"params": params}, tokens, pos, cache, meta, rows)
+            logits = jnp.pad(logits, ((0, pad_rows), (0, 0)))
+            out, counts = sample(logits, dataclasses.replace(sampling, positions=sampling.positions + step), counts)
+            out = SamplerOutput(*(field[:batch] for field in out))
+            emitted = jnp.where(live & ~done, out.tokens, -1)
+            done |= jnp.any(out.tokens[:, None] == stop_ids, axis=1)
+            return (cache, out.tokens, counts, done), out._replace(tokens=emitted)
+
+        init = (cache, tokens, counts, jnp.zeros(batch, jnp.bool_))
+        (cache, _, counts, _), outs = lax.scan(one_step, init, jnp.arange(loop_steps, dtype=jnp.int32))
+        by_row = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch * loop_steps, *x.shape[2:])  # noqa: E731
+        out = SamplerOutput(outs.tokens.T, by_row(outs.logprobs), by_row(outs.top_ids), by_row(outs.top_logprobs))
+        return out, cache, counts
 
     @staticmethod
     def _sample_fn(logits, sampling, sampled, offset, counts):
@@ -241,6 +279,11 @@ class ModelRunner:
         tokens, positions, meta, logits_indices, token_src = program.host_args
         return (self.params, self.cache, tokens, positions, meta, logits_indices, self._prev_sampled, token_src)
 
+    def _multi_step_args(self, program: Program) -> tuple:
+        tokens, positions, tables, num_steps, stop_ids, token_src = program.host_args
+        return (self.params, self.cache, tokens, positions, tables, num_steps, stop_ids, self._prev_sampled, token_src,
+                program.sampling, self.penalty_counts)
+
     def _sample_args(self, program: Program, logits: Any, sampled: jax.Array) -> tuple:
         return (logits, program.sampling, sampled, np.int32(program.sample_offset), self.penalty_counts)
 
@@ -253,7 +296,8 @@ class ModelRunner:
 
     def warm_up(self) -> float:
         """Compile every bucket of both steps, the samplers and the penalty reset (and, with
-        speculative decoding, the verify steps and their samplers); return the seconds it took.
+        speculative decoding, the verify steps and their samplers; with multi-step decode, its
+        loops); return the seconds it took.
 
         Tracing and lowering hold the GIL and run one by one on this thread; each lowered
         program goes straight to a pool of a thread per core, so XLA compiles the earlier
@@ -265,6 +309,8 @@ class ModelRunner:
         programs += [self.inputs.prefill([], t, s, w) for w in ec.block_table_buckets
                      for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
         verifies = [self.inputs.verify([], b, w) for w in ec.block_table_buckets for b in self.inputs.verify_batches]
+        multi_steps = [] if ec.num_scheduler_steps == 1 else [
+            self.inputs.multi_decode([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
         pending: dict[tuple, concurrent.futures.Future] = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             def submit(key: tuple, fn, args: tuple) -> None:
@@ -281,6 +327,8 @@ class ModelRunner:
                 rows = program.sampling.temperature.shape[0]
                 logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
                 submit(("verify_sample", rows), self._verify, self._verify_args(program, logits))
+            for program in multi_steps:
+                submit(program.key, self._multi_step, self._multi_step_args(program))
             for tokens in ec.prefill_token_buckets:
                 hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.dtype)
                 rows = jax.ShapeDtypeStruct((tokens,), jnp.int32)
@@ -302,6 +350,8 @@ class ModelRunner:
             f"sampler rows {list(ec.sampler_row_buckets)}"
             + (f"; verify (speculative, {self.inputs.verify_rows} rows per sequence) batch "
                f"{list(self.inputs.verify_batches)} x width {list(ec.block_table_buckets)}" if self.inputs.verify_rows else "")
+            + (f"; multi-step decode ({ec.num_scheduler_steps} steps) batch {list(ec.decode_batch_buckets)} x width "
+               f"{list(ec.block_table_buckets)}" if ec.num_scheduler_steps > 1 else "")
         )
 
     # ----- execution ------------------------------------------------------------------------
@@ -324,7 +374,8 @@ class ModelRunner:
         self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
         parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
         self._sampled_rows = {c.request: program.sample_offset + i for chunks, program in zip(parts, prepared.programs)
-                              if program.drafts is None for i, c in enumerate(chunks) if c.sample}
+                              if program.drafts is None and program.num_steps == 1
+                              for i, c in enumerate(chunks) if c.sample}
         self.num_launches += 1
         handle = StepHandle(self.num_launches, [])
         for chunks, out in zip(parts, outs):
@@ -352,7 +403,7 @@ class ModelRunner:
             tokens, *rest = (np.asarray(f) for f in fields)
             logprobs = rest[0] if rest else None
             with_top = len(rest) == 3
-            verified = tokens.ndim == 2  # [B, k + 1] from a verify program; its other fields by row
+            verified = tokens.ndim == 2  # [B, k + 1] or [B, K] (verify, multi-step); other fields by row
             token_rows = tokens.tolist()
             for i, c in enumerate(chunks):
                 if not c.sample:
@@ -403,6 +454,12 @@ class ModelRunner:
             self.penalty_counts = self._compiled(("penalty_reset",), self._set_penalty_rows, args, warming_up)(*args)
         sampled, outs, scores = self._no_tokens, [], None
         for program in programs:
+            if program.num_steps > 1:
+                args = self._multi_step_args(program)
+                out, self.cache, self.penalty_counts = self._compiled(
+                    program.key, self._multi_step, args, warming_up)(*args)
+                outs.append(out)
+                continue
             args = self.step_args(program)
             if program.drafts is not None:
                 logits, self.cache, _ = self._compiled(program.key, self._verify_step, args, warming_up)(*args)

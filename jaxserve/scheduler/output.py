@@ -28,6 +28,9 @@ class ScheduledChunk:
     # Speculative decoding (decodes only): draft tokens verified after the last token; their
     # slots are allocated, and the ones rejected are released when the step is read.
     draft: list[int] = dataclasses.field(default_factory=list)
+    # Multi-step decode (decodes only): tokens this decode may sample in the step's device loop
+    # (its slots are allocated); it stops earlier at a stop token.
+    num_steps: int = 1
 
     @property
     def token_ids(self) -> list[int]:
@@ -57,3 +60,7 @@ class SchedulerOutput:
     @property
     def is_speculative(self) -> bool:
         return any(c.draft for c in self.decodes)
+
+    @property
+    def is_multi_step(self) -> bool:
+        return any(c.num_steps > 1 for c in self.decodes)

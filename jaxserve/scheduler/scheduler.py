@@ -16,9 +16,13 @@ sequence cap (`max_num_seqs`):
 
 With speculative decoding configured and at most `disable_by_batch_size` decodes, each decode
 whose tokens are all known gets n-gram draft tokens and slots for them; the slots of rejected
-drafts are released when the step is read (`accept_drafts`). A step that looked for drafts and
+drafts are released when the step is read (`accept_tokens`). A step that looked for drafts and
 found none pauses speculation for 1, 2, 4 ... steps (at most SPECULATION_MAX_PAUSE), so a batch
 whose text does not repeat keeps async scheduling's overlap most of the time.
+
+With `num_scheduler_steps` K > 1, an iteration with nothing but unconstrained decodes gives each
+decode slots for up to K tokens (fewer near its length limits or its `min_tokens`), which the
+device samples in one loop; a decode that stops early releases the rest when it finishes.
 
 No JAX here: the scheduler is host-side bookkeeping on the hot path.
 """
@@ -107,6 +111,7 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)
                     and not r.awaits_token]
         speculating = self._speculates(decoding)
+        multi_step = not speculating and self._runs_multi_step(decoding)
         looked_up = False  # some request's tokens were searched for a draft
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
@@ -116,14 +121,18 @@ class Scheduler:
             draft = draft or []
             if draft and not self.kv.allocate_slots(req.request_id, 1 + len(draft)):
                 draft = []  # no room for the drafts: a plain decode
-            while not draft and not self.kv.allocate_slots(req.request_id, 1):
+            num_steps = self._num_steps(req) if multi_step else 1
+            if num_steps > 1 and not self.kv.allocate_slots(req.request_id, num_steps):
+                num_steps = 1  # no room for the loop's slots: one step
+            reserved = bool(draft) or num_steps > 1
+            while not reserved and not self.kv.allocate_slots(req.request_id, 1):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 chunk = self._chunk(req, 1)
-                chunk.draft = draft
+                chunk.draft, chunk.num_steps = draft, num_steps
                 out.decodes.append(chunk)
         if looked_up:
             self._after_speculating(drafted=out.is_speculative)
@@ -156,6 +165,27 @@ class Scheduler:
         self._speculation_backoff = 0 if drafted else min(max(1, 2 * self._speculation_backoff),
                                                           SPECULATION_MAX_PAUSE)
         self._speculation_pause = self._speculation_backoff
+
+    def _runs_multi_step(self, decoding: list[Request]) -> bool:
+        """Multi-step decode this step: configured, and nothing but decodes to run (no prompt
+        waits or is being chunked, nothing is swapped out or loading), none constrained (each
+        of its masks depends on the token before)."""
+        return (self.config.num_scheduler_steps > 1 and bool(decoding) and not self.waiting and not self.swapped
+                and not any(r.is_prefilling for r in self.running) and not self.kv.has_pending_loads
+                and all(r.grammar is None for r in decoding))
+
+    def _num_steps(self, req: Request) -> int:
+        """Decode steps the request may take in one device loop: at most `num_scheduler_steps`,
+        not past its length limits, and not across its `min_tokens` (the loop bans its stop
+        tokens throughout, or never)."""
+        out = len(req.output_token_ids)
+        steps = 1
+        limit = self.config.num_scheduler_steps
+        if out < req.params.min_tokens:
+            limit = min(limit, req.params.min_tokens - out)
+        while steps < limit and not req.ends_by_length(out + steps, self.config.max_model_len):
+            steps += 1
+        return steps
 
     def _draft(self, req: Request) -> list[int] | None:
         """The request's n-gram draft, at most as long as it may still generate ([] if its
@@ -328,10 +358,11 @@ class Scheduler:
                 req.output_token_ids.append(PLACEHOLDER)
             self.cache_known_blocks(req)
 
-    def accept_drafts(self, req: Request, num_accepted: int) -> None:
-        """A verified decode was read and `num_accepted` of its drafts were kept: their K/V are
-        valid (the request's next token follows them), the slots of the rest are released."""
-        req.num_computed_tokens += num_accepted
+    def accept_tokens(self, req: Request, num_extra: int) -> None:
+        """A verified or multi-step decode was read and kept `num_extra` tokens beyond its first
+        (accepted drafts, or the loop's later tokens): their K/V are valid (the request's next
+        token follows them), the slots reserved past them are released."""
+        req.num_computed_tokens += num_extra
         self.kv.release_slots(req.request_id, req.num_computed_tokens)
 
     def cache_known_blocks(self, req: Request) -> None:

@@ -92,9 +92,10 @@ def collectives(runner, key: tuple) -> list[dict]:
     return [dataclasses.asdict(c) for c in hlo.collectives(runner._executables[key].as_text())]
 
 
-def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str | None = None) -> dict:
+def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str | None = None,
+               num_scheduler_steps: int = 1) -> dict:
     config = EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, attention_backend=attention_backend,
-                          **TINY_ENGINE)
+                          num_scheduler_steps=num_scheduler_steps, **TINY_ENGINE)
     engine = make_engine(model, config)
     with count_xla_compilations() as warm_up_compiles:
         engine.warm_up()
@@ -158,12 +159,16 @@ def main(cases: list[str]) -> None:
         "few_kv": build_tiny_random(num_heads=8, num_kv_heads=2, tie_word_embeddings=True),
     }
     results = {}
-    for case in cases:  # "MODEL:DPxTP", "MODEL+pallas:DPxTP" (Pallas attention), "MODEL+restored:1xTP"
+    # "MODEL:DPxTP", "MODEL+pallas:DPxTP" (Pallas attention), "MODEL+restored:1xTP",
+    # "MODEL+multistep:DPxTP" (multi-step decode, 4 steps per loop)
+    for case in cases:
         name, layout = case.split(":")
         model, _, variant = name.partition("+")
         dp, tp = map(int, layout.split("x"))
         if variant == "restored":
             results[case] = restore_into_shards(models[model], tp)
+        elif variant == "multistep":
+            results[case] = run_layout(models[model], dp, tp, with_hlo=False, num_scheduler_steps=4)
         else:
             results[case] = run_layout(models[model], dp, tp, with_hlo=tp > 1 and dp == 1,
                                        attention_backend=variant or None)
