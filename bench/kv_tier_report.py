@@ -9,7 +9,6 @@ the three hit counts are disjoint: device + host + disk = all cached prompt toke
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +36,7 @@ def _summary(hits: tuple[float, float, float], evictions: tuple[float, float, fl
 
 def from_tier_stats(before: TierStats, after: TierStats) -> dict[str, Any]:
     """The run's counters from an engine's `snapshot().tiers` taken before and after it."""
-    d = TierStats(*(getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(TierStats)))
+    d = after.minus(before)
     return _summary((d.device_hit_tokens, d.host_hit_tokens, d.disk_hit_tokens),
                     (d.device_evictions, d.host_evictions, d.disk_evictions), d.disk_bytes_read,
                     d.disk_bytes_written, d.disk_loads, d.disk_load_seconds, d.disk_write_seconds, d.disk_damaged)
@@ -49,13 +48,14 @@ def from_server_counters(before: Mapping[str, float], after: Mapping[str, float]
     if not any(name.startswith(f"{PREFIX}_kv_tier_hit_tokens_total") for name in after):
         return None
 
-    def delta(name: str, label: str = "") -> float:
-        key = f"{PREFIX}_{name}_total" + (f"{{{label}}}" if label else "")
+    def delta(name: str, label: str = "", suffix: str = "_total") -> float:
+        key = f"{PREFIX}_{name}{suffix}" + (f"{{{label}}}" if label else "")
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     tiers = ("device", "host", "disk")
     return _summary(tuple(delta("kv_tier_hit_tokens", f"tier={t}") for t in tiers),
                     tuple(delta("kv_tier_evictions", f"tier={t}") for t in tiers),
                     delta("kv_disk_io_bytes", "direction=read"), delta("kv_disk_io_bytes", "direction=written"),
-                    delta("kv_disk_loads"), delta("kv_disk_load_seconds"), delta("kv_disk_write_seconds"),
+                    delta("kv_disk_load_duration_seconds", suffix="_count"),
+                    delta("kv_disk_load_duration_seconds", suffix="_sum"), delta("kv_disk_write_seconds"),
                     delta("kv_disk_damaged_files"))

@@ -16,6 +16,9 @@ Three parts, one run (the machine is shared: compare the ratios, not the seconds
    written with and without fsync and read from the page cache and, after DONTNEED, from the disk.
 3. Decode steps of `--decoders` running requests: alone, while a disk hit of a `--tokens` prompt
    loads in the background (page cache dropped), and while such a prompt is recomputed instead.
+4. Short hits (`--kv-disk-min-load-tokens`'s crossover): TTFT of prompts of 32 ... 512 tokens
+   whose blocks but the last are on disk (in the page cache), loaded, against recomputing a fresh
+   prompt of the same length (each in its own prefill bucket, so neither pays for padding).
 
 A hit computes its last tokens in the 32-token prefill bucket, so it does not pay a padded
 512-token step. Each TTFT also reports its first token: every path must produce the same one.
@@ -42,6 +45,7 @@ from jaxserve.kv.tier_stats import TierStats
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 PIECE = 8 << 20
+SHORT_PROMPTS = (32, 64, 128, 256, 512)  # part 4's prompt lengths, each a prefill bucket
 
 
 def ttft(llm: LLM, prompt: list[int], what: str) -> dict[str, Any]:
@@ -163,7 +167,7 @@ def main() -> None:
     max_len = -(-(args.tokens + 64) // 512) * 512
     seqs = args.decoders + 1
     config = dict(max_num_seqs=seqs, max_num_batched_tokens=512, max_model_len=max_len, block_size=bs,
-                  num_blocks=2 * max_len // bs + 64, decode_batch_buckets=(seqs,), prefill_token_buckets=(32, 512),
+                  num_blocks=2 * max_len // bs + 64, decode_batch_buckets=(seqs,), prefill_token_buckets=SHORT_PROMPTS,
                   prefill_seq_buckets=(1,), max_prefill_seqs=1,
                   kv_host_bytes=1 << 30, kv_disk_bytes=4 << 30, compilation_cache_dir=str(cache_dir() / "xla"))
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:   # /var/tmp: a disk, not a tmpfs
@@ -174,6 +178,8 @@ def main() -> None:
         conversation, warm, loaded, fresh, recomputed = (
             rng.integers(min(100, vocab // 2), min(40000, vocab), args.tokens).tolist() for _ in range(5))
         decoders = [rng.integers(min(100, vocab // 2), min(40000, vocab), 32).tolist() for _ in range(args.decoders)]
+        shorts, short_fresh = ({n: rng.integers(min(100, vocab // 2), min(40000, vocab), n).tolist()
+                                for n in SHORT_PROMPTS} for _ in range(2))
         print(f"model: max_position_embeddings {model.max_position_embeddings}, rope_theta {model.rope_theta}, "
               f"rope_scaling {model.rope_scaling}; max_model_len {first.engine.config.max_model_len}", flush=True)
         runs = {"recompute_cold": ttft(first, conversation, "recompute (cold)")}  # written through to disk
@@ -184,14 +190,17 @@ def main() -> None:
         kv.prefix_cache.evict(kv.prefix_cache.num_evictable_blocks)   # spill everything to the host
         first.engine.step()                                            # run the spill copies
         runs["host_hit"] = ttft(first, conversation, "host hit")
-        for prompt in (warm, loaded):                                  # more prompts for the disk
+        for prompt in (warm, loaded, *shorts.values()):                # more prompts for the disk
             first.generate({"prompt_token_ids": prompt}, ONE_TOKEN, use_tqdm=False)
         first.close()
         written = from_tier_stats(TierStats(), first.engine.snapshot().tiers)
 
-        second = LLM(args.model, kv_disk_dir=str(directory), **config)   # the restart
+        # The restart; every disk hit loads, however short (part 4 measures where that pays).
+        second = LLM(args.model, kv_disk_dir=str(directory), kv_disk_min_load_tokens=1, **config)
         drop_from_page_cache(block_paths(second, conversation) + block_paths(second, loaded))
         runs["recompute_after_restart"] = ttft(second, fresh, "recompute (after the restart)")
+        second.engine.disk_tier.flush()
+        os.sync()  # the recompute's files reach the disk now, not in the kernel's writeback during the next read
         runs["disk_hit_from_disk"] = ttft(second, conversation, "disk hit, files read from the disk")
         for path in block_paths(second, warm):
             path.read_bytes()                                            # surely in the page cache
@@ -200,6 +209,12 @@ def main() -> None:
         during_load = decode_steps(second, decoders, loaded, "during a disk load", _admitted, drop_last=True)
         during_recompute = decode_steps(second, decoders, recomputed, "during a recompute",
                                         lambda engine, rid: not engine.is_active(rid))
+        short = {}
+        for n in SHORT_PROMPTS:
+            for path in block_paths(second, shorts[n]):
+                path.read_bytes()
+            short[n] = {"recompute": ttft(second, short_fresh[n], f"{n} tokens, recompute"),
+                        "disk_hit": ttft(second, shorts[n], f"{n} tokens, disk hit (page cache)")}
         second.close()
         machine = machine_disk_bandwidth(directory, args.bandwidth_bytes)
 
@@ -222,6 +237,11 @@ def main() -> None:
                          "step_time_ratio_load_vs_alone": _ratio(during_load, alone, "mean_step_ms"),
                          "step_time_ratio_recompute_vs_alone": _ratio(during_recompute, alone, "mean_step_ms"),
                          "tokens_per_s_ratio_load_vs_alone": _ratio(during_load, alone, "decode_tokens_per_s")},
+        "short_hits": {n: {"recompute_ttft_s": round(r["recompute"]["ttft_s"], 4),
+                           "disk_hit_ttft_s": round(r["disk_hit"]["ttft_s"], 4),
+                           "disk_hit_tokens": r["disk_hit"]["tiers"]["disk_hit_tokens"],
+                           "speedup": round(r["recompute"]["ttft_s"] / r["disk_hit"]["ttft_s"], 2)}
+                       for n, r in short.items()},
     }
     print(json.dumps(result, indent=2, default=float))
 

@@ -91,13 +91,14 @@ def scrape_counters(base_url: str) -> dict[str, float] | None:
 
 
 def parse_counters(text: str) -> dict[str, float]:
-    """Every counter sample of a Prometheus text page, named `name_total{label=value,...}`."""
+    """Every counter sample of a Prometheus text page, named `name_total{label=value,...}`, and
+    each histogram's `name_count` and `name_sum` (counters too)."""
     counters = {}
     for family in text_string_to_metric_families(text):
-        if family.type != "counter":
+        if family.type not in ("counter", "histogram"):
             continue
         for sample in family.samples:
-            if sample.name.endswith("_total"):
+            if sample.name.endswith(("_total", "_count", "_sum")):
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
                 counters[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return counters

@@ -8,13 +8,15 @@ hook (prometheus-client metrics are thread-safe).
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.kv.disk_tier import LOAD_SECONDS_BUCKETS
 
 PREFIX = "jaxserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -95,9 +97,11 @@ def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     disk_bytes.add_metric(["read"], t.disk_bytes_read)
     disk_bytes.add_metric(["written"], t.disk_bytes_written)
     yield disk_bytes
-    yield CounterMetricFamily(f"{PREFIX}_kv_disk_loads", "Background loads from the disk tier", value=t.disk_loads)
-    yield CounterMetricFamily(f"{PREFIX}_kv_disk_load_seconds", "Summed wall time of disk loads",
-                              value=t.disk_load_seconds)
+    cumulative = list(itertools.accumulate(t.disk_load_seconds_counts))
+    yield HistogramMetricFamily(
+        f"{PREFIX}_kv_disk_load_duration_seconds", "Wall time of each background load from the disk tier",
+        buckets=[*zip(map(str, LOAD_SECONDS_BUCKETS), cumulative), ("+Inf", cumulative[-1])],
+        sum_value=t.disk_load_seconds)
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_write_seconds", "Summed wall time of block file writes",
                               value=t.disk_write_seconds)
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted",

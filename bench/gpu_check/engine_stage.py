@@ -55,7 +55,7 @@ def engine_config(plan: Plan, config: ModelConfig, stage: Stage) -> EngineConfig
         dtype=plan.engine_dtype, attention_backend="pallas",
         decode_batch_buckets=w.batches, prefill_token_buckets=(w.max_num_batched_tokens,),
         prefill_seq_buckets=(w.max_prefill_seqs,), block_table_buckets=(pages,),
-        **overlap,
+        num_scheduler_steps=stage.scheduler_steps, **overlap,
     )
 
 
@@ -102,11 +102,13 @@ def decode_window(engine: LLMEngine, batch: int, w: EngineWorkload, rng: np.rand
             tokens += sum(len(d.token_ids) for d in deltas)
     if steps == 0:
         raise RuntimeError(f"batch {batch}: no step had all {batch} sequences decoding; raise max_tokens")
+    # Per decode step (a token for every sequence): an engine step of multi-step decode is several.
+    decode_steps = tokens / batch
     return {
         "batch": batch, "steps": steps, "tokens": tokens, "seconds": seconds,
-        "tok_per_s": tokens / seconds, "step_s": seconds / steps,
+        "tok_per_s": tokens / seconds, "step_s": seconds / decode_steps,
         # the runner's host share: building and launching the iteration, then waiting to read it
-        "runner_s": runner_seconds / steps,
+        "runner_s": runner_seconds / decode_steps,
         "mean_context": kv_tokens / (steps * batch), "kv_tokens_per_step": kv_tokens / steps,
         "prefill_tokens_in_window": prefill_tokens,
     }
@@ -156,7 +158,7 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     warm_up_s = engine.warm_up()
     compiled = runner.num_compilations
     record.info(model=stage.model, config=config.to_dict(), dtype=plan.engine_dtype, attention_backend="pallas",
-                overlap=stage.overlap, copy_bps=copy_bps, init_s=init_s, warm_up_s=warm_up_s,
+                overlap=stage.overlap, scheduler_steps=stage.scheduler_steps, copy_bps=copy_bps, init_s=init_s, warm_up_s=warm_up_s,
                 compilations_at_warm_up=compiled, weight_bytes=weight_bytes, num_blocks=runner.num_blocks,
                 kv_bytes_per_token=kv_bytes_per_token, buckets=runner.bucket_summary(),
                 workload={"prompt_len": w.prompt_len, "max_tokens": w.max_tokens})

@@ -14,6 +14,8 @@ from checkpoints.config import ModelConfig
 # while step N runs. Engine stages run with it on (the default); the small model, whose steps are
 # the most host-bound, runs again with it off when time is left.
 OVERLAP_FIELD = "async_scheduling"
+# Decode steps per device loop of the optional multi-step stage (the small model, whose host share is largest).
+MULTI_STEP_K = 8
 
 # The default model's shape (SmolLM2-135M) and Llama-3-8B's, with random weights in bf16.
 SMOLLM2_135M = ModelConfig(
@@ -66,6 +68,7 @@ class Stage:
     limit_s: float
     model: str | None = None  # engine stages: a key of Plan.models
     overlap: bool = True  # engine stages: async (overlap) scheduling
+    scheduler_steps: int = 1  # engine stages: decode steps per device loop (multi-step decode when > 1)
     command_buffers: bool | None = None  # None: as the run's --triton-command-buffers says
     optional: bool = False  # runs only when the time left covers its whole limit
 
@@ -114,6 +117,8 @@ def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_va
     # launch-bound, so they show the host's share and the command buffers' effect best.
     stages.append(Stage(f"engine_{models[0]}_sync", "engine", limits[f"engine_{models[0]}"], models[0], False,
                         optional=True))
+    stages.append(Stage(f"engine_{models[0]}_multistep", "engine", limits[f"engine_{models[0]}"], models[0],
+                        scheduler_steps=MULTI_STEP_K, optional=True))
     if command_buffer_variant:
         stages.append(Stage(f"engine_{models[0]}_no_cmdbuf", "engine", limits[f"engine_{models[0]}"],
                             models[0], True, command_buffers=False, optional=True))

@@ -51,12 +51,14 @@ def _correctness_section(stage: dict) -> list[str]:
 
 def _engine_rows(stages: list[dict]) -> list[list[str]]:
     """A row per engine stage run with overlap (async scheduling) on and batch; "host % sync" is
-    the same model and batch with overlap off, when that optional stage ran."""
+    the same model and batch with overlap off, when that optional stage ran. A multi-step stage's
+    times are per decode step (K of them per engine step)."""
     engine = [s for s in stages if s["kind"] == "engine"]
     sync = {(s["model"], r["batch"]): r for s in engine if not s["overlap"] for r in s["rows"]}
     rows = []
     for s in (s for s in engine if s["overlap"]):
-        label = s["model"] + (" (no cmdbuf)" if s["name"].endswith("_no_cmdbuf") else "")
+        label = s["model"] + (" (no cmdbuf)" if s["name"].endswith("_no_cmdbuf") else "") + (
+            f" ({s['scheduler_steps']}-step)" if s.get("scheduler_steps", 1) > 1 else "")
         info = s["info"]
         for r in s["rows"]:
             off = sync.get((s["model"], r["batch"]))
@@ -78,7 +80,8 @@ def _goal_rows(stages: dict[str, dict], plan: Plan) -> list[list[str]]:
     big = stages.get("engine_llama3-8b", {}).get("rows", [])
     roof = [r["pct_roofline"] for r in big if r["batch"] == plan.goal_engine_batch]
     engine = [s for s in stages.values() if s["kind"] == "engine" and not s["name"].endswith("_no_cmdbuf")]
-    host_on = [r["host_pct"] for s in engine if s["overlap"] for r in s["rows"] if r["host_pct"] is not None]
+    host_on = [r["host_pct"] for s in engine if s["overlap"] and s.get("scheduler_steps", 1) == 1
+               for r in s["rows"] if r["host_pct"] is not None]
 
     def met(values: list[float], ok) -> str:
         return "n/a" if not values else ("yes" if ok(values) else "no")

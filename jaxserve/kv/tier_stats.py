@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.kv.disk_tier import LOAD_SECONDS_BUCKETS
 from jaxserve.kv.manager import KVCacheManager
 
 
@@ -18,6 +19,8 @@ class TierStats:
     disk_loads: int = 0             # load jobs finished
     disk_loaded_blocks: int = 0
     disk_load_seconds: float = 0.0  # summed wall time of the load jobs
+    # the load jobs by wall time, one count per bucket of disk_tier.LOAD_SECONDS_BUCKETS and one above them
+    disk_load_seconds_counts: tuple[int, ...] = (0,) * (len(LOAD_SECONDS_BUCKETS) + 1)
     disk_bytes_read: int = 0
     disk_bytes_written: int = 0
     disk_written_blocks: int = 0
@@ -25,6 +28,9 @@ class TierStats:
     disk_damaged: int = 0           # damaged files found and deleted (recomputed, never served)
     disk_files: int = 0
     disk_bytes: int = 0
+
+    def __post_init__(self) -> None:  # a list when read back from JSON (a remote worker's snapshot)
+        object.__setattr__(self, "disk_load_seconds_counts", tuple(self.disk_load_seconds_counts))
 
     @classmethod
     def of(cls, kv: KVCacheManager) -> TierStats:
@@ -36,6 +42,7 @@ class TierStats:
             s = disk.stats
             fields.update(disk_hit_tokens=kv.disk.disk_hit_tokens, disk_evictions=s.evictions, disk_loads=s.loads,
                           disk_loaded_blocks=s.loaded_blocks, disk_load_seconds=s.load_seconds,
+                          disk_load_seconds_counts=tuple(s.load_seconds_counts),
                           disk_bytes_read=s.bytes_read, disk_bytes_written=s.bytes_written,
                           disk_written_blocks=s.written_blocks, disk_write_seconds=s.write_seconds, disk_damaged=s.damaged, disk_files=disk.num_files,
                           disk_bytes=disk.num_bytes)
@@ -43,4 +50,16 @@ class TierStats:
 
     @classmethod
     def total(cls, stats: list[TierStats]) -> TierStats:
-        return cls(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(cls)))
+        return cls(*(_combine([getattr(s, f.name) for s in stats], 1) for f in dataclasses.fields(cls)))
+
+    def minus(self, before: TierStats) -> TierStats:
+        """What the counters gained since `before` (gauges such as disk_files are differenced too)."""
+        return TierStats(*(_combine([getattr(self, f.name), getattr(before, f.name)], -1)
+                           for f in dataclasses.fields(TierStats)))
+
+
+def _combine(values: list, sign: int):
+    """The first value plus (sign 1) or minus (sign -1) the others; tuples element by element."""
+    if isinstance(values[0], tuple):
+        return tuple(_combine(list(column), sign) for column in zip(*values))
+    return values[0] + sign * sum(values[1:])

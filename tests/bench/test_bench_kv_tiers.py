@@ -15,7 +15,8 @@ from server.metrics import ServerMetrics
 BEFORE = TierStats(device_hit_tokens=32, host_hit_tokens=16, disk_hit_tokens=0, disk_bytes_written=1000,
                    disk_write_seconds=0.5, disk_written_blocks=2)
 AFTER = TierStats(device_hit_tokens=96, host_hit_tokens=80, disk_hit_tokens=48, device_evictions=5, host_evictions=3,
-                  disk_evictions=1, disk_loads=2, disk_loaded_blocks=3, disk_load_seconds=0.25, disk_bytes_read=3000,
+                  disk_evictions=1, disk_loads=2, disk_loaded_blocks=3, disk_load_seconds=0.25,
+                  disk_load_seconds_counts=(0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0), disk_bytes_read=3000,
                   disk_bytes_written=5000, disk_written_blocks=10, disk_write_seconds=2.5, disk_damaged=1)
 
 
@@ -56,3 +57,17 @@ def test_no_tier_counters_no_report():
     idle = from_tier_stats(AFTER, AFTER)
     assert idle["disk_mean_load_ms"] is None and idle["disk_read_MB_per_s"] is None
     assert not any(v for v in idle.values())
+
+
+def test_disk_load_times_are_a_prometheus_histogram_summed_over_workers():
+    lines = _page(AFTER).splitlines()
+    name = "jaxserve_kv_disk_load_duration_seconds"
+    assert f'{name}_bucket{{le="0.025"}} 0.0' in lines
+    assert f'{name}_bucket{{le="0.05"}} 1.0' in lines and f'{name}_bucket{{le="0.1"}} 2.0' in lines
+    assert f'{name}_bucket{{le="+Inf"}} 2.0' in lines
+    assert f"{name}_count 2.0" in lines and f"{name}_sum 0.25" in lines
+    # A remote worker's snapshot comes back from JSON with lists; the router sums them per bucket.
+    from_json = TierStats(**{**AFTER.__dict__, "disk_load_seconds_counts": list(AFTER.disk_load_seconds_counts)})
+    total = TierStats.total([from_json, AFTER])
+    assert total.disk_load_seconds_counts == (0, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 0, 0, 0)
+    assert total.disk_loads == 4 and total.minus(AFTER) == AFTER

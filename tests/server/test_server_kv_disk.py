@@ -66,7 +66,7 @@ def test_a_session_resumes_with_its_kv_from_disk_after_a_restart(tmp_path):
         cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= (history - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, (cached, history, child.output)
         assert _metric(port, 'jaxserve_kv_tier_hit_tokens_total{tier="disk"}') >= cached
-        assert _metric(port, "jaxserve_kv_disk_loads_total") >= 1
+        assert _metric(port, "jaxserve_kv_disk_load_duration_seconds_count") >= 1
         child.terminate()
         assert child.finish(120) == 0
 
