@@ -16,8 +16,9 @@ before scheduling (no placeholder is ever verified) and a step that verifies dra
 once, before the next one is scheduled. At such batch sizes the device step dwarfs the host work
 that async scheduling would overlap; larger batches do not speculate and stay asynchronous.
 Greedy output is the same either way (tests/test_speculative.py). Structured output: a
-constrained request's next mask depends on its last token, so while one waits for a token in
-flight that step is read before the next is scheduled, as for drafts.
+constrained request's next mask depends on its last token, so the next iteration's model step
+is dispatched first, then the step in flight is read, then the masks are written and the
+sampler dispatched (multi-host: the step in flight is read before scheduling, as for drafts).
 
 Multi-step decode (`num_scheduler_steps` K > 1): an iteration of unconstrained decodes only
 runs up to K steps in one device program (`ModelRunner` samples and checks stop tokens on the
@@ -248,17 +249,33 @@ class LLMEngine:
     def step(self) -> list[Delta]:
         t0 = time.perf_counter()
         deltas = []
-        if self._in_flight is not None and (self.scheduler.may_speculate() or self.scheduler.awaits_tokens()):
-            # Drafts, and the next grammar mask of a constrained request, need the tokens in flight:
-            # such iterations run without overlap rather than leave those requests out of every other one.
+        # Drafts need the tokens in flight, and so does a constrained request's next grammar mask:
+        # a speculative iteration reads them first (no overlap). Otherwise the next iteration may
+        # hold constrained requests with their last token in flight: its first model step is
+        # dispatched, then the step in flight is read (their grammars advance) and their masks
+        # are written (`read_before_masks`), so they join every iteration and the device stays busy.
+        # (Multi-host: the followers need the masks before the model step, so they read first.)
+        masks_after_read = self.runner.mirror is None
+        if self._in_flight is not None and (self.scheduler.may_speculate()
+                                            or (not masks_after_read and self.scheduler.awaits_tokens())):
             deltas += self._process(self._in_flight)
             self._in_flight = None
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(masks_after_read=masks_after_read)
         handle = None
         if not sched.is_empty:
             prepared = self._prepare(sched, deltas)
-            handle = self.runner.launch(sched, prepared)
-            self.scheduler.on_step_launched(sched)
+            marked = []  # on_step_launched ran (inside the launch)
+
+            def read_before_masks() -> None:
+                self.scheduler.on_step_launched(sched)  # its model step is on the device
+                marked.append(True)
+                if self._in_flight is not None:
+                    previous, self._in_flight = self._in_flight, None
+                    deltas.extend(self._process(previous))
+
+            handle = self.runner.launch(sched, prepared, before_masks=read_before_masks)
+            if not marked:
+                self.scheduler.on_step_launched(sched)
             self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
             self.stats.num_steps += 1
             self.stats.speculative_steps += sched.is_speculative

@@ -90,11 +90,15 @@ def test_async_gives_the_sync_tokens_in_as_many_steps():
     for async_scheduling in (True, False):
         llm = LLM(build_tiny_random(), warm_up=False, async_scheduling=async_scheduling, **SMALL)
         outs = llm.generate(["p", "q", "r"], [params, params, free], use_tqdm=False)
-        runs.append(([c.token_ids for o in outs for c in o.outputs], llm.engine.stats.num_steps))
+        stats = llm.engine.stats
+        runs.append(([c.token_ids for o in outs for c in o.outputs], stats.num_steps, stats.overlapped_reads))
     assert runs[0][0] == runs[1][0]
     # A constrained request's next mask waits for its token in flight, but it still joins every
     # iteration (none runs its unconstrained neighbour alone): as many steps as the synchronous loop.
     assert runs[0][1] == runs[1][1]
+    # And the iterations stay overlapped: each one's model step is dispatched before the one in
+    # flight is read (only the first, and the last after the prompts' end, are read alone).
+    assert runs[0][2] >= runs[0][1] - 2 and runs[1][2] == 0
 
 
 @pytest.mark.parametrize("kind,value,message", [

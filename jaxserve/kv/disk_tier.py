@@ -22,7 +22,6 @@ is done (`poll`), also when it was cancelled.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import os
@@ -42,9 +41,6 @@ from jaxserve.kv.block_files import (SUFFIX, TEMP_PREFIX, DamagedBlockFile, file
 logger = logging.getLogger(__name__)
 
 STALE_TEMP_SECONDS = 600.0  # a temporary file this old was left by a writer that died
-# A load tells the kernel this many of its files ahead of the one it reads (POSIX_FADV_WILLNEED),
-# so cold files are read from the disk several at a time rather than one after another.
-READ_AHEAD_FILES = 16
 # Upper bounds (seconds) of the load-time histogram's buckets; a last bucket holds the slower loads.
 LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -332,15 +328,10 @@ class DiskTier:
             if job is None:
                 return
             t0 = time.perf_counter()
-            paths = [self.path(key) for key in job.keys]
-            for path in paths[:READ_AHEAD_FILES]:
-                _will_need(path)
-            for i, (key, tokens, slot) in enumerate(zip(job.keys, job.tokens, job.slots)):
+            for key, tokens, slot in zip(job.keys, job.tokens, job.slots):
                 if job.cancelled:
                     break
-                path = paths[i]
-                if i + READ_AHEAD_FILES < len(paths):
-                    _will_need(paths[i + READ_AHEAD_FILES])
+                path = self.path(key)
                 try:
                     payload = read_block(path, self.fingerprint, key, tokens, self.payload_bytes)
                 except FileNotFoundError:
@@ -372,7 +363,7 @@ class DiskTier:
                 self.stats.loaded_blocks += job.loaded
                 seconds = time.perf_counter() - t0
                 self.stats.load_seconds += seconds
-                self.stats.load_seconds_counts[bisect.bisect_left(LOAD_SECONDS_BUCKETS, seconds)] += 1
+                self.stats.load_seconds_counts[sum(seconds > bound for bound in LOAD_SECONDS_BUCKETS)] += 1
                 job.done = True
                 self._done.append(job)
             self._done_event.set()
@@ -414,19 +405,3 @@ class DiskTier:
             if self._reserved < 0 or self._inflight < 0:
                 raise AssertionError("negative reserved or in-flight bytes")
 
-
-def _will_need(path: Path) -> None:
-    """Ask the kernel to start reading a file into the page cache (a hint: errors are ignored,
-    and so is a platform without posix_fadvise)."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

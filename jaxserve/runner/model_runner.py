@@ -364,19 +364,29 @@ class ModelRunner:
         self.last_prepare_time = time.perf_counter() - t0
         return prepared
 
-    def launch(self, sched: SchedulerOutput, prepared: PreparedStep) -> StepHandle:
+    def launch(self, sched: SchedulerOutput, prepared: PreparedStep,
+               before_masks: Callable[[], None] | None = None) -> StepHandle:
         """Dispatch a prepared iteration (block moves, then its steps with their sampling) without
         waiting for the device. Inputs that are placeholders of the previous iteration are read
-        from its sampled tokens on the device."""
+        from its sampled tokens on the device. `before_masks` is called once, before the first
+        grammar mask is written (after that program's model step is dispatched)."""
         t0 = time.perf_counter()
         self.move_blocks(sched.copy_stages)
-        outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs)
+        self.num_launches += 1  # a read from `before_masks` comes after this launch
+        caller_seconds = []  # not the runner's time: `last_launch_time` leaves it out
+
+        def timed_before_masks() -> None:
+            start = time.perf_counter()
+            before_masks()
+            caller_seconds.append(time.perf_counter() - start)
+
+        outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs,
+                                       before_masks=timed_before_masks if before_masks is not None else None)
         self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
         parts = [chunks for chunks in (sched.prefills, sched.decodes) if chunks]
         self._sampled_rows = {c.request: program.sample_offset + i for chunks, program in zip(parts, prepared.programs)
                               if program.drafts is None and program.num_steps == 1
                               for i, c in enumerate(chunks) if c.sample}
-        self.num_launches += 1
         handle = StepHandle(self.num_launches, [])
         for chunks, out in zip(parts, outs):
             wanted = max((c.request.params.logprobs for c in chunks
@@ -389,7 +399,7 @@ class ModelRunner:
             for field in scores:
                 field.copy_to_host_async()
             handle.prompt_scores = (prepared.prompt_scores, scores)
-        self.last_launch_time = time.perf_counter() - t0
+        self.last_launch_time = time.perf_counter() - t0 - sum(caller_seconds)
         return handle
 
     def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
@@ -440,14 +450,22 @@ class ModelRunner:
                 for i, r in enumerate(rows)]))
         return results
 
-    def _run_steps(self, penalty_resets: list[tuple], programs: list[Program],
-                   warming_up: bool = False) -> tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]:
+    def _run_steps(self, penalty_resets: list[tuple], programs: list[Program], warming_up: bool = False,
+                   before_masks: Callable[[], None] | None = None) -> tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
         programs (and the prompt scores of the one that has any). The sampled tokens land in a
         fresh buffer that becomes the next iteration's `prev_sampled`. A program's grammar masks
-        are written while its model step runs (multi-host: before, for the followers' copy)."""
+        are written while its model step runs (multi-host: before, for the followers' copy), after
+        `before_masks()`."""
+        pending = [before_masks] if before_masks is not None else []
+
+        def write_masks(program: Program) -> Program:
+            if program.masks and pending:
+                pending.pop()()
+            return write_token_masks(program)
+
         if self.mirror is not None and not warming_up:
-            programs = [write_token_masks(p) for p in programs]
+            programs = [write_masks(p) for p in programs]
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
             args = self._reset_args(reset)
@@ -463,13 +481,13 @@ class ModelRunner:
             args = self.step_args(program)
             if program.drafts is not None:
                 logits, self.cache, _ = self._compiled(program.key, self._verify_step, args, warming_up)(*args)
-                verify_args = self._verify_args(write_token_masks(program), logits)
+                verify_args = self._verify_args(write_masks(program), logits)
                 out, self.penalty_counts = self._compiled(
                     ("verify_sample", logits.shape[0]), self._verify, verify_args, warming_up)(*verify_args)
                 outs.append(out)
                 continue
             logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
-            program = write_token_masks(program)
+            program = write_masks(program)
             if program.score is not None:
                 score_args = (self.params, hidden, *program.score)
                 scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)

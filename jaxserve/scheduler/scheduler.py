@@ -85,11 +85,14 @@ class Scheduler:
 
     # ----- one step -------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, masks_after_read: bool = False) -> SchedulerOutput:
+        """The next step. `masks_after_read`: the step in flight is read before this one's grammar
+        masks are written (`LLMEngine.step`), so constrained decodes whose last token is still in
+        flight may run in it; otherwise they wait for that token."""
         out = SchedulerOutput()
         self.kv.poll_loads()
         budget = self.config.max_num_batched_tokens
-        budget -= self._schedule_decodes(out)
+        budget -= self._schedule_decodes(out, masks_after_read)
         self._schedule_swap_ins(out)
         self._schedule_prefills(out, budget)
         out.copy_stages = self.kv.take_copies()
@@ -99,17 +102,17 @@ class Scheduler:
             # (Requests done by length free their blocks once their last step's output is read;
             # constrained ones waiting for a token in flight run again once it is read.)
             self._preempt(self._pick_victim(), out, mode="recompute")
-            return self.schedule()
+            return self.schedule(masks_after_read)
         return out
 
     def _length_capped(self, req: Request) -> bool:
         return req.ends_by_length(len(req.output_token_ids), self.config.max_model_len)
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+    def _schedule_decodes(self, out: SchedulerOutput, masks_after_read: bool) -> int:
         # A request whose last token (maybe still in flight) ends it by length needs no step; a
-        # constrained one waits for its token in flight (its next mask depends on it).
+        # constrained one needs its token in flight before its next mask.
         decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)
-                    and not r.awaits_token]
+                    and (masks_after_read or not r.awaits_token)]
         speculating = self._speculates(decoding)
         multi_step = not speculating and self._runs_multi_step(decoding)
         looked_up = False  # some request's tokens were searched for a draft
