@@ -61,7 +61,7 @@ def _engine_rows(stages: list[dict]) -> list[list[str]]:
             f" ({s['scheduler_steps']}-step)" if s.get("scheduler_steps", 1) > 1 else "")
         info = s["info"]
         for r in s["rows"]:
-            off = sync.get((s["model"], r["batch"]))
+            off = sync.get((s["model"], r["batch"])) if s.get("scheduler_steps", 1) == 1 else None
             rows.append([label, str(r["batch"]), _f(r["mean_context"], 0), _f(r["tok_per_s"], 0),
                          _ms(r["step_s"]), _ms(r["device_s"]), _ms(r["roofline_s"]),
                          _f(r["pct_roofline"]), _f(r["pct_roofline_device"]), _f(r["host_pct"]),
