@@ -23,7 +23,7 @@ from pathlib import Path
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "output_throughput")
 COUNTERS = {"transfers": "jaxserve_kv_transfers_total", "pulled": 'jaxserve_kv_transfer_blocks_total{kind="pulled"}',
             "skipped": 'jaxserve_kv_transfer_blocks_total{kind="skipped"}', "bytes": "jaxserve_kv_transfer_bytes_total",
-            "seconds": "jaxserve_kv_transfer_seconds_total", "failed": "jaxserve_kv_transfer_failures_total"}
+            "seconds": "jaxserve_kv_transfer_duration_seconds_sum", "failed": "jaxserve_kv_transfer_failures_total"}
 
 
 def transfer_counters(base_url: str) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.kv import KVUsage
+from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS
 from jaxserve.kv.tier_stats import TierStats
 
 
@@ -34,6 +35,8 @@ class KVTransferStats:
     blocks_skipped: int = 0  # the decode worker's prefix cache had them
     bytes: int = 0
     seconds: float = 0.0  # pulls and writes into the decode worker's cache, summed
+    # the transfers by that time, a count per bucket of KV_LOAD_SECONDS_BUCKETS and one above them
+    seconds_counts: tuple[int, ...] = (0,) * (len(KV_LOAD_SECONDS_BUCKETS) + 1)
     failed: int = 0  # handed over without their KV (recomputed on the decode worker)
 
 

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from jaxserve.engine_snapshot import EngineSnapshot
-from jaxserve.kv.disk_tier import LOAD_SECONDS_BUCKETS
+from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS
 
 PREFIX = "jaxserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -97,16 +97,21 @@ def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     disk_bytes.add_metric(["read"], t.disk_bytes_read)
     disk_bytes.add_metric(["written"], t.disk_bytes_written)
     yield disk_bytes
-    cumulative = list(itertools.accumulate(t.disk_load_seconds_counts))
-    yield HistogramMetricFamily(
-        f"{PREFIX}_kv_disk_load_duration_seconds", "Wall time of each background load from the disk tier",
-        buckets=[*zip(map(str, LOAD_SECONDS_BUCKETS), cumulative), ("+Inf", cumulative[-1])],
-        sum_value=t.disk_load_seconds)
+    yield _load_histogram(f"{PREFIX}_kv_disk_load_duration_seconds",
+                          "Wall time of each background load from the disk tier", t.disk_load_seconds_counts,
+                          t.disk_load_seconds)
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_write_seconds", "Summed wall time of block file writes",
                               value=t.disk_write_seconds)
     yield CounterMetricFamily(f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted",
                               value=t.disk_damaged)
     yield GaugeMetricFamily(f"{PREFIX}_kv_disk_bytes", "Bytes of block files the disk tier holds", value=t.disk_bytes)
+
+
+def _load_histogram(name: str, documentation: str, counts: tuple[int, ...], total_seconds: float) -> Metric:
+    """A histogram over KV_LOAD_SECONDS_BUCKETS from per-bucket counts (the last: above them)."""
+    cumulative = list(itertools.accumulate(counts))
+    return HistogramMetricFamily(name, documentation, sum_value=total_seconds,
+                                 buckets=[*zip(map(str, KV_LOAD_SECONDS_BUCKETS), cumulative), ("+Inf", cumulative[-1])])
 
 
 def _transfer_metrics(s: EngineSnapshot) -> Iterator[Metric]:
@@ -120,8 +125,8 @@ def _transfer_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     blocks.add_metric(["skipped"], t.blocks_skipped)
     yield blocks
     yield CounterMetricFamily(f"{PREFIX}_kv_transfer_bytes", "KV bytes pulled by decode workers", value=t.bytes)
-    yield CounterMetricFamily(f"{PREFIX}_kv_transfer_seconds", "Time of the pulls (with the writes into the "
-                              "decode worker's cache), summed", value=t.seconds)
+    yield _load_histogram(f"{PREFIX}_kv_transfer_duration_seconds", "Time of each pull (with the writes into the "
+                          "decode worker's cache)", t.seconds_counts, t.seconds)
     yield CounterMetricFamily(f"{PREFIX}_kv_transfer_failures", "Handed-over prompts whose KV did not arrive "
                               "(recomputed on the decode worker)", value=t.failed)
 

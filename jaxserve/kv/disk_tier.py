@@ -41,8 +41,9 @@ from jaxserve.kv.block_files import (SUFFIX, TEMP_PREFIX, DamagedBlockFile, file
 logger = logging.getLogger(__name__)
 
 STALE_TEMP_SECONDS = 600.0  # a temporary file this old was left by a writer that died
-# Upper bounds (seconds) of the load-time histogram's buckets; a last bucket holds the slower loads.
-LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Upper bounds (seconds) of the buckets of KV load-time histograms (disk loads here; a disaggregating
+# router's pulls of KV from prefill workers); a last bucket holds the slower loads.
+KV_LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclasses.dataclass
@@ -50,8 +51,8 @@ class DiskStats:
     loads: int = 0               # load jobs finished
     loaded_blocks: int = 0       # blocks read, checked and put in host slots
     load_seconds: float = 0.0    # summed wall time of the load jobs
-    # load jobs by wall time: count i took at most LOAD_SECONDS_BUCKETS[i] (and more than the bound before)
-    load_seconds_counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(LOAD_SECONDS_BUCKETS) + 1))
+    # load jobs by wall time: count i took at most KV_LOAD_SECONDS_BUCKETS[i] (and more than the bound before)
+    load_seconds_counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(KV_LOAD_SECONDS_BUCKETS) + 1))
     bytes_read: int = 0
     written_blocks: int = 0
     bytes_written: int = 0
@@ -363,7 +364,7 @@ class DiskTier:
                 self.stats.loaded_blocks += job.loaded
                 seconds = time.perf_counter() - t0
                 self.stats.load_seconds += seconds
-                self.stats.load_seconds_counts[sum(seconds > bound for bound in LOAD_SECONDS_BUCKETS)] += 1
+                self.stats.load_seconds_counts[load_seconds_bucket(seconds)] += 1
                 job.done = True
                 self._done.append(job)
             self._done_event.set()
@@ -405,3 +406,7 @@ class DiskTier:
             if self._reserved < 0 or self._inflight < 0:
                 raise AssertionError("negative reserved or in-flight bytes")
 
+
+def load_seconds_bucket(seconds: float) -> int:
+    """The bucket of KV_LOAD_SECONDS_BUCKETS (or the one above them) that a load of `seconds` counts in."""
+    return sum(seconds > bound for bound in KV_LOAD_SECONDS_BUCKETS)

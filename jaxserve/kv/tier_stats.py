@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.kv.disk_tier import LOAD_SECONDS_BUCKETS
+from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS
 from jaxserve.kv.manager import KVCacheManager
 
 
@@ -19,8 +19,8 @@ class TierStats:
     disk_loads: int = 0             # load jobs finished
     disk_loaded_blocks: int = 0
     disk_load_seconds: float = 0.0  # summed wall time of the load jobs
-    # the load jobs by wall time, one count per bucket of disk_tier.LOAD_SECONDS_BUCKETS and one above them
-    disk_load_seconds_counts: tuple[int, ...] = (0,) * (len(LOAD_SECONDS_BUCKETS) + 1)
+    # the load jobs by wall time, one count per bucket of disk_tier.KV_LOAD_SECONDS_BUCKETS and one above them
+    disk_load_seconds_counts: tuple[int, ...] = (0,) * (len(KV_LOAD_SECONDS_BUCKETS) + 1)
     disk_bytes_read: int = 0
     disk_bytes_written: int = 0
     disk_written_blocks: int = 0

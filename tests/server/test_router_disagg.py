@@ -100,7 +100,7 @@ def _transfers(router: Endpoint) -> dict[str, float]:
     out = {}
     for name, label in (("transfers_total", None), ("transfer_blocks_total", "pulled"),
                         ("transfer_blocks_total", "skipped"), ("transfer_bytes_total", None),
-                        ("transfer_failures_total", None)):
+                        ("transfer_failures_total", None), ("transfer_duration_seconds_count", None)):
         labels = f'{{kind="{label}"}}' if label else ""
         out[label or name] = float(re.search(rf"^jaxserve_kv_{name}{re.escape(labels)} (\S+)$", text, re.M).group(1))
     return out
@@ -175,6 +175,7 @@ def test_transferred_blocks_are_counted_and_held_ones_skipped(cluster):
     _same_output(cluster, "/v1/completions", _completion(prompt, 4, ignore_eos=True))
     mid = _transfers(cluster["split"])
     assert mid["transfers_total"] - before["transfers_total"] == 1
+    assert mid["transfer_duration_seconds_count"] - before["transfer_duration_seconds_count"] == 1  # its time too
     assert mid["pulled"] - before["pulled"] == 5 and mid["skipped"] == before["skipped"]
     block_bytes = (mid["transfer_bytes_total"] - before["transfer_bytes_total"]) / 5
     assert block_bytes > 0
