@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -83,11 +84,19 @@ def test_fifty_streams_with_a_third_hanging_up(server, warm_engine):
     assert generated < len(completed) * MAX_TOKENS + hung_up * 60
     assert snapshot(server, async_engine).num_compilations == warm_engine.compilations_after_warm_up
 
-    after = _samples(server)
-
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - metrics_before.get(key, 0.0)
+
+    # A hung-up request's handler counts its outcome after the engine has aborted it (once its
+    # stream tasks are done), so the engine can be idle a moment before the last one is counted.
+    deadline = time.monotonic() + 10
+    while True:
+        after = _samples(server)
+        outcomes = sum(delta("jaxserve_requests_total", endpoint="chat", outcome=o) for o in ("ok", "cancelled"))
+        if outcomes >= NUM_CLIENTS or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     assert delta("jaxserve_requests_total", endpoint="chat", outcome="ok") == len(completed)
     assert delta("jaxserve_requests_total", endpoint="chat", outcome="cancelled") == hung_up
