@@ -264,18 +264,16 @@ class LLMEngine:
         handle = None
         if not sched.is_empty:
             prepared = self._prepare(sched, deltas)
-            marked = []  # on_step_launched ran (inside the launch)
+            # Marked launched first: a read of the step in flight during the launch then sees this
+            # step's placeholders (nothing is dispatched in between, so its writes still come first).
+            self.scheduler.on_step_launched(sched)
 
             def read_before_masks() -> None:
-                self.scheduler.on_step_launched(sched)  # its model step is on the device
-                marked.append(True)
                 if self._in_flight is not None:
                     previous, self._in_flight = self._in_flight, None
                     deltas.extend(self._process(previous))
 
             handle = self.runner.launch(sched, prepared, before_masks=read_before_masks)
-            if not marked:
-                self.scheduler.on_step_launched(sched)
             self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
             self.stats.num_steps += 1
             self.stats.speculative_steps += sched.is_speculative

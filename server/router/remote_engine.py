@@ -36,8 +36,8 @@ from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.async_engine import EngineDeadError, RequestFailedError
 from jaxserve.dp_router import RoutingPolicy, choose_replica
 from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats
-from jaxserve.kv.disk_tier import load_seconds_bucket
 from jaxserve.kv import Pin
+from jaxserve.kv.disk_tier import load_seconds_bucket
 from jaxserve.outputs import Delta, Usage
 from jaxserve.request import check_prompt_ids
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
@@ -435,13 +435,13 @@ class RemoteEngine:
             prefill.in_flight -= 1
 
     def _count_transfer(self, t: pb.KVTransfer) -> None:
+        bucket = load_seconds_bucket(t.seconds)
         self.transfers = dataclasses.replace(
             self.transfers, transfers=self.transfers.transfers + 1,
             blocks_pulled=self.transfers.blocks_pulled + t.blocks_pulled,
             blocks_skipped=self.transfers.blocks_skipped + t.blocks_skipped, bytes=self.transfers.bytes + t.bytes,
             seconds=self.transfers.seconds + t.seconds, failed=self.transfers.failed + bool(t.error),
-            seconds_counts=tuple(n + (i == load_seconds_bucket(t.seconds))
-                                 for i, n in enumerate(self.transfers.seconds_counts)))
+            seconds_counts=tuple(n + (i == bucket) for i, n in enumerate(self.transfers.seconds_counts)))
 
     async def _stream(self, worker: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence,
                       out: asyncio.Queue, cached_tokens: int | None = None) -> bool:
