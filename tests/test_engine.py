@@ -53,6 +53,36 @@ def test_batch_invariance_alone_vs_64_concurrent(llm):
     assert all(len(t) == 12 for t in together)
 
 
+def test_a_prompt_arriving_mid_decode_shares_one_model_step_with_the_decodes(llm, monkeypatch):
+    """Prefill chunks and decodes of one iteration run as one mixed model step, and each
+    request's tokens are those it gets alone."""
+    engine = llm.engine
+    prepared = []
+    prepare = engine.runner.prepare
+    monkeypatch.setattr(engine.runner, "prepare", lambda sched: prepared.append(prepare(sched)) or prepared[-1])
+    prompts = mixed_prompts(3, seed=9)
+    tokens = {}
+
+    def step():
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+
+    engine.add_prompt_ids("first", prompts[0], GREEDY)
+    step()  # its prefill
+    mixed = engine.stats.mixed_steps
+    engine.add_prompt_ids("second", prompts[1], GREEDY)
+    engine.add_prompt_ids("third", prompts[2], GREEDY)
+    step()  # the new prompts' chunks with the first request's decode
+    assert engine.stats.mixed_steps == mixed + 1
+    assert [p.key[0] for p in prepared[-1].programs] == ["mixed"]
+    assert [len(chunks) for chunks in prepared[-1].parts] == [3]
+    while engine.has_unfinished_requests():
+        step()
+    monkeypatch.undo()
+    for rid, prompt in zip(("first", "second", "third"), prompts):
+        assert tokens[rid] == texts(llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False))[0]
+
+
 def test_chunked_prefill_and_prefix_cache_do_not_change_outputs(llm):
     prompts = mixed_prompts(8, seed=1)
     base = texts(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))

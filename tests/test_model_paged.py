@@ -129,3 +129,75 @@ def dense_forward(cfg, p, tokens):
         h = h + (g / (1 + np.exp(-g)) * (x @ lp["up_proj"]["kernel"])) @ lp["down_proj"]["kernel"]
     h = norm(h, p["final_norm"]["scale"])
     return h @ p["embed"]["embedding"].T
+
+
+def meta_for(tables, starts, counts, decodes=None):
+    """Host arrays of one step: ragged chunks (sequence i: `counts[i]` tokens from position
+    `starts[i]` over block table `tables[i]`), then with `decodes` = [(table, position)] a
+    mixed step's decode sequences, padded to `decode_rows` of them."""
+    slots, rows, query_start, seq_lens, all_tables = [], 0, [0], [], list(tables)
+    for table, start, n in zip(tables, starts, counts):
+        pos = np.arange(start, start + n)
+        slots += list(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+        rows += n
+        query_start.append(rows)
+        seq_lens.append(start + n)
+    decode_rows = None
+    if decodes is not None:
+        table_rows, pad = decodes
+        decode_rows = []
+        for table, pos in table_rows:
+            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+            decode_rows.append(rows)
+            rows += 1
+            all_tables.append(table)
+            seq_lens.append(pos + 1)
+        padding = pad - len(table_rows)
+        decode_rows += [rows + 3] * padding  # T: three padding token rows follow
+        all_tables += [np.zeros_like(tables[0])] * padding
+        seq_lens += [0] * padding
+        slots += [0] * 3
+        decode_rows = np.array(decode_rows, np.int32)
+    return AttentionMetadata(np.array(slots, np.int32), np.stack(all_tables).astype(np.int32),
+                             np.array(seq_lens, np.int32), np.array(query_start, np.int32), decode_rows)
+
+
+@pytest.mark.parametrize("backend", ["jax", "reference", "pallas"])
+def test_mixed_step_equals_a_prefill_step_and_a_decode_step(backend):
+    """Prefill chunks and decodes in one mixed step (one pass over the weights) give the logits
+    and cache writes of a prefill step of the chunks and a decode step of the decodes."""
+    config = tiny_config()
+    _, params = init(config)
+    model = LlamaModel(config, get_attention_backend(backend))
+    step = jax.jit(model.apply)
+    rng = np.random.default_rng(2)
+    tables = [np.arange(1, 9), np.arange(9, 17), np.arange(17, 25), np.arange(25, 33)]
+    history = [rng.integers(0, config.vocab_size, n) for n in (11, 30)]  # two decoding sequences
+    prompts = [rng.integers(0, config.vocab_size, n) for n in (9, 5)]  # two chunks (one continued)
+    cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
+    # The decoders' history and the second prompt's first 3 tokens are cached already.
+    first = [history[0], history[1], prompts[1][:3]]
+    meta = meta_for(tables[:2] + tables[3:], [0, 0, 0], [len(t) for t in first])
+    _, cache = step(params, np.concatenate(first).astype(np.int32), np.concatenate(
+        [np.arange(len(t)) for t in first]).astype(np.int32), cache, meta, np.zeros(1, np.int32))
+    chunk_tokens = np.concatenate([prompts[0], prompts[1][3:]]).astype(np.int32)
+    chunk_pos = np.concatenate([np.arange(9), np.arange(3, 5)]).astype(np.int32)
+    new = rng.integers(0, config.vocab_size, 2).astype(np.int32)  # the decoders' next tokens
+    decode_pos = np.array([11, 30], np.int32)
+
+    prefill_logits, split = step(params, chunk_tokens, chunk_pos, cache,
+                                 meta_for([tables[2], tables[3]], [0, 3], [9, 2]), np.array([8, 10], np.int32))
+    decode_meta = AttentionMetadata(np.array([tables[i][p // BLOCK] * BLOCK + p % BLOCK
+                                              for i, p in enumerate(decode_pos)], np.int32),
+                                    np.stack(tables[:2]).astype(np.int32), decode_pos + 1)
+    decode_logits, split = step(params, new, decode_pos, split, decode_meta, np.arange(2, dtype=np.int32))
+
+    tokens = np.concatenate([chunk_tokens, new, np.zeros(3, np.int32)])
+    positions = np.concatenate([chunk_pos, decode_pos, np.zeros(3, np.int32)])
+    meta = meta_for([tables[2], tables[3]], [0, 3], [9, 2], ([(tables[0], 11), (tables[1], 30)], 4))
+    mixed_logits, mixed = step(params, tokens, positions, cache, meta, np.array([8, 10, 11, 12], np.int32))
+
+    np.testing.assert_allclose(mixed_logits, np.concatenate([prefill_logits, decode_logits]), atol=1e-5, rtol=1e-5)
+    used = np.concatenate(tables)  # block 0 takes the padding rows' writes in both
+    np.testing.assert_allclose(np.asarray(mixed.k)[:, :, used], np.asarray(split.k)[:, :, used], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(mixed.v)[:, :, used], np.asarray(split.v)[:, :, used], atol=1e-5)

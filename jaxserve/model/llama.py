@@ -1,6 +1,6 @@
 """A Flax (linen) Llama-family decoder over a paged KV cache.
 
-One forward serves both ragged prefill and decode: it takes a flat batch of new tokens with
+One forward serves ragged prefill, decode and a mix of both: it takes a flat batch of new tokens with
 their positions and cache slots, writes their K/V into the paged cache, attends over each
 sequence's paged history through an attention backend (kernels_pallas), and computes logits
 only at the rows asked for.
@@ -59,14 +59,36 @@ class AttentionMetadata:
     slot_mapping [T]: cache slot (block * block_size + offset) of each new token; padding rows
       point into block 0, which is never allocated.
     block_tables [S, W], seq_lens [S]: each sequence's blocks and its length after this step.
-    query_start [S + 1]: row offsets of each sequence's new tokens (ragged prefill); None for a
-      decode step, where row b is the one new token of sequence b.
+    query_start [P + 1]: row offsets of the new tokens of the first P sequences (ragged
+      prefill chunks); None for a decode step, where row b is the one new token of sequence b.
+    decode_rows [S - P]: a mixed step (prefill chunks and decodes in one program): the row of
+      each of the last S - P sequences' one new token (decodes), after the chunks' rows; a
+      padding entry is T (out of range) and its sequence's length 0. None: no decodes.
     """
 
     slot_mapping: jax.Array
     block_tables: jax.Array
     seq_lens: jax.Array
     query_start: jax.Array | None = None
+    decode_rows: jax.Array | None = None
+
+
+def paged_attention(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    layer: jax.Array, meta: AttentionMetadata, **options: Any) -> jax.Array:
+    """q [T, H, D] -> [T, H, D] through the backend: its decode kernel for a decode step, its
+    prefill kernel for ragged chunks, and both for a mixed step, whose decode rows are gathered
+    for the decode kernel (one row per sequence, as it is fastest) and put back in place."""
+    if meta.query_start is None:
+        return backend.decode(q, k_cache, v_cache, layer, meta.block_tables, meta.seq_lens, **options)
+    p = meta.query_start.shape[0] - 1
+    out = backend.prefill(q, k_cache, v_cache, layer, meta.block_tables[:p], meta.seq_lens[:p], meta.query_start,
+                          **options)  # zeros at rows past the chunks'
+    if meta.decode_rows is None:
+        return out
+    rows = meta.decode_rows
+    decoded = backend.decode(q[jnp.minimum(rows, q.shape[0] - 1)], k_cache, v_cache, layer, meta.block_tables[p:],
+                             meta.seq_lens[p:], **options)
+    return out.at[rows].set(decoded, mode="drop")
 
 
 class RMSNorm(nn.Module):
@@ -107,17 +129,8 @@ class DecoderLayer(nn.Module):
         k_cache = k_cache.at[layer, :, blocks, offsets].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[layer, :, blocks, offsets].set(v.astype(v_cache.dtype))
 
-        scale = cfg.head_dim**-0.5
-        if meta.query_start is None:
-            attn = self.backend.decode(
-                q, k_cache, v_cache, layer, meta.block_tables, meta.seq_lens,
-                scale=scale, sliding_window=cfg.sliding_window,
-            )
-        else:
-            attn = self.backend.prefill(
-                q, k_cache, v_cache, layer, meta.block_tables, meta.seq_lens, meta.query_start,
-                scale=scale, sliding_window=cfg.sliding_window,
-            )
+        attn = paged_attention(self.backend, q, k_cache, v_cache, layer, meta,
+                               scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
         h = h + dense(cfg.hidden_size, "o_proj")(attn.reshape(t, -1).astype(self.dtype))
 
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="mlp_norm")(h)

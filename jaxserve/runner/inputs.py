@@ -1,7 +1,9 @@
 """Host side of a step: a SchedulerOutput becomes bucketed numpy arrays (no device work here).
 
 A decode program is keyed by (batch, block-table width), a ragged prefill program by (tokens,
-sequences, width); a program's logits are padded to a sampler row bucket. A token that the
+sequences, width), and so is a mixed one (prefill chunks and the iteration's decodes in one
+model step, the decodes counted in its tokens); a program's logits are padded to a sampler row
+bucket. A token that the
 previous iteration sampled and the host has not read yet (a PLACEHOLDER) is given as the row of
 that iteration's sampled buffer to read it from (`token_src`), so it never has to be read here.
 """
@@ -71,11 +73,13 @@ class PromptScores:
 @dataclasses.dataclass
 class PreparedStep:
     """An iteration's host work: penalty rows to set first (arguments of each reset call, and
-    the requests they are for), then the programs (prefill, then decode)."""
+    the requests they are for), then the programs (prefill or mixed, then decode or verify) and
+    the chunks of each, in the order of its sampling rows."""
 
     penalty_resets: list[tuple[np.ndarray, ...]]
     reset_requests: list[Request]
     programs: list[Program]
+    parts: list[list[ScheduledChunk]]
     prompt_scores: list[PromptScores] = dataclasses.field(default_factory=list)  # of the prefill program
 
 
@@ -142,19 +146,25 @@ class StepInputs:
         unset = [req for req in penalised if req in slots.unset]
         resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS], prev_rows)
                   for i in range(0, len(unset), PENALTY_RESET_ROWS)]
-        programs, scores = [], []
+        programs, parts, scores = [], [], []
+        decodes = sched.decodes
         if sched.prefills:
             chunks = sched.prefills
+            # Plain decodes join the prefill chunks in one mixed program; drafts are verified apart.
+            mixed = decodes if decodes and not any(c.draft or c.num_steps > 1 for c in decodes) else None
             programs.append(self.prefill(
                 chunks,
-                bucket_for(sum(c.num_new_tokens for c in chunks), ec.prefill_token_buckets),
+                bucket_for(sum(c.num_new_tokens for c in chunks) + len(mixed or ()), ec.prefill_token_buckets),
                 bucket_for(len(chunks), ec.prefill_seq_buckets),
-                self._width_bucket(chunks),
+                self._width_bucket(chunks + (mixed or [])),
                 prev_rows,
                 scores,
+                mixed,
             ))
-        if sched.decodes:
-            chunks = sched.decodes
+            parts.append(chunks + (mixed or []))
+            decodes = [] if mixed else decodes
+        if decodes:
+            chunks = decodes
             batch = bucket_for(len(chunks), ec.decode_batch_buckets)
             if any(c.draft for c in chunks):
                 programs.append(self.verify(chunks, batch, self._width_bucket(chunks, self.verify_rows)))
@@ -162,7 +172,8 @@ class StepInputs:
                 programs.append(self.multi_decode(chunks, batch, self._width_bucket(chunks), prev_rows))
             else:
                 programs.append(self.decode(chunks, batch, self._width_bucket(chunks), prev_rows))
-        return PreparedStep(resets, unset, programs, scores)
+            parts.append(chunks)
+        return PreparedStep(resets, unset, programs, parts, scores)
 
     def decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
                prev_rows: dict[Request, int] | None = None) -> Program:
@@ -258,18 +269,34 @@ class StepInputs:
         return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history),
                        masks=self._constrained_rows(chunks, rows))
 
+    def mixed_decode_rows(self, num_tokens: int) -> int:
+        """Decode rows of a mixed program of `num_tokens` rows: every decode an iteration of that
+        many tokens can hold (each takes one of them, and at most max_num_seqs run)."""
+        return min(num_tokens, self.config.max_num_seqs)
+
     def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
-                prev_rows: dict[Request, int] | None = None, scores: list[PromptScores] | None = None) -> Program:
-        """A ragged prefill program. Rows that score prompt positions are listed in `scores`."""
+                prev_rows: dict[Request, int] | None = None, scores: list[PromptScores] | None = None,
+                decodes: list[ScheduledChunk] | None = None) -> Program:
+        """A ragged prefill program, or with `decodes` (a list, maybe empty for warm-up) a mixed
+        one: the chunks' rows, then one row per decode, in one model step (one read of the
+        weights), with `mixed_decode_rows` decode sequences after the `num_seqs` chunk ones
+        (`AttentionMetadata.decode_rows`). Its sampling rows are the chunks' then the decodes',
+        in order. Rows that score prompt positions are listed in `scores`."""
         bs = self.config.block_size
+        num_decodes = 0 if decodes is None else self.mixed_decode_rows(num_tokens)
+        decodes = decodes or []
         tokens = np.zeros(num_tokens, np.int32)
         token_src = np.full(num_tokens, -1, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         slots = np.zeros(num_tokens, np.int32)
-        seq_lens = np.zeros(num_seqs, np.int32)
+        seq_lens = np.zeros(num_seqs + num_decodes, np.int32)
         query_start = np.zeros(num_seqs + 1, np.int32)
-        logits_indices = np.zeros(num_seqs, np.int32)
-        tables = self._fill_tables(chunks, num_seqs, width)
+        # A mixed step samples for its chunks and decodes, at most max_num_seqs (all running).
+        logits_indices = np.zeros(min(num_seqs + num_decodes, self.config.max_num_seqs) if num_decodes else num_seqs,
+                                  np.int32)
+        tables = np.zeros((num_seqs + num_decodes, width), np.int32)
+        tables[:num_seqs] = self._fill_tables(chunks, num_seqs, width)
+        tables[num_seqs:] = self._fill_tables(decodes, num_decodes, width)
         row = 0
         for i, c in enumerate(chunks):
             faults.check("input", c.request)
@@ -284,11 +311,21 @@ class StepInputs:
             query_start[i + 1] = row
             logits_indices[i] = row - 1
         query_start[len(chunks) + 1:] = row
-        meta = AttentionMetadata(slots, tables, seq_lens, query_start)
+        decode_rows = np.full(num_decodes, num_tokens, np.int32)
+        for j, c in enumerate(decodes):
+            faults.check("input", c.request)
+            tokens[row] = c.request.last_token_id
+            token_src[row] = self._pending_input(c, prev_rows)
+            positions[row] = c.start
+            slots[row] = tables[num_seqs + j, c.start // bs] * bs + c.start % bs
+            seq_lens[num_seqs + j] = c.start + 1
+            decode_rows[j] = logits_indices[len(chunks) + j] = row
+            row += 1
+        meta = AttentionMetadata(slots, tables, seq_lens, query_start, decode_rows if num_decodes else None)
         host_args = (tokens, positions, meta, logits_indices, token_src)
-        sampling, masks = self._sampling(chunks, self.sampler_rows(num_seqs))
-        return Program(("prefill", num_tokens, num_seqs, width), host_args, sampling, 0,
-                       self._score_rows(chunks, num_tokens, scores), masks=masks)
+        sampling, masks = self._sampling(chunks + decodes, self.sampler_rows(len(logits_indices)))
+        key = ("mixed" if num_decodes else "prefill", num_tokens, num_seqs, width)
+        return Program(key, host_args, sampling, 0, self._score_rows(chunks, num_tokens, scores), masks=masks)
 
     @staticmethod
     def _score_rows(chunks: list[ScheduledChunk], num_tokens: int,
