@@ -13,7 +13,7 @@ from typing import Any
 HERE = pathlib.Path(__file__).parent
 CACHE_ENV = "JAXSERVE_TEST_COMPILATION_CACHE"  # a worker's persistent compilation cache, if set
 
-# One bucket per step kind (the sampler's too) keeps every engine at 2 step variants and 1 sampler.
+# One bucket per step kind (the sampler's too) keeps every engine at 3 step variants and 1 sampler.
 TINY_ENGINE = dict(
     max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8,
     decode_batch_buckets=(8,), prefill_token_buckets=(64,), prefill_seq_buckets=(4,), sampler_row_buckets=(8,),
