@@ -16,7 +16,9 @@ With prefill workers (`prefill_workers`), a request that `handover.splits` is pr
 of them (placed by the same policy over their own prefix trees), which streams the first token
 and leases the prompt's KV blocks; the decode worker placed as above pulls the blocks, admits the
 rest of the request and streams it to the end. A prefill worker that fails before its token came
-leaves the request to a decode worker alone; so does a router without a prefill worker up.
+leaves the request to a decode worker alone; so does a router without a prefill worker up. A
+decode worker that fails before it streamed a token of its half gets the half retried on another
+decode worker, with the same KV source (pulled while the lease holds, else recomputed).
 """
 
 from __future__ import annotations
@@ -328,29 +330,39 @@ class RemoteEngine:
         request = pb.GenerateRequest(request_id=placed.request_id, prompt_token_ids=ids,
                                      sampling_params_json=params_to_json(worker_params(params, seed)),
                                      session_id=session_id or "")
-        tried: list[WorkerClient] = []
         try:
-            while True:
-                worker = placed.worker
-                tried.append(worker)
-                try:
-                    if await self._stream(worker, request, sequence, out):
-                        return
-                    error = "the stream ended without a final message"
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        raise ValueError(e.details()) from None
-                    error = f"{e.code().name}: {e.details()}"
-                worker.mark_down(error)
-                if sequence.num_out:
-                    raise WorkerLostError(f"worker {worker.address} failed while generating ({error})")
-                placed.worker = self._pick(ids, exclude=tried)
-                logger.warning("worker %s failed before streaming %s (%s); retrying on %s", worker.address,
-                               placed.request_id, error, placed.worker.address)
-                if session_id is not None:
-                    self._sessions[session_id] = placed.worker
+            await self._stream_retrying(placed, request, sequence, out, ids, session_id)
         except (ValueError, EngineDeadError, RequestFailedError) as e:
             out.put_nowait(e)
+
+    async def _stream_retrying(self, placed: _Placed, request: pb.GenerateRequest, sequence: RemoteSequence,
+                               out: asyncio.Queue, ids: list[int], session_id: str | None,
+                               cached_tokens: int | None = None) -> None:
+        """Stream `request` on `placed.worker` to the sequence's end. A worker that fails before it
+        streamed a token of the request is marked down and the request goes to another one that
+        is up (with a decode half, its KV source too: the lease is still held, or the new worker
+        recomputes); one that fails after raises WorkerLostError."""
+        tried: list[WorkerClient] = []
+        streamed = sequence.num_out
+        while True:
+            worker = placed.worker
+            tried.append(worker)
+            try:
+                if await self._stream(worker, request, sequence, out, cached_tokens):
+                    return
+                error = "the stream ended without a final message"
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(e.details()) from None
+                error = f"{e.code().name}: {e.details()}"
+            worker.mark_down(error)
+            if sequence.num_out > streamed:
+                raise WorkerLostError(f"worker {worker.address} failed while generating ({error})")
+            placed.worker = self._pick(ids, exclude=tried)
+            logger.warning("worker %s failed before streaming %s (%s); retrying on %s", worker.address,
+                           request.request_id, error, placed.worker.address)
+            if session_id is not None:
+                self._sessions[session_id] = placed.worker
 
     async def _run_split(self, group_id: str, index: int, placed: _Placed, ids: list[int], params: SamplingParams,
                          seed: int | None, session_id: str | None, out: asyncio.Queue) -> None:
@@ -395,16 +407,7 @@ class RemoteEngine:
                 sampling_params_json=params_to_json(decode_params(wanted, sequence.num_out)),
                 session_id=session_id or "",
                 kv_source=pb.KVSource(address=prefill.address, lease=lease) if lease is not None else None)
-            worker = placed.worker
-            try:
-                if not await self._stream(worker, rest, sequence, out, cached_tokens=usage.cached_tokens):
-                    raise WorkerLostError(f"worker {worker.address}: the stream ended without a final message")
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ValueError(e.details()) from None
-                worker.mark_down(f"{e.code().name}: {e.details()}")
-                raise WorkerLostError(f"worker {worker.address} failed while generating "
-                                      f"({e.code().name}: {e.details()})") from None
+            await self._stream_retrying(placed, rest, sequence, out, ids, session_id, usage.cached_tokens)
             lease = None  # the decode worker released it
         except (ValueError, EngineDeadError, RequestFailedError) as e:
             out.put_nowait(e)

@@ -5,8 +5,9 @@
 prompts (greedy, seeded sampling with n = 2, stop strings, min_tokens, a penalty that is not
 split); transferred and skipped blocks counted in /metrics; a lease nobody pulls freed at its
 timeout; a puller or a client that goes away mid-transfer leaking nothing; an expired lease
-leaving the decode worker to recompute the same output. After each test both workers' pools
-are all free, with no lease and no hold left. One module-scoped cluster of three workers.
+leaving the decode worker to recompute the same output; a decode worker dead before its half
+getting the half retried on another. After each test both workers' pools are all free, with no
+lease and no hold left. One module-scoped cluster of three workers (the retry test adds one).
 """
 
 from __future__ import annotations
@@ -267,3 +268,36 @@ def test_a_lease_gone_before_the_pull_leaves_the_decode_worker_to_recompute(clus
     tokens = lambda messages: [t for m in messages for t in m.token_ids]  # noqa: E731
     assert [first, *tokens(got)] == tokens(expected)
     _both_free(cluster)
+
+
+def test_a_decode_worker_dead_before_its_half_gets_the_half_retried_on_another(cluster):
+    """The router has not noticed that the first decode worker died (it checks every 10
+    minutes), so a request's decode half goes there first (an idle tie goes to the first
+    worker), fails before streaming anything, and is retried on the other decode worker, which
+    pulls the prompt's blocks from the prefill worker: the colocated output, nothing leaked."""
+    ports = cluster["ports"]
+    spare_port = free_port()
+    spare = start_worker(spare_port, [*SMALL_ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
+    spare.wait_for("worker listening", timeout=900)
+    router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
+                                    "--decode-worker", f"127.0.0.1:{spare_port}",
+                                    "--decode-worker", f"127.0.0.1:{ports['decode']}",
+                                    "--health-check-interval", "600")
+    try:
+        router.wait_for("Running on", timeout=120)
+        spare.proc.kill()  # SIGKILL
+        spare.finish(30)
+        body = _completion(_prompt(50, 5 * BLOCK + 2), 8, ignore_eos=True)
+        before = _transfers(endpoint)
+        got = send(endpoint, "POST", "/v1/completions", body)
+        want = send(cluster["colo"], "POST", "/v1/completions", body)
+        assert got.status == want.status == 200, got.text
+        _close(got.json["choices"], want.json["choices"])
+        router.wait_for("retrying on", timeout=10)
+        after = _transfers(endpoint)
+        assert after["pulled"] - before["pulled"] == 5 and after["transfer_failures_total"] == 0
+        _both_free(cluster)
+    finally:
+        router.terminate()
+        router.finish(60)
+    assert "Traceback" not in router.output, router.output
