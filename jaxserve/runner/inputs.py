@@ -3,9 +3,9 @@
 A decode program is keyed by (batch, block-table width), a ragged prefill program by (tokens,
 sequences, width), and so is a mixed one (prefill chunks and the iteration's decodes in one
 model step, the decodes counted in its tokens); a program's logits are padded to a sampler row
-bucket. A token that the
-previous iteration sampled and the host has not read yet (a PLACEHOLDER) is given as the row of
-that iteration's sampled buffer to read it from (`token_src`), so it never has to be read here.
+bucket. A token that the previous iteration sampled and the host has not read yet (a
+PLACEHOLDER) is given as the row of that iteration's sampled buffer to read it from
+(`token_src`), so it never has to be read here.
 """
 
 from __future__ import annotations
