@@ -167,7 +167,8 @@ def prefill_attention(
     qt = padded[rows].reshape(num_tiles, block_q, kvh, h // kvh, d)
     out = attend_tiles(
         qt, k_cache, v_cache, layer, block_tables.astype(jnp.int32)[tiles[:, 0]], tiles[:, 3], tiles[:, 2],
-        tokens_per_step=PREFILL_TOKENS_PER_STEP, group_tiles=GROUP_ROWS // block_q, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        tokens_per_step=PREFILL_TOKENS_PER_STEP, group_tiles=GROUP_ROWS // block_q, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window,
     )
     tile, offset, real = common.row_to_tile(query_start, t, block_q)
     out = jnp.where(real[:, None, None, None], out[tile, offset], 0.0)  # [T, KVH, G, D]
