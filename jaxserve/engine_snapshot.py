@@ -31,6 +31,7 @@ class KVTransferStats:
     the decode workers report of each pull)."""
 
     transfers: int = 0  # prompts handed over
+    device_transfers: int = 0  # of them, those whose blocks moved device to device
     blocks_pulled: int = 0
     blocks_skipped: int = 0  # the decode worker's prefix cache had them
     bytes: int = 0

@@ -119,6 +119,8 @@ def _transfer_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     t = s.kv_transfer
     yield CounterMetricFamily(f"{PREFIX}_kv_transfers", "Prompts whose KV a decode worker pulled from a prefill worker",
                               value=t.transfers)
+    yield CounterMetricFamily(f"{PREFIX}_kv_device_transfers", "Of them, those whose blocks moved device to device "
+                              "(jax.experimental.transfer, --kv-transport device)", value=t.device_transfers)
     blocks = CounterMetricFamily(f"{PREFIX}_kv_transfer_blocks", "KV blocks of handed-over prompts: pulled, or "
                                  "skipped (the decode worker's prefix cache had them)", labels=["kind"])
     blocks.add_metric(["pulled"], t.blocks_pulled)

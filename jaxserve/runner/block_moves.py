@@ -75,10 +75,20 @@ class BlockMover:
             return cache
         return self.write(cache, dst, self.host_k[:, :, src], self.host_v[:, :, src])
 
+    def gather(self, cache: KVCache, blocks: list[int]) -> tuple[jax.Array, jax.Array]:
+        """K and V of up to BLOCK_MOVE_CHUNK device blocks as device arrays of BLOCK_MOVE_CHUNK
+        blocks, block i on axis 2 (the rest padding: copies of block 0)."""
+        return self._gather(cache, _padded(blocks))
+
+    def scatter(self, cache: KVCache, blocks: list[int], k: jax.Array, v: jax.Array) -> KVCache:
+        """Write `gather`'s arrays (from this engine or another with the same layout) into up to
+        BLOCK_MOVE_CHUNK device blocks; the padding lands in block 0. Returns the cache (donated)."""
+        return self._scatter(cache, _padded(blocks), k, v)
+
     def read(self, cache: KVCache, blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """K and V of up to BLOCK_MOVE_CHUNK device blocks as host arrays, block i on axis 2 (KV
         handed to another engine)."""
-        k, v = self._gather(cache, _padded(blocks))
+        k, v = self.gather(cache, blocks)
         return np.asarray(k)[:, :, : len(blocks)], np.asarray(v)[:, :, : len(blocks)]
 
     def write(self, cache: KVCache, blocks: list[int], k: np.ndarray, v: np.ndarray) -> KVCache:
@@ -90,7 +100,7 @@ class BlockMover:
             chunk = np.zeros(shape, self.dtype)
             chunk[:, :, : len(blocks)] = data
             arrays.append(jax.make_array_from_callback(shape, self.cache_sharding, chunk.__getitem__))
-        return self._scatter(cache, _padded(blocks), *arrays)
+        return self.scatter(cache, blocks, *arrays)
 
 
 def _padded(ids: list[int]) -> np.ndarray:

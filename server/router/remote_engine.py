@@ -441,6 +441,7 @@ class RemoteEngine:
         bucket = load_seconds_bucket(t.seconds)
         self.transfers = dataclasses.replace(
             self.transfers, transfers=self.transfers.transfers + 1,
+            device_transfers=self.transfers.device_transfers + (t.transport == "device"),
             blocks_pulled=self.transfers.blocks_pulled + t.blocks_pulled,
             blocks_skipped=self.transfers.blocks_skipped + t.blocks_skipped, bytes=self.transfers.bytes + t.bytes,
             seconds=self.transfers.seconds + t.seconds, failed=self.transfers.failed + bool(t.error),

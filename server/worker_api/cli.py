@@ -5,7 +5,8 @@ flight get --shutdown-timeout seconds to finish. A router (`jaxserve router --wo
 does tokenization, sessions, keys and limits; this process only runs the engine. With --role
 prefill or decode it is one side of prefill/decode disaggregation (`jaxserve router
 --prefill-worker ... --decode-worker ...`): a prefill worker holds a prompt's KV blocks under a
-lease for --kv-lease-timeout seconds, a decode worker pulls them from it.
+lease for --kv-lease-timeout seconds, a decode worker pulls them from it: as bytes over gRPC, or
+device to device (`jax.experimental.transfer`) where both run with --kv-transport device.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable
 from jaxserve.config import EngineConfig
 
 ROLES = ("both", "prefill", "decode")
+TRANSPORTS = ("grpc", "device")
 
 
 def add_worker_parser(
@@ -34,6 +36,10 @@ def add_worker_parser(
                         "them and generates; both: either, or whole requests")
     g.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="seconds a prefill worker holds a prompt's KV blocks for a decode worker that does not pull them")
+    g.add_argument("--kv-transport", choices=TRANSPORTS, default="grpc",
+                   help="how KV blocks move between prefill and decode workers: grpc (bytes over the worker "
+                        "service) or device (device to device through jax.experimental.transfer, on a transfer "
+                        "server listening on --host; used where both workers have it, else grpc)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
     p.set_defaults(func=lambda args: run_worker(args, engine_config_from_args(args)))
@@ -59,12 +65,17 @@ def run_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     if args.role != "both" and not one_replica:
         raise SystemExit(f"--role {args.role} runs one engine replica in one process (no --data-parallel-size, "
                          "no multi-host)")
+    if args.kv_transport == "device" and not one_replica:
+        raise SystemExit("--kv-transport device runs one engine replica in one process")
     t0 = time.perf_counter()
     engine = AsyncEngine(make_engine(args.model, engine_config))
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
     seconds = engine.engine.warm_up()
     print(f"warm-up: {engine.engine.num_compilations} compilations in {seconds:.1f} s", flush=True)
-    handoff = KVHandoff(engine, args.kv_lease_timeout) if one_replica else None  # (reads the weights' digest)
+    transfer_host = args.host if args.kv_transport == "device" else None
+    handoff = KVHandoff(engine, args.kv_lease_timeout, transfer_host) if one_replica else None
+    if handoff is not None and handoff.device is not None:
+        print(f"KV transfer server on {handoff.device.address}", flush=True)
     engine.start()
 
     async def serve() -> None:

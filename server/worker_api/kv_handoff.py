@@ -11,6 +11,11 @@ are held and skipped, the rest pulled from the prefill worker, written into fres
 added to the cache (`jaxserve.kv_transfer`); the lease is released, and the request is admitted
 as usual: a prefix hit up to the last full block, the partial block and the first output token
 recomputed. A pull that fails leaves the request to recompute what did not arrive.
+
+Transport: bytes over `PullKV` (gRPC), or, where both workers run with `--kv-transport device`,
+device to device: the decode worker asks the prefill worker to stage the blocks (`StageKV`) and
+pulls them from the transfer server its lease names (`jaxserve.kv_transfer.DeviceTransfer`);
+if that fails it falls back to `PullKV`.
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import grpc
+import jax
 import numpy as np
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.dp_router import DataParallelRouter
 from jaxserve.kv import Hold
 from jaxserve.kv_tiers import kv_fingerprint
-from jaxserve.kv_transfer import block_layout, hold_prompt, prompt_key, read_blocks, release, write_blocks
+from jaxserve.kv_transfer import (DeviceTransfer, block_layout, hold_prompt, prompt_key, read_blocks, release,
+                                  stage_blocks, write_blocks, write_staged_blocks)
 from jaxserve.outputs import Delta
 from jaxserve.request import FinishReason
 from server.worker_api import worker_pb2 as pb
@@ -43,11 +50,20 @@ READ_BLOCKS = 32  # blocks read out per call on the engine thread
 MAX_MESSAGE_BYTES = 8 << 20  # K and V bytes in one KVBlocks message
 PEER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + (1 << 20))]
 PULL_TIMEOUT = 120.0  # seconds a pull may take
+STAGE_TIMEOUT = 30.0  # seconds staged device arrays wait for their pull
 SWEEP_INTERVAL = 0.2  # seconds between checks for leases past their timeout
 
 
 class LeaseGoneError(LookupError):
     """The lease was released (ack, abort or timeout) before the blocks were read."""
+
+
+# Writes pulled blocks into the decode engine's cache: (engine, hold, prompt ids) -> the longer hold.
+WriteInto = Callable[[Any, Hold, list[int]], Hold]
+
+
+class TransferFailed(Exception):
+    """A pull that did not bring the blocks (the message says why)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,7 +122,9 @@ class LeaseTable:
 
 
 class KVHandoff:
-    def __init__(self, engine: AsyncEngine, lease_timeout: float) -> None:
+    def __init__(self, engine: AsyncEngine, lease_timeout: float, transfer_host: str | None = None) -> None:
+        """With `transfer_host` (an address other workers reach), blocks move device to device
+        through a transfer server there where the other side has one too; else as bytes only."""
         if len(engine.engine.replicas) != 1:
             raise ValueError("prefill and decode workers run one engine replica (no --data-parallel-size)")
         replica = engine.engine.replicas[0]
@@ -114,6 +132,7 @@ class KVHandoff:
         self.fingerprint = kv_fingerprint(replica.runner, replica.model_name)
         self.layout = block_layout(replica)
         self.block_size = replica.config.block_size
+        self.device = DeviceTransfer(replica, transfer_host) if transfer_host is not None else None
         self.leases = LeaseTable(lease_timeout)
         self._peers: dict[str, tuple[grpc.aio.Channel, WorkerStub]] = {}
         self._sweeper: asyncio.Task | None = None
@@ -151,24 +170,32 @@ class KVHandoff:
         if lease is None:
             return None
         return pb.KVLease(lease_id=lease.lease_id, num_blocks=lease.hold.num_blocks, last_key=lease.key,
-                          timeout_s=self.leases.timeout)
+                          timeout_s=self.leases.timeout, transfer_address=self.device.address if self.device else "")
 
-    async def read(self, request: pb.PullKVRequest) -> AsyncIterator[pb.KVBlocks]:
-        """The leased blocks asked for, K and V bytes, at most MAX_MESSAGE_BYTES a message.
-        LeaseGoneError when the lease is not (or no longer) held; ValueError for a bad range."""
+    def _leased_range(self, request: pb.PullKVRequest) -> tuple[Lease, int, int]:
         lease = self.leases.get(request.lease_id)
         if lease is None:
             raise LeaseGoneError(f"no lease {request.lease_id} (released or timed out)")
         first, end = request.first_block, request.first_block + request.num_blocks
         if end > lease.hold.num_blocks:
             raise ValueError(f"blocks [{first}, {end}) asked for, the lease holds {lease.hold.num_blocks}")
+        return lease, first, end
+
+    def _still_leased(self, lease_id: int) -> None:
+        """On the engine thread, before reading a lease's blocks: a released lease's may be gone."""
+        if self.leases.get(lease_id) is None:
+            raise LeaseGoneError(f"lease {lease_id} was released during the pull")
+
+    async def read(self, request: pb.PullKVRequest) -> AsyncIterator[pb.KVBlocks]:
+        """The leased blocks asked for, K and V bytes, at most MAX_MESSAGE_BYTES a message.
+        LeaseGoneError when the lease is not (or no longer) held; ValueError for a bad range."""
+        lease, first, end = self._leased_range(request)
         per_message = max(1, MAX_MESSAGE_BYTES // self.layout.block_bytes)
         for start in range(first, end, READ_BLOCKS):
             count = min(READ_BLOCKS, end - start)
 
             def read_out(router: DataParallelRouter, start: int = start, count: int = count):
-                if self.leases.get(request.lease_id) is None:  # released meanwhile: its blocks may be gone
-                    raise LeaseGoneError(f"lease {request.lease_id} was released during the pull")
+                self._still_leased(request.lease_id)
                 return read_blocks(router.replicas[0], lease.hold, start, count)
 
             arrays = await self._engine.between_steps(read_out)
@@ -179,6 +206,26 @@ class KVHandoff:
                 part = slice(j, j + per_message)
                 yield pb.KVBlocks(first_block=start + j, num_blocks=k[:, :, part].shape[2],
                                   k=k[:, :, part].tobytes(), v=v[:, :, part].tobytes())
+
+    async def stage(self, request: pb.PullKVRequest) -> pb.StageKVResponse:
+        """Offer the leased blocks asked for to one device-to-device pull (for STAGE_TIMEOUT
+        seconds). LookupError when this worker has no transfer server or the lease is gone,
+        ValueError for a bad range."""
+        if self.device is None:
+            raise LookupError("this worker moves KV as bytes only (--kv-transport grpc)")
+        lease, first, end = self._leased_range(request)
+        device = self.device
+
+        def offer(router: DataParallelRouter) -> pb.StageKVResponse:
+            self._still_leased(request.lease_id)
+            arrays = stage_blocks(router.replicas[0], lease.hold, first, end - first)
+            return pb.StageKVResponse(transfer_id=device.offer(arrays, STAGE_TIMEOUT), num_chunks=len(arrays) // 2,
+                                      chunk_blocks=device.chunk_shape[2])
+
+        staged = await self._engine.between_steps(offer)
+        if staged is None:
+            raise LeaseGoneError("the engine loop is not running")
+        return staged
 
     async def release_lease(self, lease_id: int) -> bool:
         lease = self.leases.pop(lease_id)
@@ -238,34 +285,61 @@ class KVHandoff:
         first, end = hold.num_blocks, source.lease.num_blocks
         if first >= end:
             return hold
-        parts: list[tuple[np.ndarray, np.ndarray]] = []
-        expected = first
+        arrived = None
+        if self.device is not None and source.lease.transfer_address:
+            try:
+                arrived = await self._pull_device(source, first, end)
+                stats.transport = "device"
+            except (grpc.aio.AioRpcError, TransferFailed, TimeoutError, jax.errors.JaxRuntimeError) as e:
+                logger.warning("device KV pull from %s failed, pulling bytes: %s", source.address, _why(e))
         try:
-            call = self._peer(source.address).PullKV(
-                pb.PullKVRequest(lease_id=source.lease.lease_id, first_block=first, num_blocks=end - first),
-                timeout=PULL_TIMEOUT)
-            async for msg in call:
-                if msg.first_block != expected:
-                    raise ValueError(f"block {msg.first_block} arrived, {expected} expected")
-                parts.append(self.layout.arrays(msg.k, msg.v, msg.num_blocks))
-                expected += msg.num_blocks
-            if expected != end:
-                raise ValueError(f"the pull ended at block {expected} of {end}")
-        except grpc.aio.AioRpcError as e:
-            stats.error = f"pull failed: {e.code().name}: {e.details()}"
+            if arrived is None:
+                arrived = await self._pull_bytes(source, first, end)
+                stats.transport = "grpc"
+        except (grpc.aio.AioRpcError, TransferFailed) as e:
+            stats.error = f"pull failed: {_why(e)}"
             return hold
-        except ValueError as e:
-            stats.error = f"pull failed: {e}"
-            return hold
-        k = np.concatenate([k for k, _ in parts], axis=2)
-        v = np.concatenate([v for _, v in parts], axis=2)
-        longer = await self._holding(lambda r: write_blocks(r.replicas[0], hold, prompt_ids, k, v))
+        longer = await self._holding(lambda r: arrived(r.replicas[0], hold, prompt_ids))
         if longer is None:
             stats.error = "the engine loop is not running"
             return hold
         stats.blocks_pulled = longer.num_blocks - first
         stats.bytes = stats.blocks_pulled * self.layout.block_bytes
         return longer
+
+    async def _pull_bytes(self, source: pb.KVSource, first: int, end: int) -> WriteInto:
+        """Blocks [first, end) of the lease as bytes; returns the write of them into the cache."""
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        expected = first
+        call = self._peer(source.address).PullKV(
+            pb.PullKVRequest(lease_id=source.lease.lease_id, first_block=first, num_blocks=end - first),
+            timeout=PULL_TIMEOUT)
+        async for msg in call:
+            if msg.first_block != expected:
+                raise TransferFailed(f"block {msg.first_block} arrived, {expected} expected")
+            try:
+                parts.append(self.layout.arrays(msg.k, msg.v, msg.num_blocks))
+            except ValueError as e:
+                raise TransferFailed(str(e)) from e
+            expected += msg.num_blocks
+        if expected != end:
+            raise TransferFailed(f"the pull ended at block {expected} of {end}")
+        k = np.concatenate([k for k, _ in parts], axis=2)
+        v = np.concatenate([v for _, v in parts], axis=2)
+        return lambda engine, hold, ids: write_blocks(engine, hold, ids, k, v)
+
+    async def _pull_device(self, source: pb.KVSource, first: int, end: int) -> WriteInto:
+        """Blocks [first, end) of the lease device to device; returns the write of them into the cache."""
+        staged = await self._peer(source.address).StageKV(
+            pb.PullKVRequest(lease_id=source.lease.lease_id, first_block=first, num_blocks=end - first),
+            timeout=PULL_TIMEOUT)
+        device = self.device
+        if staged.chunk_blocks != device.chunk_shape[2] or staged.num_chunks * staged.chunk_blocks < end - first:
+            raise TransferFailed(f"{staged.num_chunks} chunks of {staged.chunk_blocks} blocks staged, "
+                                 f"{end - first} blocks of {device.chunk_shape[2]} a chunk wanted")
+        arrays = await asyncio.to_thread(device.pull, source.lease.transfer_address, staged.transfer_id,
+                                         2 * staged.num_chunks, PULL_TIMEOUT)
+        return lambda engine, hold, ids: write_staged_blocks(engine, hold, ids, arrays, end - first)
 
     async def _ack(self, source: pb.KVSource) -> None:
         try:
@@ -306,3 +380,9 @@ class KVHandoff:
 
     async def _release(self, hold: Hold) -> None:
         await self._engine.between_steps(lambda r: release(r.replicas[0], hold))
+
+
+def _why(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error) or type(error).__name__

@@ -114,6 +114,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def StageKV(self, request: pb.PullKVRequest, context: grpc.aio.ServicerContext) -> pb.StageKVResponse:
+        if self._handoff is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker holds no KV leases")
+        try:
+            return await self._handoff.stage(request)
+        except LookupError as e:  # LeaseGoneError, or no transfer server here
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest,
                            context: grpc.aio.ServicerContext) -> pb.ReleaseLeaseResponse:
         released = self._handoff is not None and await self._handoff.release_lease(request.lease_id)

@@ -62,16 +62,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., session_id: _Optional[str] = ..., hold_kv: _Optional[bool] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
 
 class KVLease(_message.Message):
-    __slots__ = ("lease_id", "num_blocks", "last_key", "timeout_s")
+    __slots__ = ("lease_id", "num_blocks", "last_key", "timeout_s", "transfer_address")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAST_KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     num_blocks: int
     last_key: bytes
     timeout_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., last_key: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    transfer_address: str
+    def __init__(self, lease_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., last_key: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., transfer_address: _Optional[str] = ...) -> None: ...
 
 class KVSource(_message.Message):
     __slots__ = ("address", "lease")
@@ -82,18 +84,20 @@ class KVSource(_message.Message):
     def __init__(self, address: _Optional[str] = ..., lease: _Optional[_Union[KVLease, _Mapping]] = ...) -> None: ...
 
 class KVTransfer(_message.Message):
-    __slots__ = ("blocks_pulled", "blocks_skipped", "bytes", "seconds", "error")
+    __slots__ = ("blocks_pulled", "blocks_skipped", "bytes", "seconds", "error", "transport")
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     blocks_pulled: int
     blocks_skipped: int
     bytes: int
     seconds: float
     error: str
-    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_skipped: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    transport: str
+    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_skipped: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("lease_id", "first_block", "num_blocks")
@@ -116,6 +120,16 @@ class KVBlocks(_message.Message):
     k: bytes
     v: bytes
     def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
+
+class StageKVResponse(_message.Message):
+    __slots__ = ("transfer_id", "num_chunks", "chunk_blocks")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    num_chunks: int
+    chunk_blocks: int
+    def __init__(self, transfer_id: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -84,6 +84,11 @@ class WorkerStub:
                 request_serializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
                 response_deserializer=server_dot_worker__api_dot_worker__pb2.KVBlocks.FromString,
                 _registered_method=True)
+        self.StageKV = channel.unary_unary(
+                '/jaxserve.worker.v1.Worker/StageKV',
+                request_serializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=server_dot_worker__api_dot_worker__pb2.StageKVResponse.FromString,
+                _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/ReleaseLease',
                 request_serializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
@@ -162,6 +167,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageKV(self, request, context):
+        """The same blocks device to device (jax.experimental.transfer), for a prefill worker whose leases
+        carry a transfer_address: gathers them into device arrays and offers them for one pull, by
+        the transfer id it returns, from that address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseLease(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -220,6 +234,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PullKV,
                     request_deserializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.FromString,
                     response_serializer=server_dot_worker__api_dot_worker__pb2.KVBlocks.SerializeToString,
+            ),
+            'StageKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageKV,
+                    request_deserializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.FromString,
+                    response_serializer=server_dot_worker__api_dot_worker__pb2.StageKVResponse.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
@@ -497,6 +516,33 @@ class Worker:
             '/jaxserve.worker.v1.Worker/PullKV',
             server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
             server_dot_worker__api_dot_worker__pb2.KVBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.worker.v1.Worker/StageKV',
+            server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
+            server_dot_worker__api_dot_worker__pb2.StageKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

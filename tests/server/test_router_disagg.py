@@ -6,8 +6,11 @@ prompts (greedy, seeded sampling with n = 2, stop strings, min_tokens, a penalty
 split); transferred and skipped blocks counted in /metrics; a lease nobody pulls freed at its
 timeout; a puller or a client that goes away mid-transfer leaking nothing; an expired lease
 leaving the decode worker to recompute the same output; a decode worker dead before its half
-getting the half retried on another. After each test both workers' pools are all free, with no
-lease and no hold left. One module-scoped cluster of three workers (the retry test adds one).
+getting the half retried on another; blocks moved device to device (`--kv-transport device`,
+jax.experimental.transfer between the CPU processes) giving the same output, and a decode worker
+with a transfer server pulling bytes from a prefill worker without one. After each test the
+workers' pools are all free, with no lease and no hold left. One module-scoped cluster of three
+workers (the retry test adds one), and a pair with device transfer for its tests.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def _both_free(cluster) -> None:
 def _transfers(router: Endpoint) -> dict[str, float]:
     text = send(router, "GET", "/metrics", key=None).text
     out = {}
-    for name, label in (("transfers_total", None), ("transfer_blocks_total", "pulled"),
+    for name, label in (("transfers_total", None), ("device_transfers_total", None), ("transfer_blocks_total", "pulled"),
                         ("transfer_blocks_total", "skipped"), ("transfer_bytes_total", None),
                         ("transfer_failures_total", None), ("transfer_duration_seconds_count", None)):
         labels = f'{{kind="{label}"}}' if label else ""
@@ -128,9 +131,9 @@ def _close(got, want, path: str = "") -> None:
         assert got == want, path
 
 
-def _same_output(cluster, path: str, body: dict) -> dict:
+def _same_output(cluster, path: str, body: dict, split_router: str = "split") -> dict:
     colo = send(cluster["colo"], "POST", path, body)
-    split = send(cluster["split"], "POST", path, body)
+    split = send(cluster[split_router], "POST", path, body)
     assert colo.status == split.status == 200, (colo.text, split.text)
     _close(split.json["choices"], colo.json["choices"], str(body))
     usage = lambda r: {k: r["usage"][k] for k in ("prompt_tokens", "completion_tokens")}  # noqa: E731
@@ -301,3 +304,65 @@ def test_a_decode_worker_dead_before_its_half_gets_the_half_retried_on_another(c
         router.terminate()
         router.finish(60)
     assert "Traceback" not in router.output, router.output
+
+
+@pytest.fixture(scope="module")
+def device_pair(cluster):
+    """A prefill and a decode worker with --kv-transport device, behind their own router."""
+    cache_dir = jax.config.jax_compilation_cache_dir
+    ports = {"prefill": free_port(), "decode": free_port()}
+    procs = {role: start_worker(port, [*SMALL_ENGINE, "--role", role, "--kv-transport", "device"], cache_dir)
+             for role, port in ports.items()}
+    for proc in procs.values():
+        proc.wait_for("KV transfer server on", timeout=900)
+        proc.wait_for("worker listening", timeout=120)
+    router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
+                                    "--decode-worker", f"127.0.0.1:{ports['decode']}", "--api-key", KEY_A)
+    router.wait_for("Running on", timeout=120)
+    yield dict(cluster, ports=ports, split_device=endpoint, grpc_ports=cluster["ports"])
+    for proc in [router, *procs.values()]:
+        proc.terminate()
+    for proc in [router, *procs.values()]:
+        proc.finish(60)
+    output = "\n".join(p.output for p in [router, *procs.values()])
+    assert "Traceback" not in output, output
+
+
+def test_blocks_moved_device_to_device_give_the_colocated_output(device_pair):
+    before = _transfers(device_pair["split_device"])
+    compiled = _compilations(device_pair)
+    cases = [
+        _completion(_prompt(60, 29 * BLOCK + 3), 6, ignore_eos=True, logprobs=2),  # 29 full blocks
+        _completion(_prompt(61, 3 * BLOCK), 8, ignore_eos=True),
+        _completion(_prompt(62, 24), 10, temperature=0.8, seed=7, n=2, ignore_eos=True),
+    ]
+    for body in cases:
+        _same_output(device_pair, "/v1/completions", body, split_router="split_device")
+    after = _transfers(device_pair["split_device"])
+    moved = after["transfers_total"] - before["transfers_total"]
+    assert moved >= 4 and after["device_transfers_total"] - before["device_transfers_total"] == moved
+    assert after["pulled"] - before["pulled"] >= 29 + 3 and after["transfer_failures_total"] == 0
+    assert _compilations(device_pair) == compiled  # staging and writing use the warmed-up block moves
+    _both_free(device_pair)
+
+
+def test_a_device_decode_worker_pulls_bytes_from_a_prefill_worker_without_a_transfer_server(device_pair):
+    """A lease that names no transfer server is pulled as bytes; one that names a server its
+    prefill worker does not run (StageKV refused) falls back to bytes too."""
+    prefill, decode = device_pair["grpc_ports"]["prefill"], device_pair["ports"]["decode"]
+    tokens = lambda messages: [t for m in messages for t in m.token_ids]  # noqa: E731
+    for seed, forged_address in ((70, ""), (71, "127.0.0.1:1")):
+        prompt = _prompt(seed, 4 * BLOCK + 3)
+        lease, first = _lease(prefill, f"bytes-{seed}", prompt)
+        assert lease.transfer_address == ""
+        lease.transfer_address = forged_address
+        got = _generate(decode, pb.GenerateRequest(
+            request_id=f"bytes-{seed}", prompt_token_ids=prompt + [first], sampling_params_json=_params(5),
+            kv_source=pb.KVSource(address=f"127.0.0.1:{prefill}", lease=lease)))
+        transfer = got[0].transfer
+        assert (transfer.transport, transfer.blocks_pulled, transfer.error) == ("grpc", 4, "")
+        expected = _generate(device_pair["grpc_ports"]["both"], pb.GenerateRequest(
+            request_id=f"ref-{seed}", prompt_token_ids=prompt, sampling_params_json=_params(6)))
+        assert [first, *tokens(got)] == tokens(expected)
+    _all_free(prefill)
+    _both_free(device_pair)
