@@ -151,8 +151,7 @@ class EngineConfig:
 
     def num_compiled_variants(self) -> int:
         decode = len(self.decode_batch_buckets) * len(self.block_table_buckets) * (1 + (self.num_scheduler_steps > 1))
-        # prefill programs, and mixed ones (prefill chunks with decodes) of the same shapes
-        prefill = 2 * len(self.prefill_token_buckets) * len(self.prefill_seq_buckets) * len(self.block_table_buckets)
+        prefill = len(self.prefill_token_buckets) * len(self.prefill_seq_buckets) * len(self.block_table_buckets)
         return decode + prefill
 
 

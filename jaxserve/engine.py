@@ -70,7 +70,7 @@ class StepStats:
     generated_tokens: int = 0
     # Iterations whose output was read only after the next one was launched (async scheduling).
     overlapped_reads: int = 0
-    # Iterations whose prefill chunks and decodes ran as one mixed model step.
+    # Iterations whose prefill chunks and decodes ran as one model step.
     mixed_steps: int = 0
     failed_requests: int = 0  # requests ended by an error in their own part of a step
     # Speculative decoding: steps that verified drafts, drafts verified, drafts accepted.
@@ -279,7 +279,7 @@ class LLMEngine:
             self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
             self.stats.num_steps += 1
             self.stats.speculative_steps += sched.is_speculative
-            self.stats.mixed_steps += any(p.key[0] == "mixed" for p in prepared.programs)
+            self.stats.mixed_steps += bool(sched.prefills) and len(prepared.parts[0]) > len(sched.prefills)
         elif self._in_flight is None and self.kv.has_pending_loads:
             self.kv.submit_loads()
             self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile

@@ -74,7 +74,7 @@ def test_a_prompt_arriving_mid_decode_shares_one_model_step_with_the_decodes(llm
     engine.add_prompt_ids("third", prompts[2], GREEDY)
     step()  # the new prompts' chunks with the first request's decode
     assert engine.stats.mixed_steps == mixed + 1
-    assert [p.key[0] for p in prepared[-1].programs] == ["mixed"]
+    assert [p.key[0] for p in prepared[-1].programs] == ["prefill"]
     assert [len(chunks) for chunks in prepared[-1].parts] == [3]
     while engine.has_unfinished_requests():
         step()

@@ -61,7 +61,7 @@ class AttentionMetadata:
     block_tables [S, W], seq_lens [S]: each sequence's blocks and its length after this step.
     query_start [P + 1]: row offsets of the new tokens of the first P sequences (ragged
       prefill chunks); None for a decode step, where row b is the one new token of sequence b.
-    decode_rows [S - P]: a mixed step (prefill chunks and decodes in one program): the row of
+    decode_rows [S - P]: a prefill step that runs decodes too (in one program): the row of
       each of the last S - P sequences' one new token (decodes), after the chunks' rows; a
       padding entry is T (out of range) and its sequence's length 0. None: no decodes.
     """
@@ -76,8 +76,8 @@ class AttentionMetadata:
 def paged_attention(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     layer: jax.Array, meta: AttentionMetadata, **options: Any) -> jax.Array:
     """q [T, H, D] -> [T, H, D] through the backend: its decode kernel for a decode step, its
-    prefill kernel for ragged chunks, and both for a mixed step, whose decode rows are gathered
-    for the decode kernel (one row per sequence, as it is fastest) and put back in place."""
+    prefill kernel for ragged chunks, and both for a prefill step with decode rows, which are
+    gathered for the decode kernel (one row per sequence, as it is fastest) and put back."""
     if meta.query_start is None:
         return backend.decode(q, k_cache, v_cache, layer, meta.block_tables, meta.seq_lens, **options)
     p = meta.query_start.shape[0] - 1

@@ -1,8 +1,8 @@
 """Host side of a step: a SchedulerOutput becomes bucketed numpy arrays (no device work here).
 
 A decode program is keyed by (batch, block-table width), a ragged prefill program by (tokens,
-sequences, width), and so is a mixed one (prefill chunks and the iteration's decodes in one
-model step, the decodes counted in its tokens); a program's logits are padded to a sampler row
+sequences, width): it runs an iteration's prefill chunks and its plain decodes (if any) in one
+model step, the decodes counted in its tokens; a program's logits are padded to a sampler row
 bucket. A token that the previous iteration sampled and the host has not read yet (a
 PLACEHOLDER) is given as the row of that iteration's sampled buffer to read it from
 (`token_src`), so it never has to be read here.
@@ -73,7 +73,7 @@ class PromptScores:
 @dataclasses.dataclass
 class PreparedStep:
     """An iteration's host work: penalty rows to set first (arguments of each reset call, and
-    the requests they are for), then the programs (prefill or mixed, then decode or verify) and
+    the requests they are for), then the programs (prefill, with the decodes that join it, then decode or verify) and
     the chunks of each, in the order of its sampling rows."""
 
     penalty_resets: list[tuple[np.ndarray, ...]]
@@ -150,19 +150,19 @@ class StepInputs:
         decodes = sched.decodes
         if sched.prefills:
             chunks = sched.prefills
-            # Plain decodes join the prefill chunks in one mixed program; drafts are verified apart.
-            mixed = decodes if decodes and not any(c.draft or c.num_steps > 1 for c in decodes) else None
+            # Plain decodes join the prefill chunks in one program; drafts are verified apart.
+            joined = decodes if not any(c.draft or c.num_steps > 1 for c in decodes) else []
             programs.append(self.prefill(
                 chunks,
-                bucket_for(sum(c.num_new_tokens for c in chunks) + len(mixed or ()), ec.prefill_token_buckets),
+                bucket_for(sum(c.num_new_tokens for c in chunks) + len(joined), ec.prefill_token_buckets),
                 bucket_for(len(chunks), ec.prefill_seq_buckets),
-                self._width_bucket(chunks + (mixed or [])),
+                self._width_bucket(chunks + joined),
                 prev_rows,
                 scores,
-                mixed,
+                joined,
             ))
-            parts.append(chunks + (mixed or []))
-            decodes = [] if mixed else decodes
+            parts.append(chunks + joined)
+            decodes = [] if joined else decodes
         if decodes:
             chunks = decodes
             batch = bucket_for(len(chunks), ec.decode_batch_buckets)
@@ -269,31 +269,31 @@ class StepInputs:
         return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history),
                        masks=self._constrained_rows(chunks, rows))
 
-    def mixed_decode_rows(self, num_tokens: int) -> int:
-        """Decode rows of a mixed program of `num_tokens` rows: every decode an iteration of that
-        many tokens can hold (each takes one of them, and at most max_num_seqs run)."""
+    def decode_rows(self, num_tokens: int) -> int:
+        """Decode sequences of a prefill program of `num_tokens` rows: every decode an iteration
+        of that many tokens can hold (each takes one of them, and at most max_num_seqs run)."""
         return min(num_tokens, self.config.max_num_seqs)
 
     def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
                 prev_rows: dict[Request, int] | None = None, scores: list[PromptScores] | None = None,
-                decodes: list[ScheduledChunk] | None = None) -> Program:
-        """A ragged prefill program, or with `decodes` (a list, maybe empty for warm-up) a mixed
-        one: the chunks' rows, then one row per decode, in one model step (one read of the
-        weights), with `mixed_decode_rows` decode sequences after the `num_seqs` chunk ones
-        (`AttentionMetadata.decode_rows`). Its sampling rows are the chunks' then the decodes',
-        in order. Rows that score prompt positions are listed in `scores`."""
+                decodes: list[ScheduledChunk] = ()) -> Program:
+        """A ragged prefill program: the chunks' rows, then one row per decode of `decodes`, in
+        one model step (one read of the weights), with `decode_rows` decode sequences after the
+        `num_seqs` chunk ones (`AttentionMetadata.decode_rows`; padding ones have length 0, so
+        an iteration without decodes costs their attention almost nothing). Its sampling rows
+        are the chunks' then the decodes', in order. Rows that score prompt positions are listed
+        in `scores`."""
         bs = self.config.block_size
-        num_decodes = 0 if decodes is None else self.mixed_decode_rows(num_tokens)
-        decodes = decodes or []
+        num_decodes = self.decode_rows(num_tokens)
+        decodes = list(decodes)
         tokens = np.zeros(num_tokens, np.int32)
         token_src = np.full(num_tokens, -1, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         slots = np.zeros(num_tokens, np.int32)
         seq_lens = np.zeros(num_seqs + num_decodes, np.int32)
         query_start = np.zeros(num_seqs + 1, np.int32)
-        # A mixed step samples for its chunks and decodes, at most max_num_seqs (all running).
-        logits_indices = np.zeros(min(num_seqs + num_decodes, self.config.max_num_seqs) if num_decodes else num_seqs,
-                                  np.int32)
+        # It samples for its chunks and decodes, at most max_num_seqs (all running).
+        logits_indices = np.zeros(min(num_seqs + num_decodes, self.config.max_num_seqs), np.int32)
         tables = np.zeros((num_seqs + num_decodes, width), np.int32)
         tables[:num_seqs] = self._fill_tables(chunks, num_seqs, width)
         tables[num_seqs:] = self._fill_tables(decodes, num_decodes, width)
@@ -321,10 +321,10 @@ class StepInputs:
             seq_lens[num_seqs + j] = c.start + 1
             decode_rows[j] = logits_indices[len(chunks) + j] = row
             row += 1
-        meta = AttentionMetadata(slots, tables, seq_lens, query_start, decode_rows if num_decodes else None)
+        meta = AttentionMetadata(slots, tables, seq_lens, query_start, decode_rows)
         host_args = (tokens, positions, meta, logits_indices, token_src)
         sampling, masks = self._sampling(chunks + decodes, self.sampler_rows(len(logits_indices)))
-        key = ("mixed" if num_decodes else "prefill", num_tokens, num_seqs, width)
+        key = ("prefill", num_tokens, num_seqs, width)
         return Program(key, host_args, sampling, 0, self._score_rows(chunks, num_tokens, scores), masks=masks)
 
     @staticmethod

@@ -306,8 +306,8 @@ class ModelRunner:
         ec = self.engine_config
         t0 = time.perf_counter()
         programs = [self.inputs.decode([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
-        programs += [self.inputs.prefill([], t, s, w, decodes=decodes) for w in ec.block_table_buckets
-                     for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets for decodes in (None, [])]
+        programs += [self.inputs.prefill([], t, s, w) for w in ec.block_table_buckets
+                     for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
         verifies = [self.inputs.verify([], b, w) for w in ec.block_table_buckets for b in self.inputs.verify_batches]
         multi_steps = [] if ec.num_scheduler_steps == 1 else [
             self.inputs.multi_decode([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
@@ -345,7 +345,7 @@ class ModelRunner:
         ec = self.engine_config
         return (
             f"decode batch {list(ec.decode_batch_buckets)} x block-table width {list(ec.block_table_buckets)}; "
-            f"prefill and mixed tokens {list(ec.prefill_token_buckets)} x seqs {list(ec.prefill_seq_buckets)} "
+            f"prefill tokens {list(ec.prefill_token_buckets)} x seqs {list(ec.prefill_seq_buckets)} "
             f"x width {list(ec.block_table_buckets)}: {ec.num_compiled_variants()} step variants; "
             f"sampler rows {list(ec.sampler_row_buckets)}"
             + (f"; verify (speculative, {self.inputs.verify_rows} rows per sequence) batch "
