@@ -120,6 +120,32 @@ def test_seeded_sampling_is_reproducible_and_neighbour_independent(llm):
     assert unseeded[0] != unseeded[1]
 
 
+def test_a_decode_batch_that_stays_the_same_reuses_its_sampling_rows(llm, monkeypatch):
+    """Consecutive decode steps of the same requests share their sampling arrays but for the
+    positions, which advance; the step where one request's min_tokens is reached builds new
+    ones (its stop tokens are no longer banned). Seeded tokens equal those sampled alone."""
+    engine = llm.engine
+    prepared = []
+    prepare = engine.runner.prepare
+    monkeypatch.setattr(engine.runner, "prepare", lambda sched: prepared.append(prepare(sched)) or prepared[-1])
+    prompts = mixed_prompts(2, seed=6)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=7, min_tokens=4, stop_token_ids=[5], ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=8, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    monkeypatch.undo()
+    decodes = [p.programs[0].sampling for p in prepared if [q.key[0] for q in p.programs] == ["decode"]]
+    assert len(decodes) >= 6
+    banned = [5 in s.bias_ids[0] for s in decodes]
+    assert banned[0] and not banned[-1]
+    lifted = banned.index(False)
+    reused = [a.temperature is b.temperature for a, b in zip(decodes, decodes[1:])]
+    assert reused == [i + 1 != lifted for i in range(len(reused))]
+    for a, b in zip(decodes, decodes[1:]):
+        np.testing.assert_array_equal(b.positions[:2], a.positions[:2] + 1)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert texts(llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)) == texts([out])
+
+
 def test_no_compilation_after_warm_up_for_a_mixed_workload(llm):
     before = llm.engine.num_compilations
     rng = np.random.default_rng(5)

@@ -118,6 +118,9 @@ class StepInputs:
         self.mask_words = mask_words(vocab_size)  # of a structured-output token mask row
         self._unwritten_mask = np.full(self.mask_words, -1, np.int32)  # a constrained row before its mask
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
+        # The last sampling tensors built for unconstrained rows, by what they depend on but the
+        # positions (`_sampling_key`): a decode batch that stays the same reuses them.
+        self._last_sampling: tuple[tuple, SamplingTensors] | None = None
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
         self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
@@ -397,10 +400,33 @@ class StepInputs:
 
     def _sampling(self, chunks: list[ScheduledChunk],
                   rows: int) -> tuple[SamplingTensors, tuple[tuple[int, GrammarState], ...]]:
-        """The chunks' sampling tensors, one row each, and their constrained rows (`Program.masks`)."""
+        """The chunks' sampling tensors, one row each, and their constrained rows (`Program.masks`).
+        Rows that are the last build's, but for their positions, reuse its arrays (the host
+        arrays are never written after they are built, but for masks, which are never reused)."""
+        key = self._sampling_key(chunks, rows)
+        if key is not None and self._last_sampling is not None and self._last_sampling[0] == key:
+            positions = np.zeros(rows, np.int32)
+            positions[:len(chunks)] = [c.request.num_tokens if c.sample else 0 for c in chunks]
+            return dataclasses.replace(self._last_sampling[1], positions=positions), ()
         row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
         tensors = SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self.constant, self.mask_words)
+        if key is not None:
+            self._last_sampling = (key, tensors)
         return tensors, self._constrained_rows(chunks, 1)
+
+    def _sampling_key(self, chunks: list[ScheduledChunk], rows: int) -> tuple | None:
+        """What the chunks' sampling rows depend on but their positions: each row's request,
+        whether it samples, whether its stop tokens are still banned (min_tokens) and its
+        penalty slot. None for rows with a grammar (their masks change every step)."""
+        key = [rows]
+        for c in chunks:
+            req = c.request
+            faults.check("sampling", req)
+            if req.grammar is not None:
+                return None
+            slot = self.penalty_slots.slot(req) if c.sample and req.params.has_penalties else -1
+            key.append((req, c.sample, len(req.output_token_ids) < req.params.min_tokens, slot))
+        return tuple(key)
 
     @staticmethod
     def _constrained_rows(chunks: list[ScheduledChunk], rows_per_chunk: int) -> tuple[tuple[int, GrammarState], ...]:
