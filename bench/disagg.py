@@ -1,12 +1,14 @@
-"""Disaggregated vs colocated serving on one workload, in one run: `jaxserve bench serve` through a
-router over a prefill and a decode worker and through a router over a colocated worker, in
-alternating rounds (the machines are shared and noisy), with the KV transfers the disaggregating
-router counted meanwhile (its /metrics).
+"""Disaggregated vs colocated serving on one workload, in one run: `jaxserve bench serve` through
+routers over a prefill and a decode worker (one or more, e.g. the two KV transports) and through a
+router over a colocated worker, in alternating rounds (the machines are shared and noisy), with the
+KV transfers each disaggregating router counted meanwhile (its /metrics).
 
-    python -m bench.disagg --split http://H:P --colocated http://H:Q [--rounds 2] -- BENCH-SERVE-FLAGS
+    python -m bench.disagg --split [NAME=]http://H:P ... --colocated http://H:Q [--rounds 2] -- BENCH-SERVE-FLAGS
 
-Prints TTFT, TPOT and inter-token latency of both and their ratios (split / colocated), and per
-handed-over prompt the blocks, bytes and milliseconds of its transfer, and the bytes/s reached.
+Prints TTFT, TPOT, inter-token latency, throughput and (with `--slo` among the flags) goodput of
+each and their ratios to colocated, and per handed-over prompt of each split router the blocks,
+bytes and milliseconds of its transfer, the bytes/s reached and its share of the mean end-to-end
+latency (the transfer delays a request's second token: the first comes from the prefill worker).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "output_throughput")
+METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "output_throughput",
+           "mean_e2el_ms", "request_goodput")
 COUNTERS = {"transfers": "jaxserve_kv_transfers_total", "pulled": 'jaxserve_kv_transfer_blocks_total{kind="pulled"}',
             "skipped": 'jaxserve_kv_transfer_blocks_total{kind="skipped"}', "bytes": "jaxserve_kv_transfer_bytes_total",
             "seconds": "jaxserve_kv_transfer_duration_seconds_sum", "failed": "jaxserve_kv_transfer_failures_total"}
@@ -39,29 +42,41 @@ def bench(base_url: str, flags: list[str], result: Path) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--split", required=True, help="router over prefill and decode workers")
+    p.add_argument("--split", required=True, action="append", metavar="[NAME=]URL",
+                   help="router over prefill and decode workers (repeat to compare several)")
     p.add_argument("--colocated", required=True, help="router over colocated workers")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="round r sends the workload drawn with seed + r, so no "
+                   "round hits the prefix cache of an earlier one")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="`jaxserve bench serve` flags, after --")
     args = p.parse_args()
     flags = [f for f in args.flags if f != "--"]
-    runs: dict[str, list[dict[str, float]]] = {"split": [], "colocated": []}
-    before = transfer_counters(args.split)
+    splits = dict(s.split("=", 1) if "=" in s else (f"split{i}" if i else "split", s) for i, s in enumerate(args.split))
+    urls = {"colocated": args.colocated, **splits}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+    before = {name: transfer_counters(url) for name, url in splits.items()}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name in ("colocated", "split") if r % 2 == 0 else ("split", "colocated"):
-                runs[name].append(bench(getattr(args, name), flags, Path(tmp) / f"{name}-{r}.json"))
-    after = transfer_counters(args.split)
-    print(f"{'metric':<22}{'colocated':>12}{'split':>12}{'split/colocated':>17}")
+            order = list(urls) if r % 2 == 0 else list(urls)[::-1]
+            for name in order:
+                runs[name].append(bench(urls[name], [*flags, "--seed", str(args.seed + r)], Path(tmp) / f"{name}-{r}.json"))
+    after = {name: transfer_counters(url) for name, url in splits.items()}
+    mean = {name: {m: sum(x.get(m, 0.0) for x in rs) / args.rounds for m in METRICS} for name, rs in runs.items()}
+    print(f"{'metric':<22}" + "".join(f"{name:>12}" for name in urls)
+          + "".join(f"{name + '/colocated':>20}" for name in splits))
     for m in METRICS:
-        colo = sum(x[m] for x in runs["colocated"]) / args.rounds
-        split = sum(x[m] for x in runs["split"]) / args.rounds
-        print(f"{m:<22}{colo:>12.2f}{split:>12.2f}{split / colo:>17.3f}")
-    d = {k: after[k] - before[k] for k in COUNTERS}
-    n = d["transfers"] or 1
-    print(f"KV transfers: {d['transfers']:.0f} ({d['failed']:.0f} failed); per transfer {d['pulled'] / n:.1f} blocks "
-          f"pulled, {d['skipped'] / n:.1f} skipped, {d['bytes'] / n / 1e3:.1f} kB, {d['seconds'] / n * 1e3:.2f} ms; "
-          f"{d['bytes'] / d['seconds'] / 1e6 if d['seconds'] else 0:.1f} MB/s")
+        colo = mean["colocated"][m]
+        print(f"{m:<22}" + "".join(f"{mean[name][m]:>12.2f}" for name in urls)
+              + "".join(f"{mean[name][m] / colo if colo else float('nan'):>20.3f}" for name in splits))
+    for name in splits:
+        d = {k: after[name][k] - before[name][k] for k in COUNTERS}
+        n = d["transfers"] or 1
+        ms = d["seconds"] / n * 1e3
+        print(f"{name} KV transfers: {d['transfers']:.0f} ({d['failed']:.0f} failed); per transfer "
+              f"{d['pulled'] / n:.1f} blocks pulled, {d['skipped'] / n:.1f} skipped, {d['bytes'] / n / 1e3:.1f} kB, "
+              f"{ms:.2f} ms ({ms / mean[name]['mean_e2el_ms']:.1%} of the mean end-to-end latency; the "
+              f"first token comes from the prefill worker, so the transfer delays the second); "
+              f"{d['bytes'] / d['seconds'] / 1e6 if d['seconds'] else 0:.1f} MB/s")
     return 0
 
 
