@@ -78,12 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     # The server and the benchmarks live above jaxserve in the layering: imported here only.
     from bench.cli import add_bench_parser
     from server.cli import add_serve_parser
+    from server.launch.cli import add_launch_parser
     from server.router.cli import add_router_parser
     from server.worker_api.cli import add_worker_parser
 
     add_serve_parser(sub, add_engine_args, engine_config_from_args)
     add_worker_parser(sub, add_engine_args, engine_config_from_args)
     add_router_parser(sub)
+    add_launch_parser(sub)
     add_bench_parser(sub)
     return parser
 
