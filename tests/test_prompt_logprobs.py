@@ -36,7 +36,7 @@ def reference_logprobs(llm: LLM, ids: list[int]) -> np.ndarray:
     runner = llm.engine.runner
     n, bs = len(ids), SMALL["block_size"]
     table = np.arange(1, -(-n // bs) + 1, dtype=np.int32)
-    cache = KVCache.zeros(runner.config, len(table) + 1, bs, runner.dtype)
+    cache = KVCache.zeros(runner.config, len(table) + 1, bs, runner.cache_dtype)
     pos = np.arange(n)
     meta = AttentionMetadata(jnp.asarray(table[pos // bs] * bs + pos % bs, jnp.int32), jnp.asarray(table[None]),
                              jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32))

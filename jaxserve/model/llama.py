@@ -8,6 +8,11 @@ only at the rows asked for.
 The layers are scanned (`nn.scan`) over stacked weights so that compile time does not grow
 with depth. The KV cache rides in the scan carry and is updated with an in-place scatter
 before it is read in the same layer; scanning it as an input would make XLA copy it per step.
+
+Precision: the weights are in the model's `dtype`; every matmul multiplies in that dtype and
+accumulates in f32. Activations and the KV cache are in `compute_dtype(dtype, platform)`: the
+weights' dtype, but f32 on CPU (see there), where bf16 weights are also stored packed
+(`pack_kernels`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from checkpoints.config import ModelConfig
 from jaxserve.model.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
@@ -105,15 +111,17 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     config: ModelConfig
-    dtype: Any
+    dtype: Any  # activations and KV cache
+    param_dtype: Any
+    packed: bool
     backend: AttentionBackend
 
     @nn.compact
     def __call__(self, carry, layer, cos, sin, meta: AttentionMetadata):
         h, k_cache, v_cache = carry
         cfg = self.config
-        dense = lambda feats, name, bias=False: nn.Dense(  # noqa: E731
-            feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name
+        dense = lambda feats, name, bias=False: Linear(  # noqa: E731
+            feats, bias, self.dtype, self.param_dtype, self.packed, name=name
         )
         t = h.shape[0]
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="attn_norm")(h)
@@ -140,34 +148,91 @@ class DecoderLayer(nn.Module):
         return (h, k_cache, v_cache), None
 
 
-def check_compute_dtype(dtype: Any, platform: str) -> None:
-    """Refuse bfloat16 on CPU, where XLA:CPU (jaxlib 0.10.2) runs it pathologically, not just
-    slowly: it rewrites a bf16 scatter or dynamic-update-slice as f32 by converting the whole
-    operand, so each layer's KV write converts the whole stacked cache to f32 and back (~2 s per
-    step with 1,024 blocks of the default model), and it reads bf16 slices of the scanned layer
-    weights element by element (~0.5 G elements/s against ~6 in f32). Measured: 30-100x slower
-    steps than float32, which has no such path."""
-    if platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16:
-        raise ValueError(
-            "dtype bfloat16 is not supported on CPU: XLA:CPU runs this model 30-100x slower in "
-            "bfloat16 than in float32 (it converts the whole bf16 KV cache at every cache write); "
-            "use --dtype float32 (the default) on CPU"
-        )
+def compute_dtype(dtype: Any, platform: str) -> jnp.dtype:
+    """The dtype of activations and of the KV cache for weights in `dtype` on `platform`: the
+    weights' own, but f32 on CPU. XLA:CPU (jaxlib 0.10.2) runs a bf16 scatter or
+    dynamic-update-slice by converting the whole operand to f32 and back, so a bf16 KV cache
+    costs a conversion of the whole cache at every layer's write (30-100x slower steps). Its bf16
+    matmuls with f32 accumulation are fast (AVX512-BF16: ~2x f32 at a prefill's shapes), so on
+    CPU bf16 means bf16 weights and matmul inputs, everything else f32."""
+    return jnp.dtype(jnp.float32) if platform == "cpu" else jnp.dtype(dtype)
+
+
+def packs_kernels(dtype: Any, platform: str) -> bool:
+    """Whether the stacked layer kernels are stored packed (`pack_kernels`): 2-byte weights on
+    CPU, where XLA:CPU slices a scanned layer's bf16 weights element by element (~0.5 G
+    elements/s: ~250 ms a step for the default model) but 4-byte ones at memory speed."""
+    return platform == "cpu" and jnp.dtype(dtype).itemsize == 2
+
+
+def pack_kernels(params: Any) -> Any:
+    """The parameters with each stacked layer kernel [L, in, out] of a 2-byte dtype stored as
+    uint32 pairs [L, in, out / 2] (a bitcast, no conversion); `Linear(packed=True)` reads them."""
+    def pack(path, x):
+        name = jax.tree_util.keystr(path)
+        if "layers" not in name or not name.endswith("['kernel']") or x.dtype.itemsize != 2:
+            return x
+        if x.shape[-1] % 2:
+            raise ValueError(f"cannot pack {name} of shape {x.shape}: its output features are odd")
+        return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
+    return jax.tree_util.tree_map_with_path(pack, params)
+
+
+def matmul(x: jax.Array, w: jax.Array, contract_w: int = 0) -> jax.Array:
+    """x [N, K] times w (K on axis `contract_w` of a 2-D w), multiplied in w's dtype and
+    accumulated in f32. A single row of 2-byte weights is padded to two: XLA:CPU rewrites a
+    one-row product into a multiply-reduce that converts the weights element by element
+    (a batch-1 bf16 decode step ~2.5x an f32 one); the spare row costs nothing elsewhere."""
+    dims = (((1,), (contract_w,)), ((), ()))
+    if x.shape[0] == 1 and w.dtype.itemsize == 2:
+        return lax.dot_general(jnp.pad(x, ((0, 1), (0, 0))).astype(w.dtype), w, dims,
+                               preferred_element_type=jnp.float32)[:1]
+    return lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32)
+
+
+class Linear(nn.Module):
+    """x @ kernel (+ bias), in the weights' dtype with f32 accumulation, returned in `dtype`.
+    Parameter names are nn.Dense's. `packed`: the kernel is stored as `pack_kernels` makes it."""
+
+    features: int
+    use_bias: bool
+    dtype: Any  # of the output
+    param_dtype: Any
+    packed: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.packed:
+            words = self.param("kernel", nn.initializers.zeros, (x.shape[-1], self.features // 2), jnp.uint32)
+            kernel = lax.bitcast_convert_type(words, self.param_dtype).reshape(x.shape[-1], self.features)
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                                self.param_dtype)
+        y = matmul(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        return y.astype(self.dtype)
 
 
 class LlamaModel(nn.Module):
     """Llama / SmolLM2 / Mistral / Qwen2 decoder. Parameter tree: see checkpoints' loaders.
 
-    Building one checks the compute dtype against JAX's default platform (`check_compute_dtype`).
+    `dtype` is the weights'; activations and the KV cache are in `self.compute_dtype`, both
+    chosen for JAX's default platform (`compute_dtype`, `packs_kernels`).
     """
 
     config: ModelConfig
     backend: AttentionBackend
     dtype: Any = jnp.float32
 
-    def __post_init__(self) -> None:
-        check_compute_dtype(self.dtype, jax.default_backend())
-        super().__post_init__()
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return compute_dtype(self.dtype, jax.default_backend())
+
+    @property
+    def packed(self) -> bool:
+        """Whether its stacked layer kernels are to be given packed (`pack_kernels`)."""
+        return packs_kernels(self.dtype, jax.default_backend())
 
     @nn.compact
     def __call__(
@@ -180,7 +245,8 @@ class LlamaModel(nn.Module):
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache)."""
         cfg = self.config
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed")
+        act = self.compute_dtype
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=act, param_dtype=self.dtype, name="embed")
         h = embed(tokens)
         cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg), attention_factor(cfg))
         layers = nn.scan(
@@ -189,27 +255,23 @@ class LlamaModel(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
-        )(cfg, self.dtype, self.backend, name="layers")
+        )(cfg, act, self.dtype, self.packed, self.backend, name="layers")
         (h, k, v), _ = layers((h, cache.k, cache.v), jnp.arange(cfg.num_layers), cos, sin, meta)
         # Every row's last hidden state, for a caller that scores more rows than it samples
         # (`head_logits`); kept only when applied with mutable=["intermediates"].
         self.sow("intermediates", "hidden", h)
-        h = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(h[logits_indices])
+        h = RMSNorm(cfg.rms_norm_eps, act, name="final_norm")(h[logits_indices])
         if cfg.tie_word_embeddings:
-            logits = embed.attend(h)
+            logits = matmul(h, embed.embedding, contract_w=1)
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")(h)
-        return logits.astype(jnp.float32), KVCache(k, v)
+            logits = Linear(cfg.vocab_size, False, jnp.float32, self.dtype, name="lm_head")(h)
+        return logits, KVCache(k, v)
 
 
-def head_logits(config: ModelConfig, dtype: Any, params: Any, hidden: jax.Array) -> jax.Array:
+def head_logits(config: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:
     """f32 logits of last hidden states (the `hidden` rows `LlamaModel` sows): its final norm
     and output head, with its parameters."""
-    x = RMSNorm(config.rms_norm_eps, dtype).apply({"params": params["final_norm"]}, hidden)
+    x = RMSNorm(config.rms_norm_eps, hidden.dtype).apply({"params": params["final_norm"]}, hidden)
     if config.tie_word_embeddings:
-        embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype)
-        logits = embed.apply({"params": params["embed"]}, x, method=nn.Embed.attend)
-    else:
-        head = nn.Dense(config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
-        logits = head.apply({"params": params["lm_head"]}, x)
-    return logits.astype(jnp.float32)
+        return matmul(x, params["embed"]["embedding"], contract_w=1)
+    return matmul(x, params["lm_head"]["kernel"])

@@ -31,7 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
-from jaxserve.model.llama import head_logits
+from jaxserve.model.llama import head_logits, pack_kernels
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
@@ -119,25 +119,28 @@ class ModelRunner:
         plan = plan_tensor_parallel(config.num_heads, config.num_kv_heads, engine_config.tensor_parallel_size)
         self.mesh = _runner_mesh(engine_config, mesh)
         self.config = config = dataclasses.replace(config, num_kv_heads=plan.served_kv_heads)
-        self.dtype = jnp.dtype(engine_config.dtype)
+        self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()
         attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
         self.model = LlamaModel(config, attention, self.dtype)
+        self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
         params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
+        if self.model.packed:
+            params = pack_kernels(params)
         self.param_shardings = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self.param_shardings)
 
         bs = engine_config.block_size
         tp = engine_config.tensor_parallel_size  # kv_cache_memory is per device
         self.num_blocks = engine_config.num_blocks or max(
-            2, engine_config.kv_cache_memory * tp // KVCache.bytes_per_block(config, bs, self.dtype)
+            2, engine_config.kv_cache_memory * tp // KVCache.bytes_per_block(config, bs, self.cache_dtype)
         )
         self.cache_sharding = cache_sharding(self.mesh)
         self.cache = jax.jit(
-            lambda: KVCache.zeros(config, self.num_blocks, bs, self.dtype), out_shardings=self.cache_sharding
+            lambda: KVCache.zeros(config, self.num_blocks, bs, self.cache_dtype), out_shardings=self.cache_sharding
         )()
         rep, kv = replicated(self.mesh), self.cache_sharding
-        self.num_host_slots = engine_config.num_host_slots(KVCache.bytes_per_block(config, bs, self.dtype))
+        self.num_host_slots = engine_config.num_host_slots(KVCache.bytes_per_block(config, bs, self.cache_dtype))
         self.blocks = BlockMover(self.cache, kv, rep, self.num_host_slots)
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
@@ -200,7 +203,7 @@ class ModelRunner:
     def _score_fn(self, params, hidden, rows, targets):
         """Log-probability and rank of `targets[i]` under the logits of row `rows[i]`, and the
         MAX_LOGPROBS most likely tokens there (unprocessed logits, as vLLM's prompt_logprobs)."""
-        logprobs = jax.nn.log_softmax(head_logits(self.config, self.dtype, params, hidden[rows]), axis=-1)
+        logprobs = jax.nn.log_softmax(head_logits(self.config, params, hidden[rows]), axis=-1)
         target = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
         rank = 1 + jnp.sum(logprobs > target[:, None], axis=1, dtype=jnp.int32)
         top_logprobs, top_ids = lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
@@ -330,7 +333,7 @@ class ModelRunner:
             for program in multi_steps:
                 submit(program.key, self._multi_step, self._multi_step_args(program))
             for tokens in ec.prefill_token_buckets:
-                hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.dtype)
+                hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
                 rows = jax.ShapeDtypeStruct((tokens,), jnp.int32)
                 submit(("score", tokens), self._score, (self.params, hidden, rows, rows))
             submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([], {})))
