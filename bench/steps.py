@@ -23,12 +23,14 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.output import ScheduledChunk
 
 
-def chunks(count: int, history: int, new: int, block_size: int) -> list[ScheduledChunk]:
-    """`count` sequences computing `new` tokens after `history` cached ones, each on its own blocks."""
+def chunks(r: ModelRunner, count: int, history: int, new: int, block_size: int) -> list[ScheduledChunk]:
+    """`count` sequences computing `new` tokens after `history` cached ones, each on its own
+    blocks, joined to the runner's batch (what prepare() does for the requests a step samples)."""
     pages = -(-(history + new) // block_size)
     out = []
     for i in range(count):
         req = Request(f"r{i}", list(range(1, history + new + 1)), SamplingParams(max_tokens=1), seed=i)
+        r.inputs.batch.join(req)
         out.append(ScheduledChunk(req, history, new, np.arange(1 + i * pages, 1 + (i + 1) * pages, dtype=np.int32),
                                   sample=True))
     return out
@@ -54,10 +56,10 @@ def main() -> None:
     r = ModelRunner(m.config, m.params, config)
     width, bs = config.block_table_buckets[-1], config.block_size
     # one 128-token prompt: one prefill step of 128 tokens; 32 prompts of 128: 8 steps of 4 x 128 = 512 tokens
-    p1 = timed(r, r.inputs.prefill(chunks(1, 0, 128, bs), 128, config.max_prefill_seqs, width))
-    p32 = timed(r, r.inputs.prefill(chunks(4, 0, 128, bs), 512, config.max_prefill_seqs, width)) * 8
-    d1 = timed(r, r.inputs.decode(chunks(1, 255, 1, bs), 1, width))
-    d32 = timed(r, r.inputs.decode(chunks(32, 255, 1, bs), 32, width))
+    p1 = timed(r, r.inputs.prefill(chunks(r, 1, 0, 128, bs), 128, config.max_prefill_seqs, width))
+    p32 = timed(r, r.inputs.prefill(chunks(r, 4, 0, 128, bs), 512, config.max_prefill_seqs, width)) * 8
+    d1 = timed(r, r.inputs.decode(chunks(r, 1, 255, 1, bs), 1, width))
+    d32 = timed(r, r.inputs.decode(chunks(r, 32, 255, 1, bs), 32, width))
     print(f"jaxserve batch 1: prefill {128/p1:.0f} tok/s ({p1*1e3:.0f} ms), decode {1/d1:.1f} tok/s ({d1*1e3:.1f} ms/step)")
     print(f"jaxserve batch 32: prefill {32*128/p32:.0f} tok/s ({p32*1e3:.0f} ms for 32x128), decode {32/d32:.1f} tok/s ({d32*1e3:.1f} ms/step)")
 

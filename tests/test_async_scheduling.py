@@ -102,7 +102,7 @@ def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(m
     req.status = RequestStatus.RUNNING
     req.output_token_ids = [9, PLACEHOLDER]
     runner._prev_sampled = jax.device_put(np.arange(runner.inputs.sampled_rows, dtype=np.int32) + 20)  # row r: 20 + r
-    runner.inputs.penalty_slots.join(req)
+    runner.inputs.batch.join(req)
     runner._run_steps([runner.inputs.penalty_reset([req], {req: 3})], [])
-    counts = np.asarray(runner.penalty_counts.output)[runner.inputs.penalty_slots.slot(req)]
+    counts = np.asarray(runner.penalty_counts.output)[runner.inputs.batch.slot(req)]
     assert counts[9] == 1 and counts[23] == 1 and counts.sum() == 2

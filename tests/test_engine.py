@@ -120,10 +120,10 @@ def test_seeded_sampling_is_reproducible_and_neighbour_independent(llm):
     assert unseeded[0] != unseeded[1]
 
 
-def test_a_decode_batch_that_stays_the_same_reuses_its_sampling_rows(llm, monkeypatch):
-    """Consecutive decode steps of the same requests share their sampling arrays but for the
-    positions, which advance; the step where one request's min_tokens is reached builds new
-    ones (its stop tokens are no longer banned). Seeded tokens equal those sampled alone."""
+def test_decode_sampling_rows_lift_the_stop_token_ban_exactly_at_min_tokens(llm, monkeypatch):
+    """Each request's sampling row is written once when it joins the batch; the steps gather it.
+    Its stop tokens are banned while fewer than min_tokens are out and not after, the positions
+    advance by one a step, and seeded tokens equal those sampled alone."""
     engine = llm.engine
     prepared = []
     prepare = engine.runner.prepare
@@ -134,12 +134,13 @@ def test_a_decode_batch_that_stays_the_same_reuses_its_sampling_rows(llm, monkey
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     monkeypatch.undo()
     decodes = [p.programs[0].sampling for p in prepared if [q.key[0] for q in p.programs] == ["decode"]]
-    assert len(decodes) >= 6
-    banned = [5 in s.bias_ids[0] for s in decodes]
-    assert banned[0] and not banned[-1]
-    lifted = banned.index(False)
-    reused = [a.temperature is b.temperature for a, b in zip(decodes, decodes[1:])]
-    assert reused == [i + 1 != lifted for i in range(len(reused))]
+    assert len(decodes) == 9  # the prefill samples the first token, nine decode steps the rest
+    # Decode step i samples token i + 2: the ban holds for tokens 2..4 (min_tokens = 4).
+    assert [5 in s.bias_ids[0] for s in decodes] == [i + 2 <= 4 for i in range(9)]
+    assert not any(5 in s.bias_ids[1] for s in decodes)
+    for s in decodes:
+        np.testing.assert_allclose(np.asarray(s.temperature)[:2], [1.0, 0.9])
+        assert int(np.asarray(s.top_k)[1]) == 20
     for a, b in zip(decodes, decodes[1:]):
         np.testing.assert_array_equal(b.positions[:2], a.positions[:2] + 1)
     for prompt, p, out in zip(prompts, params, outs):

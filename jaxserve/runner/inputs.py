@@ -19,8 +19,9 @@ import numpy as np
 from jaxserve import faults
 from jaxserve.config import EngineConfig, bucket_for
 from jaxserve.model import AttentionMetadata
-from jaxserve.request import PLACEHOLDER, Request, RequestStatus
-from jaxserve.sampler import RowSampling, SamplingTensors, penalty_history
+from jaxserve.request import PLACEHOLDER, Request
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.sampler import SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarState, mask_words
 
@@ -83,31 +84,6 @@ class PreparedStep:
     prompt_scores: list[PromptScores] = dataclasses.field(default_factory=list)  # of the prefill program
 
 
-class PenaltySlots:
-    """Rows of the device's PenaltyCounts, one per running request with penalties. A request
-    gets one when it first samples in a run and gives it back when it stops running (finished
-    or preempted: it gets a fresh row, set from its history, when it runs again)."""
-
-    def __init__(self, num_slots: int):
-        self.spare = num_slots  # the zero row of rows without penalties
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._slots: dict[Request, int] = {}
-        self.unset: set[Request] = set()  # given a slot whose row is not set on the device yet
-
-    def slot(self, req: Request) -> int:
-        return self._slots[req]
-
-    def join(self, req: Request) -> None:
-        if req not in self._slots:
-            self._slots[req] = self._free.pop()
-            self.unset.add(req)
-
-    def release_finished(self) -> None:
-        for req in [r for r in self._slots if r.status is not RequestStatus.RUNNING]:
-            self._free.append(self._slots.pop(req))
-            self.unset.discard(req)
-
-
 class StepInputs:
     """Builds the arrays of each iteration's programs for one runner."""
 
@@ -115,12 +91,7 @@ class StepInputs:
                  vocab_size: int):
         self.config = engine_config
         self.constant = constant  # device-resident filled arrays (sampling tables no row uses)
-        self.mask_words = mask_words(vocab_size)  # of a structured-output token mask row
-        self._unwritten_mask = np.full(self.mask_words, -1, np.int32)  # a constrained row before its mask
-        self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
-        # The last sampling tensors built for unconstrained rows, by what they depend on but the
-        # positions (`_sampling_key`): a decode batch that stays the same reuses them.
-        self._last_sampling: tuple[tuple, SamplingTensors] | None = None
+        self.batch = InputBatch(engine_config.max_num_seqs, constant, mask_words(vocab_size))
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
         self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
@@ -141,12 +112,12 @@ class StepInputs:
         """`prev_rows`: the previous iteration's row in its sampled buffer for each request it
         sampled for. Raises for a request whose inputs cannot be built."""
         ec = self.config
-        slots = self.penalty_slots
-        slots.release_finished()
-        penalised = [c.request for c in sched.prefills + sched.decodes if c.sample and c.request.params.has_penalties]
-        for req in penalised:
-            slots.join(req)
-        unset = [req for req in penalised if req in slots.unset]
+        batch = self.batch
+        batch.release_finished()
+        sampling = [c.request for c in sched.prefills + sched.decodes if c.sample]
+        for req in sampling:
+            batch.join(req)
+        unset = [req for req in sampling if req in batch.unset]
         resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS], prev_rows)
                   for i in range(0, len(unset), PENALTY_RESET_ROWS)]
         programs, parts, scores = [], [], []
@@ -248,7 +219,7 @@ class StepInputs:
         tables = self._fill_tables(chunks, batch, width)
         drafts = np.full(num_tokens, -1, np.int32)
         history = np.full((num_tokens, rows - 1), -1, np.int32)
-        row_params: list[RowSampling | None] = [None] * num_tokens
+        sampled = []  # (row, request, drafts before it) of each row that samples
         for i, c in enumerate(chunks):
             faults.check("input", c.request)
             req, row, n = c.request, i * rows, 1 + len(c.draft)
@@ -263,14 +234,14 @@ class StepInputs:
             drafts[row:row + n - 1] = c.draft
             for j in range(n):
                 history[row + j, :j] = c.draft[:j]
-                row_params[row + j] = self._row_sampling(c, j)
+                if c.sample:
+                    sampled.append((row + j, req, j))
         query_start[len(chunks) + 1:] = len(chunks) * rows
         meta = AttentionMetadata(slots, tables, seq_lens, query_start)
         host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
-        sampling = SamplingTensors.build(row_params, num_tokens, self.penalty_slots.spare, self.constant,
-                                         self.mask_words)
-        return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history),
-                       masks=self._constrained_rows(chunks, rows))
+        masks = self._constrained_rows(chunks, rows)
+        sampling = self.batch.sampling(sampled, num_tokens, bool(masks))
+        return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history), masks=masks)
 
     def decode_rows(self, num_tokens: int) -> int:
         """Decode sequences of a prefill program of `num_tokens` rows: every decode an iteration
@@ -363,7 +334,7 @@ class StepInputs:
         history = np.full((rows, length), -1, np.int32)
         is_output = np.zeros((rows, length), np.bool_)
         for i, req in enumerate(requests):
-            slots[i] = self.penalty_slots.slot(req)
+            slots[i] = self.batch.slot(req)
             history[i], is_output[i] = penalty_history(req.prompt_token_ids, req.output_token_ids, req.params, length)
             if req.output_token_ids[-1:] == [PLACEHOLDER]:
                 token_src[i] = prev_rows[req]
@@ -376,20 +347,6 @@ class StepInputs:
         need = max((-(-(c.start + (rows or max(c.num_new_tokens, c.num_steps))) // bs) for c in chunks), default=1)
         return bucket_for(need, self.config.block_table_buckets)
 
-    def _row_sampling(self, chunk: ScheduledChunk, ahead: int = 0) -> RowSampling | None:
-        """The chunk's sampling row; `ahead` > 0: the row after its first `ahead` drafts."""
-        if not chunk.sample:
-            return None
-        req = chunk.request
-        faults.check("sampling", req)
-        held_back = len(req.output_token_ids) + ahead < req.params.min_tokens  # no stop token yet
-        return RowSampling(
-            params=req.params, seed=req.seed, position=req.num_tokens + ahead,
-            banned_ids=tuple(req.stop_token_ids) if held_back else (),
-            penalty_slot=self.penalty_slots.slot(req) if req.params.has_penalties else -1,
-            token_mask=None if req.grammar is None or ahead else self._unwritten_mask,
-        )
-
     @staticmethod
     def _fill_tables(chunks: list[ScheduledChunk], rows: int, width: int) -> np.ndarray:
         tables = np.zeros((rows, width), np.int32)
@@ -400,33 +357,11 @@ class StepInputs:
 
     def _sampling(self, chunks: list[ScheduledChunk],
                   rows: int) -> tuple[SamplingTensors, tuple[tuple[int, GrammarState], ...]]:
-        """The chunks' sampling tensors, one row each, and their constrained rows (`Program.masks`).
-        Rows that are the last build's, but for their positions, reuse its arrays (the host
-        arrays are never written after they are built, but for masks, which are never reused)."""
-        key = self._sampling_key(chunks, rows)
-        if key is not None and self._last_sampling is not None and self._last_sampling[0] == key:
-            positions = np.zeros(rows, np.int32)
-            positions[:len(chunks)] = [c.request.num_tokens if c.sample else 0 for c in chunks]
-            return dataclasses.replace(self._last_sampling[1], positions=positions), ()
-        row_params = [self._row_sampling(c) for c in chunks] + [None] * (rows - len(chunks))
-        tensors = SamplingTensors.build(row_params, rows, self.penalty_slots.spare, self.constant, self.mask_words)
-        if key is not None:
-            self._last_sampling = (key, tensors)
-        return tensors, self._constrained_rows(chunks, 1)
-
-    def _sampling_key(self, chunks: list[ScheduledChunk], rows: int) -> tuple | None:
-        """What the chunks' sampling rows depend on but their positions: each row's request,
-        whether it samples, whether its stop tokens are still banned (min_tokens) and its
-        penalty slot. None for rows with a grammar (their masks change every step)."""
-        key = [rows]
-        for c in chunks:
-            req = c.request
-            faults.check("sampling", req)
-            if req.grammar is not None:
-                return None
-            slot = self.penalty_slots.slot(req) if c.sample and req.params.has_penalties else -1
-            key.append((req, c.sample, len(req.output_token_ids) < req.params.min_tokens, slot))
-        return tuple(key)
+        """The chunks' sampling tensors, one row each (gathered from the persistent batch), and
+        their constrained rows (`Program.masks`)."""
+        masks = self._constrained_rows(chunks, 1)
+        sampled = [(i, c.request, 0) for i, c in enumerate(chunks) if c.sample]
+        return self.batch.sampling(sampled, rows, bool(masks)), masks
 
     @staticmethod
     def _constrained_rows(chunks: list[ScheduledChunk], rows_per_chunk: int) -> tuple[tuple[int, GrammarState], ...]:

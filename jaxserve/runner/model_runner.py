@@ -385,7 +385,7 @@ class ModelRunner:
 
         outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs,
                                        before_masks=timed_before_masks if before_masks is not None else None)
-        self.inputs.penalty_slots.unset.difference_update(prepared.reset_requests)
+        self.inputs.batch.unset.difference_update(prepared.reset_requests)
         parts = prepared.parts
         self._sampled_rows = {c.request: program.sample_offset + i for chunks, program in zip(parts, prepared.programs)
                               if program.drafts is None and program.num_steps == 1

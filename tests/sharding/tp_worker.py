@@ -57,6 +57,8 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
     requests = [Request(f"logits{i}", list(p), SamplingParams(), seed=0) for i, p in enumerate(prompts)]
     tables = [np.arange(1 + WIDTH * i, 1 + WIDTH * (i + 1), dtype=np.int32) for i in range(len(prompts))]
     chunks = [ScheduledChunk(r, 0, r.num_tokens, t, True) for r, t in zip(requests, tables)]
+    for r in requests:  # what prepare() does for the requests a step samples
+        runner.inputs.batch.join(r)
     program = runner.inputs.prefill(chunks, TINY_ENGINE["prefill_token_buckets"][0],
                                      TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)
     key, args = program.key, runner.step_args(program)
