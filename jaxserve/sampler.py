@@ -28,8 +28,8 @@ penalty slot): a row is set from the request's history once, when it gets its sl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,23 +132,19 @@ class SamplingTensors:
 
     @classmethod
     def build(
-        cls, rows: Sequence[RowSampling | None], batch_size: int, spare_slot: int,
-        constant: Callable[[tuple[int, ...], np.dtype, object], Any] | None = None, mask_words: int = 0,
+        cls, rows: Sequence[RowSampling | None], batch_size: int, spare_slot: int, mask_words: int = 0,
     ) -> SamplingTensors:
         """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays. Rows without
-        penalties read PenaltyCounts row `spare_slot`. The bias tables and the token mask
-        (`mask_words` = ceil(V / 32) words per row), when no row uses them, are
-        `constant(shape, dtype, fill)`: a caller can keep those on the device instead of
-        shipping them every step."""
+        penalties read PenaltyCounts row `spare_slot`; the token mask has `mask_words` =
+        ceil(V / 32) words per row. (The engine builds each request's rows once, in its slot of
+        the persistent batch, `jaxserve/runner/input_batch.py`.)"""
         if len(rows) > batch_size:
             raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
         live = [i for i, row in enumerate(rows) if row is not None]
-        with_bias = any(rows[i].params.logit_bias or rows[i].banned_ids for i in live)
-        new = _filled if with_bias else (constant or _filled)
-        bias_ids = new((batch_size, BIAS_SLOTS), np.int32, -1)
-        bias_values = new((batch_size, BIAS_SLOTS), np.float32, 0.0)
+        bias_ids = np.full((batch_size, BIAS_SLOTS), -1, np.int32)
+        bias_values = np.zeros((batch_size, BIAS_SLOTS), np.float32)
         masked = [i for i in live if rows[i].token_mask is not None]
-        token_mask = (_filled if masked else (constant or _filled))((batch_size, mask_words), np.int32, -1)
+        token_mask = np.full((batch_size, mask_words), -1, np.int32)
         for i in masked:
             if rows[i].token_mask.shape != (mask_words,):
                 raise ValueError(f"a token mask of shape {rows[i].token_mask.shape} in a batch of {mask_words} words")
@@ -199,10 +195,6 @@ class SamplingTensors:
             bias_values=bias_values,
             token_mask=token_mask,
         )
-
-
-def _filled(shape: tuple[int, ...], dtype: np.dtype, fill: object) -> np.ndarray:
-    return np.full(shape, fill, dtype)
 
 
 def _row_scalars(row: RowSampling) -> tuple[float, ...]:

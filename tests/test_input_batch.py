@@ -33,7 +33,7 @@ def built(batch: InputBatch, rows: list[tuple[int, Request, int]], num_rows: int
             banned_ids=tuple(req.stop_token_ids) if banned else (),
             penalty_slot=batch.slot(req) if req.params.has_penalties else -1,
             token_mask=np.full(batch.mask_words, -1, np.int32) if masked and row == rows[0][0] else None)
-    return SamplingTensors.build(settings, num_rows, batch.spare, filled, batch.mask_words)
+    return SamplingTensors.build(settings, num_rows, batch.spare, mask_words=batch.mask_words)
 
 
 def assert_same(a: SamplingTensors, b: SamplingTensors) -> None:

@@ -79,17 +79,6 @@ def test_seeded_masked_draw_is_reproducible_and_batch_invariant():
     assert alone == among and alone in allowed
 
 
-def test_unconstrained_batch_uses_the_constant_and_no_mask():
-    calls = []
-
-    def constant(shape, dtype, fill):
-        calls.append((shape, np.dtype(dtype), fill))
-        return np.full(shape, fill, dtype)
-
-    SamplingTensors.build([RowSampling(SamplingParams(), 0, 0)], B, spare_slot=B, constant=constant, mask_words=W)
-    assert ((B, W), np.dtype(np.int32), -1) in calls
-
-
 def test_mask_of_the_wrong_width_is_refused():
     row = RowSampling(SamplingParams(), 0, 0, token_mask=np.zeros(W - 1, np.int32))
     with pytest.raises(ValueError, match="token mask"):

@@ -1,6 +1,6 @@
 """The persistent batch: a fixed slot per running request, holding its sampling rows.
 
-A request gets a slot the first time a step holds it and gives it back when it stops running
+A request gets a slot the first time a step samples for it and gives it back when it stops running
 (finished, aborted or preempted: it gets a fresh slot when it runs again). At join its
 sampling settings are written once into the slot's two rows of preallocated arrays: one for
 while its stop tokens are banned (before `min_tokens`), one for after. A step's sampling

@@ -90,7 +90,6 @@ class StepInputs:
     def __init__(self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any],
                  vocab_size: int):
         self.config = engine_config
-        self.constant = constant  # device-resident filled arrays (sampling tables no row uses)
         self.batch = InputBatch(engine_config.max_num_seqs, constant, mask_words(vocab_size))
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
