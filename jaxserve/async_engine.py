@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import queue
 import threading
@@ -98,7 +97,13 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        deliver = functools.partial(loop.call_soon_threadsafe, out.put_nowait)
+
+        def deliver(item: Delta | BaseException) -> None:  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, item)
+            except RuntimeError:  # the caller's event loop has closed: no one reads this stream now
+                self._inbox.put(_Abort(request_id))
+
         if on_finish is not None and params.n != 1:
             raise ValueError("on_finish needs n = 1")
         self._inbox.put(_Add(request_id, prompt, params, session_id, deliver, on_finish))

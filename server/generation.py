@@ -114,9 +114,11 @@ class Generation:
                 self.outcome = "cancelled"
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self._account()
-            self.done = True
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:  # aiohttp may cancel the handler again while it waits here (the connection drops)
+                self._account()
+                self.done = True
 
     def shut_down(self) -> None:
         """End the iteration now with a 503 (the server is stopping); the requests are aborted."""

@@ -10,10 +10,15 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from contextlib import aclosing
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxserve.sampling_params import SamplingParams
+from server.generation import EngineRequest, Generation
+from server.metrics import ServerMetrics
+from server.rate_limit import RateLimiter
 from server_harness import KEY_A, MODEL_NAME, check_kv_integrity, send, snapshot, stream_events, wait_until_idle
 
 NUM_CLIENTS = 50
@@ -111,3 +116,35 @@ def test_fifty_streams_with_a_third_hanging_up(server, warm_engine):
     assert after[("jaxserve_kv_blocks_total", ())] == snap.kv.num_blocks
     assert after[("jaxserve_compilations_total", ())] == warm_engine.compilations_after_warm_up
     assert after[("jaxserve_engine_alive", ())] == 1
+
+
+def test_a_hang_up_is_counted_when_the_handler_is_cancelled_again_during_its_clean_up(server, async_engine):
+    """A failed write ends the stream; aiohttp then cancels the handler as the connection drops,
+    which lands while the generation waits for its stream tasks. It must still count its outcome."""
+    metrics = ServerMetrics()
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    generation = Generation(async_engine, [EngineRequest("hang-up-twice", [1, 2, 3], params)], owner="a",
+                            endpoint="chat", metrics=metrics, limiter=RateLimiter(), timeout=None)
+
+    async def handler():
+        async with aclosing(generation.deltas()) as deltas:
+            async for _ in deltas:
+                asyncio.get_running_loop().call_soon(handler_task.cancel)  # runs once the clean-up waits
+                raise ConnectionResetError("Cannot write to closing transport")
+
+    async def main():
+        nonlocal handler_task
+        handler_task = asyncio.create_task(handler())
+        try:
+            await handler_task
+        except (asyncio.CancelledError, ConnectionResetError):
+            pass
+        return handler_task.cancelled()
+
+    handler_task = None
+    assert asyncio.run(main())  # the second cancellation reached the clean-up
+    assert generation.done and generation.outcome == "cancelled"
+    assert metrics.requests.labels("chat", "cancelled")._value.get() == 1
+    # Deltas that reach the closed loop afterwards abort the request; the engine serves on.
+    assert not wait_until_idle(server, async_engine, timeout=10).has_unfinished
+    assert async_engine.is_alive
