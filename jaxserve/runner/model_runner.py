@@ -414,22 +414,25 @@ class ModelRunner:
         results = []
         for chunks, fields in handle.parts:
             tokens, *rest = (np.asarray(f) for f in fields)
-            logprobs = rest[0] if rest else None
-            with_top = len(rest) == 3
-            verified = tokens.ndim == 2  # [B, k + 1] or [B, K] (verify, multi-step); other fields by row
-            token_rows = tokens.tolist()
+            width = tokens.shape[1] if tokens.ndim == 2 else 1  # [B, k + 1] or [B, K]: verify, multi-step
+            token_rows = tokens.reshape(-1, width).tolist()
+            # Other fields are by row (a verified chunk's rows follow each other). Python floats
+            # once per field: a numpy scalar per row costs more than the rest of the loop.
+            logprobs = rest[0].tolist() if rest else None
+            top_ids, top_logprobs = (rest[1], rest[2]) if len(rest) == 3 else (None, None)
             for i, c in enumerate(chunks):
                 if not c.sample:
                     continue
-                rows = range(i * tokens.shape[1], (i + 1) * tokens.shape[1]) if verified else (i,)
-                ids = token_rows[i] if verified else token_rows[i:i + 1]
                 sampled = []
-                for row, token in zip(rows, ids):
+                for j, token in enumerate(token_rows[i]):
                     if token < 0:
                         break
-                    lp = float(logprobs[row]) if logprobs is not None else float("nan")
-                    top = (rest[1][row], rest[2][row]) if with_top else (_NO_TOP_IDS, _NO_TOP_LOGPROBS)
-                    sampled.append(SampledToken(token, lp, *top))
+                    row = i * width + j
+                    lp = logprobs[row] if logprobs is not None else _NAN
+                    if top_ids is None:
+                        sampled.append(SampledToken(token, lp, _NO_TOP_IDS, _NO_TOP_LOGPROBS))
+                    else:
+                        sampled.append(SampledToken(token, lp, top_ids[row], top_logprobs[row]))
                 results.append((c, sampled))
         self.last_fetch_time = time.perf_counter() - t0
         return results
@@ -521,5 +524,6 @@ class ModelRunner:
             raise ValueError(f"unknown mirrored operation {op[0]!r}")
 
 
+_NAN = float("nan")
 _NO_TOP_IDS = np.zeros(0, np.int32)
 _NO_TOP_LOGPROBS = np.zeros(0, np.float32)
