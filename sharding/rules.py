@@ -80,6 +80,12 @@ def param_shardings(tree: Any, mesh: Mesh) -> Any:
     )
 
 
+def layer_sharding(stacked: NamedSharding, layer: int) -> NamedSharding:
+    """The sharding of layer `layer`'s slice of a stacked [L, ...] parameter (`unstack_layers`):
+    its spec without the layer axis, which is never split."""
+    return NamedSharding(stacked.mesh, P(*stacked.spec[1:]))
+
+
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of each of the KV cache's K and V arrays."""
     return NamedSharding(mesh, KV_CACHE_SPEC)

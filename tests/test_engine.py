@@ -159,6 +159,19 @@ def test_no_compilation_after_warm_up_for_a_mixed_workload(llm):
     assert llm.engine.num_compilations == before
 
 
+def test_unrolled_layers_give_the_scanned_engines_tokens(llm, assert_kv_all_free):
+    """`unroll_layers` (per-layer weights, no scan) is a speed option only: greedy and seeded
+    tokens of a mixed batch equal the scanned engine's, and serving compiles nothing new."""
+    unrolled = make_llm(num_blocks=512, unroll_layers=True)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(12, seed=6)]
+    params = [GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=i, ignore_eos=True)
+              for i in range(12)]
+    compiled = unrolled.engine.num_compilations
+    assert texts(unrolled.generate(prompts, params, use_tqdm=False)) == texts(llm.generate(prompts, params, use_tqdm=False))
+    assert unrolled.engine.num_compilations == compiled
+    assert_kv_all_free(unrolled.engine)
+
+
 def test_stop_string_split_across_tokens_never_leaks(llm):
     prompt = {"prompt_token_ids": mixed_prompts(1, seed=6)[0]}
     full = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]

@@ -7,6 +7,7 @@ import pytest
 
 from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
+from jaxserve.model.llama import unstack_layers
 from kernels_pallas import get_attention_backend
 
 BLOCK = 8
@@ -82,6 +83,23 @@ def test_one_piece_chunks_and_decode_agree(overrides):
     decoded = run_decode(model, params, tokens, table)
     np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(decoded, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_layers_on_unstacked_weights_equal_the_scan():
+    """`unroll_layers` runs the same layers: the stacked weights split per layer give the
+    scanned model's logits, for a prefill in chunks and for decode steps."""
+    config = tiny_config(num_layers=3)
+    model, params = init(config)
+    unrolled = LlamaModel(config, model.backend, unroll_layers=True)
+    split = {"params": unstack_layers(params["params"], config.num_layers, lambda leaf, i: leaf[i])}
+    assert "layers" not in split["params"] and split["params"]["layers_2"]["q_proj"]["kernel"].shape == (64, 64)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, config.vocab_size, 21)
+    table = rng.permutation(np.arange(1, NUM_BLOCKS))[:3]
+    np.testing.assert_allclose(run_chunks(unrolled, split, tokens, [13, 8], table),
+                               run_chunks(model, params, tokens, [13, 8], table), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(run_decode(unrolled, split, tokens[:6], table),
+                               run_decode(model, params, tokens[:6], table), atol=1e-5, rtol=1e-5)
 
 
 def test_matches_dense_causal_attention():

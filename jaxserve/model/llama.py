@@ -8,6 +8,11 @@ only at the rows asked for.
 The layers are scanned (`nn.scan`) over stacked weights so that compile time does not grow
 with depth. The KV cache rides in the scan carry and is updated with an in-place scatter
 before it is read in the same layer; scanning it as an input would make XLA copy it per step.
+The price of the scan: XLA:CPU copies each layer's slice of the stacked weights before its
+matmuls, so every step reads and writes the weights once more (a quarter of a batch-32 decode
+step's work for the default model, a third at batch 1). `unroll_layers` runs the layers as a
+Python loop over separate per-layer weights (`unstack_layers`) instead: no copies, and a
+compile time that grows with depth (about 4x for the default model's 30 layers).
 
 Precision: the weights are in the model's `dtype`; every matmul multiplies in that dtype and
 accumulates in f32. Activations and the KV cache are in `compute_dtype(dtype, platform)`: the
@@ -18,6 +23,7 @@ weights' dtype, but f32 on CPU (see there), where bf16 weights are also stored p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -178,6 +184,16 @@ def pack_kernels(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(pack, params)
 
 
+def unstack_layers(tree: dict[str, Any], num_layers: int, take: Callable[[Any, int], Any]) -> dict[str, Any]:
+    """A parameter tree (or a tree of its shardings) with its stacked `layers` replaced by
+    `layers_0` ... `layers_{L-1}`, the layout `LlamaModel(unroll_layers=True)` takes; `take(leaf,
+    i)` is layer i's part of a stacked leaf."""
+    out = {name: sub for name, sub in tree.items() if name != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda leaf: take(leaf, i), tree["layers"])
+    return out
+
+
 def matmul(x: jax.Array, w: jax.Array, contract_w: int = 0) -> jax.Array:
     """x [N, K] times w (K on axis `contract_w` of a 2-D w), multiplied in w's dtype and
     accumulated in f32. A single row of 2-byte weights is padded to two: XLA:CPU rewrites a
@@ -224,6 +240,7 @@ class LlamaModel(nn.Module):
     config: ModelConfig
     backend: AttentionBackend
     dtype: Any = jnp.float32
+    unroll_layers: bool = False  # per-layer weights "layers_{i}" (`unstack_layers`), not a scan
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -249,14 +266,21 @@ class LlamaModel(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=act, param_dtype=self.dtype, name="embed")
         h = embed(tokens)
         cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg), attention_factor(cfg))
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-        )(cfg, act, self.dtype, self.packed, self.backend, name="layers")
-        (h, k, v), _ = layers((h, cache.k, cache.v), jnp.arange(cfg.num_layers), cos, sin, meta)
+        carry = (h, cache.k, cache.v)
+        if self.unroll_layers:
+            for i in range(cfg.num_layers):
+                layer = DecoderLayer(cfg, act, self.dtype, self.packed, self.backend, name=f"layers_{i}")
+                carry, _ = layer(carry, jnp.int32(i), cos, sin, meta)
+        else:
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+            )(cfg, act, self.dtype, self.packed, self.backend, name="layers")
+            carry, _ = layers(carry, jnp.arange(cfg.num_layers), cos, sin, meta)
+        h, k, v = carry
         # Every row's last hidden state, for a caller that scores more rows than it samples
         # (`head_logits`); kept only when applied with mutable=["intermediates"].
         self.sow("intermediates", "hidden", h)

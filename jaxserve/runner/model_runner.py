@@ -31,7 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
-from jaxserve.model.llama import head_logits, pack_kernels
+from jaxserve.model.llama import head_logits, pack_kernels, unstack_layers
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
@@ -42,7 +42,7 @@ from jaxserve.speculative.verify import verify
 from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.mesh import make_mesh, plan_tensor_parallel
-from sharding.rules import cache_sharding, param_shardings, replicated
+from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +122,15 @@ class ModelRunner:
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()
         attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
-        self.model = LlamaModel(config, attention, self.dtype)
+        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers)
         self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
         params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
         if self.model.packed:
             params = pack_kernels(params)
         self.param_shardings = param_shardings(params, self.mesh)
+        if engine_config.unroll_layers:
+            params = unstack_layers(params, config.num_layers, lambda leaf, i: leaf[i])
+            self.param_shardings = unstack_layers(self.param_shardings, config.num_layers, layer_sharding)
         self.params = jax.device_put(params, self.param_shardings)
 
         bs = engine_config.block_size

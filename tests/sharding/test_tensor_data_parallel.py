@@ -17,8 +17,10 @@ BASELINES = ["gqa:1x1", "few_kv:1x1"]
 # +pallas: the Pallas kernels (interpreted on CPU) instead of the reference attention.
 # +restored: parameters restored from an orbax checkpoint straight into their shards.
 # +multistep: multi-step decode (4 decode steps in one device loop).
+# +unrolled: the layers unrolled over per-layer weights (`unroll_layers`) instead of scanned.
 # Each layout costs a warm-up (~1 minute on CI): tp=2 is covered by the Pallas layout, dp x tp by 2x2.
-LAYOUTS = ["gqa:1x4", "gqa:2x2", "few_kv:1x4", "gqa+pallas:1x2", "few_kv+restored:1x4", "gqa+multistep:1x2"]
+LAYOUTS = ["gqa:1x4", "gqa:2x2", "few_kv:1x4", "gqa+pallas:1x2", "few_kv+restored:1x4", "gqa+multistep:1x2",
+           "few_kv+unrolled:1x4"]
 L, E, F, V, D = 2, 64, 128, 300, 16  # tiny model: layers, hidden, MLP, vocab, head dim
 # The first test waits for the worker (10 minutes on a busy CI machine): above pyproject's 900 s per test.
 pytestmark = pytest.mark.timeout(1800)
@@ -96,6 +98,23 @@ def test_parameters_and_cache_carry_the_tp_shardings(report, case):
             want = [n // tp if i in split else n for i, n in enumerate(a["shape"])]
             assert a["shard_shapes"] == [want], path
             assert set(a["devices"]) == set(arrays["cache/k"]["devices"]), path
+
+
+def test_unrolled_layers_carry_the_stacked_rules_without_the_layer_axis(report):
+    """Each layer's own weights are split as the stacked rule says for its slice (tp=4, kv heads
+    replicated to 4): same devices as the cache, no `layers` stack left."""
+    arrays = report["few_kv+unrolled:1x4"]["shardings"][0]
+    assert not any(path.startswith("layers/") for path in arrays)
+    for i in range(L):
+        for path in (f"layers_{i}/q_proj/kernel", f"layers_{i}/k_proj/kernel", f"layers_{i}/down_proj/kernel",
+                     f"layers_{i}/attn_norm/scale"):
+            a = arrays[path]
+            stacked = eval(expected_spec(path.replace(f"layers_{i}/", "layers/")))
+            assert a["spec"] == str(tuple(stacked[1:])), path
+            split = [j for j, axis in enumerate(stacked[1:]) if axis == "tp"]
+            assert a["shard_shapes"] == [[n // 4 if j in split else n for j, n in enumerate(a["shape"])]], path
+            assert set(a["devices"]) == set(arrays["cache/k"]["devices"]), path
+    assert arrays["layers_1/k_proj/kernel"]["shape"] == [E, 4 * D]  # kv heads repeated, as stacked
 
 
 def test_kv_heads_are_replicated_when_fewer_than_tp(report):

@@ -95,9 +95,9 @@ def collectives(runner, key: tuple) -> list[dict]:
 
 
 def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str | None = None,
-               num_scheduler_steps: int = 1) -> dict:
+               num_scheduler_steps: int = 1, unroll_layers: bool = False) -> dict:
     config = EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, attention_backend=attention_backend,
-                          num_scheduler_steps=num_scheduler_steps, **TINY_ENGINE)
+                          num_scheduler_steps=num_scheduler_steps, unroll_layers=unroll_layers, **TINY_ENGINE)
     engine = make_engine(model, config)
     with count_xla_compilations() as warm_up_compiles:
         engine.warm_up()
@@ -162,7 +162,8 @@ def main(cases: list[str]) -> None:
     }
     results = {}
     # "MODEL:DPxTP", "MODEL+pallas:DPxTP" (Pallas attention), "MODEL+restored:1xTP",
-    # "MODEL+multistep:DPxTP" (multi-step decode, 4 steps per loop)
+    # "MODEL+multistep:DPxTP" (multi-step decode, 4 steps per loop), "MODEL+unrolled:DPxTP"
+    # (layers unrolled over per-layer weights)
     for case in cases:
         name, layout = case.split(":")
         model, _, variant = name.partition("+")
@@ -171,6 +172,8 @@ def main(cases: list[str]) -> None:
             results[case] = restore_into_shards(models[model], tp)
         elif variant == "multistep":
             results[case] = run_layout(models[model], dp, tp, with_hlo=False, num_scheduler_steps=4)
+        elif variant == "unrolled":
+            results[case] = run_layout(models[model], dp, tp, with_hlo=False, unroll_layers=True)
         else:
             results[case] = run_layout(models[model], dp, tp, with_hlo=tp > 1 and dp == 1,
                                        attention_backend=variant or None)
