@@ -3,7 +3,7 @@
 Times single compiled steps (no scheduler, no sampling), so it pairs with
 `bench/peers/hf_steps.py`, which times the same shapes in Hugging Face transformers:
 
-    python3 -m bench.steps
+    python3 -m bench.steps [--unroll-layers]
     /path/to/python-with-torch bench/peers/hf_steps.py ~/.cache/jaxserve/smollm2-135m-instruct/*.gguf
 
 Batch 1: one 128-token prompt, then 1-token decode steps at a 256-token context.
@@ -11,6 +11,7 @@ Batch 32: 32 prompts of 128 tokens (8 ragged steps of 4 x 128), then batch-32 de
 The steps attend over real histories (distinct blocks per sequence): the serving attention
 backends stop at each sequence's length, so a step of empty sequences would time no attention.
 """
+import argparse
 import time
 
 import numpy as np
@@ -51,8 +52,11 @@ def timed(r: ModelRunner, program, reps: int = 3) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--unroll-layers", action="store_true", help="the layers unrolled (EngineConfig.unroll_layers)")
+    args = parser.parse_args()
     m = load_model("smollm2-135m-instruct")
-    config = EngineConfig(num_blocks=1024)
+    config = EngineConfig(num_blocks=1024, unroll_layers=args.unroll_layers)
     r = ModelRunner(m.config, m.params, config)
     width, bs = config.block_table_buckets[-1], config.block_size
     # one 128-token prompt: one prefill step of 128 tokens; 32 prompts of 128: 8 steps of 4 x 128 = 512 tokens
