@@ -55,7 +55,7 @@ def engine_config(plan: Plan, config: ModelConfig, stage: Stage) -> EngineConfig
         dtype=plan.engine_dtype, attention_backend="pallas",
         decode_batch_buckets=w.batches, prefill_token_buckets=(w.max_num_batched_tokens,),
         prefill_seq_buckets=(w.max_prefill_seqs,), block_table_buckets=(pages,),
-        num_scheduler_steps=stage.scheduler_steps, **overlap,
+        num_scheduler_steps=stage.scheduler_steps, unroll_layers=stage.unroll_layers, **overlap,
     )
 
 
@@ -158,7 +158,8 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     warm_up_s = engine.warm_up()
     compiled = runner.num_compilations
     record.info(model=stage.model, config=config.to_dict(), dtype=plan.engine_dtype, attention_backend="pallas",
-                overlap=stage.overlap, scheduler_steps=stage.scheduler_steps, copy_bps=copy_bps, init_s=init_s, warm_up_s=warm_up_s,
+                overlap=stage.overlap, scheduler_steps=stage.scheduler_steps, unroll_layers=stage.unroll_layers,
+                copy_bps=copy_bps, init_s=init_s, warm_up_s=warm_up_s,
                 compilations_at_warm_up=compiled, weight_bytes=weight_bytes, num_blocks=runner.num_blocks,
                 kv_bytes_per_token=kv_bytes_per_token, buckets=runner.bucket_summary(),
                 workload={"prompt_len": w.prompt_len, "max_tokens": w.max_tokens})

@@ -69,6 +69,7 @@ class Stage:
     model: str | None = None  # engine stages: a key of Plan.models
     overlap: bool = True  # engine stages: async (overlap) scheduling
     scheduler_steps: int = 1  # engine stages: decode steps per device loop (multi-step decode when > 1)
+    unroll_layers: bool = False  # engine stages: the layers unrolled over per-layer weights (no scan)
     command_buffers: bool | None = None  # None: as the run's --triton-command-buffers says
     optional: bool = False  # runs only when the time left covers its whole limit
 
@@ -119,6 +120,10 @@ def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_va
                         optional=True))
     stages.append(Stage(f"engine_{models[0]}_multistep", "engine", limits[f"engine_{models[0]}"], models[0],
                         scheduler_steps=MULTI_STEP_K, optional=True))
+    # Whether the scan over stacked layers costs a copy of each layer's weights per step (as on
+    # XLA:CPU): the large model's weight-bound decode, unrolled, against its scanned stage.
+    stages.append(Stage(f"engine_{models[-1]}_unrolled", "engine", limits[f"engine_{models[-1]}"], models[-1],
+                        unroll_layers=True, optional=True))
     if command_buffer_variant:
         stages.append(Stage(f"engine_{models[0]}_no_cmdbuf", "engine", limits[f"engine_{models[0]}"],
                             models[0], True, command_buffers=False, optional=True))

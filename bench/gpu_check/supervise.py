@@ -108,7 +108,7 @@ def run_stage(stage: Stage, out_dir: Path, dry_run: bool, limit_s: float, comman
         status = "ok"
     return {
         "name": stage.name, "kind": stage.kind, "model": stage.model, "overlap": stage.overlap,
-        "scheduler_steps": stage.scheduler_steps,
+        "scheduler_steps": stage.scheduler_steps, "unroll_layers": stage.unroll_layers,
         "command_buffers": command_buffers, "status": status, "seconds": seconds, "limit_s": limit_s,
         "error": error, "problems": problems, "info": record.get("info", {}), "rows": record.get("rows", []),
         "log": str(log_path),
@@ -118,7 +118,7 @@ def run_stage(stage: Stage, out_dir: Path, dry_run: bool, limit_s: float, comman
 def skipped(stage: Stage, reason: str, command_buffers: bool) -> dict[str, Any]:
     return {
         "name": stage.name, "kind": stage.kind, "model": stage.model, "overlap": stage.overlap,
-        "scheduler_steps": stage.scheduler_steps,
+        "scheduler_steps": stage.scheduler_steps, "unroll_layers": stage.unroll_layers,
         "command_buffers": command_buffers, "status": "skipped", "seconds": 0.0, "limit_s": 0.0,
         "error": reason, "problems": [], "info": {}, "rows": [], "log": None,
     }

@@ -58,7 +58,8 @@ def _engine_rows(stages: list[dict]) -> list[list[str]]:
     rows = []
     for s in (s for s in engine if s["overlap"]):
         label = s["model"] + (" (no cmdbuf)" if s["name"].endswith("_no_cmdbuf") else "") + (
-            f" ({s['scheduler_steps']}-step)" if s.get("scheduler_steps", 1) > 1 else "")
+            f" ({s['scheduler_steps']}-step)" if s.get("scheduler_steps", 1) > 1 else "") + (
+            " (unrolled)" if s.get("unroll_layers") else "")
         info = s["info"]
         for r in s["rows"]:
             off = sync.get((s["model"], r["batch"])) if s.get("scheduler_steps", 1) == 1 else None
