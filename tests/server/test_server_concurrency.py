@@ -144,7 +144,7 @@ def test_a_hang_up_is_counted_when_the_handler_is_cancelled_again_during_its_cle
     handler_task = None
     assert asyncio.run(main())  # the second cancellation reached the clean-up
     assert generation.done and generation.outcome == "cancelled"
-    assert metrics.requests.labels("chat", "cancelled")._value.get() == 1
+    assert metrics.registry.get_sample_value("jaxserve_requests_total", {"endpoint": "chat", "outcome": "cancelled"}) == 1
     # Deltas that reach the closed loop afterwards abort the request; the engine serves on.
     assert not wait_until_idle(server, async_engine, timeout=10).has_unfinished
     assert async_engine.is_alive
