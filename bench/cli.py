@@ -111,7 +111,9 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (tokenizer, server model, peers' GGUF)")
     p.add_argument("--base-url", default=None, help="a running jaxserve server (default: start one on a free port)")
     p.add_argument("--served-model-name", default=None, help="`model` field of the requests (default: --model)")
-    p.add_argument("--server-args", default="", help="extra `jaxserve serve` flags when starting the server, one string")
+    p.add_argument("--server-args", default="",
+                   help="extra `jaxserve serve` flags when starting the server, one string; written with = "
+                        "(--server-args=\"--dtype bfloat16\"), since it starts with a dash")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: requests in flight at most")
