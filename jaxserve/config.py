@@ -58,7 +58,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
     # Run the layers as a loop over separate per-layer weights instead of a scan over stacked
     # ones: XLA:CPU copies a scanned layer's weights before its matmuls (batch-1 decode ~1.4x
-    # faster without), but every step then compiles the layers one by one (~4x the warm-up).
+    # faster without; from batch 8 slower on CPU), but every step then compiles the layers one
+    # by one (~4x the warm-up). See README, "--unroll-layers".
     unroll_layers: bool = False
     seed: int = 0
     # Launch iteration N+1 before reading N's sampled tokens (they feed N+1 on the device), so the

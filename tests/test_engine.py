@@ -163,6 +163,8 @@ def test_unrolled_layers_give_the_scanned_engines_tokens(llm, assert_kv_all_free
     """`unroll_layers` (per-layer weights, no scan) is a speed option only: greedy and seeded
     tokens of a mixed batch equal the scanned engine's, and serving compiles nothing new."""
     unrolled = make_llm(num_blocks=512, unroll_layers=True)
+    layers = unrolled.engine.runner.params
+    assert "layers" not in layers and {"layers_0", "layers_1"} <= set(layers)  # separate per-layer weights
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(12, seed=6)]
     params = [GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=i, ignore_eos=True)
               for i in range(12)]

@@ -156,19 +156,13 @@ class StepInputs:
         positions = np.zeros(batch, np.int32)
         slots = np.zeros(batch, np.int32)
         seq_lens = np.zeros(batch, np.int32)
-        tables = np.zeros((batch, width), np.int32)
+        tables = self._fill_tables(chunks, batch, width)
+        for c in chunks:
+            faults.check("input", c.request)
         n = len(chunks)
-        last_tokens, sources = [0] * n, [-1] * n
-        for i, c in enumerate(chunks):  # one pass: a decode computes the request's newest token
-            req = c.request
-            faults.check("input", req)
-            last_tokens[i] = req.last_token_id
-            sources[i] = self._pending_input(c, prev_rows)
-            row = c.block_table[:width]
-            tables[i, :len(row)] = row
         starts = np.fromiter((c.start for c in chunks), np.int32, n)
-        tokens[:n] = last_tokens
-        token_src[:n] = sources
+        tokens[:n] = [c.request.last_token_id for c in chunks]  # a decode computes the newest token
+        token_src[:n] = [self._pending_input(c, prev_rows) for c in chunks]
         positions[:n] = starts
         slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
         seq_lens[:n] = starts + 1
