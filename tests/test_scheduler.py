@@ -77,6 +77,28 @@ def test_partial_prefill_cap_lets_short_prompts_pass():
     assert "c" in scheduled  # the short one behind them is not blocked
 
 
+def test_long_prompts_with_no_short_one_waiting_fill_the_whole_budget():
+    """The half-budget cap is for short prompts behind a long one; with only long prompts
+    waiting (which the partial-prefill limit keeps out) it would leave half of every step idle."""
+    s = make(max_num_partial_prefills=1)
+    a, b = req("a", 40), req("b", 40)
+    for r in (a, b):
+        s.add_request(r)
+    out = step(s)
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.prefills] == [("a", 32)]
+    out = step(s)  # a's last 8 tokens, and b starts in the rest of the step
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.prefills] == [("a", 8), ("b", 24)]
+
+
+def test_two_partial_prefills_share_the_budget():
+    s = make(max_num_partial_prefills=2)
+    a, b = req("a", 90), req("b", 90)
+    for r in (a, b):
+        s.add_request(r)
+    out = step(s)
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.prefills] == [("a", 16), ("b", 16)]
+
+
 def test_shared_prefix_computed_once_within_a_step():
     s = make()
     prefix = list(range(3, 23))  # 5 full blocks

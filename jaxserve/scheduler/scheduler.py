@@ -8,7 +8,8 @@ sequence cap (`max_num_seqs`):
    queue with its tokens; swap: its blocks move to the host tier) until the rest fit;
 2. swapped-out requests come back when their blocks fit again;
 3. prompt chunks: prefills already under way continue first, capped at half the budget while
-   others wait so that one long prompt cannot hold back short ones, then waiting requests
+   a waiting prompt could start in the other half, so that one long prompt cannot hold back
+   short ones (nor leave half a step idle when no waiting prompt could use it), then waiting requests
    are admitted in policy order (FCFS, priority, or longest cached prefix first), with their
    cached prefix taken from the radix cache. At most `max_num_partial_prefills` prompts are
    chunked at once; a request whose next block is being computed by another request in this
@@ -216,8 +217,9 @@ class Scheduler:
         for req in partial:
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
-            budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, bool(self.waiting)), out, in_flight)
-        num_partial = sum(1 for r in self.running if r.is_prefilling)
+            others = self._others_could_start(budget, self._num_partial(out), len(out.prefills) + 1)
+            budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, others), out, in_flight)
+        num_partial = self._num_partial(out)
         for req in self._waiting_in_policy_order():
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
@@ -242,7 +244,8 @@ class Scheduler:
             if n < remaining:
                 if not cfg.enable_chunked_prefill:
                     continue
-                n = self._partial_chunk_limit(budget, len(self.waiting) > 1)
+                others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
+                n = self._partial_chunk_limit(budget, others)
             if not self.kv.admit(req.request_id, hit, n):
                 break  # the pool is full: admit nothing more this step
             self._chains.pop(req, None)
@@ -263,10 +266,31 @@ class Scheduler:
             self._chains[req] = self.kv.new_chain()
         return self._chains[req]
 
-    def _partial_chunk_limit(self, budget: int, others_waiting: bool) -> int:
+    def _num_partial(self, out: SchedulerOutput) -> int:
+        """Running prompts still being prefilled that no chunk of `out` completes."""
+        completed = {c.request for c in out.prefills if c.sample}
+        return sum(1 for r in self.running if r.is_prefilling and r not in completed)
+
+    def _partial_chunk_limit(self, budget: int, others_could_start: bool) -> int:
         """Tokens a prefill that will not finish this step may take: half the budget while
-        other prompts wait, so one long prompt never holds back the short ones behind it."""
-        return budget // 2 if others_waiting and budget > self.config.block_size else budget
+        other prompts could start in the other half, so one long prompt never holds back the
+        short ones behind it (and never leaves half a step idle when none could start)."""
+        return budget // 2 if others_could_start and budget > self.config.block_size else budget
+
+    def _others_could_start(self, budget: int, num_partial: int, num_prefills: int,
+                            besides: Request | None = None) -> bool:
+        """Whether a waiting prompt (other than `besides`) could join this step in the half of
+        `budget` a capped chunk leaves, with `num_partial` prompts chunking and `num_prefills`
+        chunks in the step: as a chunk of its own while fewer than `max_num_partial_prefills`
+        prompts are chunking, else only if its whole prompt fits (its cached prefix, unknown
+        before it is matched, is not counted)."""
+        cfg = self.config
+        if num_prefills >= cfg.max_prefill_seqs or len(self.running) + (besides is not None) >= cfg.max_num_seqs:
+            return False
+        rest = budget - budget // 2
+        return any(r is not besides and not r.awaits_token and (num_partial < cfg.max_num_partial_prefills
+                                                               or r.num_tokens <= rest)
+                   for r in self.waiting)
 
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: set[int]) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
