@@ -2,7 +2,9 @@
 `reference.decode_attention` and `reference.prefill_attention`.
 
 `reference` is plain JAX (gather + masked softmax), kept simple: the oracle of the others.
-`jax` is plain JAX that reads only what the sequences hold (`paged_jax.py`): the CPU default.
+`jax` is plain JAX that reads only what the sequences hold (`paged_jax.py`).
+`cpu` is `jax`'s prefill with a C++ decode kernel behind the XLA FFI (`cpu_decode.py`, built on
+first use): the CPU default where a C++ compiler is found.
 `pallas` is the Pallas kernels (`decode.py`, `prefill.py`): native on GPU, and run in
 interpret mode wherever JAX's default backend is the CPU (slow; for tests), unless
 $JAXSERVE_PALLAS_INTERPRET says otherwise.
@@ -15,9 +17,9 @@ from typing import Callable
 
 import jax
 
-from kernels_pallas import decode, paged_jax, prefill, reference
+from kernels_pallas import cpu_decode, decode, paged_jax, prefill, reference
 
-BACKENDS = ("jax", "reference", "pallas")
+BACKENDS = ("jax", "cpu", "reference", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +34,17 @@ def get_attention_backend(name: str) -> AttentionBackend:
         return AttentionBackend("reference", reference.decode_attention, reference.prefill_attention)
     if name == "jax":
         return AttentionBackend("jax", paged_jax.decode_attention, paged_jax.prefill_attention)
+    if name == "cpu":
+        return AttentionBackend("cpu", cpu_decode.decode_attention, paged_jax.prefill_attention)
     if name == "pallas":
         return AttentionBackend("pallas", decode.decode_attention, prefill.prefill_attention)
     raise ValueError(f"unknown attention backend {name!r}; choose from: {', '.join(BACKENDS)}")
 
 
 def default_attention_backend() -> str:
-    """`pallas` where the kernels run natively (GPU), `jax` elsewhere (CPU, TPU)."""
-    return "pallas" if jax.default_backend() == "gpu" else "jax"
+    """`pallas` where the kernels run natively (GPU); on CPU `cpu`, or `jax` when no C++
+    compiler can build its kernel; `jax` elsewhere (TPU)."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        return "pallas"
+    return "cpu" if platform == "cpu" and cpu_decode.available() else "jax"

@@ -180,7 +180,7 @@ def meta_for(tables, starts, counts, decodes=None):
                              np.array(seq_lens, np.int32), np.array(query_start, np.int32), decode_rows)
 
 
-@pytest.mark.parametrize("backend", ["jax", "reference", "pallas"])
+@pytest.mark.parametrize("backend", ["jax", "cpu", "reference", "pallas"])
 def test_mixed_step_equals_a_prefill_step_and_a_decode_step(backend):
     """Prefill chunks and decodes in one mixed step (one pass over the weights) give the logits
     and cache writes of a prefill step of the chunks and a decode step of the decodes."""
