@@ -1,8 +1,8 @@
 """Tensor layer: paged-attention kernels (Pallas) and their pure-JAX references.
 
 An attention backend is a pair of functions with the signatures of
-`reference.decode_attention` and `reference.prefill_attention`: `paged_jax` (plain JAX), its
-prefill with the C++ decode kernel of `cpu_decode` (the CPU default), `decode` and `prefill`
+`reference.decode_attention` and `reference.prefill_attention`: `paged_jax` (plain JAX),
+`cpu_attention` (C++ kernels behind the XLA FFI, the CPU default), `decode` and `prefill`
 (Pallas, the GPU default), `reference` (their oracle). The model looks one up by
 name with `get_attention_backend` (`default_attention_backend()` names the one for this
 machine) and, under a mesh, wraps it with `shard_attention`.
@@ -10,7 +10,7 @@ machine) and, under a mesh, wraps it with `shard_attention`.
 
 from __future__ import annotations
 
-from kernels_pallas import common, cpu_decode, decode, paged_jax, prefill, reference
+from kernels_pallas import common, cpu_attention, decode, paged_jax, prefill, reference
 from kernels_pallas.backends import (
     BACKENDS,
     AttentionBackend,
@@ -21,7 +21,7 @@ from kernels_pallas.sharded import shard_attention
 
 __all__ = [
     "common",
-    "cpu_decode",
+    "cpu_attention",
     "decode",
     "paged_jax",
     "prefill",

@@ -3,8 +3,8 @@
 
 `reference` is plain JAX (gather + masked softmax), kept simple: the oracle of the others.
 `jax` is plain JAX that reads only what the sequences hold (`paged_jax.py`).
-`cpu` is `jax`'s prefill with a C++ decode kernel behind the XLA FFI (`cpu_decode.py`, built on
-first use): the CPU default where a C++ compiler is found.
+`cpu` is C++ decode and prefill kernels behind the XLA FFI (`cpu_attention.py`, built on first
+use): the CPU default where a C++ compiler is found.
 `pallas` is the Pallas kernels (`decode.py`, `prefill.py`): native on GPU, and run in
 interpret mode wherever JAX's default backend is the CPU (slow; for tests), unless
 $JAXSERVE_PALLAS_INTERPRET says otherwise.
@@ -17,7 +17,7 @@ from typing import Callable
 
 import jax
 
-from kernels_pallas import cpu_decode, decode, paged_jax, prefill, reference
+from kernels_pallas import cpu_attention, decode, paged_jax, prefill, reference
 
 BACKENDS = ("jax", "cpu", "reference", "pallas")
 
@@ -35,7 +35,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name == "jax":
         return AttentionBackend("jax", paged_jax.decode_attention, paged_jax.prefill_attention)
     if name == "cpu":
-        return AttentionBackend("cpu", cpu_decode.decode_attention, paged_jax.prefill_attention)
+        return AttentionBackend("cpu", cpu_attention.decode_attention, cpu_attention.prefill_attention)
     if name == "pallas":
         return AttentionBackend("pallas", decode.decode_attention, prefill.prefill_attention)
     raise ValueError(f"unknown attention backend {name!r}; choose from: {', '.join(BACKENDS)}")
@@ -47,4 +47,4 @@ def default_attention_backend() -> str:
     platform = jax.default_backend()
     if platform == "gpu":
         return "pallas"
-    return "cpu" if platform == "cpu" and cpu_decode.available() else "jax"
+    return "cpu" if platform == "cpu" and cpu_attention.available() else "jax"

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import common, cpu_decode, paged_jax, reference
+from kernels_pallas import common, cpu_attention, paged_jax, reference
 
 NUM_LAYERS = 3
 LAYER = 2
@@ -32,8 +32,8 @@ PLAIN_JAX = {
     "reference": (reference_decode, reference_prefill),
     "jax": (jax.jit(paged_jax.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
             jax.jit(paged_jax.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window"))),
-    "cpu": (jax.jit(cpu_decode.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
-            jax.jit(paged_jax.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window"))),
+    "cpu": (jax.jit(cpu_attention.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
+            jax.jit(cpu_attention.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window"))),
 }
 
 

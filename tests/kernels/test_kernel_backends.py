@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from kernels_pallas import (BACKENDS, common, cpu_decode, decode, default_attention_backend,
+from kernels_pallas import (BACKENDS, common, cpu_attention, decode, default_attention_backend,
                             get_attention_backend, paged_jax, prefill, reference)
 
 
@@ -14,7 +14,7 @@ def test_registry():
     plain = get_attention_backend("jax")
     assert (plain.decode, plain.prefill) == (paged_jax.decode_attention, paged_jax.prefill_attention)
     native = get_attention_backend("cpu")
-    assert (native.decode, native.prefill) == (cpu_decode.decode_attention, paged_jax.prefill_attention)
+    assert (native.decode, native.prefill) == (cpu_attention.decode_attention, cpu_attention.prefill_attention)
     assert set(BACKENDS) == {"jax", "cpu", "reference", "pallas"}
     with pytest.raises(ValueError, match="jax, cpu, reference, pallas"):
         get_attention_backend("flash")
@@ -22,7 +22,7 @@ def test_registry():
 
 def test_default_backend_follows_the_platform(monkeypatch):
     platform = jax.default_backend()
-    want = {"gpu": "pallas", "cpu": "cpu" if cpu_decode.available() else "jax"}.get(platform, "jax")
+    want = {"gpu": "pallas", "cpu": "cpu" if cpu_attention.available() else "jax"}.get(platform, "jax")
     assert default_attention_backend() == want
     if platform == "cpu":  # no compiler for the C++ kernel: the plain-JAX one
         monkeypatch.setenv("CXX", "/nonexistent/c++")
