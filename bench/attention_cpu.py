@@ -1,6 +1,6 @@
-"""The plain-JAX attention backends (CPU) at the default model's shapes, per layer: `jax`
-(paged_jax, the CPU default) against `reference` and the floors measured in the same run (a
-plain f32 matmul for prefill, a copy for decode):
+"""The CPU attention backends at the default model's shapes, per layer: `cpu` (cpu_attention's
+C++ kernels, the CPU default) against `jax` (paged_jax) and the floors measured in the same run
+(a plain f32 matmul for prefill, a copy for decode):
 
     python3 -m bench.attention_cpu            # SmolLM2-135M: 9 heads, 3 kv heads, head_dim 64
     python3 -m bench.attention_cpu --layers 30 --iters 3
@@ -10,7 +10,7 @@ S * chunk rows with block tables `width` pages wide (the step's bucket: wider th
 sequences need, as in serving). Useful FLOPs count QK^T and PV over each row's own causal
 history; the figure of merit is their rate as a share of the matmul's. Decode cases report the
 K/V bytes the sequences must read per call as a share of the copy bandwidth (read + write).
-`x ref` is how many times faster than the reference the `jax` backend ran.
+`x jax` is how many times faster than the `jax` backend the `cpu` one ran.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernel_bench import copy_bandwidth, scattered_tables, time_call
-from kernels_pallas import paged_jax, reference
+from kernels_pallas import cpu_attention, paged_jax
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
 # (sequences, chunk, history, width in pages)
@@ -78,22 +78,22 @@ def main() -> None:
     copy_bps = copy_bandwidth(1 << 24, jnp.float32, args.iters)  # 64 MB would time page faults
     print(f"f32 matmul 512x576x1536: {peak / 1e9:.0f} GFLOP/s; copy: {copy_bps / 1e9:.1f} GB/s")
     print(f"{'prefill S x chunk / history / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GFLOP/s':>8} "
-          f"{'%matmul':>8} {'ref ms':>8} {'x ref':>6}")
+          f"{'%matmul':>8} {'jax ms':>8} {'x jax':>6}")
     for case in PREFILL:
-        seconds, flops = bench_prefill(paged_jax, *case, args.iters)
-        ref_seconds, _ = bench_prefill(reference, *case, args.iters)
+        seconds, flops = bench_prefill(cpu_attention, *case, args.iters)
+        jax_seconds, _ = bench_prefill(paged_jax, *case, args.iters)
         label = f"{case[0]} x {case[1]} / {case[2]} / {case[3]}"
         print(f"{label:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
               f"{flops / seconds / 1e9:8.1f} {100 * flops / seconds / peak:8.1f} "
-              f"{ref_seconds * 1e3:8.2f} {ref_seconds / seconds:6.1f}")
+              f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}")
     print(f"{'decode batch / context / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GB/s':>8} {'%copy':>8} "
-          f"{'ref ms':>8} {'x ref':>6}")
+          f"{'jax ms':>8} {'x jax':>6}")
     for case in DECODE:
-        seconds, nbytes = bench_decode(paged_jax, *case, args.iters)
-        ref_seconds, _ = bench_decode(reference, *case, args.iters)
+        seconds, nbytes = bench_decode(cpu_attention, *case, args.iters)
+        jax_seconds, _ = bench_decode(paged_jax, *case, args.iters)
         print(f"{'%d / %d / %d' % case:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
               f"{nbytes / seconds / 1e9:8.1f} {100 * nbytes / seconds / copy_bps:8.1f} "
-              f"{ref_seconds * 1e3:8.2f} {ref_seconds / seconds:6.1f}")
+              f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Paged attention in plain JAX that reads only what the sequences hold: the CPU default.
+"""Paged attention in plain JAX that reads only what the sequences hold (the `jax` backend; the
+CPU default, `cpu`, runs C++ kernels with the same contracts, `cpu_attention`).
 
 Same contracts as `reference.decode_attention` and `reference.prefill_attention`. The
 reference gathers every sequence's whole block table (the step's width bucket) and scores
