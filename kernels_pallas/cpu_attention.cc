@@ -173,7 +173,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
   const int64_t items = p.batch * p.kv_heads;
   // A thread per kRowsPerThread rows: starting one costs tens of microseconds, about what
   // a few thousand rows take.
-  constexpr int64_t kRowsPerThread = 16384;
+  constexpr int64_t kRowsPerThread = 8192;
   const int64_t threads = std::clamp<int64_t>(rows * p.kv_heads / kRowsPerThread, 1, std::min<int64_t>(num_threads, items));
   auto run = [&p, item, items, threads](int64_t part) {
     std::vector<float> scores;
