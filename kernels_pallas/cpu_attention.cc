@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -51,6 +53,40 @@ inline float sum(Vec v) {  // a tree of halving adds, not 15 dependent scalar on
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+template <typename F, size_t... I>
+bool dispatch(int64_t chunks, F&& f, std::index_sequence<I...>) {
+  return ((chunks == static_cast<int64_t>(I) + 1 && (f(std::integral_constant<int64_t, I + 1>{}), true)) || ...);
+}
+
+// Calls f(std::integral_constant<int64_t, C>{}) with C = dim / 16 for a dim that is a multiple
+// of 16 up to 256 (the kernels are specialized on it); false for any other dim.
+template <typename F>
+bool with_head_dim(int64_t dim, F&& f) {
+  return dim % kLanes == 0 && dispatch(dim / kLanes, f, std::make_index_sequence<16>{});
+}
+
+// Whether sequence `row`'s block-table entries that cover `length` tokens are pages of the cache.
+bool pages_in_range(const int32_t* tables, int64_t width, int64_t block_size, int64_t pages, int64_t row,
+                    int64_t length) {
+  for (int64_t i = 0; i * block_size < length; ++i) {
+    const int32_t page = tables[row * width + i];
+    if (page < 0 || page >= pages) return false;
+  }
+  return true;
+}
+
+// Runs part(i) for i in [0, threads): part 0 on the calling thread, the others on new ones.
+// One thread per `per_thread` units of `work`, at most `limit`: starting a thread costs tens
+// of microseconds.
+template <typename F>
+void run_parts(int64_t work, int64_t per_thread, int64_t limit, F&& part) {
+  const int64_t threads = std::max<int64_t>(1, std::min(work / per_thread, limit));
+  std::vector<std::thread> helpers;
+  for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(part, i, threads);
+  part(0, threads);
+  for (auto& t : helpers) t.join();
 }
 
 // Attention of sequence b's query heads [g0, g0 + g_count) of kv head h, with head_dim =
@@ -149,15 +185,6 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
             lengths.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], td[1],
             static_cast<int64_t>(layer.typed_data()[0]), scale, soft_cap, window};
   if (p.layer < 0 || p.layer >= cd[0]) return ffi::Error::InvalidArgument("paged decode: layer out of range");
-  using Item = void (*)(const Problem&, int64_t, int64_t, std::vector<float>&);
-  static constexpr Item kItems[] = {attend_item<1>,  attend_item<2>,  attend_item<3>,  attend_item<4>,
-                                    attend_item<5>,  attend_item<6>,  attend_item<7>,  attend_item<8>,
-                                    attend_item<9>,  attend_item<10>, attend_item<11>, attend_item<12>,
-                                    attend_item<13>, attend_item<14>, attend_item<15>, attend_item<16>};
-  if (p.dim % kLanes != 0 || p.dim > 16 * kLanes) {
-    return ffi::Error::InvalidArgument("paged decode: head_dim must be a multiple of 16, at most 256");
-  }
-  const Item item = kItems[p.dim / kLanes - 1];
   int64_t rows = 0;  // K/V rows the call reads, per kv head
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t length = p.lengths[b];
@@ -165,24 +192,18 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
     if (length < 0 || length > p.width * p.block_size) {
       return ffi::Error::InvalidArgument("paged decode: length beyond the block table");
     }
-    for (int64_t i = 0; i * p.block_size < length; ++i) {
-      const int32_t page = p.tables[b * p.width + i];
-      if (page < 0 || page >= p.pages) return ffi::Error::InvalidArgument("paged decode: page out of range");
+    if (!pages_in_range(p.tables, p.width, p.block_size, p.pages, b, length)) {
+      return ffi::Error::InvalidArgument("paged decode: page out of range");
     }
   }
   const int64_t items = p.batch * p.kv_heads;
-  // A thread per kRowsPerThread rows: starting one costs tens of microseconds, about what
-  // a few thousand rows take.
-  constexpr int64_t kRowsPerThread = 8192;
-  const int64_t threads = std::clamp<int64_t>(rows * p.kv_heads / kRowsPerThread, 1, std::min<int64_t>(num_threads, items));
-  auto run = [&p, item, items, threads](int64_t part) {
-    std::vector<float> scores;
-    for (int64_t i = part; i < items; i += threads) item(p, i / p.kv_heads, i % p.kv_heads, scores);
-  };
-  std::vector<std::thread> helpers;
-  for (int64_t part = 1; part < threads; ++part) helpers.emplace_back(run, part);
-  run(0);
-  for (auto& t : helpers) t.join();
+  const bool served = with_head_dim(p.dim, [&](auto chunks) {
+    run_parts(rows * p.kv_heads, 8192, std::min<int64_t>(num_threads, items), [&](int64_t part, int64_t parts) {
+      std::vector<float> scores;
+      for (int64_t i = part; i < items; i += parts) attend_item<decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scores);
+    });
+  });
+  if (!served) return ffi::Error::InvalidArgument("paged decode: head_dim must be a multiple of 16, at most 256");
   return ffi::Error::Success();
 }
 
@@ -342,15 +363,6 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cac
            seq_lens.typed_data(), query_start.typed_data(), out->typed_data(), qd[1], qd[2], cd[1], cd[2], cd[3],
            td[1], static_cast<int64_t>(layer.typed_data()[0]), scale, soft_cap, window};
   if (p.layer < 0 || p.layer >= cd[0]) return ffi::Error::InvalidArgument("paged prefill: layer out of range");
-  using TileFn = void (*)(const Ragged&, const Tile&, int64_t);
-  static constexpr TileFn kTiles[] = {prefill_tile<1>,  prefill_tile<2>,  prefill_tile<3>,  prefill_tile<4>,
-                                      prefill_tile<5>,  prefill_tile<6>,  prefill_tile<7>,  prefill_tile<8>,
-                                      prefill_tile<9>,  prefill_tile<10>, prefill_tile<11>, prefill_tile<12>,
-                                      prefill_tile<13>, prefill_tile<14>, prefill_tile<15>, prefill_tile<16>};
-  if (p.dim % kLanes != 0 || p.dim > 16 * kLanes) {
-    return ffi::Error::InvalidArgument("paged prefill: head_dim must be a multiple of 16, at most 256");
-  }
-  const TileFn run_tile = kTiles[p.dim / kLanes - 1];
   std::vector<Tile> tiles;
   int64_t work = 0;  // query rows x keys, per kv head
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -358,9 +370,8 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cac
     if (lo < 0 || hi < lo || hi > qd[0] || length < hi - lo || length > p.width * p.block_size) {
       return ffi::Error::InvalidArgument("paged prefill: query_start / seq_lens out of range");
     }
-    for (int64_t i = 0; i * p.block_size < length; ++i) {
-      const int32_t page = p.tables[s * p.width + i];
-      if (page < 0 || page >= p.pages) return ffi::Error::InvalidArgument("paged prefill: page out of range");
+    if (!pages_in_range(p.tables, p.width, p.block_size, p.pages, s, length)) {
+      return ffi::Error::InvalidArgument("paged prefill: page out of range");
     }
     for (int64_t r = 0; r < hi - lo; r += kLanes) tiles.push_back({s, r, std::min<int64_t>(kLanes, hi - lo - r)});
     work += (hi - lo) * length;
@@ -369,16 +380,12 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cac
   const int64_t covered = num_seqs > 0 ? p.query_start[num_seqs] : 0;
   std::fill(p.out + covered * p.heads * p.dim, p.out + qd[0] * p.heads * p.dim, 0.0f);
   const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
-  constexpr int64_t kWorkPerThread = 1 << 16;
-  const int64_t threads =
-      std::clamp<int64_t>(work * p.kv_heads / kWorkPerThread, 1, std::max<int64_t>(1, std::min<int64_t>(num_threads, items)));
-  auto run = [&](int64_t part) {
-    for (int64_t i = part; i < items; i += threads) run_tile(p, tiles[i / p.kv_heads], i % p.kv_heads);
-  };
-  std::vector<std::thread> helpers;
-  for (int64_t part = 1; part < threads; ++part) helpers.emplace_back(run, part);
-  run(0);
-  for (auto& t : helpers) t.join();
+  const bool served = with_head_dim(p.dim, [&](auto chunks) {
+    run_parts(work * p.kv_heads, 1 << 16, std::min<int64_t>(num_threads, items), [&](int64_t part, int64_t parts) {
+      for (int64_t i = part; i < items; i += parts) prefill_tile<decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads);
+    });
+  });
+  if (!served) return ffi::Error::InvalidArgument("paged prefill: head_dim must be a multiple of 16, at most 256");
   return ffi::Error::Success();
 }
 

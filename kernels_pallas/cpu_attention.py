@@ -81,15 +81,20 @@ def register() -> None:
     jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(library.JaxservePagedPrefill), platform="cpu")
 
 
-def _check_head_dim(q: jax.Array) -> None:
+def _call(target: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+          int_args: tuple[jax.Array, ...], scale: float, soft_cap: float | None,
+          sliding_window: int | None) -> jax.Array:
+    """One kernel call: f32 in and out (q cast back to its dtype), `int_args` as int32."""
     if q.shape[-1] % 16 or q.shape[-1] > 256:
         raise ValueError(f"the cpu attention kernels need a head_dim that is a multiple of 16, at most 256, "
                          f"not {q.shape[-1]} (use --attention-backend jax)")
-
-
-def _options(scale: float, soft_cap: float | None, sliding_window: int | None) -> dict:
-    return dict(scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0),
-                num_threads=np.int32(len(os.sched_getaffinity(0))))
+    register()
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
+               *(a.astype(jnp.int32) for a in int_args), scale=np.float32(scale),
+               soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0),
+               num_threads=np.int32(len(os.sched_getaffinity(0))))
+    return out.astype(q.dtype)
 
 
 def decode_attention(
@@ -109,12 +114,7 @@ def decode_attention(
     if k_cache.dtype != jnp.float32:
         return paged_jax.decode_attention(q, k_cache, v_cache, layer, block_tables, lengths, scale=scale,
                                           soft_cap=soft_cap, sliding_window=sliding_window)
-    _check_head_dim(q)
-    register()
-    call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
-               block_tables.astype(jnp.int32), lengths.astype(jnp.int32), **_options(scale, soft_cap, sliding_window))
-    return out.astype(q.dtype)
+    return _call(DECODE_TARGET, q, k_cache, v_cache, layer, (block_tables, lengths), scale, soft_cap, sliding_window)
 
 
 def prefill_attention(
@@ -135,10 +135,5 @@ def prefill_attention(
     if k_cache.dtype != jnp.float32:
         return paged_jax.prefill_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start,
                                            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    _check_head_dim(q)
-    register()
-    call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
-               block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), query_start.astype(jnp.int32),
-               **_options(scale, soft_cap, sliding_window))
-    return out.astype(q.dtype)
+    return _call(PREFILL_TARGET, q, k_cache, v_cache, layer, (block_tables, seq_lens, query_start), scale, soft_cap,
+                 sliding_window)
