@@ -2,7 +2,8 @@
 
 An attention backend is a pair of functions with the signatures of
 `reference.decode_attention` and `reference.prefill_attention`: `paged_jax` (plain JAX),
-`cpu_attention` (C++ kernels behind the XLA FFI, the CPU default), `decode` and `prefill`
+`cpu_attention` (C++ kernels behind the XLA FFI, the CPU default; `cpu_matmul` is their
+layer matmul for the model's scan, `cpu_build` builds both), `decode` and `prefill`
 (Pallas, the GPU default), `reference` (their oracle). The model looks one up by
 name with `get_attention_backend` (`default_attention_backend()` names the one for this
 machine) and, under a mesh, wraps it with `shard_attention`.
@@ -10,7 +11,7 @@ machine) and, under a mesh, wraps it with `shard_attention`.
 
 from __future__ import annotations
 
-from kernels_pallas import common, cpu_attention, decode, paged_jax, prefill, reference
+from kernels_pallas import common, cpu_attention, cpu_build, cpu_matmul, decode, paged_jax, prefill, reference
 from kernels_pallas.backends import (
     BACKENDS,
     AttentionBackend,
@@ -22,6 +23,8 @@ from kernels_pallas.sharded import shard_attention
 __all__ = [
     "common",
     "cpu_attention",
+    "cpu_build",
+    "cpu_matmul",
     "decode",
     "paged_jax",
     "prefill",

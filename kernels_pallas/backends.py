@@ -17,7 +17,7 @@ from typing import Callable
 
 import jax
 
-from kernels_pallas import cpu_attention, decode, paged_jax, prefill, reference
+from kernels_pallas import cpu_attention, cpu_build, decode, paged_jax, prefill, reference
 
 BACKENDS = ("jax", "cpu", "reference", "pallas")
 
@@ -47,4 +47,4 @@ def default_attention_backend() -> str:
     platform = jax.default_backend()
     if platform == "gpu":
         return "pallas"
-    return "cpu" if platform == "cpu" and cpu_attention.available() else "jax"
+    return "cpu" if platform == "cpu" and cpu_build.available() else "jax"

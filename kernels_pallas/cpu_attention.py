@@ -11,74 +11,28 @@ prefill, tiles of 16 rows walk the keys 16 at a time with an online softmax, eve
 a vector FMA.
 
 They take an f32 cache (the CPU's) and a head_dim that is a multiple of 16 up to 256; for any
-other cache dtype the `cpu` backend runs `paged_jax` instead. The source is compiled on first
-use with the system C++ compiler (`$CXX`, else `c++`), for this machine's CPU, into
-`$JAXSERVE_CACHE/cpu_kernels` (default `~/.cache/jaxserve`), keyed by a digest of the source,
-the flags, the compiler and jaxlib: later processes load it.
+other cache dtype the `cpu` backend runs `paged_jax` instead. `cpu_build` compiles the source on
+first use.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
-from kernels_pallas import paged_jax
+from kernels_pallas import cpu_build, paged_jax
 
 DECODE_TARGET, PREFILL_TARGET = "jaxserve_paged_decode", "jaxserve_paged_prefill"
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
-# Vectorized float sums need reassociation; nothing here relies on signed zeros or traps.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno",
-         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast")
 
 
-def compiler() -> str | None:
-    """The C++ compiler the kernel is built with, or None when there is none."""
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
-def available() -> bool:
-    return compiler() is not None
-
-
-def _library_path(cxx: str) -> Path:
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode()):
-        digest.update(part)
-    cache = Path(os.environ.get("JAXSERVE_CACHE", "~/.cache/jaxserve")).expanduser() / "cpu_kernels"
-    return cache / f"cpu_attention-{digest.hexdigest()[:16]}.so"
-
-
-@functools.cache
 def register() -> None:
-    """Build the kernel if this machine has no copy yet, then register it with XLA (once)."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("the `cpu` attention backend compiles C++ kernels: no C++ compiler found "
-                           "(set $CXX, or use --attention-backend jax)")
-    path = _library_path(cxx)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # concurrent builds each rename theirs
-            built = Path(tmp) / path.name
-            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"building the CPU attention kernels failed ({' '.join(cmd)}):\n{done.stderr}")
-            os.replace(built, path)
-    library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(DECODE_TARGET, jax.ffi.pycapsule(library.JaxservePagedDecode), platform="cpu")
-    jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(library.JaxservePagedPrefill), platform="cpu")
+    """Builds the kernels if this machine has no copy yet, then registers them with XLA (once)."""
+    cpu_build.register(SOURCE, {DECODE_TARGET: "JaxservePagedDecode", PREFILL_TARGET: "JaxservePagedPrefill"})
 
 
 def _call(target: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,

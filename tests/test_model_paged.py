@@ -8,7 +8,7 @@ import pytest
 from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.model.llama import unstack_layers
-from kernels_pallas import get_attention_backend
+from kernels_pallas import cpu_build, cpu_matmul, get_attention_backend
 
 BLOCK = 8
 NUM_BLOCKS = 64
@@ -100,6 +100,31 @@ def test_unrolled_layers_on_unstacked_weights_equal_the_scan():
                                run_chunks(model, params, tokens, [13, 8], table), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(run_decode(unrolled, split, tokens[:6], table),
                                run_decode(model, params, tokens[:6], table), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler")
+def test_cpu_layer_matmul_gives_the_scan_logits():
+    """The scanned layers with `layer_matmul` (the cpu kernel reading each layer of the stacks
+    in place) give the logits of XLA's dots, for chunks of a few rows and of more rows than the
+    kernel takes, for decode steps, and with biases."""
+    config = tiny_config(num_layers=3, attention_bias=True)
+    model, params = init(config)
+    traced = []
+
+    def layer_matmul(x, w, layer):
+        traced.append(x.shape[0])
+        return cpu_matmul.layer_matmul(x, w, layer)
+
+    native = LlamaModel(config, model.backend, layer_matmul=layer_matmul)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, config.vocab_size, cpu_matmul.MAX_ROWS + 13)
+    table = rng.permutation(np.arange(1, NUM_BLOCKS))[:8]
+    chunks = [cpu_matmul.MAX_ROWS + 5, 8]
+    np.testing.assert_allclose(run_chunks(native, params, tokens, chunks, table),
+                               run_chunks(model, params, tokens, chunks, table), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(run_decode(native, params, tokens[:6], table),
+                               run_decode(model, params, tokens[:6], table), atol=1e-5, rtol=1e-5)
+    assert {1, 8, cpu_matmul.MAX_ROWS + 5} <= set(traced)  # the rows of each traced step
 
 
 def test_matches_dense_causal_attention():

@@ -5,14 +5,16 @@ their positions and cache slots, writes their K/V into the paged cache, attends 
 sequence's paged history through an attention backend (kernels_pallas), and computes logits
 only at the rows asked for.
 
-The layers are scanned (`nn.scan`) over stacked weights so that compile time does not grow
-with depth. The KV cache rides in the scan carry and is updated with an in-place scatter
-before it is read in the same layer; scanning it as an input would make XLA copy it per step.
-The price of the scan: XLA:CPU copies each layer's slice of the stacked weights before its
-matmuls, so every step reads and writes the weights once more (a quarter of a batch-32 decode
-step's work for the default model, a third at batch 1). `unroll_layers` runs the layers as a
-Python loop over separate per-layer weights (`unstack_layers`) instead: no copies, and a
-compile time that grows with depth (about 4x for the default model's 30 layers).
+The layers are scanned (`nn.scan`) so that compile time does not grow with depth; each layer
+sees the whole stacks of weights [L, ...] and takes its own by index. The KV cache rides in the
+scan carry and is updated with an in-place scatter before it is read in the same layer;
+scanning it as an input would make XLA copy it per step. The price of the scan: XLA:CPU copies
+each layer's slice of the stacked weights before its matmuls, so every step reads and writes
+the weights once more (a quarter of a batch-32 decode step's work for the default model, a
+third at batch 1). Two ways out: `layer_matmul`, a matmul that reads a layer of a stack in place
+(`kernels_pallas.cpu_matmul`, for f32 weights on CPU), or `unroll_layers`, the layers as a
+Python loop over separate per-layer weights (`unstack_layers`): no copies, and a compile time
+that grows with depth (about 4x for the default model's 30 layers).
 
 Precision: the weights are in the model's `dtype`; every matmul multiplies in that dtype and
 accumulates in f32. Activations and the KV cache are in `compute_dtype(dtype, platform)`: the
@@ -103,34 +105,50 @@ def paged_attention(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array,
     return out.at[rows].set(decoded, mode="drop")
 
 
+def stacked(num_layers: int, *shape: int) -> tuple[int, ...]:
+    """The shape of a parameter: a stack [num_layers, *shape] of every layer's, or one layer's (0)."""
+    return (num_layers, *shape) if num_layers else shape
+
+
 class RMSNorm(nn.Module):
+    """`num_layers`: the scale is a stack [num_layers, D] of which the call takes `layer`'s."""
+
     eps: float
     dtype: Any
+    num_layers: int = 0
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, stacked(self.num_layers, x.shape[-1]), jnp.float32)
+        if self.num_layers:
+            scale = scale[layer]
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * scale).astype(self.dtype)
 
 
 class DecoderLayer(nn.Module):
+    """Layer `layer` of the model. `num_layers`: its parameters are stacks [num_layers, ...] of
+    all the layers' (the scan); 0: its own (`unroll_layers`)."""
+
     config: ModelConfig
     dtype: Any  # activations and KV cache
     param_dtype: Any
     packed: bool
     backend: AttentionBackend
+    num_layers: int = 0
+    layer_matmul: Callable | None = None
 
     @nn.compact
     def __call__(self, carry, layer, cos, sin, meta: AttentionMetadata):
         h, k_cache, v_cache = carry
         cfg = self.config
-        dense = lambda feats, name, bias=False: Linear(  # noqa: E731
-            feats, bias, self.dtype, self.param_dtype, self.packed, name=name
-        )
+        dense = lambda feats, name, bias=False: lambda x: Linear(  # noqa: E731
+            feats, bias, self.dtype, self.param_dtype, self.packed, self.num_layers, self.layer_matmul, name=name
+        )(x, layer)
+        norm = lambda name: lambda x: RMSNorm(cfg.rms_norm_eps, self.dtype, self.num_layers, name=name)(x, layer)  # noqa: E731
         t = h.shape[0]
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="attn_norm")(h)
+        x = norm("attn_norm")(h)
         q = dense(cfg.num_heads * cfg.head_dim, "q_proj", cfg.attention_bias)(x)
         k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", cfg.attention_bias)(x)
         v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", cfg.attention_bias)(x)
@@ -147,7 +165,7 @@ class DecoderLayer(nn.Module):
                                scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
         h = h + dense(cfg.hidden_size, "o_proj")(attn.reshape(t, -1).astype(self.dtype))
 
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="mlp_norm")(h)
+        x = norm("mlp_norm")(h)
         gate = dense(cfg.intermediate_size, "gate_proj")(x)
         up = dense(cfg.intermediate_size, "up_proj")(x)
         h = h + dense(cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
@@ -208,25 +226,34 @@ def matmul(x: jax.Array, w: jax.Array, contract_w: int = 0) -> jax.Array:
 
 class Linear(nn.Module):
     """x @ kernel (+ bias), in the weights' dtype with f32 accumulation, returned in `dtype`.
-    Parameter names are nn.Dense's. `packed`: the kernel is stored as `pack_kernels` makes it."""
+    Parameter names are nn.Dense's. `packed`: the kernel is stored as `pack_kernels` makes it.
+    `num_layers`: the parameters are stacks [num_layers, ...] of which the call takes `layer`'s,
+    with `layer_matmul(x, kernel, layer)` where one is given (and the kernel is not packed)."""
 
     features: int
     use_bias: bool
     dtype: Any  # of the output
     param_dtype: Any
     packed: bool = False
+    num_layers: int = 0
+    layer_matmul: Callable | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+        take = (lambda p: p[layer]) if self.num_layers else (lambda p: p)  # noqa: E731
+        fan_in = x.shape[-1]
         if self.packed:
-            words = self.param("kernel", nn.initializers.zeros, (x.shape[-1], self.features // 2), jnp.uint32)
-            kernel = lax.bitcast_convert_type(words, self.param_dtype).reshape(x.shape[-1], self.features)
+            words = self.param("kernel", nn.initializers.zeros, stacked(self.num_layers, fan_in, self.features // 2), jnp.uint32)
+            y = matmul(x, lax.bitcast_convert_type(take(words), self.param_dtype).reshape(fan_in, self.features))
         else:
-            kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
-                                self.param_dtype)
-        y = matmul(x, kernel)
+            init = nn.initializers.lecun_normal(batch_axis=(0,) if self.num_layers else ())
+            kernel = self.param("kernel", init, stacked(self.num_layers, fan_in, self.features), self.param_dtype)
+            if self.num_layers and self.layer_matmul is not None:
+                y = self.layer_matmul(x, kernel, layer)
+            else:
+                y = matmul(x, take(kernel))
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+            y = y + take(self.param("bias", nn.initializers.zeros, stacked(self.num_layers, self.features), self.param_dtype))
         return y.astype(self.dtype)
 
 
@@ -241,6 +268,7 @@ class LlamaModel(nn.Module):
     backend: AttentionBackend
     dtype: Any = jnp.float32
     unroll_layers: bool = False  # per-layer weights "layers_{i}" (`unstack_layers`), not a scan
+    layer_matmul: Callable | None = None  # of the scanned layers: see the module docstring
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -274,11 +302,11 @@ class LlamaModel(nn.Module):
         else:
             layers = nn.scan(
                 DecoderLayer,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
+                variable_broadcast="params",
+                split_rngs={"params": False},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
-            )(cfg, act, self.dtype, self.packed, self.backend, name="layers")
+            )(cfg, act, self.dtype, self.packed, self.backend, cfg.num_layers, self.layer_matmul, name="layers")
             carry, _ = layers(carry, jnp.arange(cfg.num_layers), cos, sin, meta)
         h, k, v = carry
         # Every row's last hidden state, for a caller that scores more rows than it samples

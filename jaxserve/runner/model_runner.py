@@ -39,7 +39,7 @@ from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_r
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.speculative.verify import verify
-from kernels_pallas import default_attention_backend, get_attention_backend, shard_attention
+from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.mesh import make_mesh, plan_tensor_parallel
 from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
@@ -122,7 +122,11 @@ class ModelRunner:
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()
         attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
-        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers)
+        # One CPU device with f32 weights and the cpu backend: the scanned layers' matmuls read
+        # their layer of the stacked weights in place (see kernels_pallas/cpu_matmul.py).
+        native_matmul = self.attention_backend == "cpu" and self.dtype == jnp.float32 and self.mesh.size == 1
+        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers,
+                                cpu_matmul.layer_matmul if native_matmul else None)
         self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
         params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
         if self.model.packed:

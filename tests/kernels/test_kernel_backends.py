@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from kernels_pallas import (BACKENDS, common, cpu_attention, decode, default_attention_backend,
+from kernels_pallas import (BACKENDS, common, cpu_attention, cpu_build, decode, default_attention_backend,
                             get_attention_backend, paged_jax, prefill, reference)
 
 
@@ -22,7 +22,7 @@ def test_registry():
 
 def test_default_backend_follows_the_platform(monkeypatch):
     platform = jax.default_backend()
-    want = {"gpu": "pallas", "cpu": "cpu" if cpu_attention.available() else "jax"}.get(platform, "jax")
+    want = {"gpu": "pallas", "cpu": "cpu" if cpu_build.available() else "jax"}.get(platform, "jax")
     assert default_attention_backend() == want
     if platform == "cpu":  # no compiler for the C++ kernel: the plain-JAX one
         monkeypatch.setenv("CXX", "/nonexistent/c++")
