@@ -1,11 +1,13 @@
-// Paged decode attention for XLA:CPU, called through the XLA FFI (kernels_pallas/cpu_attention.py
-// builds and registers it).
+// Paged attention for XLA:CPU, called through the XLA FFI (kernels_pallas/cpu_attention.py
+// builds and registers it), f32 throughout, on the stacked caches [L, KVH, P, BS, D].
 //
-// One query row per sequence: q [B, H, D] attends to the first lengths[b] tokens of its pages
-// (block_tables [B, W]) in one layer of the stacked caches [L, KVH, P, BS, D], f32 throughout.
-// Each (sequence, kv head) reads its keys and values once, straight from the cache pages (no
-// gather copy), for its G = H / KVH query heads together: scores, softmax, then the weighted
-// sum of values. Work items are split over `num_threads` threads.
+// Decode: one query row per sequence: q [B, H, D] attends to the first lengths[b] tokens of its
+// pages (block_tables [B, W]). Each (sequence, kv head) reads its keys and values once, straight
+// from the cache pages (no gather copy), for its G = H / KVH query heads: scores a vector of
+// keys at a time, softmax, then the weighted sum of values. Work items are split over threads.
+//
+// Vectors are the machine's registers (8 floats with AVX2, 16 with AVX-512): a wider vector type
+// than the registers makes the compiler split every operation and spill the arrays of them.
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +23,18 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // floats per vector register
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr int64_t kDimStep = 16;  // head_dim is a multiple of this (the dispatch's unit)
+constexpr int64_t kMaxGroup = 4;  // query heads per kv head a decode pass holds in registers
+constexpr int64_t kPrefetchKeys = 16;  // how far ahead the key pass prefetches
+
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
 struct Problem {
   const float* q;
   const float* k;
@@ -33,10 +47,6 @@ struct Problem {
   int32_t window;
 };
 
-using Vec = float __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
-constexpr int64_t kLanes = 16;
-constexpr int64_t kMaxGroup = 16;  // query heads per kv head held in registers at once
-
 inline Vec load(const float* p) {
   Vec v;
   __builtin_memcpy(&v, p, sizeof(v));
@@ -45,14 +55,74 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-using Half = float __attribute__((vector_size(32)));
-using Quarter = float __attribute__((vector_size(16)));
+constexpr float kMasked = -1e30f;  // finite: a fully masked key block must not give inf - inf
 
-inline float sum(Vec v) {  // a tree of halving adds, not 15 dependent scalar ones
-  Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
+// e^x for each lane (Cephes' range reduction and polynomial; ~1 ulp for x in [-87, 88]).
+inline Vec exp(Vec x) {
+  const Vec lo = x < -87.0f ? Vec{} - 87.0f : x;
+  x = lo > 88.0f ? Vec{} + 88.0f : lo;
+  const Vec t = x * 1.44269504088896341f;
+  const IVec n = __builtin_convertvector(t + (t >= 0.0f ? Vec{} + 0.5f : Vec{} - 0.5f), IVec);
+  const Vec nf = __builtin_convertvector(n, Vec);
+  Vec r = x - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  Vec p = Vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IVec bits = (n + 127) << 23;
+  Vec scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline Vec tanh(Vec x) { return 1.0f - 2.0f / (exp(2.0f * x) + 1.0f); }
+
+inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
+
+inline float max_lane(Vec v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float sum_lanes(Vec v) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// One vector of the lane sums of kLanes vectors: lane i is the sum of a[i]'s lanes. Each level
+// adds the two halves of every segment of a pair of vectors, so kLanes sums cost about
+// 2 * kLanes shuffles instead of kLanes full horizontal reductions.
+inline Vec transpose_sum(const Vec* a) {
+#if defined(__AVX512F__)
+  Vec l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)
+    l1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    l3[i] = __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  Vec l1[4], l2[2];
+  for (int i = 0; i < 4; ++i)
+    l1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 template <typename F, size_t... I>
@@ -64,7 +134,7 @@ bool dispatch(int64_t chunks, F&& f, std::index_sequence<I...>) {
 // of 16 up to 256 (the kernels are specialized on it); false for any other dim.
 template <typename F>
 bool with_head_dim(int64_t dim, F&& f) {
-  return dim % kLanes == 0 && dispatch(dim / kLanes, f, std::make_index_sequence<16>{});
+  return dim % kDimStep == 0 && dispatch(dim / kDimStep, f, std::make_index_sequence<16>{});
 }
 
 // Whether sequence `row`'s block-table entries that cover `length` tokens are pages of the cache.
@@ -89,84 +159,132 @@ void run_parts(int64_t work, int64_t per_thread, int64_t limit, F&& part) {
   for (auto& t : helpers) t.join();
 }
 
-// Attention of sequence b's query heads [g0, g0 + g_count) of kv head h, with head_dim =
-// C * 16; `scores` has room for g_count * length.
-template <int64_t C>
-void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, int64_t g_count, std::vector<float>& scores) {
-  const int64_t group = p.heads / p.kv_heads;
-  const float* q = p.q + (b * p.heads + h * group + g0) * p.dim;
-  float* out = p.out + (b * p.heads + h * group + g0) * p.dim;
-  const int64_t length = p.lengths[b];
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
-  const int64_t n = length - first;
-  if (n <= 0) {
-    std::fill(out, out + g_count * p.dim, 0.0f);
-    return;
+// Offsets (in floats, within one (layer, kv head) slice of the cache) of a sequence's tokens
+// [first, last), whose block table is `table`: a page at a time, no division per token.
+void token_offsets(const int32_t* table, int64_t block_size, int64_t dim, int64_t first, int64_t last,
+                   std::vector<int64_t>& out) {
+  out.resize(last - first);
+  int64_t page = first / block_size, offset = first % block_size;
+  for (int64_t t = 0; t < last - first; ++t) {
+    out[t] = (table[page] * block_size + offset) * dim;
+    if (++offset == block_size) offset = 0, ++page;
   }
-  scores.resize(g_count * n);
-  const int64_t head_base = (p.layer * p.kv_heads + h) * p.pages;
-  const int64_t page_floats = p.block_size * p.dim;
-  auto page_rows = [&](const float* cache, int64_t start) {
-    return cache + (head_base + p.tables[b * p.width + start / p.block_size]) * page_floats;
-  };
-  // Calls f(t, row of token t in `cache`) for t in [first, length), a page at a time. Row i of
-  // a page prefetches row i of the next page: pages are scattered, and the hardware
-  // prefetcher stops at each one's end.
-  auto for_each_row = [&](const float* cache, auto&& f) {
-    for (int64_t start = first - first % p.block_size; start < length; start += p.block_size) {
-      const float* rows = page_rows(cache, start);
-      const float* next = start + p.block_size < length ? page_rows(cache, start + p.block_size) : rows;
-      for (int64_t t = std::max(start, first), end = std::min(start + p.block_size, length); t < end; ++t) {
-        for (int64_t c = 0; c < C; ++c) __builtin_prefetch(next + (t - start) * p.dim + c * kLanes);
-        f(t, rows + (t - start) * p.dim);
-      }
-    }
-  };
-  Vec qv[kMaxGroup][C];
-  for (int64_t g = 0; g < g_count; ++g)
-    for (int64_t c = 0; c < C; ++c) qv[g][c] = load(q + g * p.dim + c * kLanes) * p.scale;
-  float max_score[kMaxGroup];
-  std::fill(max_score, max_score + g_count, -INFINITY);
-  for_each_row(p.k, [&](int64_t t, const float* key) {
-    Vec k[C];
-    for (int64_t c = 0; c < C; ++c) k[c] = load(key + c * kLanes);
-    for (int64_t g = 0; g < g_count; ++g) {
-      Vec acc = qv[g][0] * k[0];
-      for (int64_t c = 1; c < C; ++c) acc += qv[g][c] * k[c];
-      float s = sum(acc);
-      if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
-      scores[g * n + (t - first)] = s;
-      max_score[g] = std::max(max_score[g], s);
-    }
-  });
-  float inv_total[kMaxGroup];
-  for (int64_t g = 0; g < g_count; ++g) {
-    float* sg = scores.data() + g * n;
-    float total = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      sg[i] = std::exp(sg[i] - max_score[g]);
-      total += sg[i];
-    }
-    inv_total[g] = 1.0f / total;
-  }
-  Vec acc[kMaxGroup][C] = {};
-  for_each_row(p.v, [&](int64_t t, const float* value) {
-    Vec v[C];
-    for (int64_t c = 0; c < C; ++c) v[c] = load(value + c * kLanes);
-    for (int64_t g = 0; g < g_count; ++g) {
-      const float w = scores[g * n + (t - first)];
-      for (int64_t c = 0; c < C; ++c) acc[g][c] += w * v[c];
-    }
-  });
-  for (int64_t g = 0; g < g_count; ++g)
-    for (int64_t c = 0; c < C; ++c) store(out + g * p.dim + c * kLanes, acc[g][c] * inv_total[g]);
 }
 
-// One (sequence, kv head) item, its query heads in register-sized groups.
-template <int64_t C>
-void attend_item(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
+// Per-thread scratch of the decode kernel.
+struct DecodeScratch {
+  std::vector<float> scores;
+  std::vector<int64_t> rows;  // token offsets
+};
+
+// Decode: sequence b's query heads [g0, g0 + G) of kv head h over keys [first, length) (n of
+// them), head_dim D = C * 16.
+template <int64_t C, int64_t G>
+void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& scratch) {
+  constexpr int64_t D = C * kDimStep, DV = D / kLanes;  // vectors per row
   const int64_t group = p.heads / p.kv_heads;
-  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) attend<C>(p, b, h, g0, std::min(kMaxGroup, group - g0), scores);
+  const float* q = p.q + (b * p.heads + h * group + g0) * D;
+  float* out = p.out + (b * p.heads + h * group + g0) * D;
+  const int64_t length = p.lengths[b];
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  const int64_t n = length - first, stride = (n + kLanes - 1) / kLanes * kLanes;
+  if (n <= 0) {
+    std::fill(out, out + G * D, 0.0f);
+    return;
+  }
+  std::vector<float>& scores = scratch.scores;
+  scores.resize(G * stride);
+  token_offsets(p.tables + b * p.width, p.block_size, D, first, length, scratch.rows);
+  const int64_t* rows = scratch.rows.data();
+  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * D;
+  const float* keys = p.k + slice;
+  const float* values = p.v + slice;
+  Vec qv[G][DV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < DV; ++c) qv[g][c] = load(q + g * D + c * kLanes) * p.scale;
+  // Scores, kLanes keys at a time: a dot product per (head, key) in lanes of the head
+  // dimension, then one transpose_sum gives the block's scores as a vector.
+  Vec best[G];
+  for (int64_t g = 0; g < G; ++g) best[g] = Vec{} + kMasked;
+  for (int64_t kb = 0; kb < n; kb += kLanes) {
+    const float* row[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) row[j] = keys + rows[std::min(kb + j, n - 1)];
+    // Rows kPrefetchKeys ahead, keys and values: the value pass then finds its rows in L2.
+    for (int64_t j = kb + kPrefetchKeys; j < std::min(kb + kPrefetchKeys + kLanes, n); ++j)
+      for (int64_t line = 0; line < D; line += 64 / sizeof(float)) {
+        __builtin_prefetch(keys + rows[j] + line);
+        __builtin_prefetch(values + rows[j] + line);
+      }
+    const IVec lane_key = [] { IVec l; for (int64_t i = 0; i < kLanes; ++i) l[i] = static_cast<int32_t>(i); return l; }();
+    const IVec real = lane_key < static_cast<int32_t>(n - kb);
+    for (int64_t g = 0; g < G; ++g) {
+      Vec acc[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) {
+        Vec a = qv[g][0] * load(row[j]);
+        for (int64_t c = 1; c < DV; ++c) a += qv[g][c] * load(row[j] + c * kLanes);
+        acc[j] = a;
+      }
+      Vec s = transpose_sum(acc);
+      if (p.soft_cap > 0.0f) s = p.soft_cap * tanh(s / p.soft_cap);
+      s = real ? s : Vec{} + kMasked;
+      best[g] = max(best[g], s);
+      store(scores.data() + g * stride + kb, s);
+    }
+  }
+  float inv_total[G];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * stride;
+    const float m = max_lane(best[g]);
+    Vec total = Vec{};
+    for (int64_t i = 0; i < stride; i += kLanes) {
+      const Vec s = load(sg + i);
+      const Vec e = s > kMasked ? exp(s - m) : Vec{};
+      total += e;
+      store(sg + i, e);
+    }
+    inv_total[g] = 1.0f / sum_lanes(total);
+  }
+  // Weighted values, kValueBlock keys at a time: the block's rows are read from memory by its
+  // first pass over two vectors of the head dimension (G x 2 accumulators), from L1 by the next.
+  constexpr int64_t kValueBlock = 32;
+  Vec acc[G][DV] = {};
+  for (int64_t tb = 0; tb < n; tb += kValueBlock) {
+    const int64_t te = std::min(tb + kValueBlock, n);
+    for (int64_t c = 0; c < DV; c += 2) {
+      const bool pair = c + 1 < DV;
+      Vec a[G][2];
+      for (int64_t g = 0; g < G; ++g) a[g][0] = acc[g][c], a[g][1] = pair ? acc[g][c + 1] : Vec{};
+      for (int64_t t = tb; t < te; ++t) {
+        const float* value = values + rows[t] + c * kLanes;
+        const Vec v0 = load(value), v1 = pair ? load(value + kLanes) : Vec{};
+        for (int64_t g = 0; g < G; ++g) {
+          const float e = scores[g * stride + t];
+          a[g][0] += e * v0;
+          a[g][1] += e * v1;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        acc[g][c] = a[g][0];
+        if (pair) acc[g][c + 1] = a[g][1];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < DV; ++c) store(out + g * D + c * kLanes, acc[g][c] * inv_total[g]);
+}
+
+// One (sequence, kv head) item, its query heads in groups of at most kMaxGroup.
+template <int64_t C>
+void attend_item(const Problem& p, int64_t b, int64_t h, DecodeScratch& scratch) {
+  const int64_t group = p.heads / p.kv_heads;
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+    switch (std::min(kMaxGroup, group - g0)) {
+      case 1: attend<C, 1>(p, b, h, g0, scratch); break;
+      case 2: attend<C, 2>(p, b, h, g0, scratch); break;
+      case 3: attend<C, 3>(p, b, h, g0, scratch); break;
+      default: attend<C, 4>(p, b, h, g0, scratch); break;
+    }
+  }
 }
 
 ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
@@ -199,8 +317,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
   const int64_t items = p.batch * p.kv_heads;
   const bool served = with_head_dim(p.dim, [&](auto chunks) {
     run_parts(rows * p.kv_heads, 8192, std::min<int64_t>(num_threads, items), [&](int64_t part, int64_t parts) {
-      std::vector<float> scores;
-      for (int64_t i = part; i < items; i += parts) attend_item<decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scores);
+      DecodeScratch scratch;
+      for (int64_t i = part; i < items; i += parts) attend_item<decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scratch);
     });
   });
   if (!served) return ffi::Error::InvalidArgument("paged decode: head_dim must be a multiple of 16, at most 256");
@@ -226,40 +344,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
 // ---- Ragged prefill attention ------------------------------------------------------------
 //
 // q [T, H, D]: rows query_start[s]..query_start[s + 1] are sequence s's newest rows, causal
-// over its seq_lens[s] tokens. An item is 16 rows (a tile, one lane per row) of one sequence
-// and one kv head; each of its query heads walks the keys 16 at a time with an online
-// softmax, scores and outputs held transposed (a vector per key, per head dimension) so every
-// product is a vector FMA with a broadcast operand.
+// over its seq_lens[s] tokens. An item is a tile of kTileQueries query vectors (row, head) of one
+// sequence and one kv head, in lanes: the G heads of a row, then the next row's. It walks the
+// keys kKeyBlock at a time with an online softmax, as two small matrix products: scores
+// S^T [keys x queries] = K Q^T from register tiles of kKeyTile keys x kTileVecs vectors (a key
+// element broadcast against a vector of queries), then O^T [dim x queries] += V^T P^T the same
+// way. Q^T, O^T and the score block stay in L1; K and V rows are read in place.
 
 namespace {
 
-using IVec = int32_t __attribute__((vector_size(64)));
-
-// e^x for each lane (Cephes' range reduction and polynomial; ~1 ulp for x in [-87, 88]).
-inline Vec exp(Vec x) {
-  const Vec lo = x < -87.0f ? Vec{} - 87.0f : x;
-  x = lo > 88.0f ? Vec{} + 88.0f : lo;
-  const Vec t = x * 1.44269504088896341f;
-  const IVec n = __builtin_convertvector(t + (t >= 0.0f ? Vec{} + 0.5f : Vec{} - 0.5f), IVec);
-  const Vec nf = __builtin_convertvector(n, Vec);
-  Vec r = x - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  Vec p = Vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const IVec bits = (n + 127) << 23;
-  Vec scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline Vec tanh(Vec x) { return 1.0f - 2.0f / (exp(2.0f * x) + 1.0f); }
-
-inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
+constexpr int64_t kTileVecs = 2;                    // vectors of queries per tile
+constexpr int64_t kTileQueries = kTileVecs * kLanes;
+constexpr int64_t kKeyTile = 4;                     // keys (or head dims) per register tile
+constexpr int64_t kKeyBlock = 64;                   // keys per online-softmax step
 
 struct Ragged {
   const float* q;
@@ -275,73 +372,121 @@ struct Ragged {
 };
 
 struct Tile {
-  int64_t seq, first_row, num_rows;
+  int64_t seq, first_query, num_queries;  // query vectors: (row, head-in-group) pairs, row-major
 };
 
-constexpr float kMasked = -1e30f;  // finite: a fully masked key block must not give inf - inf
+// Scratch of one thread: Q^T and O^T [D][kTileQueries], scores [kKeyBlock][kTileQueries], and
+// the offsets of the tile's keys.
+struct PrefillScratch {
+  std::vector<float> qt, ot, st;
+  std::vector<int64_t> rows;
+};
 
 template <int64_t C>
-void prefill_tile(const Ragged& p, const Tile& tile, int64_t h) {
-  constexpr int64_t D = C * kLanes;
+void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& scratch) {
+  constexpr int64_t D = C * kDimStep;
   const int64_t group = p.heads / p.kv_heads;
   const int64_t s = tile.seq, q_len = p.query_start[s + 1] - p.query_start[s];
-  const int64_t first_pos = p.seq_lens[s] - q_len + tile.first_row;  // position of lane 0
-  const int64_t last_pos = first_pos + tile.num_rows - 1;
-  IVec lane;
-  for (int64_t i = 0; i < kLanes; ++i) lane[i] = static_cast<int32_t>(i);
-  const IVec pos = lane + static_cast<int32_t>(first_pos);
-  const IVec real = lane < static_cast<int32_t>(tile.num_rows);
-  const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  const int64_t head_base = (p.layer * p.kv_heads + h) * p.pages;
-  const int64_t row0 = p.query_start[s] + tile.first_row;
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t head = h * group + g;
-    Vec qt[D];  // qt[d][i] = q[row i, head, d] * scale
-    for (int64_t d = 0; d < D; ++d) {
-      for (int64_t i = 0; i < kLanes; ++i) {
-        qt[d][i] = i < tile.num_rows ? p.q[((row0 + i) * p.heads + head) * D + d] * p.scale : 0.0f;
+  const int64_t first_pos = p.seq_lens[s] - q_len;  // position of the sequence's first new row
+  const int64_t row_lo = tile.first_query / group, row_hi = (tile.first_query + tile.num_queries - 1) / group;
+  float* qt = scratch.qt.data();
+  float* ot = scratch.ot.data();
+  float* st = scratch.st.data();
+  IVec pos[kTileVecs], real[kTileVecs];
+  for (int64_t u = 0; u < kTileQueries; ++u) {
+    const int64_t query = tile.first_query + u, row = query / group, head = h * group + query % group;
+    const bool used = u < tile.num_queries;
+    pos[u / kLanes][u % kLanes] = static_cast<int32_t>(first_pos + row);
+    real[u / kLanes][u % kLanes] = used ? -1 : 0;
+    const float* src = p.q + ((p.query_start[s] + row) * p.heads + head) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * kTileQueries + u] = used ? src[d] * p.scale : 0.0f;
+  }
+  std::fill(ot, ot + D * kTileQueries, 0.0f);
+  const int64_t last_key = first_pos + row_hi;  // the tile's last row sees keys [0, last_key]
+  const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos + row_lo - p.window + 1) : 0;
+  token_offsets(p.tables + s * p.width, p.block_size, D, key_lo, last_key + 1, scratch.rows);
+  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * D;
+  const float* keys = p.k + slice;
+  const float* values = p.v + slice;
+  Vec m[kTileVecs], l[kTileVecs];
+  for (int64_t i = 0; i < kTileVecs; ++i) m[i] = Vec{} + kMasked, l[i] = Vec{};
+  for (int64_t kb = key_lo; kb <= last_key; kb += kKeyBlock) {
+    const int64_t nb = std::min<int64_t>(kKeyBlock, last_key + 1 - kb);
+    const float* krow[kKeyBlock];
+    const float* vrow[kKeyBlock];
+    for (int64_t j = 0; j < kKeyBlock; ++j) {  // a block's tail repeats its last key (masked below)
+      const int64_t row = scratch.rows[kb - key_lo + std::min(j, nb - 1)];
+      krow[j] = keys + row;
+      vrow[j] = values + row;
+    }
+    // S^T = K Q^T, kKeyTile keys at a time.
+    for (int64_t j0 = 0; j0 < nb; j0 += kKeyTile) {
+      Vec acc[kKeyTile][kTileVecs] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        Vec qd[kTileVecs];
+        for (int64_t i = 0; i < kTileVecs; ++i) qd[i] = load(qt + d * kTileQueries + i * kLanes);
+        for (int64_t j = 0; j < kKeyTile; ++j) {
+          const Vec kd = Vec{} + krow[j0 + j][d];
+          for (int64_t i = 0; i < kTileVecs; ++i) acc[j][i] += kd * qd[i];
+        }
+      }
+      for (int64_t j = 0; j < kKeyTile; ++j)
+        for (int64_t i = 0; i < kTileVecs; ++i) store(st + (j0 + j) * kTileQueries + i * kLanes, acc[j][i]);
+    }
+    // Mask, then the online softmax's rescaling.
+    Vec block_max[kTileVecs];
+    for (int64_t i = 0; i < kTileVecs; ++i) block_max[i] = Vec{} + kMasked;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int32_t kpos = static_cast<int32_t>(kb + j);
+      for (int64_t i = 0; i < kTileVecs; ++i) {
+        Vec sc = load(st + j * kTileQueries + i * kLanes);
+        if (p.soft_cap > 0.0f) sc = p.soft_cap * tanh(sc / p.soft_cap);
+        IVec valid = (kpos <= pos[i]) & real[i];
+        if (p.window > 0) valid &= kpos > pos[i] - p.window;
+        sc = valid ? sc : Vec{} + kMasked;
+        block_max[i] = max(block_max[i], sc);
+        store(st + j * kTileQueries + i * kLanes, sc);
       }
     }
-    Vec m = Vec{} + kMasked, l = Vec{}, ot[D] = {};
-    for (int64_t kb = key_lo; kb <= last_pos; kb += kLanes) {
-      const int64_t nb = std::min<int64_t>(kLanes, last_pos + 1 - kb);
-      const float* krow[kLanes];
-      const float* vrow[kLanes];
-      for (int64_t j = 0, kpos = kb; j < nb; ++j, ++kpos) {
-        const int64_t page = p.tables[s * p.width + kpos / p.block_size];
-        const int64_t offset = ((head_base + page) * p.block_size + kpos % p.block_size) * D;
-        krow[j] = p.k + offset;
-        vrow[j] = p.v + offset;
-      }
-      Vec sc[kLanes];
-      Vec block_max = Vec{} + kMasked;
-      for (int64_t j = 0; j < nb; ++j) {
-        Vec acc = Vec{};
-        for (int64_t d = 0; d < D; ++d) acc += qt[d] * krow[j][d];
-        if (p.soft_cap > 0.0f) acc = p.soft_cap * tanh(acc / p.soft_cap);
-        const int32_t kpos = static_cast<int32_t>(kb + j);
-        IVec valid = (kpos <= pos) & real;
-        if (p.window > 0) valid &= kpos > pos - p.window;
-        sc[j] = valid ? acc : Vec{} + kMasked;
-        block_max = max(block_max, sc[j]);
-      }
-      const Vec m_new = max(m, block_max);
-      const Vec alpha = exp(m - m_new);
-      l *= alpha;
-      for (int64_t d = 0; d < D; ++d) ot[d] *= alpha;
-      for (int64_t j = 0; j < nb; ++j) {
-        const Vec e = exp(sc[j] - m_new);
-        const Vec pj = sc[j] > kMasked ? e : Vec{};
-        l += pj;
-        for (int64_t d = 0; d < D; ++d) ot[d] += pj * vrow[j][d];
-      }
-      m = m_new;
+    Vec m_new[kTileVecs], alpha[kTileVecs];
+    for (int64_t i = 0; i < kTileVecs; ++i) {
+      m_new[i] = max(m[i], block_max[i]);
+      alpha[i] = exp(m[i] - m_new[i]);
+      l[i] *= alpha[i];
+      m[i] = m_new[i];
     }
-    for (int64_t i = 0; i < tile.num_rows; ++i) {
-      float* out = p.out + ((row0 + i) * p.heads + head) * D;
-      const float inv = 1.0f / l[i];
-      for (int64_t d = 0; d < D; ++d) out[d] = ot[d][i] * inv;
+    for (int64_t j = 0; j < kKeyBlock; ++j) {  // P^T; zeros past nb, so the PV tiles need no tail
+      for (int64_t i = 0; i < kTileVecs; ++i) {
+        float* at = st + j * kTileQueries + i * kLanes;
+        const Vec sc = j < nb ? load(at) : Vec{} + kMasked;
+        const Vec e = sc > kMasked ? exp(sc - m_new[i]) : Vec{};
+        l[i] += e;
+        store(at, e);
+      }
     }
+    // O^T = alpha O^T + V^T P^T, kKeyTile head dims at a time.
+    const int64_t nb_tiles = (nb + kKeyTile - 1) / kKeyTile * kKeyTile;
+    for (int64_t d0 = 0; d0 < D; d0 += kKeyTile) {
+      Vec acc[kKeyTile][kTileVecs];
+      for (int64_t d = 0; d < kKeyTile; ++d)
+        for (int64_t i = 0; i < kTileVecs; ++i) acc[d][i] = load(ot + (d0 + d) * kTileQueries + i * kLanes) * alpha[i];
+      for (int64_t j = 0; j < nb_tiles; ++j) {
+        Vec pj[kTileVecs];
+        for (int64_t i = 0; i < kTileVecs; ++i) pj[i] = load(st + j * kTileQueries + i * kLanes);
+        for (int64_t d = 0; d < kKeyTile; ++d) {
+          const Vec vd = Vec{} + vrow[j][d0 + d];
+          for (int64_t i = 0; i < kTileVecs; ++i) acc[d][i] += vd * pj[i];
+        }
+      }
+      for (int64_t d = 0; d < kKeyTile; ++d)
+        for (int64_t i = 0; i < kTileVecs; ++i) store(ot + (d0 + d) * kTileQueries + i * kLanes, acc[d][i]);
+    }
+  }
+  for (int64_t u = 0; u < tile.num_queries; ++u) {
+    const int64_t query = tile.first_query + u, row = query / group, head = h * group + query % group;
+    float* dst = p.out + ((p.query_start[s] + row) * p.heads + head) * D;
+    const float inv = 1.0f / l[u / kLanes][u % kLanes];
+    for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * kTileQueries + u] * inv;
   }
 }
 
@@ -373,7 +518,8 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cac
     if (!pages_in_range(p.tables, p.width, p.block_size, p.pages, s, length)) {
       return ffi::Error::InvalidArgument("paged prefill: page out of range");
     }
-    for (int64_t r = 0; r < hi - lo; r += kLanes) tiles.push_back({s, r, std::min<int64_t>(kLanes, hi - lo - r)});
+    const int64_t queries = (hi - lo) * (p.heads / p.kv_heads);
+    for (int64_t u = 0; u < queries; u += kTileQueries) tiles.push_back({s, u, std::min(kTileQueries, queries - u)});
     work += (hi - lo) * length;
   }
   // Rows no sequence owns (the step's padding) are zeros.
@@ -381,8 +527,12 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cac
   std::fill(p.out + covered * p.heads * p.dim, p.out + qd[0] * p.heads * p.dim, 0.0f);
   const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
   const bool served = with_head_dim(p.dim, [&](auto chunks) {
+    constexpr int64_t D = decltype(chunks)::value * kDimStep;
     run_parts(work * p.kv_heads, 1 << 16, std::min<int64_t>(num_threads, items), [&](int64_t part, int64_t parts) {
-      for (int64_t i = part; i < items; i += parts) prefill_tile<decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads);
+      PrefillScratch scratch{std::vector<float>(D * kTileQueries), std::vector<float>(D * kTileQueries),
+                             std::vector<float>(kKeyBlock * kTileQueries)};
+      for (int64_t i = part; i < items; i += parts)
+        prefill_tile<decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
     });
   });
   if (!served) return ffi::Error::InvalidArgument("paged prefill: head_dim must be a multiple of 16, at most 256");

@@ -6,9 +6,10 @@ time, mostly on one thread: a decode spends about 0.25 ms per 8 rows x 128 keys,
 batch-8 decode step, where its K/V bytes take a tenth of that at memory bandwidth; a prefill
 chunk of 512 rows over a few hundred tokens of history spends ~40% of its step there. The
 kernels read K/V rows in place from the cache pages and split their work over threads:
-decode, each (sequence, kv head) reads its keys and values once for all its query heads;
-prefill, tiles of 16 rows walk the keys 16 at a time with an online softmax, every product
-a vector FMA.
+decode, each (sequence, kv head) reads its keys and values once for all its query heads, a
+register of keys at a time; prefill, tiles of 16 (row, head) queries (32 with AVX-512) walk the
+keys 64 at a time with an online softmax, as two register-tiled products (S^T = K Q^T, then
+O^T += V^T P^T). Vectors are the machine's register width.
 
 They take an f32 cache (the CPU's) and a head_dim that is a multiple of 16 up to 256; for any
 other cache dtype the `cpu` backend runs `paged_jax` instead. `cpu_build` compiles the source on
