@@ -16,6 +16,7 @@ backends stop at each sequence's length, so a step of empty sequences would time
 import argparse
 import time
 
+import jax
 import numpy as np
 
 from checkpoints.registry import load_model
@@ -60,9 +61,10 @@ def main() -> None:
     m = load_model("smollm2-135m-instruct")
     config = EngineConfig(num_blocks=1024, unroll_layers=args.unroll_layers)
     runners = {"jaxserve": ModelRunner(m.config, m.params, config)}
-    if runners["jaxserve"].model.layer_matmul is not None:  # its peer in this run: XLA's dots
+    if runners["jaxserve"].model.cpu_matmul is not None:  # its peer in this run: XLA's dots
         plain = ModelRunner(m.config, m.params, config)
-        plain.model = plain.model.clone(layer_matmul=None)
+        plain.model = plain.model.clone(cpu_matmul=None)
+        plain.params = jax.device_put(m.params)  # the [K, N] layout, not the kernel's panels
         runners["jaxserve, XLA dots"] = plain
     times = {name: step_times(r, config) for name, r in runners.items()}
     for name, (p1, p32, d1, d32) in times.items():

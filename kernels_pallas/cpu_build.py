@@ -2,7 +2,8 @@
 
 A source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`), for this
 machine's CPU, into `$JAXSERVE_CACHE/cpu_kernels` (default `~/.cache/jaxserve`), keyed by a
-digest of the source, the flags, the compiler and jaxlib: later processes load it.
+digest of the source, the headers beside it, the flags, the compiler and jaxlib: later processes
+load it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def available() -> bool:
 
 def _library_path(source: Path, cxx: str) -> Path:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what a source may include
+    for part in (source.read_bytes(), *headers, " ".join(FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode()):
         digest.update(part)
     cache = Path(os.environ.get("JAXSERVE_CACHE", "~/.cache/jaxserve")).expanduser() / "cpu_kernels"
     return cache / f"{source.stem}-{digest.hexdigest()[:16]}.so"

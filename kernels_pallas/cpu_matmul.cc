@@ -1,11 +1,16 @@
-// Matmul of activations with one layer of stacked weights, for XLA:CPU, through the XLA FFI
-// (kernels_pallas/cpu_matmul.py builds and registers it).
+// Matmuls for XLA:CPU through the XLA FFI (kernels_pallas/cpu_matmul.py builds and registers
+// them, and lays the weights out): activations with one layer of stacked weights stored in
+// panels, and with the embedding as the tied output head (at the end of the file).
 //
-// out [M, N] = x [M, K] @ w[layer] for stacked f32 weights w [L, K, N], read in place: in a
-// scanned layer loop XLA:CPU copies a layer's slice of its stacked weights before an XLA dot,
-// and its dot of a few rows runs far below memory speed. Register tiles of R rows x V vectors
-// of output accumulate over passes of 64 rows of K, each weight row loaded once per tile and
-// every product a vector FMA; the column blocks of a call are split over XLA's intra-op threads.
+// Layer: out [M, N] = x [M, K] @ W for layer `layer` of w [L, N / P, K, P]: panel j holds columns
+// [j * P, (j + 1) * P) of the layer's [K, N] weights, row after row, so a tile reads its weights
+// as one contiguous stream (in the [K, N] layout a narrow column block is K short pieces N floats
+// apart, which the memory system serves at half its speed, and XLA:CPU's scanned layer loop
+// copies a layer's slice before its dot). P is kVecs vector registers wide. A tile of R rows x G
+// panels keeps R * G * kVecs accumulators in registers over all of K, loading each weight vector
+// once and each x value once as a broadcast; the weights of a panel stay in L2 while the row
+// tiles of its row block walk them. Units of work (a panel group by a row block) are split over
+// XLA's intra-op threads.
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +19,7 @@
 #include <thread>
 #include <utility>
 
+#include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,147 +27,183 @@ namespace ffi = xla::ffi;
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;  // floats per vector register
-constexpr int64_t kTile = 24;   // accumulators of a register tile (of 32 registers)
-constexpr int64_t kMaxRows = 8;  // rows of a tile at most (then kTile / kMaxRows vectors wide)
+constexpr int64_t kMaxRows = 6;  // rows of a tile: 6 x 4 accumulators of 32 registers
+constexpr int64_t kHeadRows = 4;  // output head: rows x embedding rows = kLanes accumulators
 #else
-constexpr int64_t kLanes = 8;
-constexpr int64_t kTile = 12;   // of AVX2's 16 registers
-constexpr int64_t kMaxRows = 6;
+constexpr int64_t kMaxRows = 3;  // 3 x 4 of 16
+constexpr int64_t kHeadRows = 2;
 #endif
-
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-constexpr int64_t kChunk = 64;  // rows of the weights a pass over a thread's column blocks reads
+constexpr int64_t kVecs = 4;  // vectors per panel row
+constexpr int64_t kPanel = kVecs * kLanes;
+constexpr int64_t kRowBlock = 4 * kMaxRows;  // rows of a unit of work
+constexpr int64_t kPrefetch = 2048;  // floats ahead of the stream a tile reads
+constexpr int64_t kLineVecs = std::max<int64_t>(1, 64 / (kLanes * sizeof(float)));  // vectors per cache line
 
 struct Problem {
-  const float* x;
-  const float* w;  // layer's [K, N]
-  float* out;
+  const float* x;  // [M, K]
+  const float* w;  // the layer's panels [N / P, K, P]
+  float* out;      // [M, N]
   int64_t m, k, n;
-  int64_t k0 = 0, k1 = 0;  // the rows of w of this pass
 };
 
-// out[R rows from `row`, V vectors from `col`] += x[.., k0:k1] @ w[k0:k1, ..] (= at k0 == 0).
-template <int64_t R, int64_t V>
-void tile(const Problem& p, int64_t row, int64_t col) {
-  Vec acc[R][V] = {};
-  float* out = p.out + row * p.n + col;
-  if (p.k0 > 0)
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t v = 0; v < V; ++v) acc[r][v] = load(out + r * p.n + v * kLanes);
+// out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels.
+template <int64_t R, int64_t G>
+void tile(const Problem& p, int64_t row, int64_t panel) {
+  Vec acc[R][G][kVecs] = {};
   const float* x = p.x + row * p.k;
-  const float* w = p.w + p.k0 * p.n + col;
-  for (int64_t i = p.k0; i < p.k1; ++i, w += p.n) {
-    __builtin_prefetch(w + kChunk * p.n);  // this column's piece of the next pass
-    Vec b[V];
-    for (int64_t v = 0; v < V; ++v) b[v] = load(w + v * kLanes);
+  const float* w = p.w + panel * p.k * kPanel;
+  for (int64_t i = 0; i < p.k; ++i, w += kPanel) {
+    Vec b[G][kVecs];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* wg = w + g * p.k * kPanel;
+      for (int64_t v = 0; v < kVecs; v += kLineVecs) __builtin_prefetch(wg + kPrefetch + v * kLanes);
+      for (int64_t v = 0; v < kVecs; ++v) b[g][v] = load(wg + v * kLanes);
+    }
     for (int64_t r = 0; r < R; ++r) {
       const Vec a = Vec{} + x[r * p.k + i];
-      for (int64_t v = 0; v < V; ++v) acc[r][v] += a * b[v];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t v = 0; v < kVecs; ++v) acc[r][g][v] += a * b[g][v];
     }
   }
+  float* out = p.out + row * p.n + panel * kPanel;
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < V; ++v) store(out + r * p.n + v * kLanes, acc[r][v]);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + g * kPanel + v * kLanes, acc[r][g][v]);
 }
 
-template <int64_t V, int64_t... R>
-void rows_tile(const Problem& p, int64_t rows, int64_t row, int64_t col, std::integer_sequence<int64_t, R...>) {
-  ((rows == R + 1 && (tile<R + 1, V>(p, row, col), true)) || ...);
+template <int64_t G, int64_t... R>
+void short_tile(const Problem& p, int64_t rows, int64_t row, int64_t panel, std::integer_sequence<int64_t, R...>) {
+  ((rows == R + 1 && (tile<R + 1, G>(p, row, panel), true)) || ...);
 }
 
-// Every row of the V-vector column block at `col`: tiles of R rows, then the rows left over.
-template <int64_t R, int64_t V>
-void column_block(const Problem& p, int64_t col) {
-  int64_t row = 0;
-  for (; row + R <= p.m; row += R) tile<R, V>(p, row, col);
-  if (row < p.m) rows_tile<V>(p, p.m - row, row, col, std::make_integer_sequence<int64_t, R - 1>{});
+// Rows [first, last) of panels [panel, panel + G): tiles of R rows, then the rows left over.
+template <int64_t R, int64_t G>
+void rows(const Problem& p, int64_t first, int64_t last, int64_t panel) {
+  int64_t row = first;
+  for (; row + R <= last; row += R) tile<R, G>(p, row, panel);
+  if (row < last) short_tile<G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
 }
 
-template <int64_t R, int64_t... V>
-void last_block(const Problem& p, int64_t vecs, int64_t col, std::integer_sequence<int64_t, V...>) {
-  ((vecs == V + 1 && (column_block<R, V + 1>(p, col), true)) || ...);
-}
-
-// Column blocks [first, last) of V vectors (the last one may be narrower), in tiles of R x V,
-// in passes of kChunk weight rows: a pass reads kChunk rows of the blocks' columns, each a
-// contiguous run, where one tile over all of K would read short pieces of K rows N floats
-// apart, a pattern the memory system serves at half its speed. Few rows make wide tiles, and
-// so longer pieces.
-template <int64_t R, int64_t V>
-void column_blocks(const Problem& whole, int64_t first, int64_t last) {
-  constexpr int64_t block = V * kLanes;
-  for (int64_t k0 = 0; k0 < whole.k; k0 += kChunk) {
-    Problem p = whole;
-    p.k0 = k0;
-    p.k1 = std::min(k0 + kChunk, whole.k);
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t col = b * block, vecs = std::min(block, p.n - col) / kLanes;
-      if (vecs == V) {
-        column_block<R, V>(p, col);
-      } else {
-        last_block<R>(p, vecs, col, std::make_integer_sequence<int64_t, V - 1>{});
-      }
-    }
-  }
-}
-
-// Splits the column blocks into `parts` ranges that XLA's pool threads and the caller claim
-// from a shared counter: the caller runs whatever no pool thread has started, so the call
-// never waits on a task still queued (and a task that starts late finds nothing to do).
-template <int64_t R, int64_t V>
-void run(ffi::ThreadPool& pool, const Problem& p) {
-  const int64_t blocks = (p.n + V * kLanes - 1) / (V * kLanes);
-  // A part of at least ~1M multiply-adds: below that a pool thread's wake-up costs more.
-  const int64_t work = p.m * p.k * p.n;
-  const int64_t parts = std::max<int64_t>(1, std::min({blocks, pool.num_threads() + 1, work >> 20}));
+// Runs unit(u) for u in [0, units) on the caller and up to `workers` - 1 pool threads, which
+// claim units one at a time from a shared counter: a worker that starts late (or shares its
+// core) takes less, and the call never waits on a task still queued. `cost`: multiply-adds of
+// the call, counting a weight read from memory as 16 of them (what one thread streams in that
+// time); a worker for at least ~1M of them, since below that a pool thread's wake-up costs more.
+template <typename F>
+void parallel_units(ffi::ThreadPool& pool, int64_t units, int64_t cost, F unit) {
   struct Shared {
-    Problem p;
-    int64_t blocks, parts;
+    explicit Shared(F f) : unit(std::move(f)) {}
+    F unit;
+    int64_t units, workers;
     std::atomic<int64_t> next{0}, done{0};
   };
-  auto shared = std::make_shared<Shared>();
-  shared->p = p;
-  shared->blocks = blocks;
-  shared->parts = parts;
-  auto claim = [](Shared& s) {
-    for (int64_t i; (i = s.next.fetch_add(1)) < s.parts;) {
-      column_blocks<R, V>(s.p, i * s.blocks / s.parts, (i + 1) * s.blocks / s.parts);
-      s.done.fetch_add(1, std::memory_order_release);
-    }
+  auto shared = std::make_shared<Shared>(std::move(unit));
+  shared->units = units;
+  shared->workers = std::max<int64_t>(1, std::min({units, pool.num_threads() + 1, cost >> 20}));
+  auto work = [](Shared& s) {
+    for (int64_t u; (u = s.next.fetch_add(1)) < s.units;) s.unit(u);
+    s.done.fetch_add(1, std::memory_order_release);
   };
-  for (int64_t i = 1; i < parts; ++i) pool.Schedule([shared, claim] { claim(*shared); });
-  claim(*shared);
-  while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  for (int64_t i = 1; i < shared->workers; ++i) pool.Schedule([shared, work] { work(*shared); });
+  work(*shared);
+  // Wait for every worker; one that starts after the last unit leaves at once.
+  while (shared->done.load(std::memory_order_acquire) < shared->workers) std::this_thread::yield();
 }
 
-// The tile of a call of m rows: min(m, kMaxRows) rows (or fewer, when that spreads them
-// evenly) and as many vectors as the accumulators allow.
-template <int64_t... R>
-void run_rows(ffi::ThreadPool& pool, const Problem& p, std::integer_sequence<int64_t, R...>) {
-  const int64_t tiles = (p.m + kMaxRows - 1) / kMaxRows, rows = (p.m + tiles - 1) / tiles;
-  ((rows == R + 1 && (run<R + 1, kTile / (R + 1)>(pool, p), true)) || ...);
+// Tiles of R rows by G panels, in units of a panel group by a row block (panel group major, so
+// consecutive units share their weights in L2). A call of one row takes two panels at once, so
+// that its tile has enough accumulators to hide the latency of its multiply-adds.
+template <int64_t R, int64_t G>
+void run(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t panels = p.n / kPanel, blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  parallel_units(pool, (panels + G - 1) / G * blocks, (p.m + 16) * p.k * p.n, [p, panels, blocks](int64_t u) {
+    const int64_t panel = u / blocks * G, first = u % blocks * kRowBlock, last = std::min(first + kRowBlock, p.m);
+    if (panel + G <= panels) {
+      rows<R, G>(p, first, last, panel);
+    } else {
+      rows<R, 1>(p, first, last, panel);  // the odd panel of a two-panel call
+    }
+  });
 }
 
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] % kLanes != 0) {
-    return ffi::Error::InvalidArgument("layer matmul: x [M, K] and w [L, K, N] with N a multiple of the vector width");
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != xd[1] || wd[3] != kPanel) {
+    return ffi::Error::InvalidArgument("layer matmul: x [M, K] and panels w [L, N / P, K, P] of this kernel's P");
   }
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer matmul: layer out of range");
-  run_rows(pool, Problem{x.typed_data(), w.typed_data() + l * wd[1] * wd[2], out->typed_data(), xd[0], xd[1], wd[2]},
-           std::make_integer_sequence<int64_t, kMaxRows>{});
+  const int64_t layer_size = wd[1] * wd[2] * wd[3];
+  const Problem p{x.typed_data(), w.typed_data() + l * layer_size, out->typed_data(), xd[0], xd[1], wd[1] * kPanel};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.m == 1) {
+    run<1, 2>(pool, p);
+  } else {
+    run<kMaxRows, 1>(pool, p);
+  }
+  return ffi::Error::Success();
+}
+
+// The output head tied to the embedding: out [M, V] = x [M, K] @ e [V, K]^T, K a multiple of
+// kLanes. Each output is a dot product of two rows, so a tile of R rows of x by C rows of e
+// (R * C = kLanes) accumulates a vector per pair over K and ends with one transpose_sum. Tiles
+// at the edges repeat the last row of x or e and store only their own outputs.
+struct Head {
+  const float* x;
+  const float* e;
+  float* out;
+  int64_t m, k, v;
+};
+
+constexpr int64_t kHeadBlock = 64;  // embedding rows of a unit of work
+
+template <int64_t R, int64_t C>
+void head_tile(const Head& p, int64_t row, int64_t col) {
+  static_assert(R * C == kLanes);
+  const float* x[R];
+  const float* e[C];
+  for (int64_t r = 0; r < R; ++r) x[r] = p.x + std::min(row + r, p.m - 1) * p.k;
+  for (int64_t c = 0; c < C; ++c) e[c] = p.e + std::min(col + c, p.v - 1) * p.k;
+  Vec acc[kLanes] = {};
+  for (int64_t i = 0; i < p.k; i += kLanes) {
+    Vec a[R];
+    for (int64_t r = 0; r < R; ++r) a[r] = load(x[r] + i);
+    for (int64_t c = 0; c < C; ++c) {
+      const Vec b = load(e[c] + i);
+      for (int64_t r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
+    }
+  }
+  const Vec sums = transpose_sum(acc);
+  for (int64_t r = 0; r < R && row + r < p.m; ++r)
+    for (int64_t c = 0; c < C && col + c < p.v; ++c) p.out[(row + r) * p.v + col + c] = sums[r * C + c];
+}
+
+template <int64_t R>
+void run_head(ffi::ThreadPool& pool, const Head& p) {
+  constexpr int64_t C = kLanes / R;
+  parallel_units(pool, (p.v + kHeadBlock - 1) / kHeadBlock, (p.m + 16) * p.k * p.v, [p](int64_t u) {
+    const int64_t last = std::min((u + 1) * kHeadBlock, p.v);
+    for (int64_t col = u * kHeadBlock; col < last; col += C)
+      for (int64_t row = 0; row < p.m; row += R) head_tile<R, C>(p, row, col);
+  });
+}
+
+ffi::Error HeadMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> e,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto ed = e.dimensions();
+  if (xd.size() != 2 || ed.size() != 2 || ed[1] != xd[1] || xd[1] % kLanes != 0) {
+    return ffi::Error::InvalidArgument("head matmul: x [M, K] and e [V, K] with K a multiple of the vector width");
+  }
+  const Head p{x.typed_data(), e.typed_data(), out->typed_data(), xd[0], xd[1], ed[0]};
+  if (p.m == 0 || p.v == 0) return ffi::Error::Success();
+  if (p.m == 1) {
+    run_head<1>(pool, p);
+  } else {
+    run_head<kHeadRows>(pool, p);
+  }
   return ffi::Error::Success();
 }
 
@@ -171,8 +213,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLayerMatmul, LayerMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w, panels
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-extern "C" int64_t JaxserveMatmulLanes() { return kLanes; }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveHeadMatmul, HeadMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // e, the embedding
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" int64_t JaxserveMatmulPanel() { return kPanel; }

@@ -7,7 +7,7 @@ import pytest
 
 from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
-from jaxserve.model.llama import unstack_layers
+from jaxserve.model.llama import panel_kernels, unstack_layers
 from kernels_pallas import cpu_build, cpu_matmul, get_attention_backend
 
 BLOCK = 8
@@ -104,27 +104,32 @@ def test_unrolled_layers_on_unstacked_weights_equal_the_scan():
 
 @pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler")
 def test_cpu_layer_matmul_gives_the_scan_logits():
-    """The scanned layers with `layer_matmul` (the cpu kernel reading each layer of the stacks
-    in place) give the logits of XLA's dots, for chunks of a few rows and of more rows than the
-    kernel takes, for decode steps, and with biases."""
-    config = tiny_config(num_layers=3, attention_bias=True)
+    """The model with `cpu_matmul` (the cpu kernel reading each layer of the stacks, stored in
+    its panels, in place, and the tied head's kernel) gives the logits of XLA's dots on the
+    [K, N] layout, for chunks of one row, a few rows and more rows than one unit of its work, for
+    decode steps, and with biases; kernels whose features are not a multiple of its panel stay
+    as they were."""
+    config = tiny_config(num_layers=3, attention_bias=True, num_kv_heads=1)
     model, params = init(config)
-    traced = []
-
-    def layer_matmul(x, w, layer):
-        traced.append(x.shape[0])
-        return cpu_matmul.layer_matmul(x, w, layer)
-
-    native = LlamaModel(config, model.backend, layer_matmul=layer_matmul)
+    matmul = cpu_matmul.kernels()
+    native = LlamaModel(config, model.backend, cpu_matmul=matmul)
+    panelled = panel_kernels(params, matmul)
+    layers, stored = params["params"]["layers"], panelled["params"]["layers"]
+    for name, proj in layers.items():
+        if "kernel" in proj:
+            features = proj["kernel"].shape[-1]
+            want = matmul.stored_shape(*proj["kernel"].shape) if matmul.takes(features) else proj["kernel"].shape
+            assert stored[name]["kernel"].shape == want
+    assert matmul.takes(layers["q_proj"]["kernel"].shape[-1])
+    assert not matmul.takes(layers["k_proj"]["kernel"].shape[-1])  # 16 features: XLA's dot
     rng = np.random.default_rng(3)
-    tokens = rng.integers(0, config.vocab_size, cpu_matmul.MAX_ROWS + 13)
-    table = rng.permutation(np.arange(1, NUM_BLOCKS))[:8]
-    chunks = [cpu_matmul.MAX_ROWS + 5, 8]
-    np.testing.assert_allclose(run_chunks(native, params, tokens, chunks, table),
+    tokens = rng.integers(0, config.vocab_size, 120)
+    table = rng.permutation(np.arange(1, NUM_BLOCKS))[:15]
+    chunks = [1, 7, 100, 12]
+    np.testing.assert_allclose(run_chunks(native, panelled, tokens, chunks, table),
                                run_chunks(model, params, tokens, chunks, table), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(run_decode(native, params, tokens[:6], table),
+    np.testing.assert_allclose(run_decode(native, panelled, tokens[:6], table),
                                run_decode(model, params, tokens[:6], table), atol=1e-5, rtol=1e-5)
-    assert {1, 8, cpu_matmul.MAX_ROWS + 5} <= set(traced)  # the rows of each traced step
 
 
 def test_matches_dense_causal_attention():

@@ -11,8 +11,10 @@ scan carry and is updated with an in-place scatter before it is read in the same
 scanning it as an input would make XLA copy it per step. The price of the scan: XLA:CPU copies
 each layer's slice of the stacked weights before its matmuls, so every step reads and writes
 the weights once more (a quarter of a batch-32 decode step's work for the default model, a
-third at batch 1). Two ways out: `layer_matmul`, a matmul that reads a layer of a stack in place
-(`kernels_pallas.cpu_matmul`, for f32 weights on CPU), or `unroll_layers`, the layers as a
+third at batch 1). Two ways out: `cpu_matmul`, a matmul that reads a layer of a stack in place
+(`kernels_pallas.cpu_matmul`, for f32 weights on CPU, stored in its panels: `panel_kernels`; it
+also computes the output head tied to the embedding), or
+`unroll_layers`, the layers as a
 Python loop over separate per-layer weights (`unstack_layers`): no copies, and a compile time
 that grows with depth (about 4x for the default model's 30 layers).
 
@@ -36,6 +38,7 @@ from jax import lax
 from checkpoints.config import ModelConfig
 from jaxserve.model.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from kernels_pallas import AttentionBackend
+from kernels_pallas.cpu_matmul import CpuMatmul, to_panels
 
 
 @jax.tree_util.register_dataclass
@@ -137,14 +140,14 @@ class DecoderLayer(nn.Module):
     packed: bool
     backend: AttentionBackend
     num_layers: int = 0
-    layer_matmul: Callable | None = None
+    cpu_matmul: CpuMatmul | None = None
 
     @nn.compact
     def __call__(self, carry, layer, cos, sin, meta: AttentionMetadata):
         h, k_cache, v_cache = carry
         cfg = self.config
         dense = lambda feats, name, bias=False: lambda x: Linear(  # noqa: E731
-            feats, bias, self.dtype, self.param_dtype, self.packed, self.num_layers, self.layer_matmul, name=name
+            feats, bias, self.dtype, self.param_dtype, self.packed, self.num_layers, self.cpu_matmul, name=name
         )(x, layer)
         norm = lambda name: lambda x: RMSNorm(cfg.rms_norm_eps, self.dtype, self.num_layers, name=name)(x, layer)  # noqa: E731
         t = h.shape[0]
@@ -202,6 +205,17 @@ def pack_kernels(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(pack, params)
 
 
+def panel_kernels(params: Any, cpu_matmul: CpuMatmul) -> Any:
+    """The parameters with each stacked layer kernel [L, in, out] that `cpu_matmul` takes
+    stored as its panels [L, out / P, in, P]; `Linear(cpu_matmul=...)` reads them."""
+    def convert(path, x):
+        name = jax.tree_util.keystr(path)
+        if "layers" not in name or not name.endswith("['kernel']") or not cpu_matmul.takes(x.shape[-1]):
+            return x
+        return to_panels(x, cpu_matmul.panel)
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
 def unstack_layers(tree: dict[str, Any], num_layers: int, take: Callable[[Any, int], Any]) -> dict[str, Any]:
     """A parameter tree (or a tree of its shardings) with its stacked `layers` replaced by
     `layers_0` ... `layers_{L-1}`, the layout `LlamaModel(unroll_layers=True)` takes; `take(leaf,
@@ -228,7 +242,8 @@ class Linear(nn.Module):
     """x @ kernel (+ bias), in the weights' dtype with f32 accumulation, returned in `dtype`.
     Parameter names are nn.Dense's. `packed`: the kernel is stored as `pack_kernels` makes it.
     `num_layers`: the parameters are stacks [num_layers, ...] of which the call takes `layer`'s,
-    with `layer_matmul(x, kernel, layer)` where one is given (and the kernel is not packed)."""
+    with `cpu_matmul(x, kernel, layer)` on a kernel stored in its panels where one is given that
+    takes these features (`panel_kernels`)."""
 
     features: int
     use_bias: bool
@@ -236,7 +251,7 @@ class Linear(nn.Module):
     param_dtype: Any
     packed: bool = False
     num_layers: int = 0
-    layer_matmul: Callable | None = None
+    cpu_matmul: CpuMatmul | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
@@ -245,13 +260,14 @@ class Linear(nn.Module):
         if self.packed:
             words = self.param("kernel", nn.initializers.zeros, stacked(self.num_layers, fan_in, self.features // 2), jnp.uint32)
             y = matmul(x, lax.bitcast_convert_type(take(words), self.param_dtype).reshape(fan_in, self.features))
+        elif self.num_layers and self.cpu_matmul is not None and self.cpu_matmul.takes(self.features):
+            lm, shape = self.cpu_matmul, (self.num_layers, fan_in, self.features)
+            init = lambda key, _, dtype: to_panels(nn.initializers.lecun_normal(batch_axis=(0,))(key, shape, dtype), lm.panel)  # noqa: E731
+            y = lm(x, self.param("kernel", init, lm.stored_shape(*shape), self.param_dtype), layer)
         else:
             init = nn.initializers.lecun_normal(batch_axis=(0,) if self.num_layers else ())
             kernel = self.param("kernel", init, stacked(self.num_layers, fan_in, self.features), self.param_dtype)
-            if self.num_layers and self.layer_matmul is not None:
-                y = self.layer_matmul(x, kernel, layer)
-            else:
-                y = matmul(x, take(kernel))
+            y = matmul(x, take(kernel))
         if self.use_bias:
             y = y + take(self.param("bias", nn.initializers.zeros, stacked(self.num_layers, self.features), self.param_dtype))
         return y.astype(self.dtype)
@@ -268,7 +284,7 @@ class LlamaModel(nn.Module):
     backend: AttentionBackend
     dtype: Any = jnp.float32
     unroll_layers: bool = False  # per-layer weights "layers_{i}" (`unstack_layers`), not a scan
-    layer_matmul: Callable | None = None  # of the scanned layers: see the module docstring
+    cpu_matmul: CpuMatmul | None = None  # the scanned layers' and the tied head's: see the module docstring
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -306,14 +322,16 @@ class LlamaModel(nn.Module):
                 split_rngs={"params": False},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
-            )(cfg, act, self.dtype, self.packed, self.backend, cfg.num_layers, self.layer_matmul, name="layers")
+            )(cfg, act, self.dtype, self.packed, self.backend, cfg.num_layers, self.cpu_matmul, name="layers")
             carry, _ = layers(carry, jnp.arange(cfg.num_layers), cos, sin, meta)
         h, k, v = carry
         # Every row's last hidden state, for a caller that scores more rows than it samples
         # (`head_logits`); kept only when applied with mutable=["intermediates"].
         self.sow("intermediates", "hidden", h)
         h = RMSNorm(cfg.rms_norm_eps, act, name="final_norm")(h[logits_indices])
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and self.cpu_matmul is not None:
+            logits = self.cpu_matmul.head(h, embed.embedding)
+        elif cfg.tie_word_embeddings:
             logits = matmul(h, embed.embedding, contract_w=1)
         else:
             logits = Linear(cfg.vocab_size, False, jnp.float32, self.dtype, name="lm_head")(h)

@@ -31,7 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
-from jaxserve.model.llama import head_logits, pack_kernels, unstack_layers
+from jaxserve.model.llama import head_logits, pack_kernels, panel_kernels, unstack_layers
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
@@ -122,15 +122,19 @@ class ModelRunner:
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()
         attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
-        # One CPU device with f32 weights and the cpu backend: the scanned layers' matmuls read
-        # their layer of the stacked weights in place (see kernels_pallas/cpu_matmul.py).
-        native_matmul = self.attention_backend == "cpu" and self.dtype == jnp.float32 and self.mesh.size == 1
-        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers,
-                                cpu_matmul.layer_matmul if native_matmul else None)
+        # One CPU device with f32 weights, the cpu backend and scanned layers: the layers' matmuls
+        # read their layer of the stacked weights, stored in panels, in place, and the tied head is
+        # a C++ kernel too (kernels_pallas/cpu_matmul.py).
+        native_matmul = (self.attention_backend == "cpu" and self.dtype == jnp.float32 and self.mesh.size == 1
+                         and not engine_config.unroll_layers)
+        matmul = cpu_matmul.kernels() if native_matmul else None
+        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul)
         self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
         params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
         if self.model.packed:
             params = pack_kernels(params)
+        if matmul is not None:
+            params = panel_kernels(params, matmul)
         self.param_shardings = param_shardings(params, self.mesh)
         if engine_config.unroll_layers:
             params = unstack_layers(params, config.num_layers, lambda leaf, i: leaf[i])

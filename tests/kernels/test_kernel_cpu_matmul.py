@@ -1,7 +1,9 @@
-"""The cpu layer matmul (`kernels_pallas/cpu_matmul.cc`) against numpy at the shapes it
-specializes: every row count of its register tiles, K not a multiple of its 64-row passes, a
-last column block narrower than the others, work split over threads or not; what it hands to
-XLA's dot (too many rows, N not a multiple of the vector width), and a layer out of range."""
+"""The cpu matmuls (`kernels_pallas/cpu_matmul.cc`) against numpy. The layer matmul, on
+weights stored in its panels, against the [K, N] layout: every row count of its register tiles
+and of the rows left over, more rows than one unit of its work, one-row calls over an odd number
+of panels, K of any size, work split over threads or not, and its refusals (a layer out of
+range, other dtypes, weights not in its panels). The tied head, x @ embedding.T: tiles at the
+edges of both, and XLA's dot where K does not fit its vectors."""
 
 import jax
 import jax.numpy as jnp
@@ -11,48 +13,80 @@ import pytest
 from kernels_pallas import cpu_build, cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler")
-layer_matmul = jax.jit(cpu_matmul.layer_matmul)
 
 
-def check(m: int, k: int, n: int, layer: int = 1, layers: int = 3) -> None:
+@pytest.fixture(scope="module")
+def matmul():
+    return cpu_matmul.kernels()
+
+
+def check(matmul, m: int, k: int, panels: int, layer: int = 1, layers: int = 3) -> None:
+    n = panels * matmul.panel
     rng = np.random.default_rng(m * 7919 + k * 31 + n)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((layers, k, n), np.float32)
-    got = np.asarray(layer_matmul(x, w, layer))
+    got = np.asarray(jax.jit(matmul)(x, cpu_matmul.to_panels(jnp.asarray(w), matmul.panel), layer))
     want = x.astype(np.float64) @ w[layer].astype(np.float64)
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(k))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32])
-def test_every_tile_height(m):
-    check(m, 576, 576)
+def test_panels_are_the_columns_of_the_weights(matmul):
+    p = matmul.panel
+    w = np.arange(2 * 3 * 2 * p, dtype=np.float32).reshape(2, 3, 2 * p)
+    panels = np.asarray(cpu_matmul.to_panels(jnp.asarray(w), p))
+    assert panels.shape == matmul.stored_shape(2, 3, 2 * p) == (2, 2, 3, p)
+    np.testing.assert_array_equal(panels[1, 1, 2], w[1, 2, p:])  # layer 1, panel 1, row 2
+    assert matmul.takes(3 * p) and not matmul.takes(3 * p + 16)
 
 
-@pytest.mark.parametrize("k,n", [(100, 192), (1536, 576), (576, 1536), (64, 8 * 13), (7, 48)])
-def test_shapes(k, n):
-    if n % cpu_matmul.lanes():
-        pytest.skip("N is not a multiple of this machine's vector width")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 49, 100])
+def test_every_tile_height(matmul, m):
+    check(matmul, m, 96, 2)
+
+
+@pytest.mark.parametrize("k,panels", [(100, 3), (576, 1), (7, 5), (1, 2)])
+def test_shapes(matmul, k, panels):
     for m in (1, 5, 8):
-        check(m, k, n)
+        check(matmul, m, k, panels)
 
 
-def test_first_and_last_layer():
-    check(3, 576, 192, layer=0)
-    check(3, 576, 192, layer=2)
+def test_work_split_over_threads(matmul):
+    check(matmul, 64, 576, 24)  # ~57M multiply-adds: every pool thread takes a part
+    check(matmul, 1, 1536, 9)
 
 
-@pytest.mark.parametrize("m,n", [(cpu_matmul.MAX_ROWS + 1, 576), (4, 12), (70, 100)])
-def test_what_xla_takes(m, n):
-    check(m, 64, n)
+def test_first_and_last_layer(matmul):
+    check(matmul, 3, 64, 2, layer=0)
+    check(matmul, 3, 64, 2, layer=2)
 
 
-def test_layer_out_of_range_is_an_error():
-    x, w = jnp.ones((2, 64)), jnp.ones((3, 64, 64))
+def test_layer_out_of_range_is_an_error(matmul):
+    x, w = jnp.ones((2, 64)), jnp.ones(matmul.stored_shape(3, 64, matmul.panel))
     with pytest.raises(Exception, match="layer out of range"):
-        jax.block_until_ready(layer_matmul(x, w, 3))
+        jax.block_until_ready(jax.jit(matmul)(x, w, 3))
 
 
-def test_refuses_other_dtypes():
+def test_refuses_other_dtypes_and_layouts(matmul):
     with pytest.raises(ValueError, match="f32 weights"):
-        cpu_matmul.layer_matmul(jnp.ones((2, 64)), jnp.ones((3, 64, 64), jnp.bfloat16), 0)
+        matmul(jnp.ones((2, 64)), jnp.ones(matmul.stored_shape(3, 64, matmul.panel), jnp.bfloat16), 0)
+    with pytest.raises(ValueError, match="panels"):
+        matmul(jnp.ones((2, 64)), jnp.ones((3, 64, matmul.panel)), 0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32, 70])
+@pytest.mark.parametrize("k,v", [(64, 97), (576, 1000), (16, 5)])
+def test_head(matmul, m, k, v):
+    rng = np.random.default_rng(m * 31 + k + v)
+    x, e = rng.standard_normal((m, k), np.float32), rng.standard_normal((v, k), np.float32)
+    assert cpu_matmul.HEAD in jax.jit(matmul.head).lower(x, e).as_text()  # the kernel, not XLA's dot
+    got = np.asarray(jax.jit(matmul.head)(x, e))
+    want = x.astype(np.float64) @ e.T.astype(np.float64)
+    assert got.shape == (m, v) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(k))
+
+
+def test_head_with_k_off_its_vectors_is_xlas_dot(matmul):
+    x, e = np.ones((3, 40), np.float32), np.full((7, 40), 0.5, np.float32)
+    assert cpu_matmul.HEAD not in str(jax.jit(matmul.head).lower(x, e).as_text())
+    np.testing.assert_allclose(np.asarray(matmul.head(x, e)), np.full((3, 7), 20.0))
