@@ -9,8 +9,8 @@ becomes [L, N / P, K, P], P columns (`panel_width()`, four vector registers) con
 so every register tile streams its weights in one run. On a 2-core AVX-512 machine, over a
 30-layer stack of the default model's shapes, it is faster than XLA's dot of the [K, N] layout
 at every row count (`python3 -m bench.matmul_cpu`), so it takes every call. The tied output
-head, x [M, K] @ embedding [V, K].T, is a dot product per output: XLA:CPU's dot of a decode
-step's few rows reads the embedding well below memory speed. `cpu_build` compiles the source on
+head, x [M, K] @ embedding [V, K].T, is a dot product per output: XLA:CPU's dot of one row reads
+the embedding well below memory speed (from 8 rows it is as fast as the kernel, so it keeps them). `cpu_build` compiles the source on
 first use.
 """
 
@@ -30,6 +30,7 @@ SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 LAYER, HEAD = "jaxserve_layer_matmul", "jaxserve_head_matmul"
 TARGETS = {LAYER: "JaxserveLayerMatmul", HEAD: "JaxserveHeadMatmul"}
 HEAD_K_MULTIPLE = 16  # the head kernel's K is a multiple of its vectors' width (8 or 16 floats)
+HEAD_MAX_ROWS = 4  # the head kernel's calls: a single stream's decode (1.4x XLA's dot); ~1x at 8 rows
 
 
 @functools.cache
@@ -75,8 +76,9 @@ class CpuMatmul:
 
     def head(self, x: jax.Array, embedding: jax.Array) -> jax.Array:
         """Logits of the output head tied to an f32 `embedding` [V, K]: x [M, K] @ embedding.T ->
-        f32 [M, V]; XLA's dot where K is not a multiple of HEAD_K_MULTIPLE."""
-        if embedding.dtype != jnp.float32 or x.shape[1] % HEAD_K_MULTIPLE:
+        f32 [M, V]; XLA's dot for more than HEAD_MAX_ROWS rows (as fast or faster there) or K not
+        a multiple of HEAD_K_MULTIPLE."""
+        if embedding.dtype != jnp.float32 or x.shape[0] > HEAD_MAX_ROWS or x.shape[1] % HEAD_K_MULTIPLE:
             return jnp.dot(x.astype(embedding.dtype), embedding.T, preferred_element_type=jnp.float32)
         cpu_build.register(SOURCE, TARGETS)
         call = jax.ffi.ffi_call(HEAD, jax.ShapeDtypeStruct((x.shape[0], embedding.shape[0]), jnp.float32))

@@ -3,7 +3,7 @@ weights stored in its panels, against the [K, N] layout: every row count of its 
 and of the rows left over, more rows than one unit of its work, one-row calls over an odd number
 of panels, K of any size, work split over threads or not, and its refusals (a layer out of
 range, other dtypes, weights not in its panels). The tied head, x @ embedding.T: tiles at the
-edges of both, and XLA's dot where K does not fit its vectors."""
+edges of both, and XLA's dot for more rows or where K does not fit its vectors."""
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,7 @@ def test_refuses_other_dtypes_and_layouts(matmul):
         matmul(jnp.ones((2, 64)), jnp.ones((3, 64, matmul.panel)), 0)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32, 70])
+@pytest.mark.parametrize("m", range(1, cpu_matmul.HEAD_MAX_ROWS + 1))
 @pytest.mark.parametrize("k,v", [(64, 97), (576, 1000), (16, 5)])
 def test_head(matmul, m, k, v):
     rng = np.random.default_rng(m * 31 + k + v)
@@ -86,7 +86,8 @@ def test_head(matmul, m, k, v):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(k))
 
 
-def test_head_with_k_off_its_vectors_is_xlas_dot(matmul):
-    x, e = np.ones((3, 40), np.float32), np.full((7, 40), 0.5, np.float32)
-    assert cpu_matmul.HEAD not in str(jax.jit(matmul.head).lower(x, e).as_text())
-    np.testing.assert_allclose(np.asarray(matmul.head(x, e)), np.full((3, 7), 20.0))
+@pytest.mark.parametrize("m,k", [(cpu_matmul.HEAD_MAX_ROWS + 1, 64), (3, 40)])
+def test_head_beyond_its_rows_or_vectors_is_xlas_dot(matmul, m, k):
+    x, e = np.ones((m, k), np.float32), np.full((7, k), 0.5, np.float32)
+    assert cpu_matmul.HEAD not in jax.jit(matmul.head).lower(x, e).as_text()
+    np.testing.assert_allclose(np.asarray(matmul.head(x, e)), np.full((m, 7), k / 2))
