@@ -100,9 +100,12 @@ def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(m
     runner = make_llm(model, True, num_blocks=400).engine.runner
     req = Request("p", [5, 6, 7], SamplingParams(max_tokens=4, frequency_penalty=1.0), seed=0)
     req.status = RequestStatus.RUNNING
-    req.output_token_ids = [9, PLACEHOLDER]
+    req.output_token_ids = [9]
     runner._prev_sampled = jax.device_put(np.arange(runner.inputs.sampled_rows, dtype=np.int32) + 20)  # row r: 20 + r
-    runner.inputs.batch.join(req)
-    runner._run_steps([runner.inputs.penalty_reset([req], {req: 3})], [])
+    batch = runner.inputs.batch
+    batch.join(req)
+    batch.launched(1, [(np.array([batch.slot(req)]), 3)])  # the launch sampling its next token, at row 3
+    req.output_token_ids.append(PLACEHOLDER)
+    runner._run_steps([runner.inputs.penalty_reset([req])], [])
     counts = np.asarray(runner.penalty_counts.output)[runner.inputs.batch.slot(req)]
     assert counts[9] == 1 and counts[23] == 1 and counts.sum() == 2

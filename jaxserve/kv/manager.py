@@ -22,6 +22,7 @@ Grow running requests, every step (chunked prefill: n = chunk; decode: n = 1)::
 
     ok = mgr.allocate_slots(req_id, n)        # False, nothing changed: preempt someone, retry
     table = mgr.block_table(req_id)           # int32, len == ceil(num_tokens / block_size)
+    version = mgr.table_version(req_id)       # changes when entries of the table are replaced
     slots = mgr.slot_mapping(req_id, start, stop)
 
   New running-request growth may use the watermark reserve; admissions and swap-ins may not.
@@ -141,12 +142,13 @@ class KVUsage:
 
 
 class _Seq:
-    __slots__ = ("table", "num_blocks", "num_tokens", "node", "cached_blocks", "host_slots", "chain")
+    __slots__ = ("table", "num_blocks", "version", "num_tokens", "node", "cached_blocks", "host_slots", "chain")
 
-    def __init__(self, table: np.ndarray, num_blocks: int, num_tokens: int,
+    def __init__(self, table: np.ndarray, num_blocks: int, version: int, num_tokens: int,
                  node: RadixNode | None, cached_blocks: int, chain: ChainKeys | None = None) -> None:
         self.table = table                  # int32 with spare capacity; [:num_blocks] is valid
         self.num_blocks = num_blocks
+        self.version = version              # see KVCacheManager.table_version
         self.num_tokens = num_tokens
         self.node = node                    # locked prefix-cache node covering [:cached_blocks]
         self.cached_blocks = cached_blocks
@@ -195,6 +197,7 @@ class KVCacheManager:
         self._seqs: dict[RequestId, _Seq] = {}
         self._holds: set[Hold] = set()
         self._epoch = 0
+        self._last_table_version = 0
         self.disk = None
         if disk is not None:
             if self.prefix_cache is None:
@@ -225,6 +228,13 @@ class KVCacheManager:
         view = seq.table[:seq.num_blocks]
         view.flags.writeable = False
         return view
+
+    def table_version(self, req_id: RequestId) -> int:
+        """A number that changes whenever entries of the request's table change, not when blocks
+        are appended: copy-on-write, a block swapped for the cache's copy, swap out and in, blocks
+        released (they may come back different). It never repeats, across requests and a request
+        admitted again, so a copy of the table with the same version and length is current."""
+        return self._get(req_id).version
 
     def slot_mapping(self, req_id: RequestId, start: int, stop: int) -> np.ndarray:
         """int32 cache slots of token positions [start, stop) of a running request."""
@@ -342,8 +352,8 @@ class KVCacheManager:
             self.pool.incref(block)
         new = self._allocate(need - hit.num_host_tokens // self.block_size)
         table = _table_with(path + new, 2 * (len(path) + len(new)))
-        self._seqs[req_id] = _Seq(table, len(path) + len(new), hit.num_tokens + num_new_tokens,
-                                  node, len(path), hit._chain)
+        self._seqs[req_id] = _Seq(table, len(path) + len(new), self._new_table_version(),
+                                  hit.num_tokens + num_new_tokens, node, len(path), hit._chain)
         return True
 
     # ------------------------------------------------------------------ disk loads
@@ -438,6 +448,7 @@ class KVCacheManager:
             self.copies.add(CopyKind.DEVICE_TO_DEVICE, shared, copy)
             self.pool.decref(shared)
             seq.table[last] = copy
+            seq.version = self._new_table_version()
         self._append_blocks(seq, blocks)
         seq.num_tokens += num_new_tokens
         return True
@@ -453,8 +464,10 @@ class KVCacheManager:
                              f"({seq.cached_blocks} cached blocks)")
         keep = -(-num_tokens // bs)
         self._epoch += 1
-        self.pool.decref_all(seq.table[keep:seq.num_blocks].tolist())
-        seq.num_blocks = keep
+        if keep < seq.num_blocks:
+            self.pool.decref_all(seq.table[keep:seq.num_blocks].tolist())
+            seq.num_blocks = keep
+            seq.version = self._new_table_version()
         seq.num_tokens = num_tokens
 
     def _append_blocks(self, seq: _Seq, blocks: list[int]) -> None:
@@ -505,6 +518,7 @@ class KVCacheManager:
                 pool.incref(cached)
                 pool.decref(own)
                 table[i] = cached
+                seq.version = self._new_table_version()
             elif self.disk is not None:
                 adopted.append(i)
         if adopted:
@@ -537,7 +551,8 @@ class KVCacheManager:
             self.prefix_cache.lock(parent.node)
         chain = parent.chain.fork() if parent.chain is not None else None
         self._seqs[child_id] = _Seq(_table_with(blocks, len(parent.table)), parent.num_blocks,
-                                    parent.num_tokens, parent.node, parent.cached_blocks, chain)
+                                    self._new_table_version(), parent.num_tokens, parent.node,
+                                    parent.cached_blocks, chain)
 
     def free(self, req_id: RequestId) -> None:
         """Release everything the request holds (finish, abort, or preempt-to-recompute)."""
@@ -583,6 +598,7 @@ class KVCacheManager:
             seq.node = self.prefix_cache.root
         seq.host_slots = slots
         seq.num_blocks = 0
+        seq.version = self._new_table_version()
         seq.cached_blocks = 0
         return True
 
@@ -605,6 +621,7 @@ class KVCacheManager:
         self.host.free(slots)
         seq.host_slots = None
         self._append_blocks(seq, blocks)
+        seq.version = self._new_table_version()
         return True
 
     def take_copies(self) -> list[CopyStage]:
@@ -790,6 +807,10 @@ class KVCacheManager:
         if seq is None:
             raise KeyError(f"unknown request {req_id!r}")
         return seq
+
+    def _new_table_version(self) -> int:
+        self._last_table_version += 1
+        return self._last_table_version
 
     def _running(self, req_id: RequestId) -> _Seq:
         seq = self._get(req_id)

@@ -1,16 +1,28 @@
-"""The persistent batch: a fixed slot per running request, holding its sampling rows.
+"""The persistent batch: a fixed slot per running request, holding what its rows of a step are
+built from, in preallocated numpy arrays (row `slot` of each).
 
 A request gets a slot the first time a step samples for it and gives it back when it stops running
-(finished, aborted or preempted: it gets a fresh slot when it runs again). At join its
-sampling settings are written once into the slot's two rows of preallocated arrays: one for
-while its stop tokens are banned (before `min_tokens`), one for after. A step's sampling
-tensors are then one gather of slot rows per field, however its batch changed since the last
-step; only the positions are new each step. The gather makes fresh arrays, so an array handed
-to a step still in flight is never written.
+(finished, aborted or preempted: it gets a fresh slot when it runs again). A slot holds:
+
+- the request's sampling settings, written once at join into two rows: one for while its stop
+  tokens are banned (before `min_tokens`), one for after;
+- where its next decode starts: the position of its last token (`positions`, num_tokens - 1) and
+  that token (`tokens`), or, while only the device has it, the row of the last launch's sampled
+  tokens that holds it (`token_src`; `tokens` is then PLACEHOLDER). Written at join, then moved
+  on as steps are launched (`launched`: one more token for each slot a step samples for) and
+  read (`read`: the token itself, and the tokens beyond the first of a verify or multi-step row);
+- its block-table row and how much of it is valid, copied from the KV manager's table as its
+  decodes are scheduled (`sync_tables`): whole at the first, then the new entries when the
+  sequence gained blocks, and the whole row again only when the manager changed entries (its
+  table version moved: copy-on-write, a block swapped for the cache's copy, swap, released blocks).
+
+A step's arrays are then gathers of slot rows by one index array, plus vectorized arithmetic,
+however the batch changed since the last step. The gathers make fresh arrays, so an array handed
+to a step still in flight is never written. Row `spare` (= num_slots) is the padding row: greedy
+sampling, no penalties or bias, token 0 at position 0, a block table of block 0.
 
 The slot is also the request's row of the device's PenaltyCounts (`unset`: requests with
-penalties whose row is not set from their history yet). The block-table rows stay with the
-KV manager, which keeps each sequence's table as a preallocated array updated in place.
+penalties whose row is not set from their history yet).
 """
 
 from __future__ import annotations
@@ -20,23 +32,24 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve import faults
-from jaxserve.request import Request, RequestStatus
+from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.sampler import BIAS_SLOTS, RowSampling, SamplingTensors
+from jaxserve.scheduler.output import ScheduledChunk
 
-# The SamplingTensors fields a slot holds (the positions are per step, the token masks are
-# written per step by structured output).
+# The SamplingTensors fields a slot holds (the positions come from the slot's position, the token
+# masks are written per step by structured output).
 SLOT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "seed", "num_logprobs", "penalty_slots", "bias_ids", "bias_values")
+STOP_ID_SLOTS = 8  # stop token ids per row that a multi-step decode checks on the device
 
 
 class InputBatch:
-    """Slots 0..num_slots-1 for running requests; row `spare` (= num_slots) is the padding row
-    (greedy, no penalties, no bias). Sampling row of slot s: s, or s + num_slots + 1 while the
-    request's stop tokens are still banned."""
+    """Slots 0..num_slots-1 for running requests and the padding row `spare` (= num_slots).
+    Sampling row of slot s: s, or s + num_slots + 1 while the request's stop tokens are still
+    banned. Block-table rows are `max_blocks` wide, zeros past each row's valid length."""
 
     def __init__(self, num_slots: int, constant: Callable[[tuple[int, ...], np.dtype, object], Any],
-                 mask_words: int):
+                 mask_words: int, max_blocks: int):
         self.spare = num_slots
         self.constant = constant  # device-resident filled arrays (bias and mask tables no row uses)
         self.mask_words = mask_words
@@ -47,6 +60,17 @@ class InputBatch:
         padding = SamplingTensors.build([None] * rows, rows, self.spare)
         self._rows = {name: getattr(padding, name) for name in SLOT_FIELDS}
         self._biased = np.zeros(rows, np.bool_)  # rows with a logit bias or banned tokens
+        slots = num_slots + 1
+        self.positions = np.zeros(slots, np.int32)
+        self.tokens = np.zeros(slots, np.int32)
+        self.token_src = np.full(slots, -1, np.int32)
+        self._launch = np.zeros(slots, np.int64)  # the launch that last sampled for the slot (0: none)
+        self.tables = np.zeros((slots, max_blocks), np.int32)
+        self._table_lens = np.zeros(slots, np.int64)
+        self._table_versions = np.full(slots, -1, np.int64)  # of the table each row copies
+        self._stops_from = np.zeros(slots, np.int32)  # num_tokens from which its stop tokens count
+        self._stop_ids = np.full((slots, STOP_ID_SLOTS), -1, np.int32)
+        self.constrained = np.zeros(slots, np.bool_)  # structured output (a grammar)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -54,14 +78,18 @@ class InputBatch:
     def slot(self, req: Request) -> int:
         return self._slots[req]
 
+    def slots(self, requests: Sequence[Request]) -> np.ndarray:
+        """The requests' slots, as one index array."""
+        return np.fromiter(map(self._slots.__getitem__, requests), np.intp, len(requests))
+
     def release_finished(self) -> None:
         for req in [r for r in self._slots if r.status is not RequestStatus.RUNNING]:
             self._free.append(self._slots.pop(req))
             self.unset.discard(req)
 
     def join(self, req: Request) -> None:
-        """Give a running request a slot and write its sampling rows (no-op if it has one).
-        Raises, holding nothing, for settings that cannot be built."""
+        """Give a running request a slot and write its rows (no-op if it has one). Raises,
+        holding nothing, for settings that cannot be built."""
         if req in self._slots:
             return
         slot = self._free[-1]
@@ -78,19 +106,85 @@ class InputBatch:
         self._biased[rows] = (built.bias_ids >= 0).any(axis=1)
         if req.params.has_penalties:
             self.unset.add(req)
+        self.positions[slot] = req.num_tokens - 1
+        self.tokens[slot] = req.last_token_id
+        self.token_src[slot] = -1
+        self._launch[slot] = 0
+        self._stops_from[slot] = req.num_prompt_tokens + req.params.min_tokens
+        ids = sorted(req.stop_token_ids)[:STOP_ID_SLOTS]
+        self._stop_ids[slot] = -1
+        self._stop_ids[slot, :len(ids)] = ids
+        self.constrained[slot] = req.grammar is not None
 
-    def sampling(self, rows: Sequence[tuple[int, Request, int]], num_rows: int, masked: bool) -> SamplingTensors:
-        """Sampling tensors of `num_rows` rows: each of `rows` is (row, request, ahead), sampling
-        the request's token `ahead` places after its next one (a verified draft's); the other
-        rows are padding. `masked`: some row has a token mask (structured output), so the mask
-        table is a host array of allow-all rows for those masks to be written into."""
+    def sync_tables(self, slots: np.ndarray, chunks: Sequence[ScheduledChunk]) -> None:
+        """Bring the block-table rows of the chunks' slots up to their tables: the entries past
+        a row's length where the table only grew, the whole row where its version changed."""
+        n = len(chunks)
+        versions = np.fromiter((c.table_version for c in chunks), np.int64, n)
+        lengths = np.fromiter((len(c.block_table) for c in chunks), np.int64, n)
+        rewrite = (versions != self._table_versions[slots]) | (versions < 0)
+        grown = lengths > self._table_lens[slots]
+        for i in np.flatnonzero(rewrite | grown).tolist():
+            slot, table, length = slots[i], chunks[i].block_table, lengths[i]
+            if rewrite[i]:
+                self.tables[slot, length:] = 0
+                self.tables[slot, :length] = table
+            else:
+                start = self._table_lens[slot]
+                self.tables[slot, start:length] = table[start:]
+        self._table_versions[slots] = versions
+        self._table_lens[slots] = lengths
+
+    def stop_ids(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots), STOP_ID_SLOTS] stop token ids of each slot's next token: none (-1) while
+        its stop tokens are banned (before `min_tokens`)."""
+        free = self.positions[slots] + 1 >= self._stops_from[slots]
+        return np.where(free[:, None], self._stop_ids[slots], -1)
+
+    def launched(self, launch: int, parts: Sequence[tuple[np.ndarray, int | None]]) -> None:
+        """Launch number `launch` (> 0, increasing) is on the device. `parts`: for each of its
+        programs, the slot of each chunk (spare for one that samples nothing), and the row of the
+        launch's sampled tokens where its first chunk's token lands (the others' follow), or None
+        (verify and multi-step programs, read at once). Each slot sampled for gains a token that
+        only the device knows; the previous launch's sampled tokens are no longer readable."""
+        self.token_src[:] = -1
+        for slots, first_row in parts:
+            sampled = np.flatnonzero(slots != self.spare)
+            held = slots[sampled]
+            self.positions[held] += 1
+            self.tokens[held] = PLACEHOLDER
+            self._launch[held] = launch
+            if first_row is not None:
+                self.token_src[held] = first_row + sampled
+
+    def read(self, launch: int, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """The tokens a program of launch `launch` sampled were read: [rows] or [rows, k] (a
+        verify or multi-step program; -1 after a row's last token), row i for slot `slots[i]`.
+        A slot that no later launch sampled for, and that no other request took since, knows its
+        last token, and is as many tokens further as the row holds beyond its first."""
+        rows = tokens.reshape(tokens.shape[0], -1)[:len(slots)]
+        held = np.flatnonzero(self._launch[slots] == launch)
+        if not len(held):
+            return
+        slots, rows = slots[held], rows[held]
+        ended = rows < 0
+        counts = np.where(ended.any(axis=1), ended.argmax(axis=1), rows.shape[1])
+        self.tokens[slots] = rows[np.arange(len(rows)), counts - 1]
+        self.token_src[slots] = -1
+        self.positions[slots] += counts - 1
+
+    def sampling(self, rows: np.ndarray, slots: np.ndarray, ahead: np.ndarray | int, num_rows: int,
+                 masked: bool) -> SamplingTensors:
+        """Sampling tensors of `num_rows` rows: row `rows[i]` samples the token `ahead[i]` places
+        after the next one of the request in slot `slots[i]` (a verified draft's); the other rows
+        are padding. `masked`: some row has a token mask (structured output), so the mask table
+        is a host array of allow-all rows for those masks to be written into."""
         index = np.full(num_rows, self.spare, np.intp)
         positions = np.zeros(num_rows, np.int32)
-        for row, req, ahead in rows:
-            faults.check("sampling", req)
-            banned = len(req.output_token_ids) + ahead < req.params.min_tokens  # no stop token yet
-            index[row] = self._slots[req] + banned * (self.spare + 1)
-            positions[row] = req.num_tokens + ahead
+        sampled = self.positions[slots] + 1 + ahead  # the positions of the tokens sampled
+        banned = sampled < self._stops_from[slots]  # no stop token yet
+        index[rows] = slots + banned * (self.spare + 1)
+        positions[rows] = sampled
         fields = {name: self._rows[name][index] for name in SLOT_FIELDS}
         if not self._biased[index].any():
             fields["bias_ids"] = self.constant((num_rows, BIAS_SLOTS), np.int32, -1)

@@ -6,6 +6,11 @@ model step, the decodes counted in its tokens; a program's logits are padded to 
 bucket. A token that the previous iteration sampled and the host has not read yet (a
 PLACEHOLDER) is given as the row of that iteration's sampled buffer to read it from
 (`token_src`), so it never has to be read here.
+
+Decode rows (of decode, multi-step decode and prefill programs) are gathers of the persistent
+batch's slot rows (`InputBatch`) by one index array: tokens, token sources, positions and block
+tables, and the sampling settings; prefill chunk rows are built per chunk (each is many tokens).
+A verify program gathers its tables and sampling rows, its tokens (the drafts) are per chunk.
 """
 
 from __future__ import annotations
@@ -20,27 +25,28 @@ from jaxserve import faults
 from jaxserve.config import EngineConfig, bucket_for
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request
-from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.input_batch import STOP_ID_SLOTS, InputBatch
 from jaxserve.sampler import SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarState, mask_words
 
 PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compiled shape)
-STOP_ID_SLOTS = 8  # stop token ids per row that a multi-step decode checks on the device
 
 
 class Program(NamedTuple):
     """One compiled step to run: its variant key, host arrays (tokens, positions, attention
     metadata, logits rows, token sources), sampling settings, where its sampled tokens go in
-    the iteration's sampled buffer, and the rows to score against given next tokens (prompt
-    log-probabilities: rows and targets, padded to the step's tokens; None when none are), for
-    a verify program the drafts its sampler tests, and the constrained rows whose token masks
-    are still to be written (`write_token_masks`)."""
+    the iteration's sampled buffer, the persistent batch's slot of each of its chunks (the
+    batch's spare slot for a chunk that samples nothing), and the rows to score against given
+    next tokens (prompt log-probabilities: rows and targets, padded to the step's tokens; None
+    when none are), for a verify program the drafts its sampler tests, and the constrained rows
+    whose token masks are still to be written (`write_token_masks`)."""
 
     key: tuple
     host_args: tuple
     sampling: SamplingTensors
     sample_offset: int
+    slots: np.ndarray
     score: tuple[np.ndarray, np.ndarray] | None = None
     # A verify program (speculative decoding): each row's draft to test and the drafts before it.
     drafts: tuple[np.ndarray, np.ndarray] | None = None
@@ -90,7 +96,8 @@ class StepInputs:
     def __init__(self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any],
                  vocab_size: int):
         self.config = engine_config
-        self.batch = InputBatch(engine_config.max_num_seqs, constant, mask_words(vocab_size))
+        self.batch = InputBatch(engine_config.max_num_seqs, constant, mask_words(vocab_size),
+                                max(engine_config.block_table_buckets))
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
         self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
@@ -107,9 +114,8 @@ class StepInputs:
     def sampler_rows(self, rows: int) -> int:
         return bucket_for(rows, self.config.sampler_row_buckets)
 
-    def prepare(self, sched: SchedulerOutput, prev_rows: dict[Request, int]) -> PreparedStep:
-        """`prev_rows`: the previous iteration's row in its sampled buffer for each request it
-        sampled for. Raises for a request whose inputs cannot be built."""
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """Raises for a request whose inputs cannot be built."""
         ec = self.config
         batch = self.batch
         batch.release_finished()
@@ -117,62 +123,63 @@ class StepInputs:
         for req in sampling:
             batch.join(req)
         unset = [req for req in sampling if req in batch.unset]
-        resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS], prev_rows)
+        resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS])
                   for i in range(0, len(unset), PENALTY_RESET_ROWS)]
         programs, parts, scores = [], [], []
         decodes = sched.decodes
+        slots = self.decode_slots(decodes)
         if sched.prefills:
             chunks = sched.prefills
             # Plain decodes join the prefill chunks in one program; drafts are verified apart.
-            joined = decodes if not any(c.draft or c.num_steps > 1 for c in decodes) else []
+            joined = not any(c.draft or c.num_steps > 1 for c in decodes)
             programs.append(self.prefill(
                 chunks,
-                bucket_for(sum(c.num_new_tokens for c in chunks) + len(joined), ec.prefill_token_buckets),
+                bucket_for(sum(c.num_new_tokens for c in chunks) + len(decodes) * joined, ec.prefill_token_buckets),
                 bucket_for(len(chunks), ec.prefill_seq_buckets),
-                self._width_bucket(chunks + joined),
-                prev_rows,
+                self._width_bucket(chunks, slots[:len(decodes) * joined]),
                 scores,
-                joined,
+                decodes if joined else [],
+                slots if joined else None,
             ))
-            parts.append(chunks + joined)
+            parts.append(chunks + decodes if joined else chunks)
             decodes = [] if joined else decodes
         if decodes:
             chunks = decodes
-            batch = bucket_for(len(chunks), ec.decode_batch_buckets)
+            size = bucket_for(len(chunks), ec.decode_batch_buckets)
             if any(c.draft for c in chunks):
-                programs.append(self.verify(chunks, batch, self._width_bucket(chunks, self.verify_rows)))
+                programs.append(self.verify(chunks, size, self._width_bucket([], slots, self.verify_rows), slots))
             elif any(c.num_steps > 1 for c in chunks):
-                programs.append(self.multi_decode(chunks, batch, self._width_bucket(chunks), prev_rows))
+                steps = np.fromiter((c.num_steps for c in chunks), np.int32, len(chunks))
+                programs.append(self.multi_decode(chunks, size, self._width_bucket([], slots, steps), slots))
             else:
-                programs.append(self.decode(chunks, batch, self._width_bucket(chunks), prev_rows))
+                programs.append(self.decode(chunks, size, self._width_bucket([], slots), slots))
             parts.append(chunks)
         return PreparedStep(resets, unset, programs, parts, scores)
 
-    def decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
-               prev_rows: dict[Request, int] | None = None) -> Program:
-        bs = self.config.block_size
-        tokens = np.zeros(batch, np.int32)
-        token_src = np.full(batch, -1, np.int32)
-        positions = np.zeros(batch, np.int32)
-        slots = np.zeros(batch, np.int32)
-        seq_lens = np.zeros(batch, np.int32)
-        tables = self._fill_tables(chunks, batch, width)
+    def decode_slots(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        """The slots of decode chunks (their requests have joined the batch), with their
+        block-table rows brought up to date. Raises for a request whose inputs fail."""
         for c in chunks:
             faults.check("input", c.request)
-        n = len(chunks)
-        starts = np.fromiter((c.start for c in chunks), np.int32, n)
-        tokens[:n] = [c.request.last_token_id for c in chunks]  # a decode computes the newest token
-        token_src[:n] = [self._pending_input(c, prev_rows) for c in chunks]
-        positions[:n] = starts
-        slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
-        seq_lens[:n] = starts + 1
-        meta = AttentionMetadata(slots, tables, seq_lens)
+        slots = self.batch.slots([c.request for c in chunks])
+        self.batch.sync_tables(slots, chunks)
+        return slots
+
+    def decode(self, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None) -> Program:
+        """A decode program: one row per chunk, gathered from the chunks' slots (`slots`, from
+        `decode_slots`; looked up here when None)."""
+        slots = self.decode_slots(chunks) if slots is None else slots
+        index = self._padded(slots, batch)
+        tokens, token_src, positions = self._decode_inputs(index, chunks)
+        tables = self.batch.tables[index, :width]
+        seq_lens = (positions + 1) * (index != self.batch.spare)  # padding rows: 0
+        meta = AttentionMetadata(self._cache_slots(tables, positions), tables, seq_lens)
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
-        sampling, masks = self._sampling(chunks, self.sampler_rows(batch))
-        return Program(("decode", batch, width), host_args, sampling, self.decode_offset, masks=masks)
+        sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
+        return Program(("decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks)
 
     def multi_decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
-                     prev_rows: dict[Request, int] | None = None) -> Program:
+                     slots: np.ndarray | None = None) -> Program:
         """A multi-step decode program: `num_scheduler_steps` decode steps of the batch in one
         device loop, each feeding its sampled tokens to the next. Row i takes at most
         `num_steps[i]` steps (its slots are allocated) and stops after one of its `stop_ids`
@@ -180,67 +187,58 @@ class StepInputs:
         which drops what follows). Its sampling row is the same at every step but for the
         position, so a row whose `min_tokens` ends inside the loop takes steps only up to there
         (the scheduler's `_num_steps`)."""
-        n = len(chunks)
-        tokens = np.zeros(batch, np.int32)
-        token_src = np.full(batch, -1, np.int32)
-        positions = np.zeros(batch, np.int32)
+        slots = self.decode_slots(chunks) if slots is None else slots
+        index = self._padded(slots, batch)
+        tokens, token_src, positions = self._decode_inputs(index, chunks)
         num_steps = np.zeros(batch, np.int32)
-        stop_ids = np.full((batch, STOP_ID_SLOTS), -1, np.int32)
-        tables = self._fill_tables(chunks, batch, width)
-        for i, c in enumerate(chunks):
-            faults.check("input", c.request)
-            req = c.request
-            if len(req.output_token_ids) >= req.params.min_tokens:  # else they are banned anyway
-                ids = sorted(req.stop_token_ids)[:STOP_ID_SLOTS]
-                stop_ids[i, :len(ids)] = ids
-        tokens[:n] = [c.request.last_token_id for c in chunks]
-        token_src[:n] = [self._pending_input(c, prev_rows) for c in chunks]
-        positions[:n] = [c.start for c in chunks]
-        num_steps[:n] = [c.num_steps for c in chunks]
-        host_args = (tokens, positions, tables, num_steps, stop_ids, token_src)
-        sampling, masks = self._sampling(chunks, self.sampler_rows(batch))
-        return Program(("multi_decode", batch, width), host_args, sampling, self.decode_offset, masks=masks,
+        num_steps[:len(chunks)] = [c.num_steps for c in chunks]
+        host_args = (tokens, positions, self.batch.tables[index, :width], num_steps, self.batch.stop_ids(index),
+                     token_src)
+        sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
+        return Program(("multi_decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks,
                        num_steps=self.config.num_scheduler_steps)
 
-    def verify(self, chunks: list[ScheduledChunk], batch: int, width: int) -> Program:
+    def verify(self, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None) -> Program:
         """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
         sequence (its last token, then its drafts; rows past a shorter draft are padding that
         writes into block 0) with logits at every row, and one sampling row per logits row.
         Every token of its chunks is known on the host: speculative steps are synchronous (see
         `LLMEngine.step`)."""
         bs, rows = self.config.block_size, self.verify_rows
+        slots = self.decode_slots(chunks) if slots is None else slots
         num_tokens = batch * rows
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
-        slots = np.zeros(num_tokens, np.int32)
+        kv_slots = np.zeros(num_tokens, np.int32)
         seq_lens = np.zeros(batch, np.int32)
         query_start = np.zeros(batch + 1, np.int32)
-        tables = self._fill_tables(chunks, batch, width)
+        tables = self.batch.tables[self._padded(slots, batch), :width]
         drafts = np.full(num_tokens, -1, np.int32)
         history = np.full((num_tokens, rows - 1), -1, np.int32)
-        sampled = []  # (row, request, drafts before it) of each row that samples
+        sampled = []  # (row, slot, drafts before it) of each row that samples
         for i, c in enumerate(chunks):
-            faults.check("input", c.request)
             req, row, n = c.request, i * rows, 1 + len(c.draft)
             if PLACEHOLDER in req.output_token_ids[-1:]:
                 raise ValueError(f"request {req.request_id!r} is verified with its last token in flight")
             pos = c.start + np.arange(rows)
             tokens[row:row + n] = [req.last_token_id, *c.draft]
             positions[row:row + rows] = pos
-            slots[row:row + n] = tables[i, pos[:n] // bs] * bs + pos[:n] % bs
+            kv_slots[row:row + n] = tables[i, pos[:n] // bs] * bs + pos[:n] % bs
             seq_lens[i] = c.start + rows
             query_start[i + 1] = row + rows
             drafts[row:row + n - 1] = c.draft
             for j in range(n):
                 history[row + j, :j] = c.draft[:j]
                 if c.sample:
-                    sampled.append((row + j, req, j))
+                    sampled.append((row + j, slots[i], j))
         query_start[len(chunks) + 1:] = len(chunks) * rows
-        meta = AttentionMetadata(slots, tables, seq_lens, query_start)
+        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start)
         host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
-        masks = self._constrained_rows(chunks, rows)
-        sampling = self.batch.sampling(sampled, num_tokens, bool(masks))
-        return Program(("verify", batch, width), host_args, sampling, 0, drafts=(drafts, history), masks=masks)
+        masks = self._constrained_rows(chunks, slots, rows)
+        self._check_sampling(chunks)
+        sampled_rows, sampled_slots, ahead = np.array(sampled, np.intp).reshape(-1, 3).T
+        sampling = self.batch.sampling(sampled_rows, sampled_slots, ahead, num_tokens, bool(masks))
+        return Program(("verify", batch, width), host_args, sampling, 0, slots, drafts=(drafts, history), masks=masks)
 
     def decode_rows(self, num_tokens: int) -> int:
         """Decode sequences of a prefill program of `num_tokens` rows: every decode an iteration
@@ -248,57 +246,63 @@ class StepInputs:
         return min(num_tokens, self.config.max_num_seqs)
 
     def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
-                prev_rows: dict[Request, int] | None = None, scores: list[PromptScores] | None = None,
-                decodes: list[ScheduledChunk] = ()) -> Program:
+                scores: list[PromptScores] | None = None, decodes: list[ScheduledChunk] = (),
+                decode_slots: np.ndarray | None = None) -> Program:
         """A ragged prefill program: the chunks' rows, then one row per decode of `decodes`, in
         one model step (one read of the weights), with `decode_rows` decode sequences after the
         `num_seqs` chunk ones (`AttentionMetadata.decode_rows`; padding ones have length 0, so
         an iteration without decodes costs their attention almost nothing). Its sampling rows
         are the chunks' then the decodes', in order. Rows that score prompt positions are listed
-        in `scores`."""
+        in `scores`. The decodes' rows are gathered from their slots (`decode_slots`, as
+        `decode_slots()` gives them; looked up here when None)."""
         bs = self.config.block_size
         num_decodes = self.decode_rows(num_tokens)
         decodes = list(decodes)
+        decode_slots = self.decode_slots(decodes) if decode_slots is None else decode_slots
         tokens = np.zeros(num_tokens, np.int32)
         token_src = np.full(num_tokens, -1, np.int32)
         positions = np.zeros(num_tokens, np.int32)
-        slots = np.zeros(num_tokens, np.int32)
+        kv_slots = np.zeros(num_tokens, np.int32)
         seq_lens = np.zeros(num_seqs + num_decodes, np.int32)
         query_start = np.zeros(num_seqs + 1, np.int32)
         # It samples for its chunks and decodes, at most max_num_seqs (all running).
         logits_indices = np.zeros(min(num_seqs + num_decodes, self.config.max_num_seqs), np.int32)
         tables = np.zeros((num_seqs + num_decodes, width), np.int32)
-        tables[:num_seqs] = self._fill_tables(chunks, num_seqs, width)
-        tables[num_seqs:] = self._fill_tables(decodes, num_decodes, width)
+        chunk_slots = np.full(len(chunks), self.batch.spare, np.intp)
         row = 0
         for i, c in enumerate(chunks):
             faults.check("input", c.request)
             n = c.num_new_tokens
+            table = c.block_table[:width]
+            tables[i, :len(table)] = table
             pos = np.arange(c.start, c.start + n)
             tokens[row:row + n] = c.token_ids
-            token_src[row + n - 1] = self._pending_input(c, prev_rows)
+            if c.sample:
+                chunk_slots[i] = self.batch.slot(c.request)
+                token_src[row + n - 1] = self._pending_input(c, chunk_slots[i])
             positions[row:row + n] = pos
-            slots[row:row + n] = tables[i, pos // bs] * bs + pos % bs
+            kv_slots[row:row + n] = tables[i, pos // bs] * bs + pos % bs
             seq_lens[i] = c.start + n
             row += n
             query_start[i + 1] = row
             logits_indices[i] = row - 1
         query_start[len(chunks) + 1:] = row
+        # The decodes: rows row.. of the tokens, sequences num_seqs.. of the tables.
+        rows = np.arange(row, row + len(decodes))
+        index = self._padded(decode_slots, num_decodes)
+        tokens[rows], token_src[rows], decode_positions = self._decode_inputs(index[:len(decodes)], decodes)
+        positions[rows] = decode_positions
+        tables[num_seqs:] = self.batch.tables[index, :width]
+        kv_slots[rows] = self._cache_slots(tables[num_seqs:num_seqs + len(decodes)], decode_positions)
+        seq_lens[num_seqs:num_seqs + len(decodes)] = decode_positions + 1
         decode_rows = np.full(num_decodes, num_tokens, np.int32)
-        for j, c in enumerate(decodes):
-            faults.check("input", c.request)
-            tokens[row] = c.request.last_token_id
-            token_src[row] = self._pending_input(c, prev_rows)
-            positions[row] = c.start
-            slots[row] = tables[num_seqs + j, c.start // bs] * bs + c.start % bs
-            seq_lens[num_seqs + j] = c.start + 1
-            decode_rows[j] = logits_indices[len(chunks) + j] = row
-            row += 1
-        meta = AttentionMetadata(slots, tables, seq_lens, query_start, decode_rows)
+        decode_rows[:len(decodes)] = logits_indices[len(chunks):len(chunks) + len(decodes)] = rows
+        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start, decode_rows)
         host_args = (tokens, positions, meta, logits_indices, token_src)
-        sampling, masks = self._sampling(chunks + decodes, self.sampler_rows(len(logits_indices)))
+        slots = np.concatenate([chunk_slots, decode_slots])
+        sampling, masks = self._sampling(chunks + decodes, slots, self.sampler_rows(len(logits_indices)))
         key = ("prefill", num_tokens, num_seqs, width)
-        return Program(key, host_args, sampling, 0, self._score_rows(chunks, num_tokens, scores), masks=masks)
+        return Program(key, host_args, sampling, 0, slots, self._score_rows(chunks, num_tokens, scores), masks=masks)
 
     @staticmethod
     def _score_rows(chunks: list[ScheduledChunk], num_tokens: int,
@@ -324,7 +328,7 @@ class StepInputs:
         padded_rows[:len(rows)], padded_targets[:len(targets)] = rows, targets
         return padded_rows, padded_targets
 
-    def penalty_reset(self, requests: list[Request], prev_rows: dict[Request, int]) -> tuple[np.ndarray, ...]:
+    def penalty_reset(self, requests: list[Request]) -> tuple[np.ndarray, ...]:
         """Arguments of a penalty-row reset for up to PENALTY_RESET_ROWS requests' slots: slots,
         histories so far, which of their tokens are generated, and for a history whose last token
         is still in flight, its row in the previous iteration's sampled tokens and its index."""
@@ -336,42 +340,73 @@ class StepInputs:
             slots[i] = self.batch.slot(req)
             history[i], is_output[i] = penalty_history(req.prompt_token_ids, req.output_token_ids, req.params, length)
             if req.output_token_ids[-1:] == [PLACEHOLDER]:
-                token_src[i] = prev_rows[req]
+                token_src[i] = self._in_flight(req, slots[i])
                 token_index[i] = int(np.flatnonzero(is_output[i])[-1])
         return slots, history, is_output, token_src, token_index
 
-    def _width_bucket(self, chunks: list[ScheduledChunk], rows: int | None = None) -> int:
-        """Block-table width of the chunks' steps (`rows`: positions per sequence, if fixed)."""
+    def _width_bucket(self, chunks: list[ScheduledChunk], slots: np.ndarray, rows: np.ndarray | int = 1) -> int:
+        """Block-table width of a step of prefill chunks and decodes (their slots; `rows`:
+        positions each decode takes from its next one, per decode or for all)."""
         bs = self.config.block_size
-        need = max((-(-(c.start + (rows or max(c.num_new_tokens, c.num_steps))) // bs) for c in chunks), default=1)
+        need = max((-(-(c.start + c.num_new_tokens) // bs) for c in chunks), default=1)
+        if len(slots):
+            need = max(need, int(np.max(-(-(self.batch.positions[slots] + rows) // bs))))
         return bucket_for(need, self.config.block_table_buckets)
 
-    @staticmethod
-    def _fill_tables(chunks: list[ScheduledChunk], rows: int, width: int) -> np.ndarray:
-        tables = np.zeros((rows, width), np.int32)
-        for i, c in enumerate(chunks):
-            n = min(len(c.block_table), width)
-            tables[i, :n] = c.block_table[:n]
-        return tables
+    def _padded(self, slots: np.ndarray, rows: int) -> np.ndarray:
+        """`slots` then the spare slot, `rows` in all: the index of a program's gathers."""
+        index = np.full(rows, self.batch.spare, np.intp)
+        index[:len(slots)] = slots
+        return index
 
-    def _sampling(self, chunks: list[ScheduledChunk],
+    def _decode_inputs(self, index: np.ndarray, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, ...]:
+        """Tokens, token sources and positions of decode rows, gathered from slots `index`
+        (the chunks' first). Raises for a request whose token is neither known nor in flight."""
+        batch = self.batch
+        tokens, token_src = batch.tokens[index], batch.token_src[index]
+        lost = np.flatnonzero((tokens < 0) & (token_src < 0))
+        if len(lost):
+            raise ValueError(f"request {chunks[lost[0]].request.request_id!r} decodes a token that is "
+                             "neither read nor in the previous iteration's sampled tokens")
+        return tokens, token_src, batch.positions[index]
+
+    def _cache_slots(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The cache slot each row's token is written to: row i at `positions[i]` in table row i."""
+        bs = self.config.block_size
+        return tables[np.arange(len(positions)), positions // bs] * bs + positions % bs
+
+    def _sampling(self, chunks: list[ScheduledChunk], slots: np.ndarray,
                   rows: int) -> tuple[SamplingTensors, tuple[tuple[int, GrammarState], ...]]:
-        """The chunks' sampling tensors, one row each (gathered from the persistent batch), and
-        their constrained rows (`Program.masks`)."""
-        masks = self._constrained_rows(chunks, 1)
-        sampled = [(i, c.request, 0) for i, c in enumerate(chunks) if c.sample]
-        return self.batch.sampling(sampled, rows, bool(masks)), masks
+        """The sampling tensors of chunks with these slots (the spare one: a chunk that samples
+        nothing), one row each (gathered from the persistent batch), and their constrained rows
+        (`Program.masks`)."""
+        masks = self._constrained_rows(chunks, slots, 1)
+        self._check_sampling(chunks)
+        sampled = np.flatnonzero(slots != self.batch.spare)
+        return self.batch.sampling(sampled, slots[sampled], 0, rows, bool(masks)), masks
 
     @staticmethod
-    def _constrained_rows(chunks: list[ScheduledChunk], rows_per_chunk: int) -> tuple[tuple[int, GrammarState], ...]:
-        return tuple((i * rows_per_chunk, c.request.grammar) for i, c in enumerate(chunks)
-                     if c.sample and c.request.grammar is not None)
+    def _check_sampling(chunks: list[ScheduledChunk]) -> None:
+        for c in chunks:
+            if c.sample:
+                faults.check("sampling", c.request)
 
-    @staticmethod
-    def _pending_input(chunk: ScheduledChunk, prev_rows: dict[Request, int] | None) -> int:
-        """Row of the previous iteration's sampled buffer holding this chunk's last input token,
-        when that token is still a PLACEHOLDER (the step that samples it has not been read)."""
+    def _constrained_rows(self, chunks: list[ScheduledChunk], slots: np.ndarray,
+                          rows_per_chunk: int) -> tuple[tuple[int, GrammarState], ...]:
+        return tuple((i * rows_per_chunk, chunks[i].request.grammar)
+                     for i in np.flatnonzero(self.batch.constrained[slots]).tolist())
+
+    def _pending_input(self, chunk: ScheduledChunk, slot: int) -> int:
+        """Row of the previous iteration's sampled buffer holding a sampling chunk's last input
+        token, when that token is still a PLACEHOLDER (the step that samples it has not been read)."""
         out = chunk.request.output_token_ids
-        if chunk.sample and out and out[-1] == PLACEHOLDER:
-            return prev_rows[chunk.request]
-        return -1
+        return self._in_flight(chunk.request, slot) if out and out[-1] == PLACEHOLDER else -1
+
+    def _in_flight(self, req: Request, slot: int) -> int:
+        """Row of the previous iteration's sampled buffer holding the request's last token,
+        which the host does not know yet."""
+        row = int(self.batch.token_src[slot])
+        if row < 0:
+            raise ValueError(f"request {req.request_id!r}: its last token is neither read nor in the "
+                             "previous iteration's sampled tokens")
+        return row

@@ -49,11 +49,12 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class StepHandle:
-    """A launched iteration: for each of its programs, the chunks and the sampler outputs the
-    host will read (tokens; log-probabilities only when a chunk asked for them)."""
+    """A launched iteration: for each of its programs, the chunks, their slots in the persistent
+    batch and the sampler outputs the host will read (tokens; log-probabilities only when a
+    chunk asked for them)."""
 
     launch_index: int  # 1 for the runner's first launch
-    parts: list[tuple[list[ScheduledChunk], tuple[jax.Array, ...]]]
+    parts: list[tuple[list[ScheduledChunk], np.ndarray, tuple[jax.Array, ...]]]
     launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
     # The prefill program's scored prompt positions and their (logprob, rank, top ids, top logprobs).
     prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
@@ -186,7 +187,6 @@ class ModelRunner:
                                          out_shardings=rep)
         self._no_tokens = jax.device_put(np.zeros(self.inputs.sampled_rows, np.int32), rep)
         self._prev_sampled = self._no_tokens  # the last launched iteration's sampled tokens
-        self._sampled_rows: dict = {}  # and each request's row there
         self.num_launches = 0
         self.last_prepare_time = self.last_launch_time = self.last_fetch_time = 0.0
         self._executables: dict[tuple, Any] = {}
@@ -347,7 +347,7 @@ class ModelRunner:
                 hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
                 rows = jax.ShapeDtypeStruct((tokens,), jnp.int32)
                 submit(("score", tokens), self._score, (self.params, hidden, rows, rows))
-            submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([], {})))
+            submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([])))
             for key, compiled in pending.items():
                 self._executables[key] = compiled.result()
         self.num_compilations += len(pending)
@@ -374,7 +374,7 @@ class ModelRunner:
         """An iteration's host arrays (see `StepInputs.prepare`). Host work only: it raises for a
         request whose inputs cannot be built before anything reaches the device."""
         t0 = time.perf_counter()
-        prepared = self.inputs.prepare(sched, self._sampled_rows)
+        prepared = self.inputs.prepare(sched)
         self.last_prepare_time = time.perf_counter() - t0
         return prepared
 
@@ -397,18 +397,17 @@ class ModelRunner:
         outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs,
                                        before_masks=timed_before_masks if before_masks is not None else None)
         self.inputs.batch.unset.difference_update(prepared.reset_requests)
-        parts = prepared.parts
-        self._sampled_rows = {c.request: program.sample_offset + i for chunks, program in zip(parts, prepared.programs)
-                              if program.drafts is None and program.num_steps == 1
-                              for i, c in enumerate(chunks) if c.sample}
+        # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
+        self.inputs.batch.launched(self.num_launches, [
+            (p.slots, p.sample_offset if p.drafts is None and p.num_steps == 1 else None) for p in prepared.programs])
         handle = StepHandle(self.num_launches, [])
-        for chunks, out in zip(parts, outs):
+        for chunks, program, out in zip(prepared.parts, prepared.programs, outs):
             wanted = max((c.request.params.logprobs for c in chunks
                           if c.sample and c.request.params.logprobs is not None), default=None)
             fields = (out.tokens,) if wanted is None else (out.tokens, out.logprobs) if wanted == 0 else tuple(out)
             for field in fields:
                 field.copy_to_host_async()
-            handle.parts.append((chunks, fields))
+            handle.parts.append((chunks, program.slots, fields))
         if scores is not None:
             for field in scores:
                 field.copy_to_host_async()
@@ -423,8 +422,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         handle.launches_before_fetch = self.num_launches
         results = []
-        for chunks, fields in handle.parts:
+        for chunks, slots, fields in handle.parts:
             tokens, *rest = (np.asarray(f) for f in fields)
+            self.inputs.batch.read(handle.launch_index, slots, tokens)
             width = tokens.shape[1] if tokens.ndim == 2 else 1  # [B, k + 1] or [B, K]: verify, multi-step
             token_rows = tokens.reshape(-1, width).tolist()
             # Other fields are by row (a verified chunk's rows follow each other). Python floats

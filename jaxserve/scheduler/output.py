@@ -15,7 +15,9 @@ class ScheduledChunk:
     """One request's work this step: compute `num_new_tokens` tokens from `start`.
 
     The tokens are `request.all_token_ids[start:start + num_new_tokens]`; `block_table` covers
-    every position below `start + num_new_tokens`. `sample` is true when this chunk reaches the
+    every position below `start + num_new_tokens`, and `table_version` is the KV manager's
+    version of its entries (`KVCacheManager.table_version`; -1, unknown, for a chunk built by
+    hand: the runner copies the whole table). `sample` is true when this chunk reaches the
     request's last token, so the step must sample the next one.
     """
 
@@ -31,6 +33,7 @@ class ScheduledChunk:
     # Multi-step decode (decodes only): tokens this decode may sample in the step's device loop
     # (its slots are allocated); it stops earlier at a stop token.
     num_steps: int = 1
+    table_version: int = -1
 
     @property
     def token_ids(self) -> list[int]:

@@ -327,8 +327,9 @@ class Scheduler:
         return i < len(hashes) and hashes[i] in in_flight
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
-        return ScheduledChunk(req, start, n, self.kv.block_table(req.request_id), sample=start + n == req.num_tokens)
+        start, kv = req.num_computed_tokens, self.kv
+        return ScheduledChunk(req, start, n, kv.block_table(req.request_id), sample=start + n == req.num_tokens,
+                              table_version=kv.table_version(req.request_id))
 
     # ----- policies and preemption ----------------------------------------------------------
 

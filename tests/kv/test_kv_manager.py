@@ -236,6 +236,56 @@ def test_slot_mapping_and_block_table_views() -> None:
     eng.drain()
 
 
+def test_table_version_changes_when_entries_change_not_when_blocks_are_appended() -> None:
+    mgr = KVCacheManager(32, BS, watermark_blocks=0, num_host_slots=16)
+    prompt = list(range(6))
+    assert mgr.admit("a", mgr.match_prefix(prompt), 6)     # [0 1 2 3] [4 5 . .]
+    version = mgr.table_version("a")
+    assert mgr.allocate_slots("a", 1) and mgr.allocate_slots("a", 4)  # fills block 1, appends block 2
+    assert len(mgr.block_table("a")) == 3 and mgr.table_version("a") == version
+    changes = []
+
+    def changed(what: str) -> None:
+        nonlocal version
+        changes.append((what, mgr.table_version("a") != version))
+        version = mgr.table_version("a")
+
+    mgr.fork("a", "b")
+    changed("fork (the parent's entries stay)")
+    assert mgr.allocate_slots("a", 1)                      # a writes into the shared partial block
+    changed("copy-on-write")
+    assert mgr.release_slots("a", 10) is None               # within the last block: nothing freed
+    changed("a release within the last block")
+    assert mgr.release_slots("a", 8) is None                # frees block 2
+    changed("a release freeing a block")
+    assert mgr.swap_out("a")
+    changed("swap out")
+    assert mgr.swap_in("a")
+    changed("swap in")
+    assert changes == [("fork (the parent's entries stay)", False), ("copy-on-write", True),
+                       ("a release within the last block", False), ("a release freeing a block", True),
+                       ("swap out", True), ("swap in", True)]
+    versions = {mgr.table_version("a"), mgr.table_version("b")}
+    mgr.free("a")
+    assert mgr.admit("a", mgr.match_prefix(prompt), 6)     # admitted again: a version never seen
+    assert mgr.table_version("a") not in versions | {version}
+
+
+def test_a_block_swapped_for_the_caches_copy_changes_the_version() -> None:
+    mgr = KVCacheManager(32, BS, watermark_blocks=0)
+    ids = list(range(9))
+    for rid in ("a", "b"):                                 # the same tokens, computed twice
+        assert mgr.admit(rid, mgr.match_prefix(ids), 9)
+    mgr.cache_full_blocks("a", ids)
+    before = mgr.block_table("b").tolist(), mgr.table_version("b")
+    mgr.cache_full_blocks("b", ids)                         # b switches to a's cached blocks
+    after = mgr.block_table("b").tolist(), mgr.table_version("b")
+    assert after[0][:2] == mgr.block_table("a").tolist()[:2] != before[0][:2]
+    assert after[1] != before[1]
+    mgr.cache_full_blocks("b", ids)                         # nothing new: the version stays
+    assert mgr.table_version("b") == after[1]
+
+
 def test_bad_calls_get_clear_errors() -> None:
     eng = engine(num_host_slots=8)
     mgr = eng.mgr

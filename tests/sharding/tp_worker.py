@@ -64,8 +64,11 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
     key, args = program.key, runner.step_args(program)
     prefill, runner.cache, _ = runner._compiled(key, runner._step, args)(*args)
     prefill = np.asarray(prefill)[: len(prompts)]
-    for r, row in zip(requests, prefill):
-        r.output_token_ids.append(int(row.argmax()))
+    # The decodes' requests, the prompts and the tokens the prefill gave, join the batch as they are now.
+    requests = [Request(f"decode{i}", p + [int(row.argmax())], SamplingParams(), seed=0)
+                for i, (p, row) in enumerate(zip(prompts, prefill))]
+    for r in requests:
+        runner.inputs.batch.join(r)
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
     program = runner.inputs.decode(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
     key, args = program.key, runner.step_args(program)
