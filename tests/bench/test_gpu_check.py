@@ -99,8 +99,10 @@ def test_table_has_the_columns_of_the_gpu_run(dry_run):
     assert any(line.startswith("prefill case") and "%peak" in line for line in lines)
     engine_rows = [line for line in lines if line.split()[:1] and line.split()[0] in PLAN.models]
     multi_step = [line for line in engine_rows if "-step)" in line]
-    assert len(engine_rows) - len(multi_step) == len(PLAN.models) * len(PLAN.workload.batches)
+    unrolled = [line for line in engine_rows if "(unrolled)" in line]
+    assert len(engine_rows) - len(multi_step) - len(unrolled) == len(PLAN.models) * len(PLAN.workload.batches)
     assert len(multi_step) in (0, len(PLAN.workload.batches))  # the optional multi-step stage
+    assert len(unrolled) in (0, len(PLAN.workload.batches))  # the optional unrolled stage
     for s in PLAN.stages:  # optional stages run only in the time the others left
         states = ("ok", "skipped") if s.optional else ("ok",)
         assert any(line.split()[:1] == [s.name] and line.split()[1] in states for line in lines), s.name
