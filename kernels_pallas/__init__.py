@@ -2,8 +2,9 @@
 
 An attention backend is a pair of functions with the signatures of
 `reference.decode_attention` and `reference.prefill_attention`: `paged_jax` (plain JAX),
-`cpu_attention` (C++ kernels behind the XLA FFI, the CPU default; `cpu_matmul` is their
-layer matmul for the model's scan, `cpu_build` builds both), `decode` and `prefill`
+`cpu_attention` (C++ kernels behind the XLA FFI, the CPU default; `cpu_matmul` holds the
+model's matmuls beside them, its scanned layers' on weights in panels and the tied head's;
+`cpu_build` builds both), `decode` and `prefill`
 (Pallas, the GPU default), `reference` (their oracle). The model looks one up by
 name with `get_attention_backend` (`default_attention_backend()` names the one for this
 machine) and, under a mesh, wraps it with `shard_attention`.

@@ -74,12 +74,19 @@ class CpuMatmul:
         call = jax.ffi.ffi_call(LAYER, jax.ShapeDtypeStruct((x.shape[0], w.shape[1] * self.panel), jnp.float32))
         return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(()))
 
+    @staticmethod
+    def takes_head(x: jax.Array, embedding: jax.Array) -> bool:
+        """Whether `head` takes these: f32, at most HEAD_MAX_ROWS rows (from 8 rows XLA's dot is
+        as fast or faster), K a multiple of HEAD_K_MULTIPLE."""
+        return (embedding.dtype == jnp.float32 and x.shape[0] <= HEAD_MAX_ROWS
+                and x.shape[1] % HEAD_K_MULTIPLE == 0)
+
     def head(self, x: jax.Array, embedding: jax.Array) -> jax.Array:
         """Logits of the output head tied to an f32 `embedding` [V, K]: x [M, K] @ embedding.T ->
-        f32 [M, V]; XLA's dot for more than HEAD_MAX_ROWS rows (as fast or faster there) or K not
-        a multiple of HEAD_K_MULTIPLE."""
-        if embedding.dtype != jnp.float32 or x.shape[0] > HEAD_MAX_ROWS or x.shape[1] % HEAD_K_MULTIPLE:
-            return jnp.dot(x.astype(embedding.dtype), embedding.T, preferred_element_type=jnp.float32)
+        f32 [M, V], for what `takes_head`."""
+        if not self.takes_head(x, embedding):
+            raise ValueError(f"the cpu head matmul does not take x {x.shape} and an embedding "
+                             f"{embedding.shape} of {embedding.dtype}")
         cpu_build.register(SOURCE, TARGETS)
         call = jax.ffi.ffi_call(HEAD, jax.ShapeDtypeStruct((x.shape[0], embedding.shape[0]), jnp.float32))
         return call(x.astype(jnp.float32), embedding)

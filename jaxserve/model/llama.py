@@ -329,7 +329,7 @@ class LlamaModel(nn.Module):
         # (`head_logits`); kept only when applied with mutable=["intermediates"].
         self.sow("intermediates", "hidden", h)
         h = RMSNorm(cfg.rms_norm_eps, act, name="final_norm")(h[logits_indices])
-        if cfg.tie_word_embeddings and self.cpu_matmul is not None:
+        if cfg.tie_word_embeddings and self.cpu_matmul is not None and self.cpu_matmul.takes_head(h, embed.embedding):
             logits = self.cpu_matmul.head(h, embed.embedding)
         elif cfg.tie_word_embeddings:
             logits = matmul(h, embed.embedding, contract_w=1)

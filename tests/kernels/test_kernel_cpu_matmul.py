@@ -3,7 +3,7 @@ weights stored in its panels, against the [K, N] layout: every row count of its 
 and of the rows left over, more rows than one unit of its work, one-row calls over an odd number
 of panels, K of any size, work split over threads or not, and its refusals (a layer out of
 range, other dtypes, weights not in its panels). The tied head, x @ embedding.T: tiles at the
-edges of both, and XLA's dot for more rows or where K does not fit its vectors."""
+edges of both, and what it leaves to XLA's dot (more rows, K off its vectors, other dtypes)."""
 
 import jax
 import jax.numpy as jnp
@@ -86,8 +86,11 @@ def test_head(matmul, m, k, v):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(k))
 
 
-@pytest.mark.parametrize("m,k", [(cpu_matmul.HEAD_MAX_ROWS + 1, 64), (3, 40)])
-def test_head_beyond_its_rows_or_vectors_is_xlas_dot(matmul, m, k):
-    x, e = np.ones((m, k), np.float32), np.full((7, k), 0.5, np.float32)
-    assert cpu_matmul.HEAD not in jax.jit(matmul.head).lower(x, e).as_text()
-    np.testing.assert_allclose(np.asarray(matmul.head(x, e)), np.full((m, 7), k / 2))
+@pytest.mark.parametrize("m,k,dtype", [(cpu_matmul.HEAD_MAX_ROWS + 1, 64, np.float32), (3, 40, np.float32),
+                                     (1, 64, jnp.bfloat16)])
+def test_head_refuses_what_xlas_dot_keeps(matmul, m, k, dtype):
+    """More rows than it pays for, K off its vectors, other dtypes: the model keeps XLA's dot."""
+    x, e = jnp.ones((m, k), jnp.float32), jnp.ones((7, k), dtype)
+    assert not matmul.takes_head(x, e)
+    with pytest.raises(ValueError, match="does not take"):
+        matmul.head(x, e)
