@@ -23,10 +23,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
-# Functions whose cumulative time is one phase of a step (cProfile names: file:line(function)).
+# The function whose cumulative time is one phase of a step: (file, function) as cProfile names them.
 PHASES = {
-    "schedule": "scheduler.py", "prepare": "prepare", "launch": "launch", "read": "fetch",
-    "post-process": "_process",
+    "schedule": ("scheduler.py", "schedule"), "prepare": ("model_runner.py", "prepare"),
+    "launch": ("model_runner.py", "launch"), "read": ("model_runner.py", "fetch"),
+    "post-process": ("engine.py", "_process"),
 }
 
 
@@ -70,8 +71,8 @@ def measure(batch: int, steps: int, async_scheduling: bool, num_scheduler_steps:
     stats = pstats.Stats(profile)
     phases = {}
     for (filename, _, function), (_, _, _, cumulative, _) in stats.stats.items():
-        for phase, needle in PHASES.items():
-            if needle == function or (needle.endswith(".py") and filename.endswith(needle) and function == "schedule"):
+        for phase, (file, name) in PHASES.items():
+            if function == name and filename.endswith(file):
                 phases[phase] = phases.get(phase, 0.0) + cumulative / steps
     return {"batch": batch, "mode": f"{num_scheduler_steps}-step" if num_scheduler_steps > 1 else
             "async" if async_scheduling else "sync", "step_ms": 1e3 * wall, "read_ms": 1e3 * reads / steps,

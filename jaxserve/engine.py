@@ -328,15 +328,16 @@ class LLMEngine:
             req = chunk.request
             if req.is_finished:  # aborted, failed or ended while its step was running
                 continue
+            stream = self._streams[req]
             try:
-                reason = self._update_all(req, chunk, tokens)
+                reason = self._update_all(req, stream, chunk, tokens)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
                     deltas.append(self._final_delta(req, reason))
-                    finished_groups.add(self._streams[req].group_id)
+                    finished_groups.add(stream.group_id)
                 else:
-                    self.scheduler.cache_known_blocks(req)
-                    delta = self._streams[req].take_delta(None, None)
+                    self.scheduler.on_token_read(req, chunk.output_index)
+                    delta = stream.take_delta(None, None)
                     if delta is not None:
                         deltas.append(delta)
             except Exception as e:  # noqa: BLE001 - one request's fault
@@ -345,7 +346,8 @@ class LLMEngine:
             self._forget_if_finished(group_id)
         return deltas
 
-    def _update_all(self, req: Request, chunk: ScheduledChunk, tokens: list[SampledToken]) -> FinishReason | None:
+    def _update_all(self, req: Request, stream: SequenceStream, chunk: ScheduledChunk,
+                    tokens: list[SampledToken]) -> FinishReason | None:
         """Land a chunk's tokens in order: one, a verified decode's accepted drafts and the
         token after them, or a multi-step decode's tokens. Every stop rule applies to each;
         tokens after a stop are dropped. A request that goes on keeps the K/V of the tokens it
@@ -354,7 +356,7 @@ class LLMEngine:
         for i, sampled in enumerate(tokens):
             if i:
                 req.output_token_ids.append(sampled.token_id)
-            reason = self._update(req, chunk.output_index + i, sampled)
+            reason = self._update(req, stream, chunk.output_index + i, sampled)
             self.stats.generated_tokens += 1
             if reason is not None:
                 break
@@ -365,7 +367,7 @@ class LLMEngine:
             self.scheduler.accept_tokens(req, len(tokens) - 1)
         return reason
 
-    def _update(self, req: Request, index: int, sampled: SampledToken) -> FinishReason | None:
+    def _update(self, req: Request, stream: SequenceStream, index: int, sampled: SampledToken) -> FinishReason | None:
         """The one place a sampled token lands: it replaces its placeholder and advances the
         request's grammar (structured output), then every stop rule is applied in order (stop
         token ids and EOS, stop strings, a grammar that allows nothing more, max_tokens, the
@@ -376,7 +378,6 @@ class LLMEngine:
         if req.grammar is not None:
             req.grammar.advance(token)
         num_out = index + 1
-        stream = self._streams[req]
         checking = num_out >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
         stream.add_token(sampled)
         faults.check("stop", req)

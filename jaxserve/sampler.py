@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,28 +107,61 @@ def set_penalty_rows(counts: PenaltyCounts, slots: jax.Array, history: jax.Array
                          counts.prompt.at[target].set(prompt, mode="drop"))
 
 
+class _Setting:
+    """A per-row setting of SamplingTensors: `words` columns of its `settings` array (the next ones,
+    in the order the settings are defined), bit-cast to `dtype`: [B] for one word, [B, words]
+    for more. On the host it is a numpy view, so writing it writes `settings`."""
+
+    def __init__(self, dtype: type, words: int = 1):
+        self.dtype, self.words = np.dtype(dtype), words
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.start = owner.SETTING_WORDS
+        owner.SETTING_WORDS += self.words
+
+    def __get__(self, t: SamplingTensors | None, owner: type) -> jax.Array | _Setting:
+        if t is None:
+            return self
+        words = t.settings[:, self.start:self.start + self.words]
+        if isinstance(words, np.ndarray):
+            values = words.view(self.dtype)
+        else:
+            values = lax.bitcast_convert_type(words, self.dtype)
+        return values[:, 0] if self.words == 1 else values
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
     """Per-row sampling settings of a padded batch of B rows (numpy on the host, jax inside jit).
 
+    The per-row scalars are the columns of one int32 array, `settings` (floats and the uint32
+    seeds bit-cast), read and written through the named settings below: the persistent batch
+    gathers a step's rows with one index, and the step ships them in one host-to-device transfer
+    (each array argument of a compiled call is a transfer of its own). The [B, n] tables are
+    arrays of their own, as a step often takes them as device constants (no row uses them).
+
     Padding rows are greedy with no penalties, so they never enable an expensive stage.
     """
 
-    temperature: jax.Array  # f32[B]; 0 = greedy
-    top_k: jax.Array  # i32[B]; 0 = off
-    top_p: jax.Array  # f32[B]; 1 = off
-    min_p: jax.Array  # f32[B]; 0 = off
-    presence_penalty: jax.Array  # f32[B]
-    frequency_penalty: jax.Array  # f32[B]
-    repetition_penalty: jax.Array  # f32[B]
-    seed: jax.Array  # u32[B, 2]: threefry key data (high, low 32 bits of the 64-bit seed)
-    positions: jax.Array  # i32[B]: position of the token being generated
-    num_logprobs: jax.Array  # i32[B]: -1 = none, 0 = sampled token only, k = also top k
-    penalty_slots: jax.Array  # i32[B]: each row's PenaltyCounts row (the spare one: no penalties)
+    SETTING_WORDS: ClassVar[int] = 0  # columns of `settings` (counted as the settings are defined)
+
+    settings: jax.Array  # i32[B, SETTING_WORDS]
     bias_ids: jax.Array  # i32[B, BIAS_SLOTS]: tokens with a logit bias, -1 = empty
     bias_values: jax.Array  # f32[B, BIAS_SLOTS]: their biases (-inf bans a token)
     token_mask: jax.Array  # i32[B, W]: bit t % 32 of word t // 32 = token t allowed; -1 = all
+
+    temperature = _Setting(np.float32)  # f32[B]; 0 = greedy
+    top_k = _Setting(np.int32)  # i32[B]; 0 = off
+    top_p = _Setting(np.float32)  # f32[B]; 1 = off
+    min_p = _Setting(np.float32)  # f32[B]; 0 = off
+    presence_penalty = _Setting(np.float32)  # f32[B]
+    frequency_penalty = _Setting(np.float32)  # f32[B]
+    repetition_penalty = _Setting(np.float32)  # f32[B]
+    seed = _Setting(np.uint32, 2)  # u32[B, 2]: threefry key data (high, low 32 bits of the 64-bit seed)
+    positions = _Setting(np.int32)  # i32[B]: position of the token being generated
+    num_logprobs = _Setting(np.int32)  # i32[B]: -1 = none, 0 = sampled token only, k = also top k
+    penalty_slots = _Setting(np.int32)  # i32[B]: each row's PenaltyCounts row (the spare one: no penalties)
 
     @classmethod
     def build(
@@ -141,60 +174,47 @@ class SamplingTensors:
         if len(rows) > batch_size:
             raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
         live = [i for i, row in enumerate(rows) if row is not None]
-        bias_ids = np.full((batch_size, BIAS_SLOTS), -1, np.int32)
-        bias_values = np.zeros((batch_size, BIAS_SLOTS), np.float32)
+        t = cls(
+            settings=np.zeros((batch_size, cls.SETTING_WORDS), np.int32),
+            bias_ids=np.full((batch_size, BIAS_SLOTS), -1, np.int32),
+            bias_values=np.zeros((batch_size, BIAS_SLOTS), np.float32),
+            token_mask=np.full((batch_size, mask_words), -1, np.int32),
+        )
         masked = [i for i in live if rows[i].token_mask is not None]
-        token_mask = np.full((batch_size, mask_words), -1, np.int32)
         for i in masked:
             if rows[i].token_mask.shape != (mask_words,):
                 raise ValueError(f"a token mask of shape {rows[i].token_mask.shape} in a batch of {mask_words} words")
-            token_mask[i] = rows[i].token_mask
-        temperature = np.zeros(batch_size, np.float32)
-        top_p = np.ones(batch_size, np.float32)
-        min_p = np.zeros(batch_size, np.float32)
-        presence = np.zeros(batch_size, np.float32)
-        frequency = np.zeros(batch_size, np.float32)
-        repetition = np.ones(batch_size, np.float32)
-        top_k = np.zeros(batch_size, np.int32)
-        positions = np.zeros(batch_size, np.int32)
-        num_logprobs = np.full(batch_size, -1, np.int32)
-        seed = np.zeros((batch_size, 2), np.uint32)
-        penalty_slots = np.full(batch_size, spare_slot, np.int32)
+            t.token_mask[i] = rows[i].token_mask
+        # Padding: greedy (temperature, top_k, min_p and the seed 0), no penalties, no logprobs.
+        t.top_p[:] = 1.0
+        t.repetition_penalty[:] = 1.0
+        t.num_logprobs[:] = -1
+        t.penalty_slots[:] = spare_slot
         if live:
             # One float64 table for the per-row scalars (all exact in float64), then columns.
             table = np.array([_row_scalars(rows[i]) for i in live], np.float64)
-            columns = (temperature, top_p, min_p, presence, frequency, repetition, top_k,
-                       positions, num_logprobs)
+            columns = (t.temperature, t.top_p, t.min_p, t.presence_penalty, t.frequency_penalty,
+                       t.repetition_penalty, t.top_k, t.positions, t.num_logprobs)
             for column, values in zip(columns, table.T):
                 column[live] = values
             seeds = [rows[i].seed % (1 << 64) for i in live]
-            seed[live] = np.array([(s >> 32, s & 0xFFFFFFFF) for s in seeds], np.uint32)
+            t.seed[live] = np.array([(s >> 32, s & 0xFFFFFFFF) for s in seeds], np.uint32)
             for i in live:
                 params = rows[i].params
                 if params.has_penalties:
-                    penalty_slots[i] = rows[i].penalty_slot
+                    t.penalty_slots[i] = rows[i].penalty_slot
                 if params.logit_bias or rows[i].banned_ids:
                     biased = {**(params.logit_bias or {}), **dict.fromkeys(rows[i].banned_ids, -np.inf)}
                     if len(biased) > BIAS_SLOTS:
                         raise ValueError(f"{len(biased)} biased tokens exceed the {BIAS_SLOTS} bias slots")
-                    bias_ids[i, : len(biased)] = list(biased)
-                    bias_values[i, : len(biased)] = list(biased.values())
-        return cls(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            seed=seed,
-            positions=positions,
-            num_logprobs=num_logprobs,
-            penalty_slots=penalty_slots,
-            bias_ids=bias_ids,
-            bias_values=bias_values,
-            token_mask=token_mask,
-        )
+                    t.bias_ids[i, : len(biased)] = list(biased)
+                    t.bias_values[i, : len(biased)] = list(biased.values())
+        return t
+
+    def at_positions(self, positions: jax.Array) -> SamplingTensors:
+        """The same rows, generating the tokens at `positions` (in a jitted function)."""
+        column = SamplingTensors.positions.start
+        return dataclasses.replace(self, settings=self.settings.at[:, column].set(positions))
 
 
 def _row_scalars(row: RowSampling) -> tuple[float, ...]:

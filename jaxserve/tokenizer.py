@@ -6,12 +6,65 @@ that serving token ids needs no jinja2).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import tokenizers
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
+
+
+# Decoders that render each token the same whatever comes before it, except where bytes join
+# into a character (byte fallback, byte-level BPE: such tokens alone show U+FFFD) and for a
+# leading space stripped at the very start of the text (SentencePiece).
+_CONTEXT_FREE_DECODERS = frozenset({"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"})
+
+
+def _decoder_is_context_free(tokenizer: tokenizers.Tokenizer) -> bool:
+    decoder = json.loads(tokenizer.to_str()).get("decoder")
+    parts = [] if decoder is None else decoder.get("decoders", []) if decoder["type"] == "Sequence" else [decoder]
+    return bool(parts) and all(part["type"] in _CONTEXT_FREE_DECODERS for part in parts)
+
+
+class TokenTexts:
+    """What single tokens decode to, under one tokenizer and `skip_special_tokens` setting:
+    computed once per vocabulary entry and shared by all of that tokenizer's detokenizers.
+
+    `alone(t)` is t's text decoded by itself. `after_text(t)` is the text t adds after text
+    already shown, where that does not depend on the tokens before it: with a context-free
+    decoder, the same after two different probe tokens, not empty, and no U+FFFD in it (a byte
+    of a character that the tokens around it complete). Otherwise None: the detokenizer decodes
+    its window.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._alone: dict[int, str] = {}
+        self._after: dict[int, str | None] = {}
+        probes = [tokenizer.encode(text, add_special_tokens=False).ids for text in ("a", "Z")]
+        self._probes = ([p[0] for p in probes] if _decoder_is_context_free(tokenizer) and all(probes) else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def alone(self, token_id: int) -> str:
+        text = self._alone.get(token_id)
+        if text is None:
+            text = self._alone[token_id] = self.decode([token_id])
+        return text
+
+    def after_text(self, token_id: int) -> str | None:
+        if token_id in self._after:
+            return self._after[token_id]
+        added = set()
+        for probe in self._probes:
+            before, after = self.alone(probe), self.decode([probe, token_id])
+            added.add(after[len(before):] if after.startswith(before) else None)
+        text = added.pop() if len(added) == 1 else None
+        self._after[token_id] = text = text if text and "\ufffd" not in text else None
+        return text
 
 
 class IncrementalDetokenizer:
@@ -27,31 +80,24 @@ class IncrementalDetokenizer:
     `"".join(deltas) + finish()` equals what decoding `context + ids` adds to decoding `context`
     (without context: `decode(ids)`).
 
-    In the steady state every token is shown at once, so the window's shown part is one token:
-    its text comes from `token_texts` (decoded once per vocabulary entry, shared by the
-    tokenizer's detokenizers), and such a token costs one decode call, not two.
+    In the steady state every token is shown at once and most tokens render the same after any
+    text (`TokenTexts.after_text`): such a token's delta is a dictionary lookup, no decode call.
     """
 
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True,
-                 context: Sequence[int] = (), token_texts: dict[int, str] | None = None) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._token_texts = {} if token_texts is None else token_texts
+    def __init__(self, texts: TokenTexts, context: Sequence[int] = ()) -> None:
+        self._texts = texts
         self._ids = [int(i) for i in context[-self.CONTEXT_TOKENS:]] if context else []
-        if self._decode(self._ids).endswith("\ufffd"):
-            self._ids = []  # a prompt ending inside a character would shift every delta
+        text = texts.decode(self._ids)
+        if text.endswith("\ufffd"):
+            self._ids, text = [], ""  # a prompt ending inside a character would shift every delta
         self._prefix = 0  # the window starts here: tokens whose text is already out
         self._read = len(self._ids)  # tokens up to here are shown
+        self._text_out = bool(text)  # some text is out (a decoder may strip the very first space)
 
     def _decode(self, ids: list[int]) -> str:
-        if len(ids) == 1:
-            text = self._token_texts.get(ids[0])
-            if text is None:
-                text = self._token_texts[ids[0]] = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
-            return text
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+        return self._texts.alone(ids[0]) if len(ids) == 1 else self._texts.decode(ids)
 
     def _pending(self) -> str:
         """What the window's tokens after `_read` add to its text."""
@@ -69,11 +115,15 @@ class IncrementalDetokenizer:
         ids = [int(token_ids)] if isinstance(token_ids, (int, np.integer)) else [int(i) for i in token_ids]
         pieces = []
         for token_id in ids:
+            all_shown = self._read == len(self._ids)
             self._ids.append(token_id)
-            text = self._pending()
+            text = self._texts.after_text(token_id) if all_shown and self._text_out else None
+            if text is None:
+                text = self._pending()
             if text and not text.endswith("\ufffd"):
                 pieces.append(text)
                 self._prefix, self._read = self._read, len(self._ids)
+                self._text_out = True
         return "".join(pieces)
 
     def finish(self) -> str:
@@ -90,8 +140,7 @@ class Tokenizer:
     def __init__(self, bundle: TokenizerBundle) -> None:
         self.bundle = bundle
         self._tokenizer = bundle.tokenizer
-        # Each token's text alone, by skip_special_tokens: see IncrementalDetokenizer.
-        self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        self._token_texts = {skip: TokenTexts(self._tokenizer, skip) for skip in (True, False)}
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -154,5 +203,4 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> IncrementalDetokenizer:
         """A streaming detokenizer; `context` is the prompt (its last tokens give the first
         generated word its leading space where the decoder would strip it)."""
-        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens, context=context,
-                                      token_texts=self._token_texts[skip_special_tokens])
+        return IncrementalDetokenizer(self._token_texts[skip_special_tokens], context=context)

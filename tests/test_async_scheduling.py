@@ -109,3 +109,23 @@ def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(m
     runner._run_steps([runner.inputs.penalty_reset([req])], [])
     counts = np.asarray(runner.penalty_counts.output)[runner.inputs.batch.slot(req)]
     assert counts[9] == 1 and counts[23] == 1 and counts.sum() == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_generated_blocks_join_the_prefix_cache_once_their_tokens_are_read(model, async_scheduling):
+    """After every step, each running request's full blocks whose tokens are all computed and
+    known (read from the device, none in flight) are in the prefix cache: with overlap, a
+    block whose last token was in flight at its launch is cached when that token is read."""
+    engine = make_llm(model, async_scheduling, num_blocks=400).engine
+    bs = engine.config.block_size
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts(6, seed=4)):
+        engine.add_request(f"r{i}", p["prompt_token_ids"], params)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in engine.scheduler.running:
+            full = min(req.num_computed_tokens, req.num_known_tokens) // bs
+            assert engine.kv.num_cached_blocks(req.request_id) == full, (req.request_id, req.num_computed_tokens)
+            checked += full > len(req.prompt_token_ids) // bs  # a block of generated tokens
+    assert checked > 0

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from checkpoints.registry import DEFAULT_MODEL, load_model
 from checkpoints.tiny_random import build_tiny_random
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, TokenTexts
 
 REFERENCE = Path(__file__).parent / "data" / "smollm2_reference.json"
 
@@ -164,6 +164,52 @@ def test_detokenizer_holds_back_split_character(tiny):
     assert [detok.add(i) for i in pieces] == ["", "", "你"]
     detok.add(pieces[0])
     assert detok.finish() == "\ufffd"
+
+
+class CountingDecodes:
+    """A tokenizers.Tokenizer that counts its decode calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self.decodes = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decodes += 1
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_detokenizer_steady_state_needs_no_decode_call(tiny):
+    """Once each token of a plain text has been seen, streaming it again decodes nothing: each
+    delta is the token's cached text. Bytes of a split character still go through the window."""
+    counting = CountingDecodes(tiny.bundle.tokenizer)
+    texts = TokenTexts(counting, skip_special_tokens=True)
+    ids = tiny.encode("The capital of France is Paris, and 你 is a character.")
+    for _ in range(2):
+        before = counting.decodes
+        detok = IncrementalDetokenizer(texts, context=tiny.encode("Q:"))
+        text = "".join(detok.add(i) for i in ids) + detok.finish()
+        assert text == tiny.decode(tiny.encode("Q:") + ids)[len("Q:"):]
+    vocab = tiny.bundle.tokenizer.get_vocab()
+    split = {vocab[c] for c in "ä½ł"}  # "你" spelled in byte-level tokens, if the tokenizer split it
+    assert counting.decodes - before <= 2 * len(split & set(ids)) + 2  # the context, finish()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), skip=st.booleans())
+def test_detokenizer_with_context_matches_full_decode(tiny, data, skip):
+    """With a prompt as context: the deltas are what decoding prompt + output adds to the prompt."""
+    context = data.draw(token_streams(tiny.vocab_size, byte_token_ids(tiny)))
+    ids = data.draw(token_streams(tiny.vocab_size, byte_token_ids(tiny)))
+    detok = tiny.detokenizer(skip_special_tokens=skip, context=context)
+    text = "".join(detok.add(i) for i in ids) + detok.finish()
+    kept = context[-IncrementalDetokenizer.CONTEXT_TOKENS:]
+    if tiny.decode(kept, skip_special_tokens=skip).endswith("\ufffd"):
+        kept = []  # a context ending inside a character is dropped
+    full, prompt = (tiny.decode(kept + ids, skip_special_tokens=skip), tiny.decode(kept, skip_special_tokens=skip))
+    assert full.startswith(prompt)
+    assert text == full[len(prompt):]
 
 
 # --- the default model (SmolLM2) vs Hugging Face --------------------------------------------------

@@ -33,6 +33,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.model import AttentionMetadata, KVCache
 from jaxserve.runner import ModelRunner, checkpoint_shardings
+from jaxserve.runner.host_pack import HostPack
 from jaxserve.sampling_params import SamplingParams
 from sharding.rules import replicated
 
@@ -126,8 +127,8 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     tables = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     meta = AttentionMetadata(np.zeros(batch, np.int32), tables, np.full(batch, context, np.int32))
     tokens, _, _, logits_indices, token_src = program.host_args
-    step_inputs = jax.device_put((tokens, np.full(batch, context - 1, np.int32), meta, logits_indices,
-                                  runner._no_tokens, token_src), replicated(runner.mesh))
+    host_args = HostPack.of((tokens, np.full(batch, context - 1, np.int32), meta, logits_indices, token_src))
+    step_inputs = jax.device_put((host_args, runner._no_tokens), replicated(runner.mesh))
     sampling, offset = jax.device_put((program.sampling, np.int32(program.sample_offset)), replicated(runner.mesh))
 
     def once(cache, counts):

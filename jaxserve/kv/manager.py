@@ -142,11 +142,13 @@ class KVUsage:
 
 
 class _Seq:
-    __slots__ = ("table", "num_blocks", "version", "num_tokens", "node", "cached_blocks", "host_slots", "chain")
+    __slots__ = ("table", "readonly_table", "num_blocks", "version", "num_tokens", "node", "cached_blocks",
+                 "host_slots", "chain")
 
     def __init__(self, table: np.ndarray, num_blocks: int, version: int, num_tokens: int,
                  node: RadixNode | None, cached_blocks: int, chain: ChainKeys | None = None) -> None:
         self.table = table                  # int32 with spare capacity; [:num_blocks] is valid
+        self.readonly_table = _readonly(table)  # what `block_table` slices (its views are read-only)
         self.num_blocks = num_blocks
         self.version = version              # see KVCacheManager.table_version
         self.num_tokens = num_tokens
@@ -154,6 +156,12 @@ class _Seq:
         self.cached_blocks = cached_blocks
         self.host_slots: list[int] | None = None   # set while swapped out
         self.chain = chain                  # content keys of its blocks (with a disk tier)
+
+
+def _readonly(table: np.ndarray) -> np.ndarray:
+    view = table.view()
+    view.flags.writeable = False
+    return view
 
 
 def _table_with(blocks: Sequence[int], capacity: int) -> np.ndarray:
@@ -225,9 +233,7 @@ class KVCacheManager:
     def block_table(self, req_id: RequestId) -> np.ndarray:
         """Read-only int32 view of the request's blocks (empty while swapped out)."""
         seq = self._get(req_id)
-        view = seq.table[:seq.num_blocks]
-        view.flags.writeable = False
-        return view
+        return seq.readonly_table[:seq.num_blocks]
 
     def table_version(self, req_id: RequestId) -> int:
         """A number that changes whenever entries of the request's table change, not when blocks
@@ -475,7 +481,7 @@ class KVCacheManager:
         if end > len(seq.table):
             grown = np.empty(max(2 * len(seq.table), end), dtype=np.int32)
             grown[:seq.num_blocks] = seq.table[:seq.num_blocks]
-            seq.table = grown
+            seq.table, seq.readonly_table = grown, _readonly(grown)
         seq.table[seq.num_blocks:end] = blocks
         seq.num_blocks = end
 

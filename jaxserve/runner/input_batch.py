@@ -36,10 +36,6 @@ from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.sampler import BIAS_SLOTS, RowSampling, SamplingTensors
 from jaxserve.scheduler.output import ScheduledChunk
 
-# The SamplingTensors fields a slot holds (the positions come from the slot's position, the token
-# masks are written per step by structured output).
-SLOT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "seed", "num_logprobs", "penalty_slots", "bias_ids", "bias_values")
 STOP_ID_SLOTS = 8  # stop token ids per row that a multi-step decode checks on the device
 
 
@@ -57,8 +53,10 @@ class InputBatch:
         self._slots: dict[Request, int] = {}
         self.unset: set[Request] = set()  # with penalties, their PenaltyCounts row not set yet
         rows = 2 * (num_slots + 1)
+        # Each sampling row's SamplingTensors settings (their positions stay 0: a step writes its
+        # own) and logit bias tables; the token masks are written per step by structured output.
         padding = SamplingTensors.build([None] * rows, rows, self.spare)
-        self._rows = {name: getattr(padding, name) for name in SLOT_FIELDS}
+        self._settings, self._bias_ids, self._bias_values = padding.settings, padding.bias_ids, padding.bias_values
         self._biased = np.zeros(rows, np.bool_)  # rows with a logit bias or banned tokens
         slots = num_slots + 1
         self.positions = np.zeros(slots, np.int32)
@@ -101,8 +99,9 @@ class InputBatch:
         self._free.pop()
         self._slots[req] = slot
         rows = [slot, slot + self.spare + 1]
-        for name in SLOT_FIELDS:
-            self._rows[name][rows] = getattr(built, name)
+        self._settings[rows] = built.settings
+        self._bias_ids[rows] = built.bias_ids
+        self._bias_values[rows] = built.bias_values
         self._biased[rows] = (built.bias_ids >= 0).any(axis=1)
         if req.params.has_penalties:
             self.unset.add(req)
@@ -180,15 +179,16 @@ class InputBatch:
         are padding. `masked`: some row has a token mask (structured output), so the mask table
         is a host array of allow-all rows for those masks to be written into."""
         index = np.full(num_rows, self.spare, np.intp)
-        positions = np.zeros(num_rows, np.int32)
         sampled = self.positions[slots] + 1 + ahead  # the positions of the tokens sampled
         banned = sampled < self._stops_from[slots]  # no stop token yet
         index[rows] = slots + banned * (self.spare + 1)
-        positions[rows] = sampled
-        fields = {name: self._rows[name][index] for name in SLOT_FIELDS}
-        if not self._biased[index].any():
-            fields["bias_ids"] = self.constant((num_rows, BIAS_SLOTS), np.int32, -1)
-            fields["bias_values"] = self.constant((num_rows, BIAS_SLOTS), np.float32, 0.0)
+        if self._biased[index].any():
+            bias_ids, bias_values = self._bias_ids[index], self._bias_values[index]
+        else:
+            bias_ids = self.constant((num_rows, BIAS_SLOTS), np.int32, -1)
+            bias_values = self.constant((num_rows, BIAS_SLOTS), np.float32, 0.0)
         shape = (num_rows, self.mask_words)
         token_mask = np.full(shape, -1, np.int32) if masked else self.constant(shape, np.int32, -1)
-        return SamplingTensors(positions=positions, token_mask=token_mask, **fields)
+        t = SamplingTensors(self._settings[index], bias_ids, bias_values, token_mask)
+        t.positions[rows] = sampled
+        return t

@@ -11,6 +11,9 @@ Decode rows (of decode, multi-step decode and prefill programs) are gathers of t
 batch's slot rows (`InputBatch`) by one index array: tokens, token sources, positions and block
 tables, and the sampling settings; prefill chunk rows are built per chunk (each is many tokens).
 A verify program gathers its tables and sampling rows, its tokens (the drafts) are per chunk.
+
+The runner ships a program's arrays to its compiled calls packed into one buffer (`HostPack`,
+host_pack.py; the sampling settings are one array already, `SamplingTensors.settings`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import head_logits, pack_kernels, panel_kernels, unstack_layers
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
+from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
 from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -159,13 +160,15 @@ class ModelRunner:
 
         # Explicit shardings on every executable: host inputs replicated, logits gathered to the
         # full vocabulary once (out_shardings), the cache kept split over kv heads and donated.
+        # Each executable takes its host arrays packed in one buffer: a `HostPack`, or for the
+        # sampling settings their SamplingTensors array (its tables are often device constants).
         self._step = jax.jit(
-            self._step_fn, donate_argnums=(1,),
-            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv, rep),
+            self._step_fn, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
+            out_shardings=(rep, kv, rep),
         )
         # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, keyed
         # by the step's token bucket (only steps that score a prompt run it).
-        self._score = jax.jit(self._score_fn, in_shardings=(self.param_shardings, rep, rep, rep), out_shardings=rep)
+        self._score = jax.jit(self._score_fn, in_shardings=(self.param_shardings, rep, rep), out_shardings=rep)
         # Sampling is its own executable, keyed by its row bucket only, so it compiles a few
         # times, not once per step shape. It updates the penalty counts in place.
         self._sample = jax.jit(self._sample_fn, donate_argnums=(4,), in_shardings=rep, out_shardings=rep)
@@ -173,13 +176,13 @@ class ModelRunner:
         # bucket), and their sampler (keyed by its rows) accepts or rejects the drafts.
         self._verify_step = jax.jit(
             functools.partial(self._step_fn, pad_logits=False), donate_argnums=(1,),
-            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep, rep), out_shardings=(rep, kv, rep),
+            in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv, rep),
         )
-        self._verify = jax.jit(verify, donate_argnums=(2,), in_shardings=rep, out_shardings=rep)
+        self._verify = jax.jit(self._verify_fn, donate_argnums=(2,), in_shardings=rep, out_shardings=rep)
         # Multi-step decode: the whole loop (model steps and their sampling) is one program.
         self._multi_step = jax.jit(
             functools.partial(self._multi_step_fn, loop_steps=engine_config.num_scheduler_steps),
-            donate_argnums=(1, 10), in_shardings=(self.param_shardings, kv, *[rep] * 9), out_shardings=(rep, kv, rep),
+            donate_argnums=(1, 5), in_shardings=(self.param_shardings, kv, *[rep] * 4), out_shardings=(rep, kv, rep),
         )
         self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
             engine_config.max_num_seqs, config.vocab_size)
@@ -197,11 +200,11 @@ class ModelRunner:
 
     # ----- the jitted functions -------------------------------------------------------------
 
-    def _step_fn(self, params, cache, tokens, positions, meta, logits_indices, prev_sampled, token_src,
-                 pad_logits: bool = True):
+    def _step_fn(self, params, cache, inputs: HostPack, prev_sampled, pad_logits: bool = True):
         """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
         off; padding rows are zeros), the updated cache, and every row's last hidden state (for
         `_score_fn`)."""
+        tokens, positions, meta, logits_indices, token_src = inputs.unpack()
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
         (logits, cache), state = self.model.apply(
@@ -211,22 +214,23 @@ class ModelRunner:
             logits = jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0)))
         return logits, cache, state["intermediates"]["hidden"][0]
 
-    def _score_fn(self, params, hidden, rows, targets):
+    def _score_fn(self, params, hidden, inputs: HostPack):
         """Log-probability and rank of `targets[i]` under the logits of row `rows[i]`, and the
         MAX_LOGPROBS most likely tokens there (unprocessed logits, as vLLM's prompt_logprobs)."""
+        rows, targets = inputs.unpack()
         logprobs = jax.nn.log_softmax(head_logits(self.config, params, hidden[rows]), axis=-1)
         target = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
         rank = 1 + jnp.sum(logprobs > target[:, None], axis=1, dtype=jnp.int32)
         top_logprobs, top_ids = lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
         return target, rank, top_ids.astype(jnp.int32), top_logprobs
 
-    def _multi_step_fn(self, params, cache, tokens, positions, tables, num_steps, stop_ids, prev_sampled, token_src,
-                       sampling, counts, loop_steps: int):
+    def _multi_step_fn(self, params, cache, inputs: HostPack, sampling, prev_sampled, counts, loop_steps: int):
         """`loop_steps` decode steps of a batch in one loop (`StepInputs.multi_decode`): each
         step writes the rows' K/V, samples their next tokens and feeds them to the next step.
         Row i's tokens are [B, loop_steps], -1 after its `num_steps[i]` steps or after a stop token
         it sampled; its log-probabilities are by row i * loop_steps + step. Past its steps a row
         writes into block 0 (never allocated) and attends to nothing."""
+        tokens, positions, tables, num_steps, stop_ids, token_src = inputs.unpack()
         bs = self.engine_config.block_size
         batch, width = tables.shape
         rows = jnp.arange(batch, dtype=jnp.int32)
@@ -241,7 +245,7 @@ class ModelRunner:
             meta = AttentionMetadata(jnp.where(live, page * bs + pos % bs, 0), tables, jnp.where(live, pos + 1, 0))
             logits, cache = self.model.apply({"params": params}, tokens, pos, cache, meta, rows)
             logits = jnp.pad(logits, ((0, pad_rows), (0, 0)))
-            out, counts = sample(logits, dataclasses.replace(sampling, positions=sampling.positions + step), counts)
+            out, counts = sample(logits, sampling.at_positions(sampling.positions + step), counts)
             out = SamplerOutput(*(field[:batch] for field in out))
             emitted = jnp.where(live & ~done, out.tokens, -1)
             done |= jnp.any(out.tokens[:, None] == stop_ids, axis=1)
@@ -260,16 +264,22 @@ class ModelRunner:
         return out, lax.dynamic_update_slice(sampled, out.tokens, (offset,)), counts
 
     @staticmethod
-    def _set_penalty_rows_fn(counts, slots, history, is_output, prev_sampled, token_src, token_index):
+    def _verify_fn(logits, sampling, counts, drafts: HostPack):
+        """`verify`, its drafts and their histories packed."""
+        return verify(logits, sampling, counts, *drafts.unpack())
+
+    @staticmethod
+    def _set_penalty_rows_fn(counts, inputs: HostPack, prev_sampled):
         """set_penalty_rows, after the history token at `token_index` of each row whose
         `token_src` >= 0 (a placeholder on the host) is read from the previous iteration."""
+        slots, history, is_output, token_src, token_index = inputs.unpack()
         rows = jnp.arange(history.shape[0])
         pending = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], history[rows, token_index])
         return set_penalty_rows(counts, slots, history.at[rows, token_index].set(pending), is_output)
 
     def _device_constant(self, shape: tuple[int, ...], dtype: np.dtype, fill: object) -> jax.Array:
-        """A filled array kept on the devices (sampling tables no row of a step uses), so that
-        steps do not ship them from the host."""
+        """A filled array kept on the devices (sampling tables no row of a step uses, the offsets
+        of the sampled buffer), so that steps do not ship them from the host."""
         key = (shape, np.dtype(dtype).str, fill)
         array = self._constants.get(key)
         if array is None:
@@ -290,23 +300,21 @@ class ModelRunner:
 
     def step_args(self, program: Program) -> tuple:
         """The arguments of the compiled model step for a program."""
-        tokens, positions, meta, logits_indices, token_src = program.host_args
-        return (self.params, self.cache, tokens, positions, meta, logits_indices, self._prev_sampled, token_src)
+        return (self.params, self.cache, HostPack.of(program.host_args), self._prev_sampled)
 
     def _multi_step_args(self, program: Program) -> tuple:
-        tokens, positions, tables, num_steps, stop_ids, token_src = program.host_args
-        return (self.params, self.cache, tokens, positions, tables, num_steps, stop_ids, self._prev_sampled, token_src,
-                program.sampling, self.penalty_counts)
+        return (self.params, self.cache, HostPack.of(program.host_args), program.sampling, self._prev_sampled,
+                self.penalty_counts)
 
     def _sample_args(self, program: Program, logits: Any, sampled: jax.Array) -> tuple:
-        return (logits, program.sampling, sampled, np.int32(program.sample_offset), self.penalty_counts)
+        offset = self._device_constant((), np.int32, program.sample_offset)  # 0 or decode_offset: not shipped
+        return (logits, program.sampling, sampled, offset, self.penalty_counts)
 
     def _verify_args(self, program: Program, logits: Any) -> tuple:
-        return (logits, program.sampling, self.penalty_counts, *program.drafts)
+        return (logits, program.sampling, self.penalty_counts, HostPack.of(program.drafts))
 
     def _reset_args(self, reset: tuple[np.ndarray, ...]) -> tuple:
-        slots, history, is_output, token_src, token_index = reset
-        return (self.penalty_counts, slots, history, is_output, self._prev_sampled, token_src, token_index)
+        return (self.penalty_counts, HostPack.of(reset), self._prev_sampled)
 
     def warm_up(self) -> float:
         """Compile every bucket of both steps, the samplers and the penalty reset (and, with
@@ -345,8 +353,8 @@ class ModelRunner:
                 submit(program.key, self._multi_step, self._multi_step_args(program))
             for tokens in ec.prefill_token_buckets:
                 hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
-                rows = jax.ShapeDtypeStruct((tokens,), jnp.int32)
-                submit(("score", tokens), self._score, (self.params, hidden, rows, rows))
+                rows = np.zeros(tokens, np.int32)
+                submit(("score", tokens), self._score, (self.params, hidden, HostPack.of((rows, rows))))
             submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([])))
             for key, compiled in pending.items():
                 self._executables[key] = compiled.result()
@@ -506,7 +514,7 @@ class ModelRunner:
             logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
             program = write_masks(program)
             if program.score is not None:
-                score_args = (self.params, hidden, *program.score)
+                score_args = (self.params, hidden, HostPack.of(program.score))
                 scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)
             sample_args = self._sample_args(program, logits, sampled)
             out, sampled, self.penalty_counts = self._compiled(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from operator import attrgetter
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import ChainKeys, KVCacheManager, LoadStart
@@ -58,6 +59,9 @@ class Scheduler:
         self._chains: dict[Request, ChainKeys | None] = {}  # content keys (disk tier), while queued
         self._speculation_backoff = 0  # length of the last pause (0: the last speculating step drafted)
         self._speculation_pause = 0  # steps left to schedule without speculating
+        # Smaller = more important. FCFS ignores the priority field.
+        self._priority_key = attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority" \
+            else attrgetter("arrival_time")
 
     # ----- queue management -----------------------------------------------------------------
 
@@ -135,9 +139,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                chunk = self._chunk(req, 1)
-                chunk.draft, chunk.num_steps = draft, num_steps
-                out.decodes.append(chunk)
+                out.decodes.append(self._chunk(req, 1, draft, num_steps))
         if looked_up:
             self._after_speculating(drafted=out.is_speculative)
         elif self._speculation_pause:
@@ -326,18 +328,14 @@ class Scheduler:
         hashes = self._block_hashes(req)
         return i < len(hashes) and hashes[i] in in_flight
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, n: int, draft: list[int] | None = None, num_steps: int = 1) -> ScheduledChunk:
         start, kv = req.num_computed_tokens, self.kv
-        return ScheduledChunk(req, start, n, kv.block_table(req.request_id), sample=start + n == req.num_tokens,
+        return ScheduledChunk(req, start, n, kv.block_table(req.request_id), start + n == req.num_tokens,
+                              draft=[] if draft is None else draft, num_steps=num_steps,
                               table_version=kv.table_version(req.request_id))
 
     # ----- policies and preemption ----------------------------------------------------------
 
-    def _priority_key(self, req: Request) -> tuple:
-        """Smaller = more important. FCFS ignores the priority field."""
-        if self.config.scheduling_policy == "priority":
-            return (req.priority, req.arrival_time)
-        return (req.arrival_time,)
 
     def _waiting_in_policy_order(self) -> list[Request]:
         policy = self.config.scheduling_policy
@@ -392,6 +390,14 @@ class Scheduler:
         token follows them), the slots reserved past them are released."""
         req.num_computed_tokens += num_extra
         self.kv.release_slots(req.request_id, req.num_computed_tokens)
+
+    def on_token_read(self, req: Request, index: int) -> None:
+        """Output tokens from `index` on were read from the device and the request goes on: cache
+        the blocks that their reading completed, if any (a block is cached once all its tokens
+        are computed and known, `cache_known_blocks`)."""
+        bs = self.config.block_size
+        if req.num_prompt_tokens + index < req.num_computed_tokens - req.num_computed_tokens % bs:
+            self.cache_known_blocks(req)
 
     def cache_known_blocks(self, req: Request) -> None:
         """Insert the request's computed full blocks into the prefix cache, up to its first
