@@ -8,7 +8,8 @@ model's layer loop does), and the head tied to the embedding against XLA's x @ e
 Prints, per shape and row count, each one's time for the 30 layers, the weights' bytes over
 that time (the floor at few rows is memory bandwidth: compare a copy's, printed first), the
 FLOP rate (the floor at many rows), and XLA's time over the kernel's; then the ratio over the
-four shapes of a layer together; then the same for the tied head. The two alternate in one run.
+four shapes of a layer together; then the same for the tied head, at the row counts it takes
+(the model runs XLA's dot above `cpu_matmul.HEAD_MAX_ROWS`). The two alternate in one run.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
     head, xla_head = jax.jit(matmul.head), jax.jit(lambda x, e: x @ e.T)
     for m in args.rows:
         x = jnp.asarray(np.random.default_rng(1).standard_normal((m, 576), np.float32))
+        if not matmul.takes_head(x, embedding):
+            continue  # the model uses XLA's dot there (cpu_matmul.HEAD_MAX_ROWS)
         ours = time_call(lambda: head(x, embedding), args.iters)
         theirs = time_call(lambda: xla_head(x, embedding), args.iters)
         print(f"tied head {m:>4} rows: kernel {ours * 1e3:7.2f} ms ({embedding.nbytes / ours / 1e9:5.1f} GB/s, "
