@@ -60,8 +60,8 @@ class Scheduler:
         self._speculation_backoff = 0  # length of the last pause (0: the last speculating step drafted)
         self._speculation_pause = 0  # steps left to schedule without speculating
         # Smaller = more important. FCFS ignores the priority field.
-        self._priority_key = attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority" \
-            else attrgetter("arrival_time")
+        self._priority_key = (attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority"
+                              else attrgetter("arrival_time"))
 
     # ----- queue management -----------------------------------------------------------------
 
