@@ -72,7 +72,7 @@ class SequenceStream:
                 self.text += self.detokenizer.finish()
             end = len(self.text)
         else:
-            end = len(self.text) - (_stop_holdback(self.text, self.stops) if self.stops else 0)
+            end = len(self.text) - _stop_holdback(self.text, self.stops)
         text = self.text[self.emitted:end]
         if not text and not self.new_token_ids and finish_reason is None:
             return None
