@@ -1,6 +1,6 @@
 """Per-step prefill and decode speed of the default model (jaxserve runner, default attention backend).
 
-Times single compiled steps (no scheduler, no sampling), so it pairs with
+Times single compiled steps (the model and its greedy sampling, no scheduler), so it pairs with
 `bench/peers/hf_steps.py`, which times the same shapes in Hugging Face transformers:
 
     python3 -m bench.steps [--unroll-layers]
@@ -42,14 +42,10 @@ def chunks(r: ModelRunner, count: int, history: int, new: int, block_size: int) 
 
 def timed(r: ModelRunner, program, reps: int = 3) -> float:
     """Best wall time of one compiled step over `reps` runs."""
-    key, args = program.key, r.step_args(program)
-    exe = r._compiled(key, r._step, args, True)
-    a, best = list(args), float("inf")
-    for _ in range(reps + 1):  # the first run is a warm-up
-        a[1] = r.cache
+    best = float("inf")
+    for _ in range(reps + 1):  # the first run compiles and warms up
         t = time.perf_counter()
-        logits, r.cache, _ = exe(*a)
-        logits.block_until_ready()
+        r.step_logits(program, warming_up=True).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -35,6 +35,7 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"(^|/)[a-z_]*norm/scale$", P()),  # replicated
 )
 KV_CACHE_SPEC = P(None, TP)  # [L, KVH, NB, BS, D]: split over kv heads
+LOGITS_SPEC = P(None, TP)  # [rows, V]: as the vocab-parallel head computes them
 
 
 def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -89,6 +90,12 @@ def layer_sharding(stacked: NamedSharding, layer: int) -> NamedSharding:
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of each of the KV cache's K and V arrays."""
     return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+def logits_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Sharding of the head's logits [rows, V]: split over the vocabulary like the head's
+    weights (replicated where the mesh does not divide V, as those weights are)."""
+    return NamedSharding(mesh, _divisible("logits", shape, LOGITS_SPEC, mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -33,7 +33,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.model import AttentionMetadata, KVCache
 from jaxserve.runner import ModelRunner, checkpoint_shardings
-from jaxserve.runner.host_pack import HostPack
 from jaxserve.sampling_params import SamplingParams
 from sharding.rules import replicated
 
@@ -123,17 +122,16 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     width = runner.engine_config.block_table_buckets[-1]
     program = runner.inputs.decode([], batch, width)
     step = runner._executables[program.key]
-    sample = runner._executables[("sample", runner.inputs.sampler_rows(batch))]
     tables = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     meta = AttentionMetadata(np.zeros(batch, np.int32), tables, np.full(batch, context, np.int32))
     tokens, _, _, logits_indices, token_src = program.host_args
-    host_args = HostPack.of((tokens, np.full(batch, context - 1, np.int32), meta, logits_indices, token_src))
-    step_inputs = jax.device_put((host_args, runner._no_tokens), replicated(runner.mesh))
-    sampling, offset = jax.device_put((program.sampling, np.int32(program.sample_offset)), replicated(runner.mesh))
+    program = program._replace(host_args=(tokens, np.full(batch, context - 1, np.int32), meta, logits_indices,
+                                          token_src))
+    args = runner.step_args(program)  # (params, cache, host inputs, prev_sampled, sampling, buffer, offset, counts, here)
+    inputs, here = jax.device_put(args[2:7], replicated(runner.mesh)), args[8]
 
     def once(cache, counts):
-        logits, cache, _ = step(runner.params, cache, *step_inputs)
-        out, _, counts = sample(logits, sampling, runner._no_tokens, offset, counts)
+        _, cache, _, out, _, counts = step(runner.params, cache, *inputs, counts, here)
         return out, cache, counts
 
     out, runner.cache, runner.penalty_counts = once(runner.cache, runner.penalty_counts)

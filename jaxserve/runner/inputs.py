@@ -56,8 +56,15 @@ class Program(NamedTuple):
     # Structured output: (sampling row, grammar) of each constrained row. Their mask rows allow
     # every token until `write_token_masks` writes them, after the model step is dispatched.
     masks: tuple[tuple[int, GrammarState], ...] = ()
+    constrained: bool = False  # it has (or had, before `write_token_masks`) constrained rows
     # A multi-step decode program: decode steps in its device loop (see `StepInputs.multi_decode`).
     num_steps: int = 1
+
+
+    @property
+    def is_decode(self) -> bool:
+        """A plain decode program: one row per sequence, sampled in the model step's program."""
+        return self.key[0] == "decode"
 
 
 def write_token_masks(program: Program) -> Program:
@@ -179,7 +186,8 @@ class StepInputs:
         meta = AttentionMetadata(self._cache_slots(tables, positions), tables, seq_lens)
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
-        return Program(("decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks)
+        return Program(("decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks,
+                       constrained=bool(masks))
 
     def multi_decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
                      slots: np.ndarray | None = None) -> Program:
@@ -199,7 +207,7 @@ class StepInputs:
                      token_src)
         sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
         return Program(("multi_decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks,
-                       num_steps=self.config.num_scheduler_steps)
+                       constrained=bool(masks), num_steps=self.config.num_scheduler_steps)
 
     def verify(self, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None) -> Program:
         """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
@@ -241,7 +249,8 @@ class StepInputs:
         self._check_sampling(chunks)
         sampled_rows, sampled_slots, ahead = np.array(sampled, np.intp).reshape(-1, 3).T
         sampling = self.batch.sampling(sampled_rows, sampled_slots, ahead, num_tokens, bool(masks))
-        return Program(("verify", batch, width), host_args, sampling, 0, slots, drafts=(drafts, history), masks=masks)
+        return Program(("verify", batch, width), host_args, sampling, 0, slots, drafts=(drafts, history), masks=masks,
+                       constrained=bool(masks))
 
     def decode_rows(self, num_tokens: int) -> int:
         """Decode sequences of a prefill program of `num_tokens` rows: every decode an iteration
@@ -305,7 +314,8 @@ class StepInputs:
         slots = np.concatenate([chunk_slots, decode_slots])
         sampling, masks = self._sampling(chunks + decodes, slots, self.sampler_rows(len(logits_indices)))
         key = ("prefill", num_tokens, num_seqs, width)
-        return Program(key, host_args, sampling, 0, slots, self._score_rows(chunks, num_tokens, scores), masks=masks)
+        return Program(key, host_args, sampling, 0, slots, self._score_rows(chunks, num_tokens, scores), masks=masks,
+                       constrained=bool(masks))
 
     @staticmethod
     def _score_rows(chunks: list[ScheduledChunk], num_tokens: int,

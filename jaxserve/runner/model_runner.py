@@ -4,7 +4,9 @@
 counts every compilation, so a test can prove that serving after warm-up compiles nothing.
 An iteration is launched without waiting for the device (`launch`), and its sampled tokens are
 read later (`fetch`); the next iteration may be launched in between, reading the tokens it
-needs from this one's sampled buffer on the device.
+needs from this one's sampled buffer on the device. A decode step samples in its own program
+(one dispatch); a prefill step, or a decode step with constrained rows (their masks are written
+after it is dispatched), is followed by the sampler's program.
 
 The KV cache is donated to every step and updated in place. Block moves run before the steps.
 """
@@ -43,7 +45,7 @@ from jaxserve.speculative.verify import verify
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.mesh import make_mesh, plan_tensor_parallel
-from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
+from sharding.rules import cache_sharding, layer_sharding, logits_sharding, param_shardings, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -159,23 +161,34 @@ class ModelRunner:
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
 
         # Explicit shardings on every executable: host inputs replicated, logits gathered to the
-        # full vocabulary once (out_shardings), the cache kept split over kv heads and donated.
+        # full vocabulary once, the cache kept split over kv heads and donated.
         # Each executable takes its host arrays packed in one buffer: a `HostPack`, or for the
         # sampling settings their SamplingTensors array (its tables are often device constants).
+        # A decode step samples in the same program (one dispatch per decode iteration); its
+        # logits are an output too, for the sampler program of a step with constrained rows.
+        self._decode_step = jax.jit(
+            self._decode_step_fn, donate_argnums=(1, 7), in_shardings=(self.param_shardings, kv, *[rep] * 7),
+            out_shardings=(rep, kv, rep, rep, rep, rep),
+        )
+        # A prefill step (chunks, and the decodes that join them) leaves sampling to `_sample`:
+        # a dispatch is nothing next to its device time, and each of its many shapes would
+        # compile the sampler again (~1 s each on CPU).
         self._step = jax.jit(
-            self._step_fn, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
+            self._model_step, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
             out_shardings=(rep, kv, rep),
         )
         # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, keyed
         # by the step's token bucket (only steps that score a prompt run it).
         self._score = jax.jit(self._score_fn, in_shardings=(self.param_shardings, rep, rep), out_shardings=rep)
-        # Sampling is its own executable, keyed by its row bucket only, so it compiles a few
-        # times, not once per step shape. It updates the penalty counts in place.
+        # The sampler of prefill steps and of decode steps with constrained rows (dispatched once
+        # their masks are written, after the step, whose work they overlap). It is keyed by its
+        # row bucket only, so it compiles a few times, not once per step shape. It updates the
+        # penalty counts in place.
         self._sample = jax.jit(self._sample_fn, donate_argnums=(4,), in_shardings=rep, out_shardings=rep)
         # Speculative decoding: verify steps keep every row's logits (no padding to a sampler
         # bucket), and their sampler (keyed by its rows) accepts or rejects the drafts.
         self._verify_step = jax.jit(
-            functools.partial(self._step_fn, pad_logits=False), donate_argnums=(1,),
+            functools.partial(self._model_step, pad_logits=False), donate_argnums=(1,),
             in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv, rep),
         )
         self._verify = jax.jit(self._verify_fn, donate_argnums=(2,), in_shardings=rep, out_shardings=rep)
@@ -200,7 +213,7 @@ class ModelRunner:
 
     # ----- the jitted functions -------------------------------------------------------------
 
-    def _step_fn(self, params, cache, inputs: HostPack, prev_sampled, pad_logits: bool = True):
+    def _model_step(self, params, cache, inputs: HostPack, prev_sampled, pad_logits: bool = True):
         """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
         off; padding rows are zeros), the updated cache, and every row's last hidden state (for
         `_score_fn`)."""
@@ -213,6 +226,26 @@ class ModelRunner:
         if pad_logits:
             logits = jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0)))
         return logits, cache, state["intermediates"]["hidden"][0]
+
+    def _decode_step_fn(self, params, cache, inputs: HostPack, prev_sampled, sampling, sampled, offset, counts,
+                        sample_here):
+        """`_model_step`, then, when `sample_here` (a device scalar), `_sample_fn` on its logits.
+        Returns (logits, cache, hidden, sampler output, sampled buffer, counts); without
+        sampling the buffer and counts are unchanged and the output is empty (a step with
+        constrained rows: `_sample` samples its logits once their masks are written)."""
+        logits, cache, hidden = self._model_step(params, cache, inputs, prev_sampled)
+        # Tensor parallel: each device computes its vocabulary's logits, then they are gathered
+        # to every device and sampled as by `_sample` (without the first constraint XLA may
+        # gather the head's weights instead).
+        logits = lax.with_sharding_constraint(logits, logits_sharding(self.mesh, logits.shape))
+        logits = lax.with_sharding_constraint(logits, replicated(self.mesh))
+
+        def skip(logits, sampling, sampled, offset, counts):
+            out = jax.eval_shape(sample, logits, sampling, counts)[0]
+            return SamplerOutput(*(jnp.zeros(x.shape, x.dtype) for x in out)), sampled, counts
+
+        out, sampled, counts = lax.cond(sample_here, self._sample_fn, skip, logits, sampling, sampled, offset, counts)
+        return logits, cache, hidden, out, sampled, counts
 
     def _score_fn(self, params, hidden, inputs: HostPack):
         """Log-probability and rank of `targets[i]` under the logits of row `rows[i]`, and the
@@ -298,17 +331,42 @@ class ModelRunner:
             self.num_compilations += 1
         return exe
 
-    def step_args(self, program: Program) -> tuple:
-        """The arguments of the compiled model step for a program."""
-        return (self.params, self.cache, HostPack.of(program.host_args), self._prev_sampled)
+    def step_args(self, program: Program, sampled: jax.Array | None = None) -> tuple:
+        """The arguments of the compiled step of a prefill or verify program, or of a decode
+        program with its sampling, whose tokens go to the buffer `sampled` (by default a fresh one). A
+        constrained decode step does not sample (nor ship its mask table, written later)."""
+        args = (self.params, self.cache, HostPack.of(program.host_args), self._prev_sampled)
+        if not program.is_decode:
+            return args
+        sampled = self._no_tokens if sampled is None else sampled
+        sampling = program.sampling
+        if program.constrained:
+            shape = sampling.token_mask.shape
+            sampling = dataclasses.replace(sampling, token_mask=self._device_constant(shape, np.int32, -1))
+        here = self._device_constant((), np.bool_, not program.constrained)
+        return (*args, sampling, sampled, self._sample_offset(program), self.penalty_counts, here)
+
+    def step_logits(self, program: Program, warming_up: bool = False) -> jax.Array:
+        """Run a decode or prefill program's step alone, as in an iteration (its K/V written; a
+        decode step's rows sampled too), and return its logits without waiting (benchmarks and
+        tests read them)."""
+        args = self.step_args(program)
+        if not program.is_decode:
+            logits, self.cache, _ = self._compiled(program.key, self._step, args, warming_up)(*args)
+            return logits
+        logits, self.cache, _, _, _, self.penalty_counts = self._compiled(
+            program.key, self._decode_step, args, warming_up)(*args)
+        return logits
 
     def _multi_step_args(self, program: Program) -> tuple:
         return (self.params, self.cache, HostPack.of(program.host_args), program.sampling, self._prev_sampled,
                 self.penalty_counts)
 
+    def _sample_offset(self, program: Program) -> jax.Array:
+        return self._device_constant((), np.int32, program.sample_offset)  # 0 or decode_offset: not shipped
+
     def _sample_args(self, program: Program, logits: Any, sampled: jax.Array) -> tuple:
-        offset = self._device_constant((), np.int32, program.sample_offset)  # 0 or decode_offset: not shipped
-        return (logits, program.sampling, sampled, offset, self.penalty_counts)
+        return (logits, program.sampling, sampled, self._sample_offset(program), self.penalty_counts)
 
     def _verify_args(self, program: Program, logits: Any) -> tuple:
         return (logits, program.sampling, self.penalty_counts, HostPack.of(program.drafts))
@@ -340,7 +398,7 @@ class ModelRunner:
                     pending[key] = pool.submit(fn.lower(*args).compile)
 
             for program in programs:
-                submit(program.key, self._step, self.step_args(program))
+                submit(program.key, self._decode_step if program.is_decode else self._step, self.step_args(program))
                 rows = program.sampling.temperature.shape[0]
                 logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
                 submit(("sample", rows), self._sample, self._sample_args(program, logits, self._no_tokens))
@@ -503,22 +561,27 @@ class ModelRunner:
                     program.key, self._multi_step, args, warming_up)(*args)
                 outs.append(out)
                 continue
-            args = self.step_args(program)
             if program.drafts is not None:
+                args = self.step_args(program)
                 logits, self.cache, _ = self._compiled(program.key, self._verify_step, args, warming_up)(*args)
                 verify_args = self._verify_args(write_masks(program), logits)
                 out, self.penalty_counts = self._compiled(
                     ("verify_sample", logits.shape[0]), self._verify, verify_args, warming_up)(*verify_args)
                 outs.append(out)
                 continue
-            logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
-            program = write_masks(program)
+            args = self.step_args(program, sampled)
+            if program.is_decode:
+                logits, self.cache, hidden, out, sampled, self.penalty_counts = self._compiled(
+                    program.key, self._decode_step, args, warming_up)(*args)
+            else:
+                logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
             if program.score is not None:
                 score_args = (self.params, hidden, HostPack.of(program.score))
                 scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)
-            sample_args = self._sample_args(program, logits, sampled)
-            out, sampled, self.penalty_counts = self._compiled(
-                ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
+            if program.constrained or not program.is_decode:
+                sample_args = self._sample_args(write_masks(program), logits, sampled)
+                out, sampled, self.penalty_counts = self._compiled(
+                    ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
             outs.append(out)
         self._prev_sampled = sampled
         return outs, scores

@@ -61,9 +61,7 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
         runner.inputs.batch.join(r)
     program = runner.inputs.prefill(chunks, TINY_ENGINE["prefill_token_buckets"][0],
                                      TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)
-    key, args = program.key, runner.step_args(program)
-    prefill, runner.cache, _ = runner._compiled(key, runner._step, args)(*args)
-    prefill = np.asarray(prefill)[: len(prompts)]
+    prefill = np.asarray(runner.step_logits(program))[: len(prompts)]
     # The decodes' requests, the prompts and the tokens the prefill gave, join the batch as they are now.
     requests = [Request(f"decode{i}", p + [int(row.argmax())], SamplingParams(), seed=0)
                 for i, (p, row) in enumerate(zip(prompts, prefill))]
@@ -71,9 +69,7 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
         runner.inputs.batch.join(r)
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
     program = runner.inputs.decode(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
-    key, args = program.key, runner.step_args(program)
-    decode, runner.cache, _ = runner._compiled(key, runner._step, args)(*args)
-    return prefill.tolist(), np.asarray(decode)[: len(prompts)].tolist()
+    return prefill.tolist(), np.asarray(runner.step_logits(program))[: len(prompts)].tolist()
 
 
 def shardings(runner) -> dict:
