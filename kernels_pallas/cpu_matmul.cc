@@ -35,7 +35,8 @@ constexpr int64_t kHeadRows = 2;
 #endif
 constexpr int64_t kVecs = 4;  // vectors per panel row
 constexpr int64_t kPanel = kVecs * kLanes;
-constexpr int64_t kRowBlock = 4 * kMaxRows;  // rows of a unit of work
+constexpr int64_t kRowBlock = 4 * kMaxRows;  // rows of a unit of work (see `run` for calls of few rows)
+constexpr int64_t kFewRows = 64;  // a call of at most this many rows may take them all in one unit
 constexpr int64_t kPrefetch = 2048;  // floats ahead of the stream a tile reads
 constexpr int64_t kLineVecs = std::max<int64_t>(1, 64 / (kLanes * sizeof(float)));  // vectors per cache line
 
@@ -111,13 +112,18 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, int64_t cost, F unit) 
 }
 
 // Tiles of R rows by G panels, in units of a panel group by a row block (panel group major, so
-// consecutive units share their weights in L2). A call of one row takes two panels at once, so
-// that its tile has enough accumulators to hide the latency of its multiply-adds.
+// consecutive units share their weights in L2). A call of few rows whose panel groups alone give
+// each thread two units or more takes all its rows in one unit: each panel is then streamed
+// from memory by one thread, where row blocks on two threads would each stream it (at 32 rows,
+// a 24-row and an 8-row block read the weights twice). A call of one row takes two panels at
+// once, so that its tile has enough accumulators to hide the latency of its multiply-adds.
 template <int64_t R, int64_t G>
 void run(ffi::ThreadPool& pool, const Problem& p) {
-  const int64_t panels = p.n / kPanel, blocks = (p.m + kRowBlock - 1) / kRowBlock;
-  parallel_units(pool, (panels + G - 1) / G * blocks, (p.m + 16) * p.k * p.n, [p, panels, blocks](int64_t u) {
-    const int64_t panel = u / blocks * G, first = u % blocks * kRowBlock, last = std::min(first + kRowBlock, p.m);
+  const int64_t panels = p.n / kPanel, groups = (panels + G - 1) / G;
+  const bool one_block = p.m <= kFewRows && groups >= 2 * (pool.num_threads() + 1);
+  const int64_t block = one_block ? p.m : kRowBlock, blocks = (p.m + block - 1) / block;
+  parallel_units(pool, groups * blocks, (p.m + 16) * p.k * p.n, [p, panels, block, blocks](int64_t u) {
+    const int64_t panel = u / blocks * G, first = u % blocks * block, last = std::min(first + block, p.m);
     if (panel + G <= panels) {
       rows<R, G>(p, first, last, panel);
     } else {

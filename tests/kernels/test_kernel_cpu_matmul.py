@@ -1,7 +1,7 @@
 """The cpu matmuls (`kernels_pallas/cpu_matmul.cc`) against numpy. The layer matmul, on
 weights stored in its panels, against the [K, N] layout: every row count of its register tiles
-and of the rows left over, more rows than one unit of its work, one-row calls over an odd number
-of panels, K of any size, work split over threads or not, and its refusals (a layer out of
+and of the rows left over, more rows than one unit of its work, few rows over many panels (all
+of them in one unit), one-row calls over an odd number of panels, K of any size, work split over threads or not, and its refusals (a layer out of
 range, other dtypes, weights not in its panels). The tied head, x @ embedding.T: tiles at the
 edges of both, and what it leaves to XLA's dot (more rows, K off its vectors, other dtypes)."""
 
@@ -54,6 +54,8 @@ def test_shapes(matmul, k, panels):
 def test_work_split_over_threads(matmul):
     check(matmul, 64, 576, 24)  # ~57M multiply-adds: every pool thread takes a part
     check(matmul, 1, 1536, 9)
+    check(matmul, 49, 576, 40)  # few rows, many panels: a unit takes all 49 rows of its panel
+    check(matmul, 65, 576, 40)  # one row more than that: row blocks again
 
 
 def test_first_and_last_layer(matmul):
