@@ -95,20 +95,23 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, int64_t cost, F unit) 
   struct Shared {
     explicit Shared(F f) : unit(std::move(f)) {}
     F unit;
-    int64_t units, workers;
-    std::atomic<int64_t> next{0}, done{0};
+    int64_t units;
+    std::atomic<int64_t> next{0}, finished{0};
   };
   auto shared = std::make_shared<Shared>(std::move(unit));
   shared->units = units;
-  shared->workers = std::max<int64_t>(1, std::min({units, pool.num_threads() + 1, cost >> 20}));
+  const int64_t workers = std::max<int64_t>(1, std::min({units, pool.num_threads() + 1, cost >> 20}));
   auto work = [](Shared& s) {
-    for (int64_t u; (u = s.next.fetch_add(1)) < s.units;) s.unit(u);
-    s.done.fetch_add(1, std::memory_order_release);
+    for (int64_t u; (u = s.next.fetch_add(1)) < s.units;) {
+      s.unit(u);
+      s.finished.fetch_add(1, std::memory_order_release);
+    }
   };
-  for (int64_t i = 1; i < shared->workers; ++i) pool.Schedule([shared, work] { work(*shared); });
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule([shared, work] { work(*shared); });
   work(*shared);
-  // Wait for every worker; one that starts after the last unit leaves at once.
-  while (shared->done.load(std::memory_order_acquire) < shared->workers) std::this_thread::yield();
+  // Wait for the units, not the workers: one that starts after the last unit was claimed finds
+  // none and leaves, holding only `shared` (the buffers may be gone by then).
+  while (shared->finished.load(std::memory_order_acquire) < units) std::this_thread::yield();
 }
 
 // Tiles of R rows by G panels, in units of a panel group by a row block (panel group major, so
