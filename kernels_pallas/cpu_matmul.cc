@@ -9,8 +9,8 @@
 // copies a layer's slice before its dot). P is kVecs vector registers wide. A tile of R rows x G
 // panels keeps R * G * kVecs accumulators in registers over all of K, loading each weight vector
 // once and each x value once as a broadcast; the weights of a panel stay in L2 while the row
-// tiles of its row block walk them. Units of work (a panel group by a row block) are split over
-// XLA's intra-op threads.
+// tiles of its row block walk them. Units of work (a panel group by a row block; for a call of
+// few rows, consecutive panel groups with all the rows) are split over XLA's intra-op threads.
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +39,7 @@ constexpr int64_t kRowBlock = 4 * kMaxRows;  // rows of a unit of work (see `run
 constexpr int64_t kFewRows = 64;  // a call of at most this many rows may take them all in one unit
 constexpr int64_t kPrefetch = 2048;  // floats ahead of the stream a tile reads
 constexpr int64_t kLineVecs = std::max<int64_t>(1, 64 / (kLanes * sizeof(float)));  // vectors per cache line
+constexpr int64_t kLineFloats = 64 / sizeof(float);
 
 struct Problem {
   const float* x;  // [M, K]
@@ -47,13 +48,18 @@ struct Problem {
   int64_t m, k, n;
 };
 
-// out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels.
+// out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels. Meanwhile it
+// prefetches `ahead_lines` cache lines from `ahead` (weights the thread reads next).
 template <int64_t R, int64_t G>
-void tile(const Problem& p, int64_t row, int64_t panel) {
+void tile(const Problem& p, int64_t row, int64_t panel, const float* ahead = nullptr, int64_t ahead_lines = 0) {
   Vec acc[R][G][kVecs] = {};
   const float* x = p.x + row * p.k;
   const float* w = p.w + panel * p.k * kPanel;
+  const int64_t per_step = (ahead_lines + p.k - 1) / p.k;
   for (int64_t i = 0; i < p.k; ++i, w += kPanel) {
+    for (int64_t j = i * per_step; j < std::min(ahead_lines, (i + 1) * per_step); ++j) {
+      __builtin_prefetch(ahead + j * kLineFloats);
+    }
     Vec b[G][kVecs];
     for (int64_t g = 0; g < G; ++g) {
       const float* wg = w + g * p.k * kPanel;
@@ -78,11 +84,33 @@ void short_tile(const Problem& p, int64_t rows, int64_t row, int64_t panel, std:
 }
 
 // Rows [first, last) of panels [panel, panel + G): tiles of R rows, then the rows left over.
+// The first tile streams the panels from memory, the others read them from L2; those others
+// prefetch, evenly between them, the panels from `next` (-1: none), so that the memory streams
+// them while the multiply-adds run.
 template <int64_t R, int64_t G>
-void rows(const Problem& p, int64_t first, int64_t last, int64_t panel) {
-  int64_t row = first;
-  for (; row + R <= last; row += R) tile<R, G>(p, row, panel);
+void rows(const Problem& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
+  const int64_t later_tiles = (last - first - 1) / R;
+  const int64_t lines = next < 0 || later_tiles == 0 ? 0 : G * p.k * kPanel / kLineFloats;
+  const int64_t per_tile = later_tiles == 0 ? 0 : (lines + later_tiles - 1) / later_tiles;
+  const float* ahead = p.w + std::max<int64_t>(next, 0) * p.k * kPanel;
+  int64_t row = first, prefetched = 0;
+  for (; row + R <= last; row += R) {
+    const int64_t n = row == first ? 0 : std::min(per_tile, lines - prefetched);
+    tile<R, G>(p, row, panel, ahead + prefetched * kLineFloats, n);
+    prefetched += n;
+  }
   if (row < last) short_tile<G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
+}
+
+// Rows [first, last) of the G panels from `panel`, or of that panel alone when it is the odd
+// one of a two-panel call; `next`: the panel group to prefetch meanwhile (see `rows`).
+template <int64_t R, int64_t G>
+void group(const Problem& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
+  if (panel + G <= p.n / kPanel) {
+    rows<R, G>(p, first, last, panel, next);
+  } else {
+    rows<R, 1>(p, first, last, panel);
+  }
 }
 
 // Runs unit(u) for u in [0, units) on the caller and up to `workers` - 1 pool threads, which
@@ -116,22 +144,31 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, int64_t cost, F unit) 
 
 // Tiles of R rows by G panels, in units of a panel group by a row block (panel group major, so
 // consecutive units share their weights in L2). A call of few rows whose panel groups alone give
-// each thread two units or more takes all its rows in one unit: each panel is then streamed
-// from memory by one thread, where row blocks on two threads would each stream it (at 32 rows,
-// a 24-row and an 8-row block read the weights twice). A call of one row takes two panels at
-// once, so that its tile has enough accumulators to hide the latency of its multiply-adds.
+// each thread two units or more takes all its rows for each panel group: each panel is then
+// streamed from memory by one thread, where row blocks on two threads would each stream it (at
+// 32 rows, a 24-row and an 8-row block read the weights twice); and its units are runs of
+// consecutive panel groups, each group prefetching the next while its later tiles compute. A
+// call of one row takes two panels at once, so that its tile has enough accumulators to hide
+// the latency of its multiply-adds.
 template <int64_t R, int64_t G>
 void run(ffi::ThreadPool& pool, const Problem& p) {
-  const int64_t panels = p.n / kPanel, groups = (panels + G - 1) / G;
-  const bool one_block = p.m <= kFewRows && groups >= 2 * (pool.num_threads() + 1);
-  const int64_t block = one_block ? p.m : kRowBlock, blocks = (p.m + block - 1) / block;
-  parallel_units(pool, groups * blocks, (p.m + 16) * p.k * p.n, [p, panels, block, blocks](int64_t u) {
-    const int64_t panel = u / blocks * G, first = u % blocks * block, last = std::min(first + block, p.m);
-    if (panel + G <= panels) {
-      rows<R, G>(p, first, last, panel);
-    } else {
-      rows<R, 1>(p, first, last, panel);  // the odd panel of a two-panel call
-    }
+  const int64_t panels = p.n / kPanel, groups = (panels + G - 1) / G, workers = pool.num_threads() + 1;
+  const int64_t cost = (p.m + 16) * p.k * p.n;
+  if (p.m <= kFewRows && groups >= 2 * workers) {
+    // Units of `chunk` consecutive panel groups (two units per worker or more).
+    const int64_t chunk = groups / (2 * workers);
+    parallel_units(pool, (groups + chunk - 1) / chunk, cost, [p, panels, groups, chunk](int64_t u) {
+      const int64_t end = std::min(groups, (u + 1) * chunk);
+      for (int64_t g = u * chunk; g < end; ++g) {
+        group<R, G>(p, 0, p.m, g * G, g + 1 < end && (g + 2) * G <= panels ? (g + 1) * G : -1);
+      }
+    });
+    return;
+  }
+  const int64_t blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  parallel_units(pool, groups * blocks, cost, [p, blocks](int64_t u) {
+    const int64_t first = u % blocks * kRowBlock;
+    group<R, G>(p, first, std::min(first + kRowBlock, p.m), u / blocks * G);
   });
 }
 

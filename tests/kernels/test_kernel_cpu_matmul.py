@@ -54,7 +54,9 @@ def test_shapes(matmul, k, panels):
 def test_work_split_over_threads(matmul):
     check(matmul, 64, 576, 24)  # ~57M multiply-adds: every pool thread takes a part
     check(matmul, 1, 1536, 9)
-    check(matmul, 49, 576, 40)  # few rows, many panels: a unit takes all 49 rows of its panel
+    check(matmul, 49, 576, 40)  # few rows, many panels: a unit takes all 49 rows of its panels
+    check(matmul, 1, 96, 41)  # the same at one row: pairs of panels, then the odd one
+    check(matmul, 32, 96, 41)
     check(matmul, 65, 576, 40)  # one row more than that: row blocks again
 
 
