@@ -127,7 +127,8 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     tokens, _, _, logits_indices, token_src = program.host_args
     program = program._replace(host_args=(tokens, np.full(batch, context - 1, np.int32), meta, logits_indices,
                                           token_src))
-    args = runner.step_args(program)  # (params, cache, host inputs, prev_sampled, sampling, buffer, offset, counts, here)
+    # (params, cache, host inputs, prev_sampled, sampling, sampled buffer, offset, counts, sample_here)
+    args = runner.step_args(program)
     inputs, here = jax.device_put(args[2:7], replicated(runner.mesh)), args[8]
 
     def once(cache, counts):

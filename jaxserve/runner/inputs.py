@@ -60,7 +60,6 @@ class Program(NamedTuple):
     # A multi-step decode program: decode steps in its device loop (see `StepInputs.multi_decode`).
     num_steps: int = 1
 
-
     @property
     def is_decode(self) -> bool:
         """A plain decode program: one row per sequence, sampled in the model step's program."""

@@ -333,8 +333,8 @@ class ModelRunner:
 
     def step_args(self, program: Program, sampled: jax.Array | None = None) -> tuple:
         """The arguments of the compiled step of a prefill or verify program, or of a decode
-        program with its sampling, whose tokens go to the buffer `sampled` (by default a fresh one). A
-        constrained decode step does not sample (nor ship its mask table, written later)."""
+        program with its sampling, whose tokens go to the buffer `sampled` (by default a fresh
+        one). A constrained decode step does not sample (nor ship its mask table, written later)."""
         args = (self.params, self.cache, HostPack.of(program.host_args), self._prev_sampled)
         if not program.is_decode:
             return args

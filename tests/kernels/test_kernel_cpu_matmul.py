@@ -1,8 +1,9 @@
 """The cpu matmuls (`kernels_pallas/cpu_matmul.cc`) against numpy. The layer matmul, on
 weights stored in its panels, against the [K, N] layout: every row count of its register tiles
 and of the rows left over, more rows than one unit of its work, few rows over many panels (all
-of them in one unit), one-row calls over an odd number of panels, K of any size, work split over threads or not, and its refusals (a layer out of
-range, other dtypes, weights not in its panels). The tied head, x @ embedding.T: tiles at the
+of them for each panel), one-row calls over an odd number of panels, K of any size, work split
+over threads or not, and its refusals (a layer out of range, other dtypes, weights not in its
+panels). The tied head, x @ embedding.T: tiles at the
 edges of both, and what it leaves to XLA's dot (more rows, K off its vectors, other dtypes)."""
 
 import jax
