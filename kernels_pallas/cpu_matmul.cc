@@ -89,7 +89,7 @@ void short_tile(const Problem& p, int64_t rows, int64_t row, int64_t panel, std:
 // them while the multiply-adds run.
 template <int64_t R, int64_t G>
 void rows(const Problem& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
-  const int64_t later_tiles = (last - first - 1) / R;
+  const int64_t later_tiles = std::max<int64_t>(0, (last - first) / R - 1);  // full tiles after the first
   const int64_t lines = next < 0 || later_tiles == 0 ? 0 : G * p.k * kPanel / kLineFloats;
   const int64_t per_tile = later_tiles == 0 ? 0 : (lines + later_tiles - 1) / later_tiles;
   const float* ahead = p.w + std::max<int64_t>(next, 0) * p.k * kPanel;
