@@ -36,6 +36,7 @@ from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import head_logits, pack_kernels, panel_kernels, unstack_layers
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
+from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
 from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
@@ -116,6 +117,8 @@ def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, engine_config: EngineConfig, mesh: Mesh | None = None):
         self.engine_config = engine_config
+        if jax.default_backend() == "cpu":
+            keep_freed_blocks()  # each step's temporaries reuse the last one's pages (host_heap)
         if engine_config.compilation_cache_dir:
             enable_persistent_compilation_cache(engine_config.compilation_cache_dir)
         # Tensor parallel: heads split over "tp"; kv heads repeated where tp needs more of them,
