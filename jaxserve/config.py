@@ -124,7 +124,7 @@ class EngineConfig:
             self.block_table_buckets = (max_blocks,)
         if self.sampler_row_buckets is None:
             rows = max(max(self.decode_batch_buckets), max(self.prefill_seq_buckets))
-            self.sampler_row_buckets = _geometric(min(4, rows), rows, 4)
+            self.sampler_row_buckets = _geometric(min(4, rows), rows, 2)
         for name in ("decode_batch_buckets", "prefill_token_buckets", "prefill_seq_buckets", "block_table_buckets",
                      "sampler_row_buckets"):
             setattr(self, name, tuple(sorted(set(getattr(self, name)))))
