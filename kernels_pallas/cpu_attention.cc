@@ -4,18 +4,19 @@
 // Decode: one query row per sequence: q [B, H, D] attends to the first lengths[b] tokens of its
 // pages (block_tables [B, W]). Each (sequence, kv head) reads its keys and values once, straight
 // from the cache pages (no gather copy), for its G = H / KVH query heads: scores a vector of
-// keys at a time, softmax, then the weighted sum of values. Work items are split over threads.
+// keys at a time, softmax, then the weighted sum of values. Work items are split over XLA's
+// intra-op threads (cpu_parallel.h).
 //
 // Vectors are the machine's registers (cpu_vector.h).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -85,18 +86,6 @@ bool pages_in_range(const int32_t* tables, int64_t width, int64_t block_size, in
     if (page < 0 || page >= pages) return false;
   }
   return true;
-}
-
-// Runs part(i) for i in [0, threads): part 0 on the calling thread, the others on new ones.
-// One thread per `per_thread` units of `work`, at most `limit`: starting a thread costs tens
-// of microseconds.
-template <typename F>
-void run_parts(int64_t work, int64_t per_thread, int64_t limit, F&& part) {
-  const int64_t threads = std::max<int64_t>(1, std::min(work / per_thread, limit));
-  std::vector<std::thread> helpers;
-  for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(part, i, threads);
-  part(0, threads);
-  for (auto& t : helpers) t.join();
 }
 
 // Offsets (in floats, within one (layer, kv head) slice of the cache) of a sequence's tokens
@@ -227,10 +216,10 @@ void attend_item(const Problem& p, int64_t b, int64_t h, DecodeScratch& scratch)
   }
 }
 
-ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> lengths, float scale, float soft_cap, int32_t window,
-                           int32_t num_threads, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths, float scale,
+                           float soft_cap, int32_t window, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto cd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -256,9 +245,10 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
   }
   const int64_t items = p.batch * p.kv_heads;
   const bool served = with_head_dim(p.dim, [&](auto chunks) {
-    run_parts(rows * p.kv_heads, 8192, std::min<int64_t>(num_threads, items), [&](int64_t part, int64_t parts) {
-      DecodeScratch scratch;
-      for (int64_t i = part; i < items; i += parts) attend_item<decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scratch);
+    // A unit is one (sequence, kv head); the cost counts each K/V float read as 16 multiply-adds.
+    parallel_units(pool, items, 16 * 2 * rows * p.kv_heads * p.dim, [&](int64_t i) {
+      thread_local DecodeScratch scratch;
+      attend_item<decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scratch);
     });
   });
   if (!served) return ffi::Error::InvalidArgument("paged decode: head_dim must be a multiple of 16, at most 256");
@@ -269,6 +259,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
@@ -278,7 +269,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("window")
-                                  .Attr<int32_t>("num_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // ---- Ragged prefill attention ------------------------------------------------------------
@@ -430,10 +420,11 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
   }
 }
 
-ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
-                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start, float scale,
-                            float soft_cap, int32_t window, int32_t num_threads, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Buffer<ffi::S32> query_start, float scale, float soft_cap, int32_t window,
+                            ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto cd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -468,11 +459,13 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cac
   const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
   const bool served = with_head_dim(p.dim, [&](auto chunks) {
     constexpr int64_t D = decltype(chunks)::value * kDimStep;
-    run_parts(work * p.kv_heads, 1 << 16, std::min<int64_t>(num_threads, items), [&](int64_t part, int64_t parts) {
-      PrefillScratch scratch{std::vector<float>(D * kTileQueries), std::vector<float>(D * kTileQueries),
-                             std::vector<float>(kKeyBlock * kTileQueries)};
-      for (int64_t i = part; i < items; i += parts)
-        prefill_tile<decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
+    // A unit is one tile of one kv head; the cost is the multiply-adds of QK^T and PV.
+    parallel_units(pool, items, 2 * work * p.heads * p.dim, [&](int64_t i) {
+      thread_local PrefillScratch scratch;
+      scratch.qt.resize(D * kTileQueries);
+      scratch.ot.resize(D * kTileQueries);
+      scratch.st.resize(kKeyBlock * kTileQueries);
+      prefill_tile<decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
     });
   });
   if (!served) return ffi::Error::InvalidArgument("paged prefill: head_dim must be a multiple of 16, at most 256");
@@ -483,6 +476,7 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cac
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
@@ -493,5 +487,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefill, PagedPrefillImpl,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("window")
-                                  .Attr<int32_t>("num_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -18,7 +18,6 @@ first use.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
@@ -47,8 +46,7 @@ def _call(target: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lay
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
                *(a.astype(jnp.int32) for a in int_args), scale=np.float32(scale),
-               soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0),
-               num_threads=np.int32(len(os.sched_getaffinity(0))))
+               soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0))
     return out.astype(q.dtype)
 
 
