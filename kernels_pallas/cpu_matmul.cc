@@ -216,6 +216,8 @@ ffi::Error HeadMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (p.m == 0 || p.v == 0) return ffi::Error::Success();
   if (p.m == 1) {
     run_head<1>(pool, p);
+  } else if (p.m == 2) {
+    run_head<2>(pool, p);  // a tile of kHeadRows would compute every output twice
   } else {
     run_head<kHeadRows>(pool, p);
   }
