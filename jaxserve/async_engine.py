@@ -1,10 +1,13 @@
-"""Runs the engine loop in its own thread and gives each request an async stream of deltas.
+"""The engine of this process behind `EngineClient`: the engine loop in its own thread, and an async
+stream of deltas for each request.
 
-The asyncio side never calls JAX: requests and aborts go into a thread-safe inbox; deltas
-come back to each request's asyncio.Queue through `loop.call_soon_threadsafe`.
+The asyncio side never calls JAX: requests, aborts and calls (snapshots, pins, KV transfers) go
+into a thread-safe inbox that the loop drains between steps; deltas and results come back through
+`loop.call_soon_threadsafe`.
 
-The loop drives a `DataParallelRouter`: a lone `LLMEngine` is wrapped in a router of one, so
-requests that name a session reach the replica holding the session's KV either way.
+The loop drives a `DataParallelEngine`: a lone `LLMEngine` is wrapped in one of one replica, so
+requests that name a session reach the replica holding the session's KV either way. KV export and
+import (`KVTransferEngine`) need one replica.
 """
 
 from __future__ import annotations
@@ -15,27 +18,26 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, AsyncIterator, Callable
 
-from jaxserve.dp_router import DataParallelRouter
+import jax
+import numpy as np
+
+from jaxserve import kv_transfer
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
+from jaxserve.engine_client import (BlockLayout, EngineDeadError, EngineInfo, KVHold, Pin, RequestFailedError,
+                                    StagedKV, TransferError)
 from jaxserve.engine_snapshot import EngineSnapshot
-from jaxserve.kv import Pin
-from jaxserve.outputs import Delta
+from jaxserve.kv_tiers import kv_fingerprint
+from jaxserve.outputs import Delta, FinishReason
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 ENGINE_CALL_TIMEOUT = 30.0  # seconds a call on the engine thread may wait for a step to end
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request alone (its part of a step raised); others go on."""
 
 
 @dataclasses.dataclass
@@ -45,7 +47,7 @@ class _Add:
     params: SamplingParams
     session_id: str | None
     deliver: Callable[[Delta | BaseException], None]
-    on_finish: Callable[[DataParallelRouter, Delta], None] | None = None
+    hold_kv: bool = False
 
 
 @dataclasses.dataclass
@@ -57,26 +59,35 @@ class _Abort:
 class _Call:
     """Run fn(router) on the engine thread (session pins, snapshots)."""
 
-    fn: Callable[[DataParallelRouter], Any]
+    fn: Callable[[DataParallelEngine], Any]
     done: Callable[[Any], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | DataParallelRouter):
-        self.engine = engine if isinstance(engine, DataParallelRouter) else DataParallelRouter([engine])
+    """`EngineClient` and `KVTransferEngine` (one replica) over the engine loop of this process."""
+
+    def __init__(self, engine: LLMEngine | DataParallelEngine):
+        self.engine = engine if isinstance(engine, DataParallelEngine) else DataParallelEngine([engine])
+        e = self.engine
+        self.info = EngineInfo(model_name=str(e.model_name), tokenizer=e.tokenizer,
+                               vocab_size=e.model_config.vocab_size, max_model_len=e.config.max_model_len,
+                               max_num_seqs=e.max_num_seqs, block_size=e.config.block_size)
         self._inbox: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}
-        self._on_finish: dict[str, Callable[[DataParallelRouter, Delta], None]] = {}
+        self._hold_kv: dict[str, list[int]] = {}  # request id -> prompt ids, for `generate(hold_kv=True)`
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._stopping = threading.Event()
         self.last_step_at = time.monotonic()
         self.fatal_error: BaseException | None = None
-        self.on_step: Callable[[DataParallelRouter, list[Delta], float], None] | None = None  # metrics hook
+        self.on_step: Callable[[float], None] | None = None  # the server's step-time histogram
         # Called on the engine thread when it wakes with nothing to run (multi-host keep-alive).
         self.on_idle: Callable[[], None] | None = None
         # Called on the engine thread once the loop has died (a device step failed) and every
         # waiting stream has its error: the server exits non-zero so a supervisor restarts it.
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self.on_stopped: Callable[[], None] | None = None  # once, after `shutdown` (multi-host: free the followers)
+        self._transfer: kv_transfer.DeviceTransfer | None = None
+        self._kv_fingerprint: bytes | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -86,27 +97,31 @@ class AsyncEngine:
         return self._thread.is_alive() and self.fatal_error is None
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       session_id: str | None = None,
-                       on_finish: Callable[[DataParallelRouter, Delta], None] | None = None) -> AsyncIterator[Delta]:
-        """Stream the request's deltas. Raises ValueError for a prompt the engine cannot serve.
-        Leaving the iteration early (client gone, task cancelled) aborts the request. Requests
-        that name a `session_id` go to the replica that served the session before.
-        `on_finish(router, final_delta)` (n = 1 only) runs on the engine thread as the sequence
-        ends, before any later step: a prefill worker holds the prompt's blocks there."""
+                       session_id: str | None = None, hold_kv: bool = False) -> AsyncIterator[Delta]:
+        """See `EngineClient.generate`. With `hold_kv` the prompt's blocks are held on the engine
+        thread as the sequence ends, before any later step could evict them."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
+        closed = False  # the caller has left: what still arrives is dropped (held KV released)
+
+        def put(item: Delta | BaseException) -> None:  # on the event loop
+            if closed:
+                self._release_unread(item)
+            else:
+                out.put_nowait(item)
 
         def deliver(item: Delta | BaseException) -> None:  # on the engine thread
             try:
-                loop.call_soon_threadsafe(out.put_nowait, item)
+                loop.call_soon_threadsafe(put, item)
             except RuntimeError:  # the caller's event loop has closed: no one reads this stream now
                 self._inbox.put(_Abort(request_id))
+                self._release_unread(item)
 
-        if on_finish is not None and params.n != 1:
-            raise ValueError("on_finish needs n = 1")
-        self._inbox.put(_Add(request_id, prompt, params, session_id, deliver, on_finish))
+        if hold_kv and (params.n != 1 or not isinstance(prompt, list)):
+            raise ValueError("hold_kv needs n = 1 and the prompt's token ids")
+        self._inbox.put(_Add(request_id, prompt, params, session_id, deliver, hold_kv))
         remaining = params.n
         finished = False
         try:
@@ -119,8 +134,17 @@ class AsyncEngine:
                 yield item
             finished = True
         finally:
+            closed = True
             if not finished:
                 self._inbox.put(_Abort(request_id))
+            while not out.empty():
+                self._release_unread(out.get_nowait())
+
+    def _release_unread(self, item: Delta | BaseException) -> None:
+        """A delivered delta no one will read may carry held KV: release it on the engine thread."""
+        hold = getattr(item, "kv_hold", None)
+        if hold is not None:
+            self._inbox.put(_Call(lambda e: kv_transfer.release(e.lone_replica, hold), lambda _result: None))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -132,7 +156,7 @@ class AsyncEngine:
     # ----- the engine API, on the engine thread between steps (None once the loop has stopped) -
 
     async def snapshot(self) -> EngineSnapshot | None:
-        return await self._on_engine_thread(DataParallelRouter.snapshot)
+        return await self._on_engine_thread(DataParallelEngine.snapshot)
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
                           others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
@@ -144,7 +168,7 @@ class AsyncEngine:
 
     async def end_sessions(self, ended: list[tuple[str, Pin | None]]) -> None:
         """Sessions that are gone: release each one's pin and its place on a replica."""
-        def end(router: DataParallelRouter) -> None:
+        def end(router: DataParallelEngine) -> None:
             for session_id, pin in ended:
                 router.end_session(session_id, pin)
         await self._on_engine_thread(end)
@@ -152,16 +176,84 @@ class AsyncEngine:
     async def set_pin_budget(self, blocks_per_owner: int) -> None:
         await self._on_engine_thread(lambda e: e.set_pin_budget(blocks_per_owner))
 
-    async def between_steps(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
-        """Run fn(router) on the engine thread between steps (a worker's KV transfers)."""
+    async def aclose(self) -> None:
+        """`shutdown` without blocking the event loop (its last deliveries still land)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
+    async def inspect(self, fn: Callable[[DataParallelEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread: for tests and debugging tools, which may look at
+        any internal state. Not part of `EngineClient`: the server and the cluster never call it."""
         return await self._on_engine_thread(fn)
 
-    async def inspect(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
-        """Run fn(router) on the engine thread: for tests and debugging tools, which may look at
-        any internal state. The server uses only the methods above."""
-        return await self._on_engine_thread(fn)
+    # ----- KV export and import (`KVTransferEngine`), on the one replica -------------------------
 
-    async def _on_engine_thread(self, fn: Callable[[DataParallelRouter], Any]) -> Any:
+    @property
+    def _replica(self) -> LLMEngine:
+        return self.engine.lone_replica
+
+    @property
+    def kv_layout(self) -> BlockLayout:
+        return kv_transfer.block_layout(self._replica)
+
+    def kv_key(self, token_ids: Sequence[int], num_blocks: int) -> bytes:
+        if self._kv_fingerprint is None:
+            replica = self._replica
+            self._kv_fingerprint = kv_fingerprint(replica.runner, replica.model_name)
+        return kv_transfer.prompt_key(self._kv_fingerprint, token_ids, num_blocks, self.info.block_size)
+
+    def start_transfer_server(self, host: str) -> str:
+        """Serve device-to-device KV pulls on `host` (an address other workers reach); returns
+        the server's address."""
+        self._transfer = kv_transfer.DeviceTransfer(self._replica, host)
+        return self._transfer.address
+
+    @property
+    def transfer_address(self) -> str | None:
+        return self._transfer.address if self._transfer is not None else None
+
+    async def hold_kv(self, token_ids: Sequence[int], max_blocks: int | None = None) -> KVHold | None:
+        return await self._on_engine_thread(lambda e: kv_transfer.hold_prompt(e.lone_replica, token_ids, max_blocks))
+
+    async def read_kv(self, hold: KVHold, first: int, count: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return await self._on_engine_thread(lambda e: kv_transfer.read_blocks(e.lone_replica, hold, first, count))
+
+    async def write_kv(self, hold: KVHold, token_ids: Sequence[int], k: np.ndarray,
+                       v: np.ndarray) -> KVHold | None:
+        return await self._on_engine_thread(
+            lambda e: kv_transfer.write_blocks(e.lone_replica, hold, token_ids, k, v))
+
+    async def stage_kv(self, hold: KVHold, first: int, count: int, timeout: float) -> StagedKV | None:
+        transfer = self._transfer
+        if transfer is None:
+            raise LookupError("this worker moves KV as bytes only (--kv-transport grpc)")
+
+        def offer(e: DataParallelEngine) -> StagedKV:
+            arrays = kv_transfer.stage_blocks(e.lone_replica, hold, first, count)
+            return StagedKV(transfer.address, transfer.offer(arrays, timeout), count, len(arrays) // 2,
+                            transfer.chunk_shape[2])
+        return await self._on_engine_thread(offer)
+
+    async def pull_staged_kv(self, staged: StagedKV, hold: KVHold, token_ids: Sequence[int],
+                             timeout: float) -> KVHold | None:
+        transfer = self._transfer
+        if transfer is None:
+            raise TransferError("this worker has no transfer server")
+        chunk = transfer.chunk_shape[2]
+        if staged.chunk_blocks != chunk or staged.num_chunks * chunk < staged.num_blocks:
+            raise TransferError(f"{staged.num_chunks} chunks of {staged.chunk_blocks} blocks staged, "
+                                f"{staged.num_blocks} blocks of {chunk} a chunk wanted")
+        try:
+            arrays = await asyncio.to_thread(transfer.pull, staged.address, staged.transfer_id,
+                                             2 * staged.num_chunks, timeout)
+        except (TimeoutError, jax.errors.JaxRuntimeError) as e:
+            raise TransferError(str(e) or type(e).__name__) from e
+        return await self._on_engine_thread(lambda e: kv_transfer.write_staged_blocks(
+            e.lone_replica, hold, token_ids, arrays, staged.num_blocks))
+
+    async def release_kv(self, hold: KVHold) -> None:
+        await self._on_engine_thread(lambda e: kv_transfer.release(e.lone_replica, hold))
+
+    async def _on_engine_thread(self, fn: Callable[[DataParallelEngine], Any]) -> Any:
         if not self.is_alive:
             return None
         loop = asyncio.get_running_loop()
@@ -188,6 +280,9 @@ class AsyncEngine:
             self._thread.join(timeout)
         if not self._thread.is_alive():
             self.engine.close()  # the disk tier's last writes
+        stopped, self.on_stopped = self.on_stopped, None
+        if stopped is not None:
+            stopped()
 
     # ----- the engine thread ----------------------------------------------------------------
 
@@ -197,8 +292,8 @@ class AsyncEngine:
             try:
                 engine.add_request(item.request_id, item.prompt, item.params, item.session_id)
                 self._deliver[item.request_id] = item.deliver
-                if item.on_finish is not None:
-                    self._on_finish[item.request_id] = item.on_finish
+                if item.hold_kv:
+                    self._hold_kv[item.request_id] = item.prompt
             except ValueError as e:  # the request cannot be served: the caller's error
                 item.deliver(e)
             except Exception as e:  # noqa: BLE001 - this request failed alone; the engine goes on
@@ -215,15 +310,24 @@ class AsyncEngine:
                 item.done(e)
 
     def _send(self, d: Delta) -> None:
-        on_finish = self._on_finish.pop(d.request_id, None) if d.finished else None
-        if on_finish is not None:
+        prompt_ids = self._hold_kv.pop(d.request_id, None) if d.finished else None
+        if prompt_ids is not None and d.finish_reason == FinishReason.LENGTH.value:
             try:
-                on_finish(self.engine, d)
-            except Exception:  # noqa: BLE001 - the request's output stands; the hook's work is lost
-                logger.exception("on_finish of request %s failed", d.request_id)
+                d.kv_hold = self._hold_prompt(prompt_ids)
+            except Exception:  # noqa: BLE001 - the request's output stands; its KV is not handed over
+                logger.exception("holding the KV of request %s failed", d.request_id)
         deliver = self._deliver.get(d.request_id)
         if deliver is not None:
             deliver(d if d.error is None else RequestFailedError(d.error))
+
+    def _hold_prompt(self, prompt_ids: list[int]) -> KVHold | None:
+        """Hold a finished prompt's cached blocks (None when none are cached)."""
+        replica = self._replica
+        hold = kv_transfer.hold_prompt(replica, prompt_ids)
+        if hold.num_blocks:
+            return hold
+        kv_transfer.release(replica, hold)
+        return None
 
     def _loop(self) -> None:
         engine = self.engine
@@ -247,9 +351,9 @@ class AsyncEngine:
                         self._send(d)
                     for rid in [r for r in self._deliver if not engine.is_active(r)]:
                         del self._deliver[rid]
-                        self._on_finish.pop(rid, None)
+                        self._hold_kv.pop(rid, None)
                     if self.on_step is not None:
-                        self.on_step(engine, deltas, time.perf_counter() - t0)
+                        self.on_step(time.perf_counter() - t0)
                 elif self.on_idle is not None:
                     self.on_idle()
                 self.last_step_at = time.monotonic()
@@ -259,7 +363,7 @@ class AsyncEngine:
             for deliver in self._deliver.values():
                 deliver(EngineDeadError(f"engine loop failed: {e!r}"))
             self._deliver.clear()
-            self._on_finish.clear()
+            self._hold_kv.clear()
             if self.on_fatal is not None:
                 self.on_fatal(e)
             return

@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from jaxserve.engine_args import add_engine_args, engine_config_from_args
 
@@ -78,16 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     # The server and the benchmarks live above jaxserve in the layering: imported here only.
     from bench.cli import add_bench_parser
     from server.cli import add_serve_parser
-    from server.launch.cli import add_launch_parser
-    from server.router.cli import add_router_parser
-    from server.worker_api.cli import add_worker_parser
+    from server.cluster.launch.cli import add_launch_parser
+    from server.cluster.router.cli import add_router_parser
+    from server.cluster.worker.cli import add_worker_parser
 
-    add_serve_parser(sub, add_engine_args, engine_config_from_args)
-    add_worker_parser(sub, add_engine_args, engine_config_from_args)
+    add_serve_parser(sub, add_engine_args, _engine_starter)
+    add_worker_parser(sub, add_engine_args, _engine_starter)
     add_router_parser(sub)
     add_launch_parser(sub)
     add_bench_parser(sub)
     return parser
+
+
+def _engine_starter(args: argparse.Namespace) -> Callable[..., Any]:
+    """What `serve` and `worker` call to start the engine their flags describe (`jaxserve.serving`)."""
+    def start(**kwargs: Any) -> Any:
+        from jaxserve.serving import start_engine
+
+        return start_engine(args.model, engine_config_from_args(args), **kwargs)
+    return start
 
 
 def _prepare_jax(args: argparse.Namespace) -> None:

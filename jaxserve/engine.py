@@ -46,16 +46,17 @@ from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv import CopyStage, KVCacheManager, Pin
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
-from jaxserve.output_processor import SequenceStream
-from jaxserve.outputs import Delta, Usage
-from jaxserve.request import FinishReason, Request, RequestStatus, check_prompt_ids
-from jaxserve.runner import ModelRunner, SampledToken, StepHandle, checkpoint_shardings
+from jaxserve.engine_client import check_prompt_ids
+from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.inputs import PreparedStep
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarCompiler
+from jaxserve.text_stream import TextStream
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size,
                                         self.eos_token_ids)
-        self._streams: dict[Request, SequenceStream] = {}
+        self._streams: dict[Request, TextStream] = {}
         self._groups: dict[str, list[Request]] = {}
         self._rng = random.Random(ec.seed)
         self._in_flight: StepHandle | None = None  # launched, output not read (async scheduling)
@@ -154,7 +155,7 @@ class LLMEngine:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                 grammar=grammars[i],
             )
-            streams[req] = SequenceStream(request_id, req, i, self.tokenizer)
+            streams[req] = TextStream(request_id, i, params, ids, self.tokenizer)
         group = list(streams)
         self._streams.update(streams)
         self._groups[request_id] = group
@@ -337,7 +338,7 @@ class LLMEngine:
                     finished_groups.add(stream.group_id)
                 else:
                     self.scheduler.on_token_read(req, chunk.output_index)
-                    delta = stream.take_delta(None, None)
+                    delta = stream.take_delta(None, None, prompt_logprobs=req.prompt_logprobs)
                     if delta is not None:
                         deltas.append(delta)
             except Exception as e:  # noqa: BLE001 - one request's fault
@@ -346,7 +347,7 @@ class LLMEngine:
             self._forget_if_finished(group_id)
         return deltas
 
-    def _update_all(self, req: Request, stream: SequenceStream, chunk: ScheduledChunk,
+    def _update_all(self, req: Request, stream: TextStream, chunk: ScheduledChunk,
                     tokens: list[SampledToken]) -> FinishReason | None:
         """Land a chunk's tokens in order: one, a verified decode's accepted drafts and the
         token after them, or a multi-step decode's tokens. Every stop rule applies to each;
@@ -367,7 +368,7 @@ class LLMEngine:
             self.scheduler.accept_tokens(req, len(tokens) - 1)
         return reason
 
-    def _update(self, req: Request, stream: SequenceStream, index: int, sampled: SampledToken) -> FinishReason | None:
+    def _update(self, req: Request, stream: TextStream, index: int, sampled: SampledToken) -> FinishReason | None:
         """The one place a sampled token lands: it replaces its placeholder and advances the
         request's grammar (structured output), then every stop rule is applied in order (stop
         token ids and EOS, stop strings, a grammar that allows nothing more, max_tokens, the
@@ -402,7 +403,7 @@ class LLMEngine:
 
     def _final_delta(self, req: Request, reason: FinishReason, error: BaseException | None = None) -> Delta:
         usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)
-        return self._streams[req].take_delta(reason, usage, error)
+        return self._streams[req].take_delta(reason, usage, error, req.prompt_logprobs)
 
     def _forget_if_finished(self, request_id: str) -> None:
         group = self._groups.get(request_id)

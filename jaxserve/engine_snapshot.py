@@ -11,8 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.kv import KVUsage
-from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS
+from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS, load_seconds_bucket
 from jaxserve.kv.tier_stats import TierStats
+
+__all__ = ["KV_LOAD_SECONDS_BUCKETS", "EngineSnapshot", "KVTransferStats", "KVUsage", "ReplicaLoad", "TierStats",
+           "load_seconds_bucket"]
 
 
 @dataclasses.dataclass(frozen=True)

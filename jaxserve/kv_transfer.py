@@ -17,7 +17,6 @@ through `jax.experimental.transfer`). (Here, not in jaxserve/kv, because it move
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import itertools
 import random
@@ -29,35 +28,13 @@ import jax
 import numpy as np
 from jax.experimental import transfer
 
+from jaxserve.engine_client import BlockLayout
 from jaxserve.kv import Hold
 from jaxserve.kv.content_keys import chain_keys
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 
 if TYPE_CHECKING:
     from jaxserve.engine import LLMEngine
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockLayout:
-    """One block's K (or V) array: [layers, kv_heads, block_size, head_dim] of `dtype`."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def block_bytes(self) -> int:
-        """K and V of one block."""
-        return 2 * int(np.prod(self.shape)) * self.dtype.itemsize
-
-    def arrays(self, k: bytes, v: bytes, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of `num_blocks` blocks from their bytes (block i on axis 2); ValueError when
-        the sizes do not fit."""
-        layers, heads, bs, dim = self.shape
-        shape = (layers, heads, num_blocks, bs, dim)
-        want = self.block_bytes // 2 * num_blocks
-        if len(k) != want or len(v) != want:
-            raise ValueError(f"{num_blocks} blocks need {want} bytes each of K and V, got {len(k)} and {len(v)}")
-        return np.frombuffer(k, self.dtype).reshape(shape), np.frombuffer(v, self.dtype).reshape(shape)
 
 
 def block_layout(engine: LLMEngine) -> BlockLayout:
@@ -79,10 +56,16 @@ def release(engine: LLMEngine, hold: Hold) -> None:
         engine.kv.release_hold(hold)
 
 
+def _check_held(hold: Hold, first: int, count: int) -> None:
+    if not hold.active:
+        raise LookupError("the hold was released")
+    if not 0 <= first <= first + count <= hold.num_blocks:
+        raise ValueError(f"blocks [{first}, {first + count}) are not held (the hold has {hold.num_blocks})")
+
+
 def read_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """K and V of held blocks [first, first + count), block i on axis 2."""
-    if not hold.active or not 0 <= first <= first + count <= hold.num_blocks:
-        raise ValueError(f"blocks [{first}, {first + count}) are not held (the hold has {hold.num_blocks})")
+    _check_held(hold, first, count)
     runner, blocks = engine.runner, hold.blocks[first:first + count]
     parts = [runner.blocks.read(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK])
              for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)]
@@ -102,8 +85,7 @@ def write_blocks(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], k: np.
 def stage_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> list[jax.Array]:
     """K and V of held blocks [first, first + count) as device arrays K0, V0, K1, V1, ...: chunk i
     holds BLOCK_MOVE_CHUNK blocks from first + i * BLOCK_MOVE_CHUNK on (the last one padded)."""
-    if not hold.active or not 0 <= first <= first + count <= hold.num_blocks:
-        raise ValueError(f"blocks [{first}, {first + count}) are not held (the hold has {hold.num_blocks})")
+    _check_held(hold, first, count)
     runner, blocks = engine.runner, hold.blocks[first:first + count]
     return [x for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)
             for x in runner.blocks.gather(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK])]

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from checkpoints.registry import DEFAULT_MODEL
 from jaxserve.config import EngineConfig
-from jaxserve.dp_router import make_engine
+from jaxserve.data_parallel import make_engine
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

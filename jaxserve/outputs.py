@@ -3,6 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+from typing import Any
+
+import numpy as np
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token id / stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the client or by shutdown
+    ERROR = "error"
+
+
+@dataclasses.dataclass
+class SampledToken:
+    """One token a step sampled, with its log-probability and the best alternatives."""
+
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray  # [K] int32
+    top_logprobs: np.ndarray  # [K] float32
 
 
 @dataclasses.dataclass
@@ -39,6 +60,9 @@ class Delta:
     # With params.prompt_logprobs: the prompt's scores (None at position 0), once, on the
     # sequence's first delta after its whole prompt is scored.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With `generate(..., hold_kv=True)`, on a final delta that ended by length: the held KV
+    # blocks of the prompt (an `engine_client.KVHold`), for a decode worker to pull.
+    kv_hold: Any = None
 
     @property
     def finished(self) -> bool:

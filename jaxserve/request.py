@@ -8,7 +8,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from jaxserve.outputs import TokenLogprob
+from jaxserve.outputs import FinishReason, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -21,38 +21,12 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1
 
 
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room to generate within max_model_len."""
-
-
-def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> list[int]:
-    """The one check of a prompt's token ids (the engine's, and the server's before it formats
-    the error): not empty, in the vocabulary, and leaving room for one generated token."""
-    if not ids:
-        raise ValueError("the prompt is empty")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
-        raise PromptTooLongError(
-            f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
-            f"{len(ids)} tokens (at least one token must be left to generate)"
-        )
-    return ids
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # recompute: back to the waiting queue with its tokens kept
     SWAPPED = "swapped"  # its blocks live in the host tier until it is swapped back in
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # an EOS / stop token id / stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # cancelled by the client or by shutdown
-    ERROR = "error"
 
 
 @dataclasses.dataclass(eq=False)

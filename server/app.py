@@ -1,4 +1,4 @@
-"""Builds the aiohttp application around a running `AsyncEngine`.
+"""Builds the aiohttp application around a running engine (any `EngineClient`).
 
 The app does not own the engine: whoever started the engine shuts it down after the app's
 cleanup (`server.cli` for `jaxserve serve`; fixtures in tests).
@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine_client import EngineClient
 from server import routes_ops, routes_openai, routes_sessions, routes_tokenize
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
@@ -40,9 +40,9 @@ FINAL_WRITE_SECONDS = 5.0  # after the drain: for the stopped streams to send th
 DRAIN_POLL_SECONDS = 0.05
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The server for `engine` (already started and warmed up)."""
-    info = ModelInfo.from_engine(engine.engine, config.served_model_name)
+    info = ModelInfo.from_engine(engine.info, config.served_model_name)
     keys = ApiKeys(config.api_keys)
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
     sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files)
@@ -93,12 +93,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if state.keys.is_open:
         logger.warning("no API key configured: the server is open to anyone who can reach %s:%d",
                        state.config.host, state.config.port)
-    def on_step(_engine: object, _deltas: object, seconds: float) -> None:
-        state.metrics.observe_step(seconds)
-
     owns_hook = state.engine.on_step is None  # several apps may share one engine (tests): first wins
     if owns_hook:
-        state.engine.on_step = on_step
+        state.engine.on_step = state.metrics.observe_step
     loaded = state.sessions.load(state.info.vocab_size)
     if loaded:
         logger.info("restored %d sessions from %s", loaded, state.config.session_dir)

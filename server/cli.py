@@ -1,32 +1,33 @@
 """`jaxserve serve`: load the model, compile every bucket, then serve HTTP until SIGINT/SIGTERM.
 
-`jaxserve/cli.py` (the composition root) registers the subcommand with `add_serve_parser`;
-importing this module is cheap (the server and the engine are imported when `serve` runs).
+`jaxserve/cli.py` (the composition root) registers the subcommand with `add_serve_parser` and
+hands it the function that starts the engine; importing this module is cheap (the server is
+imported when `serve` runs).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxserve.config import EngineConfig
+from jaxserve.engine_client import EngineClient
 from server.config import ServerConfig
 from sharding.multihost import add_distributed_arguments
 
+# Starts the engine that the command's flags describe: None in a multi-process job's followers,
+# which have replayed the leader's steps until it stopped.
+StartEngine = Callable[..., EngineClient | None]
 
-def add_serve_parser(
-    subparsers: argparse._SubParsersAction,
-    add_engine_args: Callable[[argparse.ArgumentParser], None],
-    engine_config_from_args: Callable[[argparse.Namespace], EngineConfig],
-) -> argparse.ArgumentParser:
+
+def add_serve_parser(subparsers: argparse._SubParsersAction, add_engine_args: Callable[[argparse.ArgumentParser], None],
+                     start_engine: Callable[[argparse.Namespace], StartEngine]) -> argparse.ArgumentParser:
     """Add `serve` (engine flags from `add_engine_args`, server flags from here)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with sessions")
     add_engine_args(p)
     add_server_args(p.add_argument_group("server"))
     add_distributed_arguments(p.add_argument_group("multi-process (one engine over several hosts)"))
-    p.set_defaults(func=lambda args: serve(args, engine_config_from_args(args)))
+    p.set_defaults(func=lambda args: serve(args, start_engine(args)))
     return p
 
 
@@ -97,62 +98,27 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
     )
 
 
-def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    """Load, warm up, serve; returns 0 after a graceful shutdown.
-
-    In a multi-process job (`--num-processes`, one tensor-parallel engine over every process's
-    devices) process 0 serves HTTP and the others replay its device operations until it stops.
-    """
+def serve(args: argparse.Namespace, start_engine: StartEngine) -> int:
+    """Start the engine, serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown, 1 when
+    the engine failed. In a multi-process job, process 0 serves HTTP and the others replay its
+    device operations until it stops."""
     import asyncio
-    import os
-    import signal
 
-    import jax
     from aiohttp import web
 
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.dp_router import make_engine
     from server.app import build_app
-    from sharding import multihost
 
     config = server_config_from_args(args)
-    if jax.process_count() > 1:
-        devices = len(jax.devices())
-        if engine_config.data_parallel_size > 1 or engine_config.tensor_parallel_size != devices:
-            raise SystemExit(f"a multi-process job runs one tensor-parallel engine over all {devices} devices of its "
-                             f"{jax.process_count()} processes: use --tensor-parallel-size {devices} and "
-                             "--data-parallel-size 1")
-    t0 = time.perf_counter()
-    async_engine = AsyncEngine(make_engine(args.model, engine_config))
-    router = async_engine.engine
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
-    for disk in {id(e.disk_tier): e.disk_tier for e in router.replicas if e.disk_tier is not None}.values():
-        print(f"KV disk tier in {disk.root}: {disk.num_files} blocks found ({disk.num_bytes / 1e6:.1f} MB)", flush=True)
-    replicas = f" on each of {len(router.replicas)} replicas" if len(router.replicas) > 1 else ""
-    print(f"compiling buckets{replicas}: {router.bucket_summary()}", flush=True)
-    seconds = router.warm_up()
-    print(f"warm-up: {router.num_compilations} compilations in {seconds:.1f} s", flush=True)
-    leader = None
-    if jax.process_count() > 1:
-        multihost.barrier("jaxserve-serve-warm")
-        channel = multihost.StepChannel()
-        runner = router.lone_runner
-        if jax.process_index() != 0:
-            count = multihost.follow(runner, channel)
-            print(f"process {jax.process_index()}: replayed {count} device operations; process 0 stopped", flush=True)
-            return 0
-        leader = multihost.Leader(runner, channel)
-        async_engine.on_idle = leader.keep_alive
-    # A dead engine loop (a device step failed) stops the server like SIGTERM, and it exits 1.
-    async_engine.on_fatal = lambda _error: os.kill(os.getpid(), signal.SIGTERM)
-    async_engine.start()
+    engine = start_engine()
+    if engine is None:
+        return 0
 
     async def stop_engine(_app: web.Application) -> None:
-        """Stop the engine thread while the event loop still runs: its last deliveries land."""
-        await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+        """Stop the engine while the event loop still runs: its last deliveries land."""
+        await engine.aclose()
 
     try:
-        app = build_app(async_engine, config)
+        app = build_app(engine, config)
         if config.grpc_port:
             from server.grpc_api.server import GrpcServer
 
@@ -160,11 +126,9 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         app.on_cleanup.append(stop_engine)  # after the app's own cleanup (sessions written)
         run_app(app, config)
     finally:
-        async_engine.shutdown()  # already stopped unless the app failed to start
-        if leader is not None:
-            leader.stop()
-    if async_engine.fatal_error is not None:
-        print(f"server stopped: the engine failed ({async_engine.fatal_error!r})", flush=True)
+        asyncio.run(engine.aclose())  # already stopped unless the app failed to start
+    if engine.fatal_error is not None:
+        print(f"server stopped: the engine failed ({engine.fatal_error!r})", flush=True)
         return 1
     print("server stopped", flush=True)
     return 0

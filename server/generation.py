@@ -16,7 +16,7 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from jaxserve.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from jaxserve.outputs import Delta, Usage
 from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
@@ -47,7 +47,7 @@ class _ChoiceTiming:
 class Generation:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         requests: list[EngineRequest],
         *,
         owner: str,

@@ -15,8 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxserve.engine_snapshot import EngineSnapshot
-from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS
+from jaxserve.engine_snapshot import KV_LOAD_SECONDS_BUCKETS, EngineSnapshot
 
 PREFIX = "jaxserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

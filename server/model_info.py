@@ -1,7 +1,7 @@
 """Read-only facts about the served model that request parsing needs on the asyncio thread.
 
-Taken from the engine once at start-up: the tokenizer (thread-safe for encode/decode and chat
-templates) and the limits. The engine itself is only touched from its own thread.
+Taken from the engine's `EngineInfo` once at start-up: the tokenizer (thread-safe for
+encode/decode and chat templates) and the limits.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jaxserve.dp_router import DataParallelRouter
+from jaxserve.engine_client import EngineInfo
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -24,17 +24,9 @@ class ModelInfo:
     created: int
 
     @classmethod
-    def from_engine(cls, engine: DataParallelRouter, name: str) -> ModelInfo:
-        config = engine.config
-        return cls(
-            name=name,
-            tokenizer=engine.tokenizer,
-            vocab_size=engine.model_config.vocab_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=engine.max_num_seqs,
-            block_size=config.block_size,
-            created=int(time.time()),
-        )
+    def from_engine(cls, info: EngineInfo, name: str) -> ModelInfo:
+        return cls(name=name, tokenizer=info.tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                   max_num_seqs=info.max_num_seqs, block_size=info.block_size, created=int(time.time()))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as logprobs show it (special tokens included)."""

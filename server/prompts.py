@@ -10,8 +10,8 @@ from typing import Any
 
 import jinja2
 
-from jaxserve.request import PromptTooLongError
-from jaxserve.request import check_prompt_ids as check_engine_prompt_ids
+from jaxserve.engine_client import PromptTooLongError
+from jaxserve.engine_client import check_prompt_ids as check_engine_prompt_ids
 from server.errors import bad_request
 from server.model_info import ModelInfo
 

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from jaxserve.structured import GuidedDecoding
+from jaxserve.structured.spec import GuidedDecoding
 from server.errors import APIError, bad_request
 from server.json_body import JSONBodyError, parse_json
 

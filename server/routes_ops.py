@@ -8,7 +8,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine_client import EngineClient
 from server.state import STATE
 
 routes = web.RouteTableDef()
@@ -16,7 +16,7 @@ routes = web.RouteTableDef()
 STUCK_AFTER_SECONDS = 120.0  # a loop that has not come round for this long is reported unhealthy
 
 
-def engine_problem(engine: AsyncEngine) -> str | None:
+def engine_problem(engine: EngineClient) -> str | None:
     """Why the engine cannot serve (stopped, or stuck), or None when it is healthy."""
     if not engine.is_alive:
         return "stopped"

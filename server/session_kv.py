@@ -1,6 +1,6 @@
 """Pins each session's latest history in the prefix cache, within the owner's block budget.
 
-All KV work runs on the engine thread (through the AsyncEngine's pin methods). A session lives on one
+All KV work runs on the engine thread (through the engine's pin methods). A session lives on one
 data-parallel replica (the router keeps it there), and its pin is in that replica's cache.
 When a new pin does not fit the owner's budget, the owner's least recently used other
 sessions on that replica give up their pins until it fits (they still work; their next turn
@@ -9,13 +9,12 @@ may recompute part of the history).
 
 from __future__ import annotations
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.kv import Pin
+from jaxserve.engine_client import EngineClient, Pin
 from server.sessions import Session, SessionStore
 
 
 class SessionKV:
-    def __init__(self, engine: AsyncEngine, store: SessionStore) -> None:
+    def __init__(self, engine: EngineClient, store: SessionStore) -> None:
         self.engine = engine
         self.store = store
 

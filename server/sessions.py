@@ -26,7 +26,7 @@ from server.errors import APIError, not_found
 from server.session_files import SESSION_ID, SessionFiles
 
 if TYPE_CHECKING:
-    from jaxserve.kv import Pin
+    from jaxserve.engine_client import Pin
     from server.generation import Generation
 
 logger = logging.getLogger(__name__)

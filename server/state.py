@@ -11,7 +11,7 @@ from typing import Any, Coroutine
 
 from aiohttp import web
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine_client import EngineClient
 from server.admission import Admission
 from server.auth import OWNER_KEY, ApiKeys
 from server.config import ServerConfig
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServerConfig
     info: ModelInfo
     keys: ApiKeys

@@ -22,7 +22,7 @@ import re
 import uuid
 from typing import Any
 
-from jaxserve.structured import GuidedDecoding
+from jaxserve.structured.spec import GuidedDecoding
 from server.errors import bad_request
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

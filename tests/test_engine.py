@@ -9,7 +9,7 @@ import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
-from jaxserve.request import PromptTooLongError
+from jaxserve.engine_client import PromptTooLongError
 
 SMALL = dict(max_num_seqs=64, max_num_batched_tokens=128, max_model_len=256, block_size=8,
              decode_batch_buckets=(1, 4, 16, 64), block_table_buckets=(32,),

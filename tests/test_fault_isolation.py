@@ -12,7 +12,8 @@ import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams, faults
-from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine_client import EngineDeadError
 from jaxserve.engine import LLMEngine
 
 

@@ -7,7 +7,8 @@ import zlib
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import KVCacheManager
-from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.outputs import FinishReason
+from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 

@@ -4,10 +4,9 @@ launches and reads iterations on the devices."""
 
 from jaxserve.runner.model_runner import (
     ModelRunner,
-    SampledToken,
     StepHandle,
     checkpoint_shardings,
     enable_persistent_compilation_cache,
 )
 
-__all__ = ["ModelRunner", "SampledToken", "StepHandle", "checkpoint_shardings", "enable_persistent_compilation_cache"]
+__all__ = ["ModelRunner", "StepHandle", "checkpoint_shardings", "enable_persistent_compilation_cache"]

@@ -34,7 +34,7 @@ from jaxserve.kv import CopyStage
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import head_logits, pack_kernels, panel_kernels, unstack_layers
-from jaxserve.outputs import TokenLogprob
+from jaxserve.outputs import SampledToken, TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
@@ -64,14 +64,6 @@ class StepHandle:
     prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
 
 
-@dataclasses.dataclass
-class SampledToken:
-    token_id: int
-    logprob: float
-    top_ids: np.ndarray  # [K] int32
-    top_logprobs: np.ndarray  # [K] float32
-
-
 def enable_persistent_compilation_cache(path: str) -> None:
     """JAX's on-disk compilation cache: a restart with the same buckets compiles nothing new."""
     jax.config.update("jax_compilation_cache_dir", path)
@@ -93,7 +85,7 @@ def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None = None) -> Mesh:
     if mesh is None:
         if engine_config.data_parallel_size > 1:
             raise ValueError(
-                "data_parallel_size > 1 runs one engine per replica; build them with jaxserve.dp_router.make_engine"
+                "data_parallel_size > 1 runs one engine per replica; build them with jaxserve.data_parallel.make_engine"
             )
         return make_mesh(engine_config.tensor_parallel_size)
     if mesh.shape["dp"] != 1 or mesh.shape["tp"] != engine_config.tensor_parallel_size:

@@ -37,7 +37,8 @@ from operator import attrgetter
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import ChainKeys, KVCacheManager, LoadStart
-from jaxserve.request import PLACEHOLDER, FinishReason, Request, RequestStatus
+from jaxserve.outputs import FinishReason
+from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.speculative import propose_ngram
 

@@ -15,9 +15,9 @@ import grpc
 
 from child_process import ChildProcess, free_port, jaxserve
 from jaxserve.engine_snapshot import EngineSnapshot
-from server.worker_api import worker_pb2 as pb
-from server.worker_api.wire import snapshot_from_json
-from server.worker_api.worker_pb2_grpc import WorkerStub
+from server.cluster.worker import worker_pb2 as pb
+from server.cluster.worker.wire import snapshot_from_json
+from server.cluster.worker.worker_pb2_grpc import WorkerStub
 
 
 class Endpoint:

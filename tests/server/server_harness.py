@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.dp_router import DataParallelRouter
+from jaxserve.data_parallel import DataParallelEngine
 from server.app import build_app
 from server.auth import owner_id
 from server.config import ServerConfig
@@ -62,7 +62,7 @@ class ServerThread:
         """Run a coroutine on the server's loop (where the engine's asyncio side lives)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def engine_call(self, engine: AsyncEngine, fn: Callable[[DataParallelRouter], Any]) -> Any:
+    def engine_call(self, engine: AsyncEngine, fn: Callable[[DataParallelEngine], Any]) -> Any:
         return self.run(engine.inspect(fn))
 
     def stop(self) -> None:

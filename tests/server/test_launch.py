@@ -15,7 +15,7 @@ import yaml
 
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from router_cluster import Endpoint, workers
-from server.launch.topology import TopologyError, parse_topology
+from server.cluster.launch.topology import TopologyError, parse_topology
 from server_harness import send
 
 

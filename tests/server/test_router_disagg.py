@@ -26,9 +26,9 @@ import pytest
 from child_process import SMALL_ENGINE, free_port
 from jaxserve.sampling_params import SamplingParams
 from router_cluster import Endpoint, Stream, start_router, start_worker
-from server.worker_api import worker_pb2 as pb
-from server.worker_api.wire import params_to_json, snapshot_from_json
-from server.worker_api.worker_pb2_grpc import WorkerStub
+from server.cluster.worker import worker_pb2 as pb
+from server.cluster.worker.wire import params_to_json, snapshot_from_json
+from server.cluster.worker.worker_pb2_grpc import WorkerStub
 from server_harness import KEY_A, MODEL_NAME, send
 
 BLOCK = 8  # SMALL_ENGINE's block size

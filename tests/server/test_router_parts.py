@@ -9,14 +9,14 @@ import subprocess
 import pytest
 
 from child_process import jaxserve
-from jaxserve.dp_router import choose_replica
+from jaxserve.routing import choose_replica
 from jaxserve.sampling_params import SamplingParams
-from server.router.prefix_tree import ApproxPrefixTree
-from server.router.remote_engine import ROUTER_POLICY
-from server.router.sequence import worker_params
-from server.router.worker_client import WorkerInfo
+from server.cluster.router.prefix_tree import ApproxPrefixTree
+from server.cluster.router.remote_engine import ROUTER_POLICY
+from server.cluster.router.sequence import worker_params
+from server.cluster.router.worker_client import WorkerInfo
 from jaxserve.structured import GuidedDecoding
-from server.worker_api.wire import params_from_json, params_to_json
+from server.cluster.worker.wire import params_from_json, params_to_json
 
 
 def test_prefix_tree_matches_splits_and_evicts_least_recently_used():

@@ -19,7 +19,7 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
-from jaxserve.dp_router import DataParallelRouter
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
 from server_harness import KEY_A, MODEL_NAME, TEST_ENGINE, send, snapshot, start_server, wait_until_idle
 from test_server_sessions import cached, create, history_len, reused_blocks_of, turn
@@ -31,7 +31,7 @@ def dp_server():
     replicas = [LLMEngine(model, EngineConfig(**TEST_ENGINE)) for _ in range(2)]
     for engine in replicas:
         engine.warm_up()
-    async_engine = AsyncEngine(DataParallelRouter(replicas))
+    async_engine = AsyncEngine(DataParallelEngine(replicas))
     async_engine.start()
     srv = start_server(async_engine, api_keys=(KEY_A,))
     yield srv, async_engine

@@ -24,7 +24,7 @@ from checkpoints import registry
 from checkpoints.orbax_io import load_orbax, save_orbax
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
-from jaxserve.dp_router import DataParallelRouter, make_engine
+from jaxserve.data_parallel import DataParallelEngine, make_engine
 from jaxserve.request import Request
 from jaxserve.runner import enable_persistent_compilation_cache
 from jaxserve.sampling_params import SamplingParams
@@ -101,7 +101,7 @@ def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str |
     with count_xla_compilations() as warm_up_compiles:
         engine.warm_up()
     warm = engine.num_compilations
-    replicas = engine.replicas if isinstance(engine, DataParallelRouter) else [engine]
+    replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     logits = [step_logits(e.runner, PROMPTS[:3]) for e in replicas]
     with count_xla_compilations() as serving_compiles:
         tokens = generate_greedy(engine, PROMPTS)

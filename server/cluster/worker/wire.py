@@ -5,13 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
-from jaxserve.kv.manager import KVUsage
-from jaxserve.kv.tier_stats import TierStats
+from jaxserve.engine_snapshot import EngineSnapshot, KVUsage, ReplicaLoad, TierStats
 from jaxserve.outputs import Delta, TokenLogprob, Usage
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured import GuidedDecoding
-from server.worker_api import worker_pb2 as pb
+from jaxserve.structured.spec import GuidedDecoding
+from server.cluster.worker import worker_pb2 as pb
 
 PROTOCOL_VERSION = 1
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxserve.dp_router import RoutingPolicy
+from jaxserve.routing import RoutingPolicy
 from server.cli import add_server_args, run_app, server_config_from_args
-from server.router.remote_engine import ROUTER_POLICY
+from server.cluster.router.remote_engine import ROUTER_POLICY
 
 
 def _address(text: str) -> str:
@@ -52,7 +52,7 @@ def run_router(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from server.app import build_app
-    from server.router.remote_engine import RemoteEngine
+    from server.cluster.router.remote_engine import RemoteEngine
 
     if not args.worker and not args.decode_worker:
         raise SystemExit("give --worker or --decode-worker (a router needs workers that generate)")
@@ -72,8 +72,8 @@ def run_router(args: argparse.Namespace) -> int:
         remote = await RemoteEngine.connect(args.worker, policy, args.health_check_interval, args.worker_wait_timeout,
                                             args.decode_worker, args.prefill_worker)
         up = sum(w.up for w in remote.workers + remote.prefill_workers)
-        print(f"{up} of {len(everyone)} workers serve {remote.engine.model_name}", flush=True)
-        config = server_config_from_args(args, remote.engine.model_name)
+        print(f"{up} of {len(everyone)} workers serve {remote.info.model_name}", flush=True)
+        config = server_config_from_args(args, remote.info.model_name)
         app = build_app(remote, config)
         if config.grpc_port:
             from server.grpc_api.server import GrpcServer

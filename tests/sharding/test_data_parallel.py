@@ -11,7 +11,8 @@ import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
-from jaxserve.dp_router import DataParallelRouter, RoutingPolicy, choose_replica, make_engine
+from jaxserve.data_parallel import DataParallelEngine, make_engine
+from jaxserve.routing import RoutingPolicy, choose_replica
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from mesh_cases import TINY_ENGINE, generate_greedy
@@ -39,7 +40,7 @@ def test_short_matches_and_imbalance_fall_back_to_load():
 def router():
     model = build_tiny_random(num_heads=8, num_kv_heads=4)
     config = EngineConfig(**TINY_ENGINE)
-    router = DataParallelRouter([LLMEngine(model, config), LLMEngine(model, config)], POLICY)
+    router = DataParallelEngine([LLMEngine(model, config), LLMEngine(model, config)], POLICY)
     yield router
     router.close()
 

@@ -13,10 +13,10 @@ import logging
 
 import grpc
 
-from server.router.prefix_tree import ApproxPrefixTree
-from server.worker_api import worker_pb2 as pb
-from server.worker_api.worker_pb2_grpc import WorkerStub
-from server.worker_api.wire import PROTOCOL_VERSION
+from server.cluster.router.prefix_tree import ApproxPrefixTree
+from server.cluster.worker import worker_pb2 as pb
+from server.cluster.worker.worker_pb2_grpc import WorkerStub
+from server.cluster.worker.wire import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,12 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.output_processor import SequenceStream
-from jaxserve.outputs import Delta, Usage
-from jaxserve.request import FinishReason, Request
-from jaxserve.runner import SampledToken
+from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.text_stream import TextStream
 from jaxserve.tokenizer import Tokenizer
-from server.worker_api import worker_pb2 as pb
-from server.worker_api.wire import logprobs_from_message
+from server.cluster.worker import worker_pb2 as pb
+from server.cluster.worker.wire import logprobs_from_message
 
 
 def worker_params(params: SamplingParams, seed: int | None) -> SamplingParams:
@@ -36,8 +34,7 @@ class RemoteSequence:
         self.token_ids: list[int] = []  # sampled so far
         self.stopped = False  # a stop string ended the text
         self.num_prompt = len(prompt_ids)
-        request = Request(request_id=group_id, prompt_token_ids=prompt_ids, params=params, seed=0)
-        self._stream = SequenceStream(group_id, request, index, tokenizer)
+        self._stream = TextStream(group_id, index, params, prompt_ids, tokenizer)
 
     def feed(self, msg: pb.GenerateResponse) -> bool:
         """Take a worker message's tokens; True when a stop string has ended the text (the rest

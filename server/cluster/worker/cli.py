@@ -12,20 +12,17 @@ device to device (`jax.experimental.transfer`) where both run with --kv-transpor
 from __future__ import annotations
 
 import argparse
-import time
+
 from typing import Callable
 
-from jaxserve.config import EngineConfig
+from server.cli import StartEngine
 
 ROLES = ("both", "prefill", "decode")
 TRANSPORTS = ("grpc", "device")
 
 
-def add_worker_parser(
-    subparsers: argparse._SubParsersAction,
-    add_engine_args: Callable[[argparse.ArgumentParser], None],
-    engine_config_from_args: Callable[[argparse.Namespace], EngineConfig],
-) -> argparse.ArgumentParser:
+def add_worker_parser(subparsers: argparse._SubParsersAction, add_engine_args: Callable[[argparse.ArgumentParser], None],
+                      start_engine: Callable[[argparse.Namespace], StartEngine]) -> argparse.ArgumentParser:
     p = subparsers.add_parser("worker", help="an engine process behind the internal gRPC service of a router")
     add_engine_args(p)
     g = p.add_argument_group("worker")
@@ -42,41 +39,32 @@ def add_worker_parser(
                         "server listening on --host; used where both workers have it, else grpc)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
-    p.set_defaults(func=lambda args: run_worker(args, engine_config_from_args(args)))
+    p.set_defaults(func=lambda args: run_worker(args, start_engine(args)))
     return p
 
 
-def run_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
     import asyncio
     import signal
 
     import grpc
-    import jax
 
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.dp_router import make_engine
-    from server.worker_api.kv_handoff import MAX_MESSAGE_BYTES, KVHandoff
-    from server.worker_api.service import WorkerServicer
-    from server.worker_api.worker_pb2_grpc import add_WorkerServicer_to_server
+    from server.cluster.worker.kv_handoff import MAX_MESSAGE_BYTES, KVHandoff
+    from server.cluster.worker.service import WorkerServicer
+    from server.cluster.worker.worker_pb2_grpc import add_WorkerServicer_to_server
 
     if args.kv_lease_timeout <= 0:
         raise SystemExit("--kv-lease-timeout must be positive")
-    one_replica = engine_config.data_parallel_size == 1 and jax.process_count() == 1
+    one_replica = args.data_parallel_size == 1
     if args.role != "both" and not one_replica:
         raise SystemExit(f"--role {args.role} runs one engine replica in one process (no --data-parallel-size, "
                          "no multi-host)")
     if args.kv_transport == "device" and not one_replica:
         raise SystemExit("--kv-transport device runs one engine replica in one process")
-    t0 = time.perf_counter()
-    engine = AsyncEngine(make_engine(args.model, engine_config))
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
-    seconds = engine.engine.warm_up()
-    print(f"warm-up: {engine.engine.num_compilations} compilations in {seconds:.1f} s", flush=True)
-    transfer_host = args.host if args.kv_transport == "device" else None
-    handoff = KVHandoff(engine, args.kv_lease_timeout, transfer_host) if one_replica else None
-    if handoff is not None and handoff.device is not None:
-        print(f"KV transfer server on {handoff.device.address}", flush=True)
-    engine.start()
+    engine = start_engine(kv_transfer_host=args.host if args.kv_transport == "device" else None)
+    if engine is None:
+        return 0
+    handoff = KVHandoff(engine, args.kv_lease_timeout) if one_replica else None
 
     async def serve() -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES + (1 << 20))])
@@ -89,9 +77,8 @@ def run_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         print(f"worker listening on {args.host}:{port}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a dead engine loop sends SIGTERM too
             loop.add_signal_handler(sig, stop.set)
-        engine.on_fatal = lambda _error: loop.call_soon_threadsafe(stop.set)
         await stop.wait()
         await server.stop(args.shutdown_timeout)
         if handoff is not None:
@@ -100,7 +87,7 @@ def run_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     try:
         asyncio.run(serve())
     finally:
-        engine.shutdown()
+        asyncio.run(engine.aclose())
     if engine.fatal_error is not None:
         print(f"worker stopped: the engine failed ({engine.fatal_error!r})", flush=True)
         return 1

@@ -1,16 +1,15 @@
-"""Data parallelism: N engine replicas, each on its own 1 x tp sub-mesh, behind one router.
+"""Data parallelism: N engine replicas, each on its own 1 x tp sub-mesh, behind one engine.
 
-`DataParallelRouter` has the engine interface the offline `LLM` uses (`add_request`, `step`,
-`abort`, `has_unfinished_requests`, `is_active`, `encode_prompt`, `warm_up`, `tokenizer`), so it
-stands in for an `LLMEngine`; `make_engine` returns one or the other from
-`EngineConfig.data_parallel_size`. The async engine (and so the server) always drives a router,
-of one replica when there is no data parallelism, so session routing has one code path.
+`DataParallelEngine` has the methods of `LLMEngine` that the offline `LLM` uses (`add_request`,
+`step`, `abort`, `has_unfinished_requests`, `is_active`, `encode_prompt`, `warm_up`, `tokenizer`),
+so it stands in for one; `make_engine` returns one or the other from
+`EngineConfig.data_parallel_size`. The async engine (and so the server) always drives a
+`DataParallelEngine`, of one replica when there is no data parallelism, so session placement has
+one code path.
 
-Routing is cache-aware, after SGLang's router: a request goes to the replica whose prefix cache
-holds the longest match of its prompt when that match covers enough of the prompt and the
-replicas' loads are not too far apart; otherwise to the least-loaded replica. A request that
-names a session goes where the session's earlier turns went (their KV is cached there).
-Load is the number of unfinished sequences a replica holds.
+Placement is cache-aware (`jaxserve.routing`). A request that names a session goes where the
+session's earlier turns went (their KV is cached there). Load is the number of unfinished
+sequences a replica holds.
 """
 
 from __future__ import annotations
@@ -27,40 +26,13 @@ from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv import Pin
 from jaxserve.outputs import Delta
 from jaxserve.request import Request
-from jaxserve.runner import ModelRunner
+from jaxserve.routing import RoutingPolicy, choose_replica
 from jaxserve.sampling_params import SamplingParams
 from sharding.mesh import make_mesh, replica_meshes
 
 
-@dataclasses.dataclass(frozen=True)
-class RoutingPolicy:
-    """When a prefix hit outweighs load balance.
-
-    A replica's cached prefix counts when it covers at least `match_fraction` of the prompt.
-    Loads count as imbalanced (route by load alone) when the busiest replica has more than
-    `balance_abs` sequences over the idlest and more than `balance_rel` times its load.
-    """
-
-    match_fraction: float = 0.5
-    balance_abs: int = 16
-    balance_rel: float = 1.5
-
-
-def choose_replica(matches: Sequence[int], loads: Sequence[int], prompt_len: int, policy: RoutingPolicy) -> int:
-    """Index of the replica for a prompt of `prompt_len` tokens, given each replica's cached
-    prefix length (`matches`) and load. Ties go to the less loaded, then the lower index."""
-    hi, lo = max(loads), min(loads)
-    imbalanced = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
-    best = max(matches)
-    if not imbalanced and best > 0 and best >= policy.match_fraction * prompt_len:
-        candidates = [i for i, m in enumerate(matches) if m == best]
-    else:
-        candidates = list(range(len(loads)))
-    return min(candidates, key=lambda i: (loads[i], i))
-
-
-class DataParallelRouter:
-    """Engine replicas behind one engine-like interface. Like `LLMEngine`, not thread-safe: one
+class DataParallelEngine:
+    """Engine replicas behind one engine. Like `LLMEngine`, not thread-safe: one
     thread drives it; `step` runs the replicas' steps concurrently on a private pool."""
 
     def __init__(self, engines: Sequence[LLMEngine], policy: RoutingPolicy | None = None):
@@ -81,7 +53,7 @@ class DataParallelRouter:
 
     @classmethod
     def build(cls, model: str | LoadedModel, config: EngineConfig, devices: list | None = None,
-              policy: RoutingPolicy | None = None) -> "DataParallelRouter":
+              policy: RoutingPolicy | None = None) -> "DataParallelEngine":
         """`config.data_parallel_size` replicas over the first dp x tp devices; the checkpoint is
         read once and each replica places its own shards."""
         mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices)
@@ -148,11 +120,12 @@ class DataParallelRouter:
         return self.replicas[0].runner.bucket_summary()
 
     @property
-    def lone_runner(self) -> ModelRunner:
-        """The runner of a one-replica engine: what a multi-host job mirrors to its followers."""
+    def lone_replica(self) -> LLMEngine:
+        """The replica of a one-replica engine: what a multi-host job mirrors to its followers,
+        and what a worker's KV transfers read and write."""
         if len(self.replicas) != 1:
-            raise ValueError("a multi-host job runs one replica")
-        return self.replicas[0].runner
+            raise ValueError("multi-host jobs and KV transfers run one engine replica (no --data-parallel-size)")
+        return self.replicas[0]
 
     # ----- the engine interface -----------------------------------------------------------
 
@@ -214,8 +187,8 @@ class DataParallelRouter:
             engine.close()
 
 
-def make_engine(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | DataParallelRouter:
+def make_engine(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | DataParallelEngine:
     """One engine, or a router over `config.data_parallel_size` replicas."""
     if config.data_parallel_size > 1:
-        return DataParallelRouter.build(model, config)
+        return DataParallelEngine.build(model, config)
     return LLMEngine(model, config)

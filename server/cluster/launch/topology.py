@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from server.worker_api.cli import ROLES
+from server.cluster.worker.cli import ROLES
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Flags the launcher writes itself, from the topology's own keys and the placement.

@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 
-from server.launch.topology import ROUTER_FLAG_OF_ROLE, Topology, TopologyError, load_topology
+from server.cluster.launch.topology import ROUTER_FLAG_OF_ROLE, Topology, TopologyError, load_topology
 
 WORKER_READY = r"worker listening on (\S+)"
 ROUTER_READY = r"Running on (http://\S+)"
@@ -88,7 +88,7 @@ class Launch:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-        from server.launch.managed_process import ManagedProcess
+        from server.cluster.launch.managed_process import ManagedProcess
 
         actor = ray.remote(ManagedProcess)
         specs = self.topology.worker_specs()

@@ -1,4 +1,4 @@
-"""The `AsyncEngine` API over worker processes: what `jaxserve router` gives the server.
+"""`EngineClient` over worker processes: what `jaxserve router` gives the server.
 
 The server (routes, sessions, keys, limits, metrics) cannot tell it from the one-process
 engine: `generate` streams the same deltas, `abort` stops a request, `snapshot` sums the
@@ -35,20 +35,17 @@ import grpc
 import tokenizers
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
-from jaxserve.async_engine import EngineDeadError, RequestFailedError
-from jaxserve.dp_router import RoutingPolicy, choose_replica
-from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats
-from jaxserve.kv import Pin
-from jaxserve.kv.disk_tier import load_seconds_bucket
+from jaxserve.engine_client import EngineDeadError, EngineInfo, Pin, RequestFailedError, check_prompt_ids
+from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats, load_seconds_bucket
 from jaxserve.outputs import Delta, Usage
-from jaxserve.request import check_prompt_ids
+from jaxserve.routing import RoutingPolicy, choose_replica
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.tokenizer import Tokenizer
-from server.router.handover import decode_params, prefill_params, splits
-from server.router.sequence import RemoteSequence, worker_params
-from server.router.worker_client import WorkerClient, WorkerInfo
-from server.worker_api import worker_pb2 as pb
-from server.worker_api.wire import params_to_json, snapshot_from_json, usage_from_message
+from server.cluster.router.handover import decode_params, prefill_params, splits
+from server.cluster.router.sequence import RemoteSequence, worker_params
+from server.cluster.router.worker_client import WorkerClient, WorkerInfo
+from server.cluster.worker import worker_pb2 as pb
+from server.cluster.worker.wire import params_to_json, snapshot_from_json, usage_from_message
 
 logger = logging.getLogger(__name__)
 
@@ -62,33 +59,13 @@ class WorkerLostError(EngineDeadError):
     """The worker generating a sequence failed after part of it was streamed."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RemoteLimits:
-    max_model_len: int
-    block_size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteModelConfig:
-    vocab_size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteModel:
-    """What the server reads of an engine at start-up (`ModelInfo.from_engine`), from the workers."""
-
-    model_name: str
-    config: RemoteLimits
-    model_config: RemoteModelConfig
-    tokenizer: Tokenizer
-    max_num_seqs: int  # all workers together
-
-    @classmethod
-    def from_info(cls, info: WorkerInfo, num_workers: int) -> RemoteModel:
-        bundle = TokenizerBundle(tokenizers.Tokenizer.from_str(info.tokenizer_json), info.chat_template,
-                                 dict(info.special_tokens), info.eos_token_ids)
-        return cls(info.model, RemoteLimits(info.max_model_len, info.block_size), RemoteModelConfig(info.vocab_size),
-                   Tokenizer(bundle), info.max_num_seqs * num_workers)
+def engine_info(info: WorkerInfo, num_workers: int) -> EngineInfo:
+    """What the server reads of an engine at start-up, from a worker's `Info`."""
+    bundle = TokenizerBundle(tokenizers.Tokenizer.from_str(info.tokenizer_json), info.chat_template,
+                             dict(info.special_tokens), info.eos_token_ids)
+    return EngineInfo(model_name=info.model, tokenizer=Tokenizer(bundle), vocab_size=info.vocab_size,
+                      max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs * num_workers,
+                      block_size=info.block_size)
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,6 +90,8 @@ class _Placed:
 
 
 class RemoteEngine:
+    """`EngineClient` over worker processes (placement, retries, disaggregation, pins by id)."""
+
     def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy = ROUTER_POLICY,
                  health_interval: float = 1.0, prefill_workers: Sequence[WorkerClient] = ()) -> None:
         if not workers:
@@ -122,9 +101,9 @@ class RemoteEngine:
         self.transfers = KVTransferStats()
         self.policy = policy
         self.health_interval = health_interval
-        self.engine: RemoteModel | None = None  # set by `connect`
-        self.fatal_error: BaseException | None = None  # the AsyncEngine API: a router never dies of a worker
-        self.on_step = None  # (the AsyncEngine API) no engine loop runs here
+        self.info: EngineInfo | None = None  # set by `connect`
+        self.fatal_error: BaseException | None = None  # a router never dies of a worker
+        self.on_step = None  # no engine loop runs here
         self._reference: WorkerInfo | None = None
         self._requests: dict[str, list[_Placed]] = {}
         self._sessions: dict[str, WorkerClient] = {}
@@ -151,11 +130,11 @@ class RemoteEngine:
                 details = "; ".join(f"{w.address}: {w.detail}" for w in remote.workers)
                 raise ConnectionError(f"no worker served within {timeout:g} s ({details})")
             await asyncio.sleep(min(0.5, health_interval))
-        remote.engine = RemoteModel.from_info(remote._reference, len(remote.workers))
+        remote.info = engine_info(remote._reference, len(remote.workers))
         remote._health_task = asyncio.create_task(remote._health_loop())
         return remote
 
-    # ----- the AsyncEngine API ---------------------------------------------------------------
+    # ----- EngineClient ---------------------------------------------------------------
 
     @property
     def is_alive(self) -> bool:
@@ -173,13 +152,15 @@ class RemoteEngine:
         return details
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       session_id: str | None = None) -> AsyncIterator[Delta]:
-        """As `AsyncEngine.generate`, on the worker that routing picks (retried elsewhere when
-        it fails before streaming). Raises ValueError for a prompt the workers cannot serve."""
+                       session_id: str | None = None, hold_kv: bool = False) -> AsyncIterator[Delta]:
+        """See `EngineClient.generate`: on the worker that routing picks (retried elsewhere when
+        it fails before streaming). A router holds no KV of its own (`hold_kv` is refused)."""
+        if hold_kv:
+            raise ValueError("a router holds no KV blocks (hold_kv is a worker's)")
         if params.prompt_logprobs is not None:  # the worker protocol carries no prompt scores yet
             raise ValueError("prompt_logprobs (and echo with logprobs) are not served through the router yet")
         ids = self._prompt_ids(prompt)
-        params.check_vocabulary(self.engine.model_config.vocab_size)
+        params.check_vocabulary(self.info.vocab_size)
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         worker = self._place(ids, session_id)
@@ -228,7 +209,7 @@ class RemoteEngine:
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
                           others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
-        """`AsyncEngine.pin_history` in the cache of the session's worker (None if unreachable)."""
+        """`EngineClient.pin_history` in the cache of the session's worker (None if unreachable)."""
         try:
             worker = self._place(token_ids, session_id)
         except EngineDeadError:
@@ -293,12 +274,12 @@ class RemoteEngine:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """As `LLMEngine.encode_prompt`: text gets what the tokenizer adds; ValueError when bad."""
-        model = self.engine
+        info = self.info
         if isinstance(prompt, str):
             if not encodes_as_utf8(prompt):
                 raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
-            prompt = model.tokenizer.encode(prompt, add_special_tokens=True)
-        return check_prompt_ids(list(prompt), model.model_config.vocab_size, model.config.max_model_len)
+            prompt = info.tokenizer.encode(prompt, add_special_tokens=True)
+        return check_prompt_ids(prompt, info.vocab_size, info.max_model_len)
 
     def _place(self, ids: list[int], session_id: str | None) -> WorkerClient:
         """The worker for a prompt: its session's while that worker is up, else by the policy."""
@@ -326,7 +307,7 @@ class RemoteEngine:
                    seed: int | None, session_id: str | None, out: asyncio.Queue) -> None:
         """Generate one choice on `placed.worker`, moving it to another worker while nothing was
         streamed; its deltas (or the error that ends it) go to `out`."""
-        sequence = RemoteSequence(group_id, index, ids, params, self.engine.tokenizer)
+        sequence = RemoteSequence(group_id, index, ids, params, self.info.tokenizer)
         request = pb.GenerateRequest(request_id=placed.request_id, prompt_token_ids=ids,
                                      sampling_params_json=params_to_json(worker_params(params, seed)),
                                      session_id=session_id or "")
@@ -369,7 +350,7 @@ class RemoteEngine:
         """Prefill on a prefill worker, decode on `placed.worker` with the KV it pulls from there.
         Without a prefill worker up, or when the prefill worker fails before its token, `_run`."""
         wanted = worker_params(params, seed)
-        sequence = RemoteSequence(group_id, index, ids, params, self.engine.tokenizer)
+        sequence = RemoteSequence(group_id, index, ids, params, self.info.tokenizer)
         try:
             prefill = self._pick(ids, exclude=(), among=self.prefill_workers)
         except EngineDeadError:
@@ -394,7 +375,7 @@ class RemoteEngine:
             lease = last.lease if last.HasField("lease") else None
             usage = usage_from_message(last) or Usage(len(ids), sequence.num_out, 0)
             ends = (last.finish_reason != "length" or sequence.num_out >= params.max_tokens
-                    or len(ids) + sequence.num_out >= self.engine.config.max_model_len)
+                    or len(ids) + sequence.num_out >= self.info.max_model_len)
             if sequence.stopped or ends:
                 reason = "stop" if sequence.stopped else last.finish_reason
                 out.put_nowait(sequence.delta(reason, sequence.stop_usage(usage.cached_tokens)))

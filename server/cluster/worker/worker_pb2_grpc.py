@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from server.worker_api import worker_pb2 as server_dot_worker__api_dot_worker__pb2
+from server.cluster.worker import worker_pb2 as server_dot_cluster_dot_worker_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in server/worker_api/worker_pb2_grpc.py depends on'
+        + ' but the generated code in server/cluster/worker/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,63 +36,63 @@ class WorkerStub:
         """
         self.Info = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/Info',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.InfoRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.InfoResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.InfoResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/jaxserve.worker.v1.Worker/Generate',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.GenerateResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/Abort',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.AbortResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/Health',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.HealthRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.HealthResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.HealthRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/Load',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.LoadRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.LoadResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoadRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoadResponse.FromString,
                 _registered_method=True)
         self.PinHistory = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/PinHistory',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.PinHistoryRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.PinHistoryResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.PinHistoryRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.PinHistoryResponse.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/Unpin',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.UnpinRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.UnpinResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.UnpinResponse.FromString,
                 _registered_method=True)
         self.EndSessions = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/EndSessions',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.EndSessionsRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.EndSessionsResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.EndSessionsRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.EndSessionsResponse.FromString,
                 _registered_method=True)
         self.SetPinBudget = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/SetPinBudget',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.SetPinBudgetRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.SetPinBudgetResponse.FromString,
                 _registered_method=True)
         self.PullKV = channel.unary_stream(
                 '/jaxserve.worker.v1.Worker/PullKV',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.KVBlocks.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.KVBlocks.FromString,
                 _registered_method=True)
         self.StageKV = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/StageKV',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.StageKVResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.StageKVResponse.FromString,
                 _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/jaxserve.worker.v1.Worker/ReleaseLease',
-                request_serializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
-                response_deserializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
 
 
@@ -187,63 +187,63 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.InfoRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.InfoResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.InfoResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.GenerateRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.HealthRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.HealthRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.HealthResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.LoadRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.LoadResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoadRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoadResponse.SerializeToString,
             ),
             'PinHistory': grpc.unary_unary_rpc_method_handler(
                     servicer.PinHistory,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.PinHistoryRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.PinHistoryResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.PinHistoryRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.PinHistoryResponse.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.UnpinRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.UnpinResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.UnpinRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.UnpinResponse.SerializeToString,
             ),
             'EndSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSessions,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.EndSessionsRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.EndSessionsResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.EndSessionsRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.EndSessionsResponse.SerializeToString,
             ),
             'SetPinBudget': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPinBudget,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.SetPinBudgetResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.SetPinBudgetRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.SetPinBudgetResponse.SerializeToString,
             ),
             'PullKV': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKV,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.KVBlocks.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.PullKVRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.KVBlocks.SerializeToString,
             ),
             'StageKV': grpc.unary_unary_rpc_method_handler(
                     servicer.StageKV,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.PullKVRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.StageKVResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.PullKVRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.StageKVResponse.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
-                    request_deserializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseRequest.FromString,
-                    response_serializer=server_dot_worker__api_dot_worker__pb2.ReleaseLeaseResponse.SerializeToString,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,8 +271,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/Info',
-            server_dot_worker__api_dot_worker__pb2.InfoRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.InfoResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.InfoRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -298,8 +298,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/Generate',
-            server_dot_worker__api_dot_worker__pb2.GenerateRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.GenerateResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.GenerateRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -325,8 +325,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/Abort',
-            server_dot_worker__api_dot_worker__pb2.AbortRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.AbortResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.AbortRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -352,8 +352,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/Health',
-            server_dot_worker__api_dot_worker__pb2.HealthRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.HealthResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.HealthRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -379,8 +379,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/Load',
-            server_dot_worker__api_dot_worker__pb2.LoadRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.LoadResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.LoadRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -406,8 +406,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/PinHistory',
-            server_dot_worker__api_dot_worker__pb2.PinHistoryRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.PinHistoryResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.PinHistoryRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.PinHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -433,8 +433,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/Unpin',
-            server_dot_worker__api_dot_worker__pb2.UnpinRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.UnpinResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.UnpinRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -460,8 +460,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/EndSessions',
-            server_dot_worker__api_dot_worker__pb2.EndSessionsRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.EndSessionsResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.EndSessionsRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.EndSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -487,8 +487,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/SetPinBudget',
-            server_dot_worker__api_dot_worker__pb2.SetPinBudgetRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.SetPinBudgetResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.SetPinBudgetRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.SetPinBudgetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -514,8 +514,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/PullKV',
-            server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.KVBlocks.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.PullKVRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.KVBlocks.FromString,
             options,
             channel_credentials,
             insecure,
@@ -541,8 +541,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/StageKV',
-            server_dot_worker__api_dot_worker__pb2.PullKVRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.StageKVResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.PullKVRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.StageKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -568,8 +568,8 @@ class Worker:
             request,
             target,
             '/jaxserve.worker.v1.Worker/ReleaseLease',
-            server_dot_worker__api_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
-            server_dot_worker__api_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

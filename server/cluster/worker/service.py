@@ -1,4 +1,4 @@
-"""The worker's servicer: the `Worker` service of `worker.proto` over one `AsyncEngine`.
+"""The worker's servicer: the `Worker` service of `worker.proto` over one engine (`KVTransferEngine`).
 
 Each Generate call is one sequence (n = 1); the router expands choices and applies stop
 strings. Session pins live in the engine's prefix cache; the router holds them by the ids this
@@ -16,19 +16,18 @@ from typing import AsyncIterator
 
 import grpc
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from jaxserve.kv import Pin
+from jaxserve.engine_client import EngineDeadError, KVTransferEngine, Pin, RequestFailedError
 from server.routes_ops import engine_problem
-from server.worker_api.kv_handoff import KVHandoff, LeaseGoneError
-from server.worker_api import worker_pb2 as pb
-from server.worker_api import worker_pb2_grpc
-from server.worker_api.wire import PROTOCOL_VERSION, delta_to_message, params_from_json, snapshot_to_json
+from server.cluster.worker.kv_handoff import KVHandoff, LeaseGoneError
+from server.cluster.worker import worker_pb2 as pb
+from server.cluster.worker import worker_pb2_grpc
+from server.cluster.worker.wire import PROTOCOL_VERSION, delta_to_message, params_from_json, snapshot_to_json
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, role: str = "both", handoff: KVHandoff | None = None) -> None:
+    def __init__(self, engine: KVTransferEngine, role: str = "both", handoff: KVHandoff | None = None) -> None:
         self._engine = engine
         self._role = role
         self._handoff = handoff  # None: no disaggregation here
@@ -37,12 +36,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._pin_ids = itertools.count(1)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        router = self._engine.engine
-        bundle = router.tokenizer.bundle
+        info = self._engine.info
+        bundle = info.tokenizer.bundle
         return pb.InfoResponse(
-            protocol_version=PROTOCOL_VERSION, instance_id=self.instance_id, model=str(router.model_name),
-            vocab_size=router.model_config.vocab_size, max_model_len=router.config.max_model_len,
-            max_num_seqs=router.max_num_seqs, block_size=router.config.block_size, role=self._role,
+            protocol_version=PROTOCOL_VERSION, instance_id=self.instance_id, model=info.model_name,
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            max_num_seqs=info.max_num_seqs, block_size=info.block_size, role=self._role,
             tokenizer_json=bundle.tokenizer.to_str(), chat_template=bundle.chat_template,
             special_tokens=bundle.special_tokens, eos_token_ids=bundle.eos_token_ids,
         )
@@ -59,8 +58,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transfer = None
             if request.HasField("kv_source"):
                 hold, transfer = await self._handoff.pull_into_cache(ids, request.kv_source)
-            on_finish = self._handoff.hold_on_finish(request.request_id, ids) if request.hold_kv else None
-            stream = self._engine.generate(request.request_id, ids, params, request.session_id or None, on_finish)
+            stream = self._engine.generate(request.request_id, ids, params, request.session_id or None,
+                                           hold_kv=request.hold_kv)
             async with aclosing(stream):  # leaving early (the call cancelled) aborts the request
                 async for delta in stream:
                     msg = delta_to_message(delta)
@@ -70,10 +69,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if hold is not None:  # admitted: the request's own blocks keep the prefix now
                         self._handoff.release_hold(hold)
                         hold = None
+                    if delta.kv_hold is not None:
+                        msg.lease.CopyFrom(self._handoff.lease(request.request_id, ids, delta.kv_hold))
                     if request.hold_kv and delta.finished:
-                        lease = self._handoff.lease_message(request.request_id)
-                        if lease is not None:
-                            msg.lease.CopyFrom(lease)
                         # Handed over: a caller that reads this message may cancel the call at once
                         # (the router does); one that never reads it leaves the lease to its timeout.
                         leased_out = True
