@@ -7,9 +7,12 @@ enable_prefix_caching, enable_chunked_prefill, ...), so users can carry their se
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from jaxserve.speculative.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 
 def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -42,7 +45,8 @@ class EngineConfig:
     # Scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    # None: the model's own context (`for_model`), lowered to what the KV cache holds for one request.
+    max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     max_prefill_seqs: int = 4  # sequences in one ragged prefill step
     max_num_partial_prefills: int = 1  # long prompts being chunked at once
@@ -59,7 +63,7 @@ class EngineConfig:
     # Run the layers as a loop over separate per-layer weights instead of a scan over stacked
     # ones: XLA:CPU copies a scanned layer's weights before its matmuls (batch-1 decode ~1.4x
     # faster without; from batch 8 slower on CPU), but every step then compiles the layers one
-    # by one (~4x the warm-up). See README, "--unroll-layers".
+    # by one (~4x the warm-up). See docs/configuration.md, "--unroll-layers".
     unroll_layers: bool = False
     seed: int = 0
     # Launch iteration N+1 before reading N's sampled tokens (they feed N+1 on the device), so the
@@ -85,9 +89,9 @@ class EngineConfig:
     sampler_row_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        """Check the settings; with max_model_len known, derive the buckets left unset (without it,
+        they wait for `for_model`)."""
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.max_model_len % self.block_size:
-            raise ValueError("max_model_len must be a multiple of block_size")
         if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -106,6 +110,10 @@ class EngineConfig:
                 raise ValueError("the disk tier (kv_disk_dir) needs enable_prefix_caching")
             if self.kv_disk_bytes <= 0 or self.kv_disk_max_inflight_bytes <= 0:
                 raise ValueError("kv_disk_bytes and kv_disk_max_inflight_bytes must be > 0")
+        if self.max_model_len is None:
+            return
+        if self.max_model_len <= 0 or self.max_model_len % self.block_size:
+            raise ValueError(f"max_model_len must be a positive multiple of block_size, got {self.max_model_len}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step.
             self.max_num_batched_tokens = self.max_model_len
@@ -136,6 +144,18 @@ class EngineConfig:
             raise ValueError("block_table_buckets must reach max_model_len / block_size")
         if self.sampler_row_buckets[-1] < max(self.decode_batch_buckets[-1], self.prefill_seq_buckets[-1]):
             raise ValueError("sampler_row_buckets must reach the largest decode batch and prefill sequence buckets")
+
+    def for_model(self, model_context: int) -> EngineConfig:
+        """This configuration for a model of `model_context` tokens of context: max_model_len
+        defaults to it (rounded down to whole blocks) and may not exceed it; the buckets follow.
+        Returns self when there is nothing to change."""
+        longest = model_context - model_context % self.block_size
+        if self.max_model_len is not None and self.max_model_len <= longest:
+            return self
+        if self.max_model_len is not None:
+            logger.warning("max_model_len %d exceeds the model's context (%d tokens); lowering it",
+                           self.max_model_len, model_context)
+        return dataclasses.replace(self, max_model_len=longest)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

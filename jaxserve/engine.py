@@ -86,16 +86,15 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, config: EngineConfig | None = None, mesh: Any = None):
-        self.config = config or EngineConfig()
-        ec = self.config
+        config = config or EngineConfig()
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # restored straight into this replica's shards
-            loaded = load_model(model, dtype=ec.dtype, shardings=checkpoint_shardings(ec, mesh))
+            loaded = load_model(model, dtype=config.dtype, shardings=checkpoint_shardings(config, mesh))
         self.model_config = loaded.config
         self.model_name = model if isinstance(model, str) else "custom"
         self.tokenizer = Tokenizer(loaded.tokenizer_bundle)
-        ec.max_model_len = min(ec.max_model_len, self.model_config.max_position_embeddings)
+        self.config = ec = config.for_model(self.model_config.max_position_embeddings)
         self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh)
         self.disk_tier = build_disk_tier(self.runner, self.model_name)  # None without --kv-disk-dir
         self.kv = KVCacheManager(
@@ -110,8 +109,12 @@ class LLMEngine:
         # A lone request must always fit the pool, or it could be preempted forever.
         capacity = (self.kv.pool.num_usable - self.kv.watermark_blocks) * ec.block_size
         if ec.max_model_len > capacity:
-            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", ec.max_model_len, capacity)
-            ec.max_model_len = capacity
+            logger.warning(
+                "max_model_len %d needs %d KV blocks for one request, and the KV cache holds %d above its watermark "
+                "(--kv-cache-memory %d bytes, or --num-blocks): lowering max_model_len to %d tokens; give the KV "
+                "cache more memory to serve longer requests", ec.max_model_len, ec.max_blocks_per_seq,
+                capacity // ec.block_size, ec.kv_cache_memory, capacity)
+            self.config = ec = dataclasses.replace(ec, max_model_len=capacity)
         self.scheduler = Scheduler(ec, self.kv)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size,

@@ -293,3 +293,24 @@ def test_generate_jsonl_keeps_what_finished_when_interrupted(llm, tmp_path):
     records = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["id"] for r in records] == ["a", "b", "c", "d"]
     assert [r["usage"]["completion_tokens"] for r in records] == list(lengths.values())
+
+
+def test_the_context_is_the_models_own_unless_the_kv_cache_cannot_hold_it(caplog):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+
+    model = build_tiny_random()  # a context of 2,048 tokens
+    small = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = LLMEngine(model, EngineConfig(num_blocks=300, **small))
+    assert engine.config.max_model_len == 2048
+    assert engine.config.block_table_buckets == (256,)  # the buckets follow the context
+    assert engine.encode_prompt([5] * 2047) == [5] * 2047
+    # A longer setting than the model's context is lowered to it.
+    assert LLMEngine(model, EngineConfig(num_blocks=300, max_model_len=4096, **small)).config.max_model_len == 2048
+    # A KV cache too small for one request of the whole context: lowered to what it holds, and said.
+    with caplog.at_level("WARNING"):
+        short = LLMEngine(model, EngineConfig(num_blocks=101, **small))  # 100 usable blocks, 1 kept as watermark
+    assert short.config.max_model_len == 99 * 8
+    assert "lowering max_model_len to 792 tokens" in caplog.text
+    with pytest.raises(PromptTooLongError):
+        short.encode_prompt([5] * 792)

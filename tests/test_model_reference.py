@@ -113,3 +113,18 @@ def test_prompt_logprobs_match_transformers(llm, assert_kv_all_free):
         got = [s.logprob for s in out.prompt_logprobs[1:]]
         np.testing.assert_allclose(got, case["logprobs"], atol=1e-3, rtol=0, err_msg=case["name"])
     assert_kv_all_free(llm.engine)
+
+
+def test_the_default_model_serves_its_whole_context_by_default(smollm2, assert_kv_all_free):
+    """No --max-model-len: the model's own 8,192 tokens, so a 2,100-token prompt is served
+    (the engine once capped every model at 2,048)."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(smollm2, warm_up=False, max_num_seqs=4, max_num_batched_tokens=512, num_blocks=8192 // 16 + 16,
+              decode_batch_buckets=(4,), sampler_row_buckets=(4,), prefill_token_buckets=(512,),
+              prefill_seq_buckets=(4,))
+    assert llm.engine.config.max_model_len == 8192
+    ids = [int(i) for i in np.random.default_rng(0).integers(100, 40000, 2100)]
+    out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert_kv_all_free(llm.engine)

@@ -108,7 +108,7 @@ def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, engine_config: EngineConfig, mesh: Mesh | None = None):
-        self.engine_config = engine_config
+        self.engine_config = engine_config = engine_config.for_model(config.max_position_embeddings)
         if jax.default_backend() == "cpu":
             keep_freed_blocks()  # each step's temporaries reuse the last one's pages (host_heap)
         if engine_config.compilation_cache_dir:
