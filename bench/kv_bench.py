@@ -151,31 +151,32 @@ def bench_spill(rng: np.random.Generator) -> None:
 def bench_decode_step(batch: int, context: int, steps: int, rng: np.random.Generator) -> None:
     """The manager's share of one decode step for `batch` running requests."""
     mgr = KVCacheManager(batch * (context + steps) // BS + 2 * batch + 1, BS)
-    token_lists = []
-    for i in range(batch):
+    token_lists, handles = [], []
+    for _ in range(batch):
         prompt = rng.integers(0, 49152, context).tolist()
         hit = mgr.match_prefix(prompt)
-        assert mgr.admit(i, hit, len(prompt) - hit.num_tokens)
-        mgr.cache_full_blocks(i, prompt)
+        handle = mgr.admit(hit, len(prompt) - hit.num_tokens)
+        assert handle is not None
+        mgr.cache_full_blocks(handle, prompt)
         token_lists.append(prompt)
+        handles.append(handle)
 
     def step() -> None:
-        for i in range(batch):
-            tokens = token_lists[i]
+        for tokens, handle in zip(token_lists, handles):
             position = len(tokens)
             tokens.append(position % 49152)              # the token sampled last step
-            mgr.allocate_slots(i, 1)
-            mgr.block_table(i)
-            mgr.slot_mapping(i, position, position + 1)
+            mgr.allocate_slots(handle, 1)
+            handle.block_table
+            handle.slot_mapping(position, position + 1)
         mgr.take_copies()
-        for i in range(batch):                           # after the step: cache filled blocks
-            mgr.cache_full_blocks(i, token_lists[i])
+        for tokens, handle in zip(token_lists, handles):  # after the step: cache filled blocks
+            mgr.cache_full_blocks(handle, tokens)
 
     us = median_us(step, steps // 5, repeat=5)
     report(f"decode step bookkeeping, batch {batch}, context {context}", us,
            f"= {us / 1e3 / DECODE_STEP_MS * 100:.3f}% of a {DECODE_STEP_MS:.0f} ms step")
-    for i in range(batch):
-        mgr.free(i)
+    for handle in handles:
+        mgr.free(handle)
     mgr.check_integrity()
 
 

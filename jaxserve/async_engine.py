@@ -160,7 +160,7 @@ class AsyncEngine:
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
                           others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
-        """See `LLMEngine.pin_history`; the pin is made on the replica holding the session."""
+        """See `EngineClient.pin_history`; the pin is made on the replica holding the session."""
         return await self._on_engine_thread(lambda e: e.pin_history(session_id, owner, token_ids, old, others))
 
     async def unpin(self, pin: Pin) -> None:

@@ -45,7 +45,6 @@ class DataParallelEngine:
         self.model_config = first.model_config
         self.model_name = first.model_name
         self.tokenizer = first.tokenizer
-        self._owner: dict[str, int] = {}  # unfinished request id -> replica
         self._sessions: dict[Hashable, int] = {}
         self._pool = None
         if len(self.replicas) > 1:
@@ -101,16 +100,20 @@ class DataParallelEngine:
 
     def pin_history(self, session_id: Hashable, owner: str, token_ids: list[int], old: Pin | None,
                     others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
-        """`LLMEngine.pin_history` on the replica that holds the session (routing it there first)."""
-        return self.session_replica(session_id, token_ids).pin_history(owner, token_ids, old, others)
+        """Pin a session's history on the replica that holds the session (routing it there first):
+        see `Leases.pin_within_budget`."""
+        return self.session_replica(session_id, token_ids).kv.leases.pin_within_budget(owner, token_ids, old, others)
 
     def unpin(self, pin: Pin) -> None:
+        """Release a pin (on the replica that holds it; nothing if none does)."""
         for engine in self.replicas:
-            engine.unpin(pin)
+            leases = engine.kv.leases
+            if pin.active and leases.holds_pin(pin):
+                leases.unpin(pin)
 
     def set_pin_budget(self, blocks_per_owner: int) -> None:
         for engine in self.replicas:
-            engine.set_pin_budget(blocks_per_owner)
+            engine.kv.leases.budget_per_owner = blocks_per_owner
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot.total([e.snapshot() for e in self.replicas])
@@ -131,12 +134,11 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     session_id: Hashable | None = None) -> list[Request]:
-        if request_id in self._owner:
+        if self.is_active(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.encode_prompt(prompt)
         index = self.route(ids, session_id)
         group = self.replicas[index].add_prompt_ids(request_id, ids, params)
-        self._owner[request_id] = index
         if session_id is not None:
             self._sessions[session_id] = index
         return group
@@ -150,22 +152,16 @@ class DataParallelEngine:
             per_replica = [e.step() for e in busy]
         else:
             per_replica = list(self._pool.map(LLMEngine.step, busy))
-        deltas = [d for replica_deltas in per_replica for d in replica_deltas]
-        for d in deltas:
-            if d.finished and not self.is_active(d.request_id):
-                self._owner.pop(d.request_id, None)
-        return deltas
+        return [d for replica_deltas in per_replica for d in replica_deltas]
 
     def abort(self, request_id: str) -> list[Delta]:
-        index = self._owner.pop(request_id, None)
-        return [] if index is None else self.replicas[index].abort(request_id)
+        return [d for e in self.replicas if e.is_active(request_id) for d in e.abort(request_id)]
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
 
     def is_active(self, request_id: str) -> bool:
-        index = self._owner.get(request_id)
-        return index is not None and self.replicas[index].is_active(request_id)
+        return any(e.is_active(request_id) for e in self.replicas)
 
     def warm_up(self) -> float:
         return sum(e.warm_up() for e in self.replicas)

@@ -43,7 +43,7 @@ from checkpoints.registry import DEFAULT_MODEL, load_model
 from jaxserve import faults
 from jaxserve.config import EngineConfig
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
-from jaxserve.kv import CopyStage, KVCacheManager, Pin
+from jaxserve.kv import CopyStage, KVCacheManager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.engine_client import check_prompt_ids
@@ -185,7 +185,7 @@ class LLMEngine:
         self._forget_if_finished(request_id)
         return deltas
 
-    # ----- state the serving layer reads, and session pins ---------------------------------
+    # ----- state the serving layer reads ----------------------------------------------------
 
     def snapshot(self) -> EngineSnapshot:
         sched, kv = self.scheduler, self.kv
@@ -194,7 +194,7 @@ class LLMEngine:
         return EngineSnapshot(
             running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
             preempted=preempted_waiting + len(sched.swapped), has_unfinished=self.has_unfinished_requests(),
-            kv_requests=len(kv.request_ids()), kv=usage, prefix_query_tokens=cache.query_tokens,
+            kv_requests=kv.num_live_handles, kv=usage, prefix_query_tokens=cache.query_tokens,
             prefix_hit_tokens=cache.hit_tokens + cache.host_hit_tokens, num_preemptions=sched.num_preemptions,
             num_compilations=self.num_compilations, num_steps=self.stats.num_steps,
             prompt_tokens_computed=self.stats.prompt_tokens_computed, generated_tokens=self.stats.generated_tokens,
@@ -202,18 +202,6 @@ class LLMEngine:
             tiers=TierStats.of(kv), speculative_steps=self.stats.speculative_steps,
             draft_tokens=self.stats.draft_tokens, accepted_tokens=self.stats.accepted_tokens,
         )
-
-    def pin_history(self, owner: str, token_ids: list[int], old: Pin | None, others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
-        """Pin a session's latest history (see `KVCacheManager.pin_within_budget`)."""
-        return self.kv.pin_within_budget(owner, token_ids, old, others)
-
-    def unpin(self, pin: Pin) -> None:
-        """Release a pin if this engine holds it."""
-        if pin.active and self.kv.pins.holds(pin):
-            self.kv.unpin(pin)
-
-    def set_pin_budget(self, blocks_per_owner: int) -> None:
-        self.kv.pins.budget_per_owner = blocks_per_owner
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished yet. (An iteration may still be in flight when the last one ends;

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxserve.engine_snapshot import EngineSnapshot
-from jaxserve.kv.holds import Hold as KVHold
-from jaxserve.kv.pins import Pin
+from jaxserve.kv.leases import Hold as KVHold
+from jaxserve.kv.leases import Pin
 from jaxserve.outputs import Delta
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer

@@ -48,12 +48,12 @@ def prompt_key(fingerprint: bytes, token_ids: Sequence[int], num_blocks: int, bl
 
 
 def hold_prompt(engine: LLMEngine, token_ids: Sequence[int], max_blocks: int | None = None) -> Hold:
-    return engine.kv.hold_prefix(token_ids, max_blocks)
+    return engine.kv.leases.hold_prefix(token_ids, max_blocks)
 
 
 def release(engine: LLMEngine, hold: Hold) -> None:
     if hold.active:
-        engine.kv.release_hold(hold)
+        engine.kv.leases.release_hold(hold)
 
 
 def _check_held(hold: Hold, first: int, count: int) -> None:
@@ -109,7 +109,7 @@ def _write_imported(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], num
     runner.move_blocks(kv.take_copies())  # evictions for them plan copies that read the old contents
     for i in range(0, len(blocks), BLOCK_MOVE_CHUNK):
         runner.cache = write(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK], i)
-    return kv.adopt_import(hold, token_ids, blocks)
+    return kv.leases.adopt_import(hold, token_ids, blocks)
 
 
 class DeviceTransfer:

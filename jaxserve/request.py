@@ -12,6 +12,7 @@ from jaxserve.outputs import FinishReason, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jaxserve.kv import ChainKeys, KVHandle
     from jaxserve.structured import GrammarState
 
 # An output token sampled by a step still running on the device. The engine appends one when it
@@ -55,6 +56,11 @@ class Request:
     # at position 0, which has no context); None for a request that does not score its prompt.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     grammar: GrammarState | None = None  # structured output: the sequence's grammar position
+    # Its block table while it holds KV (running or swapped out): made and edited by the KV manager.
+    kv: KVHandle | None = None
+    # Content keys of its full blocks (`jaxserve.kv.content_keys`), computed as far as asked: the
+    # prefix cache's disk tier and the scheduler's check for blocks another prefill computes.
+    block_keys: ChainKeys | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

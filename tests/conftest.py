@@ -25,7 +25,7 @@ def _assert_kv_all_free(engine) -> None:
     kv = engine.kv
     kv.check_integrity()
     usage = kv.usage()
-    assert not kv.request_ids(), f"KV tables left: {kv.request_ids()}"
+    assert not kv.num_live_handles, f"{kv.num_live_handles} KV tables left"
     assert usage.used == 0 and usage.pinned == 0, f"KV blocks leaked: {usage}"
     assert usage.free + usage.cached_idle == usage.num_blocks, f"KV accounting off: {usage}"
     assert usage.host_swapped == 0, f"swapped blocks leaked: {usage}"

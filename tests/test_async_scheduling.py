@@ -126,6 +126,6 @@ def test_generated_blocks_join_the_prefix_cache_once_their_tokens_are_read(model
         engine.step()
         for req in engine.scheduler.running:
             full = min(req.num_computed_tokens, req.num_known_tokens) // bs
-            assert engine.kv.num_cached_blocks(req.request_id) == full, (req.request_id, req.num_computed_tokens)
+            assert req.kv.cached_blocks == full, (req.request_id, req.num_computed_tokens)
             checked += full > len(req.prompt_token_ids) // bs  # a block of generated tokens
     assert checked > 0

@@ -14,7 +14,7 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM
 from jaxserve.config import EngineConfig
-from jaxserve.kv import KVCacheManager
+from jaxserve.kv import KVCacheManager, KVHandle
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.runner.input_batch import STOP_ID_SLOTS, InputBatch
@@ -155,21 +155,25 @@ class Tables:
         self.reqs: dict[str, Request] = {}
 
     def admit(self, rid: str, ids: list[int]) -> Request:
-        assert self.kv.admit(rid, self.kv.match_prefix(ids), len(ids))
         req = self.reqs[rid] = running(rid, SamplingParams(), 0, prompt=ids)
+        req.kv = self.kv.admit(self.kv.match_prefix(ids), len(ids))
+        assert req.kv is not None
         self.batch.join(req)
         return req
 
+    def handle(self, rid: str) -> KVHandle:
+        return self.reqs[rid].kv
+
     def sync(self, *rids: str) -> None:
-        chunks = [ScheduledChunk(self.reqs[r], 0, 1, self.kv.block_table(r), True,
-                                 table_version=self.kv.table_version(r)) for r in rids]
+        chunks = [ScheduledChunk(self.reqs[r], 0, 1, self.handle(r).block_table, True,
+                                 table_version=self.handle(r).version) for r in rids]
         self.batch.sync_tables(self.batch.slots([c.request for c in chunks]), chunks)
 
     def row(self, rid: str) -> list[int]:
         return self.batch.tables[self.batch.slot(self.reqs[rid])].tolist()
 
     def expected(self, rid: str) -> list[int]:
-        table = self.kv.block_table(rid).tolist()
+        table = self.handle(rid).block_table.tolist()
         return table + [0] * (WIDTH - len(table))
 
     def poison(self, rid: str, entry: int) -> None:
@@ -182,14 +186,14 @@ def test_a_table_row_gains_only_its_new_entries_and_is_rewritten_after_copy_on_w
     t.sync("a")
     assert t.row("a") == t.expected("a") and t.row("a")[2:] == [0] * (WIDTH - 2)
     t.poison("a", 0)
-    assert t.kv.allocate_slots("a", 2)  # fills block 1: nothing new
+    assert t.kv.allocate_slots(t.handle("a"), 2)  # fills block 1: nothing new
     t.sync("a")
     assert t.row("a")[0] == POISON
-    assert t.kv.allocate_slots("a", 2)  # a third block
+    assert t.kv.allocate_slots(t.handle("a"), 2)  # a third block
     t.sync("a")
     assert t.row("a")[0] == POISON and t.row("a")[1:] == t.expected("a")[1:]  # only the new entry was written
-    t.kv.fork("a", "b")  # b shares a's partly filled last block
-    assert t.kv.allocate_slots("a", 1)  # a writes into it: copy-on-write replaces the entry
+    t.kv.fork(t.handle("a"))  # a fork shares a's partly filled last block
+    assert t.kv.allocate_slots(t.handle("a"), 1)  # a writes into it: copy-on-write replaces the entry
     t.sync("a")
     assert t.row("a") == t.expected("a")  # rewritten whole: the poison is gone
 
@@ -199,13 +203,13 @@ def test_a_table_row_is_rewritten_after_swap_in_and_after_released_blocks_come_b
     t.admit("a", list(range(9)))
     t.sync("a")
     t.poison("a", 0)
-    assert t.kv.swap_out("a") and t.kv.swap_in("a")
+    assert t.kv.swap_out(t.handle("a")) and t.kv.swap_in(t.handle("a"))
     t.sync("a")
     assert t.row("a") == t.expected("a")
     t.poison("a", 2)
-    assert t.kv.allocate_slots("a", 4)  # a fourth block, released (rejected drafts), then another
-    t.kv.release_slots("a", 9)
-    assert t.kv.allocate_slots("a", 4)
+    assert t.kv.allocate_slots(t.handle("a"), 4)  # a fourth block, released (rejected drafts), then another
+    t.kv.release_slots(t.handle("a"), 9)
+    assert t.kv.allocate_slots(t.handle("a"), 4)
     t.sync("a")  # the same length as the last sync, other entries
     assert t.row("a") == t.expected("a")
 
@@ -215,8 +219,8 @@ def test_a_table_row_is_rewritten_when_a_block_is_swapped_for_the_caches_copy():
     ids = list(range(9))
     t.admit("a", ids), t.admit("b", ids)  # the same tokens, computed twice
     t.sync("a", "b")
-    t.kv.cache_full_blocks("a", ids)
-    t.kv.cache_full_blocks("b", ids)  # b switches to a's cached blocks
+    t.kv.cache_full_blocks(t.handle("a"), ids)
+    t.kv.cache_full_blocks(t.handle("b"), ids)  # b switches to a's cached blocks
     t.sync("b")
     assert t.row("b")[:2] == t.row("a")[:2] and t.row("b") == t.expected("b")
 
@@ -227,7 +231,7 @@ def test_a_slot_given_to_another_request_gets_its_whole_row():
     t.sync("a")
     slot = t.batch.slot(a)
     a.status = RequestStatus.FINISHED
-    t.kv.free("a")
+    t.kv.free(a.kv)
     t.batch.release_finished()
     t.admit("b", list(range(50, 55)))  # shorter, in the same slot
     assert t.batch.slot(t.reqs["b"]) == slot

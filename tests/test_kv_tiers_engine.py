@@ -130,11 +130,11 @@ def test_a_request_loading_from_disk_does_not_stall_the_others(tmp_path, referen
         engine.add_request("other", PROMPTS[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         while not tokens["other"]:
             step()
-        engine.add_request("loaded", PROMPTS[0], GREEDY)
+        (loading,) = engine.add_request("loaded", PROMPTS[0], GREEDY)
         before = len(tokens["other"])
         for _ in range(6):
             step()
-            assert engine.kv.is_loading("loaded")
+            assert engine.kv.is_loading(loading)
         assert len(tokens["other"]) - before >= 5   # decoding went on while the load waited for the disk
     finally:
         gate.set()

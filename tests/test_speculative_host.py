@@ -68,14 +68,14 @@ def test_drafts_get_slots_and_the_rejected_ones_are_released():
     out = sched.schedule()
     (chunk,) = out.decodes
     assert chunk.draft == [4, 5, 6] and out.num_tokens == 4
-    assert kv.num_tokens("a") == 9 + 3  # the last token's slot and one per draft
+    assert req.kv.num_tokens == 9 + 3  # the last token's slot and one per draft
     assert len(chunk.block_table) == 3  # 12 slots of 4
     sched.on_step_launched(out)
     req.output_token_ids[-1] = 4  # the verify step accepted one draft, then sampled 9
     req.output_token_ids.append(9)
     sched.accept_tokens(req, 1)
-    assert req.num_computed_tokens == kv.num_tokens("a") == 10  # positions 0..9 hold valid K/V
-    assert len(kv.block_table("a")) == 3
+    assert req.num_computed_tokens == req.kv.num_tokens == 10  # positions 0..9 hold valid K/V
+    assert len(req.kv.block_table) == 3
     kv.check_integrity()
 
 
@@ -89,7 +89,7 @@ def test_a_rejected_draft_that_crossed_a_block_frees_that_block():
     sched.on_step_launched(out)
     req.output_token_ids[-1] = 2  # the first draft rejected: 2 instead of 7
     sched.accept_tokens(req, 0)
-    assert kv.num_tokens("a") == 8 and kv.num_available_blocks == free_before
+    assert req.kv.num_tokens == 8 and kv.num_available_blocks == free_before
     kv.check_integrity()
 
 

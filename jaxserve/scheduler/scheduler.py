@@ -36,7 +36,7 @@ from collections import deque
 from operator import attrgetter
 
 from jaxserve.config import EngineConfig
-from jaxserve.kv import ChainKeys, KVCacheManager, LoadStart
+from jaxserve.kv import KVCacheManager, LoadStart
 from jaxserve.outputs import FinishReason
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -56,8 +56,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = 0
-        self._hashes: dict[Request, list[int]] = {}  # prompt block chain hashes, while queued
-        self._chains: dict[Request, ChainKeys | None] = {}  # content keys (disk tier), while queued
         self._speculation_backoff = 0  # length of the last pause (0: the last speculating step drafted)
         self._speculation_pause = 0  # steps left to schedule without speculating
         # Smaller = more important. FCFS ignores the priority field.
@@ -68,6 +66,7 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        req.block_keys = self.kv.new_chain()
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
@@ -78,11 +77,10 @@ class Scheduler:
             self.swapped.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.request_id in self.kv:
-            self.kv.free(req.request_id)
-        self.kv.cancel_load(req.request_id)
-        self._hashes.pop(req, None)
-        self._chains.pop(req, None)
+        if req.kv is not None:
+            self.kv.free(req.kv)
+            req.kv = None
+        self.kv.cancel_load(req)
         req.finish(reason)
 
     @property
@@ -128,13 +126,13 @@ class Scheduler:
             draft = self._draft(req) if speculating else None
             looked_up |= draft is not None
             draft = draft or []
-            if draft and not self.kv.allocate_slots(req.request_id, 1 + len(draft)):
+            if draft and not self.kv.allocate_slots(req.kv, 1 + len(draft)):
                 draft = []  # no room for the drafts: a plain decode
             num_steps = self._num_steps(req) if multi_step else 1
-            if num_steps > 1 and not self.kv.allocate_slots(req.request_id, num_steps):
+            if num_steps > 1 and not self.kv.allocate_slots(req.kv, num_steps):
                 num_steps = 1  # no room for the loop's slots: one step
             reserved = bool(draft) or num_steps > 1
-            while not reserved and not self.kv.allocate_slots(req.request_id, 1):
+            while not reserved and not self.kv.allocate_slots(req.kv, 1):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is req:
@@ -207,7 +205,7 @@ class Scheduler:
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = min(self.swapped, key=self._priority_key)
-            if not self.kv.swap_in(req.request_id):
+            if not self.kv.swap_in(req.kv):
                 return
             self.swapped.remove(req)
             req.status = RequestStatus.RUNNING
@@ -215,7 +213,7 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
-        in_flight: set[int] = set()  # chain hashes of blocks computed by this step's prefills
+        in_flight: set[bytes] = set()  # content keys of prompt blocks this step's prefills compute
         partial = [r for r in self.running if r.is_prefilling and not r.awaits_token]
         for req in partial:
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
@@ -230,14 +228,14 @@ class Scheduler:
                 break
             if req.awaits_token:
                 continue  # preempted with its last token in flight
-            if self.kv.is_loading(req.request_id):
+            if self.kv.is_loading(req):
                 continue  # its prefix is being read from disk; others go meanwhile
             cacheable = req.all_token_ids[:req.num_cacheable_tokens]
-            hit = self.kv.match_prefix(cacheable, self._chain(req))
+            hit = self.kv.match_prefix(cacheable, req.block_keys)
             if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
-                if self.kv.start_load(req.request_id, hit) is not LoadStart.NONE:
+                if self.kv.start_load(req, hit) is not LoadStart.NONE:
                     continue  # loading (or waiting for room to load): admitted once on the host
-                hit = self.kv.match_prefix(cacheable, self._chain(req))
+                hit = self.kv.match_prefix(cacheable, req.block_keys)
             remaining = req.num_tokens - hit.num_tokens
             if remaining > budget and num_partial >= cfg.max_num_partial_prefills:
                 continue  # a long prompt waits; shorter ones behind it may go
@@ -249,9 +247,9 @@ class Scheduler:
                     continue
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
                 n = self._partial_chunk_limit(budget, others)
-            if not self.kv.admit(req.request_id, hit, n):
+            req.kv = self.kv.admit(hit, n, load_key=req)
+            if req.kv is None:
                 break  # the pool is full: admit nothing more this step
-            self._chains.pop(req, None)
             req.num_computed_tokens = hit.num_tokens
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = hit.num_tokens
@@ -262,12 +260,6 @@ class Scheduler:
             budget -= used
             if used < remaining:
                 num_partial += 1
-
-    def _chain(self, req: Request) -> ChainKeys | None:
-        """The request's content keys (computed once while it waits), None without a disk tier."""
-        if req not in self._chains:
-            self._chains[req] = self.kv.new_chain()
-        return self._chains[req]
 
     def _num_partial(self, out: SchedulerOutput) -> int:
         """Running prompts still being prefilled that no chunk of `out` completes."""
@@ -298,42 +290,32 @@ class Scheduler:
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: set[int]) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if not self.kv.allocate_slots(req.request_id, n):
+        if not self.kv.allocate_slots(req.kv, n):
             return 0
         return self._add_prefill(req, n, out, in_flight)
 
-    def _add_prefill(self, req: Request, n: int, out: SchedulerOutput, in_flight: set[int]) -> int:
+    def _add_prefill(self, req: Request, n: int, out: SchedulerOutput, in_flight: set[bytes]) -> int:
         out.prefills.append(self._chunk(req, n))
         if self.config.enable_prefix_caching:
             bs = self.config.block_size
-            first, last = req.num_computed_tokens // bs, (req.num_computed_tokens + n) // bs
-            in_flight.update(self._block_hashes(req)[first:last])
+            first, last = req.num_computed_tokens // bs, min(req.num_computed_tokens + n, req.num_prompt_tokens) // bs
+            if last > first:
+                in_flight.update(req.block_keys.keys(req.prompt_token_ids, last)[first:])
         return n
 
-    def _block_hashes(self, req: Request) -> list[int]:
-        """Chain hashes of the request's full prompt blocks (hash i covers tokens [0, (i+1) * bs))."""
-        hashes = self._hashes.get(req)
-        if hashes is None:
-            bs, ids, h = self.config.block_size, req.prompt_token_ids, 0
-            hashes = []
-            for i in range(len(ids) // bs):
-                h = hash((h, tuple(ids[i * bs:(i + 1) * bs])))
-                hashes.append(h)
-            self._hashes[req] = hashes
-        return hashes
-
-    def _block_in_flight(self, req: Request, start: int, in_flight: set[int]) -> bool:
+    def _block_in_flight(self, req: Request, start: int, in_flight: set[bytes]) -> bool:
+        """Whether the prompt's block at `start` (a block boundary) is being computed by another
+        request's prefill in this step: the same content key (`Request.block_keys`)."""
         if not in_flight:
             return False
         i = start // self.config.block_size
-        hashes = self._block_hashes(req)
-        return i < len(hashes) and hashes[i] in in_flight
+        return (i + 1) * self.config.block_size <= req.num_prompt_tokens and \
+            req.block_keys.keys(req.prompt_token_ids, i + 1)[i] in in_flight
 
     def _chunk(self, req: Request, n: int, draft: list[int] | None = None, num_steps: int = 1) -> ScheduledChunk:
-        start, kv = req.num_computed_tokens, self.kv
-        return ScheduledChunk(req, start, n, kv.block_table(req.request_id), start + n == req.num_tokens,
-                              draft=[] if draft is None else draft, num_steps=num_steps,
-                              table_version=kv.table_version(req.request_id))
+        start = req.num_computed_tokens
+        return ScheduledChunk(req, start, n, req.kv.block_table, start + n == req.num_tokens,
+                              draft=[] if draft is None else draft, num_steps=num_steps, table_version=req.kv.version)
 
     # ----- policies and preemption ----------------------------------------------------------
 
@@ -347,7 +329,7 @@ class Scheduler:
         now = time.monotonic()
         starving = [r for r in self.waiting if now - r.arrival_time > LPM_STARVATION_SECONDS]
         rest = [r for r in self.waiting if now - r.arrival_time <= LPM_STARVATION_SECONDS]
-        rest.sort(key=lambda r: (-self.kv.match_prefix(r.all_token_ids, self._chain(r)).num_tokens, r.arrival_time))
+        rest.sort(key=lambda r: (-self.kv.match_prefix(r.all_token_ids, r.block_keys).num_tokens, r.arrival_time))
         return starving + rest
 
     def _pick_victim(self) -> Request:
@@ -359,12 +341,13 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling:
-            if self.kv.swap_out(req.request_id):
+            if self.kv.swap_out(req.kv):
                 req.status = RequestStatus.SWAPPED
                 self.swapped.append(req)
                 logger.info("preempted %s by swap", req.request_id)
                 return
-        self.kv.free(req.request_id)
+        self.kv.free(req.kv)
+        req.kv = None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -390,7 +373,7 @@ class Scheduler:
         (accepted drafts, or the loop's later tokens): their K/V are valid (the request's next
         token follows them), the slots reserved past them are released."""
         req.num_computed_tokens += num_extra
-        self.kv.release_slots(req.request_id, req.num_computed_tokens)
+        self.kv.release_slots(req.kv, req.num_computed_tokens)
 
     def on_token_read(self, req: Request, index: int) -> None:
         """Output tokens from `index` on were read from the device and the request goes on: cache
@@ -405,8 +388,8 @@ class Scheduler:
         token still in flight (called again when that token is read)."""
         if not self.config.enable_prefix_caching or req.status is not RequestStatus.RUNNING:
             return
-        bs, cached = self.config.block_size, self.kv.num_cached_blocks(req.request_id)
+        bs, cached = self.config.block_size, req.kv.cached_blocks
         if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
             n = min(req.num_computed_tokens, req.num_known_tokens)
             if n // bs > cached:
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids[:n])
+                self.kv.cache_full_blocks(req.kv, req.all_token_ids[:n])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, Pin
+from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, KVHandle, Pin
 
 EMPTY = -1
 
@@ -32,6 +32,7 @@ def as_block_arrays(space: np.ndarray) -> np.ndarray:
 @dataclass
 class Req:
     tokens: list[int]
+    kv: KVHandle
     computed: int = 0           # tokens with KV written or being written this round
     swapped: bool = False
 
@@ -76,13 +77,13 @@ class FakeEngine:
         assert hit.num_tokens % self.bs == 0 and hit.num_tokens <= max(len(tokens) - 1, 0)
         n = min(len(tokens) - hit.num_tokens, chunk) if total is None else total - hit.num_tokens
         can = mgr.can_admit(hit, n)
-        ok = mgr.admit(rid, hit, n)
-        assert ok == can
-        if ok:
-            self.reqs[rid] = Req(list(tokens), hit.num_tokens + n)
+        handle = mgr.admit(hit, n, load_key=rid)
+        assert (handle is not None) == can
+        if handle is not None:
+            self.reqs[rid] = Req(list(tokens), handle, hit.num_tokens + n)
             self._schedule(rid, hit.num_tokens, hit.num_tokens + n)
-            assert mgr.num_tokens(rid) == hit.num_tokens + n
-        return ok
+            assert handle.num_tokens == hit.num_tokens + n
+        return handle is not None
 
     def step(self, rid: str, chunk: int, new_token: int) -> bool:
         req = self.reqs[rid]
@@ -90,8 +91,8 @@ class FakeEngine:
         if decode:
             req.tokens.append(new_token)    # the token sampled by the previous step
         n = min(chunk, len(req.tokens) - req.computed)
-        can = self.mgr.can_allocate(rid, n)
-        ok = self.mgr.allocate_slots(rid, n)
+        can = self.mgr.can_allocate(req.kv, n)
+        ok = self.mgr.allocate_slots(req.kv, n)
         assert ok == can
         if ok:
             self._schedule(rid, req.computed, req.computed + n)
@@ -105,43 +106,46 @@ class FakeEngine:
         self.pending.append((rid, start, stop))
 
     def fork(self, parent: str, child: str) -> None:
-        self.mgr.fork(parent, child)
         req = self.reqs[parent]
-        self.reqs[child] = Req(req.tokens[:req.computed], req.computed)
+        self.reqs[child] = Req(req.tokens[:req.computed], self.mgr.fork(req.kv), req.computed)
 
     def preempt(self, rid: str) -> None:
         req = self.reqs.pop(rid)
-        self.mgr.free(rid)
+        self.mgr.free(req.kv)
         self.waiting[rid] = req.tokens
 
     def swap_out(self, rid: str) -> bool:
-        ok = self.mgr.swap_out(rid)
+        req = self.reqs[rid]
+        ok = self.mgr.swap_out(req.kv)
         if ok:
-            self.reqs[rid].swapped = True
-            assert self.mgr.is_swapped(rid) and len(self.mgr.block_table(rid)) == 0
+            req.swapped = True
+            assert req.kv.is_swapped and len(req.kv.block_table) == 0
         return ok
 
     def swap_in(self, rid: str) -> bool:
-        can = self.mgr.can_swap_in(rid)
-        ok = self.mgr.swap_in(rid)
+        req = self.reqs[rid]
+        can = self.mgr.can_swap_in(req.kv)
+        ok = self.mgr.swap_in(req.kv)
         assert ok == can
         if ok:
-            self.reqs[rid].swapped = False
+            req.swapped = False
         return ok
 
     def finish(self, rid: str) -> None:
-        self.reqs.pop(rid)
-        self.mgr.free(rid)
+        self.mgr.free(self.reqs.pop(rid).kv)
+
+    def table(self, rid: str) -> np.ndarray:
+        return self.reqs[rid].kv.block_table
 
     def pin(self, owner: str, tokens: list[int]) -> Pin | None:
-        pin = self.mgr.pin(owner, tokens)
+        pin = self.mgr.leases.pin(owner, tokens)
         if pin is not None:
             self.pins.append(PinRecord(pin, list(tokens[:pin.num_tokens])))
         return pin
 
     def unpin(self, index: int) -> None:
         record = self.pins.pop(index)
-        self.mgr.unpin(record.pin)
+        self.mgr.leases.unpin(record.pin)
 
     # ------------------------------------------------------------- the runner's part
 
@@ -154,13 +158,13 @@ class FakeEngine:
         self.execute_copies()
         for rid, start, stop in self.pending:
             if rid in self.reqs and not self.reqs[rid].swapped:
-                slots = self.mgr.slot_mapping(rid, start, stop)
+                slots = self.reqs[rid].kv.slot_mapping(start, stop)
                 self.device.reshape(-1)[slots] = self.reqs[rid].tokens[start:stop]
         self.pending.clear()
         self.busy.clear()
         for rid in self.running() if cache else []:
             req = self.reqs[rid]
-            cached = self.mgr.cache_full_blocks(rid, req.tokens[:req.computed])
+            cached = self.mgr.cache_full_blocks(req.kv, req.tokens[:req.computed])
             assert cached <= req.computed // self.bs
 
     def execute_copies(self, stages: list[CopyStage] | None = None) -> None:
@@ -185,7 +189,7 @@ class FakeEngine:
 
     def content(self, rid: str) -> np.ndarray:
         n = self.reqs[rid].computed
-        return self.device[self.mgr.block_table(rid)].reshape(-1)[:n]
+        return self.device[self.table(rid)].reshape(-1)[:n]
 
     def check_bookkeeping(self) -> None:
         """What must hold after every call: the manager's own check plus an independent recount."""
@@ -194,12 +198,12 @@ class FakeEngine:
         pool = mgr.pool
         holders = np.zeros(pool.num_blocks, dtype=np.int64)
         for rid, req in self.reqs.items():
-            table = mgr.block_table(rid)
+            table = req.kv.block_table
             if req.swapped:
                 assert len(table) == 0
                 continue
-            assert len(table) == -(-mgr.num_tokens(rid) // self.bs), "table does not cover tokens"
-            assert mgr.num_tokens(rid) == req.computed
+            assert len(table) == -(-req.kv.num_tokens // self.bs), "table does not cover tokens"
+            assert req.kv.num_tokens == req.computed
             np.add.at(holders, table, 1)
         cache = mgr.prefix_cache
         if cache is not None:

@@ -9,58 +9,60 @@ from jaxserve.kv import KVCacheManager
 BS = 4
 
 
-def _cached(mgr: KVCacheManager, rid: str, tokens: list[int], check: bool = True) -> None:
+def _cached(mgr: KVCacheManager, tokens: list[int], check: bool = True) -> None:
     """Run a request over `tokens` (its KV written) and finish it: its full blocks stay cached."""
     hit = mgr.match_prefix(tokens)
-    assert mgr.admit(rid, hit, len(tokens) - hit.num_tokens)
-    mgr.cache_full_blocks(rid, tokens)
-    mgr.free(rid)
+    handle = mgr.admit(hit, len(tokens) - hit.num_tokens)
+    mgr.cache_full_blocks(handle, tokens)
+    mgr.free(handle)
     if check:  # (not while imported blocks are out: they are nobody's until adopted)
         mgr.check_integrity()
 
 
 def _all_free(mgr: KVCacheManager) -> bool:
     u = mgr.usage()
-    return u.used == 0 and u.pinned == 0 and u.free + u.cached_idle == u.num_blocks and mgr.num_holds == 0
+    return u.used == 0 and u.pinned == 0 and u.free + u.cached_idle == u.num_blocks and mgr.leases.num_holds == 0
 
 
 def test_a_hold_keeps_the_prompt_blocks_until_released() -> None:
     mgr = KVCacheManager(8, BS, watermark_blocks=0)
     prompt = list(range(1, 11))                       # 2 full blocks and 2 tokens
-    _cached(mgr, "a", prompt)
-    hold = mgr.hold_prefix(prompt)
+    _cached(mgr, prompt)
+    hold = mgr.leases.hold_prefix(prompt)
     assert hold.num_blocks == 2 and hold.blocks == mgr.prefix_cache.path_blocks(hold.node)
     assert mgr.usage().pinned == 2 and mgr.num_available_blocks == 5
     mgr.check_integrity()
     other = list(range(50, 70))                       # needs 5 blocks: evicts all but the held ones
     hit = mgr.match_prefix(other)
-    assert mgr.admit("b", hit, 20) and not mgr.can_admit(mgr.match_prefix([7] * 8), 8)
+    b = mgr.admit(hit, 20)
+    assert b is not None and not mgr.can_admit(mgr.match_prefix([7] * 8), 8)
     assert mgr.usage().pinned == 2
     mgr.check_integrity()
-    mgr.free("b")
-    mgr.release_hold(hold)
+    mgr.free(b)
+    mgr.leases.release_hold(hold)
     with pytest.raises(ValueError):
-        mgr.release_hold(hold)
+        mgr.leases.release_hold(hold)
     mgr.check_integrity()
 
 
 def test_imported_blocks_join_the_cache_after_what_was_held() -> None:
     mgr = KVCacheManager(16, BS, watermark_blocks=0)
     prompt = list(range(1, 15))                       # 3 full blocks
-    _cached(mgr, "old", prompt[:4] + [99] * 4)        # the first block is cached already
-    hold = mgr.hold_prefix(prompt)
+    _cached(mgr, prompt[:4] + [99] * 4)        # the first block is cached already
+    hold = mgr.leases.hold_prefix(prompt)
     assert hold.num_blocks == 1
     blocks = mgr.allocate_import(2)
     assert len(blocks) == 2
-    hold = mgr.adopt_import(hold, prompt, blocks)
+    hold = mgr.leases.adopt_import(hold, prompt, blocks)
     assert hold.num_blocks == 3 and hold.blocks[1:] == blocks
     mgr.check_integrity()
     hit = mgr.match_prefix(prompt + [7])
     assert hit.num_tokens == 12
-    assert mgr.admit("new", hit, 3)                  # admitted while held: then let go
-    mgr.release_hold(hold)
+    new = mgr.admit(hit, 3)                           # admitted while held: then let go
+    assert new is not None
+    mgr.leases.release_hold(hold)
     mgr.check_integrity()
-    mgr.free("new")
+    mgr.free(new)
     assert _all_free(mgr)
     mgr.check_integrity()
 
@@ -68,15 +70,15 @@ def test_imported_blocks_join_the_cache_after_what_was_held() -> None:
 def test_an_import_of_tokens_cached_meanwhile_gives_its_blocks_back() -> None:
     mgr = KVCacheManager(16, BS, watermark_blocks=0)
     prompt = list(range(1, 10))
-    hold = mgr.hold_prefix(prompt)
+    hold = mgr.leases.hold_prefix(prompt)
     assert hold.num_blocks == 0
     blocks = mgr.allocate_import(2)
-    _cached(mgr, "raced", prompt, check=False)                    # computed here while the bytes were on the way
+    _cached(mgr, prompt, check=False)                    # computed here while the bytes were on the way
     free_before = mgr.pool.num_free
-    hold = mgr.adopt_import(hold, prompt, blocks)
+    hold = mgr.leases.adopt_import(hold, prompt, blocks)
     assert hold.num_blocks == 2 and not set(hold.blocks) & set(blocks)
     assert mgr.pool.num_free == free_before + 2
-    mgr.release_hold(hold)
+    mgr.leases.release_hold(hold)
     assert _all_free(mgr)
     mgr.check_integrity()
 
@@ -84,11 +86,11 @@ def test_an_import_of_tokens_cached_meanwhile_gives_its_blocks_back() -> None:
 def test_imports_leave_the_watermark_free() -> None:
     mgr = KVCacheManager(10, BS, watermark_blocks=3)  # 9 usable
     prompt = list(range(1, 41))
-    hold = mgr.hold_prefix(prompt)
+    hold = mgr.leases.hold_prefix(prompt)
     blocks = mgr.allocate_import(10)
     assert len(blocks) == 6
-    hold = mgr.adopt_import(hold, prompt, blocks)
+    hold = mgr.leases.adopt_import(hold, prompt, blocks)
     assert mgr.usage().pinned == 6 and mgr.allocate_import(1) == []
-    mgr.release_hold(hold)
+    mgr.leases.release_hold(hold)
     assert _all_free(mgr)
     mgr.check_integrity()

@@ -29,13 +29,13 @@ def test_cow_on_a_shared_partial_block_copies_once() -> None:
     assert eng.admit("a", [5, 6, 7, 8, 9, 10], chunk=6)   # [5 6 7 8] [9 10 . .]
     settle(eng)
     eng.fork("a", "b")
-    shared = int(mgr.block_table("a")[1])
+    shared = int(eng.table("a")[1])
     assert mgr.pool.refcount[shared] == 2
     assert eng.step("b", 1, 11)                            # b writes into the shared block
     (stage,) = mgr.take_copies()
-    copy = int(mgr.block_table("b")[1])
+    copy = int(eng.table("b")[1])
     assert stage.kind is CopyKind.DEVICE_TO_DEVICE and stage.pairs == [(shared, copy)]
-    assert int(mgr.block_table("a")[1]) == shared != copy
+    assert int(eng.table("a")[1]) == shared != copy
     assert mgr.pool.refcount[shared] == 1 and mgr.pool.refcount[copy] == 1
     eng.execute_copies([stage])
     settle(eng)
@@ -54,7 +54,7 @@ def test_fork_of_a_fork_shares_then_diverges() -> None:
     settle(eng)
     eng.fork("a", "b")
     eng.fork("b", "c")
-    full, partial = (int(b) for b in mgr.block_table("c"))
+    full, partial = (int(b) for b in eng.table("c"))
     assert mgr.pool.refcount[full] == 4                    # three tables + the prefix cache
     assert mgr.pool.refcount[partial] == 3
     for rid, token in (("c", 30), ("b", 20), ("a", 10)):
@@ -65,7 +65,7 @@ def test_fork_of_a_fork_shares_then_diverges() -> None:
     settle(eng)
     for rid, token in (("a", 10), ("b", 20), ("c", 30)):
         assert list(eng.content(rid)) == [1, 2, 3, 4, 5, 6, 7, token]
-    assert int(mgr.block_table("a")[1]) == partial          # the last writer kept the original
+    assert int(eng.table("a")[1]) == partial          # the last writer kept the original
     eng.fork("c", "d")                                     # and a fork of the fork of the fork
     for _ in range(6):
         assert eng.step("d", 1, 40)
@@ -87,8 +87,8 @@ def test_swap_in_when_the_pool_is_full_waits_then_restores_content() -> None:
     settle(eng)
     before = mgr.usage()
     assert before.free == 0 and before.cached_idle == 0
-    assert not mgr.can_swap_in("a") and not eng.swap_in("a")
-    assert mgr.usage() == before and mgr.is_swapped("a") and mgr.take_copies() == []
+    assert not mgr.can_swap_in(eng.reqs["a"].kv) and not eng.swap_in("a")
+    assert mgr.usage() == before and eng.reqs["a"].kv.is_swapped and mgr.take_copies() == []
     eng.finish("c")
     assert eng.swap_in("a")
     settle(eng)
@@ -115,8 +115,8 @@ def test_swap_out_fails_cleanly_when_the_host_is_full() -> None:
     eng = engine(num_blocks=16, num_host_slots=2)
     assert eng.admit("a", list(range(1, 11)), chunk=10)    # 3 blocks > 2 host slots
     settle(eng)
-    assert not eng.mgr.can_swap_out("a") and not eng.swap_out("a")
-    assert not eng.mgr.is_swapped("a")
+    assert not eng.mgr.can_swap_out(eng.reqs["a"].kv) and not eng.swap_out("a")
+    assert not eng.reqs["a"].kv.is_swapped
     eng.drain()
     no_tier = engine()
     assert no_tier.admit("a", [1, 2, 3], chunk=3)
@@ -129,7 +129,7 @@ def test_watermark_holds_back_admissions_but_not_running_growth() -> None:
     mgr = eng.mgr
     assert eng.admit("a", list(range(100, 140)), chunk=32)  # 8 blocks, leaves 2
     hit = mgr.match_prefix([1, 2, 3])
-    assert not mgr.can_admit(hit, 3) and not mgr.admit("b", hit, 3)
+    assert not mgr.can_admit(hit, 3) and mgr.admit(hit, 3) is None
     assert eng.step("a", 8, 0)                              # growth may use the reserve
     assert mgr.num_available_blocks == 0
     settle(eng)
@@ -147,7 +147,7 @@ def test_admission_counts_the_idle_blocks_it_is_about_to_lock() -> None:
     hit = mgr.match_prefix(prompt)
     assert hit.num_tokens == 12 and mgr.num_available_blocks == 3
     # Reusing the 3 idle blocks locks them, so nothing is left for the 13th token.
-    assert not mgr.can_admit(hit, 1) and not mgr.admit("a2", hit, 1)
+    assert not mgr.can_admit(hit, 1) and mgr.admit(hit, 1) is None
     settle(eng)
     eng.drain()
 
@@ -162,9 +162,9 @@ def test_prefix_hit_on_admission_and_stale_hits() -> None:
     assert hit.num_tokens == 12 and hit.num_host_tokens == 0
     assert eng.admit("b", [9, 9, 9], chunk=3)
     with pytest.raises(ValueError, match="stale"):
-        mgr.admit("c", hit, 1)
+        mgr.admit(hit, 1)
     assert eng.admit("c", prompt, chunk=1)
-    assert list(mgr.block_table("c"))[:3] == list(mgr.block_table("a"))[:3]
+    assert list(eng.table("c"))[:3] == list(eng.table("a"))[:3]
     settle(eng)
     assert mgr.stats.queries == 3 and mgr.stats.hit_tokens == 12
     eng.drain()
@@ -196,42 +196,42 @@ def test_spilled_prefix_comes_back_from_the_host_on_a_hit() -> None:
 
 def test_pins_respect_per_owner_budget_and_survive_clearing() -> None:
     eng = engine(num_blocks=64, pin_budget_blocks=3, max_pinned_blocks=5)
-    mgr = eng.mgr
+    mgr, leases = eng.mgr, eng.mgr.leases
     long, short = list(range(1, 18)), list(range(40, 49))  # 4 and 2 full blocks
     assert eng.admit("a", long, chunk=17) and eng.admit("b", short, chunk=9)
     settle(eng)
-    assert mgr.pin("alice", long) is None                  # 4 blocks > budget 3
-    first = mgr.pin("alice", long[:12])
+    assert leases.pin("alice", long) is None                  # 4 blocks > budget 3
+    first = leases.pin("alice", long[:12])
     assert first is not None and first.num_blocks == 3
-    assert mgr.pin("alice", short) is None                 # 3 + 2 > 3
-    second = mgr.pin("alice", short, replacing=first)      # a session's next turn
-    assert second is not None and not first.active and mgr.pins.pinned_by("alice") == 2
-    bob = mgr.pin("bob", long[:12])
-    assert bob is not None and mgr.pins.total == 5
-    assert mgr.pin("carol", short) is None                 # pool-wide cap
+    assert leases.pin("alice", short) is None                 # 3 + 2 > 3
+    second = leases.pin("alice", short, replacing=first)      # a session's next turn
+    assert second is not None and not first.active and leases.pinned_by("alice") == 2
+    bob = leases.pin("bob", long[:12])
+    assert bob is not None and leases.num_pinned == 5
+    assert leases.pin("carol", short) is None                 # pool-wide cap
     eng.finish("a")
     eng.finish("b")
     mgr.clear_prefix_cache()
     assert mgr.prefix_cache.match(long[:12], leave_last_token=False).num_blocks == 3
     assert mgr.prefix_cache.match(short, leave_last_token=False).num_blocks == 2
     assert mgr.usage().pinned == 5
-    mgr.unpin(second)
+    leases.unpin(second)
     with pytest.raises(ValueError):
-        mgr.unpin(second)
-    mgr.unpin(bob)
+        leases.unpin(second)
+    leases.unpin(bob)
     eng.drain()
 
 
 def test_slot_mapping_and_block_table_views() -> None:
     eng = engine()
-    mgr = eng.mgr
     assert eng.admit("a", list(range(10)), chunk=10)
-    table = mgr.block_table("a")
+    handle = eng.reqs["a"].kv
+    table = handle.block_table
     assert table.dtype == np.int32 and len(table) == 3 and not table.flags.writeable
     expected = [int(table[p // BS]) * BS + p % BS for p in range(3, 10)]
-    assert mgr.slot_mapping("a", 3, 10).tolist() == expected
+    assert handle.slot_mapping(3, 10).tolist() == expected
     with pytest.raises(ValueError):
-        mgr.slot_mapping("a", 0, 11)
+        handle.slot_mapping(0, 11)
     settle(eng)
     eng.drain()
 
@@ -239,131 +239,71 @@ def test_slot_mapping_and_block_table_views() -> None:
 def test_table_version_changes_when_entries_change_not_when_blocks_are_appended() -> None:
     mgr = KVCacheManager(32, BS, watermark_blocks=0, num_host_slots=16)
     prompt = list(range(6))
-    assert mgr.admit("a", mgr.match_prefix(prompt), 6)     # [0 1 2 3] [4 5 . .]
-    version = mgr.table_version("a")
-    assert mgr.allocate_slots("a", 1) and mgr.allocate_slots("a", 4)  # fills block 1, appends block 2
-    assert len(mgr.block_table("a")) == 3 and mgr.table_version("a") == version
+    a = mgr.admit(mgr.match_prefix(prompt), 6)             # [0 1 2 3] [4 5 . .]
+    version = a.version
+    assert mgr.allocate_slots(a, 1) and mgr.allocate_slots(a, 4)  # fills block 1, appends block 2
+    assert len(a.block_table) == 3 and a.version == version
     changes = []
 
     def changed(what: str) -> None:
         nonlocal version
-        changes.append((what, mgr.table_version("a") != version))
-        version = mgr.table_version("a")
+        changes.append((what, a.version != version))
+        version = a.version
 
-    mgr.fork("a", "b")
+    b = mgr.fork(a)
     changed("fork (the parent's entries stay)")
-    assert mgr.allocate_slots("a", 1)                      # a writes into the shared partial block
+    assert mgr.allocate_slots(a, 1)                        # a writes into the shared partial block
     changed("copy-on-write")
-    assert mgr.release_slots("a", 10) is None               # within the last block: nothing freed
+    assert mgr.release_slots(a, 10) is None                 # within the last block: nothing freed
     changed("a release within the last block")
-    assert mgr.release_slots("a", 8) is None                # frees block 2
+    assert mgr.release_slots(a, 8) is None                  # frees block 2
     changed("a release freeing a block")
-    assert mgr.swap_out("a")
+    assert mgr.swap_out(a)
     changed("swap out")
-    assert mgr.swap_in("a")
+    assert mgr.swap_in(a)
     changed("swap in")
     assert changes == [("fork (the parent's entries stay)", False), ("copy-on-write", True),
                        ("a release within the last block", False), ("a release freeing a block", True),
                        ("swap out", True), ("swap in", True)]
-    versions = {mgr.table_version("a"), mgr.table_version("b")}
-    mgr.free("a")
-    assert mgr.admit("a", mgr.match_prefix(prompt), 6)     # admitted again: a version never seen
-    assert mgr.table_version("a") not in versions | {version}
+    versions = {a.version, b.version}
+    mgr.free(a)
+    again = mgr.admit(mgr.match_prefix(prompt), 6)          # admitted again: a version never seen
+    assert again.version not in versions | {version}
 
 
 def test_a_block_swapped_for_the_caches_copy_changes_the_version() -> None:
     mgr = KVCacheManager(32, BS, watermark_blocks=0)
     ids = list(range(9))
-    for rid in ("a", "b"):                                 # the same tokens, computed twice
-        assert mgr.admit(rid, mgr.match_prefix(ids), 9)
-    mgr.cache_full_blocks("a", ids)
-    before = mgr.block_table("b").tolist(), mgr.table_version("b")
-    mgr.cache_full_blocks("b", ids)                         # b switches to a's cached blocks
-    after = mgr.block_table("b").tolist(), mgr.table_version("b")
-    assert after[0][:2] == mgr.block_table("a").tolist()[:2] != before[0][:2]
+    a, b = (mgr.admit(mgr.match_prefix(ids), 9) for _ in range(2))  # the same tokens, computed twice
+    mgr.cache_full_blocks(a, ids)
+    before = b.block_table.tolist(), b.version
+    mgr.cache_full_blocks(b, ids)                           # b switches to a's cached blocks
+    after = b.block_table.tolist(), b.version
+    assert after[0][:2] == a.block_table.tolist()[:2] != before[0][:2]
     assert after[1] != before[1]
-    mgr.cache_full_blocks("b", ids)                         # nothing new: the version stays
-    assert mgr.table_version("b") == after[1]
+    mgr.cache_full_blocks(b, ids)                           # nothing new: the version stays
+    assert b.version == after[1]
 
 
 def test_bad_calls_get_clear_errors() -> None:
     eng = engine(num_host_slots=8)
     mgr = eng.mgr
-    with pytest.raises(KeyError):
-        mgr.allocate_slots("nope", 1)
     assert eng.admit("a", [1, 2, 3, 4, 5], chunk=5)
-    with pytest.raises(ValueError, match="already"):
-        mgr.admit("a", mgr.match_prefix([1, 2]), 2)
+    a = eng.reqs["a"].kv
     with pytest.raises(ValueError):
-        mgr.allocate_slots("a", -1)
+        mgr.allocate_slots(a, -1)
     with pytest.raises(ValueError, match="slots"):
-        mgr.cache_full_blocks("a", [1, 2, 3, 4, 5, 6])
-    with pytest.raises(ValueError, match="already exists"):
-        mgr.fork("a", "a")
+        mgr.cache_full_blocks(a, [1, 2, 3, 4, 5, 6])
     with pytest.raises(ValueError, match="not swapped"):
-        mgr.swap_in("a")
+        mgr.swap_in(a)
     settle(eng)
     assert eng.swap_out("a")
     with pytest.raises(ValueError, match="swapped"):
-        mgr.allocate_slots("a", 1)
+        mgr.allocate_slots(a, 1)
+    eng.finish("a")
+    with pytest.raises(ValueError, match="freed"):
+        mgr.allocate_slots(a, 1)
+    with pytest.raises(ValueError, match="freed"):
+        mgr.free(a)
     with pytest.raises(ValueError):
         KVCacheManager(8, BS, watermark_blocks=7)
-    eng.drain()
-
-
-def test_many_turns_of_one_conversation_reuse_the_history() -> None:
-    eng = engine(num_blocks=128)
-    mgr = eng.mgr
-    history: list[int] = []
-    for turn in range(12):
-        prompt = history + [50 + turn, 51, 52, 53, 54]
-        hit = mgr.match_prefix(prompt)
-        assert hit.num_tokens == len(history) // BS * BS     # every full block of the history
-        assert eng.admit(f"t{turn}", prompt, chunk=len(prompt))
-        settle(eng)
-        for token in range(7):                           # the reply
-            assert eng.step(f"t{turn}", 1, 60 + token)
-            settle(eng)
-        history = list(eng.reqs[f"t{turn}"].tokens)
-        eng.finish(f"t{turn}")
-    assert len(list(mgr.prefix_cache.nodes())) <= 2     # one conversation, grown in place
-    assert mgr.stats.hit_rate > 0.7
-    eng.drain()
-
-
-def _cached_kv(pin_budget: int) -> tuple[KVCacheManager, dict[str, list[int]]]:
-    """A KV manager with three 3-block histories in its prefix cache (block size 4)."""
-    kv = KVCacheManager(num_blocks=64, block_size=4, watermark_blocks=0, pin_budget_blocks=pin_budget,
-                        max_pinned_blocks=32)
-    histories = {name: [base + i for i in range(13)] for name, base in (("a", 10), ("b", 40), ("c", 70))}
-    for name, ids in histories.items():
-        kv.admit(name, kv.match_prefix(ids), len(ids))
-        kv.cache_full_blocks(name, ids)
-        kv.free(name)
-    return kv, histories
-
-
-def test_pins_stay_within_the_owner_budget_releasing_the_least_recent():
-    kv, h = _cached_kv(pin_budget=6)
-    pin_a, released = kv.pin_within_budget("o", h["a"], None, [])
-    pin_b, _ = kv.pin_within_budget("o", h["b"], None, [pin_a])
-    assert pin_a.num_blocks == pin_b.num_blocks == 3 and released == []
-    pin_c, released = kv.pin_within_budget("o", h["c"], None, [pin_a, pin_b])
-    assert pin_c is not None and released == [pin_a] and not pin_a.active and pin_b.active
-    assert kv.pins.pinned_by("o") == 6
-    other, released = kv.pin_within_budget("p", h["a"], None, [])  # other owners have their own budget
-    assert other is not None and released == []
-    replaced, released = kv.pin_within_budget("o", h["a"][:8], pin_c, [pin_b])
-    assert replaced.num_blocks == 2 and not pin_c.active and released == []
-    kv.check_integrity()
-
-
-def test_a_history_larger_than_the_budget_releases_nothing_else():
-    kv, h = _cached_kv(pin_budget=2)
-    pin_a, _ = kv.pin_within_budget("o", h["a"][:8], None, [])
-    assert pin_a.num_blocks == 2
-    pin_b, released = kv.pin_within_budget("o", h["b"], None, [pin_a])
-    assert pin_b is None and released == [] and pin_a.active
-    stale, released = kv.pin_within_budget("o", h["c"], pin_a, [])
-    assert stale is None and released == [pin_a] and kv.pins.pinned_by("o") == 0
-    kv.check_integrity()

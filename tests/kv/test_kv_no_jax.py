@@ -5,7 +5,7 @@ from pathlib import Path
 
 import jaxserve.kv
 
-ALLOWED_ROOTS = {"__future__", "array", "collections", "dataclasses", "enum", "typing", "numpy",
+ALLOWED_ROOTS = {"__future__", "array", "collections", "dataclasses", "enum", "itertools", "typing", "numpy",
                  "jaxserve",
                  # the disk tier: files, checksums, content hashes and its I/O threads
                  "hashlib", "logging", "os", "pathlib", "queue", "struct", "tempfile", "threading", "time",

@@ -87,8 +87,8 @@ def apply(eng: FakeEngine, action: tuple, new_id: str, twin: FakeEngine | None =
         path = (sources + [p for p in SYSTEM_PROMPTS if p])[action[1] % (len(sources) + 3)]
         owner = action[2]
         wanted = mgr.prefix_cache.match(path, leave_last_token=False).num_blocks
-        fits = (mgr.pins.pinned_by(owner) + wanted <= PIN_BUDGET
-                and mgr.pins.total + wanted <= mgr.pins.max_total)
+        fits = (mgr.leases.pinned_by(owner) + wanted <= PIN_BUDGET
+                and mgr.leases.num_pinned + wanted <= mgr.leases.max_pinned)
         pin = eng.pin(owner, path)
         assert (pin is not None) == fits, "pin budget accounting"
         assert pin is None or pin.num_blocks == wanted

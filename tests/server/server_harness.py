@@ -111,7 +111,7 @@ def assert_serving_and_idle(srv: ServerThread, async_engine: AsyncEngine, key: s
     owner = owner_id(key)
 
     def pinned() -> int:
-        return srv.engine_call(async_engine, lambda router: sum(e.kv.pins.pinned_by(owner) for e in router.replicas))
+        return srv.engine_call(async_engine, lambda router: sum(e.kv.leases.pinned_by(owner) for e in router.replicas))
 
     deadline = time.monotonic() + 10  # unpinning runs on the engine thread after the deletes
     while pinned() and time.monotonic() < deadline:

@@ -89,7 +89,7 @@ def test_a_session_stays_on_its_replica_and_reuses_its_kv(dp_server, assert_kv_a
     after = _generated_per_replica(srv, async_engine)
     assert after[1] - before[1] == second["usage"]["completion_tokens"] and after[0] == before[0]
     assert cached(second) >= reused_blocks_of(history_len(first))  # the first turn's KV was reused
-    pins = srv.engine_call(async_engine, lambda router: [len(e.kv.pins.pins()) for e in router.replicas])
+    pins = srv.engine_call(async_engine, lambda router: [len(e.kv.leases.pins()) for e in router.replicas])
     assert pins == [0, 1]  # the session's history is pinned on its own replica
 
     assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200

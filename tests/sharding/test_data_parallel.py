@@ -104,5 +104,5 @@ def test_make_engine_builds_a_router_only_for_dp():
 
 
 def test_a_lone_engine_refuses_data_parallel_settings():
-    with pytest.raises(ValueError, match="dp_router"):
+    with pytest.raises(ValueError, match="data_parallel.make_engine"):
         LLMEngine(build_tiny_random(), EngineConfig(data_parallel_size=2, **TINY_ENGINE))

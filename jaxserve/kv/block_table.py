@@ -1,0 +1,88 @@
+"""A sequence's KV handle: its block table and what the KV manager knows of it.
+
+The request owns its handle (`Request.kv`); the KV manager makes it (`admit`, `fork`) and edits
+it (growth, copy-on-write, caching, swap, `free`); the runner reads its table. Vocabulary: the
+handle's *slots* are the token positions it has KV space for: tokens computed plus those being
+computed by the step being scheduled. The slot of position p is
+`table[p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from jaxserve.kv.content_keys import ChainKeys
+from jaxserve.kv.radix_cache import RadixNode
+
+_versions = itertools.count(1)
+
+
+def next_table_version() -> int:
+    """A table version never used before (by any handle of this process)."""
+    return next(_versions)
+
+
+class KVHandle:
+    __slots__ = ("block_size", "table", "_readonly", "num_blocks", "version", "num_tokens", "node",
+                 "cached_blocks", "host_slots", "chain", "is_live")
+
+    def __init__(self, block_size: int, blocks: list[int], num_tokens: int, node: RadixNode | None,
+                 cached_blocks: int, chain: ChainKeys | None, capacity: int = 0) -> None:
+        self.block_size = block_size
+        self.table = np.empty(max(capacity, 2 * len(blocks), 8), dtype=np.int32)  # [:num_blocks] valid
+        self.table[:len(blocks)] = blocks
+        self._readonly = _readonly(self.table)
+        self.num_blocks = len(blocks)
+        self.version = next_table_version()
+        self.num_tokens = num_tokens
+        self.node = node  # locked prefix-cache node covering [:cached_blocks]
+        self.cached_blocks = cached_blocks
+        self.host_slots: list[int] | None = None  # set while swapped out
+        self.chain = chain  # content keys of its blocks (the disk tier's write-through)
+        self.is_live = True  # until `KVCacheManager.free`
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Read-only int32 view of the sequence's blocks (empty while swapped out)."""
+        return self._readonly[:self.num_blocks]
+
+    @property
+    def is_swapped(self) -> bool:
+        return self.host_slots is not None
+
+    def slot_mapping(self, start: int, stop: int) -> np.ndarray:
+        """int32 cache slots of token positions [start, stop) (the handle must be on the device)."""
+        if self.host_slots is not None:
+            raise ValueError("the sequence is swapped out; swap it in first")
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise ValueError(f"positions [{start}, {stop}) outside the sequence's {self.num_tokens} slots")
+        bs = self.block_size
+        block = start // bs
+        if start == stop:
+            return np.empty(0, dtype=np.int32)
+        if stop - 1 < (block + 1) * bs:  # within one block (every decode): no gather
+            base = int(self.table[block]) * bs - block * bs
+            return np.arange(base + start, base + stop, dtype=np.int32)
+        positions = np.arange(start, stop, dtype=np.int32)
+        return self.table[positions // bs] * bs + positions % bs
+
+    def append(self, blocks: list[int]) -> None:
+        end = self.num_blocks + len(blocks)
+        if end > len(self.table):
+            grown = np.empty(max(2 * len(self.table), end), dtype=np.int32)
+            grown[:self.num_blocks] = self.table[:self.num_blocks]
+            self.table, self._readonly = grown, _readonly(grown)
+        self.table[self.num_blocks:end] = blocks
+        self.num_blocks = end
+
+    def renew_version(self) -> None:
+        """Entries of the table changed (not just appended): copies of it are stale."""
+        self.version = next_table_version()
+
+
+def _readonly(table: np.ndarray) -> np.ndarray:
+    view = table.view()
+    view.flags.writeable = False
+    return view
