@@ -1,29 +1,33 @@
 """The engine: one step loop owning the scheduler, the KV manager and the model runner.
 
-Each `step()` schedules an iteration, launches it on the device without waiting, and then
-processes the outputs of the iteration before it (async scheduling, the default) or of this
-one (`async_scheduling=False`): write each sampled token over its placeholder, apply every
-stop rule, detokenize, free finished sequences, return the deltas. With async scheduling the
-host schedules iteration N+1 and post-processes N-1 while N runs, and N's tokens feed N+1 on
-the device. Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own
-thread only.
+`step()` runs one iteration of one of two loops. Both schedule an iteration, launch it on the
+device without waiting (`_launch`), and read an iteration's sampled tokens (`_read`): write each
+over its placeholder, apply every stop rule (`_update`, the one place), detokenize, free finished
+sequences, return the deltas.
 
-Speculative decoding (`speculative_config`): while at most `disable_by_batch_size` requests
-run and the scheduler has not paused speculation (after steps that found no draft), steps are
-synchronous. Drafts are looked up in a request's known tokens, and a verified
-step's accepted count decides where the request's next step starts, so the step in flight is read
-before scheduling (no placeholder is ever verified) and a step that verifies drafts is read at
-once, before the next one is scheduled. At such batch sizes the device step dwarfs the host work
-that async scheduling would overlap; larger batches do not speculate and stay asynchronous.
-Greedy output is the same either way (tests/test_speculative.py). Structured output: a
-constrained request's next mask depends on its last token, so the next iteration's model step
-is dispatched first, then the step in flight is read, then the masks are written and the
-sampler dispatched (multi-host: the step in flight is read before scheduling, as for drafts).
+- The synchronous loop (`async_scheduling=False`) reads the iteration it launched.
+- The overlapped loop (the default) launches iteration N+1 and then reads N while N+1 runs: the
+  host's scheduling and output processing hide behind the device's work, and N's tokens feed
+  N+1 on the device.
 
-Multi-step decode (`num_scheduler_steps` K > 1): an iteration of unconstrained decodes only
-runs up to K steps in one device program (`ModelRunner` samples and checks stop tokens on the
-device) and is read at once, like a speculative one: the host's work per step is paid once per
-K tokens instead of overlapped.
+Three kinds of iteration change what the overlapped loop may overlap:
+
+- Speculative decoding (`speculative_config`): drafts are looked up in a request's known tokens,
+  and a verified decode's accepted count decides where its next step starts. So while the
+  scheduler may speculate (few requests running, no pause after draftless steps) the iteration
+  in flight is read before scheduling, and one that verifies drafts is read at once. At such
+  batch sizes the device step dwarfs the host work that overlap would hide. Greedy output is the
+  same either way (tests/test_speculative.py).
+- Multi-step decode (`num_scheduler_steps` K > 1): an iteration of unconstrained decodes runs up
+  to K steps in one device program and is read at once: the host's work is paid once per K
+  tokens instead of overlapped.
+- Structured output: a constrained request's next mask depends on its last token. The next
+  iteration's model step is dispatched first, then the iteration in flight is read, then the
+  masks are written and the sampler dispatched (`ModelRunner.complete_launch`; multi-host: the
+  followers need the masks before the model step, so the iteration in flight is read before
+  scheduling whenever a constrained request waits for its token).
+
+Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own thread only.
 
 Fault isolation: an exception while preparing or post-processing one request's part of an
 iteration fails that request (an ERROR delta, its blocks freed) and the engine goes on; only a
@@ -222,8 +226,7 @@ class LLMEngine:
         flushed = 0
         try:
             if self._in_flight is not None:
-                handle, self._in_flight = self._in_flight, None
-                self._process(handle)
+                self._read(self._take_in_flight())
             flushed = self.kv.flush_to_disk()
             # The writes the last step planned, then the flush's, a chunk at a time with the writer
             # caught up after each: the device holds one chunk of gathered blocks, not the cache twice.
@@ -242,51 +245,67 @@ class LLMEngine:
 
     def step(self) -> list[Delta]:
         t0 = time.perf_counter()
-        deltas = []
-        # Drafts need the tokens in flight, and so does a constrained request's next grammar mask:
-        # a speculative iteration reads them first (no overlap). Otherwise the next iteration may
-        # hold constrained requests with their last token in flight: its first model step is
-        # dispatched, then the step in flight is read (their grammars advance) and their masks
-        # are written (`read_before_masks`), so they join every iteration and the device stays busy.
-        # (Multi-host: the followers need the masks before the model step, so they read first.)
-        masks_after_read = self.runner.mirror is None
-        if self._in_flight is not None and (self.scheduler.may_speculate()
-                                            or (not masks_after_read and self.scheduler.awaits_tokens())):
-            deltas += self._process(self._in_flight)
-            self._in_flight = None
-        sched = self.scheduler.schedule(masks_after_read=masks_after_read)
-        handle = None
-        if not sched.is_empty:
-            prepared = self._prepare(sched, deltas)
-            # Marked launched first: a read of the step in flight during the launch then sees this
-            # step's placeholders (nothing is dispatched in between, so its writes still come first).
-            self.scheduler.on_step_launched(sched)
-
-            def read_before_masks() -> None:
-                if self._in_flight is not None:
-                    previous, self._in_flight = self._in_flight, None
-                    deltas.extend(self._process(previous))
-
-            handle = self.runner.launch(sched, prepared, before_masks=read_before_masks)
-            self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
-            self.stats.num_steps += 1
-            self.stats.speculative_steps += sched.is_speculative
-            self.stats.mixed_steps += bool(sched.prefills) and len(prepared.parts[0]) > len(sched.prefills)
-        elif self._in_flight is None and self.kv.has_pending_loads:
-            self.kv.submit_loads()
-            self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
-        self.kv.submit_loads()  # after the launch: the copies that read their slots have run
-        if self.config.async_scheduling and not (sched.is_speculative or sched.is_multi_step):
-            previous, self._in_flight = [self._in_flight], handle
-        else:  # read in launch order
-            previous, self._in_flight = [self._in_flight, handle], None
-        for launched in previous:
-            if launched is not None:
-                deltas += self._process(launched)
-        if handle is not None:
-            self.stats.model_time += self.runner.last_prepare_time + self.runner.last_launch_time
+        deltas = self._overlapped_step() if self.config.async_scheduling else self._synchronous_step()
         self.stats.step_time += time.perf_counter() - t0
         return deltas
+
+    def _synchronous_step(self) -> list[Delta]:
+        """Schedule an iteration, launch it, read it."""
+        deltas: list[Delta] = []
+        handle = self._launch(self.scheduler.schedule(), deltas)
+        if handle is not None:
+            deltas += self._read(handle)
+        return deltas
+
+    def _overlapped_step(self) -> list[Delta]:
+        """Launch iteration N+1, then read iteration N (see the module docstring for when N is
+        read first, and when N+1 is read at once)."""
+        deltas: list[Delta] = []
+        masks_after_read = self.runner.mirror is None  # multi-host: masks go before the model step
+        if self._in_flight is not None and (self.scheduler.may_speculate()
+                                            or (not masks_after_read and self.scheduler.awaits_tokens())):
+            deltas += self._read(self._take_in_flight())
+        sched = self.scheduler.schedule(masks_after_read=masks_after_read)
+        handle = self._launch(sched, deltas)
+        if sched.is_speculative or sched.is_multi_step:  # its next iteration depends on what it kept
+            for launched in (self._take_in_flight(), handle):
+                if launched is not None:
+                    deltas += self._read(launched)
+        else:
+            previous, self._in_flight = self._in_flight, handle
+            if previous is not None:
+                deltas += self._read(previous)
+        return deltas
+
+    def _launch(self, sched: SchedulerOutput, deltas: list[Delta]) -> StepHandle | None:
+        """Launch a scheduled iteration (None for an empty one). A launch that waits for grammar
+        masks gets them once the iteration in flight is read (its deltas join `deltas`)."""
+        if sched.is_empty:
+            if self._in_flight is None and self.kv.has_pending_loads:
+                self.kv.submit_loads()
+                self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
+            self.kv.submit_loads()
+            return None
+        prepared = self._prepare(sched, deltas)
+        # Marked launched first: the read of the step in flight below sees this step's placeholders
+        # (nothing is dispatched in between, so its writes still come first).
+        self.scheduler.on_step_launched(sched)
+        handle = self.runner.launch(sched, prepared)
+        if handle.awaits_masks:
+            if self._in_flight is not None:
+                deltas += self._read(self._take_in_flight())
+            self.runner.complete_launch(handle)
+        self.kv.submit_loads()  # after the launch: the copies that read their slots have run
+        self.stats.model_time += self.runner.last_prepare_time + self.runner.last_launch_time
+        self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
+        self.stats.num_steps += 1
+        self.stats.speculative_steps += sched.is_speculative
+        self.stats.mixed_steps += bool(sched.prefills) and len(prepared.parts[0]) > len(sched.prefills)
+        return handle
+
+    def _take_in_flight(self) -> StepHandle | None:
+        handle, self._in_flight = self._in_flight, None
+        return handle
 
     def _prepare(self, sched: SchedulerOutput, deltas: list[Delta]) -> PreparedStep:
         """The iteration's host arrays. If building them raises, each chunk is tried alone: the
@@ -306,7 +325,7 @@ class LLMEngine:
             setattr(sched, field, kept)
         return self.runner.prepare(sched)
 
-    def _process(self, handle: StepHandle) -> list[Delta]:
+    def _read(self, handle: StepHandle) -> list[Delta]:
         """Read an iteration's sampled tokens and update every request it sampled for."""
         results = self.runner.fetch(handle)
         self.stats.model_time += self.runner.last_fetch_time

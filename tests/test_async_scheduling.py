@@ -12,6 +12,7 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.runner.model_runner import run_to_end
 
 SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8,
              decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
@@ -106,7 +107,7 @@ def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(m
     batch.join(req)
     batch.launched(1, [(np.array([batch.slot(req)]), 3)])  # the launch sampling its next token, at row 3
     req.output_token_ids.append(PLACEHOLDER)
-    runner._run_steps([runner.inputs.penalty_reset([req])], [])
+    run_to_end(runner._run_steps([runner.inputs.penalty_reset([req])], []))
     counts = np.asarray(runner.penalty_counts.output)[runner.inputs.batch.slot(req)]
     assert counts[9] == 1 and counts[23] == 1 and counts.sum() == 2
 

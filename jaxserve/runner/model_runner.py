@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Generator
 from typing import Any, Callable
 
 import jax
@@ -55,13 +56,21 @@ logger = logging.getLogger(__name__)
 class StepHandle:
     """A launched iteration: for each of its programs, the chunks, their slots in the persistent
     batch and the sampler outputs the host will read (tokens; log-probabilities only when a
-    chunk asked for them)."""
+    chunk asked for them). While `awaits_masks`, it is dispatched up to its first grammar mask:
+    `ModelRunner.complete_launch` writes the masks and dispatches the rest."""
 
     launch_index: int  # 1 for the runner's first launch
     parts: list[tuple[list[ScheduledChunk], np.ndarray, tuple[jax.Array, ...]]]
     launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
     # The prefill program's scored prompt positions and their (logprob, rank, top ids, top logprobs).
     prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
+    # The rest of the launch (`ModelRunner._run_steps`), while it waits for the masks to be written.
+    _rest: Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]] | None = None
+    _prepared: PreparedStep | None = None
+
+    @property
+    def awaits_masks(self) -> bool:
+        return self._rest is not None
 
 
 def enable_persistent_compilation_cache(path: str) -> None:
@@ -439,29 +448,40 @@ class ModelRunner:
         self.last_prepare_time = time.perf_counter() - t0
         return prepared
 
-    def launch(self, sched: SchedulerOutput, prepared: PreparedStep,
-               before_masks: Callable[[], None] | None = None) -> StepHandle:
+    def launch(self, sched: SchedulerOutput, prepared: PreparedStep) -> StepHandle:
         """Dispatch a prepared iteration (block moves, then its steps with their sampling) without
         waiting for the device. Inputs that are placeholders of the previous iteration are read
-        from its sampled tokens on the device. `before_masks` is called once, before the first
-        grammar mask is written (after that program's model step is dispatched)."""
+        from its sampled tokens on the device. An iteration with grammar masks (structured
+        output) stops before writing the first (after that program's model step is dispatched;
+        multi-host: before anything): `handle.awaits_masks`. The masks depend on the tokens of the
+        iteration in flight: read it, then `complete_launch(handle)`."""
         t0 = time.perf_counter()
         self.move_blocks(sched.copy_stages)
-        self.num_launches += 1  # a read from `before_masks` comes after this launch
-        caller_seconds = []  # not the runner's time: `last_launch_time` leaves it out
+        self.num_launches += 1
+        handle = StepHandle(self.num_launches, [], _rest=self._run_steps(prepared.penalty_resets, prepared.programs),
+                            _prepared=prepared)
+        self._dispatch(handle)
+        self.last_launch_time = time.perf_counter() - t0
+        return handle
 
-        def timed_before_masks() -> None:
-            start = time.perf_counter()
-            before_masks()
-            caller_seconds.append(time.perf_counter() - start)
+    def complete_launch(self, handle: StepHandle) -> None:
+        """Write the masks of a launch that `awaits_masks` and dispatch the rest of it."""
+        t0 = time.perf_counter()
+        self._dispatch(handle)
+        self.last_launch_time += time.perf_counter() - t0
 
-        outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs,
-                                       before_masks=timed_before_masks if before_masks is not None else None)
+    def _dispatch(self, handle: StepHandle) -> None:
+        """Run the launch on until it waits for masks or is all dispatched; then set up its reads."""
+        try:
+            next(handle._rest)
+            return
+        except StopIteration as done:
+            outs, scores = done.value
+        prepared, handle._rest, handle._prepared = handle._prepared, None, None
         self.inputs.batch.unset.difference_update(prepared.reset_requests)
         # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
-        self.inputs.batch.launched(self.num_launches, [
+        self.inputs.batch.launched(handle.launch_index, [
             (p.slots, p.sample_offset if p.drafts is None and p.num_steps == 1 else None) for p in prepared.programs])
-        handle = StepHandle(self.num_launches, [])
         for chunks, program, out in zip(prepared.parts, prepared.programs, outs):
             wanted = max((c.request.params.logprobs for c in chunks
                           if c.sample and c.request.params.logprobs is not None), default=None)
@@ -473,8 +493,6 @@ class ModelRunner:
             for field in scores:
                 field.copy_to_host_async()
             handle.prompt_scores = (prepared.prompt_scores, scores)
-        self.last_launch_time = time.perf_counter() - t0 - sum(caller_seconds)
-        return handle
 
     def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
         """Wait for a launched iteration and read the tokens (and log-probabilities, if asked) that
@@ -529,21 +547,19 @@ class ModelRunner:
         return results
 
     def _run_steps(self, penalty_resets: list[tuple], programs: list[Program], warming_up: bool = False,
-                   before_masks: Callable[[], None] | None = None) -> tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]:
+                   ) -> Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
         programs (and the prompt scores of the one that has any). The sampled tokens land in a
-        fresh buffer that becomes the next iteration's `prev_sampled`. A program's grammar masks
-        are written while its model step runs (multi-host: before, for the followers' copy), after
-        `before_masks()`."""
-        pending = [before_masks] if before_masks is not None else []
-
-        def write_masks(program: Program) -> Program:
-            if program.masks and pending:
-                pending.pop()()
-            return write_token_masks(program)
-
+        fresh buffer that becomes the next iteration's `prev_sampled`. Returns the programs'
+        sampler outputs and the prompt scores. Before the first grammar mask is written (while
+        that program's model step runs; multi-host: before anything, for the followers' copy),
+        it yields once: the caller brings the grammars up to date (see `launch`)."""
+        awaiting = any(p.masks for p in programs)  # the first mask write waits for the caller
         if self.mirror is not None and not warming_up:
-            programs = [write_masks(p) for p in programs]
+            if awaiting:
+                yield
+                awaiting = False
+            programs = [write_token_masks(p) for p in programs]
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
             args = self._reset_args(reset)
@@ -559,7 +575,10 @@ class ModelRunner:
             if program.drafts is not None:
                 args = self.step_args(program)
                 logits, self.cache, _ = self._compiled(program.key, self._verify_step, args, warming_up)(*args)
-                verify_args = self._verify_args(write_masks(program), logits)
+                if awaiting and program.masks:
+                    yield
+                    awaiting = False
+                verify_args = self._verify_args(write_token_masks(program), logits)
                 out, self.penalty_counts = self._compiled(
                     ("verify_sample", logits.shape[0]), self._verify, verify_args, warming_up)(*verify_args)
                 outs.append(out)
@@ -574,7 +593,10 @@ class ModelRunner:
                 score_args = (self.params, hidden, HostPack.of(program.score))
                 scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)
             if program.constrained or not program.is_decode:
-                sample_args = self._sample_args(write_masks(program), logits, sampled)
+                if awaiting and program.masks:
+                    yield
+                    awaiting = False
+                sample_args = self._sample_args(write_token_masks(program), logits, sampled)
                 out, sampled, self.penalty_counts = self._compiled(
                     ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
             outs.append(out)
@@ -594,11 +616,20 @@ class ModelRunner:
         """Run a device operation that process 0's runner passed to its `mirror` (multi-host:
         every process must launch the same computations in the same order)."""
         if op[0] == "steps":
-            self._run_steps(op[1], op[2])
+            run_to_end(self._run_steps(op[1], op[2]))
         elif op[0] == "move":
             self.cache = self.blocks.move(self.cache, *op[1:])
         else:
             raise ValueError(f"unknown mirrored operation {op[0]!r}")
+
+
+def run_to_end(steps: Generator[None, None, Any]) -> Any:
+    """Drive `_run_steps` to its end when nothing needs doing at its pause (masks already written)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 _NAN = float("nan")
