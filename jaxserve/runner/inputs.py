@@ -28,7 +28,7 @@ from jaxserve import faults
 from jaxserve.config import EngineConfig, bucket_for
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request
-from jaxserve.runner.input_batch import STOP_ID_SLOTS, InputBatch
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.sampler import SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarState, mask_words

@@ -16,38 +16,38 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
 from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
-from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
+from jaxserve.model import KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
-from jaxserve.model.llama import head_logits, pack_kernels, panel_kernels, unstack_layers
+from jaxserve.model.llama import pack_kernels, panel_kernels, unstack_layers
 from jaxserve.outputs import SampledToken, TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
-from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.runner.programs import Arg, ProgramSpec
+from jaxserve.runner.step_functions import StepFunctions
+from jaxserve.sampler import PenaltyCounts, SamplerOutput
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
-from jaxserve.speculative.verify import verify
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.mesh import make_mesh, plan_tensor_parallel
-from sharding.rules import cache_sharding, layer_sharding, logits_sharding, param_shardings, replicated
+from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -164,155 +164,19 @@ class ModelRunner:
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
 
-        # Explicit shardings on every executable: host inputs replicated, logits gathered to the
-        # full vocabulary once, the cache kept split over kv heads and donated.
-        # Each executable takes its host arrays packed in one buffer: a `HostPack`, or for the
-        # sampling settings their SamplingTensors array (its tables are often device constants).
-        # A decode step samples in the same program (one dispatch per decode iteration); its
-        # logits are an output too, for the sampler program of a step with constrained rows.
-        self._decode_step = jax.jit(
-            self._decode_step_fn, donate_argnums=(1, 7), in_shardings=(self.param_shardings, kv, *[rep] * 7),
-            out_shardings=(rep, kv, rep, rep, rep, rep),
-        )
-        # A prefill step (chunks, and the decodes that join them) leaves sampling to `_sample`:
-        # a dispatch is nothing next to its device time, and each of its many shapes would
-        # compile the sampler again (~1 s each on CPU).
-        self._step = jax.jit(
-            self._model_step, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
-            out_shardings=(rep, kv, rep),
-        )
-        # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, keyed
-        # by the step's token bucket (only steps that score a prompt run it).
-        self._score = jax.jit(self._score_fn, in_shardings=(self.param_shardings, rep, rep), out_shardings=rep)
-        # The sampler of prefill steps and of decode steps with constrained rows (dispatched once
-        # their masks are written, after the step, whose work they overlap). It is keyed by its
-        # row bucket only, so it compiles a few times, not once per step shape. It updates the
-        # penalty counts in place.
-        self._sample = jax.jit(self._sample_fn, donate_argnums=(4,), in_shardings=rep, out_shardings=rep)
-        # Speculative decoding: verify steps keep every row's logits (no padding to a sampler
-        # bucket), and their sampler (keyed by its rows) accepts or rejects the drafts.
-        self._verify_step = jax.jit(
-            functools.partial(self._model_step, pad_logits=False), donate_argnums=(1,),
-            in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv, rep),
-        )
-        self._verify = jax.jit(self._verify_fn, donate_argnums=(2,), in_shardings=rep, out_shardings=rep)
-        # Multi-step decode: the whole loop (model steps and their sampling) is one program.
-        self._multi_step = jax.jit(
-            functools.partial(self._multi_step_fn, loop_steps=engine_config.num_scheduler_steps),
-            donate_argnums=(1, 5), in_shardings=(self.param_shardings, kv, *[rep] * 4), out_shardings=(rep, kv, rep),
-        )
+        self.functions = StepFunctions(self.model, config, self.mesh, bs, self.inputs.sampler_rows)
         self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
             engine_config.max_num_seqs, config.vocab_size)
-        self._set_penalty_rows = jax.jit(self._set_penalty_rows_fn, donate_argnums=(0,), in_shardings=rep,
-                                         out_shardings=rep)
         self._no_tokens = jax.device_put(np.zeros(self.inputs.sampled_rows, np.int32), rep)
         self._prev_sampled = self._no_tokens  # the last launched iteration's sampled tokens
         self.num_launches = 0
         self.last_prepare_time = self.last_launch_time = self.last_fetch_time = 0.0
-        self._executables: dict[tuple, Any] = {}
+        self.programs = self._declare_programs()
+        self._executables: dict[tuple, Any] = {}  # by `ProgramSpec.key`
         self.num_compilations = 0
         # Multi-host: on process 0, called with every device operation of serving (an iteration's
         # programs or a block move) before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
-
-    # ----- the jitted functions -------------------------------------------------------------
-
-    def _model_step(self, params, cache, inputs: HostPack, prev_sampled, pad_logits: bool = True):
-        """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
-        off; padding rows are zeros), the updated cache, and every row's last hidden state (for
-        `_score_fn`)."""
-        tokens, positions, meta, logits_indices, token_src = inputs.unpack()
-        # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
-        tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
-        (logits, cache), state = self.model.apply(
-            {"params": params}, tokens, positions, cache, meta, logits_indices, mutable=["intermediates"])
-        rows = logits.shape[0]
-        if pad_logits:
-            logits = jnp.pad(logits, ((0, self.inputs.sampler_rows(rows) - rows), (0, 0)))
-        return logits, cache, state["intermediates"]["hidden"][0]
-
-    def _decode_step_fn(self, params, cache, inputs: HostPack, prev_sampled, sampling, sampled, offset, counts,
-                        sample_here):
-        """`_model_step`, then, when `sample_here` (a device scalar), `_sample_fn` on its logits.
-        Returns (logits, cache, hidden, sampler output, sampled buffer, counts); without
-        sampling the buffer and counts are unchanged and the output is empty (a step with
-        constrained rows: `_sample` samples its logits once their masks are written)."""
-        logits, cache, hidden = self._model_step(params, cache, inputs, prev_sampled)
-        # Tensor parallel: each device computes its vocabulary's logits, then they are gathered
-        # to every device and sampled as by `_sample` (without the first constraint XLA may
-        # gather the head's weights instead).
-        logits = lax.with_sharding_constraint(logits, logits_sharding(self.mesh, logits.shape))
-        logits = lax.with_sharding_constraint(logits, replicated(self.mesh))
-
-        def skip(logits, sampling, sampled, offset, counts):
-            out = jax.eval_shape(sample, logits, sampling, counts)[0]
-            return SamplerOutput(*(jnp.zeros(x.shape, x.dtype) for x in out)), sampled, counts
-
-        out, sampled, counts = lax.cond(sample_here, self._sample_fn, skip, logits, sampling, sampled, offset, counts)
-        return logits, cache, hidden, out, sampled, counts
-
-    def _score_fn(self, params, hidden, inputs: HostPack):
-        """Log-probability and rank of `targets[i]` under the logits of row `rows[i]`, and the
-        MAX_LOGPROBS most likely tokens there (unprocessed logits, as vLLM's prompt_logprobs)."""
-        rows, targets = inputs.unpack()
-        logprobs = jax.nn.log_softmax(head_logits(self.config, params, hidden[rows]), axis=-1)
-        target = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
-        rank = 1 + jnp.sum(logprobs > target[:, None], axis=1, dtype=jnp.int32)
-        top_logprobs, top_ids = lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
-        return target, rank, top_ids.astype(jnp.int32), top_logprobs
-
-    def _multi_step_fn(self, params, cache, inputs: HostPack, sampling, prev_sampled, counts, loop_steps: int):
-        """`loop_steps` decode steps of a batch in one loop (`StepInputs.multi_decode`): each
-        step writes the rows' K/V, samples their next tokens and feeds them to the next step.
-        Row i's tokens are [B, loop_steps], -1 after its `num_steps[i]` steps or after a stop token
-        it sampled; its log-probabilities are by row i * loop_steps + step. Past its steps a row
-        writes into block 0 (never allocated) and attends to nothing."""
-        tokens, positions, tables, num_steps, stop_ids, token_src = inputs.unpack()
-        bs = self.engine_config.block_size
-        batch, width = tables.shape
-        rows = jnp.arange(batch, dtype=jnp.int32)
-        pad_rows = sampling.temperature.shape[0] - batch
-        tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
-
-        def one_step(carry, step):
-            cache, tokens, counts, done = carry
-            live = step < num_steps
-            pos = positions + step
-            page = tables[rows, jnp.minimum(pos // bs, width - 1)]
-            meta = AttentionMetadata(jnp.where(live, page * bs + pos % bs, 0), tables, jnp.where(live, pos + 1, 0))
-            logits, cache = self.model.apply({"params": params}, tokens, pos, cache, meta, rows)
-            logits = jnp.pad(logits, ((0, pad_rows), (0, 0)))
-            out, counts = sample(logits, sampling.at_positions(sampling.positions + step), counts)
-            out = SamplerOutput(*(field[:batch] for field in out))
-            emitted = jnp.where(live & ~done, out.tokens, -1)
-            done |= jnp.any(out.tokens[:, None] == stop_ids, axis=1)
-            return (cache, out.tokens, counts, done), out._replace(tokens=emitted)
-
-        init = (cache, tokens, counts, jnp.zeros(batch, jnp.bool_))
-        (cache, _, counts, _), outs = lax.scan(one_step, init, jnp.arange(loop_steps, dtype=jnp.int32))
-        by_row = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch * loop_steps, *x.shape[2:])  # noqa: E731
-        out = SamplerOutput(outs.tokens.T, by_row(outs.logprobs), by_row(outs.top_ids), by_row(outs.top_logprobs))
-        return out, cache, counts
-
-    @staticmethod
-    def _sample_fn(logits, sampling, sampled, offset, counts):
-        """Sample, and also write the tokens into this iteration's `sampled` buffer at `offset`."""
-        out, counts = sample(logits, sampling, counts)
-        return out, lax.dynamic_update_slice(sampled, out.tokens, (offset,)), counts
-
-    @staticmethod
-    def _verify_fn(logits, sampling, counts, drafts: HostPack):
-        """`verify`, its drafts and their histories packed."""
-        return verify(logits, sampling, counts, *drafts.unpack())
-
-    @staticmethod
-    def _set_penalty_rows_fn(counts, inputs: HostPack, prev_sampled):
-        """set_penalty_rows, after the history token at `token_index` of each row whose
-        `token_src` >= 0 (a placeholder on the host) is read from the previous iteration."""
-        slots, history, is_output, token_src, token_index = inputs.unpack()
-        rows = jnp.arange(history.shape[0])
-        pending = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], history[rows, token_index])
-        return set_penalty_rows(counts, slots, history.at[rows, token_index].set(pending), is_output)
 
     def _device_constant(self, shape: tuple[int, ...], dtype: np.dtype, fill: object) -> jax.Array:
         """A filled array kept on the devices (sampling tables no row of a step uses, the offsets
@@ -323,17 +187,97 @@ class ModelRunner:
             array = self._constants[key] = jax.device_put(np.full(shape, fill, dtype), replicated(self.mesh))
         return array
 
-    # ----- compilation ----------------------------------------------------------------------
+    # ----- programs and compilation ---------------------------------------------------------
 
-    def _compiled(self, key: tuple, fn, args: tuple, warming_up: bool = False):
+    def _declare_programs(self) -> dict[str, ProgramSpec]:
+        """Every program the runner runs (`programs.py`), with the variants warm-up compiles.
+
+        Explicit shardings on every program: host inputs replicated, logits gathered to the full
+        vocabulary once, the cache kept split over kv heads and donated. Each program takes its
+        host arrays packed in one buffer: a `HostPack`, or for the sampling settings their
+        SamplingTensors array (its tables are often device constants).
+        """
+        ec, f, inputs = self.engine_config, self.functions, self.inputs
+        rep = replicated(self.mesh)
+        params, cache, host = Arg("params", self.param_shardings), Arg("cache", self.cache_sharding, True), Arg("inputs", rep)
+        prev, counts, sampling = Arg("prev_sampled", rep), Arg("penalty_counts", rep, True), Arg("sampling", rep)
+        logits, sampled, offset = Arg("logits", rep), Arg("sampled", rep), Arg("sample_offset", rep)
+        step_outs = (rep, self.cache_sharding, rep)  # logits, cache, hidden states
+        widths = ec.block_table_buckets
+
+        def decodes() -> Iterator[Program]:
+            return (inputs.decode([], b, w) for w in widths for b in ec.decode_batch_buckets)
+
+        def prefills() -> Iterator[Program]:
+            return (inputs.prefill([], t, n, w) for w in widths for t in ec.prefill_token_buckets
+                    for n in ec.prefill_seq_buckets)
+
+        def verifies() -> Iterator[Program]:
+            return (inputs.verify([], b, w) for w in widths for b in inputs.verify_batches)
+
+        def steps(programs: Callable[[], Iterator[Program]]) -> Callable[[], Iterator[tuple[tuple, tuple]]]:
+            return lambda: ((p.key[1:], self.step_args(p)) for p in programs())
+
+        def logits_of(program: Program) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((program.sampling.temperature.shape[0], self.config.vocab_size), jnp.float32)
+
+        def samplers() -> Iterator[tuple[tuple, tuple]]:  # the row buckets of the steps' logits
+            for p in itertools.chain(decodes(), prefills()):
+                yield (p.sampling.temperature.shape[0],), self._sample_args(p, logits_of(p), self._no_tokens)
+
+        def scores() -> Iterator[tuple[tuple, tuple]]:
+            for tokens in ec.prefill_token_buckets:
+                hidden, rows = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype), np.zeros(tokens, np.int32)
+                yield (tokens,), (self.params, hidden, HostPack.of((rows, rows)))
+
+        def multi_decodes() -> Iterator[tuple[tuple, tuple]]:
+            if ec.num_scheduler_steps > 1:
+                for w in widths:
+                    for b in ec.decode_batch_buckets:
+                        yield (b, w), self._multi_step_args(inputs.multi_decode([], b, w))
+
+        specs = [
+            # A decode step samples in the same program (one dispatch per decode iteration); its
+            # logits are an output too, for the sampler program of a step with constrained rows.
+            ProgramSpec("decode", f.decode_step,
+                        [params, cache, host, prev, sampling, sampled, offset, counts, Arg("sample_here", rep)],
+                        (*step_outs, rep, rep, rep), steps(decodes)),
+            # A prefill step (chunks, and the decodes that join them) leaves sampling to the sampler
+            # program: a dispatch is nothing next to its device time, and each of its many shapes
+            # would compile the sampler again (~1 s each on CPU).
+            ProgramSpec("prefill", f.model_step, [params, cache, host, prev], step_outs, steps(prefills)),
+            # The sampler of prefill steps and of decode steps with constrained rows (dispatched once
+            # their masks are written, after the step, whose work they overlap), by its row bucket.
+            ProgramSpec("sample", f.sample_into, [logits, sampling, sampled, offset, counts], rep, samplers),
+            # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, by
+            # the step's token bucket (only steps that score a prompt run it).
+            ProgramSpec("score", f.score, [params, Arg("hidden", rep), host], rep, scores),
+            # Speculative decoding: verify steps keep every row's logits (no padding to a sampler
+            # bucket), and their sampler (by its rows) accepts or rejects the drafts.
+            ProgramSpec("verify", functools.partial(f.model_step, pad_logits=False), [params, cache, host, prev],
+                        step_outs, steps(verifies)),
+            ProgramSpec("verify_sample", f.verify_drafts, [logits, sampling, counts, Arg("drafts", rep)], rep,
+                        lambda: (((p.sampling.temperature.shape[0],), self._verify_args(p, logits_of(p)))
+                                 for p in verifies())),
+            # Multi-step decode: the whole loop (model steps and their sampling) is one program.
+            ProgramSpec("multi_decode", functools.partial(f.multi_step, loop_steps=ec.num_scheduler_steps),
+                        [params, cache, host, sampling, prev, counts], step_outs, multi_decodes),
+            # The penalty counts of requests that just got a slot, from their histories.
+            ProgramSpec("penalty_reset", f.reset_penalty_rows, [counts, host, prev], rep,
+                        lambda: [((), self._reset_args(inputs.penalty_reset([])))]),
+        ]
+        return {spec.name: spec for spec in specs}
+
+    def _run(self, key: tuple, args: tuple, warming_up: bool = False) -> Any:
+        """Run the program variant `key` (`ProgramSpec.key`): compiled at warm-up, or now (counted)."""
         exe = self._executables.get(key)
         if exe is None:
             if not warming_up:
                 logger.warning("compiling a new variant at serving time: %s", key)
-            exe = fn.lower(*args).compile()
+            exe = self.programs[key[0]].jitted.lower(*args).compile()
             self._executables[key] = exe
             self.num_compilations += 1
-        return exe
+        return exe(*args)
 
     def step_args(self, program: Program, sampled: jax.Array | None = None) -> tuple:
         """The arguments of the compiled step of a prefill or verify program, or of a decode
@@ -356,10 +300,9 @@ class ModelRunner:
         tests read them)."""
         args = self.step_args(program)
         if not program.is_decode:
-            logits, self.cache, _ = self._compiled(program.key, self._step, args, warming_up)(*args)
+            logits, self.cache, _ = self._run(program.key, args, warming_up)
             return logits
-        logits, self.cache, _, _, _, self.penalty_counts = self._compiled(
-            program.key, self._decode_step, args, warming_up)(*args)
+        logits, self.cache, _, _, _, self.penalty_counts = self._run(program.key, args, warming_up)
         return logits
 
     def _multi_step_args(self, program: Program) -> tuple:
@@ -379,45 +322,21 @@ class ModelRunner:
         return (self.penalty_counts, HostPack.of(reset), self._prev_sampled)
 
     def warm_up(self) -> float:
-        """Compile every bucket of both steps, the samplers and the penalty reset (and, with
-        speculative decoding, the verify steps and their samplers; with multi-step decode, its
-        loops); return the seconds it took.
+        """Compile every variant of every declared program (`_declare_programs`); return the
+        seconds it took.
 
         Tracing and lowering hold the GIL and run one by one on this thread; each lowered
         program goes straight to a pool of a thread per core, so XLA compiles the earlier
         variants while later ones are being traced.
         """
-        ec = self.engine_config
         t0 = time.perf_counter()
-        programs = [self.inputs.decode([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
-        programs += [self.inputs.prefill([], t, s, w) for w in ec.block_table_buckets
-                     for t in ec.prefill_token_buckets for s in ec.prefill_seq_buckets]
-        verifies = [self.inputs.verify([], b, w) for w in ec.block_table_buckets for b in self.inputs.verify_batches]
-        multi_steps = [] if ec.num_scheduler_steps == 1 else [
-            self.inputs.multi_decode([], b, w) for w in ec.block_table_buckets for b in ec.decode_batch_buckets]
         pending: dict[tuple, concurrent.futures.Future] = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            def submit(key: tuple, fn, args: tuple) -> None:
-                if key not in self._executables and key not in pending:
-                    pending[key] = pool.submit(fn.lower(*args).compile)
-
-            for program in programs:
-                submit(program.key, self._decode_step if program.is_decode else self._step, self.step_args(program))
-                rows = program.sampling.temperature.shape[0]
-                logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
-                submit(("sample", rows), self._sample, self._sample_args(program, logits, self._no_tokens))
-            for program in verifies:
-                submit(program.key, self._verify_step, self.step_args(program))
-                rows = program.sampling.temperature.shape[0]
-                logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
-                submit(("verify_sample", rows), self._verify, self._verify_args(program, logits))
-            for program in multi_steps:
-                submit(program.key, self._multi_step, self._multi_step_args(program))
-            for tokens in ec.prefill_token_buckets:
-                hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
-                rows = np.zeros(tokens, np.int32)
-                submit(("score", tokens), self._score, (self.params, hidden, HostPack.of((rows, rows))))
-            submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([])))
+            for spec in self.programs.values():
+                for bucket, args in spec.variants():
+                    key = spec.key(bucket)
+                    if key not in self._executables and key not in pending:
+                        pending[key] = pool.submit(spec.jitted.lower(*args).compile)
             for key, compiled in pending.items():
                 self._executables[key] = compiled.result()
         self.num_compilations += len(pending)
@@ -562,43 +481,36 @@ class ModelRunner:
             programs = [write_token_masks(p) for p in programs]
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
-            args = self._reset_args(reset)
-            self.penalty_counts = self._compiled(("penalty_reset",), self._set_penalty_rows, args, warming_up)(*args)
+            self.penalty_counts = self._run(("penalty_reset",), self._reset_args(reset), warming_up)
         sampled, outs, scores = self._no_tokens, [], None
         for program in programs:
             if program.num_steps > 1:
-                args = self._multi_step_args(program)
-                out, self.cache, self.penalty_counts = self._compiled(
-                    program.key, self._multi_step, args, warming_up)(*args)
+                out, self.cache, self.penalty_counts = self._run(program.key, self._multi_step_args(program), warming_up)
                 outs.append(out)
                 continue
             if program.drafts is not None:
-                args = self.step_args(program)
-                logits, self.cache, _ = self._compiled(program.key, self._verify_step, args, warming_up)(*args)
+                logits, self.cache, _ = self._run(program.key, self.step_args(program), warming_up)
                 if awaiting and program.masks:
                     yield
                     awaiting = False
                 verify_args = self._verify_args(write_token_masks(program), logits)
-                out, self.penalty_counts = self._compiled(
-                    ("verify_sample", logits.shape[0]), self._verify, verify_args, warming_up)(*verify_args)
+                out, self.penalty_counts = self._run(("verify_sample", logits.shape[0]), verify_args, warming_up)
                 outs.append(out)
                 continue
             args = self.step_args(program, sampled)
             if program.is_decode:
-                logits, self.cache, hidden, out, sampled, self.penalty_counts = self._compiled(
-                    program.key, self._decode_step, args, warming_up)(*args)
+                logits, self.cache, hidden, out, sampled, self.penalty_counts = self._run(program.key, args, warming_up)
             else:
-                logits, self.cache, hidden = self._compiled(program.key, self._step, args, warming_up)(*args)
+                logits, self.cache, hidden = self._run(program.key, args, warming_up)
             if program.score is not None:
                 score_args = (self.params, hidden, HostPack.of(program.score))
-                scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)
+                scores = self._run(("score", hidden.shape[0]), score_args, warming_up)
             if program.constrained or not program.is_decode:
                 if awaiting and program.masks:
                     yield
                     awaiting = False
                 sample_args = self._sample_args(write_token_masks(program), logits, sampled)
-                out, sampled, self.penalty_counts = self._compiled(
-                    ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
+                out, sampled, self.penalty_counts = self._run(("sample", logits.shape[0]), sample_args, warming_up)
             outs.append(out)
         self._prev_sampled = sampled
         return outs, scores
