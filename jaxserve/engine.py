@@ -123,8 +123,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size,
                                         self.eos_token_ids)
-        self._streams: dict[Request, TextStream] = {}
-        self._groups: dict[str, list[Request]] = {}
+        self._groups: dict[str, list[Request]] = {}  # the live requests: id -> its sequences
         self._rng = random.Random(ec.seed)
         self._in_flight: StepHandle | None = None  # launched, output not read (async scheduling)
         self.stats = StepStats()
@@ -151,9 +150,8 @@ class LLMEngine:
         params.check_vocabulary(self.model_config.vocab_size)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         grammars = [None] * params.n if params.guided is None else self.grammars.states(params.guided, params.n)
-        streams = {}  # all built before any is registered: a failure leaves nothing behind
-        for i in range(params.n):
-            req = Request(
+        group = [  # all built before any is registered: a failure leaves nothing behind
+            Request(
                 request_id=request_id if params.n == 1 else f"{request_id}-{i}",
                 prompt_token_ids=ids,
                 params=params,
@@ -161,10 +159,9 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                 grammar=grammars[i],
+                text=TextStream(request_id, i, params, ids, self.tokenizer),
             )
-            streams[req] = TextStream(request_id, i, params, ids, self.tokenizer)
-        group = list(streams)
-        self._streams.update(streams)
+            for i in range(params.n)]
         self._groups[request_id] = group
         for req in group:
             self.scheduler.add_request(req)
@@ -339,7 +336,7 @@ class LLMEngine:
             req = chunk.request
             if req.is_finished:  # aborted, failed or ended while its step was running
                 continue
-            stream = self._streams[req]
+            stream = req.text
             try:
                 reason = self._update_all(req, stream, chunk, tokens)
                 if reason is not None:
@@ -404,7 +401,7 @@ class LLMEngine:
         """End one request whose part of an iteration raised; the others go on."""
         logger.error("request %s failed: %r", req.request_id, error, exc_info=error)
         self.stats.failed_requests += 1
-        group_id = self._streams[req].group_id
+        group_id = req.text.group_id
         if not req.is_finished:
             self.scheduler.finish(req, FinishReason.ERROR)
         delta = self._final_delta(req, FinishReason.ERROR, error)
@@ -413,11 +410,9 @@ class LLMEngine:
 
     def _final_delta(self, req: Request, reason: FinishReason, error: BaseException | None = None) -> Delta:
         usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)
-        return self._streams[req].take_delta(reason, usage, error, req.prompt_logprobs)
+        return req.text.take_delta(reason, usage, error, req.prompt_logprobs)
 
     def _forget_if_finished(self, request_id: str) -> None:
         group = self._groups.get(request_id)
         if group is not None and all(r.is_finished for r in group):
             del self._groups[request_id]
-            for req in group:
-                del self._streams[req]

@@ -14,6 +14,7 @@ from jaxserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from jaxserve.kv import ChainKeys, KVHandle
     from jaxserve.structured import GrammarState
+    from jaxserve.text_stream import TextStream
 
 # An output token sampled by a step still running on the device. The engine appends one when it
 # launches a step that samples for the request and overwrites it with the token once the step's
@@ -61,6 +62,9 @@ class Request:
     # Content keys of its full blocks (`jaxserve.kv.content_keys`), computed as far as asked: the
     # prefix cache's disk tier and the scheduler's check for blocks another prefill computes.
     block_keys: ChainKeys | None = None
+    batch_slot: int | None = None  # its slot in the runner's persistent batch while it runs
+    # Its output as text: detokenized, stop strings found, cut into deltas (the engine's).
+    text: TextStream | None = dataclasses.field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

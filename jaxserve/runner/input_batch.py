@@ -1,8 +1,9 @@
 """The persistent batch: a fixed slot per running request, holding what its rows of a step are
 built from, in preallocated numpy arrays (row `slot` of each).
 
-A request gets a slot the first time a step samples for it and gives it back when it stops running
-(finished, aborted or preempted: it gets a fresh slot when it runs again). A slot holds:
+A request gets a slot the first time a step samples for it (`Request.batch_slot`) and gives it
+back when it stops running (finished, aborted or preempted: it gets a fresh slot when it runs
+again). A slot holds:
 
 - the request's sampling settings, written once at join into two rows: one for while its stop
   tokens are banned (before `min_tokens`), one for after;
@@ -50,7 +51,7 @@ class InputBatch:
         self.constant = constant  # device-resident filled arrays (bias and mask tables no row uses)
         self.mask_words = mask_words
         self._free = list(range(num_slots - 1, -1, -1))
-        self._slots: dict[Request, int] = {}
+        self._owners: list[Request | None] = [None] * num_slots  # the request in each slot
         self.unset: set[Request] = set()  # with penalties, their PenaltyCounts row not set yet
         rows = 2 * (num_slots + 1)
         # Each sampling row's SamplingTensors settings (their positions stay 0: a step writes its
@@ -71,24 +72,30 @@ class InputBatch:
         self.constrained = np.zeros(slots, np.bool_)  # structured output (a grammar)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return self.spare - len(self._free)
 
-    def slot(self, req: Request) -> int:
-        return self._slots[req]
+    @staticmethod
+    def slot(req: Request) -> int:
+        if req.batch_slot is None:
+            raise KeyError(f"request {req.request_id} has no slot")
+        return req.batch_slot
 
     def slots(self, requests: Sequence[Request]) -> np.ndarray:
         """The requests' slots, as one index array."""
-        return np.fromiter(map(self._slots.__getitem__, requests), np.intp, len(requests))
+        return np.fromiter(map(self.slot, requests), np.intp, len(requests))
 
     def release_finished(self) -> None:
-        for req in [r for r in self._slots if r.status is not RequestStatus.RUNNING]:
-            self._free.append(self._slots.pop(req))
-            self.unset.discard(req)
+        """Take the slots back from requests that stopped running."""
+        for slot, req in enumerate(self._owners):
+            if req is not None and req.status is not RequestStatus.RUNNING:
+                req.batch_slot = self._owners[slot] = None
+                self._free.append(slot)
+                self.unset.discard(req)
 
     def join(self, req: Request) -> None:
         """Give a running request a slot and write its rows (no-op if it has one). Raises,
         holding nothing, for settings that cannot be built."""
-        if req in self._slots:
+        if req.batch_slot is not None:
             return
         slot = self._free[-1]
         penalty_slot = slot if req.params.has_penalties else -1
@@ -97,7 +104,7 @@ class InputBatch:
              RowSampling(req.params, req.seed, 0, banned_ids=tuple(req.stop_token_ids), penalty_slot=penalty_slot)],
             2, self.spare)
         self._free.pop()
-        self._slots[req] = slot
+        req.batch_slot, self._owners[slot] = slot, req
         rows = [slot, slot + self.spare + 1]
         self._settings[rows] = built.settings
         self._bias_ids[rows] = built.bias_ids
