@@ -62,7 +62,7 @@ def main() -> None:
         plain.model = plain.model.clone(cpu_matmul=None)
         plain.params = jax.device_put(m.params)  # the [K, N] layout, not the kernel's panels
         runners["jaxserve, XLA dots"] = plain
-    times = {name: step_times(r, config) for name, r in runners.items()}
+    times = {name: step_times(r, r.engine_config) for name, r in runners.items()}
     for name, (p1, p32, d1, d32) in times.items():
         print(f"{name} batch 1: prefill {128/p1:.0f} tok/s ({p1*1e3:.0f} ms), decode {1/d1:.1f} tok/s ({d1*1e3:.1f} ms/step)")
         print(f"{name} batch 32: prefill {32*128/p32:.0f} tok/s ({p32*1e3:.0f} ms for 32x128), "
