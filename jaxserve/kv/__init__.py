@@ -11,9 +11,11 @@ from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
 from jaxserve.kv.disk_link import LoadStart
 from jaxserve.kv.disk_tier import DiskStats, DiskTier, HostBlockArrays
 from jaxserve.kv.host_tier import HostTier
-from jaxserve.kv.manager import KVCacheManager, KVUsage, PrefixHit
+from jaxserve.kv.accounting import KVUsage
+from jaxserve.kv.manager import KVCacheManager, PrefixHit
 from jaxserve.kv.leases import Hold, Lease, Leases, Pin
-from jaxserve.kv.radix_cache import CacheStats, InsertResult, PrefixMatch, RadixCache, RadixNode
+from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.kv.radix_node import CacheStats, InsertResult, PrefixMatch, RadixNode
 
 __all__ = [
     "RESERVED_BLOCK", "BlockPool", "NoFreeBlocksError", "ChainKeys", "fingerprint", "CopyKind", "CopyPlan",

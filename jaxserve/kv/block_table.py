@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 
 from jaxserve.kv.content_keys import ChainKeys
-from jaxserve.kv.radix_cache import RadixNode
+from jaxserve.kv.radix_node import RadixNode
 
 _versions = itertools.count(1)
 

@@ -28,7 +28,8 @@ import numpy as np
 from jaxserve.kv.content_keys import ChainKeys, chain_keys, next_key
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan
 from jaxserve.kv.disk_tier import DiskTier, LoadJob
-from jaxserve.kv.radix_cache import RadixCache, RadixNode, token_bytes
+from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.kv.radix_node import RadixNode, token_bytes
 
 MAX_HIT_COUNTS = 1 << 20  # distinct keys counted for selective write-through before a reset
 

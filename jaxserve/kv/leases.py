@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxserve.kv.block_pool import BlockPool
-from jaxserve.kv.radix_cache import RadixCache, RadixNode
+from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.kv.radix_node import RadixNode
 
 
 @dataclass(eq=False)

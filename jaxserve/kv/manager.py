@@ -1,86 +1,45 @@
 """KV cache manager: sequences' block tables over one block pool, prefix cache and tiers.
 
-Plain Python + numpy; the engine thread is its only user (not thread safe). Each sequence's
-block table is a `KVHandle` (`block_table.py`) that its request owns; the manager makes handles
-and edits the handle it is given.
+Plain Python + numpy; the engine thread is its only user (not thread safe). A sequence's block
+table is a `KVHandle` (`block_table.py`) that its request owns; the manager makes handles and
+edits the handle it is given. How the scheduler uses it, every step:
 
-How the scheduler uses it
--------------------------
-Admit a waiting request::
+    hit = mgr.match_prefix(prompt_ids, chain)  # cached prefix; valid until the next change
+    req.kv = mgr.admit(hit, n)                 # None: it would eat into the watermark
+    ok = mgr.allocate_slots(req.kv, n)         # grow (decode: 1, a chunk: n); False: preempt, retry
+    stages = mgr.take_copies()                 # copy-on-write, swap and spill copies, before the step
+    mgr.cache_full_blocks(req.kv, token_ids)   # after the step: filled blocks join the prefix cache
 
-    hit = mgr.match_prefix(prompt_ids, chain) # hit.num_tokens prompt tokens need no compute
-    n = min(len(prompt_ids) - hit.num_tokens, token_budget)
-    req.kv = mgr.admit(hit, n)                # None: not enough blocks above the watermark
+Preempt with `free(handle)` (recompute: admit again later, the cached blocks will hit) or
+`swap_out(handle)`, resumed by `swap_in(handle)`. `fork(handle)` shares every block (parallel
+sampling); a write into a shared partial block copies it first. A handle's `version` changes when
+entries of its table are replaced (not when blocks are appended), so a copy of a table with the
+same version and length is current. Running sequences may grow into the watermark reserve;
+admissions and swap-ins may not. `can_admit`, `can_allocate`, `can_swap_in/out` peek.
 
-  `hit.num_tokens` is a multiple of the block size and at most `len(prompt_ids) - 1`. Part of
-  it may come back from the host tier (`hit.num_host_tokens`); `admit` plans those copies. A
-  hit is only valid until the next call that changes the manager: admit right after matching.
-
-Grow running requests, every step (chunked prefill: n = chunk; decode: n = 1)::
-
-    ok = mgr.allocate_slots(handle, n)        # False, nothing changed: preempt someone, retry
-    handle.block_table, handle.version, handle.slot_mapping(start, stop)
-
-  New running-request growth may use the watermark reserve; admissions and swap-ins may not.
-  Writing into a partly filled block that a fork shares copies it first (copy-on-write); a
-  handle's `version` changes whenever entries of its table are replaced (not when blocks are
-  appended), so a copy of a table with the same version and length is current.
-
-Before the step runs, hand the planned block copies to the runner::
-
-    for stage in mgr.take_copies(): ...       # in order; see copy_plan.CopyPlan
-
-After the step (the KV is written), cache what filled up::
-
-    mgr.cache_full_blocks(handle, token_ids)  # ids of the tokens whose KV is written, from 0
-
-  Full blocks enter the prefix cache; where the cache already held the same tokens, the
-  sequence switches to the cached block and its duplicate is freed.
-
-Preempt: `free(handle)` (recompute later: admit again, its cached blocks will hit) or
-`swap_out(handle)` (False when the host tier cannot take it; nothing changed). Resume a swapped
-sequence with `swap_in(handle)` (False: not enough device blocks). Finish: `cache_full_blocks`,
-then `free`. Parallel sampling / beams: `fork(handle)` shares every block and starts with the
-parent's `num_tokens`. Preempt and fork sequences that are not scheduled in the current round:
-slots allocated in a round count in `num_tokens` before the step writes them.
-
-Peek without changing anything: `can_admit(hit, n)`, `can_allocate(handle, n)`,
-`can_swap_out(handle)`, `can_swap_in(handle)`, `num_available_blocks`.
-
-Sessions and KV handed between workers hold cached blocks through `leases` (`leases.py`): pins
-and holds. Blocks for KV read from another engine come from `allocate_import(n)`.
-
-Disk tier (`disk=`): `match_prefix` also reports `hit.num_disk_tokens`, the blocks after the
-tree's match that are on disk. The scheduler may `start_load(key, hit)` instead of admitting
-(`key`: the request, while it waits): the blocks are read into host slots in the background
-once `submit_loads()` is called after the step's copies ran; `poll_loads()` (every step) puts
-finished loads into the tree, and the request, no longer `is_loading`, is admitted with a host
-hit (`admit(..., load_key=key)` releases its load). `cancel_load(key)` when a loading request
-goes away. Cached blocks are written to disk as the copy plan's `DEVICE_TO_DISK` /
-`HOST_TO_DISK` entries (see `disk_link`); at a clean shutdown, `flush_to_disk()` plans those the
-disk lacks.
-
-Metrics and checks: `usage()`, `stats` (prefix hits), `check_integrity()`.
-
-Token ids must fit in int32 (the cache keys tokens as int32 bytes); numpy int32 arrays match
-fastest, lists of ints cost ~0.1 us per matched token to convert.
+Sessions and KV handed between workers keep cached blocks through `leases` (`leases.py`).
+With a disk tier, `match_prefix` also reports the blocks after the tree's match that are on disk;
+the scheduler may `start_load(key, hit)` them into the host tier instead of admitting, then admit
+once `poll_loads` has put them in the tree (`admit(..., load_key=key)` takes the load's lock over).
+Cached blocks are written to disk as the copy plan's `*_TO_DISK` stages (`disk_link.py`).
 
 Design notes. A sequence locks the prefix-cache path of its cached leading blocks
 (`cached_blocks`), so a block it holds is never evicted under it. The cache adopts a block only
-while one sequence holds it, so full blocks a fork shares enter the cache once the sharing ends
-(one side finished or copied). Swap-out copies the whole table to the host (shared prefix blocks
-too: simple, and the sequence comes back whole whatever the cache did meanwhile).
+while one sequence holds it, so full blocks a fork shares enter the cache once the sharing ends.
+Swap-out copies the whole table to the host (shared prefix blocks too: simple, and the sequence
+comes back whole whatever the cache did meanwhile). Token ids must fit in int32 (the cache keys
+tokens as int32 bytes); numpy int32 arrays match fastest.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool
+from jaxserve.kv.accounting import KVUsage, check_integrity, kv_usage
+from jaxserve.kv.block_pool import BlockPool
 from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.content_keys import KEY_BYTES, ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
@@ -88,7 +47,8 @@ from jaxserve.kv.disk_link import DiskLink, LoadStart
 from jaxserve.kv.disk_tier import DiskTier
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.leases import Leases
-from jaxserve.kv.radix_cache import CacheStats, RadixCache, RadixNode
+from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.kv.radix_node import CacheStats, RadixNode
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,33 +65,6 @@ class PrefixHit:
     num_disk_tokens: int = 0    # after num_tokens: blocks on the disk tier (see start_load)
     _chain: ChainKeys | None = None
     _token_ids: Sequence[int] | np.ndarray | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class KVUsage:
-    """Block counts. free + used + pinned + cached_idle == num_blocks (each block once)."""
-
-    num_blocks: int         # usable device blocks (the reserved block 0 excluded)
-    free: int               # on the free list
-    used: int               # held by at least one request
-    shared: int             # held by two or more requests
-    cached: int             # stored in the prefix cache (some may also be used or pinned)
-    cached_idle: int        # cached and held by no request or pin: reclaimable at once
-    pinned: int             # cached, held by no request, kept by a pin
-    host_slots: int
-    host_swapped: int       # host slots holding swapped-out requests
-    host_cached: int        # host slots holding spilled prefix-cache blocks
-    host_free: int
-
-    @property
-    def available(self) -> int:
-        """Blocks an allocation can get: free now or by evicting idle cache."""
-        return self.free + self.cached_idle
-
-    @classmethod
-    def total(cls, usages: list[KVUsage]) -> KVUsage:
-        """Field-by-field sums (the pools of several data-parallel replicas)."""
-        return cls(*(sum(getattr(u, f.name) for u in usages) for f in fields(cls)))
 
 
 class KVCacheManager:
@@ -185,6 +118,9 @@ class KVCacheManager:
         """Sequences holding a block table (running, or swapped out)."""
         return len(self._handles)
 
+    def live_handles(self) -> list[KVHandle]:
+        return list(self._handles)
+
     @property
     def stats(self) -> CacheStats:
         return self.prefix_cache.stats if self.prefix_cache is not None else CacheStats()
@@ -197,30 +133,7 @@ class KVCacheManager:
 
     def usage(self) -> KVUsage:
         """Counts for metrics; O(blocks), so call it per scrape, not per step."""
-        holders = np.zeros(self.pool.num_blocks, dtype=np.int32)
-        for handle in self._handles:
-            np.add.at(holders, handle.table[:handle.num_blocks], 1)
-        cache = self.prefix_cache
-        host = self.host
-        swapped = sum(len(h.host_slots) for h in self._handles if h.host_slots is not None)
-        pinned = 0
-        if cache is not None:
-            cached_blocks = np.fromiter(cache.device_blocks(), dtype=np.int64)
-            cached_used = int((holders[cached_blocks] > 0).sum())
-            pinned = cache.num_device_blocks - cache.num_evictable_blocks - cached_used
-        return KVUsage(
-            num_blocks=self.pool.num_usable,
-            free=self.pool.num_free,
-            used=int((holders > 0).sum()),
-            shared=int((holders > 1).sum()),
-            cached=cache.num_device_blocks if cache is not None else 0,
-            cached_idle=cache.num_evictable_blocks if cache is not None else 0,
-            pinned=pinned,
-            host_slots=host.num_slots if host is not None else 0,
-            host_swapped=swapped,
-            host_cached=cache.num_host_blocks if cache is not None else 0,
-            host_free=host.num_free if host is not None else 0,
-        )
+        return kv_usage(self)
 
     # ------------------------------------------------------------------ admission
 
@@ -558,51 +471,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Check the invariants of pool, tables, cache, host tier and leases (AssertionError)."""
-        pool = self.pool
-        cache = self.prefix_cache
-        holders: Counter[int] = Counter()
-        locks: Counter[RadixNode] = Counter()
-        host_held: list[int] = []
-        bs = self.block_size
-        for handle in self._handles:
-            if not handle.is_live:
-                raise AssertionError("a freed handle among the live ones")
-            if handle.host_slots is not None:
-                if handle.num_blocks or len(handle.host_slots) != -(-handle.num_tokens // bs):
-                    raise AssertionError("a swapped sequence's slots do not cover its tokens")
-                host_held += handle.host_slots
-                continue
-            blocks = handle.table[:handle.num_blocks].tolist()
-            if len(blocks) != -(-handle.num_tokens // bs):
-                raise AssertionError(f"a sequence has {len(blocks)} blocks for {handle.num_tokens} tokens")
-            if len(set(blocks)) != len(blocks) or RESERVED_BLOCK in blocks:
-                raise AssertionError("repeated or reserved block in a table")
-            holders.update(blocks)
-            if cache is not None:
-                locks[handle.node] += 1
-                if handle.node.end != handle.cached_blocks:
-                    raise AssertionError(f"a sequence's locked node ends at block {handle.node.end}, "
-                                         f"cached_blocks {handle.cached_blocks}")
-                if cache.path_blocks(handle.node) != blocks[:handle.cached_blocks]:
-                    raise AssertionError("a sequence's cached blocks differ from the tree")
-            elif handle.cached_blocks:
-                raise AssertionError("cached blocks without a prefix cache")
-        if cache is not None:
-            holders.update(cache.device_blocks())
-            host_held += list(cache.host_slots())
-            locks.update(self.leases.locked_nodes())
-            if self.disk is not None:
-                locks.update(self.disk.locked_nodes())
-                host_held += self.disk.held_slots()
-                self.disk.disk.check_integrity()
-            del locks[cache.root]
-            cache.check_integrity(dict(locks))
-        pool.check_integrity([holders.get(block, 0) for block in range(pool.num_blocks)])
-        if self.host is not None:
-            self.host.check_integrity(host_held)
-        elif host_held:
-            raise AssertionError("host slots held without a host tier")
-        self.leases.check_integrity()
+        check_integrity(self)
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,0 +1,121 @@
+"""Accounting and checks of a KV manager: block counts for metrics, and the invariants tests check
+after every operation (a block is free xor referenced; refcounts equal the tables and cache
+entries holding the block; lock counts equal their holders; nothing leaks)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxserve.kv.block_pool import RESERVED_BLOCK
+from jaxserve.kv.radix_node import RadixNode
+
+if TYPE_CHECKING:
+    from jaxserve.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """Block counts. free + used + pinned + cached_idle == num_blocks (each block once)."""
+
+    num_blocks: int         # usable device blocks (the reserved block 0 excluded)
+    free: int               # on the free list
+    used: int               # held by at least one request
+    shared: int             # held by two or more requests
+    cached: int             # stored in the prefix cache (some may also be used or pinned)
+    cached_idle: int        # cached and held by no request or pin: reclaimable at once
+    pinned: int             # cached, held by no request, kept by a pin
+    host_slots: int
+    host_swapped: int       # host slots holding swapped-out requests
+    host_cached: int        # host slots holding spilled prefix-cache blocks
+    host_free: int
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can get: free now or by evicting idle cache."""
+        return self.free + self.cached_idle
+
+    @classmethod
+    def total(cls, usages: list[KVUsage]) -> KVUsage:
+        """Field-by-field sums (the pools of several data-parallel replicas)."""
+        return cls(*(sum(getattr(u, f.name) for u in usages) for f in fields(cls)))
+
+
+def kv_usage(mgr: KVCacheManager) -> KVUsage:
+    """Block counts of a KV manager; O(blocks), so call it per scrape, not per step."""
+    holders = np.zeros(mgr.pool.num_blocks, dtype=np.int32)
+    for handle in mgr.live_handles():
+        np.add.at(holders, handle.table[:handle.num_blocks], 1)
+    cache = mgr.prefix_cache
+    host = mgr.host
+    swapped = sum(len(h.host_slots) for h in mgr.live_handles() if h.host_slots is not None)
+    pinned = 0
+    if cache is not None:
+        cached_blocks = np.fromiter(cache.device_blocks(), dtype=np.int64)
+        cached_used = int((holders[cached_blocks] > 0).sum())
+        pinned = cache.num_device_blocks - cache.num_evictable_blocks - cached_used
+    return KVUsage(
+        num_blocks=mgr.pool.num_usable,
+        free=mgr.pool.num_free,
+        used=int((holders > 0).sum()),
+        shared=int((holders > 1).sum()),
+        cached=cache.num_device_blocks if cache is not None else 0,
+        cached_idle=cache.num_evictable_blocks if cache is not None else 0,
+        pinned=pinned,
+        host_slots=host.num_slots if host is not None else 0,
+        host_swapped=swapped,
+        host_cached=cache.num_host_blocks if cache is not None else 0,
+        host_free=host.num_free if host is not None else 0,
+    )
+
+
+def check_integrity(mgr: KVCacheManager) -> None:
+    """Check the invariants of a KV manager's pool, tables, cache, host tier and leases (AssertionError)."""
+    pool = mgr.pool
+    cache = mgr.prefix_cache
+    holders: Counter[int] = Counter()
+    locks: Counter[RadixNode] = Counter()
+    host_held: list[int] = []
+    bs = mgr.block_size
+    for handle in mgr.live_handles():
+        if not handle.is_live:
+            raise AssertionError("a freed handle among the live ones")
+        if handle.host_slots is not None:
+            if handle.num_blocks or len(handle.host_slots) != -(-handle.num_tokens // bs):
+                raise AssertionError("a swapped sequence's slots do not cover its tokens")
+            host_held += handle.host_slots
+            continue
+        blocks = handle.table[:handle.num_blocks].tolist()
+        if len(blocks) != -(-handle.num_tokens // bs):
+            raise AssertionError(f"a sequence has {len(blocks)} blocks for {handle.num_tokens} tokens")
+        if len(set(blocks)) != len(blocks) or RESERVED_BLOCK in blocks:
+            raise AssertionError("repeated or reserved block in a table")
+        holders.update(blocks)
+        if cache is not None:
+            locks[handle.node] += 1
+            if handle.node.end != handle.cached_blocks:
+                raise AssertionError(f"a sequence's locked node ends at block {handle.node.end}, "
+                                     f"cached_blocks {handle.cached_blocks}")
+            if cache.path_blocks(handle.node) != blocks[:handle.cached_blocks]:
+                raise AssertionError("a sequence's cached blocks differ from the tree")
+        elif handle.cached_blocks:
+            raise AssertionError("cached blocks without a prefix cache")
+    if cache is not None:
+        holders.update(cache.device_blocks())
+        host_held += list(cache.host_slots())
+        locks.update(mgr.leases.locked_nodes())
+        if mgr.disk is not None:
+            locks.update(mgr.disk.locked_nodes())
+            host_held += mgr.disk.held_slots()
+            mgr.disk.disk.check_integrity()
+        del locks[cache.root]
+        cache.check_integrity(dict(locks))
+    pool.check_integrity([holders.get(block, 0) for block in range(pool.num_blocks)])
+    if mgr.host is not None:
+        mgr.host.check_integrity(host_held)
+    elif host_held:
+        raise AssertionError("host slots held without a host tier")
+    mgr.leases.check_integrity()
