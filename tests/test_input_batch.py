@@ -19,8 +19,8 @@ from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.runner.input_batch import STOP_ID_SLOTS, InputBatch
 from jaxserve.runner.inputs import Program, StepInputs
-from jaxserve.sampler import BIAS_SLOTS, RowSampling, SamplingTensors
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_tensors import BIAS_SLOTS, RowSampling, SamplingTensors
 from jaxserve.scheduler.output import ScheduledChunk
 from jaxserve.structured import GuidedDecoding
 

@@ -13,7 +13,7 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.model import AttentionMetadata
 from jaxserve.runner.host_pack import HostPack
-from jaxserve.sampler import RowSampling, SamplingTensors
+from jaxserve.sampling_tensors import RowSampling, SamplingTensors
 
 _unpack = jax.jit(lambda pack: pack.unpack())
 

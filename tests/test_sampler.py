@@ -4,19 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (
-    TOP_K_FAST_MAX,
-    PenaltyCounts,
-    RowSampling,
-    SamplingTensors,
-    _gumbel_noise,
-    apply_penalties,
-    penalty_history,
-    sample,
-    sampling_logits,
-    set_penalty_rows,
-)
+from jaxserve.sampler import TOP_K_FAST_MAX, _gumbel_noise, apply_penalties, sample, sampling_logits
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_tensors import PenaltyCounts, RowSampling, SamplingTensors, penalty_history, set_penalty_rows
 
 _jit_sample = jax.jit(sample, static_argnames="num_top_logprobs")
 _sampling_logits = jax.jit(sampling_logits)

@@ -17,7 +17,8 @@ import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampler import PenaltyCounts, RowSampling, SamplingTensors, sampling_logits
+from jaxserve.sampler import sampling_logits
+from jaxserve.sampling_tensors import PenaltyCounts, RowSampling, SamplingTensors
 from jaxserve.speculative import propose_ngram
 from jaxserve.speculative.verify import verify
 

@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import PenaltyCounts, RowSampling, SamplingTensors, sample
+from jaxserve.sampler import sample
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_tensors import PenaltyCounts, RowSampling, SamplingTensors
 from jaxserve.structured import mask_words
 
 V = 1000  # not a multiple of 32: the last word is partly padding

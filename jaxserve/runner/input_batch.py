@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
-from jaxserve.sampler import BIAS_SLOTS, RowSampling, SamplingTensors
+from jaxserve.sampling_tensors import BIAS_SLOTS, RowSampling, SamplingTensors
 from jaxserve.scheduler.output import ScheduledChunk
 
 STOP_ID_SLOTS = 8  # stop token ids per row that a multi-step decode checks on the device

@@ -29,7 +29,7 @@ from jaxserve.config import EngineConfig, bucket_for
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.sampler import SamplingTensors, penalty_history
+from jaxserve.sampling_tensors import SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarState, mask_words
 

@@ -42,7 +42,8 @@ from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
 from jaxserve.runner.programs import Arg, ProgramSpec
 from jaxserve.runner.step_functions import StepFunctions
-from jaxserve.sampler import PenaltyCounts, SamplerOutput
+from jaxserve.sampler import SamplerOutput
+from jaxserve.sampling_tensors import PenaltyCounts
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, shard_attention
 from sharding.kv_heads import replicate_kv_heads
@@ -199,7 +200,8 @@ class ModelRunner:
         """
         ec, f, inputs = self.engine_config, self.functions, self.inputs
         rep = replicated(self.mesh)
-        params, cache, host = Arg("params", self.param_shardings), Arg("cache", self.cache_sharding, True), Arg("inputs", rep)
+        params, host = Arg("params", self.param_shardings), Arg("inputs", rep)
+        cache = Arg("cache", self.cache_sharding, donated=True)
         prev, counts, sampling = Arg("prev_sampled", rep), Arg("penalty_counts", rep, True), Arg("sampling", rep)
         logits, sampled, offset = Arg("logits", rep), Arg("sampled", rep), Arg("sample_offset", rep)
         step_outs = (rep, self.cache_sharding, rep)  # logits, cache, hidden states
@@ -227,7 +229,8 @@ class ModelRunner:
 
         def scores() -> Iterator[tuple[tuple, tuple]]:
             for tokens in ec.prefill_token_buckets:
-                hidden, rows = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype), np.zeros(tokens, np.int32)
+                hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
+                rows = np.zeros(tokens, np.int32)
                 yield (tokens,), (self.params, hidden, HostPack.of((rows, rows)))
 
         def multi_decodes() -> Iterator[tuple[tuple, tuple]]:
@@ -485,7 +488,8 @@ class ModelRunner:
         sampled, outs, scores = self._no_tokens, [], None
         for program in programs:
             if program.num_steps > 1:
-                out, self.cache, self.penalty_counts = self._run(program.key, self._multi_step_args(program), warming_up)
+                args = self._multi_step_args(program)
+                out, self.cache, self.penalty_counts = self._run(program.key, args, warming_up)
                 outs.append(out)
                 continue
             if program.drafts is not None:

@@ -17,8 +17,9 @@ from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, LlamaModel
 from jaxserve.model.llama import head_logits
 from jaxserve.runner.host_pack import HostPack
-from jaxserve.sampler import SamplerOutput, sample, set_penalty_rows
+from jaxserve.sampler import SamplerOutput, sample
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.sampling_tensors import set_penalty_rows
 from jaxserve.speculative.verify import verify
 from sharding.rules import logits_sharding, replicated
 

@@ -29,11 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.sampler import (
-    PenaltyCounts, SamplingTensors, _any_penalty, _argmax, _draw, _logprobs, apply_logit_bias, apply_token_mask,
-    penalize, row_keys, sampling_logits,
-)
+from jaxserve.sampler import (_any_penalty, _argmax, _draw, _logprobs, apply_logit_bias, apply_token_mask, penalize,
+                              row_keys, sampling_logits)
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.sampling_tensors import PenaltyCounts, SamplingTensors
 
 _ACCEPT_STREAM = 0x5EC  # folded into a row's key for its acceptance test
 
