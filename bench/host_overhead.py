@@ -27,7 +27,7 @@ from jaxserve.sampling_params import SamplingParams
 PHASES = {
     "schedule": ("scheduler.py", "schedule"), "prepare": ("model_runner.py", "prepare"),
     "launch": ("model_runner.py", "launch"), "read": ("model_runner.py", "fetch"),
-    "post-process": ("engine.py", "_process"),
+    "post-process": ("engine.py", "_read"),
 }
 
 
