@@ -362,8 +362,6 @@ class LLMEngine:
         kept only."""
         reason = None
         for i, sampled in enumerate(tokens):
-            if i:
-                req.output_token_ids.append(sampled.token_id)
             reason = self._update(req, stream, chunk.output_index + i, sampled)
             self.stats.generated_tokens += 1
             if reason is not None:
@@ -382,9 +380,7 @@ class LLMEngine:
         context), none of them but the grammar's before `min_tokens` tokens are out. The stream
         only reads the token."""
         token = sampled.token_id
-        req.output_token_ids[index] = token
-        if req.grammar is not None:
-            req.grammar.advance(token)
+        req.land_token(index, token)
         num_out = index + 1
         checking = num_out >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
         stream.add_token(sampled)

@@ -140,9 +140,54 @@ class Request:
         placeholders counted, since such a request needs no further step."""
         return num_output >= self.params.max_tokens or self.num_prompt_tokens + num_output >= max_model_len
 
+    # ----- its state changes: the scheduler and the engine ask, the request writes -----------
+
+    def start_running(self, kv: KVHandle, num_cached_tokens: int) -> None:
+        """Admitted with `kv`, whose first `num_cached_tokens` tokens the prefix cache held."""
+        self.kv = kv
+        self.num_computed_tokens = num_cached_tokens
+        if self.num_preemptions == 0:
+            self.num_cached_prompt_tokens = num_cached_tokens
+        self.status = RequestStatus.RUNNING
+
+    def preempt(self, swapped: bool) -> None:
+        """Taken off the device: its blocks swapped out to the host tier (it resumes where it
+        was), or freed (its tokens are computed again, hitting the prefix cache)."""
+        self.num_preemptions += 1
+        if swapped:
+            self.status = RequestStatus.SWAPPED
+        else:
+            self.kv = None
+            self.num_computed_tokens = 0
+            self.status = RequestStatus.PREEMPTED
+
+    def swapped_in(self) -> None:
+        self.status = RequestStatus.RUNNING
+
+    def launched(self, end: int, samples: bool) -> int | None:
+        """A step computing its tokens up to `end` is on the device; one that samples for it
+        leaves a PLACEHOLDER for the new token, whose index in the output it returns."""
+        self.num_computed_tokens = end
+        if not samples:
+            return None
+        self.output_token_ids.append(PLACEHOLDER)
+        return len(self.output_token_ids) - 1
+
+    def land_token(self, index: int, token: int) -> None:
+        """Output token `index` was read (over its placeholder, or after a verified decode's
+        accepted drafts); the grammar of structured output advances over it."""
+        if index == len(self.output_token_ids):
+            self.output_token_ids.append(token)
+        else:
+            self.output_token_ids[index] = token
+        if self.grammar is not None:
+            self.grammar.advance(token)
+
     def finish(self, reason: FinishReason) -> None:
-        """End the request; placeholders of steps still in flight are dropped (never output)."""
+        """End the request (its blocks freed); placeholders of steps still in flight are dropped
+        (never output)."""
         while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER:
             self.output_token_ids.pop()
+        self.kv = None  # freed by the scheduler
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason

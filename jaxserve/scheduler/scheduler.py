@@ -65,7 +65,7 @@ class Scheduler:
     # ----- queue management -----------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        req.status = RequestStatus.WAITING
+        """Queue a new request; its content keys are seeded as the KV manager's (disk tier's) are."""
         req.block_keys = self.kv.new_chain()
         self.waiting.append(req)
 
@@ -79,7 +79,6 @@ class Scheduler:
             self.waiting.remove(req)
         if req.kv is not None:
             self.kv.free(req.kv)
-            req.kv = None
         self.kv.cancel_load(req)
         req.finish(reason)
 
@@ -208,7 +207,7 @@ class Scheduler:
             if not self.kv.swap_in(req.kv):
                 return
             self.swapped.remove(req)
-            req.status = RequestStatus.RUNNING
+            req.swapped_in()
             self.running.append(req)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
@@ -247,15 +246,12 @@ class Scheduler:
                     continue
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
                 n = self._partial_chunk_limit(budget, others)
-            req.kv = self.kv.admit(hit, n, load_key=req)
-            if req.kv is None:
+            kv = self.kv.admit(hit, n, load_key=req)
+            if kv is None:
                 break  # the pool is full: admit nothing more this step
-            req.num_computed_tokens = hit.num_tokens
-            if req.num_preemptions == 0:
-                req.num_cached_prompt_tokens = hit.num_tokens
+            req.start_running(kv, hit.num_tokens)
             used = self._add_prefill(req, n, out, in_flight)
             self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= used
             if used < remaining:
@@ -338,18 +334,14 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self.running.remove(req)
-        req.num_preemptions += 1
         self.num_preemptions += 1
-        if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling:
-            if self.kv.swap_out(req.kv):
-                req.status = RequestStatus.SWAPPED
-                self.swapped.append(req)
-                logger.info("preempted %s by swap", req.request_id)
-                return
+        if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling and self.kv.swap_out(req.kv):
+            req.preempt(swapped=True)
+            self.swapped.append(req)
+            logger.info("preempted %s by swap", req.request_id)
+            return
         self.kv.free(req.kv)
-        req.kv = None
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+        req.preempt(swapped=False)
         self.waiting.appendleft(req)
         logger.info("preempted %s by recompute (%d tokens)", req.request_id, req.num_tokens)
 
@@ -362,17 +354,16 @@ class Scheduler:
         step reads them)."""
         for chunk in out.prefills + out.decodes:
             req = chunk.request
-            req.num_computed_tokens = chunk.start + chunk.num_new_tokens
-            if chunk.sample:
-                chunk.output_index = len(req.output_token_ids)
-                req.output_token_ids.append(PLACEHOLDER)
+            index = req.launched(chunk.start + chunk.num_new_tokens, chunk.sample)
+            if index is not None:
+                chunk.output_index = index
             self.cache_known_blocks(req)
 
     def accept_tokens(self, req: Request, num_extra: int) -> None:
         """A verified or multi-step decode was read and kept `num_extra` tokens beyond its first
         (accepted drafts, or the loop's later tokens): their K/V are valid (the request's next
         token follows them), the slots reserved past them are released."""
-        req.num_computed_tokens += num_extra
+        req.launched(req.num_computed_tokens + num_extra, samples=False)
         self.kv.release_slots(req.kv, req.num_computed_tokens)
 
     def on_token_read(self, req: Request, index: int) -> None:
