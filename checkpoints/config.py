@@ -52,11 +52,6 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.num_layers * per_layer + self.vocab_size * e + head + e
 
-    def flops_per_token(self) -> int:
-        """Matmul FLOPs of one token through the dense part (no attention), LM head included."""
-        embed_params = self.vocab_size * self.hidden_size
-        return 2 * (self.num_params() - embed_params * (0 if self.tie_word_embeddings else 1))
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)

@@ -83,10 +83,6 @@ class StepStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
 
 class LLMEngine:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, config: EngineConfig | None = None, mesh: Any = None):

@@ -32,10 +32,6 @@ class HostTier:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         free = self._free
         if n > len(free):

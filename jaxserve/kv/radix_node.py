@@ -62,13 +62,6 @@ class CacheStats:
         self.hit_tokens += hit_tokens
         self.host_hit_tokens += host_hit_tokens
 
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of queried tokens that were not recomputed."""
-        if not self.query_tokens:
-            return 0.0
-        return (self.hit_tokens + self.host_hit_tokens) / self.query_tokens
-
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
@@ -87,10 +80,6 @@ class PrefixMatch:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
-
-    @property
-    def num_device_tokens(self) -> int:
-        return len(self.device_blocks) * self.block_size
 
     @property
     def num_host_tokens(self) -> int:

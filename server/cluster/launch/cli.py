@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-import time
 
 from server.cluster.launch.topology import ROUTER_FLAG_OF_ROLE, Topology, TopologyError, load_topology
 

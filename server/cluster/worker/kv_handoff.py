@@ -79,10 +79,6 @@ class LeaseTable:
         with self._lock:
             return self._leases.get(lease_id)
 
-    def of_request(self, request_id: str) -> Lease | None:
-        with self._lock:
-            return next((x for x in reversed(self._leases.values()) if x.request_id == request_id), None)
-
     def pop(self, lease_id: int) -> Lease | None:
         with self._lock:
             return self._leases.pop(lease_id, None)
