@@ -9,7 +9,7 @@ import json
 import pytest
 
 from jaxserve.outputs import Delta
-from server.responses import ChatShapes
+from server.openai_bodies import ChatShapes
 from server.tools import ToolCalling, ToolChoice, ToolFormat, forced_constraint, parse_forced
 
 HERMES = ToolFormat("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # renders no tools
@@ -75,7 +75,7 @@ def test_stream_shows_content_then_sends_the_calls_with_indexes():
 
 
 def test_response_without_calls_keeps_its_text_and_finish_reason():
-    from server.responses import ChoiceOutput, UsageCount
+    from server.openai_bodies import ChoiceOutput, UsageCount
 
     shapes = ChatShapes("id", _Info(), ToolCalling(HERMES, ToolChoice("auto")))
     body = shapes.response([ChoiceOutput(text="Hello", finish_reason="length")], UsageCount())

@@ -18,7 +18,7 @@ from aiohttp import web
 from server.errors import APIError
 from server.generation import Generation
 from server.protocol import StreamOptions
-from server.responses import ChatShapes, ChoiceOutput, CompletionShapes
+from server.openai_bodies import ChatShapes, ChoiceOutput, CompletionShapes
 from server.sse import EventStream
 
 OnFinish = Callable[[list[ChoiceOutput], Generation], None]

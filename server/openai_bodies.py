@@ -1,4 +1,5 @@
-"""OpenAI response and stream-chunk shapes for completions and chat completions."""
+"""OpenAI response bodies and stream chunks of completions and chat completions (`text_completion`,
+`chat.completion`, `chat.completion.chunk`)."""
 
 from __future__ import annotations
 
