@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxserve.outputs import FinishReason, TokenLogprob
+from jaxserve.pooling import PromptPooling
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class Request:
     # at position 0, which has no context); None for a request that does not score its prompt.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     grammar: GrammarState | None = None  # structured output: the sequence's grammar position
+    pooling: PromptPooling | None = None  # an embedding request: its prompt's pooled rows so far
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -102,8 +104,11 @@ class Request:
     @property
     def num_cacheable_tokens(self) -> int:
         """How much of the sequence a prefix-cache hit may cover: all of it, except for a request
-        still scoring its prompt, whose unscored rows must be computed (their hidden states are
-        what the scores come from)."""
+        still scoring its prompt, or pooling the mean of its rows, whose unscored (unpooled) rows
+        must be computed (their hidden states are what the scores and the pooled vector come from)."""
+        first_needed = None if self.pooling is None else self.pooling.first_needed(self.num_prompt_tokens)
+        if first_needed is not None:
+            return first_needed
         if self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens:
             return self.num_tokens
         return len(self.prompt_logprobs) - 1  # the row that scores the first unscored position

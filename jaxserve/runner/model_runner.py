@@ -33,12 +33,12 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
-from jaxserve.model.llama import head_logits, pack_kernels, panel_kernels, unstack_layers
+from jaxserve.model.llama import final_norm, head_logits, pack_kernels, panel_kernels, unstack_layers
 from jaxserve.outputs import SampledToken, TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
-from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
+from jaxserve.runner.inputs import PooledRows, PreparedStep, Program, PromptScores, StepInputs, write_token_masks
 from jaxserve.sampler import PenaltyCounts, SamplerOutput, sample, set_penalty_rows
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -62,6 +62,8 @@ class StepHandle:
     launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
     # The prefill program's scored prompt positions and their (logprob, rank, top ids, top logprobs).
     prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
+    # The prefill program's pooled rows (embeddings) and the sum of each segment's rows.
+    pooled: tuple[list[PooledRows], jax.Array] | None = None
 
 
 def enable_persistent_compilation_cache(path: str) -> None:
@@ -175,6 +177,9 @@ class ModelRunner:
         # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, keyed
         # by the step's token bucket (only steps that score a prompt run it).
         self._score = jax.jit(self._score_fn, in_shardings=(self.param_shardings, rep, rep), out_shardings=rep)
+        # Embeddings: sums of a prefill step's pooled rows of hidden states, after the final norm,
+        # keyed by the step's token bucket too (only steps that pool run it).
+        self._pool = jax.jit(self._pool_fn, in_shardings=(self.param_shardings, rep, rep), out_shardings=rep)
         # The sampler of prefill steps and of decode steps with constrained rows (dispatched once
         # their masks are written, after the step, whose work they overlap). It is keyed by its
         # row bucket only, so it compiles a few times, not once per step shape. It updates the
@@ -251,6 +256,13 @@ class ModelRunner:
         rank = 1 + jnp.sum(logprobs > target[:, None], axis=1, dtype=jnp.int32)
         top_logprobs, top_ids = lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
         return target, rank, top_ids.astype(jnp.int32), top_logprobs
+
+    def _pool_fn(self, params, hidden, segments: HostPack):
+        """[pool_segments, hidden] f32: per segment, the sum of its rows' hidden states after the
+        model's final norm (rows of segment `pool_segments` are dropped)."""
+        num = self.inputs.pool_segments
+        x = final_norm(self.config, params, hidden).astype(jnp.float32)
+        return jax.ops.segment_sum(x, segments.unpack(), num_segments=num + 1)[:num]
 
     def _multi_step_fn(self, params, cache, inputs: HostPack, sampling, prev_sampled, counts, loop_steps: int):
         """`loop_steps` decode steps of a batch in one loop (`StepInputs.multi_decode`): each
@@ -408,6 +420,7 @@ class ModelRunner:
                 hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
                 rows = np.zeros(tokens, np.int32)
                 submit(("score", tokens), self._score, (self.params, hidden, HostPack.of((rows, rows))))
+                submit(("pool", tokens), self._pool, (self.params, hidden, HostPack.of(rows)))
             submit(("penalty_reset",), self._set_penalty_rows, self._reset_args(self.inputs.penalty_reset([])))
             for key, compiled in pending.items():
                 self._executables[key] = compiled.result()
@@ -455,8 +468,8 @@ class ModelRunner:
             before_masks()
             caller_seconds.append(time.perf_counter() - start)
 
-        outs, scores = self._run_steps(prepared.penalty_resets, prepared.programs,
-                                       before_masks=timed_before_masks if before_masks is not None else None)
+        outs, scores, pooled = self._run_steps(prepared.penalty_resets, prepared.programs,
+                                               before_masks=timed_before_masks if before_masks is not None else None)
         self.inputs.batch.unset.difference_update(prepared.reset_requests)
         # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
         self.inputs.batch.launched(self.num_launches, [
@@ -473,6 +486,9 @@ class ModelRunner:
             for field in scores:
                 field.copy_to_host_async()
             handle.prompt_scores = (prepared.prompt_scores, scores)
+        if pooled is not None:
+            pooled.copy_to_host_async()
+            handle.pooled = (prepared.pooled, pooled)
         self.last_launch_time = time.perf_counter() - t0 - sum(caller_seconds)
         return handle
 
@@ -528,13 +544,24 @@ class ModelRunner:
                 for i, r in enumerate(rows)]))
         return results
 
+    @staticmethod
+    def fetch_pooled(handle: StepHandle) -> list[tuple[Request, np.ndarray, int]]:
+        """Wait for a launched iteration's pooled rows: for each embedding request it pooled for,
+        the sum of those rows' final hidden states and their count."""
+        if handle.pooled is None:
+            return []
+        pooled, sums = handle.pooled
+        sums = np.asarray(sums)
+        return [(p.request, sums[p.segment], len(p.positions)) for p in pooled]
+
     def _run_steps(self, penalty_resets: list[tuple], programs: list[Program], warming_up: bool = False,
-                   before_masks: Callable[[], None] | None = None) -> tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]:
+                   before_masks: Callable[[], None] | None = None
+                   ) -> tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
-        programs (and the prompt scores of the one that has any). The sampled tokens land in a
-        fresh buffer that becomes the next iteration's `prev_sampled`. A program's grammar masks
-        are written while its model step runs (multi-host: before, for the followers' copy), after
-        `before_masks()`."""
+        programs (and the prompt scores and pooled rows of the one that has any). The sampled
+        tokens land in a fresh buffer that becomes the next iteration's `prev_sampled`. A program's
+        grammar masks are written while its model step runs (multi-host: before, for the
+        followers' copy), after `before_masks()`."""
         pending = [before_masks] if before_masks is not None else []
 
         def write_masks(program: Program) -> Program:
@@ -548,7 +575,7 @@ class ModelRunner:
         for reset in penalty_resets:
             args = self._reset_args(reset)
             self.penalty_counts = self._compiled(("penalty_reset",), self._set_penalty_rows, args, warming_up)(*args)
-        sampled, outs, scores = self._no_tokens, [], None
+        sampled, outs, scores, pooled = self._no_tokens, [], None, None
         for program in programs:
             if program.num_steps > 1:
                 args = self._multi_step_args(program)
@@ -573,13 +600,16 @@ class ModelRunner:
             if program.score is not None:
                 score_args = (self.params, hidden, HostPack.of(program.score))
                 scores = self._compiled(("score", hidden.shape[0]), self._score, score_args, warming_up)(*score_args)
+            if program.pool is not None:
+                pool_args = (self.params, hidden, HostPack.of(program.pool))
+                pooled = self._compiled(("pool", hidden.shape[0]), self._pool, pool_args, warming_up)(*pool_args)
             if program.constrained or not program.is_decode:
                 sample_args = self._sample_args(write_masks(program), logits, sampled)
                 out, sampled, self.penalty_counts = self._compiled(
                     ("sample", logits.shape[0]), self._sample, sample_args, warming_up)(*sample_args)
             outs.append(out)
         self._prev_sampled = sampled
-        return outs, scores
+        return outs, scores, pooled
 
     def move_blocks(self, stages: list[CopyStage]) -> None:
         """Execute the KV manager's copy plan, stage by stage, in order (a step does it first)."""
