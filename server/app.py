@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from jaxserve.engine_client import EngineClient
-from server import routes_ops, routes_openai, routes_sessions, routes_tokenize
+from server import routes_embeddings, routes_ops, routes_openai, routes_sessions, routes_tokenize
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
@@ -65,6 +65,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware(keys)], client_max_size=config.max_body_bytes)
     app[STATE] = state
     app.add_routes(routes_openai.routes)
+    app.add_routes(routes_embeddings.routes)
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_tokenize.routes)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from jaxserve.sampling_params import POOLING_KINDS
+
 
 @dataclasses.dataclass
 class ServerConfig:
@@ -35,6 +37,9 @@ class ServerConfig:
     max_session_messages: int = 256
     session_pin_blocks_per_key: int | None = None  # None: the KV manager's default budget
 
+    # Embeddings: which final hidden states of a prompt /v1/embeddings pools ("last" or "mean").
+    embedding_pooling: str = "last"
+
     # Lifecycle.
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
 
@@ -51,5 +56,7 @@ class ServerConfig:
             raise ValueError("body_timeout and keepalive_timeout must be > 0")
         if not 0 <= self.grpc_port <= 65535 or (self.grpc_port and self.grpc_port == self.port):
             raise ValueError("grpc_port must be in [0, 65535] and differ from port")
+        if self.embedding_pooling not in POOLING_KINDS:
+            raise ValueError(f"embedding_pooling must be one of {list(POOLING_KINDS)}")
         if any(not key or any(c.isspace() for c in key) for key in self.api_keys):
             raise ValueError("API keys must be non-empty and contain no whitespace")

@@ -2,8 +2,8 @@
 
 Compared with `jaxserve serve`'s stack in this process on the same engine settings: the same
 text, tokens, usage and session reuse (greedy, and seeded sampling with n = 2); keys, limits and
-the official openai client through the router; cache-aware placement and the imbalance override;
-abort on disconnect reaching the worker (its pool all free); and a worker killed mid-stream
+the official openai client through the router; embeddings; cache-aware placement and the imbalance
+override; abort on disconnect reaching the worker (its pool all free); and a worker killed mid-stream
 (error event, retry of a request not yet streamed, health, the worker taken back on restart).
 The workers start once for the module; the kill test comes last.
 """
@@ -14,6 +14,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import numpy as np
 import openai
 import pytest
 
@@ -130,6 +131,15 @@ def test_openai_client_streams_through_the_router(cluster):
         return text, usage, models
 
     assert run(cluster["a"]) == run(cluster["ref"])
+
+
+def test_embeddings_through_the_router(cluster):
+    body = {"model": MODEL_NAME, "input": ["The quick brown fox", _prompt(5)], "encoding_format": "float"}
+    ref, got = _both(cluster, "/v1/embeddings", body)
+    assert got["usage"] == ref["usage"]
+    for r, g in zip(ref["data"], got["data"]):
+        assert g["index"] == r["index"]
+        np.testing.assert_allclose(g["embedding"], r["embedding"], atol=1e-5)
 
 
 def test_sessions_keys_and_limits_through_the_router(cluster):
