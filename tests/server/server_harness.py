@@ -94,6 +94,21 @@ def wait_until_idle(srv: ServerThread, async_engine: AsyncEngine, timeout: float
         time.sleep(0.05)
 
 
+def delete_stored_responses(srv: ServerThread, timeout: float = 30.0) -> None:
+    """Delete every stored response of the server (they pin KV), once background responses and the
+    pins made after replies are done."""
+    state = srv.app[STATE]
+    deadline = time.monotonic() + timeout
+    while (state.background or any(s.busy for s in state.sessions.all())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    async def delete_all() -> None:
+        for session in state.sessions.all():
+            if session.response is not None:
+                await state.responses.remove(session)
+    srv.run(delete_all())
+
+
 def check_kv_integrity(srv: ServerThread, async_engine: AsyncEngine) -> None:
     srv.engine_call(async_engine, lambda router: [e.kv.check_integrity() for e in router.replicas])
 
