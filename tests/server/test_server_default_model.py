@@ -1,5 +1,6 @@
 """The server on the real default model (SmolLM2-135M-Instruct): a sensible answer through the
-official client, stream == non-stream, a session's second turn served from the cache, and
+official client, stream == non-stream, a session's second turn served from the cache, the greedy
+text of a chain of responses equal to the chat completion of the same conversation, and
 embeddings equal to transformers' pooled hidden states (tests/data/smollm2_embeddings.json)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
-from server_harness import ServerThread, send
+from server_harness import ServerThread, delete_stored_responses, send
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +68,26 @@ def test_default_model_session_second_turn_reuses_the_first(smol_server):
     history = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= (history - 1) // BLOCK * BLOCK
     assert second["usage"]["prompt_tokens"] > history
+
+
+def test_a_responses_greedy_text_equals_the_chat_completion_of_its_conversation(smol_server):
+    client = openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="k", max_retries=0, timeout=120)
+    system = "You are a geography teacher. Answer in one short sentence."
+    kw = dict(model=DEFAULT_MODEL, instructions=system, max_output_tokens=24, temperature=0)
+    chat_kw = dict(model=DEFAULT_MODEL, max_tokens=24, temperature=0)
+    messages = [{"role": "system", "content": system}]
+    previous = None
+    for question in ("What is the capital of Italy?", "And of Spain?"):
+        response = client.responses.create(input=question, previous_response_id=previous, **kw)
+        messages.append({"role": "user", "content": question})
+        chat = client.chat.completions.create(messages=messages, **chat_kw)
+        assert response.output_text == chat.choices[0].message.content
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": response.output_text})
+        previous = response.id
+    assert "Madrid" in response.output_text
+    assert response.usage.input_tokens_details.cached_tokens > 0
+    delete_stored_responses(smol_server)
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
