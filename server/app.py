@@ -20,7 +20,8 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from jaxserve.engine_client import EngineClient
-from server import routes_embeddings, routes_ops, routes_openai, routes_responses, routes_sessions, routes_tokenize
+from server import (openapi, routes_embeddings, routes_ops, routes_openai, routes_responses, routes_sessions,
+                    routes_tokenize)
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
@@ -73,6 +74,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_tokenize.routes)
+    app.add_routes(openapi.routes)
     app[BODY_TIMEOUT] = config.body_timeout
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_drain)

@@ -183,7 +183,8 @@ def _call_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]])
     for name in ("call_id", "name", "arguments"):
         if not isinstance(item.get(name), str):
             raise bad_request(f"{where}.{name} must be a string", param="input")
-    call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
     if messages and messages[-1]["role"] == "assistant":  # calls of one reply share its message
         messages[-1].setdefault("tool_calls", []).append(call)
     else:

@@ -20,6 +20,7 @@ from server.state import STATE
 routes = web.RouteTableDef()
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
 @routes.post("/tokenize")
@@ -44,7 +45,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     info = request.app[STATE].info
     body = await read_json_object(request)
-    check_fields(body, frozenset({"model", "tokens"}))
+    check_fields(body, DETOKENIZE_FIELDS)
     check_model(body, info.name)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):

@@ -120,7 +120,8 @@ def test_rows_launched_again_by_a_recompute_are_pooled_once():
 
 
 @pytest.mark.parametrize("fields", [dict(pooling="max"), dict(pooling="last", max_tokens=2),
-                                    dict(pooling="mean", n=2, max_tokens=1), dict(pooling="last", max_tokens=1, logprobs=0)])
+                                    dict(pooling="mean", n=2, max_tokens=1),
+                                    dict(pooling="last", max_tokens=1, logprobs=0)])
 def test_bad_pooling_requests_are_refused(fields):
     with pytest.raises(ValueError, match="pooling"):
         SamplingParams(**fields)

@@ -114,12 +114,13 @@ def check_kv_integrity(srv: ServerThread, async_engine: AsyncEngine) -> None:
 
 
 def assert_serving_and_idle(srv: ServerThread, async_engine: AsyncEngine, key: str) -> None:
-    """After a storm of requests with `key`: /health is ok; once the key's sessions are deleted no
-    request is left in the engine, no KV block is held or pinned for the key, the pool's books
-    balance, and a new request is served in full."""
+    """After a storm of requests with `key`: /health is ok; once the key's sessions (and stored
+    responses) are deleted no request is left in the engine, no KV block is held or pinned for the
+    key, the pool's books balance, and a new request is served in full."""
     assert send(srv, "GET", "/health", key=None).json == {"status": "ok"}
     for session in send(srv, "GET", "/v1/sessions", key=key).json["data"]:
         assert send(srv, "DELETE", f"/v1/sessions/{session['id']}", key=key).status == 200
+    delete_stored_responses(srv)
     snap = wait_until_idle(srv, async_engine)
     assert not snap.has_unfinished and snap.kv_requests == 0 and snap.kv.used == 0
     check_kv_integrity(srv, async_engine)

@@ -39,7 +39,8 @@ def nothing_left_after(server, async_engine, assert_kv_all_free):
 
 def test_create_retrieve_input_items_and_delete(client):
     created = client.responses.create(input="Hello there, how are you?", instructions="Be brief.", **GREEDY)
-    assert created.object == "response" and created.status in ("completed", "incomplete") and created.id.startswith("resp_")
+    assert created.object == "response" and created.id.startswith("resp_")
+    assert created.status in ("completed", "incomplete")
     (message,) = created.output
     assert message.type == "message" and message.role == "assistant" and created.output_text == message.content[0].text
     assert created.usage.output_tokens >= 1 and created.usage.total_tokens == created.usage.input_tokens + \
@@ -48,7 +49,8 @@ def test_create_retrieve_input_items_and_delete(client):
     got = client.responses.retrieve(created.id)
     assert got.model_dump() == created.model_dump()
     items = client.responses.input_items.list(created.id)
-    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Hello there, how are you?")]
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == \
+        [("message", "user", "Hello there, how are you?")]
     client.responses.delete(created.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
