@@ -1,7 +1,8 @@
 """The Responses API (`/v1/responses`) on the tiny random model, through the official openai client:
 create (stream and not), retrieve, delete, input_items, chains by `previous_response_id` that reuse
 their KV, tools and function-call items, `text.format`, `max_output_tokens`, `store: false`,
-background responses and their cancel, per-key isolation and bad input. After every test the
+background responses and their cancel, a stream that fails midway, keys, rate limits, metrics,
+per-key isolation and bad input. After every test the
 stored responses are deleted and the KV pool is all free (nothing left pinned)."""
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import jsonschema
 import openai
 import pytest
 
-from server_harness import BLOCK_SIZE, KEY_A, KEY_B, MODEL_NAME, delete_stored_responses, send, wait_until_idle
+from jaxserve import faults
+
+from server_harness import (BLOCK_SIZE, KEY_A, KEY_B, MODEL_NAME, delete_stored_responses, send, start_server,
+                            wait_until_idle)
 
 WEATHER = {"type": "function", "name": "weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
@@ -198,3 +202,38 @@ def test_input_items_pages(client):
     assert [i.content[0].text for i in rest.data] == ["Line 2", "Line 3", "Line 4"] and not rest.has_more
     newest = client.responses.input_items.list(out.id, limit=1)
     assert newest.data[0].content[0].text == "Line 4"
+
+
+def test_a_stream_that_fails_midway_ends_with_response_failed_and_stores_nothing(client):
+    events = client.responses.create(input="Tell me everything.", model=MODEL_NAME, max_output_tokens=300,
+                                     temperature=0, stream=True)
+    first = next(iter(events))
+    with faults.inject("detokenize", first.response.id):  # the engine fails this request's next token
+        rest = list(events)
+    assert rest[-1].type == "response.failed"
+    assert rest[-1].response.status == "failed" and rest[-1].response.error.code == "internal_error"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.response.id)
+
+
+def test_keys_rate_limits_and_metrics_apply(server, async_engine):
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2}
+    assert send(server, "POST", "/v1/responses", body, key=None).status == 401
+    assert send(server, "POST", "/v1/responses", body, key="wrong").status == 401
+    limited = start_server(async_engine, api_keys=(KEY_A,), rate_limit_rpm=1)
+    try:
+        assert send(limited, "POST", "/v1/responses", {**body, "store": False}).status == 200
+        refused = send(limited, "POST", "/v1/responses", {**body, "store": False})
+        assert refused.status == 429 and refused.json["error"]["type"] == "rate_limit_error"
+    finally:
+        limited.stop()
+    before = _requests(server)
+    assert send(server, "POST", "/v1/responses", {**body, "store": False}).status == 200
+    assert _requests(server) == before + 1
+
+
+def _requests(srv) -> float:
+    for line in send(srv, "GET", "/metrics", key=None).text.splitlines():
+        if line.startswith("jaxserve_requests_total{") and 'endpoint="responses"' in line and '"ok"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
