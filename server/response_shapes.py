@@ -51,10 +51,9 @@ class ResponseShapes:
                 "error": error, "incomplete_details": incomplete, "model": self.info.name, "output": output,
                 **self.echo, "usage": usage_body(usage) if usage is not None else None}
 
-    def reply(self, choice: ChoiceOutput, keep_message: bool = False
-              ) -> tuple[str, list[dict[str, Any]], str | None, list[ToolCall]]:
-        """(status, output items, content, calls) of a finished reply; the message item is left
-        out when the reply is only calls (unless `keep_message`: a stream has opened it)."""
+    def reply(self, choice: ChoiceOutput, keep_message: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """(status, output items) of a finished reply; the message item is left out when the
+        reply is only calls (unless `keep_message`: a stream has opened it)."""
         if self.tools is None:
             content, calls, reason = choice.text, [], choice.finish_reason
         else:
@@ -64,7 +63,7 @@ class ResponseShapes:
         if content or not calls or keep_message:
             output.append(self.message(content or "", status, choice.logprobs))
         output += [self.call(i, call, status) for i, call in enumerate(calls)]
-        return status, output, content, calls
+        return status, output
 
     def message(self, text: str, status: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -129,7 +128,7 @@ class ResponseEvents:
 
     def finish(self, choice: ChoiceOutput, usage: UsageCount) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The events that close the output items and the response, and the response's body."""
-        status, output, _, _ = self.shapes.reply(choice, keep_message=self._message_open)
+        status, output = self.shapes.reply(choice, keep_message=self._message_open)
         events = []
         for index, item in enumerate(output):
             if item["type"] == "message":

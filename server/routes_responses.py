@@ -148,7 +148,7 @@ async def _collect(generation: Generation) -> ChoiceOutput:
 async def _finish(state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutput,
                   usage: UsageCount) -> dict[str, Any]:
     """The finished response's body, stored first when it is to be."""
-    status, output, _, _ = turn.shapes.reply(choice)
+    status, output = turn.shapes.reply(choice)
     body = turn.shapes.body(status, output, usage)
     await _save(state, owner, turn, choice, body)
     return body
@@ -242,7 +242,7 @@ async def _run_in_background(state: ServerState, owner: str, turn: _Turn, genera
             _commit(state, session, turn.shapes.body("failed", [], generation.usage, error=error))
             return
         if generation.outcome == "cancelled":
-            _, output, _, _ = turn.shapes.reply(choice)
+            _, output = turn.shapes.reply(choice)
             _commit(state, session, turn.shapes.body("cancelled", output, generation.usage))
             return
         await _finish(state, owner, turn, choice, generation.usage)
