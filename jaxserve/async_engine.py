@@ -71,7 +71,8 @@ class AsyncEngine:
         e = self.engine
         self.info = EngineInfo(model_name=str(e.model_name), tokenizer=e.tokenizer,
                                vocab_size=e.model_config.vocab_size, max_model_len=e.config.max_model_len,
-                               max_num_seqs=e.max_num_seqs, block_size=e.config.block_size)
+                               max_num_seqs=e.max_num_seqs, block_size=e.config.block_size,
+                               hidden_size=e.model_config.hidden_size)
         self._inbox: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}
         self._hold_kv: dict[str, list[int]] = {}  # request id -> prompt ids, for `generate(hold_kv=True)`

@@ -29,6 +29,11 @@ Three kinds of iteration change what the overlapped loop may overlap:
 
 Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own thread only.
 
+Embeddings (`SamplingParams.pooling`): a pooling request is prefilled like any prompt (sharing the
+prefix cache) while its steps pool its rows' final hidden states (`jaxserve.pooling`); once the
+step that samples after its last prompt token is read, the request ends with the pooled vector in
+its final delta and the sampled token is dropped (its max_tokens of 1 keeps it from another step).
+
 Fault isolation: an exception while preparing or post-processing one request's part of an
 iteration fails that request (an ERROR delta, its blocks freed) and the engine goes on; only a
 failure of the device iteration itself propagates.
@@ -52,6 +57,7 @@ from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.engine_client import check_prompt_ids
 from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
+from jaxserve.pooling import PromptPooling
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
@@ -156,6 +162,7 @@ class LLMEngine:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                 grammar=grammars[i],
                 text=TextStream(request_id, i, params, ids, self.tokenizer),
+                pooling=PromptPooling(params.pooling) if params.pooling is not None else None,
             )
             for i in range(params.n)]
         self._groups[request_id] = group
@@ -288,6 +295,8 @@ class LLMEngine:
             if self._in_flight is not None:
                 deltas += self._read(self._take_in_flight())
             self.runner.complete_launch(handle)
+        for pooled in prepared.pooled:  # a recompute launched later does not pool these again
+            pooled.request.pooling.on_launched(pooled.positions)
         self.kv.submit_loads()  # after the launch: the copies that read their slots have run
         self.stats.model_time += self.runner.last_prepare_time + self.runner.last_launch_time
         self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
@@ -325,6 +334,9 @@ class LLMEngine:
         for req, first, scored in self.runner.fetch_prompt_scores(handle):
             if not req.is_finished:
                 req.add_prompt_logprobs(first, scored)
+        for req, total, rows in self.runner.fetch_pooled(handle):
+            if not req.is_finished:
+                req.pooling.add(total, rows)
         self.stats.overlapped_reads += handle.launches_before_fetch > handle.launch_index
         deltas = []
         finished_groups = set()
@@ -334,6 +346,10 @@ class LLMEngine:
                 continue
             stream = req.text
             try:
+                if req.pooling is not None:  # an embedding: its prompt is pooled, its sampled token dropped
+                    deltas.append(self._pooled_delta(req))
+                    finished_groups.add(stream.group_id)
+                    continue
                 reason = self._update_all(req, stream, chunk, tokens)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
@@ -388,6 +404,15 @@ class LLMEngine:
         if stopped or (req.grammar is not None and req.grammar.is_finished):
             return FinishReason.STOP
         return FinishReason.LENGTH if req.ends_by_length(num_out, self.config.max_model_len) else None
+
+    def _pooled_delta(self, req: Request) -> Delta:
+        """End an embedding request whose whole prompt is pooled: the final delta carries the
+        pooled vector and generates nothing."""
+        embedding = req.pooling.vector()
+        self.scheduler.finish(req, FinishReason.STOP)
+        delta = self._final_delta(req, FinishReason.STOP)
+        delta.embedding = embedding
+        return delta
 
     def _fail(self, req: Request, error: BaseException) -> list[Delta]:
         """End one request whose part of an iteration raised; the others go on."""

@@ -74,6 +74,7 @@ class EngineInfo:
     max_model_len: int
     max_num_seqs: int  # sequences all replicas (or workers) run at once
     block_size: int
+    hidden_size: int  # the length of an embedding (a pooling request's `Delta.embedding`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,9 @@ class EngineClient(Protocol):
         stopped, `RequestFailedError` when this request failed alone. Leaving the iteration early
         aborts the request. A `session_id` keeps a session's turns where its KV is cached.
         `hold_kv` (n = 1, engines that export KV): when the sequence ends by length, its prompt's
-        cached blocks are held and the final delta carries the `KVHold` (`Delta.kv_hold`)."""
+        cached blocks are held and the final delta carries the `KVHold` (`Delta.kv_hold`).
+        Embeddings: with `params.pooling` (`SamplingParams.for_pooling`) nothing is generated and
+        the final delta carries the prompt's pooled final hidden states (`Delta.embedding`)."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish reason "abort"."""

@@ -1,4 +1,5 @@
-"""Offline batch generation, with vLLM's names: `LLM(model=...).generate(prompts, params)`."""
+"""Offline batch generation, with vLLM's names: `LLM(model=...).generate(prompts, params)`, and
+embeddings: `LLM(...).embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 import itertools
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from checkpoints.registry import DEFAULT_MODEL
@@ -56,6 +58,13 @@ class LLM:
         for index, output in self._finished([_as_prompt(p) for p in prompts], params_list, use_tqdm):
             results[index] = output
         return results
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "last",
+              use_tqdm: bool = True) -> list[np.ndarray]:
+        """Each prompt's pooled final hidden states (`SamplingParams.pooling`: "last" or "mean"),
+        float32 and not normalized, in input order; nothing is generated."""
+        outputs = self.generate(prompts, SamplingParams.for_pooling(pooling), use_tqdm)
+        return [out.embedding for out in outputs]
 
     @staticmethod
     def _normalize(prompts: PromptType | Sequence[PromptType],
@@ -129,6 +138,7 @@ class LLM:
                         outputs[rid].prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         out.finish_reason = d.finish_reason
+                        outputs[rid].embedding = d.embedding
                         outputs[rid].num_cached_tokens = max(outputs[rid].num_cached_tokens, d.usage.cached_tokens)
                         remaining[rid] -= 1
                         if remaining[rid] == 0:

@@ -63,6 +63,8 @@ class Delta:
     # With `generate(..., hold_kv=True)`, on a final delta that ended by length: the held KV
     # blocks of the prompt (an `engine_client.KVHold`), for a decode worker to pull.
     kv_hold: Any = None
+    # With params.pooling, on the final delta: the prompt's pooled final hidden states (float32).
+    embedding: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,3 +90,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With params.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With params.pooling: the prompt's pooled final hidden states (float32).
+    embedding: np.ndarray | None = None

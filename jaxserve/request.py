@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxserve.outputs import FinishReason, TokenLogprob
+from jaxserve.pooling import PromptPooling
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class Request:
     batch_slot: int | None = None  # its slot in the runner's persistent batch while it runs
     # Its output as text: detokenized, stop strings found, cut into deltas (the engine's).
     text: TextStream | None = dataclasses.field(default=None, repr=False)
+    pooling: PromptPooling | None = None  # an embedding request: its prompt's pooled rows so far
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -112,8 +114,11 @@ class Request:
     @property
     def num_cacheable_tokens(self) -> int:
         """How much of the sequence a prefix-cache hit may cover: all of it, except for a request
-        still scoring its prompt, whose unscored rows must be computed (their hidden states are
-        what the scores come from)."""
+        still scoring its prompt, or pooling the mean of its rows, whose unscored (unpooled) rows
+        must be computed (their hidden states are what the scores and the pooled vector come from)."""
+        first_needed = None if self.pooling is None else self.pooling.first_needed(self.num_prompt_tokens)
+        if first_needed is not None:
+            return first_needed
         if self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens:
             return self.num_tokens
         return len(self.prompt_logprobs) - 1  # the row that scores the first unscored position

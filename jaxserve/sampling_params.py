@@ -29,6 +29,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 1e-2  # vLLM's floor: lower non-zero temperatures overflow float32 logits; raised to it
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)  # logits are divided by it in float32
 SEED_RANGE = (-(2**63), 2**64)  # a seed fits in 64 bits, signed or not
+POOLING_KINDS = ("last", "mean")  # `SamplingParams.pooling`: the last prompt row's hidden state, or their mean
 
 
 def encodes_as_utf8(text: str) -> bool:
@@ -63,6 +64,9 @@ class SamplingParams:
     sampled and stop strings are not looked for. `include_stop_str_in_output` (vLLM's) keeps
     the stop string that ended the text at its end. `guided` constrains the output to a JSON
     schema, regex, choice or grammar (structured output; see `jaxserve.structured`).
+    `pooling` ("last" or "mean") makes the request an embedding: its prompt is prefilled and
+    nothing is generated; the final delta carries the pooled final hidden states of the prompt
+    (after the model's final norm, not normalized), `Delta.embedding`. Build it with `for_pooling`.
     """
 
     n: int = 1
@@ -86,6 +90,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     guided: GuidedDecoding | None = None
+    pooling: str | None = None
+
+    @classmethod
+    def for_pooling(cls, kind: str) -> SamplingParams:
+        """An embedding request: `kind` pooling of the prompt's hidden states, nothing generated
+        (the engine samples the one token its prefill step samples anyway, and drops it)."""
+        return cls(max_tokens=1, temperature=0.0, pooling=kind)
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -98,6 +109,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {self.guided!r}")
+        self._check_pooling()
 
     @property
     def is_greedy(self) -> bool:
@@ -166,6 +178,16 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
             raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
+
+    def _check_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if self.pooling not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {list(POOLING_KINDS)}, got {self.pooling!r}")
+        if (self.n, self.max_tokens) != (1, 1) or self.guided is not None or self.logprobs is not None \
+                or self.prompt_logprobs is not None:
+            raise ValueError("a pooling request generates nothing: n and max_tokens must be 1, and it takes no "
+                             "guided, logprobs or prompt_logprobs")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids this request names (stop tokens, biased tokens) exist in a vocabulary of

@@ -20,7 +20,8 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from jaxserve.engine_client import EngineClient
-from server import routes_ops, routes_openai, routes_sessions, routes_tokenize
+from server import (openapi, routes_embeddings, routes_ops, routes_openai, routes_responses, routes_sessions,
+                    routes_tokenize)
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
@@ -29,6 +30,7 @@ from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
 from server.protocol import BODY_TIMEOUT, Limits
 from server.rate_limit import RateLimiter
+from server.response_store import ResponseStore
 from server.session_files import SessionFiles
 from server.session_kv import SessionKV
 from server.sessions import SessionStore
@@ -45,7 +47,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     info = ModelInfo.from_engine(engine.info, config.served_model_name)
     keys = ApiKeys(config.api_keys)
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
-    sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files)
+    sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files, config.response_ttl)
+    session_kv = SessionKV(engine, sessions)
     state = ServerState(
         engine=engine,
         config=config,
@@ -55,7 +58,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
         admission=Admission(info.max_num_seqs, config.max_waiting_seqs),
         metrics=ServerMetrics(),
         sessions=sessions,
-        session_kv=SessionKV(engine, sessions),
+        session_kv=session_kv,
+        responses=ResponseStore(sessions, session_kv, config.max_stored_responses_per_key),
         limits=Limits(
             max_model_len=info.max_model_len,
             max_tokens_limit=config.max_tokens_limit or info.max_model_len,
@@ -65,9 +69,12 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware(keys)], client_max_size=config.max_body_bytes)
     app[STATE] = state
     app.add_routes(routes_openai.routes)
+    app.add_routes(routes_embeddings.routes)
+    app.add_routes(routes_responses.routes)
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_tokenize.routes)
+    app.add_routes(openapi.routes)
     app[BODY_TIMEOUT] = config.body_timeout
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_drain)
@@ -116,11 +123,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _expire_sessions(state: ServerState) -> None:
-    period = min(60.0, state.sessions.ttl / 2)
+    period = min(60.0, state.sessions.ttl / 2, state.sessions.response_ttl / 2)
     while True:
         await asyncio.sleep(period)
         for session in state.sessions.expired():
-            logger.info("session %s expired after %.0f s idle", session.id, state.sessions.ttl)
+            logger.info("%s expired (idle)", session.id)
             try:
                 state.sessions.remove(session)
             except APIError:

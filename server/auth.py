@@ -17,7 +17,7 @@ from server.errors import APIError
 
 OPEN_OWNER = "anonymous"  # the owner of every request on a server without keys
 OWNER_KEY = web.RequestKey("owner", str)  # where the middleware puts the caller's owner id
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 def owner_id(api_key: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jaxserve.engine_client import EngineClient
+from jaxserve.sampling_params import POOLING_KINDS
 from server.config import ServerConfig
 from sharding.multihost import add_distributed_arguments
 
@@ -61,6 +62,13 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-session-messages", type=int, default=defaults.max_session_messages)
     g.add_argument("--session-pin-blocks-per-key", type=int, default=None,
                    help="KV blocks one key's sessions may pin (default: the KV manager's)")
+    g.add_argument("--response-ttl", type=float, default=defaults.response_ttl,
+                   help="idle seconds before a stored response (/v1/responses, store: true) expires")
+    g.add_argument("--max-stored-responses-per-key", type=int, default=defaults.max_stored_responses_per_key,
+                   help="stored responses one key keeps; beyond it, its least recently used idle ones are deleted")
+    g.add_argument("--embedding-pooling", choices=POOLING_KINDS, default=defaults.embedding_pooling,
+                   help="the served model's embeddings (/v1/embeddings): the last prompt token's final hidden "
+                        "state, or the mean of every token's; normalized")
     g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
                         "with an error event and [DONE]")
@@ -94,6 +102,9 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
         max_sessions_per_key=args.max_sessions_per_key,
         max_session_messages=args.max_session_messages,
         session_pin_blocks_per_key=args.session_pin_blocks_per_key,
+        response_ttl=args.response_ttl,
+        max_stored_responses_per_key=args.max_stored_responses_per_key,
+        embedding_pooling=args.embedding_pooling,
         shutdown_timeout=args.shutdown_timeout,
     )
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from jaxserve.sampling_params import POOLING_KINDS
+
 
 @dataclasses.dataclass
 class ServerConfig:
@@ -35,6 +37,13 @@ class ServerConfig:
     max_session_messages: int = 256
     session_pin_blocks_per_key: int | None = None  # None: the KV manager's default budget
 
+    # Stored responses of the Responses API (sessions too: --session-dir keeps them).
+    response_ttl: float = 30 * 24 * 3600.0  # idle seconds before a stored response expires (OpenAI keeps 30 days)
+    max_stored_responses_per_key: int = 1000  # beyond it, a key's least recently used idle ones are deleted
+
+    # Embeddings: which final hidden states of a prompt /v1/embeddings pools ("last" or "mean").
+    embedding_pooling: str = "last"
+
     # Lifecycle.
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
 
@@ -42,14 +51,17 @@ class ServerConfig:
         for name in ("rate_limit_rpm", "rate_limit_tpm", "max_waiting_seqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("max_body_bytes", "max_n", "max_prompts", "max_sessions_per_key", "max_session_messages"):
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_sessions_per_key", "max_session_messages",
+                     "max_stored_responses_per_key"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.request_timeout < 0 or self.session_ttl <= 0 or self.shutdown_timeout < 0:
-            raise ValueError("request_timeout and shutdown_timeout must be >= 0, session_ttl > 0")
+        if self.request_timeout < 0 or self.session_ttl <= 0 or self.response_ttl <= 0 or self.shutdown_timeout < 0:
+            raise ValueError("request_timeout and shutdown_timeout must be >= 0, session_ttl and response_ttl > 0")
         if self.body_timeout <= 0 or self.keepalive_timeout <= 0:
             raise ValueError("body_timeout and keepalive_timeout must be > 0")
         if not 0 <= self.grpc_port <= 65535 or (self.grpc_port and self.grpc_port == self.port):
             raise ValueError("grpc_port must be in [0, 65535] and differ from port")
+        if self.embedding_pooling not in POOLING_KINDS:
+            raise ValueError(f"embedding_pooling must be one of {list(POOLING_KINDS)}")
         if any(not key or any(c.isspace() for c in key) for key in self.api_keys):
             raise ValueError("API keys must be non-empty and contain no whitespace")

@@ -22,7 +22,7 @@ from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.rate_limit import RateLimiter
-from server.responses import UsageCount
+from server.openai_bodies import UsageCount
 
 _DONE = object()
 _SHUT_DOWN = object()

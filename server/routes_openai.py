@@ -27,8 +27,8 @@ from server.protocol import (
     read_json_object,
     require_bool,
 )
-from server.respond import respond
-from server.responses import ChatShapes, CompletionShapes
+from server.http_reply import respond
+from server.openai_bodies import ChatShapes, CompletionShapes
 from server.state import STATE
 from server.tools import ToolCalling, ToolFormat, forced_constraint, parse_tool_choice, parse_tools
 

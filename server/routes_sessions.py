@@ -45,8 +45,8 @@ from server.protocol import (
     read_json_object,
     require_str,
 )
-from server.respond import respond
-from server.responses import ChatShapes, ChoiceOutput
+from server.http_reply import respond
+from server.openai_bodies import ChatShapes, ChoiceOutput
 from server.sessions import Message, Session
 from server.state import STATE, ServerState
 

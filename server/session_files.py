@@ -22,7 +22,8 @@ from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
-SESSION_ID = re.compile(r"^sess_[0-9a-f]{24}$")
+SESSION_PREFIX, RESPONSE_PREFIX = "sess_", "resp_"  # a session's id, a stored response's
+SESSION_ID = re.compile(r"^(sess|resp)_[0-9a-f]{24}$")
 QUARANTINE = "quarantine"
 _TEMP_PREFIX, _TEMP_SUFFIX = ".write-", ".tmp"
 

@@ -5,6 +5,11 @@ looking up one that does not exist (404). Runtime state (the reply in flight, th
 not persisted; messages (assistant ones with the token ids the model generated, see
 `server.prompts.encode_chat`) and sampling defaults are.
 
+A stored response of the Responses API is a session too (`Session.response` holds what the API
+shows of it, and its messages are the conversation it ends): it is kept, written, quarantined,
+expired and pinned as sessions are, but listed, counted and looked up apart from them
+(`server.response_store`).
+
 With files, every change is written before it becomes visible: `create`, `commit` and `remove`
 write (or delete) the file first and change memory only once that succeeded, so a failed write
 leaves the session, and the key's session count, as they were. Records read back at start-up
@@ -23,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.sampling_params import INT32_MAX, encodes_as_utf8
 from server.errors import APIError, not_found
-from server.session_files import SESSION_ID, SessionFiles
+from server.session_files import RESPONSE_PREFIX, SESSION_ID, SESSION_PREFIX, SessionFiles
 
 if TYPE_CHECKING:
     from jaxserve.engine_client import Pin
@@ -31,8 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, Any]  # {"role", "content"} and, on generated assistant messages, "token_ids"
-STORED_ROLES = frozenset({"system", "user", "assistant"})
+# {"role", "content"} and, on generated assistant messages, "token_ids"; assistant messages of a
+# response may hold "tool_calls", and "tool" messages their "tool_call_id".
+Message = dict[str, Any]
+STORED_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 def _write_failed(error: OSError) -> APIError:
@@ -47,6 +54,9 @@ class Session:
     model: str
     messages: list[Message]
     defaults: dict[str, Any]  # sampling parameters with chat-completion names
+    # A stored response: {"object": the response as the API shows it, "input_items": its input
+    # items, "chain": the id of the first response of its chain}; None for a session.
+    response: dict[str, Any] | None = None
     created_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
     last_used: float = dataclasses.field(default_factory=time.time)
     # Runtime only.
@@ -57,6 +67,11 @@ class Session:
     @property
     def busy(self) -> bool:
         return self.reply is not None
+
+    @property
+    def placement_id(self) -> str:
+        """What the engine keeps on one replica or worker: a session, or a chain of responses."""
+        return self.id if self.response is None else self.response["chain"]
 
     def public(self) -> dict[str, Any]:
         return {
@@ -70,9 +85,11 @@ class Session:
             "replying": self.busy,
         }
 
-    def record(self, messages: list[Message] | None = None, last_used: float | None = None) -> dict[str, Any]:
-        """What is written to disk: the session as it is, or with `messages` / `last_used` replaced."""
-        return {
+    def record(self, messages: list[Message] | None = None, last_used: float | None = None,
+               response: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What is written to disk: the session as it is, or with `messages`, `last_used` or
+        `response` replaced."""
+        record = {
             "id": self.id,
             "owner": self.owner,
             "model": self.model,
@@ -81,6 +98,9 @@ class Session:
             "defaults": self.defaults,
             "messages": self.messages if messages is None else messages,
         }
+        if self.response is not None or response is not None:
+            record["response"] = self.response if response is None else response
+        return record
 
     @classmethod
     def from_record(cls, r: Any, vocab_size: int) -> Session:
@@ -98,9 +118,17 @@ class Session:
                 raise ValueError(f"{name} is not a finite time")
         if not all(isinstance(k, str) for k in r["defaults"]):
             raise ValueError("defaults has keys that are not strings")
+        response = r.get("response")
+        if (response is not None) != r["id"].startswith(RESPONSE_PREFIX):
+            raise ValueError("a response record needs a resp_ id and a response, a session neither")
+        if response is not None and not (isinstance(response, dict) and isinstance(response.get("object"), dict)
+                                         and isinstance(response.get("input_items"), list)
+                                         and isinstance(response.get("chain"), str)):
+            raise ValueError("response must be an object with object, input_items and chain")
         return cls(id=r["id"], owner=r["owner"], model=r["model"],
                    messages=[_checked_message(m, vocab_size) for m in r["messages"]],
-                   defaults=dict(r["defaults"]), created_at=r["created_at"], last_used=float(r["last_used"]))
+                   defaults=dict(r["defaults"]), created_at=r["created_at"], last_used=float(r["last_used"]),
+                   response=response)
 
 
 def _checked_message(m: Any, vocab_size: int) -> Message:
@@ -109,6 +137,12 @@ def _checked_message(m: Any, vocab_size: int) -> Message:
     if not encodes_as_utf8(m["content"]):
         raise ValueError("a message content is not valid Unicode")
     message: Message = {"role": m["role"], "content": m["content"]}
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise ValueError("a tool message needs its tool_call_id")
+        message["tool_call_id"] = m["tool_call_id"]
+    if "tool_calls" in m:
+        message["tool_calls"] = _checked_tool_calls(m)
     ids = m.get("token_ids")
     if ids is not None:
         if m["role"] != "assistant" or not isinstance(ids, list) or not all(
@@ -118,10 +152,23 @@ def _checked_message(m: Any, vocab_size: int) -> Message:
     return message
 
 
+def _checked_tool_calls(m: dict[str, Any]) -> list[dict[str, Any]]:
+    calls = m["tool_calls"]
+    if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("id"), str) and c.get("type") == "function"
+            and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), str) for c in calls):
+        raise ValueError("tool_calls must be the function calls of an assistant message")
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in calls]
+
+
 class SessionStore:
-    def __init__(self, max_per_owner: int, ttl: float, files: SessionFiles | None = None) -> None:
+    def __init__(self, max_per_owner: int, ttl: float, files: SessionFiles | None = None,
+                 response_ttl: float | None = None) -> None:
         self.max_per_owner = max_per_owner
         self.ttl = ttl
+        self.response_ttl = ttl if response_ttl is None else response_ttl  # idle seconds of a stored response
         self.files = files
         self._sessions: dict[str, Session] = {}
 
@@ -144,32 +191,46 @@ class SessionStore:
             self._sessions[session.id] = session
         return len(self._sessions)
 
-    def create(self, owner: str, model: str, messages: list[Message], defaults: dict[str, Any]) -> Session:
-        if sum(1 for s in self._sessions.values() if s.owner == owner) >= self.max_per_owner:
+    def create(self, owner: str, model: str, messages: list[Message], defaults: dict[str, Any],
+               response: dict[str, Any] | None = None, session_id: str | None = None) -> Session:
+        """A new session (written first when there are files), or with `response` a stored
+        response (of id `session_id`; `server.response_store` keeps their count per key)."""
+        if response is None and len(self.owned_by(owner)) >= self.max_per_owner:
             raise APIError(429, f"this key already has {self.max_per_owner} sessions; delete some first",
                            code="session_limit_reached")
         session = Session(
-            id="sess_" + secrets.token_hex(12),
+            id=session_id or new_session_id(),
             owner=owner,
             model=model,
             messages=[dict(m) for m in messages],
             defaults=dict(defaults),
+            response=response,
         )
         self._write(session.record())
         self._sessions[session.id] = session
         return session
 
     def get(self, owner: str, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None or session.owner != owner:
+        """The owner's session (not a stored response), or 404."""
+        session = self.find(owner, session_id, responses=False)
+        if session is None:
             raise not_found(f"no session {session_id!r}", code="session_not_found")
+        return session
+
+    def find(self, owner: str, session_id: str, responses: bool) -> Session | None:
+        """The owner's session, or with `responses` stored response, of that id; None if none."""
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != owner or (session.response is not None) != responses:
+            return None
         return session
 
     def all(self) -> list[Session]:
         return list(self._sessions.values())
 
-    def owned_by(self, owner: str) -> list[Session]:
-        return sorted((s for s in self._sessions.values() if s.owner == owner), key=lambda s: s.created_at)
+    def owned_by(self, owner: str, responses: bool | None = False) -> list[Session]:
+        """The owner's sessions, stored responses (`responses`), or both (None), oldest first."""
+        return sorted((s for s in self._sessions.values() if s.owner == owner
+                       and (responses is None or (s.response is not None) == responses)), key=lambda s: s.created_at)
 
     def contains(self, session: Session) -> bool:
         return self._sessions.get(session.id) is session
@@ -183,14 +244,17 @@ class SessionStore:
                     raise _write_failed(e) from None
             del self._sessions[session.id]
 
-    def commit(self, session: Session, messages: list[Message]) -> None:
-        """Make `messages` the session's history: on disk first, then in memory (APIError 500,
-        nothing changed, when the write fails). A session deleted meanwhile stays deleted."""
+    def commit(self, session: Session, messages: list[Message], response: dict[str, Any] | None = None) -> None:
+        """Make `messages` the session's history (and `response` a stored response's record): on
+        disk first, then in memory (APIError 500, nothing changed, when the write fails). A
+        session deleted meanwhile stays deleted."""
         now = time.time()
         if self.contains(session):
-            self._write(session.record(messages, now))
+            self._write(session.record(messages, now, response))
         session.messages = messages
         session.last_used = now
+        if response is not None:
+            session.response = response
 
     def save_all(self) -> None:
         """Write every session that is not replying as it is (at shutdown: last use times);
@@ -213,4 +277,9 @@ class SessionStore:
 
     def expired(self, now: float | None = None) -> list[Session]:
         now = time.time() if now is None else now
-        return [s for s in self._sessions.values() if not s.busy and now - s.last_used > self.ttl]
+        return [s for s in self._sessions.values()
+                if not s.busy and now - s.last_used > (self.ttl if s.response is None else self.response_ttl)]
+
+
+def new_session_id(prefix: str = SESSION_PREFIX) -> str:
+    return prefix + secrets.token_hex(12)

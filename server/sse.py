@@ -1,4 +1,5 @@
-"""Server-sent events as OpenAI streams them: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`."""
+"""Server-sent events as OpenAI streams them: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n` for completions
+and chat; `event: <type>\\ndata: <json>\\n\\n` ..., with no `[DONE]`, for the Responses API."""
 
 from __future__ import annotations
 
@@ -26,13 +27,20 @@ class EventStream:
         await self.response.prepare(self._request)
         self.started = True
 
-    async def send(self, payload: dict[str, Any]) -> None:
+    async def send(self, payload: dict[str, Any], event: str | None = None) -> None:
         if not self.started:
             await self.start()
-        await self.response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+        head = b"" if event is None else b"event: " + event.encode() + b"\n"
+        await self.response.write(head + b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
 
     async def done(self) -> None:
         if not self.started:
             await self.start()
         await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+    async def close(self) -> None:
+        """End the stream without `[DONE]` (the Responses API's last event says it is over)."""
+        if not self.started:
+            await self.start()
         await self.response.write_eof()

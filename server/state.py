@@ -21,6 +21,7 @@ from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
 from server.protocol import Limits
 from server.rate_limit import RateLimiter
+from server.response_store import ResponseStore
 from server.session_kv import SessionKV
 from server.sessions import SessionStore
 
@@ -39,6 +40,7 @@ class ServerState:
     metrics: ServerMetrics
     sessions: SessionStore
     session_kv: SessionKV
+    responses: ResponseStore
     limits: Limits
     background: set[asyncio.Task] = dataclasses.field(default_factory=set)  # fire-and-forget tasks
     draining: bool = False  # shutting down: no new generation starts

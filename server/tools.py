@@ -166,15 +166,96 @@ class ToolFormat:
         return content or None, calls
 
 
-def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall] | None:
-    """The calls of a reply constrained by `forced_constraint` (None if it was cut short)."""
+def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall]:
+    """The calls of a reply constrained by `forced_constraint`, whole or cut short (by max_tokens,
+    a stop or an abort): a named function's arguments as far as they go; for "required", each call
+    whose name is complete, with the text of its parameters as far as it goes (as OpenAI returns a
+    call cut by length)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        return None
+        if choice.mode == "function":
+            return [ToolCall(choice.name, text)]
+        calls = []
+        for item in cut_json_objects(text):
+            try:
+                name = json.loads(item.get("name", ""))
+            except json.JSONDecodeError:
+                continue  # its name was cut
+            if isinstance(name, str):
+                calls.append(ToolCall(name, item.get("parameters", "")))
+        return calls
     if choice.mode == "function":
         return [ToolCall(choice.name, json.dumps(value, ensure_ascii=False))]
     return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+def cut_json_objects(text: str) -> list[dict[str, str]]:
+    """The objects of a JSON array of objects whose text may end anywhere: for each object, its keys
+    and the raw text of their values as far as it goes (a key whose own text is cut is left out)."""
+    objects: list[dict[str, str]] = []
+    at = text.find("[")
+    if at < 0:
+        return objects
+    at += 1
+    while True:
+        at = _skip(text, at, " \t\r\n,")
+        if at >= len(text) or text[at] != "{":
+            return objects
+        item: dict[str, str] = {}
+        objects.append(item)
+        at += 1
+        while True:
+            at = _skip(text, at, " \t\r\n,")
+            if at >= len(text):
+                return objects
+            if text[at] == "}":
+                at += 1
+                break
+            key_end = _value_end(text, at)
+            try:
+                key = json.loads(text[at:key_end])
+            except json.JSONDecodeError:
+                return objects
+            at = _skip(text, key_end, " \t\r\n:")
+            end = _value_end(text, at)
+            item[str(key)] = text[at:end]
+            at = end
+
+
+def _skip(text: str, at: int, chars: str) -> int:
+    while at < len(text) and text[at] in chars:
+        at += 1
+    return at
+
+
+def _value_end(text: str, at: int) -> int:
+    """Where the JSON value starting at `at` ends (`len(text)` when it is cut)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(at, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            if depth == 0:
+                return i
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif c in ",:" and depth == 0:
+            return i
+    return len(text)
 
 
 def _hermes_system_text(tools: list[dict[str, Any]]) -> str:
@@ -266,12 +347,17 @@ class ToolCalling:
     def forced(self) -> bool:
         return self.choice.mode in ("required", "function")
 
-    def reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished reply."""
+    def reply(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, calls, finish_reason) of a finished reply, as OpenAI reports them: a forced
+        reply is all calls (cut ones with what they hold); the finish reason is "length" for a reply
+        cut by length, "stop" for a named function's call, "tool_calls" for other calls."""
         if self.forced:
-            calls = parse_forced(text, self.choice)
-            return (text, []) if calls is None else (None, calls)
-        return self.format.parse(text)
+            content, calls = None, parse_forced(text, self.choice)
+        else:
+            content, calls = self.format.parse(text)
+        if calls and finish_reason == "stop":
+            finish_reason = "stop" if self.choice.mode == "function" else "tool_calls"
+        return content, calls, finish_reason
 
     def shown(self, text: str) -> int:
         """How much of an unfinished reply may be streamed as content: everything before a call

@@ -9,7 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-PEER_SCRIPTS = {"transformers": "hf_generate.py", "llama-cpp": "llamacpp_generate.py"}
+PEER_SCRIPTS = {"transformers": "hf_generate.py", "transformers-embed": "hf_embed.py",
+                "llama-cpp": "llamacpp_generate.py"}
 MISSING_DEPENDENCY = 3  # the scripts' exit code when their engine is not installed
 
 
@@ -36,6 +37,7 @@ def run_offline_peer(peer: str, job: dict[str, Any], python: str | None = None, 
 
 PEER_MODULES = {
     "transformers": ("torch", "transformers", "accelerate", "gguf"),
+    "transformers-embed": ("torch", "transformers", "accelerate", "gguf"),
     "llama-cpp": ("llama_cpp",),
     "llama-cpp-server": ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "pydantic_settings"),
 }

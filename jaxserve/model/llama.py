@@ -338,10 +338,16 @@ class LlamaModel(nn.Module):
         return logits, KVCache(k, v)
 
 
+def final_norm(config: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:
+    """The model's final norm of last hidden states (the `hidden` rows `LlamaModel` sows), with its
+    parameters: what the output head reads, and what embeddings pool."""
+    return RMSNorm(config.rms_norm_eps, hidden.dtype).apply({"params": params["final_norm"]}, hidden)
+
+
 def head_logits(config: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:
     """f32 logits of last hidden states (the `hidden` rows `LlamaModel` sows): its final norm
     and output head, with its parameters."""
-    x = RMSNorm(config.rms_norm_eps, hidden.dtype).apply({"params": params["final_norm"]}, hidden)
+    x = final_norm(config, params, hidden)
     if config.tie_word_embeddings:
         return matmul(x, params["embed"]["embedding"], contract_w=1)
     return matmul(x, params["lm_head"]["kernel"])

@@ -59,6 +59,9 @@ class Program(NamedTuple):
     constrained: bool = False  # it has (or had, before `write_token_masks`) constrained rows
     # A multi-step decode program: decode steps in its device loop (see `StepInputs.multi_decode`).
     num_steps: int = 1
+    # Embeddings: each row's segment among the pooling chunks (`PooledRows`), `pool_segments`
+    # for rows no chunk pools; None when none are.
+    pool: np.ndarray | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -87,6 +90,15 @@ class PromptScores:
 
 
 @dataclasses.dataclass
+class PooledRows:
+    """The prompt positions of `request` that segment `segment` of a prefill program pools."""
+
+    request: Request
+    segment: int
+    positions: range
+
+
+@dataclasses.dataclass
 class PreparedStep:
     """An iteration's host work: penalty rows to set first (arguments of each reset call, and
     the requests they are for), then the programs (prefill, with the decodes that join it, then decode or verify) and
@@ -97,6 +109,7 @@ class PreparedStep:
     programs: list[Program]
     parts: list[list[ScheduledChunk]]
     prompt_scores: list[PromptScores] = dataclasses.field(default_factory=list)  # of the prefill program
+    pooled: list[PooledRows] = dataclasses.field(default_factory=list)  # of the prefill program
 
 
 class StepInputs:
@@ -111,6 +124,7 @@ class StepInputs:
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
         self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
         self.sampled_rows = self.decode_offset + self.sampler_rows(max(engine_config.decode_batch_buckets))
+        self.pool_segments = max(engine_config.prefill_seq_buckets)  # chunks of a prefill program, at most
         spec = engine_config.speculative
         self.verify_rows = 0 if spec is None else spec.num_speculative_tokens + 1  # rows per verified sequence
         # Verify programs exist for the decode batch buckets up to the first that holds the
@@ -134,7 +148,7 @@ class StepInputs:
         unset = [req for req in sampling if req in batch.unset]
         resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS])
                   for i in range(0, len(unset), PENALTY_RESET_ROWS)]
-        programs, parts, scores = [], [], []
+        programs, parts, scores, pooled = [], [], [], []
         decodes = sched.decodes
         slots = self.decode_slots(decodes)
         if sched.prefills:
@@ -149,6 +163,7 @@ class StepInputs:
                 scores,
                 decodes if joined else [],
                 slots if joined else None,
+                pooled,
             ))
             parts.append(chunks + decodes if joined else chunks)
             decodes = [] if joined else decodes
@@ -163,7 +178,7 @@ class StepInputs:
             else:
                 programs.append(self.decode(chunks, size, self._width_bucket([], slots), slots))
             parts.append(chunks)
-        return PreparedStep(resets, unset, programs, parts, scores)
+        return PreparedStep(resets, unset, programs, parts, scores, pooled)
 
     def decode_slots(self, chunks: list[ScheduledChunk]) -> np.ndarray:
         """The slots of decode chunks (their requests have joined the batch), with their
@@ -258,14 +273,14 @@ class StepInputs:
 
     def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
                 scores: list[PromptScores] | None = None, decodes: list[ScheduledChunk] = (),
-                decode_slots: np.ndarray | None = None) -> Program:
+                decode_slots: np.ndarray | None = None, pooled: list[PooledRows] | None = None) -> Program:
         """A ragged prefill program: the chunks' rows, then one row per decode of `decodes`, in
         one model step (one read of the weights), with `decode_rows` decode sequences after the
         `num_seqs` chunk ones (`AttentionMetadata.decode_rows`; padding ones have length 0, so
         an iteration without decodes costs their attention almost nothing). Its sampling rows
         are the chunks' then the decodes', in order. Rows that score prompt positions are listed
-        in `scores`. The decodes' rows are gathered from their slots (`decode_slots`, as
-        `decode_slots()` gives them; looked up here when None)."""
+        in `scores`, and rows that embeddings pool in `pooled`. The decodes' rows are gathered
+        from their slots (`decode_slots`, as `decode_slots()` gives them; looked up here when None)."""
         bs = self.config.block_size
         num_decodes = self.decode_rows(num_tokens)
         decodes = list(decodes)
@@ -314,7 +329,24 @@ class StepInputs:
         sampling, masks = self._sampling(chunks + decodes, slots, self.sampler_rows(len(logits_indices)))
         key = ("prefill", num_tokens, num_seqs, width)
         return Program(key, host_args, sampling, 0, slots, self._score_rows(chunks, num_tokens, scores), masks=masks,
-                       constrained=bool(masks))
+                       constrained=bool(masks), pool=self._pool_rows(chunks, num_tokens, pooled))
+
+    def _pool_rows(self, chunks: list[ScheduledChunk], num_tokens: int,
+                   pooled: list[PooledRows] | None) -> np.ndarray | None:
+        """Each row's pooling segment: one per chunk of an embedding request that pools rows
+        (`PromptPooling.positions`), `pool_segments` for the other rows."""
+        segments, row, segment = np.full(num_tokens, self.pool_segments, np.int32), 0, 0
+        for c in chunks:
+            req = c.request
+            if req.pooling is not None:
+                positions = req.pooling.positions(c.start, c.num_new_tokens, req.num_prompt_tokens)
+                if positions:
+                    segments[row + positions.start - c.start:row + positions.stop - c.start] = segment
+                    if pooled is not None:
+                        pooled.append(PooledRows(req, segment, positions))
+                    segment += 1
+            row += c.num_new_tokens
+        return segments if segment else None
 
     @staticmethod
     def _score_rows(chunks: list[ScheduledChunk], num_tokens: int,

@@ -39,7 +39,7 @@ from jaxserve.outputs import SampledToken, TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
-from jaxserve.runner.inputs import PreparedStep, Program, PromptScores, StepInputs, write_token_masks
+from jaxserve.runner.inputs import PooledRows, PreparedStep, Program, PromptScores, StepInputs, write_token_masks
 from jaxserve.runner.programs import Arg, ProgramSpec
 from jaxserve.runner.step_functions import StepFunctions
 from jaxserve.sampler import SamplerOutput
@@ -65,8 +65,10 @@ class StepHandle:
     launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
     # The prefill program's scored prompt positions and their (logprob, rank, top ids, top logprobs).
     prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
+    # The prefill program's pooled rows (embeddings) and the sum of each segment's rows.
+    pooled: tuple[list[PooledRows], jax.Array] | None = None
     # The rest of the launch (`ModelRunner._run_steps`), while it waits for the masks to be written.
-    _rest: Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]] | None = None
+    _rest: Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None]] | None = None
     _prepared: PreparedStep | None = None
 
     @property
@@ -165,7 +167,8 @@ class ModelRunner:
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
 
-        self.functions = StepFunctions(self.model, config, self.mesh, bs, self.inputs.sampler_rows)
+        self.functions = StepFunctions(self.model, config, self.mesh, bs, self.inputs.sampler_rows,
+                                       self.inputs.pool_segments)
         self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
             engine_config.max_num_seqs, config.vocab_size)
         self._no_tokens = jax.device_put(np.zeros(self.inputs.sampled_rows, np.int32), rep)
@@ -227,11 +230,17 @@ class ModelRunner:
             for p in itertools.chain(decodes(), prefills()):
                 yield (p.sampling.temperature.shape[0],), self._sample_args(p, logits_of(p), self._no_tokens)
 
+        def hidden_states(tokens: int) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
+
         def scores() -> Iterator[tuple[tuple, tuple]]:
             for tokens in ec.prefill_token_buckets:
-                hidden = jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
                 rows = np.zeros(tokens, np.int32)
-                yield (tokens,), (self.params, hidden, HostPack.of((rows, rows)))
+                yield (tokens,), (self.params, hidden_states(tokens), HostPack.of((rows, rows)))
+
+        def pools() -> Iterator[tuple[tuple, tuple]]:
+            for tokens in ec.prefill_token_buckets:
+                yield (tokens,), (self.params, hidden_states(tokens), HostPack.of(np.zeros(tokens, np.int32)))
 
         def multi_decodes() -> Iterator[tuple[tuple, tuple]]:
             if ec.num_scheduler_steps > 1:
@@ -255,6 +264,9 @@ class ModelRunner:
             # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, by
             # the step's token bucket (only steps that score a prompt run it).
             ProgramSpec("score", f.score, [params, Arg("hidden", rep), host], rep, scores),
+            # Embeddings: sums of a prefill step's pooled rows of hidden states, after the final
+            # norm, by the step's token bucket too (only steps that pool run it).
+            ProgramSpec("pool", f.pool, [params, Arg("hidden", rep), host], rep, pools),
             # Speculative decoding: verify steps keep every row's logits (no padding to a sampler
             # bucket), and their sampler (by its rows) accepts or rejects the drafts.
             ProgramSpec("verify", functools.partial(f.model_step, pad_logits=False), [params, cache, host, prev],
@@ -398,7 +410,7 @@ class ModelRunner:
             next(handle._rest)
             return
         except StopIteration as done:
-            outs, scores = done.value
+            outs, scores, pooled = done.value
         prepared, handle._rest, handle._prepared = handle._prepared, None, None
         self.inputs.batch.unset.difference_update(prepared.reset_requests)
         # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
@@ -415,6 +427,9 @@ class ModelRunner:
             for field in scores:
                 field.copy_to_host_async()
             handle.prompt_scores = (prepared.prompt_scores, scores)
+        if pooled is not None:
+            pooled.copy_to_host_async()
+            handle.pooled = (prepared.pooled, pooled)
 
     def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
         """Wait for a launched iteration and read the tokens (and log-probabilities, if asked) that
@@ -468,12 +483,23 @@ class ModelRunner:
                 for i, r in enumerate(rows)]))
         return results
 
+    @staticmethod
+    def fetch_pooled(handle: StepHandle) -> list[tuple[Request, np.ndarray, int]]:
+        """Wait for a launched iteration's pooled rows: for each embedding request it pooled for,
+        the sum of those rows' final hidden states and their count."""
+        if handle.pooled is None:
+            return []
+        pooled, sums = handle.pooled
+        sums = np.asarray(sums)
+        return [(p.request, sums[p.segment], len(p.positions)) for p in pooled]
+
     def _run_steps(self, penalty_resets: list[tuple], programs: list[Program], warming_up: bool = False,
-                   ) -> Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None]]:
+                   ) -> Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None,
+                                                    jax.Array | None]]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
-        programs (and the prompt scores of the one that has any). The sampled tokens land in a
-        fresh buffer that becomes the next iteration's `prev_sampled`. Returns the programs'
-        sampler outputs and the prompt scores. Before the first grammar mask is written (while
+        programs (and the prompt scores and pooled rows of the one that has any). The sampled
+        tokens land in a fresh buffer that becomes the next iteration's `prev_sampled`. Returns the
+        programs' sampler outputs, the prompt scores and the pooled sums. Before the first grammar mask is written (while
         that program's model step runs; multi-host: before anything, for the followers' copy),
         it yields once: the caller brings the grammars up to date (see `launch`)."""
         awaiting = any(p.masks for p in programs)  # the first mask write waits for the caller
@@ -485,7 +511,7 @@ class ModelRunner:
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
             self.penalty_counts = self._run(("penalty_reset",), self._reset_args(reset), warming_up)
-        sampled, outs, scores = self._no_tokens, [], None
+        sampled, outs, scores, pooled = self._no_tokens, [], None, None
         for program in programs:
             if program.num_steps > 1:
                 args = self._multi_step_args(program)
@@ -509,6 +535,9 @@ class ModelRunner:
             if program.score is not None:
                 score_args = (self.params, hidden, HostPack.of(program.score))
                 scores = self._run(("score", hidden.shape[0]), score_args, warming_up)
+            if program.pool is not None:
+                pool_args = (self.params, hidden, HostPack.of(program.pool))
+                pooled = self._run(("pool", hidden.shape[0]), pool_args, warming_up)
             if program.constrained or not program.is_decode:
                 if awaiting and program.masks:
                     yield
@@ -517,7 +546,7 @@ class ModelRunner:
                 out, sampled, self.penalty_counts = self._run(("sample", logits.shape[0]), sample_args, warming_up)
             outs.append(out)
         self._prev_sampled = sampled
-        return outs, scores
+        return outs, scores, pooled
 
     def move_blocks(self, stages: list[CopyStage]) -> None:
         """Execute the KV manager's copy plan, stage by stage, in order (a step does it first)."""

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, LlamaModel
-from jaxserve.model.llama import head_logits
+from jaxserve.model.llama import final_norm, head_logits
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.sampler import SamplerOutput, sample
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -26,12 +26,13 @@ from sharding.rules import logits_sharding, replicated
 
 class StepFunctions:
     def __init__(self, model: LlamaModel, config: ModelConfig, mesh: Mesh, block_size: int,
-                 sampler_rows: Callable[[int], int]) -> None:
+                 sampler_rows: Callable[[int], int], pool_segments: int) -> None:
         self.model = model
         self.config = config
         self.mesh = mesh
         self.block_size = block_size
         self.sampler_rows = sampler_rows  # the sampler's row bucket of a step's logits rows
+        self.pool_segments = pool_segments  # embedding requests a prefill step pools for, at most
 
     def model_step(self, params, cache, inputs: HostPack, prev_sampled, pad_logits: bool = True):
         """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
@@ -76,6 +77,13 @@ class StepFunctions:
         rank = 1 + jnp.sum(logprobs > target[:, None], axis=1, dtype=jnp.int32)
         top_logprobs, top_ids = lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
         return target, rank, top_ids.astype(jnp.int32), top_logprobs
+
+    def pool(self, params, hidden, segments: HostPack):
+        """[pool_segments, hidden] f32: per segment, the sum of its rows' hidden states after the
+        model's final norm (rows of segment `pool_segments` are dropped)."""
+        num = self.pool_segments
+        x = final_norm(self.config, params, hidden).astype(jnp.float32)
+        return jax.ops.segment_sum(x, segments.unpack(), num_segments=num + 1)[:num]
 
     def multi_step(self, params, cache, inputs: HostPack, sampling, prev_sampled, counts, loop_steps: int):
         """`loop_steps` decode steps of a batch in one loop (`StepInputs.multi_decode`): each

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxserve.outputs import Delta, TokenLogprob
 from server.grpc_api import jaxserve_pb2 as pb
-from server.responses import UsageCount
+from server.openai_bodies import UsageCount
 
 
 def _logprob(entry: TokenLogprob) -> pb.TokenLogprob:

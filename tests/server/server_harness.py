@@ -94,17 +94,33 @@ def wait_until_idle(srv: ServerThread, async_engine: AsyncEngine, timeout: float
         time.sleep(0.05)
 
 
+def delete_stored_responses(srv: ServerThread, timeout: float = 30.0) -> None:
+    """Delete every stored response of the server (they pin KV), once background responses and the
+    pins made after replies are done."""
+    state = srv.app[STATE]
+    deadline = time.monotonic() + timeout
+    while (state.background or any(s.busy for s in state.sessions.all())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    async def delete_all() -> None:
+        for session in state.sessions.all():
+            if session.response is not None:
+                await state.responses.remove(session)
+    srv.run(delete_all())
+
+
 def check_kv_integrity(srv: ServerThread, async_engine: AsyncEngine) -> None:
     srv.engine_call(async_engine, lambda router: [e.kv.check_integrity() for e in router.replicas])
 
 
 def assert_serving_and_idle(srv: ServerThread, async_engine: AsyncEngine, key: str) -> None:
-    """After a storm of requests with `key`: /health is ok; once the key's sessions are deleted no
-    request is left in the engine, no KV block is held or pinned for the key, the pool's books
-    balance, and a new request is served in full."""
+    """After a storm of requests with `key`: /health is ok; once the key's sessions (and stored
+    responses) are deleted no request is left in the engine, no KV block is held or pinned for the
+    key, the pool's books balance, and a new request is served in full."""
     assert send(srv, "GET", "/health", key=None).json == {"status": "ok"}
     for session in send(srv, "GET", "/v1/sessions", key=key).json["data"]:
         assert send(srv, "DELETE", f"/v1/sessions/{session['id']}", key=key).status == 200
+    delete_stored_responses(srv)
     snap = wait_until_idle(srv, async_engine)
     assert not snap.has_unfinished and snap.kv_requests == 0 and snap.kv.used == 0
     check_kv_integrity(srv, async_engine)

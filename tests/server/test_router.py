@@ -2,8 +2,8 @@
 
 Compared with `jaxserve serve`'s stack in this process on the same engine settings: the same
 text, tokens, usage and session reuse (greedy, and seeded sampling with n = 2); keys, limits and
-the official openai client through the router; cache-aware placement and the imbalance override;
-abort on disconnect reaching the worker (its pool all free); and a worker killed mid-stream
+the official openai client through the router; embeddings; cache-aware placement and the imbalance
+override; abort on disconnect reaching the worker (its pool all free); and a worker killed mid-stream
 (error event, retry of a request not yet streamed, health, the worker taken back on restart).
 The workers start once for the module; the kill test comes last.
 """
@@ -11,9 +11,11 @@ The workers start once for the module; the kill test comes last.
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import numpy as np
 import openai
 import pytest
 
@@ -130,6 +132,43 @@ def test_openai_client_streams_through_the_router(cluster):
         return text, usage, models
 
     assert run(cluster["a"]) == run(cluster["ref"])
+
+
+def test_embeddings_through_the_router(cluster):
+    body = {"model": MODEL_NAME, "input": ["The quick brown fox", _prompt(5)], "encoding_format": "float"}
+    ref, got = _both(cluster, "/v1/embeddings", body)
+    assert got["usage"] == ref["usage"]
+    for r, g in zip(ref["data"], got["data"]):
+        assert g["index"] == r["index"]
+        np.testing.assert_allclose(g["embedding"], r["embedding"], atol=1e-5)
+
+
+def test_a_response_chain_stays_on_the_worker_holding_its_kv(cluster):
+    def chain(server):
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
+        kw = dict(model=MODEL_NAME, instructions="Be brief.", max_output_tokens=8, temperature=0)
+        replies, workers_used = [], []
+        for text in ("Hello there, tell me a story!", "And then?", "How does it end?"):
+            before = routed(server) if server is cluster["b"] else None
+            previous = replies[-1].id if replies else None
+            replies.append(client.responses.create(input=text, previous_response_id=previous, **kw))
+            if before is not None:
+                workers_used.append([x - y for x, y in zip(routed(server), before)].index(1))
+        for reply in replies:
+            client.responses.delete(reply.id)
+        return [(r.output_text, r.usage.input_tokens, r.usage.output_tokens) for r in replies], replies, workers_used
+
+    ref, _, _ = chain(cluster["ref"])
+    got, replies, used = chain(cluster["b"])  # router B sends a request to the least loaded worker at once...
+    assert got == ref
+    assert len(set(used)) == 1  # ...but a chain goes where its KV is
+    assert all(r.usage.input_tokens_details.cached_tokens > 0 for r in replies[1:])
+    deadline = time.monotonic() + 10  # the deletes unpin the chain's KV on its worker
+    while any(load(port).kv.pinned for port in cluster["ports"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for port in cluster["ports"]:
+        snap = wait_idle(port)
+        assert snap.kv_requests == 0 and snap.kv.used == 0 and snap.kv.pinned == 0
 
 
 def test_sessions_keys_and_limits_through_the_router(cluster):

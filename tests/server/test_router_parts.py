@@ -71,9 +71,10 @@ def test_sampling_params_cross_the_wire_and_bad_json_is_a_clear_error():
 
 
 def test_workers_serving_other_models_cannot_join():
-    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,))
+    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,), 64)
     assert info.mismatch(dataclasses.replace(info, max_num_seqs=8)) is None  # capacity may differ
     assert "block size" in info.mismatch(dataclasses.replace(info, block_size=16))
+    assert "hidden size" in info.mismatch(dataclasses.replace(info, hidden_size=32))
     assert "tokenizer json" in info.mismatch(dataclasses.replace(info, tokenizer_json="[]"))
 
 

@@ -72,6 +72,19 @@ REPLY_SAMPLING = {k: v for k, v in SAMPLING.items() if k != "n"}
 STREAM = {"stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": json_values})}
 MODEL = {"model": st.just(MODEL_NAME)}
 PROMPTS = st.one_of(texts, token_ids, st.lists(texts, max_size=3), st.lists(token_ids, max_size=3))
+RESPONSE_IDS = ["resp_" + "0" * 24, "sess_" + "0" * 24, "nope", "%ff"]
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": [1, 2]}}}}
+ITEMS = st.lists(st.one_of(
+    message,
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": texts, "name": texts, "arguments": texts}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": texts,
+                           "output": st.one_of(texts, content)}),
+    json_values), max_size=3)
+RESPONSE_FORMATS = st.one_of(json_values, st.sampled_from([
+    {"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+    {"format": {"type": "json_schema", "name": "t",
+                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
+]))
 SCHEMAS = {  # each endpoint's fields with values of the right type (numbers in or out of range)
     "completions": {**MODEL, **SAMPLING, **STREAM, "prompt": PROMPTS, "echo": st.booleans(),
                     "logprobs": st.integers(0, 3), "best_of": ints, "suffix": json_values},
@@ -86,6 +99,17 @@ SCHEMAS = {  # each endpoint's fields with values of the right type (numbers in 
     "session edit": {"max_tokens": st.integers(1, 3), **STREAM, "role": roles, "content": content},
     "session fork": {"at": st.integers(-1, 4)},
     "session continue": {"max_tokens": st.integers(1, 3), **STREAM},
+    "embeddings": {**MODEL, "input": PROMPTS, "encoding_format": st.sampled_from(["float", "base64", "int8"]),
+                   "dimensions": ints, "user": texts},
+    "responses": {**MODEL, "input": st.one_of(texts, ITEMS), "instructions": texts,
+                  "max_output_tokens": st.integers(1, 4),
+                  "previous_response_id": st.sampled_from(RESPONSE_IDS), "store": st.booleans(),
+                  "background": st.booleans(), "stream": st.booleans(), "temperature": floats, "top_p": floats,
+                  "tools": st.one_of(json_values, st.just([TOOL])),
+                  "tool_choice": st.one_of(json_values, st.sampled_from(["auto", "none", "required",
+                                                                         {"type": "function", "name": "f"}])),
+                  "text": RESPONSE_FORMATS, "metadata": st.dictionaries(texts, texts, max_size=2),
+                  "include": st.lists(texts, max_size=2), "top_logprobs": st.integers(0, 3), "seed": ints},
 }
 RAW_BODIES = st.one_of(
     st.binary(max_size=64),
@@ -113,6 +137,14 @@ ENDPOINTS = {
     "session continue": ("POST", "/v1/sessions/{sid}/continue", "session continue"),
     "session cancel": ("POST", "/v1/sessions/{sid}/cancel", None),
     "session delete": ("DELETE", "/v1/sessions/{sid}", None),
+    "embeddings": ("POST", "/v1/embeddings", "embeddings"),
+    "responses": ("POST", "/v1/responses", "responses"),
+    "response get": ("GET", "/v1/responses/{rid}", None),
+    "response items": ("GET", "/v1/responses/{rid}/input_items{query}", None),
+    "response cancel": ("POST", "/v1/responses/{rid}/cancel", None),
+    "response delete": ("DELETE", "/v1/responses/{rid}", None),
+    "tokenizer info": ("GET", "/tokenizer_info", None),
+    "openapi": ("GET", "/openapi.json", None),
     "health": ("GET", "/health", None),
     "metrics": ("GET", "/metrics", None),
 }
@@ -136,6 +168,21 @@ def fuzz_server(async_engine):
     srv = start_server(async_engine, api_keys=(FUZZ_KEY,), max_sessions_per_key=8)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def live_response(fuzz_server):
+    """A stored response, made again whenever the fuzz deleted it."""
+    made: list[str] = []
+
+    def get() -> str:
+        if made and send(fuzz_server, "GET", f"/v1/responses/{made[-1]}", key=FUZZ_KEY).status == 200:
+            return made[-1]
+        created = send(fuzz_server, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2}, key=FUZZ_KEY)
+        assert created.status == 200, created.text
+        made.append(created.json["id"])
+        return made[-1]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -170,12 +217,15 @@ def check_response(endpoint: str, reply) -> None:
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 @FUZZ
 @given(data=st.data())
-def test_no_input_gets_a_5xx(fuzz_server, live_session, endpoint, data):
+def test_no_input_gets_a_5xx(fuzz_server, live_session, live_response, endpoint, data):
     method, template, schema = ENDPOINTS[endpoint]
     path = template.format(
         model=data.draw(st.sampled_from([MODEL_NAME, "gpt-17", "%ff"])),
         sid=data.draw(st.sampled_from([live_session(), *SESSION_IDS])) if "{sid}" in template else "",
+        rid=data.draw(st.sampled_from([live_response(), *RESPONSE_IDS])) if "{rid}" in template else "",
         index=data.draw(st.sampled_from(["0", "1", "2", "-1", "x", "9" * 5000])) if "{index}" in template else "",
+        query=data.draw(st.sampled_from(["", "?limit=2&order=asc", "?limit=0", "?limit=x", "?order=sideways",
+                                         "?after=nope", "?before=%ff&limit=999"])) if "{query}" in template else "",
     )
     body = data.draw(body_for(schema))
     key = data.draw(KEYS)

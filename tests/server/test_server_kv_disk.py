@@ -1,13 +1,16 @@
 """A session survives a restart with its KV: `jaxserve serve` with --session-dir and --kv-disk-dir,
 a conversation, SIGTERM (the clean shutdown writes the prefix cache to disk), a new server on the
 same directories, and the next turn's prompt is served from the disk tier
-(`usage.prompt_tokens_details.cached_tokens`). And two servers running
-at once on one --kv-disk-dir: the second hits the blocks the first computed."""
+(`usage.prompt_tokens_details.cached_tokens`). So does a chain of stored responses
+(`previous_response_id`). And two servers running at once on one --kv-disk-dir: the second hits
+the blocks the first computed."""
 
 from __future__ import annotations
 
-import pytest
 import time
+
+import openai
+import pytest
 
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import BLOCK_SIZE, MODEL_NAME, send
@@ -98,3 +101,32 @@ def test_two_servers_on_one_directory_hit_each_others_blocks(tmp_path):
         for child in (a, b):
             child.terminate()
             assert child.finish(120) == 0
+
+
+def test_a_response_chain_continues_after_a_restart_with_its_kv_from_disk(tmp_path):
+    sessions, kv = tmp_path / "sessions", tmp_path / "kv"
+    port = free_port()
+    kw = dict(model=MODEL_NAME, instructions="Answer in one line.", max_output_tokens=12, temperature=0)
+
+    def client() -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    with _serve(port, sessions, kv, "--kv-disk-write-through-hits", "1000") as child:
+        child.wait_for("Running on", timeout=300)
+        first = client().responses.create(input="Tell me about the sea and its tides.", **kw)
+        second = client().responses.create(input="And about the moon?", previous_response_id=first.id, **kw)
+        assert second.usage.input_tokens_details.cached_tokens > 0
+        child.terminate()
+        assert child.finish(120) == 0, child.output
+    with _serve(port, sessions, kv) as child:
+        child.wait_for("Running on", timeout=300)
+        third = client().responses.create(input="What links the two?", previous_response_id=second.id, **kw)
+        history = second.usage.input_tokens + second.usage.output_tokens
+        assert third.usage.input_tokens > history
+        cached = third.usage.input_tokens_details.cached_tokens
+        assert cached >= (history - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, (cached, history, child.output)
+        assert third.status in ("completed", "incomplete") and third.output_text
+        assert client().responses.retrieve(first.id).output_text == first.output_text  # stored across the restart
+        assert _metric(port, 'jaxserve_kv_tier_hit_tokens_total{tier="disk"}') >= cached - BLOCK_SIZE
+        child.terminate()
+        assert child.finish(120) == 0

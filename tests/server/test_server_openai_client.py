@@ -215,6 +215,5 @@ def test_raw_stream_shape_ends_with_done(server):
     events = reply.text.split("\n\n")
     assert events[-2] == "data: [DONE]" and events[-1] == ""
     chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
-    assert all("usage" not in c for c in chunks[:-1])
-    last = chunks[-1]  # without include_usage, usage rides on the chunk that ends the last choice
-    assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 4
+    assert all("usage" not in c for c in chunks)  # OpenAI sends none without stream_options.include_usage
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -1,4 +1,5 @@
-"""`/health` and `/metrics`, on a live engine and on one whose loop is not running."""
+"""`/health` and `/metrics`, on a live engine and on one whose loop is not running; `/openapi.json`
+describes every route with the fields its handler accepts."""
 
 from __future__ import annotations
 
@@ -78,3 +79,27 @@ def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
         srv.stop()
         ae.shutdown()
     assert_kv_all_free(engine)  # the engine loop has stopped: read from this thread
+
+
+def test_openapi_describes_every_route_with_the_fields_it_accepts(server):
+    from server.response_request import RESPONSE_FIELDS
+    from server.routes_embeddings import EMBEDDING_FIELDS
+
+    reply = send(server, "GET", "/openapi.json", key=None)  # no key needed
+    assert reply.status == 200
+    doc = reply.json
+    assert doc["openapi"].startswith("3.1") and doc["info"]["title"] == "jaxserve"
+    served = {(r.method.lower(), r.resource.canonical) for r in server.app.router.routes() if r.method != "HEAD"}
+    described = {(method, path) for path, ops in doc["paths"].items() for method in ops}
+    assert described == served
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert op["summary"], (method, path)
+            assert [p["name"] for p in op.get("parameters", [])] == [part[1:-1] for part in path.split("/")
+                                                                    if part.startswith("{")]
+    for path, fields, required in (("/v1/responses", RESPONSE_FIELDS, ["input"]),
+                                   ("/v1/embeddings", EMBEDDING_FIELDS, ["input"])):
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert set(schema["properties"]) == fields and schema["required"] == required
+    assert {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+            "/v1/responses/{response_id}/input_items", "/tokenizer_info"} <= set(doc["paths"])

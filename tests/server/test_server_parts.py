@@ -87,7 +87,7 @@ def tokenizer():
 
 
 def test_stored_reply_ids_are_used_as_generated_and_keep_the_prompt_a_prefix(tokenizer):
-    info = ModelInfo("tiny", tokenizer, tokenizer.vocab_size, 512, 4, 8, 0)
+    info = ModelInfo("tiny", tokenizer, tokenizer.vocab_size, 512, 4, 8, 64, 0)
     reply = "Hello world"
     spelled = [tokenizer.encode(c)[0] for c in reply]  # how a model may have generated this text
     assert spelled != tokenizer.encode(reply) and tokenizer.decode(spelled) == reply
@@ -105,7 +105,7 @@ def test_stored_reply_ids_are_used_as_generated_and_keep_the_prompt_a_prefix(tok
 
 
 def test_reply_ids_are_stored_only_when_they_decode_to_the_stored_text(tokenizer):
-    info = ModelInfo("tiny", tokenizer, tokenizer.vocab_size, 512, 4, 8, 0)
+    info = ModelInfo("tiny", tokenizer, tokenizer.vocab_size, 512, 4, 8, 64, 0)
     ids = tokenizer.encode("Hello world")
     assert reply_token_ids(info, [], ids, "Hello world", True) == ids
     assert reply_token_ids(info, [], ids, "Hello", True) is None  # a stop string cut the text

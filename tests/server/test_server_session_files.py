@@ -1,5 +1,6 @@
 """Sessions that lose nothing: atomic files, failed writes that change nothing, a loader that
-trusts nothing on disk, no late turn in a deleted session, and kill -9 in the middle of writes."""
+trusts nothing on disk (stored responses' files too), no late turn in a deleted session, and
+kill -9 in the middle of writes."""
 
 from __future__ import annotations
 
@@ -61,6 +62,39 @@ def test_a_damaged_directory_loads_what_is_sound_and_quarantines_the_rest(async_
         assert len(warnings) == len(bad)
         reply = send(srv, "POST", f"/v1/sessions/{OK_ID}/messages", {"content": "Hi", "max_tokens": 3})
         assert reply.status == 200  # a loaded session serves
+    finally:
+        srv.stop()
+
+
+def test_stored_responses_load_from_their_files_and_bad_ones_are_quarantined(async_engine, tmp_path):
+    rid, chain = "resp_" + "a" * 24, "resp_" + "0" * 24
+    body = {"id": rid, "object": "response", "status": "completed", "output": []}
+    good = _record(rid, response={"object": body, "input_items": [], "chain": chain}, messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    bad = {
+        "resp_" + "b" * 24: _record("resp_" + "b" * 24),  # a response id without a response
+        "sess_" + "b" * 24: _record("sess_" + "b" * 24, response=good["response"]),  # a session with one
+        "resp_" + "c" * 24: _record("resp_" + "c" * 24, response={"object": body}),  # no chain, no items
+        "resp_" + "d" * 24: _record("resp_" + "d" * 24, response=good["response"],
+                                    messages=[{"role": "tool", "content": "x"}]),  # a tool message without its call id
+        "resp_" + "e" * 24: _record("resp_" + "e" * 24, response=good["response"], messages=[
+            {"role": "user", "content": "x", "tool_calls": []}]),  # calls on a user message
+    }
+    (tmp_path / f"{rid}.json").write_text(json.dumps(good))
+    for name, record in bad.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    srv = start_server(async_engine, api_keys=(KEY_A,), session_dir=tmp_path)
+    try:
+        assert ok(send(srv, "GET", f"/v1/responses/{rid}")) == body
+        assert send(srv, "GET", f"/v1/sessions/{rid}").status == 404
+        assert sorted(p.stem for p in (tmp_path / "quarantine").iterdir()) == sorted(bad)
+        state = srv.app[STATE]
+        assert state.sessions.find(state.sessions.all()[0].owner, rid, responses=True).messages == good["messages"]
+        srv.run(state.responses.remove(state.sessions.all()[0]))
+        assert not (tmp_path / f"{rid}.json").exists()
     finally:
         srv.stop()
 

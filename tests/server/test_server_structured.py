@@ -179,6 +179,43 @@ def test_named_function_yields_that_function(client):
         check_calls(calls, {"time"})
 
 
+def test_named_function_finishes_with_stop_as_openai_does(client):
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=40, temperature=0, tools=[WEATHER],
+                  tool_choice={"type": "function", "function": {"name": "weather"}})
+    assert client.chat.completions.create(**kwargs).choices[0].finish_reason == "stop"
+    finish = [c.finish_reason for chunk in client.chat.completions.create(**kwargs, stream=True) for c in chunk.choices]
+    assert finish[-1] == "stop"
+
+
+def _streamed_calls(client, kwargs):
+    """(tool call deltas, finish reason, content) of a streamed chat completion."""
+    deltas, finish, content = [], None, ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    return deltas, finish, content
+
+
+@pytest.mark.parametrize("tool_choice,max_tokens", [({"type": "function", "function": {"name": "weather"}}, 4),
+                                                    ("required", 30)])
+def test_a_forced_call_cut_by_max_tokens_comes_back_as_a_partial_call(client, tool_choice, max_tokens):
+    """OpenAI (and vLLM for a named tool) return the call with its arguments so far and finish_reason
+    "length", never the constrained text as content."""
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=max_tokens, temperature=0, tools=[WEATHER],
+                  tool_choice=tool_choice, parallel_tool_calls=False)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather"
+    whole = client.chat.completions.create(**{**kwargs, "max_tokens": 80}).choices[0].message.tool_calls[0]
+    assert whole.function.arguments.startswith(call.function.arguments) and whole.function.arguments != call.function.arguments
+    deltas, finish, content = _streamed_calls(client, kwargs)
+    assert finish == "length" and not content
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "weather", call.function.arguments)]
+
+
 def test_auto_yields_text_or_calls_and_none_yields_text(client):
     for tool_choice in ("auto", "none"):
         full = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0,

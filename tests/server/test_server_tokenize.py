@@ -1,9 +1,12 @@
-"""`/tokenize` and `/detokenize` count tokens exactly as generation does (vLLM's shapes)."""
+"""`/tokenize` and `/detokenize` count tokens exactly as generation does (vLLM's shapes);
+`/tokenizer_info` gives what lm-eval's remote tokenizer reads."""
 
 from __future__ import annotations
 
+import jinja2
 import pytest
 
+from server.state import STATE
 from server_harness import MODEL_NAME, send
 
 TEXT = "The quick brown fox jumps over the lazy dog. 你好!"
@@ -49,3 +52,19 @@ def test_bad_input_names_the_field(server, path, body, param):
 def test_tokenize_needs_a_key_and_knows_the_model(server):
     assert send(server, "POST", "/tokenize", {"prompt": TEXT}, key=None).status == 401
     assert send(server, "POST", "/tokenize", {"model": "gpt-17", "prompt": TEXT}).status == 404
+
+
+def test_tokenizer_info_serves_what_a_remote_tokenizer_reads(server):
+    """lm-eval's `tokenizer_backend=remote`: the special tokens (their ids through /tokenize) and the
+    chat template, which renders as the server renders chats."""
+    info = ok(send(server, "GET", "/tokenizer_info"))
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["model_max_length"] > 0
+    tokenizer = server.app[STATE].info.tokenizer
+    eos = ok(send(server, "POST", "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}))["tokens"]
+    assert eos[0] in tokenizer.eos_token_ids
+    assert info["add_bos_token"] == (tokenizer.encode("a", add_special_tokens=True)[0] == tokenizer.bos_token_id)
+    rendered = jinja2.Environment().from_string(info["chat_template"]).render(
+        messages=MESSAGES, add_generation_prompt=True, **{k: info[k] for k in ("bos_token", "eos_token") if k in info})
+    assert ok(send(server, "POST", "/tokenize", {"prompt": rendered, "add_special_tokens": False}))["tokens"] == \
+        ok(send(server, "POST", "/tokenize", {"messages": MESSAGES}))["tokens"]
+    assert send(server, "GET", "/tokenizer_info", key=None).status == 401

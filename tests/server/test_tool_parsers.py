@@ -1,6 +1,7 @@
 """Tool-call parsing and the streamed tool-call shape, without an engine: the Hermes-style format
 (the default model's) and Llama 3's, text before a call, several calls, malformed calls left as
-content, what a stream holds back, and `delta.tool_calls` with indexes in the last chunk."""
+content, forced calls cut short, OpenAI's finish reasons, what a stream holds back, and
+`delta.tool_calls` with indexes in the last chunk."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import json
 import pytest
 
 from jaxserve.outputs import Delta
-from server.responses import ChatShapes
-from server.tools import ToolCalling, ToolChoice, ToolFormat, forced_constraint, parse_forced
+from server.openai_bodies import ChatShapes
+from server.tools import ToolCall, ToolCalling, ToolChoice, ToolFormat, forced_constraint, parse_forced
 
 HERMES = ToolFormat("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # renders no tools
 LLAMA3 = ToolFormat("{% if tools %}{{ tools | tojson }}{% endif %}<|python_tag|>")
@@ -50,7 +51,30 @@ def test_forced_constraints_and_their_parse():
     assert forced_constraint(tools, ToolChoice("auto"), True) is None
     calls = parse_forced('[{"name": "f", "parameters": {"k": [1]}}]', ToolChoice("required"))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"k": [1]})]
-    assert parse_forced('{"k": 1', ToolChoice("function", "f")) is None  # cut by max_tokens
+
+
+
+def test_forced_calls_cut_short_keep_what_they_hold():
+    assert parse_forced('{"k": 1', ToolChoice("function", "f")) == [ToolCall("f", '{"k": 1')]
+    cut = '[{"name": "f", "parameters": {"k": [1, {"s": "}]"}]}}, {"name": "g", "parameters": {"x": "a\\"'
+    assert parse_forced(cut, ToolChoice("required")) == [ToolCall("f", '{"k": [1, {"s": "}]"}]}'),
+                                                         ToolCall("g", '{"x": "a\\"')]
+    assert parse_forced('[{"name": "f", "param', ToolChoice("required")) == [ToolCall("f", "")]
+    assert parse_forced('[{"name": "f', ToolChoice("required")) == []  # its name was cut
+
+
+@pytest.mark.parametrize("choice,text,finish,want", [
+    (ToolChoice("function", "f"), '{"k": 1}', "stop", "stop"),
+    (ToolChoice("function", "f"), '{"k": ', "length", "length"),
+    (ToolChoice("required"), '[{"name": "f", "parameters": {}}]', "stop", "tool_calls"),
+    (ToolChoice("required"), '[{"name": "f", "parameters": {', "length", "length"),
+    (ToolChoice("auto"), '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "stop", "tool_calls"),
+    (ToolChoice("auto"), "Hello", "stop", "stop"),
+])
+def test_finish_reasons_are_openais(choice, text, finish, want):
+    content, calls, reason = ToolCalling(HERMES, choice).reply(text, finish)
+    assert reason == want
+    assert content is None if choice.mode != "auto" else (calls or content == text)
 
 
 class _Info:
@@ -75,7 +99,7 @@ def test_stream_shows_content_then_sends_the_calls_with_indexes():
 
 
 def test_response_without_calls_keeps_its_text_and_finish_reason():
-    from server.responses import ChoiceOutput, UsageCount
+    from server.openai_bodies import ChoiceOutput, UsageCount
 
     shapes = ChatShapes("id", _Info(), ToolCalling(HERMES, ToolChoice("auto")))
     body = shapes.response([ChoiceOutput(text="Hello", finish_reason="length")], UsageCount())

@@ -45,7 +45,7 @@ from server.cluster.router.handover import decode_params, prefill_params, splits
 from server.cluster.router.sequence import RemoteSequence, worker_params
 from server.cluster.router.worker_client import WorkerClient, WorkerInfo
 from server.cluster.worker import worker_pb2 as pb
-from server.cluster.worker.wire import params_to_json, snapshot_from_json, usage_from_message
+from server.cluster.worker.wire import embedding_from_message, params_to_json, snapshot_from_json, usage_from_message
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def engine_info(info: WorkerInfo, num_workers: int) -> EngineInfo:
                              dict(info.special_tokens), info.eos_token_ids)
     return EngineInfo(model_name=info.model, tokenizer=Tokenizer(bundle), vocab_size=info.vocab_size,
                       max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs * num_workers,
-                      block_size=info.block_size)
+                      block_size=info.block_size, hidden_size=info.hidden_size)
 
 
 @dataclasses.dataclass(eq=False)
@@ -453,6 +453,7 @@ class RemoteEngine:
                     usage = sequence.stop_usage(cached_tokens)
                 delta = sequence.delta(msg.finish_reason or None, usage)
                 if delta is not None:
+                    delta.embedding = embedding_from_message(msg)
                     out.put_nowait(delta)
                 if msg.finish_reason:
                     return True

@@ -41,17 +41,18 @@ class WorkerInfo:
     chat_template: str | None
     special_tokens: tuple[tuple[str, str], ...]
     eos_token_ids: tuple[int, ...]
+    hidden_size: int
 
     @classmethod
     def from_message(cls, msg: pb.InfoResponse) -> WorkerInfo:
         return cls(msg.model, msg.vocab_size, msg.max_model_len, msg.max_num_seqs, msg.block_size,
                    msg.tokenizer_json, msg.chat_template if msg.HasField("chat_template") else None,
-                   tuple(sorted(msg.special_tokens.items())), tuple(msg.eos_token_ids))
+                   tuple(sorted(msg.special_tokens.items())), tuple(msg.eos_token_ids), msg.hidden_size)
 
     def mismatch(self, other: WorkerInfo) -> str | None:
         """Why a worker serving `other` cannot join workers serving this, or None."""
         for field in ("model", "vocab_size", "max_model_len", "block_size", "tokenizer_json", "chat_template",
-                      "special_tokens", "eos_token_ids"):
+                      "special_tokens", "eos_token_ids", "hidden_size"):
             if getattr(self, field) != getattr(other, field):
                 return f"it serves another {field.replace('_', ' ')}"
         return None

@@ -43,7 +43,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             max_num_seqs=info.max_num_seqs, block_size=info.block_size, role=self._role,
             tokenizer_json=bundle.tokenizer.to_str(), chat_template=bundle.chat_template,
-            special_tokens=bundle.special_tokens, eos_token_ids=bundle.eos_token_ids,
+            special_tokens=bundle.special_tokens, eos_token_ids=bundle.eos_token_ids, hidden_size=info.hidden_size,
         )
 
     async def Generate(self, request: pb.GenerateRequest,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
+
 from jaxserve.engine_snapshot import EngineSnapshot, KVUsage, ReplicaLoad, TierStats
 from jaxserve.outputs import Delta, TokenLogprob, Usage
 from jaxserve.sampling_params import SamplingParams
@@ -56,6 +58,8 @@ def delta_to_message(delta: Delta) -> pb.GenerateResponse:
     for lp in delta.logprobs or ():
         msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
                          top_logprobs=[p for _, p in lp.top])
+    if delta.embedding is not None:
+        msg.embedding = np.asarray(delta.embedding, "<f4").tobytes()
     if delta.usage is not None:
         u = delta.usage
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
@@ -65,6 +69,11 @@ def delta_to_message(delta: Delta) -> pb.GenerateResponse:
 
 def logprobs_from_message(msg: pb.GenerateResponse) -> list[TokenLogprob]:
     return [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs))) for lp in msg.logprobs]
+
+
+def embedding_from_message(msg: pb.GenerateResponse) -> np.ndarray | None:
+    """A pooling request's vector, from its last message (None on other messages)."""
+    return np.frombuffer(msg.embedding, "<f4").astype(np.float32) if msg.embedding else None
 
 
 def usage_from_message(msg: pb.GenerateResponse) -> Usage | None:

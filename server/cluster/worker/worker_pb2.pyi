@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "instance_id", "model", "vocab_size", "max_model_len", "max_num_seqs", "block_size", "role", "tokenizer_json", "chat_template", "special_tokens", "eos_token_ids")
+    __slots__ = ("protocol_version", "instance_id", "model", "vocab_size", "max_model_len", "max_num_seqs", "block_size", "role", "tokenizer_json", "chat_template", "special_tokens", "eos_token_ids", "hidden_size")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class InfoResponse(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     instance_id: str
     model: str
@@ -43,7 +44,8 @@ class InfoResponse(_message.Message):
     chat_template: str
     special_tokens: _containers.ScalarMap[str, str]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    hidden_size: int
+    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "session_id", "hold_kv", "kv_source")
@@ -144,7 +146,7 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage", "error", "lease", "transfer")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage", "error", "lease", "transfer", "embedding")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +154,7 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
@@ -159,7 +162,8 @@ class GenerateResponse(_message.Message):
     error: str
     lease: KVLease
     transfer: KVTransfer
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., lease: _Optional[_Union[KVLease, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
+    embedding: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., lease: _Optional[_Union[KVLease, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., embedding: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")

@@ -1,4 +1,5 @@
-"""OpenAI response and stream-chunk shapes for completions and chat completions."""
+"""OpenAI response bodies and stream chunks of completions and chat completions (`text_completion`,
+`chat.completion`, `chat.completion.chunk`)."""
 
 from __future__ import annotations
 
@@ -169,8 +170,9 @@ class CompletionShapes:
 
 class ChatShapes:
     """`chat.completion` and `chat.completion.chunk` objects. With `tools`, a reply's tool calls
-    become `tool_calls` (finish_reason "tool_calls"); a stream shows content up to where a call
-    starts and sends the calls, each with its index, in the choice's last chunk."""
+    become `tool_calls` (finish reasons as OpenAI gives them: `ToolCalling.reply`); a stream shows
+    content up to where a call starts and sends the calls, each with its index, in the choice's
+    last chunk."""
 
     def __init__(self, response_id: str, info: ModelInfo, tools: ToolCalling | None = None,
                  show_prompt_logprobs: bool = False) -> None:
@@ -220,12 +222,11 @@ class ChatShapes:
             end = max(shown, self._tools.shown(text))
             self._shown[index] = end
             return ({"content": text[shown:end]} if end > shown else None), None
-        content, calls = self._tools.reply(text)
-        if not calls:
-            return {"content": text[shown:]} if len(text) > shown else {}, delta.finish_reason
+        content, calls, finish_reason = self._tools.reply(text, delta.finish_reason)
         body: dict[str, Any] = {"content": content[shown:]} if content and len(content) > shown else {}
-        body["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
-        return body, "tool_calls"
+        if calls:
+            body["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+        return body, finish_reason
 
     def usage_chunk(self, usage: UsageCount) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage.as_dict()}
@@ -237,10 +238,10 @@ class ChatShapes:
             message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
             finish_reason = c.finish_reason
             if self._tools is not None:
-                content, calls = self._tools.reply(c.text)
+                content, calls, finish_reason = self._tools.reply(c.text, finish_reason)
+                message["content"] = content
                 if calls:
-                    message = {**message, "content": content, "tool_calls": [call.as_dict() for call in calls]}
-                    finish_reason = "tool_calls"
+                    message["tool_calls"] = [call.as_dict() for call in calls]
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         body = {**self._envelope("chat.completion", out), "usage": usage.as_dict()}
         if self.show_prompt_logprobs:

@@ -1,11 +1,10 @@
 """Turns a `Generation` into an HTTP response: one JSON object, or an SSE stream of chunks.
 
 Streams start with the first delta, so an error before any output (engine gone, request
-refused) is still an ordinary JSON error with its status. Every stream reports its usage: in a
-last chunk with no choices when `stream_options.include_usage` asks for it (OpenAI's way), else
-on the chunk that finishes the last choice. An error after the stream started
-is sent as an `{"error": ...}` event followed by `[DONE]`. A client that goes away ends the
-generation (its requests are aborted in the engine by `Generation`).
+refused) is still an ordinary JSON error with its status. A stream reports its usage only when
+`stream_options.include_usage` asks for it, in a last chunk with no choices (as OpenAI does). An
+error after the stream started is sent as an `{"error": ...}` event followed by `[DONE]`. A client
+that goes away ends the generation (its requests are aborted in the engine by `Generation`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from aiohttp import web
 from server.errors import APIError
 from server.generation import Generation
 from server.protocol import StreamOptions
-from server.responses import ChatShapes, ChoiceOutput, CompletionShapes
+from server.openai_bodies import ChatShapes, ChoiceOutput, CompletionShapes
 from server.sse import EventStream
 
 OnFinish = Callable[[list[ChoiceOutput], Generation], None]
@@ -55,7 +54,6 @@ async def _stream(
 ) -> web.StreamResponse:
     events = EventStream(request)
     started: set[int] = set()
-    finished = 0
     try:
         try:
             async with aclosing(generation.deltas()) as deltas:
@@ -64,14 +62,10 @@ async def _stream(
                     if isinstance(shapes, ChatShapes) and index not in started:
                         started.add(index)
                         await events.send(shapes.role_chunk(index, include_usage))
-                    if delta.finish_reason is not None:
-                        finished += 1
                     if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
                         chunk = shapes.chunk(index, delta, include_usage)
                         if chunk is None:  # held back (a tool call still being written)
                             continue
-                        if finished == len(choices) and not include_usage:
-                            chunk["usage"] = generation.usage.as_dict()  # usage in every response
                         await events.send(chunk)
             if include_usage:
                 await events.send(shapes.usage_chunk(generation.usage))

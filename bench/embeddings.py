@@ -1,0 +1,123 @@
+"""Embeddings per second: `/v1/embeddings` of a `jaxserve serve` it starts, against Hugging Face
+transformers on the same GGUF weights and the same token ids, in the same run (one after the
+other: the CPU is shared).
+
+    python3 -m bench.embeddings [--texts 256] [--request-size 32] [--concurrency 8] \\
+        [--peer-python /work/refvenv/bin/python] [--server-arg=--max-prefill-seqs=32 ...]
+
+Each run embeds `--texts` short texts (8-16 words, different in every run so the prefix cache
+holds none of them); the first run of each backend warms up and is not timed, `--runs` more are.
+jaxserve's texts go as requests of `--request-size` inputs, `--concurrency` at a time; the peer
+embeds batches of `--peer-batch-size`. Reported: texts per second (median run) of each, their
+ratio, and the largest difference between the two backends' unit vectors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from bench.model_files import gguf_path
+from bench.peers.runner import PeerUnavailable, check_peer, run_offline_peer
+from bench.server_process import ManagedServer, free_port, jaxserve_argv
+from bench.system_info import system_info
+
+WORDS = ("river mountain quiet engine letter garden window silver morning planet story music market winter "
+         "paper bridge forest signal ocean button yellow people kitchen number thunder").split()
+
+
+def texts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16))) + "." for _ in range(count)]
+
+
+async def _embed_all(base_url: str, ids: list[list[int]], request_size: int, concurrency: int) -> tuple[float, list]:
+    """Seconds to embed every text (by token ids), and the vectors in order."""
+    limit = asyncio.Semaphore(concurrency)
+    out: list[Any] = [None] * len(ids)
+
+    async def one(http: aiohttp.ClientSession, start: int) -> None:
+        async with limit:
+            body = {"input": ids[start:start + request_size], "encoding_format": "float"}
+            async with http.post("/v1/embeddings", json=body) as reply:
+                data = await reply.json()
+                if reply.status != 200:
+                    raise RuntimeError(f"/v1/embeddings answered {reply.status}: {data}")
+        for item in data["data"]:
+            out[start + item["index"]] = item["embedding"]
+
+    async with aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(http, s) for s in range(0, len(ids), request_size)))
+        return time.perf_counter() - t0, out
+
+
+async def _tokenize(base_url: str, batch: list[str]) -> list[list[int]]:
+    async with aiohttp.ClientSession(base_url) as http:
+        ids = []
+        for text in batch:
+            async with http.post("/tokenize", json={"prompt": text}) as reply:
+                ids.append((await reply.json())["tokens"])
+        return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--texts", type=int, default=256)
+    p.add_argument("--runs", type=int, default=3, help="timed runs of each backend (after one warm-up run)")
+    p.add_argument("--request-size", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--pooling", choices=("last", "mean"), default="last")
+    p.add_argument("--peer-python", default=None, help="interpreter with torch and transformers (default: this one)")
+    p.add_argument("--peer-batch-size", type=int, default=32)
+    p.add_argument("--server-arg", action="append", default=[], help="extra `jaxserve serve` argument (repeatable)")
+    p.add_argument("--result-file", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        peer_versions = check_peer("transformers-embed", args.peer_python)
+    except PeerUnavailable as e:
+        print(e)
+        return 2
+    runs = [texts(args.texts, seed) for seed in range(args.runs + 1)]
+    port = free_port()
+    server_args = ["--embedding-pooling", args.pooling, *args.server_arg]
+    with ManagedServer(jaxserve_argv(args.model, port, server_args), port, name="jaxserve") as server:
+        ids = [asyncio.run(_tokenize(server.base_url, batch)) for batch in runs]
+        timed = [asyncio.run(_embed_all(server.base_url, run, args.request_size, args.concurrency)) for run in ids]
+    ours = [seconds for seconds, _ in timed[1:]]
+    peer = run_offline_peer("transformers-embed", {"gguf": str(gguf_path(args.model)), "threads": os.cpu_count(),
+                                                   "batch_size": args.peer_batch_size, "pooling": args.pooling,
+                                                   "runs": ids}, args.peer_python)
+    ours_rate, peer_rate = args.texts / statistics.median(ours), args.texts / statistics.median(peer["seconds"])
+    diff = float(np.max(np.abs(np.array(timed[1][1]) - np.array(peer["embeddings"]))))
+    tokens = sum(len(t) for t in ids[1]) / args.texts
+    result = {"system": system_info(), "model": args.model, "pooling": args.pooling, "texts": args.texts,
+              "mean_tokens_per_text": tokens, "request_size": args.request_size, "concurrency": args.concurrency,
+              "server_args": server_args, "peer_batch_size": args.peer_batch_size, "peer_versions": peer_versions,
+              "jaxserve_seconds": ours, "transformers_seconds": peer["seconds"],
+              "jaxserve_texts_per_s": ours_rate, "transformers_texts_per_s": peer_rate,
+              "ratio_jaxserve_over_transformers": ours_rate / peer_rate, "max_abs_diff": diff}
+    print(f"{args.texts} texts of {tokens:.1f} tokens, {args.pooling} pooling, median of {args.runs} runs:\n"
+          f"  jaxserve      {ours_rate:8.1f} texts/s  (requests of {args.request_size}, {args.concurrency} at a time)\n"
+          f"  transformers  {peer_rate:8.1f} texts/s  (batches of {args.peer_batch_size})\n"
+          f"  jaxserve / transformers = {ours_rate / peer_rate:.2f}; largest difference of the unit vectors "
+          f"{diff:.1e}")
+    if args.result_file is not None:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
