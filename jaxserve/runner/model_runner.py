@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import itertools
 import logging
 import os
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from typing import Any, Callable
 
 import jax
@@ -40,7 +38,7 @@ from jaxserve.request import Request
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import PooledRows, PreparedStep, Program, PromptScores, StepInputs, write_token_masks
-from jaxserve.runner.programs import Arg, ProgramSpec
+from jaxserve.runner.programs import declare_programs
 from jaxserve.runner.step_functions import StepFunctions
 from jaxserve.sampler import SamplerOutput
 from jaxserve.sampling_tensors import PenaltyCounts
@@ -51,6 +49,10 @@ from sharding.mesh import make_mesh, plan_tensor_parallel
 from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
 
 logger = logging.getLogger(__name__)
+
+
+# What an iteration's programs give back: their sampler outputs, the prompt scores, the pooled sums.
+StepResults = tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None]
 
 
 @dataclasses.dataclass
@@ -68,7 +70,7 @@ class StepHandle:
     # The prefill program's pooled rows (embeddings) and the sum of each segment's rows.
     pooled: tuple[list[PooledRows], jax.Array] | None = None
     # The rest of the launch (`ModelRunner._run_steps`), while it waits for the masks to be written.
-    _rest: Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None]] | None = None
+    _rest: Generator[None, None, StepResults] | None = None
     _prepared: PreparedStep | None = None
 
     @property
@@ -175,7 +177,7 @@ class ModelRunner:
         self._prev_sampled = self._no_tokens  # the last launched iteration's sampled tokens
         self.num_launches = 0
         self.last_prepare_time = self.last_launch_time = self.last_fetch_time = 0.0
-        self.programs = self._declare_programs()
+        self.programs = declare_programs(self)
         self._executables: dict[tuple, Any] = {}  # by `ProgramSpec.key`
         self.num_compilations = 0
         # Multi-host: on process 0, called with every device operation of serving (an iteration's
@@ -192,96 +194,6 @@ class ModelRunner:
         return array
 
     # ----- programs and compilation ---------------------------------------------------------
-
-    def _declare_programs(self) -> dict[str, ProgramSpec]:
-        """Every program the runner runs (`programs.py`), with the variants warm-up compiles.
-
-        Explicit shardings on every program: host inputs replicated, logits gathered to the full
-        vocabulary once, the cache kept split over kv heads and donated. Each program takes its
-        host arrays packed in one buffer: a `HostPack`, or for the sampling settings their
-        SamplingTensors array (its tables are often device constants).
-        """
-        ec, f, inputs = self.engine_config, self.functions, self.inputs
-        rep = replicated(self.mesh)
-        params, host = Arg("params", self.param_shardings), Arg("inputs", rep)
-        cache = Arg("cache", self.cache_sharding, donated=True)
-        prev, counts, sampling = Arg("prev_sampled", rep), Arg("penalty_counts", rep, True), Arg("sampling", rep)
-        logits, sampled, offset = Arg("logits", rep), Arg("sampled", rep), Arg("sample_offset", rep)
-        step_outs = (rep, self.cache_sharding, rep)  # logits, cache, hidden states
-        widths = ec.block_table_buckets
-
-        def decodes() -> Iterator[Program]:
-            return (inputs.decode([], b, w) for w in widths for b in ec.decode_batch_buckets)
-
-        def prefills() -> Iterator[Program]:
-            return (inputs.prefill([], t, n, w) for w in widths for t in ec.prefill_token_buckets
-                    for n in ec.prefill_seq_buckets)
-
-        def verifies() -> Iterator[Program]:
-            return (inputs.verify([], b, w) for w in widths for b in inputs.verify_batches)
-
-        def steps(programs: Callable[[], Iterator[Program]]) -> Callable[[], Iterator[tuple[tuple, tuple]]]:
-            return lambda: ((p.key[1:], self.step_args(p)) for p in programs())
-
-        def logits_of(program: Program) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct((program.sampling.temperature.shape[0], self.config.vocab_size), jnp.float32)
-
-        def samplers() -> Iterator[tuple[tuple, tuple]]:  # the row buckets of the steps' logits
-            for p in itertools.chain(decodes(), prefills()):
-                yield (p.sampling.temperature.shape[0],), self._sample_args(p, logits_of(p), self._no_tokens)
-
-        def hidden_states(tokens: int) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct((tokens, self.config.hidden_size), self.cache_dtype)
-
-        def scores() -> Iterator[tuple[tuple, tuple]]:
-            for tokens in ec.prefill_token_buckets:
-                rows = np.zeros(tokens, np.int32)
-                yield (tokens,), (self.params, hidden_states(tokens), HostPack.of((rows, rows)))
-
-        def pools() -> Iterator[tuple[tuple, tuple]]:
-            for tokens in ec.prefill_token_buckets:
-                yield (tokens,), (self.params, hidden_states(tokens), HostPack.of(np.zeros(tokens, np.int32)))
-
-        def multi_decodes() -> Iterator[tuple[tuple, tuple]]:
-            if ec.num_scheduler_steps > 1:
-                for w in widths:
-                    for b in ec.decode_batch_buckets:
-                        yield (b, w), self._multi_step_args(inputs.multi_decode([], b, w))
-
-        specs = [
-            # A decode step samples in the same program (one dispatch per decode iteration); its
-            # logits are an output too, for the sampler program of a step with constrained rows.
-            ProgramSpec("decode", f.decode_step,
-                        [params, cache, host, prev, sampling, sampled, offset, counts, Arg("sample_here", rep)],
-                        (*step_outs, rep, rep, rep), steps(decodes)),
-            # A prefill step (chunks, and the decodes that join them) leaves sampling to the sampler
-            # program: a dispatch is nothing next to its device time, and each of its many shapes
-            # would compile the sampler again (~1 s each on CPU).
-            ProgramSpec("prefill", f.model_step, [params, cache, host, prev], step_outs, steps(prefills)),
-            # The sampler of prefill steps and of decode steps with constrained rows (dispatched once
-            # their masks are written, after the step, whose work they overlap), by its row bucket.
-            ProgramSpec("sample", f.sample_into, [logits, sampling, sampled, offset, counts], rep, samplers),
-            # Prompt log-probabilities: scores of a prefill step's rows from its hidden states, by
-            # the step's token bucket (only steps that score a prompt run it).
-            ProgramSpec("score", f.score, [params, Arg("hidden", rep), host], rep, scores),
-            # Embeddings: sums of a prefill step's pooled rows of hidden states, after the final
-            # norm, by the step's token bucket too (only steps that pool run it).
-            ProgramSpec("pool", f.pool, [params, Arg("hidden", rep), host], rep, pools),
-            # Speculative decoding: verify steps keep every row's logits (no padding to a sampler
-            # bucket), and their sampler (by its rows) accepts or rejects the drafts.
-            ProgramSpec("verify", functools.partial(f.model_step, pad_logits=False), [params, cache, host, prev],
-                        step_outs, steps(verifies)),
-            ProgramSpec("verify_sample", f.verify_drafts, [logits, sampling, counts, Arg("drafts", rep)], rep,
-                        lambda: (((p.sampling.temperature.shape[0],), self._verify_args(p, logits_of(p)))
-                                 for p in verifies())),
-            # Multi-step decode: the whole loop (model steps and their sampling) is one program.
-            ProgramSpec("multi_decode", functools.partial(f.multi_step, loop_steps=ec.num_scheduler_steps),
-                        [params, cache, host, sampling, prev, counts], step_outs, multi_decodes),
-            # The penalty counts of requests that just got a slot, from their histories.
-            ProgramSpec("penalty_reset", f.reset_penalty_rows, [counts, host, prev], rep,
-                        lambda: [((), self._reset_args(inputs.penalty_reset([])))]),
-        ]
-        return {spec.name: spec for spec in specs}
 
     def _run(self, key: tuple, args: tuple, warming_up: bool = False) -> Any:
         """Run the program variant `key` (`ProgramSpec.key`): compiled at warm-up, or now (counted)."""
@@ -320,20 +232,20 @@ class ModelRunner:
         logits, self.cache, _, _, _, self.penalty_counts = self._run(program.key, args, warming_up)
         return logits
 
-    def _multi_step_args(self, program: Program) -> tuple:
+    def multi_step_args(self, program: Program) -> tuple:
         return (self.params, self.cache, HostPack.of(program.host_args), program.sampling, self._prev_sampled,
                 self.penalty_counts)
 
     def _sample_offset(self, program: Program) -> jax.Array:
         return self._device_constant((), np.int32, program.sample_offset)  # 0 or decode_offset: not shipped
 
-    def _sample_args(self, program: Program, logits: Any, sampled: jax.Array) -> tuple:
+    def sample_args(self, program: Program, logits: Any, sampled: jax.Array) -> tuple:
         return (logits, program.sampling, sampled, self._sample_offset(program), self.penalty_counts)
 
-    def _verify_args(self, program: Program, logits: Any) -> tuple:
+    def verify_args(self, program: Program, logits: Any) -> tuple:
         return (logits, program.sampling, self.penalty_counts, HostPack.of(program.drafts))
 
-    def _reset_args(self, reset: tuple[np.ndarray, ...]) -> tuple:
+    def reset_args(self, reset: tuple[np.ndarray, ...]) -> tuple:
         return (self.penalty_counts, HostPack.of(reset), self._prev_sampled)
 
     def warm_up(self) -> float:
@@ -493,15 +405,15 @@ class ModelRunner:
         sums = np.asarray(sums)
         return [(p.request, sums[p.segment], len(p.positions)) for p in pooled]
 
-    def _run_steps(self, penalty_resets: list[tuple], programs: list[Program], warming_up: bool = False,
-                   ) -> Generator[None, None, tuple[list[SamplerOutput], tuple[jax.Array, ...] | None,
-                                                    jax.Array | None]]:
+    def _run_steps(self, penalty_resets: list[tuple], programs: list[Program],
+                   warming_up: bool = False) -> Generator[None, None, StepResults]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
         programs (and the prompt scores and pooled rows of the one that has any). The sampled
-        tokens land in a fresh buffer that becomes the next iteration's `prev_sampled`. Returns the
-        programs' sampler outputs, the prompt scores and the pooled sums. Before the first grammar mask is written (while
-        that program's model step runs; multi-host: before anything, for the followers' copy),
-        it yields once: the caller brings the grammars up to date (see `launch`)."""
+        tokens land in a fresh buffer that becomes the next iteration's `prev_sampled`. Returns
+        the programs' sampler outputs, the prompt scores and the pooled sums. Before the first
+        grammar mask is written (while that program's model step runs; multi-host: before
+        anything, for the followers' copy), it yields once: the caller brings the grammars up to
+        date (see `launch`)."""
         awaiting = any(p.masks for p in programs)  # the first mask write waits for the caller
         if self.mirror is not None and not warming_up:
             if awaiting:
@@ -510,11 +422,11 @@ class ModelRunner:
             programs = [write_token_masks(p) for p in programs]
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
-            self.penalty_counts = self._run(("penalty_reset",), self._reset_args(reset), warming_up)
+            self.penalty_counts = self._run(("penalty_reset",), self.reset_args(reset), warming_up)
         sampled, outs, scores, pooled = self._no_tokens, [], None, None
         for program in programs:
             if program.num_steps > 1:
-                args = self._multi_step_args(program)
+                args = self.multi_step_args(program)
                 out, self.cache, self.penalty_counts = self._run(program.key, args, warming_up)
                 outs.append(out)
                 continue
@@ -523,7 +435,7 @@ class ModelRunner:
                 if awaiting and program.masks:
                     yield
                     awaiting = False
-                verify_args = self._verify_args(write_token_masks(program), logits)
+                verify_args = self.verify_args(write_token_masks(program), logits)
                 out, self.penalty_counts = self._run(("verify_sample", logits.shape[0]), verify_args, warming_up)
                 outs.append(out)
                 continue
@@ -542,7 +454,7 @@ class ModelRunner:
                 if awaiting and program.masks:
                     yield
                     awaiting = False
-                sample_args = self._sample_args(write_token_masks(program), logits, sampled)
+                sample_args = self.sample_args(write_token_masks(program), logits, sampled)
                 out, sampled, self.penalty_counts = self._run(("sample", logits.shape[0]), sample_args, warming_up)
             outs.append(out)
         self._prev_sampled = sampled
