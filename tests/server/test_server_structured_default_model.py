@@ -168,5 +168,5 @@ def test_tool_choice_required_named_and_auto(client):
             if calls:
                 check_calls(calls, {"get_weather", "get_time"})
             continue
-        assert finish == "tool_calls"
+        assert finish == ("stop" if choice is named else "tool_calls")  # OpenAI's finish reasons
         check_calls(calls, {"get_time"} if choice is named else {"get_weather", "get_time"})
