@@ -281,10 +281,10 @@ class LLMEngine:
         """Launch a scheduled iteration (None for an empty one). A launch that waits for grammar
         masks gets them once the iteration in flight is read (its deltas join `deltas`)."""
         if sched.is_empty:
-            if self._in_flight is None and self.kv.has_pending_loads:
-                self.kv.submit_loads()
+            if self._in_flight is None and self.kv.loads.pending:
+                self.kv.loads.submit()
                 self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
-            self.kv.submit_loads()
+            self.kv.loads.submit()
             return None
         prepared = self._prepare(sched, deltas)
         # Marked launched first: the read of the step in flight below sees this step's placeholders
@@ -297,7 +297,7 @@ class LLMEngine:
             self.runner.complete_launch(handle)
         for pooled in prepared.pooled:  # a recompute launched later does not pool these again
             pooled.request.pooling.on_launched(pooled.positions)
-        self.kv.submit_loads()  # after the launch: the copies that read their slots have run
+        self.kv.loads.submit()  # after the launch: the copies that read their slots have run
         self.stats.model_time += self.runner.last_prepare_time + self.runner.last_launch_time
         self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
         self.stats.num_steps += 1

@@ -318,7 +318,6 @@ def pending(c: ScheduledChunk, prev_rows: dict[Request, int]) -> int:
 
 
 def rebuilt_decode(chunks, batch, width, prev_rows, bs) -> tuple:
-    n = len(chunks)
     tokens, token_src = np.zeros(batch, np.int32), np.full(batch, -1, np.int32)
     positions, slots, seq_lens = (np.zeros(batch, np.int32) for _ in range(3))
     tables = rebuilt_tables(chunks, batch, width)

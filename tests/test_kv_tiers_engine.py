@@ -34,7 +34,7 @@ def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
 def close(llm: LLM, assert_kv_all_free) -> None:
     engine = llm.engine
     assert_kv_all_free(engine)
-    assert not engine.kv.has_pending_loads and not engine.kv.disk.held_slots()
+    assert not engine.kv.loads.pending and not engine.kv.disk.held_slots()
     llm.close()  # writes what the disk lacks of the prefix cache, then waits for the writer
 
 
@@ -134,7 +134,7 @@ def test_a_request_loading_from_disk_does_not_stall_the_others(tmp_path, referen
         before = len(tokens["other"])
         for _ in range(6):
             step()
-            assert engine.kv.is_loading(loading)
+            assert engine.kv.loads.is_loading(loading)
         assert len(tokens["other"]) - before >= 5   # decoding went on while the load waited for the disk
     finally:
         gate.set()

@@ -12,8 +12,10 @@ from jaxserve.kv.disk_link import LoadStart
 from jaxserve.kv.disk_tier import DiskStats, DiskTier, HostBlockArrays
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.accounting import KVUsage
-from jaxserve.kv.manager import KVCacheManager, PrefixHit
+from jaxserve.kv.manager import KVCacheManager
+from jaxserve.kv.prefix_cache import PrefixHit
 from jaxserve.kv.leases import Hold, Lease, Leases, Pin
+from jaxserve.kv.prefix_cache import PrefixCache
 from jaxserve.kv.radix_cache import RadixCache
 from jaxserve.kv.radix_node import CacheStats, InsertResult, PrefixMatch, RadixNode
 
@@ -21,5 +23,5 @@ __all__ = [
     "RESERVED_BLOCK", "BlockPool", "NoFreeBlocksError", "ChainKeys", "fingerprint", "CopyKind", "CopyPlan",
     "CopyStage", "LoadStart", "DiskStats", "DiskTier", "HostBlockArrays",
     "Hold", "HostTier", "KVCacheManager", "KVHandle", "KVUsage", "Lease", "Leases", "PrefixHit", "Pin", "CacheStats",
-    "InsertResult", "PrefixMatch", "RadixCache", "RadixNode",
+    "InsertResult", "PrefixCache", "PrefixMatch", "RadixCache", "RadixNode",
 ]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxserve.kv.block_pool import BlockPool
-from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.kv.prefix_cache import PrefixCache
 from jaxserve.kv.radix_node import RadixNode
 
 
@@ -60,7 +60,7 @@ class Hold(Lease):
 class Leases:
     """The pins and holds of one KV cache, with the pins' budgets."""
 
-    def __init__(self, cache: RadixCache | None, pool: BlockPool, budget_per_owner: int, max_pinned: int,
+    def __init__(self, cache: PrefixCache | None, pool: BlockPool, budget_per_owner: int, max_pinned: int,
                  changed: Callable[[], None]) -> None:
         """`changed` is called before every change of the cache's locks (it invalidates prefix hits)."""
         if budget_per_owner < 0 or max_pinned < 0:

@@ -19,8 +19,8 @@ admissions and swap-ins may not. `can_admit`, `can_allocate`, `can_swap_in/out` 
 
 Sessions and KV handed between workers keep cached blocks through `leases` (`leases.py`).
 With a disk tier, `match_prefix` also reports the blocks after the tree's match that are on disk;
-the scheduler may `start_load(key, hit)` them into the host tier instead of admitting, then admit
-once `poll_loads` has put them in the tree (`admit(..., load_key=key)` takes the load's lock over).
+the scheduler may `loads.start(key, hit)` them into the host tier instead of admitting, then admit
+once `loads.poll()` has put them in the tree (`disk_loads.py`).
 Cached blocks are written to disk as the copy plan's `*_TO_DISK` stages (`disk_link.py`).
 
 Design notes. A sequence locks the prefix-cache path of its cached leading blocks
@@ -34,7 +34,6 @@ tokens as int32 bytes); numpy int32 arrays match fastest.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,28 +42,14 @@ from jaxserve.kv.block_pool import BlockPool
 from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.content_keys import KEY_BYTES, ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
-from jaxserve.kv.disk_link import DiskLink, LoadStart
+from jaxserve.kv.disk_link import DiskLink
+from jaxserve.kv.disk_loads import DiskLoads
 from jaxserve.kv.disk_tier import DiskTier
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.leases import Leases
+from jaxserve.kv.prefix_cache import PrefixCache, PrefixHit
 from jaxserve.kv.radix_cache import RadixCache
-from jaxserve.kv.radix_node import CacheStats, RadixNode
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """The cached prefix of a prompt, from `match_prefix`; pass it to `admit`."""
-
-    num_tokens: int             # prompt tokens whose KV is cached (device + host)
-    num_host_tokens: int        # the part of num_tokens that is copied back from the host tier
-    num_prompt_tokens: int
-    _node: RadixNode | None
-    _device_blocks: list[int]
-    _idle_path_blocks: int
-    _epoch: int
-    num_disk_tokens: int = 0    # after num_tokens: blocks on the disk tier (see start_load)
-    _chain: ChainKeys | None = None
-    _token_ids: Sequence[int] | np.ndarray | None = None
+from jaxserve.kv.radix_node import CacheStats
 
 
 class KVCacheManager:
@@ -95,8 +80,9 @@ class KVCacheManager:
             raise ValueError(f"watermark_blocks must be in [0, {usable}), got {watermark_blocks}")
         self.copies = CopyPlan()
         self.host = HostTier(num_host_slots) if num_host_slots > 0 else None
-        self.prefix_cache = (RadixCache(self.pool, self.host, self.copies, spill_to_host=spill_to_host)
-                             if enable_prefix_cache else None)
+        radix = (RadixCache(self.pool, self.host, self.copies, spill_to_host=spill_to_host)
+                 if enable_prefix_cache else None)
+        self.prefix_cache: PrefixCache | None = radix
         self.leases = Leases(self.prefix_cache, self.pool,
                              usable // 8 if pin_budget_blocks is None else pin_budget_blocks,
                              usable // 2 if max_pinned_blocks is None else max_pinned_blocks, self._changed)
@@ -104,9 +90,10 @@ class KVCacheManager:
         self._epoch = 0  # moves on every change a PrefixHit depends on
         self.disk = None
         if disk is not None:
-            if self.prefix_cache is None:
+            if radix is None:
                 raise ValueError("the disk tier needs the prefix cache")
-            self.disk = DiskLink(disk, self.prefix_cache, self.copies, write_through_hits=disk_write_through_hits)
+            self.disk = DiskLink(disk, radix, self.copies, write_through_hits=disk_write_through_hits)
+        self.loads = DiskLoads(self.disk, lambda: self._epoch, self._changed)
 
     def _changed(self) -> None:
         self._epoch += 1
@@ -200,56 +187,11 @@ class KVCacheManager:
         self._handles.add(handle)
         return handle
 
-    # ------------------------------------------------------------------ disk loads
-
-    def start_load(self, key: Hashable, hit: PrefixHit) -> LoadStart:
-        """Read the hit's disk blocks into the host tier in the background, instead of admitting.
-
-        STARTED: `is_loading(key)` until a later `poll_loads()`; then match and admit again (a
-        match that still continues on disk, when the host tier had room for part of it, may load again).
-        BUSY: the in-flight bound is reached, try again later. NONE: no room; admit and recompute.
-        """
-        if self.disk is None or not hit.num_disk_tokens:
-            return LoadStart.NONE
-        if hit._epoch != self._epoch:
-            raise ValueError("stale PrefixHit: the manager changed since match_prefix; match again")
-        result = self.disk.start_load(key, hit._node, hit._token_ids, hit._chain,
-                                      hit.num_disk_tokens // self.block_size)
-        if result is LoadStart.STARTED:
-            self._epoch += 1
-        return result
-
-    def submit_loads(self) -> None:
-        """Start the reads of loads begun since the last call: call it after the copies taken
-        with `take_copies` have run (the runner's launch), or when there were none."""
-        if self.disk is not None:
-            self.disk.submit()
-
-    def poll_loads(self) -> bool:
-        """Put finished disk loads into the prefix cache; True if any finished."""
-        if self.disk is None or not self.disk.poll():
-            return False
-        self._epoch += 1
-        return True
-
-    def is_loading(self, key: Hashable) -> bool:
-        return self.disk is not None and self.disk.is_loading(key)
-
-    @property
-    def has_pending_loads(self) -> bool:
-        return self.disk is not None and self.disk.has_pending
-
     def flush_to_disk(self) -> int:
         """At a clean shutdown: plan disk writes of the cached blocks the disk tier lacks, within
         its budget (see `DiskLink.flush`); run the copies, then close the tier. Returns the blocks
         planned (0 without a disk tier)."""
         return self.disk.flush() if self.disk is not None else 0
-
-    def cancel_load(self, key: Hashable) -> None:
-        """The request went away: release what its load holds (a no-op if it has none)."""
-        if self.disk is not None:
-            self._epoch += 1
-            self.disk.release(key, 0)
 
     # ------------------------------------------------------------------ growth
 

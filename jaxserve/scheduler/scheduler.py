@@ -79,7 +79,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req.kv is not None:
             self.kv.free(req.kv)
-        self.kv.cancel_load(req)
+        self.kv.loads.cancel(req)
         req.finish(reason)
 
     @property
@@ -93,7 +93,7 @@ class Scheduler:
         masks are written (`LLMEngine.step`), so constrained decodes whose last token is still in
         flight may run in it; otherwise they wait for that token."""
         out = SchedulerOutput()
-        self.kv.poll_loads()
+        self.kv.loads.poll()
         budget = self.config.max_num_batched_tokens
         budget -= self._schedule_decodes(out, masks_after_read)
         self._schedule_swap_ins(out)
@@ -175,7 +175,7 @@ class Scheduler:
         waits or is being chunked, nothing is swapped out or loading), none constrained (each
         of its masks depends on the token before)."""
         return (self.config.num_scheduler_steps > 1 and bool(decoding) and not self.waiting and not self.swapped
-                and not any(r.is_prefilling for r in self.running) and not self.kv.has_pending_loads
+                and not any(r.is_prefilling for r in self.running) and not self.kv.loads.pending
                 and all(r.grammar is None for r in decoding))
 
     def _num_steps(self, req: Request) -> int:
@@ -227,12 +227,12 @@ class Scheduler:
                 break
             if req.awaits_token:
                 continue  # preempted with its last token in flight
-            if self.kv.is_loading(req):
+            if self.kv.loads.is_loading(req):
                 continue  # its prefix is being read from disk; others go meanwhile
             cacheable = req.all_token_ids[:req.num_cacheable_tokens]
             hit = self.kv.match_prefix(cacheable, req.block_keys)
             if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
-                if self.kv.start_load(req, hit) is not LoadStart.NONE:
+                if self.kv.loads.start(req, hit) is not LoadStart.NONE:
                     continue  # loading (or waiting for room to load): admitted once on the host
                 hit = self.kv.match_prefix(cacheable, req.block_keys)
             remaining = req.num_tokens - hit.num_tokens

@@ -183,7 +183,7 @@ class FakeEngine:
             assert len(set(stage.dst)) == len(stage.dst), "a stage writes one place twice"
             values = src[stage.src]             # one gather ...
             dst[stage.dst] = values             # ... then one scatter
-        self.mgr.submit_loads()                 # disk reads into slots these copies may have read
+        self.mgr.loads.submit()                 # disk reads into slots these copies may have read
 
     # ------------------------------------------------------------- checks
 

@@ -50,9 +50,9 @@ class Driver:
         mgr = self.eng.mgr
         hit = mgr.match_prefix(prompt)
         if hit.num_disk_tokens:
-            started = mgr.start_load(rid, hit)
+            started = mgr.loads.start(rid, hit)
             if started is LoadStart.STARTED:
-                assert mgr.is_loading(rid)
+                assert mgr.loads.is_loading(rid)
                 self.loading[rid] = prompt
                 return "loading"
             if started is LoadStart.BUSY:
@@ -64,30 +64,30 @@ class Driver:
 
     def poll(self, wait: bool) -> None:
         mgr = self.eng.mgr
-        if wait and mgr.has_pending_loads:
+        if wait and mgr.loads.pending:
             self.eng.execute_copies()    # what the next launch runs first; then the reads start
             mgr.disk.disk.wait(5)
-        mgr.poll_loads()
-        for rid in [r for r in self.loading if not mgr.is_loading(r)]:
+        mgr.loads.poll()
+        for rid in [r for r in self.loading if not mgr.loads.is_loading(r)]:
             self.eng.waiting[rid] = self.loading.pop(rid)   # loaded: admitted at its next turn
 
     def cancel(self, i: int) -> None:
         if self.loading:
             rid = sorted(self.loading)[i % len(self.loading)]
             del self.loading[rid]
-            self.eng.mgr.cancel_load(rid)
+            self.eng.mgr.loads.cancel(rid)
 
     def drain(self) -> None:
         mgr = self.eng.mgr
         for rid in list(self.loading):
-            mgr.cancel_load(rid)
+            mgr.loads.cancel(rid)
         self.loading.clear()
         self.eng.execute_copies()
-        while mgr.has_pending_loads:
+        while mgr.loads.pending:
             mgr.disk.disk.wait(5)
-            mgr.poll_loads()
+            mgr.loads.poll()
         for rid in list(self.eng.waiting):
-            mgr.cancel_load(rid)        # loaded but never admitted
+            mgr.loads.cancel(rid)        # loaded but never admitted
         mgr.flush_to_disk()             # a clean shutdown: what is cached goes to disk, within budget
         self.eng.execute_copies()
         mgr.disk.disk.flush()
@@ -212,11 +212,11 @@ def _served(drv: Driver, rid: str, prompt: list[int]) -> int:
     mgr = eng.mgr
     while True:
         hit = mgr.match_prefix(prompt)
-        if hit.num_disk_tokens and mgr.start_load(rid, hit) is LoadStart.STARTED:
+        if hit.num_disk_tokens and mgr.loads.start(rid, hit) is LoadStart.STARTED:
             eng.execute_copies()
-            while mgr.is_loading(rid):
+            while mgr.loads.is_loading(rid):
                 mgr.disk.disk.wait(5)
-                mgr.poll_loads()
+                mgr.loads.poll()
             continue
         break
     assert eng.admit(rid, prompt, len(prompt) - hit.num_tokens)
@@ -252,9 +252,9 @@ def test_a_restart_finds_the_blocks_on_disk(tmp_path) -> None:
 
 
 def _wait_loaded(mgr: KVCacheManager, rid: str) -> None:
-    while mgr.is_loading(rid):
+    while mgr.loads.is_loading(rid):
         mgr.disk.disk.wait(5)
-        mgr.poll_loads()
+        mgr.loads.poll()
 
 
 def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
@@ -272,7 +272,7 @@ def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
     eng.execute_copies()
     hit = mgr.match_prefix(PROMPT)
     assert (hit.num_tokens, hit.num_disk_tokens) == (0, 24)
-    assert mgr.start_load("b", hit) is LoadStart.STARTED
+    assert mgr.loads.start("b", hit) is LoadStart.STARTED
     eng.execute_copies()
     _wait_loaded(mgr, "b")
     first = mgr.match_prefix(PROMPT)
@@ -281,7 +281,7 @@ def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
     eng.execute_copies()
     eng.finish("s")                                # its host slots are free again
     rest = mgr.match_prefix(PROMPT)
-    assert mgr.start_load("b", rest) is LoadStart.STARTED
+    assert mgr.loads.start("b", rest) is LoadStart.STARTED
     eng.execute_copies()
     _wait_loaded(mgr, "b")
     final = mgr.match_prefix(PROMPT)

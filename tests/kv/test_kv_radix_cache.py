@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.kv import BlockPool, CopyKind, HostTier, NoFreeBlocksError, RadixCache
+from jaxserve.kv import BlockPool, CopyKind, HostTier, KVCacheManager, NoFreeBlocksError, PrefixCache, RadixCache
 
 BS = 4
 
@@ -23,6 +23,12 @@ def cached(cache: RadixCache, tokens: list[int], blocks: list[int] | None = None
     cache.unlock(result.node)
     pool.decref_all(blocks)     # the request finishes; the tree keeps what it adopted
     return result.blocks
+
+
+def test_the_manager_reaches_the_cache_through_its_interface() -> None:
+    assert isinstance(RadixCache(BlockPool(8, BS)), PrefixCache)
+    assert isinstance(KVCacheManager(8, BS).prefix_cache, PrefixCache)
+    assert KVCacheManager(8, BS, enable_prefix_cache=False).prefix_cache is None
 
 
 def test_match_ending_mid_node_splits_it() -> None:

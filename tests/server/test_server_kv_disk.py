@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import openai
-import pytest
 
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import BLOCK_SIZE, MODEL_NAME, send

@@ -12,7 +12,6 @@ import json
 import socket
 import time
 
-import pytest
 
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import KEY_A, MODEL_NAME, send, sse_events, start_server

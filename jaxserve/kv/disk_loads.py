@@ -1,0 +1,69 @@
+"""Reads of cached blocks from the disk tier into the host tier, while their requests wait.
+
+The scheduler, instead of admitting a request whose prompt continues on disk, may `start` a load
+of those blocks under the request's key; once `poll` has put them in the prefix cache it matches
+and admits again (`KVCacheManager.admit(..., load_key=key)` takes the load's lock over). Without a
+disk tier every method is a no-op (`start` answers NONE), so callers need not ask which they have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
+
+from jaxserve.kv.disk_link import DiskLink, LoadStart
+
+if TYPE_CHECKING:
+    from jaxserve.kv.prefix_cache import PrefixHit
+
+
+class DiskLoads:
+    def __init__(self, link: DiskLink | None, epoch: Callable[[], int], changed: Callable[[], None]) -> None:
+        """`epoch` reads the manager's change counter (a stale hit is refused); `changed` moves it."""
+        self._link = link
+        self._epoch = epoch
+        self._changed = changed
+
+    def start(self, key: Hashable, hit: PrefixHit) -> LoadStart:
+        """Read the hit's disk blocks into the host tier in the background, instead of admitting.
+
+        STARTED: `is_loading(key)` until a later `poll()`; then match and admit again (a match that
+        still continues on disk, when the host tier had room for part of it, may load again).
+        BUSY: the in-flight bound is reached, try again later. NONE: no room; admit and recompute.
+        """
+        if self._link is None or not hit.num_disk_tokens:
+            return LoadStart.NONE
+        if hit._epoch != self._epoch():
+            raise ValueError("stale PrefixHit: the manager changed since match_prefix; match again")
+        result = self._link.start_load(key, hit._node, hit._token_ids, hit._chain,
+                                       hit.num_disk_tokens // self._link.cache.block_size)
+        if result is LoadStart.STARTED:
+            self._changed()
+        return result
+
+    def submit(self) -> None:
+        """Start the reads of loads begun since the last call: call it after the copies taken
+        with `take_copies` have run (the runner's launch), or when there were none."""
+        if self._link is not None:
+            self._link.submit()
+
+    def poll(self) -> bool:
+        """Put finished loads into the prefix cache; True if any finished."""
+        if self._link is None or not self._link.poll():
+            return False
+        self._changed()
+        return True
+
+    def is_loading(self, key: Hashable) -> bool:
+        return self._link is not None and self._link.is_loading(key)
+
+    @property
+    def pending(self) -> bool:
+        """Some load has not been put into the prefix cache yet."""
+        return self._link is not None and self._link.has_pending
+
+    def cancel(self, key: Hashable) -> None:
+        """The request went away: release what its load holds (a no-op if it has none)."""
+        if self._link is not None:
+            self._changed()
+            self._link.release(key, 0)
