@@ -61,7 +61,7 @@ from jaxserve.pooling import PromptPooling
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
-from jaxserve.runner.inputs import PreparedStep
+from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput

@@ -18,7 +18,8 @@ from jaxserve.kv import KVCacheManager, KVHandle
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.runner.input_batch import STOP_ID_SLOTS, InputBatch
-from jaxserve.runner.inputs import Program, StepInputs
+from jaxserve.runner.inputs import StepInputs
+from jaxserve.runner.prepared_step import Program
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sampling_tensors import BIAS_SLOTS, RowSampling, SamplingTensors
 from jaxserve.scheduler.output import ScheduledChunk

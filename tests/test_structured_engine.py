@@ -117,7 +117,7 @@ def test_constraints_the_library_rejects_raise_value_error(kind, value, message)
 def test_a_constrained_rows_mask_is_written_after_its_step_is_built(llm):
     """`prepare` leaves the mask row allowing everything and lists it; the runner writes it with
     `write_token_masks` once the model step is on the device (the mask overlaps the step)."""
-    from jaxserve.runner.inputs import write_token_masks
+    from jaxserve.runner.prepared_step import write_token_masks
 
     engine = llm.engine
     (req,) = engine.add_request("mask-timing", "Hi", SamplingParams(max_tokens=4, guided=GuidedDecoding("json", SCHEMA)))

@@ -37,7 +37,8 @@ from jaxserve.outputs import SampledToken, TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
-from jaxserve.runner.inputs import PooledRows, PreparedStep, Program, PromptScores, StepInputs, write_token_masks
+from jaxserve.runner.inputs import StepInputs
+from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores, write_token_masks
 from jaxserve.runner.programs import declare_programs
 from jaxserve.runner.step_functions import StepFunctions
 from jaxserve.sampler import SamplerOutput

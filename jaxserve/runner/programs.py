@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.runner.host_pack import HostPack
-from jaxserve.runner.inputs import Program
+from jaxserve.runner.prepared_step import Program
 from sharding.rules import replicated
 
 if TYPE_CHECKING:
