@@ -323,11 +323,15 @@ def test_a_decode_worker_dead_mid_stream_has_the_sequence_resumed_on_another(clu
         bodies = [_completion(_prompt(60, 3 * BLOCK + 5), 200, ignore_eos=True),
                   _completion(_prompt(61, 2 * BLOCK + 1), 200, ignore_eos=True, temperature=0.9, seed=11)]
         streams = [Stream(endpoint, {**b, "stream_options": {"include_usage": True}}, None) for b in bodies]
-        firsts = [s.first_text_event() for s in streams]  # the first goes to the spare (an idle tie)
+        # The first goes to the spare (an idle tie); its first token comes from the prefill worker:
+        # kill the spare once it has streamed tokens of its own.
+        firsts = [[s.first_text_event()] for s in streams]
+        while len(firsts[0]) < 4:
+            firsts[0].append(streams[0].next_event())
         spare.proc.kill()  # SIGKILL mid-stream
         spare.finish(30)
         for body, stream, first in zip(bodies, streams, firsts):
-            events = [first, *stream.rest()]
+            events = [*first, *stream.rest()]
             stream.close()
             assert not [e for e in events if "error" in e], events
             assert events[-1] == "[DONE]"
