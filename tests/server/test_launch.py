@@ -1,12 +1,26 @@
 """`jaxserve launch`: topology files checked before anything starts, and a router with two workers
 placed on a local Ray cluster that the test starts (`ray start --head`), serving a request, then
 stopped cleanly by SIGTERM (every process gone, the cluster's resources free again); a topology the
-cluster has no room for is refused once its placement times out."""
+cluster has no room for is refused once its placement times out.
+
+Which cluster: a launch without --address, on a machine whose Ray discovery file names a cluster
+that is gone, starts a local cluster of its own on loopback (reading and writing no discovery
+file), serves, gets a SIGKILLed worker back (restarted by Ray, taken back by the router), and stops
+leaving no Ray process or file behind; `--address auto` with that file, or an address nobody
+answers at, fails within seconds with a message. Every Ray file of these tests lives in a
+temporary directory (RAY_TMPDIR, --temp-dir) removed at the end, so no stale discovery file is left.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import jax
 import pytest
@@ -14,7 +28,8 @@ import ray
 import yaml
 
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
-from router_cluster import Endpoint, workers
+from router_cluster import Endpoint, wait_worker_status, workers
+from server.cluster.launch.ray_cluster import ClusterNotFoundError, RayTarget, check_reachable, choose_cluster
 from server.cluster.launch.topology import TopologyError, parse_topology
 from server_harness import send
 
@@ -70,7 +85,113 @@ def _refuses_connections(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(tmp_path, _compilation_cache):
+@pytest.fixture
+def ray_tmp(monkeypatch):
+    """A temporary directory for every Ray file of the test and its children (RAY_TMPDIR, and
+    TMPDIR for the launcher's own cluster); at the end, no process uses it and it is removed."""
+    root = Path(tempfile.mkdtemp(prefix="jr-"))  # short: Ray's socket paths live under it
+    monkeypatch.setenv("RAY_TMPDIR", str(root))
+    monkeypatch.setenv("TMPDIR", str(root))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    yield root
+    deadline = time.monotonic() + 30
+    while (users := _processes_using(root)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in users:  # (a failed test's leftovers: end them, then fail)
+        os.kill(pid, signal.SIGKILL)
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    assert not users, f"Ray processes left behind: {users}"
+
+
+def _processes_using(root: Path) -> list[int]:
+    """Processes whose command line names `root` (a Ray head, raylet, GCS of a test's cluster)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if str(root).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _stale_discovery_file(root: Path) -> tuple[Path, str]:
+    """A discovery file naming a cluster that is gone (nothing listens at its address)."""
+    path = root / "ray" / "ray_current_cluster"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    address = f"127.0.0.1:{free_port()}"
+    path.write_text(address)
+    return path, address
+
+
+def test_which_cluster_a_launch_uses():
+    assert choose_cluster(None, {}) == RayTarget(None, "a local cluster")
+    assert choose_cluster(None, {"RAY_ADDRESS": "h:1"}) == RayTarget("h:1", "RAY_ADDRESS")
+    assert choose_cluster("h:2", {"RAY_ADDRESS": "h:1"}) == RayTarget("h:2", "--address")
+    assert choose_cluster("auto", {"RAY_ADDRESS": "h:1"}) == RayTarget("h:1", "RAY_ADDRESS")
+    with pytest.raises(ClusterNotFoundError, match="names no cluster; leave out --address"):
+        choose_cluster("auto", {"RAY_TMPDIR": "/nonexistent"})
+    with pytest.raises(ClusterNotFoundError, match="a Ray cluster is HOST:PORT"):
+        check_reachable(RayTarget("nowhere", "--address"))
+    check_reachable(RayTarget(None, "a local cluster"))  # started by the launch itself
+
+
+@pytest.mark.parametrize("how", ["auto", "address"])
+def test_a_launch_told_of_a_cluster_that_is_gone_fails_in_seconds(how, ray_tmp, tmp_path):
+    path, address = _stale_discovery_file(ray_tmp)
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(_topology()))
+    flag = "auto" if how == "auto" else address
+    start = time.monotonic()
+    with ChildProcess(jaxserve("launch", "--config", str(config), "--address", flag)) as launch:
+        assert launch.finish(timeout=60) != 0
+    assert f"no Ray cluster answers at {address}" in launch.output, launch.output
+    source = f"from Ray's discovery file {path} (a stale file" if how == "auto" else "from --address"
+    assert source in launch.output, launch.output
+    assert "Failed to connect to GCS" not in launch.output
+    assert time.monotonic() - start < 60  # (Ray itself retries for minutes)
+
+
+def test_launch_without_an_address_starts_its_own_cluster_and_gets_a_killed_worker_back(
+        tmp_path, ray_tmp, _compilation_cache):
+    path, stale = _stale_discovery_file(ray_tmp)
+    router_port = free_port()
+    worker_args = [*SMALL_ENGINE, "--compilation-cache-dir", jax.config.jax_compilation_cache_dir]
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(_topology(
+        router={"host": "127.0.0.1", "port": router_port, "args": ["--health-check-interval", "0.3"]},
+        workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}])))
+    body = {"model": "tiny-random", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ChildProcess(jaxserve("launch", "--config", str(config), "--stop-timeout", "20",
+                               "--worker-restarts", "1")) as launch:
+        launch.wait_for("[launch] starting a local Ray cluster on 127.0.0.1", timeout=60)
+        line = launch.wait_for("[launch] router on", timeout=600)
+        router = Endpoint(router_port)
+        placed = workers(router)
+        assert [w["status"] for w in placed] == ["up", "up"], placed
+        assert all(w["address"].startswith("127.0.0.1:") for w in placed), placed  # on loopback
+        assert send(router, "POST", "/v1/completions", body, key=None).status == 200
+        pid = int(re.search(r"\[worker-0\] started pid (\d+)", launch.output).group(1))
+        os.kill(pid, signal.SIGKILL)
+        wait_worker_status(router, 0, "down", timeout=30)
+        reply = send(router, "POST", "/v1/completions", body, key=None)  # the other worker serves meanwhile
+        assert reply.status == 200 and reply.json["usage"]["completion_tokens"] == 6, reply.text
+        launch.wait_for("[launch] worker-0 restarted", timeout=120)
+        wait_worker_status(router, 0, "up", timeout=600)  # Ray restarted it, on its port
+        assert workers(router)[0]["address"] == placed[0]["address"]
+        launch.terminate()
+        assert launch.finish(timeout=120) == 0, launch.output
+    assert "[launch] stopped" in launch.output and line
+    assert all(_refuses_connections(int(w["address"].rsplit(":", 1)[1])) for w in placed)
+    assert _refuses_connections(router_port)
+    assert path.read_text() == stale  # the discovery file was neither used nor rewritten
+    assert not list(ray_tmp.glob("jaxserve-ray-*")), list(ray_tmp.iterdir())  # the launch's cluster is gone
+
+
+def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(tmp_path, ray_tmp, _compilation_cache):
     gcs_port, router_port = free_port(), free_port()
     worker_args = [*SMALL_ENGINE, "--compilation-cache-dir", jax.config.jax_compilation_cache_dir]
     config = tmp_path / "topology.yaml"
@@ -79,7 +200,8 @@ def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(t
         workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}])))
     head_command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                     "--node-ip-address", "127.0.0.1", "--port", str(gcs_port), "--num-cpus", "2",
-                    "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats"]
+                    "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
+                    "--temp-dir", str(ray_tmp / "head")]
     with ChildProcess(head_command) as head:
         head.wait_for("Ray runtime started", timeout=180)
         try:

@@ -6,7 +6,7 @@ prompts (greedy, seeded sampling with n = 2, stop strings, min_tokens, a penalty
 split); transferred and skipped blocks counted in /metrics; a lease nobody pulls freed at its
 timeout; a puller or a client that goes away mid-transfer leaking nothing; an expired lease
 leaving the decode worker to recompute the same output; a decode worker dead before its half
-getting the half retried on another; blocks moved device to device (`--kv-transport device`,
+getting the half retried on another, and one dead mid-stream having it resumed on another; blocks moved device to device (`--kv-transport device`,
 jax.experimental.transfer between the CPU processes) giving the same output, and a decode worker
 with a transfer server pulling bytes from a prefill worker without one. After each test the
 workers' pools are all free, with no lease and no hold left. One module-scoped cluster of three
@@ -299,6 +299,48 @@ def test_a_decode_worker_dead_before_its_half_gets_the_half_retried_on_another(c
         router.wait_for("retrying on", timeout=10)
         after = _transfers(endpoint)
         assert after["pulled"] - before["pulled"] == 5 and after["transfer_failures_total"] == 0
+        _both_free(cluster)
+    finally:
+        router.terminate()
+        router.finish(60)
+    assert "Traceback" not in router.output, router.output
+
+
+def test_a_decode_worker_dead_mid_stream_has_the_sequence_resumed_on_another(cluster):
+    """Streams whose decode worker is SIGKILLed after they started go on on the other decode
+    worker from their prompt plus the tokens out (recomputed there): no error, no break, the
+    colocated text (greedy and seeded), usage counted once, nothing leaked."""
+    ports = cluster["ports"]
+    spare_port = free_port()
+    spare = start_worker(spare_port, [*SMALL_ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
+    spare.wait_for("worker listening", timeout=900)
+    router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
+                                    "--decode-worker", f"127.0.0.1:{spare_port}",
+                                    "--decode-worker", f"127.0.0.1:{ports['decode']}",
+                                    "--health-check-interval", "0.3")
+    try:
+        router.wait_for("Running on", timeout=120)
+        bodies = [_completion(_prompt(60, 3 * BLOCK + 5), 200, ignore_eos=True),
+                  _completion(_prompt(61, 2 * BLOCK + 1), 200, ignore_eos=True, temperature=0.9, seed=11)]
+        streams = [Stream(endpoint, {**b, "stream_options": {"include_usage": True}}, None) for b in bodies]
+        # The first goes to the spare (an idle tie); its first token comes from the prefill worker:
+        # kill the spare once it has streamed tokens of its own.
+        firsts = [[s.first_text_event()] for s in streams]
+        while len(firsts[0]) < 4:
+            firsts[0].append(streams[0].next_event())
+        spare.proc.kill()  # SIGKILL mid-stream
+        spare.finish(30)
+        for body, stream, first in zip(bodies, streams, firsts):
+            events = [*first, *stream.rest()]
+            stream.close()
+            assert not [e for e in events if "error" in e], events
+            assert events[-1] == "[DONE]"
+            text = "".join(c["text"] for e in events[:-1] for c in e["choices"])
+            want = send(cluster["colo"], "POST", "/v1/completions", body)
+            assert text == want.json["choices"][0]["text"]
+            usage = [e["usage"] for e in events[:-1] if e.get("usage")]
+            assert [(u["prompt_tokens"], u["completion_tokens"]) for u in usage] == [(len(body["prompt"]), 200)]
+        router.wait_for("resuming it on", timeout=10)
         _both_free(cluster)
     finally:
         router.terminate()

@@ -6,6 +6,10 @@ rest of the budget, and the lease to pull the prompt's KV from. The sampler keys
 its position in the whole sequence and the repetition penalty counts prompt and output alike,
 so the decode worker samples what one worker would; presence and frequency penalties count the
 output only and a grammar follows it, so those requests are not split (one worker runs them).
+
+The same holds for a sequence whose worker failed after it streamed part of it (`resumes`): another
+worker finishes it from the prompt plus the tokens streamed so far (`decode_params` of the rest),
+recomputing their KV, and samples what the first worker would have.
 """
 
 from __future__ import annotations
@@ -15,11 +19,17 @@ import dataclasses
 from jaxserve.sampling_params import SamplingParams
 
 
+def resumes(params: SamplingParams) -> bool:
+    """Whether another worker, given the prompt plus the tokens out so far as its prompt, samples
+    the rest of a sequence as one worker would: not when presence or frequency penalties (which
+    count the output alone) or a grammar (which follows the output) apply."""
+    return params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.guided is None
+
+
 def splits(params: SamplingParams) -> bool:
     """Whether a one-sequence request can be prefilled on one worker and decoded on another with
     the output of one worker."""
-    return (params.max_tokens > 1 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.guided is None)
+    return params.max_tokens > 1 and resumes(params)
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:

@@ -8,9 +8,16 @@ Placement follows the in-process data-parallel router (`choose_replica`, the sam
 the approximate prefix tree of each worker (fed with what the router sent it) against the
 sequences the router has running there; a session's turns stay on their worker while it is
 up. A request with n choices becomes n one-sequence worker requests on one worker, with the
-seeds the engine would give its choices. A worker that fails before it streamed anything for
-a sequence gets the sequence retried on another; after that, the sequence ends with an error
-(`WorkerLostError`, a 503 event on a started stream).
+seeds the engine would give its choices (a request without a seed gets one drawn here, as the
+engine would draw it). A worker that fails before it streamed anything for a sequence gets the
+sequence retried on another. One that fails after has it resumed on another: the new worker's
+prompt is the prompt plus the tokens streamed so far (their KV recomputed there), its budget the
+rest (`handover.decode_params`); the sampler keys a draw by its position in the whole sequence, so
+greedy and seeded sequences go on as they would have, the client's stream goes on without a break
+or a repeat, and usage counts the original prompt and every output token once. Sequences whose
+sampling follows their output alone (presence or frequency penalties, a grammar) cannot resume and
+end with an error (`WorkerLostError`, a 503 event on a started stream), as does a sequence when no
+worker is left to take it (a worker that failed it is tried again only once it has restarted).
 
 With prefill workers (`prefill_workers`), a request that `handover.splits` is prefilled on one
 of them (placed by the same policy over their own prefix trees), which streams the first token
@@ -18,7 +25,8 @@ and leases the prompt's KV blocks; the decode worker placed as above pulls the b
 rest of the request and streams it to the end. A prefill worker that fails before its token came
 leaves the request to a decode worker alone; so does a router without a prefill worker up. A
 decode worker that fails before it streamed a token of its half gets the half retried on another
-decode worker, with the same KV source (pulled while the lease holds, else recomputed).
+decode worker, with the same KV source (pulled while the lease holds, else recomputed); one that
+fails after has the sequence resumed on another decode worker, as above.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from jaxserve.outputs import Delta, Usage
 from jaxserve.routing import RoutingPolicy, choose_replica
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.tokenizer import Tokenizer
-from server.cluster.router.handover import decode_params, prefill_params, splits
+from server.cluster.router.handover import decode_params, prefill_params, resumes, splits
 from server.cluster.router.sequence import RemoteSequence, worker_params
 from server.cluster.router.worker_client import WorkerClient, WorkerInfo
 from server.cluster.worker import worker_pb2 as pb
@@ -164,11 +172,10 @@ class RemoteEngine:
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         worker = self._place(ids, session_id)
-        if params.n == 1:
-            seeds = [params.seed]
-        else:  # the engine's seeds for n choices: consecutive from the request's (or a drawn) seed
-            base = params.seed if params.seed is not None else random.getrandbits(31)
-            seeds = [(base + i) % (1 << 31) for i in range(params.n)]
+        # The engine's seeds: consecutive from the request's (or a drawn) seed, fixed here so that
+        # a sequence resumed on another worker keeps its random stream.
+        base = params.seed if params.seed is not None else random.getrandbits(31)
+        seeds = [base] if params.n == 1 else [(base + i) % (1 << 31) for i in range(params.n)]
         placed = [_Placed(request_id if params.n == 1 else f"{request_id}-{i}", worker) for i in range(params.n)]
         self._requests[request_id] = placed
         out: asyncio.Queue = asyncio.Queue()
@@ -308,26 +315,27 @@ class RemoteEngine:
         """Generate one choice on `placed.worker`, moving it to another worker while nothing was
         streamed; its deltas (or the error that ends it) go to `out`."""
         sequence = RemoteSequence(group_id, index, ids, params, self.info.tokenizer)
+        wanted = worker_params(params, seed)
         request = pb.GenerateRequest(request_id=placed.request_id, prompt_token_ids=ids,
-                                     sampling_params_json=params_to_json(worker_params(params, seed)),
-                                     session_id=session_id or "")
+                                     sampling_params_json=params_to_json(wanted), session_id=session_id or "")
         try:
-            await self._stream_retrying(placed, request, sequence, out, ids, session_id)
+            await self._stream_retrying(placed, request, wanted, sequence, out, ids, session_id)
         except (ValueError, EngineDeadError, RequestFailedError) as e:
             out.put_nowait(e)
 
-    async def _stream_retrying(self, placed: _Placed, request: pb.GenerateRequest, sequence: RemoteSequence,
-                               out: asyncio.Queue, ids: list[int], session_id: str | None,
+    async def _stream_retrying(self, placed: _Placed, request: pb.GenerateRequest, wanted: SamplingParams,
+                               sequence: RemoteSequence, out: asyncio.Queue, ids: list[int], session_id: str | None,
                                cached_tokens: int | None = None) -> None:
-        """Stream `request` on `placed.worker` to the sequence's end. A worker that fails before it
-        streamed a token of the request is marked down and the request goes to another one that
-        is up (with a decode half, its KV source too: the lease is still held, or the new worker
-        recomputes); one that fails after raises WorkerLostError."""
-        tried: list[WorkerClient] = []
-        streamed = sequence.num_out
+        """Stream `request` (`wanted`: its sequence's worker params) on `placed.worker` to the
+        sequence's end. A worker that fails is marked down and the sequence goes on on another one
+        that is up: the same request when the worker streamed nothing of it (with a decode half,
+        its KV source too: the lease is still held, or the new worker recomputes), else the rest of
+        the sequence from the prompt plus the tokens out so far (`_resume_request`)."""
+        tried: list[tuple[WorkerClient, str | None]] = []  # a worker, and its instance that failed
         while True:
             worker = placed.worker
-            tried.append(worker)
+            tried.append((worker, worker.instance_id))
+            streamed = sequence.num_out
             try:
                 if await self._stream(worker, request, sequence, out, cached_tokens):
                     return
@@ -337,13 +345,34 @@ class RemoteEngine:
                     raise ValueError(e.details()) from None
                 error = f"{e.code().name}: {e.details()}"
             worker.mark_down(error)
-            if sequence.num_out > streamed:
-                raise WorkerLostError(f"worker {worker.address} failed while generating ({error})")
-            placed.worker = self._pick(ids, exclude=tried)
-            logger.warning("worker %s failed before streaming %s (%s); retrying on %s", worker.address,
-                           request.request_id, error, placed.worker.address)
+            resumed = sequence.num_out > streamed
+            if resumed:
+                if not resumes(wanted):
+                    raise WorkerLostError(f"worker {worker.address} failed while generating ({error}); a sequence "
+                                          "with presence or frequency penalties or a grammar cannot resume elsewhere")
+                if self._ended_by_length(sequence, ids, wanted):
+                    out.put_nowait(sequence.delta("length", sequence.stop_usage(cached_tokens or 0)))
+                    return
+                request = self._resume_request(request, wanted, sequence, ids)
+            placed.worker = self._pick(ids, exclude=[w for w, instance in tried if w.instance_id == instance])
+            logger.warning("worker %s failed after streaming %d of %s's tokens (%s); %s on %s", worker.address,
+                           sequence.num_out - streamed, request.request_id, error,
+                           "resuming it" if resumed else "retrying", placed.worker.address)
             if session_id is not None:
                 self._sessions[session_id] = placed.worker
+
+    def _ended_by_length(self, sequence: RemoteSequence, ids: list[int], wanted: SamplingParams) -> bool:
+        """The sequence has all the tokens it may have (its worker failed before it said so)."""
+        return sequence.num_out >= wanted.max_tokens or len(ids) + sequence.num_out >= self.info.max_model_len
+
+    @staticmethod
+    def _resume_request(request: pb.GenerateRequest, wanted: SamplingParams, sequence: RemoteSequence,
+                        ids: list[int]) -> pb.GenerateRequest:
+        """The rest of a sequence: the prompt plus its tokens so far, generating what is left of its
+        budget (the KV of those tokens is recomputed on the worker that takes it)."""
+        return pb.GenerateRequest(request_id=request.request_id, prompt_token_ids=ids + sequence.token_ids,
+                                  sampling_params_json=params_to_json(decode_params(wanted, sequence.num_out)),
+                                  session_id=request.session_id)
 
     async def _run_split(self, group_id: str, index: int, placed: _Placed, ids: list[int], params: SamplingParams,
                          seed: int | None, session_id: str | None, out: asyncio.Queue) -> None:
@@ -388,7 +417,7 @@ class RemoteEngine:
                 sampling_params_json=params_to_json(decode_params(wanted, sequence.num_out)),
                 session_id=session_id or "",
                 kv_source=pb.KVSource(address=prefill.address, lease=lease) if lease is not None else None)
-            await self._stream_retrying(placed, rest, sequence, out, ids, session_id, usage.cached_tokens)
+            await self._stream_retrying(placed, rest, wanted, sequence, out, ids, session_id, usage.cached_tokens)
             lease = None  # the decode worker released it
         except (ValueError, EngineDeadError, RequestFailedError) as e:
             out.put_nowait(e)
@@ -430,9 +459,13 @@ class RemoteEngine:
 
     async def _stream(self, worker: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence,
                       out: asyncio.Queue, cached_tokens: int | None = None) -> bool:
-        """One try on one worker; True when the sequence has ended. `cached_tokens`: the usage to
-        report for the decode half of a split request (the prefill worker's prefix hit; the
-        prompt and completion tokens the router counted)."""
+        """One try on one worker; True when the sequence has ended. When the request's prompt holds
+        output tokens (a decode half, a resumed sequence), usage is the router's count: the original
+        prompt and every output token, with `cached_tokens` (the prefill worker's prefix hit) or
+        else the share of the original prompt this worker found cached."""
+        def usage_of(cached: int) -> Usage:
+            return sequence.stop_usage(cached_tokens if cached_tokens is not None else min(cached, sequence.num_prompt))
+
         worker.in_flight += 1
         worker.routed += 1
         worker.tree.insert(request.prompt_token_ids)
@@ -445,12 +478,11 @@ class RemoteEngine:
                     self._count_transfer(msg.transfer)
                 if sequence.feed(msg):  # a stop string: end the text here, and on the worker
                     cached = await self._end_on_worker(worker, request.request_id, call)
-                    cached = cached if cached_tokens is None else cached_tokens
-                    out.put_nowait(sequence.delta("stop", sequence.stop_usage(cached)))
+                    out.put_nowait(sequence.delta("stop", usage_of(cached)))
                     return True
                 usage = usage_from_message(msg)
-                if usage is not None and cached_tokens is not None:
-                    usage = sequence.stop_usage(cached_tokens)
+                if usage is not None and len(request.prompt_token_ids) != sequence.num_prompt:
+                    usage = usage_of(usage.cached_tokens)
                 delta = sequence.delta(msg.finish_reason or None, usage)
                 if delta is not None:
                     delta.embedding = embedding_from_message(msg)
