@@ -40,52 +40,28 @@ from collections.abc import Sequence
 from typing import AsyncIterator
 
 import grpc
-import tokenizers
 
-from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.engine_client import EngineDeadError, EngineInfo, Pin, RequestFailedError, check_prompt_ids
-from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats, load_seconds_bucket
+from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats
 from jaxserve.outputs import Delta, Usage
 from jaxserve.routing import RoutingPolicy, choose_replica
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
-from jaxserve.tokenizer import Tokenizer
 from server.cluster.router.handover import decode_params, prefill_params, resumes, splits
 from server.cluster.router.sequence import RemoteSequence, worker_params
-from server.cluster.router.worker_client import WorkerClient, WorkerInfo
+from server.cluster.router.worker_calls import CALL_TIMEOUT, prefill_once, stream_once, with_transfer
+from server.cluster.router.worker_client import RemotePin, WorkerClient, WorkerInfo, engine_info
 from server.cluster.worker import worker_pb2 as pb
-from server.cluster.worker.wire import embedding_from_message, params_to_json, snapshot_from_json, usage_from_message
+from server.cluster.worker.wire import params_to_json, snapshot_from_json, usage_from_message
 
 logger = logging.getLogger(__name__)
 
 # SGLang's router defaults: a cached prefix counts from 30% of the prompt; route by load alone
 # when the busiest worker runs more than 64 sequences over the idlest and 1.5x its load.
 ROUTER_POLICY = RoutingPolicy(match_fraction=0.3, balance_abs=64, balance_rel=1.5)
-CALL_TIMEOUT = 30.0  # seconds a unary call (pins, loads) may take
 
 
 class WorkerLostError(EngineDeadError):
     """The worker generating a sequence failed after part of it was streamed."""
-
-
-def engine_info(info: WorkerInfo, num_workers: int) -> EngineInfo:
-    """What the server reads of an engine at start-up, from a worker's `Info`."""
-    bundle = TokenizerBundle(tokenizers.Tokenizer.from_str(info.tokenizer_json), info.chat_template,
-                             dict(info.special_tokens), info.eos_token_ids)
-    return EngineInfo(model_name=info.model, tokenizer=Tokenizer(bundle), vocab_size=info.vocab_size,
-                      max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs * num_workers,
-                      block_size=info.block_size, hidden_size=info.hidden_size)
-
-
-@dataclasses.dataclass(eq=False)
-class RemotePin(Pin):
-    """A pin held in a worker's cache, by the id the worker gave it."""
-
-    worker: WorkerClient | None = None
-    instance_id: str | None = None  # a restarted worker has lost it
-    remote_id: int = 0
-
-    def on(self, worker: WorkerClient) -> bool:
-        return self.active and self.worker is worker and self.instance_id == worker.instance_id
 
 
 @dataclasses.dataclass
@@ -337,7 +313,7 @@ class RemoteEngine:
             tried.append((worker, worker.instance_id))
             streamed = sequence.num_out
             try:
-                if await self._stream(worker, request, sequence, out, cached_tokens):
+                if await stream_once(worker, request, sequence, out, cached_tokens, self._count_transfer):
                     return
                 error = "the stream ended without a final message"
             except grpc.aio.AioRpcError as e:
@@ -390,7 +366,7 @@ class RemoteEngine:
         lease = None
         try:
             try:
-                last = await self._prefill(prefill, request, sequence)
+                last = await prefill_once(prefill, request, sequence)
                 error = "the stream ended without a final message"
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -426,84 +402,8 @@ class RemoteEngine:
                 self._spawn(prefill.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id),
                                                       timeout=CALL_TIMEOUT))
 
-    async def _prefill(self, prefill: WorkerClient, request: pb.GenerateRequest,
-                       sequence: RemoteSequence) -> pb.GenerateResponse | None:
-        """Run the prefill half; its tokens are fed to `sequence`; returns its last message (None
-        when the stream ended without one)."""
-        prefill.in_flight += 1
-        prefill.routed += 1
-        prefill.tree.insert(request.prompt_token_ids)
-        call = prefill.stub.Generate(request)
-        try:
-            async for msg in call:
-                if msg.finish_reason == "error":
-                    raise RequestFailedError(msg.error or "the prefill worker failed this request")
-                if not sequence.stopped:
-                    sequence.feed(msg)
-                if msg.finish_reason:
-                    return msg
-            return None
-        finally:
-            call.cancel()
-            prefill.in_flight -= 1
-
     def _count_transfer(self, t: pb.KVTransfer) -> None:
-        bucket = load_seconds_bucket(t.seconds)
-        self.transfers = dataclasses.replace(
-            self.transfers, transfers=self.transfers.transfers + 1,
-            device_transfers=self.transfers.device_transfers + (t.transport == "device"),
-            blocks_pulled=self.transfers.blocks_pulled + t.blocks_pulled,
-            blocks_skipped=self.transfers.blocks_skipped + t.blocks_skipped, bytes=self.transfers.bytes + t.bytes,
-            seconds=self.transfers.seconds + t.seconds, failed=self.transfers.failed + bool(t.error),
-            seconds_counts=tuple(n + (i == bucket) for i, n in enumerate(self.transfers.seconds_counts)))
-
-    async def _stream(self, worker: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence,
-                      out: asyncio.Queue, cached_tokens: int | None = None) -> bool:
-        """One try on one worker; True when the sequence has ended. When the request's prompt holds
-        output tokens (a decode half, a resumed sequence), usage is the router's count: the original
-        prompt and every output token, with `cached_tokens` (the prefill worker's prefix hit) or
-        else the share of the original prompt this worker found cached."""
-        def usage_of(cached: int) -> Usage:
-            return sequence.stop_usage(cached_tokens if cached_tokens is not None else min(cached, sequence.num_prompt))
-
-        worker.in_flight += 1
-        worker.routed += 1
-        worker.tree.insert(request.prompt_token_ids)
-        call = worker.stub.Generate(request)
-        try:
-            async for msg in call:
-                if msg.finish_reason == "error":
-                    raise RequestFailedError(msg.error or "the worker failed this request")
-                if msg.HasField("transfer"):
-                    self._count_transfer(msg.transfer)
-                if sequence.feed(msg):  # a stop string: end the text here, and on the worker
-                    cached = await self._end_on_worker(worker, request.request_id, call)
-                    out.put_nowait(sequence.delta("stop", usage_of(cached)))
-                    return True
-                usage = usage_from_message(msg)
-                if usage is not None and len(request.prompt_token_ids) != sequence.num_prompt:
-                    usage = usage_of(usage.cached_tokens)
-                delta = sequence.delta(msg.finish_reason or None, usage)
-                if delta is not None:
-                    delta.embedding = embedding_from_message(msg)
-                    out.put_nowait(delta)
-                if msg.finish_reason:
-                    return True
-            return False
-        finally:
-            call.cancel()  # a no-op once the call is over; else the worker aborts the request
-            worker.in_flight -= 1
-
-    async def _end_on_worker(self, worker: WorkerClient, request_id: str, call: grpc.aio.UnaryStreamCall) -> int:
-        """Abort a sequence the router ended; the prompt tokens the worker had cached (from its last message)."""
-        try:
-            await worker.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=CALL_TIMEOUT)
-            async for msg in call:
-                if msg.finish_reason:
-                    return msg.usage.cached_tokens
-        except grpc.aio.AioRpcError:
-            pass
-        return 0
+        self.transfers = with_transfer(self.transfers, t)
 
     # ----- health ----------------------------------------------------------------------------
 

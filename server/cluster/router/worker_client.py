@@ -12,7 +12,11 @@ import dataclasses
 import logging
 
 import grpc
+import tokenizers
 
+from checkpoints.tokenizer_bundle import TokenizerBundle
+from jaxserve.engine_client import EngineInfo, Pin
+from jaxserve.tokenizer import Tokenizer
 from server.cluster.router.prefix_tree import ApproxPrefixTree
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.worker_pb2_grpc import WorkerStub
@@ -125,3 +129,24 @@ class WorkerClient:
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
+
+
+def engine_info(info: WorkerInfo, num_workers: int) -> EngineInfo:
+    """What the server reads of an engine at start-up, from a worker's `Info`."""
+    bundle = TokenizerBundle(tokenizers.Tokenizer.from_str(info.tokenizer_json), info.chat_template,
+                             dict(info.special_tokens), info.eos_token_ids)
+    return EngineInfo(model_name=info.model, tokenizer=Tokenizer(bundle), vocab_size=info.vocab_size,
+                      max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs * num_workers,
+                      block_size=info.block_size, hidden_size=info.hidden_size)
+
+
+@dataclasses.dataclass(eq=False)
+class RemotePin(Pin):
+    """A pin held in a worker's cache, by the id the worker gave it."""
+
+    worker: WorkerClient | None = None
+    instance_id: str | None = None  # a restarted worker has lost it
+    remote_id: int = 0
+
+    def on(self, worker: WorkerClient) -> bool:
+        return self.active and self.worker is worker and self.instance_id == worker.instance_id
