@@ -235,3 +235,22 @@ def test_bfloat16_packed_kernels_split_over_tensor_parallel_devices():
     tokens = json.loads(done.stdout.strip().splitlines()[-1])
     assert tokens["1"] == tokens["2"]
     assert [len(t) for t in tokens["1"]] == [12, 12]
+
+
+@on_cpu
+def test_auto_dtype_is_bf16_where_the_cpu_kernels_have_avx512_bf16(caplog):
+    """`dtype="auto"` (the command line's default): bf16 on a CPU whose bf16 kernels use
+    AVX512-BF16 and run (cpu backend, one device, scanned layers), f32 otherwise; logged."""
+    from jaxserve.dtype_choice import choose_dtype, resolve_dtype
+
+    fast = cpu_build.available() and cpu_matmul.bf16_dot()
+    with caplog.at_level("INFO", logger="jaxserve.dtype_choice"):
+        config = resolve_dtype(EngineConfig(num_blocks=16, dtype="auto"))
+    assert config.dtype == ("bfloat16" if fast else "float32")
+    assert f"dtype auto: {config.dtype}" in caplog.text
+    for other in (dict(attention_backend="jax"), dict(tensor_parallel_size=2), dict(unroll_layers=True)):
+        assert choose_dtype(EngineConfig(num_blocks=16, dtype="auto", **other))[0] == "float32"
+    assert resolve_dtype(EngineConfig(num_blocks=16, dtype="float32")).dtype == "float32"  # given: kept
+    llm = LLM(model="tiny-random", dtype="auto", num_blocks=16, max_num_seqs=2, max_model_len=64,
+              max_num_batched_tokens=16, prefill_token_buckets=(16,), prefill_seq_buckets=(1,), decode_batch_buckets=(2,))
+    assert llm.engine.config.dtype == config.dtype and llm.engine.runner.dtype == jnp.dtype(config.dtype)
