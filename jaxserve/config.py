@@ -55,6 +55,8 @@ class EngineConfig:
     watermark_blocks: int | None = None  # free blocks kept for running requests (None: 1%)
 
     # Model execution
+    # The weights': float32, bfloat16, or auto (this machine's faster one: jaxserve/dtype_choice.py;
+    # the command line's default).
     dtype: str = "float32"
     attention_backend: str | None = None  # None: the platform default (pallas on GPU)
     tensor_parallel_size: int = 1

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
+from jaxserve.dtype_choice import resolve_dtype
 from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv import Pin
@@ -55,6 +56,7 @@ class DataParallelEngine:
               policy: RoutingPolicy | None = None) -> "DataParallelEngine":
         """`config.data_parallel_size` replicas over the first dp x tp devices; the checkpoint is
         read once and each replica places its own shards."""
+        config = resolve_dtype(config)  # "auto": this machine's choice, once for all replicas
         mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
         engines = [LLMEngine(loaded, config, sub_mesh) for sub_mesh in replica_meshes(mesh)]

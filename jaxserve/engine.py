@@ -51,6 +51,7 @@ from checkpoints.loaded import LoadedModel
 from checkpoints.registry import DEFAULT_MODEL, load_model
 from jaxserve import faults
 from jaxserve.config import EngineConfig
+from jaxserve.dtype_choice import resolve_dtype
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv import CopyStage, KVCacheManager
 from jaxserve.kv.tier_stats import TierStats
@@ -92,7 +93,7 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, config: EngineConfig | None = None, mesh: Any = None):
-        config = config or EngineConfig()
+        config = resolve_dtype(config or EngineConfig())  # "auto": this machine's choice
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # restored straight into this replica's shards

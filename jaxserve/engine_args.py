@@ -37,6 +37,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             default = f.default
             if f.name == "compilation_cache_dir":  # restarts of the CLI reuse compiled steps
                 default = str(cache_dir() / "xla")
+            if f.name == "dtype":  # the command line picks the faster dtype of this machine
+                group.add_argument(flag, default="auto", choices=("auto", "float32", "bfloat16"),
+                                   help="the weights' dtype; auto: bfloat16 on a CPU with AVX512-BF16 and the C++ "
+                                        "kernels, else float32 (jaxserve/dtype_choice.py; logged at start)")
+                continue
             group.add_argument(flag, type=base, default=default)
 
 

@@ -1,6 +1,7 @@
 // Matmuls for XLA:CPU through the XLA FFI (kernels_pallas/cpu_matmul.py builds and registers
 // them, and lays the weights out): activations with one layer of stacked weights stored in
-// panels, and with the embedding as the tied output head (at the end of the file).
+// panels, and with the embedding as the tied output head (at the end of the file); each with
+// f32 weights or bf16 ones (cpu_bf16.h), accumulating in f32.
 //
 // Layer: out [M, N] = x [M, K] @ W for layer `layer` of w [L, N / P, K, P]: panel j holds columns
 // [j * P, (j + 1) * P) of the layer's [K, N] weights, row after row, so a tile reads its weights
@@ -11,11 +12,21 @@
 // once and each x value once as a broadcast; the weights of a panel stay in L2 while the row
 // tiles of its row block walk them. Units of work (a panel group by a row block; for a call of
 // few rows, consecutive panel groups with all the rows) are split over XLA's intra-op threads.
+//
+// bf16 weights: w [L, N / P, K / 2, P, 2] (K padded to even with a zero row), panels whose row i
+// holds rows 2i and 2i + 1 of the weights as bf16 pairs, one 32-bit word per column: the same
+// stream of 32-bit words as the f32 panels over K / 2 steps, each step a multiply-add of pairs
+// (`madd_pairs`). The activations are rounded to bf16 pairs once per call (`PairRows`), so a
+// broadcast word is a pair of x values. Half the weight bytes of f32, and with AVX512-BF16 half
+// the instructions per multiply-add.
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
@@ -31,43 +42,70 @@ constexpr int64_t kHeadRows = 4;  // output head: rows x embedding rows = kLanes
 constexpr int64_t kMaxRows = 3;  // 3 x 4 of 16
 constexpr int64_t kHeadRows = 2;
 #endif
+// Rows of a bf16 tile: as f32's with vdpbf16ps; without it a step widens each weight vector to
+// two f32 vectors, which take registers beside the accumulators.
+constexpr int64_t kMaxPairRows = JAXSERVE_DPBF16 ? kMaxRows : kMaxRows - 2;
 constexpr int64_t kVecs = 4;  // vectors per panel row
 constexpr int64_t kPanel = kVecs * kLanes;
 constexpr int64_t kRowBlock = 4 * kMaxRows;  // rows of a unit of work (see `run` for calls of few rows)
 constexpr int64_t kFewRows = 64;  // a call of at most this many rows may take them all in one unit
-constexpr int64_t kPrefetch = 2048;  // floats ahead of the stream a tile reads
+constexpr int64_t kPrefetch = 2048;  // words ahead of the stream a tile reads
 constexpr int64_t kLineVecs = std::max<int64_t>(1, 64 / (kLanes * sizeof(float)));  // vectors per cache line
-constexpr int64_t kLineFloats = 64 / sizeof(float);
+constexpr int64_t kLineWords = 64 / sizeof(float);
 
+// The two kinds of weights, both streams of 32-bit words: f32 values, or bf16 pairs.
+// `Word` is a weight's (and an activation's) unit; a step of K is one word of each.
+struct F32 {
+  using Word = float;
+  using Lanes = Vec;
+  static constexpr int64_t kRows = kMaxRows;
+  static Lanes broadcast(float x) { return Vec{} + x; }
+  static Lanes load_lanes(const float* p) { return load(p); }
+  static void madd(Vec& acc, Lanes a, Lanes b) { acc += a * b; }
+};
+
+struct Bf16 {
+  using Word = Pairs;
+  using Lanes = IVec;
+  static constexpr int64_t kRows = kMaxPairRows;
+  static Lanes broadcast(Pairs x) { return splat(x); }
+  static Lanes load_lanes(const Pairs* p) { return load_pairs(p); }
+  static void madd(Vec& acc, Lanes a, Lanes b) { madd_pairs(acc, a, b); }
+};
+
+template <typename T>
 struct Problem {
-  const float* x;  // [M, K]
-  const float* w;  // the layer's panels [N / P, K, P]
-  float* out;      // [M, N]
-  int64_t m, k, n;
+  using Word = typename T::Word;
+  const Word* x;  // [M, K] words
+  const Word* w;  // the layer's panels [N / P, K, P] words
+  float* out;     // [M, N]
+  int64_t m, k, n;  // k: words of a row of x (bf16: pairs)
 };
 
 // out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels. Meanwhile it
 // prefetches `ahead_lines` cache lines from `ahead` (weights the thread reads next).
-template <int64_t R, int64_t G>
-void tile(const Problem& p, int64_t row, int64_t panel, const float* ahead = nullptr, int64_t ahead_lines = 0) {
+template <typename T, int64_t R, int64_t G>
+void tile(const Problem<T>& p, int64_t row, int64_t panel, const typename T::Word* ahead = nullptr,
+          int64_t ahead_lines = 0) {
+  using Word = typename T::Word;
   Vec acc[R][G][kVecs] = {};
-  const float* x = p.x + row * p.k;
-  const float* w = p.w + panel * p.k * kPanel;
+  const Word* x = p.x + row * p.k;
+  const Word* w = p.w + panel * p.k * kPanel;
   const int64_t per_step = (ahead_lines + p.k - 1) / p.k;
   for (int64_t i = 0; i < p.k; ++i, w += kPanel) {
     for (int64_t j = i * per_step; j < std::min(ahead_lines, (i + 1) * per_step); ++j) {
-      __builtin_prefetch(ahead + j * kLineFloats);
+      __builtin_prefetch(ahead + j * kLineWords);
     }
-    Vec b[G][kVecs];
+    typename T::Lanes b[G][kVecs];
     for (int64_t g = 0; g < G; ++g) {
-      const float* wg = w + g * p.k * kPanel;
+      const Word* wg = w + g * p.k * kPanel;
       for (int64_t v = 0; v < kVecs; v += kLineVecs) __builtin_prefetch(wg + kPrefetch + v * kLanes);
-      for (int64_t v = 0; v < kVecs; ++v) b[g][v] = load(wg + v * kLanes);
+      for (int64_t v = 0; v < kVecs; ++v) b[g][v] = T::load_lanes(wg + v * kLanes);
     }
     for (int64_t r = 0; r < R; ++r) {
-      const Vec a = Vec{} + x[r * p.k + i];
+      const auto a = T::broadcast(x[r * p.k + i]);
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t v = 0; v < kVecs; ++v) acc[r][g][v] += a * b[g][v];
+        for (int64_t v = 0; v < kVecs; ++v) T::madd(acc[r][g][v], a, b[g][v]);
     }
   }
   float* out = p.out + row * p.n + panel * kPanel;
@@ -76,38 +114,38 @@ void tile(const Problem& p, int64_t row, int64_t panel, const float* ahead = nul
       for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + g * kPanel + v * kLanes, acc[r][g][v]);
 }
 
-template <int64_t G, int64_t... R>
-void short_tile(const Problem& p, int64_t rows, int64_t row, int64_t panel, std::integer_sequence<int64_t, R...>) {
-  ((rows == R + 1 && (tile<R + 1, G>(p, row, panel), true)) || ...);
+template <typename T, int64_t G, int64_t... R>
+void short_tile(const Problem<T>& p, int64_t rows, int64_t row, int64_t panel, std::integer_sequence<int64_t, R...>) {
+  ((rows == R + 1 && (tile<T, R + 1, G>(p, row, panel), true)) || ...);
 }
 
 // Rows [first, last) of panels [panel, panel + G): tiles of R rows, then the rows left over.
 // The first tile streams the panels from memory, the others read them from L2; those others
 // prefetch, evenly between them, the panels from `next` (-1: none), so that the memory streams
 // them while the multiply-adds run.
-template <int64_t R, int64_t G>
-void rows(const Problem& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
+template <typename T, int64_t R, int64_t G>
+void rows(const Problem<T>& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
   const int64_t later_tiles = std::max<int64_t>(0, (last - first) / R - 1);  // full tiles after the first
-  const int64_t lines = next < 0 || later_tiles == 0 ? 0 : G * p.k * kPanel / kLineFloats;
+  const int64_t lines = next < 0 || later_tiles == 0 ? 0 : G * p.k * kPanel / kLineWords;
   const int64_t per_tile = later_tiles == 0 ? 0 : (lines + later_tiles - 1) / later_tiles;
-  const float* ahead = p.w + std::max<int64_t>(next, 0) * p.k * kPanel;
+  const auto* ahead = p.w + std::max<int64_t>(next, 0) * p.k * kPanel;
   int64_t row = first, prefetched = 0;
   for (; row + R <= last; row += R) {
     const int64_t n = row == first ? 0 : std::min(per_tile, lines - prefetched);
-    tile<R, G>(p, row, panel, ahead + prefetched * kLineFloats, n);
+    tile<T, R, G>(p, row, panel, ahead + prefetched * kLineWords, n);
     prefetched += n;
   }
-  if (row < last) short_tile<G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
+  if (row < last) short_tile<T, G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
 }
 
 // Rows [first, last) of the G panels from `panel`, or of that panel alone when it is the odd
 // one of a two-panel call; `next`: the panel group to prefetch meanwhile (see `rows`).
-template <int64_t R, int64_t G>
-void group(const Problem& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
+template <typename T, int64_t R, int64_t G>
+void group(const Problem<T>& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
   if (panel + G <= p.n / kPanel) {
-    rows<R, G>(p, first, last, panel, next);
+    rows<T, R, G>(p, first, last, panel, next);
   } else {
-    rows<R, 1>(p, first, last, panel);
+    rows<T, R, 1>(p, first, last, panel);
   }
 }
 
@@ -119,8 +157,8 @@ void group(const Problem& p, int64_t first, int64_t last, int64_t panel, int64_t
 // consecutive panel groups, each group prefetching the next while its later tiles compute. A
 // call of one row takes two panels at once, so that its tile has enough accumulators to hide
 // the latency of its multiply-adds.
-template <int64_t R, int64_t G>
-void run(ffi::ThreadPool& pool, const Problem& p) {
+template <typename T, int64_t R, int64_t G>
+void run(ffi::ThreadPool& pool, const Problem<T>& p) {
   const int64_t panels = p.n / kPanel, groups = (panels + G - 1) / G, workers = pool.num_threads() + 1;
   const int64_t cost = (p.m + 16) * p.k * p.n;
   if (p.m <= kFewRows && groups >= 2 * workers) {
@@ -129,7 +167,7 @@ void run(ffi::ThreadPool& pool, const Problem& p) {
     parallel_units(pool, (groups + chunk - 1) / chunk, cost, [p, panels, groups, chunk](int64_t u) {
       const int64_t end = std::min(groups, (u + 1) * chunk);
       for (int64_t g = u * chunk; g < end; ++g) {
-        group<R, G>(p, 0, p.m, g * G, g + 1 < end && (g + 2) * G <= panels ? (g + 1) * G : -1);
+        group<T, R, G>(p, 0, p.m, g * G, g + 1 < end && (g + 2) * G <= panels ? (g + 1) * G : -1);
       }
     });
     return;
@@ -137,8 +175,47 @@ void run(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t blocks = (p.m + kRowBlock - 1) / kRowBlock;
   parallel_units(pool, groups * blocks, cost, [p, blocks](int64_t u) {
     const int64_t first = u % blocks * kRowBlock;
-    group<R, G>(p, first, std::min(first + kRowBlock, p.m), u / blocks * G);
+    group<T, R, G>(p, first, std::min(first + kRowBlock, p.m), u / blocks * G);
   });
+}
+
+template <typename T>
+void run_layer(ffi::ThreadPool& pool, const Problem<T>& p) {
+  if (p.m == 1) {
+    run<T, 1, 2>(pool, p);
+  } else {
+    run<T, T::kRows, 1>(pool, p);
+  }
+}
+
+// Rows of activations as bf16 pairs [M, ceil(K / 2)] (an odd K's last pair padded with a
+// zero), from f32 (rounded to nearest even) or bf16. Once per call: M * K conversions against
+// the M * K * N multiply-adds. The buffer is the calling thread's, kept between calls (freeing
+// and mapping it again would cost page faults every call); the call's workers read it while the
+// caller waits for them in `parallel_units`.
+const Pairs* pair_rows(const ffi::AnyBuffer& x, int64_t m, int64_t k) {
+  thread_local std::vector<Pairs> buffer;
+  const int64_t pairs = (k + 1) / 2;
+  buffer.resize(m * pairs);
+  uint16_t* halves = reinterpret_cast<uint16_t*>(buffer.data());  // little-endian: the first of a pair is low
+  if (x.element_type() == ffi::DataType::F32) {
+    const float* src = x.typed_data<float>();
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t i = 0; i < k; ++i) halves[r * 2 * pairs + i] = to_bf16(src[r * k + i]);
+      if (k % 2) halves[r * 2 * pairs + k] = 0;
+    }
+  } else {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(src + r * k, src + (r + 1) * k, halves + r * 2 * pairs);
+      if (k % 2) halves[r * 2 * pairs + k] = 0;
+    }
+  }
+  return buffer.data();
+}
+
+bool is_f32_or_bf16(const ffi::AnyBuffer& x) {
+  return x.element_type() == ffi::DataType::F32 || x.element_type() == ffi::DataType::BF16;
 }
 
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -151,43 +228,71 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer matmul: layer out of range");
   const int64_t layer_size = wd[1] * wd[2] * wd[3];
-  const Problem p{x.typed_data(), w.typed_data() + l * layer_size, out->typed_data(), xd[0], xd[1], wd[1] * kPanel};
+  const Problem<F32> p{x.typed_data(), w.typed_data() + l * layer_size, out->typed_data(), xd[0], xd[1], wd[1] * kPanel};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.m == 1) {
-    run<1, 2>(pool, p);
-  } else {
-    run<kMaxRows, 1>(pool, p);
+  run_layer(pool, p);
+  return ffi::Error::Success();
+}
+
+// x f32 or bf16 [M, K]; w bf16 [L, N / P, ceil(K / 2), P, 2] (see the top of the file).
+ffi::Error LayerMatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::BF16> w,
+                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (!is_f32_or_bf16(x) || xd.size() != 2 || wd.size() != 5 || wd[2] != (xd[1] + 1) / 2 || wd[3] != kPanel ||
+      wd[4] != 2) {
+    return ffi::Error::InvalidArgument(
+        "bf16 layer matmul: x f32 or bf16 [M, K] and bf16 panels w [L, N / P, ceil(K / 2), P, 2] of this kernel's P");
   }
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer matmul: layer out of range");
+  const int64_t m = xd[0], pairs = wd[2];
+  if (m == 0 || wd[1] == 0) return ffi::Error::Success();
+  const Pairs* panels = reinterpret_cast<const Pairs*>(w.untyped_data()) + l * wd[1] * pairs * kPanel;
+  const Problem<Bf16> p{pair_rows(x, m, xd[1]), panels, out->typed_data(), m, pairs, wd[1] * kPanel};
+  run_layer(pool, p);
   return ffi::Error::Success();
 }
 
 // The output head tied to the embedding: out [M, V] = x [M, K] @ e [V, K]^T, K a multiple of
-// kLanes. Each output is a dot product of two rows, so a tile of R rows of x by C rows of e
+// kLanes words. Each output is a dot product of two rows, so a tile of R rows of x by C rows of e
 // (R * C = kLanes) accumulates a vector per pair over K and ends with one transpose_sum. Tiles
-// at the edges repeat the last row of x or e and store only their own outputs.
+// at the edges repeat the last row of x or e and store only their own outputs. With a bf16
+// embedding the rows are streams of bf16 pairs (x rounded to them once per call): the lanes of
+// a product sum two values of K each, and transpose_sum adds the lanes as before.
+template <typename T>
 struct Head {
-  const float* x;
-  const float* e;
+  using Word = typename T::Word;
+  const Word* x;
+  const Word* e;
   float* out;
-  int64_t m, k, v;
+  int64_t m, k, v;  // k: words of a row
 };
 
 constexpr int64_t kHeadBlock = 64;  // embedding rows of a unit of work
 
-template <int64_t R, int64_t C>
-void head_tile(const Head& p, int64_t row, int64_t col) {
+template <typename T, int64_t R, int64_t C>
+void head_tile(const Head<T>& p, int64_t row, int64_t col) {
   static_assert(R * C == kLanes);
-  const float* x[R];
-  const float* e[C];
+  using Word = typename T::Word;
+  const Word* x[R];
+  const Word* e[C];
   for (int64_t r = 0; r < R; ++r) x[r] = p.x + std::min(row + r, p.m - 1) * p.k;
   for (int64_t c = 0; c < C; ++c) e[c] = p.e + std::min(col + c, p.v - 1) * p.k;
+  // The first row tile of a column block streams the embedding rows of the next block into the
+  // cache meanwhile (they follow its own in memory), a line of them per line it reads: its C rows
+  // are C streams a row apart, more than the hardware prefetchers follow at one row of x.
+  const Word* next = row == 0 ? p.e + (col + C) * p.k : nullptr;
   Vec acc[kLanes] = {};
   for (int64_t i = 0; i < p.k; i += kLanes) {
-    Vec a[R];
-    for (int64_t r = 0; r < R; ++r) a[r] = load(x[r] + i);
+    if (next != nullptr && col + 2 * C <= p.v) {
+      for (int64_t c = 0; c < C; ++c) __builtin_prefetch(next + (i / kLanes * C + c) * kLineWords);
+    }
+    typename T::Lanes a[R];
+    for (int64_t r = 0; r < R; ++r) a[r] = T::load_lanes(x[r] + i);
     for (int64_t c = 0; c < C; ++c) {
-      const Vec b = load(e[c] + i);
-      for (int64_t r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
+      const auto b = T::load_lanes(e[c] + i);
+      for (int64_t r = 0; r < R; ++r) T::madd(acc[r * C + c], a[r], b);
     }
   }
   const Vec sums = transpose_sum(acc);
@@ -195,14 +300,30 @@ void head_tile(const Head& p, int64_t row, int64_t col) {
     for (int64_t c = 0; c < C && col + c < p.v; ++c) p.out[(row + r) * p.v + col + c] = sums[r * C + c];
 }
 
-template <int64_t R>
-void run_head(ffi::ThreadPool& pool, const Head& p) {
+template <typename T, int64_t R>
+void run_head(ffi::ThreadPool& pool, const Head<T>& p) {
   constexpr int64_t C = kLanes / R;
   parallel_units(pool, (p.v + kHeadBlock - 1) / kHeadBlock, (p.m + 16) * p.k * p.v, [p](int64_t u) {
     const int64_t last = std::min((u + 1) * kHeadBlock, p.v);
     for (int64_t col = u * kHeadBlock; col < last; col += C)
-      for (int64_t row = 0; row < p.m; row += R) head_tile<R, C>(p, row, col);
+      for (int64_t row = 0; row < p.m; row += R) head_tile<T, R, C>(p, row, col);
   });
+}
+
+template <typename T>
+void run_head_rows(ffi::ThreadPool& pool, const Head<T>& p) {
+  if (p.m == 1 && std::is_same_v<T, Bf16>) {
+    // bf16 rows are half as long, so a one-row tile's kLanes embedding rows are kLanes streams
+    // of short runs; the 2-row tile (x's row twice) reads half as many at once, and ran a one-row
+    // call in ~0.75x the time (the multiply-adds are not what limits it).
+    run_head<T, 2>(pool, p);
+  } else if (p.m == 1) {
+    run_head<T, 1>(pool, p);
+  } else if (p.m == 2) {
+    run_head<T, 2>(pool, p);  // a tile of kHeadRows would compute every output twice
+  } else {
+    run_head<T, kHeadRows>(pool, p);
+  }
 }
 
 ffi::Error HeadMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> e,
@@ -212,15 +333,26 @@ ffi::Error HeadMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (xd.size() != 2 || ed.size() != 2 || ed[1] != xd[1] || xd[1] % kLanes != 0) {
     return ffi::Error::InvalidArgument("head matmul: x [M, K] and e [V, K] with K a multiple of the vector width");
   }
-  const Head p{x.typed_data(), e.typed_data(), out->typed_data(), xd[0], xd[1], ed[0]};
+  const Head<F32> p{x.typed_data(), e.typed_data(), out->typed_data(), xd[0], xd[1], ed[0]};
   if (p.m == 0 || p.v == 0) return ffi::Error::Success();
-  if (p.m == 1) {
-    run_head<1>(pool, p);
-  } else if (p.m == 2) {
-    run_head<2>(pool, p);  // a tile of kHeadRows would compute every output twice
-  } else {
-    run_head<kHeadRows>(pool, p);
+  run_head_rows(pool, p);
+  return ffi::Error::Success();
+}
+
+// x f32 or bf16 [M, K], e bf16 [V, K], K a multiple of two vectors' lanes (kLanes pairs).
+ffi::Error HeadMatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::BF16> e,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto ed = e.dimensions();
+  if (!is_f32_or_bf16(x) || xd.size() != 2 || ed.size() != 2 || ed[1] != xd[1] || xd[1] % (2 * kLanes) != 0) {
+    return ffi::Error::InvalidArgument(
+        "bf16 head matmul: x f32 or bf16 [M, K] and bf16 e [V, K] with K a multiple of twice the vector width");
   }
+  const int64_t m = xd[0], pairs = xd[1] / 2;
+  if (m == 0 || ed[0] == 0) return ffi::Error::Success();
+  const Head<Bf16> p{pair_rows(x, m, xd[1]), reinterpret_cast<const Pairs*>(e.untyped_data()), out->typed_data(),
+                     m, pairs, ed[0]};
+  run_head_rows(pool, p);
   return ffi::Error::Success();
 }
 
@@ -234,6 +366,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLayerMatmul, LayerMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLayerMatmulBf16, LayerMatmulBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x, f32 or bf16
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w, bf16 panels of pairs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveHeadMatmul, HeadMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -241,4 +381,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveHeadMatmul, HeadMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // e, the embedding
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveHeadMatmulBf16, HeadMatmulBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x, f32 or bf16
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // e, the embedding
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 extern "C" int64_t JaxserveMatmulPanel() { return kPanel; }
+
+// 1 when the bf16 kernels multiply with AVX512-BF16's dot products, 0 when they widen to f32.
+extern "C" int64_t JaxserveMatmulBf16Dot() { return JAXSERVE_DPBF16; }

@@ -12,8 +12,8 @@ scanning it as an input would make XLA copy it per step. The price of the scan: 
 each layer's slice of the stacked weights before its matmuls, so every step reads and writes
 the weights once more (a quarter of a batch-32 decode step's work for the default model, a
 third at batch 1). Two ways out: `cpu_matmul`, a matmul that reads a layer of a stack in place
-(`kernels_pallas.cpu_matmul`, for f32 weights on CPU, stored in its panels: `panel_kernels`; it
-also computes the output head tied to the embedding), or
+(`kernels_pallas.cpu_matmul`, for f32 or bf16 weights on CPU, stored in its panels:
+`panel_kernels`; it also computes the output head tied to the embedding), or
 `unroll_layers`, the layers as a
 Python loop over separate per-layer weights (`unstack_layers`): no copies, and a compile time
 that grows with depth (about 4x for the default model's 30 layers).
@@ -21,7 +21,7 @@ that grows with depth (about 4x for the default model's 30 layers).
 Precision: the weights are in the model's `dtype`; every matmul multiplies in that dtype and
 accumulates in f32. Activations and the KV cache are in `compute_dtype(dtype, platform)`: the
 weights' dtype, but f32 on CPU (see there), where bf16 weights are also stored packed
-(`pack_kernels`).
+(`pack_kernels`) unless they are in the cpu matmul's panels.
 """
 
 from __future__ import annotations
@@ -194,10 +194,11 @@ def packs_kernels(dtype: Any, platform: str) -> bool:
 
 def pack_kernels(params: Any) -> Any:
     """The parameters with each stacked layer kernel [L, in, out] of a 2-byte dtype stored as
-    uint32 pairs [L, in, out / 2] (a bitcast, no conversion); `Linear(packed=True)` reads them."""
+    uint32 pairs [L, in, out / 2] (a bitcast, no conversion); `Linear(packed=True)` reads them.
+    Kernels already in a cpu matmul's panels (`panel_kernels`, more dimensions) stay as they are."""
     def pack(path, x):
         name = jax.tree_util.keystr(path)
-        if "layers" not in name or not name.endswith("['kernel']") or x.dtype.itemsize != 2:
+        if "layers" not in name or not name.endswith("['kernel']") or x.dtype.itemsize != 2 or x.ndim != 3:
             return x
         if x.shape[-1] % 2:
             raise ValueError(f"cannot pack {name} of shape {x.shape}: its output features are odd")
@@ -257,13 +258,13 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         take = (lambda p: p[layer]) if self.num_layers else (lambda p: p)  # noqa: E731
         fan_in = x.shape[-1]
-        if self.packed:
-            words = self.param("kernel", nn.initializers.zeros, stacked(self.num_layers, fan_in, self.features // 2), jnp.uint32)
-            y = matmul(x, lax.bitcast_convert_type(take(words), self.param_dtype).reshape(fan_in, self.features))
-        elif self.num_layers and self.cpu_matmul is not None and self.cpu_matmul.takes(self.features):
+        if self.num_layers and self.cpu_matmul is not None and self.cpu_matmul.takes(self.features):
             lm, shape = self.cpu_matmul, (self.num_layers, fan_in, self.features)
             init = lambda key, _, dtype: to_panels(nn.initializers.lecun_normal(batch_axis=(0,))(key, shape, dtype), lm.panel)  # noqa: E731
-            y = lm(x, self.param("kernel", init, lm.stored_shape(*shape), self.param_dtype), layer)
+            y = lm(x, self.param("kernel", init, lm.stored_shape(*shape, self.param_dtype), self.param_dtype), layer)
+        elif self.packed:
+            words = self.param("kernel", nn.initializers.zeros, stacked(self.num_layers, fan_in, self.features // 2), jnp.uint32)
+            y = matmul(x, lax.bitcast_convert_type(take(words), self.param_dtype).reshape(fan_in, self.features))
         else:
             init = nn.initializers.lecun_normal(batch_axis=(0,) if self.num_layers else ())
             kernel = self.param("kernel", init, stacked(self.num_layers, fan_in, self.features), self.param_dtype)

@@ -136,19 +136,19 @@ class ModelRunner:
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()
         attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
-        # One CPU device with f32 weights, the cpu backend and scanned layers: the layers' matmuls
-        # read their layer of the stacked weights, stored in panels, in place, and the tied head is
-        # a C++ kernel too (kernels_pallas/cpu_matmul.py).
-        native_matmul = (self.attention_backend == "cpu" and self.dtype == jnp.float32 and self.mesh.size == 1
-                         and not engine_config.unroll_layers)
+        # One CPU device with f32 or bf16 weights, the cpu backend and scanned layers: the layers'
+        # matmuls read their layer of the stacked weights, stored in panels, in place, and the tied
+        # head is a C++ kernel too (kernels_pallas/cpu_matmul.py).
+        native_matmul = (self.attention_backend == "cpu" and self.dtype in cpu_matmul.WEIGHT_DTYPES
+                         and self.mesh.size == 1 and not engine_config.unroll_layers)
         matmul = cpu_matmul.kernels() if native_matmul else None
         self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul)
         self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
         params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
-        if self.model.packed:
-            params = pack_kernels(params)
         if matmul is not None:
             params = panel_kernels(params, matmul)
+        if self.model.packed:
+            params = pack_kernels(params)  # those the panels did not take
         self.param_shardings = param_shardings(params, self.mesh)
         if engine_config.unroll_layers:
             params = unstack_layers(params, config.num_layers, lambda leaf, i: leaf[i])
@@ -184,6 +184,11 @@ class ModelRunner:
         # Multi-host: on process 0, called with every device operation of serving (an iteration's
         # programs or a block move) before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters as the runner holds them (all devices together)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))
 
     def _device_constant(self, shape: tuple[int, ...], dtype: np.dtype, fill: object) -> jax.Array:
         """A filled array kept on the devices (sampling tables no row of a step uses, the offsets
