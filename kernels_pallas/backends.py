@@ -5,9 +5,13 @@
 `jax` is plain JAX that reads only what the sequences hold (`paged_jax.py`).
 `cpu` is C++ decode and prefill kernels behind the XLA FFI (`cpu_attention.py`, built on first
 use): the CPU default where a C++ compiler is found.
-`pallas` is the Pallas kernels (`decode.py`, `prefill.py`): native on GPU, and run in
-interpret mode wherever JAX's default backend is the CPU (slow; for tests), unless
-$JAXSERVE_PALLAS_INTERPRET says otherwise.
+`pallas` is the Pallas kernels, the GPU default: the decode kernel measured faster on this GPU
+generation (`gpu_select.py`: Triton's `decode.py` or Mosaic GPU's `decode_mosaic.py`) and the
+Triton prefill kernel (`prefill.py`). `triton` and `mosaic` name one decode kernel each (with
+the same prefill), for benchmarks and for overriding the pick.
+The Pallas kernels run natively on GPU, and in interpret mode wherever JAX's default backend is
+the CPU (slow; for tests), unless $JAXSERVE_PALLAS_INTERPRET says otherwise; Mosaic GPU's
+interpreter needs jax >= 0.11.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from typing import Callable
 
 import jax
 
-from kernels_pallas import cpu_attention, cpu_build, decode, paged_jax, prefill, reference
+from kernels_pallas import cpu_attention, cpu_build, decode, decode_mosaic, gpu_select, paged_jax, prefill, reference
 
-BACKENDS = ("jax", "cpu", "reference", "pallas")
+BACKENDS = ("jax", "cpu", "reference", "pallas", "triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +41,11 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name == "cpu":
         return AttentionBackend("cpu", cpu_attention.decode_attention, cpu_attention.prefill_attention)
     if name == "pallas":
-        return AttentionBackend("pallas", decode.decode_attention, prefill.prefill_attention)
+        return AttentionBackend("pallas", gpu_select.decode_attention, prefill.prefill_attention)
+    if name == "triton":
+        return AttentionBackend("triton", decode.decode_attention, prefill.prefill_attention)
+    if name == "mosaic":
+        return AttentionBackend("mosaic", decode_mosaic.decode_attention, prefill.prefill_attention)
     raise ValueError(f"unknown attention backend {name!r}; choose from: {', '.join(BACKENDS)}")
 
 

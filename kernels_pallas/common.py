@@ -145,6 +145,17 @@ class SoftmaxState(NamedTuple):
         return self.acc / jnp.where(self.l == 0.0, 1.0, self.l)[..., None]
 
 
+def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Log-sum-exp merge of flash-decoding partials over the leading split axis: acc [S, ..., D]
+    unnormalized outputs, m [S, ...] running maxima, l [S, ...] denominators. Sequences that
+    saw no key (every l == 0) give zeros."""
+    m_max = jnp.max(m, axis=0)
+    weight = jnp.exp(m - m_max[None])
+    denom = jnp.sum(l * weight, axis=0)
+    out = jnp.sum(acc * weight[..., None], axis=0)
+    return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
 def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     return lax.dot_general(
         a, b, (((1,), (contract_b,)), ((), ())),

@@ -115,15 +115,6 @@ def _decode_kernel(
         l_ref[split, b, h] = state.l
 
 
-def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Log-sum-exp merge over the leading split axis; sequences that saw no key give zeros."""
-    m_max = jnp.max(m, axis=0)
-    weight = jnp.exp(m - m_max[None])
-    denom = jnp.sum(l * weight, axis=0)
-    out = jnp.sum(acc * weight[..., None], axis=0)
-    return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: DecodeConfig):
     batch, num_heads, head_dim = q.shape
@@ -159,7 +150,7 @@ def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: DecodeConfig
         name=f"paged_decode_g{group}_bs{block_size}_p{cfg.pages_per_step}_s{cfg.num_splits}",
     )(layer, lengths.astype(jnp.int32), tables, qg, k_cache, v_cache)
     if cfg.num_splits > 1:
-        out = _merge_splits(*out)
+        out = common.merge_splits(*out)
     return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 

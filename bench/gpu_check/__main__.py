@@ -4,12 +4,14 @@
     python3 -m bench.gpu_check --dry-run      # the same stages on CPU: tiny shapes, interpreted kernels
 
 Stages (each in its own process, under its own time limit, all within the plan's budget):
-env, correctness, decode_kernels, prefill_kernels, one engine stage per model shape (SmolLM2-135M
-and Llama-3-8B, random bf16 weights made on the device), and, on the GPU, the small model's engine
-again with Triton command buffers off when time remains. A stage that fails or overruns is
-recorded as such and the next one runs. Writes gpu_check.json (everything), gpu_check.txt (the
-table, also printed), stages/*.json and logs/*.log. Exit status 0 when every stage passed.
-See bench/README.md ("GPU check") for reading the table.
+env, correctness, decode_kernels (the Triton and Mosaic GPU decode kernels against JAX's
+paged_attention and the copy bandwidth, ending with the pick of this GPU generation's default
+decode kernel), prefill_kernels, one engine stage per model shape (SmolLM2-135M and Llama-3-8B,
+random bf16 weights made on the device), and, on the GPU, the small model's engine again with
+Triton command buffers off when time remains. A stage that fails or overruns is recorded as such
+and the next one runs. Writes gpu_check.json (everything), gpu_check.txt (the table, also
+printed), stages/*.json and logs/*.log. Exit status 0 when every stage passed.
+See bench/README.md ("GPU check") for reading the table, docs/gpu.md for the kernels and the pick.
 """
 
 from __future__ import annotations

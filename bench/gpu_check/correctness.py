@@ -1,6 +1,7 @@
 """Stage `correctness`: the Pallas kernels against the pure-JAX references (kernels_pallas/reference.py),
 compiled natively on the GPU (interpreted in the dry run), at both models' attention shapes, in
-f32 and bf16.
+f32 and bf16: the Triton decode and prefill kernels, and the Mosaic GPU decode kernel in bf16 (it
+takes no f32 cache) where it runs (a Hopper GPU; in the dry run, jax >= 0.11's interpreter).
 
 Each case packs the edges a kernel can get wrong into one batch: a two-layer cache read at layer 1,
 block tables scattered over the pool, lengths of 1, one block -1, one block, one block +1, the
@@ -24,7 +25,7 @@ from bench.gpu_check.plan import Plan, Stage
 from bench.gpu_check.record import StageRecord, describe_error
 from bench.kernel_bench import random_normal, scattered_tables
 from checkpoints.config import ModelConfig
-from kernels_pallas import common, decode, prefill, reference
+from kernels_pallas import common, decode, decode_mosaic, gpu_select, prefill, reference
 
 BLOCK_SIZE = 16
 NUM_LAYERS, LAYER = 2, 1
@@ -51,8 +52,9 @@ def _compare(got: jax.Array, want: jax.Array, zero_rows: np.ndarray, dtype: str)
             "ok": finite and err <= bound and zeros and same_dtype}
 
 
-def decode_case(config: ModelConfig, dtype: str, pages: int, num_splits: int | None, seed: int) -> dict:
-    """One decode batch of the edge lengths; `num_splits` None: the kernel's own choice."""
+def decode_case(kernel, config: ModelConfig, dtype: str, pages: int, num_splits: int | None, seed: int) -> dict:
+    """One decode batch of the edge lengths through `kernel` (a decode_attention); `num_splits`
+    None: the kernel's own choice."""
     rng = np.random.default_rng(seed)
     full = pages * BLOCK_SIZE
     lengths = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, full,
@@ -63,8 +65,7 @@ def decode_case(config: ModelConfig, dtype: str, pages: int, num_splits: int | N
     lens = jnp.asarray(lengths, jnp.int32)
     scale = config.head_dim ** -0.5
     want = _reference_decode(q, k, v, jnp.int32(LAYER), tables, lens, scale=scale)
-    got = decode.decode_attention(q, k, v, jnp.int32(LAYER), tables, lens, scale=scale,
-                                  num_splits=num_splits)
+    got = kernel(q, k, v, jnp.int32(LAYER), tables, lens, scale=scale, num_splits=num_splits)
     return _compare(got, want, np.asarray(lengths) == 0, dtype)
 
 
@@ -89,15 +90,30 @@ def prefill_case(config: ModelConfig, dtype: str, pages: int, seed: int) -> dict
     return _compare(got, want, np.arange(rows) >= query_start[-1], dtype)
 
 
-def _cases(plan: Plan):
+def mosaic_skip_reason() -> str | None:
+    """Why the Mosaic GPU decode kernel cannot run here (None: it can)."""
+    if common.resolve_interpret(None):
+        if not decode_mosaic.interpret_available():
+            return f"jax {jax.__version__} has no public Mosaic GPU interpreter (jax >= 0.11)"
+        return None
+    capability = gpu_select.compute_capability()
+    return None if gpu_select.mosaic_runs_on(capability) else f"needs Hopper (9.x), this is {capability}"
+
+
+def _cases(plan: Plan, with_mosaic: bool):
     """(model, config, dtype, kernel, variant, fn(seed) -> comparison) for every case."""
     pages = plan.correctness_pages
     for model, dtype in plan.correctness:
         config = plan.models[model]
-        yield model, config, dtype, "decode", "default splits", functools.partial(
-            decode_case, config, dtype, pages, None)
-        yield model, config, dtype, "decode", f"{FORCED_SPLITS} splits", functools.partial(
-            decode_case, config, dtype, pages, FORCED_SPLITS)
+        kernels = [("decode", decode.decode_attention)]
+        if with_mosaic and decode_mosaic.unsupported_reason(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                            BLOCK_SIZE, jnp.dtype(dtype)) is None:
+            kernels.append(("decode_mosaic", decode_mosaic.decode_attention))
+        for name, kernel in kernels:
+            yield model, config, dtype, name, "default splits", functools.partial(
+                decode_case, kernel, config, dtype, pages, None)
+            yield model, config, dtype, name, f"{FORCED_SPLITS} splits", functools.partial(
+                decode_case, kernel, config, dtype, pages, FORCED_SPLITS)
         yield model, config, dtype, "prefill", "ragged", functools.partial(prefill_case, config, dtype, pages)
 
 
@@ -114,9 +130,10 @@ def _failure(row: dict) -> str:
 
 
 def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
+    mosaic_skip = mosaic_skip_reason()
     record.info(interpret=common.resolve_interpret(None), tolerance=kernel_bench.TOLERANCE,
-                pages=plan.correctness_pages)
-    for seed, (model, config, dtype, kernel, variant, fn) in enumerate(_cases(plan)):
+                pages=plan.correctness_pages, mosaic="runs" if mosaic_skip is None else f"not run: {mosaic_skip}")
+    for seed, (model, config, dtype, kernel, variant, fn) in enumerate(_cases(plan, mosaic_skip is None)):
         row = {"kernel": kernel, "variant": variant, "model": model, "dtype": dtype,
                "shape": f"kvh{config.num_kv_heads} g{config.q_per_kv} d{config.head_dim}"}
         t0 = time.perf_counter()

@@ -131,7 +131,8 @@ def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_va
 
 
 def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
-    """The GPU plan (one H200, under 8 minutes) or the dry-run plan (2 CPU cores: 3-8 minutes, more on a loaded machine).
+    """The GPU plan (one H100 or H200, under 9 minutes: one call of the device tool) or the dry-run plan
+    (2 CPU cores: 1-8 minutes, more on a loaded machine).
     command_buffer_variant: add an engine stage with Triton command buffers off (GPU only)."""
     models = ("smollm2-135m", "llama3-8b")
     if dry_run:
@@ -154,7 +155,8 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         )
     # The limits add up to the budget, so a stage that overruns never eats into a later one's time;
     # the optional stage runs only in what the others left.
-    limits = {"env": 30, "correctness": 60, "decode_kernels": 120, "prefill_kernels": 40,
+    # decode_kernels times two decode kernels, JAX's op and the copy over 12 cases (compiles included).
+    limits = {"env": 30, "correctness": 75, "decode_kernels": 180, "prefill_kernels": 40,
               "engine_smollm2-135m": 70, "engine_llama3-8b": 130}
     return Plan(
         dry_run=False, dtype="bfloat16",
@@ -169,5 +171,5 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         workload=EngineWorkload(batches=(1, 64, 256), prompt_len=512, max_tokens=64,
                                 max_num_batched_tokens=8192, max_prefill_seqs=16),
         goal_kernel_min_batch=64, goal_kernel_min_context=4096, goal_engine_batch=64,
-        budget_s=450, stages=_stages(limits, models, command_buffer_variant),
+        budget_s=525, stages=_stages(limits, models, command_buffer_variant),
     )

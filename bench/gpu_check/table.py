@@ -6,7 +6,7 @@ import io
 from typing import Any
 
 from bench.gpu_check.plan import Plan
-from bench.kernel_report import print_decode_table, print_prefill_table
+from bench.kernel_report import print_prefill_table
 
 ENGINE_COLUMNS = ["model", "batch", "ctx", "tok/s", "step ms", "device ms", "roofline ms", "%roof",
                   "%roof dev", "host %", "host % sync", "compiles", "xla compiles", "warm-up s"]
@@ -49,6 +49,37 @@ def _correctness_section(stage: dict) -> list[str]:
     return _grid(["case", "model", "dtype", "shape", "max err", "bound", "ok"], rows, left=(0, 6))
 
 
+def _decode_section(stage: dict, dry_run: bool) -> list[str]:
+    """Both decode kernels per case (ms, % of the copy bandwidth, speedup over JAX's op), JAX's op,
+    the reference, each kernel's largest difference from the reference, then the pick."""
+    info = stage["info"]
+    rows = []
+    notes = []
+    for r in stage["rows"]:
+        cells = [r["case"], _f(r["kv_bytes"] / 1e6)]
+        for k in ("triton", "mosaic"):
+            cells += [_ms(r.get(f"{k}_s")), _f(r.get(f"{k}_pct_copy")), _f(r.get(f"{k}_x_shipped"), 2)]
+        cells += [_ms(r.get("shipped_s")), _ms(r.get("reference_s"))]
+        cells += ["n/a" if r.get(f"{k}_err") is None else f"{r[f'{k}_err']:.1e}" for k in ("triton", "mosaic")]
+        rows.append(cells)
+        notes += [f"  {r['case']}: {k}: {r[f'{k}_error']}" for k in ("triton", "mosaic", "shipped", "reference")
+                  if r.get(f"{k}_error")]
+    headers = ["decode case", "KV MB", "triton ms", "%copy", "x jax", "mosaic ms", "%copy", "x jax", "jax ms",
+               "ref ms", "err triton", "err mosaic"]
+    out = [f"copy bandwidth (read + write): {info['copy_bps'] / 1e9:.1f} GB/s"] + _grid(headers, rows)
+    out += sorted(set(notes), key=notes.index)
+    pick = info.get("pick")
+    if pick:
+        where = f"compute capability {info.get('compute_capability')} ({info.get('device')})"
+        if dry_run:
+            out.append(f"pick (dry run: interpreter timings, not a measurement): {pick['kernel']}: {pick['why']}")
+        else:
+            out.append(f"pick for {where}: {pick['kernel']}: {pick['why']}")
+            out.append(f"record it: kernels_pallas/gpu_select.py MEASURED[{info.get('compute_capability')!r}] = "
+                       f"{pick['kernel']!r} (the default now: {info.get('shipped_default')})")
+    return out
+
+
 def _engine_rows(stages: list[dict]) -> list[list[str]]:
     """A row per engine stage run with overlap (async scheduling) on and batch; "host % sync" is
     the same model and batch with overlap off, when that optional stage ran. A multi-step stage's
@@ -73,11 +104,13 @@ def _engine_rows(stages: list[dict]) -> list[list[str]]:
 
 
 def _goal_rows(stages: dict[str, dict], plan: Plan) -> list[list[str]]:
-    decode = [r for r in stages.get("decode_kernels", {}).get("rows", [])
+    decode_stage = stages.get("decode_kernels", {})
+    kernel = decode_stage.get("info", {}).get("pick", {}).get("kernel", "triton")
+    decode = [r for r in decode_stage.get("rows", [])
               if r["batch"] >= plan.goal_kernel_min_batch and r["context"] >= plan.goal_kernel_min_context]
-    pct = [r["ours_pct_copy"] for r in decode if r.get("ours_pct_copy") is not None]
-    vs_jax = [r["speedup_vs_shipped"] for r in decode if r.get("speedup_vs_shipped") is not None]
-    cases = f"batch >= {plan.goal_kernel_min_batch}, context >= {plan.goal_kernel_min_context}"
+    pct = [r[f"{kernel}_pct_copy"] for r in decode if r.get(f"{kernel}_pct_copy") is not None]
+    vs_jax = [r[f"{kernel}_x_shipped"] for r in decode if r.get(f"{kernel}_x_shipped") is not None]
+    cases = f"{kernel}, the pick; batch >= {plan.goal_kernel_min_batch}, context >= {plan.goal_kernel_min_context}"
     big = stages.get("engine_llama3-8b", {}).get("rows", [])
     roof = [r["pct_roofline"] for r in big if r["batch"] == plan.goal_engine_batch]
     engine = [s for s in stages.values() if s["kind"] == "engine" and not s["name"].endswith("_no_cmdbuf")]
@@ -111,14 +144,16 @@ def render(summary: dict, plan: Plan) -> str:
     out += _stages_section(summary)
     if stages.get("correctness", {}).get("rows"):
         out += ["", "kernel correctness (vs kernels_pallas/reference.py)"] + _correctness_section(stages["correctness"])
-    for name, title in (("decode_kernels", "decode kernel"), ("prefill_kernels", "prefill kernel")):
+        if stages["correctness"]["info"].get("mosaic", "").startswith("not run"):
+            out.append(f"decode_mosaic: {stages['correctness']['info']['mosaic']}")
+    for name, title in (("decode_kernels", "decode kernels"), ("prefill_kernels", "prefill kernel")):
         stage = stages.get(name)
         if not stage or not stage["rows"]:
             continue
         info = stage["info"]
         text = io.StringIO()
         if name == "decode_kernels" and info.get("copy_bps"):
-            print_decode_table(stage["rows"], info["copy_bps"], text)
+            text.write("\n".join(_decode_section(stage, plan.dry_run)))
         elif name == "prefill_kernels" and info.get("matmul_flops"):
             print_prefill_table(stage["rows"], info["matmul_flops"], text)
         if text.getvalue():

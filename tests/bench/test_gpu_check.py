@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu_check.decode_pick import pick_decode_kernel
 from bench.gpu_check.plan import Stage, make_plan
 from bench.gpu_check.supervise import run_stage
 from bench.gpu_check.table import ENGINE_COLUMNS
@@ -48,11 +49,24 @@ def test_every_stage_runs_and_passes(dry_run):
     assert proc.stdout.endswith(table), "the table is printed as well as written"
 
 
+def mosaic_interpreted_here() -> bool:
+    """Whether this jax runs the Mosaic GPU kernel in the dry run (its interpreter is public from 0.11)."""
+    code = "from kernels_pallas import decode_mosaic; print(decode_mosaic.interpret_available())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    return out.stdout.strip() == "True"
+
+
 @pytest.mark.slow
-def test_correctness_compares_both_kernels_in_both_dtypes(dry_run):
-    rows = stage(dry_run[1], "correctness")["rows"]
-    assert {(r["kernel"], r["dtype"]) for r in rows} == {(k, d) for k in ("decode", "prefill")
-                                                         for d in ("float32", "bfloat16")}
+def test_correctness_compares_every_kernel_in_both_dtypes(dry_run):
+    correctness = stage(dry_run[1], "correctness")
+    rows = correctness["rows"]
+    want = {(k, d) for k in ("decode", "prefill") for d in ("float32", "bfloat16")}
+    if mosaic_interpreted_here():
+        want.add(("decode_mosaic", "bfloat16"))  # it takes no f32 cache
+    else:
+        assert correctness["info"]["mosaic"].startswith("not run: jax")
+    assert {(r["kernel"], r["dtype"]) for r in rows} == want
     assert all(r["ok"] and r["padding_zero"] and r["max_err"] <= r["bound"] for r in rows)
 
 
@@ -63,9 +77,17 @@ def test_kernel_stages_measure_every_case_against_their_peers(dry_run):
     assert decode["info"]["copy_bps"] > 0
     assert [(r["batch"], r["context"]) for r in decode["rows"]] == [
         (b, c) for b in PLAN.decode_batches for c in PLAN.decode_contexts]
+    mosaic = mosaic_interpreted_here()
     for r in decode["rows"]:
-        assert r["ours_gbps"] > 0 and r["shipped_s"] > 0 and r["speedup_vs_shipped"] > 0
-        assert r["ours_err"] <= 2e-2  # bf16
+        assert r["triton_gbps"] > 0 and r["shipped_s"] > 0 and r["triton_x_shipped"] > 0
+        assert r["triton_err"] <= 2e-2  # bf16
+        if mosaic:
+            assert r["mosaic_gbps"] > 0 and r["mosaic_x_shipped"] > 0
+            assert r["mosaic_err"] <= 2e-2 and r["mosaic_vs_triton_err"] <= 2e-2
+        else:
+            assert r["mosaic_s"] is None and r["mosaic_error"].startswith("not run: jax")
+    pick = decode["info"]["pick"]
+    assert pick["kernel"] in ("triton", "mosaic") and pick["cases"] == (len(decode["rows"]) if mosaic else 0)
     prefill = stage(summary, "prefill_kernels")
     assert prefill["info"]["matmul_flops"] > 0
     assert len(prefill["rows"]) == len(PLAN.prefill_cases)
@@ -95,7 +117,9 @@ def test_table_has_the_columns_of_the_gpu_run(dry_run):
     lines = table.splitlines()
     assert lines[0].startswith("jaxserve GPU check (DRY RUN")
     assert any(line.split() == "  ".join(ENGINE_COLUMNS).split() for line in lines)
-    assert any(line.startswith("decode case") and "%copy" in line and "x jax" in line for line in lines)
+    assert any(line.startswith("decode case") and "%copy" in line and "x jax" in line and "mosaic ms" in line
+               for line in lines)
+    assert any(line.startswith("pick (dry run: interpreter timings, not a measurement): ") for line in lines)
     assert any(line.startswith("prefill case") and "%peak" in line for line in lines)
     engine_rows = [line for line in lines if line.split()[:1] and line.split()[0] in PLAN.models]
     multi_step = [line for line in engine_rows if "-step)" in line]
@@ -137,3 +161,33 @@ def test_stages_import_without_the_packages_the_gpu_machine_lacks():
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _row(case, triton_s, mosaic_s, **extra):
+    return {"case": case, "triton_s": triton_s, "mosaic_s": mosaic_s, "triton_err": 1e-3, "mosaic_err": 1e-3,
+            "mosaic_vs_triton_err": 1e-3, **extra}
+
+
+def test_pick_follows_the_geometric_mean_of_time_ratios():
+    """Mosaic 2x faster in one case and 1.5x slower in the other: geometric mean 0.87, Mosaic."""
+    rows = [_row("a", 2.0, 1.0), _row("b", 1.0, 1.5)]
+    pick = pick_decode_kernel(rows, 2e-2)
+    assert pick["kernel"] == "mosaic" and pick["cases"] == 2 and abs(pick["mosaic_over_triton"] - 0.75 ** 0.5) < 1e-9
+    assert pick_decode_kernel([_row("a", 1.0, 1.2), _row("b", 1.0, 0.9)], 2e-2)["kernel"] == "triton"
+
+
+def test_pick_drops_a_kernel_that_failed_or_mismatched():
+    mismatched = [_row("a", 2.0, 1.0), _row("b", 2.0, 1.0, mosaic_err=0.5)]
+    pick = pick_decode_kernel(mismatched, 2e-2)
+    assert pick["kernel"] == "triton" and "mosaic in b" in pick["why"]
+    crashed = [_row("a", None, 1.0, triton_error="RuntimeError: boom"), _row("b", 1.0, 1.1)]
+    assert pick_decode_kernel(crashed, 2e-2)["kernel"] == "mosaic"
+    disagree = [_row("a", 1.0, 0.5, mosaic_vs_triton_err=0.3)]  # too large for the reference: no _err
+    assert pick_decode_kernel(disagree, 2e-2)["kernel"] == "triton"
+
+
+def test_pick_is_triton_when_mosaic_could_not_run():
+    rows = [_row("a", 1.0, None, mosaic_error="not run: needs a Hopper GPU (compute capability 9.x), this is 8.0")]
+    del rows[0]["mosaic_err"], rows[0]["mosaic_vs_triton_err"]
+    pick = pick_decode_kernel(rows, 2e-2)
+    assert pick["kernel"] == "triton" and "needs a Hopper GPU" in pick["why"] and pick["mosaic_over_triton"] is None

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from kernels_pallas import get_attention_backend, shard_attention  # noqa: E402
 from paged_cases import (LAYER, SCALE, TOLERANCE, assert_close, block_tables, decode_lengths,  # noqa: E402
-                         interpret, make_cache, prefill_sequences, queries, reference_decode,
+                         make_cache, prefill_sequences, queries, reference_decode,
                          reference_prefill)
 
 NUM_KV_HEADS, GROUP, BLOCK, WIDTH = 4, 2, 8, 4
@@ -48,12 +48,11 @@ def main(dp: int, tp: int) -> None:
 
     for name in ("reference", "pallas"):
         backend = shard_attention(get_attention_backend(name), mesh, "tp")
-        options = {"interpret": interpret()} if name == "pallas" else {}
-        decode = jax.jit(lambda *a: backend.decode(*a, scale=SCALE, **options))
+        decode = jax.jit(lambda *a: backend.decode(*a, scale=SCALE))
         got = decode(jax.device_put(q, heads), k, v, layer, tables, lengths)
         assert got.sharding.spec == P(None, "tp", None), got.sharding
         assert_close(got, want_decode, TOLERANCE[jnp.float32])
-        prefill = jax.jit(lambda *a: backend.prefill(*a, scale=SCALE, **options))
+        prefill = jax.jit(lambda *a: backend.prefill(*a, scale=SCALE))
         got = prefill(jax.device_put(pq, heads), k, v, layer, ptables, seq_lens, query_start)
         assert_close(got, want_prefill, TOLERANCE[jnp.float32])
         print(f"{name} on a {dp}x{tp} mesh: ok")

@@ -3,20 +3,24 @@
 import jax
 import pytest
 
-from kernels_pallas import (BACKENDS, common, cpu_attention, cpu_build, decode, default_attention_backend,
-                            get_attention_backend, paged_jax, prefill, reference)
+from kernels_pallas import (BACKENDS, common, cpu_attention, cpu_build, decode, decode_mosaic, default_attention_backend,
+                            get_attention_backend, gpu_select, paged_jax, prefill, reference)
 
 
 def test_registry():
     assert get_attention_backend("reference").decode is reference.decode_attention
     pallas = get_attention_backend("pallas")
-    assert (pallas.decode, pallas.prefill) == (decode.decode_attention, prefill.prefill_attention)
+    assert (pallas.decode, pallas.prefill) == (gpu_select.decode_attention, prefill.prefill_attention)
+    triton = get_attention_backend("triton")
+    assert (triton.decode, triton.prefill) == (decode.decode_attention, prefill.prefill_attention)
+    mosaic = get_attention_backend("mosaic")
+    assert (mosaic.decode, mosaic.prefill) == (decode_mosaic.decode_attention, prefill.prefill_attention)
     plain = get_attention_backend("jax")
     assert (plain.decode, plain.prefill) == (paged_jax.decode_attention, paged_jax.prefill_attention)
     native = get_attention_backend("cpu")
     assert (native.decode, native.prefill) == (cpu_attention.decode_attention, cpu_attention.prefill_attention)
-    assert set(BACKENDS) == {"jax", "cpu", "reference", "pallas"}
-    with pytest.raises(ValueError, match="jax, cpu, reference, pallas"):
+    assert set(BACKENDS) == {"jax", "cpu", "reference", "pallas", "triton", "mosaic"}
+    with pytest.raises(ValueError, match="jax, cpu, reference, pallas, triton, mosaic"):
         get_attention_backend("flash")
 
 

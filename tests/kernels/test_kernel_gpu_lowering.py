@@ -1,0 +1,105 @@
+"""Both decode kernels (Triton and Mosaic GPU) and the prefill kernel lower for CUDA on a
+machine with no GPU, on every jax we run (0.10 and 0.11).
+
+`lower(lowering_platforms=("cuda",))` runs each Pallas backend's own lowering, which rejects
+what an interpreter accepts but a GPU would not: for Triton non-power-of-two tensors, mixed
+dot operand types, primitives without a Triton rule; for Mosaic GPU TMA boxes, WGMMA operand
+layouts and swizzles, register layouts of the softmax, barrier use. From jax 0.11 the Triton
+lowering asks for the target GPU, so every lowering here runs under an abstract mesh naming
+one (Hopper, whose compute capability both kernels target; Triton also for Ampere). PTX
+compilation and running are not covered: that needs a GPU (bench.gpu_check).
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import decode, decode_mosaic, prefill
+
+S = jax.ShapeDtypeStruct
+LAYERS, KV_HEADS, BLOCKS, BLOCK, DIM = 2, 2, 64, 16, 64
+TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CALL = "mosaic_gpu_v2"
+HOPPER, AMPERE = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+
+
+def gpu_target(device_kind: str) -> contextlib.AbstractContextManager:
+    """An abstract mesh with one abstract GPU of `device_kind`: the lowering's target."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+def cache(dtype, head_dim=DIM, block=BLOCK):
+    return S((LAYERS, KV_HEADS, BLOCKS, block, head_dim), dtype)
+
+
+def lowered_text(fn, *args, device_kind: str = HOPPER) -> str:
+    with gpu_target(device_kind):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def decode_args(batch, group, dtype, width=8, head_dim=DIM, block=BLOCK):
+    return (S((batch, KV_HEADS * group, head_dim), dtype), cache(dtype, head_dim, block), cache(dtype, head_dim, block),
+            S((), jnp.int32), S((batch, width), jnp.int32), S((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("group,dtype,options,device_kind", [
+    (4, jnp.bfloat16, {}, HOPPER),
+    (1, jnp.float32, {"num_splits": 2}, HOPPER),
+    (3, jnp.bfloat16, {"soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}, AMPERE),
+])
+def test_triton_decode_lowers(group, dtype, options, device_kind):
+    def fn(q, k, v, layer, tables, lengths):
+        return decode.decode_attention(q, k, v, layer, tables, lengths, scale=0.1, interpret=False, **options)
+
+    assert TRITON_CALL in lowered_text(fn, *decode_args(4, group, dtype), device_kind=device_kind)
+
+
+# The shapes of the models we serve (SmolLM2: 3 query heads per kv head of 64; Llama 3 8B: 4 of
+# 128), a one-page step, 8-token blocks, a large group, f16, the flash-decoding split, soft cap
+# and sliding window, and head_dim 256 (fewer pipeline stages fit).
+@pytest.mark.parametrize("group,dtype,head_dim,block,options", [
+    (3, jnp.bfloat16, 64, 16, {}),
+    (4, jnp.bfloat16, 128, 16, {"num_splits": 4}),
+    (8, jnp.float16, 64, 8, {"pages_per_step": 2, "num_stages": 2}),
+    (16, jnp.bfloat16, 32, 16, {"pages_per_step": 1, "soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}),
+    (1, jnp.bfloat16, 256, 16, {}),
+])
+def test_mosaic_decode_lowers(group, dtype, head_dim, block, options):
+    def fn(q, k, v, layer, tables, lengths):
+        return decode_mosaic.decode_attention(q, k, v, layer, tables, lengths, scale=0.1, interpret=False, **options)
+
+    text = lowered_text(fn, *decode_args(4, group, dtype, width=16, head_dim=head_dim, block=block))
+    assert MOSAIC_CALL in text and TRITON_CALL not in text
+
+
+@pytest.mark.parametrize("group,dtype,options", [
+    (8, jnp.bfloat16, {}),
+    (1, jnp.float32, {"soft_cap": 3.0, "sliding_window": 20}),
+    (3, jnp.bfloat16, {"block_q": 8}),
+])
+def test_triton_prefill_lowers(group, dtype, options):
+    tokens, seqs, width = 40, 3, 8
+
+    def fn(q, k, v, layer, tables, seq_lens, query_start):
+        return prefill.prefill_attention(q, k, v, layer, tables, seq_lens, query_start,
+                                         scale=0.1, interpret=False, **options)
+
+    text = lowered_text(fn, S((tokens, KV_HEADS * group, DIM), dtype), cache(dtype), cache(dtype),
+                        S((), jnp.int32), S((seqs, width), jnp.int32), S((seqs,), jnp.int32),
+                        S((seqs + 1,), jnp.int32))
+    assert TRITON_CALL in text
+
+
+def test_unsupported_head_dim_is_a_clear_error_not_a_lowering_crash():
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        lowered_text(
+            lambda q, k, v, layer, t, n: decode.decode_attention(q, k, v, layer, t, n, scale=1.0, interpret=False),
+            *decode_args(1, 2, jnp.bfloat16, head_dim=80))
+    with pytest.raises(ValueError, match="head_dim a multiple of 16"):
+        lowered_text(
+            lambda q, k, v, layer, t, n: decode_mosaic.decode_attention(q, k, v, layer, t, n, scale=1.0,
+                                                                        interpret=False),
+            *decode_args(1, 2, jnp.bfloat16, head_dim=72))
