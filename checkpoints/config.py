@@ -9,10 +9,12 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
+    """Hyper-parameters of a decoder of one of the architectures in `checkpoints/architectures/`
+    (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE).
 
-    Field names follow Hugging Face's `LlamaConfig` where one exists, so `config.json`
-    maps onto this class with few renames (see `from_hf_dict`).
+    Field names follow Hugging Face's configs where one exists, so `config.json` maps onto this
+    class with few renames (see `from_hf_dict`). The fields after `architecture` switch the
+    blocks a family adds to the Llama layer; their defaults are Llama's.
     """
 
     vocab_size: int
@@ -34,12 +36,32 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    qk_norm: bool = False  # RMS norms of each query and key head before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # norms of the attention and MLP outputs before their residual adds (Gemma 3)
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    # Per layer "sliding_attention" or "full_attention" (None: every layer slides when
+    # `sliding_window` is set). Sliding layers attend to the last `sliding_window` tokens.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of sliding layers, unscaled (None: as the others)
+    # Mixture of experts (0 experts: a dense MLP in every layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_tanh")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} of {self.num_experts} experts")
 
     @property
     def q_per_kv(self) -> int:
@@ -55,74 +77,17 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.layer_types is not None:
+            d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Map a Hugging Face `config.json` (Llama, Mistral, Qwen2) onto a ModelConfig."""
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        model_type = hf.get("model_type", "llama")
-        supported = {"llama", "mistral", "qwen2"}
-        if model_type not in supported:
-            raise ValueError(
-                f"unsupported architecture {model_type!r} ({archs}); supported: {sorted(supported)}"
-            )
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=hf.get("rope_scaling"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", model_type == "mistral") else None,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            architecture=model_type,
-        )
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The inverse of `from_hf_dict`, for writing Hugging Face directories."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        d = {
-            "architectures": [arch[self.architecture]],
-            "model_type": self.architecture,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "max_position_embeddings": self.max_position_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-        }
-        if self.sliding_window is not None:
-            d["sliding_window"] = self.sliding_window
-            d["use_sliding_window"] = True
-        return d

@@ -1,14 +1,16 @@
 """Load a GGUF file (llama.cpp's format) into the parameter tree, config and tokenizer.
 
-Tensors are dequantized to float with `gguf.quants.dequantize`. GGUF stores a weight with the
-Hugging Face `[out, in]` shape, so kernels are transposed to `[in, out]`. For the `llama`
-architecture, llama.cpp's converter permutes the rows of the Q and K projections (per head,
-the two halves of the head dimension are interleaved) to suit its interleaved-pair RoPE; we undo
-that so the parameters use Hugging Face's "rotate half" RoPE. `qwen2` files are not permuted.
+Tensors are dequantized to float with `gguf.quants.dequantize` (every type it implements: the
+K-quants, Q4/Q5/Q8, the IQ types, ...). GGUF stores a weight with the Hugging Face `[out, in]`
+shape, so kernels are transposed to `[in, out]`. Tensor names and the file's
+`general.architecture` come from the families' declarations (`checkpoints/architectures/`), and
+each family undoes what llama.cpp's converter changed (`llama`: the Q/K row permutation of its
+interleaved-pair RoPE).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from checkpoints.architectures import architecture, from_gguf_name, gguf_names
 from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.gguf_tokenizer import build_gguf_tokenizer
@@ -24,43 +27,23 @@ from checkpoints.params import ParamFiller, ParamTree, resolve_dtype
 from checkpoints.tokenizer_bundle import TokenizerBundle, merge_eos_ids
 
 Q = gguf.GGMLQuantizationType
-SUPPORTED_TENSOR_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K})
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 ROPE_FACTORS = "rope_freqs.weight"  # per-frequency RoPE divisors (Llama 3.1-style scaling)
 
-# GGUF per-layer tensor name -> (module, leaf) in params["layers"].
-_LAYER_TENSORS = {
-    "attn_norm.weight": ("attn_norm", "scale"),
-    "attn_q.weight": ("q_proj", "kernel"),
-    "attn_q.bias": ("q_proj", "bias"),
-    "attn_k.weight": ("k_proj", "kernel"),
-    "attn_k.bias": ("k_proj", "bias"),
-    "attn_v.weight": ("v_proj", "kernel"),
-    "attn_v.bias": ("v_proj", "bias"),
-    "attn_output.weight": ("o_proj", "kernel"),
-    "ffn_norm.weight": ("mlp_norm", "scale"),
-    "ffn_gate.weight": ("gate_proj", "kernel"),
-    "ffn_up.weight": ("up_proj", "kernel"),
-    "ffn_down.weight": ("down_proj", "kernel"),
-}
-# Top-level GGUF tensor name -> (module, leaf).
-_GLOBAL_TENSORS = {
-    "token_embd.weight": ("embed", "embedding"),
-    "output_norm.weight": ("final_norm", "scale"),
-    "output.weight": ("lm_head", "kernel"),
-}
 
-
-def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (works on `[out, in]` weights and `[out]` biases).
-
-    llama.cpp's converter reshapes the rows of each head as (2, D/2) and swaps the axes, so
-    rows (i, D/2 + i) of a head end up next to each other; this restores the original order.
-    """
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
+@functools.cache
+def supported_tensor_types() -> frozenset[gguf.GGMLQuantizationType]:
+    """The tensor types `gguf.quants.dequantize` implements (probed with one zero block each)."""
+    supported = set()
+    for qtype in Q:
+        if qtype not in gguf.GGML_QUANT_SIZES:
+            continue
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros(block_bytes, np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        supported.add(qtype)
+    return frozenset(supported)
 
 def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
@@ -104,12 +87,12 @@ def _rope_scaling(meta: dict[str, Any], arch: str, rope_factors: np.ndarray | No
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_size: int, source: str,
                          rope_factors: np.ndarray | None = None) -> ModelConfig:
     """A ModelConfig from GGUF metadata (llama.cpp key names), the tensors present and the
-    `rope_freqs` tensor's values, if the file has one."""
+    `rope_freqs` tensor's values, if the file has one: the fields every family shares, then the
+    family's own (`Architecture.from_gguf`)."""
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedCheckpointError(
-            f"{source}: architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
+    family = from_gguf_name(arch)
+    if family is None or family.from_gguf is None:
+        raise UnsupportedCheckpointError(f"{source}: architecture {arch!r} is not supported; supported: {gguf_names()}")
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
@@ -119,7 +102,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_siz
             raise UnsupportedCheckpointError(f"{source}: partial rotary embeddings ({rope_dim} of {head_dim})")
         if rope_factors is not None and rope_factors.shape != (head_dim // 2,):
             raise CheckpointError(f"{source}: rope_freqs has shape {rope_factors.shape}, expected ({head_dim // 2},)")
-        return ModelConfig(
+        fields = dict(
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
@@ -135,8 +118,9 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_siz
             max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_eos_ids(meta),
-            architecture=arch,
+            architecture=family.name,
         )
+        return ModelConfig(**{**fields, **family.from_gguf(meta, arch, tensor_names)})
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{source}: GGUF metadata is missing or malformed: {e}") from e
 
@@ -146,37 +130,26 @@ def _eos_ids(meta: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _tensor_array(tensor: Any, source: str) -> np.ndarray:
-    if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+    if tensor.tensor_type not in supported_tensor_types():
         raise UnsupportedCheckpointError(
             f"{source}: tensor {tensor.name} has type {tensor.tensor_type.name}; supported types: "
-            f"{sorted(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+            f"{sorted(t.name for t in supported_tensor_types())}"
         )
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
 
 
-def _place(name: str, source: str) -> tuple[str, str, int | None]:
-    """(module, leaf, layer or None) for a GGUF tensor name, or raise for an unknown tensor."""
-    if name in _GLOBAL_TENSORS:
-        return (*_GLOBAL_TENSORS[name], None)
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return (*_LAYER_TENSORS[parts[2]], int(parts[1]))
-    raise UnsupportedCheckpointError(f"{source}: unexpected tensor {name!r}")
-
-
 def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, source: str) -> ParamTree:
-    filler = ParamFiller(config, dtype, source)
-    unpermute_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    family = architecture(config.architecture)
+    filler = ParamFiller(config, dtype, source, lambda w: w.gguf)
     for tensor in reader.tensors:
         if tensor.name == ROPE_FACTORS:  # part of the config, not a parameter
             continue
-        module, leaf, layer = _place(tensor.name, source)
-        if not filler.accepts(module, leaf, layer):
-            raise UnsupportedCheckpointError(f"{source}: tensor {tensor.name} does not fit the config")
-        array = _tensor_array(tensor, source)
-        if config.architecture == "llama" and module in unpermute_heads:
-            array = unpermute_rope_rows(array, unpermute_heads[module])
-        filler.put(module, leaf, layer, array.T if leaf == "kernel" else array, tensor.name)
+        slot = filler.slot(tensor.name)
+        if slot is None:
+            raise UnsupportedCheckpointError(f"{source}: unexpected tensor {tensor.name!r} (or it does not fit the config)")
+        path = slot[0]
+        array = family.from_gguf_tensor(path, _tensor_array(tensor, source), config)
+        filler.put(tensor.name, array.swapaxes(-1, -2) if filler.weights[path].is_kernel else array)
     return filler.finish()
 
 
@@ -211,9 +184,12 @@ def _tokenizer_bundle(meta: dict[str, Any], config: ModelConfig, source: str) ->
         )
         if meta.get(key) is not None and meta[key] < len(tokens)
     }
+    family = architecture(config.architecture)
+    chat_template = meta.get("tokenizer.chat_template") or family.chat_template
+    end_of_turn = tokens.index(family.end_of_turn) if family.end_of_turn in tokens else None
     return TokenizerBundle(
         tokenizer=build_gguf_tokenizer(meta, source),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=chat_template,
         special_tokens=special_tokens,
-        eos_token_ids=config.eos_token_ids,
+        eos_token_ids=merge_eos_ids(config.eos_token_ids, end_of_turn),
     )

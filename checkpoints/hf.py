@@ -1,6 +1,7 @@
-"""Read and write Hugging Face model directories (Llama, Mistral, Qwen2 layouts).
+"""Read and write Hugging Face model directories of every family in `checkpoints/architectures/`.
 
-A directory holds `config.json`, the weights in one `*.safetensors` file or several with
+Tensor names come from the family's declared weights (`Weight.hf`). A directory holds
+`config.json`, the weights in one `*.safetensors` file or several with
 `model.safetensors.index.json`, `tokenizer.json`, `tokenizer_config.json` (special tokens, chat
 template) and optionally `generation_config.json` (extra eos ids). Hugging Face stores a linear
 weight as `[out, in]`; our kernels are `[in, out]`.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,37 +18,18 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from checkpoints.architectures import architecture, config_from_hf, config_to_hf, declare
 from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.loaded import LoadedModel
-from checkpoints.params import ParamFiller, ParamTree, resolve_dtype
+from checkpoints.params import ParamFiller, ParamTree, checkpoint_names, iter_leaves, resolve_dtype
+from checkpoints.weights import flat
 from checkpoints.tokenizer_bundle import TokenizerBundle, load_tokenizer_files, merge_eos_ids, save_tokenizer_files
 
 INDEX_FILE = "model.safetensors.index.json"
 
-# HF per-layer weight name (after "model.layers.{i}.") -> (module, leaf) in params["layers"].
-_LAYER_WEIGHTS = {
-    "input_layernorm.weight": ("attn_norm", "scale"),
-    "post_attention_layernorm.weight": ("mlp_norm", "scale"),
-    "self_attn.q_proj.weight": ("q_proj", "kernel"),
-    "self_attn.q_proj.bias": ("q_proj", "bias"),
-    "self_attn.k_proj.weight": ("k_proj", "kernel"),
-    "self_attn.k_proj.bias": ("k_proj", "bias"),
-    "self_attn.v_proj.weight": ("v_proj", "kernel"),
-    "self_attn.v_proj.bias": ("v_proj", "bias"),
-    "self_attn.o_proj.weight": ("o_proj", "kernel"),
-    "mlp.gate_proj.weight": ("gate_proj", "kernel"),
-    "mlp.up_proj.weight": ("up_proj", "kernel"),
-    "mlp.down_proj.weight": ("down_proj", "kernel"),
-}
-_GLOBAL_WEIGHTS = {
-    "model.embed_tokens.weight": ("embed", "embedding"),
-    "model.norm.weight": ("final_norm", "scale"),
-    "lm_head.weight": ("lm_head", "kernel"),
-}
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some older checkpoints saved alongside the weights; they are recomputed, never loaded.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_IGNORED_SUFFIX = "rotary_emb.inv_freq"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -84,19 +65,10 @@ def _iter_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
         raise CheckpointError(f"{file}: corrupted or truncated safetensors file: {e}") from e
 
 
-def _place(name: str) -> tuple[str, str, int | None] | None:
-    if name in _GLOBAL_WEIGHTS:
-        return (*_GLOBAL_WEIGHTS[name], None)
-    match = _LAYER_NAME.fullmatch(name)
-    if match and match.group(2) in _LAYER_WEIGHTS:
-        return (*_LAYER_WEIGHTS[match.group(2)], int(match.group(1)))
-    return None
-
-
 def _load_config(directory: Path) -> ModelConfig:
     hf_config = _read_json(directory / "config.json")
     try:
-        return ModelConfig.from_hf_dict(hf_config)
+        return config_from_hf(hf_config)
     except KeyError as e:
         raise CheckpointError(f"{directory}/config.json: missing field {e}") from e
     except ValueError as e:
@@ -109,15 +81,18 @@ def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedM
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory not found: {directory}")
     config = _load_config(directory)
-    filler = ParamFiller(config, resolve_dtype(dtype), str(directory))
+    arch = architecture(config.architecture)
+    filler = ParamFiller(config, resolve_dtype(dtype), str(directory), lambda w: w.hf)
     for file in _weight_files(directory):
         for name, array in _iter_tensors(file):
-            slot = _place(name)
-            if slot is None or not filler.accepts(*slot):
-                if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            slot = filler.slot(name)
+            if slot is None:
+                if name.endswith(_IGNORED_SUFFIX) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
                 raise UnsupportedCheckpointError(f"{file}: unexpected weight {name!r} {array.shape}")
-            filler.put(*slot, array.T if slot[1] == "kernel" else array, name)
+            path = slot[0]
+            array = arch.from_hf_tensor(path, array)
+            filler.put(name, array.swapaxes(-1, -2) if filler.weights[path].is_kernel else array)
     params = filler.finish()
     generation = directory / "generation_config.json"
     extra_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
@@ -127,19 +102,14 @@ def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedM
 
 def _hf_tensors(params: ParamTree, config: ModelConfig) -> dict[str, np.ndarray]:
     """Parameters under Hugging Face names, `[out, in]`, contiguous."""
+    arch = architecture(config.architecture)
+    leaves = dict(iter_leaves(params))
     tensors: dict[str, np.ndarray] = {}
-
-    def put(name: str, array: np.ndarray, leaf: str) -> None:
-        tensors[name] = np.ascontiguousarray(array.T if leaf == "kernel" else array)
-
-    for name, (module, leaf) in _GLOBAL_WEIGHTS.items():
-        if module in params:
-            put(name, np.asarray(params[module][leaf]), leaf)
-    for suffix, (module, leaf) in _LAYER_WEIGHTS.items():
-        if leaf in params["layers"][module]:
-            stacked = np.asarray(params["layers"][module][leaf])
-            for layer in range(config.num_layers):
-                put(f"model.layers.{layer}.{suffix}", stacked[layer], leaf)
+    for path, weight in flat(declare(config)).items():
+        value = arch.to_hf_tensor(path, np.asarray(leaves[path]))
+        for name, index in checkpoint_names(weight, weight.hf):
+            part = value[index]
+            tensors[name] = np.ascontiguousarray(part.swapaxes(-1, -2) if weight.is_kernel else part)
     return tensors
 
 
@@ -171,7 +141,7 @@ def save_hf_dir(
     directory.mkdir(parents=True, exist_ok=True)
     tensors = _hf_tensors(params, config)
     dtype = next(iter(tensors.values())).dtype
-    hf_config = {**config.to_hf_dict(), "torch_dtype": str(dtype)}
+    hf_config = {**config_to_hf(config), "torch_dtype": str(dtype)}
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(tokenizer.eos_token_ids)}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))

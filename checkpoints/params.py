@@ -1,29 +1,24 @@
 """The parameter tree every loader produces, and helpers to build and check it.
 
-Layout (nested dicts of numpy arrays; kernels are `[in, out]`; per-layer leaves are stacked
-on axis 0 so the model can `lax.scan` over layers):
-
-    embed/embedding [V, E]
-    layers/attn_norm/scale [L, E]
-    layers/{q,k,v}_proj/kernel [L, E, heads*D]   (+ /bias [L, heads*D] with attention_bias)
-    layers/o_proj/kernel [L, H*D, E]
-    layers/mlp_norm/scale [L, E]
-    layers/{gate,up}_proj/kernel [L, E, F], layers/down_proj/kernel [L, F, E]
-    final_norm/scale [E]
-    lm_head/kernel [E, V]                        (absent when tie_word_embeddings)
-
-Q and K projections are in the Hugging Face ("rotate half") RoPE layout.
+The tree is a nested dict of numpy arrays whose paths, shapes and logical axes the model's
+architecture declares (`checkpoints.architectures`, `checkpoints.weights`; the paths are listed
+in `checkpoints/architectures/blocks.py`). Kernels are `[in, out]`; per-layer leaves are stacked
+on axis 0 so the model can `lax.scan` over layers. Q and K projections are in the Hugging Face
+("rotate half") RoPE layout.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
 
+from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError
+from checkpoints.weights import Weight, flat, nest, shapes
 
 ParamTree = dict[str, Any]
 
@@ -51,32 +46,7 @@ def resolve_dtype(dtype: Any) -> np.dtype:
 
 def param_shapes(config: ModelConfig) -> ParamTree:
     """The shape of every leaf of the parameter tree for `config` (same nesting as the tree)."""
-    v, e, f, n = config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers
-    q_dim = config.num_heads * config.head_dim
-    kv_dim = config.num_kv_heads * config.head_dim
-    layers: ParamTree = {
-        "attn_norm": {"scale": (n, e)},
-        "q_proj": {"kernel": (n, e, q_dim)},
-        "k_proj": {"kernel": (n, e, kv_dim)},
-        "v_proj": {"kernel": (n, e, kv_dim)},
-        "o_proj": {"kernel": (n, q_dim, e)},
-        "mlp_norm": {"scale": (n, e)},
-        "gate_proj": {"kernel": (n, e, f)},
-        "up_proj": {"kernel": (n, e, f)},
-        "down_proj": {"kernel": (n, f, e)},
-    }
-    if config.attention_bias:
-        layers["q_proj"]["bias"] = (n, q_dim)
-        layers["k_proj"]["bias"] = (n, kv_dim)
-        layers["v_proj"]["bias"] = (n, kv_dim)
-    tree: ParamTree = {
-        "embed": {"embedding": (v, e)},
-        "layers": layers,
-        "final_norm": {"scale": (e,)},
-    }
-    if not config.tie_word_embeddings:
-        tree["lm_head"] = {"kernel": (e, v)}
-    return tree
+    return shapes(declare(config))
 
 
 def iter_leaves(tree: ParamTree, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -109,41 +79,62 @@ def validate_params(params: ParamTree, config: ModelConfig, source: str) -> None
         raise CheckpointError(f"{source}: parameters do not match the config: " + "; ".join(problems))
 
 
-class ParamFiller:
-    """A preallocated parameter tree that loaders fill one tensor (or one layer's slice) at a time.
+_PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
 
-    Writing into the final stacked arrays keeps peak memory at one copy of the weights plus one
-    tensor; `finish` names every slot no tensor filled.
+
+def checkpoint_names(weight: Weight, template: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every concrete tensor name of a weight's name template, with the index of its slot in the
+    leaf: `{layer}` ranges over the leaf's axis 0, `{expert}` over axis 1."""
+    kinds = _PLACEHOLDER.findall(template)
+    ranges = [range(weight.shape[0 if kind == "layer" else 1]) for kind in kinds]
+    if not kinds:
+        yield template, ()
+        return
+    for index in np.ndindex(*(len(r) for r in ranges)):
+        yield template.format(**dict(zip(kinds, index))), tuple(int(i) for i in index)
+
+
+class ParamFiller:
+    """A preallocated parameter tree that loaders fill one checkpoint tensor at a time.
+
+    `names` picks a format's tensor names from each declared weight (`lambda w: w.hf`, say); a
+    tensor fills the slot its name picks (a whole leaf, one layer's part or one expert's). Writing
+    into the final stacked arrays keeps peak memory at one copy of the weights plus one tensor;
+    `finish` names every slot no tensor filled.
     """
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype, source: str) -> None:
+    def __init__(self, config: ModelConfig, dtype: np.dtype, source: str, names: Any) -> None:
         self.source = source
-        self.params = map_leaves(lambda shape: np.empty(shape, dtype), param_shapes(config))
-        layers = self.params["layers"]
-        slots = {(m, leaf, None) for m, leaves in self.params.items() if m != "layers" for leaf in leaves}
-        slots |= {(m, leaf, i) for m in layers for leaf in layers[m] for i in range(config.num_layers)}
-        self._slots = frozenset(slots)
-        self._empty = set(slots)
+        weights = flat(declare(config))
+        self.weights = weights
+        self.params = nest({path: np.empty(w.shape, w.dtype(dtype)) for path, w in weights.items()})
+        self._leaves = dict(iter_leaves(self.params))
+        self._slots: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for path, w in weights.items():
+            template = names(w)
+            if template is None:
+                raise CheckpointError(f"{source}: this format has no tensor for {path} of {config.architecture}")
+            for name, index in checkpoint_names(w, template):
+                self._slots[name] = (path, index)
+        self._empty = set(self._slots)
 
-    def accepts(self, module: str, leaf: str, layer: int | None) -> bool:
-        """Whether the config has this slot (e.g. no lm_head when the embeddings are tied)."""
-        return (module, leaf, layer) in self._slots
+    def slot(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """(parameter path, index in the leaf) the tensor `name` fills, or None if none."""
+        return self._slots.get(name)
 
-    def put(self, module: str, leaf: str, layer: int | None, value: np.ndarray, name: str) -> None:
-        target = self.params[module][leaf] if layer is None else self.params["layers"][module][leaf][layer]
+    def put(self, name: str, value: np.ndarray) -> None:
+        path, index = self._slots[name]
+        target = self._leaves[path][index]
         if value.shape != target.shape:
             raise CheckpointError(
                 f"{self.source}: {name} has shape {value.shape} after conversion, expected {target.shape}"
             )
         target[...] = value
-        self._empty.discard((module, leaf, layer))
+        self._empty.discard(name)
 
     def finish(self) -> ParamTree:
         if self._empty:
-            missing = [
-                (f"{m}/{leaf}" if layer is None else f"layers/{m}/{leaf}[layer {layer}]")
-                for m, leaf, layer in sorted(self._empty, key=str)
-            ]
+            missing = sorted(self._empty)
             more = " ..." if len(missing) > 10 else ""
             raise CheckpointError(f"{self.source}: missing tensors: {', '.join(missing[:10])}{more}")
         return self.params

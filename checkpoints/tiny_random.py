@@ -1,22 +1,24 @@
 """`tiny-random`: a deterministic random tiny Llama with a small byte-level BPE tokenizer.
 
 Everything is built in code (no download), so unit tests of the model, the runner and the
-server can load a complete model in milliseconds. The weights are drawn with a fixed seed and
-scaled like a trained network (unit-variance activations), so logits are far from uniform and
-greedy decoding is not dominated by ties.
+server can load a complete model in milliseconds. The weights are drawn with a fixed seed from
+the architecture's declaration (`checkpoints.weights`: scaled like a trained network, with
+unit-variance activations), so logits are far from uniform and greedy decoding is not dominated
+by ties. Overrides make tiny models of the other families (`architecture="qwen3"`, ...).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.loaded import LoadedModel
-from checkpoints.params import ParamTree, iter_leaves, param_shapes, resolve_dtype
+from checkpoints.params import ParamTree, resolve_dtype
 from checkpoints.tokenizer_bundle import TokenizerBundle
+from checkpoints.weights import random_tree
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -71,40 +73,35 @@ def tiny_random_config(**overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def scale_like_trained(leaf: str, noise: Any, shape: tuple[int, ...]) -> Any:
-    """The values of a leaf named `leaf` (kernel, scale, bias, embedding) from standard-normal
-    `noise` of `shape` (numpy or jax): kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm
-    scales ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2)."""
-    if leaf == "kernel":
-        return noise / np.sqrt(shape[-2])
-    if leaf == "scale":
-        return 1.0 + 0.1 * noise
-    if leaf == "bias":
-        return 0.1 * noise
-    return noise
+# Tiny configs of each family (overrides of `tiny_random_config`): every block the family switches
+# on, at sizes where a test runs in seconds. The windows (8 tokens) are shorter than test prompts.
+# Their heads are untied: random tied embeddings make greedy decoding repeat the last token (its
+# own embedding dominates its logits); the real models test tied heads.
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {"architecture": "qwen2", "attention_bias": True},
+    "qwen3": {"architecture": "qwen3", "qk_norm": True, "head_dim": 32},
+    "mistral": {"architecture": "mistral", "sliding_window": 8},
+    "gemma3": {"architecture": "gemma3", "num_layers": 3, "num_kv_heads": 1, "head_dim": 32, "qk_norm": True,
+               "post_norms": True, "hidden_act": "gelu_tanh", "scale_embeddings": True, "query_pre_attn_scalar": 24.0,
+               "sliding_window": 8, "layer_types": ("sliding_attention", "full_attention", "sliding_attention"),
+               "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0, "rms_norm_eps": 1e-6},
+    "mixtral": {"architecture": "mixtral", "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+                "moe_intermediate_size": 96},
+    "qwen3_moe": {"architecture": "qwen3_moe", "qk_norm": True, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": False, "rms_norm_eps": 1e-6},
+}
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype: Any = "float32") -> ParamTree:
-    """Random parameters for `config`, scaled as `scale_like_trained` says. Same seed, same arrays."""
-    rng = np.random.default_rng(seed)
-    dtype = resolve_dtype(dtype)
-    flat: dict[str, np.ndarray] = {}
-    for path, shape in iter_leaves(param_shapes(config)):
-        noise = rng.standard_normal(shape, dtype=np.float32)
-        flat[path] = scale_like_trained(path.rsplit("/", 1)[1], noise, shape).astype(dtype)
-    tree: ParamTree = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return tree
+    """Random parameters for `config`, drawn as its declaration says. Same seed, same arrays."""
+    return random_tree(declare(config), seed, resolve_dtype(dtype))
 
 
-def build_tiny_random(dtype: Any = "float32", seed: int = 0, **config_overrides: Any) -> LoadedModel:
-    """The complete tiny-random model: config, parameters and tokenizer bundle."""
-    config = tiny_random_config(**config_overrides)
+def build_tiny_random(dtype: Any = "float32", seed: int = 0, family: str = "llama", **config_overrides: Any
+                      ) -> LoadedModel:
+    """The complete tiny-random model of a family (`TINY_FAMILIES`): config, parameters and tokenizer bundle."""
+    config = tiny_random_config(**{**TINY_FAMILIES[family], **config_overrides})
     tokenizer = build_tiny_tokenizer()
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(f"vocab_size {config.vocab_size} < tokenizer size {tokenizer.get_vocab_size()}")

@@ -61,6 +61,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None: the platform default (pallas on GPU)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Devices a mixture-of-experts model's experts are split over (the mesh's "ep" axis; each
+    # replica then runs on expert_parallel_size x tensor_parallel_size devices). 1 for dense models.
+    expert_parallel_size: int = 1
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
     # Run the layers as a loop over separate per-layer weights instead of a scan over stacked
     # ones: XLA:CPU copies a scanned layer's weights before its matmuls (batch-1 decode ~1.4x

@@ -57,7 +57,7 @@ class DataParallelEngine:
         """`config.data_parallel_size` replicas over the first dp x tp devices; the checkpoint is
         read once and each replica places its own shards."""
         config = resolve_dtype(config)  # "auto": this machine's choice, once for all replicas
-        mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices)
+        mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices, config.expert_parallel_size)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
         engines = [LLMEngine(loaded, config, sub_mesh) for sub_mesh in replica_meshes(mesh)]
         router = cls(engines, policy)

@@ -206,6 +206,8 @@ class LLMEngine:
             replicas=(ReplicaLoad(len(sched.running), len(sched.waiting), usage.used, usage.num_blocks),),
             tiers=TierStats.of(kv), speculative_steps=self.stats.speculative_steps,
             draft_tokens=self.stats.draft_tokens, accepted_tokens=self.stats.accepted_tokens,
+            expert_tokens=tuple(int(n) for n in self.runner.expert_tokens),
+            expert_load=tuple(int(n) for n in self.runner.last_expert_load),
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -69,13 +69,20 @@ class EngineSnapshot:
     speculative_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # Mixture of experts, per expert (all layers; empty for a dense model): token-to-expert
+    # assignments since the start, and in the last model step read.
+    expert_tokens: tuple[int, ...] = ()
+    expert_load: tuple[int, ...] = ()
 
     @classmethod
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         """The replicas' snapshots summed (each keeps its load in `replicas`)."""
+        per_expert = ("expert_tokens", "expert_load")
         summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)
-                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer")}
-        return cls(**summed, has_unfinished=any(s.has_unfinished for s in snapshots),
+                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer", *per_expert)}
+        experts = {name: tuple(sum(counts) for counts in zip(*(getattr(s, name) for s in snapshots)))
+                   for name in per_expert}
+        return cls(**summed, **experts, has_unfinished=any(s.has_unfinished for s in snapshots),
                    kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas),
                    tiers=TierStats.total([s.tiers for s in snapshots]))
 

@@ -67,6 +67,7 @@ class _EngineCollector(Collector):
                                   value=s.accepted_tokens)
         yield from _tier_metrics(s)
         yield from _transfer_metrics(s)
+        yield from _expert_metrics(s)
         per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",
                                         "Sequences per data-parallel replica by state", labels=["replica", "state"])
         kv_per_replica = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage_ratio",
@@ -78,6 +79,21 @@ class _EngineCollector(Collector):
             kv_per_replica.add_metric([str(i)], r.kv_used / r.kv_blocks if r.kv_blocks else 0.0)
         yield per_replica
         yield kv_per_replica
+
+
+def _expert_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """A mixture-of-experts model's routing, per expert (summed over layers and replicas)."""
+    if not s.expert_tokens:
+        return
+    tokens = CounterMetricFamily(f"{PREFIX}_moe_expert_tokens", "Token-to-expert assignments routed to each expert "
+                                 "(all layers)", labels=["expert"])
+    load = GaugeMetricFamily(f"{PREFIX}_moe_expert_load", "Token-to-expert assignments of each expert in the last "
+                             "model step (all layers)", labels=["expert"])
+    for expert, (total, last) in enumerate(zip(s.expert_tokens, s.expert_load)):
+        tokens.add_metric([str(expert)], total)
+        load.add_metric([str(expert)], last)
+    yield tokens
+    yield load
 
 
 def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:

@@ -1,49 +1,57 @@
-"""Partition rules as data: parameter path pattern -> PartitionSpec over the mesh's "tp" axis.
+"""Partition rules as data: each declared weight's logical axes -> mesh axes.
 
-The split is Megatron's: q/k/v and gate/up are column-parallel (their output features, i.e.
-whole heads and MLP hidden units, split over `tp`), o and down are row-parallel (their input
-features split, so each device holds a partial sum and one all-reduce per block completes it).
-Attention then needs no communication at all: each device owns whole heads. The embedding
-and the LM head are split over the vocabulary; norms are replicated. The KV cache
-`[L, KVH, NB, BS, D]` is split over kv heads, matching the k/v projections.
+Every architecture declares its weights' logical axes (`checkpoints.weights`); `LOGICAL_AXES`
+says which mesh axis splits each. The split is Megatron's for tensor parallelism (`tp`): q/k/v
+and gate/up are column-parallel (their output features, i.e. whole heads and MLP hidden units,
+split over `tp`), o and down are row-parallel (their input features split, so each device holds a
+partial sum and one all-reduce per block completes it). Attention then needs no communication:
+each device owns whole heads. The embedding and the LM head are split over the vocabulary; norms
+are replicated. Mixture-of-experts weights are split over `ep` by expert (expert parallelism) and
+over `tp` by each expert's hidden units. The KV cache `[L, KVH, NB, BS, D]` is split over kv
+heads, matching the k/v projections (and replicated over `ep`).
 
 Parameter paths are the slash-joined keys of the parameter tree (`checkpoints.params`), e.g.
-`layers/q_proj/kernel`. Every leaf must match a rule; a dimension the mesh does not divide is
+`layers/q_proj/kernel`. Every leaf must be declared; a dimension the mesh does not divide is
 replicated instead (with a warning), which stays correct and costs memory.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from checkpoints.architectures import declare
+from checkpoints.config import ModelConfig
+from checkpoints.weights import EXPERT_FFW, EXPERTS, FFW, KV_HEADS, Q_HEADS, VOCAB, Weight, flat
+
 logger = logging.getLogger(__name__)
 
 TP = "tp"
+EP = "ep"
 
-# First match wins. Shapes: kernels [L, in, out] per layer (stacked), [in, out] otherwise.
-PARAM_RULES: tuple[tuple[str, P], ...] = (
-    (r"^embed/embedding$", P(TP, None)),  # [V, E]: vocab-parallel
-    (r"^lm_head/kernel$", P(None, TP)),  # [E, V]: vocab-parallel logits, gathered once
-    (r"^layers/(q|k|v|gate|up)_proj/kernel$", P(None, None, TP)),  # column-parallel
-    (r"^layers/(q|k|v)_proj/bias$", P(None, TP)),
-    (r"^layers/(o|down)_proj/kernel$", P(None, TP, None)),  # row-parallel
-    (r"(^|/)[a-z_]*norm/scale$", P()),  # replicated
-)
+# Logical axis -> mesh axis; every other logical axis (layers, embed, head_dim, router) is replicated.
+LOGICAL_AXES: dict[str, str] = {
+    VOCAB: TP,  # embedding [V, E] and head [E, V]: vocab-parallel logits, gathered once
+    Q_HEADS: TP,  # q projection's outputs (column-parallel), o projection's inputs (row-parallel)
+    KV_HEADS: TP,
+    FFW: TP,  # gate/up outputs (column-parallel), down inputs (row-parallel)
+    EXPERTS: EP,  # whole experts per device
+    EXPERT_FFW: TP,  # and each expert's hidden units split like a dense MLP's
+}
 KV_CACHE_SPEC = P(None, TP)  # [L, KVH, NB, BS, D]: split over kv heads
 LOGITS_SPEC = P(None, TP)  # [rows, V]: as the vocab-parallel head computes them
 
 
-def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """The PartitionSpec of the parameter at `path` with `shape` on `mesh`."""
-    for pattern, spec in PARAM_RULES:
-        if re.search(pattern, path):
-            return _divisible(path, shape, spec, mesh)
-    raise ValueError(f"no partition rule matches parameter {path!r} (see sharding.rules.PARAM_RULES)")
+def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh, weight: Weight) -> P:
+    """The PartitionSpec of the parameter at `path` with `shape` on `mesh`, declared as `weight`
+    (its logical axes line up with the leading axes of `shape`)."""
+    axes = [LOGICAL_AXES.get(axis) if axis is not None else None for axis in weight.axes]
+    if not any(axes):
+        return P()  # replicated (norm scales, routers)
+    return _divisible(path, shape, P(*axes), mesh)
 
 
 def _divisible(path: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
@@ -51,6 +59,8 @@ def _divisible(path: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
         raise ValueError(f"partition spec {spec} has more axes than parameter {path!r} of shape {shape}")
     axes = []
     for dim, axis in zip(shape, spec):
+        if axis is not None and axis not in mesh.shape:
+            axis = None  # a mesh without that axis (e.g. no "ep") keeps the dimension whole
         ways = 1 if axis is None else mesh.shape[axis]
         if dim % ways:
             logger.warning("%s: dimension %d does not split %d ways over %r; replicating it", path, dim, ways, axis)
@@ -67,18 +77,23 @@ def _path(keys: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keys)
 
 
-def param_shardings(tree: Any, mesh: Mesh) -> Any:
-    """A NamedSharding for every leaf of a parameter tree, same nesting.
+def param_shardings(tree: Any, mesh: Mesh, config: ModelConfig) -> Any:
+    """A NamedSharding for every leaf of a parameter tree of a `config` model, same nesting.
 
     Leaves may be arrays (numpy or jax), `jax.ShapeDtypeStruct`s or shape tuples (as from
     `checkpoints.params.param_shapes`), so the result serves both to place loaded parameters
     and as `load_model(..., shardings=...)` targets that restore straight into shards.
     """
+    weights = flat(declare(config))
+
+    def sharding(keys: tuple, leaf: Any) -> NamedSharding:
+        path = _path(keys)
+        if path not in weights:
+            raise ValueError(f"parameter {path!r} is not declared by the {config.architecture} architecture")
+        return NamedSharding(mesh, spec_for(path, _shape(leaf), mesh, weights[path]))
+
     return jax.tree_util.tree_map_with_path(
-        lambda keys, leaf: NamedSharding(mesh, spec_for(_path(keys), _shape(leaf), mesh)),
-        tree,
-        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x),
-    )
+        sharding, tree, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
 
 
 def layer_sharding(stacked: NamedSharding, layer: int) -> NamedSharding:

@@ -90,7 +90,9 @@ def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, refere
     tokens, cached = run(second)
     assert tokens == reference
     tiers = second.engine.snapshot().tiers
-    assert tiers.disk_damaged == 1 and tiers.disk_hit_tokens < 144 + 96
+    # Undamaged, the restart hits every full prompt block (144 + 96 + 32 tokens); the damaged file's
+    # block (8 tokens), wherever its chain, and any after it are recomputed instead.
+    assert tiers.disk_damaged == 1 and tiers.disk_hit_tokens <= 144 + 96 + 32 - 8
     close(second, assert_kv_all_free)
     assert second.engine.snapshot().tiers.disk_written_blocks == 1   # the recomputed block, written again
     assert victim.read_bytes() != bytes(data)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from checkpoints.registry import load_model
+from checkpoints.weights import EMBED, KERNEL, Q_HEADS, Weight
 from jaxserve.config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
@@ -42,9 +43,11 @@ def test_packed_linear_equals_plain():
     x = jnp.asarray(rng.standard_normal((5, 8)), jnp.float32)
     packed = pack_kernels({"layers": {"q_proj": {"kernel": kernel}}})["layers"]["q_proj"]["kernel"]
     assert packed.dtype == jnp.uint32 and packed.shape == (3, 8, 3)
+    weight = Weight((8, 6), (EMBED, Q_HEADS), KERNEL)  # one layer's
     for layer in range(3):
-        plain = Linear(6, False, jnp.float32, jnp.bfloat16).apply({"params": {"kernel": kernel[layer]}}, x)
-        got = Linear(6, False, jnp.float32, jnp.bfloat16, packed=True).apply({"params": {"kernel": packed[layer]}}, x)
+        plain = Linear(weight, None, jnp.float32, jnp.bfloat16).apply({"params": {"kernel": kernel[layer]}}, x)
+        got = Linear(weight, None, jnp.float32, jnp.bfloat16, packed=True).apply(
+            {"params": {"kernel": packed[layer]}}, x)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
     with pytest.raises(ValueError, match="odd"):
         pack_kernels({"layers": {"up_proj": {"kernel": jnp.zeros((2, 4, 5), jnp.bfloat16)}}})

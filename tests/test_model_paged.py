@@ -81,8 +81,8 @@ def test_one_piece_chunks_and_decode_agree(overrides):
     whole = run_chunks(model, params, tokens, [45], table)
     chunked = run_chunks(model, params, tokens, [7] * 6 + [3], table)
     decoded = run_decode(model, params, tokens, table)
-    np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(decoded, whole, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(chunked, whole, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(decoded, whole, atol=1e-4, rtol=1e-5)
 
 
 def test_unrolled_layers_on_unstacked_weights_equal_the_scan():

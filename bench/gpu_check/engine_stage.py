@@ -132,7 +132,7 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     inputs, here = jax.device_put(args[2:7], replicated(runner.mesh)), args[8]
 
     def once(cache, counts):
-        _, cache, _, out, _, counts = step(runner.params, cache, *inputs, counts, here)
+        _, cache, _, _, out, _, counts = step(runner.params, cache, *inputs, counts, here)
         return out, cache, counts
 
     out, runner.cache, runner.penalty_counts = once(runner.cache, runner.penalty_counts)

@@ -30,6 +30,23 @@ LLAMA3_8B = ModelConfig(
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     max_position_embeddings=131072,
 )
+# The families' blocks (stage `models` and its engine stages): a Qwen3-MoE shape of 16 layers (128
+# experts of 768 hidden units, top-8: the grouped matmuls) and Gemma 3 1B's (local 512-token
+# windows interleaved five to one with global layers), random weights in bf16.
+MOE_MODEL, WINDOW_MODEL = "qwen3-moe-16l", "gemma3-1b"
+QWEN3_MOE_16L = ModelConfig(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=16, num_heads=32, num_kv_heads=4,
+    head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6, architecture="qwen3_moe", qk_norm=True,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    max_position_embeddings=40960,
+)
+GEMMA3_1B = ModelConfig(
+    vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26, num_heads=4, num_kv_heads=1,
+    head_dim=256, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
+    qk_norm=True, post_norms=True, hidden_act="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=256.0,
+    sliding_window=512, rope_local_theta=10_000.0, max_position_embeddings=32768,
+    layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)),
+)
 # Dry-run stand-ins: the same attention grouping (3 and 4 query heads per kv head), tiny sizes.
 TINY_SMOLLM2 = dataclasses.replace(
     SMOLLM2_135M, vocab_size=512, hidden_size=96, intermediate_size=192, num_layers=2, num_heads=6,
@@ -38,6 +55,16 @@ TINY_SMOLLM2 = dataclasses.replace(
 TINY_LLAMA3 = dataclasses.replace(
     LLAMA3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
     num_kv_heads=2, head_dim=32,
+)
+# ... and of the families' models: 8 experts of 64 units (top-2), windows of 8 tokens (prompts of 24).
+TINY_QWEN3_MOE = dataclasses.replace(
+    QWEN3_MOE_16L, vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+)
+TINY_GEMMA3 = dataclasses.replace(
+    GEMMA3_1B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+    head_dim=32, query_pre_attn_scalar=32.0, sliding_window=8,
+    layer_types=("sliding_attention", "full_attention", "sliding_attention"),
 )
 
 
@@ -64,7 +91,7 @@ class Stage:
     """One stage, run in its own process under `limit_s` seconds."""
 
     name: str
-    kind: str  # env | correctness | decode_kernels | prefill_kernels | engine
+    kind: str  # env | correctness | decode_kernels | prefill_kernels | models | engine
     limit_s: float
     model: str | None = None  # engine stages: a key of Plan.models
     overlap: bool = True  # engine stages: async (overlap) scheduling
@@ -108,7 +135,8 @@ class Plan:
         raise KeyError(f"no stage {name!r} in the plan; stages: {', '.join(s.name for s in self.stages)}")
 
 
-def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_variant: bool) -> tuple[Stage, ...]:
+def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_variant: bool,
+            families_optional: bool) -> tuple[Stage, ...]:
     stages = [Stage("env", "env", limits["env"]), Stage("correctness", "correctness", limits["correctness"]),
               Stage("decode_kernels", "decode_kernels", limits["decode_kernels"]),
               Stage("prefill_kernels", "prefill_kernels", limits["prefill_kernels"])]
@@ -127,6 +155,12 @@ def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_va
     if command_buffer_variant:
         stages.append(Stage(f"engine_{models[0]}_no_cmdbuf", "engine", limits[f"engine_{models[0]}"],
                             models[0], True, command_buffers=False, optional=True))
+    # The families' blocks: grouped expert matmuls and sliding-window kernels, then the engine on
+    # each family's model (on the GPU in what the other stages left: the budget is 8 minutes).
+    stages.append(Stage("models", "models", limits["models"]))
+    for model in (MOE_MODEL, WINDOW_MODEL):
+        stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model,
+                            optional=families_optional))
     return tuple(stages)
 
 
@@ -140,10 +174,12 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         # CI machine (at load average 12 an engine stage took 200 s), where a limit hit would fail
         # the run, not measure anything.
         limits = {"env": 150, "correctness": 300, "decode_kernels": 300, "prefill_kernels": 200,
-                  "engine_smollm2-135m": 300, "engine_llama3-8b": 300}
+                  "engine_smollm2-135m": 300, "engine_llama3-8b": 300, "models": 200,
+                  f"engine_{MOE_MODEL}": 300, f"engine_{WINDOW_MODEL}": 300}
         return Plan(
             dry_run=True, dtype="bfloat16", engine_dtype="float32",
-            models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3},
+            models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3, MOE_MODEL: TINY_QWEN3_MOE,
+                    WINDOW_MODEL: TINY_GEMMA3},
             correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")), correctness_pages=4,
             decode_model="llama3-8b", decode_batches=(4,), decode_contexts=(64, 256),
             reference_max_tokens=2 ** 21, prefill_cases=((2, 16, 24), (1, 32, 0)),
@@ -151,16 +187,17 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
             workload=EngineWorkload(batches=(4,), prompt_len=24, max_tokens=12,
                                     max_num_batched_tokens=128, max_prefill_seqs=4),
             goal_kernel_min_batch=4, goal_kernel_min_context=256, goal_engine_batch=4,
-            budget_s=1500, stages=_stages(limits, models, False),
+            budget_s=1700, stages=_stages(limits, models, False, families_optional=False),
         )
     # The limits add up to the budget, so a stage that overruns never eats into a later one's time;
     # the optional stage runs only in what the others left.
     # decode_kernels times two decode kernels, JAX's op and the copy over 12 cases (compiles included).
-    limits = {"env": 30, "correctness": 75, "decode_kernels": 180, "prefill_kernels": 40,
-              "engine_smollm2-135m": 70, "engine_llama3-8b": 130}
+    limits = {"env": 30, "correctness": 70, "decode_kernels": 170, "prefill_kernels": 40,
+              "engine_smollm2-135m": 70, "engine_llama3-8b": 130, "models": 40,
+              f"engine_{MOE_MODEL}": 90, f"engine_{WINDOW_MODEL}": 70}
     return Plan(
         dry_run=False, dtype="bfloat16",
-        models={"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B},
+        models={"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B, MOE_MODEL: QWEN3_MOE_16L, WINDOW_MODEL: GEMMA3_1B},
         correctness=tuple((m, d) for m in models for d in ("float32", "bfloat16")), correctness_pages=64,
         decode_model="llama3-8b", decode_batches=(1, 8, 64, 256), decode_contexts=(512, 4096, 32768),
         # The reference gathers every sequence's pages into a copy: 2M tokens of 8 x 128 bf16
@@ -171,5 +208,5 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         workload=EngineWorkload(batches=(1, 64, 256), prompt_len=512, max_tokens=64,
                                 max_num_batched_tokens=8192, max_prefill_seqs=16),
         goal_kernel_min_batch=64, goal_kernel_min_context=4096, goal_engine_batch=64,
-        budget_s=525, stages=_stages(limits, models, command_buffer_variant),
+        budget_s=550, stages=_stages(limits, models, command_buffer_variant, families_optional=True),
     )

@@ -3,8 +3,10 @@
 The weights are drawn inside one jitted program whose outputs are already in the runner's
 shardings, so an 8B-parameter model (16 GB in bf16) never exists on the host and is never
 copied; with XLA's bit generator (`unsafe_rbg`), whose draws fuse into their consumers (threefry's
-counters would take ~73 GB of scratch for the 8B model). Norm scales are f32 and everything else is in the compute dtype, as `ModelRunner`
-would cast them, so the runner takes the arrays as they are. The tokenizer maps id i to the
+counters would take ~73 GB of scratch for the 8B model), as the architecture's declared weights
+say (`checkpoints.weights.device_initializer`). Norm scales are f32 and everything else is in the
+compute dtype, as `ModelRunner` would cast them, so the runner takes the arrays as they are.
+The tokenizer maps id i to the
 word `t<i>`: prompts are token ids, and detokenizing costs what a real vocabulary's would.
 """
 
@@ -17,33 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, models
 
+from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.loaded import LoadedModel
-from checkpoints.params import ParamTree, param_shapes
-from checkpoints.tiny_random import scale_like_trained
+from checkpoints.params import ParamTree
 from checkpoints.tokenizer_bundle import TokenizerBundle
-
-
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+from checkpoints.weights import device_initializer
 
 
 def random_params_on_device(config: ModelConfig, dtype: Any, shardings: Any, seed: int = 0) -> ParamTree:
-    """The parameter tree of `config`, random (scaled as `scale_like_trained`), placed as `shardings`."""
-    shapes = param_shapes(config)
-    paths_and_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
-    dtype = jnp.dtype(dtype)
-
-    def init() -> ParamTree:
-        keys = jax.random.split(jax.random.key(seed, impl="unsafe_rbg"), len(paths_and_shapes))
-        leaves = []
-        for key, (path, shape) in zip(keys, paths_and_shapes):
-            name = path[-1].key
-            leaf_dtype = jnp.float32 if name == "scale" else dtype
-            noise = jax.random.normal(key, shape, leaf_dtype)
-            leaves.append(scale_like_trained(name, noise, shape).astype(leaf_dtype))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
+    """The parameter tree of `config`, random as its declaration says, placed as `shardings`."""
+    init = device_initializer(declare(config), jnp.dtype(dtype), seed)
     return jax.block_until_ready(jax.jit(init, out_shardings=shardings)())
 
 

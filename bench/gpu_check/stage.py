@@ -24,6 +24,7 @@ RUNNERS = {
     "decode_kernels": ("bench.gpu_check.kernel_stages", "run_decode"),
     "prefill_kernels": ("bench.gpu_check.kernel_stages", "run_prefill"),
     "engine": ("bench.gpu_check.engine_stage", "run"),
+    "models": ("bench.gpu_check.model_stage", "run"),
 }
 
 

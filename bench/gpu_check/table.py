@@ -80,6 +80,14 @@ def _decode_section(stage: dict, dry_run: bool) -> list[str]:
     return out
 
 
+def _models_section(stage: dict) -> list[str]:
+    rows = [[r["check"], r.get("impl", ""), r["dtype"], str(r.get("rows", "")), r.get("shape", ""),
+             "n/a" if r.get("max_err") is None else f"{r['max_err']:.1e}",
+             "n/a" if r.get("bound") is None else f"{r['bound']:.1e}", _f(r.get("ms"), 3),
+             "yes" if r["ok"] else f"NO: {r.get('error', '')[:60]}"] for r in stage["rows"]]
+    return _grid(["check", "impl", "dtype", "rows", "shape", "max err", "bound", "ms", "ok"], rows, left=(0, 1, 4, 8))
+
+
 def _engine_rows(stages: list[dict]) -> list[list[str]]:
     """A row per engine stage run with overlap (async scheduling) on and batch; "host % sync" is
     the same model and batch with overlap off, when that optional stage ran. A multi-step stage's
@@ -146,6 +154,9 @@ def render(summary: dict, plan: Plan) -> str:
         out += ["", "kernel correctness (vs kernels_pallas/reference.py)"] + _correctness_section(stages["correctness"])
         if stages["correctness"]["info"].get("mosaic", "").startswith("not run"):
             out.append(f"decode_mosaic: {stages['correctness']['info']['mosaic']}")
+    if stages.get("models", {}).get("rows"):
+        out += ["", "model families' blocks (grouped expert matmuls vs every expert on every row; sliding-window "
+                    "kernels vs the reference)"] + _models_section(stages["models"])
     for name, title in (("decode_kernels", "decode kernels"), ("prefill_kernels", "prefill kernel")):
         stage = stages.get(name)
         if not stage or not stage["rows"]:

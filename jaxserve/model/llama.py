@@ -35,8 +35,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
-from jaxserve.model.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
+from checkpoints.weights import LAYERS, Weight, flat
+from jaxserve.model.experts import activation, expert_backend, expert_load, route
+from jaxserve.model.rope import RopeTables, apply_rope, rope_tables
 from kernels_pallas import AttentionBackend
 from kernels_pallas.cpu_matmul import CpuMatmul, to_panels
 
@@ -108,71 +111,126 @@ def paged_attention(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array,
     return out.at[rows].set(decoded, mode="drop")
 
 
-def stacked(num_layers: int, *shape: int) -> tuple[int, ...]:
-    """The shape of a parameter: a stack [num_layers, *shape] of every layer's, or one layer's (0)."""
-    return (num_layers, *shape) if num_layers else shape
+def layer_weights(config: ModelConfig, stacked: bool) -> dict[str, Weight]:
+    """The declared weights of a layer by name under `layers/` (`q_proj/kernel`, ...): stacked
+    over the layers (the scan), or one layer's own (`unroll_layers`)."""
+    return {path[len("layers/"):]: w if stacked else w.unstacked()
+            for path, w in flat(declare(config)).items() if path.startswith("layers/")}
+
+
+def sliding_layers(config: ModelConfig) -> tuple[bool, ...]:
+    """Per layer, whether it attends through the sliding window."""
+    if config.sliding_window is None:
+        return (False,) * config.num_layers
+    if config.layer_types is None:
+        return (True,) * config.num_layers
+    return tuple(kind == "sliding_attention" for kind in config.layer_types)
 
 
 class RMSNorm(nn.Module):
-    """`num_layers`: the scale is a stack [num_layers, D] of which the call takes `layer`'s."""
+    """RMS norm with the declared scale `weight`; a stacked scale [L, D] is indexed by `layer`."""
 
+    weight: Weight
     eps: float
     dtype: Any
-    num_layers: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, stacked(self.num_layers, x.shape[-1]), jnp.float32)
-        if self.num_layers:
+        scale = self.param("scale", self.weight.flax_init(), self.weight.shape, jnp.float32)
+        if self.weight.axes[0] == LAYERS:
             scale = scale[layer]
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * scale).astype(self.dtype)
 
 
+class DeclaredParam(nn.Module):
+    """A declared parameter read whole (the stacked expert weights, which `ExpertBackend`
+    indexes by layer and expert itself); its path is `<name>/kernel`."""
+
+    weight: Weight
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", self.weight.flax_init(), self.weight.shape, self.param_dtype)
+
+
 class DecoderLayer(nn.Module):
-    """Layer `layer` of the model. `num_layers`: its parameters are stacks [num_layers, ...] of
-    all the layers' (the scan); 0: its own (`unroll_layers`)."""
+    """Layer `layer` of the model: Llama's, with the blocks its family switches on (q/k norms,
+    post norms, GeGLU, sliding or interleaved local/global attention, mixture of experts).
+    `stacked`: its parameters are stacks [num_layers, ...] of all the layers' (the scan); else
+    its own (`unroll_layers`). Returns the carry and the layer's expert load ([X], or [0])."""
 
     config: ModelConfig
     dtype: Any  # activations and KV cache
     param_dtype: Any
     packed: bool
     backend: AttentionBackend
-    num_layers: int = 0
+    stacked: bool = False
     cpu_matmul: CpuMatmul | None = None
+    experts: Callable[..., jax.Array] | None = None  # the mixture-of-experts backend (`LlamaModel.experts`)
 
     @nn.compact
-    def __call__(self, carry, layer, cos, sin, meta: AttentionMetadata):
+    def __call__(self, carry, layer, rope: RopeTables, meta: AttentionMetadata):
         h, k_cache, v_cache = carry
         cfg = self.config
-        dense = lambda feats, name, bias=False: lambda x: Linear(  # noqa: E731
-            feats, bias, self.dtype, self.param_dtype, self.packed, self.num_layers, self.cpu_matmul, name=name
+        w = layer_weights(cfg, self.stacked)
+        cpu_matmul = self.cpu_matmul if self.stacked else None
+        dense = lambda name: lambda x: Linear(  # noqa: E731
+            w[f"{name}/kernel"], w.get(f"{name}/bias"), self.dtype, self.param_dtype, self.packed, cpu_matmul, name=name
         )(x, layer)
-        norm = lambda name: lambda x: RMSNorm(cfg.rms_norm_eps, self.dtype, self.num_layers, name=name)(x, layer)  # noqa: E731
+        norm = lambda name: lambda x: RMSNorm(  # noqa: E731
+            w[f"{name}/scale"], cfg.rms_norm_eps, self.dtype, name=name)(x, layer)
         t = h.shape[0]
         x = norm("attn_norm")(h)
-        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", cfg.attention_bias)(x)
-        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", cfg.attention_bias)(x)
-        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", cfg.attention_bias)(x)
-        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = dense("q_proj")(x).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = dense("k_proj")(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = dense("v_proj")(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = norm("q_norm")(q), norm("k_norm")(k)
+        sliding = sliding_layers(cfg)
+        is_sliding = jnp.asarray(sliding)[layer]
+        cos, sin = rope.select(is_sliding)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         block_size = k_cache.shape[3]
         blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
         k_cache = k_cache.at[layer, :, blocks, offsets].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[layer, :, blocks, offsets].set(v.astype(v_cache.dtype))
 
-        attn = paged_attention(self.backend, q, k_cache, v_cache, layer, meta,
-                               scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
-        h = h + dense(cfg.hidden_size, "o_proj")(attn.reshape(t, -1).astype(self.dtype))
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        attend = lambda window: lambda: paged_attention(  # noqa: E731
+            self.backend, q, k_cache, v_cache, layer, meta, scale=scale, sliding_window=window)
+        if all(sliding) or not any(sliding):
+            attn = attend(cfg.sliding_window if all(sliding) else None)()
+        else:  # interleaved local and global layers: each kind's kernels, the layer's taken
+            attn = lax.cond(is_sliding, attend(cfg.sliding_window), attend(None))
+        out = dense("o_proj")(attn.reshape(t, -1).astype(self.dtype))
+        h = h + (norm("post_attn_norm")(out) if cfg.post_norms else out)
 
         x = norm("mlp_norm")(h)
-        gate = dense(cfg.intermediate_size, "gate_proj")(x)
-        up = dense(cfg.intermediate_size, "up_proj")(x)
-        h = h + dense(cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
-        return (h, k_cache, v_cache), None
+        if cfg.num_experts:
+            out, load = self._experts(x, layer, w, dense, meta, block_size)
+        else:
+            act = activation(cfg.hidden_act)
+            out = dense("down_proj")((act(dense("gate_proj")(x)) * dense("up_proj")(x)).astype(self.dtype))
+            load = jnp.zeros(0, jnp.int32)
+        h = h + (norm("post_mlp_norm")(out) if cfg.post_norms else out)
+        return (h, k_cache, v_cache), load
+
+    def _experts(self, x, layer, w, dense, meta: AttentionMetadata, block_size: int):
+        """The mixture-of-experts MLP of `x`, and the layer's expert load. Padding rows (their
+        slots in block 0, never allocated) are routed nowhere and not counted."""
+        cfg = self.config
+        weights, ids = route(dense("router")(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        real = meta.slot_mapping >= block_size
+        stack = lambda name: DeclaredParam(w[f"{name}/kernel"], self.param_dtype, name=name)()  # noqa: E731
+        gate, up, down = stack("expert_gate"), stack("expert_up"), stack("expert_down")
+        if not self.stacked:  # one layer's own weights: a stack of one
+            gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
+        out = self.experts(x, ids, weights, real, gate, up, down, layer)
+        return out.astype(self.dtype), expert_load(ids, real, cfg.num_experts)
 
 
 def compute_dtype(dtype: Any, platform: str) -> jnp.dtype:
@@ -195,7 +253,8 @@ def packs_kernels(dtype: Any, platform: str) -> bool:
 def pack_kernels(params: Any) -> Any:
     """The parameters with each stacked layer kernel [L, in, out] of a 2-byte dtype stored as
     uint32 pairs [L, in, out / 2] (a bitcast, no conversion); `Linear(packed=True)` reads them.
-    Kernels already in a cpu matmul's panels (`panel_kernels`, more dimensions) stay as they are."""
+    Kernels already in a cpu matmul's panels (`panel_kernels`, more dimensions) and expert kernels
+    [L, X, in, out] (the experts' grouped matmuls read them) stay as they are."""
     def pack(path, x):
         name = jax.tree_util.keystr(path)
         if "layers" not in name or not name.endswith("['kernel']") or x.dtype.itemsize != 2 or x.ndim != 3:
@@ -211,7 +270,7 @@ def panel_kernels(params: Any, cpu_matmul: CpuMatmul) -> Any:
     stored as its panels [L, out / P, in, P]; `Linear(cpu_matmul=...)` reads them."""
     def convert(path, x):
         name = jax.tree_util.keystr(path)
-        if "layers" not in name or not name.endswith("['kernel']") or not cpu_matmul.takes(x.shape[-1]):
+        if "layers" not in name or not name.endswith("['kernel']") or x.ndim != 3 or not cpu_matmul.takes(x.shape[-1]):
             return x
         return to_panels(x, cpu_matmul.panel)
     return jax.tree_util.tree_map_with_path(convert, params)
@@ -241,44 +300,48 @@ def matmul(x: jax.Array, w: jax.Array, contract_w: int = 0) -> jax.Array:
 
 class Linear(nn.Module):
     """x @ kernel (+ bias), in the weights' dtype with f32 accumulation, returned in `dtype`.
-    Parameter names are nn.Dense's. `packed`: the kernel is stored as `pack_kernels` makes it.
-    `num_layers`: the parameters are stacks [num_layers, ...] of which the call takes `layer`'s,
-    with `cpu_matmul(x, kernel, layer)` on a kernel stored in its panels where one is given that
-    takes these features (`panel_kernels`)."""
+    Parameter names are nn.Dense's; shapes come from the declared `kernel` and `bias`. `packed`:
+    the kernel is stored as `pack_kernels` makes it. A stacked kernel [L, in, out] (and bias) is
+    indexed by `layer`, with `cpu_matmul(x, kernel, layer)` on a kernel stored in its panels where
+    one is given that takes these features (`panel_kernels`)."""
 
-    features: int
-    use_bias: bool
+    kernel: Weight
+    bias: Weight | None
     dtype: Any  # of the output
     param_dtype: Any
     packed: bool = False
-    num_layers: int = 0
     cpu_matmul: CpuMatmul | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-        take = (lambda p: p[layer]) if self.num_layers else (lambda p: p)  # noqa: E731
-        fan_in = x.shape[-1]
-        if self.num_layers and self.cpu_matmul is not None and self.cpu_matmul.takes(self.features):
-            lm, shape = self.cpu_matmul, (self.num_layers, fan_in, self.features)
-            init = lambda key, _, dtype: to_panels(nn.initializers.lecun_normal(batch_axis=(0,))(key, shape, dtype), lm.panel)  # noqa: E731
-            y = lm(x, self.param("kernel", init, lm.stored_shape(*shape, self.param_dtype), self.param_dtype), layer)
+        stacked = self.kernel.axes[0] == LAYERS
+        take = (lambda p: p[layer]) if stacked else (lambda p: p)  # noqa: E731
+        shape = self.kernel.shape
+        fan_in, features = shape[-2:]
+        if stacked and self.cpu_matmul is not None and self.cpu_matmul.takes(features):
+            lm, init = self.cpu_matmul, self.kernel.flax_init()
+            panels = lambda key, _, dtype: to_panels(init(key, shape, dtype), lm.panel)  # noqa: E731
+            y = lm(x, self.param("kernel", panels, lm.stored_shape(*shape, self.param_dtype), self.param_dtype), layer)
         elif self.packed:
-            words = self.param("kernel", nn.initializers.zeros, stacked(self.num_layers, fan_in, self.features // 2), jnp.uint32)
-            y = matmul(x, lax.bitcast_convert_type(take(words), self.param_dtype).reshape(fan_in, self.features))
+            words = self.param("kernel", nn.initializers.zeros, (*shape[:-1], features // 2), jnp.uint32)
+            y = matmul(x, lax.bitcast_convert_type(take(words), self.param_dtype).reshape(fan_in, features))
         else:
-            init = nn.initializers.lecun_normal(batch_axis=(0,) if self.num_layers else ())
-            kernel = self.param("kernel", init, stacked(self.num_layers, fan_in, self.features), self.param_dtype)
+            kernel = self.param("kernel", self.kernel.flax_init(), shape, self.param_dtype)
             y = matmul(x, take(kernel))
-        if self.use_bias:
-            y = y + take(self.param("bias", nn.initializers.zeros, stacked(self.num_layers, self.features), self.param_dtype))
+        if self.bias is not None:
+            y = y + take(self.param("bias", self.bias.flax_init(), self.bias.shape, self.param_dtype))
         return y.astype(self.dtype)
 
 
 class LlamaModel(nn.Module):
-    """Llama / SmolLM2 / Mistral / Qwen2 decoder. Parameter tree: see checkpoints' loaders.
+    """The decoder of every family in `checkpoints/architectures/` (Llama-shaped, with the blocks
+    each family switches on: see `DecoderLayer`). Parameter shapes come from the architecture's
+    declared weights (`checkpoints.weights`).
 
     `dtype` is the weights'; activations and the KV cache are in `self.compute_dtype`, both
-    chosen for JAX's default platform (`compute_dtype`, `packs_kernels`).
+    chosen for JAX's default platform (`compute_dtype`, `packs_kernels`). `experts` computes the
+    mixture-of-experts MLPs (`jaxserve.model.experts.expert_backend`: on one device by default,
+    over a mesh's `ep` and `tp` axes when the runner gives it one).
     """
 
     config: ModelConfig
@@ -286,6 +349,7 @@ class LlamaModel(nn.Module):
     dtype: Any = jnp.float32
     unroll_layers: bool = False  # per-layer weights "layers_{i}" (`unstack_layers`), not a scan
     cpu_matmul: CpuMatmul | None = None  # the scanned layers' and the tied head's: see the module docstring
+    experts: Callable[..., jax.Array] | None = None
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -308,41 +372,54 @@ class LlamaModel(nn.Module):
         """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache)."""
         cfg = self.config
         act = self.compute_dtype
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=act, param_dtype=self.dtype, name="embed")
+        weights = flat(declare(cfg))
+        experts = self.experts or (expert_backend(cfg) if cfg.num_experts else None)
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=act, param_dtype=self.dtype,
+                         embedding_init=weights["embed/embedding"].flax_init(), name="embed")
         h = embed(tokens)
-        cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg), attention_factor(cfg))
+        if cfg.scale_embeddings:  # by sqrt(hidden) rounded to the weights' dtype, as Gemma does
+            h = h * jnp.asarray(cfg.hidden_size**0.5, self.dtype).astype(act)
+        rope = rope_tables(cfg, positions)
         carry = (h, cache.k, cache.v)
         if self.unroll_layers:
+            loads = []
             for i in range(cfg.num_layers):
-                layer = DecoderLayer(cfg, act, self.dtype, self.packed, self.backend, name=f"layers_{i}")
-                carry, _ = layer(carry, jnp.int32(i), cos, sin, meta)
+                layer = DecoderLayer(cfg, act, self.dtype, self.packed, self.backend, experts=experts,
+                                     name=f"layers_{i}")
+                carry, load = layer(carry, jnp.int32(i), rope, meta)
+                loads.append(load)
+            load = jnp.stack(loads)
         else:
             layers = nn.scan(
                 DecoderLayer,
                 variable_broadcast="params",
                 split_rngs={"params": False},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
-            )(cfg, act, self.dtype, self.packed, self.backend, cfg.num_layers, self.cpu_matmul, name="layers")
-            carry, _ = layers(carry, jnp.arange(cfg.num_layers), cos, sin, meta)
+            )(cfg, act, self.dtype, self.packed, self.backend, True, self.cpu_matmul, experts, name="layers")
+            carry, load = layers(carry, jnp.arange(cfg.num_layers), rope, meta)
         h, k, v = carry
         # Every row's last hidden state, for a caller that scores more rows than it samples
-        # (`head_logits`); kept only when applied with mutable=["intermediates"].
+        # (`head_logits`), and each layer's assignments per expert [L, X] (mixture of experts);
+        # kept only when applied with mutable=["intermediates"].
         self.sow("intermediates", "hidden", h)
-        h = RMSNorm(cfg.rms_norm_eps, act, name="final_norm")(h[logits_indices])
+        if cfg.num_experts:
+            self.sow("intermediates", "expert_load", load)
+        h = RMSNorm(weights["final_norm/scale"], cfg.rms_norm_eps, act, name="final_norm")(h[logits_indices])
         if cfg.tie_word_embeddings and self.cpu_matmul is not None and self.cpu_matmul.takes_head(h, embed.embedding):
             logits = self.cpu_matmul.head(h, embed.embedding)
         elif cfg.tie_word_embeddings:
             logits = matmul(h, embed.embedding, contract_w=1)
         else:
-            logits = Linear(cfg.vocab_size, False, jnp.float32, self.dtype, name="lm_head")(h)
+            logits = Linear(weights["lm_head/kernel"], None, jnp.float32, self.dtype, name="lm_head")(h)
         return logits, KVCache(k, v)
 
 
 def final_norm(config: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:
     """The model's final norm of last hidden states (the `hidden` rows `LlamaModel` sows), with its
     parameters: what the output head reads, and what embeddings pool."""
-    return RMSNorm(config.rms_norm_eps, hidden.dtype).apply({"params": params["final_norm"]}, hidden)
+    norm = RMSNorm(flat(declare(config))["final_norm/scale"], config.rms_norm_eps, hidden.dtype)
+    return norm.apply({"params": params["final_norm"]}, hidden)
 
 
 def head_logits(config: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:

@@ -6,6 +6,7 @@ every checkpoint format.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -98,3 +99,31 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     out = xf * cos[:, None, :] + rotated * sin[:, None, :]
     return out.astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RopeTables:
+    """cos and sin [T, head_dim] of a step's positions; with `local_cos` / `local_sin`, those of the
+    sliding-window layers, whose RoPE has a base of its own (Gemma 3)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    local_cos: jax.Array | None = None
+    local_sin: jax.Array | None = None
+
+    def select(self, sliding: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(cos, sin) of a layer, sliding or not (a traced bool)."""
+        if self.local_cos is None:
+            return self.cos, self.sin
+        return jnp.where(sliding, self.local_cos, self.cos), jnp.where(sliding, self.local_sin, self.sin)
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array) -> RopeTables:
+    """The RoPE tables of `positions` [T] for every kind of layer of `config`."""
+    cos, sin = rope_cos_sin(positions, inverse_frequencies(config), attention_factor(config))
+    if config.rope_local_theta is None:
+        return RopeTables(cos, sin)
+    local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+    local_cos, local_sin = rope_cos_sin(positions, inverse_frequencies(local))
+    return RopeTables(cos, sin, local_cos, local_sin)

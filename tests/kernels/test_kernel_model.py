@@ -1,9 +1,12 @@
-"""A small random Llama generates the same greedy tokens with the serving backends (pallas and
-jax) as with the reference backend.
+"""A small random Llama generates the same greedy tokens with the serving backends (pallas, jax
+and cpu) as with the reference backend; so do a Mistral whose sliding window (8 tokens) is
+shorter than its prompts and a Gemma 3 whose local (windowed) and global layers interleave.
 
 Two sequences are prefilled together (ragged, the second in two chunks), then decoded in one
 batch with a padded entry; the pallas kernels run interpreted on CPU.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,17 +15,26 @@ import pytest
 
 from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
-from kernels_pallas import get_attention_backend
+from kernels_pallas import cpu_build, get_attention_backend
 
 BLOCK, NUM_BLOCKS, WIDTH = 8, 32, 4
-CONFIG = ModelConfig(vocab_size=101, hidden_size=96, intermediate_size=128, num_layers=2,
-                     num_heads=6, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+LLAMA = ModelConfig(vocab_size=101, hidden_size=96, intermediate_size=128, num_layers=2,
+                    num_heads=6, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+CONFIGS = {
+    "llama": LLAMA,
+    "mistral": dataclasses.replace(LLAMA, architecture="mistral", sliding_window=8),
+    "gemma3": dataclasses.replace(
+        LLAMA, architecture="gemma3", qk_norm=True, post_norms=True, hidden_act="gelu_tanh", scale_embeddings=True,
+        query_pre_attn_scalar=20.0, sliding_window=8, layer_types=("sliding_attention", "full_attention"),
+        rope_theta=1_000_000.0, rope_local_theta=10_000.0),
+}
+BACKENDS = ["pallas", "jax"] + (["cpu"] if cpu_build.available() else [])
 
 
-def init_params():
+def init_params(config):
     """Random weights (norm scales too, so every weight matters), shaped by the model's init."""
-    model = LlamaModel(CONFIG, get_attention_backend("reference"))
-    cache = KVCache.zeros(CONFIG, NUM_BLOCKS, BLOCK, jnp.float32)
+    model = LlamaModel(config, get_attention_backend("reference"))
+    cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
     meta = AttentionMetadata(jnp.zeros(4, jnp.int32), jnp.zeros((1, 2), jnp.int32),
                              jnp.array([4], jnp.int32), jnp.array([0, 4], jnp.int32))
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(4, jnp.int32), jnp.arange(4),
@@ -35,10 +47,10 @@ def slots(table, positions):
     return np.asarray(table[positions // BLOCK] * BLOCK + positions % BLOCK, np.int32)
 
 
-def generate(backend_name, params, prompts, tables, steps):
+def generate(config, backend_name, params, prompts, tables, steps):
     # The pallas backend interprets on CPU by itself (or as $JAXSERVE_PALLAS_INTERPRET says).
-    apply = jax.jit(LlamaModel(CONFIG, get_attention_backend(backend_name)).apply)
-    cache = KVCache.zeros(CONFIG, NUM_BLOCKS, BLOCK, jnp.float32)
+    apply = jax.jit(LlamaModel(config, get_attention_backend(backend_name)).apply)
+    cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
     a, b = prompts
     cut = len(b) - 4
     rows = len(a) + cut  # both prefill steps use this token bucket and 2 sequence slots
@@ -79,15 +91,17 @@ def generate(backend_name, params, prompts, tables, steps):
     return np.stack(tokens, axis=1), np.stack(all_logits, axis=1)
 
 
-@pytest.mark.parametrize("backend", ["pallas", "jax"])
-def test_greedy_tokens_match_reference(backend):
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_match_reference(backend, family):
+    config = CONFIGS[family]
     rng = np.random.default_rng(0)
-    params = init_params()
-    prompts = (rng.integers(0, CONFIG.vocab_size, 11), rng.integers(0, CONFIG.vocab_size, 17))
+    params = init_params(config)
+    prompts = (rng.integers(0, config.vocab_size, 11), rng.integers(0, config.vocab_size, 17))
     tables = rng.permutation(np.arange(1, NUM_BLOCKS))[:2 * WIDTH].reshape(2, WIDTH).astype(np.int32)
     # IEEE f32 dense matmuls: on a GPU the default (TF32) would blur a 1e-4 comparison.
     with jax.default_matmul_precision("float32"):
-        want_tokens, want_logits = generate("reference", params, prompts, tables, steps=6)
-        got_tokens, got_logits = generate(backend, params, prompts, tables, steps=6)
+        want_tokens, want_logits = generate(config, "reference", params, prompts, tables, steps=6)
+        got_tokens, got_logits = generate(config, backend, params, prompts, tables, steps=6)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got_tokens, want_tokens)

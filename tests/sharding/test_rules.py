@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from checkpoints.params import iter_leaves, param_shapes
+from checkpoints.architectures import declare
+from checkpoints.params import param_shapes
 from checkpoints.tiny_random import random_params, tiny_random_config
+from checkpoints.weights import flat
 from sharding.kv_heads import replicate_kv_heads
 from sharding.mesh import make_mesh, plan_tensor_parallel, replica_meshes
 from sharding.rules import param_shardings, spec_for
@@ -29,7 +31,7 @@ def test_mesh_larger_than_the_devices_is_refused():
 def test_replica_meshes_are_the_rows_of_the_mesh():
     devices = jax.devices()[:1]
     (only,) = replica_meshes(make_mesh(1, 1, devices))
-    assert dict(only.shape) == {"dp": 1, "tp": 1} and list(only.devices.flat) == devices
+    assert dict(only.shape) == {"dp": 1, "ep": 1, "tp": 1} and list(only.devices.flat) == devices
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(h, k) for h in (1, 2, 4, 6, 8, 9, 12, 16) for k in (1, 2, 3, 4, 6, 8)
@@ -83,23 +85,26 @@ def test_replicate_kv_heads_repeats_whole_heads():
     ("final_norm/scale", P()),
 ])
 def test_rules(path, spec):
-    shapes = dict(iter_leaves(param_shapes(tiny_random_config(num_heads=8, attention_bias=True))))
-    assert spec_for(path, shapes[path], TP4) == spec
+    weights = flat(declare(tiny_random_config(num_heads=8, attention_bias=True)))
+    assert spec_for(path, weights[path].shape, TP4, weights[path]) == spec
 
 
 def test_every_parameter_of_a_model_gets_a_sharding():
-    tree = param_shapes(tiny_random_config(num_heads=8, attention_bias=True))
-    shardings = param_shardings(tree, TP4)
+    config = tiny_random_config(num_heads=8, attention_bias=True)
+    tree = param_shapes(config)
+    shardings = param_shardings(tree, TP4, config)
     assert jax.tree.structure(shardings) == jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, tuple))
     assert shardings["layers"]["v_proj"]["bias"].spec == P(None, "tp")
 
 
 def test_an_indivisible_dimension_is_replicated_with_a_warning(caplog):
+    embedding = flat(declare(tiny_random_config(vocab_size=301)))["embed/embedding"]
     with caplog.at_level(logging.WARNING, logger="sharding.rules"):
-        assert spec_for("embed/embedding", (301, 64), TP4) == P(None, None)
+        assert spec_for("embed/embedding", (301, 64), TP4, embedding) == P(None, None)
     assert "301 does not split 4 ways" in caplog.text
 
 
-def test_a_parameter_without_a_rule_is_an_error():
-    with pytest.raises(ValueError, match="no partition rule matches parameter 'layers/rotary/freqs'"):
-        spec_for("layers/rotary/freqs", (4,), TP4)
+def test_an_undeclared_parameter_is_an_error():
+    config = tiny_random_config()
+    with pytest.raises(ValueError, match="parameter 'layers/rotary/freqs' is not declared by the llama architecture"):
+        param_shardings({"layers": {"rotary": {"freqs": (4,)}}}, TP4, config)

@@ -1,0 +1,166 @@
+"""Declared weights: every parameter of an architecture, stated once.
+
+An architecture (`checkpoints/architectures/`) declares each weight of a model as a `Weight`:
+its shape, its logical axes, how random weights are drawn, and its names in Hugging Face and
+GGUF checkpoints. Everything else derives from that declaration:
+
+- the parameter tree's shapes (`shapes`) and abstract arrays (`abstract`), which the loaders fill,
+  orbax restores and the model's modules check;
+- the shardings (`sharding.rules`, from the logical axes);
+- random weights, on the host (`random_tree`, the tiny test models) or on a device
+  (`device_initializer`, the GPU check);
+- checkpoint loading (`checkpoints.hf`, `checkpoints.gguf`: the names and their slots).
+
+A declaration is a nested dict of `Weight`s with the nesting of the parameter tree: per-layer
+weights are stacked under `layers` (leading axis `"layers"`), mixture-of-experts weights carry an
+`"experts"` axis after it. Kernels are `[in, out]` (checkpoints store `[out, in]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+# Logical axes of declared weights; `sharding.rules.LOGICAL_AXES` maps them onto mesh axes.
+LAYERS = "layers"  # the stack of layers (never split)
+VOCAB = "vocab"
+EMBED = "embed"  # the model's hidden features
+Q_HEADS = "q_heads"  # query heads x head_dim (attention output features too)
+KV_HEADS = "kv_heads"  # kv heads x head_dim
+HEAD_DIM = "head_dim"
+FFW = "ffw"  # hidden units of a dense MLP
+EXPERTS = "experts"  # the experts of a mixture-of-experts layer
+EXPERT_FFW = "expert_ffw"  # hidden units of one expert
+ROUTER = "router"  # the router's output, one logit per expert (small: never split)
+
+# How random weights are drawn (scaled like a trained network's, so activations keep unit
+# variance and greedy decoding is not dominated by ties).
+KERNEL = "kernel"  # N(0, 1 / fan_in), fan_in = shape[-2]
+EMBEDDING = "embedding"  # N(0, 1)
+SCALE = "scale"  # 1 + N(0, 0.1^2): norm scales
+BIAS = "bias"  # N(0, 0.1^2)
+ROUTER_KERNEL = "router_kernel"  # N(0, 4 / fan_in): router logits spread wide, so top-k is never a near tie
+INITIALIZERS = (KERNEL, EMBEDDING, SCALE, BIAS, ROUTER_KERNEL)
+
+Declaration = dict[str, Any]  # nested dicts of Weight
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One declared parameter.
+
+    `hf` / `gguf`: the tensor's name in a Hugging Face / GGUF checkpoint, with `{layer}` and
+    `{expert}` where the checkpoint holds one tensor per layer / expert (None: the format has no
+    such tensor). A checkpoint tensor fills the slot of the leaf its name's placeholders pick.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str
+    float32: bool = False  # kept in f32 whatever the model's dtype (norm scales)
+    hf: str | None = None
+    gguf: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"weight of shape {self.shape} declares {len(self.axes)} axes {self.axes}")
+        if self.init not in INITIALIZERS:
+            raise ValueError(f"unknown initializer {self.init!r}; use one of {INITIALIZERS}")
+
+    @property
+    def is_kernel(self) -> bool:
+        """A matrix `[.., in, out]` that checkpoints store transposed, `[.., out, in]`."""
+        return self.init in (KERNEL, ROUTER_KERNEL)
+
+    def dtype(self, param_dtype: Any) -> np.dtype:
+        return np.dtype(np.float32) if self.float32 else np.dtype(param_dtype)
+
+    def scaled(self, noise: Any) -> Any:
+        """Values of this weight from standard-normal `noise` of its shape (numpy or jax)."""
+        if self.init == KERNEL:
+            return noise / np.sqrt(self.shape[-2])
+        if self.init == ROUTER_KERNEL:
+            return noise * (2.0 / np.sqrt(self.shape[-2]))
+        if self.init == SCALE:
+            return 1.0 + 0.1 * noise
+        if self.init == BIAS:
+            return 0.1 * noise
+        return noise
+
+    def unstacked(self) -> "Weight":
+        """One layer's weight: the declaration without its leading `layers` axis."""
+        if not self.axes or self.axes[0] != LAYERS:
+            return self
+        return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
+
+    def flax_init(self) -> Callable[[Any, tuple[int, ...], Any], Any]:
+        """A Flax initializer drawing this weight as `scaled` says."""
+        def init(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+            return self.scaled(jax.random.normal(key, shape, np.float32)).astype(dtype)
+        return init
+
+
+def iter_weights(declaration: Declaration, prefix: str = "") -> Iterator[tuple[str, Weight]]:
+    """(slash-joined path, Weight) for every leaf, in sorted key order."""
+    for key in sorted(declaration):
+        path = f"{prefix}/{key}" if prefix else key
+        node = declaration[key]
+        if isinstance(node, Weight):
+            yield path, node
+        else:
+            yield from iter_weights(node, path)
+
+
+def flat(declaration: Declaration) -> dict[str, Weight]:
+    return dict(iter_weights(declaration))
+
+
+def nest(leaves: dict[str, Any]) -> dict[str, Any]:
+    """A nested dict from slash-joined paths."""
+    tree: dict[str, Any] = {}
+    for path, value in leaves.items():
+        *parents, leaf = path.split("/")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return tree
+
+
+def shapes(declaration: Declaration) -> dict[str, Any]:
+    """The shape of every leaf, with the declaration's nesting."""
+    return nest({path: w.shape for path, w in iter_weights(declaration)})
+
+
+def abstract(declaration: Declaration, dtype: Any) -> dict[str, Any]:
+    """A `jax.ShapeDtypeStruct` for every leaf (norm scales f32, the rest in `dtype`)."""
+    return nest({path: jax.ShapeDtypeStruct(w.shape, w.dtype(dtype)) for path, w in iter_weights(declaration)})
+
+
+def random_tree(declaration: Declaration, seed: int, dtype: Any) -> dict[str, Any]:
+    """Random numpy parameters as each weight's initializer says; same seed, same arrays."""
+    rng = np.random.default_rng(seed)
+    leaves = {}
+    for path, w in iter_weights(declaration):
+        noise = rng.standard_normal(w.shape, dtype=np.float32)
+        leaves[path] = np.asarray(w.scaled(noise)).astype(w.dtype(dtype))
+    return nest(leaves)
+
+
+def device_initializer(declaration: Declaration, dtype: Any, seed: int = 0) -> Callable[[], dict[str, Any]]:
+    """A function (to jit, with the parameters' shardings as its output shardings) that draws the
+    parameters on the device with XLA's fast bit generator: nothing is made on the host."""
+    weights = list(iter_weights(declaration))
+
+    def init() -> dict[str, Any]:
+        keys = jax.random.split(jax.random.key(seed, impl="unsafe_rbg"), len(weights))
+        leaves = {}
+        for key, (path, w) in zip(keys, weights):
+            leaf_dtype = w.dtype(dtype)
+            leaves[path] = w.scaled(jax.random.normal(key, w.shape, leaf_dtype)).astype(leaf_dtype)
+        return nest(leaves)
+
+    return init

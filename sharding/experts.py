@@ -1,0 +1,50 @@
+"""Expert parallelism: a mixture-of-experts MLP under `jax.shard_map` over the mesh's `ep` and `tp` axes.
+
+Each device holds the experts of its `ep` rank (whole experts, `sharding.rules`: the `experts`
+axis over `ep`) with their hidden units split over `tp` (the `expert_ffw` axis). Every device
+holds every token of the step (activations are replicated between blocks, as tensor parallelism
+leaves them), so dispatch needs no communication: a device routes the tokens, keeps the
+assignments to its own experts and runs them. Combining is one all-reduce (`psum` over `ep` and
+`tp`) of the partial sums: each device's experts' contributions, and each `tp` shard's part of
+the down projection. That is the all-to-all exchange's equivalent for replicated activations;
+the tokens never move, only the [T, E] partial results.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from sharding.rules import EP, TP
+
+# The expert computation: (x, ids, weights, real, w_gate, w_up, w_down, layer, first_expert) -> [T, E].
+ExpertFn = Callable[..., jax.Array]
+
+
+def plan_expert_parallel(num_experts: int, expert_hidden: int, ep: int, tp: int) -> None:
+    """Raise ValueError unless `ep` divides the experts and `tp` each expert's hidden units."""
+    if num_experts % ep:
+        raise ValueError(f"expert_parallel_size={ep} does not divide the model's {num_experts} experts")
+    if expert_hidden % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' {expert_hidden} hidden units")
+
+
+def shard_experts(fn: ExpertFn, mesh: Mesh) -> Callable[..., jax.Array]:
+    """`fn` run on each device's experts and hidden units, its partial sums added over `ep` and `tp`.
+
+    The returned function takes (x, ids, weights, real, w_gate, w_up, w_down, layer) with the
+    stacked expert weights laid out as `sharding.rules` places them, and returns [T, E] f32,
+    replicated."""
+    gate_up = P(None, EP, None, TP)  # [L, X, E, F]
+    down = P(None, EP, TP, None)  # [L, X, F, E]
+
+    def local(x, ids, weights, real, w_gate, w_up, w_down, layer):
+        first = lax.axis_index(EP) * w_gate.shape[1]
+        partial = fn(x, ids, weights, real, w_gate, w_up, w_down, layer, first)
+        return lax.psum(partial, (EP, TP))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), gate_up, gate_up, down, P()),
+                         out_specs=P(), check_vma=False)
