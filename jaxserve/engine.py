@@ -60,7 +60,7 @@ from jaxserve.engine_client import check_prompt_ids
 from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
 from jaxserve.pooling import PromptPooling
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings
+from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings, read_pooled, read_prompt_scores
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
@@ -334,10 +334,10 @@ class LLMEngine:
         """Read an iteration's sampled tokens and update every request it sampled for."""
         results = self.runner.fetch(handle)
         self.stats.model_time += self.runner.last_fetch_time
-        for req, first, scored in self.runner.fetch_prompt_scores(handle):
+        for req, first, scored in read_prompt_scores(handle):
             if not req.is_finished:
                 req.add_prompt_logprobs(first, scored)
-        for req, total, rows in self.runner.fetch_pooled(handle):
+        for req, total, rows in read_pooled(handle):
             if not req.is_finished:
                 req.pooling.add(total, rows)
         self.stats.overlapped_reads += handle.launches_before_fetch > handle.launch_index

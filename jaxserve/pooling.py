@@ -3,7 +3,7 @@ sum and count of the prompt rows' final hidden states that its steps pooled (no 
 
 Each prefill step that runs part of the prompt pools the rows no earlier launched step pools (a
 recompute after preemption computes some rows again; they count once), and the runner returns
-their sum (`ModelRunner.fetch_pooled`). Mean pooling needs every prompt row, so a prefix-cache hit
+their sum (`runner.read_pooled`). Mean pooling needs every prompt row, so a prefix-cache hit
 may cover only the rows already pooled (`Request.num_cacheable_tokens`); last-token pooling needs
 the last row only, which is always computed.
 """

@@ -27,114 +27,28 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
-from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import KVCache, LlamaModel
 from jaxserve.model.experts import expert_backend
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import pack_kernels, panel_kernels, unstack_layers
-from jaxserve.outputs import SampledToken, TokenLogprob
-from jaxserve.request import Request
+from jaxserve.outputs import SampledToken
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import StepInputs
-from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores, write_token_masks
+from jaxserve.runner.prepared_step import PreparedStep, Program, write_token_masks
+from jaxserve.runner.placement import cast_params, enable_persistent_compilation_cache, plan_parallelism, runner_mesh
 from jaxserve.runner.programs import declare_programs
+from jaxserve.runner.step_handle import StepHandle, StepResults
 from jaxserve.runner.step_functions import StepFunctions
-from jaxserve.sampler import SamplerOutput
 from jaxserve.sampling_tensors import PenaltyCounts
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, shard_attention
-from sharding.experts import plan_expert_parallel
 from sharding.kv_heads import replicate_kv_heads
-from sharding.mesh import TensorParallelPlan, make_mesh, plan_tensor_parallel
 from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
 
 logger = logging.getLogger(__name__)
-
-
-# What an iteration's programs give back: their sampler outputs, the prompt scores, the pooled sums.
-StepResults = tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None, list[jax.Array]]
-
-
-@dataclasses.dataclass
-class StepHandle:
-    """A launched iteration: for each of its programs, the chunks, their slots in the persistent
-    batch and the sampler outputs the host will read (tokens; log-probabilities only when a
-    chunk asked for them). While `awaits_masks`, it is dispatched up to its first grammar mask:
-    `ModelRunner.complete_launch` writes the masks and dispatches the rest."""
-
-    launch_index: int  # 1 for the runner's first launch
-    parts: list[tuple[list[ScheduledChunk], np.ndarray, tuple[jax.Array, ...]]]
-    launches_before_fetch: int = 0  # set by fetch: > launch_index when the next one went first
-    # The prefill program's scored prompt positions and their (logprob, rank, top ids, top logprobs).
-    prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
-    # The prefill program's pooled rows (embeddings) and the sum of each segment's rows.
-    pooled: tuple[list[PooledRows], jax.Array] | None = None
-    # A mixture-of-experts model's assignments per expert of each model step (not multi-step loops).
-    expert_loads: list[jax.Array] = dataclasses.field(default_factory=list)
-    # The rest of the launch (`ModelRunner._run_steps`), while it waits for the masks to be written.
-    _rest: Generator[None, None, StepResults] | None = None
-    _prepared: PreparedStep | None = None
-
-    @property
-    def awaits_masks(self) -> bool:
-        return self._rest is not None
-
-
-def enable_persistent_compilation_cache(path: str) -> None:
-    """JAX's on-disk compilation cache: a restart with the same buckets compiles nothing new."""
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def _cast_params(params: Any, dtype: jnp.dtype) -> Any:
-    """Matrices and embeddings in the compute dtype; norm scales stay f32. Arrays already on
-    devices (restored into shards) are cast there, never pulled back to the host."""
-    def cast(path, x):
-        target = np.float32 if "scale" in jax.tree_util.keystr(path) else dtype
-        return x.astype(target) if isinstance(x, jax.Array) else np.asarray(x, target)
-    return jax.tree_util.tree_map_with_path(cast, params)
-
-
-def _runner_mesh(engine_config: EngineConfig, mesh: Mesh | None = None) -> Mesh:
-    """The 1 x ep x tp mesh a runner's replica runs on (checked; by default the first ep x tp devices)."""
-    ep, tp = engine_config.expert_parallel_size, engine_config.tensor_parallel_size
-    if mesh is None:
-        if engine_config.data_parallel_size > 1:
-            raise ValueError(
-                "data_parallel_size > 1 runs one engine per replica; build them with jaxserve.data_parallel.make_engine"
-            )
-        return make_mesh(tp, expert_parallel_size=ep)
-    if mesh.shape["dp"] != 1 or mesh.shape["tp"] != tp or mesh.shape["ep"] != ep:
-        raise ValueError(
-            f"a runner needs a 1 x expert_parallel_size ({ep}) x tensor_parallel_size ({tp}) mesh, "
-            f"got dp x ep x tp = {mesh.shape['dp']} x {mesh.shape['ep']} x {mesh.shape['tp']}"
-        )
-    return mesh
-
-
-def _plan_parallelism(config: ModelConfig, engine_config: EngineConfig) -> TensorParallelPlan:
-    """The tensor-parallel plan of `config`, after checking that the mesh's axes can split it."""
-    tp, ep = engine_config.tensor_parallel_size, engine_config.expert_parallel_size
-    if config.num_experts:
-        plan_expert_parallel(config.num_experts, config.moe_intermediate_size, ep, tp)
-    elif ep > 1:
-        raise ValueError(f"expert_parallel_size={ep} needs a mixture-of-experts model; "
-                         f"{config.architecture} has no experts")
-    return plan_tensor_parallel(config.num_heads, config.num_kv_heads, tp)
-
-
-def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) -> Callable[[ModelConfig], Any]:
-    """Where a checkpoint's parameters are restored, for `load_model(shardings=...)`: the rules'
-    shardings of the checkpoint's own shapes on the runner's mesh (kv heads are repeated later,
-    on device, when tp needs more of them). A model tp cannot split is refused before any read."""
-    def shardings(config: ModelConfig) -> Any:
-        _plan_parallelism(config, engine_config)
-        return param_shardings(param_shapes(config), _runner_mesh(engine_config, mesh), config)
-    return shardings
 
 
 class ModelRunner:
@@ -146,8 +60,8 @@ class ModelRunner:
             enable_persistent_compilation_cache(engine_config.compilation_cache_dir)
         # Tensor parallel: heads split over "tp"; kv heads repeated where tp needs more of them,
         # so `self.config` (what the model and cache are built with) may have more kv heads.
-        plan = _plan_parallelism(config, engine_config)
-        self.mesh = _runner_mesh(engine_config, mesh)
+        plan = plan_parallelism(config, engine_config)
+        self.mesh = runner_mesh(engine_config, mesh)
         self.config = config = dataclasses.replace(config, num_kv_heads=plan.served_kv_heads)
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()
@@ -161,7 +75,7 @@ class ModelRunner:
         experts = expert_backend(config, self.mesh) if config.num_experts else None
         self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts)
         self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
-        params = replicate_kv_heads(_cast_params(params, self.dtype), plan, config.head_dim)
+        params = replicate_kv_heads(cast_params(params, self.dtype), plan, config.head_dim)
         if matmul is not None:
             params = panel_kernels(params, matmul)
         if self.model.packed:
@@ -407,35 +321,6 @@ class ModelRunner:
             self.expert_tokens += self.last_expert_load
         self.last_fetch_time = time.perf_counter() - t0
         return results
-
-    @staticmethod
-    def fetch_prompt_scores(handle: StepHandle) -> list[tuple[Request, int, list[TokenLogprob]]]:
-        """Wait for a launched iteration's prompt scores: for each request it scored, the first
-        position and the scores of that position and the ones after it (with the request's
-        `prompt_logprobs` most likely tokens)."""
-        if handle.prompt_scores is None:
-            return []
-        scored, fields = handle.prompt_scores
-        logprob, rank, top_ids, top_logprobs = (np.asarray(f) for f in fields)
-        results = []
-        for s in scored:
-            k = s.request.params.prompt_logprobs
-            rows = range(s.row, s.row + s.count)
-            results.append((s.request, s.first, [
-                TokenLogprob(s.request.prompt_token_ids[s.first + i], float(logprob[r]),
-                             [(int(t), float(p)) for t, p in zip(top_ids[r, :k], top_logprobs[r, :k])], int(rank[r]))
-                for i, r in enumerate(rows)]))
-        return results
-
-    @staticmethod
-    def fetch_pooled(handle: StepHandle) -> list[tuple[Request, np.ndarray, int]]:
-        """Wait for a launched iteration's pooled rows: for each embedding request it pooled for,
-        the sum of those rows' final hidden states and their count."""
-        if handle.pooled is None:
-            return []
-        pooled, sums = handle.pooled
-        sums = np.asarray(sums)
-        return [(p.request, sums[p.segment], len(p.positions)) for p in pooled]
 
     def _run_steps(self, penalty_resets: list[tuple], programs: list[Program],
                    warming_up: bool = False) -> Generator[None, None, StepResults]:
