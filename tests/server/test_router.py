@@ -48,7 +48,8 @@ def cluster(_compilation_cache):
     routes by load as soon as loads differ), and the one-process server to compare with."""
     cache_dir = jax.config.jax_compilation_cache_dir
     ports = [free_port(), free_port()]
-    procs = [start_worker(p, SMALL_ENGINE, cache_dir) for p in ports]
+    # float32 as the reference engine (the command line's `--dtype auto` may pick bfloat16 here).
+    procs = [start_worker(p, [*SMALL_ENGINE, "--dtype", "float32"], cache_dir) for p in ports]
     with ThreadPoolExecutor(1) as pool:  # the reference engine compiles while the workers do
         reference = pool.submit(_reference_server)
         for proc in procs:
