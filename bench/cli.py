@@ -127,11 +127,19 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
     p.add_argument("--save-detailed", action="store_true", help="keep every inter-token gap in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--peer-n-ctx", type=int, default=4096, help="context of the llama-cpp server (llama-server: per slot)")
+    p.add_argument("--peer-n-ctx", type=int, default=4096,
+                   help="context of the llama-cpp server (llama-server: per slot; vllm: --max-model-len)")
     p.add_argument("--peer-binary", default="llama-server", help="llama-server: the executable (path or name on PATH)")
     p.add_argument("--peer-slots", type=int, default=32, help="llama-server: parallel slots (continuous batching)")
+    p.add_argument("--peer-model", default=None,
+                   help="vllm: a Hugging Face model directory (default: the GGUF converted by transformers, cached)")
+    p.add_argument("--peer-convert-python", default=None,
+                   help="vllm: interpreter with torch, transformers, accelerate and gguf that converts the GGUF "
+                        "(default: --peer-python)")
+    p.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="vllm: its --dtype")
+    p.add_argument("--peer-kv-cache-gib", type=float, default=2.0, help="vllm: its KV cache (VLLM_CPU_KVCACHE_SPACE)")
     _add_workload_args(p, "text")
-    _add_peer_args(p, ("llama-cpp", "llama-server"))
+    _add_peer_args(p, ("llama-cpp", "llama-server", "vllm"))
     _add_output_args(p)
 
 
@@ -143,7 +151,9 @@ def _serve_options(args: argparse.Namespace) -> Any:
                         api_key=args.api_key, ignore_eos=args.ignore_eos, peer=args.peer,
                         peer_python=args.peer_python, peer_threads=args.peer_threads,
                         peer_n_ctx=args.peer_n_ctx, peer_binary=args.peer_binary,
-                        peer_slots=args.peer_slots)  # fmt: skip
+                        peer_slots=args.peer_slots, peer_model=args.peer_model,
+                        peer_convert_python=args.peer_convert_python, peer_dtype=args.peer_dtype,
+                        peer_kv_cache_gib=args.peer_kv_cache_gib)  # fmt: skip
 
 
 def _load_spec(args: argparse.Namespace, rate: float, concurrency: int | None) -> Any:
