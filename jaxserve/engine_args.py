@@ -42,6 +42,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                    help="the weights' dtype; auto: bfloat16 on a CPU with AVX512-BF16 and the C++ "
                                         "kernels, else float32 (jaxserve/dtype_choice.py; logged at start)")
                 continue
+            if f.name == "quantization":
+                group.add_argument(flag, default=default, choices=("none", "int8", "q4", "gguf"),
+                                   help="weight-only quantization of the layers' matmuls: int8 per output channel, "
+                                        "q4 (4 bits, groups of 32), gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks "
+                                        "as stored); checkpoints/quantize.py")
+                continue
             group.add_argument(flag, type=base, default=default)
 
 
