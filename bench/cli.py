@@ -1,4 +1,4 @@
-"""`jaxserve bench {serve,sweep,throughput,latency,compare}`; flags follow `vllm bench` where it has one.
+"""`jaxserve bench {serve,sweep,throughput,latency,accuracy,compare}`; flags follow `vllm bench` where it has one.
 
 `jaxserve/cli.py` calls `add_bench_parser(subparsers)`; each command sets `func(args) -> int`.
 """
@@ -276,6 +276,24 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_accuracy(args: argparse.Namespace) -> int:
+    from bench.accuracy import format_table
+    from bench.accuracy_run import run_accuracy
+    from bench.heldout_text import load_text
+    from bench.report import write_json
+    from bench.system_info import system_info
+
+    text, source = load_text(args.text_file)
+    result = run_accuracy(args, args.reference_args, args.candidate_args or [], text, args.positions, args.window)
+    result = {"system": system_info(), "model": args.model, "text": source, **result}
+    print(f"{args.model}: {result['positions']} next-token positions of {source}")
+    print(format_table(result["rows"]))
+    path = _result_path(args, "accuracy", "text")
+    write_json(result, path)
+    print(f"results: {path}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from bench.report import compare
 
@@ -322,6 +340,21 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_peer_args(p, ("transformers", "llama-cpp"))
     _add_output_args(p, ignore_eos_flag=False)
     p.set_defaults(func=_guarded(_cmd_latency))
+
+    p = sub.add_parser("accuracy", help="top-1 agreement and perplexity of engine modes against an f32 reference")
+    add_engine_args(p)
+    p.add_argument("--positions", type=int, default=2000, help="next-token positions of the text to score")
+    p.add_argument("--reference-args", default="--dtype float32",
+                   help="engine flags of the reference, on top of the shared ones (one string)")
+    p.add_argument("--candidate-args", action="append", default=None,
+                   help="engine flags of a candidate, one string, written with = "
+                        "(--candidate-args='--dtype bfloat16'); repeat for several")
+    p.add_argument("--text-file", default=None,
+                   help="UTF-8 text to score (default: the Python documentation's help topics, bench/heldout_text.py)")
+    p.add_argument("--window", type=int, default=None, help="tokens per scored window (default: max_model_len - 1)")
+    p.add_argument("--result-file", default=None,
+                   help=f"JSON output (default: {DEFAULT_RESULT_DIR}/accuracy-text-TIME.json)")
+    p.set_defaults(func=_cmd_accuracy)
 
     p = sub.add_parser("compare", help="compare two result JSON files")
     p.add_argument("a")
