@@ -29,15 +29,8 @@ from checkpoints.quant_format import CODES, MIN, Q4_GROUP, SCALE, QuantFormat, f
 from checkpoints.params import iter_leaves
 from checkpoints.weights import flat, nest
 
-NONE, INT8, Q4, GGUF = "none", "int8", "q4", "gguf"
-MODES = (NONE, INT8, Q4, GGUF)
+INT8, Q4 = "int8", "q4"  # the modes quantized here (`gguf`: checkpoints.gguf, the others: jaxserve.config)
 Formats = dict[str, QuantFormat]  # {declared kernel path: its storage}
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"unknown quantization {mode!r}; use one of {', '.join(MODES)}")
-    return mode
 
 
 def formats_for(config: ModelConfig, mode: str) -> Formats:

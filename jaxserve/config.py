@@ -12,6 +12,8 @@ from typing import Any
 
 from jaxserve.speculative.config import SpeculativeConfig
 
+QUANTIZATIONS = ("none", "int8", "q4", "gguf")  # --quantization (checkpoints/quantize.py)
+
 logger = logging.getLogger(__name__)
 
 
@@ -103,8 +105,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
-        if self.quantization not in ("none", "int8", "q4", "gguf"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; use none, int8, q4 or gguf")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space_blocks <= 0 and self.kv_host_bytes <= 0:
