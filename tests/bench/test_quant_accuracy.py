@@ -17,7 +17,8 @@ POSITIONS = 2040  # 2 windows of 1,021 targets each
 REAL = dict(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=1024, prefill_token_buckets=(512,),
             prefill_seq_buckets=(2,), decode_batch_buckets=(2,), sampler_row_buckets=(2,), block_table_buckets=(64,),
             num_blocks=160, dtype="float32")
-# (least top-1 agreement, largest relative change of perplexity) per mode
+# (least top-1 agreement, largest relative change of perplexity) per mode. Measured (Python 3.11.7's
+# docs): int8 top-1 0.9775, perplexity 13.354 -> 13.378 (+0.18%); q4 1.0 and unchanged (see above).
 BOUNDS = {"int8": (0.97, 0.01), "q4": (0.80, 0.05)}
 
 
