@@ -21,7 +21,7 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -45,7 +45,6 @@ constexpr int64_t kRowBlock = 4 * kRows;  // rows of a unit of work
 constexpr int64_t kPrefetch = 1024;  // bytes ahead of the stream a tile reads
 
 using Bytes = uint8_t __attribute__((vector_size(kLanes)));
-using SBytes = int8_t __attribute__((vector_size(kLanes)));
 
 // f16 -> f32 of one value (the scalar fallback of `load_halves`), subnormals included.
 inline float half_to_float(uint16_t h) {
@@ -87,6 +86,24 @@ inline T load_bytes(const void* p) {
   T v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// Unsigned bytes widened to f32 lanes through int32 (a direct conversion of the byte vector
+// compiles to one scalar conversion per lane).
+inline Vec widen(Bytes bytes) { return __builtin_convertvector(__builtin_convertvector(bytes, IVec), Vec); }
+
+// kLanes int8 codes from `p` as f32 lanes (with the intrinsics: the compilers tried scalarize the
+// sign extension of a byte vector).
+inline Vec widen_signed(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<int8_t>(p[i]);
+  return v;
+#endif
 }
 
 // The two storages. A step covers `kStep` rows of K: one code row of the panel (kPanel bytes).
@@ -133,13 +150,13 @@ void tile(const Problem<F>& p, int64_t row, int64_t panel) {
         __builtin_prefetch(c + kPrefetch);
         for (int64_t v = 0; v < kVecs; ++v) {
           if constexpr (F::kStep == 1) {
-            const Vec w = __builtin_convertvector(load_bytes<SBytes>(c + v * kLanes), Vec) * s[g][v];
+            const Vec w = widen_signed(c + v * kLanes) * s[g][v];
             for (int64_t r = 0; r < R; ++r) acc[r][g][v] += x[r * p.k + i] * w;
           } else {
             const Bytes b = load_bytes<Bytes>(c + v * kLanes);
-            const Vec lo = __builtin_convertvector(b & 15, Vec) * s[g][v] + z[g][v];
+            const Vec lo = widen(b & 15) * s[g][v] + z[g][v];
             for (int64_t r = 0; r < R; ++r) acc[r][g][v] += x[r * p.k + i] * lo;
-            const Vec hi = __builtin_convertvector(b >> 4, Vec) * s[g][v] + z[g][v];
+            const Vec hi = widen(b >> 4) * s[g][v] + z[g][v];
             for (int64_t r = 0; r < R; ++r) acc[r][g][v] += x[r * p.k + i + 1] * hi;
           }
         }
