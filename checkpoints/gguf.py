@@ -1,7 +1,9 @@
 """Load a GGUF file (llama.cpp's format) into the parameter tree, config and tokenizer.
 
 Tensors are dequantized to float with `gguf.quants.dequantize` (every type it implements: the
-K-quants, Q4/Q5/Q8, the IQ types, ...). GGUF stores a weight with the Hugging Face `[out, in]`
+K-quants, Q4/Q5/Q8, the IQ types, ...), or, with `quantized=True` (`--quantization gguf`), a
+quantizable kernel whose layers are all Q8_0, or all 4-bit (Q4_0 / Q4_1 / Q4_K), is kept as its
+blocks' codes and scales (`checkpoints.gguf_blocks`), never dequantized. GGUF stores a weight with the Hugging Face `[out, in]`
 shape, so kernels are transposed to `[in, out]`. Tensor names and the file's
 `general.architecture` come from the families' declarations (`checkpoints/architectures/`), and
 each family undoes what llama.cpp's converter changed (`llama`: the Q/K row permutation of its
@@ -18,12 +20,15 @@ from typing import Any
 import gguf
 import numpy as np
 
-from checkpoints.architectures import architecture, from_gguf_name, gguf_names
+from checkpoints.architectures import architecture, declare, from_gguf_name, gguf_names
 from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
+from checkpoints.gguf_blocks import FORMATS, block_arrays, stored_arrays
 from checkpoints.gguf_tokenizer import build_gguf_tokenizer
 from checkpoints.loaded import LoadedModel
-from checkpoints.params import ParamFiller, ParamTree, resolve_dtype
+from checkpoints.params import ParamFiller, ParamTree, checkpoint_names, iter_leaves, resolve_dtype
+from checkpoints.quant_format import QuantFormat
+from checkpoints.weights import flat, nest
 from checkpoints.tokenizer_bundle import TokenizerBundle, merge_eos_ids
 
 Q = gguf.GGMLQuantizationType
@@ -138,11 +143,42 @@ def _tensor_array(tensor: Any, source: str) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
 
 
-def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, source: str) -> ParamTree:
+def _stored_formats(tensors: dict[str, Any], config: ModelConfig) -> dict[str, QuantFormat]:
+    """{kernel path: storage} of each quantizable kernel whose tensors share one stored format."""
+    out = {}
+    for path, w in flat(declare(config)).items():
+        if not w.quantizable:
+            continue
+        names = [name for name, _ in checkpoint_names(w, w.gguf)]
+        found = {FORMATS.get(tensors[name].tensor_type) if name in tensors else None for name in names}
+        if len(found) == 1 and None not in found:
+            out[path] = found.pop()
+    return out
+
+
+def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, source: str,
+                 quantized: bool = False) -> ParamTree:
     family = architecture(config.architecture)
-    filler = ParamFiller(config, dtype, source, lambda w: w.gguf)
+    formats = _stored_formats({t.name: t for t in reader.tensors}, config) if quantized else {}
+    declared = flat(declare(config))
+    filler = ParamFiller(config, dtype, source, lambda w: w.gguf,
+                         {path: w for path, w in declared.items() if path not in formats})
+    stored, slots = {}, {}
+    for path, fmt in formats.items():
+        parent = path.rsplit("/", 1)[0]
+        for name, (shape, array_dtype) in fmt.arrays(declared[path].shape).items():
+            stored[f"{parent}/{name}"] = np.empty(shape, array_dtype)
+        slots.update({name: (path, index) for name, index in checkpoint_names(declared[path], declared[path].gguf)})
     for tensor in reader.tensors:
         if tensor.name == ROPE_FACTORS:  # part of the config, not a parameter
+            continue
+        if tensor.name in slots:  # a kernel kept quantized: its blocks' arrays, rows un-permuted as the weights'
+            path, index = slots.pop(tensor.name)
+            arrays = {name: family.from_gguf_tensor(path, a, config)
+                      for name, a in block_arrays(tensor.data, tensor.tensor_type).items()}
+            parent = path.rsplit("/", 1)[0]
+            for name, a in stored_arrays(arrays, formats[path]).items():
+                stored[f"{parent}/{name}"][index] = a
             continue
         slot = filler.slot(tensor.name)
         if slot is None:
@@ -150,11 +186,14 @@ def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, 
         path = slot[0]
         array = family.from_gguf_tensor(path, _tensor_array(tensor, source), config)
         filler.put(tensor.name, array.swapaxes(-1, -2) if filler.weights[path].is_kernel else array)
-    return filler.finish()
+    if slots:
+        raise CheckpointError(f"{source}: missing tensors: {', '.join(sorted(slots)[:10])}")
+    return nest({**dict(iter_leaves(filler.finish())), **stored})
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedModel:
-    """Load config, parameters (dequantized to `dtype`) and tokenizer from a GGUF file."""
+def load_gguf(path: str | os.PathLike[str], dtype: Any = "float32", quantized: bool = False) -> LoadedModel:
+    """Load config, parameters (dequantized to `dtype`; with `quantized`, the kernels stored in
+    Q8_0 / Q4_0 / Q4_1 / Q4_K kept as their blocks' codes and scales) and tokenizer from a GGUF file."""
     path = Path(path)
     source = str(path)
     reader = _open(path)
@@ -165,7 +204,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedMod
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
     rope_factors = _tensor_array(tensors[ROPE_FACTORS], source).reshape(-1) if ROPE_FACTORS in tensors else None
     config = config_from_metadata(meta, set(tensors), vocab_size, source, rope_factors)
-    params = _load_params(reader, config, resolve_dtype(dtype), source)
+    params = _load_params(reader, config, resolve_dtype(dtype), source, quantized)
     return LoadedModel(config=config, params=params, tokenizer_bundle=_tokenizer_bundle(meta, config, source))
 
 

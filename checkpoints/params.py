@@ -100,12 +100,14 @@ class ParamFiller:
     `names` picks a format's tensor names from each declared weight (`lambda w: w.hf`, say); a
     tensor fills the slot its name picks (a whole leaf, one layer's part or one expert's). Writing
     into the final stacked arrays keeps peak memory at one copy of the weights plus one tensor;
-    `finish` names every slot no tensor filled.
+    `finish` names every slot no tensor filled. `declaration`: the weights to fill ({path: Weight};
+    by default every weight of `config`).
     """
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype, source: str, names: Any) -> None:
+    def __init__(self, config: ModelConfig, dtype: np.dtype, source: str, names: Any,
+                 declaration: dict[str, Weight] | None = None) -> None:
         self.source = source
-        weights = flat(declare(config))
+        weights = flat(declare(config)) if declaration is None else declaration
         self.weights = weights
         self.params = nest({path: np.empty(w.shape, w.dtype(dtype)) for path, w in weights.items()})
         self._leaves = dict(iter_leaves(self.params))

@@ -155,7 +155,8 @@ def _restore_orbax(path: Path, dtype: Any, shardings: ShardingsFor | None) -> Lo
     return load_orbax(path, dtype, None if shardings is None else shardings(read_config(path)))
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: ShardingsFor | None = None) -> LoadedModel:
+def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: ShardingsFor | None = None,
+               gguf_blocks: bool = False) -> LoadedModel:
     """Load a model from a spec (see the module docstring).
 
     `shardings`: optional function from the model's config to a pytree of `jax.sharding.Sharding`
@@ -163,12 +164,21 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: Sha
     checkpoint). The parameters are then returned as `jax.Array`s placed accordingly: restored
     straight into shards from a converted checkpoint (each process reads only its shards),
     `device_put` from other sources. Without it they are numpy arrays.
+
+    `gguf_blocks` (`--quantization gguf`): a GGUF model's quantized kernels kept as their blocks'
+    codes and scales (`load_gguf(quantized=True)`), as numpy arrays whatever `shardings` (the
+    runner places them).
     """
     # Imported here, not with this module: code that builds its models in memory (random weights
     # on a GPU machine without these libraries, say) then needs neither gguf nor safetensors.
     from checkpoints.gguf import load_gguf
     from checkpoints.hf import load_hf_dir
 
+    if gguf_blocks:
+        path = Path(fetch_gguf(spec) if spec in REGISTERED_GGUF else spec).expanduser()
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{spec}: quantization 'gguf' serves a .gguf file's blocks; this is not one")
+        return load_gguf(path, dtype, quantized=True)
     if spec == TINY_RANDOM:
         return _on_shardings(build_tiny_random(dtype), shardings)
     if spec in REGISTERED_GGUF:

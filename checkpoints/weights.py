@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
+from checkpoints.quant_format import CODES, QuantFormat
+
 # Logical axes of declared weights; `sharding.rules.LOGICAL_AXES` maps them onto mesh axes.
 LAYERS = "layers"  # the stack of layers (never split)
 VOCAB = "vocab"
@@ -55,6 +57,10 @@ class Weight:
     `hf` / `gguf`: the tensor's name in a Hugging Face / GGUF checkpoint, with `{layer}` and
     `{expert}` where the checkpoint holds one tensor per layer / expert (None: the format has no
     such tensor). A checkpoint tensor fills the slot of the leaf its name's placeholders pick.
+
+    `quantizable`: a kernel that `--quantization` may store as integer codes and scales
+    (`quantized`). The arrays of a quantized kernel are declared too: `storage` is their dtype
+    (whatever the model's), and the codes' `quant` says how the kernel is stored.
     """
 
     shape: tuple[int, ...]
@@ -63,6 +69,9 @@ class Weight:
     float32: bool = False  # kept in f32 whatever the model's dtype (norm scales)
     hf: str | None = None
     gguf: str | None = None
+    quantizable: bool = False
+    storage: str | None = None
+    quant: QuantFormat | None = None
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -76,6 +85,8 @@ class Weight:
         return self.init in (KERNEL, ROUTER_KERNEL)
 
     def dtype(self, param_dtype: Any) -> np.dtype:
+        if self.storage is not None:
+            return np.dtype(self.storage)
         return np.dtype(np.float32) if self.float32 else np.dtype(param_dtype)
 
     def scaled(self, noise: Any) -> Any:
@@ -128,6 +139,26 @@ def nest(leaves: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(parent, {})
         node[leaf] = value
     return tree
+
+
+def quantized(declaration: Declaration, formats: dict[str, QuantFormat]) -> Declaration:
+    """The declaration with each kernel of `formats` ({path: format}, quantizable kernels only)
+    replaced by the arrays that store it (`QuantFormat.arrays`: codes under the kernel's name,
+    scales beside it), on the kernel's logical axes. A per-output-channel scale's single group
+    is not split."""
+    leaves = flat(declaration)
+    for path, fmt in formats.items():
+        base = leaves.get(path)
+        if base is None or not base.quantizable:
+            raise ValueError(f"{path} is not a quantizable kernel of this model")
+        del leaves[path]
+        parent = path.rsplit("/", 1)[0]
+        for name, (shape, dtype) in fmt.arrays(base.shape).items():
+            axes = base.axes if shape[-2] > 1 else (*base.axes[:-2], None, base.axes[-1])
+            leaves[f"{parent}/{name}"] = dataclasses.replace(
+                base, shape=shape, axes=axes, storage=dtype.name, quant=fmt if name == CODES else None,
+                hf=None, gguf=None, quantizable=False)
+    return nest(leaves)
 
 
 def shapes(declaration: Declaration) -> dict[str, Any]:

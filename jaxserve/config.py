@@ -12,6 +12,8 @@ from typing import Any
 
 from jaxserve.speculative.config import SpeculativeConfig
 
+QUANTIZATIONS = ("none", "int8", "q4", "gguf")  # --quantization (checkpoints/quantize.py)
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,6 +60,10 @@ class EngineConfig:
     # The weights': float32, bfloat16, or auto (this machine's faster one: jaxserve/dtype_choice.py;
     # the command line's default).
     dtype: str = "float32"
+    # Weight-only quantization of the layers' dense kernels: none | int8 (per output channel) |
+    # q4 (4 bits, groups of 32) | gguf (a .gguf file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks as stored).
+    # The other weights stay in `dtype`. See checkpoints/quantize.py.
+    quantization: str = "none"
     attention_backend: str | None = None  # None: the platform default (pallas on GPU)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -99,6 +105,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space_blocks <= 0 and self.kv_host_bytes <= 0:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
-from jaxserve.dtype_choice import resolve_dtype
+from jaxserve.dtype_choice import load_dtype, resolve_dtype
 from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv import Pin
@@ -58,7 +58,8 @@ class DataParallelEngine:
         read once and each replica places its own shards."""
         config = resolve_dtype(config)  # "auto": this machine's choice, once for all replicas
         mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices, config.expert_parallel_size)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
+        loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=load_dtype(config), gguf_blocks=config.quantization == "gguf")
         engines = [LLMEngine(loaded, config, sub_mesh) for sub_mesh in replica_meshes(mesh)]
         router = cls(engines, policy)
         if isinstance(model, str):

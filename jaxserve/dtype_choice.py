@@ -51,3 +51,10 @@ def resolve_dtype(config: EngineConfig) -> EngineConfig:
     dtype, why = choose_dtype(config)
     logger.info("dtype auto: %s (%s); --dtype overrides it", dtype, why)
     return dataclasses.replace(config, dtype=dtype)
+
+
+def load_dtype(config: EngineConfig) -> str:
+    """The dtype a checkpoint is loaded in for `config`: float32 when the kernels are quantized
+    from it (`--quantization int8 / q4`: from full precision; the runner casts the other weights
+    to `config.dtype`), else `config.dtype`."""
+    return "float32" if config.quantization in ("int8", "q4") else config.dtype

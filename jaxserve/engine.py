@@ -51,7 +51,7 @@ from checkpoints.loaded import LoadedModel
 from checkpoints.registry import DEFAULT_MODEL, load_model
 from jaxserve import faults
 from jaxserve.config import EngineConfig
-from jaxserve.dtype_choice import resolve_dtype
+from jaxserve.dtype_choice import load_dtype, resolve_dtype
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv import CopyStage, KVCacheManager
 from jaxserve.kv.tier_stats import TierStats
@@ -97,7 +97,8 @@ class LLMEngine:
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # restored straight into this replica's shards
-            loaded = load_model(model, dtype=config.dtype, shardings=checkpoint_shardings(config, mesh))
+            loaded = load_model(model, dtype=load_dtype(config), shardings=checkpoint_shardings(config, mesh),
+                                gguf_blocks=config.quantization == "gguf")
         self.model_config = loaded.config
         self.model_name = model if isinstance(model, str) else "custom"
         self.tokenizer = Tokenizer(loaded.tokenizer_bundle)

@@ -11,7 +11,7 @@ import dataclasses
 import typing
 
 from checkpoints.registry import DEFAULT_MODEL, cache_dir
-from jaxserve.config import EngineConfig
+from jaxserve.config import QUANTIZATIONS, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, default="auto", choices=("auto", "float32", "bfloat16"),
                                    help="the weights' dtype; auto: bfloat16 on a CPU with AVX512-BF16 and the C++ "
                                         "kernels, else float32 (jaxserve/dtype_choice.py; logged at start)")
+                continue
+            if f.name == "quantization":
+                group.add_argument(flag, default=default, choices=QUANTIZATIONS,
+                                   help="weight-only quantization of the layers' matmuls: int8 per output channel, "
+                                        "q4 (4 bits, groups of 32), gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks "
+                                        "as stored); checkpoints/quantize.py")
                 continue
             group.add_argument(flag, type=base, default=default)
 

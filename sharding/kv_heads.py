@@ -16,7 +16,7 @@ import numpy as np
 
 from sharding.mesh import TensorParallelPlan
 
-_KV_LEAF = re.compile(r"^layers/(k|v)_proj/(kernel|bias)$")
+_KV_LEAF = re.compile(r"^layers/(k|v)_proj/(kernel|kernel_scale|kernel_min|bias)$")  # and quantized arrays
 
 
 def replicate_kv_heads(params: dict[str, Any], plan: TensorParallelPlan, head_dim: int) -> dict[str, Any]:

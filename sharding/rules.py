@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
-from checkpoints.weights import EXPERT_FFW, EXPERTS, FFW, KV_HEADS, Q_HEADS, VOCAB, Weight, flat
+from checkpoints.quant_format import QuantFormat
+from checkpoints.weights import EXPERT_FFW, EXPERTS, FFW, KV_HEADS, Q_HEADS, VOCAB, Weight, flat, quantized
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +78,16 @@ def _path(keys: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keys)
 
 
-def param_shardings(tree: Any, mesh: Mesh, config: ModelConfig) -> Any:
-    """A NamedSharding for every leaf of a parameter tree of a `config` model, same nesting.
+def param_shardings(tree: Any, mesh: Mesh, config: ModelConfig,
+                    quantization: dict[str, QuantFormat] | None = None) -> Any:
+    """A NamedSharding for every leaf of a parameter tree of a `config` model, same nesting;
+    `quantization`: its quantized kernels ({path: storage}), whose arrays shard like the kernel.
 
     Leaves may be arrays (numpy or jax), `jax.ShapeDtypeStruct`s or shape tuples (as from
     `checkpoints.params.param_shapes`), so the result serves both to place loaded parameters
     and as `load_model(..., shardings=...)` targets that restore straight into shards.
     """
-    weights = flat(declare(config))
+    weights = flat(quantized(declare(config), quantization or {}))
 
     def sharding(keys: tuple, leaf: Any) -> NamedSharding:
         path = _path(keys)

@@ -91,7 +91,7 @@ class Stage:
     """One stage, run in its own process under `limit_s` seconds."""
 
     name: str
-    kind: str  # env | correctness | decode_kernels | prefill_kernels | models | engine
+    kind: str  # env | correctness | decode_kernels | prefill_kernels | models | engine | quantized_matmul
     limit_s: float
     model: str | None = None  # engine stages: a key of Plan.models
     overlap: bool = True  # engine stages: async (overlap) scheduling
@@ -115,6 +115,7 @@ class Plan:
     prefill_cases: tuple[tuple[int, int, int], ...]  # (sequences, chunk, history)
     copy_bytes: int
     matmul_n: int
+    quant_rows: tuple[int, ...]  # stage quantized_matmul: rows of x of each layer matmul
     iters: int
     workload: EngineWorkload
     # The issue's goals apply to decode cases from this batch and context up, and to this batch
@@ -155,6 +156,9 @@ def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_va
     if command_buffer_variant:
         stages.append(Stage(f"engine_{models[0]}_no_cmdbuf", "engine", limits[f"engine_{models[0]}"],
                             models[0], True, command_buffers=False, optional=True))
+    # Weight-only quantized layer matmuls (int8, 4-bit) against bf16 at the 8B shape (optional on the
+    # GPU: in what the others left).
+    stages.append(Stage("quantized_matmul", "quantized_matmul", limits["quantized_matmul"], optional=families_optional))
     # The families' blocks: grouped expert matmuls and sliding-window kernels, then the engine on
     # each family's model (on the GPU in what the other stages left: the budget is 8 minutes).
     stages.append(Stage("models", "models", limits["models"]))
@@ -175,7 +179,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         # the run, not measure anything.
         limits = {"env": 150, "correctness": 300, "decode_kernels": 300, "prefill_kernels": 200,
                   "engine_smollm2-135m": 300, "engine_llama3-8b": 300, "models": 200,
-                  f"engine_{MOE_MODEL}": 300, f"engine_{WINDOW_MODEL}": 300}
+                  f"engine_{MOE_MODEL}": 300, f"engine_{WINDOW_MODEL}": 300, "quantized_matmul": 150}
         return Plan(
             dry_run=True, dtype="bfloat16", engine_dtype="float32",
             models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3, MOE_MODEL: TINY_QWEN3_MOE,
@@ -183,7 +187,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
             correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")), correctness_pages=4,
             decode_model="llama3-8b", decode_batches=(4,), decode_contexts=(64, 256),
             reference_max_tokens=2 ** 21, prefill_cases=((2, 16, 24), (1, 32, 0)),
-            copy_bytes=16 * 2 ** 20, matmul_n=256, iters=2,
+            copy_bytes=16 * 2 ** 20, matmul_n=256, quant_rows=(1, 8), iters=2,
             workload=EngineWorkload(batches=(4,), prompt_len=24, max_tokens=12,
                                     max_num_batched_tokens=128, max_prefill_seqs=4),
             goal_kernel_min_batch=4, goal_kernel_min_context=256, goal_engine_batch=4,
@@ -194,7 +198,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
     # decode_kernels times two decode kernels, JAX's op and the copy over 12 cases (compiles included).
     limits = {"env": 30, "correctness": 70, "decode_kernels": 170, "prefill_kernels": 40,
               "engine_smollm2-135m": 70, "engine_llama3-8b": 130, "models": 40,
-              f"engine_{MOE_MODEL}": 90, f"engine_{WINDOW_MODEL}": 70}
+              f"engine_{MOE_MODEL}": 90, f"engine_{WINDOW_MODEL}": 70, "quantized_matmul": 40}
     return Plan(
         dry_run=False, dtype="bfloat16",
         models={"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B, MOE_MODEL: QWEN3_MOE_16L, WINDOW_MODEL: GEMMA3_1B},
@@ -204,7 +208,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         # K and V are 8.6 GB (plus the pool); past that only ours and JAX's kernel run.
         reference_max_tokens=2 ** 21,
         prefill_cases=((4, 512, 0), (4, 512, 4096), (16, 128, 2048), (1, 4096, 0)),
-        copy_bytes=2 ** 30, matmul_n=8192, iters=20,
+        copy_bytes=2 ** 30, matmul_n=8192, quant_rows=(1, 16, 64, 256), iters=20,
         workload=EngineWorkload(batches=(1, 64, 256), prompt_len=512, max_tokens=64,
                                 max_num_batched_tokens=8192, max_prefill_seqs=16),
         goal_kernel_min_batch=64, goal_kernel_min_context=4096, goal_engine_batch=64,

@@ -88,6 +88,12 @@ def _models_section(stage: dict) -> list[str]:
     return _grid(["check", "impl", "dtype", "rows", "shape", "max err", "bound", "ms", "ok"], rows, left=(0, 1, 4, 8))
 
 
+def _quant_section(stage: dict) -> list[str]:
+    rows = [[r["case"], _ms(r["bf16_s"]), _ms(r["int8_s"]), _f(r["int8_over_bf16"], 2), _f(r["int8_pct_copy"]),
+             _ms(r["q4_s"]), _f(r["q4_over_bf16"], 2), _f(r["q4_pct_copy"])] for r in stage["rows"]]
+    return _grid(["matmul", "bf16 ms", "int8 ms", "int8/bf16", "int8 % copy", "q4 ms", "q4/bf16", "q4 % copy"], rows)
+
+
 def _engine_rows(stages: list[dict]) -> list[list[str]]:
     """A row per engine stage run with overlap (async scheduling) on and batch; "host % sync" is
     the same model and batch with overlap off, when that optional stage ran. A multi-step stage's
@@ -170,6 +176,9 @@ def render(summary: dict, plan: Plan) -> str:
         if text.getvalue():
             out += ["", f"{title} ({info.get('dtype')}, {info.get('model_shape')} attention shape)"]
             out += text.getvalue().rstrip("\n").splitlines()
+    if stages.get("quantized_matmul", {}).get("rows"):
+        out += ["", "weight-only quantized layer matmuls (dequantize fused into a bf16 dot) vs bf16, 8B shapes; "
+                    "% copy: weight bytes per second over the device copy's"] + _quant_section(stages["quantized_matmul"])
     engine_rows = _engine_rows(summary["stages"])
     if engine_rows:
         out += ["", "engine decode (LLMEngine, pallas attention, random weights; ctx = mean tokens per sequence)"]

@@ -35,10 +35,11 @@ GGUF_LAYER = "blk.{layer}."
 
 
 def _layer(config: ModelConfig, shape: tuple[int, ...], axes: tuple[str | None, ...], init: str, hf: str | None,
-           gguf: str | None) -> Weight:
+           gguf: str | None, quantizable: bool = False) -> Weight:
     """A per-layer weight, stacked over the layers; names relative to a layer's prefix."""
     return Weight((config.num_layers, *shape), (LAYERS, *axes), init, float32=init == SCALE,
-                  hf=None if hf is None else HF_LAYER + hf, gguf=None if gguf is None else GGUF_LAYER + gguf)
+                  hf=None if hf is None else HF_LAYER + hf, gguf=None if gguf is None else GGUF_LAYER + gguf,
+                  quantizable=quantizable)
 
 
 def norm(config: ModelConfig, hf: str, gguf: str, size: int | None = None) -> dict[str, Weight]:
@@ -49,8 +50,8 @@ def norm(config: ModelConfig, hf: str, gguf: str, size: int | None = None) -> di
 
 def linear(config: ModelConfig, fan_in: int, fan_out: int, axes: tuple[str | None, str | None], hf: str, gguf: str,
            bias: bool = False) -> dict[str, Weight]:
-    """A per-layer projection [in, out], with its bias when `bias`."""
-    out = {"kernel": _layer(config, (fan_in, fan_out), axes, KERNEL, f"{hf}.weight", f"{gguf}.weight")}
+    """A per-layer projection [in, out], with its bias when `bias`; its kernel is quantizable."""
+    out = {"kernel": _layer(config, (fan_in, fan_out), axes, KERNEL, f"{hf}.weight", f"{gguf}.weight", True)}
     if bias:
         out["bias"] = _layer(config, (fan_out,), axes[1:], BIAS, f"{hf}.bias", f"{gguf}.bias")
     return out

@@ -37,8 +37,10 @@ from jax import lax
 
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
-from checkpoints.weights import LAYERS, Weight, flat
+from checkpoints.quant_format import QuantFormat
+from checkpoints.weights import LAYERS, Weight, flat, quantized
 from jaxserve.model.experts import activation, expert_backend, expert_load, route
+from jaxserve.model.quantized import quantized_matmul
 from jaxserve.model.rope import RopeTables, apply_rope, rope_tables
 from kernels_pallas import AttentionBackend
 from kernels_pallas.cpu_matmul import CpuMatmul, to_panels
@@ -111,11 +113,16 @@ def paged_attention(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array,
     return out.at[rows].set(decoded, mode="drop")
 
 
-def layer_weights(config: ModelConfig, stacked: bool) -> dict[str, Weight]:
+Quantization = tuple[tuple[str, QuantFormat], ...]  # (kernel path, storage) of each quantized kernel
+
+
+def layer_weights(config: ModelConfig, stacked: bool, quantization: Quantization = ()) -> dict[str, Weight]:
     """The declared weights of a layer by name under `layers/` (`q_proj/kernel`, ...): stacked
-    over the layers (the scan), or one layer's own (`unroll_layers`)."""
+    over the layers (the scan), or one layer's own (`unroll_layers`); quantized kernels as the
+    arrays that store them (`checkpoints.weights.quantized`)."""
+    declared = quantized(declare(config), dict(quantization))
     return {path[len("layers/"):]: w if stacked else w.unstacked()
-            for path, w in flat(declare(config)).items() if path.startswith("layers/")}
+            for path, w in flat(declared).items() if path.startswith("layers/")}
 
 
 def sliding_layers(config: ModelConfig) -> tuple[bool, ...]:
@@ -170,12 +177,13 @@ class DecoderLayer(nn.Module):
     stacked: bool = False
     cpu_matmul: CpuMatmul | None = None
     experts: Callable[..., jax.Array] | None = None  # the mixture-of-experts backend (`LlamaModel.experts`)
+    quantization: Quantization = ()
 
     @nn.compact
     def __call__(self, carry, layer, rope: RopeTables, meta: AttentionMetadata):
         h, k_cache, v_cache = carry
         cfg = self.config
-        w = layer_weights(cfg, self.stacked)
+        w = layer_weights(cfg, self.stacked, self.quantization)
         cpu_matmul = self.cpu_matmul if self.stacked else None
         dense = lambda name: lambda x: Linear(  # noqa: E731
             w[f"{name}/kernel"], w.get(f"{name}/bias"), self.dtype, self.param_dtype, self.packed, cpu_matmul, name=name
@@ -267,10 +275,13 @@ def pack_kernels(params: Any) -> Any:
 
 def panel_kernels(params: Any, cpu_matmul: CpuMatmul) -> Any:
     """The parameters with each stacked layer kernel [L, in, out] that `cpu_matmul` takes
-    stored as its panels [L, out / P, in, P]; `Linear(cpu_matmul=...)` reads them."""
+    stored as its panels [L, out / P, in, P] (a quantized kernel's codes and scales each so);
+    `Linear(cpu_matmul=...)` reads them."""
     def convert(path, x):
         name = jax.tree_util.keystr(path)
-        if "layers" not in name or not name.endswith("['kernel']") or x.ndim != 3 or not cpu_matmul.takes(x.shape[-1]):
+        quantized = name.endswith(("['kernel_scale']", "['kernel_min']"))  # beside quantized codes
+        if ("layers" not in name or not (name.endswith("['kernel']") or quantized) or x.ndim != 3
+                or not cpu_matmul.takes(x.shape[-1])):
             return x
         return to_panels(x, cpu_matmul.panel)
     return jax.tree_util.tree_map_with_path(convert, params)
@@ -303,7 +314,8 @@ class Linear(nn.Module):
     Parameter names are nn.Dense's; shapes come from the declared `kernel` and `bias`. `packed`:
     the kernel is stored as `pack_kernels` makes it. A stacked kernel [L, in, out] (and bias) is
     indexed by `layer`, with `cpu_matmul(x, kernel, layer)` on a kernel stored in its panels where
-    one is given that takes these features (`panel_kernels`)."""
+    one is given that takes these features (`panel_kernels`). A quantized kernel (the declared
+    codes' `quant`) is read by `quantized_matmul`."""
 
     kernel: Weight
     bias: Weight | None
@@ -318,7 +330,9 @@ class Linear(nn.Module):
         take = (lambda p: p[layer]) if stacked else (lambda p: p)  # noqa: E731
         shape = self.kernel.shape
         fan_in, features = shape[-2:]
-        if stacked and self.cpu_matmul is not None and self.cpu_matmul.takes(features):
+        if self.kernel.quant is not None:
+            y = quantized_matmul(self, self.kernel, x, layer, self.param_dtype, self.cpu_matmul)
+        elif stacked and self.cpu_matmul is not None and self.cpu_matmul.takes(features):
             lm, init = self.cpu_matmul, self.kernel.flax_init()
             panels = lambda key, _, dtype: to_panels(init(key, shape, dtype), lm.panel)  # noqa: E731
             y = lm(x, self.param("kernel", panels, lm.stored_shape(*shape, self.param_dtype), self.param_dtype), layer)
@@ -350,6 +364,7 @@ class LlamaModel(nn.Module):
     unroll_layers: bool = False  # per-layer weights "layers_{i}" (`unstack_layers`), not a scan
     cpu_matmul: CpuMatmul | None = None  # the scanned layers' and the tied head's: see the module docstring
     experts: Callable[..., jax.Array] | None = None
+    quantization: Quantization = ()  # the quantized kernels (`checkpoints.quantize.formats_of` the parameters)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -385,7 +400,7 @@ class LlamaModel(nn.Module):
             loads = []
             for i in range(cfg.num_layers):
                 layer = DecoderLayer(cfg, act, self.dtype, self.packed, self.backend, experts=experts,
-                                     name=f"layers_{i}")
+                                     quantization=self.quantization, name=f"layers_{i}")
                 carry, load = layer(carry, jnp.int32(i), rope, meta)
                 loads.append(load)
             load = jnp.stack(loads)
@@ -396,7 +411,8 @@ class LlamaModel(nn.Module):
                 split_rngs={"params": False},
                 in_axes=(0, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
-            )(cfg, act, self.dtype, self.packed, self.backend, True, self.cpu_matmul, experts, name="layers")
+            )(cfg, act, self.dtype, self.packed, self.backend, True, self.cpu_matmul, experts, self.quantization,
+              name="layers")
             carry, load = layers(carry, jnp.arange(cfg.num_layers), rope, meta)
         h, k, v = carry
         # Every row's last hidden state, for a caller that scores more rows than it samples

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
+from checkpoints.quantize import INT8, Q4, formats_of, quantize_params
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import KVCache, LlamaModel
@@ -73,14 +74,19 @@ class ModelRunner:
                          and self.mesh.size == 1 and not engine_config.unroll_layers)
         matmul = cpu_matmul.kernels() if native_matmul else None
         experts = expert_backend(config, self.mesh) if config.num_experts else None
-        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts)
+        # Weight-only quantization: kernels quantized here (int8, q4), or as the checkpoint stored them (gguf).
+        if engine_config.quantization in (INT8, Q4):
+            params = quantize_params(params, config, engine_config.quantization)
+        self.quantization = formats_of(params)
+        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts,
+                                tuple(sorted(self.quantization.items())))
         self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
         params = replicate_kv_heads(cast_params(params, self.dtype), plan, config.head_dim)
         if matmul is not None:
             params = panel_kernels(params, matmul)
         if self.model.packed:
             params = pack_kernels(params)  # those the panels did not take
-        self.param_shardings = param_shardings(params, self.mesh, config)
+        self.param_shardings = param_shardings(params, self.mesh, config, self.quantization)
         if engine_config.unroll_layers:
             params = unstack_layers(params, config.num_layers, lambda leaf, i: leaf[i])
             self.param_shardings = unstack_layers(self.param_shardings, config.num_layers, layer_sharding)
@@ -122,7 +128,8 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters as the runner holds them (all devices together)."""
+        """Bytes of the model's parameters as the runner holds them (all devices together): in its
+        dtype, with the quantized kernels' codes, scales and mins (`--quantization`)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.params))
 
     def _device_constant(self, shape: tuple[int, ...], dtype: np.dtype, fill: object) -> jax.Array:

@@ -26,10 +26,14 @@ def enable_persistent_compilation_cache(path: str) -> None:
 
 
 def cast_params(params: Any, dtype: jnp.dtype) -> Any:
-    """Matrices and embeddings in the compute dtype; norm scales stay f32. Arrays already on
-    devices (restored into shards) are cast there, never pulled back to the host."""
+    """Matrices and embeddings in the compute dtype; norm scales stay f32, and the arrays of a
+    quantized kernel (codes, scales, mins) as they are. Arrays already on devices (restored into
+    shards) are cast there, never pulled back to the host."""
     def cast(path, x):
-        target = np.float32 if "scale" in jax.tree_util.keystr(path) else dtype
+        name = jax.tree_util.keystr(path)
+        if name.endswith(("['kernel_scale']", "['kernel_min']")) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        target = np.float32 if "scale" in name else dtype
         return x.astype(target) if isinstance(x, jax.Array) else np.asarray(x, target)
     return jax.tree_util.tree_map_with_path(cast, params)
 

@@ -12,6 +12,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from checkpoints.architectures import declare
 from checkpoints.params import param_shapes
+from checkpoints.quantize import formats_of, quantize_params
 from checkpoints.tiny_random import random_params, tiny_random_config
 from checkpoints.weights import flat
 from sharding.kv_heads import replicate_kv_heads
@@ -108,3 +109,21 @@ def test_an_undeclared_parameter_is_an_error():
     config = tiny_random_config()
     with pytest.raises(ValueError, match="parameter 'layers/rotary/freqs' is not declared by the llama architecture"):
         param_shardings({"layers": {"rotary": {"freqs": (4,)}}}, TP4, config)
+
+
+@pytest.mark.parametrize("mode", ["int8", "q4"])
+def test_quantized_arrays_shard_like_their_kernels(mode):
+    """Codes, scales and mins keep their kernel's logical axes: column-parallel kernels split on
+    the output features, row-parallel ones on the input features (codes and groups of scales; a
+    per-channel scale's single group is replicated)."""
+    config = tiny_random_config(num_heads=8)
+    tree = quantize_params(random_params(config), config, mode)
+    shardings = param_shardings(tree, TP4, config, formats_of(tree))
+    layers = shardings["layers"]
+    names = ("kernel", "kernel_scale") + (("kernel_min",) if mode == "q4" else ())
+    for name in names:
+        assert layers["q_proj"][name].spec == layers["up_proj"][name].spec == P(None, None, "tp")
+    assert layers["o_proj"]["kernel"].spec == P(None, "tp", None)
+    row_parallel_scale = P() if mode == "int8" else P(None, "tp", None)
+    assert layers["down_proj"]["kernel_scale"].spec == row_parallel_scale
+    assert tree["layers"]["q_proj"]["kernel"].dtype == (np.int8 if mode == "int8" else np.uint8)

@@ -1,0 +1,288 @@
+// Matmuls on weight-only quantized kernels for XLA:CPU through the XLA FFI
+// (kernels_pallas/cpu_qmatmul.py builds and registers them, and lays the weights out).
+//
+// out [M, N] = x [M, K] @ W for layer `layer` of a stacked kernel stored as integer codes and
+// per-group scales (checkpoints/quant_format.py), in panels of P columns like cpu_matmul.cc's
+// f32 weights, so that a tile streams its codes as one contiguous run:
+//
+//   8 bits: codes int8 [L, N / P, K, P], scale f32 [L, N / P, K / group, P]; w = code * scale.
+//   4 bits: codes uint8 [L, N / P, K / 2, P] (row 2i in the low nibble, 2i + 1 in the high),
+//           scale and min f16 [L, N / P, K / group, P]; w = code * scale + min.
+//
+// The codes are dequantized in registers, a vector of P / kVecs columns at a time, and the
+// products summed in f32: a tile of R rows x G panels keeps R * G * kVecs accumulators over all of
+// K, loads a group's scales (and mins) once per group, and widens each code vector to f32 once
+// for its R rows. Nothing is dequantized in memory: a step streams 1 byte (8 bits) or half a
+// byte (4 bits) per weight, against 4 for f32. The code is written with the compiler's vector
+// types, so it builds for AVX-512 (16 lanes), AVX2 (8) or anything else the compiler targets.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_parallel.h"
+#include "cpu_vector.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kVecs = 4;  // vectors per panel row, as cpu_matmul.cc
+constexpr int64_t kPanel = kVecs * kLanes;
+// Rows of a tile: R x kVecs accumulators beside a group's kVecs scales and kVecs mins.
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 4;
+#else
+constexpr int64_t kRows = 2;
+#endif
+constexpr int64_t kRowBlock = 4 * kRows;  // rows of a unit of work
+constexpr int64_t kPrefetch = 1024;  // bytes ahead of the stream a tile reads
+
+using Bytes = uint8_t __attribute__((vector_size(kLanes)));
+
+// f16 -> f32 of one value (the scalar fallback of `load_halves`), subnormals included.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exp = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline Vec load_halves(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__) && defined(__AVX__)
+  return reinterpret_cast<Vec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+
+template <typename T>
+inline T load_bytes(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Unsigned bytes widened to f32 lanes through int32 (a direct conversion of the byte vector
+// compiles to one scalar conversion per lane).
+inline Vec widen(Bytes bytes) { return __builtin_convertvector(__builtin_convertvector(bytes, IVec), Vec); }
+
+// kLanes int8 codes from `p` as f32 lanes (with the intrinsics: the compilers tried scalarize the
+// sign extension of a byte vector).
+inline Vec widen_signed(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<int8_t>(p[i]);
+  return v;
+#endif
+}
+
+// The two storages. A step covers `kStep` rows of K: one code row of the panel (kPanel bytes).
+struct Int8 {
+  static constexpr int64_t kStep = 1;
+  using Scale = float;
+  static Vec scale(const float* p) { return load(p); }
+};
+
+struct Int4 {
+  static constexpr int64_t kStep = 2;
+  using Scale = uint16_t;  // f16 bits
+  static Vec scale(const uint16_t* p) { return load_halves(p); }
+};
+
+template <typename F>
+struct Problem {
+  const float* x;  // [M, K]
+  const uint8_t* codes;  // the layer's panels [N / P, K / kStep, P] bytes
+  const typename F::Scale* scale;  // [N / P, groups, P]
+  const uint16_t* min;  // 4 bits: [N / P, groups, P] f16; else null
+  float* out;  // [M, N]
+  int64_t m, k, n, group;  // group: rows of K per scale
+};
+
+// out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels' dequantized weights.
+template <typename F, int64_t R, int64_t G>
+void tile(const Problem<F>& p, int64_t row, int64_t panel) {
+  Vec acc[R][G][kVecs] = {};
+  const float* x = p.x + row * p.k;
+  const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    Vec s[G][kVecs], z[G][kVecs];
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = ((panel + g) * groups + grp) * kPanel;
+      for (int64_t v = 0; v < kVecs; ++v) {
+        s[g][v] = F::scale(p.scale + at + v * kLanes);
+        z[g][v] = p.min == nullptr ? Vec{} : load_halves(p.min + at + v * kLanes);
+      }
+    }
+    for (int64_t i = grp * p.group; i < (grp + 1) * p.group; i += F::kStep) {
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* c = p.codes + ((panel + g) * code_rows + i / F::kStep) * kPanel;
+        __builtin_prefetch(c + kPrefetch);
+        for (int64_t v = 0; v < kVecs; ++v) {
+          if constexpr (F::kStep == 1) {
+            const Vec w = widen_signed(c + v * kLanes) * s[g][v];
+            for (int64_t r = 0; r < R; ++r) acc[r][g][v] += x[r * p.k + i] * w;
+          } else {
+            const Bytes b = load_bytes<Bytes>(c + v * kLanes);
+            const Vec lo = widen(b & 15) * s[g][v] + z[g][v];
+            for (int64_t r = 0; r < R; ++r) acc[r][g][v] += x[r * p.k + i] * lo;
+            const Vec hi = widen(b >> 4) * s[g][v] + z[g][v];
+            for (int64_t r = 0; r < R; ++r) acc[r][g][v] += x[r * p.k + i + 1] * hi;
+          }
+        }
+      }
+    }
+  }
+  float* out = p.out + row * p.n + panel * kPanel;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + g * kPanel + v * kLanes, acc[r][g][v]);
+}
+
+template <typename F, int64_t G, int64_t... R>
+void short_tile(const Problem<F>& p, int64_t rows, int64_t row, int64_t panel, std::integer_sequence<int64_t, R...>) {
+  ((rows == R + 1 && (tile<F, R + 1, G>(p, row, panel), true)) || ...);
+}
+
+// Rows [first, last) of panels [panel, panel + G): tiles of R rows, then the rows left over.
+template <typename F, int64_t R, int64_t G>
+void rows(const Problem<F>& p, int64_t first, int64_t last, int64_t panel) {
+  int64_t row = first;
+  for (; row + R <= last; row += R) tile<F, R, G>(p, row, panel);
+  if (row < last) short_tile<F, G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
+}
+
+// Units of a group of G panels by a block of rows (panel-group major, so that consecutive units
+// read the same codes, from L2 after the first), split over XLA's intra-op threads. An odd last
+// panel of a two-panel call is a group of one.
+template <typename F, int64_t R, int64_t G>
+void run(ffi::ThreadPool& pool, const Problem<F>& p) {
+  const int64_t panels = p.n / kPanel, groups = (panels + G - 1) / G;
+  const int64_t blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  const int64_t cost = (p.m + 16) * p.k * p.n;
+  parallel_units(pool, groups * blocks, cost, [p, panels, blocks](int64_t u) {
+    const int64_t first = u % blocks * kRowBlock, last = std::min(first + kRowBlock, p.m), panel = u / blocks * G;
+    if (panel + G <= panels) {
+      rows<F, R, G>(p, first, last, panel);
+    } else {
+      rows<F, R, 1>(p, first, last, panel);
+    }
+  });
+}
+
+// A call of one row takes two panels at once, so that its tile has enough accumulators to hide
+// the latency of its multiply-adds.
+template <typename F>
+void run_layer(ffi::ThreadPool& pool, const Problem<F>& p) {
+  if (p.m == 1) {
+    run<F, 1, 2>(pool, p);
+  } else {
+    run<F, kRows, 1>(pool, p);
+  }
+}
+
+// Checks the shapes shared by both storages: x [M, K], codes [L, N / P, K / step, P], scales
+// [L, N / P, groups, P] with K a multiple of the groups (and of a group, of the step).
+ffi::Error check(const ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> cd, ffi::Span<const int64_t> sd,
+                 int64_t step, int64_t layer) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || cd.size() != 4 || sd.size() != 4 || cd[3] != kPanel || sd[3] != kPanel ||
+      sd[0] != cd[0] || sd[1] != cd[1] || cd[2] * step != xd[1] || sd[2] <= 0 || xd[1] % sd[2] != 0 ||
+      (xd[1] / sd[2]) % step != 0) {
+    return ffi::Error::InvalidArgument(
+        "quantized layer matmul: x [M, K], codes [L, N / P, K / step, P] and scales [L, N / P, groups, P] of this "
+        "kernel's P");
+  }
+  if (layer < 0 || layer >= cd[0]) return ffi::Error::InvalidArgument("quantized layer matmul: layer out of range");
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  const auto cd = codes.dimensions();
+  const auto sd = scale.dimensions();
+  const int64_t l = layer.typed_data()[0];
+  if (auto error = check(x, cd, sd, 1, l); error.failure()) return error;
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  if (m == 0 || cd[1] == 0) return ffi::Error::Success();
+  const Problem<Int8> p{x.typed_data(), reinterpret_cast<const uint8_t*>(codes.typed_data()) + l * cd[1] * cd[2] * kPanel,
+                        scale.typed_data() + l * sd[1] * sd[2] * kPanel, nullptr, out->typed_data(), m, k,
+                        cd[1] * kPanel, k / sd[2]};
+  run_layer(pool, p);
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> min, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto cd = codes.dimensions();
+  const auto sd = scale.dimensions();
+  const auto md = min.dimensions();
+  const int64_t l = layer.typed_data()[0];
+  if (auto error = check(x, cd, sd, 2, l); error.failure()) return error;
+  if (!std::equal(sd.begin(), sd.end(), md.begin(), md.end())) {
+    return ffi::Error::InvalidArgument("quantized layer matmul: scales and mins of different shapes");
+  }
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  if (m == 0 || cd[1] == 0) return ffi::Error::Success();
+  const int64_t scales = l * sd[1] * sd[2] * kPanel;
+  const Problem<Int4> p{x.typed_data(), codes.typed_data() + l * cd[1] * cd[2] * kPanel,
+                        reinterpret_cast<const uint16_t*>(scale.untyped_data()) + scales,
+                        reinterpret_cast<const uint16_t*>(min.untyped_data()) + scales, out->typed_data(), m, k,
+                        cd[1] * kPanel, k / sd[2]};
+  run_layer(pool, p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // codes, panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales, panels
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matmul, Int4MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // codes, two a byte, panels
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales, panels
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // mins, panels
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" int64_t JaxserveQMatmulPanel() { return kPanel; }
