@@ -344,10 +344,11 @@ struct Tile {
   int64_t seq, first_query, num_queries;  // query vectors: (row, head-in-group) pairs, row-major
 };
 
-// Scratch of one thread: Q^T and O^T [D][kTileQueries], scores [kKeyBlock][kTileQueries], and
-// the offsets of the tile's keys.
+// Scratch of one thread: Q^T and O^T [D][kTileQueries], scores [kKeyBlock][kTileQueries], the
+// offsets of the tile's keys, and a key block's K and V rows as f32 [kKeyBlock][D] (a cache of
+// another format: each row is read from memory once per block, widened and scaled, then from L1).
 struct PrefillScratch {
-  std::vector<float> qt, ot, st;
+  std::vector<float> qt, ot, st, kf, vf;
   std::vector<int64_t> rows;
 };
 
@@ -382,12 +383,16 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
   for (int64_t i = 0; i < kTileVecs; ++i) m[i] = Vec{} + kMasked, l[i] = Vec{};
   for (int64_t kb = key_lo; kb <= last_key; kb += kKeyBlock) {
     const int64_t nb = std::min<int64_t>(kKeyBlock, last_key + 1 - kb);
-    const T* krow[kKeyBlock];
-    const T* vrow[kKeyBlock];
+    const float* krow[kKeyBlock];
+    const float* vrow[kKeyBlock];
     for (int64_t j = 0; j < kKeyBlock; ++j) {  // a block's tail repeats its last key (masked below)
-      const int64_t row = scratch.rows[kb - key_lo + std::min(j, nb - 1)];
-      krow[j] = keys + row;
-      vrow[j] = values + row;
+      if (j >= nb) {
+        krow[j] = krow[nb - 1], vrow[j] = vrow[nb - 1];
+        continue;
+      }
+      const int64_t row = scratch.rows[kb - key_lo + j];
+      krow[j] = row_as_f32<T, D>(keys + row, scratch.kf.data() + j * D);
+      vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
     }
     // S^T = K Q^T, kKeyTile keys at a time.
     for (int64_t j0 = 0; j0 < nb; j0 += kKeyTile) {
@@ -396,15 +401,12 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
         Vec qd[kTileVecs];
         for (int64_t i = 0; i < kTileVecs; ++i) qd[i] = load(qt + d * kTileQueries + i * kLanes);
         for (int64_t j = 0; j < kKeyTile; ++j) {
-          const Vec kd = Vec{} + kv_value(krow[j0 + j] + d);
+          const Vec kd = Vec{} + krow[j0 + j][d];
           for (int64_t i = 0; i < kTileVecs; ++i) acc[j][i] += kd * qd[i];
         }
       }
-      for (int64_t j = 0; j < kKeyTile; ++j) {
-        const float key_scale = kv_scale(krow[j0 + j], D);
-        for (int64_t i = 0; i < kTileVecs; ++i)
-          store(st + (j0 + j) * kTileQueries + i * kLanes, acc[j][i] * key_scale);
-      }
+      for (int64_t j = 0; j < kKeyTile; ++j)
+        for (int64_t i = 0; i < kTileVecs; ++i) store(st + (j0 + j) * kTileQueries + i * kLanes, acc[j][i]);
     }
     // Mask, then the online softmax's rescaling.
     Vec block_max[kTileVecs];
@@ -428,15 +430,13 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
       l[i] *= alpha[i];
       m[i] = m_new[i];
     }
-    // P^T, each key's weights times its value row's scale; zeros past nb, so the PV tiles need no tail.
-    for (int64_t j = 0; j < kKeyBlock; ++j) {
-      const float value_scale = kv_scale(vrow[j], D);
+    for (int64_t j = 0; j < kKeyBlock; ++j) {  // P^T; zeros past nb, so the PV tiles need no tail
       for (int64_t i = 0; i < kTileVecs; ++i) {
         float* at = st + j * kTileQueries + i * kLanes;
         const Vec sc = j < nb ? load(at) : Vec{} + kMasked;
         const Vec e = sc > kMasked ? exp(sc - m_new[i]) : Vec{};
         l[i] += e;
-        store(at, e * value_scale);
+        store(at, e);
       }
     }
     // O^T = alpha O^T + V^T P^T, kKeyTile head dims at a time.
@@ -449,7 +449,7 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
         Vec pj[kTileVecs];
         for (int64_t i = 0; i < kTileVecs; ++i) pj[i] = load(st + j * kTileQueries + i * kLanes);
         for (int64_t d = 0; d < kKeyTile; ++d) {
-          const Vec vd = Vec{} + kv_value(vrow[j] + d0 + d);
+          const Vec vd = Vec{} + vrow[j][d0 + d];
           for (int64_t i = 0; i < kTileVecs; ++i) acc[d][i] += vd * pj[i];
         }
       }
@@ -516,6 +516,8 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         scratch.qt.resize(D * kTileQueries);
         scratch.ot.resize(D * kTileQueries);
         scratch.st.resize(kKeyBlock * kTileQueries);
+        scratch.kf.resize(kKeyBlock * D);
+        scratch.vf.resize(kKeyBlock * D);
         prefill_tile<T, decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
       });
     });

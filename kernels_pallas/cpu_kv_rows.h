@@ -2,18 +2,18 @@
 // attention kernels (cpu_attention.cc): float (f32), uint16_t (bf16 bits), int8_t (int8 values,
 // then the row's f32 scale in 4 bytes), uint8_t (fp8 e4m3 bits, then the scale).
 //
-// The kernels read a row's values unscaled and apply its scale once per row (to a key's score,
-// to a value's softmax weight), so a scaled format costs one multiply per row, not per element.
+// Decode reads a row's values unscaled and applies its scale once per row (to a key's score, to
+// a value's softmax weight); prefill widens a block of rows at a time, scaled (`row_as_f32`).
 // bf16 widens to f32 in registers (a 16-bit shift), so products and sums stay f32 exactly as
 // with an f32 cache holding the same values.
 
 #pragma once
 
-#include <array>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include <immintrin.h>
 
 #include "cpu_vector.h"
 
@@ -26,40 +26,20 @@ constexpr int64_t kRowExtra = sizeof(T) == 1 ? 4 : 0;
 template <typename T>
 constexpr bool kScaled = sizeof(T) == 1;
 
-// fp8 e4m3 ("fn": no infinities, 0x7f / 0xff are NaN) to f32, all 256 bit patterns.
-inline std::array<float, 256> fp8_table() {
-  std::array<float, 256> table{};
-  for (int bits = 0; bits < 256; ++bits) {
-    const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
-    float magnitude;
-    if ((bits & 0x7f) == 0x7f) magnitude = __builtin_nanf("");
-    else if (exponent == 0) magnitude = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m/8 * 2^-6
-    else magnitude = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
-    table[bits] = (bits & 0x80) ? -magnitude : magnitude;
-  }
-  return table;
-}
-
-inline const float* fp8_to_f32() {
-  static const std::array<float, 256> table = fp8_table();
-  return table.data();
-}
-
-// One element as f32 (unscaled).
-template <typename T>
-inline float kv_value(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return *p;
-  } else if constexpr (std::is_same_v<T, uint16_t>) {
-    const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  } else if constexpr (std::is_same_v<T, int8_t>) {
-    return static_cast<float>(*p);
-  } else {
-    return fp8_to_f32()[*p];
-  }
+// kLanes bytes widened to int32 lanes, sign- or zero-extended (GCC's generic conversion of a
+// byte vector goes element by element).
+template <bool Signed>
+inline IVec widen_bytes(const void* p) {
+  IVec out;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m512i w = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+#else
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  const __m256i w = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+#endif
+  __builtin_memcpy(&out, &w, sizeof(out));
+  return out;
 }
 
 // kLanes consecutive elements as f32 (unscaled).
@@ -76,14 +56,20 @@ inline Vec load_kv(const T* p) {
     __builtin_memcpy(&f, &bits, sizeof(f));
     return f;
   } else if constexpr (std::is_same_v<T, int8_t>) {
-    using I8 = int8_t __attribute__((vector_size(kLanes)));
-    I8 b;
-    __builtin_memcpy(&b, p, sizeof(b));
-    return __builtin_convertvector(b, Vec);
+    return __builtin_convertvector(widen_bytes<true>(p), Vec);
   } else {
-    const float* table = fp8_to_f32();
+    // fp8 e4m3 by its fields: normal numbers rebias the exponent (7 -> 127), subnormals are
+    // m * 2^-9. (0x7f / 0xff, NaN, would read as +-480; kv_quant never writes them.)
+    const IVec x = widen_bytes<false>(p), magnitude = x & 0x7f;
+    const IVec normal = (magnitude << 20) + (120 << 23);
     Vec f;
-    for (int64_t i = 0; i < kLanes; ++i) f[i] = table[p[i]];
+    __builtin_memcpy(&f, &normal, sizeof(f));
+    const Vec subnormal = __builtin_convertvector(magnitude, Vec) * (1.0f / 512.0f);
+    f = magnitude < 8 ? subnormal : f;
+    IVec bits;
+    __builtin_memcpy(&bits, &f, sizeof(bits));
+    bits |= (x & 0x80) << 24;
+    __builtin_memcpy(&f, &bits, sizeof(f));
     return f;
   }
 }
@@ -97,6 +83,19 @@ inline float kv_scale(const T* row, int64_t dim) {
     return s;
   } else {
     return 1.0f;
+  }
+}
+
+// A row's D values times its scale as f32: the row itself for an f32 cache, else written to
+// `scratch` [D].
+template <typename T, int64_t D>
+inline const float* row_as_f32(const T* row, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    const float scale = kv_scale(row, D);
+    for (int64_t c = 0; c < D; c += kLanes) store(scratch + c, load_kv(row + c) * scale);
+    return scratch;
   }
 }
 
