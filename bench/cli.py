@@ -1,4 +1,4 @@
-"""`jaxserve bench {serve,sweep,throughput,latency,compare}`; flags follow `vllm bench` where it has one.
+"""`jaxserve bench {serve,sweep,throughput,latency,accuracy,compare}`; flags follow `vllm bench` where it has one.
 
 `jaxserve/cli.py` calls `add_bench_parser(subparsers)`; each command sets `func(args) -> int`.
 """
@@ -127,11 +127,19 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
     p.add_argument("--save-detailed", action="store_true", help="keep every inter-token gap in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--peer-n-ctx", type=int, default=4096, help="context of the llama-cpp server (llama-server: per slot)")
+    p.add_argument("--peer-n-ctx", type=int, default=4096,
+                   help="context of the llama-cpp server (llama-server: per slot; vllm: --max-model-len)")
     p.add_argument("--peer-binary", default="llama-server", help="llama-server: the executable (path or name on PATH)")
     p.add_argument("--peer-slots", type=int, default=32, help="llama-server: parallel slots (continuous batching)")
+    p.add_argument("--peer-model", default=None,
+                   help="vllm: a Hugging Face model directory (default: the GGUF converted by transformers, cached)")
+    p.add_argument("--peer-convert-python", default=None,
+                   help="vllm: interpreter with torch, transformers, accelerate and gguf that converts the GGUF "
+                        "(default: --peer-python)")
+    p.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="vllm: its --dtype")
+    p.add_argument("--peer-kv-cache-gib", type=float, default=2.0, help="vllm: its KV cache (VLLM_CPU_KVCACHE_SPACE)")
     _add_workload_args(p, "text")
-    _add_peer_args(p, ("llama-cpp", "llama-server"))
+    _add_peer_args(p, ("llama-cpp", "llama-server", "vllm"))
     _add_output_args(p)
 
 
@@ -143,7 +151,9 @@ def _serve_options(args: argparse.Namespace) -> Any:
                         api_key=args.api_key, ignore_eos=args.ignore_eos, peer=args.peer,
                         peer_python=args.peer_python, peer_threads=args.peer_threads,
                         peer_n_ctx=args.peer_n_ctx, peer_binary=args.peer_binary,
-                        peer_slots=args.peer_slots)  # fmt: skip
+                        peer_slots=args.peer_slots, peer_model=args.peer_model,
+                        peer_convert_python=args.peer_convert_python, peer_dtype=args.peer_dtype,
+                        peer_kv_cache_gib=args.peer_kv_cache_gib)  # fmt: skip
 
 
 def _load_spec(args: argparse.Namespace, rate: float, concurrency: int | None) -> Any:
@@ -276,6 +286,24 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_accuracy(args: argparse.Namespace) -> int:
+    from bench.accuracy import format_table
+    from bench.accuracy_run import run_accuracy
+    from bench.heldout_text import load_text
+    from bench.report import write_json
+    from bench.system_info import system_info
+
+    text, source = load_text(args.text_file)
+    result = run_accuracy(args, args.reference_args, args.candidate_args or [], text, args.positions, args.window)
+    result = {"system": system_info(), "model": args.model, "text": source, **result}
+    print(f"{args.model}: {result['positions']} next-token positions of {source}")
+    print(format_table(result["rows"]))
+    path = _result_path(args, "accuracy", "text")
+    write_json(result, path)
+    print(f"results: {path}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from bench.report import compare
 
@@ -322,6 +350,21 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_peer_args(p, ("transformers", "llama-cpp"))
     _add_output_args(p, ignore_eos_flag=False)
     p.set_defaults(func=_guarded(_cmd_latency))
+
+    p = sub.add_parser("accuracy", help="top-1 agreement and perplexity of engine modes against an f32 reference")
+    add_engine_args(p)
+    p.add_argument("--positions", type=int, default=2000, help="next-token positions of the text to score")
+    p.add_argument("--reference-args", default="--dtype float32",
+                   help="engine flags of the reference, on top of the shared ones (one string)")
+    p.add_argument("--candidate-args", action="append", default=None,
+                   help="engine flags of a candidate, one string, written with = "
+                        "(--candidate-args='--dtype bfloat16'); repeat for several")
+    p.add_argument("--text-file", default=None,
+                   help="UTF-8 text to score (default: the Python documentation's help topics, bench/heldout_text.py)")
+    p.add_argument("--window", type=int, default=None, help="tokens per scored window (default: max_model_len - 1)")
+    p.add_argument("--result-file", default=None,
+                   help=f"JSON output (default: {DEFAULT_RESULT_DIR}/accuracy-text-TIME.json)")
+    p.set_defaults(func=_cmd_accuracy)
 
     p = sub.add_parser("compare", help="compare two result JSON files")
     p.add_argument("a")

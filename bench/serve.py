@@ -2,9 +2,10 @@
 
 The target is a running server (`--base-url`) or a `jaxserve serve` this command starts itself on
 a free loopback port and stops afterwards. With `--peer llama-cpp` (llama-cpp-python's OpenAI
-server, one request at a time) or `--peer llama-server` (llama.cpp's own server, continuous
-batching over `--peer-slots` slots), the peer is then started on the same GGUF and sent the same
-requests on the same arrival schedule; the two never run at the same time (one shared CPU).
+server, one request at a time), `--peer llama-server` (llama.cpp's own server, continuous
+batching over `--peer-slots` slots) or `--peer vllm` (vLLM's OpenAI server, on a Hugging Face
+directory converted from the same GGUF), the peer is then started and sent the same requests on
+the same arrival schedule; the two never run at the same time (one shared CPU).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from bench.kv_tier_report import from_server_counters
 from bench.load import LoadSpec, run_load
 from bench.metrics import SLO, RequestRecord, compute_metrics, latency_lists, metrics_by_group
 from bench.model_files import gguf_path
-from bench.peers.runner import PeerUnavailable, check_peer
+from bench.peers.runner import PeerUnavailable, check_peer, run_offline_peer
 from bench.plots import plot_cdfs, plot_latency_curves
 from bench.report import OURS, with_ratios
-from bench.server_process import ManagedServer, free_port, jaxserve_argv, llama_server_argv, llamacpp_argv
+from bench.server_process import (ManagedServer, free_port, jaxserve_argv, llama_server_argv, llamacpp_argv,
+                                  vllm_argv, vllm_env)
 from bench.system_info import system_info
 from bench.workloads import TokenizerLike, Workload
 
-SERVE_PEERS = ("llama-cpp", "llama-server")
+SERVE_PEERS = ("llama-cpp", "llama-server", "vllm")
 
 
 @dataclasses.dataclass
@@ -49,9 +51,13 @@ class ServeOptions:
     peer: str | None = None
     peer_python: str | None = None
     peer_threads: int = 2
-    peer_n_ctx: int = 4096  # per slot for llama-server
+    peer_n_ctx: int = 4096  # per slot for llama-server; vllm: its --max-model-len
     peer_binary: str = "llama-server"  # llama-server: the executable (a path, or a name on PATH)
     peer_slots: int = 32  # llama-server: parallel slots
+    peer_model: str | None = None  # vllm: a Hugging Face directory (default: converted from the GGUF, cached)
+    peer_convert_python: str | None = None  # vllm: the interpreter that converts the GGUF (default: peer_python)
+    peer_dtype: str = "bfloat16"  # vllm: its --dtype
+    peer_kv_cache_gib: float = 2.0  # vllm: VLLM_CPU_KVCACHE_SPACE
 
 
 @dataclasses.dataclass
@@ -164,6 +170,47 @@ def llama_server_endpoint(opts: ServeOptions) -> Iterator[tuple[Endpoint, dict[s
         yield Endpoint(server.base_url, served_model_name(opts), extra), info
 
 
+@contextlib.contextmanager
+def vllm_endpoint(opts: ServeOptions) -> Iterator[tuple[Endpoint, dict[str, Any]]]:
+    """vLLM's OpenAI server (its CPU build on a CPU) on a Hugging Face directory of the same weights
+    (`ignore_eos` is a request field there)."""
+    versions = check_peer("vllm", opts.peer_python)
+    python = opts.peer_python or sys.executable
+    model_dir = vllm_model_dir(opts)
+    port = free_port()
+    argv = vllm_argv(python, str(model_dir), served_model_name(opts), port, opts.peer_dtype, opts.peer_n_ctx)
+    env = vllm_env(python, opts.peer_threads, opts.peer_kv_cache_gib)
+    extra = {"ignore_eos": True} if opts.ignore_eos else {}
+    with ManagedServer(argv, port, "/health", opts.startup_timeout_s, env=env, name="vllm") as server:
+        info = {"argv": argv, "env": env, "startup_s": server.startup_seconds, "versions": versions,
+                "log": str(server.log_path)}
+        yield Endpoint(server.base_url, served_model_name(opts), extra), info
+
+
+def vllm_model_dir(opts: ServeOptions) -> Path:
+    """`--peer-model`, else the model's GGUF converted to a Hugging Face directory by transformers
+    (bench/peers/gguf_to_hf.py, in `--peer-convert-python`), once: cached next to jaxserve's
+    checkpoints and reused while the GGUF is unchanged."""
+    from checkpoints.registry import cache_dir
+
+    if opts.peer_model:
+        path = Path(opts.peer_model).expanduser()
+        if not (path / "config.json").is_file():
+            raise PeerUnavailable(f"--peer-model {path} is not a Hugging Face model directory (no config.json)")
+        return path
+    gguf = gguf_path(opts.model)
+    stat = gguf.stat()
+    path = cache_dir() / "hf-from-gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (path / "config.json").is_file():
+        return path
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    run_offline_peer("gguf-to-hf", {"gguf": str(gguf), "out_dir": str(partial)},
+                     opts.peer_convert_python or opts.peer_python)
+    partial.rename(path)
+    return path
+
+
 def llama_server_binary(opts: ServeOptions) -> str:
     binary = shutil.which(opts.peer_binary)
     if binary is None:
@@ -182,6 +229,10 @@ def check_serving_peer(opts: ServeOptions) -> None:
         raise ValueError(f"unknown serving peer {opts.peer!r}; choose from {SERVE_PEERS}")
     if opts.peer == "llama-server":
         llama_server_binary(opts)
+    elif opts.peer == "vllm":
+        check_peer("vllm", opts.peer_python)
+        vllm_model_dir(opts)  # converts the GGUF now (once), not after jaxserve's run
+        return
     else:
         check_peer("llama-cpp-server", opts.peer_python)
     try:
@@ -197,6 +248,8 @@ def endpoint_for(backend: str, opts: ServeOptions, tokenizer: Any):
         return llamacpp_endpoint(opts, tuple(tokenizer.eos_token_ids))
     if backend == "llama-server":
         return llama_server_endpoint(opts)
+    if backend == "vllm":
+        return vllm_endpoint(opts)
     raise ValueError(f"unknown serving peer {backend!r}; choose from {SERVE_PEERS}")
 
 

