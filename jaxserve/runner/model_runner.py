@@ -90,15 +90,17 @@ class ModelRunner:
 
         bs = engine_config.block_size
         tp = engine_config.tensor_parallel_size  # kv_cache_memory is per device
-        self.num_blocks = engine_config.num_blocks or max(
-            2, engine_config.kv_cache_memory * tp // KVCache.bytes_per_block(config, bs, self.kv_dtype)
-        )
+        block_bytes = KVCache.bytes_per_block(config, bs, self.kv_dtype)  # all devices' shards, scales included
+        self.num_blocks = engine_config.num_blocks or max(2, engine_config.kv_cache_memory * tp // block_bytes)
         self.cache_sharding = cache_sharding(self.mesh)
         self.cache = jax.jit(
             lambda: KVCache.zeros(config, self.num_blocks, bs, self.kv_dtype), out_shardings=self.cache_sharding
         )()
+        logger.info("KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
+                    kv_quant.format_name(self.kv_dtype), self.num_blocks, bs, self.num_blocks * bs,
+                    self.num_blocks * block_bytes / 1e6, (1 << 30) * bs // block_bytes)
         rep, kv = replicated(self.mesh), self.cache_sharding
-        self.num_host_slots = engine_config.num_host_slots(KVCache.bytes_per_block(config, bs, self.kv_dtype))
+        self.num_host_slots = engine_config.num_host_slots(block_bytes)
         self.blocks = BlockMover(self.cache, kv, rep, self.num_host_slots)
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
