@@ -118,5 +118,17 @@ def values_to_f32(values: jax.Array) -> jax.Array:
     if values.dtype == jnp.uint16:
         values = lax.bitcast_convert_type(values, jnp.bfloat16)
     elif values.dtype == jnp.uint8:
-        values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+        return fp8_bits_to_f32(values)
     return values.astype(jnp.float32)
+
+
+def fp8_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """fp8 e4m3 bits as f32, from their fields with integer ops (what the C++ kernels do too):
+    Triton's lowering casts from float8 only on GPUs with fp8 conversions (not Ampere). Normal
+    numbers rebias the exponent (7 -> 127), subnormals are m * 2^-9; 0x7f / 0xff (NaN) would read
+    as +-480, and `quantize` never writes them."""
+    x = bits.astype(jnp.int32)
+    magnitude = x & 0x7F
+    normal = lax.bitcast_convert_type((magnitude << 20) + (120 << 23), jnp.float32)
+    f = jnp.where(magnitude < 8, magnitude.astype(jnp.float32) * (1.0 / 512.0), normal)
+    return jnp.where((x & 0x80) != 0, -f, f)
