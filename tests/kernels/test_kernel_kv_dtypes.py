@@ -4,6 +4,7 @@ same stored cache, for bf16 bits, int8 and fp8 rows with their scales."""
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -53,6 +54,21 @@ def test_round_trip_error_bounds():
     for name in FORMATS:
         assert not back[name][0, 0, 0].any()
     assert np.max(err["int8"] / amax) > 1e-4  # int8 really rounds
+
+
+def test_fp8_bits_are_xlas_conversions():
+    """`kv_quant` codes fp8 with integer ops (XLA:CPU's float8 conversion is slow, Triton's needs an
+    fp8 GPU): every finite code decodes to XLA's value, and values within +-448, the codes' values
+    and the midpoints between them (rounding to nearest even) encode to XLA's codes."""
+    codes = jnp.asarray([c for c in range(256) if c & 0x7F != 0x7F], jnp.uint8)
+    values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(kv_quant.fp8_bits_to_f32(codes)), np.asarray(values))
+    exact = np.sort(np.asarray(values))
+    rng = np.random.default_rng(0)
+    x = np.concatenate([exact, (exact[1:] + exact[:-1]) / 2, rng.uniform(-448, 448, 5000),
+                        rng.uniform(-0.03, 0.03, 5000)]).astype(np.float32)
+    want = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float8_e4m3fn), jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(kv_quant.f32_to_fp8_bits)(x)), np.asarray(want))
 
 
 def _inputs(seed: int, name: str):
