@@ -15,7 +15,7 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.kv import CopyKind
+from jaxserve.kv import CopyKind, DiskTier, HostBlockArrays, fingerprint
 from jaxserve.kv_tiers import kv_fingerprint
 from jaxserve.model import KVCache
 from jaxserve.runner.block_moves import BlockMover
@@ -57,6 +57,26 @@ def test_swaps_keep_rows_and_scales():
     assert mover.host_k.dtype == np.int8 and mover.host_k.shape[-1] == 16 + kv_quant.SCALE_ELEMENTS
 
 
+def test_disk_files_keep_rows_and_scales(tmp_path):
+    """Blocks of an int8 host tier written to the disk tier and read back into other slots come
+    back byte for byte, scales included (what the engine's disk writes and loads do)."""
+    rng = np.random.default_rng(1)
+    host = [np.array(kv_quant.quantize(jnp.asarray(rng.standard_normal((2, 2, 4, 8, 16)) * 3), jnp.int8))
+            for _ in range(2)]
+    written = [a.copy() for a in host]
+    disk = DiskTier(tmp_path, fingerprint({"kv_cache_dtype": "int8"}), 8, HostBlockArrays(host), 1 << 20)
+    keys, tokens = [bytes([i]) * 16 for i in (1, 2)], [bytes(32), bytes(32)]
+    disk.write([disk.plan_write(k, t) for k, t in zip(keys, tokens)], [a[:, :, [0, 1]] for a in host])
+    disk.flush()
+    for a in host:
+        a[:] = 0
+    disk.start_load(keys, tokens, [2, 3])
+    assert disk.wait(30.0) and disk.poll()[0].loaded == 2
+    for got, want in zip(host, written):
+        np.testing.assert_array_equal(got[:, :, [2, 3]], want[:, :, [0, 1]])
+    disk.close()
+
+
 def test_the_fingerprint_covers_the_kv_dtype():
     """Disk files and KV handed between workers are keyed by it: another KV dtype never reads them."""
     runner = types.SimpleNamespace(config="cfg", engine_config=EngineConfig(), params={"w": jnp.ones(3)},
@@ -66,6 +86,7 @@ def test_the_fingerprint_covers_the_kv_dtype():
     assert len(prints) == 4  # bf16 bits (CPU) and bf16 (GPU) are one format
 
 
+@pytest.mark.slow  # ~30 s: two engines; CI: test_disk_files_keep_rows_and_scales and the kernel tests
 def test_int8_blocks_survive_the_disk_tier(tmp_path, assert_kv_all_free):
     """After a restart on an int8 engine's disk directory, an int8 engine loads the prompts' blocks
     (rows with their scales) and serves the greedy tokens of the first run; the pool holds more
