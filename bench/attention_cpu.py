@@ -4,6 +4,7 @@ C++ kernels, the CPU default) against `jax` (paged_jax) and the floors measured 
 
     python3 -m bench.attention_cpu            # SmolLM2-135M: 9 heads, 3 kv heads, head_dim 64
     python3 -m bench.attention_cpu --layers 30 --iters 3
+    python3 -m bench.attention_cpu --kv-cache-dtypes float32 bfloat16 int8 fp8   # the cpu kernels per cache format
 
 Prefill cases are S sequences of `chunk` new tokens over `history` cached ones in a step of
 S * chunk rows with block tables `width` pages wide (the step's bucket: wider than the
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernel_bench import copy_bandwidth, scattered_tables, time_call
-from kernels_pallas import cpu_attention, paged_jax
+from kernels_pallas import cpu_attention, kv_quant, paged_jax
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
 # (sequences, chunk, history, width in pages)
@@ -33,10 +34,12 @@ PREFILL = [(1, 512, 0, 32), (4, 128, 0, 32), (1, 512, 0, 128), (4, 128, 0, 128),
 DECODE = [(32, 200, 128), (64, 200, 16), (64, 700, 128), (64, 2048, 128), (1, 2048, 128)]
 
 
-def _cache(rows: int, width: int) -> tuple[jax.Array, jax.Array]:
+def _cache(rows: int, width: int, kv_dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
+    """K and V of `rows * width + 1` pages, stored as `--kv-cache-dtype kv_dtype` stores them."""
     shape = (1, KV_HEADS, rows * width + 1, BLOCK_SIZE, HEAD_DIM)
     k = jax.random.normal(jax.random.key(0), shape, jnp.float32)
-    return k, k * 0.5
+    store = jax.jit(functools.partial(kv_quant.quantize, dtype=kv_quant.storage_dtype(kv_dtype, jnp.float32, "cpu")))
+    return store(k), store(k * 0.5)
 
 
 def matmul_flops_per_s(iters: int) -> float:
@@ -45,9 +48,10 @@ def matmul_flops_per_s(iters: int) -> float:
     return 2 * 512 * 576 * 1536 / time_call(lambda: dot(x, w), iters)
 
 
-def bench_prefill(module, num_seqs: int, chunk: int, history: int, width: int, iters: int) -> tuple[float, float]:
+def bench_prefill(module, num_seqs: int, chunk: int, history: int, width: int, iters: int,
+                  kv_dtype: str = "float32") -> tuple[float, float]:
     """(seconds per layer of `module`'s prefill_attention, useful FLOPs)."""
-    k, v = _cache(num_seqs, width)
+    k, v = _cache(num_seqs, width, kv_dtype)
     tables = scattered_tables(np.random.default_rng(0), num_seqs, width)
     q = jax.random.normal(jax.random.key(1), (num_seqs * chunk, KV_HEADS * GROUP, HEAD_DIM))
     seq_lens = jnp.full((num_seqs,), history + chunk, jnp.int32)
@@ -58,22 +62,43 @@ def bench_prefill(module, num_seqs: int, chunk: int, history: int, width: int, i
     return seconds, flops
 
 
-def bench_decode(module, batch: int, context: int, width: int, iters: int) -> tuple[float, float]:
+def bench_decode(module, batch: int, context: int, width: int, iters: int,
+                 kv_dtype: str = "float32") -> tuple[float, float]:
     """(seconds per layer of `module`'s decode_attention, K/V bytes the batch must read)."""
-    k, v = _cache(batch, width)
+    k, v = _cache(batch, width, kv_dtype)
     tables = scattered_tables(np.random.default_rng(0), batch, width)
     q = jax.random.normal(jax.random.key(1), (batch, KV_HEADS * GROUP, HEAD_DIM))
     lengths = jnp.full((batch,), context, jnp.int32)
     fn = jax.jit(functools.partial(module.decode_attention, scale=HEAD_DIM**-0.5))
     seconds = time_call(lambda: fn(q, k, v, jnp.int32(0), tables, lengths), iters)
-    return seconds, 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+    return seconds, 2 * batch * context * KV_HEADS * k.shape[-1] * k.dtype.itemsize
+
+
+def compare_formats(names: list[str], iters: int) -> None:
+    """The cpu kernels' ms per layer on caches of each format, same run, and each one's time
+    over the first format's (`x first`)."""
+    head = " ".join(f"{n + ' ms':>12}" for n in names)
+    ratios = " ".join(f"{'x ' + names[0][:6]:>9}" for _ in names[1:])
+    print(f"{'cpu kernels: case':<40} {head} {ratios}")
+    cases = [("prefill %d x %d / %d / %d" % c, functools.partial(bench_prefill, cpu_attention, *c, iters))
+             for c in PREFILL] + [("decode %d / %d / %d" % c, functools.partial(bench_decode, cpu_attention, *c, iters))
+                                  for c in DECODE]
+    for label, run in cases:
+        seconds = [run(kv_dtype=name)[0] for name in names]
+        print(f"{label:<40} " + " ".join(f"{t * 1e3:12.3f}" for t in seconds) + " "
+              + " ".join(f"{t / seconds[0]:9.2f}" for t in seconds[1:]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30, help="layers per step (the ms/step column)")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=None, metavar="DTYPE",
+                        help="instead: the cpu kernels on caches of these formats (--kv-cache-dtype values)")
     args = parser.parse_args()
+    if args.kv_cache_dtypes:
+        compare_formats(args.kv_cache_dtypes, args.iters)
+        return
     peak = matmul_flops_per_s(args.iters)
     copy_bps = copy_bandwidth(1 << 24, jnp.float32, args.iters)  # 64 MB would time page faults
     print(f"f32 matmul 512x576x1536: {peak / 1e9:.0f} GFLOP/s; copy: {copy_bps / 1e9:.1f} GB/s")

@@ -48,6 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                         "q4 (4 bits, groups of 32), gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks "
                                         "as stored); checkpoints/quantize.py")
                 continue
+            if f.name == "kv_cache_dtype":  # checked by kernels_pallas.kv_quant when the engine starts
+                group.add_argument(flag, default=default,
+                                   help="auto (the activations' dtype: float32 on CPU), float32, bfloat16, fp8 "
+                                        "(= fp8_e4m3) or int8; fp8 and int8 store a scale per token and kv head")
+                continue
             group.add_argument(flag, type=base, default=default)
 
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve.kv import DiskTier, HostBlockArrays, fingerprint
+from kernels_pallas import kv_quant
 
 if TYPE_CHECKING:
     from jaxserve.runner import ModelRunner
@@ -38,6 +39,7 @@ def kv_fingerprint(runner: ModelRunner, model_name: str) -> bytes:
     config, ec = runner.config, runner.engine_config
     return fingerprint({
         "model": model_name, "weights": weights_digest(runner.params), "dtype": str(runner.dtype),
+        "kv_cache_dtype": kv_quant.format_name(runner.kv_dtype),
         "block_size": ec.block_size, "tensor_parallel_size": ec.tensor_parallel_size,
         # layers, kv heads as served (repeated under tensor parallelism), head dim, RoPE, ...
         "config": repr(config),

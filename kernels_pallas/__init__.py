@@ -6,15 +6,16 @@ An attention backend is a pair of functions with the signatures of
 model's matmuls beside them, its scanned layers' on weights in panels and the tied head's;
 `cpu_build` builds both), `decode` (Pallas Triton) and `decode_mosaic` (Pallas Mosaic GPU,
 Hopper), one of which `gpu_select` picks per GPU generation, and `prefill` (Pallas Triton):
-the GPU default; `reference` (their oracle). The model looks one up by
+the GPU default; `reference` (their oracle). Every backend reads
+every cache format of `kv_quant` (`--kv-cache-dtype`). The model looks one up by
 name with `get_attention_backend` (`default_attention_backend()` names the one for this
 machine) and, under a mesh, wraps it with `shard_attention`.
 """
 
 from __future__ import annotations
 
-from kernels_pallas import (common, cpu_attention, cpu_build, cpu_matmul, decode, decode_mosaic, gpu_select, paged_jax,
-                            prefill, reference)
+from kernels_pallas import (common, cpu_attention, cpu_build, cpu_matmul, decode, decode_mosaic, gpu_select, kv_quant,
+                            paged_jax, prefill, reference)
 from kernels_pallas.backends import (
     BACKENDS,
     AttentionBackend,
@@ -31,6 +32,7 @@ __all__ = [
     "decode",
     "decode_mosaic",
     "gpu_select",
+    "kv_quant",
     "paged_jax",
     "prefill",
     "reference",

@@ -23,6 +23,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import kv_quant
 
 INTERPRET_ENV = "JAXSERVE_PALLAS_INTERPRET"
 MASKED = -1e30  # finite: a fully masked step must not produce inf - inf = NaN
@@ -186,9 +189,18 @@ def attend_step(
     return SoftmaxState(m_new, l_new, acc)
 
 
-def load_pages(cache_ref: Any, layer: jax.Array, head: jax.Array, pages: jax.Array) -> jax.Array:
-    """Gather pages [P] of one layer and kv head from the stacked cache -> [P * BS, D]."""
-    block = cache_ref[layer, head, pages]  # [P, BS, D]
+def load_pages(cache_ref: Any, layer: jax.Array, head: jax.Array, pages: jax.Array, head_dim: int) -> jax.Array:
+    """Gather pages [P] of one layer and kv head from the stacked cache -> [P * BS, D], in
+    `kv_quant.value_dtype` of the cache. A scaled row's values and its 4 scale bytes are loaded
+    apart (Triton takes power-of-two blocks only: D, not D + 4)."""
+    if not kv_quant.is_scaled(cache_ref.dtype):
+        block = kv_quant.dequantize(cache_ref[layer, head, pages])  # [P, BS, D]
+        p, bs, d = block.shape
+        return block.reshape(p * bs, d)
+    values = cache_ref[layer, head, pages, :, pl.ds(0, head_dim)]  # [P, BS, D]
+    scale = kv_quant.scale_from_bytes(*(cache_ref[layer, head, pages, :, head_dim + i]
+                                        for i in range(kv_quant.SCALE_ELEMENTS)))  # [P, BS]
+    block = kv_quant.values_to_f32(values) * scale[..., None]
     p, bs, d = block.shape
     return block.reshape(p * bs, d)
 

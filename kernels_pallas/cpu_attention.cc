@@ -1,5 +1,7 @@
 // Paged attention for XLA:CPU, called through the XLA FFI (kernels_pallas/cpu_attention.py
-// builds and registers it), f32 throughout, on the stacked caches [L, KVH, P, BS, D].
+// builds and registers it), on the stacked caches [L, KVH, P, BS, R] of any storage format of
+// kernels_pallas/kv_quant.py (a row R = D values, then a scale for int8 / fp8: cpu_kv_rows.h),
+// with f32 queries, products, softmax and output.
 //
 // Decode: one query row per sequence: q [B, H, D] attends to the first lengths[b] tokens of its
 // pages (block_tables [B, W]). Each (sequence, kv head) reads its keys and values once, straight
@@ -16,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_kv_rows.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
@@ -30,8 +33,8 @@ constexpr int64_t kPrefetchKeys = 16;  // how far ahead the key pass prefetches
 
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // of the kernel's element type
+  const void* v;
   const int32_t* tables;
   const int32_t* lengths;
   float* out;
@@ -78,6 +81,27 @@ bool with_head_dim(int64_t dim, F&& f) {
   return dim % kDimStep == 0 && dispatch(dim / kDimStep, f, std::make_index_sequence<16>{});
 }
 
+// Calls f(T{}) with T the element type of a cache of `type` (cpu_kv_rows.h), and gives the
+// elements a row has after its head_dim values; false for a type no format stores.
+template <typename F>
+bool with_kv_type(ffi::DataType type, int64_t& row_extra, F&& f) {
+  switch (type) {
+    case ffi::DataType::F32: row_extra = kRowExtra<float>; f(float{}); return true;
+    case ffi::DataType::BF16:  // the same bits as the CPU's uint16 store
+    case ffi::DataType::U16: row_extra = kRowExtra<uint16_t>; f(uint16_t{}); return true;
+    case ffi::DataType::S8: row_extra = kRowExtra<int8_t>; f(int8_t{}); return true;
+    case ffi::DataType::U8: row_extra = kRowExtra<uint8_t>; f(uint8_t{}); return true;
+    default: return false;
+  }
+}
+
+// Whether the caches' shapes and types agree, rows of dim values plus `row_extra`.
+bool caches_match(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, int64_t dim, int64_t row_extra) {
+  const auto kd = k.dimensions(), vd = v.dimensions();
+  return kd.size() == 5 && k.element_type() == v.element_type() && kd[4] == dim + row_extra &&
+         std::equal(kd.begin(), kd.end(), vd.begin(), vd.end());
+}
+
 // Whether sequence `row`'s block-table entries that cover `length` tokens are pages of the cache.
 bool pages_in_range(const int32_t* tables, int64_t width, int64_t block_size, int64_t pages, int64_t row,
                     int64_t length) {
@@ -88,14 +112,15 @@ bool pages_in_range(const int32_t* tables, int64_t width, int64_t block_size, in
   return true;
 }
 
-// Offsets (in floats, within one (layer, kv head) slice of the cache) of a sequence's tokens
-// [first, last), whose block table is `table`: a page at a time, no division per token.
-void token_offsets(const int32_t* table, int64_t block_size, int64_t dim, int64_t first, int64_t last,
+// Offsets (in elements, within one (layer, kv head) slice of the cache, of rows of `row`
+// elements) of a sequence's tokens [first, last), whose block table is `table`: a page at a time,
+// no division per token.
+void token_offsets(const int32_t* table, int64_t block_size, int64_t row, int64_t first, int64_t last,
                    std::vector<int64_t>& out) {
   out.resize(last - first);
   int64_t page = first / block_size, offset = first % block_size;
   for (int64_t t = 0; t < last - first; ++t) {
-    out[t] = (table[page] * block_size + offset) * dim;
+    out[t] = (table[page] * block_size + offset) * row;
     if (++offset == block_size) offset = 0, ++page;
   }
 }
@@ -107,10 +132,11 @@ struct DecodeScratch {
 };
 
 // Decode: sequence b's query heads [g0, g0 + G) of kv head h over keys [first, length) (n of
-// them), head_dim D = C * 16.
-template <int64_t C, int64_t G>
+// them), head_dim D = C * 16, cache elements of type T.
+template <typename T, int64_t C, int64_t G>
 void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& scratch) {
   constexpr int64_t D = C * kDimStep, DV = D / kLanes;  // vectors per row
+  constexpr int64_t R = D + kRowExtra<T>;  // elements per cache row
   const int64_t group = p.heads / p.kv_heads;
   const float* q = p.q + (b * p.heads + h * group + g0) * D;
   float* out = p.out + (b * p.heads + h * group + g0) * D;
@@ -123,11 +149,11 @@ void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& s
   }
   std::vector<float>& scores = scratch.scores;
   scores.resize(G * stride);
-  token_offsets(p.tables + b * p.width, p.block_size, D, first, length, scratch.rows);
+  token_offsets(p.tables + b * p.width, p.block_size, R, first, length, scratch.rows);
   const int64_t* rows = scratch.rows.data();
-  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * D;
-  const float* keys = p.k + slice;
-  const float* values = p.v + slice;
+  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * R;
+  const T* keys = static_cast<const T*>(p.k) + slice;
+  const T* values = static_cast<const T*>(p.v) + slice;
   Vec qv[G][DV];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < DV; ++c) qv[g][c] = load(q + g * D + c * kLanes) * p.scale;
@@ -136,24 +162,29 @@ void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& s
   Vec best[G];
   for (int64_t g = 0; g < G; ++g) best[g] = Vec{} + kMasked;
   for (int64_t kb = 0; kb < n; kb += kLanes) {
-    const float* row[kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) row[j] = keys + rows[std::min(kb + j, n - 1)];
+    const T* row[kLanes];
+    Vec key_scale = Vec{} + 1.0f;
+    for (int64_t j = 0; j < kLanes; ++j) {
+      row[j] = keys + rows[std::min(kb + j, n - 1)];
+      if constexpr (kScaled<T>) key_scale[j] = kv_scale(row[j], D);
+    }
     // Rows kPrefetchKeys ahead, keys and values: the value pass then finds its rows in L2.
     for (int64_t j = kb + kPrefetchKeys; j < std::min(kb + kPrefetchKeys + kLanes, n); ++j)
-      for (int64_t line = 0; line < D; line += 64 / sizeof(float)) {
-        __builtin_prefetch(keys + rows[j] + line);
-        __builtin_prefetch(values + rows[j] + line);
+      for (int64_t line = 0; line < R * static_cast<int64_t>(sizeof(T)); line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(keys + rows[j]) + line);
+        __builtin_prefetch(reinterpret_cast<const char*>(values + rows[j]) + line);
       }
     const IVec lane_key = [] { IVec l; for (int64_t i = 0; i < kLanes; ++i) l[i] = static_cast<int32_t>(i); return l; }();
     const IVec real = lane_key < static_cast<int32_t>(n - kb);
     for (int64_t g = 0; g < G; ++g) {
       Vec acc[kLanes];
       for (int64_t j = 0; j < kLanes; ++j) {
-        Vec a = qv[g][0] * load(row[j]);
-        for (int64_t c = 1; c < DV; ++c) a += qv[g][c] * load(row[j] + c * kLanes);
+        Vec a = qv[g][0] * load_kv(row[j]);
+        for (int64_t c = 1; c < DV; ++c) a += qv[g][c] * load_kv(row[j] + c * kLanes);
         acc[j] = a;
       }
       Vec s = transpose_sum(acc);
+      if constexpr (kScaled<T>) s *= key_scale;
       if (p.soft_cap > 0.0f) s = p.soft_cap * tanh(s / p.soft_cap);
       s = real ? s : Vec{} + kMasked;
       best[g] = max(best[g], s);
@@ -184,10 +215,11 @@ void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& s
       Vec a[G][2];
       for (int64_t g = 0; g < G; ++g) a[g][0] = acc[g][c], a[g][1] = pair ? acc[g][c + 1] : Vec{};
       for (int64_t t = tb; t < te; ++t) {
-        const float* value = values + rows[t] + c * kLanes;
-        const Vec v0 = load(value), v1 = pair ? load(value + kLanes) : Vec{};
+        const T* value = values + rows[t] + c * kLanes;
+        const float value_scale = kv_scale(values + rows[t], D);
+        const Vec v0 = load_kv(value), v1 = pair ? load_kv(value + kLanes) : Vec{};
         for (int64_t g = 0; g < G; ++g) {
-          const float e = scores[g * stride + t];
+          const float e = scores[g * stride + t] * value_scale;
           a[g][0] += e * v0;
           a[g][1] += e * v1;
         }
@@ -203,32 +235,35 @@ void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& s
 }
 
 // One (sequence, kv head) item, its query heads in groups of at most kMaxGroup.
-template <int64_t C>
+template <typename T, int64_t C>
 void attend_item(const Problem& p, int64_t b, int64_t h, DecodeScratch& scratch) {
   const int64_t group = p.heads / p.kv_heads;
   for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
     switch (std::min(kMaxGroup, group - g0)) {
-      case 1: attend<C, 1>(p, b, h, g0, scratch); break;
-      case 2: attend<C, 2>(p, b, h, g0, scratch); break;
-      case 3: attend<C, 3>(p, b, h, g0, scratch); break;
-      default: attend<C, 4>(p, b, h, g0, scratch); break;
+      case 1: attend<T, C, 1>(p, b, h, g0, scratch); break;
+      case 2: attend<T, C, 2>(p, b, h, g0, scratch); break;
+      case 3: attend<T, C, 3>(p, b, h, g0, scratch); break;
+      default: attend<T, C, 4>(p, b, h, g0, scratch); break;
     }
   }
 }
 
-ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths, float scale,
                            float soft_cap, int32_t window, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto cd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
-  if (qd.size() != 3 || cd.size() != 5 || td.size() != 2 || td[0] != qd[0] || cd[4] != qd[2] ||
-      qd[1] % cd[1] != 0 || lengths.element_count() != static_cast<size_t>(qd[0]) ||
-      !std::equal(cd.begin(), cd.end(), v_cache.dimensions().begin(), v_cache.dimensions().end())) {
+  int64_t row_extra = 0;
+  if (!with_kv_type(k_cache.element_type(), row_extra, [](auto) {})) {
+    return ffi::Error::InvalidArgument("paged decode: unsupported cache dtype");
+  }
+  if (qd.size() != 3 || td.size() != 2 || td[0] != qd[0] || !caches_match(k_cache, v_cache, qd[2], row_extra) ||
+      qd[1] % cd[1] != 0 || lengths.element_count() != static_cast<size_t>(qd[0])) {
     return ffi::Error::InvalidArgument("paged decode: inconsistent shapes");
   }
-  Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), block_tables.typed_data(),
+  Problem p{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), block_tables.typed_data(),
             lengths.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], td[1],
             static_cast<int64_t>(layer.typed_data()[0]), scale, soft_cap, window};
   if (p.layer < 0 || p.layer >= cd[0]) return ffi::Error::InvalidArgument("paged decode: layer out of range");
@@ -244,11 +279,15 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     }
   }
   const int64_t items = p.batch * p.kv_heads;
-  const bool served = with_head_dim(p.dim, [&](auto chunks) {
-    // A unit is one (sequence, kv head); the cost counts each K/V float read as 16 multiply-adds.
-    parallel_units(pool, items, 16 * 2 * rows * p.kv_heads * p.dim, [&](int64_t i) {
-      thread_local DecodeScratch scratch;
-      attend_item<decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scratch);
+  bool served = false;
+  with_kv_type(k_cache.element_type(), row_extra, [&](auto element) {
+    using T = decltype(element);
+    served = with_head_dim(p.dim, [&](auto chunks) {
+      // A unit is one (sequence, kv head); the cost counts each K/V element read as 16 multiply-adds.
+      parallel_units(pool, items, 16 * 2 * rows * p.kv_heads * p.dim, [&](int64_t i) {
+        thread_local DecodeScratch scratch;
+        attend_item<T, decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scratch);
+      });
     });
   });
   if (!served) return ffi::Error::InvalidArgument("paged decode: head_dim must be a multiple of 16, at most 256");
@@ -261,8 +300,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()  // k_cache
+                                  .Arg<ffi::AnyBuffer>()  // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
@@ -290,8 +329,8 @@ constexpr int64_t kKeyBlock = 64;                   // keys per online-softmax s
 
 struct Ragged {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // of the kernel's element type
+  const void* v;
   const int32_t* tables;
   const int32_t* seq_lens;
   const int32_t* query_start;
@@ -305,16 +344,18 @@ struct Tile {
   int64_t seq, first_query, num_queries;  // query vectors: (row, head-in-group) pairs, row-major
 };
 
-// Scratch of one thread: Q^T and O^T [D][kTileQueries], scores [kKeyBlock][kTileQueries], and
-// the offsets of the tile's keys.
+// Scratch of one thread: Q^T and O^T [D][kTileQueries], scores [kKeyBlock][kTileQueries], the
+// offsets of the tile's keys, and a key block's K and V rows as f32 [kKeyBlock][D] (a cache of
+// another format: each row is read from memory once per block, widened and scaled, then from L1).
 struct PrefillScratch {
-  std::vector<float> qt, ot, st;
+  std::vector<float> qt, ot, st, kf, vf;
   std::vector<int64_t> rows;
 };
 
-template <int64_t C>
+template <typename T, int64_t C>
 void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& scratch) {
   constexpr int64_t D = C * kDimStep;
+  constexpr int64_t R = D + kRowExtra<T>;  // elements per cache row
   const int64_t group = p.heads / p.kv_heads;
   const int64_t s = tile.seq, q_len = p.query_start[s + 1] - p.query_start[s];
   const int64_t first_pos = p.seq_lens[s] - q_len;  // position of the sequence's first new row
@@ -334,10 +375,10 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
   std::fill(ot, ot + D * kTileQueries, 0.0f);
   const int64_t last_key = first_pos + row_hi;  // the tile's last row sees keys [0, last_key]
   const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos + row_lo - p.window + 1) : 0;
-  token_offsets(p.tables + s * p.width, p.block_size, D, key_lo, last_key + 1, scratch.rows);
-  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * D;
-  const float* keys = p.k + slice;
-  const float* values = p.v + slice;
+  token_offsets(p.tables + s * p.width, p.block_size, R, key_lo, last_key + 1, scratch.rows);
+  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * R;
+  const T* keys = static_cast<const T*>(p.k) + slice;
+  const T* values = static_cast<const T*>(p.v) + slice;
   Vec m[kTileVecs], l[kTileVecs];
   for (int64_t i = 0; i < kTileVecs; ++i) m[i] = Vec{} + kMasked, l[i] = Vec{};
   for (int64_t kb = key_lo; kb <= last_key; kb += kKeyBlock) {
@@ -345,9 +386,13 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
     const float* krow[kKeyBlock];
     const float* vrow[kKeyBlock];
     for (int64_t j = 0; j < kKeyBlock; ++j) {  // a block's tail repeats its last key (masked below)
-      const int64_t row = scratch.rows[kb - key_lo + std::min(j, nb - 1)];
-      krow[j] = keys + row;
-      vrow[j] = values + row;
+      if (j >= nb) {
+        krow[j] = krow[nb - 1], vrow[j] = vrow[nb - 1];
+        continue;
+      }
+      const int64_t row = scratch.rows[kb - key_lo + j];
+      krow[j] = row_as_f32<T, D>(keys + row, scratch.kf.data() + j * D);
+      vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
     }
     // S^T = K Q^T, kKeyTile keys at a time.
     for (int64_t j0 = 0; j0 < nb; j0 += kKeyTile) {
@@ -420,8 +465,8 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
   }
 }
 
-ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                             ffi::Buffer<ffi::S32> query_start, float scale, float soft_cap, int32_t window,
                             ffi::ResultBuffer<ffi::F32> out) {
@@ -429,13 +474,16 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const auto cd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
   const int64_t num_seqs = td.size() == 2 ? td[0] : -1;
-  if (qd.size() != 3 || cd.size() != 5 || td.size() != 2 || cd[4] != qd[2] || qd[1] % cd[1] != 0 ||
+  int64_t row_extra = 0;
+  if (!with_kv_type(k_cache.element_type(), row_extra, [](auto) {})) {
+    return ffi::Error::InvalidArgument("paged prefill: unsupported cache dtype");
+  }
+  if (qd.size() != 3 || td.size() != 2 || !caches_match(k_cache, v_cache, qd[2], row_extra) || qd[1] % cd[1] != 0 ||
       seq_lens.element_count() != static_cast<size_t>(num_seqs) ||
-      query_start.element_count() != static_cast<size_t>(num_seqs + 1) ||
-      !std::equal(cd.begin(), cd.end(), v_cache.dimensions().begin(), v_cache.dimensions().end())) {
+      query_start.element_count() != static_cast<size_t>(num_seqs + 1)) {
     return ffi::Error::InvalidArgument("paged prefill: inconsistent shapes");
   }
-  Ragged p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), block_tables.typed_data(),
+  Ragged p{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), block_tables.typed_data(),
            seq_lens.typed_data(), query_start.typed_data(), out->typed_data(), qd[1], qd[2], cd[1], cd[2], cd[3],
            td[1], static_cast<int64_t>(layer.typed_data()[0]), scale, soft_cap, window};
   if (p.layer < 0 || p.layer >= cd[0]) return ffi::Error::InvalidArgument("paged prefill: layer out of range");
@@ -457,15 +505,21 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int64_t covered = num_seqs > 0 ? p.query_start[num_seqs] : 0;
   std::fill(p.out + covered * p.heads * p.dim, p.out + qd[0] * p.heads * p.dim, 0.0f);
   const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
-  const bool served = with_head_dim(p.dim, [&](auto chunks) {
-    constexpr int64_t D = decltype(chunks)::value * kDimStep;
-    // A unit is one tile of one kv head; the cost is the multiply-adds of QK^T and PV.
-    parallel_units(pool, items, 2 * work * p.heads * p.dim, [&](int64_t i) {
-      thread_local PrefillScratch scratch;
-      scratch.qt.resize(D * kTileQueries);
-      scratch.ot.resize(D * kTileQueries);
-      scratch.st.resize(kKeyBlock * kTileQueries);
-      prefill_tile<decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
+  bool served = false;
+  with_kv_type(k_cache.element_type(), row_extra, [&](auto element) {
+    using T = decltype(element);
+    served = with_head_dim(p.dim, [&](auto chunks) {
+      constexpr int64_t D = decltype(chunks)::value * kDimStep;
+      // A unit is one tile of one kv head; the cost is the multiply-adds of QK^T and PV.
+      parallel_units(pool, items, 2 * work * p.heads * p.dim, [&](int64_t i) {
+        thread_local PrefillScratch scratch;
+        scratch.qt.resize(D * kTileQueries);
+        scratch.ot.resize(D * kTileQueries);
+        scratch.st.resize(kKeyBlock * kTileQueries);
+        scratch.kf.resize(kKeyBlock * D);
+        scratch.vf.resize(kKeyBlock * D);
+        prefill_tile<T, decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
+      });
     });
   });
   if (!served) return ffi::Error::InvalidArgument("paged prefill: head_dim must be a multiple of 16, at most 256");
@@ -478,8 +532,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()  // k_cache
+                                  .Arg<ffi::AnyBuffer>()  // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens

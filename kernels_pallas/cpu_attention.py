@@ -11,9 +11,9 @@ register of keys at a time; prefill, tiles of 16 (row, head) queries (32 with AV
 keys 64 at a time with an online softmax, as two register-tiled products (S^T = K Q^T, then
 O^T += V^T P^T). Vectors are the machine's register width.
 
-They take an f32 cache (the CPU's) and a head_dim that is a multiple of 16 up to 256; for any
-other cache dtype the `cpu` backend runs `paged_jax` instead. `cpu_build` compiles the source on
-first use.
+They read a cache of every format of `kv_quant` (f32, bf16 bits, int8 or fp8 rows with their
+scales; `cpu_kv_rows.h`) in place, widening each row to f32 in registers, and take a head_dim that
+is a multiple of 16 up to 256. `cpu_build` compiles the source on first use.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import cpu_build, paged_jax
+from kernels_pallas import cpu_build
 
 DECODE_TARGET, PREFILL_TARGET = "jaxserve_paged_decode", "jaxserve_paged_prefill"
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
@@ -38,7 +38,7 @@ def register() -> None:
 def _call(target: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
           int_args: tuple[jax.Array, ...], scale: float, soft_cap: float | None,
           sliding_window: int | None) -> jax.Array:
-    """One kernel call: f32 in and out (q cast back to its dtype), `int_args` as int32."""
+    """One kernel call: f32 q and out (q cast back to its dtype), the caches as stored, `int_args` as int32."""
     if q.shape[-1] % 16 or q.shape[-1] > 256:
         raise ValueError(f"the cpu attention kernels need a head_dim that is a multiple of 16, at most 256, "
                          f"not {q.shape[-1]} (use --attention-backend jax)")
@@ -64,9 +64,6 @@ def decode_attention(
 ) -> jax.Array:
     """q [B, H, D] -> [B, H, D]; sequence b attends to its first `lengths[b]` cached tokens
     (the contract of `reference.decode_attention`); q of another dtype is computed in f32."""
-    if k_cache.dtype != jnp.float32:
-        return paged_jax.decode_attention(q, k_cache, v_cache, layer, block_tables, lengths, scale=scale,
-                                          soft_cap=soft_cap, sliding_window=sliding_window)
     return _call(DECODE_TARGET, q, k_cache, v_cache, layer, (block_tables, lengths), scale, soft_cap, sliding_window)
 
 
@@ -85,8 +82,5 @@ def prefill_attention(
 ) -> jax.Array:
     """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's
     history (the contract of `reference.prefill_attention`); zeros at rows past the last chunk."""
-    if k_cache.dtype != jnp.float32:
-        return paged_jax.prefill_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start,
-                                           scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     return _call(PREFILL_TARGET, q, k_cache, v_cache, layer, (block_tables, seq_lens, query_start), scale, soft_cap,
                  sliding_window)

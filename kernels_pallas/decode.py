@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas import common
+from kernels_pallas import common, kv_quant
 
 TARGET_PROGRAMS = 264  # 2 waves of the H200's 132 SMs
 MAX_SPLITS = 16
@@ -95,8 +95,8 @@ def _decode_kernel(
         page0 = first + i * pages_per_step
         pages = tables_ref[b, pl.ds(page0, pages_per_step)]
         pages = jnp.where(page0 + jnp.arange(pages_per_step) < num_pages, pages, 0)
-        k = common.load_pages(k_ref, layer, h, pages)
-        v = common.load_pages(v_ref, layer, h, pages)
+        k = common.load_pages(k_ref, layer, h, pages, head_dim)
+        v = common.load_pages(v_ref, layer, h, pages, head_dim)
         token = page0 * block_size + jnp.arange(tokens_per_step)
         valid = token < length
         if cfg.sliding_window is not None:
@@ -125,7 +125,7 @@ def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: DecodeConfig
     steps = common.cdiv(block_tables.shape[1], cfg.pages_per_step)
     pages_per_split = common.cdiv(steps, cfg.num_splits) * cfg.pages_per_step
     tables = common.pad_block_table(block_tables, cfg.num_splits * pages_per_split)
-    qg = common.group_queries(q, num_kv_heads, rows, k_cache.dtype)
+    qg = common.group_queries(q, num_kv_heads, rows, kv_quant.value_dtype(k_cache.dtype))
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
     grid_shape = (batch, num_kv_heads, rows)

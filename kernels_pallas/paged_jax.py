@@ -1,7 +1,8 @@
 """Paged attention in plain JAX that reads only what the sequences hold (the `jax` backend; the
 CPU default, `cpu`, runs C++ kernels with the same contracts, `cpu_attention`).
 
-Same contracts as `reference.decode_attention` and `reference.prefill_attention`. The
+Same contracts as `reference.decode_attention` and `reference.prefill_attention` (a cache of any
+`kv_quant` format, read through `kv_quant.dequantize` a step of pages at a time). The
 reference gathers every sequence's whole block table (the step's width bucket) and scores
 every query row against it, and its ragged prefill scores each row against every sequence
 of the step; on XLA:CPU that made attention most of a step's time (a batch-64 decode at a
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas import common
+from kernels_pallas import common, kv_quant
 
 BLOCK_Q = 64  # prefill rows per tile
 GROUP_ROWS = 256  # prefill query rows (tiles x rows per tile) that walk the pages together
@@ -104,8 +105,8 @@ def attend_tiles(
 
         def body(i, state):
             pages = lax.dynamic_slice_in_dim(tables_g, i * pages_per_step, pages_per_step, axis=1)
-            k = k_cache[layer, heads, pages[:, None, :]].reshape(group, kvh, tokens, d)  # [group, KVH, tokens, D]
-            v = v_cache[layer, heads, pages[:, None, :]].reshape(group, kvh, tokens, d)
+            k = kv_quant.dequantize(k_cache[layer, heads, pages[:, None, :]]).reshape(group, kvh, tokens, d)
+            v = kv_quant.dequantize(v_cache[layer, heads, pages[:, None, :]]).reshape(group, kvh, tokens, d)
             key = (i * tokens + key_offsets)[None, None, :]
             valid = (key <= pos_g) & real_g  # [group, Q * G, tokens]
             if sliding_window is not None:

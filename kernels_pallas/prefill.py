@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas import common
+from kernels_pallas import common, kv_quant
 
 TARGET_ROWS = 64  # block_q * padded group, per program
 TOKENS_PER_STEP = 64
@@ -91,8 +91,8 @@ def _prefill_kernel(
         page0 = i * pages_per_step
         pages = tables_ref[seq, pl.ds(page0, pages_per_step)]
         pages = jnp.where(page0 + jnp.arange(pages_per_step) < num_pages, pages, 0)
-        k = common.load_pages(k_ref, layer, h, pages)
-        v = common.load_pages(v_ref, layer, h, pages)
+        k = common.load_pages(k_ref, layer, h, pages, head_dim)
+        v = common.load_pages(v_ref, layer, h, pages, head_dim)
         key = page0 * block_size + jnp.arange(tokens_per_step)
         valid = (key[None, :] <= pos[:, None]) & row_real[:, None]
         if cfg.sliding_window is not None:
@@ -115,7 +115,7 @@ def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cf
 
     width = common.cdiv(block_tables.shape[1], cfg.pages_per_step) * cfg.pages_per_step
     tables = common.pad_block_table(block_tables, width)
-    qg = common.group_queries(q, num_kv_heads, padded_group, k_cache.dtype)
+    qg = common.group_queries(q, num_kv_heads, padded_group, kv_quant.value_dtype(k_cache.dtype))
     qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, 0), (0, 0)))  # a tile may start near the end
     tiles = common.tile_layout(query_start, seq_lens, num_tiles, block_q)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))

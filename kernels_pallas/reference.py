@@ -5,6 +5,9 @@ head_dim]`. The functions take the whole stacked cache and a layer index, so tha
 scans over its layers never slices a layer out of the cache before a kernel call (a slice
 passed to a custom call would be a copy of the whole layer pool).
 
+The cache may be of any format of `kv_quant` (rows with scales for int8 and fp8); its values are
+read as `kv_quant.dequantize` gives them.
+
 Both functions expect the new tokens' K/V to be in the cache already (the model writes, then
 attends), and neither applies anything but `scale` to the scores: no implicit 1/sqrt(d).
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import kv_quant
+
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives zeros rather than NaN
 # f32 on a GPU would otherwise multiply in TF32 (~1e-3 relative): too loose for an oracle.
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -32,8 +37,9 @@ def _softcap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
 
 
 def _gather_pages(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """[L, KVH, NB, BS, D] x [S, W] -> [KVH, S, W * BS, D] (the sequences' history, in order)."""
-    pages = cache[layer][:, block_tables]  # [KVH, S, W, BS, D]
+    """[L, KVH, NB, BS, row] x [S, W] -> [KVH, S, W * BS, D] (the sequences' history, in order,
+    its values as `kv_quant.dequantize` gives them)."""
+    pages = kv_quant.dequantize(cache[layer][:, block_tables])  # [KVH, S, W, BS, D]
     kvh, s, w, bs, d = pages.shape
     return pages.reshape(kvh, s, w * bs, d)
 

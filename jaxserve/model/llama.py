@@ -42,14 +42,15 @@ from checkpoints.weights import LAYERS, Weight, flat, quantized
 from jaxserve.model.experts import activation, expert_backend, expert_load, route
 from jaxserve.model.quantized import quantized_matmul
 from jaxserve.model.rope import RopeTables, apply_rope, rope_tables
-from kernels_pallas import AttentionBackend
+from kernels_pallas import AttentionBackend, kv_quant
 from kernels_pallas.cpu_matmul import CpuMatmul, to_panels
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Stacked paged cache: k and v are [num_layers, num_kv_heads, num_blocks, block_size, head_dim]."""
+    """Stacked paged cache: k and v are [num_layers, num_kv_heads, num_blocks, block_size, row], a
+    row being head_dim values of the storage dtype, and a scale for int8 / fp8 (`kernels_pallas.kv_quant`)."""
 
     k: jax.Array
     v: jax.Array
@@ -64,12 +65,14 @@ class KVCache:
 
     @classmethod
     def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> "KVCache":
-        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        row = kv_quant.row_width(config.head_dim, dtype)
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, row)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
-        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        """Bytes of K and V of one block in a cache of storage dtype `dtype`, scales included."""
+        per_token = 2 * config.num_layers * config.num_kv_heads * kv_quant.row_width(config.head_dim, dtype)
         return per_token * block_size * jnp.dtype(dtype).itemsize
 
 
@@ -204,8 +207,8 @@ class DecoderLayer(nn.Module):
 
         block_size = k_cache.shape[3]
         blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
-        k_cache = k_cache.at[layer, :, blocks, offsets].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[layer, :, blocks, offsets].set(v.astype(v_cache.dtype))
+        k_cache = k_cache.at[layer, :, blocks, offsets].set(kv_quant.quantize(k, k_cache.dtype))
+        v_cache = v_cache.at[layer, :, blocks, offsets].set(kv_quant.quantize(v, v_cache.dtype))
 
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         attend = lambda window: lambda: paged_attention(  # noqa: E731

@@ -45,7 +45,7 @@ from jaxserve.runner.step_handle import StepHandle, StepResults
 from jaxserve.runner.step_functions import StepFunctions
 from jaxserve.sampling_tensors import PenaltyCounts
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
-from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, shard_attention
+from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, kv_quant, shard_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
 
@@ -80,7 +80,9 @@ class ModelRunner:
         self.quantization = formats_of(params)
         self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts,
                                 tuple(sorted(self.quantization.items())))
-        self.cache_dtype = self.model.compute_dtype  # of activations and the KV cache
+        self.cache_dtype = self.model.compute_dtype  # of activations
+        # The KV cache's storage dtype (its format: kernels_pallas/kv_quant.py).
+        self.kv_dtype = kv_quant.storage_dtype(engine_config.kv_cache_dtype, self.cache_dtype, jax.default_backend())
         params = replicate_kv_heads(cast_params(params, self.dtype), plan, config.head_dim)
         if matmul is not None:
             params = panel_kernels(params, matmul)
@@ -94,15 +96,17 @@ class ModelRunner:
 
         bs = engine_config.block_size
         tp = engine_config.tensor_parallel_size  # kv_cache_memory is per device
-        self.num_blocks = engine_config.num_blocks or max(
-            2, engine_config.kv_cache_memory * tp // KVCache.bytes_per_block(config, bs, self.cache_dtype)
-        )
+        block_bytes = KVCache.bytes_per_block(config, bs, self.kv_dtype)  # all devices' shards, scales included
+        self.num_blocks = engine_config.num_blocks or max(2, engine_config.kv_cache_memory * tp // block_bytes)
         self.cache_sharding = cache_sharding(self.mesh)
         self.cache = jax.jit(
-            lambda: KVCache.zeros(config, self.num_blocks, bs, self.cache_dtype), out_shardings=self.cache_sharding
+            lambda: KVCache.zeros(config, self.num_blocks, bs, self.kv_dtype), out_shardings=self.cache_sharding
         )()
+        logger.info("KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
+                    kv_quant.format_name(self.kv_dtype), self.num_blocks, bs, self.num_blocks * bs,
+                    self.num_blocks * block_bytes / 1e6, (1 << 30) * bs // block_bytes)
         rep, kv = replicated(self.mesh), self.cache_sharding
-        self.num_host_slots = engine_config.num_host_slots(KVCache.bytes_per_block(config, bs, self.cache_dtype))
+        self.num_host_slots = engine_config.num_host_slots(block_bytes)
         self.blocks = BlockMover(self.cache, kv, rep, self.num_host_slots)
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)

@@ -1,13 +1,14 @@
 """The C++ kernels of the `cpu` backend against the references, at the shapes they specialize
 (head_dim 16..256, query-head groups larger than one register group, block sizes below and
-above a 16-key step), and what they do with inputs they cannot serve."""
+above a 16-key step), and what they do with inputs they cannot serve. Caches of the other
+formats (bf16, int8, fp8): test_kernel_kv_dtypes.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import cpu_attention, paged_jax
+from kernels_pallas import cpu_attention
 from paged_cases import TOLERANCE, assert_close, reference_decode, reference_prefill
 
 STATIC = ("scale", "soft_cap", "sliding_window")
@@ -72,14 +73,6 @@ def test_bf16_queries_are_computed_in_f32():
     assert got.dtype == jnp.bfloat16
     want = reference_decode(q.astype(jnp.bfloat16).astype(jnp.float32), k, v, jnp.int32(0), tables, lengths, scale=0.125)
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
-
-
-def test_a_bf16_cache_runs_the_plain_jax_backend():
-    q, k, v, tables, lengths = case(2, 2, 2, 64, 16, [5, 100])
-    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-    got = decode(q, k, v, jnp.int32(0), tables, lengths, scale=0.125)
-    want = paged_jax.decode_attention(q, k, v, jnp.int32(0), tables, lengths, scale=0.125)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_rejects_what_it_cannot_serve():

@@ -1,5 +1,6 @@
 """Both decode kernels (Triton and Mosaic GPU) and the prefill kernel lower for CUDA on a
-machine with no GPU, on every jax we run (0.10 and 0.11).
+machine with no GPU, on every jax we run (0.10 and 0.11); the Triton ones also on int8 and fp8
+caches (the Mosaic kernel takes bf16 / f16 caches only: `gpu_select` runs Triton on the others).
 
 `lower(lowering_platforms=("cuda",))` runs each Pallas backend's own lowering, which rejects
 what an interpreter accepts but a GPU would not: for Triton non-power-of-two tensors, mixed
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels_pallas import decode, decode_mosaic, prefill
+from kernels_pallas import decode, decode_mosaic, kv_quant, prefill
 
 S = jax.ShapeDtypeStruct
 LAYERS, KV_HEADS, BLOCKS, BLOCK, DIM = 2, 2, 64, 16, 64
@@ -32,7 +33,8 @@ def gpu_target(device_kind: str) -> contextlib.AbstractContextManager:
 
 
 def cache(dtype, head_dim=DIM, block=BLOCK):
-    return S((LAYERS, KV_HEADS, BLOCKS, block, head_dim), dtype)
+    """A cache of storage dtype `dtype` (int8 / uint8 (fp8) rows carry their scale: kv_quant)."""
+    return S((LAYERS, KV_HEADS, BLOCKS, block, kv_quant.row_width(head_dim, dtype)), dtype)
 
 
 def lowered_text(fn, *args, device_kind: str = HOPPER) -> str:
@@ -40,21 +42,26 @@ def lowered_text(fn, *args, device_kind: str = HOPPER) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def decode_args(batch, group, dtype, width=8, head_dim=DIM, block=BLOCK):
-    return (S((batch, KV_HEADS * group, head_dim), dtype), cache(dtype, head_dim, block), cache(dtype, head_dim, block),
+def decode_args(batch, group, dtype, width=8, head_dim=DIM, block=BLOCK, cache_dtype=None):
+    kv = cache(cache_dtype or dtype, head_dim, block)
+    return (S((batch, KV_HEADS * group, head_dim), dtype), kv, kv,
             S((), jnp.int32), S((batch, width), jnp.int32), S((batch,), jnp.int32))
 
 
-@pytest.mark.parametrize("group,dtype,options,device_kind", [
-    (4, jnp.bfloat16, {}, HOPPER),
-    (1, jnp.float32, {"num_splits": 2}, HOPPER),
-    (3, jnp.bfloat16, {"soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}, AMPERE),
+# Caches of int8 and fp8 (uint8) rows with their scales (`--kv-cache-dtype`), bf16 queries.
+@pytest.mark.parametrize("group,dtype,options,device_kind,cache_dtype", [
+    (4, jnp.bfloat16, {}, HOPPER, None),
+    (1, jnp.float32, {"num_splits": 2}, HOPPER, None),
+    (3, jnp.bfloat16, {"soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}, AMPERE, None),
+    (3, jnp.bfloat16, {"num_splits": 2}, HOPPER, jnp.int8),
+    (3, jnp.bfloat16, {}, AMPERE, jnp.uint8),
 ])
-def test_triton_decode_lowers(group, dtype, options, device_kind):
+def test_triton_decode_lowers(group, dtype, options, device_kind, cache_dtype):
     def fn(q, k, v, layer, tables, lengths):
         return decode.decode_attention(q, k, v, layer, tables, lengths, scale=0.1, interpret=False, **options)
 
-    assert TRITON_CALL in lowered_text(fn, *decode_args(4, group, dtype), device_kind=device_kind)
+    args = decode_args(4, group, dtype, cache_dtype=cache_dtype)
+    assert TRITON_CALL in lowered_text(fn, *args, device_kind=device_kind)
 
 
 # The shapes of the models we serve (SmolLM2: 3 query heads per kv head of 64; Llama 3 8B: 4 of
@@ -75,19 +82,22 @@ def test_mosaic_decode_lowers(group, dtype, head_dim, block, options):
     assert MOSAIC_CALL in text and TRITON_CALL not in text
 
 
-@pytest.mark.parametrize("group,dtype,options", [
-    (8, jnp.bfloat16, {}),
-    (1, jnp.float32, {"soft_cap": 3.0, "sliding_window": 20}),
-    (3, jnp.bfloat16, {"block_q": 8}),
+@pytest.mark.parametrize("group,dtype,options,cache_dtype", [
+    (8, jnp.bfloat16, {}, None),
+    (1, jnp.float32, {"soft_cap": 3.0, "sliding_window": 20}, None),
+    (3, jnp.bfloat16, {"block_q": 8}, None),
+    (3, jnp.bfloat16, {}, jnp.int8),
+    (3, jnp.bfloat16, {}, jnp.uint8),
 ])
-def test_triton_prefill_lowers(group, dtype, options):
+def test_triton_prefill_lowers(group, dtype, options, cache_dtype):
     tokens, seqs, width = 40, 3, 8
 
     def fn(q, k, v, layer, tables, seq_lens, query_start):
         return prefill.prefill_attention(q, k, v, layer, tables, seq_lens, query_start,
                                          scale=0.1, interpret=False, **options)
 
-    text = lowered_text(fn, S((tokens, KV_HEADS * group, DIM), dtype), cache(dtype), cache(dtype),
+    kv = cache(cache_dtype or dtype)
+    text = lowered_text(fn, S((tokens, KV_HEADS * group, DIM), dtype), kv, kv,
                         S((), jnp.int32), S((seqs, width), jnp.int32), S((seqs,), jnp.int32),
                         S((seqs + 1,), jnp.int32))
     assert TRITON_CALL in text

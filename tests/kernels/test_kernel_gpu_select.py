@@ -52,10 +52,12 @@ def _inputs(dtype):
     return queries(rng, len(lengths), 8, dtype), cache.k, cache.v, jnp.int32(LAYER), tables, jnp.asarray(lengths)
 
 
-@pytest.mark.parametrize("dtype,expected", [(jnp.bfloat16, "mosaic"), (jnp.float32, "triton")])
+@pytest.mark.parametrize("dtype,expected", [(jnp.bfloat16, "mosaic"), (jnp.float32, "triton"), (jnp.int8, "triton"),
+                                            (jnp.uint8, "triton")])
 def test_dispatch_follows_the_pick_and_the_cache(monkeypatch, dtype, expected):
     """On a Hopper GPU measured for Mosaic, a bf16 cache goes to the Mosaic kernel and an f32 cache
-    (which WGMMA cannot take) to Triton; the kernels are stubbed with recorders, so no GPU is needed."""
+    (which WGMMA cannot take) to Triton, as do int8 and fp8 (uint8) caches (`--kv-cache-dtype`); the
+    kernels are stubbed with recorders, so no GPU is needed."""
     called = []
     monkeypatch.setattr(gpu_select, "compute_capability", lambda device=None: "9.0")
     monkeypatch.setattr(gpu_select, "MEASURED", {"9.0": "mosaic"})

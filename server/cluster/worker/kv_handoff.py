@@ -210,7 +210,8 @@ class KVHandoff:
             if lease.num_blocks * bs > len(prompt_ids):
                 stats.error = f"the lease holds {lease.num_blocks} blocks, the prompt has {len(prompt_ids)} tokens"
             elif self._engine.kv_key(prompt_ids, lease.num_blocks) != lease.last_key:
-                stats.error = "the prefill worker's KV does not fit here (other tokens, weights, dtype or layout)"
+                stats.error = ("the prefill worker's KV does not fit here (other tokens, weights, dtype, KV cache dtype "
+                               "(--kv-cache-dtype) or layout): recomputing")
             else:
                 hold = await self._holding(self._engine.hold_kv(prompt_ids, lease.num_blocks))
                 if hold is None:
