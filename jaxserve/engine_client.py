@@ -44,6 +44,10 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request alone (its part of a step raised); others go on."""
 
 
+class UnknownAdapterError(ValueError):
+    """A request named a LoRA adapter this engine does not serve (a 404, like an unknown model)."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt leaves no room to generate within max_model_len."""
 
