@@ -8,46 +8,24 @@ the KV pool and the adapter slots are all free after each test.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine_client import UnknownAdapterError
-
-sys.path.insert(0, str(Path(__file__).parent / "data"))
-from lora_adapters import TINY_ADAPTERS, AdapterSpec, module_features, write_adapter  # noqa: E402
-
-REFERENCE = json.loads((Path(__file__).parent / "data" / "lora_reference.json").read_text())["tiny"]
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=160,
-              decode_batch_buckets=(8,), sampler_row_buckets=(8,), prefill_token_buckets=(64,),
-              prefill_seq_buckets=(4,), block_table_buckets=(16,), enable_lora=True, max_loras=4, max_lora_rank=16,
-              max_cpu_loras=5)
-# A fifth adapter: one more than the device slots.
-EXTRA = AdapterSpec("extra-r2", 2, 2.0, ("o_proj", "down_proj"), seed=5)
+from lora_harness import EXTRA, LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory) -> dict[str, Path]:
-    config = build_tiny_random().config
-    features = module_features(config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                               config.head_dim)
-    root = tmp_path_factory.mktemp("adapters")
-    paths = {spec.name: write_adapter(root / spec.name, spec, config.num_layers, features)
-             for spec in (*TINY_ADAPTERS, EXTRA)}
-    for name, entry in REFERENCE["adapters"].items():
-        digest = hashlib.sha256((paths[name] / "adapter_model.safetensors").read_bytes()).hexdigest()
-        assert digest == entry["adapter_sha256"], f"{name}: the adapter's bytes differ from the reference's"
-    return paths
+def adapters(tmp_path_factory):
+    return write_tiny_adapters(tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")
 def llm(adapters) -> LLM:
-    llm = LLM(build_tiny_random(), **ENGINE)
+    llm = LLM(build_tiny_random(), **LORA_ENGINE)
     for spec in TINY_ADAPTERS:
         llm.engine.add_lora(spec.name, str(adapters[spec.name]))
     return llm
@@ -55,13 +33,6 @@ def llm(adapters) -> LLM:
 
 def greedy(name: str | None, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora=name)
-
-
-def expected() -> list[tuple[str | None, list[int], list[int]]]:
-    """(adapter or None, prompt, reference tokens) of every reference case."""
-    runs = [(None, c) for c in REFERENCE["base"]["cases"]]
-    runs += [(name, c) for name, entry in REFERENCE["adapters"].items() for c in entry["cases"]]
-    return [(name, c["prompt_ids"], c["new_ids"]) for name, c in runs]
 
 
 def check_all_free(llm: LLM, assert_kv_all_free) -> None:
@@ -72,7 +43,7 @@ def check_all_free(llm: LLM, assert_kv_all_free) -> None:
 def test_each_adapter_matches_peft_alone_and_in_one_mixed_batch(llm, assert_kv_all_free):
     assert llm.engine.config.async_scheduling
     compiled = llm.engine.num_compilations
-    cases = expected()
+    cases = reference_runs()
     for name, prompt, new_ids in cases:
         out = llm.generate([{"prompt_token_ids": prompt}], greedy(name, len(new_ids)), use_tqdm=False)
         assert out[0].outputs[0].token_ids == new_ids, name
@@ -92,7 +63,7 @@ def test_more_adapters_than_slots_wait_their_turn(llm, adapters, assert_kv_all_f
     try:
         compiled, loads = engine.num_compilations, engine.lora.stats.device_loads
         alone = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], greedy(EXTRA.name, 8), use_tqdm=False)
-        cases = expected()
+        cases = reference_runs()
         names = [EXTRA.name] + [n for n, _, _ in cases]
         prompts = [[5, 6, 7, 8]] + [p for _, p, _ in cases]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -142,7 +113,7 @@ def test_adapters_come_and_go_under_load(llm, adapters, assert_kv_all_free):
     weights; one added meanwhile serves at once; nothing compiles."""
     engine = llm.engine
     compiled = engine.num_compilations
-    cases = [(n, p, t) for n, p, t in expected() if n is not None]
+    cases = [(n, p, t) for n, p, t in reference_runs() if n is not None]
     for i, (name, prompt, _) in enumerate(cases):
         engine.add_request(f"load-{i}", prompt, greedy(name, 16))
     outputs: dict[str, list[int]] = {}
