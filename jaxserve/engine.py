@@ -242,7 +242,15 @@ class LLMEngine:
             draft_tokens=self.stats.draft_tokens, accepted_tokens=self.stats.accepted_tokens,
             expert_tokens=tuple(int(n) for n in self.runner.expert_tokens),
             expert_load=tuple(int(n) for n in self.runner.last_expert_load),
+            **self._lora_counts(),
         )
+
+    def _lora_counts(self) -> dict[str, Any]:
+        if self.lora is None:
+            return {}
+        stats = self.lora.stats
+        return dict(lora_resident=self.lora.num_resident, lora_disk_loads=stats.disk_loads,
+                    lora_device_loads=stats.device_loads, lora_requests=tuple(sorted(stats.requests.items())))
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished yet. (An iteration may still be in flight when the last one ends;

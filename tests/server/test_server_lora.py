@@ -95,6 +95,12 @@ def test_concurrent_requests_of_four_adapters_and_the_base_match_peft(client, lo
         got = list(pool.map(run, runs))
     assert got == [expected_text(lora_server, new_ids) for _, _, new_ids in runs]
     check_idle(lora_server)
+    metrics = send(lora_server[0], "GET", "/metrics").text
+    assert "jaxserve_lora_resident_adapters 4.0" in metrics
+    for spec in TINY_ADAPTERS:  # each ran at least its reference cases
+        line = next(x for x in metrics.splitlines() if x.startswith(f'jaxserve_lora_requests_total{{adapter="{spec.name}"}}'))
+        assert float(line.split()[-1]) >= 2
+    assert float(next(x for x in metrics.splitlines() if x.startswith("jaxserve_lora_device_loads_total")).split()[-1]) >= 4
 
 
 def test_an_unknown_model_is_a_404(client):
