@@ -25,6 +25,7 @@ RUNNERS = {
     "prefill_kernels": ("bench.gpu_check.kernel_stages", "run_prefill"),
     "engine": ("bench.gpu_check.engine_stage", "run"),
     "models": ("bench.gpu_check.model_stage", "run"),
+    "lora": ("bench.gpu_check.lora_stage", "run"),
 }
 
 
