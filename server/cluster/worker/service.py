@@ -54,6 +54,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if params.n != 1:
                 raise ValueError("a worker request generates one sequence (n = 1)")
             self._check_handoff(request)
+            if params.lora is not None and (request.hold_kv or request.HasField("kv_source")):
+                raise ValueError("KV handoff (hold_kv, kv_source) does not carry a LoRA adapter's KV")
             ids = list(request.prompt_token_ids)
             transfer = None
             if request.HasField("kv_source"):
