@@ -114,7 +114,8 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
         if self.enable_lora:
             if self.max_loras < 1 or self.max_lora_rank < 1:
-                raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+                raise ValueError(f"max_loras and max_lora_rank must be >= 1, "
+                                 f"got {self.max_loras} and {self.max_lora_rank}")
             self.max_cpu_loras = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
             if self.max_cpu_loras < self.max_loras:
                 raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")

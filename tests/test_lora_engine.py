@@ -97,7 +97,8 @@ def test_unknown_and_bad_adapters_are_refused(llm, adapters, tmp_path):
         engine.add_request("unknown", [1, 2, 3], greedy("no-such", 2))
     with pytest.raises(ValueError, match="no such directory"):
         engine.add_lora("missing", str(tmp_path / "missing"))
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]}))
+    too_big = {"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(too_big))
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="above --max-lora-rank"):
         engine.add_lora("too-big", str(tmp_path))

@@ -36,8 +36,8 @@ def test_peft_tensors_become_scaled_transposed_padded_stacks(adapters):
     assert a.shape == (CONFIG.num_layers, CONFIG.hidden_size, 16) and b.shape[1] == 16
     prefix = "base_model.model.model.layers.1.self_attn.q_proj"
     np.testing.assert_array_equal(a[1, :, :spec.rank], tensors[f"{prefix}.lora_A.weight"].T)
-    np.testing.assert_allclose(b[1, :spec.rank], tensors[f"{prefix}.lora_B.weight"].T * spec.alpha / math.sqrt(spec.rank),
-                               rtol=1e-6)
+    scaling = spec.alpha / math.sqrt(spec.rank)  # rsLoRA
+    np.testing.assert_allclose(b[1, :spec.rank], tensors[f"{prefix}.lora_B.weight"].T * scaling, rtol=1e-6)
     assert not a[:, :, spec.rank:].any() and not b[:, spec.rank:].any()  # padding adds nothing
     assert set(weights.modules) == set(spec.targets)
 
@@ -101,3 +101,15 @@ def test_host_copies_are_bounded_and_the_same_bytes_keep_their_uid(adapters):
         lora.resolve("alias")
     with pytest.raises(ValueError, match="already loaded"):
         lora.add(TINY_ADAPTERS[0].name, str(adapters[TINY_ADAPTERS[1].name]))
+
+
+def test_content_keys_of_an_adapter_differ_from_the_base_models_and_repeat_for_its_bytes():
+    """The disk tier's keys: the chain of an adapter's request is seeded with its digest."""
+    from jaxserve.kv.content_keys import KEY_BYTES, ChainKeys
+
+    base = ChainKeys(bytes(KEY_BYTES), 4)
+    tokens = list(range(12))
+    adapter = base.salted(b"digest-of-adapter-a")
+    assert set(adapter.keys(tokens, 3)).isdisjoint(base.keys(tokens, 3))
+    assert base.salted(b"digest-of-adapter-a").keys(tokens, 3) == adapter.keys(tokens, 3)
+    assert base.salted(b"digest-of-adapter-b").keys(tokens, 3) != adapter.keys(tokens, 3)

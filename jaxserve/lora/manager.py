@@ -66,7 +66,8 @@ class LoraManager:
         self._uids: dict[bytes, int] = {}  # weights digest -> uid
         self._slot_uid: list[int | None] = [None] * max_loras
         self._pins = [0] * max_loras
-        self._slot_order: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(max_loras))
+        # Slots in order of last use, least recent first.
+        self._slot_order: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(max_loras))
         self.stats = LoraStats()
 
     # ----- names ----------------------------------------------------------------------------

@@ -65,8 +65,9 @@ def write_adapter(directory: Path, spec: AdapterSpec, num_layers: int, features:
         for module in spec.targets:
             fan_in, out = features[module]
             prefix = f"base_model.model.model.layers.{layer}.{'mlp' if module in MLP else 'self_attn'}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((spec.rank, fan_in)) * spec.scale).astype(np.float32)
-            tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out, spec.rank)) * spec.scale).astype(np.float32)
+            a = rng.standard_normal((spec.rank, fan_in)) * spec.scale
+            b = rng.standard_normal((out, spec.rank)) * spec.scale
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a.astype(np.float32), b.astype(np.float32)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
               "target_modules": list(spec.targets), "use_rslora": spec.rslora, "lora_dropout": 0.0, "bias": "none",

@@ -68,7 +68,8 @@ def test_adapters_through_the_router_match_peft_on_both_workers(cluster):
     router = cluster["router"]
     load = {"lora_name": EXTRA.name, "lora_path": str(cluster["adapters"][EXTRA.name])}
     assert send(router, "POST", "/v1/load_lora_adapter", load).status == 200
-    assert send(router, "POST", "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "/nonexistent"}).status == 400
+    bad = {"lora_name": "bad", "lora_path": "/nonexistent"}
+    assert send(router, "POST", "/v1/load_lora_adapter", bad).status == 400
     outs = [client.completions.create(model=EXTRA.name, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0.0,
                                       extra_body={"ignore_eos": True}).choices[0].text for _ in range(4)]
     assert len(set(outs)) == 1  # the same adapter on either worker

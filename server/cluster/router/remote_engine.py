@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import AsyncIterator
 
 import grpc
@@ -264,7 +264,7 @@ class RemoteEngine:
                     logger.warning("listing the LoRA adapters of worker %s failed: %s", worker.address, e.code().name)
         return None
 
-    async def _on_every_worker(self, call) -> None:
+    async def _on_every_worker(self, call: Callable[[WorkerClient], Awaitable[pb.LoraAdaptersResponse]]) -> None:
         """A LoRA call on every worker that serves: ValueError (a bad adapter) or
         UnknownAdapterError (an unknown name) as the first worker that refuses says."""
         up = [w for w in self.workers if w.up]
