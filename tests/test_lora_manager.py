@@ -113,3 +113,38 @@ def test_content_keys_of_an_adapter_differ_from_the_base_models_and_repeat_for_i
     assert set(adapter.keys(tokens, 3)).isdisjoint(base.keys(tokens, 3))
     assert base.salted(b"digest-of-adapter-a").keys(tokens, 3) == adapter.keys(tokens, 3)
     assert base.salted(b"digest-of-adapter-b").keys(tokens, 3) != adapter.keys(tokens, 3)
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapters):
+    """One slot: adapter a runs; b waits for the slot; a later request of a (resident) waits
+    behind b instead of extending a's pin, and b runs as soon as a's first request ends."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.kv import KVCacheManager
+    from jaxserve.outputs import FinishReason
+    from jaxserve.request import Request
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.scheduler import Scheduler
+
+    lora = manager([], max_loras=1)
+    first, second = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name
+    for name in (first, second):
+        lora.add(name, str(adapters[name]))
+    config = EngineConfig(block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+                          block_table_buckets=(16,), enable_lora=True, max_loras=1)
+    scheduler = Scheduler(config, KVCacheManager(64, 4, watermark_blocks=0), lora)
+    requests = {rid: Request(rid, [3, 4, 5, 6, 7], SamplingParams(max_tokens=8), seed=0,
+                             adapter=lora.resolve(name))
+                for rid, name in (("a1", first), ("b1", second), ("a2", first))}
+    for request in requests.values():
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [c.request.request_id for c in out.prefills] == ["a1"] and requests["a1"].lora_slot == 0
+    scheduler.on_step_launched(out)
+    assert requests["a2"].lora_slot == -1  # behind b1, though its adapter is resident
+    scheduler.finish(requests["a1"], FinishReason.LENGTH)
+    out = scheduler.schedule()
+    assert [c.request.request_id for c in out.prefills] == ["b1"]
+    scheduler.finish(requests["b1"], FinishReason.ABORT)
+    assert [c.request.request_id for c in scheduler.schedule().prefills] == ["a2"]
+    scheduler.finish(requests["a2"], FinishReason.ABORT)
+    assert lora.num_pinned == 0 and lora.num_resident == 1

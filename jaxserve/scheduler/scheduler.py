@@ -232,6 +232,7 @@ class Scheduler:
             others = self._others_could_start(budget, self._num_partial(out), len(out.prefills) + 1)
             budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, others), out, in_flight)
         num_partial = self._num_partial(out)
+        slot_wait = False  # LoRA: a request waits for an adapter slot
         for req in self._waiting_in_policy_order():
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
@@ -259,10 +260,13 @@ class Scheduler:
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
                 n = self._partial_chunk_limit(budget, others)
             if req.adapter is not None:
-                req.lora_slot = self.adapters.acquire(req.adapter)
-                if req.lora_slot is None:
-                    req.lora_slot = -1
+                # Behind a request waiting for a slot, adapter requests wait too (even of resident
+                # adapters), so the pins drain and it gets its slot: no adapter starves.
+                slot = None if slot_wait else self.adapters.acquire(req.adapter)
+                if slot is None:
+                    slot_wait = True
                     continue  # every adapter slot is pinned by other adapters' requests: it waits
+                req.lora_slot = slot
             kv = self.kv.admit(hit, n, load_key=req)
             if kv is None:
                 self._release_adapter(req)
