@@ -177,6 +177,15 @@ class AsyncEngine:
     async def set_pin_budget(self, blocks_per_owner: int) -> None:
         await self._on_engine_thread(lambda e: e.set_pin_budget(blocks_per_owner))
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self._on_engine_thread(lambda e: e.add_lora(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._on_engine_thread(lambda e: e.remove_lora(name))
+
+    async def lora_adapters(self) -> dict[str, str] | None:
+        return await self._on_engine_thread(DataParallelEngine.lora_adapters)
+
     async def aclose(self) -> None:
         """`shutdown` without blocking the event loop (its last deliveries still land)."""
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
+from jaxserve.engine_args import add_engine_args, engine_config_from_args, lora_modules_from_args
 
 PACKAGES = ("jaxserve", "server", "bench", "checkpoints", "sharding", "kernels_pallas")
 
@@ -96,7 +96,8 @@ def _engine_starter(args: argparse.Namespace) -> Callable[..., Any]:
     def start(**kwargs: Any) -> Any:
         from jaxserve.serving import start_engine
 
-        return start_engine(args.model, engine_config_from_args(args), **kwargs)
+        return start_engine(args.model, engine_config_from_args(args), lora_modules=lora_modules_from_args(args),
+                            **kwargs)
     return start
 
 

@@ -90,6 +90,13 @@ class EngineConfig:
     # stop checks on the device, one read per loop). 1: off. Used for iterations with nothing
     # to prefill, no speculation and no structured output.
     num_scheduler_steps: int = 1
+    # LoRA adapters (docs/lora.md): served from `max_loras` fixed-shape device slots of rank
+    # `max_lora_rank` (every step pays for all slots), with up to `max_cpu_loras` host copies
+    # (None: max_loras). The adapters themselves are named at run time (`--lora-modules`, routes).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     # Shape buckets (None: derived from the limits above). Each list is sorted, finite, and
     # every jitted step is compiled for the cross product at warm-up. Block-table widths only
@@ -116,6 +123,15 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0 or kv_host_bytes > 0")
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
+        if self.enable_lora:
+            if self.max_loras < 1 or self.max_lora_rank < 1:
+                raise ValueError(f"max_loras and max_lora_rank must be >= 1, "
+                                 f"got {self.max_loras} and {self.max_lora_rank}")
+            self.max_cpu_loras = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+            if self.num_scheduler_steps > 1:
+                raise ValueError("enable_lora does not run multi-step decode yet: use num_scheduler_steps=1")
         for name in ("swap_space_blocks", "kv_host_bytes", "kv_disk_write_through_hits", "kv_disk_min_load_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -118,6 +118,25 @@ class DataParallelEngine:
         for engine in self.replicas:
             engine.kv.leases.budget_per_owner = blocks_per_owner
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter on every replica (none changed when it cannot be served)."""
+        added = []
+        try:
+            for engine in self.replicas:
+                engine.add_lora(name, path)
+                added.append(engine)
+        except ValueError:
+            for engine in added:
+                engine.remove_lora(name)
+            raise
+
+    def remove_lora(self, name: str) -> None:
+        for engine in self.replicas:
+            engine.remove_lora(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        return self.replicas[0].lora_adapters()
+
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot.total([e.snapshot() for e in self.replicas])
 

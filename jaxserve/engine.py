@@ -56,7 +56,8 @@ from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv import CopyStage, KVCacheManager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
-from jaxserve.engine_client import check_prompt_ids
+from jaxserve.engine_client import UnknownAdapterError, check_prompt_ids
+from jaxserve.lora.manager import AdapterRef, LoraManager
 from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
 from jaxserve.pooling import PromptPooling
 from jaxserve.request import Request, RequestStatus
@@ -123,7 +124,9 @@ class LLMEngine:
                 "cache more memory to serve longer requests", ec.max_model_len, ec.max_blocks_per_seq,
                 capacity // ec.block_size, ec.kv_cache_memory, capacity)
             self.config = ec = dataclasses.replace(ec, max_model_len=capacity)
-        self.scheduler = Scheduler(ec, self.kv)
+        self.lora = None if not ec.enable_lora else LoraManager(
+            loaded.config, ec.max_loras, ec.max_cpu_loras, ec.max_lora_rank, self.runner.write_lora_slot)
+        self.scheduler = Scheduler(ec, self.kv, self.lora)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size,
                                         self.eos_token_ids)
@@ -152,6 +155,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}")
         params.check_vocabulary(self.model_config.vocab_size)
+        adapter = self._adapter(params.lora)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         grammars = [None] * params.n if params.guided is None else self.grammars.states(params.guided, params.n)
         group = [  # all built before any is registered: a failure leaves nothing behind
@@ -165,12 +169,42 @@ class LLMEngine:
                 grammar=grammars[i],
                 text=TextStream(request_id, i, params, ids, self.tokenizer),
                 pooling=PromptPooling(params.pooling) if params.pooling is not None else None,
+                adapter=adapter,
             )
             for i in range(params.n)]
         self._groups[request_id] = group
         for req in group:
             self.scheduler.add_request(req)
         return group
+
+    def _adapter(self, name: str | None) -> AdapterRef | None:
+        if name is None:
+            return None
+        if self.lora is None:
+            raise UnknownAdapterError(f"the model {name!r} does not exist (LoRA adapters are not enabled)")
+        try:
+            return self.lora.resolve(name)
+        except KeyError:
+            raise UnknownAdapterError(f"the model {name!r} does not exist") from None
+
+    # ----- LoRA adapters (see jaxserve/lora/manager.py) ----------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as model `name` (ValueError if it cannot be served)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (start the engine with enable_lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (UnknownAdapterError if it is not served); its running
+        requests finish."""
+        if self.lora is None or name not in self.lora.names():
+            raise UnknownAdapterError(f"no LoRA adapter named {name!r} is loaded")
+        self.lora.remove(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served: name -> directory."""
+        return {} if self.lora is None else self.lora.names()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, or ValueError when it cannot be served. Text is a completion
@@ -209,7 +243,15 @@ class LLMEngine:
             draft_tokens=self.stats.draft_tokens, accepted_tokens=self.stats.accepted_tokens,
             expert_tokens=tuple(int(n) for n in self.runner.expert_tokens),
             expert_load=tuple(int(n) for n in self.runner.last_expert_load),
+            **self._lora_counts(),
         )
+
+    def _lora_counts(self) -> dict[str, Any]:
+        if self.lora is None:
+            return {}
+        stats = self.lora.stats
+        return dict(lora_resident=self.lora.num_resident, lora_disk_loads=stats.disk_loads,
+                    lora_device_loads=stats.device_loads, lora_requests=tuple(sorted(stats.requests.items())))
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished yet. (An iteration may still be in flight when the last one ends;

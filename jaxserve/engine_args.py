@@ -19,6 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-devices", type=int, default=None,
                         help="split the CPU into this many JAX devices (try --tensor-parallel-size and "
                              "--data-parallel-size without accelerators)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) to serve from the start, by model name "
+                             "(needs --enable-lora; more can be loaded at run time: POST /v1/load_lora_adapter)")
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
@@ -54,6 +57,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                         "(= fp8_e4m3) or int8; fp8 and int8 store a scale per token and kv head")
                 continue
             group.add_argument(flag, type=base, default=default)
+
+
+def lora_modules_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """`--lora-modules NAME=PATH ...` as {name: path}; SystemExit for a malformed entry."""
+    modules: dict[str, str] = {}
+    for entry in getattr(args, "lora_modules", []):
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path or name in modules:
+            raise SystemExit(f"--lora-modules takes distinct NAME=PATH entries, got {entry!r}")
+        modules[name] = path
+    if modules and not args.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
+    return modules
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

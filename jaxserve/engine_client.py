@@ -44,6 +44,10 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request alone (its part of a step raised); others go on."""
 
 
+class UnknownAdapterError(ValueError):
+    """A request named a LoRA adapter this engine does not serve (a 404, like an unknown model)."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt leaves no room to generate within max_model_len."""
 
@@ -160,6 +164,15 @@ class EngineClient(Protocol):
 
     async def unpin(self, pin: Pin) -> None:
         """Release a pin (nothing if it is no longer held)."""
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as model `name` (ValueError when it cannot be served)."""
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (`UnknownAdapterError` if it is not served)."""
+
+    async def lora_adapters(self) -> dict[str, str] | None:
+        """The adapters served: model name -> the directory it was loaded from."""
 
     async def end_sessions(self, ended: list[tuple[str, Pin | None]]) -> None:
         """Sessions that are gone: release each one's pin and its place on a replica or worker."""

@@ -73,16 +73,28 @@ class EngineSnapshot:
     # assignments since the start, and in the last model step read.
     expert_tokens: tuple[int, ...] = ()
     expert_load: tuple[int, ...] = ()
+    # LoRA: adapters in device slots now, adapters read from disk and written into slots since the
+    # start, and requests per adapter name (sorted by name).
+    lora_resident: int = 0
+    lora_disk_loads: int = 0
+    lora_device_loads: int = 0
+    lora_requests: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         """The replicas' snapshots summed (each keeps its load in `replicas`)."""
         per_expert = ("expert_tokens", "expert_load")
         summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)
-                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer", *per_expert)}
+                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer", "lora_requests",
+                                    *per_expert)}
         experts = {name: tuple(sum(counts) for counts in zip(*(getattr(s, name) for s in snapshots)))
                    for name in per_expert}
-        return cls(**summed, **experts, has_unfinished=any(s.has_unfinished for s in snapshots),
+        lora_requests: dict[str, int] = {}
+        for s in snapshots:
+            for name, count in s.lora_requests:
+                lora_requests[name] = lora_requests.get(name, 0) + count
+        return cls(**summed, **experts, lora_requests=tuple(sorted(lora_requests.items())),
+                   has_unfinished=any(s.has_unfinished for s in snapshots),
                    kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas),
                    tiers=TierStats.total([s.tiers for s in snapshots]))
 

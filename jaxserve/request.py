@@ -14,6 +14,7 @@ from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxserve.kv import ChainKeys, KVHandle
+    from jaxserve.lora.manager import AdapterRef
     from jaxserve.structured import GrammarState
     from jaxserve.text_stream import TextStream
 
@@ -67,10 +68,21 @@ class Request:
     # Its output as text: detokenized, stop strings found, cut into deltas (the engine's).
     text: TextStream | None = dataclasses.field(default=None, repr=False)
     pooling: PromptPooling | None = None  # an embedding request: its prompt's pooled rows so far
+    adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
+    lora_slot: int = -1  # the device slot its adapter is pinned in while it runs (-1: none)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """`all_token_ids` as the prefix cache keys them: a LoRA request's first token salted by
+        its adapter (`AdapterRef.salt`), so KV computed with different adapters is never shared."""
+        ids = self.all_token_ids
+        if self.adapter is not None:
+            ids[0] = self.adapter.salt(ids[0])
+        return ids
 
     @property
     def last_token_id(self) -> int:

@@ -67,6 +67,8 @@ class SamplingParams:
     `pooling` ("last" or "mean") makes the request an embedding: its prompt is prefilled and
     nothing is generated; the final delta carries the pooled final hidden states of the prompt
     (after the model's final norm, not normalized), `Delta.embedding`. Build it with `for_pooling`.
+    `lora` names the LoRA adapter to run the request with (None: the base model); it travels with
+    the other settings so that every engine (replica, remote worker) sees it.
     """
 
     n: int = 1
@@ -91,6 +93,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     guided: GuidedDecoding | None = None
     pooling: str | None = None
+    lora: str | None = None
 
     @classmethod
     def for_pooling(cls, kind: str) -> SamplingParams:
@@ -110,6 +113,8 @@ class SamplingParams:
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {self.guided!r}")
         self._check_pooling()
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be a non-empty adapter name, got {self.lora!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -19,12 +19,14 @@ from jaxserve.data_parallel import make_engine
 from sharding import multihost
 
 
-def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None = None) -> AsyncEngine | None:
+def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None = None,
+                 lora_modules: dict[str, str] | None = None) -> AsyncEngine | None:
     """The started engine of this process, warmed up.
 
     A dead engine loop (a device step failed) stops the process like SIGTERM, so a serving
     process exits non-zero and its supervisor restarts it. With `kv_transfer_host` (an address
-    other workers reach) the engine serves device-to-device KV pulls there.
+    other workers reach) the engine serves device-to-device KV pulls there. `lora_modules`: LoRA
+    adapters (name -> PEFT directory) served from the start.
 
     In a multi-process job (one tensor-parallel engine over every process's devices), process 0
     gets the engine and the others replay its device operations here until it stops; they get
@@ -40,6 +42,13 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
     engine = make_engine(model, config)
     print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", flush=True)
     replicas = getattr(engine, "replicas", [engine])
+    for name, path in (lora_modules or {}).items():
+        try:
+            for replica in replicas:
+                replica.add_lora(name, path)
+        except ValueError as e:
+            raise SystemExit(f"--lora-modules {name}={path}: {e}") from None
+        print(f"LoRA adapter {name!r} from {path}", flush=True)
     for disk in {id(e.disk_tier): e.disk_tier for e in replicas if e.disk_tier is not None}.values():
         print(f"KV disk tier in {disk.root}: {disk.num_files} blocks found ({disk.num_bytes / 1e6:.1f} MB)", flush=True)
     on_each = f" on each of {len(replicas)} replicas" if len(replicas) > 1 else ""

@@ -20,8 +20,8 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from jaxserve.engine_client import EngineClient
-from server import (openapi, routes_embeddings, routes_ops, routes_openai, routes_responses, routes_sessions,
-                    routes_tokenize)
+from server import (openapi, routes_embeddings, routes_lora, routes_ops, routes_openai, routes_responses,
+                    routes_sessions, routes_tokenize)
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
@@ -69,6 +69,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware(keys)], client_max_size=config.max_body_bytes)
     app[STATE] = state
     app.add_routes(routes_openai.routes)
+    app.add_routes(routes_lora.routes)
     app.add_routes(routes_embeddings.routes)
     app.add_routes(routes_responses.routes)
     app.add_routes(routes_sessions.routes)
@@ -103,6 +104,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     owns_hook = state.engine.on_step is None  # several apps may share one engine (tests): first wins
     if owns_hook:
         state.engine.on_step = state.metrics.observe_step
+    state.adapters.update(await state.engine.lora_adapters() or {})
     loaded = state.sessions.load(state.info.vocab_size)
     if loaded:
         logger.info("restored %d sessions from %s", loaded, state.config.session_dir)

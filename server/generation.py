@@ -16,7 +16,7 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from jaxserve.engine_client import EngineClient, EngineDeadError, RequestFailedError
+from jaxserve.engine_client import EngineClient, EngineDeadError, RequestFailedError, UnknownAdapterError
 from jaxserve.outputs import Delta, Usage
 from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
@@ -183,6 +183,8 @@ def _api_error(error: BaseException) -> APIError:
         return error
     if isinstance(error, EngineDeadError):
         return APIError(503, "the engine is not running", code="engine_unavailable")
+    if isinstance(error, UnknownAdapterError):
+        return APIError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, ValueError):
         return APIError(400, str(error))
     if isinstance(error, RequestFailedError):

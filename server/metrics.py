@@ -68,6 +68,7 @@ class _EngineCollector(Collector):
         yield from _tier_metrics(s)
         yield from _transfer_metrics(s)
         yield from _expert_metrics(s)
+        yield from _lora_metrics(s)
         per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",
                                         "Sequences per data-parallel replica by state", labels=["replica", "state"])
         kv_per_replica = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage_ratio",
@@ -94,6 +95,20 @@ def _expert_metrics(s: EngineSnapshot) -> Iterator[Metric]:
         load.add_metric([str(expert)], last)
     yield tokens
     yield load
+
+
+def _lora_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """LoRA adapters: slots in use, loads, requests per adapter (summed over replicas)."""
+    yield GaugeMetricFamily(f"{PREFIX}_lora_resident_adapters", "LoRA adapters in device slots", value=s.lora_resident)
+    yield CounterMetricFamily(f"{PREFIX}_lora_disk_loads", "LoRA adapters read from disk into host memory",
+                              value=s.lora_disk_loads)
+    yield CounterMetricFamily(f"{PREFIX}_lora_device_loads", "LoRA adapters written into a device slot",
+                              value=s.lora_device_loads)
+    requests = CounterMetricFamily(f"{PREFIX}_lora_requests", "Requests run with each LoRA adapter",
+                                   labels=["adapter"])
+    for name, count in s.lora_requests:
+        requests.add_metric([name], count)
+    yield requests
 
 
 def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:

@@ -17,13 +17,15 @@ from aiohttp import web
 from server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from server.response_request import RESPONSE_FIELDS
 from server.routes_embeddings import EMBEDDING_FIELDS
+from server.routes_lora import LOAD_FIELDS, UNLOAD_FIELDS
 from server.routes_sessions import CREATE_FIELDS, MESSAGE_FIELDS, REPLY_FIELDS
 from server.routes_tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 _STRING, _INTEGER, _NUMBER, _BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 FIELD_TYPES: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("model", "instructions", "previous_response_id", "system", "user", "role",
-                     "encoding_format", "service_tier", "safety_identifier", "prompt_cache_key"), _STRING),
+                     "encoding_format", "service_tier", "safety_identifier", "prompt_cache_key", "lora_name",
+                     "lora_path"), _STRING),
     **dict.fromkeys(("n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens", "top_k", "seed",
                      "priority", "top_logprobs", "dimensions", "best_of", "at", "prompt_logprobs"), _INTEGER),
     **dict.fromkeys(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -45,7 +47,10 @@ OPERATIONS: dict[tuple[str, str], tuple[str, frozenset[str] | None, tuple[str, .
     ("GET", "/v1/responses/{response_id}/input_items"): ("A stored response's input items (limit, order, after, "
                                                          "before)", None, ()),
     ("POST", "/v1/embeddings"): ("Embeddings of texts or token ids", EMBEDDING_FIELDS, ("input",)),
-    ("GET", "/v1/models"): ("The served model", None, ()),
+    ("GET", "/v1/models"): ("The served model and its LoRA adapters", None, ()),
+    ("POST", "/v1/load_lora_adapter"): ("Serve a LoRA adapter (a PEFT directory) as a model", LOAD_FIELDS,
+                                        ("lora_name", "lora_path")),
+    ("POST", "/v1/unload_lora_adapter"): ("Stop serving a LoRA adapter", UNLOAD_FIELDS, ("lora_name",)),
     ("GET", "/v1/models/{model}"): ("One model", None, ()),
     ("POST", "/v1/sessions"): ("Create a session", CREATE_FIELDS, ()),
     ("GET", "/v1/sessions"): ("The caller's sessions", None, ()),

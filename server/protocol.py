@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 from aiohttp import web
@@ -105,10 +106,12 @@ def require_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def check_model(body: dict[str, Any], served_name: str) -> str:
+def check_model(body: dict[str, Any], served_name: str, adapters: Collection[str] = ()) -> str:
+    """The requested model: the served one (the default) or one of its LoRA `adapters`; else 404."""
     model = require_str(body, "model", served_name)
-    if model != served_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_name!r}",
+    if model != served_name and model not in adapters:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_name!r}"
+                       + (f" and its LoRA adapters {sorted(adapters)}" if adapters else ""),
                        param="model", code="model_not_found")
     return model
 

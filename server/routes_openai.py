@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -19,7 +20,6 @@ from server.protocol import (
     build_sampling_params,
     check_best_of,
     check_fields,
-    check_model,
     echo_setting,
     logprobs_setting,
     max_tokens_setting,
@@ -29,7 +29,7 @@ from server.protocol import (
 )
 from server.http_reply import respond
 from server.openai_bodies import ChatShapes, CompletionShapes
-from server.state import STATE
+from server.state import STATE, ServerState
 from server.tools import ToolCalling, ToolFormat, forced_constraint, parse_tool_choice, parse_tools
 
 routes = web.RouteTableDef()
@@ -43,7 +43,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     check_fields(body, COMPLETION_FIELDS)
     check_best_of(body)
-    check_model(body, state.info.name)
+    info, adapter = state.model_for(body)
     stream = parse_stream(body)
     prompts = completion_prompts(body, state.info, state.config.max_prompts)
     longest = max(len(ids) for _, ids in prompts)
@@ -52,12 +52,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = echo_setting(body)
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_n=state.limits.max_n,
                                    vocab_size=state.info.vocab_size, echo=echo)
+    params = dataclasses.replace(params, lora=adapter)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = [
         EngineRequest(response_id if len(prompts) == 1 else f"{response_id}-{i}", ids, params, i * params.n)
         for i, (_, ids) in enumerate(prompts)
     ]
-    shapes = CompletionShapes(response_id, state.info, prompts if echo else None, params.n,
+    shapes = CompletionShapes(response_id, info, prompts if echo else None, params.n,
                               show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n * len(prompts)):
         generation = state.generation(request, requests, "completions", arrival)
@@ -71,7 +72,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.limiter.admit(request[OWNER_KEY])
     body = await read_json_object(request)
     check_fields(body, CHAT_FIELDS)
-    check_model(body, state.info.name)
+    info, adapter = state.model_for(body)
     stream = parse_stream(body)
     if "messages" not in body:
         raise bad_request("messages is required", param="messages")
@@ -86,8 +87,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     forced = forced_constraint(tools, choice, require_bool(body, "parallel_tool_calls", True))
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=True),
                                    max_n=state.limits.max_n, vocab_size=state.info.vocab_size, guided=forced)
+    params = dataclasses.replace(params, lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    shapes = ChatShapes(response_id, state.info, ToolCalling(tool_format, choice) if shown_tools else None,
+    shapes = ChatShapes(response_id, info, ToolCalling(tool_format, choice) if shown_tools else None,
                         show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n):
         generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)
@@ -99,14 +101,24 @@ def _model_card(info: ModelInfo) -> dict[str, object]:
             "max_model_len": info.max_model_len}
 
 
+def _cards(state: ServerState) -> dict[str, dict[str, object]]:
+    """Every model served by name: the base model, then its LoRA adapters, whose cards name their
+    base model (`parent`) and directory (`root`), as vLLM's do."""
+    base = _model_card(state.info)
+    cards = {state.info.name: base}
+    cards.update({name: {**base, "id": name, "root": path, "parent": state.info.name}
+                  for name, path in state.adapters.items()})
+    return cards
+
+
 @routes.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE].info)]})
+    return web.json_response({"object": "list", "data": list(_cards(request.app[STATE]).values())})
 
 
 @routes.get("/v1/models/{model}")
 async def model(request: web.Request) -> web.Response:
-    info = request.app[STATE].info
-    if request.match_info["model"] != info.name:
+    card = _cards(request.app[STATE]).get(request.match_info["model"])
+    if card is None:
         raise not_found(f"the model {request.match_info['model']!r} does not exist", code="model_not_found")
-    return web.json_response(_model_card(info))
+    return web.json_response(card)

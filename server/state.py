@@ -19,7 +19,7 @@ from server.errors import APIError
 from server.generation import EngineRequest, Generation
 from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
-from server.protocol import Limits
+from server.protocol import Limits, check_model
 from server.rate_limit import RateLimiter
 from server.response_store import ResponseStore
 from server.session_kv import SessionKV
@@ -42,6 +42,10 @@ class ServerState:
     session_kv: SessionKV
     responses: ResponseStore
     limits: Limits
+    # LoRA adapters served as models (name -> directory): read from the engine at start-up, then
+    # changed by the load/unload routes (server/routes_lora.py), so a request's model is checked
+    # without a trip to the engine thread.
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)
     background: set[asyncio.Task] = dataclasses.field(default_factory=set)  # fire-and-forget tasks
     draining: bool = False  # shutting down: no new generation starts
     generations: weakref.WeakSet[Generation] = dataclasses.field(default_factory=weakref.WeakSet)
@@ -56,6 +60,14 @@ class ServerState:
         self.background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("background task failed", exc_info=task.exception())
+
+    def model_for(self, body: dict[str, Any]) -> tuple[ModelInfo, str | None]:
+        """The model a generation request names (404 if none such): its info as responses show
+        it, and the LoRA adapter to run (None: the base model)."""
+        model = check_model(body, self.info.name, self.adapters)
+        if model == self.info.name:
+            return self.info, None
+        return dataclasses.replace(self.info, name=model), model
 
     def generation(self, request: web.Request, requests: list[EngineRequest], endpoint: str,
                    arrival: float | None = None) -> Generation:

@@ -91,7 +91,7 @@ class Stage:
     """One stage, run in its own process under `limit_s` seconds."""
 
     name: str
-    kind: str  # env | correctness | decode_kernels | prefill_kernels | models | engine | quantized_matmul
+    kind: str  # env | correctness | decode_kernels | prefill_kernels | models | engine | quantized_matmul | lora
     limit_s: float
     model: str | None = None  # engine stages: a key of Plan.models
     overlap: bool = True  # engine stages: async (overlap) scheduling
@@ -162,6 +162,8 @@ def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_va
     # The families' blocks: grouped expert matmuls and sliding-window kernels, then the engine on
     # each family's model (on the GPU in what the other stages left: the budget is 8 minutes).
     stages.append(Stage("models", "models", limits["models"]))
+    # LoRA: a decode step of rows over 8 adapters against base rows (bench/gpu_check/lora_stage.py).
+    stages.append(Stage("lora", "lora", limits["lora"], models[0], optional=families_optional))
     for model in (MOE_MODEL, WINDOW_MODEL):
         stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model,
                             optional=families_optional))
@@ -179,7 +181,8 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         # the run, not measure anything.
         limits = {"env": 150, "correctness": 300, "decode_kernels": 300, "prefill_kernels": 200,
                   "engine_smollm2-135m": 300, "engine_llama3-8b": 300, "models": 200,
-                  f"engine_{MOE_MODEL}": 300, f"engine_{WINDOW_MODEL}": 300, "quantized_matmul": 150}
+                  f"engine_{MOE_MODEL}": 300, f"engine_{WINDOW_MODEL}": 300, "quantized_matmul": 150,
+                  "lora": 300}
         return Plan(
             dry_run=True, dtype="bfloat16", engine_dtype="float32",
             models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3, MOE_MODEL: TINY_QWEN3_MOE,
@@ -198,7 +201,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
     # decode_kernels times two decode kernels, JAX's op and the copy over 12 cases (compiles included).
     limits = {"env": 30, "correctness": 70, "decode_kernels": 170, "prefill_kernels": 40,
               "engine_smollm2-135m": 70, "engine_llama3-8b": 130, "models": 40,
-              f"engine_{MOE_MODEL}": 90, f"engine_{WINDOW_MODEL}": 70, "quantized_matmul": 40}
+              f"engine_{MOE_MODEL}": 90, f"engine_{WINDOW_MODEL}": 70, "quantized_matmul": 40, "lora": 60}
     return Plan(
         dry_run=False, dtype="bfloat16",
         models={"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B, MOE_MODEL: QWEN3_MOE_16L, WINDOW_MODEL: GEMMA3_1B},

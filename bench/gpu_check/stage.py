@@ -26,6 +26,7 @@ RUNNERS = {
     "engine": ("bench.gpu_check.engine_stage", "run"),
     "models": ("bench.gpu_check.model_stage", "run"),
     "quantized_matmul": ("bench.gpu_check.quant_stage", "run"),
+    "lora": ("bench.gpu_check.lora_stage", "run"),
 }
 
 

@@ -55,6 +55,11 @@ class ChainKeys:
         self.block_size = block_size
         self._keys: list[bytes] = []
 
+    def salted(self, salt: bytes) -> ChainKeys:
+        """A new chain whose seed also covers `salt` (a LoRA adapter's digest): KV computed with
+        other weights gets other keys, here and in the disk tier across restarts."""
+        return ChainKeys(next_key(self.seed, salt), self.block_size)
+
     def fork(self) -> ChainKeys:
         """A copy that goes on with another continuation of the tokens seen so far."""
         other = ChainKeys(self.seed, self.block_size)

@@ -41,6 +41,7 @@ from checkpoints.quant_format import QuantFormat
 from checkpoints.weights import LAYERS, Weight, flat, quantized
 from jaxserve.model.experts import activation, expert_backend, expert_load, route
 from jaxserve.model.quantized import quantized_matmul
+from jaxserve.model.lora import LoraStacks, lora_delta
 from jaxserve.model.rope import RopeTables, apply_rope, rope_tables
 from kernels_pallas import AttentionBackend, kv_quant
 from kernels_pallas.cpu_matmul import CpuMatmul, to_panels
@@ -89,6 +90,8 @@ class AttentionMetadata:
     decode_rows [S - P]: a prefill step that runs decodes too (in one program): the row of
       each of the last S - P sequences' one new token (decodes), after the chunks' rows; a
       padding entry is T (out of range) and its sequence's length 0. None: no decodes.
+    lora_slots [T]: with LoRA on, each row's adapter slot (-1: the base model; see
+      jaxserve/model/lora.py). None: LoRA off.
     """
 
     slot_mapping: jax.Array
@@ -96,6 +99,7 @@ class AttentionMetadata:
     seq_lens: jax.Array
     query_start: jax.Array | None = None
     decode_rows: jax.Array | None = None
+    lora_slots: jax.Array | None = None
 
 
 def paged_attention(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -183,14 +187,20 @@ class DecoderLayer(nn.Module):
     quantization: Quantization = ()
 
     @nn.compact
-    def __call__(self, carry, layer, rope: RopeTables, meta: AttentionMetadata):
+    def __call__(self, carry, layer, rope: RopeTables, meta: AttentionMetadata, lora: LoraStacks | None = None):
         h, k_cache, v_cache = carry
         cfg = self.config
         w = layer_weights(cfg, self.stacked, self.quantization)
         cpu_matmul = self.cpu_matmul if self.stacked else None
-        dense = lambda name: lambda x: Linear(  # noqa: E731
-            w[f"{name}/kernel"], w.get(f"{name}/bias"), self.dtype, self.param_dtype, self.packed, cpu_matmul, name=name
-        )(x, layer)
+
+        def dense(name):
+            def project(x):
+                y = Linear(w[f"{name}/kernel"], w.get(f"{name}/bias"), self.dtype, self.param_dtype, self.packed,
+                           cpu_matmul, name=name)(x, layer)
+                if lora is None or name not in lora:
+                    return y
+                return (y + lora_delta(x, lora[name]["a"], lora[name]["b"], meta.lora_slots, layer)).astype(y.dtype)
+            return project
         norm = lambda name: lambda x: RMSNorm(  # noqa: E731
             w[f"{name}/scale"], cfg.rms_norm_eps, self.dtype, name=name)(x, layer)
         t = h.shape[0]
@@ -386,8 +396,10 @@ class LlamaModel(nn.Module):
         cache: KVCache,
         meta: AttentionMetadata,
         logits_indices: jax.Array,
+        lora: LoraStacks | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache)."""
+        """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache).
+        `lora`: the adapters' device slots (jaxserve/model/lora.py), read at `meta.lora_slots`."""
         cfg = self.config
         act = self.compute_dtype
         weights = flat(declare(cfg))
@@ -404,7 +416,7 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_layers):
                 layer = DecoderLayer(cfg, act, self.dtype, self.packed, self.backend, experts=experts,
                                      quantization=self.quantization, name=f"layers_{i}")
-                carry, load = layer(carry, jnp.int32(i), rope, meta)
+                carry, load = layer(carry, jnp.int32(i), rope, meta, lora)
                 loads.append(load)
             load = jnp.stack(loads)
         else:
@@ -412,11 +424,11 @@ class LlamaModel(nn.Module):
                 DecoderLayer,
                 variable_broadcast="params",
                 split_rngs={"params": False},
-                in_axes=(0, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
             )(cfg, act, self.dtype, self.packed, self.backend, True, self.cpu_matmul, experts, self.quantization,
               name="layers")
-            carry, load = layers(carry, jnp.arange(cfg.num_layers), rope, meta)
+            carry, load = layers(carry, jnp.arange(cfg.num_layers), rope, meta, lora)
         h, k, v = carry
         # Every row's last hidden state, for a caller that scores more rows than it samples
         # (`head_logits`), and each layer's assignments per expert [L, X] (mixture of experts);

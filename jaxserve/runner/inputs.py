@@ -122,7 +122,8 @@ class StepInputs:
         tokens, token_src, positions = self._decode_inputs(index, chunks)
         tables = self.batch.tables[index, :width]
         seq_lens = (positions + 1) * (index != self.batch.spare)  # padding rows: 0
-        meta = AttentionMetadata(self._cache_slots(tables, positions), tables, seq_lens)
+        meta = AttentionMetadata(self._cache_slots(tables, positions), tables, seq_lens,
+                                 lora_slots=self._lora_rows(chunks, batch))
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
         return Program(("decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks,
@@ -182,7 +183,8 @@ class StepInputs:
                 if c.sample:
                     sampled.append((row + j, slots[i], j))
         query_start[len(chunks) + 1:] = len(chunks) * rows
-        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start)
+        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start,
+                                 lora_slots=self._lora_rows(chunks, num_tokens, [rows] * len(chunks)))
         host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
         masks = self._constrained_rows(chunks, slots, rows)
         self._check_sampling(chunks)
@@ -248,13 +250,26 @@ class StepInputs:
         seq_lens[num_seqs:num_seqs + len(decodes)] = decode_positions + 1
         decode_rows = np.full(num_decodes, num_tokens, np.int32)
         decode_rows[:len(decodes)] = logits_indices[len(chunks):len(chunks) + len(decodes)] = rows
-        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start, decode_rows)
+        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start, decode_rows, self._lora_rows(
+            chunks + decodes, num_tokens, [c.num_new_tokens for c in chunks] + [1] * len(decodes)))
         host_args = (tokens, positions, meta, logits_indices, token_src)
         slots = np.concatenate([chunk_slots, decode_slots])
         sampling, masks = self._sampling(chunks + decodes, slots, self.sampler_rows(len(logits_indices)))
         key = ("prefill", num_tokens, num_seqs, width)
         return Program(key, host_args, sampling, 0, slots, self._score_rows(chunks, num_tokens, scores), masks=masks,
                        constrained=bool(masks), pool=self._pool_rows(chunks, num_tokens, pooled))
+
+    def _lora_rows(self, chunks: list[ScheduledChunk], num_rows: int, rows_per_chunk: list[int] | None = None
+                   ) -> np.ndarray | None:
+        """With LoRA on, each row's adapter slot (`Request.lora_slot`; -1 for the base model and
+        for padding): chunk i has `rows_per_chunk[i]` consecutive rows (one each by default)."""
+        if not self.config.enable_lora:
+            return None
+        counts = [1] * len(chunks) if rows_per_chunk is None else rows_per_chunk
+        out = np.full(num_rows, -1, np.int32)
+        filled = np.repeat(np.fromiter((c.request.lora_slot for c in chunks), np.int32, len(chunks)), counts)
+        out[:len(filled)] = filled
+        return out
 
     def _pool_rows(self, chunks: list[ScheduledChunk], num_tokens: int,
                    pooled: list[PooledRows] | None) -> np.ndarray | None:

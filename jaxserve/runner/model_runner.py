@@ -34,10 +34,13 @@ from jaxserve.model import KVCache, LlamaModel
 from jaxserve.model.experts import expert_backend
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import pack_kernels, panel_kernels, unstack_layers
+from jaxserve.model.lora import LORA_MODULES
+from jaxserve.lora.peft import LoraWeights
 from jaxserve.outputs import SampledToken
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import StepInputs
+from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.prepared_step import PreparedStep, Program, write_token_masks
 from jaxserve.runner.placement import cast_params, enable_persistent_compilation_cache, plan_parallelism, runner_mesh
 from jaxserve.runner.programs import declare_programs
@@ -89,10 +92,20 @@ class ModelRunner:
         if self.model.packed:
             params = pack_kernels(params)  # those the panels did not take
         self.param_shardings = param_shardings(params, self.mesh, config, self.quantization)
+        # LoRA: the adapters' device slots ride in the parameters (`params["lora"]`), split like
+        # the projections they update (jaxserve/runner/lora_slots.py).
+        self.lora_slots = None if not engine_config.enable_lora else LoraSlots(
+            dataclasses.replace(config, num_kv_heads=plan.num_kv_heads), engine_config.max_loras,
+            engine_config.max_lora_rank, self.model.compute_dtype, self.mesh,
+            {m: s["kernel"].spec for m, s in self.param_shardings["layers"].items() if m in LORA_MODULES},
+            plan.kv_replicas)
         if engine_config.unroll_layers:
             params = unstack_layers(params, config.num_layers, lambda leaf, i: leaf[i])
             self.param_shardings = unstack_layers(self.param_shardings, config.num_layers, layer_sharding)
         self.params = jax.device_put(params, self.param_shardings)
+        if self.lora_slots is not None:
+            self.params = {**self.params, "lora": self.lora_slots.zeros()}
+            self.param_shardings = {**self.param_shardings, "lora": self.lora_slots.shardings}
 
         bs = engine_config.block_size
         tp = engine_config.tensor_parallel_size  # kv_cache_memory is per device
@@ -183,6 +196,14 @@ class ModelRunner:
             return logits
         logits, self.cache, _, _, _, _, self.penalty_counts = self._run(program.key, args, warming_up)
         return logits
+
+    def lora_write_args(self, slot: int, weights: LoraWeights | None) -> tuple:
+        return (self.params["lora"], self._device_constant((), np.int32, slot), self.lora_slots.adapter_arrays(weights))
+
+    def write_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        """Put an adapter into device slot `slot` (`LoraManager`'s writer). Steps launched before
+        read the slots as they were: the write makes new arrays, it does not update in place."""
+        self.params = {**self.params, "lora": self._run(("lora_write",), self.lora_write_args(slot, weights))}
 
     def multi_step_args(self, program: Program) -> tuple:
         return (self.params, self.cache, HostPack.of(program.host_args), program.sampling, self._prev_sampled,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.runner.host_pack import HostPack
+from jaxserve.runner.lora_slots import write_slot
 from jaxserve.runner.prepared_step import Program
 from sharding.rules import replicated
 
@@ -143,4 +144,10 @@ def declare_programs(runner: ModelRunner) -> dict[str, ProgramSpec]:
         ProgramSpec("penalty_reset", f.reset_penalty_rows, [counts, host, prev], rep,
                     lambda: [((), runner.reset_args(inputs.penalty_reset([])))]),
     ]
+    if runner.lora_slots is not None:
+        # LoRA: an adapter written into a device slot (one shape for every adapter and slot).
+        lora = runner.lora_slots
+        specs.append(ProgramSpec("lora_write", write_slot, [Arg("lora", lora.shardings), Arg("slot", rep),
+                                                            Arg("adapter", lora.adapter_shardings)],
+                                 lora.shardings, lambda: [((), runner.lora_write_args(0, None))]))
     return {spec.name: spec for spec in specs}

@@ -43,7 +43,8 @@ class StepFunctions:
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
         (logits, cache), state = self.model.apply(
-            {"params": params}, tokens, positions, cache, meta, logits_indices, mutable=["intermediates"])
+            {"params": params}, tokens, positions, cache, meta, logits_indices, params.get("lora"),
+            mutable=["intermediates"])
         rows = logits.shape[0]
         if pad_logits:
             logits = jnp.pad(logits, ((0, self.sampler_rows(rows) - rows), (0, 0)))

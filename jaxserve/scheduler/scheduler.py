@@ -34,6 +34,7 @@ import logging
 import time
 from collections import deque
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import KVCacheManager, LoadStart
@@ -42,6 +43,9 @@ from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.speculative import propose_ngram
 
+if TYPE_CHECKING:
+    from jaxserve.lora.manager import LoraManager
+
 logger = logging.getLogger(__name__)
 
 LPM_STARVATION_SECONDS = 5.0  # under LPM, a request waiting longer than this goes first
@@ -49,9 +53,10 @@ SPECULATION_MAX_PAUSE = 16  # steps without speculation after draftless ones, at
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, adapters: LoraManager | None = None):
         self.config = config
         self.kv = kv
+        self.adapters = adapters  # LoRA: a request is admitted once its adapter holds a device slot
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -66,7 +71,8 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         """Queue a new request; its content keys are seeded as the KV manager's (disk tier's) are."""
-        req.block_keys = self.kv.new_chain()
+        chain = self.kv.new_chain()
+        req.block_keys = chain if req.adapter is None else chain.salted(req.adapter.weights.digest)
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
@@ -79,8 +85,14 @@ class Scheduler:
             self.waiting.remove(req)
         if req.kv is not None:
             self.kv.free(req.kv)
+        self._release_adapter(req)
         self.kv.loads.cancel(req)
         req.finish(reason)
+
+    def _release_adapter(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.adapters.release(req.lora_slot)
+            req.lora_slot = -1
 
     @property
     def num_unfinished(self) -> int:
@@ -220,6 +232,7 @@ class Scheduler:
             others = self._others_could_start(budget, self._num_partial(out), len(out.prefills) + 1)
             budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, others), out, in_flight)
         num_partial = self._num_partial(out)
+        slot_wait = False  # LoRA: a request waits for an adapter slot
         for req in self._waiting_in_policy_order():
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
@@ -229,7 +242,7 @@ class Scheduler:
                 continue  # preempted with its last token in flight
             if self.kv.loads.is_loading(req):
                 continue  # its prefix is being read from disk; others go meanwhile
-            cacheable = req.all_token_ids[:req.num_cacheable_tokens]
+            cacheable = req.cache_token_ids[:req.num_cacheable_tokens]
             hit = self.kv.match_prefix(cacheable, req.block_keys)
             if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
                 if self.kv.loads.start(req, hit) is not LoadStart.NONE:
@@ -246,8 +259,17 @@ class Scheduler:
                     continue
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
                 n = self._partial_chunk_limit(budget, others)
+            if req.adapter is not None:
+                # Behind a request waiting for a slot, adapter requests wait too (even of resident
+                # adapters), so the pins drain and it gets its slot: no adapter starves.
+                slot = None if slot_wait else self.adapters.acquire(req.adapter)
+                if slot is None:
+                    slot_wait = True
+                    continue  # every adapter slot is pinned by other adapters' requests: it waits
+                req.lora_slot = slot
             kv = self.kv.admit(hit, n, load_key=req)
             if kv is None:
+                self._release_adapter(req)
                 break  # the pool is full: admit nothing more this step
             req.start_running(kv, hit.num_tokens)
             used = self._add_prefill(req, n, out, in_flight)
@@ -296,7 +318,7 @@ class Scheduler:
             bs = self.config.block_size
             first, last = req.num_computed_tokens // bs, min(req.num_computed_tokens + n, req.num_prompt_tokens) // bs
             if last > first:
-                in_flight.update(req.block_keys.keys(req.prompt_token_ids, last)[first:])
+                in_flight.update(req.block_keys.keys(req.cache_token_ids, last)[first:])
         return n
 
     def _block_in_flight(self, req: Request, start: int, in_flight: set[bytes]) -> bool:
@@ -306,7 +328,7 @@ class Scheduler:
             return False
         i = start // self.config.block_size
         return (i + 1) * self.config.block_size <= req.num_prompt_tokens and \
-            req.block_keys.keys(req.prompt_token_ids, i + 1)[i] in in_flight
+            req.block_keys.keys(req.cache_token_ids, i + 1)[i] in in_flight
 
     def _chunk(self, req: Request, n: int, draft: list[int] | None = None, num_steps: int = 1) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -325,7 +347,7 @@ class Scheduler:
         now = time.monotonic()
         starving = [r for r in self.waiting if now - r.arrival_time > LPM_STARVATION_SECONDS]
         rest = [r for r in self.waiting if now - r.arrival_time <= LPM_STARVATION_SECONDS]
-        rest.sort(key=lambda r: (-self.kv.match_prefix(r.all_token_ids, r.block_keys).num_tokens, r.arrival_time))
+        rest.sort(key=lambda r: (-self.kv.match_prefix(r.cache_token_ids, r.block_keys).num_tokens, r.arrival_time))
         return starving + rest
 
     def _pick_victim(self) -> Request:
@@ -341,6 +363,7 @@ class Scheduler:
             logger.info("preempted %s by swap", req.request_id)
             return
         self.kv.free(req.kv)
+        self._release_adapter(req)
         req.preempt(swapped=False)
         self.waiting.appendleft(req)
         logger.info("preempted %s by recompute (%d tokens)", req.request_id, req.num_tokens)
@@ -383,4 +406,4 @@ class Scheduler:
         if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
             n = min(req.num_computed_tokens, req.num_known_tokens)
             if n // bs > cached:
-                self.kv.cache_full_blocks(req.kv, req.all_token_ids[:n])
+                self.kv.cache_full_blocks(req.kv, req.cache_token_ids[:n])

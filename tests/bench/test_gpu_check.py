@@ -191,3 +191,12 @@ def test_pick_is_triton_when_mosaic_could_not_run():
     del rows[0]["mosaic_err"], rows[0]["mosaic_vs_triton_err"]
     pick = pick_decode_kernel(rows, 2e-2)
     assert pick["kernel"] == "triton" and "needs a Hopper GPU" in pick["why"] and pick["mosaic_over_triton"] is None
+
+
+@pytest.mark.slow
+def test_lora_stage_times_adapter_rows_against_base_rows(dry_run):
+    lora = stage(dry_run[1], "lora")
+    assert [r["case"] for r in lora["rows"]] == ["base rows, runner without LoRA", "base rows, LoRA runner",
+                                                 "rows over 8 adapters, LoRA runner"]
+    assert all(r["ms"] > 0 for r in lora["rows"]) and not lora["problems"]
+    assert lora["info"]["adapters"] == 8 and lora["info"]["ratio_8_adapters"] > 0

@@ -28,8 +28,8 @@ def resumes(params: SamplingParams) -> bool:
 
 def splits(params: SamplingParams) -> bool:
     """Whether a one-sequence request can be prefilled on one worker and decoded on another with
-    the output of one worker."""
-    return params.max_tokens > 1 and resumes(params)
+    the output of one worker. LoRA requests are not: KV handoff keys blocks by the base model's."""
+    return params.max_tokens > 1 and resumes(params) and params.lora is None
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:

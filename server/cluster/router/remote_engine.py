@@ -36,12 +36,13 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import AsyncIterator
 
 import grpc
 
-from jaxserve.engine_client import EngineDeadError, EngineInfo, Pin, RequestFailedError, check_prompt_ids
+from jaxserve.engine_client import (EngineDeadError, EngineInfo, Pin, RequestFailedError, UnknownAdapterError,
+                                    check_prompt_ids)
 from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats
 from jaxserve.outputs import Delta, Usage
 from jaxserve.routing import RoutingPolicy, choose_replica
@@ -243,6 +244,43 @@ class RemoteEngine:
         self._pin_budget = blocks_per_owner
         await asyncio.gather(*(self._send_pin_budget(w) for w in self.workers if w.up))
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the adapter on every worker that serves (each reads `path` on its own file system)."""
+        await self._on_every_worker(lambda w: w.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path),
+                                                                       timeout=CALL_TIMEOUT))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._on_every_worker(lambda w: w.stub.UnloadLoraAdapter(pb.LoraAdapterRequest(name=name),
+                                                                         timeout=CALL_TIMEOUT))
+
+    async def lora_adapters(self) -> dict[str, str] | None:
+        """The adapters the workers serve (every one loads the same; the first that answers says)."""
+        for worker in self.workers:
+            if worker.up:
+                try:
+                    return dict((await worker.stub.ListLoraAdapters(pb.ListLoraAdaptersRequest(),
+                                                                     timeout=CALL_TIMEOUT)).adapters)
+                except grpc.aio.AioRpcError as e:
+                    logger.warning("listing the LoRA adapters of worker %s failed: %s", worker.address, e.code().name)
+        return None
+
+    async def _on_every_worker(self, call: Callable[[WorkerClient], Awaitable[pb.LoraAdaptersResponse]]) -> None:
+        """A LoRA call on every worker that serves: ValueError (a bad adapter) or
+        UnknownAdapterError (an unknown name) as the first worker that refuses says."""
+        up = [w for w in self.workers if w.up]
+        if not up:
+            raise EngineDeadError("no worker serves")
+        results = await asyncio.gather(*(call(w) for w in up), return_exceptions=True)
+        for worker, result in zip(up, results):
+            if isinstance(result, grpc.aio.AioRpcError):
+                if result.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(result.details())
+                if result.code() == grpc.StatusCode.NOT_FOUND:
+                    raise UnknownAdapterError(result.details())
+                raise EngineDeadError(f"worker {worker.address}: {result.code().name}: {result.details()}")
+            if isinstance(result, BaseException):
+                raise result
+
     async def aclose(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
@@ -319,6 +357,8 @@ class RemoteEngine:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(e.details()) from None
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # an adapter unloaded meanwhile
+                    raise UnknownAdapterError(e.details()) from None
                 error = f"{e.code().name}: {e.details()}"
             worker.mark_down(error)
             resumed = sequence.num_out > streamed

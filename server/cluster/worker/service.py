@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from jaxserve.engine_client import EngineDeadError, KVTransferEngine, Pin, RequestFailedError
+from jaxserve.engine_client import EngineDeadError, KVTransferEngine, Pin, RequestFailedError, UnknownAdapterError
 from server.routes_ops import engine_problem
 from server.cluster.worker.kv_handoff import KVHandoff, LeaseGoneError
 from server.cluster.worker import worker_pb2 as pb
@@ -54,6 +54,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if params.n != 1:
                 raise ValueError("a worker request generates one sequence (n = 1)")
             self._check_handoff(request)
+            if params.lora is not None and (request.hold_kv or request.HasField("kv_source")):
+                raise ValueError("KV handoff (hold_kv, kv_source) does not carry a LoRA adapter's KV")
             ids = list(request.prompt_token_ids)
             transfer = None
             if request.HasField("kv_source"):
@@ -76,6 +78,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         # (the router does); one that never reads it leaves the lease to its timeout.
                         leased_out = True
                     yield msg
+        except UnknownAdapterError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
@@ -172,6 +176,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ended = [(s.session_id, self._pins.pop(s.pin, None)) for s in request.sessions]
         await self._engine.end_sessions(ended)
         return pb.EndSessionsResponse()
+
+    async def LoadLoraAdapter(self, request: pb.LoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoraAdaptersResponse:
+        try:
+            await self._engine.load_lora_adapter(request.name, request.path)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return await self.ListLoraAdapters(pb.ListLoraAdaptersRequest(), context)
+
+    async def UnloadLoraAdapter(self, request: pb.LoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> pb.LoraAdaptersResponse:
+        try:
+            await self._engine.unload_lora_adapter(request.name)
+        except UnknownAdapterError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return await self.ListLoraAdapters(pb.ListLoraAdaptersRequest(), context)
+
+    async def ListLoraAdapters(self, request: pb.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> pb.LoraAdaptersResponse:
+        adapters = await self._engine.lora_adapters()
+        if adapters is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
+        return pb.LoraAdaptersResponse(adapters=adapters)
 
     async def SetPinBudget(self, request: pb.SetPinBudgetRequest,
                            context: grpc.aio.ServicerContext) -> pb.SetPinBudgetResponse:

@@ -92,5 +92,6 @@ def snapshot_from_json(text: str) -> EngineSnapshot:
     fields["kv"] = KVUsage(**fields["kv"])
     fields["replicas"] = tuple(ReplicaLoad(**r) for r in fields["replicas"])
     fields["tiers"] = TierStats(**fields["tiers"])
+    fields["lora_requests"] = tuple((name, count) for name, count in fields.get("lora_requests", ()))
     fields.pop("kv_transfer", None)  # a router's count, not a worker's
     return EngineSnapshot(**fields)

@@ -296,3 +296,28 @@ class SetPinBudgetRequest(_message.Message):
 class SetPinBudgetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    class AdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.ScalarMap[str, str]
+    def __init__(self, adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...

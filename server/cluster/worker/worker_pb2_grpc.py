@@ -94,6 +94,21 @@ class WorkerStub:
                 request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/jaxserve.worker.v1.Worker/LoadLoraAdapter',
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/jaxserve.worker.v1.Worker/UnloadLoraAdapter',
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/jaxserve.worker.v1.Worker/ListLoraAdapters',
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -182,6 +197,27 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters served as models (a request names one in its sampling parameters' `lora`): load
+        (INVALID_ARGUMENT for a directory that is not a servable adapter), unload (NOT_FOUND for an
+        unknown name), list. Each answers with the adapters served after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -244,6 +280,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -570,6 +621,87 @@ class Worker:
             '/jaxserve.worker.v1.Worker/ReleaseLease',
             server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
             server_dot_cluster_dot_worker_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.worker.v1.Worker/LoadLoraAdapter',
+            server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.worker.v1.Worker/UnloadLoraAdapter',
+            server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.worker.v1.Worker/ListLoraAdapters',
+            server_dot_cluster_dot_worker_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

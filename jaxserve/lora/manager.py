@@ -1,0 +1,163 @@
+"""The adapters one engine serves: their names, host copies and device slots.
+
+`LoraManager` owns all of it. Names map to PEFT directories (`add`, `remove`); an adapter is read
+from disk into a host copy (at most `max_cpu_loras` kept, least recently used dropped first) when
+a request names it; a request runs only while its adapter sits in one of the `max_loras` device
+slots, pinned there from admission until the request finishes or is preempted by recompute
+(`acquire`, `release`). A slot no running request pins is reused for another adapter, least
+recently used first; when every slot is pinned the request waits in the queue (it is not failed)
+while others go.
+
+The device copy is written through `write_slot(slot, weights)`, which the runner provides: this
+module stays free of JAX (the scheduler calls it between steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+from checkpoints.config import ModelConfig
+from jaxserve.lora.peft import LoraWeights, load_peft_adapter, read_adapter_config
+
+TOKEN_BITS = 20  # a salted token keeps its id in these bits: vocabularies up to 2**20
+MAX_ADAPTER_UIDS = (1 << (31 - TOKEN_BITS)) - 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdapterRef:
+    """The adapter a request runs with: its name, its weights (held by the request, so a request
+    still runs after its adapter's name was removed) and `uid`, this process's number for those
+    weights (the same bytes always get the same one)."""
+
+    name: str
+    uid: int
+    weights: LoraWeights
+
+    def salt(self, token: int) -> int:
+        """A prompt's first token as the prefix cache keys it for this adapter: a negative id that
+        no other adapter (nor the base model) gives, so their KV never shares a prefix."""
+        return -1 - ((self.uid << TOKEN_BITS) | token)
+
+
+@dataclasses.dataclass
+class LoraStats:
+    disk_loads: int = 0  # adapters read from disk into host memory
+    device_loads: int = 0  # adapters written into a device slot
+    disk_load_seconds: float = 0.0
+    device_load_seconds: float = 0.0
+    requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by adapter name
+
+
+class LoraManager:
+    def __init__(self, config: ModelConfig, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 write_slot: Callable[[int, LoraWeights], None]) -> None:
+        if config.vocab_size > 1 << TOKEN_BITS:
+            raise ValueError(f"LoRA serving keys the prefix cache with vocabularies up to {1 << TOKEN_BITS} tokens; "
+                             f"this model has {config.vocab_size}")
+        self.config = config
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self._write_slot = write_slot
+        self._paths: dict[str, str] = {}  # registered name -> directory
+        self._host: collections.OrderedDict[str, LoraWeights] = collections.OrderedDict()  # LRU last
+        self._uids: dict[bytes, int] = {}  # weights digest -> uid
+        self._slot_uid: list[int | None] = [None] * max_loras
+        self._pins = [0] * max_loras
+        # Slots in order of last use, least recent first.
+        self._slot_order: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(max_loras))
+        self.stats = LoraStats()
+
+    # ----- names ----------------------------------------------------------------------------
+
+    def add(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name`: read now (ValueError if it cannot be served,
+        or if the name is taken by another path)."""
+        if not name or not isinstance(name, str):
+            raise ValueError("a LoRA adapter needs a non-empty name")
+        if name in self._paths:
+            if self._paths[name] == path:
+                return
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded (from {self._paths[name]!r})")
+        read_adapter_config(path)
+        self._paths[name] = path
+        try:
+            self._host_copy(name)
+        except ValueError:
+            del self._paths[name]
+            raise
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name` (KeyError if unknown). Requests already queued with it finish."""
+        del self._paths[name]
+        self._host.pop(name, None)
+
+    def names(self) -> dict[str, str]:
+        """Served adapter names and their directories."""
+        return dict(self._paths)
+
+    def resolve(self, name: str) -> AdapterRef:
+        """The adapter a new request named `name` runs with (KeyError if no adapter has that name)."""
+        if name not in self._paths:
+            raise KeyError(name)
+        weights = self._host_copy(name)
+        uid = self._uids.get(weights.digest)
+        if uid is None:
+            if len(self._uids) >= MAX_ADAPTER_UIDS:
+                raise ValueError(f"this engine has served {MAX_ADAPTER_UIDS} different adapters, its limit")
+            uid = self._uids[weights.digest] = len(self._uids) + 1
+        self.stats.requests[name] += 1
+        return AdapterRef(name, uid, weights)
+
+    def _host_copy(self, name: str) -> LoraWeights:
+        weights = self._host.get(name)
+        if weights is None:
+            t0 = time.perf_counter()
+            weights = load_peft_adapter(self._paths[name], self.config, self.max_rank)
+            self.stats.disk_load_seconds += time.perf_counter() - t0
+            self.stats.disk_loads += 1
+            self._host[name] = weights
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
+        self._host.move_to_end(name)
+        return weights
+
+    # ----- device slots ---------------------------------------------------------------------
+
+    def acquire(self, adapter: AdapterRef) -> int | None:
+        """The device slot holding `adapter`, pinned for one more request (written there first if
+        it is not resident); None when every slot is pinned by other adapters' requests."""
+        if adapter.uid in self._slot_uid:
+            slot = self._slot_uid.index(adapter.uid)
+        else:
+            free = [s for s in self._slot_order if self._pins[s] == 0]  # least recently used first
+            if not free:
+                return None
+            slot = free[0]
+            t0 = time.perf_counter()
+            self._slot_uid[slot] = None  # a failed write leaves the slot empty, not stale
+            self._write_slot(slot, adapter.weights)
+            self._slot_uid[slot] = adapter.uid
+            self.stats.device_load_seconds += time.perf_counter() - t0
+            self.stats.device_loads += 1
+        self._pins[slot] += 1
+        self._slot_order.move_to_end(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """A request that pinned `slot` no longer runs there."""
+        if self._pins[slot] <= 0:
+            raise ValueError(f"LoRA slot {slot} is not pinned")
+        self._pins[slot] -= 1
+
+    @property
+    def num_resident(self) -> int:
+        """Adapters in device slots."""
+        return sum(uid is not None for uid in self._slot_uid)
+
+    @property
+    def num_pinned(self) -> int:
+        """Pins held by running requests (zero when nothing runs)."""
+        return sum(self._pins)
