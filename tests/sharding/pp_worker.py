@@ -6,7 +6,9 @@ swap to the host (too few blocks), multi-step decode and a second round of the p
 hits), with async scheduling (the default). For each case the worker builds the engine (a router for
 dp > 1), warms it up, generates greedily and with seeded sampling, checks that every KV pool is free
 afterwards, and reads the schedule that the pipelined layers report for a decode and a prefill step
-(which micro-batch each stage ran at each tick). It prints one JSON line; the test asserts on it.
+(which micro-batch each stage ran at each tick). VARIANT `handoff`: a prefill engine of PP stages
+hands a prompt's KV blocks to a decode engine on one device. It prints one JSON line; the test
+asserts on it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from checkpoints.registry import DEFAULT_MODEL, load_model
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine, make_engine
+from jaxserve.kv_transfer import hold_prompt, read_blocks, release, write_blocks
 from jaxserve.request import Request
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.sampling_params import SamplingParams
@@ -112,6 +115,30 @@ def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving
     }
 
 
+def run_handoff(model, source_pp: int) -> dict:
+    """A prefill engine with `source_pp` stages hands a prompt's full blocks, as host bytes, to a
+    decode engine on one device (the disaggregated path's engine side, `jaxserve.kv_transfer`)."""
+    engines = [make_engine(model, EngineConfig(pipeline_parallel_size=pp, **TINY_ENGINE)) for pp in (source_pp, 1)]
+    source, dest = engines
+    prompt = PROMPTS[3]  # 70 tokens: 8 full blocks of 8
+    want = generate_greedy(source, [prompt], prefix="src")[0]
+    held = hold_prompt(source, prompt)
+    k, v = read_blocks(source, held, 0, held.num_blocks)
+    longer = write_blocks(dest, hold_prompt(dest, prompt), prompt, k, v)
+    got_k, got_v = read_blocks(dest, longer, 0, longer.num_blocks)
+    release(source, held)
+    release(dest, longer)
+    computed = dest.stats.prompt_tokens_computed
+    tokens = generate_greedy(dest, [prompt], prefix="dst")[0]
+    return {
+        "handed_blocks": held.num_blocks, "written_blocks": longer.num_blocks,
+        "same_bytes": bool(np.array_equal(got_k, k) and np.array_equal(got_v, v)),
+        "source_tokens": want, "dest_tokens": tokens,
+        "dest_prompt_tokens_computed": dest.stats.prompt_tokens_computed - computed,
+        "kv_leaks": kv_leaks(source) + kv_leaks(dest),
+    }
+
+
 def main(cases: list[str]) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     models, prompts = {}, {}
@@ -129,6 +156,9 @@ def main(cases: list[str]) -> None:
                     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                     "The three primary colours are", "def fibonacci(n):")]
         dp, pp, tp = map(int, layout.split("x"))
+        if variant == "handoff":
+            results[case] = run_handoff(models[model], pp)
+            continue
         results[case] = run_case(models[model], prompts[model], dp, pp, tp, variant == "serving")
     print(json.dumps(results))
 

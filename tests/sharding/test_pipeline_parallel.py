@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 BASELINE = "tiny:1x1x1"
 CI_LAYOUTS = ["tiny+serving:1x3x1"]
-SLOW_LAYOUTS = ["tiny:1x2x1", "tiny:1x2x2", "tiny:2x2x1"]
+SLOW_LAYOUTS = ["tiny:1x2x1", "tiny:1x2x2", "tiny:2x2x1", "tiny+handoff:1x2x1"]
 DEFAULT_LAYOUTS = ["default:1x1x1", "default:1x2x1", "default:1x3x1"]
 
 
@@ -75,7 +75,7 @@ def test_micro_batches_overlap_across_stages(report):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_LAYOUTS)
+@pytest.mark.parametrize("case", SLOW_LAYOUTS[:3])
 def test_layout_equals_one_device(slow_report, case):
     check_layout(slow_report, case, BASELINE)
 
@@ -85,6 +85,15 @@ def test_layout_equals_one_device(slow_report, case):
 def test_two_stages_two_micro_batches(slow_report, case):
     check_schedule(slow_report[case]["schedules"]["decode"], stages=2, micro=2)
     check_schedule(slow_report[case]["schedules"]["prefill"], stages=2, micro=2)
+
+
+@pytest.mark.slow
+def test_prefill_engine_of_two_stages_hands_kv_to_one_device(slow_report):
+    r = slow_report["tiny+handoff:1x2x1"]
+    assert r["handed_blocks"] == r["written_blocks"] == 8 and r["same_bytes"]
+    assert r["dest_tokens"] == r["source_tokens"] and len(r["dest_tokens"]) == 8
+    assert r["dest_prompt_tokens_computed"] == 70 - 8 * 8  # a prefix hit on the handed blocks
+    assert r["kv_leaks"] == []
 
 
 @pytest.mark.slow
