@@ -85,9 +85,3 @@ def pad_layers(stacked: Any, plan: PipelinePlan) -> Any:
     real = xp.asarray(index >= 0).reshape((-1,) + (1,) * (stacked.ndim - 1))
     return xp.where(real, taken, xp.zeros((), stacked.dtype))
 
-
-def unpad_layers(padded: Any, plan: PipelinePlan) -> Any:
-    """The inverse of `pad_layers`: the model's layers [L, ...] of a padded stack."""
-    if not plan.is_uneven:
-        return padded
-    return padded[np.flatnonzero(plan.padded_index >= 0)]

@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 
 from jaxserve.model.llama import AttentionMetadata
 from jaxserve.model.rope import RopeTables
-from sharding.pipeline import PP
 from sharding.pipeline_schedule import run_pipeline
 
 # stage_layers(stage params, (h, k, v), rope, meta) -> (h, k, v): a stage's layers (`LlamaModel`).
@@ -37,10 +36,6 @@ class PipelineLayers:
     mesh: Mesh
     microbatches: int
 
-    @property
-    def num_stages(self) -> int:
-        return self.mesh.shape[PP]
-
     def __call__(self, stage_layers: StageLayers, params: Any, carry: tuple, rope: RopeTables,
                  meta: AttentionMetadata) -> tuple[tuple, jax.Array]:
         """The layers' (h, k, v) after the step, and the [P, ticks] schedule each stage ran."""
@@ -48,11 +43,8 @@ class PipelineLayers:
         rows = h.shape[0]
         num = max(1, min(self.microbatches, rows))
         size = -(-rows // num)
-        if meta.query_start is None:
-            inputs, extras = _split_rows(h, num, size), (_split_tree(rope, num, size), _split_tree(meta, num, size))
-        else:
-            inputs = _split_rows(h, num, size)
-            extras = (_split_tree(rope, num, size), _prefill_groups(meta, num, size, rows))
+        groups = _split_tree(meta, num, size) if meta.query_start is None else _prefill_groups(meta, num, size)
+        inputs, extras = _split_rows(h, num, size), (_split_tree(rope, num, size), groups)
 
         def stage(params, cache, x, extra):
             rope, meta = extra
@@ -73,7 +65,7 @@ def _split_tree(tree: Any, num: int, size: int) -> Any:
     return jax.tree.map(lambda x: _split_rows(x, num, size), tree)
 
 
-def _prefill_groups(meta: AttentionMetadata, num: int, size: int, rows: int) -> AttentionMetadata:
+def _prefill_groups(meta: AttentionMetadata, num: int, size: int) -> AttentionMetadata:
     """Per group g of rows [g * size, (g + 1) * size) of a prefill step: its slots, and each
     sequence's rows in the group (query_start, re-based) and length after the group's last row.
     A decode row of a mixed step belongs to the group holding it; elsewhere it is padding (row

@@ -67,6 +67,7 @@ class ModelRunner:
         # Pipeline stages: the layers (weights and cache) in whole stages over "pp" (pipeline_placement).
         self.stages = plan_stages(config, engine_config)
         if self.stages is not None:
+            logger.info("pipeline stages: %s", self.stages.describe())
             self.config = config = stage_model_config(config, self.stages)
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()

@@ -11,7 +11,7 @@ from checkpoints.tiny_random import TINY_FAMILIES, tiny_random_config
 from jaxserve.config import EngineConfig
 from jaxserve.runner.pipeline_placement import plan_stages, stage_model_config
 from sharding.mesh import make_mesh
-from sharding.pipeline import pad_layers, plan_pipeline, unpad_layers
+from sharding.pipeline import pad_layers, plan_pipeline
 
 
 def test_even_stages_are_contiguous_ranges():
@@ -31,7 +31,7 @@ def test_uneven_stages_end_in_identity_slots():
     stacked = np.arange(30 * 2, dtype=np.float32).reshape(30, 2) + 1
     padded = pad_layers(stacked, plan)
     assert padded.shape == (32, 2) and not padded[23].any() and not padded[31].any()
-    np.testing.assert_array_equal(unpad_layers(padded, plan), stacked)
+    np.testing.assert_array_equal(padded[index >= 0], stacked)  # the real slots hold the layers in order
 
 
 def test_every_stage_gets_a_layer_even_when_few_layers_are_left():
