@@ -73,6 +73,12 @@ class EngineConfig:
     # Devices a mixture-of-experts model's experts are split over (the mesh's "ep" axis; each
     # replica then runs on expert_parallel_size x tensor_parallel_size devices). 1 for dense models.
     expert_parallel_size: int = 1
+    # Pipeline stages: the layers split into this many contiguous stages over the mesh's "pp" axis
+    # (each replica then runs on pipeline_parallel_size x expert_parallel_size x tensor_parallel_size
+    # devices); a step's rows flow through them in up to `pipeline_microbatches` micro-batches
+    # (None: pipeline_parallel_size). See sharding/pipeline.py and docs/parallelism.md.
+    pipeline_parallel_size: int = 1
+    pipeline_microbatches: int | None = None
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
     # Run the layers as a loop over separate per-layer weights instead of a scan over stacked
     # ones: XLA:CPU copies a scanned layer's weights before its matmuls (batch-1 decode ~1.4x
@@ -121,6 +127,20 @@ class EngineConfig:
             raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space_blocks <= 0 and self.kv_host_bytes <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0 or kv_host_bytes > 0")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.pipeline_microbatches is not None and (
+                not isinstance(self.pipeline_microbatches, int) or self.pipeline_microbatches < 1):
+            raise ValueError(f"pipeline_microbatches must be an integer >= 1, got {self.pipeline_microbatches!r}")
+        if self.pipeline_parallel_size > 1:
+            # Not yet through the pipeline's stages: each needs its arrays sliced by stage (adapter
+            # slots, quantization scales, the cache's scales) and a test.
+            unstaged = [name for name, on in (("enable_lora", self.enable_lora),
+                                              ("quantization", self.quantization != "none"),
+                                              ("kv_cache_dtype", self.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")))
+                        if on]
+            if unstaged:
+                raise ValueError(f"pipeline_parallel_size > 1 does not run with {', '.join(unstaged)} yet")
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
         if self.enable_lora:

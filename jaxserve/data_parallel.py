@@ -54,10 +54,11 @@ class DataParallelEngine:
     @classmethod
     def build(cls, model: str | LoadedModel, config: EngineConfig, devices: list | None = None,
               policy: RoutingPolicy | None = None) -> "DataParallelEngine":
-        """`config.data_parallel_size` replicas over the first dp x tp devices; the checkpoint is
-        read once and each replica places its own shards."""
+        """`config.data_parallel_size` replicas over the first dp x pp x ep x tp devices; the
+        checkpoint is read once and each replica places its own shards."""
         config = resolve_dtype(config)  # "auto": this machine's choice, once for all replicas
-        mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices, config.expert_parallel_size)
+        mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices, config.expert_parallel_size,
+                         config.pipeline_parallel_size)
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=load_dtype(config), gguf_blocks=config.quantization == "gguf")
         engines = [LLMEngine(loaded, config, sub_mesh) for sub_mesh in replica_meshes(mesh)]

@@ -28,16 +28,17 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
     other workers reach) the engine serves device-to-device KV pulls there. `lora_modules`: LoRA
     adapters (name -> PEFT directory) served from the start.
 
-    In a multi-process job (one tensor-parallel engine over every process's devices), process 0
-    gets the engine and the others replay its device operations here until it stops; they get
-    None.
+    In a multi-process job (one engine whose pp x tp mesh spans every process's devices: tensor
+    parallel, or pipeline stages on different hosts), process 0 gets the engine and the others
+    replay its device operations here until it stops; they get None.
     """
     if jax.process_count() > 1:
         devices = len(jax.devices())
-        if config.data_parallel_size > 1 or config.tensor_parallel_size != devices:
-            raise SystemExit(f"a multi-process job runs one tensor-parallel engine over all {devices} devices of its "
-                             f"{jax.process_count()} processes: use --tensor-parallel-size {devices} and "
-                             "--data-parallel-size 1")
+        spanned = config.tensor_parallel_size * config.pipeline_parallel_size * config.expert_parallel_size
+        if config.data_parallel_size > 1 or spanned != devices:
+            raise SystemExit(f"a multi-process job runs one engine over all {devices} devices of its "
+                             f"{jax.process_count()} processes: use --tensor-parallel-size x --pipeline-parallel-size "
+                             f"= {devices} (e.g. --tensor-parallel-size {devices}) and --data-parallel-size 1")
     t0 = time.perf_counter()
     engine = make_engine(model, config)
     print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", flush=True)

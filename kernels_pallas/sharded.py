@@ -20,6 +20,16 @@ from jax.sharding import Mesh, PartitionSpec as P
 from kernels_pallas.backends import AttentionBackend
 
 
+def _shard_map(fn, mesh: Mesh, axis: str, in_specs: tuple, out_specs: P):
+    """`jax.shard_map` of `fn` over `axis` of `mesh`; inside a shard_map already manual over other
+    axes (a pipeline stage's, manual over "pp"), over `axis` of the context's mesh, the others left as they are."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        return jax.shard_map(fn, mesh=context, in_specs=in_specs, out_specs=out_specs, axis_names={axis},
+                             check_vma=False)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
 def shard_attention(backend: AttentionBackend, mesh: Mesh, axis: str = "tp") -> AttentionBackend:
     """Wrap a backend's functions so they take arrays sharded over `axis` on the head axes."""
     if axis not in mesh.axis_names:
@@ -36,18 +46,14 @@ def shard_attention(backend: AttentionBackend, mesh: Mesh, axis: str = "tp") -> 
 
     def decode(q, k_cache, v_cache, layer, block_tables, lengths, **options):
         check(q, k_cache)
-        fn = jax.shard_map(
-            functools.partial(backend.decode, **options), mesh=mesh,
-            in_specs=(heads, cache, cache, P(), P(), P()), out_specs=heads, check_vma=False,
-        )
+        fn = _shard_map(functools.partial(backend.decode, **options), mesh, axis,
+                        (heads, cache, cache, P(), P(), P()), heads)
         return fn(q, k_cache, v_cache, layer, block_tables, lengths)
 
     def prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, **options):
         check(q, k_cache)
-        fn = jax.shard_map(
-            functools.partial(backend.prefill, **options), mesh=mesh,
-            in_specs=(heads, cache, cache, P(), P(), P(), P()), out_specs=heads, check_vma=False,
-        )
+        fn = _shard_map(functools.partial(backend.prefill, **options), mesh, axis,
+                        (heads, cache, cache, P(), P(), P(), P()), heads)
         return fn(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start)
 
     return AttentionBackend(f"{backend.name}[{axis}]", decode, prefill)

@@ -1,6 +1,7 @@
-"""Device meshes with axes ("dp", "ep", "tp"). One device is a 1x1x1 mesh: sharding is never a
-separate path. `ep` splits the experts of mixture-of-experts layers (expert parallelism); the
-rest of the model is replicated over it, so a dense model uses ep = 1.
+"""Device meshes with axes ("dp", "pp", "ep", "tp"). One device is a 1x1x1x1 mesh: sharding is never
+a separate path. `pp` splits the layers into pipeline stages (`sharding.pipeline`). `ep` splits the
+experts of mixture-of-experts layers (expert parallelism); the rest of the model is replicated over
+it, so a dense model uses ep = 1.
 
 Tensor parallelism splits attention by heads, so `tp` must divide the query heads. When the
 model has fewer kv heads than `tp` (or a count `tp` does not divide), each kv head is repeated
@@ -19,29 +20,34 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-AXES = ("dp", "ep", "tp")
+AXES = ("dp", "pp", "ep", "tp")
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices: list | None = None,
-              expert_parallel_size: int = 1) -> Mesh:
-    """A ("dp", "ep", "tp") mesh over the first dp x ep x tp devices (of `devices`, default all visible)."""
+              expert_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Mesh:
+    """A ("dp", "pp", "ep", "tp") mesh over the first dp x pp x ep x tp devices (of `devices`,
+    default all visible). Neighbouring devices share a stage (tp innermost), so on one host a
+    stage's tensor-parallel group is contiguous and stages follow one another."""
     devices = list(jax.devices() if devices is None else devices)
-    needed = tensor_parallel_size * data_parallel_size * expert_parallel_size
-    if tensor_parallel_size < 1 or data_parallel_size < 1 or expert_parallel_size < 1:
-        raise ValueError("tensor_parallel_size, data_parallel_size and expert_parallel_size must be >= 1")
+    sizes = (data_parallel_size, pipeline_parallel_size, expert_parallel_size, tensor_parallel_size)
+    needed = math.prod(sizes)
+    if min(sizes) < 1:
+        raise ValueError("tensor_parallel_size, data_parallel_size, pipeline_parallel_size and "
+                         "expert_parallel_size must be >= 1")
     if needed > len(devices):
         ep = f" x ep {expert_parallel_size}" if expert_parallel_size > 1 else ""
+        pp = f" x pp {pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
         raise ValueError(
-            f"dp x tp = {data_parallel_size} x {tensor_parallel_size}{ep} = {needed} devices requested, "
+            f"dp x tp = {data_parallel_size} x {tensor_parallel_size}{pp}{ep} = {needed} devices requested, "
             f"but only {len(devices)} are visible"
         )
-    shape = (data_parallel_size, expert_parallel_size, tensor_parallel_size)
+    shape = sizes
     return Mesh(np.array(devices[:needed], dtype=object).reshape(shape), AXES)
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
-    """One ("dp", "ep", "tp") mesh of shape 1 x ep x tp per row of a dp x ep x tp mesh: the
-    devices of each data-parallel replica."""
+    """One ("dp", "pp", "ep", "tp") mesh of shape 1 x pp x ep x tp per row of a dp x pp x ep x tp
+    mesh: the devices of each data-parallel replica."""
     return [Mesh(mesh.devices[i : i + 1], AXES) for i in range(mesh.shape["dp"])]
 
 

@@ -8,7 +8,9 @@ partial sum and one all-reduce per block completes it). Attention then needs no 
 each device owns whole heads. The embedding and the LM head are split over the vocabulary; norms
 are replicated. Mixture-of-experts weights are split over `ep` by expert (expert parallelism) and
 over `tp` by each expert's hidden units. The KV cache `[L, KVH, NB, BS, D]` is split over kv
-heads, matching the k/v projections (and replicated over `ep`).
+heads, matching the k/v projections (and replicated over `ep`). With pipeline stages (`pp` > 1)
+the stacked layer axis of the layer weights and of the cache is split over `pp`
+(`sharding.pipeline`); the embedding, head and final norm are replicated over it.
 
 Parameter paths are the slash-joined keys of the parameter tree (`checkpoints.params`), e.g.
 `layers/q_proj/kernel`. Every leaf must be declared; a dimension the mesh does not divide is
@@ -26,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.quant_format import QuantFormat
-from checkpoints.weights import EXPERT_FFW, EXPERTS, FFW, KV_HEADS, Q_HEADS, VOCAB, Weight, flat, quantized
+from checkpoints.weights import EXPERT_FFW, EXPERTS, FFW, KV_HEADS, LAYERS, Q_HEADS, VOCAB, Weight, flat, quantized
+from sharding.pipeline import PP
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,9 @@ LOGICAL_AXES: dict[str, str] = {
     FFW: TP,  # gate/up outputs (column-parallel), down inputs (row-parallel)
     EXPERTS: EP,  # whole experts per device
     EXPERT_FFW: TP,  # and each expert's hidden units split like a dense MLP's
+    LAYERS: PP,  # stacked layers: contiguous stages (only on a mesh with pp > 1)
 }
-KV_CACHE_SPEC = P(None, TP)  # [L, KVH, NB, BS, D]: split over kv heads
+KV_CACHE_SPEC = P(None, TP)  # [L, KVH, NB, BS, D]: split over kv heads (and over pp: `cache_sharding`)
 LOGITS_SPEC = P(None, TP)  # [rows, V]: as the vocab-parallel head computes them
 
 
@@ -50,6 +54,8 @@ def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh, weight: Weight) -> P
     """The PartitionSpec of the parameter at `path` with `shape` on `mesh`, declared as `weight`
     (its logical axes line up with the leading axes of `shape`)."""
     axes = [LOGICAL_AXES.get(axis) if axis is not None else None for axis in weight.axes]
+    if dict(mesh.shape).get(PP, 1) == 1:
+        axes = [None if axis == PP else axis for axis in axes]  # layers are split only into several stages
     if not any(axes):
         return P()  # replicated (norm scales, routers)
     return _divisible(path, shape, P(*axes), mesh)
@@ -106,7 +112,9 @@ def layer_sharding(stacked: NamedSharding, layer: int) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of each of the KV cache's K and V arrays."""
+    """Sharding of each of the KV cache's K and V arrays [L, KVH, NB, BS, D]."""
+    if dict(mesh.shape).get(PP, 1) > 1:
+        return NamedSharding(mesh, P(PP, *KV_CACHE_SPEC[1:]))
     return NamedSharding(mesh, KV_CACHE_SPEC)
 
 

@@ -253,7 +253,8 @@ def test_auto_dtype_is_bf16_where_the_cpu_kernels_have_avx512_bf16(caplog):
         config = resolve_dtype(EngineConfig(num_blocks=16, dtype="auto"))
     assert config.dtype == ("bfloat16" if fast else "float32")
     assert f"dtype auto: {config.dtype}" in caplog.text
-    for other in (dict(attention_backend="jax"), dict(tensor_parallel_size=2), dict(unroll_layers=True)):
+    for other in (dict(attention_backend="jax"), dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                  dict(unroll_layers=True)):
         assert choose_dtype(EngineConfig(num_blocks=16, dtype="auto", **other))[0] == "float32"
     assert resolve_dtype(EngineConfig(num_blocks=16, dtype="float32")).dtype == "float32"  # given: kept
     llm = LLM(model="tiny-random", dtype="auto", num_blocks=16, max_num_seqs=2, max_model_len=64,

@@ -378,6 +378,9 @@ class LlamaModel(nn.Module):
     cpu_matmul: CpuMatmul | None = None  # the scanned layers' and the tied head's: see the module docstring
     experts: Callable[..., jax.Array] | None = None
     quantization: Quantization = ()  # the quantized kernels (`checkpoints.quantize.formats_of` the parameters)
+    # Pipeline parallel: runs the scanned layers as stages of a mesh's `pp` axis
+    # (`jaxserve.model.pipeline.PipelineLayers`); the stacked layer weights and cache are split over it.
+    pipeline: Callable[..., tuple] | None = None
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -419,15 +422,12 @@ class LlamaModel(nn.Module):
                 carry, load = layer(carry, jnp.int32(i), rope, meta, lora)
                 loads.append(load)
             load = jnp.stack(loads)
+        elif self.pipeline is not None and not self.is_initializing():
+            carry, ticks = self.pipeline(self._stage_layers, self.variables["params"]["layers"], carry, rope, meta)
+            self.sow("intermediates", "pipeline_ticks", ticks)  # which micro-batch each stage ran per tick
+            load = jnp.zeros((cfg.num_layers, 0), jnp.int32)
         else:
-            layers = nn.scan(
-                DecoderLayer,
-                variable_broadcast="params",
-                split_rngs={"params": False},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-            )(cfg, act, self.dtype, self.packed, self.backend, True, self.cpu_matmul, experts, self.quantization,
-              name="layers")
+            layers = self._scanned_layers(cfg.num_layers, experts, name="layers")
             carry, load = layers(carry, jnp.arange(cfg.num_layers), rope, meta, lora)
         h, k, v = carry
         # Every row's last hidden state, for a caller that scores more rows than it samples
@@ -444,6 +444,26 @@ class LlamaModel(nn.Module):
         else:
             logits = Linear(weights["lm_head/kernel"], None, jnp.float32, self.dtype, name="lm_head")(h)
         return logits, KVCache(k, v)
+
+    def _scanned_layers(self, num_layers: int, experts: Callable[..., jax.Array] | None, **module: Any) -> nn.Module:
+        """`num_layers` stacked layers as one scanned module (a child named `layers`, or unbound)."""
+        types = self.config.layer_types  # a pipeline stage's layers are all of one kind (`stage_model_config`)
+        cfg = dataclasses.replace(self.config, num_layers=num_layers, layer_types=types and types[:num_layers])
+        return nn.scan(
+            DecoderLayer,
+            variable_broadcast="params",
+            split_rngs={"params": False},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=num_layers,
+        )(cfg, self.compute_dtype, self.dtype, self.packed, self.backend, True, self.cpu_matmul, experts,
+          self.quantization, **module)
+
+    def _stage_layers(self, params: Any, carry: tuple, rope: RopeTables, meta: AttentionMetadata) -> tuple:
+        """A pipeline stage's layers: its slice [L / P, ...] of the stacked layer weights `params`
+        over its slice of the cache in `carry` (h, k, v), indexed from 0."""
+        num_layers = carry[1].shape[0]
+        layers = self._scanned_layers(num_layers, None, parent=None)
+        return layers.apply({"params": params}, carry, jnp.arange(num_layers), rope, meta, None)[0]
 
 
 def final_norm(config: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:

@@ -42,6 +42,7 @@ from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import StepInputs
 from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.prepared_step import PreparedStep, Program, write_token_masks
+from jaxserve.runner.pipeline_placement import pipeline_layers, plan_stages, stage_model_config, stage_params
 from jaxserve.runner.placement import cast_params, enable_persistent_compilation_cache, plan_parallelism, runner_mesh
 from jaxserve.runner.programs import declare_programs
 from jaxserve.runner.step_handle import StepHandle, StepResults
@@ -67,6 +68,11 @@ class ModelRunner:
         plan = plan_parallelism(config, engine_config)
         self.mesh = runner_mesh(engine_config, mesh)
         self.config = config = dataclasses.replace(config, num_kv_heads=plan.served_kv_heads)
+        # Pipeline stages: the layers (weights and cache) in whole stages over "pp" (pipeline_placement).
+        self.stages = plan_stages(config, engine_config)
+        if self.stages is not None:
+            logger.info("pipeline stages: %s", self.stages.describe())
+            self.config = config = stage_model_config(config, self.stages)
         self.dtype = jnp.dtype(engine_config.dtype)  # of the weights
         self.attention_backend = engine_config.attention_backend or default_attention_backend()
         attention = shard_attention(get_attention_backend(self.attention_backend), self.mesh, "tp")
@@ -81,12 +87,15 @@ class ModelRunner:
         if engine_config.quantization in (INT8, Q4):
             params = quantize_params(params, config, engine_config.quantization)
         self.quantization = formats_of(params)
+        pipeline = pipeline_layers(self.mesh, engine_config) if self.stages is not None else None
         self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts,
-                                tuple(sorted(self.quantization.items())))
+                                tuple(sorted(self.quantization.items())), pipeline)
         self.cache_dtype = self.model.compute_dtype  # of activations
         # The KV cache's storage dtype (its format: kernels_pallas/kv_quant.py).
         self.kv_dtype = kv_quant.storage_dtype(engine_config.kv_cache_dtype, self.cache_dtype, jax.default_backend())
         params = replicate_kv_heads(cast_params(params, self.dtype), plan, config.head_dim)
+        if self.stages is not None:
+            params = stage_params(params, self.stages)
         if matmul is not None:
             params = panel_kernels(params, matmul)
         if self.model.packed:
@@ -108,9 +117,10 @@ class ModelRunner:
             self.param_shardings = {**self.param_shardings, "lora": self.lora_slots.shardings}
 
         bs = engine_config.block_size
-        tp = engine_config.tensor_parallel_size  # kv_cache_memory is per device
+        # kv_cache_memory is per device: a block's kv heads split over tp, its layers over pp
+        devices = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
         block_bytes = KVCache.bytes_per_block(config, bs, self.kv_dtype)  # all devices' shards, scales included
-        self.num_blocks = engine_config.num_blocks or max(2, engine_config.kv_cache_memory * tp // block_bytes)
+        self.num_blocks = engine_config.num_blocks or max(2, engine_config.kv_cache_memory * devices // block_bytes)
         self.cache_sharding = cache_sharding(self.mesh)
         self.cache = jax.jit(
             lambda: KVCache.zeros(config, self.num_blocks, bs, self.kv_dtype), out_shardings=self.cache_sharding

@@ -1,4 +1,4 @@
-"""Where a runner's weights live: its mesh (1 x ep x tp), the parallelism plan a model needs, the
+"""Where a runner's weights live: its mesh (1 x pp x ep x tp), the parallelism plan a model needs, the
 shardings a checkpoint is restored into, and the weights' dtype; and JAX's on-disk compilation cache."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from checkpoints.config import ModelConfig
 from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
+from jaxserve.runner.pipeline_placement import plan_stages
 from sharding.experts import plan_expert_parallel
 from sharding.mesh import TensorParallelPlan, make_mesh, plan_tensor_parallel
 from sharding.rules import param_shardings
@@ -39,24 +40,28 @@ def cast_params(params: Any, dtype: jnp.dtype) -> Any:
 
 
 def runner_mesh(engine_config: EngineConfig, mesh: Mesh | None = None) -> Mesh:
-    """The 1 x ep x tp mesh a runner's replica runs on (checked; by default the first ep x tp devices)."""
+    """The 1 x pp x ep x tp mesh a runner's replica runs on (checked; by default the first pp x ep x tp devices)."""
     ep, tp = engine_config.expert_parallel_size, engine_config.tensor_parallel_size
+    pp = engine_config.pipeline_parallel_size
     if mesh is None:
         if engine_config.data_parallel_size > 1:
             raise ValueError(
                 "data_parallel_size > 1 runs one engine per replica; build them with jaxserve.data_parallel.make_engine"
             )
-        return make_mesh(tp, expert_parallel_size=ep)
-    if mesh.shape["dp"] != 1 or mesh.shape["tp"] != tp or mesh.shape["ep"] != ep:
+        return make_mesh(tp, expert_parallel_size=ep, pipeline_parallel_size=pp)
+    if (mesh.shape["dp"], mesh.shape["pp"], mesh.shape["ep"], mesh.shape["tp"]) != (1, pp, ep, tp):
         raise ValueError(
-            f"a runner needs a 1 x expert_parallel_size ({ep}) x tensor_parallel_size ({tp}) mesh, "
-            f"got dp x ep x tp = {mesh.shape['dp']} x {mesh.shape['ep']} x {mesh.shape['tp']}"
+            f"a runner needs a 1 x pipeline_parallel_size ({pp}) x expert_parallel_size ({ep}) x "
+            f"tensor_parallel_size ({tp}) mesh, got dp x pp x ep x tp = {mesh.shape['dp']} x {mesh.shape['pp']} x "
+            f"{mesh.shape['ep']} x {mesh.shape['tp']}"
         )
     return mesh
 
 
 def plan_parallelism(config: ModelConfig, engine_config: EngineConfig) -> TensorParallelPlan:
-    """The tensor-parallel plan of `config`, after checking that the mesh's axes can split it."""
+    """The tensor-parallel plan of `config`, after checking that the mesh's axes can split it
+    (its pipeline stages too: `plan_stages`)."""
+    plan_stages(config, engine_config)
     tp, ep = engine_config.tensor_parallel_size, engine_config.expert_parallel_size
     if config.num_experts:
         plan_expert_parallel(config.num_experts, config.moe_intermediate_size, ep, tp)

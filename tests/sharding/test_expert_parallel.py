@@ -51,7 +51,7 @@ def test_no_compilation_after_warm_up(report, case):
 def test_experts_are_split_over_ep_and_their_hidden_units_over_tp(report, case):
     dp, ep, tp = map(int, case.split(":")[1].split("x"))
     for mesh, arrays in zip(report[case]["mesh"], report[case]["shardings"]):
-        assert mesh == {"dp": 1, "ep": ep, "tp": tp}
+        assert mesh == {"dp": 1, "pp": 1, "ep": ep, "tp": tp}
         gate, down = arrays["layers/expert_gate/kernel"], arrays["layers/expert_down/kernel"]
         layers, experts, hidden, ffw = gate["shape"]
         assert gate["spec"] == str((None, "ep", None, "tp"))

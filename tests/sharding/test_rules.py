@@ -32,7 +32,7 @@ def test_mesh_larger_than_the_devices_is_refused():
 def test_replica_meshes_are_the_rows_of_the_mesh():
     devices = jax.devices()[:1]
     (only,) = replica_meshes(make_mesh(1, 1, devices))
-    assert dict(only.shape) == {"dp": 1, "ep": 1, "tp": 1} and list(only.devices.flat) == devices
+    assert dict(only.shape) == {"dp": 1, "pp": 1, "ep": 1, "tp": 1} and list(only.devices.flat) == devices
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(h, k) for h in (1, 2, 4, 6, 8, 9, 12, 16) for k in (1, 2, 3, 4, 6, 8)

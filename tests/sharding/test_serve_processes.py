@@ -74,7 +74,24 @@ def test_a_multi_process_job_must_span_every_device():
             ChildProcess(jaxserve(*common, "--process-id", "1")) as second:
         for child in (first, second):
             assert child.finish(120) != 0
-            assert "use --tensor-parallel-size 2 and --data-parallel-size 1" in child.output, child.output
+            assert "(e.g. --tensor-parallel-size 2) and --data-parallel-size 1" in child.output, child.output
+
+
+@pytest.mark.slow
+def test_two_processes_serve_one_pipeline_of_two_stages(tmp_path):
+    """Stage 0 on process 0's device, stage 1 on process 1's: activations cross processes."""
+    port = free_port()
+    common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1",
+              "--pipeline-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{free_port()}",
+              "--num-processes", "2", "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    with ChildProcess(jaxserve(*common, "--process-id", "0")) as leader, \
+            ChildProcess(jaxserve(*common, "--process-id", "1")) as follower:
+        leader.wait_for("Running on", timeout=300)
+        assert _completion_text(port, PROMPT_IDS) == _one_device_text()
+        leader.terminate()
+        assert leader.finish(60) == 0, leader.output
+        assert follower.finish(60) == 0, follower.output
+    assert "Traceback" not in leader.output + follower.output
 
 
 @pytest.mark.slow
