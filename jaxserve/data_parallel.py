@@ -25,6 +25,7 @@ from jaxserve.dtype_choice import resolve_dtype
 from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv import Pin
+from jaxserve.lora.peft import LoraWeights
 from jaxserve.outputs import Delta
 from jaxserve.request import Request
 from jaxserve.routing import RoutingPolicy, choose_replica
@@ -77,14 +78,23 @@ class DataParallelEngine:
     def loads(self) -> list[int]:
         return [e.scheduler.num_unfinished for e in self.replicas]
 
-    def route(self, prompt_ids: Sequence[int], session_id: Hashable | None = None) -> int:
-        """The replica a prompt would go to now (sessions stick to their first replica)."""
+    def route(self, prompt_ids: Sequence[int], session_id: Hashable | None = None, lora: str | None = None) -> int:
+        """The replica a prompt would go to now (sessions stick to their first replica). A LoRA
+        request (`lora`, its adapter's name) counts only its adapter's cached KV and prefers a
+        replica that holds the adapter in a device slot."""
         if session_id is not None and session_id in self._sessions:
             return self._sessions[session_id]
         if len(self.replicas) == 1:
             return 0
-        matches = [e.kv.match_prefix(prompt_ids).num_tokens for e in self.replicas]
-        return choose_replica(matches, self.loads(), len(prompt_ids), self.policy)
+        if lora is None:
+            matches = [e.kv.match_prefix(prompt_ids).num_tokens for e in self.replicas]
+            return choose_replica(matches, self.loads(), len(prompt_ids), self.policy)
+        matches, resident = [], []
+        for e in self.replicas:
+            ids = None if e.lora is None else e.lora.cache_ids(lora, list(prompt_ids))
+            matches.append(0 if ids is None else e.kv.match_prefix(ids).num_tokens)
+            resident.append(e.lora is not None and e.lora.is_resident(lora))
+        return choose_replica(matches, self.loads(), len(prompt_ids), self.policy, resident)
 
     def session_replica(self, session_id: Hashable, prompt_ids: Sequence[int]) -> LLMEngine:
         """The replica that holds a session's KV (routing `prompt_ids` if it has none yet)."""
@@ -117,12 +127,34 @@ class DataParallelEngine:
         for engine in self.replicas:
             engine.kv.leases.budget_per_owner = blocks_per_owner
 
-    def add_lora(self, name: str, path: str) -> None:
-        """Serve a LoRA adapter on every replica (none changed when it cannot be served)."""
+    def read_lora(self, path: str) -> LoraWeights:
+        """An adapter read from disk (ValueError if it cannot be served): safe to call off the
+        engine thread; `add_lora` and `keep_lora` take the result."""
+        return self.replicas[0].require_lora().read(path)
+
+    def missing_lora_host_copy(self, name: str) -> str | None:
+        """The directory to read for a request of adapter `name` when some replica has no host
+        copy of it (a plain dict read: safe off the engine thread, at worst a stale answer)."""
+        for engine in self.replicas:
+            path = None if engine.lora is None else engine.lora.missing_host_copy(name)
+            if path is not None:
+                return path
+        return None
+
+    def keep_lora(self, name: str, path: str, weights: LoraWeights) -> None:
+        """Hold an adapter read by `read_lora` as `name`'s host copy on every replica."""
+        for engine in self.replicas:
+            engine.require_lora().keep(name, path, weights)
+
+    def add_lora(self, name: str, path: str, weights: LoraWeights | None = None) -> None:
+        """Serve a LoRA adapter on every replica (none changed when it cannot be served), with
+        `weights` from `read_lora(path)` (read here when None)."""
         added = []
         try:
+            if weights is None:
+                weights = self.read_lora(path)
             for engine in self.replicas:
-                engine.add_lora(name, path)
+                engine.add_lora(name, path, weights)
                 added.append(engine)
         except ValueError:
             for engine in added:
@@ -158,7 +190,7 @@ class DataParallelEngine:
         if self.is_active(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.encode_prompt(prompt)
-        index = self.route(ids, session_id)
+        index = self.route(ids, session_id, params.lora)
         group = self.replicas[index].add_prompt_ids(request_id, ids, params)
         if session_id is not None:
             self._sessions[session_id] = index
