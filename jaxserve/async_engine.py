@@ -162,9 +162,9 @@ class AsyncEngine:
         return await self._on_engine_thread(DataParallelEngine.snapshot)
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
+                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
         """See `EngineClient.pin_history`; the pin is made on the replica holding the session."""
-        return await self._on_engine_thread(lambda e: e.pin_history(session_id, owner, token_ids, old, others))
+        return await self._on_engine_thread(lambda e: e.pin_history(session_id, owner, token_ids, old, others, lora))
 
     async def unpin(self, pin: Pin) -> None:
         await self._on_engine_thread(lambda e: e.unpin(pin))

@@ -96,9 +96,9 @@ class DataParallelEngine:
             resident.append(e.lora is not None and e.lora.is_resident(lora))
         return choose_replica(matches, self.loads(), len(prompt_ids), self.policy, resident)
 
-    def session_replica(self, session_id: Hashable, prompt_ids: Sequence[int]) -> LLMEngine:
+    def session_replica(self, session_id: Hashable, prompt_ids: Sequence[int], lora: str | None = None) -> LLMEngine:
         """The replica that holds a session's KV (routing `prompt_ids` if it has none yet)."""
-        index = self._sessions.setdefault(session_id, self.route(prompt_ids, session_id))
+        index = self._sessions.setdefault(session_id, self.route(prompt_ids, session_id, lora))
         return self.replicas[index]
 
     def end_session(self, session_id: Hashable, pin: Pin | None = None) -> None:
@@ -111,10 +111,20 @@ class DataParallelEngine:
         return session_id in self._sessions
 
     def pin_history(self, session_id: Hashable, owner: str, token_ids: list[int], old: Pin | None,
-                    others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+                    others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]]:
         """Pin a session's history on the replica that holds the session (routing it there first):
-        see `Leases.pin_within_budget`."""
-        return self.session_replica(session_id, token_ids).kv.leases.pin_within_budget(owner, token_ids, old, others)
+        see `Leases.pin_within_budget`. A session of LoRA adapter `lora` pins the blocks its
+        adapter computed (keyed as `LoraManager.cache_ids` says); when the replica has no number
+        for the adapter's bytes any more (it was unloaded), nothing is pinned and `old` released."""
+        replica = self.session_replica(session_id, token_ids, lora)
+        ids = token_ids if lora is None or not token_ids else (
+            None if replica.lora is None else replica.lora.cache_ids(lora, token_ids))
+        if ids is None:
+            if old is not None and old.active and replica.kv.leases.holds_pin(old):
+                replica.kv.leases.unpin(old)
+                return None, [old]
+            return None, []
+        return replica.kv.leases.pin_within_budget(owner, ids, old, others)
 
     def unpin(self, pin: Pin) -> None:
         """Release a pin (on the replica that holds it; nothing if none does)."""

@@ -194,16 +194,17 @@ class RemoteEngine:
         return dataclasses.replace(EngineSnapshot.total(snapshots), kv_transfer=self.transfers)
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
+                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
         """`EngineClient.pin_history` in the cache of the session's worker (None if unreachable)."""
         try:
-            worker = self._place(token_ids, session_id)
+            worker = self._place(token_ids, session_id, lora)
         except EngineDeadError:
             return None
         mine = [p for p in (*others, old) if isinstance(p, RemotePin) and p.on(worker)]
         request = pb.PinHistoryRequest(
             session_id=session_id, owner=owner, token_ids=token_ids,
-            old_pin=old.remote_id if old in mine else 0, others=[p.remote_id for p in others if p in mine])
+            old_pin=old.remote_id if old in mine else 0, others=[p.remote_id for p in others if p in mine],
+            lora=lora or "")
         try:
             reply = await worker.stub.PinHistory(request, timeout=CALL_TIMEOUT)
         except grpc.aio.AioRpcError as e:
