@@ -122,6 +122,8 @@ class AsyncEngine:
 
         if hold_kv and (params.n != 1 or not isinstance(prompt, list)):
             raise ValueError("hold_kv needs n = 1 and the prompt's token ids")
+        if params.lora is not None:
+            await self._read_lora_host_copy(params.lora)
         self._inbox.put(_Add(request_id, prompt, params, session_id, deliver, hold_kv))
         remaining = params.n
         finished = False
@@ -160,9 +162,9 @@ class AsyncEngine:
         return await self._on_engine_thread(DataParallelEngine.snapshot)
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
+                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
         """See `EngineClient.pin_history`; the pin is made on the replica holding the session."""
-        return await self._on_engine_thread(lambda e: e.pin_history(session_id, owner, token_ids, old, others))
+        return await self._on_engine_thread(lambda e: e.pin_history(session_id, owner, token_ids, old, others, lora))
 
     async def unpin(self, pin: Pin) -> None:
         await self._on_engine_thread(lambda e: e.unpin(pin))
@@ -178,7 +180,23 @@ class AsyncEngine:
         await self._on_engine_thread(lambda e: e.set_pin_budget(blocks_per_owner))
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        await self._on_engine_thread(lambda e: e.add_lora(name, path))
+        """Read the adapter in a worker thread (steps go on meanwhile); only registering it and
+        its host copy runs on the engine thread."""
+        weights = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_lora, path)
+        await self._on_engine_thread(lambda e: e.add_lora(name, path, weights))
+
+    async def _read_lora_host_copy(self, name: str) -> None:
+        """A request's adapter whose host copy was dropped (past `max_cpu_loras`) is read again in
+        a worker thread before the request reaches the engine thread, so no step waits for the
+        disk. A bad or vanished directory is left for the engine to report with the request."""
+        path = self.engine.missing_lora_host_copy(name)
+        if path is None:
+            return
+        try:
+            weights = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_lora, path)
+        except (OSError, ValueError):
+            return
+        await self._on_engine_thread(lambda e: e.keep_lora(name, path, weights))
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._on_engine_thread(lambda e: e.remove_lora(name))

@@ -25,6 +25,7 @@ from jaxserve.dtype_choice import load_dtype, resolve_dtype
 from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv import Pin
+from jaxserve.lora.peft import LoraWeights
 from jaxserve.outputs import Delta
 from jaxserve.request import Request
 from jaxserve.routing import RoutingPolicy, choose_replica
@@ -79,18 +80,27 @@ class DataParallelEngine:
     def loads(self) -> list[int]:
         return [e.scheduler.num_unfinished for e in self.replicas]
 
-    def route(self, prompt_ids: Sequence[int], session_id: Hashable | None = None) -> int:
-        """The replica a prompt would go to now (sessions stick to their first replica)."""
+    def route(self, prompt_ids: Sequence[int], session_id: Hashable | None = None, lora: str | None = None) -> int:
+        """The replica a prompt would go to now (sessions stick to their first replica). A LoRA
+        request (`lora`, its adapter's name) counts only its adapter's cached KV and prefers a
+        replica that holds the adapter in a device slot."""
         if session_id is not None and session_id in self._sessions:
             return self._sessions[session_id]
         if len(self.replicas) == 1:
             return 0
-        matches = [e.kv.match_prefix(prompt_ids).num_tokens for e in self.replicas]
-        return choose_replica(matches, self.loads(), len(prompt_ids), self.policy)
+        if lora is None:
+            matches = [e.kv.match_prefix(prompt_ids).num_tokens for e in self.replicas]
+            return choose_replica(matches, self.loads(), len(prompt_ids), self.policy)
+        matches, resident = [], []
+        for e in self.replicas:
+            ids = None if e.lora is None else e.lora.cache_ids(lora, list(prompt_ids))
+            matches.append(0 if ids is None else e.kv.match_prefix(ids).num_tokens)
+            resident.append(e.lora is not None and e.lora.is_resident(lora))
+        return choose_replica(matches, self.loads(), len(prompt_ids), self.policy, resident)
 
-    def session_replica(self, session_id: Hashable, prompt_ids: Sequence[int]) -> LLMEngine:
+    def session_replica(self, session_id: Hashable, prompt_ids: Sequence[int], lora: str | None = None) -> LLMEngine:
         """The replica that holds a session's KV (routing `prompt_ids` if it has none yet)."""
-        index = self._sessions.setdefault(session_id, self.route(prompt_ids, session_id))
+        index = self._sessions.setdefault(session_id, self.route(prompt_ids, session_id, lora))
         return self.replicas[index]
 
     def end_session(self, session_id: Hashable, pin: Pin | None = None) -> None:
@@ -103,10 +113,20 @@ class DataParallelEngine:
         return session_id in self._sessions
 
     def pin_history(self, session_id: Hashable, owner: str, token_ids: list[int], old: Pin | None,
-                    others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+                    others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]]:
         """Pin a session's history on the replica that holds the session (routing it there first):
-        see `Leases.pin_within_budget`."""
-        return self.session_replica(session_id, token_ids).kv.leases.pin_within_budget(owner, token_ids, old, others)
+        see `Leases.pin_within_budget`. A session of LoRA adapter `lora` pins the blocks its
+        adapter computed (keyed as `LoraManager.cache_ids` says); when the replica has no number
+        for the adapter's bytes any more (it was unloaded), nothing is pinned and `old` released."""
+        replica = self.session_replica(session_id, token_ids, lora)
+        ids = token_ids if lora is None or not token_ids else (
+            None if replica.lora is None else replica.lora.cache_ids(lora, token_ids))
+        if ids is None:
+            if old is not None and old.active and replica.kv.leases.holds_pin(old):
+                replica.kv.leases.unpin(old)
+                return None, [old]
+            return None, []
+        return replica.kv.leases.pin_within_budget(owner, ids, old, others)
 
     def unpin(self, pin: Pin) -> None:
         """Release a pin (on the replica that holds it; nothing if none does)."""
@@ -119,12 +139,34 @@ class DataParallelEngine:
         for engine in self.replicas:
             engine.kv.leases.budget_per_owner = blocks_per_owner
 
-    def add_lora(self, name: str, path: str) -> None:
-        """Serve a LoRA adapter on every replica (none changed when it cannot be served)."""
+    def read_lora(self, path: str) -> LoraWeights:
+        """An adapter read from disk (ValueError if it cannot be served): safe to call off the
+        engine thread; `add_lora` and `keep_lora` take the result."""
+        return self.replicas[0].require_lora().read(path)
+
+    def missing_lora_host_copy(self, name: str) -> str | None:
+        """The directory to read for a request of adapter `name` when some replica has no host
+        copy of it (a plain dict read: safe off the engine thread, at worst a stale answer)."""
+        for engine in self.replicas:
+            path = None if engine.lora is None else engine.lora.missing_host_copy(name)
+            if path is not None:
+                return path
+        return None
+
+    def keep_lora(self, name: str, path: str, weights: LoraWeights) -> None:
+        """Hold an adapter read by `read_lora` as `name`'s host copy on every replica."""
+        for engine in self.replicas:
+            engine.require_lora().keep(name, path, weights)
+
+    def add_lora(self, name: str, path: str, weights: LoraWeights | None = None) -> None:
+        """Serve a LoRA adapter on every replica (none changed when it cannot be served), with
+        `weights` from `read_lora(path)` (read here when None)."""
         added = []
         try:
+            if weights is None:
+                weights = self.read_lora(path)
             for engine in self.replicas:
-                engine.add_lora(name, path)
+                engine.add_lora(name, path, weights)
                 added.append(engine)
         except ValueError:
             for engine in added:
@@ -160,7 +202,7 @@ class DataParallelEngine:
         if self.is_active(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.encode_prompt(prompt)
-        index = self.route(ids, session_id)
+        index = self.route(ids, session_id, params.lora)
         group = self.replicas[index].add_prompt_ids(request_id, ids, params)
         if session_id is not None:
             self._sessions[session_id] = index

@@ -58,6 +58,7 @@ from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.engine_client import UnknownAdapterError, check_prompt_ids
 from jaxserve.lora.manager import AdapterRef, LoraManager
+from jaxserve.lora.peft import LoraWeights
 from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
 from jaxserve.pooling import PromptPooling
 from jaxserve.request import Request, RequestStatus
@@ -189,11 +190,16 @@ class LLMEngine:
 
     # ----- LoRA adapters (see jaxserve/lora/manager.py) ----------------------------------------
 
-    def add_lora(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter at `path` as model `name` (ValueError if it cannot be served)."""
+    def add_lora(self, name: str, path: str, weights: LoraWeights | None = None) -> None:
+        """Serve the PEFT adapter at `path` as model `name` (ValueError if it cannot be served),
+        with `weights` that `read_lora(path)` returned, or read now."""
+        self.require_lora().add(name, path, weights)
+
+    def require_lora(self) -> LoraManager:
+        """The LoRA manager (ValueError when LoRA is not enabled)."""
         if self.lora is None:
             raise ValueError("LoRA adapters are not enabled (start the engine with enable_lora)")
-        self.lora.add(name, path)
+        return self.lora
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter `name` (UnknownAdapterError if it is not served); its running

@@ -157,9 +157,10 @@ class EngineClient(Protocol):
         """A consistent picture of the engine's state (for `/metrics` and leak checks)."""
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
+                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
         """Pin the cached blocks of a session's history (replacing `old`) within the owner's block
-        budget, releasing pins of `others` (least recently used first) when it does not fit.
+        budget, releasing pins of `others` (least recently used first) when it does not fit; the
+        blocks computed with LoRA adapter `lora` when given (the base model's otherwise).
         Returns the new pin (None when it cannot fit) and the pins released."""
 
     async def unpin(self, pin: Pin) -> None:

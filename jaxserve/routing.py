@@ -24,16 +24,35 @@ class RoutingPolicy:
     match_fraction: float = 0.5
     balance_abs: int = 16
     balance_rel: float = 1.5
+    # A router over worker processes cannot see their LoRA slots: it takes the adapters of the
+    # last requests it sent a worker, this many distinct ones (the workers' --max-loras), as
+    # resident there. The in-process engine reads its replicas' slots instead.
+    adapter_slots: int = 1
 
 
-def choose_replica(matches: Sequence[int], loads: Sequence[int], prompt_len: int, policy: RoutingPolicy) -> int:
+def choose_replica(matches: Sequence[int], loads: Sequence[int], prompt_len: int, policy: RoutingPolicy,
+                   resident: Sequence[bool] | None = None) -> int:
     """Index of the replica for a prompt of `prompt_len` tokens, given each replica's cached
-    prefix length (`matches`) and load. Ties go to the less loaded, then the lower index."""
+    prefix length (`matches`) and load. Ties go to the less loaded, then the lower index.
+
+    For a LoRA request, `resident` says which replicas hold its adapter in a device slot: unless
+    the loads are imbalanced, the choice is made among those (when any), so the request neither
+    waits for a slot nor evicts another adapter elsewhere. `matches` must then count the
+    adapter's own cached KV (see `adapter_key`), never the base model's or another adapter's."""
     hi, lo = max(loads), min(loads)
     imbalanced = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
-    best = max(matches)
+    pool = list(range(len(loads)))
+    if resident is not None and any(resident) and not imbalanced:
+        pool = [i for i in pool if resident[i]]
+    best = max(matches[i] for i in pool)
     if not imbalanced and best > 0 and best >= policy.match_fraction * prompt_len:
-        candidates = [i for i, m in enumerate(matches) if m == best]
-    else:
-        candidates = list(range(len(loads)))
-    return min(candidates, key=lambda i: (loads[i], i))
+        pool = [i for i in pool if matches[i] == best]
+    return min(pool, key=lambda i: (loads[i], i))
+
+
+def adapter_key(token_ids: Sequence[int], adapter: int | None) -> list[int]:
+    """A prompt's ids as a router's prefix tree keys them: a LoRA request's (`adapter`, the
+    router's number for the adapter's name, >= 1) behind a negative token no prompt has, so a
+    prefix routed with one adapter never matches another's or the base model's."""
+    ids = list(token_ids)
+    return ids if adapter is None else [-adapter, *ids]

@@ -48,7 +48,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     keys = ApiKeys(config.api_keys)
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
     sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files, config.response_ttl)
-    session_kv = SessionKV(engine, sessions)
+    session_kv = SessionKV(engine, sessions, info.name)
     state = ServerState(
         engine=engine,
         config=config,

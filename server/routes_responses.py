@@ -33,7 +33,7 @@ from server.errors import APIError, bad_request
 from server.generation import EngineRequest, Generation
 from server.openai_bodies import ChoiceOutput, UsageCount
 from server.prompts import check_prompt_ids, encode_chat, reply_token_ids
-from server.protocol import Limits, build_sampling_params, check_fields, check_model, guided_setting, read_json_object
+from server.protocol import Limits, build_sampling_params, check_fields, guided_setting, read_json_object
 from server.response_request import RESPONSE_FIELDS, ResponseRequest, parse_request
 from server.response_shapes import ResponseEvents, ResponseShapes
 from server.response_store import ResponseStore, new_response_id
@@ -69,7 +69,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state.limiter.admit(owner)
     body = await read_json_object(request)
     check_fields(body, RESPONSE_FIELDS)
-    check_model(body, state.info.name)
     turn = _prepare(state, owner, body)
     hold = contextlib.ExitStack()
     hold.enter_context(state.admission.hold(1))
@@ -87,9 +86,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
+    shown, adapter = state.model_for(body)
     info = state.info
     req = parse_request(body)
     previous = state.responses.previous(owner, req.previous_response_id) if req.previous_response_id else None
+    if previous is not None and previous.model != shown.name:
+        raise bad_request(f"response {req.previous_response_id} was made by model {previous.model!r}; its chain "
+                          f"cannot go on with {shown.name!r} (their KV differs)", param="model",
+                          code="model_mismatch")
     history = previous.messages if previous is not None else []
     if len(history) + len(req.messages) + 1 > state.config.max_session_messages:
         raise bad_request(f"a chain of responses holds at most {state.config.max_session_messages} messages",
@@ -102,10 +106,11 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
     params = build_sampling_params(req.sampling, max_tokens=_max_output_tokens(body, state.limits, len(ids)),
                                    logprobs=req.logprobs, max_n=1, vocab_size=info.vocab_size,
                                    guided=_constraint(req))
+    params = dataclasses.replace(params, lora=adapter)
     response_id = new_response_id()
     tools = ToolCalling(tool_format, req.tool_choice) if shown_tools else None
     chain = previous.placement_id if previous is not None else response_id
-    return _Turn(req, ResponseShapes(response_id, info, req.echo, tools), previous, history, chain, ids, params)
+    return _Turn(req, ResponseShapes(response_id, shown, req.echo, tools), previous, history, chain, ids, params)
 
 
 def _constraint(req: ResponseRequest) -> Any:
@@ -162,7 +167,7 @@ async def _save(state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutpu
     record = {"object": body, "input_items": turn.request.items, "chain": turn.chain}
     session = state.sessions.find(owner, turn.shapes.id, responses=True)  # a background one is stored already
     if session is None:
-        session = await state.responses.create(owner, state.info.name, turn.shapes.id, messages, record)
+        session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages, record)
     else:
         state.sessions.commit(session, messages, record)
     state.spawn(state.session_kv.pin_history(session, turn.prompt_ids + choice.token_ids, replacing=turn.previous))
@@ -222,7 +227,7 @@ async def _start_in_background(state: ServerState, owner: str, turn: _Turn, gene
     body = turn.shapes.body("in_progress", [], None)
     messages = [*turn.history, *turn.request.messages]
     try:
-        session = await state.responses.create(owner, state.info.name, turn.shapes.id, messages,
+        session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages,
                                                {"object": body, "input_items": turn.request.items, "chain": turn.chain})
     except BaseException:
         hold.close()

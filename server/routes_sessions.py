@@ -23,6 +23,7 @@ never a late turn in a deleted session.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -38,7 +39,6 @@ from server.protocol import (
     SAMPLING_FIELDS,
     build_sampling_params,
     check_fields,
-    check_model,
     logprobs_setting,
     max_tokens_setting,
     parse_stream,
@@ -46,6 +46,7 @@ from server.protocol import (
     require_str,
 )
 from server.http_reply import respond
+from server.model_info import ModelInfo
 from server.openai_bodies import ChatShapes, ChoiceOutput
 from server.sessions import Message, Session
 from server.state import STATE, ServerState
@@ -54,7 +55,7 @@ routes = web.RouteTableDef()
 
 DEFAULT_FIELDS = (SAMPLING_FIELDS - {"n"}) | {"max_completion_tokens", "logprobs", "top_logprobs"} | GUIDED_FIELDS
 CREATE_FIELDS = DEFAULT_FIELDS | {"model", "system", "messages"}
-REPLY_FIELDS = DEFAULT_FIELDS | {"stream", "stream_options"}
+REPLY_FIELDS = DEFAULT_FIELDS | {"model", "stream", "stream_options"}  # model: the session's, if given
 MESSAGE_FIELDS = REPLY_FIELDS | {"role", "content"}
 CANCEL_WAIT_SECONDS = 30.0
 
@@ -77,6 +78,16 @@ def _check_length(state: ServerState, messages: list[Message]) -> None:
         raise bad_request(f"a session holds at most {limit} messages", param="messages")
 
 
+def _session_model(state: ServerState, session: Session, body: dict[str, Any]) -> tuple[ModelInfo, str | None]:
+    """The model a session's turn runs: the session's own (a LoRA adapter's KV is its own), named
+    again or not in the body (400 for another); 404 when its adapter was unloaded since."""
+    named = require_str(body, "model", session.model)
+    if named != session.model:
+        raise bad_request(f"session {session.id} runs model {session.model!r}; it cannot go on with {named!r} "
+                          "(start another session for it)", param="model", code="model_mismatch")
+    return state.model_for({"model": session.model})
+
+
 def _claim(session: Session) -> None:
     if session.busy:
         raise APIError(409, "this session is already generating a reply; wait for it or cancel it",
@@ -95,7 +106,7 @@ async def create_session(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json_object(request, optional=True)
     check_fields(body, CREATE_FIELDS)
-    model = check_model(body, state.info.name)
+    model = state.model_for(body)[0].name  # the base model or a LoRA adapter, for every turn
     system = require_str(body, "system")
     messages = parse_messages(body["messages"]) if "messages" in body else []
     if system is not None:
@@ -226,6 +237,7 @@ async def _reply(
     """Generate the assistant reply to `messages` (or, `continuing`, extend its last message)
     and make `messages` plus the reply the session's history."""
     info = state.info
+    shown, adapter = _session_model(state, session, body)
     if continuing:
         last = messages[-1]
         open_ids = last.get("token_ids") or (info.tokenizer.encode(last["content"]) if last["content"] else [])
@@ -239,6 +251,7 @@ async def _reply(
     max_tokens = max_tokens_setting(settings, state.limits, len(ids), None)
     params = build_sampling_params(settings, max_tokens=max_tokens, logprobs=logprobs_setting(settings, chat=True),
                                    max_n=1, vocab_size=info.vocab_size)
+    params = dataclasses.replace(params, lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     _claim(session)
     with state.admission.hold(1):
@@ -270,4 +283,4 @@ async def _reply(
                 return
             state.spawn(state.session_kv.pin_history(session, ids + choice.token_ids))
 
-        return await respond(request, generation, ChatShapes(response_id, info), stream, on_finish)
+        return await respond(request, generation, ChatShapes(response_id, shown), stream, on_finish)

@@ -18,9 +18,10 @@ from server.sessions import Session, SessionStore
 
 
 class SessionKV:
-    def __init__(self, engine: EngineClient, store: SessionStore) -> None:
+    def __init__(self, engine: EngineClient, store: SessionStore, base_model: str) -> None:
         self.engine = engine
         self.store = store
+        self.base_model = base_model  # the served name: a session of any other model runs a LoRA adapter
 
     async def set_budget(self, blocks_per_owner: int) -> None:
         await self.engine.set_pin_budget(blocks_per_owner)
@@ -34,7 +35,9 @@ class SessionKV:
         others.sort(key=lambda s: s.last_used)
         by_pin = {id(s.pin): s for s in others}
         old = holder_of_old.pin
-        result = await self.engine.pin_history(session.placement_id, session.owner, ids, old, [s.pin for s in others])
+        lora = None if session.model == self.base_model else session.model
+        result = await self.engine.pin_history(session.placement_id, session.owner, ids, old, [s.pin for s in others],
+                                               lora)
         if result is None:
             return
         pin, released = result

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
 from checkpoints.config import ModelConfig
-from jaxserve.lora.peft import LoraWeights, load_peft_adapter, read_adapter_config
+from jaxserve.lora.peft import LoraWeights, load_peft_adapter
 
 TOKEN_BITS = 20  # a salted token keeps its id in these bits: vocabularies up to 2**20
 MAX_ADAPTER_UIDS = (1 << (31 - TOKEN_BITS)) - 1
@@ -39,7 +40,12 @@ class AdapterRef:
     def salt(self, token: int) -> int:
         """A prompt's first token as the prefix cache keys it for this adapter: a negative id that
         no other adapter (nor the base model) gives, so their KV never shares a prefix."""
-        return -1 - ((self.uid << TOKEN_BITS) | token)
+        return salt_token(self.uid, token)
+
+
+def salt_token(uid: int, token: int) -> int:
+    """`token` salted by the adapter numbered `uid` (see `AdapterRef.salt`)."""
+    return -1 - ((uid << TOKEN_BITS) | token)
 
 
 @dataclasses.dataclass
@@ -69,25 +75,50 @@ class LoraManager:
         # Slots in order of last use, least recent first.
         self._slot_order: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(max_loras))
         self.stats = LoraStats()
+        self._stats_lock = threading.Lock()
 
     # ----- names ----------------------------------------------------------------------------
 
-    def add(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter at `path` as `name`: read now (ValueError if it cannot be served,
-        or if the name is taken by another path)."""
+    def read(self, path: str) -> LoraWeights:
+        """The adapter at `path` read from disk (ValueError if it cannot be served). Of the
+        manager's state it touches only the disk-load counts (under a lock): callers run it off the
+        engine thread and hand the result to `add` or `keep`."""
+        t0 = time.perf_counter()
+        weights = load_peft_adapter(path, self.config, self.max_rank)
+        with self._stats_lock:
+            self.stats.disk_load_seconds += time.perf_counter() - t0
+            self.stats.disk_loads += 1
+        return weights
+
+    def add(self, name: str, path: str, weights: LoraWeights | None = None) -> None:
+        """Serve the PEFT adapter at `path` as `name`, with `weights` that `read(path)` returned
+        (read now when None); ValueError if it cannot be served, or if the name is taken by another
+        path."""
         if not name or not isinstance(name, str):
             raise ValueError("a LoRA adapter needs a non-empty name")
         if name in self._paths:
             if self._paths[name] == path:
                 return
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded (from {self._paths[name]!r})")
-        read_adapter_config(path)
+        if weights is None:
+            weights = self.read(path)
         self._paths[name] = path
-        try:
-            self._host_copy(name)
-        except ValueError:
-            del self._paths[name]
-            raise
+        self.keep(name, path, weights)
+
+    def keep(self, name: str, path: str, weights: LoraWeights) -> None:
+        """Hold `weights` (read from `path` off the engine thread) as `name`'s host copy, unless
+        `name` now names another directory or nothing."""
+        if self._paths.get(name) != path:
+            return
+        self._host[name] = weights
+        self._host.move_to_end(name)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def missing_host_copy(self, name: str) -> str | None:
+        """The directory of `name` when it is served but has no host copy (a request for it would
+        read the disk); None otherwise."""
+        return self._paths.get(name) if name not in self._host else None
 
     def remove(self, name: str) -> None:
         """Stop serving `name` (KeyError if unknown). Requests already queued with it finish."""
@@ -111,16 +142,27 @@ class LoraManager:
         self.stats.requests[name] += 1
         return AdapterRef(name, uid, weights)
 
+    def cache_ids(self, name: str, token_ids: list[int]) -> list[int] | None:
+        """A prompt's ids as the prefix cache keys them for a request of adapter `name` (its first
+        token salted), without counting a request; None when this engine has no number for the
+        adapter's bytes yet (then none of its KV is cached here)."""
+        weights = self._host.get(name)
+        uid = None if weights is None else self._uids.get(weights.digest)
+        if uid is None or not token_ids:
+            return None
+        return [salt_token(uid, token_ids[0]), *token_ids[1:]]
+
+    def is_resident(self, name: str) -> bool:
+        """Whether adapter `name`'s weights sit in a device slot now."""
+        weights = self._host.get(name)
+        uid = None if weights is None else self._uids.get(weights.digest)
+        return uid is not None and uid in self._slot_uid
+
     def _host_copy(self, name: str) -> LoraWeights:
         weights = self._host.get(name)
         if weights is None:
-            t0 = time.perf_counter()
-            weights = load_peft_adapter(self._paths[name], self.config, self.max_rank)
-            self.stats.disk_load_seconds += time.perf_counter() - t0
-            self.stats.disk_loads += 1
-            self._host[name] = weights
-            while len(self._host) > self.max_cpu_loras:
-                self._host.popitem(last=False)
+            weights = self.read(self._paths[name])
+            self.keep(name, self._paths[name], weights)
         self._host.move_to_end(name)
         return weights
 

@@ -9,12 +9,13 @@ import subprocess
 import pytest
 
 from child_process import jaxserve
-from jaxserve.routing import choose_replica
+from jaxserve.engine_client import EngineDeadError
+from jaxserve.routing import adapter_key, choose_replica
 from jaxserve.sampling_params import SamplingParams
 from server.cluster.router.prefix_tree import ApproxPrefixTree
-from server.cluster.router.remote_engine import ROUTER_POLICY
+from server.cluster.router.remote_engine import ROUTER_POLICY, RemoteEngine
 from server.cluster.router.sequence import worker_params
-from server.cluster.router.worker_client import WorkerInfo
+from server.cluster.router.worker_client import WorkerClient, WorkerInfo
 from jaxserve.structured import GuidedDecoding
 from server.cluster.worker.wire import params_from_json, params_to_json
 
@@ -53,6 +54,38 @@ def test_router_policy_defaults_are_sglangs():
     assert choose_replica([100, 0], [65, 0], 100, ROUTER_POLICY) == 1
     assert choose_replica([100, 0], [64, 0], 100, ROUTER_POLICY) == 0
     assert choose_replica([100, 0], [200, 150], 100, ROUTER_POLICY) == 0  # 50 apart: not imbalanced
+
+
+def test_lora_requests_prefer_workers_holding_their_adapter_and_match_only_its_prefixes():
+    # The policy: among replicas holding the adapter unless loads are imbalanced.
+    assert choose_replica([0, 0], [3, 0], 40, ROUTER_POLICY, resident=[True, False]) == 0
+    assert choose_replica([0, 0], [3, 0], 40, ROUTER_POLICY, resident=[False, False]) == 1
+    assert choose_replica([0, 0], [100, 0], 40, ROUTER_POLICY, resident=[True, False]) == 1
+    assert choose_replica([0, 40, 40], [0, 0, 1], 40, ROUTER_POLICY, resident=[False, True, True]) == 1
+    assert adapter_key([5, 6], None) == [5, 6] and adapter_key([5, 6], 2) == [-2, 5, 6]
+    # The router's picture of its workers, fed as requests are sent (no process behind them).
+    remote = RemoteEngine([WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")],
+                          dataclasses.replace(ROUTER_POLICY, adapter_slots=1))
+    a, b = remote.workers
+    a.up = b.up = True
+    prompt = list(range(40))
+    assert remote._pick(prompt, (), lora="sql") is a  # nothing known: least loaded, lower index
+    a.note_routed(prompt, remote._routed_adapter("sql"), 1)
+    a.in_flight = 3
+    assert remote._pick(prompt, (), lora="sql") is a  # holds sql and its prefix, though busier
+    assert remote._pick(list(range(100, 140)), (), lora="sql") is a  # holds sql: no slot to wait for
+    assert remote._pick(prompt, (), lora="chat") is b  # sql's prefix is not chat's KV
+    assert remote._pick(prompt, ()) is b  # nor the base model's
+    a.note_routed(prompt, remote._routed_adapter("chat"), 1)  # one slot: chat took sql's place
+    assert list(a.recent_adapters) == ["chat"]
+    assert remote._pick(list(range(100, 140)), (), lora="sql") is b
+    # An adapter loaded through the router goes only to workers that have it loaded.
+    remote._adapters["law"] = "/adapters/law"
+    a.loaded_adapters.add("law")
+    assert remote._pick(prompt, (), lora="law") is a
+    a.up = False
+    with pytest.raises(EngineDeadError):
+        remote._pick(prompt, (), lora="law")
 
 
 def test_sampling_params_cross_the_wire_and_bad_json_is_a_clear_error():

@@ -8,6 +8,8 @@ compiling anything; the KV pool and the adapter slots are all free afterwards.
 
 from __future__ import annotations
 
+import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -145,3 +147,43 @@ def metric(text: str, name: str) -> float:
 def _post(srv, path: str, body: dict) -> tuple[int, str]:
     response = send(srv, "POST", path, body, key=KEY_A)
     return response.status, response.text
+
+
+def test_sessions_and_response_chains_keep_their_adapter(client, lora_server):
+    """A session created with an adapter's name runs it on every turn (the same tokens as a chat
+    completion of that adapter), pins its adapter's KV and reuses it, and refuses another model;
+    a chain of responses likewise."""
+    srv, _, _ = lora_server
+    state = srv.app[STATE]
+    name, other = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+    created = send(srv, "POST", "/v1/sessions", {"model": name, "system": "You are terse.", **greedy})
+    assert created.status == 200, created.text
+    sid = json.loads(created.text)["id"]
+    first = send(srv, "POST", f"/v1/sessions/{sid}/messages", {"content": "Say something about the sea."})
+    assert first.status == 200, first.text
+    reply = json.loads(first.text)
+    assert reply["model"] == name
+    direct = client.chat.completions.create(model=name, temperature=0.0, max_tokens=4, messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something about the sea."}])
+    assert reply["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    session = next(s for s in state.sessions.all() if s.id == sid)
+    deadline = time.monotonic() + 10
+    while (session.pin is None or session.pin.num_tokens == 0) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the pin is made in the background after the reply
+    assert session.pin is not None and session.pin.num_tokens >= reply["usage"]["prompt_tokens"] // 8 * 8
+    second = send(srv, "POST", f"/v1/sessions/{sid}/messages", {"content": "More.", "model": name})
+    assert second.status == 200, second.text
+    assert json.loads(second.text)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8
+    refused = send(srv, "POST", f"/v1/sessions/{sid}/messages", {"content": "Again.", "model": other})
+    assert refused.status == 400 and json.loads(refused.text)["error"]["code"] == "model_mismatch"
+
+    start = client.responses.create(model=name, input="Name a colour.", max_output_tokens=4, temperature=0.0)
+    assert start.model == name
+    with pytest.raises(openai.BadRequestError, match="cannot go on"):
+        client.responses.create(model=other, input="Another.", previous_response_id=start.id, max_output_tokens=4)
+    follow = client.responses.create(model=name, input="Another.", previous_response_id=start.id,
+                                     max_output_tokens=4, temperature=0.0)
+    assert follow.model == name and follow.usage.input_tokens_details.cached_tokens >= 8
+    assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200
+    check_idle(lora_server)

@@ -40,6 +40,9 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="route by load alone when the busiest worker runs this many more sequences than the idlest...")
     g.add_argument("--balance-rel-threshold", type=float, default=ROUTER_POLICY.balance_rel,
                    help="...and this many times as many")
+    g.add_argument("--worker-max-loras", type=int, default=ROUTER_POLICY.adapter_slots,
+                   help="the workers' --max-loras: a worker counts as holding the LoRA adapters of the last "
+                        "requests sent to it, this many distinct ones, and attracts their requests")
     g.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker health checks")
     g.add_argument("--worker-wait-timeout", type=float, default=600.0,
                    help="seconds to wait at start for a worker to serve")
@@ -62,9 +65,12 @@ def run_router(args: argparse.Namespace) -> int:
         raise SystemExit(f"--cache-threshold must be in [0, 1], got {args.cache_threshold}")
     if args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1.0:
         raise SystemExit("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+    if args.worker_max_loras < 1:
+        raise SystemExit("--worker-max-loras must be >= 1")
     if args.health_check_interval <= 0:
         raise SystemExit("--health-check-interval must be positive")
-    policy = RoutingPolicy(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+    policy = RoutingPolicy(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
+                           args.worker_max_loras)
 
     async def make_app() -> web.Application:
         everyone = args.worker + args.decode_worker + args.prefill_worker

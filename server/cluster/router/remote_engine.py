@@ -45,12 +45,12 @@ from jaxserve.engine_client import (EngineDeadError, EngineInfo, Pin, RequestFai
                                     check_prompt_ids)
 from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats
 from jaxserve.outputs import Delta, Usage
-from jaxserve.routing import RoutingPolicy, choose_replica
+from jaxserve.routing import RoutingPolicy, adapter_key, choose_replica
 from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from server.cluster.router.handover import decode_params, prefill_params, resumes, splits
 from server.cluster.router.sequence import RemoteSequence, worker_params
 from server.cluster.router.worker_calls import CALL_TIMEOUT, prefill_once, stream_once, with_transfer
-from server.cluster.router.worker_client import RemotePin, WorkerClient, WorkerInfo, engine_info
+from server.cluster.router.worker_client import RemotePin, RoutedAdapter, WorkerClient, WorkerInfo, engine_info
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import params_to_json, snapshot_from_json, usage_from_message
 
@@ -95,6 +95,8 @@ class RemoteEngine:
         self._pin_budget: int | None = None
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._adapters: dict[str, str] = {}  # LoRA adapters loaded through the router: name -> directory
+        self._adapter_numbers: dict[str, int] = {}  # the prefix trees' key of each adapter name
 
     @classmethod
     async def connect(cls, addresses: Sequence[str], policy: RoutingPolicy = ROUTER_POLICY,
@@ -148,7 +150,7 @@ class RemoteEngine:
         params.check_vocabulary(self.info.vocab_size)
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        worker = self._place(ids, session_id)
+        worker = self._place(ids, session_id, params.lora)
         # The engine's seeds: consecutive from the request's (or a drawn) seed, fixed here so that
         # a sequence resumed on another worker keeps its random stream.
         base = params.seed if params.seed is not None else random.getrandbits(31)
@@ -192,16 +194,17 @@ class RemoteEngine:
         return dataclasses.replace(EngineSnapshot.total(snapshots), kv_transfer=self.transfers)
 
     async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin]) -> tuple[Pin | None, list[Pin]] | None:
+                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
         """`EngineClient.pin_history` in the cache of the session's worker (None if unreachable)."""
         try:
-            worker = self._place(token_ids, session_id)
+            worker = self._place(token_ids, session_id, lora)
         except EngineDeadError:
             return None
         mine = [p for p in (*others, old) if isinstance(p, RemotePin) and p.on(worker)]
         request = pb.PinHistoryRequest(
             session_id=session_id, owner=owner, token_ids=token_ids,
-            old_pin=old.remote_id if old in mine else 0, others=[p.remote_id for p in others if p in mine])
+            old_pin=old.remote_id if old in mine else 0, others=[p.remote_id for p in others if p in mine],
+            lora=lora or "")
         try:
             reply = await worker.stub.PinHistory(request, timeout=CALL_TIMEOUT)
         except grpc.aio.AioRpcError as e:
@@ -245,13 +248,34 @@ class RemoteEngine:
         await asyncio.gather(*(self._send_pin_budget(w) for w in self.workers if w.up))
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load the adapter on every worker that serves (each reads `path` on its own file system)."""
-        await self._on_every_worker(lambda w: w.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path),
-                                                                       timeout=CALL_TIMEOUT))
+        """Load the adapter on every worker that serves (each reads `path` on its own file
+        system), and later on every worker that joins or restarts."""
+        up = await self._on_every_worker(lambda w: w.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path),
+                                                                            timeout=CALL_TIMEOUT))
+        self._adapters[name] = path
+        self._new_adapter_number(name)
+        for worker in up:
+            worker.loaded_adapters.add(name)
 
     async def unload_lora_adapter(self, name: str) -> None:
+        self._adapters.pop(name, None)
+        for worker in self.workers:
+            worker.loaded_adapters.discard(name)
+            worker.recent_adapters.pop(name, None)
+        self._new_adapter_number(name)  # a name loaded again later may be other weights
         await self._on_every_worker(lambda w: w.stub.UnloadLoraAdapter(pb.LoraAdapterRequest(name=name),
                                                                          timeout=CALL_TIMEOUT))
+
+    def _new_adapter_number(self, name: str) -> None:
+        """A fresh prefix-tree key for `name`: nothing routed under an earlier one matches it."""
+        self._adapter_numbers[name] = max(self._adapter_numbers.values(), default=0) + 1
+
+    def _routed_adapter(self, name: str | None) -> RoutedAdapter | None:
+        if name is None:
+            return None
+        if name not in self._adapter_numbers:
+            self._new_adapter_number(name)
+        return RoutedAdapter(name, self._adapter_numbers[name])
 
     async def lora_adapters(self) -> dict[str, str] | None:
         """The adapters the workers serve (every one loads the same; the first that answers says)."""
@@ -264,8 +288,9 @@ class RemoteEngine:
                     logger.warning("listing the LoRA adapters of worker %s failed: %s", worker.address, e.code().name)
         return None
 
-    async def _on_every_worker(self, call: Callable[[WorkerClient], Awaitable[pb.LoraAdaptersResponse]]) -> None:
-        """A LoRA call on every worker that serves: ValueError (a bad adapter) or
+    async def _on_every_worker(self, call: Callable[[WorkerClient], Awaitable[pb.LoraAdaptersResponse]]
+                               ) -> list[WorkerClient]:
+        """A LoRA call on every worker that serves (returned): ValueError (a bad adapter) or
         UnknownAdapterError (an unknown name) as the first worker that refuses says."""
         up = [w for w in self.workers if w.up]
         if not up:
@@ -280,6 +305,7 @@ class RemoteEngine:
                 raise EngineDeadError(f"worker {worker.address}: {result.code().name}: {result.details()}")
             if isinstance(result, BaseException):
                 raise result
+        return up
 
     async def aclose(self) -> None:
         if self._health_task is not None:
@@ -302,26 +328,33 @@ class RemoteEngine:
             prompt = info.tokenizer.encode(prompt, add_special_tokens=True)
         return check_prompt_ids(prompt, info.vocab_size, info.max_model_len)
 
-    def _place(self, ids: list[int], session_id: str | None) -> WorkerClient:
+    def _place(self, ids: list[int], session_id: str | None, lora: str | None = None) -> WorkerClient:
         """The worker for a prompt: its session's while that worker is up, else by the policy."""
         if session_id is not None:
             worker = self._sessions.get(session_id)
             if worker is not None and worker.up:
                 return worker
-        worker = self._pick(ids, exclude=())
+        worker = self._pick(ids, exclude=(), lora=lora)
         if session_id is not None:
             self._sessions[session_id] = worker
         return worker
 
     def _pick(self, ids: list[int], exclude: Sequence[WorkerClient],
-              among: Sequence[WorkerClient] | None = None) -> WorkerClient:
-        """By the policy, among `among` (the generating workers by default) that are up."""
+              among: Sequence[WorkerClient] | None = None, lora: str | None = None) -> WorkerClient:
+        """By the policy, among `among` (the generating workers by default) that are up; for a
+        LoRA request, among those that serve its adapter (a worker that joined gets the router's
+        run-time loads first), preferring those that had it last (see `RoutingPolicy`)."""
         among = self.workers if among is None else among
         up = [w for w in among if w.up and w not in exclude]
+        if lora in self._adapters:
+            up = [w for w in up if lora in w.loaded_adapters]
         if not up:
             details = "; ".join(f"{w.address}: {w.detail or 'failed'}" for w in among)
             raise EngineDeadError(f"no worker is available ({details})")
-        index = choose_replica([w.tree.match(ids) for w in up], [w.in_flight for w in up], len(ids), self.policy)
+        key = adapter_key(ids, None if lora is None else self._routed_adapter(lora).number)
+        resident = None if lora is None else [lora in w.recent_adapters for w in up]
+        index = choose_replica([w.tree.match(key) for w in up], [w.in_flight for w in up], len(ids), self.policy,
+                               resident)
         return up[index]
 
     async def _run(self, group_id: str, index: int, placed: _Placed, ids: list[int], params: SamplingParams,
@@ -351,7 +384,8 @@ class RemoteEngine:
             tried.append((worker, worker.instance_id))
             streamed = sequence.num_out
             try:
-                if await stream_once(worker, request, sequence, out, cached_tokens, self._count_transfer):
+                if await stream_once(worker, request, sequence, out, cached_tokens, self._count_transfer,
+                                     self._routed_adapter(wanted.lora), self.policy.adapter_slots):
                     return
                 error = "the stream ended without a final message"
             except grpc.aio.AioRpcError as e:
@@ -370,7 +404,8 @@ class RemoteEngine:
                     out.put_nowait(sequence.delta("length", sequence.stop_usage(cached_tokens or 0)))
                     return
                 request = self._resume_request(request, wanted, sequence, ids)
-            placed.worker = self._pick(ids, exclude=[w for w, instance in tried if w.instance_id == instance])
+            placed.worker = self._pick(ids, exclude=[w for w, instance in tried if w.instance_id == instance],
+                                       lora=wanted.lora)
             logger.warning("worker %s failed after streaming %d of %s's tokens (%s); %s on %s", worker.address,
                            sequence.num_out - streamed, request.request_id, error,
                            "resuming it" if resumed else "retrying", placed.worker.address)
@@ -462,6 +497,8 @@ class RemoteEngine:
                 del self._sessions[session_id]  # their KV is gone with the old process
             if self._pin_budget is not None:
                 await self._send_pin_budget(worker)
+        await asyncio.gather(*(self._send_adapters(w) for w in self.workers
+                               if w.up and not w.loaded_adapters.issuperset(self._adapters)))
 
     async def _health_loop(self) -> None:
         while True:
@@ -470,6 +507,21 @@ class RemoteEngine:
                 await self.check_workers()
             except Exception:  # noqa: BLE001 - keep checking
                 logger.exception("worker health check failed")
+
+    async def _send_adapters(self, worker: WorkerClient) -> None:
+        """The adapters loaded through the router that a worker lacks (it joined, restarted or was
+        down at the load): until one is loaded there, requests for it go to other workers."""
+        for name, path in list(self._adapters.items()):
+            if name in worker.loaded_adapters:
+                continue
+            try:
+                await worker.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path), timeout=CALL_TIMEOUT)
+            except grpc.aio.AioRpcError as e:
+                logger.warning("loading LoRA adapter %s on worker %s failed: %s: %s", name, worker.address,
+                               e.code().name, e.details())
+                continue
+            if self._adapters.get(name) == path:  # not unloaded meanwhile
+                worker.loaded_adapters.add(name)
 
     async def _send_pin_budget(self, worker: WorkerClient) -> None:
         await self._quietly(worker, worker.stub.SetPinBudget(

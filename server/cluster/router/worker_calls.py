@@ -14,7 +14,7 @@ from jaxserve.engine_client import RequestFailedError
 from jaxserve.engine_snapshot import KVTransferStats, load_seconds_bucket
 from jaxserve.outputs import Usage
 from server.cluster.router.sequence import RemoteSequence
-from server.cluster.router.worker_client import WorkerClient
+from server.cluster.router.worker_client import RoutedAdapter, WorkerClient
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import embedding_from_message, usage_from_message
 
@@ -23,9 +23,11 @@ CALL_TIMEOUT = 30.0  # seconds a unary call (pins, loads, aborts) may take
 
 async def stream_once(worker: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence,
                       out: asyncio.Queue, cached_tokens: int | None,
-                      on_transfer: Callable[[pb.KVTransfer], None]) -> bool:
+                      on_transfer: Callable[[pb.KVTransfer], None], lora: RoutedAdapter | None = None,
+                      adapter_slots: int = 1) -> bool:
     """One try on one worker; True when the sequence has ended. Deltas go to `out`, the KV
-    transfers the worker reports (a decode half's pull) to `on_transfer`. When the request's prompt holds
+    transfers the worker reports (a decode half's pull) to `on_transfer`; the prompt goes into the
+    worker's cache picture keyed by `lora` (see `WorkerClient.note_routed`). When the request's prompt holds
     output tokens (a decode half, a resumed sequence), usage is the router's count: the original
     prompt and every output token, with `cached_tokens` (the prefill worker's prefix hit) or
     else the share of the original prompt this worker found cached."""
@@ -34,7 +36,7 @@ async def stream_once(worker: WorkerClient, request: pb.GenerateRequest, sequenc
 
     worker.in_flight += 1
     worker.routed += 1
-    worker.tree.insert(request.prompt_token_ids)
+    worker.note_routed(request.prompt_token_ids, lora, adapter_slots)
     call = worker.stub.Generate(request)
     try:
         async for msg in call:

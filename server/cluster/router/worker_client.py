@@ -8,14 +8,17 @@ so that sessions placed there are routed afresh and pin budgets sent again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import grpc
 import tokenizers
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.engine_client import EngineInfo, Pin
+from jaxserve.routing import adapter_key
 from jaxserve.tokenizer import Tokenizer
 from server.cluster.router.prefix_tree import ApproxPrefixTree
 from server.cluster.worker import worker_pb2 as pb
@@ -62,6 +65,15 @@ class WorkerInfo:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutedAdapter:
+    """A request's LoRA adapter as the router keys it: its name, and the router's number for
+    that name (see `jaxserve.routing.adapter_key`)."""
+
+    name: str
+    number: int
+
+
 class WorkerClient:
     def __init__(self, address: str, roles: tuple[str, ...] = ("both",)) -> None:
         self.address = address
@@ -73,6 +85,10 @@ class WorkerClient:
         self.in_flight = 0  # sequences the router has running there
         self.routed = 0  # sequences the router has sent there since it started
         self.tree = ApproxPrefixTree()
+        # LoRA adapters by name: those of the latest requests sent here (most recent last), taken
+        # as resident in its device slots; and those the router loaded here (run-time loads).
+        self.recent_adapters: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.loaded_adapters: set[str] = set()
         self._channel: grpc.aio.Channel | None = None
         self._stub: WorkerStub | None = None
 
@@ -109,6 +125,8 @@ class WorkerClient:
                     return False
                 self.info, self.instance_id = info, info_msg.instance_id
                 self.tree.clear()
+                self.recent_adapters.clear()
+                self.loaded_adapters.clear()
         except grpc.aio.AioRpcError as e:
             self.mark_down(f"{e.code().name}: {e.details()}")
             return False
@@ -116,6 +134,16 @@ class WorkerClient:
             logger.info("worker %s is up", self.address)
         self.up, self.detail = True, ""
         return restarted
+
+    def note_routed(self, prompt_ids: Sequence[int], lora: RoutedAdapter | None, adapter_slots: int) -> None:
+        """A prompt was sent here (with `lora`'s adapter, if any): it is in the worker's cache
+        picture, its adapter among those taken as resident (the latest `adapter_slots`)."""
+        self.tree.insert(adapter_key(prompt_ids, None if lora is None else lora.number))
+        if lora is not None:
+            self.recent_adapters[lora.name] = None
+            self.recent_adapters.move_to_end(lora.name)
+            while len(self.recent_adapters) > adapter_slots:
+                self.recent_adapters.popitem(last=False)
 
     def mark_down(self, detail: str) -> None:
         if self.up:

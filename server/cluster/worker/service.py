@@ -150,7 +150,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         others = [self._pins[i] for i in request.others if i in self._pins]
         ids = {id(self._pins[i]): i for i in (*request.others, request.old_pin) if i in self._pins}
         result = await self._engine.pin_history(request.session_id, request.owner, list(request.token_ids), old,
-                                                others)
+                                                others, request.lora or None)
         if result is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
         pin, released = result

@@ -234,18 +234,20 @@ class LoadResponse(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_requests: _Optional[int] = ..., snapshot_json: _Optional[str] = ..., kv_leases: _Optional[int] = ...) -> None: ...
 
 class PinHistoryRequest(_message.Message):
-    __slots__ = ("session_id", "owner", "token_ids", "old_pin", "others")
+    __slots__ = ("session_id", "owner", "token_ids", "old_pin", "others", "lora")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OLD_PIN_FIELD_NUMBER: _ClassVar[int]
     OTHERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     owner: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     old_pin: int
     others: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., old_pin: _Optional[int] = ..., others: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora: str
+    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., old_pin: _Optional[int] = ..., others: _Optional[_Iterable[int]] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class PinHistoryResponse(_message.Message):
     __slots__ = ("pin", "num_blocks", "num_tokens", "released")
