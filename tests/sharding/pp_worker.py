@@ -1,14 +1,15 @@
 """Run by test_pipeline_parallel.py in a subprocess with 8 simulated CPU devices.
 
-Each case is `MODEL:DPxPPxTP` or `MODEL+VARIANT:DPxPPxTP`. MODEL: `tiny` (4 layers, so that pp=3
-gives uneven stages) or `default` (SmolLM2-135M, 30 layers). VARIANT `serving`: preemption with
-swap to the host (too few blocks), multi-step decode and a second round of the prompts (prefix-cache
-hits), with async scheduling (the default). For each case the worker builds the engine (a router for
-dp > 1), warms it up, generates greedily and with seeded sampling, checks that every KV pool is free
-afterwards, and reads the schedule that the pipelined layers report for a decode and a prefill step
-(which micro-batch each stage ran at each tick). VARIANT `handoff`: a prefill engine of PP stages
-hands a prompt's KV blocks to a decode engine on one device. It prints one JSON line; the test
-asserts on it.
+Each case is `MODEL[+VARIANT...]:DPxPPxTP`. MODEL: `tiny` (4 layers, so that pp=3 gives uneven
+stages) or `default` (SmolLM2-135M, 30 layers). VARIANT `serving`: preemption with swap to the host
+(too few blocks) and a second round of the prompts (prefix-cache hits), with async scheduling (the
+default); `multistep` adds multi-step decode (2 steps per program); `reference` only generates (no
+warm-up, no report beyond the tokens: the one-device result the others are compared with). For
+each other case the worker builds the engine (a router for dp > 1), warms it up, generates greedily
+and with seeded sampling, checks that every KV pool is free afterwards, and reads the schedule that
+the pipelined layers report for a decode and a prefill step (which micro-batch each stage ran at
+each tick). VARIANT `handoff`: a prefill engine of PP stages hands a prompt's KV blocks to a decode
+engine on one device. It prints one JSON line; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -88,8 +89,15 @@ def schedules(runner) -> dict:
     return result
 
 
-def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving: bool) -> dict:
-    settings = {**(SWAP_ENGINE if serving else TINY_ENGINE), "num_scheduler_steps": 2 if serving else 1}
+def run_reference(model, prompts: list[list[int]], dp: int, pp: int, tp: int) -> dict:
+    """The tokens alone, compiled as the steps come (no warm-up: nothing else is checked)."""
+    config = EngineConfig(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **TINY_ENGINE)
+    engine = make_engine(model, config)
+    return {"greedy": generate_greedy(engine, prompts), "seeded": generate_seeded(engine, prompts)}
+
+
+def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving: bool, multistep: bool) -> dict:
+    settings = {**(SWAP_ENGINE if serving else TINY_ENGINE), "num_scheduler_steps": 2 if multistep else 1}
     config = EngineConfig(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **settings)
     engine = make_engine(model, config)
     with count_xla_compilations() as warm_up_compiles:
@@ -145,7 +153,7 @@ def main(cases: list[str]) -> None:
     results = {}
     for case in cases:
         name, layout = case.split(":")
-        model, _, variant = name.partition("+")
+        model, *variants = name.split("+")
         if model not in models:
             if model == "tiny":
                 models[model], prompts[model] = build_tiny_random(num_layers=4), PROMPTS
@@ -156,10 +164,13 @@ def main(cases: list[str]) -> None:
                     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                     "The three primary colours are", "def fibonacci(n):")]
         dp, pp, tp = map(int, layout.split("x"))
-        if variant == "handoff":
+        if "handoff" in variants:
             results[case] = run_handoff(models[model], pp)
-            continue
-        results[case] = run_case(models[model], prompts[model], dp, pp, tp, variant == "serving")
+        elif "reference" in variants:
+            results[case] = run_reference(models[model], prompts[model], dp, pp, tp)
+        else:
+            results[case] = run_case(models[model], prompts[model], dp, pp, tp, "serving" in variants,
+                                     "multistep" in variants)
     print(json.dumps(results))
 
 
