@@ -208,6 +208,8 @@ class LLMEngine:
             draft_tokens=self.stats.draft_tokens, accepted_tokens=self.stats.accepted_tokens,
             expert_tokens=tuple(int(n) for n in self.runner.expert_tokens),
             expert_load=tuple(int(n) for n in self.runner.last_expert_load),
+            pipeline_stage_busy_ticks=tuple(int(n) for n in self.runner.pipeline_ticks.busy),
+            pipeline_ticks=self.runner.pipeline_ticks.ticks,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -74,6 +74,20 @@ def test_micro_batches_overlap_across_stages(report):
     check_schedule(schedules["prefill"], stages=3, micro=3)
 
 
+def test_engine_counts_the_bubble(report):
+    """The runner adds up the schedule of every model step it reads: here each step has 3
+    micro-batches over 3 stages, 5 ticks, each stage busy in 3 of them (bubble 2/5)."""
+    r = report["tiny+serving:1x3x1"]["pipeline_counters"]
+    steps = r["model_steps"]
+    assert steps > 0
+    assert r["busy"] == [3 * steps] * 3 and r["ticks"] == 5 * steps
+    assert r["bubble_fraction"] == pytest.approx(2 / 5)
+    for stage in range(3):
+        assert f'jaxserve_pipeline_stage_busy_ticks_total{{stage="{stage}"}} {float(3 * steps)}' in r["metrics"]
+        assert f'jaxserve_pipeline_stage_idle_ticks_total{{stage="{stage}"}} {float(2 * steps)}' in r["metrics"]
+    assert "jaxserve_pipeline_bubble_fraction 0.4" in r["metrics"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_LAYOUTS[:4])
 def test_layout_equals_one_device(slow_report, case):
