@@ -250,6 +250,8 @@ class LLMEngine:
             expert_tokens=tuple(int(n) for n in self.runner.expert_tokens),
             expert_load=tuple(int(n) for n in self.runner.last_expert_load),
             **self._lora_counts(),
+            pipeline_stage_busy_ticks=tuple(int(n) for n in self.runner.pipeline_ticks.busy),
+            pipeline_ticks=self.runner.pipeline_ticks.ticks,
         )
 
     def _lora_counts(self) -> dict[str, Any]:

@@ -79,21 +79,26 @@ class EngineSnapshot:
     lora_disk_loads: int = 0
     lora_device_loads: int = 0
     lora_requests: tuple[tuple[str, int], ...] = ()
+    # Pipeline stages, over the model steps read (multi-step loops not counted): per stage, the
+    # ticks of the schedule it ran a micro-batch in (busy), and the ticks every stage went through
+    # (busy + idle; summed over replicas, as the per-stage counts are).
+    pipeline_stage_busy_ticks: tuple[int, ...] = ()
+    pipeline_ticks: int = 0
 
     @classmethod
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         """The replicas' snapshots summed (each keeps its load in `replicas`)."""
-        per_expert = ("expert_tokens", "expert_load")
+        per_index = ("expert_tokens", "expert_load", "pipeline_stage_busy_ticks")  # per expert or stage
         summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)
                   if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer", "lora_requests",
-                                    *per_expert)}
-        experts = {name: tuple(sum(counts) for counts in zip(*(getattr(s, name) for s in snapshots)))
-                   for name in per_expert}
+                                    *per_index)}
+        indexed = {name: tuple(sum(counts) for counts in zip(*(getattr(s, name) for s in snapshots)))
+                   for name in per_index}
         lora_requests: dict[str, int] = {}
         for s in snapshots:
             for name, count in s.lora_requests:
                 lora_requests[name] = lora_requests.get(name, 0) + count
-        return cls(**summed, **experts, lora_requests=tuple(sorted(lora_requests.items())),
+        return cls(**summed, **indexed, lora_requests=tuple(sorted(lora_requests.items())),
                    has_unfinished=any(s.has_unfinished for s in snapshots),
                    kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas),
                    tiers=TierStats.total([s.tiers for s in snapshots]))
@@ -101,5 +106,11 @@ class EngineSnapshot:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def pipeline_bubble_fraction(self) -> float:
+        """Idle stage-ticks / all stage-ticks of the pipeline's schedules (0 before any)."""
+        total = self.pipeline_ticks * len(self.pipeline_stage_busy_ticks)
+        return (total - sum(self.pipeline_stage_busy_ticks)) / total if total else 0.0
 
 

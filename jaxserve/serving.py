@@ -33,12 +33,7 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
     replay its device operations here until it stops; they get None.
     """
     if jax.process_count() > 1:
-        devices = len(jax.devices())
-        spanned = config.tensor_parallel_size * config.pipeline_parallel_size * config.expert_parallel_size
-        if config.data_parallel_size > 1 or spanned != devices:
-            raise SystemExit(f"a multi-process job runs one engine over all {devices} devices of its "
-                             f"{jax.process_count()} processes: use --tensor-parallel-size x --pipeline-parallel-size "
-                             f"= {devices} (e.g. --tensor-parallel-size {devices}) and --data-parallel-size 1")
+        check_multi_process(config, len(jax.devices()), jax.process_count())
     t0 = time.perf_counter()
     engine = make_engine(model, config)
     print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -73,3 +68,21 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
     async_engine.on_fatal = lambda _error: os.kill(os.getpid(), signal.SIGTERM)
     async_engine.start()
     return async_engine
+
+
+def check_multi_process(config: EngineConfig, devices: int, processes: int) -> None:
+    """SystemExit, saying what to do instead, unless `config` is one engine over all `devices` of a
+    job of `processes` processes (the only multi-process layout: process 0 runs the engine and the
+    others replay its device operations, so no process can run a replica of its own)."""
+    if config.data_parallel_size > 1:
+        raise SystemExit(
+            f"--data-parallel-size {config.data_parallel_size} does not span processes: a multi-process job runs "
+            f"one engine (process 0 schedules it, the others replay its steps), so a replica cannot run on another "
+            f"process's devices. For data-parallel replicas on several processes or hosts, start one "
+            f"`jaxserve worker` per process and `jaxserve router --worker HOST:PORT --worker HOST:PORT` over them "
+            f"(or `jaxserve launch`); the router routes by prefix cache and load, as --data-parallel-size does")
+    spanned = config.tensor_parallel_size * config.pipeline_parallel_size * config.expert_parallel_size
+    if spanned != devices:
+        raise SystemExit(f"a multi-process job runs one engine over all {devices} devices of its {processes} "
+                         f"processes: use --tensor-parallel-size x --pipeline-parallel-size = {devices} "
+                         f"(e.g. --tensor-parallel-size {devices}) and --data-parallel-size 1")

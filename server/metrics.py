@@ -69,6 +69,7 @@ class _EngineCollector(Collector):
         yield from _transfer_metrics(s)
         yield from _expert_metrics(s)
         yield from _lora_metrics(s)
+        yield from _pipeline_metrics(s)
         per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",
                                         "Sequences per data-parallel replica by state", labels=["replica", "state"])
         kv_per_replica = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage_ratio",
@@ -109,6 +110,24 @@ def _lora_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     for name, count in s.lora_requests:
         requests.add_metric([name], count)
     yield requests
+
+
+def _pipeline_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """Pipeline stages: per stage, the schedule's ticks it ran a micro-batch in and those it waited
+    (summed over replicas), and the bubble: idle stage-ticks / all stage-ticks since the start."""
+    if not s.pipeline_stage_busy_ticks:
+        return
+    busy = CounterMetricFamily(f"{PREFIX}_pipeline_stage_busy_ticks", "Schedule ticks in which each pipeline stage "
+                               "ran a micro-batch", labels=["stage"])
+    idle = CounterMetricFamily(f"{PREFIX}_pipeline_stage_idle_ticks", "Schedule ticks in which each pipeline stage "
+                               "waited (the pipeline bubble)", labels=["stage"])
+    for stage, ran in enumerate(s.pipeline_stage_busy_ticks):
+        busy.add_metric([str(stage)], ran)
+        idle.add_metric([str(stage)], s.pipeline_ticks - ran)
+    yield busy
+    yield idle
+    yield GaugeMetricFamily(f"{PREFIX}_pipeline_bubble_fraction", "Idle stage-ticks / all stage-ticks of the "
+                            "pipeline's schedules since the start", value=s.pipeline_bubble_fraction)
 
 
 def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:

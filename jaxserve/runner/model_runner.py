@@ -45,6 +45,7 @@ from jaxserve.runner.prepared_step import PreparedStep, Program, write_token_mas
 from jaxserve.runner.pipeline_placement import pipeline_layers, plan_stages, stage_model_config, stage_params
 from jaxserve.runner.placement import cast_params, enable_persistent_compilation_cache, plan_parallelism, runner_mesh
 from jaxserve.runner.programs import declare_programs
+from jaxserve.runner.step_counters import PipelineTicks, StepCounters
 from jaxserve.runner.step_handle import StepHandle, StepResults
 from jaxserve.runner.step_functions import StepFunctions
 from jaxserve.sampling_tensors import PenaltyCounts
@@ -149,6 +150,8 @@ class ModelRunner:
         # last iteration read, and since the start (model steps; multi-step loops are not counted).
         self.last_expert_load = np.zeros(config.num_experts, np.int64)
         self.expert_tokens = np.zeros(config.num_experts, np.int64)
+        # Pipeline stages: each stage's busy ticks and the ticks run, over the model steps read (no stages: none).
+        self.pipeline_ticks = PipelineTicks(engine_config.pipeline_parallel_size if self.stages is not None else 0)
         # Multi-host: on process 0, called with every device operation of serving (an iteration's
         # programs or a block move) before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
@@ -305,7 +308,7 @@ class ModelRunner:
             next(handle._rest)
             return
         except StopIteration as done:
-            outs, scores, pooled, handle.expert_loads = done.value
+            outs, scores, pooled, handle.counters = done.value
         prepared, handle._rest, handle._prepared = handle._prepared, None, None
         self.inputs.batch.unset.difference_update(prepared.reset_requests)
         # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
@@ -325,8 +328,9 @@ class ModelRunner:
         if pooled is not None:
             pooled.copy_to_host_async()
             handle.pooled = (prepared.pooled, pooled)
-        for load in handle.expert_loads:
-            load.copy_to_host_async()
+        for counters in handle.counters:
+            for field in counters:
+                field.copy_to_host_async()
 
     def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
         """Wait for a launched iteration and read the tokens (and log-probabilities, if asked) that
@@ -358,19 +362,28 @@ class ModelRunner:
                     else:
                         sampled.append(SampledToken(token, lp, top_ids[row], top_logprobs[row]))
                 results.append((c, sampled))
-        if handle.expert_loads:
-            self.last_expert_load = sum(np.asarray(load, np.int64) for load in handle.expert_loads)
-            self.expert_tokens += self.last_expert_load
+        self._count(handle.counters)
         self.last_fetch_time = time.perf_counter() - t0
         return results
+
+    def _count(self, counters: list[StepCounters]) -> None:
+        """Add a fetched iteration's model-step counters (already on the host) to the totals."""
+        if not counters:
+            return
+        if self.config.num_experts:
+            self.last_expert_load = sum(np.asarray(c.expert_load, np.int64) for c in counters)
+            self.expert_tokens += self.last_expert_load
+        if self.stages is not None:
+            for c in counters:
+                self.pipeline_ticks.add(np.asarray(c.pipeline_ticks))
 
     def _run_steps(self, penalty_resets: list[tuple], programs: list[Program],
                    warming_up: bool = False) -> Generator[None, None, StepResults]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
         programs (and the prompt scores and pooled rows of the one that has any). The sampled
         tokens land in a fresh buffer that becomes the next iteration's `prev_sampled`. Returns
-        the programs' sampler outputs, the prompt scores, the pooled sums and the model steps' expert
-        loads (mixture of experts only). Before the first
+        the programs' sampler outputs, the prompt scores, the pooled sums and the model steps'
+        counters (when there is anything to count: experts, pipeline stages). Before the first
         grammar mask is written (while that program's model step runs; multi-host: before
         anything, for the followers' copy), it yields once: the caller brings the grammars up to
         date (see `launch`)."""
@@ -383,7 +396,7 @@ class ModelRunner:
             self.mirror(("steps", penalty_resets, programs))
         for reset in penalty_resets:
             self.penalty_counts = self._run(("penalty_reset",), self.reset_args(reset), warming_up)
-        sampled, outs, scores, pooled, loads = self._no_tokens, [], None, None, []
+        sampled, outs, scores, pooled, counters = self._no_tokens, [], None, None, []
         for program in programs:
             if program.num_steps > 1:
                 args = self.multi_step_args(program)
@@ -391,8 +404,8 @@ class ModelRunner:
                 outs.append(out)
                 continue
             if program.drafts is not None:
-                logits, self.cache, _, load = self._run(program.key, self.step_args(program), warming_up)
-                loads.append(load)
+                logits, self.cache, _, step_counters = self._run(program.key, self.step_args(program), warming_up)
+                counters.append(step_counters)
                 if awaiting and program.masks:
                     yield
                     awaiting = False
@@ -402,11 +415,11 @@ class ModelRunner:
                 continue
             args = self.step_args(program, sampled)
             if program.is_decode:
-                logits, self.cache, hidden, load, out, sampled, self.penalty_counts = self._run(program.key, args,
-                                                                                                 warming_up)
+                logits, self.cache, hidden, step_counters, out, sampled, self.penalty_counts = self._run(
+                    program.key, args, warming_up)
             else:
-                logits, self.cache, hidden, load = self._run(program.key, args, warming_up)
-            loads.append(load)
+                logits, self.cache, hidden, step_counters = self._run(program.key, args, warming_up)
+            counters.append(step_counters)
             if program.score is not None:
                 score_args = (self.params, hidden, HostPack.of(program.score))
                 scores = self._run(("score", hidden.shape[0]), score_args, warming_up)
@@ -421,7 +434,8 @@ class ModelRunner:
                 out, sampled, self.penalty_counts = self._run(("sample", logits.shape[0]), sample_args, warming_up)
             outs.append(out)
         self._prev_sampled = sampled
-        return outs, scores, pooled, loads if self.config.num_experts else []
+        counted = self.config.num_experts or self.stages is not None
+        return outs, scores, pooled, counters if counted else []
 
     def move_blocks(self, stages: list[CopyStage]) -> None:
         """Execute the KV manager's copy plan, stage by stage, in order (a step does it first)."""

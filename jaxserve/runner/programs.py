@@ -70,7 +70,7 @@ def declare_programs(runner: ModelRunner) -> dict[str, ProgramSpec]:
     cache = Arg("cache", runner.cache_sharding, donated=True)
     prev, counts, sampling = Arg("prev_sampled", rep), Arg("penalty_counts", rep, True), Arg("sampling", rep)
     logits, sampled, offset = Arg("logits", rep), Arg("sampled", rep), Arg("sample_offset", rep)
-    step_outs = (rep, runner.cache_sharding, rep, rep)  # logits, cache, hidden states, expert load
+    step_outs = (rep, runner.cache_sharding, rep, rep)  # logits, cache, hidden states, StepCounters
     widths = ec.block_table_buckets
 
     def decodes() -> Iterator[Program]:

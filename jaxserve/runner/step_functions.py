@@ -17,6 +17,7 @@ from checkpoints.config import ModelConfig
 from jaxserve.model import AttentionMetadata, LlamaModel
 from jaxserve.model.llama import final_norm, head_logits
 from jaxserve.runner.host_pack import HostPack
+from jaxserve.runner.step_counters import StepCounters
 from jaxserve.sampler import SamplerOutput, sample
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.sampling_tensors import set_penalty_rows
@@ -37,8 +38,7 @@ class StepFunctions:
     def model_step(self, params, cache, inputs: HostPack, prev_sampled, pad_logits: bool = True):
         """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
         off; padding rows are zeros), the updated cache, every row's last hidden state (for
-        `score`), and the step's expert load (a mixture-of-experts model's token-to-expert
-        assignments per expert, over all layers; [0] for a dense model)."""
+        `score`), and the step's `StepCounters` (expert load, pipeline schedule)."""
         tokens, positions, meta, logits_indices, token_src = inputs.unpack()
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
@@ -51,15 +51,17 @@ class StepFunctions:
         intermediates = state["intermediates"]
         load = jnp.sum(intermediates["expert_load"][0], axis=0) if "expert_load" in intermediates else \
             jnp.zeros(0, jnp.int32)
-        return logits, cache, intermediates["hidden"][0], load
+        ticks = intermediates["pipeline_ticks"][0] if "pipeline_ticks" in intermediates else \
+            jnp.zeros((0, 0), jnp.int32)
+        return logits, cache, intermediates["hidden"][0], StepCounters(load, ticks)
 
     def decode_step(self, params, cache, inputs: HostPack, prev_sampled, sampling, sampled, offset, counts,
                     sample_here):
         """`model_step`, then, when `sample_here` (a device scalar), `sample_into` on its logits.
-        Returns (logits, cache, hidden, expert load, sampler output, sampled buffer, counts); without
+        Returns (logits, cache, hidden, step counters, sampler output, sampled buffer, counts); without
         sampling the buffer and counts are unchanged and the output is empty (a step with
         constrained rows: the sampler program samples its logits once their masks are written)."""
-        logits, cache, hidden, load = self.model_step(params, cache, inputs, prev_sampled)
+        logits, cache, hidden, counters = self.model_step(params, cache, inputs, prev_sampled)
         # Tensor parallel: each device computes its vocabulary's logits, then they are gathered
         # to every device and sampled as by the sampler program (without the first constraint XLA
         # may gather the head's weights instead).
@@ -71,7 +73,7 @@ class StepFunctions:
             return SamplerOutput(*(jnp.zeros(x.shape, x.dtype) for x in out)), sampled, counts
 
         out, sampled, counts = lax.cond(sample_here, self.sample_into, skip, logits, sampling, sampled, offset, counts)
-        return logits, cache, hidden, load, out, sampled, counts
+        return logits, cache, hidden, counters, out, sampled, counts
 
     def score(self, params, hidden, inputs: HostPack):
         """Log-probability and rank of `targets[i]` under the logits of row `rows[i]`, and the

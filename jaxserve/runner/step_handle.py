@@ -13,11 +13,13 @@ import numpy as np
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.prepared_step import PooledRows, PreparedStep, PromptScores
+from jaxserve.runner.step_counters import StepCounters
 from jaxserve.sampler import SamplerOutput
 from jaxserve.scheduler.output import ScheduledChunk
 
-# What an iteration's programs give back: their sampler outputs, the prompt scores, the pooled sums.
-StepResults = tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None, list[jax.Array]]
+# What an iteration's programs give back: their sampler outputs, the prompt scores, the pooled sums,
+# the model steps' counters.
+StepResults = tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None, list[StepCounters]]
 
 
 @dataclasses.dataclass
@@ -34,8 +36,8 @@ class StepHandle:
     prompt_scores: tuple[list[PromptScores], tuple[jax.Array, ...]] | None = None
     # The prefill program's pooled rows (embeddings) and the sum of each segment's rows.
     pooled: tuple[list[PooledRows], jax.Array] | None = None
-    # A mixture-of-experts model's assignments per expert of each model step (not multi-step loops).
-    expert_loads: list[jax.Array] = dataclasses.field(default_factory=list)
+    # Each model step's counters (not multi-step loops), when the runner counts anything.
+    counters: list[StepCounters] = dataclasses.field(default_factory=list)
     # The rest of the launch (`ModelRunner._run_steps`), while it waits for the masks to be written.
     _rest: Generator[None, None, StepResults] | None = None
     _prepared: PreparedStep | None = None

@@ -27,6 +27,10 @@ SWAP_ENGINE = {**TINY_ENGINE, "num_blocks": 20, "preemption_mode": "swap", "swap
 PROMPTS = [[3 + (7 * i + 5 * j) % 290 for j in range(n)] for i, n in enumerate((5, 17, 30, 70))]
 NEW_TOKENS = 8
 
+# XLA flags that halve a CPU compilation (LLVM's expensive passes off): for tests of what a layout
+# computes, whose one-device reference is compiled with the same flags, not of how fast it runs.
+QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 
 def generate_greedy(engine: Any, prompts: list[list[int]], max_tokens: int = NEW_TOKENS,
                     prefix: str = "p") -> list[list[int]]:
@@ -46,11 +50,11 @@ def generate_greedy(engine: Any, prompts: list[list[int]], max_tokens: int = NEW
 
 
 def run_worker(script: str, *args: str, devices: int = 8, timeout: int = 600,
-               env: dict[str, str] | None = None) -> dict:
-    """Run `script` in a fresh interpreter with `devices` simulated CPU devices; return the JSON
-    object it prints on its last stdout line."""
+               env: dict[str, str] | None = None, xla_flags: str = "") -> dict:
+    """Run `script` in a fresh interpreter with `devices` simulated CPU devices (and `xla_flags`);
+    return the JSON object it prints on its last stdout line."""
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(), **(env or {})}
     proc = subprocess.run([sys.executable, str(HERE / script), *args], cwd=HERE, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -1,14 +1,16 @@
 """Run by test_pipeline_parallel.py in a subprocess with 8 simulated CPU devices.
 
-Each case is `MODEL:DPxPPxTP` or `MODEL+VARIANT:DPxPPxTP`. MODEL: `tiny` (4 layers, so that pp=3
-gives uneven stages) or `default` (SmolLM2-135M, 30 layers). VARIANT `serving`: preemption with
-swap to the host (too few blocks), multi-step decode and a second round of the prompts (prefix-cache
-hits), with async scheduling (the default). For each case the worker builds the engine (a router for
-dp > 1), warms it up, generates greedily and with seeded sampling, checks that every KV pool is free
-afterwards, and reads the schedule that the pipelined layers report for a decode and a prefill step
-(which micro-batch each stage ran at each tick). VARIANT `handoff`: a prefill engine of PP stages
-hands a prompt's KV blocks to a decode engine on one device. It prints one JSON line; the test
-asserts on it.
+Each case is `MODEL[+VARIANT...]:DPxPPxTP`. MODEL: `tiny` (4 layers, so that pp=3 gives uneven
+stages) or `default` (SmolLM2-135M, 30 layers). VARIANT `serving`: preemption with swap to the host
+(too few blocks) and a second round of the prompts (prefix-cache hits), with async scheduling (the
+default); `multistep` adds multi-step decode (2 steps per program); `reference` only generates (no
+warm-up, no report beyond the tokens: the one-device result the others are compared with). For
+each other case the worker builds the engine (a router for dp > 1), warms it up, generates greedily
+and with seeded sampling, checks that every KV pool is free afterwards, and reads the schedule that
+the pipelined layers report for a decode and a prefill step (which micro-batch each stage ran at
+each tick), and the engine's bubble counters (snapshot and Prometheus text) against the model
+steps it read. VARIANT `handoff`: a prefill engine of PP stages hands a prompt's KV blocks to a decode
+engine on one device. It prints one JSON line; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jaxserve.runner.host_pack import HostPack
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.output import ScheduledChunk
 from mesh_cases import PROMPTS, SWAP_ENGINE, TINY_ENGINE, generate_greedy
+from server.metrics import ServerMetrics
 from tp_worker import count_xla_compilations
 
 WIDTH = TINY_ENGINE["block_table_buckets"][0]
@@ -72,6 +75,29 @@ def schedule_of(runner, program) -> list[list[int]]:
     return np.asarray(jax.jit(ticks)(runner.params, runner.cache, HostPack.of(program.host_args))).tolist()
 
 
+def count_fetched_steps(runner) -> list[int]:
+    """A one-item list counting the programs of the iterations `runner` reads from now on."""
+    counted = [0]
+    fetch = runner.fetch
+
+    def counting(handle):
+        counted[0] += len(handle.parts)
+        return fetch(handle)
+
+    runner.fetch = counting
+    return counted
+
+
+def pipeline_counters(engine, fetched: int) -> dict:
+    """The engine's bubble counters, as its snapshot and /metrics show them, and the model steps
+    it read (`fetched`)."""
+    snapshot = engine.snapshot()
+    text = ServerMetrics().render(snapshot, True).decode()
+    return {"busy": list(snapshot.pipeline_stage_busy_ticks), "ticks": snapshot.pipeline_ticks,
+            "bubble_fraction": snapshot.pipeline_bubble_fraction, "model_steps": fetched,
+            "metrics": [line for line in text.splitlines() if line.startswith("jaxserve_pipeline")]}
+
+
 def schedules(runner) -> dict:
     """The schedules of a full decode step (the bucket's rows) and of a prefill step of 3 prompts."""
     requests = [Request(f"sched{i}", list(p), SamplingParams(), seed=0) for i, p in enumerate(PROMPTS[:3])]
@@ -88,18 +114,26 @@ def schedules(runner) -> dict:
     return result
 
 
-def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving: bool) -> dict:
-    settings = {**(SWAP_ENGINE if serving else TINY_ENGINE), "num_scheduler_steps": 2 if serving else 1}
+def run_reference(model, prompts: list[list[int]], dp: int, pp: int, tp: int) -> dict:
+    """The tokens alone, compiled as the steps come (no warm-up: nothing else is checked)."""
+    config = EngineConfig(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **TINY_ENGINE)
+    engine = make_engine(model, config)
+    return {"greedy": generate_greedy(engine, prompts), "seeded": generate_seeded(engine, prompts)}
+
+
+def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving: bool, multistep: bool) -> dict:
+    settings = {**(SWAP_ENGINE if serving else TINY_ENGINE), "num_scheduler_steps": 2 if multistep else 1}
     config = EngineConfig(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **settings)
     engine = make_engine(model, config)
     with count_xla_compilations() as warm_up_compiles:
         engine.warm_up()
     warm = engine.num_compilations
+    replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
+    fetched = [count_fetched_steps(r.runner) for r in replicas]
     with count_xla_compilations() as serving_compiles:
         greedy = generate_greedy(engine, prompts)
         again = generate_greedy(engine, prompts, prefix="again") if serving else greedy
         seeded = generate_seeded(engine, prompts)
-    replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     runner = replicas[0].runner
     return {
         "greedy": greedy, "again": again, "seeded": seeded,
@@ -112,6 +146,7 @@ def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving
         "cache_shard_shape": list(runner.cache.k.addressable_shards[0].data.shape),
         "layer_devices": sorted({s.device.id for s in runner.params["layers"]["q_proj"]["kernel"].addressable_shards}),
         "schedules": schedules(runner) if pp > 1 else None,
+        "pipeline_counters": pipeline_counters(engine, sum(n for n, in fetched)),
     }
 
 
@@ -145,7 +180,7 @@ def main(cases: list[str]) -> None:
     results = {}
     for case in cases:
         name, layout = case.split(":")
-        model, _, variant = name.partition("+")
+        model, *variants = name.split("+")
         if model not in models:
             if model == "tiny":
                 models[model], prompts[model] = build_tiny_random(num_layers=4), PROMPTS
@@ -156,10 +191,13 @@ def main(cases: list[str]) -> None:
                     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                     "The three primary colours are", "def fibonacci(n):")]
         dp, pp, tp = map(int, layout.split("x"))
-        if variant == "handoff":
+        if "handoff" in variants:
             results[case] = run_handoff(models[model], pp)
-            continue
-        results[case] = run_case(models[model], prompts[model], dp, pp, tp, variant == "serving")
+        elif "reference" in variants:
+            results[case] = run_reference(models[model], prompts[model], dp, pp, tp)
+        else:
+            results[case] = run_case(models[model], prompts[model], dp, pp, tp, "serving" in variants,
+                                     "multistep" in variants)
     print(json.dumps(results))
 
 

@@ -2,28 +2,28 @@
 
 pp_worker.py builds each layout in a subprocess and reports tokens, compilation counts, KV pool
 state, shardings and the schedule the pipelined layers ran; the tests assert on that report. CI
-runs one device against pp=2 with preemption + swap, multi-step decode, async scheduling and a
-prefix-cache round; the other layouts (pp=3 with uneven stages, pp2 x tp2, dp2 x pp2, and the
-default model) run the same code and are marked slow.
+runs one device against pp=3 (uneven stages) with preemption + swap, async scheduling and a
+prefix-cache round; the other layouts (the same with multi-step decode, pp2, pp2 x tp2, dp2 x pp2,
+and the default model) run the same code and are marked slow.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mesh_cases import run_worker
+from mesh_cases import QUICK_COMPILE, run_worker
 
 pytestmark = pytest.mark.timeout(1800)
 
-BASELINE = "tiny:1x1x1"
+BASELINE = "tiny+reference:1x1x1"
 CI_LAYOUTS = ["tiny+serving:1x3x1"]
-SLOW_LAYOUTS = ["tiny:1x2x1", "tiny:1x2x2", "tiny:2x2x1", "tiny+handoff:1x2x1"]
+SLOW_LAYOUTS = ["tiny+serving+multistep:1x3x1", "tiny:1x2x1", "tiny:1x2x2", "tiny:2x2x1", "tiny+handoff:1x2x1"]
 DEFAULT_LAYOUTS = ["default:1x1x1", "default:1x2x1", "default:1x3x1"]
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    return run_worker("pp_worker.py", BASELINE, *CI_LAYOUTS, timeout=1500)
+    return run_worker("pp_worker.py", BASELINE, *CI_LAYOUTS, timeout=1500, xla_flags=QUICK_COMPILE)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +74,26 @@ def test_micro_batches_overlap_across_stages(report):
     check_schedule(schedules["prefill"], stages=3, micro=3)
 
 
+def test_engine_counts_the_bubble(report):
+    """The runner adds up the schedule of every model step it reads: here each step has 3
+    micro-batches over 3 stages, 5 ticks, each stage busy in 3 of them (bubble 2/5)."""
+    r = report["tiny+serving:1x3x1"]["pipeline_counters"]
+    steps = r["model_steps"]
+    assert steps > 0
+    assert r["busy"] == [3 * steps] * 3 and r["ticks"] == 5 * steps
+    assert r["bubble_fraction"] == pytest.approx(2 / 5)
+    for stage in range(3):
+        assert f'jaxserve_pipeline_stage_busy_ticks_total{{stage="{stage}"}} {float(3 * steps)}' in r["metrics"]
+        assert f'jaxserve_pipeline_stage_idle_ticks_total{{stage="{stage}"}} {float(2 * steps)}' in r["metrics"]
+    assert "jaxserve_pipeline_bubble_fraction 0.4" in r["metrics"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_LAYOUTS[:3])
+@pytest.mark.parametrize("case", SLOW_LAYOUTS[:4])
 def test_layout_equals_one_device(slow_report, case):
     check_layout(slow_report, case, BASELINE)
+    if "serving" in case:
+        assert slow_report[case]["preemptions"] > 0
 
 
 @pytest.mark.slow

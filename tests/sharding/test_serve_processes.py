@@ -3,7 +3,8 @@
 - Two processes, one CPU device each, form one tp=2 engine (gloo collectives): process 0
   serves HTTP, process 1 replays its steps; the tokens equal one device's, an idle server
   keeps its follower alive, and SIGTERM on process 0 stops both with exit status 0.
-- One process split into two CPU devices serves two data-parallel replicas.
+- One process split into two CPU devices serves two data-parallel replicas; data-parallel replicas
+  across processes are refused with the way to run them (a worker per process behind a router).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.serving import check_multi_process
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11]
 MAX_TOKENS = 12
@@ -75,6 +77,14 @@ def test_a_multi_process_job_must_span_every_device():
         for child in (first, second):
             assert child.finish(120) != 0
             assert "(e.g. --tensor-parallel-size 2) and --data-parallel-size 1" in child.output, child.output
+
+
+def test_data_parallel_replicas_across_processes_are_refused_with_the_way_to_run_them():
+    with pytest.raises(SystemExit, match=r"start one `jaxserve worker` per process and `jaxserve router"):
+        check_multi_process(EngineConfig(data_parallel_size=2), devices=2, processes=2)
+    with pytest.raises(SystemExit, match=r"\(e.g. --tensor-parallel-size 4\) and --data-parallel-size 1"):
+        check_multi_process(EngineConfig(pipeline_parallel_size=2), devices=4, processes=2)
+    check_multi_process(EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2), devices=4, processes=2)
 
 
 @pytest.mark.slow

@@ -93,5 +93,7 @@ def snapshot_from_json(text: str) -> EngineSnapshot:
     fields["replicas"] = tuple(ReplicaLoad(**r) for r in fields["replicas"])
     fields["tiers"] = TierStats(**fields["tiers"])
     fields["lora_requests"] = tuple((name, count) for name, count in fields.get("lora_requests", ()))
+    for name in ("expert_tokens", "expert_load", "pipeline_stage_busy_ticks"):
+        fields[name] = tuple(fields[name])
     fields.pop("kv_transfer", None)  # a router's count, not a worker's
     return EngineSnapshot(**fields)
