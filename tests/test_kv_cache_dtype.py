@@ -86,6 +86,22 @@ def test_the_fingerprint_covers_the_kv_dtype():
     assert len(prints) == 4  # bf16 bits (CPU) and bf16 (GPU) are one format
 
 
+def test_an_fp8_engine_compiles_nothing_after_warm_up(assert_kv_all_free):
+    """Warm-up compiles the quantizing writes and reads with every bucket; a mixed workload (prefill
+    chunks, decodes, logprobs) then compiles nothing and leaves the pool free."""
+    llm = LLM(build_tiny_random(), kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=128, block_size=8, decode_batch_buckets=(4,), prefill_token_buckets=(32,),
+              prefill_seq_buckets=(2,), sampler_row_buckets=(4,), block_table_buckets=(16,), num_blocks=64)
+    assert llm.engine.runner.cache.k.dtype == jnp.uint8
+    before = llm.engine.num_compilations
+    params = [SamplingParams(max_tokens=n, temperature=t, logprobs=k, seed=i)
+              for i, (n, t, k) in enumerate([(9, 0.0, 0), (3, 0.8, 2), (12, 0.0, 1)])]
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 70)], params, use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert llm.engine.num_compilations == before
+    assert_kv_all_free(llm.engine)
+
+
 @pytest.mark.slow  # ~30 s: two engines; CI: test_disk_files_keep_rows_and_scales and the kernel tests
 def test_int8_blocks_survive_the_disk_tier(tmp_path, assert_kv_all_free):
     """After a restart on an int8 engine's disk directory, an int8 engine loads the prompts' blocks
