@@ -18,7 +18,7 @@ import pytest
 
 from checkpoints.architectures import declare
 from checkpoints.params import iter_leaves
-from checkpoints.quant_format import CODES, MIN, SCALE
+from checkpoints.quant_format import MIN, SCALE
 from checkpoints.quantize import formats_of, quantize_params
 from checkpoints.tiny_random import build_tiny_random
 from checkpoints.weights import abstract, nest, quantized
@@ -52,9 +52,10 @@ def dequantized(params: dict) -> dict:
         codes = np.asarray(leaf)
         if fmt.bits == 4:
             codes = np.stack([codes & 15, codes >> 4], axis=-2).reshape(*codes.shape[:-2], -1, codes.shape[-1])
-        w = codes.astype(np.float32) * np.repeat(np.asarray(leaves_of(params, parent)[SCALE], np.float32), fmt.group, -2)
+        arrays = leaves_of(params, parent)
+        w = codes.astype(np.float32) * np.repeat(np.asarray(arrays[SCALE], np.float32), fmt.group, -2)
         if fmt.bits == 4:
-            w += np.repeat(np.asarray(leaves_of(params, parent)[MIN], np.float32), fmt.group, -2)
+            w += np.repeat(np.asarray(arrays[MIN], np.float32), fmt.group, -2)
         leaves[path] = w
     return nest(leaves)
 

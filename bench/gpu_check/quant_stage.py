@@ -56,7 +56,7 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
         w16 = w.astype(jnp.bfloat16)
         for rows in plan.quant_rows:
             x = kernel_bench.random_normal(2, (rows, k), jnp.bfloat16)
-            row = {"case": f"{name} {k}x{n} rows {rows}", "rows": rows, "bf16_s": 0.0}
+            row = {"case": f"{name} {k}x{n} rows {rows}", "rows": rows}
             row["bf16_s"] = kernel_bench.time_call(lambda: _bf16(x, w16), plan.iters)
             row["bf16_gbps"] = w16.nbytes / row["bf16_s"] / 1e9
             for kind, fmt in formats(k).items():
@@ -66,8 +66,8 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
                 want = _bf16(x, dequantize(arrays, fmt, jnp.bfloat16))
                 err = float(jnp.max(jnp.abs(matmul(x, arrays) - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-6))
                 row.update({f"{kind}_s": seconds, f"{kind}_over_bf16": seconds / row["bf16_s"],
-                            f"{kind}_gbps": nbytes / seconds / 1e9, f"{kind}_pct_copy": 100 * nbytes / seconds / copy_bps,
-                            f"{kind}_err": err})
+                            f"{kind}_gbps": nbytes / seconds / 1e9,
+                            f"{kind}_pct_copy": 100 * nbytes / seconds / copy_bps, f"{kind}_err": err})
                 if not err <= TOLERANCE:
                     record.problem(f"{row['case']}: {kind} differs from bf16 on its dequantized kernel by {err:.3g}")
             record.row(row)
