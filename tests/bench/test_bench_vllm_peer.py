@@ -146,3 +146,19 @@ def test_a_vllm_that_exits_at_start_is_a_start_error_with_its_log(fake_vllm_pyth
     while _alive(worker) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def test_converting_the_gguf_without_transformers_says_what_to_do(tmp_path, monkeypatch):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is installed in this interpreter")
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    opts = ServeOptions(model=str(gguf), peer="vllm", peer_convert_python=sys.executable)  # no torch here
+    with pytest.raises(PeerUnavailable, match="--peer-model DIR"):
+        vllm_model_dir(opts)
+    assert not list((tmp_path / "cache" / "hf-from-gguf").glob("*/config.json"))  # nothing half-written kept
