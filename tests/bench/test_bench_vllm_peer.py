@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes.util
 import json
-import os
 import sys
 import textwrap
 import time
