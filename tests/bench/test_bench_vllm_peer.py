@@ -57,6 +57,8 @@ def test_peer_model_must_be_a_hugging_face_directory(tmp_path):
         vllm_model_dir(opts)
     (tmp_path / "config.json").write_text("{}")
     assert vllm_model_dir(opts) == tmp_path
+    with pytest.raises(PeerUnavailable, match="--peer-model DIR"):  # tiny-random has no GGUF to convert
+        vllm_model_dir(ServeOptions(model="tiny-random", peer="vllm"))
 
 
 FAKE_SERVER = """
