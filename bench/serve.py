@@ -198,7 +198,10 @@ def vllm_model_dir(opts: ServeOptions) -> Path:
         if not (path / "config.json").is_file():
             raise PeerUnavailable(f"--peer-model {path} is not a Hugging Face model directory (no config.json)")
         return path
-    gguf = gguf_path(opts.model)
+    try:
+        gguf = gguf_path(opts.model)
+    except ValueError as e:
+        raise PeerUnavailable(f"{e}; give vllm a Hugging Face directory with --peer-model DIR") from e
     stat = gguf.stat()
     path = cache_dir() / "hf-from-gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (path / "config.json").is_file():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes.util
 import json
-import os
 import sys
 import textwrap
 import time
@@ -58,6 +57,8 @@ def test_peer_model_must_be_a_hugging_face_directory(tmp_path):
         vllm_model_dir(opts)
     (tmp_path / "config.json").write_text("{}")
     assert vllm_model_dir(opts) == tmp_path
+    with pytest.raises(PeerUnavailable, match="--peer-model DIR"):  # tiny-random has no GGUF to convert
+        vllm_model_dir(ServeOptions(model="tiny-random", peer="vllm"))
 
 
 FAKE_SERVER = """
@@ -146,3 +147,19 @@ def test_a_vllm_that_exits_at_start_is_a_start_error_with_its_log(fake_vllm_pyth
     while _alive(worker) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def test_converting_the_gguf_without_transformers_says_what_to_do(tmp_path, monkeypatch):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is installed in this interpreter")
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    opts = ServeOptions(model=str(gguf), peer="vllm", peer_convert_python=sys.executable)  # no torch here
+    with pytest.raises(PeerUnavailable, match="--peer-model DIR"):
+        vllm_model_dir(opts)
+    assert not list((tmp_path / "cache" / "hf-from-gguf").glob("*/config.json"))  # nothing half-written kept
