@@ -21,7 +21,6 @@ import os
 import re
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from checkpoints.config import ModelConfig
 
@@ -119,6 +118,9 @@ def load_peft_adapter(path: str, config: ModelConfig, max_rank: int) -> LoraWeig
     scaling = float(alpha) / (math.sqrt(rank) if peft.get("use_rslora") else rank)
     shapes = module_shapes(config)
     targets = _targets(path, peft, shapes)
+    # Imported here: the engine imports this module, and the GPU check's machine has no safetensors.
+    from safetensors.numpy import load_file
+
     try:
         tensors = load_file(os.path.join(path, WEIGHTS_FILE))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types

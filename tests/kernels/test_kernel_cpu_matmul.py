@@ -206,7 +206,10 @@ def test_bf16_head_refuses_k_off_its_vectors(matmul):
     assert not matmul.takes_head(x, e)
 
 
-ISA_FLAGS = [pytest.param("-mno-avx512bf16", id="avx512-widened"), pytest.param("-mno-avx512f", id="avx2")]
+# The AVX-512 widened path shares the AVX2 path's widening code at a wider vector: it runs in the
+# slow tier (each case builds the kernels and reruns this file, ~40 s).
+ISA_FLAGS = [pytest.param("-mno-avx512bf16", id="avx512-widened", marks=pytest.mark.slow),
+             pytest.param("-mno-avx512f", id="avx2")]
 
 
 @pytest.mark.parametrize("flags", ISA_FLAGS)

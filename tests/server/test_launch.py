@@ -191,6 +191,7 @@ def test_launch_without_an_address_starts_its_own_cluster_and_gets_a_killed_work
     assert not list(ray_tmp.glob("jaxserve-ray-*")), list(ray_tmp.iterdir())  # the launch's cluster is gone
 
 
+@pytest.mark.slow  # ~100 s; the launch that starts its own cluster covers router + two workers in CI
 def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(tmp_path, ray_tmp, _compilation_cache):
     gcs_port, router_port = free_port(), free_port()
     worker_args = [*SMALL_ENGINE, "--compilation-cache-dir", jax.config.jax_compilation_cache_dir]
