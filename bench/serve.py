@@ -257,11 +257,17 @@ def endpoint_for(backend: str, opts: ServeOptions, tokenizer: Any):
 
 
 def server_dtype(server_args: list[str]) -> str:
-    from jaxserve.config import EngineConfig
+    """The weights' dtype a `jaxserve serve` with these arguments runs: its --dtype, where `auto`
+    (the command line's default) is what the server will pick on this machine."""
+    import argparse
 
-    if "--dtype" in server_args[:-1]:
-        return server_args[server_args.index("--dtype") + 1]
-    return EngineConfig.dtype
+    from jaxserve.dtype_choice import AUTO, choose_dtype
+    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_known_args(server_args)[0])
+    return choose_dtype(config)[0] if config.dtype == AUTO else config.dtype
 
 
 def curve_x(spec: LoadSpec, metrics: dict[str, Any]) -> float:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench.server_process import ManagedServer, free_port, jaxserve_argv
+from jaxserve.config import EngineConfig
+from jaxserve.dtype_choice import choose_dtype
 from bench_engine_args import SMALL_ENGINE, engine_flags
 
 ENGINE_ARGS = engine_flags(SMALL_ENGINE)
@@ -36,7 +38,9 @@ def test_bench_serve_starts_a_server_and_writes_json_and_png(tmp_path, compile_c
                  "--request-rate", "40", "--slo", "2000,500", "--plot", "--result-file", str(result_file))  # fmt: skip
     assert "request_throughput" in done.stdout  # the table
     result = json.loads(result_file.read_text())
-    assert result["kind"] == "serve" and result["model"] == "tiny-random" and result["dtype"] == "float32"
+    # No --dtype: the server's `auto`, as it resolves on this machine (bfloat16 with AVX512-BF16).
+    auto_dtype = choose_dtype(EngineConfig())[0]
+    assert result["kind"] == "serve" and result["model"] == "tiny-random" and result["dtype"] == auto_dtype
     assert result["system"]["cpu_count"] >= 1 and result["system"]["versions"]["jax"]
     assert result["workload"]["name"] == "random" and result["run"]["request_rate"] == 40.0
     ours = result["backends"]["jaxserve"]
