@@ -80,3 +80,15 @@ def test_uniform_sliding_layers_keep_their_kind_in_identity_slots():
     plan = plan_stages(config, EngineConfig(pipeline_parallel_size=2))
     served = stage_model_config(config, plan)
     assert served.num_layers == 4 and served.layer_types == ("sliding_attention",) * 4
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"enable_lora": True}, "enable_lora"),
+    ({"quantization": "int8"}, "quantization"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"enable_lora": True, "kv_cache_dtype": "int8"}, "enable_lora, kv_cache_dtype"),
+])
+def test_stages_refuse_what_they_do_not_slice_yet(settings, named):
+    with pytest.raises(ValueError, match=f"does not run with {named} yet"):
+        EngineConfig(pipeline_parallel_size=2, **settings)
+    EngineConfig(pipeline_parallel_size=1, **settings)  # one stage runs them
