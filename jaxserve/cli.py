@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     from server.cluster.router.cli import add_router_parser
     from server.cluster.worker.cli import add_worker_parser
 
-    add_serve_parser(sub, add_engine_args, _engine_starter)
+    add_serve_parser(sub, add_engine_args, _serve_command)
     add_worker_parser(sub, add_engine_args, _engine_starter)
     add_router_parser(sub)
     add_launch_parser(sub)
@@ -99,6 +99,20 @@ def _engine_starter(args: argparse.Namespace) -> Callable[..., Any]:
         return start_engine(args.model, engine_config_from_args(args), lora_modules=lora_modules_from_args(args),
                             **kwargs)
     return start
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    """`jaxserve serve`: one engine behind the server, or, with data-parallel replicas on several
+    processes, each replica group's engine behind process 0's router (server/cluster/replica_groups.py)."""
+    import jax
+
+    if args.data_parallel_size > 1 and jax.process_count() > 1:
+        from server.cluster.replica_groups import serve_replica_groups
+
+        return serve_replica_groups(args, _engine_starter(args))
+    from server.cli import serve
+
+    return serve(args, _engine_starter(args))
 
 
 def _prepare_jax(args: argparse.Namespace) -> None:

@@ -248,8 +248,12 @@ class DataParallelEngine:
             engine.close()
 
 
-def make_engine(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | DataParallelEngine:
-    """One engine, or a router over `config.data_parallel_size` replicas."""
+def make_engine(model: str | LoadedModel, config: EngineConfig,
+                devices: list | None = None) -> LLMEngine | DataParallelEngine:
+    """One engine, or a router over `config.data_parallel_size` replicas, over the first of
+    `devices` (default: every device of the job)."""
     if config.data_parallel_size > 1:
-        return DataParallelEngine.build(model, config)
-    return LLMEngine(model, config)
+        return DataParallelEngine.build(model, config, devices)
+    mesh = None if devices is None else make_mesh(config.tensor_parallel_size, 1, devices,
+                                                   config.expert_parallel_size, config.pipeline_parallel_size)
+    return LLMEngine(model, config, mesh)

@@ -7,6 +7,7 @@ commands, which see only the `EngineClient` it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import make_engine
 from sharding import multihost
+from sharding.process_layout import ProcessLayout
 
 
 def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None = None,
@@ -28,14 +30,21 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
     other workers reach) the engine serves device-to-device KV pulls there. `lora_modules`: LoRA
     adapters (name -> PEFT directory) served from the start.
 
-    In a multi-process job (one engine whose pp x tp mesh spans every process's devices: tensor
-    parallel, or pipeline stages on different hosts), process 0 gets the engine and the others
-    replay its device operations here until it stops; they get None.
+    In a multi-process job the processes form replica groups (`sharding.process_layout`): each
+    group's leader gets the engine of the group's replicas, over the group's devices; the group's
+    other processes replay its device operations here until it stops, and get None.
     """
+    devices = None
+    channel = None
     if jax.process_count() > 1:
-        check_multi_process(config, len(jax.devices()), jax.process_count())
+        layout = job_layout(config)
+        group = layout.group_of(jax.process_index())
+        devices = multihost.group_devices(layout, group)
+        config = dataclasses.replace(config, data_parallel_size=layout.replicas_per_group)
+        if layout.processes_per_group > 1:
+            channel = multihost.StepChannel(devices)
     t0 = time.perf_counter()
-    engine = make_engine(model, config)
+    engine = make_engine(model, config, devices)
     print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", flush=True)
     replicas = getattr(engine, "replicas", [engine])
     for name, path in (lora_modules or {}).items():
@@ -52,13 +61,13 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
     seconds = engine.warm_up()
     print(f"warm-up: {engine.num_compilations} compilations in {seconds:.1f} s", flush=True)
     async_engine = AsyncEngine(engine)
-    if jax.process_count() > 1:
-        multihost.barrier("jaxserve-serve-warm")
-        channel = multihost.StepChannel()
+    if channel is not None:
+        multihost.barrier(f"jaxserve-serve-warm-{group}", processes=layout.members(group))
         runner = async_engine.engine.lone_replica.runner
-        if jax.process_index() != 0:
+        if not channel.is_leader:
             count = multihost.follow(runner, channel)
-            print(f"process {jax.process_index()}: replayed {count} device operations; process 0 stopped", flush=True)
+            print(f"process {jax.process_index()}: replayed {count} device operations; "
+                  f"process {layout.members(group)[0]} stopped", flush=True)
             return None
         leader = multihost.Leader(runner, channel)
         async_engine.on_idle = leader.keep_alive
@@ -70,19 +79,11 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
     return async_engine
 
 
-def check_multi_process(config: EngineConfig, devices: int, processes: int) -> None:
-    """SystemExit, saying what to do instead, unless `config` is one engine over all `devices` of a
-    job of `processes` processes (the only multi-process layout: process 0 runs the engine and the
-    others replay its device operations, so no process can run a replica of its own)."""
-    if config.data_parallel_size > 1:
-        raise SystemExit(
-            f"--data-parallel-size {config.data_parallel_size} does not span processes: a multi-process job runs "
-            f"one engine (process 0 schedules it, the others replay its steps), so a replica cannot run on another "
-            f"process's devices. For data-parallel replicas on several processes or hosts, start one "
-            f"`jaxserve worker` per process and `jaxserve router --worker HOST:PORT --worker HOST:PORT` over them "
-            f"(or `jaxserve launch`); the router routes by prefix cache and load, as --data-parallel-size does")
-    spanned = config.tensor_parallel_size * config.pipeline_parallel_size * config.expert_parallel_size
-    if spanned != devices:
-        raise SystemExit(f"a multi-process job runs one engine over all {devices} devices of its {processes} "
-                         f"processes: use --tensor-parallel-size x --pipeline-parallel-size = {devices} "
-                         f"(e.g. --tensor-parallel-size {devices}) and --data-parallel-size 1")
+def job_layout(config: EngineConfig) -> ProcessLayout:
+    """This multi-process job's replica groups; SystemExit saying what would fit when its
+    processes' devices cannot hold `config`'s replicas."""
+    per_replica = config.tensor_parallel_size * config.pipeline_parallel_size * config.expert_parallel_size
+    try:
+        return multihost.job_layout(config.data_parallel_size, per_replica)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None

@@ -22,13 +22,15 @@ StartEngine = Callable[..., EngineClient | None]
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction, add_engine_args: Callable[[argparse.ArgumentParser], None],
-                     start_engine: Callable[[argparse.Namespace], StartEngine]) -> argparse.ArgumentParser:
-    """Add `serve` (engine flags from `add_engine_args`, server flags from here)."""
+                     run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """Add `serve` (engine flags from `add_engine_args`, server flags from here), run by `run`
+    (the composition root's: `serve` below, or the replica groups of a multi-process job)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with sessions")
     add_engine_args(p)
     add_server_args(p.add_argument_group("server"))
-    add_distributed_arguments(p.add_argument_group("multi-process (one engine over several hosts)"))
-    p.set_defaults(func=lambda args: serve(args, start_engine(args)))
+    add_distributed_arguments(p.add_argument_group(
+        "multi-process (one engine over several hosts, or data-parallel replicas on several processes)"))
+    p.set_defaults(func=run)
     return p
 
 
@@ -111,8 +113,8 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
 
 def serve(args: argparse.Namespace, start_engine: StartEngine) -> int:
     """Start the engine, serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown, 1 when
-    the engine failed. In a multi-process job, process 0 serves HTTP and the others replay its
-    device operations until it stops."""
+    the engine failed. In a multi-process job of one engine, process 0 serves HTTP and the others
+    replay its device operations until it stops."""
     import asyncio
 
     from aiohttp import web

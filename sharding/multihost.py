@@ -1,10 +1,13 @@
-"""Multi-host serving: one JAX process per host, the scheduler on process 0 only.
+"""Multi-host serving: one JAX process per host; in each replica group the scheduler runs on the
+group's leader only (`sharding.process_layout`).
 
-Every process holds its shards of the parameters and KV cache and must launch the same
-computations in the same order (each step's collectives span all processes). Process 0 runs
-the engine; a `Leader` sets its runner's `mirror` hook so each device operation (the bucketed
-arrays of a step, or a block move) is broadcast by `StepChannel.send` before process 0 runs it.
-The other processes sit in `follow`, receiving and replaying operations until `Leader.stop`.
+Every process of a group holds its shards of the group's parameters and KV cache and must launch
+the same computations in the same order (each step's collectives span the group's processes).
+The leader runs the engine; a `Leader` sets its runner's `mirror` hook so each device operation
+(the bucketed arrays of a step, or a block move) is broadcast by `StepChannel.send` before the
+leader runs it. The group's other processes sit in `follow`, receiving and replaying operations
+until `Leader.stop`. Groups do not wait on one another: a channel's collective spans its group's
+devices only.
 
 Two timeouts shape the protocol. Gloo gives a group's first collective 30 s for every process
 to arrive, and warm-ups on different processes can finish minutes apart: `barrier` (on the
@@ -12,13 +15,14 @@ coordination service, with its own timeout) lines them up first. And a follower 
 broadcast must not wait on an idle server forever: the engine thread calls
 `Leader.keep_alive` when it has nothing to do, which sends a no-op every few seconds.
 
-Messages are pickled and broadcast with `multihost_utils.broadcast_one_to_all` in two
-collectives: the byte length, then the bytes padded to a power of two (so the broadcast
-compiles once per size class, not once per message).
+Messages are pickled and broadcast in two collectives over the group's devices: the byte length,
+then the bytes padded to a power of two (so the broadcast compiles once per size class, not once
+per message).
 
 `initialize` starts `jax.distributed` from arguments or the environment
 (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), using gloo collectives on
-CPU. Call it before anything else touches JAX.
+CPU. Call it before anything else touches JAX. `publish` and `lookup` share short strings (a
+group's worker address) through the job's coordination service.
 """
 
 from __future__ import annotations
@@ -26,12 +30,17 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import socket
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.process_layout import ProcessLayout, plan_processes
 
 _MIN_PAYLOAD = 1 << 12
 _STOP = ("stop",)
@@ -77,12 +86,50 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"${name} must be an integer, got {value!r}") from None
 
 
-def barrier(name: str, timeout_s: float = 1800.0) -> None:
-    """Wait until every process reaches `barrier(name)`. Uses the coordination service, not a
-    device collective, so slow warm-ups on some processes do not trip gloo's 30 s limit."""
+def barrier(name: str, timeout_s: float = 1800.0, processes: Sequence[int] | None = None) -> None:
+    """Wait until every process (or each of `processes`) reaches `barrier(name)`. Uses the
+    coordination service, not a device collective, so slow warm-ups on some processes do not trip
+    gloo's 30 s limit."""
+    _client().wait_at_barrier(name, int(timeout_s * 1000), None if processes is None else list(processes))
+
+
+def _client() -> Any:
     from jax._src import distributed  # the public sync_global_devices is a gloo collective
 
-    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+    return distributed.global_state.client
+
+
+def publish(key: str, value: str) -> None:
+    """Make `value` readable by every process of the job under `key`."""
+    _client().key_value_set(key, value)
+
+
+def lookup(key: str, timeout_s: float) -> str:
+    """The value some process `publish`ed under `key`, waiting up to `timeout_s` for it."""
+    return _client().blocking_key_value_get(key, int(timeout_s * 1000))
+
+
+def reachable_address() -> str:
+    """This host's address on its route to the job's coordinator (127.0.0.1 when the coordinator
+    listens on loopback): where the job's other processes reach a service of this process."""
+    from jax._src import distributed
+
+    host = distributed.global_state.coordinator_address.rpartition(":")[0].strip("[]")
+    family, kind, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)  # a datagram socket sends nothing: this only picks the route
+        return probe.getsockname()[0]
+
+
+def job_layout(data_parallel_size: int, devices_per_replica: int) -> ProcessLayout:
+    """This job's replica groups (`plan_processes` over the job's processes and devices)."""
+    return plan_processes(data_parallel_size, devices_per_replica, jax.local_device_count(), jax.process_count())
+
+
+def group_devices(layout: ProcessLayout, group: int) -> list:
+    """The devices of `group`'s processes, in the job's device order."""
+    members = set(layout.members(group))
+    return [d for d in jax.devices() if d.process_index in members]
 
 
 class Replayer(Protocol):
@@ -92,21 +139,42 @@ class Replayer(Protocol):
 
 
 class StepChannel:
-    """Broadcasts Python objects from process 0 to all processes (all must call in step)."""
+    """Broadcasts Python objects from the process of `devices[0]` (a group's leader) to the other
+    processes of `devices` (its group; all of them must call in step)."""
+
+    def __init__(self, devices: Sequence[Any]) -> None:
+        self._devices = list(devices)
+        self._leader = self._devices[0].process_index
+        self._local = [d for d in self._devices if d.process_index == jax.process_index()]
+        mesh = Mesh(np.array(self._devices, dtype=object), ("device",))
+        self._rows = NamedSharding(mesh, PartitionSpec("device"))
+        # One row per device, all zero but the leader's: their sum is the leader's row everywhere.
+        self._sum = jax.jit(lambda rows: jnp.sum(rows, axis=0, dtype=rows.dtype),
+                            out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    @property
+    def is_leader(self) -> bool:
+        return jax.process_index() == self._leader
 
     def send(self, obj: Any) -> None:
-        if jax.process_index() != 0:
-            raise RuntimeError("only process 0 sends")
+        if not self.is_leader:
+            raise RuntimeError("only the group's leader sends")
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        multihost_utils.broadcast_one_to_all(np.array([data.size], np.int64))
-        multihost_utils.broadcast_one_to_all(_padded(data))
+        self._broadcast(np.array([data.size], np.int32))
+        self._broadcast(_padded(data))
 
     def receive(self) -> Any:
-        if jax.process_index() == 0:
-            raise RuntimeError("process 0 sends, it does not receive")
-        size = int(multihost_utils.broadcast_one_to_all(np.zeros(1, np.int64))[0])
-        data = multihost_utils.broadcast_one_to_all(np.zeros(_capacity(size), np.uint8))
+        if self.is_leader:
+            raise RuntimeError("the group's leader sends, it does not receive")
+        size = int(self._broadcast(np.zeros(1, np.int32))[0])
+        data = self._broadcast(np.zeros(_capacity(size), np.uint8))
         return pickle.loads(data[:size].tobytes())
+
+    def _broadcast(self, row: np.ndarray) -> np.ndarray:
+        rows = [jax.device_put((row if self.is_leader and i == 0 else np.zeros_like(row))[None], device)
+                for i, device in enumerate(self._local)]
+        stacked = jax.make_array_from_single_device_arrays((len(self._devices), *row.shape), self._rows, rows)
+        return np.asarray(self._sum(stacked).addressable_data(0))
 
 
 def _capacity(size: int) -> int:
@@ -120,7 +188,7 @@ def _padded(data: np.ndarray) -> np.ndarray:
 
 
 class Leader:
-    """Process 0's side: mirrors every device operation of `runner` to the other processes."""
+    """A group leader's side: mirrors every device operation of `runner` to its group's other processes."""
 
     def __init__(self, runner: Replayer, channel: StepChannel, keep_alive_s: float = 5.0) -> None:
         self._channel = channel
@@ -144,8 +212,8 @@ class Leader:
 
 
 def follow(runner: Replayer, channel: StepChannel) -> int:
-    """On the other processes: replay process 0's operations until it stops; returns how many
-    device operations were replayed (keep-alive no-ops not counted)."""
+    """On a group's other processes: replay its leader's operations until it stops; returns how
+    many device operations were replayed (keep-alive no-ops not counted)."""
     count = 0
     while (op := channel.receive())[0] != _STOP[0]:
         if op[0] != _NOOP[0]:

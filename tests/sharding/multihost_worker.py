@@ -31,7 +31,7 @@ def main() -> None:
                        EngineConfig(tensor_parallel_size=2, **SWAP_ENGINE), mesh)
     engine.warm_up()  # every process compiles and runs the same warm-up steps
     multihost.barrier("worker-warm")
-    channel = multihost.StepChannel()
+    channel = multihost.StepChannel(jax.devices())
     cache = engine.runner.cache.k
     report = {
         "process": jax.process_index(),

@@ -3,8 +3,11 @@
 - Two processes, one CPU device each, form one tp=2 engine (gloo collectives): process 0
   serves HTTP, process 1 replays its steps; the tokens equal one device's, an idle server
   keeps its follower alive, and SIGTERM on process 0 stops both with exit status 0.
-- One process split into two CPU devices serves two data-parallel replicas; data-parallel replicas
-  across processes are refused with the way to run them (a worker per process behind a router).
+- One process split into two CPU devices serves two data-parallel replicas.
+- Data-parallel replicas across processes: two processes of one device each serve dp=2 (each its
+  own replica, process 0 routing over both), and four processes serve dp=2 x tp=2 (two replica
+  groups of two processes, each group's collectives its own); tokens equal one device's, every
+  group generates, and SIGTERM on process 0 stops the whole job with exit status 0.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.serving import check_multi_process
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11]
 MAX_TOKENS = 12
@@ -76,15 +78,67 @@ def test_a_multi_process_job_must_span_every_device():
             ChildProcess(jaxserve(*common, "--process-id", "1")) as second:
         for child in (first, second):
             assert child.finish(120) != 0
-            assert "(e.g. --tensor-parallel-size 2) and --data-parallel-size 1" in child.output, child.output
+            assert "(e.g. --tensor-parallel-size 2 and --data-parallel-size 1, or --data-parallel-size 2)" \
+                in child.output, child.output
+            assert "Traceback" not in child.output
 
 
-def test_data_parallel_replicas_across_processes_are_refused_with_the_way_to_run_them():
-    with pytest.raises(SystemExit, match=r"start one `jaxserve worker` per process and `jaxserve router"):
-        check_multi_process(EngineConfig(data_parallel_size=2), devices=2, processes=2)
-    with pytest.raises(SystemExit, match=r"\(e.g. --tensor-parallel-size 4\) and --data-parallel-size 1"):
-        check_multi_process(EngineConfig(pipeline_parallel_size=2), devices=4, processes=2)
-    check_multi_process(EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2), devices=4, processes=2)
+def _seeded_and_greedy_texts(port: int) -> list[str]:
+    """Four prompts at once, greedy and seeded, through the job's front door."""
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0) as client:
+            calls = [client.completions.create(model="tiny-random", prompt=[3 + i, 4 + i, 5 + i], max_tokens=MAX_TOKENS,
+                                               temperature=0.0 if i % 2 else 0.9, seed=i,
+                                               extra_body={"ignore_eos": True}) for i in range(4)]
+            return [r.choices[0].text for r in await asyncio.gather(*calls)]
+    return asyncio.run(run())
+
+
+def _one_device_texts() -> list[str]:
+    args = iter(SMALL_ENGINE)
+    flags = {flag[2:].replace("-", "_"): int(value) for flag, value in zip(args, args)}
+    flags = {k: (v,) if k.endswith("_buckets") else v for k, v in flags.items()}
+    engine = LLMEngine(build_tiny_random(), EngineConfig(**flags))
+    texts = {}
+    for i in range(4):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+        engine.add_request(str(i), [3 + i, 4 + i, 5 + i], params)
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            texts[d.request_id] = texts.get(d.request_id, "") + d.text
+    return [texts[str(i)] for i in range(4)]
+
+
+def _serve_processes(tmp_path, processes: int, *flags: str) -> tuple[list[str], list[str]]:
+    """Start a `processes`-process `jaxserve serve` job, run `_seeded_and_greedy_texts`, SIGTERM
+    process 0; returns the texts and each process's output (every process exited with 0)."""
+    port = free_port()
+    common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", *flags,
+              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(processes),
+              "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    children = [ChildProcess(jaxserve(*common, "--process-id", str(i))) for i in range(processes)]
+    try:
+        for child in children:
+            child.__enter__()
+        children[0].wait_for("Running on", timeout=600)
+        texts = _seeded_and_greedy_texts(port)
+        children[0].terminate()  # the others stop by themselves
+        for child in children:
+            assert child.finish(120) == 0, child.output
+    finally:
+        for child in children:
+            child.__exit__(None, None, None)
+    outputs = [child.output for child in children]
+    assert not any("Traceback" in output for output in outputs), outputs
+    return texts, outputs
+
+
+def test_two_processes_serve_two_data_parallel_replicas(tmp_path):
+    texts, (front, other) = _serve_processes(tmp_path, 2, "--data-parallel-size", "2")
+    assert texts == _one_device_texts()
+    assert "routing over 2 replica groups of 1 replica(s) each" in front
+    generated = re.search(r"replica group 1 stops: \d+ prompt tokens computed, (\d+) generated", other)
+    assert generated and int(generated.group(1)) >= MAX_TOKENS, other  # process 1's replica served
 
 
 @pytest.mark.slow
@@ -102,6 +156,16 @@ def test_two_processes_serve_one_pipeline_of_two_stages(tmp_path):
         assert leader.finish(60) == 0, leader.output
         assert follower.finish(60) == 0, follower.output
     assert "Traceback" not in leader.output + follower.output
+
+
+@pytest.mark.slow
+def test_four_processes_serve_two_replica_groups_of_two_tensor_parallel_processes(tmp_path):
+    texts, outputs = _serve_processes(tmp_path, 4, "--data-parallel-size", "2", "--tensor-parallel-size", "2")
+    assert texts == _one_device_texts()
+    for follower, leader in ((1, 0), (3, 2)):  # each group's second process replayed its leader's steps
+        replayed = re.search(rf"process {follower}: replayed (\d+) device operations; process {leader} stopped",
+                             outputs[follower])
+        assert replayed and int(replayed.group(1)) >= 2, outputs[follower]
 
 
 @pytest.mark.slow

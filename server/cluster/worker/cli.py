@@ -47,11 +47,8 @@ def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
     import asyncio
     import signal
 
-    import grpc
-
-    from server.cluster.worker.kv_handoff import MAX_MESSAGE_BYTES, KVHandoff
-    from server.cluster.worker.service import WorkerServicer
-    from server.cluster.worker.worker_pb2_grpc import add_WorkerServicer_to_server
+    from server.cluster.worker.kv_handoff import KVHandoff
+    from server.cluster.worker.listener import WorkerListener
 
     if args.kv_lease_timeout <= 0:
         raise SystemExit("--kv-lease-timeout must be positive")
@@ -67,22 +64,15 @@ def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
     handoff = KVHandoff(engine, args.kv_lease_timeout) if one_replica else None
 
     async def serve() -> None:
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES + (1 << 20))])
-        if handoff is not None:
-            handoff.start()
-        add_WorkerServicer_to_server(WorkerServicer(engine, args.role, handoff), server)
-        address = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
-        port = server.add_insecure_port(address)
-        await server.start()
-        print(f"worker listening on {args.host}:{port}", flush=True)
+        listener = WorkerListener(engine, args.host, args.port, args.role, handoff)
+        await listener.start()
+        print(f"worker listening on {listener.address}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):  # a dead engine loop sends SIGTERM too
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        await server.stop(args.shutdown_timeout)
-        if handoff is not None:
-            await handoff.close()
+        await listener.stop(args.shutdown_timeout)
 
     try:
         asyncio.run(serve())
