@@ -226,12 +226,13 @@ class AsyncEngine:
     def kv_key(self, token_ids: Sequence[int], num_blocks: int) -> bytes:
         if self._kv_fingerprint is None:
             replica = self._replica
-            self._kv_fingerprint = kv_fingerprint(replica.runner, replica.model_name)
+            self._kv_fingerprint = kv_fingerprint(replica.runner, replica.model_name, model_layers=True)
         return kv_transfer.prompt_key(self._kv_fingerprint, token_ids, num_blocks, self.info.block_size)
 
     def start_transfer_server(self, host: str) -> str:
         """Serve device-to-device KV pulls on `host` (an address other workers reach); returns
-        the server's address."""
+        the server's address. ValueError for uneven pipeline stages (they hand KV over as bytes)."""
+        kv_transfer.check_device_layout(self._replica)
         self._transfer = kv_transfer.DeviceTransfer(self._replica, host)
         return self._transfer.address
 

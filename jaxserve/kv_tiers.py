@@ -3,14 +3,13 @@ the runner's host-tier arrays. (Here, not in jaxserve/kv, because it reads the m
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
 from jaxserve.kv import DiskTier, HostBlockArrays, fingerprint
+from jaxserve.runner.pipeline_placement import model_layers_config
 from kernels_pallas import kv_quant
 
 if TYPE_CHECKING:
@@ -18,28 +17,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SAMPLED = 4096  # elements of each weight (first and last slice) that identify the weights
-
-
-def weights_digest(params) -> str:
-    """A digest of the weights: every array's path, shape and dtype, and the first elements of its
-    first and last slices. Enough to tell checkpoints (or random seeds) apart without reading
-    all of a large model's weights back from the devices."""
-    h = hashlib.blake2b(digest_size=16)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
-        if leaf.ndim:
-            for part in (leaf[0], leaf[-1]):
-                h.update(np.asarray(jax.device_get(part.reshape(-1)[:_SAMPLED]), dtype=np.float32).tobytes())
-    return h.hexdigest()
-
-
-def kv_fingerprint(runner: ModelRunner, model_name: str) -> bytes:
-    """Everything that changes the bytes of a KV block."""
+def kv_fingerprint(runner: ModelRunner, model_name: str, model_layers: bool = False) -> bytes:
+    """Everything that changes the bytes of a KV block: as this runner's cache holds them (the disk
+    tier's files), or with `model_layers` as the KV handoff moves them, one row per model layer
+    (uneven pipeline stages' identity slots left out: `jaxserve.kv_transfer`)."""
     config, ec = runner.config, runner.engine_config
+    if model_layers and runner.stages is not None:
+        config = model_layers_config(config, runner.stages)
     return fingerprint({
-        "model": model_name, "weights": weights_digest(runner.params), "dtype": str(runner.dtype),
-        "kv_cache_dtype": kv_quant.format_name(runner.kv_dtype),
+        "model": model_name, "weights": runner.weights_digest, "dtype": str(runner.dtype),
+        "quantization": ec.quantization, "kv_cache_dtype": kv_quant.format_name(runner.kv_dtype),
         "block_size": ec.block_size, "tensor_parallel_size": ec.tensor_parallel_size,
         # layers, kv heads as served (repeated under tensor parallelism), head dim, RoPE, ...
         "config": repr(config),

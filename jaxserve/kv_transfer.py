@@ -32,14 +32,19 @@ from jaxserve.engine_client import BlockLayout
 from jaxserve.kv import Hold
 from jaxserve.kv.content_keys import chain_keys
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
+from sharding.pipeline import pad_layers
 
 if TYPE_CHECKING:
     from jaxserve.engine import LLMEngine
 
 
 def block_layout(engine: LLMEngine) -> BlockLayout:
-    host = engine.runner.blocks.host_k  # [layers, kv_heads, slots, block_size, head_dim]
-    return BlockLayout(host.shape[:2] + host.shape[3:], host.dtype)
+    """A block as the handoff moves it: [model layers, kv heads, block size, head dim] (uneven
+    pipeline stages' identity slots are not sent)."""
+    host = engine.runner.blocks.host_k  # [served layers, kv_heads, slots, block_size, head_dim]
+    stages = engine.runner.stages
+    layers = host.shape[0] if stages is None else stages.num_layers
+    return BlockLayout((layers, host.shape[1], *host.shape[3:]), host.dtype)
 
 
 def prompt_key(fingerprint: bytes, token_ids: Sequence[int], num_blocks: int, block_size: int) -> bytes:
@@ -69,13 +74,21 @@ def read_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> tuple[
     runner, blocks = engine.runner, hold.blocks[first:first + count]
     parts = [runner.blocks.read(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK])
              for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)]
-    return np.concatenate([k for k, _ in parts], axis=2), np.concatenate([v for _, v in parts], axis=2)
+    k, v = (np.concatenate([part[j] for part in parts], axis=2) for j in (0, 1))
+    if runner.stages is not None and runner.stages.is_uneven:  # the model's layers, in order
+        real = np.flatnonzero(runner.stages.padded_index >= 0)
+        k, v = k[real], v[real]
+    return k, v
 
 
 def write_blocks(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> Hold:
     """Write pulled K and V of the prompt's blocks from `hold.num_blocks` on into fresh blocks
     and add them to the prefix cache; returns the hold of the longer path (it replaces `hold`).
     Fewer blocks are taken when the pool is short (the request recomputes the rest)."""
+    stages = engine.runner.stages
+    if stages is not None:  # into this engine's stage slots (identity slots: zeros, never read)
+        k, v = pad_layers(k, stages), pad_layers(v, stages)
+
     def write(cache, blocks: list[int], first: int):
         part = slice(first, first + len(blocks))
         return engine.runner.blocks.write(cache, blocks, k[:, :, part], v[:, :, part])
@@ -86,6 +99,7 @@ def stage_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> list[
     """K and V of held blocks [first, first + count) as device arrays K0, V0, K1, V1, ...: chunk i
     holds BLOCK_MOVE_CHUNK blocks from first + i * BLOCK_MOVE_CHUNK on (the last one padded)."""
     _check_held(hold, first, count)
+    check_device_layout(engine)
     runner, blocks = engine.runner, hold.blocks[first:first + count]
     return [x for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)
             for x in runner.blocks.gather(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK])]
@@ -94,10 +108,19 @@ def stage_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> list[
 def write_staged_blocks(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], arrays: list[jax.Array],
                         num_blocks: int) -> Hold:
     """`write_blocks` for `stage_blocks`' arrays, pulled onto this engine's devices."""
+    check_device_layout(engine)
     def write(cache, blocks: list[int], first: int):
         chunk = 2 * (first // BLOCK_MOVE_CHUNK)
         return engine.runner.blocks.scatter(cache, blocks, arrays[chunk], arrays[chunk + 1])
     return _write_imported(engine, hold, token_ids, num_blocks, write)
+
+
+def check_device_layout(engine: LLMEngine) -> None:
+    """Staged arrays carry the cache's own layer slots: engines with uneven pipeline stages
+    (identity slots among them) hand blocks over as bytes only."""
+    if engine.runner.stages is not None and engine.runner.stages.is_uneven:
+        raise ValueError(f"uneven pipeline stages ({engine.runner.stages.describe()}) move KV as bytes, "
+                         "not device to device")
 
 
 def _write_imported(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], num_blocks: int,

@@ -73,7 +73,10 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
         async_engine.on_idle = leader.keep_alive
         async_engine.on_stopped = leader.stop
     if kv_transfer_host is not None:
-        print(f"KV transfer server on {async_engine.start_transfer_server(kv_transfer_host)}", flush=True)
+        try:
+            print(f"KV transfer server on {async_engine.start_transfer_server(kv_transfer_host)}", flush=True)
+        except ValueError as e:
+            raise SystemExit(f"--kv-transport device: {e}; use --kv-transport grpc") from None
     async_engine.on_fatal = lambda _error: os.kill(os.getpid(), signal.SIGTERM)
     async_engine.start()
     return async_engine

@@ -79,8 +79,8 @@ def test_disk_files_keep_rows_and_scales(tmp_path):
 
 def test_the_fingerprint_covers_the_kv_dtype():
     """Disk files and KV handed between workers are keyed by it: another KV dtype never reads them."""
-    runner = types.SimpleNamespace(config="cfg", engine_config=EngineConfig(), params={"w": jnp.ones(3)},
-                                   dtype=jnp.float32, attention_backend="cpu")
+    runner = types.SimpleNamespace(config="cfg", engine_config=EngineConfig(), weights_digest="w",
+                                   dtype=jnp.float32, attention_backend="cpu", stages=None)
     prints = {kv_fingerprint(types.SimpleNamespace(**vars(runner), kv_dtype=dtype), "m")
               for dtype in (jnp.float32, jnp.uint16, jnp.bfloat16, jnp.int8, jnp.uint8)}
     assert len(prints) == 4  # bf16 bits (CPU) and bf16 (GPU) are one format

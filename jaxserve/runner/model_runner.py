@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
+from checkpoints.digest import weights_digest
 from checkpoints.quantize import INT8, Q4, formats_of, quantize_params
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, engine_config: EngineConfig, mesh: Mesh | None = None):
         self.engine_config = engine_config = engine_config.for_model(config.max_position_embeddings)
+        self.weights_digest = weights_digest(params)  # of the checkpoint's arrays, before any layout here
         if jax.default_backend() == "cpu":
             keep_freed_blocks()  # each step's temporaries reuse the last one's pages (host_heap)
         if engine_config.compilation_cache_dir:

@@ -39,6 +39,12 @@ def stage_model_config(config: ModelConfig, plan: PipelinePlan) -> ModelConfig:
     return dataclasses.replace(config, num_layers=plan.padded_layers, layer_types=types)
 
 
+def model_layers_config(config: ModelConfig, plan: PipelinePlan) -> ModelConfig:
+    """`stage_model_config` undone: the served config with the model's own layers."""
+    types = config.layer_types and (config.layer_types[0],) * plan.num_layers
+    return dataclasses.replace(config, num_layers=plan.num_layers, layer_types=types)
+
+
 def stage_params(params: dict[str, Any], plan: PipelinePlan) -> dict[str, Any]:
     """The parameters with their stacked layers laid out in the plan's slots (`pad_layers`)."""
     return {**params, "layers": jax.tree.map(lambda leaf: pad_layers(leaf, plan), params["layers"])}

@@ -25,6 +25,7 @@ from checkpoints.registry import DEFAULT_MODEL, load_model
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine, make_engine
+from jaxserve.kv_tiers import kv_fingerprint
 from jaxserve.kv_transfer import hold_prompt, read_blocks, release, write_blocks
 from jaxserve.request import Request
 from jaxserve.runner.host_pack import HostPack
@@ -152,26 +153,35 @@ def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving
 
 def run_handoff(model, source_pp: int) -> dict:
     """A prefill engine with `source_pp` stages hands a prompt's full blocks, as host bytes, to a
-    decode engine on one device (the disaggregated path's engine side, `jaxserve.kv_transfer`)."""
-    engines = [make_engine(model, EngineConfig(pipeline_parallel_size=pp, **TINY_ENGINE)) for pp in (source_pp, 1)]
-    source, dest = engines
+    decode engine on one device, and back (the disaggregated path's engine side,
+    `jaxserve.kv_transfer`); both key the blocks alike (`kv_fingerprint(model_layers=True)`)."""
+    def engine(pp: int):
+        return make_engine(model, EngineConfig(pipeline_parallel_size=pp, **TINY_ENGINE))
+
+    staged, single = engine(source_pp), engine(1)
     prompt = PROMPTS[3]  # 70 tokens: 8 full blocks of 8
-    want = generate_greedy(source, [prompt], prefix="src")[0]
-    held = hold_prompt(source, prompt)
-    k, v = read_blocks(source, held, 0, held.num_blocks)
-    longer = write_blocks(dest, hold_prompt(dest, prompt), prompt, k, v)
-    got_k, got_v = read_blocks(dest, longer, 0, longer.num_blocks)
-    release(source, held)
-    release(dest, longer)
-    computed = dest.stats.prompt_tokens_computed
-    tokens = generate_greedy(dest, [prompt], prefix="dst")[0]
-    return {
-        "handed_blocks": held.num_blocks, "written_blocks": longer.num_blocks,
-        "same_bytes": bool(np.array_equal(got_k, k) and np.array_equal(got_v, v)),
-        "source_tokens": want, "dest_tokens": tokens,
-        "dest_prompt_tokens_computed": dest.stats.prompt_tokens_computed - computed,
-        "kv_leaks": kv_leaks(source) + kv_leaks(dest),
-    }
+    report = {"handoff_keys_match": kv_fingerprint(staged.runner, "m", model_layers=True)
+              == kv_fingerprint(single.runner, "m", model_layers=True),
+              "disk_keys_match": kv_fingerprint(staged.runner, "m") == kv_fingerprint(single.runner, "m"),
+              "kv_leaks": []}
+    for direction, (source, dest) in {"to_one": (staged, single), "from_one": (engine(1), engine(source_pp))}.items():
+        want = generate_greedy(source, [prompt], prefix=f"src-{direction}")[0]
+        held = hold_prompt(source, prompt)
+        k, v = read_blocks(source, held, 0, held.num_blocks)
+        longer = write_blocks(dest, hold_prompt(dest, prompt), prompt, k, v)
+        got_k, got_v = read_blocks(dest, longer, 0, longer.num_blocks)
+        release(source, held)
+        release(dest, longer)
+        computed = dest.stats.prompt_tokens_computed
+        tokens = generate_greedy(dest, [prompt], prefix=f"dst-{direction}")[0]
+        report[direction] = {
+            "handed_blocks": held.num_blocks, "written_blocks": longer.num_blocks, "layers": k.shape[0],
+            "same_bytes": bool(np.array_equal(got_k, k) and np.array_equal(got_v, v)),
+            "source_tokens": want, "dest_tokens": tokens,
+            "dest_prompt_tokens_computed": dest.stats.prompt_tokens_computed - computed,
+        }
+        report["kv_leaks"] += kv_leaks(source) + kv_leaks(dest)
+    return report
 
 
 def main(cases: list[str]) -> None:

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(1800)
 
 BASELINE = "tiny+reference:1x1x1"
 CI_LAYOUTS = ["tiny+serving:1x3x1"]
-SLOW_LAYOUTS = ["tiny+serving+multistep:1x3x1", "tiny:1x2x1", "tiny:1x2x2", "tiny:2x2x1", "tiny+handoff:1x2x1"]
+SLOW_LAYOUTS = ["tiny+serving+multistep:1x3x1", "tiny:1x2x1", "tiny:1x2x2", "tiny:2x2x1", "tiny+handoff:1x2x1",
+                "tiny+handoff:1x3x1"]
 DEFAULT_LAYOUTS = ["default:1x1x1", "default:1x2x1", "default:1x3x1"]
 
 
@@ -104,11 +105,18 @@ def test_two_stages_two_micro_batches(slow_report, case):
 
 
 @pytest.mark.slow
-def test_prefill_engine_of_two_stages_hands_kv_to_one_device(slow_report):
-    r = slow_report["tiny+handoff:1x2x1"]
-    assert r["handed_blocks"] == r["written_blocks"] == 8 and r["same_bytes"]
-    assert r["dest_tokens"] == r["source_tokens"] and len(r["dest_tokens"]) == 8
-    assert r["dest_prompt_tokens_computed"] == 70 - 8 * 8  # a prefix hit on the handed blocks
+@pytest.mark.parametrize("case", ["tiny+handoff:1x2x1", "tiny+handoff:1x3x1"])
+def test_engines_of_other_stage_counts_hand_kv_to_each_other(slow_report, case):
+    """Even (2 stages of 2 layers) and uneven (3 stages: 2, 1, 1 layers and two identity slots)
+    prefill engines hand a prompt's blocks to one device and back, one row per model layer."""
+    r = slow_report[case]
+    assert r["handoff_keys_match"]  # both sides key the handed blocks alike
+    assert r["disk_keys_match"] == (case.endswith("1x2x1"))  # files keep the cache's own slots
+    for direction in ("to_one", "from_one"):
+        d = r[direction]
+        assert d["handed_blocks"] == d["written_blocks"] == 8 and d["same_bytes"] and d["layers"] == 4
+        assert d["dest_tokens"] == d["source_tokens"] and len(d["dest_tokens"]) == 8
+        assert d["dest_prompt_tokens_computed"] == 70 - 8 * 8  # a prefix hit on the handed blocks
     assert r["kv_leaks"] == []
 
 
