@@ -30,12 +30,17 @@ PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11]
 MAX_TOKENS = 12
 
 
-def _one_device_text() -> str:
-    """Greedy completion of the same model and engine settings on one device."""
+def _one_device_engine() -> LLMEngine:
+    """The same model and engine settings (SMALL_ENGINE) on one device."""
     args = iter(SMALL_ENGINE)
     flags = {flag[2:].replace("-", "_"): int(value) for flag, value in zip(args, args)}
     flags = {k: (v,) if k.endswith("_buckets") else v for k, v in flags.items()}
-    engine = LLMEngine(build_tiny_random(), EngineConfig(**flags))
+    return LLMEngine(build_tiny_random(), EngineConfig(**flags))
+
+
+def _one_device_text() -> str:
+    """Greedy completion of the same model and engine settings on one device."""
+    engine = _one_device_engine()
     engine.add_request("ref", PROMPT_IDS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     text = ""
     while engine.has_unfinished_requests():
@@ -95,10 +100,8 @@ def _seeded_and_greedy_texts(port: int) -> list[str]:
 
 
 def _one_device_texts() -> list[str]:
-    args = iter(SMALL_ENGINE)
-    flags = {flag[2:].replace("-", "_"): int(value) for flag, value in zip(args, args)}
-    flags = {k: (v,) if k.endswith("_buckets") else v for k, v in flags.items()}
-    engine = LLMEngine(build_tiny_random(), EngineConfig(**flags))
+    """`_seeded_and_greedy_texts` on one device."""
+    engine = _one_device_engine()
     texts = {}
     for i in range(4):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
