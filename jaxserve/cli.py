@@ -124,7 +124,8 @@ def _prepare_jax(args: argparse.Namespace) -> None:
     if hasattr(args, "coordinator_address"):  # commands that can run across processes
         from sharding import multihost
 
-        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                             independent_groups=getattr(args, "data_parallel_size", 1) > 1)
 
 
 def main(argv: list[str] | None = None) -> int:

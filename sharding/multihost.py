@@ -56,8 +56,12 @@ def add_distributed_arguments(parser: argparse.ArgumentParser | argparse._Argume
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
-    """Join a multi-process JAX job; False (and nothing done) when no process count > 1 is given."""
+               process_id: int | None = None, independent_groups: bool = False) -> bool:
+    """Join a multi-process JAX job; False (and nothing done) when no process count > 1 is given.
+
+    `independent_groups` (a job of several replica groups, `sharding.process_layout`): a process
+    that dies takes down its own group only. By default the coordination service stops every
+    process of the job once one stops sending heartbeats; with it, the others serve on."""
     coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
@@ -72,6 +76,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         raise ValueError(f"process id {process_id} is not in [0, {num_processes})")
     # CPU collectives across processes need an implementation; GPUs bring their own (NCCL).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if independent_groups:
+        jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     return True
 

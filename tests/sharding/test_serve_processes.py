@@ -162,6 +162,29 @@ def test_two_processes_serve_one_pipeline_of_two_stages(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_killed_replica_group_leaves_the_others_serving(tmp_path):
+    """SIGKILL on process 1 of a dp=2 job: process 0's router routes around it, and the job's
+    coordination service does not stop process 0 when process 1's heartbeats end (~100 s)."""
+    port = free_port()
+    common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", "--data-parallel-size", "2",
+              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2",
+              "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    with ChildProcess(jaxserve(*common, "--process-id", "0")) as front, \
+            ChildProcess(jaxserve(*common, "--process-id", "1")) as other:
+        front.wait_for("Running on", timeout=600)
+        other.proc.kill()
+        other.finish(30)
+        deadline = time.monotonic() + 130  # past the coordination service's heartbeat timeout
+        while time.monotonic() < deadline:
+            assert _completion_text(port, PROMPT_IDS) == _one_device_text()
+            time.sleep(10)
+        assert front.proc.poll() is None, front.output
+        front.terminate()
+        assert front.finish(60) == 0, front.output
+    assert "is down" in front.output and "Terminating process" not in front.output
+
+
+@pytest.mark.slow
 def test_four_processes_serve_two_replica_groups_of_two_tensor_parallel_processes(tmp_path):
     texts, outputs = _serve_processes(tmp_path, 4, "--data-parallel-size", "2", "--tensor-parallel-size", "2")
     assert texts == _one_device_texts()
