@@ -10,6 +10,12 @@
 // intra-op threads (cpu_parallel.h).
 //
 // Vectors are the machine's registers (cpu_vector.h).
+//
+// Prefill of bf16 queries (a bf16 model) takes its products in bf16 pairs (cpu_bf16.h; one
+// AVX512-BF16 dot product per two multiply-adds where the CPU has it): Q^T and each key block as
+// pairs along the head dimension, the softmax weights P^T and each value block as pairs along the
+// keys. The queries and a bf16 cache's rows are bf16 already, so the only new rounding is P's
+// (to bf16, as GPU flash attention does); sums, the softmax and its normalizer stay f32.
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +25,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_bf16.h"
 #include "cpu_kv_rows.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
@@ -265,10 +272,26 @@ struct Tile {
 // another format: each row is read from memory once per block, widened and scaled, then from L1).
 struct PrefillScratch {
   std::vector<float> qt, ot, st, kf, vf;
+  std::vector<Pairs> qp, kp, vp, pp;  // bf16 products: Q^T, K, V^T and P^T as pairs
   std::vector<int64_t> rows;
 };
 
-template <typename T, int64_t C>
+// A key block's rows [kKeyBlock][D] as bf16 pairs along the head dimension (a bf16 cache's rows
+// are read in place), and its values as pairs along the keys, transposed: vp[d][t] holds values
+// 2t and 2t + 1 of dimension d.
+template <typename T, int64_t D>
+const Pairs* key_pairs(const T* row, float* widened, Pairs* scratch) {
+  if constexpr (std::is_same_v<T, uint16_t> && !kScaled<T>) {
+    return reinterpret_cast<const Pairs*>(row);
+  } else {
+    const float* f = row_as_f32<T, D>(row, widened);
+    for (int64_t e = 0; e < D / 2; ++e)
+      scratch[e] = static_cast<Pairs>(to_bf16(f[2 * e])) | static_cast<Pairs>(to_bf16(f[2 * e + 1])) << 16;
+    return scratch;
+  }
+}
+
+template <typename T, int64_t C, bool kPairs>
 void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& scratch) {
   constexpr int64_t D = C * kDimStep;
   constexpr int64_t R = D + kRowExtra<T>;  // elements per cache row
@@ -288,6 +311,13 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
     const float* src = p.q + ((p.query_start[s] + row) * p.heads + head) * D;
     for (int64_t d = 0; d < D; ++d) qt[d * kTileQueries + u] = used ? src[d] * p.scale : 0.0f;
   }
+  Pairs* qp = scratch.qp.data();
+  if constexpr (kPairs) {
+    for (int64_t e = 0; e < D / 2; ++e)
+      for (int64_t u = 0; u < kTileQueries; ++u)
+        qp[e * kTileQueries + u] = static_cast<Pairs>(to_bf16(qt[2 * e * kTileQueries + u])) |
+                                   static_cast<Pairs>(to_bf16(qt[(2 * e + 1) * kTileQueries + u])) << 16;
+  }
   std::fill(ot, ot + D * kTileQueries, 0.0f);
   const int64_t last_key = first_pos + row_hi;  // the tile's last row sees keys [0, last_key]
   const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos + row_lo - p.window + 1) : 0;
@@ -301,24 +331,46 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
     const int64_t nb = std::min<int64_t>(kKeyBlock, last_key + 1 - kb);
     const float* krow[kKeyBlock];
     const float* vrow[kKeyBlock];
+    const Pairs* kpair[kKeyBlock];
     for (int64_t j = 0; j < kKeyBlock; ++j) {  // a block's tail repeats its last key (masked below)
       if (j >= nb) {
-        krow[j] = krow[nb - 1], vrow[j] = vrow[nb - 1];
+        vrow[j] = vrow[nb - 1];
+        if constexpr (kPairs) {
+          kpair[j] = kpair[nb - 1];
+        } else {
+          krow[j] = krow[nb - 1];
+        }
         continue;
       }
       const int64_t row = scratch.rows[kb - key_lo + j];
-      krow[j] = row_as_f32<T, D>(keys + row, scratch.kf.data() + j * D);
-      vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
+      if constexpr (kPairs) {
+        kpair[j] = key_pairs<T, D>(keys + row, scratch.kf.data() + j * D, scratch.kp.data() + j * D / 2);
+        vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
+      } else {
+        krow[j] = row_as_f32<T, D>(keys + row, scratch.kf.data() + j * D);
+        vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
+      }
     }
     // S^T = K Q^T, kKeyTile keys at a time.
     for (int64_t j0 = 0; j0 < nb; j0 += kKeyTile) {
       Vec acc[kKeyTile][kTileVecs] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        Vec qd[kTileVecs];
-        for (int64_t i = 0; i < kTileVecs; ++i) qd[i] = load(qt + d * kTileQueries + i * kLanes);
-        for (int64_t j = 0; j < kKeyTile; ++j) {
-          const Vec kd = Vec{} + krow[j0 + j][d];
-          for (int64_t i = 0; i < kTileVecs; ++i) acc[j][i] += kd * qd[i];
+      if constexpr (kPairs) {
+        for (int64_t e = 0; e < D / 2; ++e) {
+          IVec qe[kTileVecs];
+          for (int64_t i = 0; i < kTileVecs; ++i) qe[i] = load_pairs(qp + e * kTileQueries + i * kLanes);
+          for (int64_t j = 0; j < kKeyTile; ++j) {
+            const IVec ke = splat(kpair[j0 + j][e]);
+            for (int64_t i = 0; i < kTileVecs; ++i) madd_pairs(acc[j][i], ke, qe[i]);
+          }
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          Vec qd[kTileVecs];
+          for (int64_t i = 0; i < kTileVecs; ++i) qd[i] = load(qt + d * kTileQueries + i * kLanes);
+          for (int64_t j = 0; j < kKeyTile; ++j) {
+            const Vec kd = Vec{} + krow[j0 + j][d];
+            for (int64_t i = 0; i < kTileVecs; ++i) acc[j][i] += kd * qd[i];
+          }
         }
       }
       for (int64_t j = 0; j < kKeyTile; ++j)
@@ -357,16 +409,40 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
     }
     // O^T = alpha O^T + V^T P^T, kKeyTile head dims at a time.
     const int64_t nb_tiles = (nb + kKeyTile - 1) / kKeyTile * kKeyTile;
+    const int64_t nb_pairs = (nb + 1) / 2;
+    Pairs* pp = scratch.pp.data();
+    Pairs* vp = scratch.vp.data();
+    if constexpr (kPairs) {  // P^T and V^T as pairs of keys (P is zero past nb)
+      for (int64_t t = 0; t < nb_pairs; ++t) {
+        for (int64_t u = 0; u < kTileQueries; ++u)
+          pp[t * kTileQueries + u] = static_cast<Pairs>(to_bf16(st[2 * t * kTileQueries + u])) |
+                                     static_cast<Pairs>(to_bf16(st[(2 * t + 1) * kTileQueries + u])) << 16;
+        for (int64_t d = 0; d < D; ++d)
+          vp[d * (kKeyBlock / 2) + t] = static_cast<Pairs>(to_bf16(vrow[2 * t][d])) |
+                                        static_cast<Pairs>(to_bf16(vrow[2 * t + 1][d])) << 16;
+      }
+    }
     for (int64_t d0 = 0; d0 < D; d0 += kKeyTile) {
       Vec acc[kKeyTile][kTileVecs];
       for (int64_t d = 0; d < kKeyTile; ++d)
         for (int64_t i = 0; i < kTileVecs; ++i) acc[d][i] = load(ot + (d0 + d) * kTileQueries + i * kLanes) * alpha[i];
-      for (int64_t j = 0; j < nb_tiles; ++j) {
-        Vec pj[kTileVecs];
-        for (int64_t i = 0; i < kTileVecs; ++i) pj[i] = load(st + j * kTileQueries + i * kLanes);
-        for (int64_t d = 0; d < kKeyTile; ++d) {
-          const Vec vd = Vec{} + vrow[j][d0 + d];
-          for (int64_t i = 0; i < kTileVecs; ++i) acc[d][i] += vd * pj[i];
+      if constexpr (kPairs) {
+        for (int64_t t = 0; t < nb_pairs; ++t) {
+          IVec pt[kTileVecs];
+          for (int64_t i = 0; i < kTileVecs; ++i) pt[i] = load_pairs(pp + t * kTileQueries + i * kLanes);
+          for (int64_t d = 0; d < kKeyTile; ++d) {
+            const IVec vd = splat(vp[(d0 + d) * (kKeyBlock / 2) + t]);
+            for (int64_t i = 0; i < kTileVecs; ++i) madd_pairs(acc[d][i], vd, pt[i]);
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < nb_tiles; ++j) {
+          Vec pj[kTileVecs];
+          for (int64_t i = 0; i < kTileVecs; ++i) pj[i] = load(st + j * kTileQueries + i * kLanes);
+          for (int64_t d = 0; d < kKeyTile; ++d) {
+            const Vec vd = Vec{} + vrow[j][d0 + d];
+            for (int64_t i = 0; i < kTileVecs; ++i) acc[d][i] += vd * pj[i];
+          }
         }
       }
       for (int64_t d = 0; d < kKeyTile; ++d)
@@ -385,7 +461,9 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                             ffi::Buffer<ffi::S32> query_start, float scale, float soft_cap, int32_t window,
-                            ffi::ResultBuffer<ffi::F32> out) {
+                            int32_t bf16_products, ffi::ResultBuffer<ffi::F32> out) {
+  // bf16 pairs only where the CPU multiplies them in one instruction (elsewhere they cost more than f32).
+  const bool pairs = bf16_products != 0 && JAXSERVE_DPBF16;
   const auto qd = q.dimensions();
   const auto cd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -434,7 +512,15 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         scratch.st.resize(kKeyBlock * kTileQueries);
         scratch.kf.resize(kKeyBlock * D);
         scratch.vf.resize(kKeyBlock * D);
-        prefill_tile<T, decltype(chunks)::value>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
+        if (pairs) {
+          scratch.qp.resize(D / 2 * kTileQueries);
+          scratch.kp.resize(kKeyBlock * D / 2);
+          scratch.vp.resize(D * kKeyBlock / 2);
+          scratch.pp.resize(kKeyBlock / 2 * kTileQueries);
+          prefill_tile<T, decltype(chunks)::value, true>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
+        } else {
+          prefill_tile<T, decltype(chunks)::value, false>(p, tiles[i / p.kv_heads], i % p.kv_heads, scratch);
+        }
       });
     });
   });
@@ -457,4 +543,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefill, PagedPrefillImpl,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("window")
+                                  .Attr<int32_t>("bf16_products")
                                   .Ret<ffi::Buffer<ffi::F32>>());

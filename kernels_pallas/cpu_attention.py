@@ -12,8 +12,9 @@ keys 64 at a time with an online softmax, as two register-tiled products (S^T = 
 O^T += V^T P^T). Vectors are the machine's register width.
 
 They read a cache of every format of `kv_quant` (f32, bf16 bits, int8 or fp8 rows with their
-scales; `cpu_kv_rows.h`) in place, widening each row to f32 in registers, and take a head_dim that
-is a multiple of 16 up to 256. `cpu_build` compiles the source on first use.
+scales; `cpu_kv_rows.h`) in place, widening each row to f32 in registers (prefill of bf16 queries:
+products of bf16 pairs, AVX512-BF16's dot products), and take a head_dim that is a multiple of 16
+up to 256. `cpu_build` compiles the source on first use.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def register() -> None:
 
 def _call(target: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
           int_args: tuple[jax.Array, ...], scale: float, soft_cap: float | None,
-          sliding_window: int | None) -> jax.Array:
+          sliding_window: int | None, **attributes: np.int32) -> jax.Array:
     """One kernel call: f32 q and out (q cast back to its dtype), the caches as stored, `int_args` as int32."""
     if q.shape[-1] % 16 or q.shape[-1] > 256:
         raise ValueError(f"the cpu attention kernels need a head_dim that is a multiple of 16, at most 256, "
@@ -46,7 +47,7 @@ def _call(target: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lay
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
                *(a.astype(jnp.int32) for a in int_args), scale=np.float32(scale),
-               soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0))
+               soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0), **attributes)
     return out.astype(q.dtype)
 
 
@@ -81,6 +82,8 @@ def prefill_attention(
     sliding_window: int | None = None,
 ) -> jax.Array:
     """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's
-    history (the contract of `reference.prefill_attention`); zeros at rows past the last chunk."""
+    history (the contract of `reference.prefill_attention`); zeros at rows past the last chunk.
+    bf16 queries (a bf16 model) take their products in bf16 pairs where the CPU has AVX512-BF16
+    (the softmax weights rounded to bf16; `cpu_attention.cc`)."""
     return _call(PREFILL_TARGET, q, k_cache, v_cache, layer, (block_tables, seq_lens, query_start), scale, soft_cap,
-                 sliding_window)
+                 sliding_window, bf16_products=np.int32(q.dtype == jnp.bfloat16))

@@ -1,6 +1,7 @@
 """The C++ kernels of the `cpu` backend against the references, at the shapes they specialize
 (head_dim 16..256, query-head groups larger than one register group, block sizes below and
-above a 16-key step), and what they do with inputs they cannot serve. Caches of the other
+above a 16-key step), bf16 queries (prefill in bf16 pairs), and what they do with inputs they
+cannot serve. Caches of the other
 formats (bf16, int8, fp8): test_kernel_kv_dtypes.py."""
 
 import jax
@@ -65,6 +66,30 @@ def test_prefill_matches_reference(kv_heads, group, head_dim, block_size, option
     want = reference_prefill(q, k, v, jnp.int32(1), tables, seq_lens, query_start, scale=scale, **options)
     assert_close(got, want, TOLERANCE[jnp.float32])
     assert not np.asarray(got[-3:]).any(), "rows past the last chunk must be zeros"
+
+
+@SHAPES
+@OPTIONS
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_prefill_of_bf16_queries_multiplies_bf16_pairs_within_bf16_tolerance(kv_heads, group, head_dim, block_size,
+                                                                             options, cache):
+    """A bf16 model's prefill takes its products in bf16 pairs (AVX512-BF16 where present): every
+    tile shape, odd key counts (a pair's second key past the block), soft cap and window."""
+    full = 12 * block_size
+    sequences = [(0, 37), (block_size + 3, 18), (5, 1), (full - 21, 21), (0, 0)]
+    q, k, v, tables, _ = case(7, kv_heads, group, head_dim, block_size, [h + n for h, n in sequences])
+    store = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cache]
+    k, v = (x.astype(store) for x in (k, v))
+    seq_lens = jnp.asarray([h + n for h, n in sequences], jnp.int32)
+    query_start = jnp.asarray(np.cumsum([0] + [n for _, n in sequences]), jnp.int32)
+    rows = int(query_start[-1])
+    q = jnp.asarray(np.random.default_rng(8).standard_normal((rows, kv_heads * group, head_dim)), jnp.bfloat16)
+    scale = head_dim**-0.5
+    got = prefill(q, k, v, jnp.int32(1), tables, seq_lens, query_start, scale=scale, **options)
+    assert got.dtype == jnp.bfloat16
+    want = reference_prefill(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), jnp.int32(1),
+                             tables, seq_lens, query_start, scale=scale, **options)
+    assert_close(got, want, TOLERANCE[jnp.bfloat16])
 
 
 def test_bf16_queries_are_computed_in_f32():
