@@ -9,7 +9,7 @@
 //   4 bits: codes uint8 [L, N / P, K / 2, P] (row 2i in the low nibble, 2i + 1 in the high),
 //           scale and min f16 [L, N / P, K / group, P]; w = code * scale + min.
 //
-// Few rows (under kPanelRows): the codes are dequantized in registers, a vector of P / kVecs
+// Few rows (under 24 for 8 bits, 12 for 4): the codes are dequantized in registers, a vector of P / kVecs
 // columns at a time, and the products summed in f32: a tile of R rows x G panels keeps R * G *
 // kVecs accumulators over all of K, loads a group's scales (and mins) once per group, and widens
 // each code vector to f32 once for its R rows. Nothing is dequantized in memory: a step streams
@@ -110,14 +110,18 @@ inline Vec widen_signed(const uint8_t* p) {
 }
 
 // The two storages. A step covers `kStep` rows of K: one code row of the panel (kPanel bytes).
+// From `kPanelRows` rows a call dequantizes each panel once (`run_panels`): where that beat the
+// register tiles in `python3 -m bench.qmatmul_cpu` (4 bits cost more to unpack per tile than 8).
 struct Int8 {
   static constexpr int64_t kStep = 1;
+  static constexpr int64_t kPanelRows = 24;
   using Scale = float;
   static Vec scale(const float* p) { return load(p); }
 };
 
 struct Int4 {
   static constexpr int64_t kStep = 2;
+  static constexpr int64_t kPanelRows = 12;
   using Scale = uint16_t;  // f16 bits
   static Vec scale(const uint16_t* p) { return load_halves(p); }
 };
@@ -207,7 +211,7 @@ void run(ffi::ThreadPool& pool, const Problem<F>& p) {
 //
 // Above, every tile dequantizes its panel's codes again for its R rows: at many rows that costs
 // more than the multiply-adds (4 bits: a widening, a multiply and an add per weight for R = 4
-// multiply-adds). From kPanelRows rows a unit of work dequantizes its panel once into a buffer
+// multiply-adds). From F::kPanelRows rows a unit of work dequantizes its panel once into a buffer
 // of the thread's, [K, P] f32 (K = 1536: 384 KB, within L2), and runs f32 register tiles of
 // kF32Rows rows over all its rows against it, as the f32 layer matmul does on its panels.
 
@@ -216,7 +220,6 @@ constexpr int64_t kF32Rows = 6;  // 6 x 4 accumulators beside the 4 weight vecto
 #else
 constexpr int64_t kF32Rows = 3;  // 3 x 4 of 16
 #endif
-constexpr int64_t kPanelRows = 24;  // rows from which a call dequantizes each panel once (bench.qmatmul_cpu)
 constexpr int64_t kMinPanelBlock = 32;  // fewest rows a unit dequantizes a panel for (but a call's all)
 
 // Panel `panel` of the layer as f32 weights [K, P] into `w`.
@@ -294,12 +297,12 @@ void run_panels(ffi::ThreadPool& pool, const Problem<F>& p) {
 }
 
 // A call of one row takes two panels at once, so that its tile has enough accumulators to hide
-// the latency of its multiply-adds; from kPanelRows rows each panel is dequantized once.
+// the latency of its multiply-adds; from F::kPanelRows rows each panel is dequantized once.
 template <typename F>
 void run_layer(ffi::ThreadPool& pool, const Problem<F>& p) {
   if (p.m == 1) {
     run<F, 1, 2>(pool, p);
-  } else if (p.m >= kPanelRows) {
+  } else if (p.m >= F::kPanelRows) {
     run_panels(pool, p);
   } else {
     run<F, kRows, 1>(pool, p);
