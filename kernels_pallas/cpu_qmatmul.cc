@@ -9,13 +9,14 @@
 //   4 bits: codes uint8 [L, N / P, K / 2, P] (row 2i in the low nibble, 2i + 1 in the high),
 //           scale and min f16 [L, N / P, K / group, P]; w = code * scale + min.
 //
-// Few rows (under 24 for 8 bits, 12 for 4): the codes are dequantized in registers, a vector of P / kVecs
-// columns at a time, and the products summed in f32: a tile of R rows x G panels keeps R * G *
-// kVecs accumulators over all of K, loads a group's scales (and mins) once per group, and widens
-// each code vector to f32 once for its R rows. Nothing is dequantized in memory: a step streams
-// 1 byte (8 bits) or half a byte (4 bits) per weight, against 4 for f32. Many rows: each panel
-// is dequantized once per unit of work into an f32 buffer in L2, which f32 register tiles read
-// for all the unit's rows (`run_panels`). The code is written with the compiler's vector types,
+// Few rows (under 24 for 8 bits, 12 for 4): the codes are dequantized in registers, a vector of
+// P / kVecs columns at a time, and the products summed in f32: a tile of R rows x G panels keeps
+// R * G * kVecs accumulators over all of K, loads a group's scales (and mins) once per group, and
+// widens each code vector to f32 once for its R rows (a tile of one or two rows scales each group's
+// sums, not each weight: `folded_tile`). Nothing is dequantized in memory: a step streams 1 byte
+// (8 bits) or half a byte (4 bits) per weight, against 4 for f32. Many rows: each panel is
+// dequantized once per unit of work into an f32 buffer in L2, which f32 register tiles read for all
+// the unit's rows (`run_panels`). The code is written with the compiler's vector types,
 // so it builds for AVX-512 (16 lanes), AVX2 (8) or anything else the compiler targets.
 
 #include <algorithm>
@@ -136,9 +137,62 @@ struct Problem {
   int64_t m, k, n, group;  // group: rows of K per scale
 };
 
+// A tile of one or two rows of outputs (R * G <= 2) with the scales (and mins) applied once per
+// group, not per weight: sum_i x_i (c_i s + z) = s sum_i x_i c_i + z sum_i x_i. Each weight then
+// costs its widening and one multiply-add, not a scaling besides (at one row, where nothing else
+// shares that work, it is most of it); the sums of a group take a second set of R * G * kVecs
+// registers, which only small tiles have.
+template <typename F, int64_t R, int64_t G>
+void folded_tile(const Problem<F>& p, int64_t row, int64_t panel) {
+  Vec acc[R][G][kVecs] = {};
+  const float* x = p.x + row * p.k;
+  const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t first = grp * p.group, last = first + p.group;
+    Vec part[R][G][kVecs] = {};
+    for (int64_t i = first; i < last; i += F::kStep) {
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* c = p.codes + ((panel + g) * code_rows + i / F::kStep) * kPanel;
+        __builtin_prefetch(c + kPrefetch);
+        for (int64_t v = 0; v < kVecs; ++v) {
+          if constexpr (F::kStep == 1) {
+            const Vec w = widen_signed(c + v * kLanes);
+            for (int64_t r = 0; r < R; ++r) part[r][g][v] += x[r * p.k + i] * w;
+          } else {
+            const Bytes b = load_bytes<Bytes>(c + v * kLanes);
+            const Vec lo = widen(b & 15), hi = widen(b >> 4);
+            for (int64_t r = 0; r < R; ++r) part[r][g][v] += x[r * p.k + i] * lo + x[r * p.k + i + 1] * hi;
+          }
+        }
+      }
+    }
+    float xsum[R] = {};
+    if (p.min != nullptr) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = first; i < last; ++i) xsum[r] += x[r * p.k + i];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = ((panel + g) * groups + grp) * kPanel;
+      for (int64_t v = 0; v < kVecs; ++v) {
+        const Vec s = F::scale(p.scale + at + v * kLanes);
+        const Vec z = p.min == nullptr ? Vec{} : load_halves(p.min + at + v * kLanes);
+        for (int64_t r = 0; r < R; ++r) acc[r][g][v] += part[r][g][v] * s + xsum[r] * z;
+      }
+    }
+  }
+  float* out = p.out + row * p.n + panel * kPanel;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + g * kPanel + v * kLanes, acc[r][g][v]);
+}
+
 // out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels' dequantized weights.
 template <typename F, int64_t R, int64_t G>
 void tile(const Problem<F>& p, int64_t row, int64_t panel) {
+  if constexpr (R * G <= 2) {
+    folded_tile<F, R, G>(p, row, panel);
+    return;
+  }
   Vec acc[R][G][kVecs] = {};
   const float* x = p.x + row * p.k;
   const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
