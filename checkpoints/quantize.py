@@ -53,10 +53,11 @@ def formats_for(config: ModelConfig, mode: str) -> Formats:
     """The storage of each quantizable kernel of a `config` model under `int8` or `q4`."""
     out = {}
     for path, (_, w) in quantizable(declare(config)).items():
-        if path in HEADS:  # under q4 too (see HEAD_INT8_GROUP)
-            out[path] = QuantFormat(8, HEAD_INT8_GROUP)
+        k = w.kernel_shape[-2]
+        if path in HEADS:  # under q4 too (see HEAD_INT8_GROUP); per channel where groups do not fit
+            out[path] = QuantFormat(8, HEAD_INT8_GROUP if k % HEAD_INT8_GROUP == 0 else k)
         else:
-            out[path] = QuantFormat(8, w.kernel_shape[-2]) if mode == INT8 else QuantFormat(4, Q4_GROUP)
+            out[path] = QuantFormat(8, k) if mode == INT8 else QuantFormat(4, Q4_GROUP)
     return out
 
 

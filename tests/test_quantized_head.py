@@ -16,8 +16,8 @@ import pytest
 
 from checkpoints.architectures import declare
 from checkpoints.quant_format import QuantFormat
-from checkpoints.quantize import HEAD_INT8_GROUP, quantize_kernel, quantize_params
-from checkpoints.tiny_random import build_tiny_random
+from checkpoints.quantize import HEAD_INT8_GROUP, formats_for, quantize_kernel, quantize_params
+from checkpoints.tiny_random import build_tiny_random, tiny_random_config
 from checkpoints.weights import abstract, quantized
 from jaxserve import LLM
 from jaxserve.model.quantized import columns, stored_matmul
@@ -126,3 +126,10 @@ def test_gguf_tied_table_served_as_stored_and_an_untied_float_head_quantized_at_
     fmt = runner.quantization["lm_head/kernel"]
     assert (fmt.bits, fmt.group) == (8, HEAD_INT8_GROUP)
     assert "quantized from the loaded values" in caplog.text
+
+
+def test_a_head_whose_hidden_size_does_not_split_in_groups_gets_a_scale_per_token():
+    config = tiny_random_config(hidden_size=48, num_heads=3, num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
+    for mode in ("int8", "q4"):
+        fmt = formats_for(config, mode)["embed/kernel"]
+        assert (fmt.bits, fmt.group) == (8, 48)
