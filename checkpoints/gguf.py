@@ -28,7 +28,7 @@ from checkpoints.gguf_tokenizer import build_gguf_tokenizer
 from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamFiller, ParamTree, checkpoint_names, iter_leaves, resolve_dtype
 from checkpoints.quant_format import QuantFormat
-from checkpoints.weights import flat, nest
+from checkpoints.weights import flat, nest, quantizable
 from checkpoints.tokenizer_bundle import TokenizerBundle, merge_eos_ids
 
 Q = gguf.GGMLQuantizationType
@@ -144,11 +144,11 @@ def _tensor_array(tensor: Any, source: str) -> np.ndarray:
 
 
 def _stored_formats(tensors: dict[str, Any], config: ModelConfig) -> dict[str, QuantFormat]:
-    """{kernel path: storage} of each quantizable kernel whose tensors share one stored format."""
+    """{codes path: storage} of each quantizable kernel whose tensors share one stored format
+    (the output head's too: a tied `token_embd` [V, E] in blocks along E is the head's kernel
+    [E, V] in groups of its input features)."""
     out = {}
-    for path, w in flat(declare(config)).items():
-        if not w.quantizable:
-            continue
+    for path, (_, w) in quantizable(declare(config)).items():
         names = [name for name, _ in checkpoint_names(w, w.gguf)]
         found = {FORMATS.get(tensors[name].tensor_type) if name in tensors else None for name in names}
         if len(found) == 1 and None not in found:
@@ -160,15 +160,17 @@ def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, 
                  quantized: bool = False) -> ParamTree:
     family = architecture(config.architecture)
     formats = _stored_formats({t.name: t for t in reader.tensors}, config) if quantized else {}
-    declared = flat(declare(config))
+    kernels = quantizable(declare(config))
+    kept = {kernels[path][0] for path in formats}  # declared paths of the kernels kept quantized
     filler = ParamFiller(config, dtype, source, lambda w: w.gguf,
-                         {path: w for path, w in declared.items() if path not in formats})
+                         {path: w for path, w in flat(declare(config)).items() if path not in kept})
     stored, slots = {}, {}
     for path, fmt in formats.items():
         parent = path.rsplit("/", 1)[0]
-        for name, (shape, array_dtype) in fmt.arrays(declared[path].shape).items():
+        weight = kernels[path][1]
+        for name, (shape, array_dtype) in fmt.arrays(weight.kernel_shape).items():
             stored[f"{parent}/{name}"] = np.empty(shape, array_dtype)
-        slots.update({name: (path, index) for name, index in checkpoint_names(declared[path], declared[path].gguf)})
+        slots.update({name: (path, index) for name, index in checkpoint_names(weight, weight.gguf)})
     for tensor in reader.tensors:
         if tensor.name == ROPE_FACTORS:  # part of the config, not a parameter
             continue

@@ -59,8 +59,10 @@ class Weight:
     such tensor). A checkpoint tensor fills the slot of the leaf its name's placeholders pick.
 
     `quantizable`: a kernel that `--quantization` may store as integer codes and scales
-    (`quantized`). The arrays of a quantized kernel are declared too: `storage` is their dtype
-    (whatever the model's), and the codes' `quant` says how the kernel is stored.
+    (`quantized`): the layers' projections, the output head, and an embedding table tied to the
+    head, which is stored as the head's kernel [E, V] (its transpose: `kernel_shape`). The arrays
+    of a quantized kernel are declared too: `storage` is their dtype (whatever the model's), and
+    the codes' `quant` says how the kernel is stored.
     """
 
     shape: tuple[int, ...]
@@ -83,6 +85,17 @@ class Weight:
     def is_kernel(self) -> bool:
         """A matrix `[.., in, out]` that checkpoints store transposed, `[.., out, in]`."""
         return self.init in (KERNEL, ROUTER_KERNEL)
+
+    @property
+    def kernel_shape(self) -> tuple[int, ...]:
+        """The shape [.., in, out] of the kernel this quantizable weight is: its own, but an
+        embedding table [V, E] (tied to the output head) is the head's kernel [E, V]."""
+        return self.shape[::-1] if self.init == EMBEDDING else self.shape
+
+    @property
+    def kernel_axes(self) -> tuple[str | None, ...]:
+        """The logical axes of `kernel_shape`."""
+        return self.axes[::-1] if self.init == EMBEDDING else self.axes
 
     def dtype(self, param_dtype: Any) -> np.dtype:
         if self.storage is not None:
@@ -141,23 +154,36 @@ def nest(leaves: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+def codes_path(path: str) -> str:
+    """Where the codes of the quantizable weight at `path` go: `kernel` beside it (the path of a
+    layer's or the head's kernel itself; `embed/kernel` for a tied embedding table)."""
+    return f"{path.rsplit('/', 1)[0]}/{CODES}"
+
+
+def quantizable(declaration: Declaration) -> dict[str, tuple[str, Weight]]:
+    """{codes path (`codes_path`): (declared path, weight)} of every quantizable weight."""
+    return {codes_path(path): (path, w) for path, w in iter_weights(declaration) if w.quantizable}
+
+
 def quantized(declaration: Declaration, formats: dict[str, QuantFormat]) -> Declaration:
-    """The declaration with each kernel of `formats` ({path: format}, quantizable kernels only)
-    replaced by the arrays that store it (`QuantFormat.arrays`: codes under the kernel's name,
-    scales beside it), on the kernel's logical axes. A per-output-channel scale's single group
-    is not split."""
+    """The declaration with each kernel of `formats` ({codes path: format}, quantizable weights
+    only) replaced by the arrays that store it (`QuantFormat.arrays` of its `kernel_shape`: codes
+    under `kernel`, scales beside them), on the kernel's logical axes. A per-output-channel
+    scale's single group is not split."""
     leaves = flat(declaration)
+    kernels = quantizable(declaration)
     for path, fmt in formats.items():
-        base = leaves.get(path)
-        if base is None or not base.quantizable:
+        if path not in kernels:
             raise ValueError(f"{path} is not a quantizable kernel of this model")
-        del leaves[path]
+        declared, base = kernels[path]
+        del leaves[declared]
         parent = path.rsplit("/", 1)[0]
-        for name, (shape, dtype) in fmt.arrays(base.shape).items():
-            axes = base.axes if shape[-2] > 1 else (*base.axes[:-2], None, base.axes[-1])
+        kernel_axes = base.kernel_axes
+        for name, (shape, dtype) in fmt.arrays(base.kernel_shape).items():
+            axes = kernel_axes if shape[-2] > 1 else (*kernel_axes[:-2], None, kernel_axes[-1])
             leaves[f"{parent}/{name}"] = dataclasses.replace(
-                base, shape=shape, axes=axes, storage=dtype.name, quant=fmt if name == CODES else None,
-                hf=None, gguf=None, quantizable=False)
+                base, shape=shape, axes=axes, init=KERNEL, storage=dtype.name,
+                quant=fmt if name == CODES else None, hf=None, gguf=None, quantizable=False)
     return nest(leaves)
 
 

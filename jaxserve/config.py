@@ -63,9 +63,10 @@ class EngineConfig:
     # The weights': float32, bfloat16, or auto (this machine's faster one: jaxserve/dtype_choice.py;
     # the command line's default).
     dtype: str = "float32"
-    # Weight-only quantization of the layers' dense kernels: none | int8 (per output channel) |
-    # q4 (4 bits, groups of 32) | gguf (a .gguf file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks as stored).
-    # The other weights stay in `dtype`. See checkpoints/quantize.py.
+    # Weight-only quantization of the layers' dense kernels and the output head (a tied embedding
+    # table with it): none | int8 (per output channel) | q4 (4 bits, groups of 32) | gguf (a .gguf
+    # file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks as stored). The other weights stay in `dtype`. See
+    # checkpoints/quantize.py.
     quantization: str = "none"
     attention_backend: str | None = None  # None: the platform default (pallas on GPU)
     tensor_parallel_size: int = 1

@@ -47,9 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 continue
             if f.name == "quantization":
                 group.add_argument(flag, default=default, choices=QUANTIZATIONS,
-                                   help="weight-only quantization of the layers' matmuls: int8 per output channel, "
-                                        "q4 (4 bits, groups of 32), gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks "
-                                        "as stored); checkpoints/quantize.py")
+                                   help="weight-only quantization of the layers' matmuls and the output head: int8 per "
+                                        "output channel, q4 (4 bits, groups of 32; the head int8), gguf (a .gguf "
+                                        "file's Q8_0/Q4_0/Q4_1/Q4_K blocks as stored); checkpoints/quantize.py")
                 continue
             if f.name == "kv_cache_dtype":  # checked by kernels_pallas.kv_quant when the engine starts
                 group.add_argument(flag, default=default,

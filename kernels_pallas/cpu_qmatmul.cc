@@ -9,17 +9,21 @@
 //   4 bits: codes uint8 [L, N / P, K / 2, P] (row 2i in the low nibble, 2i + 1 in the high),
 //           scale and min f16 [L, N / P, K / group, P]; w = code * scale + min.
 //
-// The codes are dequantized in registers, a vector of P / kVecs columns at a time, and the
-// products summed in f32: a tile of R rows x G panels keeps R * G * kVecs accumulators over all of
-// K, loads a group's scales (and mins) once per group, and widens each code vector to f32 once
-// for its R rows. Nothing is dequantized in memory: a step streams 1 byte (8 bits) or half a
-// byte (4 bits) per weight, against 4 for f32. The code is written with the compiler's vector
-// types, so it builds for AVX-512 (16 lanes), AVX2 (8) or anything else the compiler targets.
+// Few rows (under 24 for 8 bits, 12 for 4): the codes are dequantized in registers, a vector of
+// P / kVecs columns at a time, and the products summed in f32: a tile of R rows x G panels keeps
+// R * G * kVecs accumulators over all of K, loads a group's scales (and mins) once per group, and
+// widens each code vector to f32 once for its R rows (a tile of one or two rows scales each group's
+// sums, not each weight: `folded_tile`). Nothing is dequantized in memory: a step streams 1 byte
+// (8 bits) or half a byte (4 bits) per weight, against 4 for f32. Many rows: each panel is
+// dequantized once per unit of work into an f32 buffer in L2, which f32 register tiles read for all
+// the unit's rows (`run_panels`). The code is written with the compiler's vector types,
+// so it builds for AVX-512 (16 lanes), AVX2 (8) or anything else the compiler targets.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -107,14 +111,18 @@ inline Vec widen_signed(const uint8_t* p) {
 }
 
 // The two storages. A step covers `kStep` rows of K: one code row of the panel (kPanel bytes).
+// From `kPanelRows` rows a call dequantizes each panel once (`run_panels`): where that beat the
+// register tiles in `python3 -m bench.qmatmul_cpu` (4 bits cost more to unpack per tile than 8).
 struct Int8 {
   static constexpr int64_t kStep = 1;
+  static constexpr int64_t kPanelRows = 24;
   using Scale = float;
   static Vec scale(const float* p) { return load(p); }
 };
 
 struct Int4 {
   static constexpr int64_t kStep = 2;
+  static constexpr int64_t kPanelRows = 12;
   using Scale = uint16_t;  // f16 bits
   static Vec scale(const uint16_t* p) { return load_halves(p); }
 };
@@ -129,9 +137,62 @@ struct Problem {
   int64_t m, k, n, group;  // group: rows of K per scale
 };
 
+// A tile of one or two rows of outputs (R * G <= 2) with the scales (and mins) applied once per
+// group, not per weight: sum_i x_i (c_i s + z) = s sum_i x_i c_i + z sum_i x_i. Each weight then
+// costs its widening and one multiply-add, not a scaling besides (at one row, where nothing else
+// shares that work, it is most of it); the sums of a group take a second set of R * G * kVecs
+// registers, which only small tiles have.
+template <typename F, int64_t R, int64_t G>
+void folded_tile(const Problem<F>& p, int64_t row, int64_t panel) {
+  Vec acc[R][G][kVecs] = {};
+  const float* x = p.x + row * p.k;
+  const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t first = grp * p.group, last = first + p.group;
+    Vec part[R][G][kVecs] = {};
+    for (int64_t i = first; i < last; i += F::kStep) {
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* c = p.codes + ((panel + g) * code_rows + i / F::kStep) * kPanel;
+        __builtin_prefetch(c + kPrefetch);
+        for (int64_t v = 0; v < kVecs; ++v) {
+          if constexpr (F::kStep == 1) {
+            const Vec w = widen_signed(c + v * kLanes);
+            for (int64_t r = 0; r < R; ++r) part[r][g][v] += x[r * p.k + i] * w;
+          } else {
+            const Bytes b = load_bytes<Bytes>(c + v * kLanes);
+            const Vec lo = widen(b & 15), hi = widen(b >> 4);
+            for (int64_t r = 0; r < R; ++r) part[r][g][v] += x[r * p.k + i] * lo + x[r * p.k + i + 1] * hi;
+          }
+        }
+      }
+    }
+    float xsum[R] = {};
+    if (p.min != nullptr) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = first; i < last; ++i) xsum[r] += x[r * p.k + i];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = ((panel + g) * groups + grp) * kPanel;
+      for (int64_t v = 0; v < kVecs; ++v) {
+        const Vec s = F::scale(p.scale + at + v * kLanes);
+        const Vec z = p.min == nullptr ? Vec{} : load_halves(p.min + at + v * kLanes);
+        for (int64_t r = 0; r < R; ++r) acc[r][g][v] += part[r][g][v] * s + xsum[r] * z;
+      }
+    }
+  }
+  float* out = p.out + row * p.n + panel * kPanel;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + g * kPanel + v * kLanes, acc[r][g][v]);
+}
+
 // out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels' dequantized weights.
 template <typename F, int64_t R, int64_t G>
 void tile(const Problem<F>& p, int64_t row, int64_t panel) {
+  if constexpr (R * G <= 2) {
+    folded_tile<F, R, G>(p, row, panel);
+    return;
+  }
   Vec acc[R][G][kVecs] = {};
   const float* x = p.x + row * p.k;
   const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
@@ -200,12 +261,103 @@ void run(ffi::ThreadPool& pool, const Problem<F>& p) {
   });
 }
 
+// ----- Many rows: each panel dequantized once into a scratch buffer ----------------------------
+//
+// Above, every tile dequantizes its panel's codes again for its R rows: at many rows that costs
+// more than the multiply-adds (4 bits: a widening, a multiply and an add per weight for R = 4
+// multiply-adds). From F::kPanelRows rows a unit of work dequantizes its panel once into a buffer
+// of the thread's, [K, P] f32 (K = 1536: 384 KB, within L2), and runs f32 register tiles of
+// kF32Rows rows over all its rows against it, as the f32 layer matmul does on its panels.
+
+#if defined(__AVX512F__)
+constexpr int64_t kF32Rows = 6;  // 6 x 4 accumulators beside the 4 weight vectors, of 32 registers
+#else
+constexpr int64_t kF32Rows = 3;  // 3 x 4 of 16
+#endif
+constexpr int64_t kMinPanelBlock = 32;  // fewest rows a unit dequantizes a panel for (but a call's all)
+
+// Panel `panel` of the layer as f32 weights [K, P] into `w`.
+template <typename F>
+void dequantize_panel(const Problem<F>& p, int64_t panel, float* w) {
+  const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
+  const uint8_t* codes = p.codes + panel * code_rows * kPanel;
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t at = (panel * groups + grp) * kPanel;
+    Vec s[kVecs], z[kVecs];
+    for (int64_t v = 0; v < kVecs; ++v) {
+      s[v] = F::scale(p.scale + at + v * kLanes);
+      z[v] = p.min == nullptr ? Vec{} : load_halves(p.min + at + v * kLanes);
+    }
+    for (int64_t i = grp * p.group; i < (grp + 1) * p.group; i += F::kStep) {
+      const uint8_t* c = codes + i / F::kStep * kPanel;
+      float* out = w + i * kPanel;
+      for (int64_t v = 0; v < kVecs; ++v) {
+        if constexpr (F::kStep == 1) {
+          store(out + v * kLanes, widen_signed(c + v * kLanes) * s[v]);
+        } else {
+          const Bytes b = load_bytes<Bytes>(c + v * kLanes);
+          store(out + v * kLanes, widen(b & 15) * s[v] + z[v]);
+          store(out + kPanel + v * kLanes, widen(b >> 4) * s[v] + z[v]);
+        }
+      }
+    }
+  }
+}
+
+// out[R rows from `row`, panel `panel`] = x[rows] @ w, the panel's f32 weights [K, P].
+template <typename F, int64_t R>
+void f32_tile(const Problem<F>& p, const float* w, int64_t row, int64_t panel) {
+  Vec acc[R][kVecs] = {};
+  const float* x = p.x + row * p.k;
+  for (int64_t i = 0; i < p.k; ++i, w += kPanel) {
+    Vec b[kVecs];
+    for (int64_t v = 0; v < kVecs; ++v) b[v] = load(w + v * kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec a = Vec{} + x[r * p.k + i];
+      for (int64_t v = 0; v < kVecs; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  float* out = p.out + row * p.n + panel * kPanel;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + v * kLanes, acc[r][v]);
+}
+
+template <typename F, int64_t... R>
+void short_f32_tile(const Problem<F>& p, const float* w, int64_t rows, int64_t row, int64_t panel,
+                    std::integer_sequence<int64_t, R...>) {
+  ((rows == R + 1 && (f32_tile<F, R + 1>(p, w, row, panel), true)) || ...);
+}
+
+// Units of a panel by a block of rows (panel major), enough of them to keep every thread busy
+// but no block under kMinPanelBlock rows; each dequantizes its panel into its thread's buffer
+// (kept between calls: mapping it again would cost page faults every call) and runs its rows.
+template <typename F>
+void run_panels(ffi::ThreadPool& pool, const Problem<F>& p) {
+  const int64_t panels = p.n / kPanel, workers = pool.num_threads() + 1;
+  const int64_t wanted = (4 * workers + panels - 1) / panels;  // row blocks for ~4 units per thread
+  const int64_t blocks = std::max<int64_t>(1, std::min(wanted, p.m / kMinPanelBlock));
+  const int64_t block = (p.m + blocks - 1) / blocks;
+  parallel_units(pool, panels * blocks, (p.m + 16) * p.k * p.n, [p, blocks, block](int64_t u) {
+    thread_local std::vector<float> buffer;
+    buffer.resize(p.k * kPanel);
+    const int64_t panel = u / blocks, first = u % blocks * block, last = std::min(first + block, p.m);
+    dequantize_panel(p, panel, buffer.data());
+    int64_t row = first;
+    for (; row + kF32Rows <= last; row += kF32Rows) f32_tile<F, kF32Rows>(p, buffer.data(), row, panel);
+    if (row < last) {
+      short_f32_tile(p, buffer.data(), last - row, row, panel, std::make_integer_sequence<int64_t, kF32Rows - 1>{});
+    }
+  });
+}
+
 // A call of one row takes two panels at once, so that its tile has enough accumulators to hide
-// the latency of its multiply-adds.
+// the latency of its multiply-adds; from F::kPanelRows rows each panel is dequantized once.
 template <typename F>
 void run_layer(ffi::ThreadPool& pool, const Problem<F>& p) {
   if (p.m == 1) {
     run<F, 1, 2>(pool, p);
+  } else if (p.m >= F::kPanelRows) {
+    run_panels(pool, p);
   } else {
     run<F, kRows, 1>(pool, p);
   }

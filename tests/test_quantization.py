@@ -5,8 +5,9 @@ and scales dequantize to (the same function, so only f32 rounding differs): `q4`
 kernels (the layers whose output features fill their panels) and the dequantize-then-dot of the
 others, `int8` through XLA's path alone (the `jax` attention backend takes no C++ matmul; slow). Served
 after warm-up it compiles nothing and leaves the KV pool free, and its weight bytes are those its
-declaration says. A GGUF file's Q8_0 / Q4_0 / Q4_1 blocks served as stored give the tokens of the
-same file dequantized to f32."""
+declaration says. A GGUF file's Q8_0 / Q4_0 / Q4_1 blocks served as stored (the output head's too) give
+the tokens of the same file dequantized to f32. The output head is quantized too (int8 in groups
+of 32 under `int8` and `q4`); tests/test_quantized_head.py tests it."""
 
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def test_quantized_engine_gives_the_tokens_of_its_dequantized_weights(model, mod
     assert_kv_all_free(llm.engine)
     formats = runner.quantization
     assert set(formats) == {f"layers/{n}/kernel" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj")}
+                                                           "up_proj", "down_proj")} | {"lm_head/kernel"}
+    assert (formats["lm_head/kernel"].bits, formats["lm_head/kernel"].group) == (8, 32)  # the head: int8 in q4 too
     declared = abstract(quantized(declare(runner.config), formats), np.float32)
     assert runner.weight_bytes == sum(np.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(declared))
     assert runner.weight_bytes < (0.6 if mode == "int8" else 0.5) * sum(a.nbytes for a in jax.tree.leaves(model.params))
@@ -98,12 +100,14 @@ def test_quantized_engine_gives_the_tokens_of_its_dequantized_weights(model, mod
 def test_gguf_blocks_served_as_stored_give_the_tokens_of_the_dequantized_file(model, tmp_path):
     path = tmp_path / "tiny.gguf"
     types = {"attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q4_0,
-             "ffn_gate.weight": Q.Q8_0, "ffn_up.weight": Q.Q4_1, "ffn_down.weight": Q.F16}  # F16: dequantized
+             "ffn_gate.weight": Q.Q8_0, "ffn_up.weight": Q.Q4_1, "ffn_down.weight": Q.F16,  # F16: dequantized
+             "output.weight": Q.Q4_1}
     write_tiny_gguf(path, model, types=types)
     served = LLM(str(path), quantization="gguf", warm_up=False, **ENGINE)
     formats = {path: (fmt.bits, fmt.group) for path, fmt in served.engine.runner.quantization.items()}
     assert formats == {"layers/q_proj/kernel": (4, 32), "layers/k_proj/kernel": (4, 32),
                        "layers/v_proj/kernel": (8, 32), "layers/o_proj/kernel": (4, 32),
-                       "layers/gate_proj/kernel": (8, 32), "layers/up_proj/kernel": (4, 32)}
+                       "layers/gate_proj/kernel": (8, 32), "layers/up_proj/kernel": (4, 32),
+                       "lm_head/kernel": (4, 32)}
     assert served.engine.runner.params["layers"]["down_proj"]["kernel"].dtype == np.float32
     assert tokens(served) == tokens(LLM(str(path), warm_up=False, **ENGINE))

@@ -60,13 +60,15 @@ def linear(config: ModelConfig, fan_in: int, fan_out: int, axes: tuple[str | Non
 def embedding_and_head(config: ModelConfig) -> Declaration:
     v, e = config.vocab_size, config.hidden_size
     out: Declaration = {
+        # tied: the table is the output head too, and quantizable as its kernel [E, V]
         "embed": {"embedding": Weight((v, e), (VOCAB, EMBED), EMBEDDING, hf="model.embed_tokens.weight",
-                                      gguf="token_embd.weight")},
+                                      gguf="token_embd.weight", quantizable=config.tie_word_embeddings)},
         "final_norm": {"scale": Weight((e,), (EMBED,), SCALE, float32=True, hf="model.norm.weight",
                                        gguf="output_norm.weight")},
     }
     if not config.tie_word_embeddings:
-        out["lm_head"] = {"kernel": Weight((e, v), (EMBED, VOCAB), KERNEL, hf="lm_head.weight", gguf="output.weight")}
+        out["lm_head"] = {"kernel": Weight((e, v), (EMBED, VOCAB), KERNEL, hf="lm_head.weight", gguf="output.weight",
+                                           quantizable=True)}
     return out
 
 

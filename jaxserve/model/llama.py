@@ -37,10 +37,10 @@ from jax import lax
 
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
-from checkpoints.quant_format import QuantFormat
+from checkpoints.quant_format import SCALE, QuantFormat
 from checkpoints.weights import LAYERS, Weight, flat, quantized
 from jaxserve.model.experts import activation, expert_backend, expert_load, route
-from jaxserve.model.quantized import quantized_matmul
+from jaxserve.model.quantized import QuantizedEmbed, quantized_matmul, stored_matmul
 from jaxserve.model.lora import LoraStacks, lora_delta
 from jaxserve.model.rope import RopeTables, apply_rope, rope_tables
 from kernels_pallas import AttentionBackend, kv_quant
@@ -288,15 +288,20 @@ def pack_kernels(params: Any) -> Any:
 
 def panel_kernels(params: Any, cpu_matmul: CpuMatmul) -> Any:
     """The parameters with each stacked layer kernel [L, in, out] that `cpu_matmul` takes
-    stored as its panels [L, out / P, in, P] (a quantized kernel's codes and scales each so);
-    `Linear(cpu_matmul=...)` reads them."""
+    stored as its panels [L, out / P, in, P] (a quantized kernel's codes and scales each so),
+    and a quantized output head's arrays [rows, V] as a stack of one [1, V / P, rows, P];
+    `Linear(cpu_matmul=...)` and `QuantizedEmbed` read them."""
     def convert(path, x):
         name = jax.tree_util.keystr(path)
-        quantized = name.endswith(("['kernel_scale']", "['kernel_min']"))  # beside quantized codes
-        if ("layers" not in name or not (name.endswith("['kernel']") or quantized) or x.ndim != 3
-                or not cpu_matmul.takes(x.shape[-1])):
+        quantized = (name.endswith(("['kernel_scale']", "['kernel_min']"))  # beside quantized codes
+                     or (name.endswith("['kernel']") and jnp.issubdtype(x.dtype, jnp.integer)))
+        if x.ndim not in (2, 3) or not cpu_matmul.takes(x.shape[-1]):
             return x
-        return to_panels(x, cpu_matmul.panel)
+        if "layers" in name and x.ndim == 3 and (quantized or name.endswith("['kernel']")):
+            return to_panels(x, cpu_matmul.panel)
+        if "layers" not in name and x.ndim == 2 and quantized:
+            return to_panels(x[None], cpu_matmul.panel)
+        return x
     return jax.tree_util.tree_map_with_path(convert, params)
 
 
@@ -405,10 +410,13 @@ class LlamaModel(nn.Module):
         `lora`: the adapters' device slots (jaxserve/model/lora.py), read at `meta.lora_slots`."""
         cfg = self.config
         act = self.compute_dtype
-        weights = flat(declare(cfg))
+        weights = flat(quantized(declare(cfg), dict(self.quantization)))
         experts = self.experts or (expert_backend(cfg) if cfg.num_experts else None)
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=act, param_dtype=self.dtype,
-                         embedding_init=weights["embed/embedding"].flax_init(), name="embed")
+        if "embed/kernel" in weights:  # a tied table stored quantized as the head's kernel
+            embed = QuantizedEmbed(weights["embed/kernel"], act, self.dtype, self.cpu_matmul, name="embed")
+        else:
+            embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=act, param_dtype=self.dtype,
+                             embedding_init=weights["embed/embedding"].flax_init(), name="embed")
         h = embed(tokens)
         if cfg.scale_embeddings:  # by sqrt(hidden) rounded to the weights' dtype, as Gemma does
             h = h * jnp.asarray(cfg.hidden_size**0.5, self.dtype).astype(act)
@@ -437,12 +445,15 @@ class LlamaModel(nn.Module):
         if cfg.num_experts:
             self.sow("intermediates", "expert_load", load)
         h = RMSNorm(weights["final_norm/scale"], cfg.rms_norm_eps, act, name="final_norm")(h[logits_indices])
-        if cfg.tie_word_embeddings and self.cpu_matmul is not None and self.cpu_matmul.takes_head(h, embed.embedding):
+        if isinstance(embed, QuantizedEmbed):
+            logits = embed.attend(h)
+        elif cfg.tie_word_embeddings and self.cpu_matmul is not None and self.cpu_matmul.takes_head(h, embed.embedding):
             logits = self.cpu_matmul.head(h, embed.embedding)
         elif cfg.tie_word_embeddings:
             logits = matmul(h, embed.embedding, contract_w=1)
-        else:
-            logits = Linear(weights["lm_head/kernel"], None, jnp.float32, self.dtype, name="lm_head")(h)
+        else:  # a quantized head on the C++ kernel where one is given (in panels: `panel_kernels`)
+            logits = Linear(weights["lm_head/kernel"], None, jnp.float32, self.dtype, cpu_matmul=self.cpu_matmul,
+                            name="lm_head")(h)
         return logits, KVCache(k, v)
 
     def _scanned_layers(self, num_layers: int, experts: Callable[..., jax.Array] | None, **module: Any) -> nn.Module:
@@ -477,6 +488,9 @@ def head_logits(config: ModelConfig, params: Any, hidden: jax.Array) -> jax.Arra
     """f32 logits of last hidden states (the `hidden` rows `LlamaModel` sows): its final norm
     and output head, with its parameters."""
     x = final_norm(config, params, hidden)
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    if SCALE in head:  # quantized (`--quantization`)
+        return stored_matmul(x, head, None, x.dtype)
     if config.tie_word_embeddings:
-        return matmul(x, params["embed"]["embedding"], contract_w=1)
-    return matmul(x, params["lm_head"]["kernel"])
+        return matmul(x, head["embedding"], contract_w=1)
+    return matmul(x, head["kernel"])

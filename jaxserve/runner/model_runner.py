@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
 from checkpoints.digest import weights_digest
-from checkpoints.quantize import INT8, Q4, formats_of, quantize_params
+from checkpoints.quantize import GGUF, INT8, Q4, formats_of, quantize_head, quantize_params
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.model import KVCache, LlamaModel
@@ -86,9 +86,12 @@ class ModelRunner:
                          and self.mesh.size == 1 and not engine_config.unroll_layers)
         matmul = cpu_matmul.kernels() if native_matmul else None
         experts = expert_backend(config, self.mesh) if config.num_experts else None
-        # Weight-only quantization: kernels quantized here (int8, q4), or as the checkpoint stored them (gguf).
+        # Weight-only quantization: kernels quantized here (int8, q4), or as the checkpoint stored them
+        # (gguf; its output head quantized here where the file's type is not one kept as stored).
         if engine_config.quantization in (INT8, Q4):
             params = quantize_params(params, config, engine_config.quantization)
+        elif engine_config.quantization == GGUF:
+            params = quantize_head(params, config)
         self.quantization = formats_of(params)
         pipeline = pipeline_layers(self.mesh, engine_config) if self.stages is not None else None
         self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts,

@@ -4,8 +4,8 @@ and scales, and multiplied in f64. The kernel computes exactly those dequantized
 but for its f32 rounding (the dequantized weight, and the sums), so the tolerance is f32's.
 
 Int8 per channel and in groups of 32 (GGUF Q8_0's), 4 bits in groups of 32: every tile height and
-the rows left over, one-row calls over an odd number of panels, a layer of the stack, and its
-refusals. The quantizer itself: each weight within half a step of its group's grid. The same
+the rows left over, many rows (each panel dequantized once into a buffer), one-row calls over an
+odd number of panels, a layer of the stack, and its refusals. The quantizer itself: each weight within half a step of its group's grid. The same
 tests run again in a subprocess on kernels built without AVX-512 (AVX2 vectors, F16C scales;
 marked slow)."""
 
@@ -61,6 +61,14 @@ def check(kind: str, m: int, k: int, panels: int, layer: int = 1, layers: int = 
 @pytest.mark.parametrize("m", [1, 3, 5, 33])
 def test_every_tile_height(kind, m):
     check(kind, m, 96 if kind == "int8" else 128, 2)
+
+
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+@pytest.mark.parametrize("m, panels", [(12, 2), (24, 1), (70, 3), (257, 2)])
+def test_many_rows_dequantize_each_panel_once_and_give_the_same_products(kind, m, panels):
+    """From 24 rows (4 bits: 12) a panel is dequantized into a buffer and f32 tiles run over it: row blocks
+    split over the threads, tiles of every height left over."""
+    check(kind, m, 96 if kind == "int8" else 128, panels)
 
 
 @pytest.mark.parametrize("kind", sorted(FORMATS))

@@ -24,6 +24,8 @@ def main() -> None:
             "specs": {f"{name}/{leaf}": list(layers[name][leaf].sharding.spec)
                       for name in ("q_proj", "o_proj") for leaf in ("kernel", "kernel_scale")},
             "dtypes": {name: str(layers[name]["kernel"].dtype) for name in ("q_proj", "down_proj")},
+            "head_specs": {leaf: list(engine.runner.params["lm_head"][leaf].sharding.spec)
+                           for leaf in ("kernel", "kernel_scale")},
         }
     print(json.dumps(out))
 

@@ -127,3 +127,14 @@ def test_quantized_arrays_shard_like_their_kernels(mode):
     row_parallel_scale = P() if mode == "int8" else P(None, "tp", None)
     assert layers["down_proj"]["kernel_scale"].spec == row_parallel_scale
     assert tree["layers"]["q_proj"]["kernel"].dtype == (np.int8 if mode == "int8" else np.uint8)
+    # the output head [E, V] (int8 in groups of 32 in both modes), vocab-parallel like the float head
+    assert shardings["lm_head"]["kernel"].spec == shardings["lm_head"]["kernel_scale"].spec == P(None, "tp")
+
+
+@pytest.mark.parametrize("mode", ["int8", "q4"])
+def test_a_tied_table_quantized_as_the_head_splits_over_the_vocabulary(mode):
+    config = tiny_random_config(num_heads=8, tie_word_embeddings=True, vocab_size=320)
+    tree = quantize_params(random_params(config), config, mode)
+    assert set(tree["embed"]) == {"kernel", "kernel_scale"} and tree["embed"]["kernel"].shape == (64, 320)
+    shardings = param_shardings(tree, TP4, config, formats_of(tree))
+    assert shardings["embed"]["kernel"].spec == shardings["embed"]["kernel_scale"].spec == P(None, "tp")
