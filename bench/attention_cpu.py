@@ -5,6 +5,7 @@ C++ kernels, the CPU default) against `jax` (paged_jax) and the floors measured 
     python3 -m bench.attention_cpu            # SmolLM2-135M: 9 heads, 3 kv heads, head_dim 64
     python3 -m bench.attention_cpu --layers 30 --iters 3
     python3 -m bench.attention_cpu --kv-cache-dtypes float32 bfloat16 int8 fp8   # the cpu kernels per cache format
+    python3 -m bench.attention_cpu --long-prompt   # f32 against bf16 queries (bf16 pairs) on a long prompt
 
 Prefill cases are S sequences of `chunk` new tokens over `history` cached ones in a step of
 S * chunk rows with block tables `width` pages wide (the step's bucket: wider than the
@@ -49,11 +50,11 @@ def matmul_flops_per_s(iters: int) -> float:
 
 
 def bench_prefill(module, num_seqs: int, chunk: int, history: int, width: int, iters: int,
-                  kv_dtype: str = "float32") -> tuple[float, float]:
+                  kv_dtype: str = "float32", q_dtype: str = "float32") -> tuple[float, float]:
     """(seconds per layer of `module`'s prefill_attention, useful FLOPs)."""
     k, v = _cache(num_seqs, width, kv_dtype)
     tables = scattered_tables(np.random.default_rng(0), num_seqs, width)
-    q = jax.random.normal(jax.random.key(1), (num_seqs * chunk, KV_HEADS * GROUP, HEAD_DIM))
+    q = jax.random.normal(jax.random.key(1), (num_seqs * chunk, KV_HEADS * GROUP, HEAD_DIM)).astype(q_dtype)
     seq_lens = jnp.full((num_seqs,), history + chunk, jnp.int32)
     query_start = jnp.arange(num_seqs + 1, dtype=jnp.int32) * chunk
     fn = jax.jit(functools.partial(module.prefill_attention, scale=HEAD_DIM**-0.5))
@@ -89,13 +90,38 @@ def compare_formats(names: list[str], iters: int) -> None:
               + " ".join(f"{t / seconds[0]:9.2f}" for t in seconds[1:]))
 
 
+# The prefill chunks of a 1,075-token prompt at --max-num-batched-tokens 512: (chunk, history).
+LONG_PROMPT = [(512, 0), (512, 512), (51, 1024)]
+
+
+def compare_query_dtypes(kv_dtypes: list[str], iters: int, layers: int) -> None:
+    """A long prompt's prefill attention with f32 queries (an f32 model: f32 products) and bf16
+    ones (a bf16 model: bf16 pairs where the CPU has AVX512-BF16), on caches of each format."""
+    for kv_dtype in kv_dtypes:
+        totals = {}
+        for q_dtype in ("float32", "bfloat16"):
+            runs = [bench_prefill(cpu_attention, 1, chunk, history, 80, iters, kv_dtype, q_dtype)
+                    for chunk, history in LONG_PROMPT]
+            totals[q_dtype] = sum(t for t, _ in runs)
+            rate = sum(f for _, f in runs) / totals[q_dtype] / 1e9
+            print(f"{kv_dtype} cache, {q_dtype} queries: {totals[q_dtype] * layers * 1e3:.0f} ms over {layers} layers "
+                  f"({rate:.0f} GFLOP/s)")
+        print(f"{kv_dtype} cache: bf16 queries take {totals['bfloat16'] / totals['float32']:.2f}x f32's time")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30, help="layers per step (the ms/step column)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=None, metavar="DTYPE",
                         help="instead: the cpu kernels on caches of these formats (--kv-cache-dtype values)")
+    parser.add_argument("--long-prompt", action="store_true",
+                        help="instead: a 1,075-token prompt's prefill chunks with f32 and bf16 queries, on caches "
+                             "of --kv-cache-dtypes (default float32 bfloat16)")
     args = parser.parse_args()
+    if args.long_prompt:
+        compare_query_dtypes(args.kv_cache_dtypes or ["float32", "bfloat16"], args.iters, args.layers)
+        return
     if args.kv_cache_dtypes:
         compare_formats(args.kv_cache_dtypes, args.iters)
         return
