@@ -106,8 +106,8 @@ def _client() -> Any:
 
 
 def publish(key: str, value: str) -> None:
-    """Make `value` readable by every process of the job under `key`."""
-    _client().key_value_set(key, value)
+    """Make `value` readable by every process of the job under `key` (replacing what was there)."""
+    _client().key_value_set(key, value, allow_overwrite=True)
 
 
 def lookup(key: str, timeout_s: float) -> str:

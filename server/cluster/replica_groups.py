@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+import sys
 import threading
+from typing import NoReturn
 
 import jax
 
@@ -38,7 +41,7 @@ def serve_replica_groups(args: argparse.Namespace, start_engine: StartEngine) ->
     """Run this process's part of the job: 0 after a graceful stop, 1 when its engine failed."""
     engine = start_engine()  # (SystemExit where the processes' devices cannot hold the replicas)
     if engine is None:  # a follower: it replayed its leader's steps until the leader stopped
-        return 0
+        _leave(0)
     per_replica = args.tensor_parallel_size * args.pipeline_parallel_size * args.expert_parallel_size
     layout = multihost.job_layout(args.data_parallel_size, per_replica)
     listener = WorkerListener(engine, multihost.reachable_address(), 0)
@@ -49,11 +52,27 @@ def serve_replica_groups(args: argparse.Namespace, start_engine: StartEngine) ->
             asyncio.run(_serve_group(listener, layout, args.shutdown_timeout))
     finally:
         asyncio.run(engine.aclose())
+        if jax.process_index() == 0:
+            multihost.publish(STOP_KEY, "stop")  # (again: the app may have failed before its cleanup)
     if engine.fatal_error is not None:
         print(f"server stopped: the engine failed ({engine.fatal_error!r})", flush=True)
-        return 1
-    print("server stopped", flush=True)
-    return 0
+        code = 1
+    else:
+        print("server stopped", flush=True)
+        code = 0
+    if jax.process_index() != 0:
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> NoReturn:
+    """End a process other than 0 without `jax.distributed`'s exit-time shutdown: the job's
+    coordination service runs in process 0, which may be gone by then (with recoverability on its
+    own shutdown does not wait for the others), and a shutdown that cannot reach it aborts the
+    process (SIGABRT) instead of exiting with `code`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _front_door(args: argparse.Namespace, engine: EngineClient, listener: WorkerListener, layout: ProcessLayout):
