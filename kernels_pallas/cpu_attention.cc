@@ -11,7 +11,7 @@
 //
 // Vectors are the machine's registers (cpu_vector.h).
 //
-// Prefill of bf16 queries (a bf16 model) takes its products in bf16 pairs (cpu_bf16.h; one
+// Prefill of bf16 queries (bf16 activations) takes its products in bf16 pairs (cpu_bf16.h; one
 // AVX512-BF16 dot product per two multiply-adds where the CPU has it): Q^T and each key block as
 // pairs along the head dimension, the softmax weights P^T and each value block as pairs along the
 // keys. The queries and a bf16 cache's rows are bf16 already, so the only new rounding is P's

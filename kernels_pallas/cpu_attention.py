@@ -83,7 +83,7 @@ def prefill_attention(
 ) -> jax.Array:
     """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's
     history (the contract of `reference.prefill_attention`); zeros at rows past the last chunk.
-    bf16 queries (a bf16 model) take their products in bf16 pairs where the CPU has AVX512-BF16
+    bf16 queries (bf16 activations) take their products in bf16 pairs where the CPU has AVX512-BF16
     (the softmax weights rounded to bf16; `cpu_attention.cc`)."""
     return _call(PREFILL_TARGET, q, k_cache, v_cache, layer, (block_tables, seq_lens, query_start), scale, soft_cap,
                  sliding_window, bf16_products=np.int32(q.dtype == jnp.bfloat16))
