@@ -27,20 +27,12 @@ class ProcessLayout:
     def groups(self) -> int:
         return self.processes // self.processes_per_group
 
-    @property
-    def leaders(self) -> list[int]:
-        """The first process of each group, in group order."""
-        return list(range(0, self.processes, self.processes_per_group))
-
     def group_of(self, process: int) -> int:
         return process // self.processes_per_group
 
     def members(self, group: int) -> range:
         """The processes of `group`, its leader first."""
         return range(group * self.processes_per_group, (group + 1) * self.processes_per_group)
-
-    def is_leader(self, process: int) -> bool:
-        return process % self.processes_per_group == 0
 
 
 def plan_processes(data_parallel_size: int, devices_per_replica: int, local_devices: int,

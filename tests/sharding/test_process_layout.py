@@ -10,13 +10,13 @@ from sharding.process_layout import ProcessLayout, plan_processes
 def test_one_engine_over_every_process_is_one_group():
     layout = plan_processes(1, devices_per_replica=8, local_devices=2, processes=4)
     assert layout == ProcessLayout(processes=4, processes_per_group=4, replicas_per_group=1)
-    assert layout.groups == 1 and layout.leaders == [0] and list(layout.members(0)) == [0, 1, 2, 3]
+    assert layout.groups == 1 and list(layout.members(0)) == [0, 1, 2, 3]
 
 
 def test_a_replica_per_process():
     layout = plan_processes(2, devices_per_replica=1, local_devices=1, processes=2)
-    assert (layout.groups, layout.leaders, layout.replicas_per_group) == (2, [0, 1], 1)
-    assert [layout.group_of(p) for p in range(2)] == [0, 1] and all(layout.is_leader(p) for p in range(2))
+    assert (layout.groups, layout.replicas_per_group) == (2, 1)
+    assert [layout.group_of(p) for p in range(2)] == [0, 1] and [list(layout.members(g)) for g in (0, 1)] == [[0], [1]]
 
 
 def test_several_replicas_per_process():
@@ -26,9 +26,8 @@ def test_several_replicas_per_process():
 
 def test_replicas_spanning_two_processes_each():
     layout = plan_processes(2, devices_per_replica=4, local_devices=2, processes=4)
-    assert (layout.groups, layout.leaders) == (2, [0, 2])
+    assert layout.groups == 2 and list(layout.members(0)) == [0, 1]
     assert list(layout.members(1)) == [2, 3] and layout.group_of(3) == 1
-    assert not layout.is_leader(3) and layout.is_leader(2)
 
 
 @pytest.mark.parametrize("dp, per_replica, local, processes, message", [

@@ -48,6 +48,13 @@ def _one_device_text() -> str:
     return text
 
 
+def _job_command(port: int, tmp_path, processes: int, *flags: str) -> list[str]:
+    """`jaxserve serve` arguments of a `processes`-process job on the tiny model (add --process-id)."""
+    return ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", *flags,
+            "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(processes),
+            "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+
+
 def _completion_text(port: int, prompt: list[int]) -> str:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
     reply = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
@@ -59,9 +66,7 @@ def _completion_text(port: int, prompt: list[int]) -> str:
 @pytest.mark.slow
 def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
     port = free_port()
-    common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", "--tensor-parallel-size", "2",
-              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2",
-              "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    common = _job_command(port, tmp_path, 2, "--tensor-parallel-size", "2")
     with ChildProcess(jaxserve(*common, "--process-id", "0")) as leader, \
             ChildProcess(jaxserve(*common, "--process-id", "1")) as follower:
         leader.wait_for("Running on", timeout=300)
@@ -116,9 +121,7 @@ def _serve_processes(tmp_path, processes: int, *flags: str) -> tuple[list[str], 
     """Start a `processes`-process `jaxserve serve` job, run `_seeded_and_greedy_texts`, SIGTERM
     process 0; returns the texts and each process's output (every process exited with 0)."""
     port = free_port()
-    common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", *flags,
-              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(processes),
-              "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    common = _job_command(port, tmp_path, processes, *flags)
     children = [ChildProcess(jaxserve(*common, "--process-id", str(i))) for i in range(processes)]
     try:
         for child in children:
@@ -148,9 +151,7 @@ def test_two_processes_serve_two_data_parallel_replicas(tmp_path):
 def test_two_processes_serve_one_pipeline_of_two_stages(tmp_path):
     """Stage 0 on process 0's device, stage 1 on process 1's: activations cross processes."""
     port = free_port()
-    common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1",
-              "--pipeline-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{free_port()}",
-              "--num-processes", "2", "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    common = _job_command(port, tmp_path, 2, "--pipeline-parallel-size", "2")
     with ChildProcess(jaxserve(*common, "--process-id", "0")) as leader, \
             ChildProcess(jaxserve(*common, "--process-id", "1")) as follower:
         leader.wait_for("Running on", timeout=300)
@@ -166,9 +167,7 @@ def test_a_killed_replica_group_leaves_the_others_serving(tmp_path):
     """SIGKILL on process 1 of a dp=2 job: process 0's router routes around it, and the job's
     coordination service does not stop process 0 when process 1's heartbeats end (~100 s)."""
     port = free_port()
-    common = ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", "--data-parallel-size", "2",
-              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2",
-              "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    common = _job_command(port, tmp_path, 2, "--data-parallel-size", "2")
     with ChildProcess(jaxserve(*common, "--process-id", "0")) as front, \
             ChildProcess(jaxserve(*common, "--process-id", "1")) as other:
         front.wait_for("Running on", timeout=600)
