@@ -247,7 +247,7 @@ namespace {
 
 constexpr int64_t kTileVecs = 2;                    // vectors of queries per tile
 constexpr int64_t kTileQueries = kTileVecs * kLanes;
-constexpr int64_t kKeyTile = 4;                     // keys (or head dims) per register tile
+constexpr int64_t kKeyTile = 8;                     // keys (or head dims) per register tile
 constexpr int64_t kKeyBlock = 64;                   // keys per online-softmax step
 
 struct Ragged {
@@ -276,17 +276,15 @@ struct PrefillScratch {
   std::vector<int64_t> rows;
 };
 
-// A key block's rows [kKeyBlock][D] as bf16 pairs along the head dimension (a bf16 cache's rows
-// are read in place), and its values as pairs along the keys, transposed: vp[d][t] holds values
-// 2t and 2t + 1 of dimension d.
+// A key row as bf16 pairs along the head dimension (a bf16 cache's row is read in place).
+// (Values become pairs along the keys in `prefill_tile`: vp[t][d] holds values 2t and 2t + 1 of
+// dimension d, built a vector of dimensions at a time.)
 template <typename T, int64_t D>
 const Pairs* key_pairs(const T* row, float* widened, Pairs* scratch) {
   if constexpr (std::is_same_v<T, uint16_t> && !kScaled<T>) {
     return reinterpret_cast<const Pairs*>(row);
   } else {
-    const float* f = row_as_f32<T, D>(row, widened);
-    for (int64_t e = 0; e < D / 2; ++e)
-      scratch[e] = static_cast<Pairs>(to_bf16(f[2 * e])) | static_cast<Pairs>(to_bf16(f[2 * e + 1])) << 16;
+    pairs_in_order(row_as_f32<T, D>(row, widened), D / 2, scratch);
     return scratch;
   }
 }
@@ -314,9 +312,9 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
   Pairs* qp = scratch.qp.data();
   if constexpr (kPairs) {
     for (int64_t e = 0; e < D / 2; ++e)
-      for (int64_t u = 0; u < kTileQueries; ++u)
-        qp[e * kTileQueries + u] = static_cast<Pairs>(to_bf16(qt[2 * e * kTileQueries + u])) |
-                                   static_cast<Pairs>(to_bf16(qt[(2 * e + 1) * kTileQueries + u])) << 16;
+      for (int64_t i = 0; i < kTileQueries; i += kLanes)
+        store_pairs(qp + e * kTileQueries + i,
+                    pair_lanes(load(qt + 2 * e * kTileQueries + i), load(qt + (2 * e + 1) * kTileQueries + i)));
   }
   std::fill(ot, ot + D * kTileQueries, 0.0f);
   const int64_t last_key = first_pos + row_hi;  // the tile's last row sees keys [0, last_key]
@@ -414,12 +412,11 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
     Pairs* vp = scratch.vp.data();
     if constexpr (kPairs) {  // P^T and V^T as pairs of keys (P is zero past nb)
       for (int64_t t = 0; t < nb_pairs; ++t) {
-        for (int64_t u = 0; u < kTileQueries; ++u)
-          pp[t * kTileQueries + u] = static_cast<Pairs>(to_bf16(st[2 * t * kTileQueries + u])) |
-                                     static_cast<Pairs>(to_bf16(st[(2 * t + 1) * kTileQueries + u])) << 16;
-        for (int64_t d = 0; d < D; ++d)
-          vp[d * (kKeyBlock / 2) + t] = static_cast<Pairs>(to_bf16(vrow[2 * t][d])) |
-                                        static_cast<Pairs>(to_bf16(vrow[2 * t + 1][d])) << 16;
+        for (int64_t i = 0; i < kTileQueries; i += kLanes)
+          store_pairs(pp + t * kTileQueries + i,
+                      pair_lanes(load(st + 2 * t * kTileQueries + i), load(st + (2 * t + 1) * kTileQueries + i)));
+        for (int64_t d = 0; d < D; d += kLanes)
+          store_pairs(vp + t * D + d, pair_lanes(load(vrow[2 * t] + d), load(vrow[2 * t + 1] + d)));
       }
     }
     for (int64_t d0 = 0; d0 < D; d0 += kKeyTile) {
@@ -431,7 +428,7 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
           IVec pt[kTileVecs];
           for (int64_t i = 0; i < kTileVecs; ++i) pt[i] = load_pairs(pp + t * kTileQueries + i * kLanes);
           for (int64_t d = 0; d < kKeyTile; ++d) {
-            const IVec vd = splat(vp[(d0 + d) * (kKeyBlock / 2) + t]);
+            const IVec vd = splat(vp[t * D + d0 + d]);
             for (int64_t i = 0; i < kTileVecs; ++i) madd_pairs(acc[d][i], vd, pt[i]);
           }
         }

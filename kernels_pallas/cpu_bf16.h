@@ -33,6 +33,32 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Lane by lane, bf16(f[i]) (rounded as `to_bf16`) in the low half of a 32-bit lane.
+inline IVec bf16_lanes(Vec f) {
+  using UVec = uint32_t __attribute__((vector_size(sizeof(Vec))));
+  const UVec u = reinterpret_cast<UVec>(f);
+  const UVec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return reinterpret_cast<IVec>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+// Lane by lane, the pair (lo[i], hi[i]) rounded to bf16: a vector of pairs from two vectors of
+// f32 (two rows of a matrix whose columns run along the lanes).
+inline IVec pair_lanes(Vec lo, Vec hi) { return bf16_lanes(lo) | (bf16_lanes(hi) << 16); }
+
+// out[e] = the pair (f[2e], f[2e + 1]) rounded to bf16, for e < n: pairs of consecutive values.
+inline void pairs_in_order(const float* f, int64_t n, Pairs* out) {
+  int64_t e = 0;
+#if JAXSERVE_DPBF16
+  for (; e + kLanes <= n; e += kLanes) {  // 2 kLanes values in order are kLanes pairs
+    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + 2 * e + kLanes), _mm512_loadu_ps(f + 2 * e));
+    _mm512_storeu_si512(out + e, reinterpret_cast<__m512i>(w));
+  }
+#endif
+  for (; e < n; ++e) out[e] = static_cast<Pairs>(to_bf16(f[2 * e])) | static_cast<Pairs>(to_bf16(f[2 * e + 1])) << 16;
+}
+
+inline void store_pairs(Pairs* p, IVec w) { __builtin_memcpy(p, &w, sizeof(w)); }
+
 inline Vec lo_half(IVec w) { return reinterpret_cast<Vec>(w << 16); }
 inline Vec hi_half(IVec w) { return reinterpret_cast<Vec>(w & static_cast<int32_t>(0xffff0000u)); }
 

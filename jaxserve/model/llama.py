@@ -221,6 +221,10 @@ class DecoderLayer(nn.Module):
         v_cache = v_cache.at[layer, :, blocks, offsets].set(kv_quant.quantize(v, v_cache.dtype))
 
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        if jnp.dtype(self.param_dtype) == jnp.bfloat16:
+            # A bf16 model's queries are bf16 (on CPU, where activations are f32, the matmuls round
+            # them to bf16 pairs anyway): its prefill attention then multiplies bf16 pairs too.
+            q = q.astype(jnp.bfloat16)
         attend = lambda window: lambda: paged_attention(  # noqa: E731
             self.backend, q, k_cache, v_cache, layer, meta, scale=scale, sliding_window=window)
         if all(sliding) or not any(sliding):
