@@ -33,7 +33,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # if None: from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers (CPU default: 1 GiB)
-    # auto (the activations' dtype), float32, bfloat16, fp8 (= fp8_e4m3) or int8; fp8 and int8 rows
+    # auto (the weights' dtype, as vLLM's auto), float32, bfloat16, fp8 (= fp8_e4m3) or int8; fp8 and int8 rows
     # carry a scale per token and kv head (kernels_pallas/kv_quant.py)
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True

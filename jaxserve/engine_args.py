@@ -53,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 continue
             if f.name == "kv_cache_dtype":  # checked by kernels_pallas.kv_quant when the engine starts
                 group.add_argument(flag, default=default,
-                                   help="auto (the activations' dtype: float32 on CPU), float32, bfloat16, fp8 "
+                                   help="auto (the weights' dtype: bf16 weights keep a bf16 cache), float32, bfloat16, fp8 "
                                         "(= fp8_e4m3) or int8; fp8 and int8 store a scale per token and kv head")
                 continue
             group.add_argument(flag, type=base, default=default)

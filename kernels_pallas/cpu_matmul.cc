@@ -312,6 +312,7 @@ void run_head(ffi::ThreadPool& pool, const Head<T>& p) {
 
 template <typename T>
 void run_head_rows(ffi::ThreadPool& pool, const Head<T>& p) {
+  if (p.m == 0) return;
   if (p.m == 1 && std::is_same_v<T, Bf16>) {
     // bf16 rows are half as long, so a one-row tile's kLanes embedding rows are kLanes streams
     // of short runs; the 2-row tile (x's row twice) reads half as many at once, and ran a one-row
@@ -326,29 +327,41 @@ void run_head_rows(ffi::ThreadPool& pool, const Head<T>& p) {
   }
 }
 
+// The rows of x the head computes: the first `live` (a step's logits rows that sample; the padding
+// after them is zeroed, not computed). Returns -1 when `live` is out of [0, m].
+int64_t live_rows(const ffi::Buffer<ffi::S32>& live, int64_t m, float* out, int64_t v) {
+  const int64_t n = live.typed_data()[0];
+  if (n < 0 || n > m) return -1;
+  std::fill(out + n * v, out + m * v, 0.0f);
+  return n;
+}
+
 ffi::Error HeadMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> e,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto ed = e.dimensions();
   if (xd.size() != 2 || ed.size() != 2 || ed[1] != xd[1] || xd[1] % kLanes != 0) {
     return ffi::Error::InvalidArgument("head matmul: x [M, K] and e [V, K] with K a multiple of the vector width");
   }
-  const Head<F32> p{x.typed_data(), e.typed_data(), out->typed_data(), xd[0], xd[1], ed[0]};
-  if (p.m == 0 || p.v == 0) return ffi::Error::Success();
+  const int64_t m = live_rows(live, xd[0], out->typed_data(), ed[0]);
+  if (m < 0) return ffi::Error::InvalidArgument("head matmul: live rows out of range");
+  const Head<F32> p{x.typed_data(), e.typed_data(), out->typed_data(), m, xd[1], ed[0]};
+  if (p.v == 0) return ffi::Error::Success();
   run_head_rows(pool, p);
   return ffi::Error::Success();
 }
 
 // x f32 or bf16 [M, K], e bf16 [V, K], K a multiple of two vectors' lanes (kLanes pairs).
 ffi::Error HeadMatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::BF16> e,
-                              ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto ed = e.dimensions();
   if (!is_f32_or_bf16(x) || xd.size() != 2 || ed.size() != 2 || ed[1] != xd[1] || xd[1] % (2 * kLanes) != 0) {
     return ffi::Error::InvalidArgument(
         "bf16 head matmul: x f32 or bf16 [M, K] and bf16 e [V, K] with K a multiple of twice the vector width");
   }
-  const int64_t m = xd[0], pairs = xd[1] / 2;
+  const int64_t m = live_rows(live, xd[0], out->typed_data(), ed[0]), pairs = xd[1] / 2;
+  if (m < 0) return ffi::Error::InvalidArgument("bf16 head matmul: live rows out of range");
   if (m == 0 || ed[0] == 0) return ffi::Error::Success();
   const Head<Bf16> p{pair_rows(x, m, xd[1]), reinterpret_cast<const Pairs*>(e.untyped_data()), out->typed_data(),
                      m, pairs, ed[0]};
@@ -379,6 +392,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveHeadMatmul, HeadMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // e, the embedding
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live: rows computed, the rest zero
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveHeadMatmulBf16, HeadMatmulBf16Impl,
@@ -386,6 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveHeadMatmulBf16, HeadMatmulBf16Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x, f32 or bf16
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // e, the embedding
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live: rows computed, the rest zero
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int64_t JaxserveMatmulPanel() { return kPanel; }

@@ -119,9 +119,11 @@ class CpuMatmul:
         return (embedding.dtype == jnp.bfloat16 and x.shape[0] <= HEAD_MAX_ROWS_BF16
                 and x.shape[1] % HEAD_K_MULTIPLE_BF16 == 0)
 
-    def head(self, x: jax.Array, embedding: jax.Array) -> jax.Array:
+    def head(self, x: jax.Array, embedding: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """Logits of the output head tied to an f32 or bf16 `embedding` [V, K]: x [M, K] @
-        embedding.T -> f32 [M, V] (with a bf16 one, x rounded to bf16), for what `takes_head`."""
+        embedding.T -> f32 [M, V] (with a bf16 one, x rounded to bf16), for what `takes_head`.
+        `live` (an int32 scalar, default M): only the first `live` rows are computed, the others
+        are zeros (a step's padding rows)."""
         if not self.takes_head(x, embedding):
             raise ValueError(f"the cpu head matmul does not take x {x.shape} and an embedding "
                              f"{embedding.shape} of {embedding.dtype}")
@@ -131,7 +133,8 @@ class CpuMatmul:
             x = x.astype(jnp.float32)
         call = jax.ffi.ffi_call(HEAD_BF16 if bf16 else HEAD,
                                 jax.ShapeDtypeStruct((x.shape[0], embedding.shape[0]), jnp.float32))
-        return call(x, embedding)
+        live = x.shape[0] if live is None else live
+        return call(x, embedding, jnp.asarray(live, jnp.int32).reshape(()))
 
 
 def kernels() -> CpuMatmul:

@@ -35,15 +35,16 @@ _MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.uint8): 448.0}  # largest int8
 _TINY = 1e-30  # a row of zeros gets this scale (any positive one decodes it to zeros)
 
 
-def storage_dtype(kv_cache_dtype: str, compute_dtype: Any, platform: str) -> jnp.dtype:
-    """The cache's storage dtype for `--kv-cache-dtype` (`KV_CACHE_DTYPES`; auto: `compute_dtype`)."""
+def storage_dtype(kv_cache_dtype: str, auto_dtype: Any, platform: str) -> jnp.dtype:
+    """The cache's storage dtype for `--kv-cache-dtype` (`KV_CACHE_DTYPES`; auto: `auto_dtype`, the
+    weights' dtype where the runner calls it)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose from: {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return jnp.dtype(jnp.uint8)
     if kv_cache_dtype == "int8":
         return jnp.dtype(jnp.int8)
-    dtype = jnp.dtype(compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+    dtype = jnp.dtype(auto_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     if dtype == jnp.bfloat16 and platform == "cpu":
         return jnp.dtype(jnp.uint16)
     return dtype

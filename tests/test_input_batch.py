@@ -348,7 +348,7 @@ def rebuilt_prefill(inputs: StepInputs, chunks, decodes, num_tokens, num_seqs, w
     tokens, token_src = np.zeros(num_tokens, np.int32), np.full(num_tokens, -1, np.int32)
     positions, slots = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
     seq_lens, query_start = np.zeros(num_seqs + num_decodes, np.int32), np.zeros(num_seqs + 1, np.int32)
-    logits_indices = np.zeros(min(num_seqs + num_decodes, inputs.config.max_num_seqs), np.int32)
+    logits_indices = np.full(min(num_seqs + num_decodes, inputs.config.max_num_seqs), -1, np.int32)
     tables = np.concatenate([rebuilt_tables(chunks, num_seqs, width), rebuilt_tables(decodes, num_decodes, width)])
     decode_rows = np.full(num_decodes, num_tokens, np.int32)
     row = 0

@@ -23,7 +23,7 @@ from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
 from jaxserve.model.llama import Linear, compute_dtype, pack_kernels, packs_kernels, panel_kernels
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from kernels_pallas import cpu_build, cpu_matmul, get_attention_backend
+from kernels_pallas import cpu_build, cpu_matmul, get_attention_backend, kv_quant
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the f32 activations and packing are for CPU")
 
@@ -54,13 +54,18 @@ def test_packed_linear_equals_plain():
 
 
 @on_cpu
-def test_bfloat16_runner_on_cpu_keeps_an_f32_cache_and_packs_kernels():
-    """XLA's dots (the `jax` backend: no cpu matmul): every stacked kernel packed."""
+def test_bfloat16_runner_on_cpu_keeps_a_bf16_cache_and_packs_kernels():
+    """XLA's dots (the `jax` backend: no cpu matmul): every stacked kernel packed; activations
+    f32, the KV cache the weights' bf16 (as its bits) unless --kv-cache-dtype says otherwise."""
     model = load_model("tiny-random")
     runner = ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype="bfloat16",
                                                                   attention_backend="jax"))
     assert runner.model.cpu_matmul is None
-    assert runner.cache.k.dtype == runner.cache_dtype == jnp.float32
+    assert runner.cache_dtype == jnp.float32
+    assert runner.cache.k.dtype == jnp.uint16 and kv_quant.format_name(runner.kv_dtype) == "bfloat16"
+    f32_cache = ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype="bfloat16",
+                                                                     attention_backend="jax", kv_cache_dtype="float32"))
+    assert f32_cache.cache.k.dtype == jnp.float32
     layers = runner.params["layers"]
     assert layers["q_proj"]["kernel"].dtype == jnp.uint32
     assert layers["attn_norm"]["scale"].dtype == jnp.float32
@@ -71,12 +76,12 @@ def test_bfloat16_runner_on_cpu_keeps_an_f32_cache_and_packs_kernels():
 @pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler")
 def test_bfloat16_runner_on_cpu_stores_panels_for_the_cpu_matmul():
     """The `cpu` backend: the kernels the cpu matmul takes in its bf16 panels (half f32's bytes),
-    the others packed; the cache f32."""
+    the others packed; the cache bf16 (as its bits)."""
     model = load_model("tiny-random")
     runners = {dtype: ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype=dtype))
                for dtype in ("float32", "bfloat16")}
     runner, matmul = runners["bfloat16"], runners["bfloat16"].model.cpu_matmul
-    assert matmul is not None and runner.cache.k.dtype == jnp.float32
+    assert matmul is not None and runner.cache.k.dtype == jnp.uint16
     for name, proj in runner.params["layers"].items():
         if "kernel" not in proj:
             continue

@@ -19,9 +19,11 @@ Python loop over separate per-layer weights (`unstack_layers`): no copies, and a
 that grows with depth (about 4x for the default model's 30 layers).
 
 Precision: the weights are in the model's `dtype`; every matmul multiplies in that dtype and
-accumulates in f32. Activations and the KV cache are in `compute_dtype(dtype, platform)`: the
-weights' dtype, but f32 on CPU (see there), where bf16 weights are also stored packed
-(`pack_kernels`) unless they are in the cpu matmul's panels.
+accumulates in f32. Activations are in `compute_dtype(dtype, platform)`: the weights' dtype, but
+f32 on CPU (see there), where bf16 weights are also stored packed (`pack_kernels`) unless they
+are in the cpu matmul's panels; a bf16 model's queries are rounded to bf16 before attention
+there too. The KV cache's storage is the runner's (`--kv-cache-dtype`; by default the weights'
+dtype, bf16 stored as its bits on CPU: kernels_pallas/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -411,7 +413,9 @@ class LlamaModel(nn.Module):
         lora: LoraStacks | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache).
-        `lora`: the adapters' device slots (jaxserve/model/lora.py), read at `meta.lora_slots`."""
+        Indices of -1 are padding rows after the live ones (their logits are not used: zeros on
+        the C++ head, else the last row's). `lora`: the adapters' device slots
+        (jaxserve/model/lora.py), read at `meta.lora_slots`."""
         cfg = self.config
         act = self.compute_dtype
         weights = flat(quantized(declare(cfg), dict(self.quantization)))
@@ -452,7 +456,8 @@ class LlamaModel(nn.Module):
         if isinstance(embed, QuantizedEmbed):
             logits = embed.attend(h)
         elif cfg.tie_word_embeddings and self.cpu_matmul is not None and self.cpu_matmul.takes_head(h, embed.embedding):
-            logits = self.cpu_matmul.head(h, embed.embedding)
+            # Padding rows (index -1, after the live ones: `ModelInputs.prefill`) are not computed.
+            logits = self.cpu_matmul.head(h, embed.embedding, jnp.sum(logits_indices >= 0))
         elif cfg.tie_word_embeddings:
             logits = matmul(h, embed.embedding, contract_w=1)
         else:  # a quantized head on the C++ kernel where one is given (in panels: `panel_kernels`)

@@ -201,6 +201,23 @@ def test_bf16_head(matmul, m, k, v):
     np.testing.assert_array_equal(np.asarray(jax.jit(matmul.head)(xb, eb)), np.asarray(jax.jit(matmul.head)(x, eb)))
 
 
+@pytest.mark.parametrize("dtype,m", [(jnp.float32, 4), (jnp.bfloat16, 9), (jnp.bfloat16, 64)])
+def test_head_computes_only_the_live_rows(matmul, dtype, m):
+    """A step's padding logits rows (after `live` ones) come back zero; the live rows are the
+    rows of a call of `live` rows alone; a count outside [0, M] is refused."""
+    rng = np.random.default_rng(m)
+    x, e = rng.standard_normal((m, 64), np.float32), jnp.asarray(rng.standard_normal((97, 64)), dtype)
+    head = jax.jit(matmul.head)
+    for live in (0, 1, m - 1, m):
+        got = np.asarray(head(x, e, live))
+        np.testing.assert_array_equal(got[live:], 0.0)
+        if live:
+            np.testing.assert_array_equal(got[:live], np.asarray(head(x[:live], e)))
+    for bad in (-1, m + 1):
+        with pytest.raises(Exception, match="live rows out of range"):
+            head(x, e, bad).block_until_ready()
+
+
 def test_bf16_head_refuses_k_off_its_vectors(matmul):
     x, e = jnp.ones((2, 48)), jnp.ones((7, 48), jnp.bfloat16)
     assert not matmul.takes_head(x, e)
