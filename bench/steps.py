@@ -3,16 +3,26 @@
 Times single compiled steps (the model and its greedy sampling, no scheduler), so it pairs with
 `bench/peers/hf_steps.py`, which times the same shapes in Hugging Face transformers:
 
-    python3 -m bench.steps [--unroll-layers] [--dtype float32|bfloat16] [--decode-batch 32 64]
+    python3 -m bench.steps [--unroll-layers] [--dtype float32|bfloat16] [--kv-cache-dtype D]
+                           [--decode-batch 32 64] [--profile]
     /path/to/python-with-torch bench/peers/hf_steps.py ~/.cache/jaxserve/smollm2-135m-instruct/*.gguf
 
 Batch 1: one 128-token prompt, then 1-token decode steps at a 256-token context.
 Batch 32: 32 prompts of 128 tokens (8 ragged steps of 4 x 128), then decode steps of each
-`--decode-batch`. (The cpu layer matmul against XLA's dots: `python3 -m bench.matmul_cpu`.)
+`--decode-batch`. Long prompt: a 512-token chunk over 512 cached tokens (a ~1,000-token
+prompt's second chunk). `--profile`: per step, the compiled program's costliest operations
+(jax.profiler's trace of XLA:CPU's thunks; custom calls named by their kernel). (The cpu layer
+matmul against XLA's dots: `python3 -m bench.matmul_cpu`.)
 The steps attend over real histories (distinct blocks per sequence): the serving attention
 backends stop at each sequence's length, so a step of empty sequences would time no attention.
 """
 import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
 import time
 
 import jax
@@ -24,6 +34,7 @@ from jaxserve.dtype_choice import load_dtype, resolve_dtype
 from jaxserve.request import Request
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
+from kernels_pallas import kv_quant
 from jaxserve.scheduler.output import ScheduledChunk
 
 
@@ -55,23 +66,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unroll-layers", action="store_true", help="the layers unrolled (EngineConfig.unroll_layers)")
     parser.add_argument("--dtype", default="auto", help="the weights' (EngineConfig.dtype; auto: this machine's choice)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype")
     parser.add_argument("--decode-batch", type=int, nargs="+", default=[32], help="decode batches past batch 1")
+    parser.add_argument("--profile", action="store_true", help="each step's costliest operations")
     args = parser.parse_args()
     config = resolve_dtype(EngineConfig(num_blocks=2048, unroll_layers=args.unroll_layers, dtype=args.dtype,
+                                        kv_cache_dtype=args.kv_cache_dtype,
                                         decode_batch_buckets=(1, *args.decode_batch),
                                         max_num_seqs=max(32, *args.decode_batch)))
     m = load_model("smollm2-135m-instruct", dtype=load_dtype(config))
     r = ModelRunner(m.config, m.params, config)
     config = r.engine_config
-    width, bs = config.block_table_buckets[-1], config.block_size
-    p1 = timed(r, r.inputs.prefill(chunks(r, 1, 0, 128, bs), 128, config.max_prefill_seqs, width))
-    p32 = timed(r, r.inputs.prefill(chunks(r, 4, 0, 128, bs), 512, config.max_prefill_seqs, width)) * 8
-    print(f"{config.dtype} weights, {r.attention_backend} attention")
-    print(f"prefill: batch 1 {128 / p1:.0f} tok/s ({p1 * 1e3:.0f} ms for 128), "
-          f"batch 32 {32 * 128 / p32:.0f} tok/s ({p32 * 1e3:.0f} ms for 32 x 128)")
-    for batch in (1, *args.decode_batch):
-        d = timed(r, r.inputs.decode(chunks(r, batch, 255, 1, bs), batch, width))
-        print(f"decode batch {batch}: {batch / d:.1f} tok/s ({d * 1e3:.1f} ms/step)")
+    width, bs, seqs = config.block_table_buckets[-1], config.block_size, config.max_prefill_seqs
+    print(f"{config.dtype} weights, {kv_quant.format_name(r.kv_dtype)} KV cache, {r.attention_backend} attention")
+    steps = [("prefill 1 x 128", 128, lambda: r.inputs.prefill(chunks(r, 1, 0, 128, bs), 128, seqs, width)),
+             ("prefill 4 x 128", 512, lambda: r.inputs.prefill(chunks(r, 4, 0, 128, bs), 512, seqs, width)),
+             ("prefill 512 over 512", 512, lambda: r.inputs.prefill(chunks(r, 1, 512, 512, bs), 512, seqs, width))]
+    steps += [(f"decode batch {b}", b, lambda b=b: r.inputs.decode(chunks(r, b, 255, 1, bs), b, width))
+              for b in (1, *args.decode_batch)]
+    for name, tokens, build in steps:
+        program = build()
+        t = timed(r, program)
+        print(f"{name}: {tokens / t:.0f} tok/s ({t * 1e3:.1f} ms/step)")
+        if args.profile:
+            for ms, count, op in profile(r, program):
+                print(f"    {ms:8.2f} ms  {count:3d}x  {op}")
+
+
+def profile(r: ModelRunner, program, reps: int = 3, top: int = 10) -> list[tuple[float, int, str]]:
+    """The `top` costliest operations of `program`'s compiled step: (ms per step, calls per
+    step, name), from a jax.profiler trace of `reps` steps; custom calls named by their kernel."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(reps):
+            r.step_logits(program, warming_up=True).block_until_ready()
+        jax.profiler.stop_trace()
+        events = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))["traceEvents"]
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and not e["name"].startswith(("ThunkExecutor", "$", "PjitFunction")):
+            total[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+    hlo = r._executables[program.key].as_text()  # the compiled step (ModelRunner._run's cache)
+    kernels = dict(re.findall(r"%?(ffi_call\.\d+) = .*?custom_call_target=\"([^\"]+)\"", hlo))
+    return [(us / reps / 1e3, calls[op] // reps, f"{op} {kernels.get(op, '')}".strip())
+            for op, us in total.most_common(top)]
 
 if __name__ == "__main__":
     main()

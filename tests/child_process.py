@@ -12,10 +12,23 @@ import sys
 import threading
 import time
 
-# Small buckets for `jaxserve serve` children: each one costs seconds of compilation on CI.
+# Small buckets for `jaxserve serve` children: each one costs seconds of compilation on CI. And f32
+# weights, not the bf16 that `--dtype auto` picks on an AVX512-BF16 CPU: these tests hold outputs
+# that take different paths (recomputed after a failover, handed off between workers, batched
+# otherwise, read back from disk) to exact equality. In f32 those paths differ by ~1e-6; a bf16
+# model rounds its queries, products and KV cache to bf16, which turns such differences into flips
+# at the tiny random model's near-ties (a resumed stream's text differed once in a full run). The
+# bf16 engine has its own tests: tests/test_model_dtype.py, the accuracy tests, the kernels'.
 SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--block-size", "8",
                 "--num-blocks", "128", "--decode-batch-buckets", "4", "--prefill-token-buckets", "32",
-                "--prefill-seq-buckets", "4", "--block-table-buckets", "32"]
+                "--prefill-seq-buckets", "4", "--block-table-buckets", "32", "--dtype", "float32"]
+
+
+def small_engine_kwargs() -> dict:
+    """SMALL_ENGINE as `EngineConfig` keyword arguments, for an in-process engine to compare with."""
+    args = iter(SMALL_ENGINE)
+    flags = {flag[2:].replace("-", "_"): int(value) if value.isdigit() else value for flag, value in zip(args, args)}
+    return {name: (value,) if name.endswith("_buckets") else value for name, value in flags.items()}
 
 
 def free_port() -> int:

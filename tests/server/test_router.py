@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
-from child_process import SMALL_ENGINE, free_port
+from child_process import SMALL_ENGINE, free_port, small_engine_kwargs
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
@@ -32,9 +32,7 @@ MAX_LEN = 256
 
 
 def _engine_config() -> EngineConfig:
-    args = iter(SMALL_ENGINE)
-    flags = {flag[2:].replace("-", "_"): int(value) for flag, value in zip(args, args)}
-    return EngineConfig(**{k: (v,) if k.endswith("_buckets") else v for k, v in flags.items()})
+    return EngineConfig(**small_engine_kwargs())
 
 
 def _prompt(seed: int, n: int = 24) -> list[int]:
@@ -48,8 +46,7 @@ def cluster(_compilation_cache):
     routes by load as soon as loads differ), and the one-process server to compare with."""
     cache_dir = jax.config.jax_compilation_cache_dir
     ports = [free_port(), free_port()]
-    # float32 as the reference engine (the command line's `--dtype auto` may pick bfloat16 here).
-    procs = [start_worker(p, [*SMALL_ENGINE, "--dtype", "float32"], cache_dir) for p in ports]
+    procs = [start_worker(p, SMALL_ENGINE, cache_dir) for p in ports]  # f32, as the reference engine
     with ThreadPoolExecutor(1) as pool:  # the reference engine compiles while the workers do
         reference = pool.submit(_reference_server)
         for proc in procs:

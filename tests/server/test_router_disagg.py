@@ -32,11 +32,6 @@ from server.cluster.worker.worker_pb2_grpc import WorkerStub
 from server_harness import KEY_A, MODEL_NAME, send
 
 BLOCK = 8  # SMALL_ENGINE's block size
-# f32 weights, not this CPU's auto bf16: a bf16 model's prefill attention multiplies bf16 pairs
-# where its decode steps keep f32 products, so a split request (its last prompt block and first
-# token prefilled on the decode worker) differs from a colocated one by ~1e-3 in a logprob
-# whatever the transfer did; at f32 the two agree within 1e-4 and a wrong block shows.
-ENGINE = [*SMALL_ENGINE, "--dtype", "float32"]
 LEASE_TIMEOUT = 3.0
 
 
@@ -53,10 +48,10 @@ def cluster(_compilation_cache):
     ports = {"both": free_port(), "prefill": free_port(), "decode": free_port()}
     flags = {"both": [], "prefill": ["--role", "prefill", "--kv-lease-timeout", str(LEASE_TIMEOUT)],
              "decode": ["--role", "decode"]}
-    procs = {"both": start_worker(ports["both"], ENGINE, cache_dir)}
+    procs = {"both": start_worker(ports["both"], SMALL_ENGINE, cache_dir)}
     procs["both"].wait_for("worker listening", timeout=900)  # the others find its programs in the cache
     for role in ("prefill", "decode"):
-        procs[role] = start_worker(ports[role], [*ENGINE, *flags[role]], cache_dir)
+        procs[role] = start_worker(ports[role], [*SMALL_ENGINE, *flags[role]], cache_dir)
     for role in ("prefill", "decode"):
         procs[role].wait_for("worker listening", timeout=900)
     split_router, split = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
@@ -285,7 +280,7 @@ def test_a_decode_worker_dead_before_its_half_gets_the_half_retried_on_another(c
     pulls the prompt's blocks from the prefill worker: the colocated output, nothing leaked."""
     ports = cluster["ports"]
     spare_port = free_port()
-    spare = start_worker(spare_port, [*ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
+    spare = start_worker(spare_port, [*SMALL_ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
     spare.wait_for("worker listening", timeout=900)
     router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
                                     "--decode-worker", f"127.0.0.1:{spare_port}",
@@ -317,7 +312,7 @@ def test_a_decode_worker_dead_mid_stream_has_the_sequence_resumed_on_another(clu
     colocated text (greedy and seeded), usage counted once, nothing leaked."""
     ports = cluster["ports"]
     spare_port = free_port()
-    spare = start_worker(spare_port, [*ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
+    spare = start_worker(spare_port, [*SMALL_ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
     spare.wait_for("worker listening", timeout=900)
     router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
                                     "--decode-worker", f"127.0.0.1:{spare_port}",
@@ -358,7 +353,7 @@ def device_pair(cluster):
     """A prefill and a decode worker with --kv-transport device, behind their own router."""
     cache_dir = jax.config.jax_compilation_cache_dir
     ports = {"prefill": free_port(), "decode": free_port()}
-    procs = {role: start_worker(port, [*ENGINE, "--role", role, "--kv-transport", "device"], cache_dir)
+    procs = {role: start_worker(port, [*SMALL_ENGINE, "--role", role, "--kv-transport", "device"], cache_dir)
              for role, port in ports.items()}
     for proc in procs.values():
         proc.wait_for("KV transfer server on", timeout=900)

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from checkpoints.tiny_random import build_tiny_random
-from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
+from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve, small_engine_kwargs
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
@@ -32,10 +32,7 @@ MAX_TOKENS = 12
 
 def _one_device_engine() -> LLMEngine:
     """The same model and engine settings (SMALL_ENGINE) on one device."""
-    args = iter(SMALL_ENGINE)
-    flags = {flag[2:].replace("-", "_"): int(value) for flag, value in zip(args, args)}
-    flags = {k: (v,) if k.endswith("_buckets") else v for k, v in flags.items()}
-    return LLMEngine(build_tiny_random(), EngineConfig(**flags))
+    return LLMEngine(build_tiny_random(), EngineConfig(**small_engine_kwargs()))
 
 
 def _one_device_text() -> str:
