@@ -293,6 +293,8 @@ template <typename T, int64_t C, bool kPairs>
 void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& scratch) {
   constexpr int64_t D = C * kDimStep;
   constexpr int64_t R = D + kRowExtra<T>;  // elements per cache row
+  // bf16 products on a bf16 cache: value pairs straight from the cache's bits (no widening).
+  constexpr bool kBitPairs = kPairs && std::is_same_v<T, uint16_t>;
   const int64_t group = p.heads / p.kv_heads;
   const int64_t s = tile.seq, q_len = p.query_start[s + 1] - p.query_start[s];
   const int64_t first_pos = p.seq_lens[s] - q_len;  // position of the sequence's first new row
@@ -328,11 +330,13 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
   for (int64_t kb = key_lo; kb <= last_key; kb += kKeyBlock) {
     const int64_t nb = std::min<int64_t>(kKeyBlock, last_key + 1 - kb);
     const float* krow[kKeyBlock];
-    const float* vrow[kKeyBlock];
+    const float* vrow[kKeyBlock];  // values as f32 (but for bf16 pairs from a bf16 cache's bits)
+    const T* vsrc[kKeyBlock];      // the values' cache rows
     const Pairs* kpair[kKeyBlock];
     for (int64_t j = 0; j < kKeyBlock; ++j) {  // a block's tail repeats its last key (masked below)
       if (j >= nb) {
-        vrow[j] = vrow[nb - 1];
+        vsrc[j] = vsrc[nb - 1];
+        if constexpr (!kBitPairs) vrow[j] = vrow[nb - 1];
         if constexpr (kPairs) {
           kpair[j] = kpair[nb - 1];
         } else {
@@ -341,9 +345,10 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
         continue;
       }
       const int64_t row = scratch.rows[kb - key_lo + j];
+      vsrc[j] = values + row;
       if constexpr (kPairs) {
         kpair[j] = key_pairs<T, D>(keys + row, scratch.kf.data() + j * D, scratch.kp.data() + j * D / 2);
-        vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
+        if constexpr (!kBitPairs) vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
       } else {
         krow[j] = row_as_f32<T, D>(keys + row, scratch.kf.data() + j * D);
         vrow[j] = row_as_f32<T, D>(values + row, scratch.vf.data() + j * D);
@@ -415,8 +420,13 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
         for (int64_t i = 0; i < kTileQueries; i += kLanes)
           store_pairs(pp + t * kTileQueries + i,
                       pair_lanes(load(st + 2 * t * kTileQueries + i), load(st + (2 * t + 1) * kTileQueries + i)));
-        for (int64_t d = 0; d < D; d += kLanes)
-          store_pairs(vp + t * D + d, pair_lanes(load(vrow[2 * t] + d), load(vrow[2 * t + 1] + d)));
+        for (int64_t d = 0; d < D; d += kLanes) {
+          if constexpr (kBitPairs) {
+            store_pairs(vp + t * D + d, pair_bits(vsrc[2 * t] + d, vsrc[2 * t + 1] + d));
+          } else {
+            store_pairs(vp + t * D + d, pair_lanes(load(vrow[2 * t] + d), load(vrow[2 * t + 1] + d)));
+          }
+        }
       }
     }
     for (int64_t d0 = 0; d0 < D; d0 += kKeyTile) {

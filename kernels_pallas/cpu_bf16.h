@@ -57,6 +57,15 @@ inline void pairs_in_order(const float* f, int64_t n, Pairs* out) {
   for (; e < n; ++e) out[e] = static_cast<Pairs>(to_bf16(f[2 * e])) | static_cast<Pairs>(to_bf16(f[2 * e + 1])) << 16;
 }
 
+// Lane by lane, the pair (lo[i], hi[i]) of bf16 values given as their bits.
+inline IVec pair_bits(const uint16_t* lo, const uint16_t* hi) {
+  using U16 = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  U16 a, b;
+  __builtin_memcpy(&a, lo, sizeof(a));
+  __builtin_memcpy(&b, hi, sizeof(b));
+  return __builtin_convertvector(a, IVec) | (__builtin_convertvector(b, IVec) << 16);
+}
+
 inline void store_pairs(Pairs* p, IVec w) { __builtin_memcpy(p, &w, sizeof(w)); }
 
 inline Vec lo_half(IVec w) { return reinterpret_cast<Vec>(w << 16); }
