@@ -12,23 +12,16 @@ AVX-512 CPU; bf16 prints 0 without AVX512-BF16 (this VM: no AMX, so that is its 
 from __future__ import annotations
 
 import argparse
-import subprocess
-import tempfile
 from pathlib import Path
 
-from kernels_pallas import cpu_build
+from bench.native_tool import build_and_run
 
 SOURCE = Path(__file__).with_name("compute_peak.cc")
 
 
 def measure(threads: int, reps: int, iters: int = 40_000_000) -> tuple[float, float]:
     """(f32, bf16) FLOP per second over `threads` threads."""
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = Path(tmp) / "compute_peak"
-        subprocess.run([cpu_build.compiler() or "c++", "-O3", "-march=native", "-std=c++17", "-pthread", str(SOURCE),
-                        "-o", str(binary)], check=True)
-        out = subprocess.run([str(binary), str(threads), str(iters), str(reps)], check=True, capture_output=True,
-                             text=True).stdout.split()
+    out = build_and_run(SOURCE, threads, iters, reps)
     return float(out[0]), float(out[1])
 
 

@@ -11,23 +11,16 @@ much larger than the caches, reading it (a sum, as a matmul streams its weights)
 from __future__ import annotations
 
 import argparse
-import subprocess
-import tempfile
 from pathlib import Path
 
-from kernels_pallas import cpu_build
+from bench.native_tool import build_and_run
 
 SOURCE = Path(__file__).with_name("memory_bandwidth.cc")
 
 
 def measure(threads: int, mib: int, reps: int) -> tuple[float, float]:
     """(read, copy) bytes per second; copy counts the bytes read and written."""
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = Path(tmp) / "memory_bandwidth"
-        subprocess.run([cpu_build.compiler() or "c++", "-O3", "-march=native", "-std=c++17", "-pthread", str(SOURCE),
-                        "-o", str(binary)], check=True)
-        out = subprocess.run([str(binary), str(threads), str(mib), str(reps)], check=True, capture_output=True,
-                             text=True).stdout.split()
+    out = build_and_run(SOURCE, threads, mib, reps)
     return float(out[0]), float(out[1])
 
 
