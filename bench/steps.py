@@ -7,10 +7,9 @@ Times single compiled steps (the model and its greedy sampling, no scheduler), s
                            [--decode-batch 32 64] [--profile]
     /path/to/python-with-torch bench/peers/hf_steps.py ~/.cache/jaxserve/smollm2-135m-instruct/*.gguf
 
-Batch 1: one 128-token prompt, then 1-token decode steps at a 256-token context.
-Batch 32: 32 prompts of 128 tokens (8 ragged steps of 4 x 128), then decode steps of each
-`--decode-batch`. Long prompt: a 512-token chunk over 512 cached tokens (a ~1,000-token
-prompt's second chunk). `--profile`: per step, the compiled program's costliest operations
+Prefill steps: one 128-token prompt; a ragged step of 4 x 128 prompts; a 512-token chunk over
+512 cached tokens (a ~1,000-token prompt's second chunk). Decode steps at a 256-token context, at
+batch 1 and each `--decode-batch`. `--profile`: per step, the compiled program's costliest operations
 (jax.profiler's trace of XLA:CPU's thunks; custom calls named by their kernel). (The cpu layer
 matmul against XLA's dots: `python3 -m bench.matmul_cpu`.)
 The steps attend over real histories (distinct blocks per sequence): the serving attention
@@ -34,8 +33,8 @@ from jaxserve.dtype_choice import load_dtype, resolve_dtype
 from jaxserve.request import Request
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from kernels_pallas import kv_quant
 from jaxserve.scheduler.output import ScheduledChunk
+from kernels_pallas import kv_quant
 
 
 def chunks(r: ModelRunner, count: int, history: int, new: int, block_size: int) -> list[ScheduledChunk]:
