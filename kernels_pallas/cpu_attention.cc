@@ -51,7 +51,8 @@ struct Problem {
 // Per-thread scratch of the decode kernel.
 struct DecodeScratch {
   std::vector<float> scores;
-  std::vector<int64_t> rows;  // token offsets
+  std::vector<Pairs> weights;  // bf16 products: the softmax weights as pairs of consecutive keys
+  std::vector<int64_t> rows;   // token offsets
 };
 
 // Decode: sequence b's query heads [g0, g0 + G) of kv head h over keys [first, length) (n of
@@ -157,12 +158,142 @@ void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& s
     for (int64_t c = 0; c < DV; ++c) store(out + g * D + c * kLanes, acc[g][c] * inv_total[g]);
 }
 
-// One (sequence, kv head) item, its query heads in groups of at most kMaxGroup.
-template <typename T, int64_t C>
+#if JAXSERVE_DPBF16
+// `attend` for bf16 queries on a bf16 cache, products in bf16 pairs (AVX512-BF16's dot products,
+// as prefill's): a score is the dot product of the query's pairs with the key row's, which is
+// pairs along the head dimension as stored; the weighted values take the softmax weights
+// rounded to pairs of consecutive keys and the two keys' value rows interleaved into pairs by an
+// unpack. An unpack interleaves within 128-bit lanes, so the accumulators hold the dimensions in
+// its order, put back by one permute per output vector. D a multiple of 32 (two unpacks per
+// 32 dimensions); the vector instructions per key are a third of `attend`'s, which widens every
+// bf16 element to f32 once per query head.
+template <int64_t C, int64_t G>
+void attend_pairs(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& scratch) {
+  constexpr int64_t D = C * kDimStep, PV = D / 2 / kLanes;  // vectors of pairs per row
+  static_assert(D % 32 == 0 && kLanes == 16);
+  const int64_t group = p.heads / p.kv_heads;
+  const float* q = p.q + (b * p.heads + h * group + g0) * D;
+  float* out = p.out + (b * p.heads + h * group + g0) * D;
+  const int64_t length = p.lengths[b];
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  const int64_t n = length - first, stride = (n + kLanes - 1) / kLanes * kLanes;
+  if (n <= 0) {
+    std::fill(out, out + G * D, 0.0f);
+    return;
+  }
+  std::vector<float>& scores = scratch.scores;
+  scores.resize(G * stride);
+  scratch.weights.resize(G * stride / 2);
+  token_offsets(p.tables + b * p.width, p.block_size, D, first, length, scratch.rows);
+  const int64_t* rows = scratch.rows.data();
+  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * D;
+  const uint16_t* keys = static_cast<const uint16_t*>(p.k) + slice;
+  const uint16_t* values = static_cast<const uint16_t*>(p.v) + slice;
+  IVec qp[G][PV];
+  for (int64_t g = 0; g < G; ++g) {
+    float scaled[D];
+    Pairs pairs[D / 2];
+    for (int64_t d = 0; d < D; ++d) scaled[d] = q[g * D + d] * p.scale;
+    pairs_in_order(scaled, D / 2, pairs);
+    for (int64_t c = 0; c < PV; ++c) qp[g][c] = load_pairs(pairs + c * kLanes);
+  }
+  Vec best[G];
+  for (int64_t g = 0; g < G; ++g) best[g] = Vec{} + kMasked;
+  const IVec lane_key = [] { IVec l; for (int64_t i = 0; i < kLanes; ++i) l[i] = static_cast<int32_t>(i); return l; }();
+  for (int64_t kb = 0; kb < n; kb += kLanes) {
+    const Pairs* row[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) row[j] = reinterpret_cast<const Pairs*>(keys + rows[std::min(kb + j, n - 1)]);
+    for (int64_t j = kb + kPrefetchKeys; j < std::min(kb + kPrefetchKeys + kLanes, n); ++j)
+      for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(uint16_t)); line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(keys + rows[j]) + line);
+        __builtin_prefetch(reinterpret_cast<const char*>(values + rows[j]) + line);
+      }
+    const IVec real = lane_key < static_cast<int32_t>(n - kb);
+    for (int64_t g = 0; g < G; ++g) {
+      Vec acc[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) {
+        Vec a{};
+        for (int64_t c = 0; c < PV; ++c) madd_pairs(a, qp[g][c], load_pairs(row[j] + c * kLanes));
+        acc[j] = a;
+      }
+      Vec s = transpose_sum(acc);
+      if (p.soft_cap > 0.0f) s = p.soft_cap * tanh(s / p.soft_cap);
+      s = real ? s : Vec{} + kMasked;
+      best[g] = max(best[g], s);
+      store(scores.data() + g * stride + kb, s);
+    }
+  }
+  float inv_total[G];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * stride;
+    const float m = max_lane(best[g]);
+    Vec total = Vec{};
+    for (int64_t i = 0; i < stride; i += kLanes) {
+      const Vec s = load(sg + i);
+      const Vec e = s > kMasked ? exp(s - m) : Vec{};
+      total += e;
+      store(sg + i, e);
+    }
+    inv_total[g] = 1.0f / sum_lanes(total);
+    pairs_in_order(sg, stride / 2, scratch.weights.data() + g * stride / 2);  // zeros past n
+  }
+  // Weighted values, kValueBlock keys by 32 dimensions at a time (G x 2 accumulators): a pair of
+  // keys past n has weight zero, and its second row repeats the last.
+  constexpr int64_t kValueBlock = 32;
+  const Pairs* weights = scratch.weights.data();
+  Vec acc[G][2 * PV] = {};
+  for (int64_t tb = 0; tb < n; tb += kValueBlock) {
+    const int64_t te = std::min(tb + kValueBlock, n);
+    for (int64_t c = 0; c < PV; ++c) {
+      Vec a[G][2];
+      for (int64_t g = 0; g < G; ++g) a[g][0] = acc[g][2 * c], a[g][1] = acc[g][2 * c + 1];
+      for (int64_t t = tb; t < te; t += 2) {
+        const __m512i v0 = _mm512_loadu_si512(values + rows[t] + 32 * c);
+        const __m512i v1 = _mm512_loadu_si512(values + rows[std::min(t + 1, n - 1)] + 32 * c);
+        IVec lo, hi;
+        const __m512i lo_bits = _mm512_unpacklo_epi16(v0, v1), hi_bits = _mm512_unpackhi_epi16(v0, v1);
+        __builtin_memcpy(&lo, &lo_bits, sizeof(lo));
+        __builtin_memcpy(&hi, &hi_bits, sizeof(hi));
+        for (int64_t g = 0; g < G; ++g) {
+          const IVec w = splat(weights[g * stride / 2 + t / 2]);
+          madd_pairs(a[g][0], w, lo);
+          madd_pairs(a[g][1], w, hi);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) acc[g][2 * c] = a[g][0], acc[g][2 * c + 1] = a[g][1];
+    }
+  }
+  // lo's lane 4i + r holds dimension 8i + r and hi's 8i + 4 + r (r < 4): back in order.
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < PV; ++c) {
+      const Vec lo = acc[g][2 * c], hi = acc[g][2 * c + 1];
+      float* o = out + g * D + 32 * c;
+      store(o, __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23) * inv_total[g]);
+      store(o + kLanes,
+            __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31) * inv_total[g]);
+    }
+}
+#endif
+
+// One (sequence, kv head) item, its query heads in groups of at most kMaxGroup; kPairs: bf16
+// products (`attend_pairs`).
+template <typename T, int64_t C, bool kPairs>
 void attend_item(const Problem& p, int64_t b, int64_t h, DecodeScratch& scratch) {
   const int64_t group = p.heads / p.kv_heads;
   for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-    switch (std::min(kMaxGroup, group - g0)) {
+    const int64_t g = std::min(kMaxGroup, group - g0);
+#if JAXSERVE_DPBF16
+    if constexpr (kPairs) {
+      switch (g) {
+        case 1: attend_pairs<C, 1>(p, b, h, g0, scratch); break;
+        case 2: attend_pairs<C, 2>(p, b, h, g0, scratch); break;
+        case 3: attend_pairs<C, 3>(p, b, h, g0, scratch); break;
+        default: attend_pairs<C, 4>(p, b, h, g0, scratch); break;
+      }
+      continue;
+    }
+#endif
+    switch (g) {
       case 1: attend<T, C, 1>(p, b, h, g0, scratch); break;
       case 2: attend<T, C, 2>(p, b, h, g0, scratch); break;
       case 3: attend<T, C, 3>(p, b, h, g0, scratch); break;
@@ -174,7 +305,7 @@ void attend_item(const Problem& p, int64_t b, int64_t h, DecodeScratch& scratch)
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths, float scale,
-                           float soft_cap, int32_t window, ffi::ResultBuffer<ffi::F32> out) {
+                           float soft_cap, int32_t window, int32_t bf16_products, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto cd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -207,9 +338,17 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     using T = decltype(element);
     served = with_head_dim(p.dim, [&](auto chunks) {
       // A unit is one (sequence, kv head); the cost counts each K/V element read as 16 multiply-adds.
+      constexpr int64_t C = decltype(chunks)::value;
+      // bf16 pairs for bf16 queries on a bf16 cache where the CPU multiplies them in one instruction.
+      constexpr bool kPairable = JAXSERVE_DPBF16 && std::is_same_v<T, uint16_t> && C % 2 == 0;
+      const bool pairs = kPairable && bf16_products != 0;
       parallel_units(pool, items, 16 * 2 * rows * p.kv_heads * p.dim, [&](int64_t i) {
         thread_local DecodeScratch scratch;
-        attend_item<T, decltype(chunks)::value>(p, i / p.kv_heads, i % p.kv_heads, scratch);
+        if (pairs) {
+          attend_item<T, C, kPairable>(p, i / p.kv_heads, i % p.kv_heads, scratch);
+        } else {
+          attend_item<T, C, false>(p, i / p.kv_heads, i % p.kv_heads, scratch);
+        }
       });
     });
   });
@@ -231,6 +370,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("window")
+                                  .Attr<int32_t>("bf16_products")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // ---- Ragged prefill attention ------------------------------------------------------------

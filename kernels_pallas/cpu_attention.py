@@ -64,8 +64,11 @@ def decode_attention(
     sliding_window: int | None = None,
 ) -> jax.Array:
     """q [B, H, D] -> [B, H, D]; sequence b attends to its first `lengths[b]` cached tokens
-    (the contract of `reference.decode_attention`); q of another dtype is computed in f32."""
-    return _call(DECODE_TARGET, q, k_cache, v_cache, layer, (block_tables, lengths), scale, soft_cap, sliding_window)
+    (the contract of `reference.decode_attention`). bf16 queries on a bf16 cache (a bf16 model's)
+    take their products in bf16 pairs where the CPU has AVX512-BF16, as prefill's; any other q is
+    computed in f32."""
+    return _call(DECODE_TARGET, q, k_cache, v_cache, layer, (block_tables, lengths), scale, soft_cap, sliding_window,
+                 bf16_products=np.int32(q.dtype == jnp.bfloat16))
 
 
 def prefill_attention(

@@ -1,6 +1,6 @@
 """The C++ kernels of the `cpu` backend against the references, at the shapes they specialize
 (head_dim 16..256, query-head groups larger than one register group, block sizes below and
-above a 16-key step), bf16 queries (prefill in bf16 pairs), and what they do with inputs they
+above a 16-key step), bf16 queries (bf16 pairs on a bf16 cache), and what they do with inputs they
 cannot serve. Caches of the other
 formats (bf16, int8, fp8): test_kernel_kv_dtypes.py."""
 
@@ -92,7 +92,27 @@ def test_prefill_of_bf16_queries_multiplies_bf16_pairs_within_bf16_tolerance(kv_
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
 
 
-def test_bf16_queries_are_computed_in_f32():
+@SHAPES
+@OPTIONS
+def test_decode_of_bf16_queries_on_a_bf16_cache_within_bf16_tolerance(kv_heads, group, head_dim, block_size, options):
+    """A bf16 model's decode (bf16 queries, bf16 cache) takes its products in bf16 pairs where the
+    head_dim is a multiple of 32 (AVX512-BF16 where present; 16 and 80 stay f32): every query group
+    size, odd lengths (a pair's second key past the end), a length in the middle of a pair of pages,
+    soft cap and window; a padded entry gives zeros."""
+    full = 12 * block_size
+    q, k, v, tables, lengths = case(9, kv_heads, group, head_dim, block_size,
+                                    [1, block_size, full, 0, full - 3, 2 * block_size + 1])
+    q, k, v = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    scale = head_dim**-0.5
+    got = decode(q, k, v, jnp.int32(1), tables, lengths, scale=scale, **options)
+    assert got.dtype == jnp.bfloat16
+    want = reference_decode(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), jnp.int32(1), tables,
+                            lengths, scale=scale, **options)
+    assert_close(got, want, TOLERANCE[jnp.bfloat16])
+    assert not np.asarray(got[3]).any(), "a padded entry (length 0) must give zeros"
+
+
+def test_bf16_queries_on_an_f32_cache_are_computed_in_f32():
     q, k, v, tables, lengths = case(1, 2, 2, 64, 16, [5, 100])
     got = decode(q.astype(jnp.bfloat16), k, v, jnp.int32(0), tables, lengths, scale=0.125)
     assert got.dtype == jnp.bfloat16
