@@ -6,6 +6,7 @@ C++ kernels, the CPU default) against `jax` (paged_jax) and the floors measured 
     python3 -m bench.attention_cpu --layers 30 --iters 3
     python3 -m bench.attention_cpu --kv-cache-dtypes float32 bfloat16 int8 fp8   # the cpu kernels per cache format
     python3 -m bench.attention_cpu --long-prompt   # f32 against bf16 queries (bf16 pairs) on a long prompt
+    python3 -m bench.attention_cpu --decode-step   # a decode step's 30 layers, f32 against bf16 queries
 
 Prefill cases are S sequences of `chunk` new tokens over `history` cached ones in a step of
 S * chunk rows with block tables `width` pages wide (the step's bucket: wider than the
@@ -109,6 +110,39 @@ def compare_query_dtypes(kv_dtypes: list[str], iters: int, layers: int) -> None:
         print(f"{kv_dtype} cache: bf16 queries take {totals['bfloat16'] / totals['float32']:.2f}x f32's time")
 
 
+# A decode step's batches: (sequences, context).
+DECODE_STEP = [(64, 256), (32, 256), (8, 1075), (1, 2048)]
+
+
+def compare_decode_queries(kv_dtype: str, iters: int, layers: int) -> None:
+    """A decode step's attention, all `layers` layers in one program, on a cache of that many layers
+    (so K/V come from memory, as in serving, not from the caches of one layer's few MB), with f32
+    queries (an f32 model's products) and bf16 ones (a bf16 model's: bf16 pairs on a bf16 cache
+    where the CPU has AVX512-BF16), against the K/V bytes read per second."""
+    print(f"{kv_dtype} cache, {layers} layers: {'batch x context':<16} {'f32 q ms':>9} {'GB/s':>6} "
+          f"{'bf16 q ms':>9} {'GB/s':>6} {'bf16/f32':>8}")
+    for batch, context in DECODE_STEP:
+        width = -(-context // BLOCK_SIZE)
+        shape = (layers, KV_HEADS, batch * width + 1, BLOCK_SIZE, HEAD_DIM)
+        store = kv_quant.storage_dtype(kv_dtype, jnp.float32, "cpu")
+        k = jax.jit(lambda key: kv_quant.quantize(jax.random.normal(key, shape), store))(jax.random.key(0))
+        v = jax.jit(lambda key: kv_quant.quantize(0.5 * jax.random.normal(key, shape), store))(jax.random.key(1))
+        tables = scattered_tables(np.random.default_rng(0), batch, width)
+        lengths = jnp.full((batch,), context, jnp.int32)
+
+        def step(q, k, v, tables, lengths):
+            layer = functools.partial(cpu_attention.decode_attention, scale=HEAD_DIM**-0.5)
+            return jax.lax.fori_loop(0, layers, lambda i, q: layer(q, k, v, i, tables, lengths), q)
+
+        step = jax.jit(step)
+        q = jax.random.normal(jax.random.key(2), (batch, KV_HEADS * GROUP, HEAD_DIM))
+        times = [time_call(lambda q=q.astype(dtype): step(q, k, v, tables, lengths), iters, repeats=5)
+                 for dtype in (jnp.float32, jnp.bfloat16)]
+        nbytes = 2 * layers * batch * context * KV_HEADS * k.shape[-1] * k.dtype.itemsize
+        print(f"{'':<{len(kv_dtype) + 18}}{f'{batch} x {context}':<16} "
+              + " ".join(f"{t * 1e3:9.2f} {nbytes / t / 1e9:6.1f}" for t in times) + f" {times[1] / times[0]:8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30, help="layers per step (the ms/step column)")
@@ -118,7 +152,14 @@ def main() -> None:
     parser.add_argument("--long-prompt", action="store_true",
                         help="instead: a 1,075-token prompt's prefill chunks with f32 and bf16 queries, on caches "
                              "of --kv-cache-dtypes (default float32 bfloat16)")
+    parser.add_argument("--decode-step", action="store_true",
+                        help="instead: a decode step's attention over --layers layers of cache with f32 and bf16 "
+                             "queries, on caches of --kv-cache-dtypes (default bfloat16)")
     args = parser.parse_args()
+    if args.decode_step:
+        for kv_dtype in args.kv_cache_dtypes or ["bfloat16"]:
+            compare_decode_queries(kv_dtype, args.iters, args.layers)
+        return
     if args.long_prompt:
         compare_query_dtypes(args.kv_cache_dtypes or ["float32", "bfloat16"], args.iters, args.layers)
         return
