@@ -15,7 +15,8 @@
 // AVX512-BF16 dot product per two multiply-adds where the CPU has it): Q^T and each key block as
 // pairs along the head dimension, the softmax weights P^T and each value block as pairs along the
 // keys. The queries and a bf16 cache's rows are bf16 already, so the only new rounding is P's
-// (to bf16, as GPU flash attention does); sums, the softmax and its normalizer stay f32.
+// (to bf16, as GPU flash attention does); sums, the softmax and its normalizer stay f32. Decode of
+// bf16 queries on a bf16 cache does the same (`attend_pairs`).
 
 #include <algorithm>
 #include <cmath>
