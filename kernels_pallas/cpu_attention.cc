@@ -56,6 +56,29 @@ struct DecodeScratch {
   std::vector<int64_t> rows;   // token offsets
 };
 
+// A block of kLanes keys' scores of one query head, finished: soft-capped, keys past the end
+// (`real` false) masked, the head's running maximum updated, stored at `out`.
+inline void finish_scores(const Problem& p, Vec s, IVec real, Vec& best, float* out) {
+  if (p.soft_cap > 0.0f) s = p.soft_cap * tanh(s / p.soft_cap);
+  s = real ? s : Vec{} + kMasked;
+  best = max(best, s);
+  store(out, s);
+}
+
+// One query head's scores [stride] -> their softmax numerators e^(s - max), in place (masked
+// keys 0); returns 1 / their sum.
+inline float exp_scores(float* scores, int64_t stride, Vec best) {
+  const float m = max_lane(best);
+  Vec total = Vec{};
+  for (int64_t i = 0; i < stride; i += kLanes) {
+    const Vec s = load(scores + i);
+    const Vec e = s > kMasked ? exp(s - m) : Vec{};
+    total += e;
+    store(scores + i, e);
+  }
+  return 1.0f / sum_lanes(total);
+}
+
 // Decode: sequence b's query heads [g0, g0 + G) of kv head h over keys [first, length) (n of
 // them), head_dim D = C * 16, cache elements of type T.
 template <typename T, int64_t C, int64_t G>
@@ -110,25 +133,11 @@ void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& s
       }
       Vec s = transpose_sum(acc);
       if constexpr (kScaled<T>) s *= key_scale;
-      if (p.soft_cap > 0.0f) s = p.soft_cap * tanh(s / p.soft_cap);
-      s = real ? s : Vec{} + kMasked;
-      best[g] = max(best[g], s);
-      store(scores.data() + g * stride + kb, s);
+      finish_scores(p, s, real, best[g], scores.data() + g * stride + kb);
     }
   }
   float inv_total[G];
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * stride;
-    const float m = max_lane(best[g]);
-    Vec total = Vec{};
-    for (int64_t i = 0; i < stride; i += kLanes) {
-      const Vec s = load(sg + i);
-      const Vec e = s > kMasked ? exp(s - m) : Vec{};
-      total += e;
-      store(sg + i, e);
-    }
-    inv_total[g] = 1.0f / sum_lanes(total);
-  }
+  for (int64_t g = 0; g < G; ++g) inv_total[g] = exp_scores(scores.data() + g * stride, stride, best[g]);
   // Weighted values, kValueBlock keys at a time: the block's rows are read from memory by its
   // first pass over two vectors of the head dimension (G x 2 accumulators), from L1 by the next.
   constexpr int64_t kValueBlock = 32;
@@ -217,26 +226,13 @@ void attend_pairs(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScra
         for (int64_t c = 0; c < PV; ++c) madd_pairs(a, qp[g][c], load_pairs(row[j] + c * kLanes));
         acc[j] = a;
       }
-      Vec s = transpose_sum(acc);
-      if (p.soft_cap > 0.0f) s = p.soft_cap * tanh(s / p.soft_cap);
-      s = real ? s : Vec{} + kMasked;
-      best[g] = max(best[g], s);
-      store(scores.data() + g * stride + kb, s);
+      finish_scores(p, transpose_sum(acc), real, best[g], scores.data() + g * stride + kb);
     }
   }
   float inv_total[G];
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * stride;
-    const float m = max_lane(best[g]);
-    Vec total = Vec{};
-    for (int64_t i = 0; i < stride; i += kLanes) {
-      const Vec s = load(sg + i);
-      const Vec e = s > kMasked ? exp(s - m) : Vec{};
-      total += e;
-      store(sg + i, e);
-    }
-    inv_total[g] = 1.0f / sum_lanes(total);
-    pairs_in_order(sg, stride / 2, scratch.weights.data() + g * stride / 2);  // zeros past n
+    inv_total[g] = exp_scores(scores.data() + g * stride, stride, best[g]);
+    pairs_in_order(scores.data() + g * stride, stride / 2, scratch.weights.data() + g * stride / 2);  // zeros past n
   }
   // Weighted values, kValueBlock keys by 32 dimensions at a time (G x 2 accumulators): a pair of
   // keys past n has weight zero, and its second row repeats the last.
