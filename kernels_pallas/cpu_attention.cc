@@ -79,27 +79,43 @@ inline float exp_scores(float* scores, int64_t stride, Vec best) {
   return 1.0f / sum_lanes(total);
 }
 
+// A decode pass's share of its (sequence b, kv head h) item: query heads [g0, g0 + G) of head_dim
+// D, their outputs, the n keys [first, length) they attend to, and those keys' offsets in the item's
+// (layer, kv head) slice of the cache, rows of R elements; the scores sized to G x `stride`. With
+// no keys (n == 0) the outputs are written as zeros here.
+struct DecodePass {
+  const float* q;
+  float* out;
+  int64_t n, stride, slice;
+  const int64_t* rows;
+};
+
+template <int64_t D, int64_t R, int64_t G>
+DecodePass decode_pass(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& scratch) {
+  const int64_t group = p.heads / p.kv_heads;
+  const float* q = p.q + (b * p.heads + h * group + g0) * D;
+  float* out = p.out + (b * p.heads + h * group + g0) * D;
+  const int64_t length = p.lengths[b];
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  const int64_t n = std::max<int64_t>(0, length - first), stride = (n + kLanes - 1) / kLanes * kLanes;
+  if (n == 0) {
+    std::fill(out, out + G * D, 0.0f);
+    return {q, out, 0, 0, 0, nullptr};
+  }
+  scratch.scores.resize(G * stride);
+  token_offsets(p.tables + b * p.width, p.block_size, R, first, length, scratch.rows);
+  return {q, out, n, stride, (p.layer * p.kv_heads + h) * p.pages * p.block_size * R, scratch.rows.data()};
+}
+
 // Decode: sequence b's query heads [g0, g0 + G) of kv head h over keys [first, length) (n of
 // them), head_dim D = C * 16, cache elements of type T.
 template <typename T, int64_t C, int64_t G>
 void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& scratch) {
   constexpr int64_t D = C * kDimStep, DV = D / kLanes;  // vectors per row
   constexpr int64_t R = D + kRowExtra<T>;  // elements per cache row
-  const int64_t group = p.heads / p.kv_heads;
-  const float* q = p.q + (b * p.heads + h * group + g0) * D;
-  float* out = p.out + (b * p.heads + h * group + g0) * D;
-  const int64_t length = p.lengths[b];
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
-  const int64_t n = length - first, stride = (n + kLanes - 1) / kLanes * kLanes;
-  if (n <= 0) {
-    std::fill(out, out + G * D, 0.0f);
-    return;
-  }
+  const auto [q, out, n, stride, slice, rows] = decode_pass<D, R, G>(p, b, h, g0, scratch);
+  if (n == 0) return;
   std::vector<float>& scores = scratch.scores;
-  scores.resize(G * stride);
-  token_offsets(p.tables + b * p.width, p.block_size, R, first, length, scratch.rows);
-  const int64_t* rows = scratch.rows.data();
-  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * R;
   const T* keys = static_cast<const T*>(p.k) + slice;
   const T* values = static_cast<const T*>(p.v) + slice;
   Vec qv[G][DV];
@@ -181,22 +197,11 @@ template <int64_t C, int64_t G>
 void attend_pairs(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& scratch) {
   constexpr int64_t D = C * kDimStep, PV = D / 2 / kLanes;  // vectors of pairs per row
   static_assert(D % 32 == 0 && kLanes == 16);
-  const int64_t group = p.heads / p.kv_heads;
-  const float* q = p.q + (b * p.heads + h * group + g0) * D;
-  float* out = p.out + (b * p.heads + h * group + g0) * D;
-  const int64_t length = p.lengths[b];
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
-  const int64_t n = length - first, stride = (n + kLanes - 1) / kLanes * kLanes;
-  if (n <= 0) {
-    std::fill(out, out + G * D, 0.0f);
-    return;
-  }
+  constexpr int64_t R = D;  // elements per cache row
+  const auto [q, out, n, stride, slice, rows] = decode_pass<D, R, G>(p, b, h, g0, scratch);
+  if (n == 0) return;
   std::vector<float>& scores = scratch.scores;
-  scores.resize(G * stride);
   scratch.weights.resize(G * stride / 2);
-  token_offsets(p.tables + b * p.width, p.block_size, D, first, length, scratch.rows);
-  const int64_t* rows = scratch.rows.data();
-  const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * D;
   const uint16_t* keys = static_cast<const uint16_t*>(p.k) + slice;
   const uint16_t* values = static_cast<const uint16_t*>(p.v) + slice;
   IVec qp[G][PV];
