@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,8 +31,10 @@ class TextScores:
     def __post_init__(self) -> None:
         n = len(self.token_ids) - 1
         if self.logprobs.shape != (n,) or self.top1.shape != (n,):
-            raise ValueError(f"{len(self.token_ids)} tokens need {n} scores, got {self.logprobs.shape} "
-                             f"log-probabilities and {self.top1.shape} top-1 tokens")
+            raise ValueError(
+                f"{len(self.token_ids)} tokens need {n} scores, got {self.logprobs.shape} "
+                f"log-probabilities and {self.top1.shape} top-1 tokens"
+            )
 
     @property
     def num_positions(self) -> int:
@@ -99,7 +102,7 @@ def score_text(llm: Any, token_ids: Sequence[int], window: int | None = None) ->
     logprobs, top1 = [], []
     for (a, b), out in zip(spans, outs):
         scores = out.prompt_logprobs[1:]  # position 0 has no context
-        if len(scores) != b - a - 1 or any(s.token_id != t for s, t in zip(scores, ids[a + 1:b])):
+        if len(scores) != b - a - 1 or any(s.token_id != t for s, t in zip(scores, ids[a + 1 : b])):
             raise RuntimeError(f"the engine scored window [{a}, {b}) wrongly")
         logprobs.extend(s.logprob for s in scores)
         top1.extend(s.top[0][0] for s in scores)
@@ -119,24 +122,42 @@ def engine_footprint(llm: Any) -> dict[str, int]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """One line per mode: the reference first (its agreement is 1 by definition)."""
-    head = f"{'mode':<32} {'top-1 agree':>11} {'perplexity':>10} {'ppl ratio':>9} {'|dlogp|':>8} " \
-           f"{'first div':>9} {'weights MB':>10} {'KV tok/GiB':>10}"
+    head = (
+        f"{'mode':<32} {'top-1 agree':>11} {'perplexity':>10} {'ppl ratio':>9} {'|dlogp|':>8} "
+        f"{'first div':>9} {'weights MB':>10} {'KV tok/GiB':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         div = "-" if r["first_divergence"] is None else str(r["first_divergence"])
-        lines.append(f"{r['mode']:<32} {r['top1_agreement']:>11.4f} {r['perplexity']:>10.3f} "
-                     f"{r['perplexity_ratio']:>9.4f} {r['mean_abs_logprob_diff']:>8.4f} {div:>9} "
-                     f"{r['weight_bytes'] / 1e6:>10.1f} {r['kv_tokens_per_gib']:>10,}")
+        lines.append(
+            f"{r['mode']:<32} {r['top1_agreement']:>11.4f} {r['perplexity']:>10.3f} "
+            f"{r['perplexity_ratio']:>9.4f} {r['mean_abs_logprob_diff']:>8.4f} {div:>9} "
+            f"{r['weight_bytes'] / 1e6:>10.1f} {r['kv_tokens_per_gib']:>10,}"
+        )
     return "\n".join(lines)
 
 
 def reference_row(mode: str, scores: TextScores, footprint: dict[str, int]) -> dict[str, Any]:
-    return {"mode": mode, "positions": scores.num_positions, "top1_agreement": 1.0, "perplexity": scores.perplexity,
-            "perplexity_ratio": 1.0, "mean_abs_logprob_diff": 0.0, "first_divergence": None, **footprint}
+    return {
+        "mode": mode,
+        "positions": scores.num_positions,
+        "top1_agreement": 1.0,
+        "perplexity": scores.perplexity,
+        "perplexity_ratio": 1.0,
+        "mean_abs_logprob_diff": 0.0,
+        "first_divergence": None,
+        **footprint,
+    }
 
 
 def candidate_row(mode: str, agreement: Agreement, footprint: dict[str, int]) -> dict[str, Any]:
-    return {"mode": mode, "positions": agreement.positions, "top1_agreement": agreement.top1_agreement,
-            "perplexity": agreement.candidate_perplexity, "perplexity_ratio": agreement.perplexity_ratio,
-            "mean_abs_logprob_diff": agreement.mean_abs_logprob_diff,
-            "first_divergence": agreement.first_divergence, **footprint}
+    return {
+        "mode": mode,
+        "positions": agreement.positions,
+        "top1_agreement": agreement.top1_agreement,
+        "perplexity": agreement.candidate_perplexity,
+        "perplexity_ratio": agreement.perplexity_ratio,
+        "mean_abs_logprob_diff": agreement.mean_abs_logprob_diff,
+        "first_divergence": agreement.first_divergence,
+        **footprint,
+    }

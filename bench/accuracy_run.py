@@ -30,8 +30,14 @@ def build_llm(ns: argparse.Namespace) -> Any:
     return LLM(ns.model, **dataclasses.asdict(engine_config_from_args(ns)))
 
 
-def run_accuracy(base: argparse.Namespace, reference_args: str, candidate_args: list[str], text: str,
-                 positions: int, window: int | None = None) -> dict[str, Any]:
+def run_accuracy(
+    base: argparse.Namespace,
+    reference_args: str,
+    candidate_args: list[str],
+    text: str,
+    positions: int,
+    window: int | None = None,
+) -> dict[str, Any]:
     """Score the first `positions` next-token positions of `text` with the reference engine and
     each candidate; returns {"positions", "rows"} (the reference's row first)."""
     ref_ns = engine_namespace(base, reference_args)

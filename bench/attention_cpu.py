@@ -30,8 +30,7 @@ from kernels_pallas import cpu_attention, kv_quant, paged_jax
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
 # (sequences, chunk, history, width in pages)
-PREFILL = [(1, 512, 0, 32), (4, 128, 0, 32), (1, 512, 0, 128), (4, 128, 0, 128), (4, 128, 300, 64),
-           (1, 512, 2048, 160)]
+PREFILL = [(1, 512, 0, 32), (4, 128, 0, 32), (1, 512, 0, 128), (4, 128, 0, 128), (4, 128, 300, 64), (1, 512, 2048, 160)]
 # (batch, context, width in pages)
 DECODE = [(32, 200, 128), (64, 200, 16), (64, 700, 128), (64, 2048, 128), (1, 2048, 128)]
 
@@ -50,8 +49,16 @@ def matmul_flops_per_s(iters: int) -> float:
     return 2 * 512 * 576 * 1536 / time_call(lambda: dot(x, w), iters)
 
 
-def bench_prefill(module, num_seqs: int, chunk: int, history: int, width: int, iters: int,
-                  kv_dtype: str = "float32", q_dtype: str = "float32") -> tuple[float, float]:
+def bench_prefill(
+    module,
+    num_seqs: int,
+    chunk: int,
+    history: int,
+    width: int,
+    iters: int,
+    kv_dtype: str = "float32",
+    q_dtype: str = "float32",
+) -> tuple[float, float]:
     """(seconds per layer of `module`'s prefill_attention, useful FLOPs)."""
     k, v = _cache(num_seqs, width, kv_dtype)
     tables = scattered_tables(np.random.default_rng(0), num_seqs, width)
@@ -64,8 +71,9 @@ def bench_prefill(module, num_seqs: int, chunk: int, history: int, width: int, i
     return seconds, flops
 
 
-def bench_decode(module, batch: int, context: int, width: int, iters: int,
-                 kv_dtype: str = "float32") -> tuple[float, float]:
+def bench_decode(
+    module, batch: int, context: int, width: int, iters: int, kv_dtype: str = "float32"
+) -> tuple[float, float]:
     """(seconds per layer of `module`'s decode_attention, K/V bytes the batch must read)."""
     k, v = _cache(batch, width, kv_dtype)
     tables = scattered_tables(np.random.default_rng(0), batch, width)
@@ -82,13 +90,17 @@ def compare_formats(names: list[str], iters: int) -> None:
     head = " ".join(f"{n + ' ms':>12}" for n in names)
     ratios = " ".join(f"{'x ' + names[0][:6]:>9}" for _ in names[1:])
     print(f"{'cpu kernels: case':<40} {head} {ratios}")
-    cases = [("prefill %d x %d / %d / %d" % c, functools.partial(bench_prefill, cpu_attention, *c, iters))
-             for c in PREFILL] + [("decode %d / %d / %d" % c, functools.partial(bench_decode, cpu_attention, *c, iters))
-                                  for c in DECODE]
+    cases = [
+        ("prefill %d x %d / %d / %d" % c, functools.partial(bench_prefill, cpu_attention, *c, iters)) for c in PREFILL
+    ] + [("decode %d / %d / %d" % c, functools.partial(bench_decode, cpu_attention, *c, iters)) for c in DECODE]
     for label, run in cases:
         seconds = [run(kv_dtype=name)[0] for name in names]
-        print(f"{label:<40} " + " ".join(f"{t * 1e3:12.3f}" for t in seconds) + " "
-              + " ".join(f"{t / seconds[0]:9.2f}" for t in seconds[1:]))
+        print(
+            f"{label:<40} "
+            + " ".join(f"{t * 1e3:12.3f}" for t in seconds)
+            + " "
+            + " ".join(f"{t / seconds[0]:9.2f}" for t in seconds[1:])
+        )
 
 
 # The prefill chunks of a 1,075-token prompt at --max-num-batched-tokens 512: (chunk, history).
@@ -101,12 +113,16 @@ def compare_query_dtypes(kv_dtypes: list[str], iters: int, layers: int) -> None:
     for kv_dtype in kv_dtypes:
         totals = {}
         for q_dtype in ("float32", "bfloat16"):
-            runs = [bench_prefill(cpu_attention, 1, chunk, history, 80, iters, kv_dtype, q_dtype)
-                    for chunk, history in LONG_PROMPT]
+            runs = [
+                bench_prefill(cpu_attention, 1, chunk, history, 80, iters, kv_dtype, q_dtype)
+                for chunk, history in LONG_PROMPT
+            ]
             totals[q_dtype] = sum(t for t, _ in runs)
             rate = sum(f for _, f in runs) / totals[q_dtype] / 1e9
-            print(f"{kv_dtype} cache, {q_dtype} queries: {totals[q_dtype] * layers * 1e3:.0f} ms over {layers} layers "
-                  f"({rate:.0f} GFLOP/s)")
+            print(
+                f"{kv_dtype} cache, {q_dtype} queries: {totals[q_dtype] * layers * 1e3:.0f} ms over {layers} layers "
+                f"({rate:.0f} GFLOP/s)"
+            )
         print(f"{kv_dtype} cache: bf16 queries take {totals['bfloat16'] / totals['float32']:.2f}x f32's time")
 
 
@@ -119,8 +135,10 @@ def compare_decode_queries(kv_dtype: str, iters: int, layers: int) -> None:
     (so K/V come from memory, as in serving, not from the caches of one layer's few MB), with f32
     queries (an f32 model's products) and bf16 ones (a bf16 model's: bf16 pairs on a bf16 cache
     where the CPU has AVX512-BF16), against the K/V bytes read per second."""
-    print(f"{kv_dtype} cache, {layers} layers: {'batch x context':<16} {'f32 q ms':>9} {'GB/s':>6} "
-          f"{'bf16 q ms':>9} {'GB/s':>6} {'bf16/f32':>8}")
+    print(
+        f"{kv_dtype} cache, {layers} layers: {'batch x context':<16} {'f32 q ms':>9} {'GB/s':>6} "
+        f"{'bf16 q ms':>9} {'GB/s':>6} {'bf16/f32':>8}"
+    )
     for batch, context in DECODE_STEP:
         width = -(-context // BLOCK_SIZE)
         shape = (layers, KV_HEADS, batch * width + 1, BLOCK_SIZE, HEAD_DIM)
@@ -136,25 +154,41 @@ def compare_decode_queries(kv_dtype: str, iters: int, layers: int) -> None:
 
         step = jax.jit(step)
         q = jax.random.normal(jax.random.key(2), (batch, KV_HEADS * GROUP, HEAD_DIM))
-        times = [time_call(lambda q=q.astype(dtype): step(q, k, v, tables, lengths), iters, repeats=5)
-                 for dtype in (jnp.float32, jnp.bfloat16)]
+        times = [
+            time_call(lambda q=q.astype(dtype): step(q, k, v, tables, lengths), iters, repeats=5)
+            for dtype in (jnp.float32, jnp.bfloat16)
+        ]
         nbytes = 2 * layers * batch * context * KV_HEADS * k.shape[-1] * k.dtype.itemsize
-        print(f"{'':<{len(kv_dtype) + 18}}{f'{batch} x {context}':<16} "
-              + " ".join(f"{t * 1e3:9.2f} {nbytes / t / 1e9:6.1f}" for t in times) + f" {times[1] / times[0]:8.2f}")
+        print(
+            f"{'':<{len(kv_dtype) + 18}}{f'{batch} x {context}':<16} "
+            + " ".join(f"{t * 1e3:9.2f} {nbytes / t / 1e9:6.1f}" for t in times)
+            + f" {times[1] / times[0]:8.2f}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30, help="layers per step (the ms/step column)")
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--kv-cache-dtypes", nargs="+", default=None, metavar="DTYPE",
-                        help="instead: the cpu kernels on caches of these formats (--kv-cache-dtype values)")
-    parser.add_argument("--long-prompt", action="store_true",
-                        help="instead: a 1,075-token prompt's prefill chunks with f32 and bf16 queries, on caches "
-                             "of --kv-cache-dtypes (default float32 bfloat16)")
-    parser.add_argument("--decode-step", action="store_true",
-                        help="instead: a decode step's attention over --layers layers of cache with f32 and bf16 "
-                             "queries, on caches of --kv-cache-dtypes (default bfloat16)")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        default=None,
+        metavar="DTYPE",
+        help="instead: the cpu kernels on caches of these formats (--kv-cache-dtype values)",
+    )
+    parser.add_argument(
+        "--long-prompt",
+        action="store_true",
+        help="instead: a 1,075-token prompt's prefill chunks with f32 and bf16 queries, on caches "
+        "of --kv-cache-dtypes (default float32 bfloat16)",
+    )
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="instead: a decode step's attention over --layers layers of cache with f32 and bf16 "
+        "queries, on caches of --kv-cache-dtypes (default bfloat16)",
+    )
     args = parser.parse_args()
     if args.decode_step:
         for kv_dtype in args.kv_cache_dtypes or ["bfloat16"]:
@@ -169,23 +203,31 @@ def main() -> None:
     peak = matmul_flops_per_s(args.iters)
     copy_bps = copy_bandwidth(1 << 24, jnp.float32, args.iters)  # 64 MB would time page faults
     print(f"f32 matmul 512x576x1536: {peak / 1e9:.0f} GFLOP/s; copy: {copy_bps / 1e9:.1f} GB/s")
-    print(f"{'prefill S x chunk / history / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GFLOP/s':>8} "
-          f"{'%matmul':>8} {'jax ms':>8} {'x jax':>6}")
+    print(
+        f"{'prefill S x chunk / history / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GFLOP/s':>8} "
+        f"{'%matmul':>8} {'jax ms':>8} {'x jax':>6}"
+    )
     for case in PREFILL:
         seconds, flops = bench_prefill(cpu_attention, *case, args.iters)
         jax_seconds, _ = bench_prefill(paged_jax, *case, args.iters)
         label = f"{case[0]} x {case[1]} / {case[2]} / {case[3]}"
-        print(f"{label:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
-              f"{flops / seconds / 1e9:8.1f} {100 * flops / seconds / peak:8.1f} "
-              f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}")
-    print(f"{'decode batch / context / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GB/s':>8} {'%copy':>8} "
-          f"{'jax ms':>8} {'x jax':>6}")
+        print(
+            f"{label:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
+            f"{flops / seconds / 1e9:8.1f} {100 * flops / seconds / peak:8.1f} "
+            f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}"
+        )
+    print(
+        f"{'decode batch / context / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GB/s':>8} {'%copy':>8} "
+        f"{'jax ms':>8} {'x jax':>6}"
+    )
     for case in DECODE:
         seconds, nbytes = bench_decode(cpu_attention, *case, args.iters)
         jax_seconds, _ = bench_decode(paged_jax, *case, args.iters)
-        print(f"{'%d / %d / %d' % case:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
-              f"{nbytes / seconds / 1e9:8.1f} {100 * nbytes / seconds / copy_bps:8.1f} "
-              f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}")
+        print(
+            f"{'%d / %d / %d' % case:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
+            f"{nbytes / seconds / 1e9:8.1f} {100 * nbytes / seconds / copy_bps:8.1f} "
+            f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}"
+        )
 
 
 if __name__ == "__main__":

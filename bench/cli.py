@@ -11,8 +11,9 @@ import datetime
 import math
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.metrics import DEFAULT_PERCENTILES, SLO
 from bench.workloads import WORKLOAD_NAMES, TokenizerLike, TokenSampler, Workload
@@ -29,7 +30,9 @@ def _add_workload_args(p: argparse.ArgumentParser, default_prompt_format: str, a
     g = p.add_argument_group("workload")
     g.add_argument("--workload", "--dataset-name", dest="workload", choices=WORKLOAD_NAMES, default="random")
     g.add_argument("--workload-file", "--dataset-path", dest="workload_file", help="JSONL file (--workload jsonl)")
-    g.add_argument("--num-prompts", type=int, default=100, help="requests (random, shared-prefix, long-prompt: short ones)")
+    g.add_argument(
+        "--num-prompts", type=int, default=100, help="requests (random, shared-prefix, long-prompt: short ones)"
+    )
     g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
     g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
     g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0)
@@ -85,7 +88,9 @@ def _add_peer_args(p: argparse.ArgumentParser, choices: tuple[str, ...]) -> None
 
 
 def _add_output_args(p: argparse.ArgumentParser, ignore_eos_flag: bool = True) -> None:
-    p.add_argument("--result-file", default=None, help=f"JSON output (default: {DEFAULT_RESULT_DIR}/KIND-WORKLOAD-TIME.json)")
+    p.add_argument(
+        "--result-file", default=None, help=f"JSON output (default: {DEFAULT_RESULT_DIR}/KIND-WORKLOAD-TIME.json)"
+    )
     if ignore_eos_flag:
         p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                        help="let requests stop at EOS (default: exactly max_tokens each, as vLLM's random dataset)")  # fmt: skip
@@ -111,9 +116,12 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (tokenizer, server model, peers' GGUF)")
     p.add_argument("--base-url", default=None, help="a running jaxserve server (default: start one on a free port)")
     p.add_argument("--served-model-name", default=None, help="`model` field of the requests (default: --model)")
-    p.add_argument("--server-args", default="",
-                   help="extra `jaxserve serve` flags when starting the server, one string; written with = "
-                        "(--server-args=\"--dtype bfloat16\"), since it starts with a dash")
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra `jaxserve serve` flags when starting the server, one string; written with = "
+        '(--server-args="--dtype bfloat16"), since it starts with a dash',
+    )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: requests in flight at most")
@@ -127,15 +135,25 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
     p.add_argument("--save-detailed", action="store_true", help="keep every inter-token gap in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--peer-n-ctx", type=int, default=4096,
-                   help="context of the llama-cpp server (llama-server: per slot; vllm: --max-model-len)")
+    p.add_argument(
+        "--peer-n-ctx",
+        type=int,
+        default=4096,
+        help="context of the llama-cpp server (llama-server: per slot; vllm: --max-model-len)",
+    )
     p.add_argument("--peer-binary", default="llama-server", help="llama-server: the executable (path or name on PATH)")
     p.add_argument("--peer-slots", type=int, default=32, help="llama-server: parallel slots (continuous batching)")
-    p.add_argument("--peer-model", default=None,
-                   help="vllm: a Hugging Face model directory (default: the GGUF converted by transformers, cached)")
-    p.add_argument("--peer-convert-python", default=None,
-                   help="vllm: interpreter with torch, transformers, accelerate and gguf that converts the GGUF "
-                        "(default: --peer-python)")
+    p.add_argument(
+        "--peer-model",
+        default=None,
+        help="vllm: a Hugging Face model directory (default: the GGUF converted by transformers, cached)",
+    )
+    p.add_argument(
+        "--peer-convert-python",
+        default=None,
+        help="vllm: interpreter with torch, transformers, accelerate and gguf that converts the GGUF "
+        "(default: --peer-python)",
+    )
     p.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="vllm: its --dtype")
     p.add_argument("--peer-kv-cache-gib", type=float, default=2.0, help="vllm: its KV cache (VLLM_CPU_KVCACHE_SPACE)")
     _add_workload_args(p, "text")
@@ -254,8 +272,13 @@ def _peer_spec(args: argparse.Namespace) -> Any:
         gguf_path(args.model)
     except ValueError as e:
         raise PeerUnavailable(str(e)) from e
-    return PeerSpec(args.peer, args.peer_python, args.peer_threads, getattr(args, "peer_batch_size", 32),
-                    getattr(args, "peer_dtype", "float32"))
+    return PeerSpec(
+        args.peer,
+        args.peer_python,
+        args.peer_threads,
+        getattr(args, "peer_batch_size", 32),
+        getattr(args, "peer_dtype", "float32"),
+    )
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
@@ -335,8 +358,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_workload_args(p, "ids", add_seed=False)
     _add_peer_args(p, ("transformers", "llama-cpp"))
     p.add_argument("--peer-batch-size", type=int, default=32, help="transformers: prompts per generate() batch")
-    p.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="transformers: compute dtype (torch's bf16 matmuls are fast on AVX512-BF16 CPUs)")
+    p.add_argument(
+        "--peer-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="transformers: compute dtype (torch's bf16 matmuls are fast on AVX512-BF16 CPUs)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     _add_output_args(p)
     p.set_defaults(func=_guarded(_cmd_throughput))
@@ -354,16 +381,27 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("accuracy", help="top-1 agreement and perplexity of engine modes against an f32 reference")
     add_engine_args(p)
     p.add_argument("--positions", type=int, default=2000, help="next-token positions of the text to score")
-    p.add_argument("--reference-args", default="--dtype float32",
-                   help="engine flags of the reference, on top of the shared ones (one string)")
-    p.add_argument("--candidate-args", action="append", default=None,
-                   help="engine flags of a candidate, one string, written with = "
-                        "(--candidate-args='--dtype bfloat16'); repeat for several")
-    p.add_argument("--text-file", default=None,
-                   help="UTF-8 text to score (default: the Python documentation's help topics, bench/heldout_text.py)")
+    p.add_argument(
+        "--reference-args",
+        default="--dtype float32",
+        help="engine flags of the reference, on top of the shared ones (one string)",
+    )
+    p.add_argument(
+        "--candidate-args",
+        action="append",
+        default=None,
+        help="engine flags of a candidate, one string, written with = "
+        "(--candidate-args='--dtype bfloat16'); repeat for several",
+    )
+    p.add_argument(
+        "--text-file",
+        default=None,
+        help="UTF-8 text to score (default: the Python documentation's help topics, bench/heldout_text.py)",
+    )
     p.add_argument("--window", type=int, default=None, help="tokens per scored window (default: max_model_len - 1)")
-    p.add_argument("--result-file", default=None,
-                   help=f"JSON output (default: {DEFAULT_RESULT_DIR}/accuracy-text-TIME.json)")
+    p.add_argument(
+        "--result-file", default=None, help=f"JSON output (default: {DEFAULT_RESULT_DIR}/accuracy-text-TIME.json)"
+    )
     p.set_defaults(func=_cmd_accuracy)
 
     p = sub.add_parser("compare", help="compare two result JSON files")

@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     f32, bf16 = measure(args.threads, args.reps)
-    print(f"{args.threads} threads: f32 FMA {f32 / 1e9:.0f} GFLOP/s, "
-          + (f"bf16 dot products {bf16 / 1e9:.0f} GFLOP/s" if bf16 else "no AVX512-BF16"))
+    print(
+        f"{args.threads} threads: f32 FMA {f32 / 1e9:.0f} GFLOP/s, "
+        + (f"bf16 dot products {bf16 / 1e9:.0f} GFLOP/s" if bf16 else "no AVX512-BF16")
+    )
     return 0
 
 

@@ -32,8 +32,10 @@ from bench.peers.runner import PeerUnavailable, check_peer, run_offline_peer
 from bench.server_process import ManagedServer, free_port, jaxserve_argv
 from bench.system_info import system_info
 
-WORDS = ("river mountain quiet engine letter garden window silver morning planet story music market winter "
-         "paper bridge forest signal ocean button yellow people kitchen number thunder").split()
+WORDS = (
+    "river mountain quiet engine letter garden window silver morning planet story music market winter "
+    "paper bridge forest signal ocean button yellow people kitchen number thunder"
+).split()
 
 
 def texts(count: int, seed: int) -> list[str]:
@@ -48,7 +50,7 @@ async def _embed_all(base_url: str, ids: list[list[int]], request_size: int, con
 
     async def one(http: aiohttp.ClientSession, start: int) -> None:
         async with limit:
-            body = {"input": ids[start:start + request_size], "encoding_format": "float"}
+            body = {"input": ids[start : start + request_size], "encoding_format": "float"}
             async with http.post("/v1/embeddings", json=body) as reply:
                 data = await reply.json()
                 if reply.status != 200:
@@ -96,23 +98,45 @@ def main(argv: list[str] | None = None) -> int:
         ids = [asyncio.run(_tokenize(server.base_url, batch)) for batch in runs]
         timed = [asyncio.run(_embed_all(server.base_url, run, args.request_size, args.concurrency)) for run in ids]
     ours = [seconds for seconds, _ in timed[1:]]
-    peer = run_offline_peer("transformers-embed", {"gguf": str(gguf_path(args.model)), "threads": os.cpu_count(),
-                                                   "batch_size": args.peer_batch_size, "pooling": args.pooling,
-                                                   "runs": ids}, args.peer_python)
+    peer = run_offline_peer(
+        "transformers-embed",
+        {
+            "gguf": str(gguf_path(args.model)),
+            "threads": os.cpu_count(),
+            "batch_size": args.peer_batch_size,
+            "pooling": args.pooling,
+            "runs": ids,
+        },
+        args.peer_python,
+    )
     ours_rate, peer_rate = args.texts / statistics.median(ours), args.texts / statistics.median(peer["seconds"])
     diff = float(np.max(np.abs(np.array(timed[1][1]) - np.array(peer["embeddings"]))))
     tokens = sum(len(t) for t in ids[1]) / args.texts
-    result = {"system": system_info(), "model": args.model, "pooling": args.pooling, "texts": args.texts,
-              "mean_tokens_per_text": tokens, "request_size": args.request_size, "concurrency": args.concurrency,
-              "server_args": server_args, "peer_batch_size": args.peer_batch_size, "peer_versions": peer_versions,
-              "jaxserve_seconds": ours, "transformers_seconds": peer["seconds"],
-              "jaxserve_texts_per_s": ours_rate, "transformers_texts_per_s": peer_rate,
-              "ratio_jaxserve_over_transformers": ours_rate / peer_rate, "max_abs_diff": diff}
-    print(f"{args.texts} texts of {tokens:.1f} tokens, {args.pooling} pooling, median of {args.runs} runs:\n"
-          f"  jaxserve      {ours_rate:8.1f} texts/s  (requests of {args.request_size}, {args.concurrency} at a time)\n"
-          f"  transformers  {peer_rate:8.1f} texts/s  (batches of {args.peer_batch_size})\n"
-          f"  jaxserve / transformers = {ours_rate / peer_rate:.2f}; largest difference of the unit vectors "
-          f"{diff:.1e}")
+    result = {
+        "system": system_info(),
+        "model": args.model,
+        "pooling": args.pooling,
+        "texts": args.texts,
+        "mean_tokens_per_text": tokens,
+        "request_size": args.request_size,
+        "concurrency": args.concurrency,
+        "server_args": server_args,
+        "peer_batch_size": args.peer_batch_size,
+        "peer_versions": peer_versions,
+        "jaxserve_seconds": ours,
+        "transformers_seconds": peer["seconds"],
+        "jaxserve_texts_per_s": ours_rate,
+        "transformers_texts_per_s": peer_rate,
+        "ratio_jaxserve_over_transformers": ours_rate / peer_rate,
+        "max_abs_diff": diff,
+    }
+    print(
+        f"{args.texts} texts of {tokens:.1f} tokens, {args.pooling} pooling, median of {args.runs} runs:\n"
+        f"  jaxserve      {ours_rate:8.1f} texts/s  (requests of {args.request_size}, {args.concurrency} at a time)\n"
+        f"  transformers  {peer_rate:8.1f} texts/s  (batches of {args.peer_batch_size})\n"
+        f"  jaxserve / transformers = {ours_rate / peer_rate:.2f}; largest difference of the unit vectors "
+        f"{diff:.1e}"
+    )
     if args.result_file is not None:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
         args.result_file.write_text(json.dumps(result, indent=2))

@@ -25,8 +25,18 @@ from typing import Any
 
 import aiohttp
 
-WORKER_FLAGS = ["--max-num-seqs", "32", "--max-num-batched-tokens", "256", "--max-model-len", "256",
-                "--block-size", "8", "--num-blocks", "1024"]
+WORKER_FLAGS = [
+    "--max-num-seqs",
+    "32",
+    "--max-num-batched-tokens",
+    "256",
+    "--max-model-len",
+    "256",
+    "--block-size",
+    "8",
+    "--num-blocks",
+    "1024",
+]
 
 
 def _free_port() -> int:
@@ -36,8 +46,13 @@ def _free_port() -> int:
 
 
 def _start(argv: list[str], ready: str, timeout: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
         if ready in line:  # read the rest on a thread, so that a full pipe never blocks the child
@@ -50,9 +65,15 @@ def _start(argv: list[str], ready: str, timeout: float) -> subprocess.Popen:
 
 
 async def _chat(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> dict[str, Any]:
-    body = {"model": "tiny-random", "messages": [{"role": "user", "content": f"Tell me story number {i}."}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny-random",
+        "messages": [{"role": "user", "content": f"Tell me story number {i}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = {"error": False, "done": False, "tokens": 0}
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
@@ -62,7 +83,7 @@ async def _chat(session: aiohttp.ClientSession, url: str, i: int, max_tokens: in
             line = raw.decode().strip()
             if not line.startswith("data: "):
                 continue
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             if payload == "[DONE]":
                 result["done"] = True
                 continue
@@ -107,11 +128,23 @@ def main() -> None:
     p.add_argument("--model", default="tiny-random")
     args = p.parse_args()
     ports = [_free_port(), _free_port()]
-    workers = [_start(["worker", "--model", args.model, "--port", str(port), *WORKER_FLAGS], "worker listening", 900)
-               for port in ports]
+    workers = [
+        _start(["worker", "--model", args.model, "--port", str(port), *WORKER_FLAGS], "worker listening", 900)
+        for port in ports
+    ]
     router_port = _free_port()
-    router = _start(["router", "--port", str(router_port), "--health-check-interval", "0.5",
-                     *[a for port in ports for a in ("--worker", f"127.0.0.1:{port}")]], "Running on", 300)
+    router = _start(
+        [
+            "router",
+            "--port",
+            str(router_port),
+            "--health-check-interval",
+            "0.5",
+            *[a for port in ports for a in ("--worker", f"127.0.0.1:{port}")],
+        ],
+        "Running on",
+        300,
+    )
     url = f"http://127.0.0.1:{router_port}"
     at_kill: dict[str, Any] = {}
 
@@ -130,7 +163,9 @@ def main() -> None:
             proc.kill()
             proc.wait()
     report = {
-        "requests": len(results), "concurrency": args.concurrency, "in_flight_at_kill": at_kill.get("in_flight"),
+        "requests": len(results),
+        "concurrency": args.concurrency,
+        "in_flight_at_kill": at_kill.get("in_flight"),
         "ended_with_error": sum(r["error"] for r in results),
         "without_done": sum(not r["done"] for r in results),
         "short": sum(r["tokens"] != args.max_tokens and not r["error"] for r in results),

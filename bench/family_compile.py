@@ -20,9 +20,18 @@ import subprocess
 import sys
 from typing import Any
 
-TEST_BUCKETS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=96,
-                    decode_batch_buckets=(4,), sampler_row_buckets=(4,), prefill_token_buckets=(64,),
-                    prefill_seq_buckets=(4,), block_table_buckets=(16,))
+TEST_BUCKETS = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    num_blocks=96,
+    decode_batch_buckets=(4,),
+    sampler_row_buckets=(4,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(16,),
+)
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
 
 
@@ -34,12 +43,21 @@ def warm_up_one(name: str, buckets: str) -> dict[str, Any]:
     model: Any = build_tiny_random(family=name) if name in TINY_FAMILIES else name
     llm = LLM(model, **(TEST_BUCKETS if buckets == "test" else {}))
     compiled = llm.engine.num_compilations
-    llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * 3, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [[5, 6, 7, 8, 9, 10, 11, 12]] * 3,
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     config = llm.engine.model_config
-    return {"model": name, "architecture": config.architecture, "layers": config.num_layers,
-            "experts": config.num_experts, "warm_up_s": round(llm.warm_up_seconds, 2), "programs": compiled,
-            "compilations_after_warm_up": llm.engine.num_compilations - compiled}
+    return {
+        "model": name,
+        "architecture": config.architecture,
+        "layers": config.num_layers,
+        "experts": config.num_experts,
+        "warm_up_s": round(llm.warm_up_seconds, 2),
+        "programs": compiled,
+        "compilations_after_warm_up": llm.engine.num_compilations - compiled,
+    }
 
 
 def main() -> None:
@@ -52,15 +70,22 @@ def main() -> None:
         print(json.dumps(warm_up_one(args.one, args.buckets)))
         return
     for name in args.models:
-        child = subprocess.run([sys.executable, "-m", "bench.family_compile", "--buckets", args.buckets, "--one", name],
-                               capture_output=True, text=True, check=False)
+        child = subprocess.run(
+            [sys.executable, "-m", "bench.family_compile", "--buckets", args.buckets, "--one", name],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if child.returncode != 0:
             print(f"{name}: failed ({child.returncode}): {child.stderr.strip()[-800:]}")
             continue
         r = json.loads(child.stdout.strip().splitlines()[-1])
-        print(f"{r['model']:<28} {r['architecture']:<10} {r['layers']:>3} layers {r['experts']:>3} experts: "
-              f"warm-up {r['warm_up_s']:7.2f} s, {r['programs']} programs, "
-              f"{r['compilations_after_warm_up']} compilations after warm-up", flush=True)
+        print(
+            f"{r['model']:<28} {r['architecture']:<10} {r['layers']:>3} layers {r['experts']:>3} experts: "
+            f"warm-up {r['warm_up_s']:7.2f} s, {r['programs']} programs, "
+            f"{r['compilations_after_warm_up']} compilations after warm-up",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -25,16 +25,25 @@ from jaxserve.sampling_params import SamplingParams
 
 # The function whose cumulative time is one phase of a step: (file, function) as cProfile names them.
 PHASES = {
-    "schedule": ("scheduler.py", "schedule"), "prepare": ("model_runner.py", "prepare"),
-    "launch": ("model_runner.py", "launch"), "read": ("model_runner.py", "fetch"),
+    "schedule": ("scheduler.py", "schedule"),
+    "prepare": ("model_runner.py", "prepare"),
+    "launch": ("model_runner.py", "launch"),
+    "read": ("model_runner.py", "fetch"),
     "post-process": ("engine.py", "_read"),
 }
 
 
 def build_engine(batch: int, async_scheduling: bool, num_scheduler_steps: int) -> LLMEngine:
-    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch * 8), max_model_len=1024,
-                          num_blocks=batch * 40, decode_batch_buckets=(batch,), prefill_seq_buckets=(4,),
-                          async_scheduling=async_scheduling, num_scheduler_steps=num_scheduler_steps)
+    config = EngineConfig(
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(512, batch * 8),
+        max_model_len=1024,
+        num_blocks=batch * 40,
+        decode_batch_buckets=(batch,),
+        prefill_seq_buckets=(4,),
+        async_scheduling=async_scheduling,
+        num_scheduler_steps=num_scheduler_steps,
+    )
     engine = LLMEngine(build_tiny_random(), config)
     engine.warm_up()
     return engine
@@ -47,7 +56,9 @@ def measure(batch: int, steps: int, async_scheduling: bool, num_scheduler_steps:
     iterations = max(1, steps // num_scheduler_steps)
     for i in range(batch):
         engine.add_request(f"r{i}", [3 + i % 200, 5, 7, 11], params)
-    while any(r.is_prefilling or not r.output_token_ids for r in list(engine.scheduler.waiting) + engine.scheduler.running):
+    while any(
+        r.is_prefilling or not r.output_token_ids for r in list(engine.scheduler.waiting) + engine.scheduler.running
+    ):
         engine.step()  # prefill everything first: what follows is decode only
     for _ in range(5):
         engine.step()
@@ -74,10 +85,14 @@ def measure(batch: int, steps: int, async_scheduling: bool, num_scheduler_steps:
         for phase, (file, name) in PHASES.items():
             if function == name and filename.endswith(file):
                 phases[phase] = phases.get(phase, 0.0) + cumulative / steps
-    return {"batch": batch, "mode": f"{num_scheduler_steps}-step" if num_scheduler_steps > 1 else
-            "async" if async_scheduling else "sync", "step_ms": 1e3 * wall, "read_ms": 1e3 * reads / steps,
-            "phases_ms": {k: 1e3 * v for k, v in phases.items()},
-            "new_compilations": engine.num_compilations - compiles}
+    return {
+        "batch": batch,
+        "mode": f"{num_scheduler_steps}-step" if num_scheduler_steps > 1 else "async" if async_scheduling else "sync",
+        "step_ms": 1e3 * wall,
+        "read_ms": 1e3 * reads / steps,
+        "phases_ms": {k: 1e3 * v for k, v in phases.items()},
+        "new_compilations": engine.num_compilations - compiles,
+    }
 
 
 def main() -> None:
@@ -87,14 +102,18 @@ def main() -> None:
     ap.add_argument("--num-scheduler-steps", type=int, default=8, help="K of the multi-step run (1: none)")
     args = ap.parse_args()
     modes = [(False, 1), (True, 1)] + ([(True, args.num_scheduler_steps)] if args.num_scheduler_steps > 1 else [])
-    print(f"{'batch':>5} {'mode':>7} {'step ms':>8} {'read ms':>8} {'host ms':>8}  "
-          "profile (ms per decode step, cProfile-inflated)")
+    print(
+        f"{'batch':>5} {'mode':>7} {'step ms':>8} {'read ms':>8} {'host ms':>8}  "
+        "profile (ms per decode step, cProfile-inflated)"
+    )
     for batch in args.batch:
         for async_scheduling, k in modes:
             r = measure(batch, args.steps, async_scheduling, k)
             phases = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(r["phases_ms"].items()))
-            print(f"{batch:>5} {r['mode']:>7} {r['step_ms']:8.2f} {r['read_ms']:8.2f} "
-                  f"{r['step_ms'] - r['read_ms']:8.2f}  {phases}; compilations after warm-up {r['new_compilations']}")
+            print(
+                f"{batch:>5} {r['mode']:>7} {r['step_ms']:8.2f} {r['read_ms']:8.2f} "
+                f"{r['step_ms'] - r['read_ms']:8.2f}  {phases}; compilations after warm-up {r['new_compilations']}"
+            )
 
 
 if __name__ == "__main__":

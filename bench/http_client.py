@@ -13,7 +13,8 @@ import dataclasses
 import json
 import re
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 

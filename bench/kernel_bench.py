@@ -23,7 +23,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,6 @@ import numpy as np
 
 from bench.kernel_report import ms, print_tables
 from kernels_pallas import common, decode, prefill, reference
-
 
 # Largest accepted difference between a kernel and the reference, by dtype (outputs are
 # averages of unit-normal values, so of order 1).
@@ -69,21 +68,18 @@ def gpu_decode_grid() -> list[DecodeCase]:
     """Batch x context at GQA 4 / block 16, then GQA ratios and block sizes at one mid point.
     Batch x context is capped at 2M tokens (~8.6 GB of bf16 K/V at 8 x 128, plus the
     reference's gathered copy)."""
-    cases = [DecodeCase(b, c, 4, 16) for b in (1, 8, 64, 256) for c in (128, 2048, 32768)
-             if b * c <= 2 ** 21]
+    cases = [DecodeCase(b, c, 4, 16) for b in (1, 8, 64, 256) for c in (128, 2048, 32768) if b * c <= 2**21]
     cases += [DecodeCase(64, 4096, g, 16) for g in (1, 8)]
     cases += [DecodeCase(64, 4096, 4, bs) for bs in (8, 32)]
     return cases
 
 
 def quick_decode_grid() -> list[DecodeCase]:
-    return [DecodeCase(b, c, g, 16, num_kv_heads=2, head_dim=64)
-            for b, c, g in ((1, 128, 4), (4, 256, 4), (4, 256, 1))]
+    return [DecodeCase(b, c, g, 16, num_kv_heads=2, head_dim=64) for b, c, g in ((1, 128, 4), (4, 256, 4), (4, 256, 1))]
 
 
 def gpu_prefill_grid() -> list[PrefillCase]:
-    return [PrefillCase(4, 512, 0, 4, 16), PrefillCase(4, 512, 4096, 4, 16),
-            PrefillCase(16, 128, 2048, 8, 16)]
+    return [PrefillCase(4, 512, 0, 4, 16), PrefillCase(4, 512, 4096, 4, 16), PrefillCase(16, 128, 2048, 8, 16)]
 
 
 def quick_prefill_grid() -> list[PrefillCase]:
@@ -116,7 +112,7 @@ def matmul_peak(n: int, dtype, iters: int) -> float:
     prefill is held against."""
     a, b = (random_normal(seed, (n, n), jnp.dtype(dtype)) for seed in (2, 3))
     matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / time_call(lambda: matmul(a, b), iters, repeats=5)
+    return 2 * n**3 / time_call(lambda: matmul(a, b), iters, repeats=5)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -170,32 +166,43 @@ def _time_variants(row: dict, variants: dict[str, Callable], args: tuple, iters:
             row[f"{name}_err"] = float(jnp.max(diff))
 
 
-def bench_decode(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps: float,
-                 with_reference: bool = True) -> dict:
+def bench_decode(
+    case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps: float, with_reference: bool = True
+) -> dict:
     """One decode case: ours, JAX's shipped op and (unless `with_reference` is off, for cases
     whose gathered copy of the pool would not fit) the reference, on the same inputs."""
     rng = np.random.default_rng(0)
     width = common.cdiv(case.context, case.block_size)
-    k, v = _pool(case.num_kv_heads, case.batch * width + 1, case.block_size,
-                 case.head_dim, dtype)
+    k, v = _pool(case.num_kv_heads, case.batch * width + 1, case.block_size, case.head_dim, dtype)
     num_heads = case.num_kv_heads * case.group
     q = random_normal(2, (case.batch, num_heads, case.head_dim), jnp.dtype(dtype))
     tables = scattered_tables(rng, case.batch, width)
     lengths = jnp.full((case.batch,), case.context, jnp.int32)
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     layer = jnp.int32(0)
 
     # k[None]: the stacked [1, KVH, NB, BS, D] view inside jit is a bitcast, not a copy.
-    ours = jax.jit(lambda q, k, v, t, n: decode.decode_attention(
-        q, k[None], v[None], layer, t, n, scale=scale, interpret=interpret))
-    ref = jax.jit(lambda q, k, v, t, n: reference.decode_attention(
-        q, k[None], v[None], layer, t, n, scale=scale))
+    ours = jax.jit(
+        lambda q, k, v, t, n: decode.decode_attention(
+            q, k[None], v[None], layer, t, n, scale=scale, interpret=interpret
+        )
+    )
+    ref = jax.jit(lambda q, k, v, t, n: reference.decode_attention(q, k[None], v[None], layer, t, n, scale=scale))
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     splits = shipped_k_splits(width)
-    shipped = jax.jit(lambda q, k, v, t, n: paged_attention(
-        (q.astype(jnp.float32) * scale).astype(q.dtype), k, v, t, n,
-        pages_per_compute_block=min(8, width // splits), k_splits=splits, interpret=interpret))
+    shipped = jax.jit(
+        lambda q, k, v, t, n: paged_attention(
+            (q.astype(jnp.float32) * scale).astype(q.dtype),
+            k,
+            v,
+            t,
+            n,
+            pages_per_compute_block=min(8, width // splits),
+            k_splits=splits,
+            interpret=interpret,
+        )
+    )
 
     args = (q, k, v, tables, lengths)
     row = {"kind": "decode", "case": case.label(), **dataclasses.asdict(case), "jax_k_splits": splits}
@@ -220,20 +227,23 @@ def bench_prefill(case: PrefillCase, dtype, interpret: bool, iters: int) -> dict
     rng = np.random.default_rng(0)
     total = case.history + case.chunk
     width = common.cdiv(total, case.block_size)
-    k, v = _pool(case.num_kv_heads, case.num_seqs * width + 1, case.block_size,
-                 case.head_dim, dtype)
+    k, v = _pool(case.num_kv_heads, case.num_seqs * width + 1, case.block_size, case.head_dim, dtype)
     num_heads = case.num_kv_heads * case.group
     tokens = case.num_seqs * case.chunk
     q = random_normal(2, (tokens, num_heads, case.head_dim), jnp.dtype(dtype))
     tables = scattered_tables(rng, case.num_seqs, width)
     seq_lens = jnp.full((case.num_seqs,), total, jnp.int32)
     query_start = jnp.arange(case.num_seqs + 1, dtype=jnp.int32) * case.chunk
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     layer = jnp.int32(0)
-    ours = jax.jit(lambda q, k, v, t, n, s: prefill.prefill_attention(
-        q, k[None], v[None], layer, t, n, s, scale=scale, interpret=interpret))
-    ref = jax.jit(lambda q, k, v, t, n, s: reference.prefill_attention(
-        q, k[None], v[None], layer, t, n, s, scale=scale))
+    ours = jax.jit(
+        lambda q, k, v, t, n, s: prefill.prefill_attention(
+            q, k[None], v[None], layer, t, n, s, scale=scale, interpret=interpret
+        )
+    )
+    ref = jax.jit(
+        lambda q, k, v, t, n, s: reference.prefill_attention(q, k[None], v[None], layer, t, n, s, scale=scale)
+    )
     args = (q, k, v, tables, seq_lens, query_start)
     # QK^T and PV over the history plus the causal half of the chunk.
     keys_per_row = case.history + (case.chunk + 1) / 2
@@ -264,11 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick or on_cpu
     decode_cases = quick_decode_grid() if quick else gpu_decode_grid()
     prefill_cases = [] if args.no_prefill else (quick_prefill_grid() if quick else gpu_prefill_grid())
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-          f"dtype {dtype.name}, pallas {'interpreted' if interpret else 'native'}, {iters} iters")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"dtype {dtype.name}, pallas {'interpreted' if interpret else 'native'}, {iters} iters"
+    )
 
     # CPU: 16 MiB (bigger fresh outputs pay page faults every call); GPU: 1 GiB, past any cache.
-    copy_bps = copy_bandwidth((16 if on_cpu else 1024) * 2 ** 20, dtype, iters)
+    copy_bps = copy_bandwidth((16 if on_cpu else 1024) * 2**20, dtype, iters)
     matmul_flops = matmul_peak(256 if on_cpu else 8192, dtype, iters) if prefill_cases else None
     rows: list[dict] = []
 
@@ -276,15 +288,27 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         if args.json:  # rewritten after every case, so a run cut short still leaves its rows
             with open(args.json, "w") as f:
-                json.dump({"copy_bps": copy_bps, "matmul_flops": matmul_flops,
-                           "device": jax.devices()[0].device_kind,
-                           "interpret": interpret, "dtype": dtype.name, "rows": rows}, f, indent=1)
+                json.dump(
+                    {
+                        "copy_bps": copy_bps,
+                        "matmul_flops": matmul_flops,
+                        "device": jax.devices()[0].device_kind,
+                        "interpret": interpret,
+                        "dtype": dtype.name,
+                        "rows": rows,
+                    },
+                    f,
+                    indent=1,
+                )
 
     for case in decode_cases:
         record(bench_decode(case, dtype, interpret, iters, copy_bps))
         r = rows[-1]
-        print(f"  {r['case']}: ours {ms(r['ours_s'])} ms, ref {ms(r.get('reference_s'))} ms, "
-              f"jax {ms(r.get('shipped_s'))} ms", flush=True)
+        print(
+            f"  {r['case']}: ours {ms(r['ours_s'])} ms, ref {ms(r.get('reference_s'))} ms, "
+            f"jax {ms(r.get('shipped_s'))} ms",
+            flush=True,
+        )
     for pcase in prefill_cases:
         record(bench_prefill(pcase, dtype, interpret, iters))
         print(f"  {rows[-1]['case']}: ours {ms(rows[-1]['ours_s'])} ms", flush=True)
@@ -295,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if pct:
         print(f"median decode bandwidth: {statistics.median(pct):.1f}% of copy")
     if errors:
-        print(f"FAILED or MISMATCHED vs reference in {len(errors)} case(s): "
-              + ", ".join(r["case"] for r in errors))
+        print(f"FAILED or MISMATCHED vs reference in {len(errors)} case(s): " + ", ".join(r["case"] for r in errors))
         return 1
     return 0
 

@@ -24,14 +24,20 @@ def print_decode_table(rows: list[dict], copy_bps: float, out=sys.stdout) -> Non
     reference (ms and our speedup over each), and `err`, our largest absolute difference from
     the reference (n/a: not run)."""
     print(f"copy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s", file=out)
-    print(f"{'decode case':<28} {'KV MB':>8} {'ours ms':>8} {'GB/s':>8} {'%copy':>6} "
-          f"{'jax ms':>8} {'x jax':>6} {'ref ms':>8} {'x ref':>6} {'err':>8}", file=out)
+    print(
+        f"{'decode case':<28} {'KV MB':>8} {'ours ms':>8} {'GB/s':>8} {'%copy':>6} "
+        f"{'jax ms':>8} {'x jax':>6} {'ref ms':>8} {'x ref':>6} {'err':>8}",
+        file=out,
+    )
     for r in rows:
-        print(f"{r['case']:<28} {r['kv_bytes'] / 1e6:8.1f} {ms(r['ours_s'])} "
-              f"{_num(r.get('ours_gbps'), 8, 1)} {_num(r.get('ours_pct_copy'), 6, 1)} "
-              f"{ms(r.get('shipped_s'))} {_num(r.get('speedup_vs_shipped'), 6, 2)} "
-              f"{ms(r.get('reference_s'))} {_num(r.get('speedup_vs_reference'), 6, 2)} "
-              f"{_err(r.get('ours_err'))}", file=out)
+        print(
+            f"{r['case']:<28} {r['kv_bytes'] / 1e6:8.1f} {ms(r['ours_s'])} "
+            f"{_num(r.get('ours_gbps'), 8, 1)} {_num(r.get('ours_pct_copy'), 6, 1)} "
+            f"{ms(r.get('shipped_s'))} {_num(r.get('speedup_vs_shipped'), 6, 2)} "
+            f"{ms(r.get('reference_s'))} {_num(r.get('speedup_vs_reference'), 6, 2)} "
+            f"{_err(r.get('ours_err'))}",
+            file=out,
+        )
         _print_errors(r, ("ours", "reference", "shipped"), out)
 
 
@@ -39,14 +45,19 @@ def print_prefill_table(rows: list[dict], matmul_flops: float | None, out=sys.st
     """Prefill rows: time, TFLOP/s and % of `matmul_flops`, the reference, and `err`."""
     if matmul_flops:
         print(f"matmul peak: {matmul_flops / 1e12:.1f} TFLOP/s", file=out)
-    print(f"{'prefill case':<36} {'ours ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'ref ms':>8} "
-          f"{'x ref':>6} {'err':>8}", file=out)
+    print(
+        f"{'prefill case':<36} {'ours ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'ref ms':>8} {'x ref':>6} {'err':>8}",
+        file=out,
+    )
     for r in rows:
         tflops = r.get("ours_tflops")
         peak = 100 * tflops * 1e12 / matmul_flops if matmul_flops and tflops else None
-        print(f"{r['case']:<36} {ms(r['ours_s'])} {_num(tflops, 8, 2)} {_num(peak, 6, 1)} "
-              f"{ms(r.get('reference_s'))} {_num(r.get('speedup_vs_reference'), 6, 2)} "
-              f"{_err(r.get('ours_err'))}", file=out)
+        print(
+            f"{r['case']:<36} {ms(r['ours_s'])} {_num(tflops, 8, 2)} {_num(peak, 6, 1)} "
+            f"{ms(r.get('reference_s'))} {_num(r.get('speedup_vs_reference'), 6, 2)} "
+            f"{_err(r.get('ours_err'))}",
+            file=out,
+        )
         _print_errors(r, ("ours", "reference"), out)
 
 
@@ -56,8 +67,7 @@ def _print_errors(row: dict, variants: tuple[str, ...], out) -> None:
             print(f"    {name}_error: {row[f'{name}_error']}", file=out)
 
 
-def print_tables(rows: list[dict], copy_bps: float, matmul_flops: float | None = None,
-                 out=sys.stdout) -> None:
+def print_tables(rows: list[dict], copy_bps: float, matmul_flops: float | None = None, out=sys.stdout) -> None:
     print_decode_table([r for r in rows if r["kind"] == "decode"], copy_bps, out)
     prefill_rows = [r for r in rows if r["kind"] == "prefill"]
     if prefill_rows:

@@ -23,11 +23,12 @@ from jaxserve.kv import BlockPool, KVCacheManager, RadixCache
 
 BS = 16
 PROMPT = 4096
-DECODE_STEP_MS = 160.0   # default model, batch 64, dev CPU (shared/FACTS.md)
+DECODE_STEP_MS = 160.0  # default model, batch 64, dev CPU (shared/FACTS.md)
 
 
-def median_us(fn: Callable[[], object], number: int, repeat: int = 5,
-              setup: Callable[[], object] | None = None) -> float:
+def median_us(
+    fn: Callable[[], object], number: int, repeat: int = 5, setup: Callable[[], object] | None = None
+) -> float:
     """Median over `repeat` runs of the time per call of `fn` (called `number` times per run)."""
     runs = []
     for _ in range(repeat):
@@ -65,7 +66,7 @@ def _cache_prompt(cache: RadixCache, tokens: np.ndarray | list[int]) -> None:
     match = cache.match(tokens, leave_last_token=False)
     cache.lock(match.node)
     fresh = pool.allocate(len(tokens) // BS - match.num_blocks)
-    result = cache.insert(tokens[match.num_tokens:], fresh, parent=match.node)
+    result = cache.insert(tokens[match.num_tokens :], fresh, parent=match.node)
     cache.unlock(match.node)
     cache.unlock(result.node)
     pool.decref_all(fresh)
@@ -78,8 +79,9 @@ def build_tree(num_blocks: int, rng: np.random.Generator) -> tuple[RadixCache, l
     systems = [rng.integers(0, 49152, 64 * BS, dtype=np.int32) for _ in range(10)]
     sequences = []
     while cache.num_device_blocks + PROMPT // BS <= num_blocks:
-        tokens = np.concatenate([systems[len(sequences) % 10],
-                                 rng.integers(0, 49152, PROMPT - 64 * BS, dtype=np.int32)])
+        tokens = np.concatenate(
+            [systems[len(sequences) % 10], rng.integers(0, 49152, PROMPT - 64 * BS, dtype=np.int32)]
+        )
         _cache_prompt(cache, tokens)
         sequences.append(tokens)
     return cache, sequences
@@ -88,47 +90,44 @@ def build_tree(num_blocks: int, rng: np.random.Generator) -> tuple[RadixCache, l
 def bench_tree(num_blocks: int, rng: np.random.Generator) -> None:
     cache, sequences = build_tree(num_blocks, rng)
     print(f"tree: {cache.num_device_blocks} blocks, {len(list(cache.nodes()))} nodes")
-    hit = sequences[3].tolist() + [7]               # a list of ints, as a scheduler holds it
+    hit = sequences[3].tolist() + [7]  # a list of ints, as a scheduler holds it
     assert cache.match(hit).num_tokens == PROMPT
-    report("match: 4096-token prompt, full hit (list input)",
-           median_us(lambda: cache.match(hit), 200))
+    report("match: 4096-token prompt, full hit (list input)", median_us(lambda: cache.match(hit), 200))
     hit_np = np.asarray(hit, dtype=np.int32)
-    report("match: 4096-token prompt, full hit (numpy input)",
-           median_us(lambda: cache.match(hit_np), 200))
-    partial = sequences[4][:64 * BS].tolist() + rng.integers(0, 49152, PROMPT - 64 * BS).tolist()
-    report("match: 4096-token prompt, system prompt hit only",
-           median_us(lambda: cache.match(partial), 200))
+    report("match: 4096-token prompt, full hit (numpy input)", median_us(lambda: cache.match(hit_np), 200))
+    partial = sequences[4][: 64 * BS].tolist() + rng.integers(0, 49152, PROMPT - 64 * BS).tolist()
+    report("match: 4096-token prompt, system prompt hit only", median_us(lambda: cache.match(partial), 200))
     miss = rng.integers(0, 49152, PROMPT).tolist()
     report("match: 4096-token prompt, miss", median_us(lambda: cache.match(miss), 200))
 
     # A path made of 255 one-block nodes (a branch at every block): the worst case for depth.
     deep = rng.integers(0, 49152, PROMPT).tolist()
     for cut in range(1, PROMPT // BS):
-        _cache_prompt(cache, deep[:cut * BS] + [1] * BS)
+        _cache_prompt(cache, deep[: cut * BS] + [1] * BS)
     deep_hit = deep + [7]
     cache.match(deep_hit)
-    report("match: 4096-token prompt through 255 one-block nodes",
-           median_us(lambda: cache.match(deep_hit), 200))
+    report("match: 4096-token prompt through 255 one-block nodes", median_us(lambda: cache.match(deep_hit), 200))
 
     # Insert of a new 4,096-token conversation below a cached system prompt (192 new blocks).
     tokens_new: list[np.ndarray] = []
 
     def insert_setup() -> None:
         tokens_new.clear()
-        tokens_new.append(np.concatenate([sequences[5][:64 * BS],
-                                          rng.integers(0, 49152, PROMPT - 64 * BS,
-                                                       dtype=np.int32)]))
+        tokens_new.append(
+            np.concatenate([sequences[5][: 64 * BS], rng.integers(0, 49152, PROMPT - 64 * BS, dtype=np.int32)])
+        )
 
     def insert() -> None:
         _cache_prompt(cache, tokens_new[0])
-        cache.evict(PROMPT // BS - 64)              # keep the tree size steady
+        cache.evict(PROMPT // BS - 64)  # keep the tree size steady
 
-    report("insert: 4096-token prompt, 192 new blocks (+match, +evict)",
-           median_us(insert, 1, repeat=15, setup=insert_setup))
+    report(
+        "insert: 4096-token prompt, 192 new blocks (+match, +evict)",
+        median_us(insert, 1, repeat=15, setup=insert_setup),
+    )
 
     calls = min(50, cache.num_evictable_blocks // 64 // 10)
-    report("evict: 64 blocks from idle leaves (drop), per block",
-           median_us(lambda: cache.evict(64), calls) / 64)
+    report("evict: 64 blocks from idle leaves (drop), per block", median_us(lambda: cache.evict(64), calls) / 64)
 
 
 def bench_spill(rng: np.random.Generator) -> None:
@@ -164,7 +163,7 @@ def bench_decode_step(batch: int, context: int, steps: int, rng: np.random.Gener
     def step() -> None:
         for tokens, handle in zip(token_lists, handles):
             position = len(tokens)
-            tokens.append(position % 49152)              # the token sampled last step
+            tokens.append(position % 49152)  # the token sampled last step
             mgr.allocate_slots(handle, 1)
             handle.block_table
             handle.slot_mapping(position, position + 1)
@@ -173,8 +172,11 @@ def bench_decode_step(batch: int, context: int, steps: int, rng: np.random.Gener
             mgr.cache_full_blocks(handle, tokens)
 
     us = median_us(step, steps // 5, repeat=5)
-    report(f"decode step bookkeeping, batch {batch}, context {context}", us,
-           f"= {us / 1e3 / DECODE_STEP_MS * 100:.3f}% of a {DECODE_STEP_MS:.0f} ms step")
+    report(
+        f"decode step bookkeeping, batch {batch}, context {context}",
+        us,
+        f"= {us / 1e3 / DECODE_STEP_MS * 100:.3f}% of a {DECODE_STEP_MS:.0f} ms step",
+    )
     for handle in handles:
         mgr.free(handle)
     mgr.check_integrity()

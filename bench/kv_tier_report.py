@@ -17,15 +17,27 @@ from jaxserve.kv.tier_stats import TierStats
 PREFIX = "jaxserve"  # the server's metric prefix (server/metrics.py)
 
 
-def _summary(hits: tuple[float, float, float], evictions: tuple[float, float, float], bytes_read: float,
-             bytes_written: float, loads: float, load_seconds: float, write_seconds: float,
-             damaged: float) -> dict[str, Any]:
+def _summary(
+    hits: tuple[float, float, float],
+    evictions: tuple[float, float, float],
+    bytes_read: float,
+    bytes_written: float,
+    loads: float,
+    load_seconds: float,
+    write_seconds: float,
+    damaged: float,
+) -> dict[str, Any]:
     device, host_with_disk, disk = hits
     return {
-        "device_hit_tokens": int(device), "host_hit_tokens": int(host_with_disk - disk), "disk_hit_tokens": int(disk),
-        "device_evictions": int(evictions[0]), "host_evictions": int(evictions[1]),
+        "device_hit_tokens": int(device),
+        "host_hit_tokens": int(host_with_disk - disk),
+        "disk_hit_tokens": int(disk),
+        "device_evictions": int(evictions[0]),
+        "host_evictions": int(evictions[1]),
         "disk_evictions": int(evictions[2]),
-        "disk_bytes_read": int(bytes_read), "disk_bytes_written": int(bytes_written), "disk_loads": int(loads),
+        "disk_bytes_read": int(bytes_read),
+        "disk_bytes_written": int(bytes_written),
+        "disk_loads": int(loads),
         "disk_mean_load_ms": load_seconds / loads * 1e3 if loads else None,
         # over the loader's and writer's busy time, not the run's: what the files moved at
         "disk_read_MB_per_s": bytes_read / load_seconds / 1e6 if load_seconds else None,
@@ -37,9 +49,16 @@ def _summary(hits: tuple[float, float, float], evictions: tuple[float, float, fl
 def from_tier_stats(before: TierStats, after: TierStats) -> dict[str, Any]:
     """The run's counters from an engine's `snapshot().tiers` taken before and after it."""
     d = after.minus(before)
-    return _summary((d.device_hit_tokens, d.host_hit_tokens, d.disk_hit_tokens),
-                    (d.device_evictions, d.host_evictions, d.disk_evictions), d.disk_bytes_read,
-                    d.disk_bytes_written, d.disk_loads, d.disk_load_seconds, d.disk_write_seconds, d.disk_damaged)
+    return _summary(
+        (d.device_hit_tokens, d.host_hit_tokens, d.disk_hit_tokens),
+        (d.device_evictions, d.host_evictions, d.disk_evictions),
+        d.disk_bytes_read,
+        d.disk_bytes_written,
+        d.disk_loads,
+        d.disk_load_seconds,
+        d.disk_write_seconds,
+        d.disk_damaged,
+    )
 
 
 def from_server_counters(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, Any] | None:
@@ -53,9 +72,13 @@ def from_server_counters(before: Mapping[str, float], after: Mapping[str, float]
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     tiers = ("device", "host", "disk")
-    return _summary(tuple(delta("kv_tier_hit_tokens", f"tier={t}") for t in tiers),
-                    tuple(delta("kv_tier_evictions", f"tier={t}") for t in tiers),
-                    delta("kv_disk_io_bytes", "direction=read"), delta("kv_disk_io_bytes", "direction=written"),
-                    delta("kv_disk_load_duration_seconds", suffix="_count"),
-                    delta("kv_disk_load_duration_seconds", suffix="_sum"), delta("kv_disk_write_seconds"),
-                    delta("kv_disk_damaged_files"))
+    return _summary(
+        tuple(delta("kv_tier_hit_tokens", f"tier={t}") for t in tiers),
+        tuple(delta("kv_tier_evictions", f"tier={t}") for t in tiers),
+        delta("kv_disk_io_bytes", "direction=read"),
+        delta("kv_disk_io_bytes", "direction=written"),
+        delta("kv_disk_load_duration_seconds", suffix="_count"),
+        delta("kv_disk_load_duration_seconds", suffix="_sum"),
+        delta("kv_disk_write_seconds"),
+        delta("kv_disk_damaged_files"),
+    )

@@ -57,8 +57,12 @@ def ttft(llm: LLM, prompt: list[int], what: str) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     tiers = from_tier_stats(before, llm.engine.snapshot().tiers)
     print(f"{what}: TTFT {seconds:.3f} s, {out.num_cached_tokens} cached tokens; tiers {json.dumps(tiers)}", flush=True)
-    return {"ttft_s": seconds, "cached_tokens": out.num_cached_tokens, "first_token": out.outputs[0].token_ids[0],
-            "tiers": tiers}
+    return {
+        "ttft_s": seconds,
+        "cached_tokens": out.num_cached_tokens,
+        "first_token": out.outputs[0].token_ids[0],
+        "tiers": tiers,
+    }
 
 
 def drop_from_page_cache(paths: list[Path]) -> None:
@@ -109,20 +113,28 @@ def machine_disk_bandwidth(directory: Path, nbytes: int) -> dict[str, float]:
     return out
 
 
-def decode_steps(llm: LLM, decoders: list[list[int]], extra: list[int] | None, what: str,
-                 done: Callable[[Any, str], bool], drop_last: bool = False, max_steps: int = 40) -> dict[str, Any]:
+def decode_steps(
+    llm: LLM,
+    decoders: list[list[int]],
+    extra: list[int] | None,
+    what: str,
+    done: Callable[[Any, str], bool],
+    drop_last: bool = False,
+    max_steps: int = 40,
+) -> dict[str, Any]:
     """Steps of the engine while `decoders` decode: `max_steps` of them alone (extra None), or from
     adding `extra` (max_tokens=1) until `done(engine, its id)` after a step (`drop_last`: that step
     is not counted). Returns the mean step time and the decoders' tokens per second over the steps,
     and the KV tier counters of the whole phase."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=engine.config.max_model_len - max(map(len, decoders)) - 1, temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=engine.config.max_model_len - max(map(len, decoders)) - 1, temperature=0.0, ignore_eos=True
+    )
     ids = [f"{what}-decoder{i}" for i in range(len(decoders))]
     for rid, prompt in zip(ids, decoders):
         engine.add_prompt_ids(rid, prompt, params)
     while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
-        engine.step()                                   # prefill the decoders first
+        engine.step()  # prefill the decoders first
     for _ in range(3):
         engine.step()
     extra_id = f"{what}-extra"
@@ -142,10 +154,15 @@ def decode_steps(llm: LLM, decoders: list[list[int]], extra: list[int] | None, w
         engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    result = {"steps": len(times), "mean_step_ms": float(np.mean(times) * 1e3) if times else None,
-              "decode_tokens_per_s": sum(tokens) / sum(times) if times else None, "seconds": sum(times),
-              "disk_loads": tiers["disk_loads"], "disk_mean_load_ms": tiers["disk_mean_load_ms"],
-              "disk_hit_tokens": tiers["disk_hit_tokens"]}
+    result = {
+        "steps": len(times),
+        "mean_step_ms": float(np.mean(times) * 1e3) if times else None,
+        "decode_tokens_per_s": sum(tokens) / sum(times) if times else None,
+        "seconds": sum(times),
+        "disk_loads": tiers["disk_loads"],
+        "disk_mean_load_ms": tiers["disk_mean_load_ms"],
+        "disk_hit_tokens": tiers["disk_hit_tokens"],
+    }
     print(f"decode steps, {what}: {json.dumps(result)}", flush=True)
     return result
 
@@ -166,31 +183,47 @@ def main() -> None:
     bs = 16
     max_len = -(-(args.tokens + 64) // 512) * 512
     seqs = args.decoders + 1
-    config = dict(max_num_seqs=seqs, max_num_batched_tokens=512, max_model_len=max_len, block_size=bs,
-                  num_blocks=2 * max_len // bs + 64, decode_batch_buckets=(seqs,), prefill_token_buckets=SHORT_PROMPTS,
-                  prefill_seq_buckets=(1,), max_prefill_seqs=1,
-                  kv_host_bytes=1 << 30, kv_disk_bytes=4 << 30, compilation_cache_dir=str(cache_dir() / "xla"))
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:   # /var/tmp: a disk, not a tmpfs
+    config = dict(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=512,
+        max_model_len=max_len,
+        block_size=bs,
+        num_blocks=2 * max_len // bs + 64,
+        decode_batch_buckets=(seqs,),
+        prefill_token_buckets=SHORT_PROMPTS,
+        prefill_seq_buckets=(1,),
+        max_prefill_seqs=1,
+        kv_host_bytes=1 << 30,
+        kv_disk_bytes=4 << 30,
+        compilation_cache_dir=str(cache_dir() / "xla"),
+    )
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:  # /var/tmp: a disk, not a tmpfs
         directory = Path(args.dir or tmp)
         first = LLM(args.model, kv_disk_dir=str(directory), **config)
         model = first.engine.model_config
         rng, vocab = np.random.default_rng(0), model.vocab_size
         conversation, warm, loaded, fresh, recomputed = (
-            rng.integers(min(100, vocab // 2), min(40000, vocab), args.tokens).tolist() for _ in range(5))
+            rng.integers(min(100, vocab // 2), min(40000, vocab), args.tokens).tolist() for _ in range(5)
+        )
         decoders = [rng.integers(min(100, vocab // 2), min(40000, vocab), 32).tolist() for _ in range(args.decoders)]
-        shorts, short_fresh = ({n: rng.integers(min(100, vocab // 2), min(40000, vocab), n).tolist()
-                                for n in SHORT_PROMPTS} for _ in range(2))
-        print(f"model: max_position_embeddings {model.max_position_embeddings}, rope_theta {model.rope_theta}, "
-              f"rope_scaling {model.rope_scaling}; max_model_len {first.engine.config.max_model_len}", flush=True)
+        shorts, short_fresh = (
+            {n: rng.integers(min(100, vocab // 2), min(40000, vocab), n).tolist() for n in SHORT_PROMPTS}
+            for _ in range(2)
+        )
+        print(
+            f"model: max_position_embeddings {model.max_position_embeddings}, rope_theta {model.rope_theta}, "
+            f"rope_scaling {model.rope_scaling}; max_model_len {first.engine.config.max_model_len}",
+            flush=True,
+        )
         runs = {"recompute_cold": ttft(first, conversation, "recompute (cold)")}  # written through to disk
-        first.engine.step()                 # runs the write-through copies the cold run planned ...
-        first.engine.disk_tier.flush()      # ... and waits for the files, so the next TTFT does not share the CPU
+        first.engine.step()  # runs the write-through copies the cold run planned ...
+        first.engine.disk_tier.flush()  # ... and waits for the files, so the next TTFT does not share the CPU
         runs["device_hit"] = ttft(first, conversation, "device hit")
         kv = first.engine.kv
-        kv.prefix_cache.evict(kv.prefix_cache.num_evictable_blocks)   # spill everything to the host
-        first.engine.step()                                            # run the spill copies
+        kv.prefix_cache.evict(kv.prefix_cache.num_evictable_blocks)  # spill everything to the host
+        first.engine.step()  # run the spill copies
         runs["host_hit"] = ttft(first, conversation, "host hit")
-        for prompt in (warm, loaded, *shorts.values()):                # more prompts for the disk
+        for prompt in (warm, loaded, *shorts.values()):  # more prompts for the disk
             first.generate({"prompt_token_ids": prompt}, ONE_TOKEN, use_tqdm=False)
         first.close()
         written = from_tier_stats(TierStats(), first.engine.snapshot().tiers)
@@ -203,45 +236,63 @@ def main() -> None:
         os.sync()  # the recompute's files reach the disk now, not in the kernel's writeback during the next read
         runs["disk_hit_from_disk"] = ttft(second, conversation, "disk hit, files read from the disk")
         for path in block_paths(second, warm):
-            path.read_bytes()                                            # surely in the page cache
+            path.read_bytes()  # surely in the page cache
         runs["disk_hit_from_page_cache"] = ttft(second, warm, "disk hit, files in the page cache")
         alone = decode_steps(second, decoders, None, "alone", _admitted)
         during_load = decode_steps(second, decoders, loaded, "during a disk load", _admitted, drop_last=True)
-        during_recompute = decode_steps(second, decoders, recomputed, "during a recompute",
-                                        lambda engine, rid: not engine.is_active(rid))
+        during_recompute = decode_steps(
+            second, decoders, recomputed, "during a recompute", lambda engine, rid: not engine.is_active(rid)
+        )
         short = {}
         for n in SHORT_PROMPTS:
             for path in block_paths(second, shorts[n]):
                 path.read_bytes()
-            short[n] = {"recompute": ttft(second, short_fresh[n], f"{n} tokens, recompute"),
-                        "disk_hit": ttft(second, shorts[n], f"{n} tokens, disk hit (page cache)")}
+            short[n] = {
+                "recompute": ttft(second, short_fresh[n], f"{n} tokens, recompute"),
+                "disk_hit": ttft(second, shorts[n], f"{n} tokens, disk hit (page cache)"),
+            }
         second.close()
         machine = machine_disk_bandwidth(directory, args.bandwidth_bytes)
 
     recompute = runs["recompute_after_restart"]["ttft_s"]
     first_tokens = {name: r["first_token"] for name, r in runs.items()}
-    same = first_tokens["recompute_cold"] == first_tokens["device_hit"] == first_tokens["host_hit"] \
+    same = (
+        first_tokens["recompute_cold"]
+        == first_tokens["device_hit"]
+        == first_tokens["host_hit"]
         == first_tokens["disk_hit_from_disk"]
+    )
     result = {
         "prompt_tokens": args.tokens,
         "ttft_s": {name: round(r["ttft_s"], 3) for name, r in runs.items()},
         "cached_tokens": {name: r["cached_tokens"] for name, r in runs.items()},
         "speedup_vs_recompute_after_restart": {name: round(recompute / r["ttft_s"], 2) for name, r in runs.items()},
         "same_first_token_on_every_path": same,
-        "disk_tier": {"write_MB_per_s": written["disk_write_MB_per_s"], "bytes_written": written["disk_bytes_written"],
-                      "read_from_disk": runs["disk_hit_from_disk"]["tiers"],
-                      "read_from_page_cache": runs["disk_hit_from_page_cache"]["tiers"]},
+        "disk_tier": {
+            "write_MB_per_s": written["disk_write_MB_per_s"],
+            "bytes_written": written["disk_bytes_written"],
+            "read_from_disk": runs["disk_hit_from_disk"]["tiers"],
+            "read_from_page_cache": runs["disk_hit_from_page_cache"]["tiers"],
+        },
         "machine_disk": machine,
-        "decode_steps": {"decoders": args.decoders, "alone": alone, "during_disk_load": during_load,
-                         "during_recompute": during_recompute,
-                         "step_time_ratio_load_vs_alone": _ratio(during_load, alone, "mean_step_ms"),
-                         "step_time_ratio_recompute_vs_alone": _ratio(during_recompute, alone, "mean_step_ms"),
-                         "tokens_per_s_ratio_load_vs_alone": _ratio(during_load, alone, "decode_tokens_per_s")},
-        "short_hits": {n: {"recompute_ttft_s": round(r["recompute"]["ttft_s"], 4),
-                           "disk_hit_ttft_s": round(r["disk_hit"]["ttft_s"], 4),
-                           "disk_hit_tokens": r["disk_hit"]["tiers"]["disk_hit_tokens"],
-                           "speedup": round(r["recompute"]["ttft_s"] / r["disk_hit"]["ttft_s"], 2)}
-                       for n, r in short.items()},
+        "decode_steps": {
+            "decoders": args.decoders,
+            "alone": alone,
+            "during_disk_load": during_load,
+            "during_recompute": during_recompute,
+            "step_time_ratio_load_vs_alone": _ratio(during_load, alone, "mean_step_ms"),
+            "step_time_ratio_recompute_vs_alone": _ratio(during_recompute, alone, "mean_step_ms"),
+            "tokens_per_s_ratio_load_vs_alone": _ratio(during_load, alone, "decode_tokens_per_s"),
+        },
+        "short_hits": {
+            n: {
+                "recompute_ttft_s": round(r["recompute"]["ttft_s"], 4),
+                "disk_hit_ttft_s": round(r["disk_hit"]["ttft_s"], 4),
+                "disk_hit_tokens": r["disk_hit"]["tiers"]["disk_hit_tokens"],
+                "speedup": round(r["recompute"]["ttft_s"] / r["disk_hit"]["ttft_s"], 2),
+            }
+            for n, r in short.items()
+        },
     }
     print(json.dumps(result, indent=2, default=float))
 

@@ -12,7 +12,8 @@ import asyncio
 import dataclasses
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import numpy as np

@@ -37,39 +37,62 @@ def _write_adapter(directory: Path, config, rank: int, seed: int) -> Path:
             tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((out, rank), np.float32) * 0.01
     directory.mkdir(parents=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(module_shapes(config))}))
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(module_shapes(config))}
+        )
+    )
     return directory
 
 
-def step_times(config, params, batch: int, adapter_counts: list[int], max_loras: int, rank: int, rounds: int,
-               dtype: str = "float32", history: int = 256) -> tuple[list[tuple[str, float]], object, list]:
+def step_times(
+    config,
+    params,
+    batch: int,
+    adapter_counts: list[int],
+    max_loras: int,
+    rank: int,
+    rounds: int,
+    dtype: str = "float32",
+    history: int = 256,
+) -> tuple[list[tuple[str, float]], object, list]:
     """Best decode step seconds of `batch` rows: base rows on a runner without LoRA and on one with
     `max_loras` slots of rank `rank` (random adapters on all seven projections written into every
     slot), then rows spread round-robin over each of `adapter_counts` adapters; interleaved rounds.
     Returns the (label, seconds) rows, the LoRA runner and its host adapters."""
     import jax
+    import numpy as np
 
     from bench.steps import chunks, timed
     from jaxserve.config import EngineConfig
     from jaxserve.lora.peft import LoraWeights, module_shapes
     from jaxserve.runner import ModelRunner
 
-    import numpy as np
-
     block_size = 16
     width = -(-(history + 1) // block_size)
-    engine = dict(num_blocks=batch * width + 1, block_size=block_size, max_num_seqs=batch, dtype=dtype,
-                  max_model_len=width * block_size, decode_batch_buckets=(batch,), block_table_buckets=(width,))
+    engine = dict(
+        num_blocks=batch * width + 1,
+        block_size=block_size,
+        max_num_seqs=batch,
+        dtype=dtype,
+        max_model_len=width * block_size,
+        decode_batch_buckets=(batch,),
+        block_table_buckets=(width,),
+    )
     plain = ModelRunner(config, params, EngineConfig(**engine))
-    lora = ModelRunner(config, params, EngineConfig(**engine, enable_lora=True, max_loras=max_loras,
-                                                    max_lora_rank=rank))
+    lora = ModelRunner(
+        config, params, EngineConfig(**engine, enable_lora=True, max_loras=max_loras, max_lora_rank=rank)
+    )
     rng = np.random.default_rng(0)
     adapters = []
     for slot in range(max_loras):
-        modules = {m: ((rng.standard_normal((config.num_layers, fan_in, rank), np.float32) * 0.01),
-                       (rng.standard_normal((config.num_layers, rank, out), np.float32) * 0.01))
-                   for m, (fan_in, out) in module_shapes(config).items()}
+        modules = {
+            m: (
+                (rng.standard_normal((config.num_layers, fan_in, rank), np.float32) * 0.01),
+                (rng.standard_normal((config.num_layers, rank, out), np.float32) * 0.01),
+            )
+            for m, (fan_in, out) in module_shapes(config).items()
+        }
         adapters.append(LoraWeights(rank, modules, bytes([slot]) * 16))
         lora.write_lora_slot(slot, adapters[-1])
     jax.block_until_ready(lora.params["lora"])
@@ -82,8 +105,11 @@ def step_times(config, params, batch: int, adapter_counts: list[int], max_loras:
         runner.inputs.batch.release_finished()  # the bench's requests never run: their slots come back
         return best
 
-    cases = [("base rows, runner without LoRA", plain, 0), ("base rows, LoRA runner", lora, 0),
-             *((f"rows over {n} adapters, LoRA runner", lora, n) for n in adapter_counts)]
+    cases = [
+        ("base rows, runner without LoRA", plain, 0),
+        ("base rows, LoRA runner", lora, 0),
+        *((f"rows over {n} adapters, LoRA runner", lora, n) for n in adapter_counts),
+    ]
     best = [float("inf")] * len(cases)
     for _ in range(rounds):  # a busy machine's noise falls on every case alike
         for i, (_, runner, n) in enumerate(cases):
@@ -108,13 +134,17 @@ def main() -> None:
 
     config = SMOLLM2_135M
     params = random_params(config)
-    print(f"{jax.devices()[0].platform}: SmolLM2-135M shape, f32, decode over 256-token histories; "
-          f"LoRA runner: {args.max_loras} slots of rank {args.rank} on all 7 projections")
+    print(
+        f"{jax.devices()[0].platform}: SmolLM2-135M shape, f32, decode over 256-token histories; "
+        f"LoRA runner: {args.max_loras} slots of rank {args.rank} on all 7 projections"
+    )
     for batch in args.batches:
         rows, lora, _ = step_times(config, params, batch, args.adapters, args.max_loras, args.rank, args.reps)
         for label, t in rows:
-            print(f"batch {batch}: {label}: {t * 1e3:.1f} ms/step ({t / rows[0][1]:.2f}x the base rows without LoRA, "
-                  f"{t / rows[1][1]:.2f}x the LoRA runner's base rows)")
+            print(
+                f"batch {batch}: {label}: {t * 1e3:.1f} ms/step ({t / rows[0][1]:.2f}x the base rows without LoRA, "
+                f"{t / rows[1][1]:.2f}x the LoRA runner's base rows)"
+            )
 
     with tempfile.TemporaryDirectory() as tmp:
         paths = [_write_adapter(Path(tmp) / f"a{i}", config, args.rank, seed=i) for i in range(args.max_loras)]
@@ -128,9 +158,11 @@ def main() -> None:
         jax.block_until_ready(lora.params["lora"])
     device_s = (time.perf_counter() - t0) / len(adapters)
     print(f"adapter load, disk -> host: {disk_s * 1e3:.1f} ms; host -> device slot: {device_s * 1e3:.1f} ms")
-    print(f"memory per adapter (rank {args.rank}, 7 projections x {config.num_layers} layers): "
-          f"file {file_bytes / 1e6:.1f} MB, host {adapters[0].nbytes / 1e6:.1f} MB, "
-          f"device slot {lora.lora_slots.bytes_per_slot / 1e6:.1f} MB")
+    print(
+        f"memory per adapter (rank {args.rank}, 7 projections x {config.num_layers} layers): "
+        f"file {file_bytes / 1e6:.1f} MB, host {adapters[0].nbytes / 1e6:.1f} MB, "
+        f"device slot {lora.lora_slots.bytes_per_slot / 1e6:.1f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -57,22 +57,27 @@ def layer_matmuls(args: argparse.Namespace, matmul: cpu_matmul.CpuMatmul) -> Non
     kernel = jax.jit(lambda x, w: jax.lax.scan(lambda c, i: (c, matmul(x, w, i)), 0, jnp.arange(LAYERS))[1])
     xla = jax.jit(lambda x, w: jax.lax.scan(lambda c, i: (c, x @ w[i]), 0, jnp.arange(LAYERS))[1])
     totals = {m: [0.0, 0.0, 0.0] for m in args.rows}
-    print(f"{'K x N':>11} {'rows':>5} {'f32 ms':>8} {'GB/s':>6} {'bf16 ms':>8} {'GB/s':>6} {'GFLOP/s':>8} "
-          f"{'XLA ms':>8} {'f32/bf16':>8} {'XLA/f32':>8}")
+    print(
+        f"{'K x N':>11} {'rows':>5} {'f32 ms':>8} {'GB/s':>6} {'bf16 ms':>8} {'GB/s':>6} {'GFLOP/s':>8} "
+        f"{'XLA ms':>8} {'f32/bf16':>8} {'XLA/f32':>8}"
+    )
     for k, n in SHAPES:
         w = jnp.asarray(np.random.default_rng(0).standard_normal((LAYERS, k, n), np.float32))
         panels = cpu_matmul.to_panels(w, matmul.panel)
         bf16_panels = cpu_matmul.to_panels(w.astype(jnp.bfloat16), matmul.panel)
         for m in args.rows:
             x = jnp.asarray(np.random.default_rng(1).standard_normal((m, k), np.float32))
-            f32, bf16, theirs = alternated([lambda: kernel(x, panels), lambda: kernel(x, bf16_panels),
-                                            lambda: xla(x, w)], args.iters)
+            f32, bf16, theirs = alternated(
+                [lambda: kernel(x, panels), lambda: kernel(x, bf16_panels), lambda: xla(x, w)], args.iters
+            )
             for i, t in enumerate((f32, bf16, theirs)):
                 totals[m][i] += t
             nbytes, flops = 4 * LAYERS * k * n, 2 * LAYERS * m * k * n
-            print(f"{k:>5} x {n:<4} {m:>5} {f32 * 1e3:>8.2f} {nbytes / f32 / 1e9:>6.1f} {bf16 * 1e3:>8.2f} "
-                  f"{nbytes / 2 / bf16 / 1e9:>6.1f} {flops / bf16 / 1e9:>8.1f} {theirs * 1e3:>8.2f} "
-                  f"{f32 / bf16:>8.2f} {theirs / f32:>8.2f}")
+            print(
+                f"{k:>5} x {n:<4} {m:>5} {f32 * 1e3:>8.2f} {nbytes / f32 / 1e9:>6.1f} {bf16 * 1e3:>8.2f} "
+                f"{nbytes / 2 / bf16 / 1e9:>6.1f} {flops / bf16 / 1e9:>8.1f} {theirs * 1e3:>8.2f} "
+                f"{f32 / bf16:>8.2f} {theirs / f32:>8.2f}"
+            )
     for m, (f32, bf16, theirs) in totals.items():
         print(f"{m} rows, a layer's four shapes: f32/bf16 {f32 / bf16:.2f}, XLA/f32 {theirs / f32:.2f}")
 
@@ -85,13 +90,20 @@ def tied_head(args: argparse.Namespace, matmul: cpu_matmul.CpuMatmul) -> None:
     for m in args.rows:
         x = jnp.asarray(np.random.default_rng(1).standard_normal((m, 576), np.float32))
         f32_kernel = matmul.takes_head(x, embedding)  # else the model uses XLA's dot (HEAD_MAX_ROWS)
-        f32, bf16, theirs = alternated([lambda: (head if f32_kernel else xla_head)(x, embedding),
-                                        lambda: head(x, bf16_embedding), lambda: xla_bf16(x, bf16_embedding)],
-                                       args.iters)
-        print(f"tied head {m:>4} rows: f32 {'kernel' if f32_kernel else 'XLA'} {f32 * 1e3:7.2f} ms "
-              f"({embedding.nbytes / f32 / 1e9:5.1f} GB/s), bf16 kernel {bf16 * 1e3:7.2f} ms "
-              f"({bf16_embedding.nbytes / bf16 / 1e9:5.1f} GB/s, {2 * m * embedding.size / bf16 / 1e9:6.1f} GFLOP/s), "
-              f"XLA bf16 {theirs * 1e3:7.2f} ms; f32/bf16 {f32 / bf16:.2f}, XLA bf16/bf16 kernel {theirs / bf16:.2f}")
+        f32, bf16, theirs = alternated(
+            [
+                lambda: (head if f32_kernel else xla_head)(x, embedding),
+                lambda: head(x, bf16_embedding),
+                lambda: xla_bf16(x, bf16_embedding),
+            ],
+            args.iters,
+        )
+        print(
+            f"tied head {m:>4} rows: f32 {'kernel' if f32_kernel else 'XLA'} {f32 * 1e3:7.2f} ms "
+            f"({embedding.nbytes / f32 / 1e9:5.1f} GB/s), bf16 kernel {bf16 * 1e3:7.2f} ms "
+            f"({bf16_embedding.nbytes / bf16 / 1e9:5.1f} GB/s, {2 * m * embedding.size / bf16 / 1e9:6.1f} GFLOP/s), "
+            f"XLA bf16 {theirs * 1e3:7.2f} ms; f32/bf16 {f32 / bf16:.2f}, XLA bf16/bf16 kernel {theirs / bf16:.2f}"
+        )
 
 
 def main() -> None:
@@ -100,8 +112,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     matmul = cpu_matmul.kernels()
-    print(f"panel width {matmul.panel}; bf16 by {'AVX512-BF16 dot products' if cpu_matmul.bf16_dot() else 'widening to f32'}; "
-          f"copy: {copy_bandwidth(1 << 28, jnp.float32, args.iters) / 1e9:.1f} GB/s (read + write)")
+    print(
+        f"panel width {matmul.panel}; bf16 by {'AVX512-BF16 dot products' if cpu_matmul.bf16_dot() else 'widening to f32'}; "
+        f"copy: {copy_bandwidth(1 << 28, jnp.float32, args.iters) / 1e9:.1f} GB/s (read + write)"
+    )
     layer_matmuls(args, matmul)
     tied_head(args, matmul)
 

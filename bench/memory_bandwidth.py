@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     read, copy = measure(args.threads, args.mib, args.reps)
-    print(f"{args.threads} threads, {args.mib} MiB: read {read / 1e9:.1f} GB/s, "
-          f"copy {copy / 1e9:.1f} GB/s (read + write)")
+    print(
+        f"{args.threads} threads, {args.mib} MiB: read {read / 1e9:.1f} GB/s, copy {copy / 1e9:.1f} GB/s (read + write)"
+    )
     return 0
 
 

@@ -32,8 +32,12 @@ def report(model: str, tp: int, num_blocks: int, block_size: int, batch: int) ->
     from jaxserve.engine import LLMEngine
     from sharding.hlo import collectives
 
-    config = EngineConfig(tensor_parallel_size=tp, num_blocks=num_blocks, block_size=block_size,
-                          max_model_len=num_blocks // 2 * block_size)
+    config = EngineConfig(
+        tensor_parallel_size=tp,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=num_blocks // 2 * block_size,
+    )
     engine = LLMEngine(model, config)
     runner = engine.runner
     width = config.block_table_buckets[-1]
@@ -71,12 +75,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\ntp={tp} ({r['served_kv_heads']} kv heads served)")
         for device in sorted(params):
             print(f"  device {device}: parameters {_mb(params[device])}, KV cache {_mb(cache.get(device, 0))}")
-        in_loop = collections.Counter((c.op, c.shape.split("{")[0], c.module) for c in r["decode_collectives"]
-                                      if c.in_layer_loop)
-        once = collections.Counter((c.op, c.shape.split("{")[0], c.module) for c in r["decode_collectives"]
-                                   if not c.in_layer_loop)
-        print(f"  decode step {r['decode_bucket']} collectives per layer: "
-              f"{dict(in_loop) or 'none'}; once per step: {dict(once) or 'none'}")
+        in_loop = collections.Counter(
+            (c.op, c.shape.split("{")[0], c.module) for c in r["decode_collectives"] if c.in_layer_loop
+        )
+        once = collections.Counter(
+            (c.op, c.shape.split("{")[0], c.module) for c in r["decode_collectives"] if not c.in_layer_loop
+        )
+        print(
+            f"  decode step {r['decode_bucket']} collectives per layer: "
+            f"{dict(in_loop) or 'none'}; once per step: {dict(once) or 'none'}"
+        )
 
 
 if __name__ == "__main__":

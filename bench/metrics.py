@@ -13,7 +13,7 @@ Pure Python + numpy, so the definitions are testable on synthetic timestamps.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class SLO:
     tpot_ms: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "SLO":
+    def parse(cls, text: str) -> SLO:
         """`"500,100"` -> TTFT <= 500 ms and TPOT <= 100 ms; an empty field leaves that limit off."""
         parts = [p.strip() for p in text.split(",")]
         if len(parts) != 2:
@@ -82,7 +82,9 @@ class SLO:
         return self.tpot_ms is None or tpot * 1e3 <= self.tpot_ms
 
 
-def summarize(values_s: Sequence[float], name: str, percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> dict[str, float | None]:
+def summarize(
+    values_s: Sequence[float], name: str, percentiles: Iterable[float] = DEFAULT_PERCENTILES
+) -> dict[str, float | None]:
     """mean / median / std / pXX of a latency list given in seconds, reported in ms (None if empty)."""
     arr = np.asarray(values_s, dtype=np.float64) * 1e3
     out: dict[str, float | None] = {}

@@ -34,20 +34,39 @@ def main() -> None:
     from jaxserve.config import EngineConfig
     from jaxserve.runner import ModelRunner
 
-    config = tiny_random_config(architecture="mixtral", vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8,
-                                num_kv_heads=4, head_dim=64, num_experts=args.experts, num_experts_per_tok=2,
-                                intermediate_size=1024, moe_intermediate_size=1024)
+    config = tiny_random_config(
+        architecture="mixtral",
+        vocab_size=8192,
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        num_experts=args.experts,
+        num_experts_per_tok=2,
+        intermediate_size=1024,
+        moe_intermediate_size=1024,
+    )
     params = random_params(config)
     history, block_size = 256, 16
     width = -(-(history + 1) // block_size)
-    print(f"{jax.device_count()} {jax.devices()[0].platform} devices; {config.num_experts} experts, top-2, "
-          f"{config.num_layers} layers; decode over {history}-token histories")
+    print(
+        f"{jax.device_count()} {jax.devices()[0].platform} devices; {config.num_experts} experts, top-2, "
+        f"{config.num_layers} layers; decode over {history}-token histories"
+    )
     base: dict[int, float] = {}
     for layout in args.layouts:
         ep, tp = map(int, layout.split("x"))
-        engine = EngineConfig(expert_parallel_size=ep, tensor_parallel_size=tp, num_blocks=max(args.batches) * width + 1,
-                              block_size=block_size, max_num_seqs=max(args.batches), max_model_len=width * block_size,
-                              decode_batch_buckets=tuple(args.batches), block_table_buckets=(width,))
+        engine = EngineConfig(
+            expert_parallel_size=ep,
+            tensor_parallel_size=tp,
+            num_blocks=max(args.batches) * width + 1,
+            block_size=block_size,
+            max_num_seqs=max(args.batches),
+            max_model_len=width * block_size,
+            decode_batch_buckets=tuple(args.batches),
+            block_table_buckets=(width,),
+        )
         runner = ModelRunner(config, params, engine)
         for batch in args.batches:
             program = runner.inputs.decode(chunks(runner, batch, history, 1, block_size), batch, width)
@@ -58,8 +77,10 @@ def main() -> None:
                 best = min(best, time.perf_counter() - t0)
             runner.inputs.batch.release_finished()  # the bench's requests never run: their slots come back
             base.setdefault(batch, best)
-            print(f"ep {ep} x tp {tp}: batch {batch}: {best * 1e3:.1f} ms/step ({batch / best:.0f} tok/s), "
-                  f"{best / base[batch]:.2f}x one device's time")
+            print(
+                f"ep {ep} x tp {tp}: batch {batch}: {best * 1e3:.1f} ms/step ({batch / best:.0f} tok/s), "
+                f"{best / base[batch]:.2f}x one device's time"
+            )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,17 @@ def build_and_run(source: Path, *args: object) -> list[str]:
     """The whitespace-separated fields `source`'s program prints when run with `args`."""
     with tempfile.TemporaryDirectory() as tmp:
         binary = Path(tmp) / source.stem
-        subprocess.run([cpu_build.compiler() or "c++", "-O3", "-march=native", "-std=c++17", "-pthread", str(source),
-                        "-o", str(binary)], check=True)
+        subprocess.run(
+            [
+                cpu_build.compiler() or "c++",
+                "-O3",
+                "-march=native",
+                "-std=c++17",
+                "-pthread",
+                str(source),
+                "-o",
+                str(binary),
+            ],
+            check=True,
+        )
         return subprocess.run([str(binary), *map(str, args)], check=True, capture_output=True, text=True).stdout.split()

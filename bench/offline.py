@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -51,8 +52,9 @@ def _engine_counters(llm) -> dict[str, float]:
     return stats
 
 
-def measure_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True,
-                       show_progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+def measure_throughput(
+    llm, requests: list[BenchRequest], ignore_eos: bool = True, show_progress: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run every request through `llm.generate`; returns rates and engine counters, and the KV
     tier counters of the run."""
     from jaxserve import SamplingParams
@@ -83,7 +85,9 @@ def measure_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = Tru
     }, from_tier_stats(tiers_before, tiers_after)
 
 
-def _peer_throughput_results(raw: dict[str, Any], requests: list[BenchRequest], tokenizer: TokenizerLike) -> dict[str, Any]:
+def _peer_throughput_results(
+    raw: dict[str, Any], requests: list[BenchRequest], tokenizer: TokenizerLike
+) -> dict[str, Any]:
     elapsed = raw["elapsed_s"]
     prompt_tokens = sum(len(r.token_ids(tokenizer)) for r in requests)
     output_tokens = sum(r.max_tokens for r in requests)  # the peers generate exactly max_tokens (EOS ignored)
@@ -163,7 +167,9 @@ def run_latency(model: str, engine_args: dict[str, Any], input_len: int, output_
         raise ValueError("output_len must be at least 2 to measure decoding")
     llm = _jaxserve_llm(model, engine_args)
     tokenizer = llm.get_tokenizer()
-    prompts = _latency_prompts(TokenSampler(tokenizer, seed, special_token_ids(tokenizer)), input_len, warmup_iters + iters)
+    prompts = _latency_prompts(
+        TokenSampler(tokenizer, seed, special_token_ids(tokenizer)), input_len, warmup_iters + iters
+    )
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     prefill_s, latency_s = [], []
@@ -179,8 +185,13 @@ def run_latency(model: str, engine_args: dict[str, Any], input_len: int, output_
             latency_s.append(t2 - t1)
     info = {"warm_up_s": llm.warm_up_seconds, "prefill_s": prefill_s, "latency_s": latency_s,
             "num_compilations": llm.engine.num_compilations}  # fmt: skip
-    backends: dict[str, Any] = {OURS: {"results": latency_summary(prefill_s, latency_s, output_len), "info": info,
-                                       "kv_tiers": from_tier_stats(tiers_before, llm.engine.snapshot().tiers)}}
+    backends: dict[str, Any] = {
+        OURS: {
+            "results": latency_summary(prefill_s, latency_s, output_len),
+            "info": info,
+            "kv_tiers": from_tier_stats(tiers_before, llm.engine.snapshot().tiers),
+        }
+    }
     llm.close()
     del llm
     gc.collect()

@@ -25,10 +25,17 @@ def engine_config(pp: int, concurrency: list[int], prompt_tokens: int, max_token
     from jaxserve.config import EngineConfig
 
     tokens = max(256, prompt_tokens * 4)
-    return EngineConfig(pipeline_parallel_size=pp, max_num_seqs=max(concurrency), block_size=16,
-                        decode_batch_buckets=tuple(concurrency), max_num_batched_tokens=tokens,
-                        prefill_token_buckets=(tokens,), max_model_len=512, num_blocks=16 * max(concurrency) + 16,
-                        dtype="float32")
+    return EngineConfig(
+        pipeline_parallel_size=pp,
+        max_num_seqs=max(concurrency),
+        block_size=16,
+        decode_batch_buckets=tuple(concurrency),
+        max_num_batched_tokens=tokens,
+        prefill_token_buckets=(tokens,),
+        max_model_len=512,
+        num_blocks=16 * max(concurrency) + 16,
+        dtype="float32",
+    )
 
 
 def throughput(engine, concurrency: int, prompt_tokens: int, max_tokens: int) -> float:
@@ -54,8 +61,9 @@ def decode_schedule(runner, rows: int) -> np.ndarray:
 
     def ticks(params, cache, inputs):
         tokens, positions, meta, logits_indices, _ = inputs.unpack()
-        _, state = runner.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices,
-                                      mutable=["intermediates"])
+        _, state = runner.model.apply(
+            {"params": params}, tokens, positions, cache, meta, logits_indices, mutable=["intermediates"]
+        )
         return state["intermediates"]["pipeline_ticks"][0]
 
     return np.asarray(jax.jit(ticks)(runner.params, runner.cache, HostPack.of(program.host_args)))
@@ -77,8 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     from jaxserve.engine import LLMEngine
 
     concurrency = sorted(args.concurrency)
-    print(f"{args.model}: {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens each; "
-          f"devices: {len(jax.devices())} x {jax.devices()[0].platform}")
+    print(
+        f"{args.model}: {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens each; "
+        f"devices: {len(jax.devices())} x {jax.devices()[0].platform}"
+    )
     rows = []
     for pp in args.pp:
         config = engine_config(pp, concurrency, args.prompt_tokens, args.max_tokens)
@@ -87,9 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         compiled = engine.num_compilations
         speeds = [throughput(engine, c, args.prompt_tokens, args.max_tokens) for c in concurrency]
         rows.append((pp, warm, speeds))
-        print(f"pp={pp}: warm-up {warm:.1f} s ({compiled} programs), {engine.num_compilations - compiled} compiled "
-              "while serving; output tok/s " + ", ".join(f"c={c}: {s:.1f}" for c, s in zip(concurrency, speeds)),
-              flush=True)
+        print(
+            f"pp={pp}: warm-up {warm:.1f} s ({compiled} programs), {engine.num_compilations - compiled} compiled "
+            "while serving; output tok/s " + ", ".join(f"c={c}: {s:.1f}" for c, s in zip(concurrency, speeds)),
+            flush=True,
+        )
     print("\n| pp | " + " | ".join(f"c={c} tok/s" for c in concurrency) + " |")
     print("|---|" + "---|" * len(concurrency))
     for pp, _, speeds in rows:

@@ -50,12 +50,17 @@ def main() -> None:
 
     def layer_loop(call):
         """The four shapes' matmuls over all layers; call(x, w, layer, shape index)."""
-        return jax.jit(lambda x, ws: [jax.lax.scan(lambda c, i: (c, call(x[j], w, i, j)), 0, jnp.arange(LAYERS))[1]
-                                      for j, w in enumerate(ws)])
+        return jax.jit(
+            lambda x, ws: [
+                jax.lax.scan(lambda c, i: (c, call(x[j], w, i, j)), 0, jnp.arange(LAYERS))[1] for j, w in enumerate(ws)
+            ]
+        )
 
     plain = layer_loop(lambda x, w, i, j: matmul(x, w, i))
-    quantized = {name: layer_loop(lambda x, w, i, j, name=name: cpu_qmatmul.layer_matmul(x, w, weights[name][j][1], i))
-                 for name in ("int8", "q4")}
+    quantized = {
+        name: layer_loop(lambda x, w, i, j, name=name: cpu_qmatmul.layer_matmul(x, w, weights[name][j][1], i))
+        for name in ("int8", "q4")
+    }
     arrays = {name: [w[0] if isinstance(w, tuple) else w for w in weights[name]] for name in FORMATS}  # no formats
     nbytes = {name: sum(a.nbytes for a in jax.tree.leaves(arrays[name])) for name in FORMATS}
     print(f"{'rows':>5}" + "".join(f" {name + ' ms':>9} {'GB/s':>6} {'/f32':>5}" for name in FORMATS))
@@ -64,8 +69,13 @@ def main() -> None:
         calls = [lambda: plain(xs, arrays["f32"]), lambda: plain(xs, arrays["bf16"])]
         calls += [lambda name=name: quantized[name](xs, arrays[name]) for name in ("int8", "q4")]
         times = dict(zip(FORMATS, alternated(calls, args.iters)))
-        print(f"{m:>5}" + "".join(f" {times[f] * 1e3:>9.2f} {nbytes[f] / times[f] / 1e9:>6.1f} "
-                                  f"{times[f] / times['f32']:>5.2f}" for f in FORMATS))
+        print(
+            f"{m:>5}"
+            + "".join(
+                f" {times[f] * 1e3:>9.2f} {nbytes[f] / times[f] / 1e9:>6.1f} {times[f] / times['f32']:>5.2f}"
+                for f in FORMATS
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 OURS = "jaxserve"
 
@@ -63,7 +64,9 @@ def _verdict(key: str, ratio: float) -> str:
 def table(title: str, columns: Mapping[str, Mapping[str, Any]], keys: Iterable[str] | None = None) -> str:
     """Rows = metric keys, one column per backend; with exactly two backends, a ratio column too."""
     names = list(columns)
-    keys = list(keys) if keys is not None else [k for k, v in columns[names[0]].items() if not isinstance(v, (dict, list))]
+    keys = (
+        list(keys) if keys is not None else [k for k, v in columns[names[0]].items() if not isinstance(v, (dict, list))]
+    )
     header = ["metric", *names]
     two = len(names) == 2
     if two:
@@ -104,9 +107,7 @@ def print_result(result: Mapping[str, Any], keys: Iterable[str] | None = None) -
 
 def with_ratios(result: dict[str, Any]) -> dict[str, Any]:
     ours = result["backends"][OURS]["results"]
-    result["ratios"] = {
-        name: ratios(ours, b["results"]) for name, b in result["backends"].items() if name != OURS
-    }
+    result["ratios"] = {name: ratios(ours, b["results"]) for name, b in result["backends"].items() if name != OURS}
     return result
 
 

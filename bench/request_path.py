@@ -100,10 +100,23 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import build_app
     from server.config import ServerConfig
 
-    engine = AsyncEngine(LLMEngine(build_tiny_random(), EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=64,
-        decode_batch_buckets=(4,), prefill_token_buckets=(64,), prefill_seq_buckets=(4,), block_table_buckets=(32,),
-        sampler_row_buckets=(4,))))
+    engine = AsyncEngine(
+        LLMEngine(
+            build_tiny_random(),
+            EngineConfig(
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                max_model_len=256,
+                block_size=8,
+                num_blocks=64,
+                decode_batch_buckets=(4,),
+                prefill_token_buckets=(64,),
+                prefill_seq_buckets=(4,),
+                block_table_buckets=(32,),
+                sampler_row_buckets=(4,),
+            ),
+        )
+    )
     engine.engine.warm_up()
     engine.start()
     recorder = PathRecorder()
@@ -144,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     returns = [rel for i, rel in enumerate(path) if rel in path[:i]]
     print("the path (asyncio side, then the engine thread):")
     print("  " + " -> ".join(path))
-    print(f"path: {len(set(path))} files, {len(returns)} returns to a file it had left ({', '.join(returns) or 'none'})")
+    print(
+        f"path: {len(set(path))} files, {len(returns)} returns to a file it had left ({', '.join(returns) or 'none'})"
+    )
     print("every repository file entered, in order:")
     for i, rel in enumerate(files, 1):
         print(f"  {i:2d}. {rel}")

@@ -53,7 +53,7 @@ async def _create(http: aiohttp.ClientSession, body: dict[str, Any]) -> tuple[di
             line = raw.decode().strip()
             if not line.startswith("data: "):
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if event["type"] == "response.output_text.delta" and first is None:
                 first = time.perf_counter() - t0
             if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
@@ -80,17 +80,27 @@ class Chains:
         body = {**self.common, "input": self.inputs(seed)[2], "previous_response_id": second_id, "stream": True}
         return await _create(http, body)
 
-    async def cold_third(self, http: aiohttp.ClientSession, seed: int,
-                         replies: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    async def cold_third(
+        self, http: aiohttp.ClientSession, seed: int, replies: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], float]:
         first, second, third = self.inputs(seed)
-        items = [{"role": "user", "content": first}, _as_input(replies[0]), {"role": "user", "content": second},
-                 _as_input(replies[1]), {"role": "user", "content": third}]
+        items = [
+            {"role": "user", "content": first},
+            _as_input(replies[0]),
+            {"role": "user", "content": second},
+            _as_input(replies[1]),
+            {"role": "user", "content": third},
+        ]
         return await _create(http, {**self.common, "input": items, "store": False, "stream": True})
 
 
 def _as_input(response: dict[str, Any]) -> dict[str, Any]:
-    return {"role": "assistant", "content": "".join(part["text"] for item in response["output"]
-                                                    if item["type"] == "message" for part in item["content"])}
+    return {
+        "role": "assistant",
+        "content": "".join(
+            part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"]
+        ),
+    }
 
 
 def _serve(model: str, args: argparse.Namespace, extra: list[str]) -> ManagedServer:
@@ -122,9 +132,12 @@ async def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 cold.append(await chains.cold_third(http, seed, first_two))
 
     def summary(runs: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
-        return {"ttft_s": [t for _, t in runs], "median_ttft_s": statistics.median(t for _, t in runs),
-                "input_tokens": [r["usage"]["input_tokens"] for r, _ in runs],
-                "cached_tokens": [r["usage"]["input_tokens_details"]["cached_tokens"] for r, _ in runs]}
+        return {
+            "ttft_s": [t for _, t in runs],
+            "median_ttft_s": statistics.median(t for _, t in runs),
+            "input_tokens": [r["usage"]["input_tokens"] for r, _ in runs],
+            "cached_tokens": [r["usage"]["input_tokens_details"]["cached_tokens"] for r, _ in runs],
+        }
 
     return {"warm": summary(warm), "after_restart": summary(restart), "cold": summary(cold)}
 
@@ -144,12 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TTFT of the third response of a chain ({args.model}, median of {args.chains}):")
     for name, case in cases.items():
         tokens, cached = statistics.median(case["input_tokens"]), statistics.median(case["cached_tokens"])
-        print(f"  {name:14s} {1000 * case['median_ttft_s']:8.1f} ms  input {tokens:.0f} tokens, {cached:.0f} cached  "
-              f"(cold / this = {cold / case['median_ttft_s']:.1f}x)")
+        print(
+            f"  {name:14s} {1000 * case['median_ttft_s']:8.1f} ms  input {tokens:.0f} tokens, {cached:.0f} cached  "
+            f"(cold / this = {cold / case['median_ttft_s']:.1f}x)"
+        )
     if args.result_file is not None:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps({"system": system_info(), "model": args.model, "args": vars(args)
-                                                | {"result_file": str(args.result_file)}, "cases": cases}, indent=2))
+        args.result_file.write_text(
+            json.dumps(
+                {
+                    "system": system_info(),
+                    "model": args.model,
+                    "args": vars(args) | {"result_file": str(args.result_file)},
+                    "cases": cases,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -18,8 +18,9 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,8 +32,15 @@ from bench.model_files import gguf_path
 from bench.peers.runner import PeerUnavailable, check_peer, run_offline_peer
 from bench.plots import plot_cdfs, plot_latency_curves
 from bench.report import OURS, with_ratios
-from bench.server_process import (ManagedServer, free_port, jaxserve_argv, llama_server_argv, llamacpp_argv,
-                                  vllm_argv, vllm_env)
+from bench.server_process import (
+    ManagedServer,
+    free_port,
+    jaxserve_argv,
+    llama_server_argv,
+    llamacpp_argv,
+    vllm_argv,
+    vllm_env,
+)
 from bench.system_info import system_info
 from bench.workloads import TokenizerLike, Workload
 
@@ -182,8 +190,13 @@ def vllm_endpoint(opts: ServeOptions) -> Iterator[tuple[Endpoint, dict[str, Any]
     env = vllm_env(python, opts.peer_threads, opts.peer_kv_cache_gib)
     extra = {"ignore_eos": True} if opts.ignore_eos else {}
     with ManagedServer(argv, port, "/health", opts.startup_timeout_s, env=env, name="vllm") as server:
-        info = {"argv": argv, "env": env, "startup_s": server.startup_seconds, "versions": versions,
-                "log": str(server.log_path)}
+        info = {
+            "argv": argv,
+            "env": env,
+            "startup_s": server.startup_seconds,
+            "versions": versions,
+            "log": str(server.log_path),
+        }
         yield Endpoint(server.base_url, served_model_name(opts), extra), info
 
 
@@ -208,8 +221,9 @@ def vllm_model_dir(opts: ServeOptions) -> Path:
         return path
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    run_offline_peer("gguf-to-hf", {"gguf": str(gguf), "out_dir": str(partial)},
-                     opts.peer_convert_python or opts.peer_python)
+    run_offline_peer(
+        "gguf-to-hf", {"gguf": str(gguf), "out_dir": str(partial)}, opts.peer_convert_python or opts.peer_python
+    )
     partial.rename(path)
     return path
 

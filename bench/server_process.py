@@ -17,8 +17,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def free_port() -> int:
@@ -47,7 +47,7 @@ class ManagedServer:
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
-    def __enter__(self) -> "ManagedServer":
+    def __enter__(self) -> ManagedServer:
         self.start()
         return self
 

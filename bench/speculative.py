@@ -37,8 +37,20 @@ SENTENCES = [
     "At dusk the boats come home low in the water, and the whole town walks down to meet them.",
     "Late at night only the bakery is lit, its ovens warming the street for the next morning.",
 ]
-TOPICS = ["a dragon", "a lost key", "a robot chef", "the moon", "a haunted library", "a river", "a chess game",
-          "a lighthouse keeper", "a snowstorm", "an old violin", "a desert caravan", "a clockmaker"]
+TOPICS = [
+    "a dragon",
+    "a lost key",
+    "a robot chef",
+    "the moon",
+    "a haunted library",
+    "a river",
+    "a chess game",
+    "a lighthouse keeper",
+    "a snowstorm",
+    "an old violin",
+    "a desert caravan",
+    "a clockmaker",
+]
 
 
 def copy_prompt(i: int) -> list[dict]:
@@ -79,21 +91,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-by-batch-size", type=int, default=8)
     args = parser.parse_args(argv)
     batch = max(args.batches)
-    engine = dict(max_num_seqs=batch, max_num_batched_tokens=512, max_model_len=512, block_size=16,
-                  num_blocks=2 * batch * 512 // 16, decode_batch_buckets=tuple(sorted(set(args.batches))),
-                  prefill_token_buckets=(512,), prefill_seq_buckets=(4,), block_table_buckets=(32,),
-                  compilation_cache_dir=str(cache_dir() / "xla"))  # the two engines share compiled steps
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-            "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.disable_by_batch_size}
+    engine = dict(
+        max_num_seqs=batch,
+        max_num_batched_tokens=512,
+        max_model_len=512,
+        block_size=16,
+        num_blocks=2 * batch * 512 // 16,
+        decode_batch_buckets=tuple(sorted(set(args.batches))),
+        prefill_token_buckets=(512,),
+        prefill_seq_buckets=(4,),
+        block_table_buckets=(32,),
+        compilation_cache_dir=str(cache_dir() / "xla"),
+    )  # the two engines share compiled steps
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_min": args.lookup_min,
+        "prompt_lookup_max": args.lookup_max,
+        "disable_by_batch_size": args.disable_by_batch_size,
+    }
     model = build_tiny_random() if args.model == "tiny-random" else load_model(args.model)
     llms = {"plain": LLM(model, **engine), "spec": LLM(model, speculative_config=spec, **engine)}
     tok = llms["plain"].get_tokenizer()
-    print(f"model {args.model}, {args.tokens} new tokens (greedy), median of {args.rounds} rounds; "
-          f"speculative_config {spec}")
+    print(
+        f"model {args.model}, {args.tokens} new tokens (greedy), median of {args.rounds} rounds; "
+        f"speculative_config {spec}"
+    )
     for name in args.workloads:
         for b in args.batches:
-            prompts = [tok.encode(tok.apply_chat_template(WORKLOADS[name](i), add_generation_prompt=True))
-                       for i in range(b)]
+            prompts = [
+                tok.encode(tok.apply_chat_template(WORKLOADS[name](i), add_generation_prompt=True)) for i in range(b)
+            ]
             for llm in llms.values():
                 run(llm, prompts[:1], 4)  # first steps of each kind, not timed
             times: dict[str, list[float]] = {k: [] for k in llms}
@@ -110,10 +138,12 @@ def main(argv: list[str] | None = None) -> None:
             steps, drafts, accepted = counts
             acceptance = f"{accepted / drafts:.2f}" if drafts else "n/a"
             per_step = f"{accepted / steps:.2f}" if steps else "n/a"
-            print(f"  {name:4s} batch {b:3d}: plain {rate['plain']:7.1f} tok/s, spec {rate['spec']:7.1f} tok/s, "
-                  f"ratio {rate['spec'] / rate['plain']:.2f}x; acceptance {acceptance} ({accepted}/{drafts} drafts, "
-                  f"+{per_step} tokens per verify step, {steps} verify steps); {generated} tokens; "
-                  f"greedy outputs {'identical' if same else 'DIFFER'}")
+            print(
+                f"  {name:4s} batch {b:3d}: plain {rate['plain']:7.1f} tok/s, spec {rate['spec']:7.1f} tok/s, "
+                f"ratio {rate['spec'] / rate['plain']:.2f}x; acceptance {acceptance} ({accepted}/{drafts} drafts, "
+                f"+{per_step} tokens per verify step, {steps} verify steps); {generated} tokens; "
+                f"greedy outputs {'identical' if same else 'DIFFER'}"
+            )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ matmul against XLA's dots: `python3 -m bench.matmul_cpu`.)
 The steps attend over real histories (distinct blocks per sequence): the serving attention
 backends stop at each sequence's length, so a step of empty sequences would time no attention.
 """
+
 import argparse
 import collections
 import glob
@@ -46,8 +47,11 @@ def chunks(r: ModelRunner, count: int, history: int, new: int, block_size: int) 
     for i in range(count):
         req = Request(f"r{i}", list(range(1, history + new + 1)), SamplingParams(max_tokens=1), seed=i)
         r.inputs.batch.join(req)
-        out.append(ScheduledChunk(req, history, new, np.arange(1 + i * pages, 1 + (i + 1) * pages, dtype=np.int32),
-                                  sample=True))
+        out.append(
+            ScheduledChunk(
+                req, history, new, np.arange(1 + i * pages, 1 + (i + 1) * pages, dtype=np.int32), sample=True
+            )
+        )
     return out
 
 
@@ -64,25 +68,37 @@ def timed(r: ModelRunner, program, reps: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unroll-layers", action="store_true", help="the layers unrolled (EngineConfig.unroll_layers)")
-    parser.add_argument("--dtype", default="auto", help="the weights' (EngineConfig.dtype; auto: this machine's choice)")
+    parser.add_argument(
+        "--dtype", default="auto", help="the weights' (EngineConfig.dtype; auto: this machine's choice)"
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype")
     parser.add_argument("--decode-batch", type=int, nargs="+", default=[32], help="decode batches past batch 1")
     parser.add_argument("--profile", action="store_true", help="each step's costliest operations")
     args = parser.parse_args()
-    config = resolve_dtype(EngineConfig(num_blocks=2048, unroll_layers=args.unroll_layers, dtype=args.dtype,
-                                        kv_cache_dtype=args.kv_cache_dtype,
-                                        decode_batch_buckets=(1, *args.decode_batch),
-                                        max_num_seqs=max(32, *args.decode_batch)))
+    config = resolve_dtype(
+        EngineConfig(
+            num_blocks=2048,
+            unroll_layers=args.unroll_layers,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            decode_batch_buckets=(1, *args.decode_batch),
+            max_num_seqs=max(32, *args.decode_batch),
+        )
+    )
     m = load_model("smollm2-135m-instruct", dtype=load_dtype(config))
     r = ModelRunner(m.config, m.params, config)
     config = r.engine_config
     width, bs, seqs = config.block_table_buckets[-1], config.block_size, config.max_prefill_seqs
     print(f"{config.dtype} weights, {kv_quant.format_name(r.kv_dtype)} KV cache, {r.attention_backend} attention")
-    steps = [("prefill 1 x 128", 128, lambda: r.inputs.prefill(chunks(r, 1, 0, 128, bs), 128, seqs, width)),
-             ("prefill 4 x 128", 512, lambda: r.inputs.prefill(chunks(r, 4, 0, 128, bs), 512, seqs, width)),
-             ("prefill 512 over 512", 512, lambda: r.inputs.prefill(chunks(r, 1, 512, 512, bs), 512, seqs, width))]
-    steps += [(f"decode batch {b}", b, lambda b=b: r.inputs.decode(chunks(r, b, 255, 1, bs), b, width))
-              for b in (1, *args.decode_batch)]
+    steps = [
+        ("prefill 1 x 128", 128, lambda: r.inputs.prefill(chunks(r, 1, 0, 128, bs), 128, seqs, width)),
+        ("prefill 4 x 128", 512, lambda: r.inputs.prefill(chunks(r, 4, 0, 128, bs), 512, seqs, width)),
+        ("prefill 512 over 512", 512, lambda: r.inputs.prefill(chunks(r, 1, 512, 512, bs), 512, seqs, width)),
+    ]
+    steps += [
+        (f"decode batch {b}", b, lambda b=b: r.inputs.decode(chunks(r, b, 255, 1, bs), b, width))
+        for b in (1, *args.decode_batch)
+    ]
     for name, tokens, build in steps:
         program = build()
         t = timed(r, program)
@@ -108,8 +124,10 @@ def profile(r: ModelRunner, program, reps: int = 3, top: int = 10) -> list[tuple
             calls[e["name"]] += 1
     hlo = r._executables[program.key].as_text()  # the compiled step (ModelRunner._run's cache)
     kernels = dict(re.findall(r"%?(ffi_call\.\d+) = .*?custom_call_target=\"([^\"]+)\"", hlo))
-    return [(us / reps / 1e3, calls[op] // reps, f"{op} {kernels.get(op, '')}".strip())
-            for op, us in total.most_common(top)]
+    return [
+        (us / reps / 1e3, calls[op] // reps, f"{op} {kernels.get(op, '')}".strip()) for op, us in total.most_common(top)
+    ]
+
 
 if __name__ == "__main__":
     main()

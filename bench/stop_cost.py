@@ -20,9 +20,17 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_TOTAL_CHARS, SamplingParams
 
-ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=128, max_model_len=512, block_size=8, num_blocks=1024,
-              decode_batch_buckets=(64,), block_table_buckets=(64,), prefill_token_buckets=(128,),
-              prefill_seq_buckets=(8,))
+ENGINE = dict(
+    max_num_seqs=64,
+    max_num_batched_tokens=128,
+    max_model_len=512,
+    block_size=8,
+    num_blocks=1024,
+    decode_batch_buckets=(64,),
+    block_table_buckets=(64,),
+    prefill_token_buckets=(128,),
+    prefill_seq_buckets=(8,),
+)
 
 
 def longest_allowed_stops() -> list[str]:
@@ -32,13 +40,15 @@ def longest_allowed_stops() -> list[str]:
     return [chr(0x2600 + i) * MAX_STOP_STRING_CHARS for i in range(count)]
 
 
-def seconds_per_token(engine: LLMEngine, stops: list[str], with_stops: int, requests: int, n: int, tokens: int,
-                      tag: str) -> float:
+def seconds_per_token(
+    engine: LLMEngine, stops: list[str], with_stops: int, requests: int, n: int, tokens: int, tag: str
+) -> float:
     """Seconds per generated token of `requests` requests of n choices, the first `with_stops`
     of them with `stops`."""
     for i in range(requests):
-        params = SamplingParams(n=n, max_tokens=tokens, ignore_eos=True, temperature=1.0, seed=1,
-                                stop=stops if i < with_stops else [])
+        params = SamplingParams(
+            n=n, max_tokens=tokens, ignore_eos=True, temperature=1.0, seed=1, stop=stops if i < with_stops else []
+        )
         engine.add_request(f"{tag}-{i}", [1, 2, 3, 4, 5], params)
     generated = 0
     t0 = time.perf_counter()
@@ -64,8 +74,9 @@ def main() -> None:
     # disturbed round (its minimum) is what it costs.
     for r in range(args.rounds):
         for name, with_stops in cases.items():
-            times[name].append(seconds_per_token(engine, stops, with_stops, args.requests, args.n, args.tokens,
-                                                 f"{name}-{r}"))
+            times[name].append(
+                seconds_per_token(engine, stops, with_stops, args.requests, args.n, args.tokens, f"{name}-{r}")
+            )
     base = min(times["no stop strings"])
     print(f"workload: {args.requests} requests x n={args.n} x {args.tokens} tokens, tiny-random, {args.rounds} rounds")
     print(f"stop strings: {len(stops)} x {MAX_STOP_STRING_CHARS} chars (the caps' worst case)")

@@ -76,10 +76,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
-    config = EngineConfig(max_num_seqs=args.batch, max_num_batched_tokens=256, max_model_len=256, block_size=16,
-                          num_blocks=4 * args.batch * (256 // 16), decode_batch_buckets=(args.batch,),
-                          prefill_token_buckets=(256,), prefill_seq_buckets=(args.batch,), block_table_buckets=(16,),
-                          async_scheduling=args.async_scheduling)
+    config = EngineConfig(
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=256,
+        max_model_len=256,
+        block_size=16,
+        num_blocks=4 * args.batch * (256 // 16),
+        decode_batch_buckets=(args.batch,),
+        prefill_token_buckets=(256,),
+        prefill_seq_buckets=(args.batch,),
+        block_table_buckets=(16,),
+        async_scheduling=args.async_scheduling,
+    )
     model = build_tiny_random() if args.model == "tiny-random" else load_model(args.model)
     engine = LLMEngine(model, config)
     engine.warm_up()
@@ -90,8 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.rounds):
         for name, constrained in runs.items():
             samples[name].append(run_batch(engine, args.batch, constrained, args.tokens, f"{name}-{r}"))
-    print(f"model {args.model}, batch {args.batch}, {args.tokens} tokens per row, median of {args.rounds} rounds, "
-          f"async scheduling {'on' if args.async_scheduling else 'off'}")
+    print(
+        f"model {args.model}, batch {args.batch}, {args.tokens} tokens per row, median of {args.rounds} rounds, "
+        f"async scheduling {'on' if args.async_scheduling else 'off'}"
+    )
 
     def per_token(name: str, group: str) -> float:  # seconds per token of one row of the group
         rows = [s for s in samples[name] if f"{group}_tokens" in s]
@@ -102,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  all plain:       plain rows {1e3 * base:7.2f} ms/token ({args.batch / base:7.1f} tok/s for the batch)")
     plain = per_token("1 constrained", "plain")
     one = per_token("1 constrained", "constrained")
-    print(f"  1 constrained:   plain rows {1e3 * plain:7.2f} ms/token ({plain / base:.2f}x), "
-          f"the constrained row {1e3 * one:7.2f} ms/token ({one / base:.2f}x)")
+    print(
+        f"  1 constrained:   plain rows {1e3 * plain:7.2f} ms/token ({plain / base:.2f}x), "
+        f"the constrained row {1e3 * one:7.2f} ms/token ({one / base:.2f}x)"
+    )
     every = per_token("all constrained", "constrained")
     print(f"  all constrained: rows {1e3 * every:7.2f} ms/token ({every / base:.2f}x)")
     llg = grammar_seconds_per_token(engine, samples["1 constrained"][-1]["replay"])

@@ -9,7 +9,8 @@ Results: the latency-throughput curve, and the highest rate (or concurrency) who
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bench.load import LoadSpec
 from bench.metrics import SLO
@@ -69,8 +70,13 @@ def run_sweep(opts: ServeOptions, make_workload: Callable[[int], Workload], poin
         "dtype": server_dtype(opts.server_args),
         "config": {"server_args": opts.server_args, "base_url": opts.base_url, "peer_threads": opts.peer_threads},
         "workload": workloads[0].describe(),
-        "run": {"x": xlabel, "points": [p.x for p in points], "slo": dataclasses.asdict(slo) if slo else None,
-                "target_attainment": target_attainment, "ignore_eos": opts.ignore_eos},  # fmt: skip
+        "run": {
+            "x": xlabel,
+            "points": [p.x for p in points],
+            "slo": dataclasses.asdict(slo) if slo else None,
+            "target_attainment": target_attainment,
+            "ignore_eos": opts.ignore_eos,
+        },  # fmt: skip
         "backends": backends,
     }
     with_ratios(result)

@@ -60,7 +60,7 @@ def jax_devices() -> list[str]:
 def system_info(include_jax_devices: bool = False) -> dict[str, Any]:
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -149,7 +150,9 @@ def shared_prefix_workload(sampler: TokenSampler, num_prefixes: int, questions_p
 def long_prompt_workload(sampler: TokenSampler, num_short: int, short_len: int, num_long: int, long_len: int,
                          output_len: int, as_text: bool = False) -> Workload:  # fmt: skip
     """Short requests with `num_long` long ones placed evenly among them (groups `short` / `long`)."""
-    items: list[WorkItem] = [_request(sampler, sampler.ids(short_len), output_len, as_text, "short") for _ in range(num_short)]
+    items: list[WorkItem] = [
+        _request(sampler, sampler.ids(short_len), output_len, as_text, "short") for _ in range(num_short)
+    ]
     total = num_short + num_long
     for k in range(num_long):
         position = int((k + 0.5) * total / num_long)

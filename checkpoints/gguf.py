@@ -28,8 +28,8 @@ from checkpoints.gguf_tokenizer import build_gguf_tokenizer
 from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamFiller, ParamTree, checkpoint_names, iter_leaves, resolve_dtype
 from checkpoints.quant_format import QuantFormat
-from checkpoints.weights import flat, nest, quantizable
 from checkpoints.tokenizer_bundle import TokenizerBundle, merge_eos_ids
+from checkpoints.weights import flat, nest, quantizable
 
 Q = gguf.GGMLQuantizationType
 ROPE_FACTORS = "rope_freqs.weight"  # per-frequency RoPE divisors (Llama 3.1-style scaling)
@@ -49,6 +49,7 @@ def supported_tensor_types() -> frozenset[gguf.GGMLQuantizationType]:
             continue
         supported.add(qtype)
     return frozenset(supported)
+
 
 def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
@@ -71,8 +72,9 @@ def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, rope_factors: np.ndarray | None,
-                  source: str) -> dict[str, Any] | None:
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, rope_factors: np.ndarray | None, source: str
+) -> dict[str, Any] | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if rope_factors is not None:
         if kind != "none":
@@ -84,13 +86,17 @@ def _rope_scaling(meta: dict[str, Any], arch: str, rope_factors: np.ndarray | No
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     if kind == "yarn":  # llama.cpp's defaults are Hugging Face's (beta_fast 32, beta_slow 1)
-        return {"rope_type": "yarn", "factor": float(meta[f"{arch}.rope.scaling.factor"]),
-                "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"])}
+        return {
+            "rope_type": "yarn",
+            "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+            "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+        }
     raise UnsupportedCheckpointError(f"{source}: RoPE scaling {kind!r} in GGUF is not supported")
 
 
-def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_size: int, source: str,
-                         rope_factors: np.ndarray | None = None) -> ModelConfig:
+def config_from_metadata(
+    meta: dict[str, Any], tensor_names: set[str], vocab_size: int, source: str, rope_factors: np.ndarray | None = None
+) -> ModelConfig:
     """A ModelConfig from GGUF metadata (llama.cpp key names), the tensors present and the
     `rope_freqs` tensor's values, if the file has one: the fields every family shares, then the
     family's own (`Architecture.from_gguf`)."""
@@ -156,14 +162,20 @@ def _stored_formats(tensors: dict[str, Any], config: ModelConfig) -> dict[str, Q
     return out
 
 
-def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, source: str,
-                 quantized: bool = False) -> ParamTree:
+def _load_params(
+    reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, source: str, quantized: bool = False
+) -> ParamTree:
     family = architecture(config.architecture)
     formats = _stored_formats({t.name: t for t in reader.tensors}, config) if quantized else {}
     kernels = quantizable(declare(config))
     kept = {kernels[path][0] for path in formats}  # declared paths of the kernels kept quantized
-    filler = ParamFiller(config, dtype, source, lambda w: w.gguf,
-                         {path: w for path, w in flat(declare(config)).items() if path not in kept})
+    filler = ParamFiller(
+        config,
+        dtype,
+        source,
+        lambda w: w.gguf,
+        {path: w for path, w in flat(declare(config)).items() if path not in kept},
+    )
     stored, slots = {}, {}
     for path, fmt in formats.items():
         parent = path.rsplit("/", 1)[0]
@@ -176,15 +188,19 @@ def _load_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: np.dtype, 
             continue
         if tensor.name in slots:  # a kernel kept quantized: its blocks' arrays, rows un-permuted as the weights'
             path, index = slots.pop(tensor.name)
-            arrays = {name: family.from_gguf_tensor(path, a, config)
-                      for name, a in block_arrays(tensor.data, tensor.tensor_type).items()}
+            arrays = {
+                name: family.from_gguf_tensor(path, a, config)
+                for name, a in block_arrays(tensor.data, tensor.tensor_type).items()
+            }
             parent = path.rsplit("/", 1)[0]
             for name, a in stored_arrays(arrays, formats[path]).items():
                 stored[f"{parent}/{name}"][index] = a
             continue
         slot = filler.slot(tensor.name)
         if slot is None:
-            raise UnsupportedCheckpointError(f"{source}: unexpected tensor {tensor.name!r} (or it does not fit the config)")
+            raise UnsupportedCheckpointError(
+                f"{source}: unexpected tensor {tensor.name!r} (or it does not fit the config)"
+            )
         path = slot[0]
         array = family.from_gguf_tensor(path, _tensor_array(tensor, source), config)
         filler.put(tensor.name, array.swapaxes(-1, -2) if filler.weights[path].is_kernel else array)

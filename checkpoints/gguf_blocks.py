@@ -24,8 +24,12 @@ from checkpoints.quant_format import CODES, MIN, Q4_GROUP, SCALE, QuantFormat
 
 Q = gguf.GGMLQuantizationType
 GROUP = 32
-FORMATS = {Q.Q8_0: QuantFormat(8, GROUP), Q.Q4_0: QuantFormat(4, Q4_GROUP), Q.Q4_1: QuantFormat(4, Q4_GROUP),
-           Q.Q4_K: QuantFormat(4, Q4_GROUP)}
+FORMATS = {
+    Q.Q8_0: QuantFormat(8, GROUP),
+    Q.Q4_0: QuantFormat(4, Q4_GROUP),
+    Q.Q4_1: QuantFormat(4, Q4_GROUP),
+    Q.Q4_K: QuantFormat(4, Q4_GROUP),
+}
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -58,7 +62,7 @@ def block_arrays(data: np.ndarray, qtype: Q) -> dict[str, np.ndarray]:
     if qtype in (Q.Q4_0, Q.Q4_1):
         d = _half(blocks[..., 0:2])
         m = -8.0 * d if qtype == Q.Q4_0 else _half(blocks[..., 2:4])
-        codes = _nibbles(blocks[..., block_bytes - 16:]).reshape(rows, -1)
+        codes = _nibbles(blocks[..., block_bytes - 16 :]).reshape(rows, -1)
         return {CODES: codes, SCALE: d.astype(np.float16), MIN: m.astype(np.float16)}
     if qtype == Q.Q4_K:
         d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])

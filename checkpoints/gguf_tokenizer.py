@@ -20,7 +20,8 @@ SentencePiece itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -203,6 +204,7 @@ def _add_whole_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list
                       keep: Callable[[str], bool]) -> None:  # fmt: skip
     """Make tokens of `special_types` (special) and user-defined ones (not special) match whole
     in the raw text, before normalization and splitting; `keep` filters out unmatchable ones."""
+
     def whole(kinds: set[int], special: bool) -> list[AddedToken]:
         return [
             AddedToken(t, special=special, normalized=False)

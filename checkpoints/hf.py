@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -23,8 +24,8 @@ from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamFiller, ParamTree, checkpoint_names, iter_leaves, resolve_dtype
-from checkpoints.weights import flat
 from checkpoints.tokenizer_bundle import TokenizerBundle, load_tokenizer_files, merge_eos_ids, save_tokenizer_files
+from checkpoints.weights import flat
 
 INDEX_FILE = "model.safetensors.index.json"
 

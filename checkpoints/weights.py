@@ -19,7 +19,8 @@ weights are stacked under `layers` (leading axis `"layers"`), mixture-of-experts
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -114,7 +115,7 @@ class Weight:
             return 0.1 * noise
         return noise
 
-    def unstacked(self) -> "Weight":
+    def unstacked(self) -> Weight:
         """One layer's weight: the declaration without its leading `layers` axis."""
         if not self.axes or self.axes[0] != LAYERS:
             return self
@@ -122,8 +123,10 @@ class Weight:
 
     def flax_init(self) -> Callable[[Any, tuple[int, ...], Any], Any]:
         """A Flax initializer drawing this weight as `scaled` says."""
+
         def init(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
             return self.scaled(jax.random.normal(key, shape, np.float32)).astype(dtype)
+
         return init
 
 
@@ -182,8 +185,16 @@ def quantized(declaration: Declaration, formats: dict[str, QuantFormat]) -> Decl
         for name, (shape, dtype) in fmt.arrays(base.kernel_shape).items():
             axes = kernel_axes if shape[-2] > 1 else (*kernel_axes[:-2], None, kernel_axes[-1])
             leaves[f"{parent}/{name}"] = dataclasses.replace(
-                base, shape=shape, axes=axes, init=KERNEL, storage=dtype.name,
-                quant=fmt if name == CODES else None, hf=None, gguf=None, quantizable=False)
+                base,
+                shape=shape,
+                axes=axes,
+                init=KERNEL,
+                storage=dtype.name,
+                quant=fmt if name == CODES else None,
+                hf=None,
+                gguf=None,
+                quantizable=False,
+            )
     return nest(leaves)
 
 

@@ -18,8 +18,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,8 +27,16 @@ import numpy as np
 from jaxserve import kv_transfer
 from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
-from jaxserve.engine_client import (BlockLayout, EngineDeadError, EngineInfo, KVHold, Pin, RequestFailedError,
-                                    StagedKV, TransferError)
+from jaxserve.engine_client import (
+    BlockLayout,
+    EngineDeadError,
+    EngineInfo,
+    KVHold,
+    Pin,
+    RequestFailedError,
+    StagedKV,
+    TransferError,
+)
 from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv_tiers import kv_fingerprint
 from jaxserve.outputs import Delta, FinishReason
@@ -69,10 +77,15 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine | DataParallelEngine):
         self.engine = engine if isinstance(engine, DataParallelEngine) else DataParallelEngine([engine])
         e = self.engine
-        self.info = EngineInfo(model_name=str(e.model_name), tokenizer=e.tokenizer,
-                               vocab_size=e.model_config.vocab_size, max_model_len=e.config.max_model_len,
-                               max_num_seqs=e.max_num_seqs, block_size=e.config.block_size,
-                               hidden_size=e.model_config.hidden_size)
+        self.info = EngineInfo(
+            model_name=str(e.model_name),
+            tokenizer=e.tokenizer,
+            vocab_size=e.model_config.vocab_size,
+            max_model_len=e.config.max_model_len,
+            max_num_seqs=e.max_num_seqs,
+            block_size=e.config.block_size,
+            hidden_size=e.model_config.hidden_size,
+        )
         self._inbox: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}
         self._hold_kv: dict[str, list[int]] = {}  # request id -> prompt ids, for `generate(hold_kv=True)`
@@ -97,8 +110,14 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.fatal_error is None
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       session_id: str | None = None, hold_kv: bool = False) -> AsyncIterator[Delta]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        hold_kv: bool = False,
+    ) -> AsyncIterator[Delta]:
         """See `EngineClient.generate`. With `hold_kv` the prompt's blocks are held on the engine
         thread as the sequence ends, before any later step could evict them."""
         if not self.is_alive:
@@ -161,8 +180,15 @@ class AsyncEngine:
     async def snapshot(self) -> EngineSnapshot | None:
         return await self._on_engine_thread(DataParallelEngine.snapshot)
 
-    async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
+    async def pin_history(
+        self,
+        session_id: str,
+        owner: str,
+        token_ids: list[int],
+        old: Pin | None,
+        others: list[Pin],
+        lora: str | None = None,
+    ) -> tuple[Pin | None, list[Pin]] | None:
         """See `EngineClient.pin_history`; the pin is made on the replica holding the session."""
         return await self._on_engine_thread(lambda e: e.pin_history(session_id, owner, token_ids, old, others, lora))
 
@@ -171,9 +197,11 @@ class AsyncEngine:
 
     async def end_sessions(self, ended: list[tuple[str, Pin | None]]) -> None:
         """Sessions that are gone: release each one's pin and its place on a replica."""
+
         def end(router: DataParallelEngine) -> None:
             for session_id, pin in ended:
                 router.end_session(session_id, pin)
+
         await self._on_engine_thread(end)
 
     async def set_pin_budget(self, blocks_per_owner: int) -> None:
@@ -246,10 +274,8 @@ class AsyncEngine:
     async def read_kv(self, hold: KVHold, first: int, count: int) -> tuple[np.ndarray, np.ndarray] | None:
         return await self._on_engine_thread(lambda e: kv_transfer.read_blocks(e.lone_replica, hold, first, count))
 
-    async def write_kv(self, hold: KVHold, token_ids: Sequence[int], k: np.ndarray,
-                       v: np.ndarray) -> KVHold | None:
-        return await self._on_engine_thread(
-            lambda e: kv_transfer.write_blocks(e.lone_replica, hold, token_ids, k, v))
+    async def write_kv(self, hold: KVHold, token_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> KVHold | None:
+        return await self._on_engine_thread(lambda e: kv_transfer.write_blocks(e.lone_replica, hold, token_ids, k, v))
 
     async def stage_kv(self, hold: KVHold, first: int, count: int, timeout: float) -> StagedKV | None:
         transfer = self._transfer
@@ -258,26 +284,33 @@ class AsyncEngine:
 
         def offer(e: DataParallelEngine) -> StagedKV:
             arrays = kv_transfer.stage_blocks(e.lone_replica, hold, first, count)
-            return StagedKV(transfer.address, transfer.offer(arrays, timeout), count, len(arrays) // 2,
-                            transfer.chunk_shape[2])
+            return StagedKV(
+                transfer.address, transfer.offer(arrays, timeout), count, len(arrays) // 2, transfer.chunk_shape[2]
+            )
+
         return await self._on_engine_thread(offer)
 
-    async def pull_staged_kv(self, staged: StagedKV, hold: KVHold, token_ids: Sequence[int],
-                             timeout: float) -> KVHold | None:
+    async def pull_staged_kv(
+        self, staged: StagedKV, hold: KVHold, token_ids: Sequence[int], timeout: float
+    ) -> KVHold | None:
         transfer = self._transfer
         if transfer is None:
             raise TransferError("this worker has no transfer server")
         chunk = transfer.chunk_shape[2]
         if staged.chunk_blocks != chunk or staged.num_chunks * chunk < staged.num_blocks:
-            raise TransferError(f"{staged.num_chunks} chunks of {staged.chunk_blocks} blocks staged, "
-                                f"{staged.num_blocks} blocks of {chunk} a chunk wanted")
+            raise TransferError(
+                f"{staged.num_chunks} chunks of {staged.chunk_blocks} blocks staged, "
+                f"{staged.num_blocks} blocks of {chunk} a chunk wanted"
+            )
         try:
-            arrays = await asyncio.to_thread(transfer.pull, staged.address, staged.transfer_id,
-                                             2 * staged.num_chunks, timeout)
+            arrays = await asyncio.to_thread(
+                transfer.pull, staged.address, staged.transfer_id, 2 * staged.num_chunks, timeout
+            )
         except (TimeoutError, jax.errors.JaxRuntimeError) as e:
             raise TransferError(str(e) or type(e).__name__) from e
-        return await self._on_engine_thread(lambda e: kv_transfer.write_staged_blocks(
-            e.lone_replica, hold, token_ids, arrays, staged.num_blocks))
+        return await self._on_engine_thread(
+            lambda e: kv_transfer.write_staged_blocks(e.lone_replica, hold, token_ids, arrays, staged.num_blocks)
+        )
 
     async def release_kv(self, hold: KVHold) -> None:
         await self._on_engine_thread(lambda e: kv_transfer.release(e.lone_replica, hold))
@@ -296,6 +329,7 @@ class AsyncEngine:
                     fut.set_exception(result)
                 else:
                     fut.set_result(result)
+
             loop.call_soon_threadsafe(settle)
 
         self._inbox.put(_Call(fn, done))

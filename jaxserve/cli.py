@@ -9,8 +9,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jaxserve.engine_args import add_engine_args, engine_config_from_args, lora_modules_from_args
 
@@ -93,11 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_starter(args: argparse.Namespace) -> Callable[..., Any]:
     """What `serve` and `worker` call to start the engine their flags describe (`jaxserve.serving`)."""
+
     def start(**kwargs: Any) -> Any:
         from jaxserve.serving import start_engine
 
-        return start_engine(args.model, engine_config_from_args(args), lora_modules=lora_modules_from_args(args),
-                            **kwargs)
+        return start_engine(
+            args.model, engine_config_from_args(args), lora_modules=lora_modules_from_args(args), **kwargs
+        )
+
     return start
 
 
@@ -124,8 +128,12 @@ def _prepare_jax(args: argparse.Namespace) -> None:
     if hasattr(args, "coordinator_address"):  # commands that can run across processes
         from sharding import multihost
 
-        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                             independent_groups=getattr(args, "data_parallel_size", 1) > 1)
+        multihost.initialize(
+            args.coordinator_address,
+            args.num_processes,
+            args.process_id,
+            independent_groups=getattr(args, "data_parallel_size", 1) > 1,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

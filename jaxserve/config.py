@@ -131,23 +131,30 @@ class EngineConfig:
         if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
         if self.pipeline_microbatches is not None and (
-                not isinstance(self.pipeline_microbatches, int) or self.pipeline_microbatches < 1):
+            not isinstance(self.pipeline_microbatches, int) or self.pipeline_microbatches < 1
+        ):
             raise ValueError(f"pipeline_microbatches must be an integer >= 1, got {self.pipeline_microbatches!r}")
         if self.pipeline_parallel_size > 1:
             # Not yet through the pipeline's stages: each needs its arrays sliced by stage (adapter
             # slots, quantization scales, the cache's scales) and a test.
-            unstaged = [name for name, on in (("enable_lora", self.enable_lora),
-                                              ("quantization", self.quantization != "none"),
-                                              ("kv_cache_dtype", self.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")))
-                        if on]
+            unstaged = [
+                name
+                for name, on in (
+                    ("enable_lora", self.enable_lora),
+                    ("quantization", self.quantization != "none"),
+                    ("kv_cache_dtype", self.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")),
+                )
+                if on
+            ]
             if unstaged:
                 raise ValueError(f"pipeline_parallel_size > 1 does not run with {', '.join(unstaged)} yet")
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
         if self.enable_lora:
             if self.max_loras < 1 or self.max_lora_rank < 1:
-                raise ValueError(f"max_loras and max_lora_rank must be >= 1, "
-                                 f"got {self.max_loras} and {self.max_lora_rank}")
+                raise ValueError(
+                    f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}"
+                )
             self.max_cpu_loras = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
             if self.max_cpu_loras < self.max_loras:
                 raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
@@ -174,7 +181,9 @@ class EngineConfig:
         if self.decode_batch_buckets is None:
             self.decode_batch_buckets = _geometric(1, self.max_num_seqs, 2)
         if self.prefill_token_buckets is None:
-            self.prefill_token_buckets = _geometric(min(32, self.max_num_batched_tokens), self.max_num_batched_tokens, 2)
+            self.prefill_token_buckets = _geometric(
+                min(32, self.max_num_batched_tokens), self.max_num_batched_tokens, 2
+            )
         if self.prefill_seq_buckets is None:
             # One count: a prefill step's unused sequence slots cost a few empty attention tiles
             # and logits rows, less than compiling a variant per count would.
@@ -186,8 +195,13 @@ class EngineConfig:
         if self.sampler_row_buckets is None:
             rows = max(max(self.decode_batch_buckets), max(self.prefill_seq_buckets))
             self.sampler_row_buckets = _geometric(min(4, rows), rows, 2)
-        for name in ("decode_batch_buckets", "prefill_token_buckets", "prefill_seq_buckets", "block_table_buckets",
-                     "sampler_row_buckets"):
+        for name in (
+            "decode_batch_buckets",
+            "prefill_token_buckets",
+            "prefill_seq_buckets",
+            "block_table_buckets",
+            "sampler_row_buckets",
+        ):
             setattr(self, name, tuple(sorted(set(getattr(self, name)))))
         if self.decode_batch_buckets[-1] < self.max_num_seqs:
             raise ValueError("decode_batch_buckets must reach max_num_seqs")
@@ -206,8 +220,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= longest:
             return self
         if self.max_model_len is not None:
-            logger.warning("max_model_len %d exceeds the model's context (%d tokens); lowering it",
-                           self.max_model_len, model_context)
+            logger.warning(
+                "max_model_len %d exceeds the model's context (%d tokens); lowering it",
+                self.max_model_len,
+                model_context,
+            )
         return dataclasses.replace(self, max_model_len=longest)
 
     @property

@@ -53,15 +53,28 @@ class DataParallelEngine:
             self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="dp-replica")
 
     @classmethod
-    def build(cls, model: str | LoadedModel, config: EngineConfig, devices: list | None = None,
-              policy: RoutingPolicy | None = None) -> "DataParallelEngine":
+    def build(
+        cls,
+        model: str | LoadedModel,
+        config: EngineConfig,
+        devices: list | None = None,
+        policy: RoutingPolicy | None = None,
+    ) -> DataParallelEngine:
         """`config.data_parallel_size` replicas over the first dp x pp x ep x tp devices; the
         checkpoint is read once and each replica places its own shards."""
         config = resolve_dtype(config)  # "auto": this machine's choice, once for all replicas
-        mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices, config.expert_parallel_size,
-                         config.pipeline_parallel_size)
-        loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=load_dtype(config), gguf_blocks=config.quantization == "gguf")
+        mesh = make_mesh(
+            config.tensor_parallel_size,
+            config.data_parallel_size,
+            devices,
+            config.expert_parallel_size,
+            config.pipeline_parallel_size,
+        )
+        loaded = (
+            model
+            if isinstance(model, LoadedModel)
+            else load_model(model, dtype=load_dtype(config), gguf_blocks=config.quantization == "gguf")
+        )
         engines = [LLMEngine(loaded, config, sub_mesh) for sub_mesh in replica_meshes(mesh)]
         router = cls(engines, policy)
         if isinstance(model, str):
@@ -112,15 +125,25 @@ class DataParallelEngine:
     def has_session(self, session_id: Hashable) -> bool:
         return session_id in self._sessions
 
-    def pin_history(self, session_id: Hashable, owner: str, token_ids: list[int], old: Pin | None,
-                    others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]]:
+    def pin_history(
+        self,
+        session_id: Hashable,
+        owner: str,
+        token_ids: list[int],
+        old: Pin | None,
+        others: list[Pin],
+        lora: str | None = None,
+    ) -> tuple[Pin | None, list[Pin]]:
         """Pin a session's history on the replica that holds the session (routing it there first):
         see `Leases.pin_within_budget`. A session of LoRA adapter `lora` pins the blocks its
         adapter computed (keyed as `LoraManager.cache_ids` says); when the replica has no number
         for the adapter's bytes any more (it was unloaded), nothing is pinned and `old` released."""
         replica = self.session_replica(session_id, token_ids, lora)
-        ids = token_ids if lora is None or not token_ids else (
-            None if replica.lora is None else replica.lora.cache_ids(lora, token_ids))
+        ids = (
+            token_ids
+            if lora is None or not token_ids
+            else (None if replica.lora is None else replica.lora.cache_ids(lora, token_ids))
+        )
         if ids is None:
             if old is not None and old.active and replica.kv.leases.holds_pin(old):
                 replica.kv.leases.unpin(old)
@@ -197,8 +220,9 @@ class DataParallelEngine:
 
     # ----- the engine interface -----------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    session_id: Hashable | None = None) -> list[Request]:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: Hashable | None = None
+    ) -> list[Request]:
         if self.is_active(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.encode_prompt(prompt)
@@ -248,12 +272,18 @@ class DataParallelEngine:
             engine.close()
 
 
-def make_engine(model: str | LoadedModel, config: EngineConfig,
-                devices: list | None = None) -> LLMEngine | DataParallelEngine:
+def make_engine(
+    model: str | LoadedModel, config: EngineConfig, devices: list | None = None
+) -> LLMEngine | DataParallelEngine:
     """One engine, or a router over `config.data_parallel_size` replicas, over the first of
     `devices` (default: every device of the job)."""
     if config.data_parallel_size > 1:
         return DataParallelEngine.build(model, config, devices)
-    mesh = None if devices is None else make_mesh(config.tensor_parallel_size, 1, devices,
-                                                   config.expert_parallel_size, config.pipeline_parallel_size)
+    mesh = (
+        None
+        if devices is None
+        else make_mesh(
+            config.tensor_parallel_size, 1, devices, config.expert_parallel_size, config.pipeline_parallel_size
+        )
+    )
     return LLMEngine(model, config, mesh)

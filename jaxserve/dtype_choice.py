@@ -36,8 +36,10 @@ def choose_dtype(config: EngineConfig) -> tuple[str, str]:
     backend = config.attention_backend or default_attention_backend()
     one_device = config.tensor_parallel_size == config.pipeline_parallel_size == 1
     if backend != "cpu" or not one_device or config.unroll_layers:
-        return "float32", ("bf16 is fast on CPU only on the C++ matmuls: the cpu attention backend, "
-                           "tensor_parallel_size and pipeline_parallel_size 1 and scanned layers")
+        return "float32", (
+            "bf16 is fast on CPU only on the C++ matmuls: the cpu attention backend, "
+            "tensor_parallel_size and pipeline_parallel_size 1 and scanned layers"
+        )
     if not cpu_build.available():
         return "float32", "no C++ compiler for the bf16 kernels"
     if not cpu_matmul.bf16_dot():

@@ -52,11 +52,11 @@ from checkpoints.registry import DEFAULT_MODEL, load_model
 from jaxserve import faults
 from jaxserve.config import EngineConfig
 from jaxserve.dtype_choice import load_dtype, resolve_dtype
+from jaxserve.engine_client import UnknownAdapterError, check_prompt_ids
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv import CopyStage, KVCacheManager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
-from jaxserve.engine_client import UnknownAdapterError, check_prompt_ids
 from jaxserve.lora.manager import AdapterRef, LoraManager
 from jaxserve.lora.peft import LoraWeights
 from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
@@ -99,8 +99,12 @@ class LLMEngine:
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # restored straight into this replica's shards
-            loaded = load_model(model, dtype=load_dtype(config), shardings=checkpoint_shardings(config, mesh),
-                                gguf_blocks=config.quantization == "gguf")
+            loaded = load_model(
+                model,
+                dtype=load_dtype(config),
+                shardings=checkpoint_shardings(config, mesh),
+                gguf_blocks=config.quantization == "gguf",
+            )
         self.model_config = loaded.config
         self.model_name = model if isinstance(model, str) else "custom"
         self.tokenizer = Tokenizer(loaded.tokenizer_bundle)
@@ -122,15 +126,26 @@ class LLMEngine:
             logger.warning(
                 "max_model_len %d needs %d KV blocks for one request, and the KV cache holds %d above its watermark "
                 "(--kv-cache-memory %d bytes, or --num-blocks): lowering max_model_len to %d tokens; give the KV "
-                "cache more memory to serve longer requests", ec.max_model_len, ec.max_blocks_per_seq,
-                capacity // ec.block_size, ec.kv_cache_memory, capacity)
+                "cache more memory to serve longer requests",
+                ec.max_model_len,
+                ec.max_blocks_per_seq,
+                capacity // ec.block_size,
+                ec.kv_cache_memory,
+                capacity,
+            )
             self.config = ec = dataclasses.replace(ec, max_model_len=capacity)
-        self.lora = None if not ec.enable_lora else LoraManager(
-            loaded.config, ec.max_loras, ec.max_cpu_loras, ec.max_lora_rank, self.runner.write_lora_slot)
+        self.lora = (
+            None
+            if not ec.enable_lora
+            else LoraManager(
+                loaded.config, ec.max_loras, ec.max_cpu_loras, ec.max_lora_rank, self.runner.write_lora_slot
+            )
+        )
         self.scheduler = Scheduler(ec, self.kv, self.lora)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        self.grammars = GrammarCompiler(loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size,
-                                        self.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
         self._groups: dict[str, list[Request]] = {}  # the live requests: id -> its sequences
         self._rng = random.Random(ec.seed)
         self._in_flight: StepHandle | None = None  # launched, output not read (async scheduling)
@@ -172,7 +187,8 @@ class LLMEngine:
                 pooling=PromptPooling(params.pooling) if params.pooling is not None else None,
                 adapter=adapter,
             )
-            for i in range(params.n)]
+            for i in range(params.n)
+        ]
         self._groups[request_id] = group
         for req in group:
             self.scheduler.add_request(req)
@@ -238,15 +254,25 @@ class LLMEngine:
         usage, cache = kv.usage(), kv.stats
         preempted_waiting = sum(1 for r in sched.waiting if r.status is RequestStatus.PREEMPTED)
         return EngineSnapshot(
-            running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
-            preempted=preempted_waiting + len(sched.swapped), has_unfinished=self.has_unfinished_requests(),
-            kv_requests=kv.num_live_handles, kv=usage, prefix_query_tokens=cache.query_tokens,
-            prefix_hit_tokens=cache.hit_tokens + cache.host_hit_tokens, num_preemptions=sched.num_preemptions,
-            num_compilations=self.num_compilations, num_steps=self.stats.num_steps,
-            prompt_tokens_computed=self.stats.prompt_tokens_computed, generated_tokens=self.stats.generated_tokens,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            swapped=len(sched.swapped),
+            preempted=preempted_waiting + len(sched.swapped),
+            has_unfinished=self.has_unfinished_requests(),
+            kv_requests=kv.num_live_handles,
+            kv=usage,
+            prefix_query_tokens=cache.query_tokens,
+            prefix_hit_tokens=cache.hit_tokens + cache.host_hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_compilations=self.num_compilations,
+            num_steps=self.stats.num_steps,
+            prompt_tokens_computed=self.stats.prompt_tokens_computed,
+            generated_tokens=self.stats.generated_tokens,
             replicas=(ReplicaLoad(len(sched.running), len(sched.waiting), usage.used, usage.num_blocks),),
-            tiers=TierStats.of(kv), speculative_steps=self.stats.speculative_steps,
-            draft_tokens=self.stats.draft_tokens, accepted_tokens=self.stats.accepted_tokens,
+            tiers=TierStats.of(kv),
+            speculative_steps=self.stats.speculative_steps,
+            draft_tokens=self.stats.draft_tokens,
+            accepted_tokens=self.stats.accepted_tokens,
             expert_tokens=tuple(int(n) for n in self.runner.expert_tokens),
             expert_load=tuple(int(n) for n in self.runner.last_expert_load),
             **self._lora_counts(),
@@ -258,8 +284,12 @@ class LLMEngine:
         if self.lora is None:
             return {}
         stats = self.lora.stats
-        return dict(lora_resident=self.lora.num_resident, lora_disk_loads=stats.disk_loads,
-                    lora_device_loads=stats.device_loads, lora_requests=tuple(sorted(stats.requests.items())))
+        return dict(
+            lora_resident=self.lora.num_resident,
+            lora_disk_loads=stats.disk_loads,
+            lora_device_loads=stats.device_loads,
+            lora_requests=tuple(sorted(stats.requests.items())),
+        )
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished yet. (An iteration may still be in flight when the last one ends;
@@ -292,8 +322,12 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - e.g. a failed device: keep what is on disk, stop cleanly
             logger.exception("writing the prefix cache to the KV disk tier at shutdown failed")
         self.disk_tier.close()
-        logger.info("KV disk tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) on disk",
-                    flushed, self.disk_tier.num_files, self.disk_tier.num_bytes / 1e6)
+        logger.info(
+            "KV disk tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) on disk",
+            flushed,
+            self.disk_tier.num_files,
+            self.disk_tier.num_bytes / 1e6,
+        )
 
     # ----- the loop -------------------------------------------------------------------------
 
@@ -316,8 +350,9 @@ class LLMEngine:
         read first, and when N+1 is read at once)."""
         deltas: list[Delta] = []
         masks_after_read = self.runner.mirror is None  # multi-host: masks go before the model step
-        if self._in_flight is not None and (self.scheduler.may_speculate()
-                                            or (not masks_after_read and self.scheduler.awaits_tokens())):
+        if self._in_flight is not None and (
+            self.scheduler.may_speculate() or (not masks_after_read and self.scheduler.awaits_tokens())
+        ):
             deltas += self._read(self._take_in_flight())
         sched = self.scheduler.schedule(masks_after_read=masks_after_read)
         handle = self._launch(sched, deltas)
@@ -420,8 +455,9 @@ class LLMEngine:
             self._forget_if_finished(group_id)
         return deltas
 
-    def _update_all(self, req: Request, stream: TextStream, chunk: ScheduledChunk,
-                    tokens: list[SampledToken]) -> FinishReason | None:
+    def _update_all(
+        self, req: Request, stream: TextStream, chunk: ScheduledChunk, tokens: list[SampledToken]
+    ) -> FinishReason | None:
         """Land a chunk's tokens in order: one, a verified decode's accepted drafts and the
         token after them, or a multi-step decode's tokens. Every stop rule applies to each;
         tokens after a stop are dropped. A request that goes on keeps the K/V of the tokens it

@@ -31,8 +31,18 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
 __all__ = [
-    "BlockLayout", "EngineClient", "EngineDeadError", "EngineInfo", "KVHold", "KVTransferEngine", "Pin",
-    "PromptTooLongError", "RequestFailedError", "StagedKV", "TransferError", "check_prompt_ids",
+    "BlockLayout",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineInfo",
+    "KVHold",
+    "KVTransferEngine",
+    "Pin",
+    "PromptTooLongError",
+    "RequestFailedError",
+    "StagedKV",
+    "TransferError",
+    "check_prompt_ids",
 ]
 
 
@@ -139,8 +149,14 @@ class EngineClient(Protocol):
     def health_details(self) -> dict[str, Any]:
         """What `/health` adds to its status (a router lists its workers)."""
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 session_id: str | None = None, hold_kv: bool = False) -> AsyncIterator[Delta]:
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        hold_kv: bool = False,
+    ) -> AsyncIterator[Delta]:
         """Stream the request's deltas (`params.n` sequences, each ending with a finished delta).
         Raises ValueError for a request the engine cannot serve, `EngineDeadError` when it has
         stopped, `RequestFailedError` when this request failed alone. Leaving the iteration early
@@ -156,8 +172,15 @@ class EngineClient(Protocol):
     async def snapshot(self) -> EngineSnapshot | None:
         """A consistent picture of the engine's state (for `/metrics` and leak checks)."""
 
-    async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
+    async def pin_history(
+        self,
+        session_id: str,
+        owner: str,
+        token_ids: list[int],
+        old: Pin | None,
+        others: list[Pin],
+        lora: str | None = None,
+    ) -> tuple[Pin | None, list[Pin]] | None:
         """Pin the cached blocks of a session's history (replacing `old`) within the owner's block
         budget, releasing pins of `others` (least recently used first) when it does not fit; the
         blocks computed with LoRA adapter `lora` when given (the base model's otherwise).
@@ -209,8 +232,7 @@ class KVTransferEngine(EngineClient, Protocol):
         """K and V of held blocks [first, first + count), block i on axis 2; LookupError when the
         hold was released meanwhile."""
 
-    async def write_kv(self, hold: KVHold, token_ids: Sequence[int], k: np.ndarray,
-                       v: np.ndarray) -> KVHold | None:
+    async def write_kv(self, hold: KVHold, token_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> KVHold | None:
         """Write the prompt's blocks from `hold.num_blocks` on into fresh blocks and add them to
         the prefix cache; returns the longer hold, which replaces `hold` (fewer blocks are taken
         when the pool is short: the request recomputes the rest)."""
@@ -219,8 +241,9 @@ class KVTransferEngine(EngineClient, Protocol):
         """Offer held blocks [first, first + count) to one device pull for `timeout` seconds.
         LookupError when the hold was released or this engine has no transfer server."""
 
-    async def pull_staged_kv(self, staged: StagedKV, hold: KVHold, token_ids: Sequence[int],
-                             timeout: float) -> KVHold | None:
+    async def pull_staged_kv(
+        self, staged: StagedKV, hold: KVHold, token_ids: Sequence[int], timeout: float
+    ) -> KVHold | None:
         """Pull another engine's staged blocks (the prompt's blocks from `hold.num_blocks` on)
         onto this engine's devices and write them as `write_kv` does. TransferError when the
         pull fails or does not fit."""

@@ -14,8 +14,15 @@ from jaxserve.kv import KVUsage
 from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS, load_seconds_bucket
 from jaxserve.kv.tier_stats import TierStats
 
-__all__ = ["KV_LOAD_SECONDS_BUCKETS", "EngineSnapshot", "KVTransferStats", "KVUsage", "ReplicaLoad", "TierStats",
-           "load_seconds_bucket"]
+__all__ = [
+    "KV_LOAD_SECONDS_BUCKETS",
+    "EngineSnapshot",
+    "KVTransferStats",
+    "KVUsage",
+    "ReplicaLoad",
+    "TierStats",
+    "load_seconds_bucket",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,19 +96,27 @@ class EngineSnapshot:
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         """The replicas' snapshots summed (each keeps its load in `replicas`)."""
         per_index = ("expert_tokens", "expert_load", "pipeline_stage_busy_ticks")  # per expert or stage
-        summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)
-                  if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer", "lora_requests",
-                                    *per_index)}
-        indexed = {name: tuple(sum(counts) for counts in zip(*(getattr(s, name) for s in snapshots)))
-                   for name in per_index}
+        summed = {
+            f.name: sum(getattr(s, f.name) for s in snapshots)
+            for f in dataclasses.fields(cls)
+            if f.name not in ("has_unfinished", "kv", "replicas", "tiers", "kv_transfer", "lora_requests", *per_index)
+        }
+        indexed = {
+            name: tuple(sum(counts) for counts in zip(*(getattr(s, name) for s in snapshots))) for name in per_index
+        }
         lora_requests: dict[str, int] = {}
         for s in snapshots:
             for name, count in s.lora_requests:
                 lora_requests[name] = lora_requests.get(name, 0) + count
-        return cls(**summed, **indexed, lora_requests=tuple(sorted(lora_requests.items())),
-                   has_unfinished=any(s.has_unfinished for s in snapshots),
-                   kv=KVUsage.total([s.kv for s in snapshots]), replicas=tuple(r for s in snapshots for r in s.replicas),
-                   tiers=TierStats.total([s.tiers for s in snapshots]))
+        return cls(
+            **summed,
+            **indexed,
+            lora_requests=tuple(sorted(lora_requests.items())),
+            has_unfinished=any(s.has_unfinished for s in snapshots),
+            kv=KVUsage.total([s.kv for s in snapshots]),
+            replicas=tuple(r for s in snapshots for r in s.replicas),
+            tiers=TierStats.total([s.tiers for s in snapshots]),
+        )
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -112,5 +127,3 @@ class EngineSnapshot:
         """Idle stage-ticks / all stage-ticks of the pipeline's schedules (0 before any)."""
         total = self.pipeline_ticks * len(self.pipeline_stage_busy_ticks)
         return (total - sum(self.pipeline_stage_busy_ticks)) / total if total else 0.0
-
-

@@ -33,8 +33,13 @@ def _parse_line(raw: str, defaults: dict[str, Any]) -> tuple[str | list[int], Sa
     params = SamplingParams(**{**defaults, **{k: v for k, v in obj.items() if k in _PARAM_FIELDS}})
     if "messages" in obj:
         messages = obj["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
         ):
             raise ValueError("'messages' must be a non-empty list of {role, content} strings")
         return messages, params

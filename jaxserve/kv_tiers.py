@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def kv_fingerprint(runner: ModelRunner, model_name: str, model_layers: bool = False) -> bytes:
     """Everything that changes the bytes of a KV block: as this runner's cache holds them (the disk
     tier's files), or with `model_layers` as the KV handoff moves them, one row per model layer
@@ -24,14 +25,21 @@ def kv_fingerprint(runner: ModelRunner, model_name: str, model_layers: bool = Fa
     config, ec = runner.config, runner.engine_config
     if model_layers and runner.stages is not None:
         config = model_layers_config(config, runner.stages)
-    return fingerprint({
-        "model": model_name, "weights": runner.weights_digest, "dtype": str(runner.dtype),
-        "quantization": ec.quantization, "kv_cache_dtype": kv_quant.format_name(runner.kv_dtype),
-        "block_size": ec.block_size, "tensor_parallel_size": ec.tensor_parallel_size,
-        # layers, kv heads as served (repeated under tensor parallelism), head dim, RoPE, ...
-        "config": repr(config),
-        "attention_backend": runner.attention_backend, "platform": jax.default_backend(),
-    })
+    return fingerprint(
+        {
+            "model": model_name,
+            "weights": runner.weights_digest,
+            "dtype": str(runner.dtype),
+            "quantization": ec.quantization,
+            "kv_cache_dtype": kv_quant.format_name(runner.kv_dtype),
+            "block_size": ec.block_size,
+            "tensor_parallel_size": ec.tensor_parallel_size,
+            # layers, kv heads as served (repeated under tensor parallelism), head dim, RoPE, ...
+            "config": repr(config),
+            "attention_backend": runner.attention_backend,
+            "platform": jax.default_backend(),
+        }
+    )
 
 
 def build_disk_tier(runner: ModelRunner, model_name: str) -> DiskTier | None:
@@ -41,9 +49,20 @@ def build_disk_tier(runner: ModelRunner, model_name: str) -> DiskTier | None:
     if jax.process_count() > 1:
         raise ValueError("the disk tier (--kv-disk-dir) runs in one process only, not across hosts")
     host = HostBlockArrays([runner.blocks.host_k, runner.blocks.host_v])
-    tier = DiskTier(ec.kv_disk_dir, kv_fingerprint(runner, model_name), ec.block_size, host, ec.kv_disk_bytes,
-                    ec.kv_disk_max_inflight_bytes)
+    tier = DiskTier(
+        ec.kv_disk_dir,
+        kv_fingerprint(runner, model_name),
+        ec.block_size,
+        host,
+        ec.kv_disk_bytes,
+        ec.kv_disk_max_inflight_bytes,
+    )
     runner.blocks.disk_sink = tier.write
-    logger.info("KV disk tier in %s: %d blocks (%.1f MB) found, budget %.1f GB", tier.root, tier.num_files,
-                tier.num_bytes / 1e6, ec.kv_disk_bytes / 1e9)
+    logger.info(
+        "KV disk tier in %s: %d blocks (%.1f MB) found, budget %.1f GB",
+        tier.root,
+        tier.num_files,
+        tier.num_bytes / 1e6,
+        ec.kv_disk_bytes / 1e9,
+    )
     return tier

@@ -71,9 +71,11 @@ def _check_held(hold: Hold, first: int, count: int) -> None:
 def read_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """K and V of held blocks [first, first + count), block i on axis 2."""
     _check_held(hold, first, count)
-    runner, blocks = engine.runner, hold.blocks[first:first + count]
-    parts = [runner.blocks.read(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK])
-             for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)]
+    runner, blocks = engine.runner, hold.blocks[first : first + count]
+    parts = [
+        runner.blocks.read(runner.cache, blocks[i : i + BLOCK_MOVE_CHUNK])
+        for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)
+    ]
     k, v = (np.concatenate([part[j] for part in parts], axis=2) for j in (0, 1))
     if runner.stages is not None and runner.stages.is_uneven:  # the model's layers, in order
         real = np.flatnonzero(runner.stages.padded_index >= 0)
@@ -92,6 +94,7 @@ def write_blocks(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], k: np.
     def write(cache, blocks: list[int], first: int):
         part = slice(first, first + len(blocks))
         return engine.runner.blocks.write(cache, blocks, k[:, :, part], v[:, :, part])
+
     return _write_imported(engine, hold, token_ids, k.shape[2], write)
 
 
@@ -100,18 +103,24 @@ def stage_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> list[
     holds BLOCK_MOVE_CHUNK blocks from first + i * BLOCK_MOVE_CHUNK on (the last one padded)."""
     _check_held(hold, first, count)
     check_device_layout(engine)
-    runner, blocks = engine.runner, hold.blocks[first:first + count]
-    return [x for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)
-            for x in runner.blocks.gather(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK])]
+    runner, blocks = engine.runner, hold.blocks[first : first + count]
+    return [
+        x
+        for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)
+        for x in runner.blocks.gather(runner.cache, blocks[i : i + BLOCK_MOVE_CHUNK])
+    ]
 
 
-def write_staged_blocks(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], arrays: list[jax.Array],
-                        num_blocks: int) -> Hold:
+def write_staged_blocks(
+    engine: LLMEngine, hold: Hold, token_ids: Sequence[int], arrays: list[jax.Array], num_blocks: int
+) -> Hold:
     """`write_blocks` for `stage_blocks`' arrays, pulled onto this engine's devices."""
     check_device_layout(engine)
+
     def write(cache, blocks: list[int], first: int):
         chunk = 2 * (first // BLOCK_MOVE_CHUNK)
         return engine.runner.blocks.scatter(cache, blocks, arrays[chunk], arrays[chunk + 1])
+
     return _write_imported(engine, hold, token_ids, num_blocks, write)
 
 
@@ -119,19 +128,21 @@ def check_device_layout(engine: LLMEngine) -> None:
     """Staged arrays carry the cache's own layer slots: engines with uneven pipeline stages
     (identity slots among them) hand blocks over as bytes only."""
     if engine.runner.stages is not None and engine.runner.stages.is_uneven:
-        raise ValueError(f"uneven pipeline stages ({engine.runner.stages.describe()}) move KV as bytes, "
-                         "not device to device")
+        raise ValueError(
+            f"uneven pipeline stages ({engine.runner.stages.describe()}) move KV as bytes, not device to device"
+        )
 
 
-def _write_imported(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], num_blocks: int,
-                    write: Callable[..., object]) -> Hold:
+def _write_imported(
+    engine: LLMEngine, hold: Hold, token_ids: Sequence[int], num_blocks: int, write: Callable[..., object]
+) -> Hold:
     """Allocate up to `num_blocks` fresh blocks, fill them chunk by chunk (`write(cache, blocks,
     first)` for the blocks from `first` on) and add them to the prefix cache after `hold`."""
     kv, runner = engine.kv, engine.runner
     blocks = kv.allocate_import(num_blocks)
     runner.move_blocks(kv.take_copies())  # evictions for them plan copies that read the old contents
     for i in range(0, len(blocks), BLOCK_MOVE_CHUNK):
-        runner.cache = write(runner.cache, blocks[i:i + BLOCK_MOVE_CHUNK], i)
+        runner.cache = write(runner.cache, blocks[i : i + BLOCK_MOVE_CHUNK], i)
     return kv.leases.adopt_import(hold, token_ids, blocks)
 
 

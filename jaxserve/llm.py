@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -59,17 +60,19 @@ class LLM:
             results[index] = output
         return results
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "last",
-              use_tqdm: bool = True) -> list[np.ndarray]:
+    def embed(
+        self, prompts: PromptType | Sequence[PromptType], pooling: str = "last", use_tqdm: bool = True
+    ) -> list[np.ndarray]:
         """Each prompt's pooled final hidden states (`SamplingParams.pooling`: "last" or "mean"),
         float32 and not normalized, in input order; nothing is generated."""
         outputs = self.generate(prompts, SamplingParams.for_pooling(pooling), use_tqdm)
         return [out.embedding for out in outputs]
 
     @staticmethod
-    def _normalize(prompts: PromptType | Sequence[PromptType],
-                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                   ) -> tuple[list[PromptType], list[SamplingParams]]:
+    def _normalize(
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> tuple[list[PromptType], list[SamplingParams]]:
         """Prompts as a list, and one SamplingParams per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -91,8 +94,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         # Ids, not text: the template writes its own special tokens (a BOS is not added again).
-        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt))
-                   for c in conversations]
+        prompts = [
+            tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate_as_completed(
@@ -106,8 +110,9 @@ class LLM:
         prompts, params_list = self._normalize(prompts, sampling_params)
         return self._finished([_as_prompt(p) for p in prompts], params_list, use_tqdm)
 
-    def _finished(self, prompts: list[str | list[int]], params_list: list[SamplingParams],
-                  use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+    def _finished(
+        self, prompts: list[str | list[int]], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> Iterator[tuple[int, RequestOutput]]:
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
         index_of: dict[str, int] = {}
@@ -119,8 +124,10 @@ class LLM:
                 request_id=rid,
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=group[0].prompt_token_ids,
-                outputs=[CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
-                         for i in range(params.n)],
+                outputs=[
+                    CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
+                    for i in range(params.n)
+                ],
                 finished=False,
             )
         bar = tqdm(total=len(index_of), desc="generating", disable=not use_tqdm, unit="req")

@@ -30,8 +30,13 @@ class RoutingPolicy:
     adapter_slots: int = 1
 
 
-def choose_replica(matches: Sequence[int], loads: Sequence[int], prompt_len: int, policy: RoutingPolicy,
-                   resident: Sequence[bool] | None = None) -> int:
+def choose_replica(
+    matches: Sequence[int],
+    loads: Sequence[int],
+    prompt_len: int,
+    policy: RoutingPolicy,
+    resident: Sequence[bool] | None = None,
+) -> int:
     """Index of the replica for a prompt of `prompt_len` tokens, given each replica's cached
     prefix length (`matches`) and load. Ties go to the less loaded, then the lower index.
 

@@ -146,9 +146,7 @@ def sampling_logits(penalized: jax.Array, t: SamplingTensors) -> jax.Array:
 
 
 def _any_penalty(t: SamplingTensors) -> jax.Array:
-    return jnp.any(
-        (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0) | (t.repetition_penalty != 1.0)
-    )
+    return jnp.any((t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0) | (t.repetition_penalty != 1.0))
 
 
 def _argmax(x: jax.Array) -> jax.Array:
@@ -198,9 +196,7 @@ def _top_k_threshold(x: jax.Array, k: jax.Array) -> jax.Array:
     return lax.cond(jnp.all(k <= fast_k), by_top_k, by_bisection, x, k)
 
 
-def _top_p_threshold(
-    x: jax.Array, row_max: jax.Array, k_threshold: jax.Array, top_p: jax.Array
-) -> jax.Array:
+def _top_p_threshold(x: jax.Array, row_max: jax.Array, k_threshold: jax.Array, top_p: jax.Array) -> jax.Array:
     """Smallest-set threshold: the smallest x whose probability (within top-k) is among the
     largest ones that together reach top_p.
 

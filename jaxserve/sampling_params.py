@@ -122,11 +122,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def _check_ints(self) -> None:
         for name in ("n", "max_tokens", "min_tokens", "top_k", "priority"):
@@ -189,10 +185,16 @@ class SamplingParams:
             return
         if self.pooling not in POOLING_KINDS:
             raise ValueError(f"pooling must be one of {list(POOLING_KINDS)}, got {self.pooling!r}")
-        if (self.n, self.max_tokens) != (1, 1) or self.guided is not None or self.logprobs is not None \
-                or self.prompt_logprobs is not None:
-            raise ValueError("a pooling request generates nothing: n and max_tokens must be 1, and it takes no "
-                             "guided, logprobs or prompt_logprobs")
+        if (
+            (self.n, self.max_tokens) != (1, 1)
+            or self.guided is not None
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+        ):
+            raise ValueError(
+                "a pooling request generates nothing: n and max_tokens must be 1, and it takes no "
+                "guided, logprobs or prompt_logprobs"
+            )
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids this request names (stop tokens, biased tokens) exist in a vocabulary of
@@ -215,8 +217,10 @@ class SamplingParams:
         if len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         if max(map(len, stop), default=0) > MAX_STOP_STRING_CHARS or sum(map(len, stop)) > MAX_STOP_TOTAL_CHARS:
-            raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters each and "
-                             f"{MAX_STOP_TOTAL_CHARS} together")
+            raise ValueError(
+                f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters each and "
+                f"{MAX_STOP_TOTAL_CHARS} together"
+            )
         if not all(map(encodes_as_utf8, stop)):
             raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         return list(stop)

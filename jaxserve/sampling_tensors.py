@@ -52,8 +52,9 @@ class PenaltyCounts:
         return self.output.shape[0] - 1
 
 
-def penalty_history(prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
-                    history_len: int) -> tuple[np.ndarray, np.ndarray]:
+def penalty_history(
+    prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams, history_len: int
+) -> tuple[np.ndarray, np.ndarray]:
     """One request's history for `set_penalty_rows`: token ids (-1 = empty) and whether each is
     generated. Prompt tokens only matter to the repetition penalty."""
     prompt = prompt_ids if params.repetition_penalty != 1.0 else ()
@@ -63,13 +64,14 @@ def penalty_history(prompt_ids: Sequence[int], output_ids: Sequence[int], params
     history = np.full(history_len, -1, np.int32)
     is_output = np.zeros(history_len, np.bool_)
     history[:n_prompt] = prompt
-    history[n_prompt: n_prompt + n_output] = output_ids
-    is_output[n_prompt: n_prompt + n_output] = True
+    history[n_prompt : n_prompt + n_output] = output_ids
+    is_output[n_prompt : n_prompt + n_output] = True
     return history, is_output
 
 
-def set_penalty_rows(counts: PenaltyCounts, slots: jax.Array, history: jax.Array,
-                     is_output: jax.Array) -> PenaltyCounts:
+def set_penalty_rows(
+    counts: PenaltyCounts, slots: jax.Array, history: jax.Array, is_output: jax.Array
+) -> PenaltyCounts:
     """Set rows `slots` [R] (-1 = none) from histories [R, L] (token ids, -1 = empty) whose
     `is_output` [R, L] marks the generated tokens."""
     vocab = counts.output.shape[1]
@@ -79,8 +81,9 @@ def set_penalty_rows(counts: PenaltyCounts, slots: jax.Array, history: jax.Array
     prompt_ids = jnp.where(is_output, vocab, ids)
     prompt = jnp.zeros((history.shape[0], vocab), jnp.bool_).at[rows, prompt_ids].set(True, mode="drop")
     target = jnp.where(slots < 0, counts.output.shape[0], slots)  # dropped too
-    return PenaltyCounts(counts.output.at[target].set(output, mode="drop"),
-                         counts.prompt.at[target].set(prompt, mode="drop"))
+    return PenaltyCounts(
+        counts.output.at[target].set(output, mode="drop"), counts.prompt.at[target].set(prompt, mode="drop")
+    )
 
 
 class _Setting:
@@ -98,7 +101,7 @@ class _Setting:
     def __get__(self, t: SamplingTensors | None, owner: type) -> jax.Array | _Setting:
         if t is None:
             return self
-        words = t.settings[:, self.start:self.start + self.words]
+        words = t.settings[:, self.start : self.start + self.words]
         if isinstance(words, np.ndarray):
             values = words.view(self.dtype)
         else:
@@ -141,7 +144,11 @@ class SamplingTensors:
 
     @classmethod
     def build(
-        cls, rows: Sequence[RowSampling | None], batch_size: int, spare_slot: int, mask_words: int = 0,
+        cls,
+        rows: Sequence[RowSampling | None],
+        batch_size: int,
+        spare_slot: int,
+        mask_words: int = 0,
     ) -> SamplingTensors:
         """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays. Rows without
         penalties read PenaltyCounts row `spare_slot`; the token mask has `mask_words` =
@@ -169,8 +176,17 @@ class SamplingTensors:
         if live:
             # One float64 table for the per-row scalars (all exact in float64), then columns.
             table = np.array([_row_scalars(rows[i]) for i in live], np.float64)
-            columns = (t.temperature, t.top_p, t.min_p, t.presence_penalty, t.frequency_penalty,
-                       t.repetition_penalty, t.top_k, t.positions, t.num_logprobs)
+            columns = (
+                t.temperature,
+                t.top_p,
+                t.min_p,
+                t.presence_penalty,
+                t.frequency_penalty,
+                t.repetition_penalty,
+                t.top_k,
+                t.positions,
+                t.num_logprobs,
+            )
             for column, values in zip(columns, table.T):
                 column[live] = values
             seeds = [rows[i].seed % (1 << 64) for i in live]
@@ -197,5 +213,14 @@ def _row_scalars(row: RowSampling) -> tuple[float, ...]:
     """The row's values in the column order of SamplingTensors.build."""
     p = row.params
     logprobs = -1 if p.logprobs is None else p.logprobs
-    return (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-            p.repetition_penalty, p.top_k, row.position, logprobs)
+    return (
+        p.temperature,
+        p.top_p,
+        p.min_p,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+        p.top_k,
+        row.position,
+        logprobs,
+    )

@@ -21,8 +21,9 @@ from sharding import multihost
 from sharding.process_layout import ProcessLayout
 
 
-def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None = None,
-                 lora_modules: dict[str, str] | None = None) -> AsyncEngine | None:
+def start_engine(
+    model: str, config: EngineConfig, kv_transfer_host: str | None = None, lora_modules: dict[str, str] | None = None
+) -> AsyncEngine | None:
     """The started engine of this process, warmed up.
 
     A dead engine loop (a device step failed) stops the process like SIGTERM, so a serving
@@ -66,8 +67,11 @@ def start_engine(model: str, config: EngineConfig, kv_transfer_host: str | None 
         runner = async_engine.engine.lone_replica.runner
         if not channel.is_leader:
             count = multihost.follow(runner, channel)
-            print(f"process {jax.process_index()}: replayed {count} device operations; "
-                  f"process {layout.members(group)[0]} stopped", flush=True)
+            print(
+                f"process {jax.process_index()}: replayed {count} device operations; "
+                f"process {layout.members(group)[0]} stopped",
+                flush=True,
+            )
             return None
         leader = multihost.Leader(runner, channel)
         async_engine.on_idle = leader.keep_alive

@@ -29,8 +29,9 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 
 class TextStream:
-    def __init__(self, group_id: str, index: int, params: SamplingParams, prompt_ids: Sequence[int],
-                 tokenizer: Tokenizer):
+    def __init__(
+        self, group_id: str, index: int, params: SamplingParams, prompt_ids: Sequence[int], tokenizer: Tokenizer
+    ):
         self.group_id = group_id  # the id the caller used; the sequence is its choice `index`
         self.index = index
         self.params = params
@@ -67,9 +68,13 @@ class TextStream:
         self.cut_at_stop_string = True
         return True
 
-    def take_delta(self, finish_reason: FinishReason | None, usage: Usage | None,
-                   error: BaseException | None = None,
-                   prompt_logprobs: list[TokenLogprob | None] | None = None) -> Delta | None:
+    def take_delta(
+        self,
+        finish_reason: FinishReason | None,
+        usage: Usage | None,
+        error: BaseException | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> Delta | None:
         """The output since the last delta, or None when there is nothing to report yet.
         `prompt_logprobs`: the prompt's scores so far; sent once, with the first delta after all
         of them are in."""
@@ -79,7 +84,7 @@ class TextStream:
             end = len(self.text)
         else:
             end = len(self.text) - _stop_holdback(self.text, self.stops)
-        text = self.text[self.emitted:end]
+        text = self.text[self.emitted : end]
         if not text and not self.new_token_ids and finish_reason is None:
             return None
         self.emitted = max(self.emitted, end)

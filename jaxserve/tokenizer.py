@@ -7,13 +7,13 @@ that serving token ids needs no jinja2).
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import tokenizers
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
-
 
 # Decoders that render each token the same whatever comes before it, except where bytes join
 # into a character (byte fallback, byte-level BPE: such tokens alone show U+FFFD) and for a
@@ -44,7 +44,7 @@ class TokenTexts:
         self._alone: dict[int, str] = {}
         self._after: dict[int, str | None] = {}
         probes = [tokenizer.encode(text, add_special_tokens=False).ids for text in ("a", "Z")]
-        self._probes = ([p[0] for p in probes] if _decoder_is_context_free(tokenizer) and all(probes) else [])
+        self._probes = [p[0] for p in probes] if _decoder_is_context_free(tokenizer) and all(probes) else []
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -61,7 +61,7 @@ class TokenTexts:
         added = set()
         for probe in self._probes:
             before, after = self.alone(probe), self.decode([probe, token_id])
-            added.add(after[len(before):] if after.startswith(before) else None)
+            added.add(after[len(before) :] if after.startswith(before) else None)
         text = added.pop() if len(added) == 1 else None
         self._after[token_id] = text = text if text and "\ufffd" not in text else None
         return text
@@ -88,7 +88,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, texts: TokenTexts, context: Sequence[int] = ()) -> None:
         self._texts = texts
-        self._ids = [int(i) for i in context[-self.CONTEXT_TOKENS:]] if context else []
+        self._ids = [int(i) for i in context[-self.CONTEXT_TOKENS :]] if context else []
         text = texts.decode(self._ids)
         if text.endswith("\ufffd"):
             self._ids, text = [], ""  # a prompt ending inside a character would shift every delta
@@ -101,14 +101,14 @@ class IncrementalDetokenizer:
 
     def _pending(self) -> str:
         """What the window's tokens after `_read` add to its text."""
-        shown = self._decode(self._ids[self._prefix:self._read])
-        text = self._decode(self._ids[self._prefix:])
+        shown = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
         if text.startswith(shown):
-            return text[len(shown):]
+            return text[len(shown) :]
         # The decoder re-rendered text already shown: tokenizers' byte fallback turns a whole run
         # of byte tokens into U+FFFD once one byte cannot continue it. Decode the new tokens alone,
         # so only the bad bytes show as U+FFFD (as sentencepiece does).
-        return self._decode(self._ids[self._read:])
+        return self._decode(self._ids[self._read :])
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Feed one or more new ids; return the newly completed text (possibly empty)."""

@@ -14,8 +14,19 @@ machine) and, under a mesh, wraps it with `shard_attention`.
 
 from __future__ import annotations
 
-from kernels_pallas import (common, cpu_attention, cpu_build, cpu_matmul, decode, decode_mosaic, gpu_select, kv_quant,
-                            paged_jax, prefill, reference)
+from kernels_pallas import (
+    common,
+    cpu_attention,
+    cpu_build,
+    cpu_matmul,
+    decode,
+    decode_mosaic,
+    gpu_select,
+    kv_quant,
+    paged_jax,
+    prefill,
+    reference,
+)
 from kernels_pallas.backends import (
     BACKENDS,
     AttentionBackend,

@@ -17,7 +17,7 @@ interpreter needs jax >= 0.11.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -136,7 +136,7 @@ class SoftmaxState(NamedTuple):
     acc: jax.Array  # [M, D] f32
 
     @classmethod
-    def empty(cls, rows: int, head_dim: int) -> "SoftmaxState":
+    def empty(cls, rows: int, head_dim: int) -> SoftmaxState:
         return cls(
             jnp.full((rows,), MASKED, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
@@ -161,8 +161,11 @@ def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     return lax.dot_general(
-        a, b, (((1,), (contract_b,)), ((), ())),
-        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+        a,
+        b,
+        (((1,), (contract_b,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
     )
 
 
@@ -198,8 +201,9 @@ def load_pages(cache_ref: Any, layer: jax.Array, head: jax.Array, pages: jax.Arr
         p, bs, d = block.shape
         return block.reshape(p * bs, d)
     values = cache_ref[layer, head, pages, :, pl.ds(0, head_dim)]  # [P, BS, D]
-    scale = kv_quant.scale_from_bytes(*(cache_ref[layer, head, pages, :, head_dim + i]
-                                        for i in range(kv_quant.SCALE_ELEMENTS)))  # [P, BS]
+    scale = kv_quant.scale_from_bytes(
+        *(cache_ref[layer, head, pages, :, head_dim + i] for i in range(kv_quant.SCALE_ELEMENTS))
+    )  # [P, BS]
     block = kv_quant.values_to_f32(values) * scale[..., None]
     p, bs, d = block.shape
     return block.reshape(p * bs, d)

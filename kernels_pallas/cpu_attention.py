@@ -36,18 +36,37 @@ def register() -> None:
     cpu_build.register(SOURCE, {DECODE_TARGET: "JaxservePagedDecode", PREFILL_TARGET: "JaxservePagedPrefill"})
 
 
-def _call(target: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
-          int_args: tuple[jax.Array, ...], scale: float, soft_cap: float | None,
-          sliding_window: int | None, **attributes: np.int32) -> jax.Array:
+def _call(
+    target: str,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    int_args: tuple[jax.Array, ...],
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    **attributes: np.int32,
+) -> jax.Array:
     """One kernel call: f32 q and out (q cast back to its dtype), the caches as stored, `int_args` as int32."""
     if q.shape[-1] % 16 or q.shape[-1] > 256:
-        raise ValueError(f"the cpu attention kernels need a head_dim that is a multiple of 16, at most 256, "
-                         f"not {q.shape[-1]} (use --attention-backend jax)")
+        raise ValueError(
+            f"the cpu attention kernels need a head_dim that is a multiple of 16, at most 256, "
+            f"not {q.shape[-1]} (use --attention-backend jax)"
+        )
     register()
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
-               *(a.astype(jnp.int32) for a in int_args), scale=np.float32(scale),
-               soft_cap=np.float32(soft_cap or 0.0), window=np.int32(sliding_window or 0), **attributes)
+    out = call(
+        q.astype(jnp.float32),
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        *(a.astype(jnp.int32) for a in int_args),
+        scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap or 0.0),
+        window=np.int32(sliding_window or 0),
+        **attributes,
+    )
     return out.astype(q.dtype)
 
 
@@ -67,8 +86,18 @@ def decode_attention(
     (the contract of `reference.decode_attention`). bf16 queries on a bf16 cache (a bf16 model's)
     take their products in bf16 pairs where the CPU has AVX512-BF16, as prefill's; any other q is
     computed in f32."""
-    return _call(DECODE_TARGET, q, k_cache, v_cache, layer, (block_tables, lengths), scale, soft_cap, sliding_window,
-                 bf16_products=np.int32(q.dtype == jnp.bfloat16))
+    return _call(
+        DECODE_TARGET,
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        (block_tables, lengths),
+        scale,
+        soft_cap,
+        sliding_window,
+        bf16_products=np.int32(q.dtype == jnp.bfloat16),
+    )
 
 
 def prefill_attention(
@@ -88,5 +117,15 @@ def prefill_attention(
     history (the contract of `reference.prefill_attention`); zeros at rows past the last chunk.
     bf16 queries (bf16 activations) take their products in bf16 pairs where the CPU has AVX512-BF16
     (the softmax weights rounded to bf16; `cpu_attention.cc`)."""
-    return _call(PREFILL_TARGET, q, k_cache, v_cache, layer, (block_tables, seq_lens, query_start), scale, soft_cap,
-                 sliding_window, bf16_products=np.int32(q.dtype == jnp.bfloat16))
+    return _call(
+        PREFILL_TARGET,
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        (block_tables, seq_lens, query_start),
+        scale,
+        soft_cap,
+        sliding_window,
+        bf16_products=np.int32(q.dtype == jnp.bfloat16),
+    )

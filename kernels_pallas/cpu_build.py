@@ -25,8 +25,19 @@ import jax
 import jaxlib
 
 # Vectorized float sums need reassociation; nothing here relies on signed zeros or traps.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno",
-         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-ffp-contract=fast",
+)
 
 
 def compiler() -> str | None:
@@ -47,16 +58,24 @@ def flags() -> tuple[str, ...]:
 def _target_macros(cxx: str, build_flags: tuple[str, ...]) -> bytes:
     """The compiler's predefined macros under `build_flags` (`-march=native`: __AVX512F__,
     __AVX512BF16__, ... for this CPU), so a library built for another CPU is not loaded here."""
-    done = subprocess.run([cxx, *(f for f in build_flags if f.startswith(("-m", "-f"))), "-dM", "-E", "-x", "c++",
-                           os.devnull], capture_output=True)
+    done = subprocess.run(
+        [cxx, *(f for f in build_flags if f.startswith(("-m", "-f"))), "-dM", "-E", "-x", "c++", os.devnull],
+        capture_output=True,
+    )
     return done.stdout if done.returncode == 0 else b""
 
 
 def _library_path(source: Path, cxx: str, build_flags: tuple[str, ...]) -> Path:
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what a source may include
-    for part in (source.read_bytes(), *headers, " ".join(build_flags).encode(), cxx.encode(),
-                 _target_macros(cxx, build_flags), jaxlib.__version__.encode()):
+    for part in (
+        source.read_bytes(),
+        *headers,
+        " ".join(build_flags).encode(),
+        cxx.encode(),
+        _target_macros(cxx, build_flags),
+        jaxlib.__version__.encode(),
+    ):
         digest.update(part)
     cache = Path(os.environ.get("JAXSERVE_CACHE", "~/.cache/jaxserve")).expanduser() / "cpu_kernels"
     return cache / f"{source.stem}-{digest.hexdigest()[:16]}.so"
@@ -67,8 +86,9 @@ def load(source: Path) -> ctypes.CDLL:
     """The library built from `source`, built first if this machine has no copy yet (once a process)."""
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError(f"the cpu kernels ({source.name}) are C++: no C++ compiler found "
-                           "(set $CXX, or use --attention-backend jax)")
+        raise RuntimeError(
+            f"the cpu kernels ({source.name}) are C++: no C++ compiler found (set $CXX, or use --attention-backend jax)"
+        )
     build_flags = flags()
     path = _library_path(source, cxx, build_flags)
     if not path.exists():

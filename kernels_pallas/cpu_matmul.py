@@ -38,8 +38,12 @@ from kernels_pallas import cpu_build
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 LAYER, HEAD = "jaxserve_layer_matmul", "jaxserve_head_matmul"
 LAYER_BF16, HEAD_BF16 = "jaxserve_layer_matmul_bf16", "jaxserve_head_matmul_bf16"
-TARGETS = {LAYER: "JaxserveLayerMatmul", HEAD: "JaxserveHeadMatmul",
-           LAYER_BF16: "JaxserveLayerMatmulBf16", HEAD_BF16: "JaxserveHeadMatmulBf16"}
+TARGETS = {
+    LAYER: "JaxserveLayerMatmul",
+    HEAD: "JaxserveHeadMatmul",
+    LAYER_BF16: "JaxserveLayerMatmulBf16",
+    HEAD_BF16: "JaxserveHeadMatmulBf16",
+}
 HEAD_K_MULTIPLE = 16  # the head kernel's K is a multiple of its vectors' width (8 or 16 floats)
 HEAD_K_MULTIPLE_BF16 = 32  # bf16: of its vectors' width in pairs
 HEAD_MAX_ROWS = 4  # the head kernel's calls: a single stream's decode (1.4x XLA's dot); ~1x at 8 rows
@@ -100,8 +104,9 @@ class CpuMatmul:
             raise ValueError(f"the cpu layer matmul takes f32 or bf16 weights, not {w.dtype}")
         want = self.stored_shape(w.shape[0], x.shape[1], w.shape[1] * self.panel, w.dtype)
         if x.ndim != 2 or w.shape != want:
-            raise ValueError(f"the cpu layer matmul takes x [M, K] and its panels of {w.dtype} {want}, "
-                             f"not {x.shape} and {w.shape}")
+            raise ValueError(
+                f"the cpu layer matmul takes x [M, K] and its panels of {w.dtype} {want}, not {x.shape} and {w.shape}"
+            )
         cpu_build.register(SOURCE, TARGETS)
         target = LAYER_BF16 if w.dtype == jnp.bfloat16 else LAYER
         if w.dtype == jnp.float32 or x.dtype != jnp.bfloat16:
@@ -116,8 +121,11 @@ class CpuMatmul:
         with at most HEAD_MAX_ROWS_BF16 rows and K a multiple of HEAD_K_MULTIPLE_BF16."""
         if embedding.dtype == jnp.float32:
             return x.shape[0] <= HEAD_MAX_ROWS and x.shape[1] % HEAD_K_MULTIPLE == 0
-        return (embedding.dtype == jnp.bfloat16 and x.shape[0] <= HEAD_MAX_ROWS_BF16
-                and x.shape[1] % HEAD_K_MULTIPLE_BF16 == 0)
+        return (
+            embedding.dtype == jnp.bfloat16
+            and x.shape[0] <= HEAD_MAX_ROWS_BF16
+            and x.shape[1] % HEAD_K_MULTIPLE_BF16 == 0
+        )
 
     def head(self, x: jax.Array, embedding: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """Logits of the output head tied to an f32 or bf16 `embedding` [V, K]: x [M, K] @
@@ -125,14 +133,16 @@ class CpuMatmul:
         `live` (an int32 scalar, default M): only the first `live` rows are computed, the others
         are zeros (a step's padding rows)."""
         if not self.takes_head(x, embedding):
-            raise ValueError(f"the cpu head matmul does not take x {x.shape} and an embedding "
-                             f"{embedding.shape} of {embedding.dtype}")
+            raise ValueError(
+                f"the cpu head matmul does not take x {x.shape} and an embedding {embedding.shape} of {embedding.dtype}"
+            )
         cpu_build.register(SOURCE, TARGETS)
         bf16 = embedding.dtype == jnp.bfloat16
         if not (bf16 and x.dtype == jnp.bfloat16):
             x = x.astype(jnp.float32)
-        call = jax.ffi.ffi_call(HEAD_BF16 if bf16 else HEAD,
-                                jax.ShapeDtypeStruct((x.shape[0], embedding.shape[0]), jnp.float32))
+        call = jax.ffi.ffi_call(
+            HEAD_BF16 if bf16 else HEAD, jax.ShapeDtypeStruct((x.shape[0], embedding.shape[0]), jnp.float32)
+        )
         live = x.shape[0] if live is None else live
         return call(x, embedding, jnp.asarray(live, jnp.int32).reshape(()))
 

@@ -71,8 +71,16 @@ class DecodeConfig:
 
 
 def _decode_kernel(
-    layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs,
-    cfg: DecodeConfig, block_size: int, pages_per_split: int,
+    layer_ref,
+    lengths_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *out_refs,
+    cfg: DecodeConfig,
+    block_size: int,
+    pages_per_split: int,
 ):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
@@ -138,9 +146,7 @@ def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: DecodeConfig
             jax.ShapeDtypeStruct(parts, jnp.float32),
             jax.ShapeDtypeStruct(parts, jnp.float32),
         )
-    kernel = common.fresh_kernel(
-        _decode_kernel, cfg=cfg, block_size=block_size, pages_per_split=pages_per_split
-    )
+    kernel = common.fresh_kernel(_decode_kernel, cfg=cfg, block_size=block_size, pages_per_split=pages_per_split)
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,

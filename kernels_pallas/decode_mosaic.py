@@ -110,12 +110,24 @@ def _smem_transforms(head_dim: int, tokens: int, dtype) -> tuple:
 def smem_bytes(head_dim: int, tokens: int, num_stages: int, itemsize: int, num_splits: int) -> int:
     """SMEM one CTA allocates: Q, the K and V rings, P, the output tile, and m / l."""
     out_itemsize = 4 if num_splits > 1 else itemsize
-    return (MMA_ROWS * head_dim * itemsize + 2 * num_stages * tokens * head_dim * itemsize
-            + MMA_ROWS * tokens * itemsize + MMA_ROWS * head_dim * out_itemsize + 2 * MMA_ROWS * 4)
+    return (
+        MMA_ROWS * head_dim * itemsize
+        + 2 * num_stages * tokens * head_dim * itemsize
+        + MMA_ROWS * tokens * itemsize
+        + MMA_ROWS * head_dim * out_itemsize
+        + 2 * MMA_ROWS * 4
+    )
 
 
-def fit_to_smem(pages_per_step: int | None, block_size: int, table_width: int, head_dim: int, itemsize: int,
-                num_splits: int, num_stages: int | None) -> tuple[int, int]:
+def fit_to_smem(
+    pages_per_step: int | None,
+    block_size: int,
+    table_width: int,
+    head_dim: int,
+    itemsize: int,
+    num_splits: int,
+    num_stages: int | None,
+) -> tuple[int, int]:
     """(pages_per_step, num_stages), each as given or else chosen to fit the SMEM budget:
     NUM_STAGES slots of `default_pages_per_step` pages, then fewer slots down to 2, then half
     the pages per slot while a slot keeps 16 keys (head_dim 256 needs that)."""
@@ -132,9 +144,20 @@ def fit_to_smem(pages_per_step: int | None, block_size: int, table_width: int, h
     return pages, stages
 
 
-def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
-            cfg: MosaicDecodeConfig, block_size: int, num_blocks: int, num_kv_heads: int,
-            pages_per_split: int):
+def _kernel(
+    layer_ref,
+    lengths_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    cfg: MosaicDecodeConfig,
+    block_size: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    pages_per_split: int,
+):
     """One CTA: sequence `b`, kv head `h`, split `s`, on two warpgroups (see the module docstring)."""
     num_outputs = 1 if cfg.num_splits == 1 else 3
     outs, scratch = refs[:num_outputs], refs[num_outputs:]
@@ -167,10 +190,12 @@ def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             for p in range(pages):
                 index = first + step * pages + p  # < the padded table width, by construction
                 page = jnp.where(index < num_pages, tables_ref[b, index], 0)  # past the end: block 0
-                plgpu.copy_gmem_to_smem(cache_ref.at[base + page],
-                                        smem.at[slot, pl.ds(p * block_size, block_size)], barrier.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    cache_ref.at[base + page], smem.at[slot, pl.ds(p * block_size, block_size)], barrier.at[slot]
+                )
 
         for j in range(stages):
+
             @pl.when(lo + j < hi)
             def _prologue():
                 fill(lo + j, j, k_ref, k_smem, k_full)
@@ -234,9 +259,11 @@ def _kernel(layer_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             return acc * widen(alpha, acc.shape) + pv, m_new, l
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        init = (plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((rows,), common.MASKED, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout))
+        init = (
+            plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((rows,), common.MASKED, jnp.float32), row_layout),
+            plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout),
+        )
         acc, m, l = lax.fori_loop(lo, hi, step_body, init)
         if cfg.num_splits == 1:
             (o_ref,) = outs
@@ -293,11 +320,19 @@ def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: MosaicDecode
         out_type = jax.ShapeDtypeStruct((batch, num_kv_heads, q_rows, head_dim), q.dtype)
     else:
         parts = (cfg.num_splits, batch, num_kv_heads)
-        out_type = (jax.ShapeDtypeStruct((*parts, q_rows, head_dim), jnp.float32),
-                    jax.ShapeDtypeStruct((*parts, MMA_ROWS), jnp.float32),
-                    jax.ShapeDtypeStruct((*parts, MMA_ROWS), jnp.float32))
-    kernel = common.fresh_kernel(_kernel, cfg=cfg, block_size=block_size, num_blocks=num_blocks,
-                                 num_kv_heads=num_kv_heads, pages_per_split=pages_per_split)
+        out_type = (
+            jax.ShapeDtypeStruct((*parts, q_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((*parts, MMA_ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((*parts, MMA_ROWS), jnp.float32),
+        )
+    kernel = common.fresh_kernel(
+        _kernel,
+        cfg=cfg,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        pages_per_split=pages_per_split,
+    )
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -346,7 +381,8 @@ def decode_attention(
     if interpret and not interpret_available():
         raise NotImplementedError(
             f"the Mosaic GPU decode kernel runs interpreted only on jax >= 0.11 (this is {jax.__version__}, "
-            "without plgpu.InterpretGPUParams); use the Triton kernel (kernels_pallas.decode) here")
+            "without plgpu.InterpretGPUParams); use the Triton kernel (kernels_pallas.decode) here"
+        )
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = k_cache.shape
     reason = unsupported_reason(num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype)
@@ -360,16 +396,21 @@ def decode_attention(
         num_splits = default_num_splits(batch, num_kv_heads, steps)
     num_splits = max(1, int(num_splits))
     itemsize = jnp.dtype(k_cache.dtype).itemsize
-    pages_per_step, num_stages = fit_to_smem(pages_per_step, block_size, width, head_dim, itemsize, num_splits,
-                                             num_stages)
+    pages_per_step, num_stages = fit_to_smem(
+        pages_per_step, block_size, width, head_dim, itemsize, num_splits, num_stages
+    )
     tokens = pages_per_step * block_size
     if pages_per_step < 1 or pages_per_step & (pages_per_step - 1) or tokens % 16 or tokens > 256:
-        raise ValueError(f"pages_per_step must be a power of two giving 16 to 256 keys a step (a multiple of 16), "
-                         f"got {pages_per_step} pages of {block_size}")
+        raise ValueError(
+            f"pages_per_step must be a power of two giving 16 to 256 keys a step (a multiple of 16), "
+            f"got {pages_per_step} pages of {block_size}"
+        )
     need = smem_bytes(head_dim, tokens, num_stages, itemsize, num_splits)
     if need > SMEM_BUDGET:
-        raise ValueError(f"{num_stages} stages of {tokens} keys x {head_dim} dims need {need} bytes of SMEM, "
-                         f"over the {SMEM_BUDGET} budgeted; use fewer stages or pages per step")
+        raise ValueError(
+            f"{num_stages} stages of {tokens} keys x {head_dim} dims need {need} bytes of SMEM, "
+            f"over the {SMEM_BUDGET} budgeted; use fewer stages or pages per step"
+        )
     cfg = MosaicDecodeConfig(
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),

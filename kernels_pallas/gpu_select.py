@@ -27,7 +27,7 @@ MEASURED: dict[str, str] = {}
 
 
 def compute_capability(device: jax.Device | None = None) -> str | None:
-    """"9.0" for a Hopper GPU; None for a device that is not a CUDA GPU."""
+    """ "9.0" for a Hopper GPU; None for a device that is not a CUDA GPU."""
     device = device or jax.devices()[0]
     if device.platform != "gpu":
         return None
@@ -68,5 +68,6 @@ def decode_attention(
         num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
         if decode_mosaic.unsupported_reason(num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype) is None:
             kernel = decode_mosaic.decode_attention
-    return kernel(q, k_cache, v_cache, layer, block_tables, lengths, scale=scale, soft_cap=soft_cap,
-                  sliding_window=sliding_window)
+    return kernel(
+        q, k_cache, v_cache, layer, block_tables, lengths, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window
+    )

@@ -90,8 +90,9 @@ def attend_tiles(
     key_offsets = jnp.arange(tokens)
     rows = bq * g
     # The Pallas kernels' online-softmax step, per (tile, kv head); the mask is shared by kv heads.
-    attend = jax.vmap(jax.vmap(functools.partial(common.attend_step, scale=scale, soft_cap=soft_cap),
-                               in_axes=(0, 0, 0, 0, None)))
+    attend = jax.vmap(
+        jax.vmap(functools.partial(common.attend_step, scale=scale, soft_cap=soft_cap), in_axes=(0, 0, 0, 0, None))
+    )
     empty = jax.vmap(jax.vmap(lambda _: common.SoftmaxState.empty(rows, d)))(jnp.zeros((group, kvh)))
 
     def group_body(gi, out):
@@ -100,7 +101,9 @@ def attend_tiles(
         step_hi = common.cdiv(jnp.max(take(num_keys)), tokens)
         step_lo = 0
         if sliding_window is not None:  # from the group's first key in a window
-            first_key = jnp.where(num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), jnp.iinfo(jnp.int32).max)
+            first_key = jnp.where(
+                num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), jnp.iinfo(jnp.int32).max
+            )
             step_lo = jnp.minimum(jnp.min(take(first_key)) // tokens, step_hi)
 
         def body(i, state):
@@ -138,9 +141,18 @@ def decode_attention(
     kvh = k_cache.shape[1]
     lengths = lengths.astype(jnp.int32)
     out = attend_tiles(
-        q.reshape(b, 1, kvh, h // kvh, d), k_cache, v_cache, layer, block_tables.astype(jnp.int32),
-        jnp.maximum(lengths - 1, 0), (lengths > 0).astype(jnp.int32), tokens_per_step=DECODE_TOKENS_PER_STEP,
-        group_tiles=DECODE_GROUP_ROWS, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        q.reshape(b, 1, kvh, h // kvh, d),
+        k_cache,
+        v_cache,
+        layer,
+        block_tables.astype(jnp.int32),
+        jnp.maximum(lengths - 1, 0),
+        (lengths > 0).astype(jnp.int32),
+        tokens_per_step=DECODE_TOKENS_PER_STEP,
+        group_tiles=DECODE_GROUP_ROWS,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
     )
     return out.reshape(b, h, d).astype(q.dtype)
 
@@ -168,8 +180,17 @@ def prefill_attention(
     rows = tiles[:, 1:2] + jnp.arange(block_q)  # [N, Q]
     qt = padded[rows].reshape(num_tiles, block_q, kvh, h // kvh, d)
     out = attend_tiles(
-        qt, k_cache, v_cache, layer, block_tables.astype(jnp.int32)[tiles[:, 0]], tiles[:, 3], tiles[:, 2],
-        tokens_per_step=PREFILL_TOKENS_PER_STEP, group_tiles=GROUP_ROWS // block_q, scale=scale, soft_cap=soft_cap,
+        qt,
+        k_cache,
+        v_cache,
+        layer,
+        block_tables.astype(jnp.int32)[tiles[:, 0]],
+        tiles[:, 3],
+        tiles[:, 2],
+        tokens_per_step=PREFILL_TOKENS_PER_STEP,
+        group_tiles=GROUP_ROWS // block_q,
+        scale=scale,
+        soft_cap=soft_cap,
         sliding_window=sliding_window,
     )
     tile, offset, real = common.row_to_tile(query_start, t, block_q)

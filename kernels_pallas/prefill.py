@@ -61,8 +61,16 @@ def default_pages_per_step(block_size: int, table_width: int) -> int:
 
 
 def _prefill_kernel(
-    layer_ref, tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
-    *, cfg: PrefillConfig, block_size: int,
+    layer_ref,
+    tiles_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    cfg: PrefillConfig,
+    block_size: int,
 ):
     tile, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -123,9 +131,7 @@ def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cf
     kernel = common.fresh_kernel(_prefill_kernel, cfg=cfg, block_size=block_size)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(
-            (num_tiles, num_kv_heads, block_q * padded_group, head_dim), q.dtype
-        ),
+        out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, block_q * padded_group, head_dim), q.dtype),
         grid=(num_tiles, num_kv_heads),
         interpret=cfg.interpret,
         compiler_params=common.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages),

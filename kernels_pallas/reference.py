@@ -70,12 +70,16 @@ def decode_attention(
         valid &= pos >= lengths[:, None] - sliding_window
     scores = jnp.where(valid[:, None, None, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgc,kbcd->bkgd", probs.astype(v.dtype), v, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bkgc,kbcd->bkgd", probs.astype(v.dtype), v, precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
     out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
     return out.reshape(b, h, d).astype(q.dtype)
 
 
-def token_layout(query_start: jax.Array, seq_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_layout(
+    query_start: jax.Array, seq_lens: jax.Array, num_tokens: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For each flattened query row: its sequence, its absolute position, and whether it is real."""
     t = jnp.arange(num_tokens)
     seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, seq_lens.shape[0] - 1)

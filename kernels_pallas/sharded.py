@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.backends import AttentionBackend
 
@@ -25,8 +26,9 @@ def _shard_map(fn, mesh: Mesh, axis: str, in_specs: tuple, out_specs: P):
     axes (a pipeline stage's, manual over "pp"), over `axis` of the context's mesh, the others left as they are."""
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
-        return jax.shard_map(fn, mesh=context, in_specs=in_specs, out_specs=out_specs, axis_names={axis},
-                             check_vma=False)
+        return jax.shard_map(
+            fn, mesh=context, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False
+        )
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
@@ -40,20 +42,20 @@ def shard_attention(backend: AttentionBackend, mesh: Mesh, axis: str = "tp") -> 
 
     def check(q: jax.Array, k_cache: jax.Array) -> None:
         if k_cache.shape[1] % ways or q.shape[1] % ways:
-            raise ValueError(
-                f"{q.shape[1]} query heads / {k_cache.shape[1]} kv heads do not split {ways} ways"
-            )
+            raise ValueError(f"{q.shape[1]} query heads / {k_cache.shape[1]} kv heads do not split {ways} ways")
 
     def decode(q, k_cache, v_cache, layer, block_tables, lengths, **options):
         check(q, k_cache)
-        fn = _shard_map(functools.partial(backend.decode, **options), mesh, axis,
-                        (heads, cache, cache, P(), P(), P()), heads)
+        fn = _shard_map(
+            functools.partial(backend.decode, **options), mesh, axis, (heads, cache, cache, P(), P(), P()), heads
+        )
         return fn(q, k_cache, v_cache, layer, block_tables, lengths)
 
     def prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, **options):
         check(q, k_cache)
-        fn = _shard_map(functools.partial(backend.prefill, **options), mesh, axis,
-                        (heads, cache, cache, P(), P(), P(), P()), heads)
+        fn = _shard_map(
+            functools.partial(backend.prefill, **options), mesh, axis, (heads, cache, cache, P(), P(), P(), P()), heads
+        )
         return fn(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start)
 
     return AttentionBackend(f"{backend.name}[{axis}]", decode, prefill)

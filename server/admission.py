@@ -11,7 +11,7 @@ bounded by the context, which the engine already keeps within its KV capacity.)
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from server.errors import APIError
 

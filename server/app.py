@@ -15,13 +15,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from jaxserve.engine_client import EngineClient
-from server import (openapi, routes_embeddings, routes_lora, routes_ops, routes_openai, routes_responses,
-                    routes_sessions, routes_tokenize)
+from server import (
+    openapi,
+    routes_embeddings,
+    routes_lora,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+    routes_sessions,
+    routes_tokenize,
+)
 from server.admission import Admission
 from server.auth import ApiKeys, auth_middleware
 from server.config import ServerConfig
@@ -99,8 +107,11 @@ async def _drain(app: web.Application) -> None:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     if state.keys.is_open:
-        logger.warning("no API key configured: the server is open to anyone who can reach %s:%d",
-                       state.config.host, state.config.port)
+        logger.warning(
+            "no API key configured: the server is open to anyone who can reach %s:%d",
+            state.config.host,
+            state.config.port,
+        )
     owns_hook = state.engine.on_step is None  # several apps may share one engine (tests): first wins
     if owns_hook:
         state.engine.on_step = state.metrics.observe_step

@@ -8,8 +8,9 @@ imported when `serve` runs).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jaxserve.engine_client import EngineClient
 from jaxserve.sampling_params import POOLING_KINDS
@@ -21,15 +22,21 @@ from sharding.multihost import add_distributed_arguments
 StartEngine = Callable[..., EngineClient | None]
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction, add_engine_args: Callable[[argparse.ArgumentParser], None],
-                     run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction,
+    add_engine_args: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
     """Add `serve` (engine flags from `add_engine_args`, server flags from here), run by `run`
     (the composition root's: `serve` below, or the replica groups of a multi-process job)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with sessions")
     add_engine_args(p)
     add_server_args(p.add_argument_group("server"))
-    add_distributed_arguments(p.add_argument_group(
-        "multi-process (one engine over several hosts, or data-parallel replicas on several processes)"))
+    add_distributed_arguments(
+        p.add_argument_group(
+            "multi-process (one engine over several hosts, or data-parallel replicas on several processes)"
+        )
+    )
     p.set_defaults(func=run)
     return p
 
@@ -39,41 +46,80 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
     defaults = ServerConfig()
     g.add_argument("--host", default=defaults.host)
     g.add_argument("--port", type=int, default=defaults.port)
-    g.add_argument("--grpc-port", type=int, default=defaults.grpc_port,
-                   help="also serve the gRPC API (server/grpc_api/jaxserve.proto) on this port, 0 = off")
+    g.add_argument(
+        "--grpc-port",
+        type=int,
+        default=defaults.grpc_port,
+        help="also serve the gRPC API (server/grpc_api/jaxserve.proto) on this port, 0 = off",
+    )
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     g.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
     g.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
-    g.add_argument("--rate-limit-rpm", type=int, default=defaults.rate_limit_rpm, help="requests/minute per key, 0 = off")
-    g.add_argument("--rate-limit-tpm", type=int, default=defaults.rate_limit_tpm,
-                   help="generated tokens/minute per key, 0 = off")
-    g.add_argument("--max-waiting-seqs", type=int, default=defaults.max_waiting_seqs,
-                   help="sequences that may wait beyond --max-num-seqs before requests get 503")
+    g.add_argument(
+        "--rate-limit-rpm", type=int, default=defaults.rate_limit_rpm, help="requests/minute per key, 0 = off"
+    )
+    g.add_argument(
+        "--rate-limit-tpm", type=int, default=defaults.rate_limit_tpm, help="generated tokens/minute per key, 0 = off"
+    )
+    g.add_argument(
+        "--max-waiting-seqs",
+        type=int,
+        default=defaults.max_waiting_seqs,
+        help="sequences that may wait beyond --max-num-seqs before requests get 503",
+    )
     g.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     g.add_argument("--max-n", type=int, default=defaults.max_n)
     g.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)")
     g.add_argument("--max-prompts", type=int, default=defaults.max_prompts)
     g.add_argument("--request-timeout", type=float, default=defaults.request_timeout, help="seconds, 0 = none")
-    g.add_argument("--body-timeout", type=float, default=defaults.body_timeout,
-                   help="seconds a client may take to send a request body (then 408)")
-    g.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive_timeout,
-                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.body_timeout,
+        help="seconds a client may take to send a request body (then 408)",
+    )
+    g.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=defaults.keepalive_timeout,
+        help="seconds an idle keep-alive connection stays open",
+    )
     g.add_argument("--session-dir", type=Path, default=None, help="persist sessions as JSON files here")
     g.add_argument("--session-ttl", type=float, default=defaults.session_ttl, help="idle seconds before expiry")
     g.add_argument("--max-sessions-per-key", type=int, default=defaults.max_sessions_per_key)
     g.add_argument("--max-session-messages", type=int, default=defaults.max_session_messages)
-    g.add_argument("--session-pin-blocks-per-key", type=int, default=None,
-                   help="KV blocks one key's sessions may pin (default: the KV manager's)")
-    g.add_argument("--response-ttl", type=float, default=defaults.response_ttl,
-                   help="idle seconds before a stored response (/v1/responses, store: true) expires")
-    g.add_argument("--max-stored-responses-per-key", type=int, default=defaults.max_stored_responses_per_key,
-                   help="stored responses one key keeps; beyond it, its least recently used idle ones are deleted")
-    g.add_argument("--embedding-pooling", choices=POOLING_KINDS, default=defaults.embedding_pooling,
-                   help="the served model's embeddings (/v1/embeddings): the last prompt token's final hidden "
-                        "state, or the mean of every token's; normalized")
-    g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
-                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
-                        "with an error event and [DONE]")
+    g.add_argument(
+        "--session-pin-blocks-per-key",
+        type=int,
+        default=None,
+        help="KV blocks one key's sessions may pin (default: the KV manager's)",
+    )
+    g.add_argument(
+        "--response-ttl",
+        type=float,
+        default=defaults.response_ttl,
+        help="idle seconds before a stored response (/v1/responses, store: true) expires",
+    )
+    g.add_argument(
+        "--max-stored-responses-per-key",
+        type=int,
+        default=defaults.max_stored_responses_per_key,
+        help="stored responses one key keeps; beyond it, its least recently used idle ones are deleted",
+    )
+    g.add_argument(
+        "--embedding-pooling",
+        choices=POOLING_KINDS,
+        default=defaults.embedding_pooling,
+        help="the served model's embeddings (/v1/embeddings): the last prompt token's final hidden "
+        "state, or the mean of every token's; normalized",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout,
+        help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
+        "with an error event and [DONE]",
+    )
 
 
 def server_config_from_args(args: argparse.Namespace, model_name: str | None = None) -> ServerConfig:

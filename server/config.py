@@ -51,8 +51,14 @@ class ServerConfig:
         for name in ("rate_limit_rpm", "rate_limit_tpm", "max_waiting_seqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("max_body_bytes", "max_n", "max_prompts", "max_sessions_per_key", "max_session_messages",
-                     "max_stored_responses_per_key"):
+        for name in (
+            "max_body_bytes",
+            "max_n",
+            "max_prompts",
+            "max_sessions_per_key",
+            "max_session_messages",
+            "max_stored_responses_per_key",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.request_timeout < 0 or self.session_ttl <= 0 or self.response_ttl <= 0 or self.shutdown_timeout < 0:

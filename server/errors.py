@@ -8,7 +8,8 @@ generic 500 that reveals nothing about the server's internals.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 

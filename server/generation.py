@@ -13,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import AsyncIterator
 
 from jaxserve.engine_client import EngineClient, EngineDeadError, RequestFailedError, UnknownAdapterError
 from jaxserve.outputs import Delta, Usage
 from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
 from server.metrics import ServerMetrics
-from server.rate_limit import RateLimiter
 from server.openai_bodies import UsageCount
+from server.rate_limit import RateLimiter
 
 _DONE = object()
 _SHUT_DOWN = object()
@@ -94,15 +94,17 @@ class Generation:
                         item = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
                     except TimeoutError:
                         self.outcome = "timeout"
-                        raise APIError(504, f"the request did not finish within {self._timeout:g} s",
-                                       code="request_timeout") from None
+                        raise APIError(
+                            504, f"the request did not finish within {self._timeout:g} s", code="request_timeout"
+                        ) from None
                 if item is _DONE:
                     pending -= 1
                     continue
                 if item is _SHUT_DOWN:
                     self.outcome = "error"
-                    raise APIError(503, "the server is shutting down; the request was stopped",
-                                   code="server_shutting_down")
+                    raise APIError(
+                        503, "the server is shutting down; the request was stopped", code="server_shutting_down"
+                    )
                 if isinstance(item, BaseException):
                     self.outcome = "error"
                     raise _api_error(item)

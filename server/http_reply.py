@@ -9,15 +9,15 @@ that goes away ends the generation (its requests are aborted in the engine by `G
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import aclosing
-from typing import Callable
 
 from aiohttp import web
 
 from server.errors import APIError
 from server.generation import Generation
-from server.protocol import StreamOptions
 from server.openai_bodies import ChatShapes, ChoiceOutput, CompletionShapes
+from server.protocol import StreamOptions
 from server.sse import EventStream
 
 OnFinish = Callable[[list[ChoiceOutput], Generation], None]

@@ -9,7 +9,7 @@ hook (prometheus-client metrics are thread-safe).
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -45,36 +45,60 @@ class _EngineCollector(Collector):
             blocks.add_metric([state], getattr(s.kv, state))
         yield blocks
         yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_total", "Usable KV cache blocks", value=s.kv.num_blocks)
-        yield GaugeMetricFamily(f"{PREFIX}_kv_usage_ratio", "Fraction of KV blocks held by requests",
-                                value=s.kv.used / s.kv.num_blocks if s.kv.num_blocks else 0.0)
-        yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate",
-                                "Prompt tokens served from the prefix cache / prompt tokens queried",
-                                value=s.prefix_hit_rate)
-        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=s.prefix_query_tokens)
-        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
-                                  value=s.prefix_hit_tokens)
-        yield CounterMetricFamily(f"{PREFIX}_preemptions", "Requests preempted by the scheduler", value=s.num_preemptions)
-        yield CounterMetricFamily(f"{PREFIX}_compilations", "XLA compilations of step functions", value=s.num_compilations)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_usage_ratio",
+            "Fraction of KV blocks held by requests",
+            value=s.kv.used / s.kv.num_blocks if s.kv.num_blocks else 0.0,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens queried",
+            value=s.prefix_hit_rate,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.prefix_query_tokens,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", value=s.prefix_hit_tokens
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_preemptions", "Requests preempted by the scheduler", value=s.num_preemptions
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_compilations", "XLA compilations of step functions", value=s.num_compilations
+        )
         yield CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps run", value=s.num_steps)
-        yield CounterMetricFamily(f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (not served from cache)",
-                                  value=s.prompt_tokens_computed)
-        yield CounterMetricFamily(f"{PREFIX}_spec_decode_steps", "Engine steps that verified speculative drafts",
-                                  value=s.speculative_steps)
-        yield CounterMetricFamily(f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (n-gram speculation)",
-                                  value=s.draft_tokens)
-        yield CounterMetricFamily(f"{PREFIX}_spec_decode_accepted_tokens", "Draft tokens accepted by verification",
-                                  value=s.accepted_tokens)
+        yield CounterMetricFamily(
+            f"{PREFIX}_prompt_tokens_computed",
+            "Prompt tokens computed (not served from cache)",
+            value=s.prompt_tokens_computed,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_spec_decode_steps", "Engine steps that verified speculative drafts", value=s.speculative_steps
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (n-gram speculation)", value=s.draft_tokens
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_spec_decode_accepted_tokens", "Draft tokens accepted by verification", value=s.accepted_tokens
+        )
         yield from _tier_metrics(s)
         yield from _transfer_metrics(s)
         yield from _expert_metrics(s)
         yield from _lora_metrics(s)
         yield from _pipeline_metrics(s)
-        per_replica = GaugeMetricFamily(f"{PREFIX}_replica_num_requests",
-                                        "Sequences per data-parallel replica by state", labels=["replica", "state"])
-        kv_per_replica = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage_ratio",
-                                           "Fraction of a data-parallel replica's KV blocks held by requests",
-                                           labels=["replica"])
+        per_replica = GaugeMetricFamily(
+            f"{PREFIX}_replica_num_requests",
+            "Sequences per data-parallel replica by state",
+            labels=["replica", "state"],
+        )
+        kv_per_replica = GaugeMetricFamily(
+            f"{PREFIX}_replica_kv_usage_ratio",
+            "Fraction of a data-parallel replica's KV blocks held by requests",
+            labels=["replica"],
+        )
         for i, r in enumerate(s.replicas):
             per_replica.add_metric([str(i), "running"], r.running)
             per_replica.add_metric([str(i), "waiting"], r.waiting)
@@ -87,10 +111,16 @@ def _expert_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     """A mixture-of-experts model's routing, per expert (summed over layers and replicas)."""
     if not s.expert_tokens:
         return
-    tokens = CounterMetricFamily(f"{PREFIX}_moe_expert_tokens", "Token-to-expert assignments routed to each expert "
-                                 "(all layers)", labels=["expert"])
-    load = GaugeMetricFamily(f"{PREFIX}_moe_expert_load", "Token-to-expert assignments of each expert in the last "
-                             "model step (all layers)", labels=["expert"])
+    tokens = CounterMetricFamily(
+        f"{PREFIX}_moe_expert_tokens",
+        "Token-to-expert assignments routed to each expert (all layers)",
+        labels=["expert"],
+    )
+    load = GaugeMetricFamily(
+        f"{PREFIX}_moe_expert_load",
+        "Token-to-expert assignments of each expert in the last model step (all layers)",
+        labels=["expert"],
+    )
     for expert, (total, last) in enumerate(zip(s.expert_tokens, s.expert_load)):
         tokens.add_metric([str(expert)], total)
         load.add_metric([str(expert)], last)
@@ -101,12 +131,13 @@ def _expert_metrics(s: EngineSnapshot) -> Iterator[Metric]:
 def _lora_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     """LoRA adapters: slots in use, loads, requests per adapter (summed over replicas)."""
     yield GaugeMetricFamily(f"{PREFIX}_lora_resident_adapters", "LoRA adapters in device slots", value=s.lora_resident)
-    yield CounterMetricFamily(f"{PREFIX}_lora_disk_loads", "LoRA adapters read from disk into host memory",
-                              value=s.lora_disk_loads)
-    yield CounterMetricFamily(f"{PREFIX}_lora_device_loads", "LoRA adapters written into a device slot",
-                              value=s.lora_device_loads)
-    requests = CounterMetricFamily(f"{PREFIX}_lora_requests", "Requests run with each LoRA adapter",
-                                   labels=["adapter"])
+    yield CounterMetricFamily(
+        f"{PREFIX}_lora_disk_loads", "LoRA adapters read from disk into host memory", value=s.lora_disk_loads
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_lora_device_loads", "LoRA adapters written into a device slot", value=s.lora_device_loads
+    )
+    requests = CounterMetricFamily(f"{PREFIX}_lora_requests", "Requests run with each LoRA adapter", labels=["adapter"])
     for name, count in s.lora_requests:
         requests.add_metric([name], count)
     yield requests
@@ -117,24 +148,36 @@ def _pipeline_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     (summed over replicas), and the bubble: idle stage-ticks / all stage-ticks since the start."""
     if not s.pipeline_stage_busy_ticks:
         return
-    busy = CounterMetricFamily(f"{PREFIX}_pipeline_stage_busy_ticks", "Schedule ticks in which each pipeline stage "
-                               "ran a micro-batch", labels=["stage"])
-    idle = CounterMetricFamily(f"{PREFIX}_pipeline_stage_idle_ticks", "Schedule ticks in which each pipeline stage "
-                               "waited (the pipeline bubble)", labels=["stage"])
+    busy = CounterMetricFamily(
+        f"{PREFIX}_pipeline_stage_busy_ticks",
+        "Schedule ticks in which each pipeline stage ran a micro-batch",
+        labels=["stage"],
+    )
+    idle = CounterMetricFamily(
+        f"{PREFIX}_pipeline_stage_idle_ticks",
+        "Schedule ticks in which each pipeline stage waited (the pipeline bubble)",
+        labels=["stage"],
+    )
     for stage, ran in enumerate(s.pipeline_stage_busy_ticks):
         busy.add_metric([str(stage)], ran)
         idle.add_metric([str(stage)], s.pipeline_ticks - ran)
     yield busy
     yield idle
-    yield GaugeMetricFamily(f"{PREFIX}_pipeline_bubble_fraction", "Idle stage-ticks / all stage-ticks of the "
-                            "pipeline's schedules since the start", value=s.pipeline_bubble_fraction)
+    yield GaugeMetricFamily(
+        f"{PREFIX}_pipeline_bubble_fraction",
+        "Idle stage-ticks / all stage-ticks of the pipeline's schedules since the start",
+        value=s.pipeline_bubble_fraction,
+    )
 
 
 def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     """Per-tier counters of the KV cache (device, host, disk)."""
     t = s.tiers
-    hits = CounterMetricFamily(f"{PREFIX}_kv_tier_hit_tokens", "Prompt tokens served from each KV tier "
-                               "(host includes what the disk loaded)", labels=["tier"])
+    hits = CounterMetricFamily(
+        f"{PREFIX}_kv_tier_hit_tokens",
+        "Prompt tokens served from each KV tier (host includes what the disk loaded)",
+        labels=["tier"],
+    )
     for tier, value in (("device", t.device_hit_tokens), ("host", t.host_hit_tokens), ("disk", t.disk_hit_tokens)):
         hits.add_metric([tier], value)
     yield hits
@@ -146,40 +189,63 @@ def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     disk_bytes.add_metric(["read"], t.disk_bytes_read)
     disk_bytes.add_metric(["written"], t.disk_bytes_written)
     yield disk_bytes
-    yield _load_histogram(f"{PREFIX}_kv_disk_load_duration_seconds",
-                          "Wall time of each background load from the disk tier", t.disk_load_seconds_counts,
-                          t.disk_load_seconds)
-    yield CounterMetricFamily(f"{PREFIX}_kv_disk_write_seconds", "Summed wall time of block file writes",
-                              value=t.disk_write_seconds)
-    yield CounterMetricFamily(f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted",
-                              value=t.disk_damaged)
+    yield _load_histogram(
+        f"{PREFIX}_kv_disk_load_duration_seconds",
+        "Wall time of each background load from the disk tier",
+        t.disk_load_seconds_counts,
+        t.disk_load_seconds,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_kv_disk_write_seconds", "Summed wall time of block file writes", value=t.disk_write_seconds
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted", value=t.disk_damaged
+    )
     yield GaugeMetricFamily(f"{PREFIX}_kv_disk_bytes", "Bytes of block files the disk tier holds", value=t.disk_bytes)
 
 
 def _load_histogram(name: str, documentation: str, counts: tuple[int, ...], total_seconds: float) -> Metric:
     """A histogram over KV_LOAD_SECONDS_BUCKETS from per-bucket counts (the last: above them)."""
     cumulative = list(itertools.accumulate(counts))
-    return HistogramMetricFamily(name, documentation, sum_value=total_seconds,
-                                 buckets=[*zip(map(str, KV_LOAD_SECONDS_BUCKETS), cumulative), ("+Inf", cumulative[-1])])
+    return HistogramMetricFamily(
+        name,
+        documentation,
+        sum_value=total_seconds,
+        buckets=[*zip(map(str, KV_LOAD_SECONDS_BUCKETS), cumulative), ("+Inf", cumulative[-1])],
+    )
 
 
 def _transfer_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     """KV moved from prefill to decode workers (a disaggregating router); per request = total / transfers."""
     t = s.kv_transfer
-    yield CounterMetricFamily(f"{PREFIX}_kv_transfers", "Prompts whose KV a decode worker pulled from a prefill worker",
-                              value=t.transfers)
-    yield CounterMetricFamily(f"{PREFIX}_kv_device_transfers", "Of them, those whose blocks moved device to device "
-                              "(jax.experimental.transfer, --kv-transport device)", value=t.device_transfers)
-    blocks = CounterMetricFamily(f"{PREFIX}_kv_transfer_blocks", "KV blocks of handed-over prompts: pulled, or "
-                                 "skipped (the decode worker's prefix cache had them)", labels=["kind"])
+    yield CounterMetricFamily(
+        f"{PREFIX}_kv_transfers", "Prompts whose KV a decode worker pulled from a prefill worker", value=t.transfers
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_kv_device_transfers",
+        "Of them, those whose blocks moved device to device (jax.experimental.transfer, --kv-transport device)",
+        value=t.device_transfers,
+    )
+    blocks = CounterMetricFamily(
+        f"{PREFIX}_kv_transfer_blocks",
+        "KV blocks of handed-over prompts: pulled, or skipped (the decode worker's prefix cache had them)",
+        labels=["kind"],
+    )
     blocks.add_metric(["pulled"], t.blocks_pulled)
     blocks.add_metric(["skipped"], t.blocks_skipped)
     yield blocks
     yield CounterMetricFamily(f"{PREFIX}_kv_transfer_bytes", "KV bytes pulled by decode workers", value=t.bytes)
-    yield _load_histogram(f"{PREFIX}_kv_transfer_duration_seconds", "Time of each pull (with the writes into the "
-                          "decode worker's cache)", t.seconds_counts, t.seconds)
-    yield CounterMetricFamily(f"{PREFIX}_kv_transfer_failures", "Handed-over prompts whose KV did not arrive "
-                              "(recomputed on the decode worker)", value=t.failed)
+    yield _load_histogram(
+        f"{PREFIX}_kv_transfer_duration_seconds",
+        "Time of each pull (with the writes into the decode worker's cache)",
+        t.seconds_counts,
+        t.seconds,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_kv_transfer_failures",
+        "Handed-over prompts whose KV did not arrive (recomputed on the decode worker)",
+        value=t.failed,
+    )
 
 
 class ServerMetrics:
@@ -188,18 +254,29 @@ class ServerMetrics:
         r = self.registry
         self.engine = _EngineCollector()
         r.register(self.engine)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "Mean time between generated tokens of a choice",
-                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to the last token",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram(f"{PREFIX}_engine_step_seconds", "Duration of one engine step",
-                                   buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean time between generated tokens of a choice",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "Arrival to the last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.step_time = Histogram(
+            f"{PREFIX}_engine_step_seconds", "Duration of one engine step", buckets=TOKEN_LATENCY_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter(f"{PREFIX}_requests", "Generation requests by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=r)
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Generation requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
 
     def observe_step(self, seconds: float) -> None:
         self.step_time.observe(seconds)

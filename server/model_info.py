@@ -26,9 +26,16 @@ class ModelInfo:
 
     @classmethod
     def from_engine(cls, info: EngineInfo, name: str) -> ModelInfo:
-        return cls(name=name, tokenizer=info.tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                   max_num_seqs=info.max_num_seqs, block_size=info.block_size, hidden_size=info.hidden_size,
-                   created=int(time.time()))
+        return cls(
+            name=name,
+            tokenizer=info.tokenizer,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            max_num_seqs=info.max_num_seqs,
+            block_size=info.block_size,
+            hidden_size=info.hidden_size,
+            created=int(time.time()),
+        )
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as logprobs show it (special tokens included)."""

@@ -64,13 +64,17 @@ def chat_logprobs(info: ModelInfo, logprobs: list[TokenLogprob]) -> dict[str, An
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(info: ModelInfo, logprobs: list[TokenLogprob], offset: int,
-                        prompt: list[TokenLogprob | None] | None = None,
-                        prompt_ids: list[int] | None = None) -> dict[str, Any]:
+def completion_logprobs(
+    info: ModelInfo,
+    logprobs: list[TokenLogprob],
+    offset: int,
+    prompt: list[TokenLogprob | None] | None = None,
+    prompt_ids: list[int] | None = None,
+) -> dict[str, Any]:
     """The legacy completions shape; `offset` is the text length before these tokens. With
     `echo`, the prompt's scores (`prompt`, None for its first token `prompt_ids[0]`) come first."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    entries = ([] if prompt is None else [(prompt_ids[0], None)] + [(lp.token_id, lp) for lp in prompt[1:]])
+    entries = [] if prompt is None else [(prompt_ids[0], None)] + [(lp.token_id, lp) for lp in prompt[1:]]
     entries += [(lp.token_id, lp) for lp in logprobs]
     for token_id, lp in entries:
         token = info.token_text(token_id)
@@ -84,7 +88,12 @@ def completion_logprobs(info: ModelInfo, logprobs: list[TokenLogprob], offset: i
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 def prompt_logprobs_field(info: ModelInfo, scores: list[TokenLogprob | None] | None) -> list[Any] | None:
@@ -94,9 +103,13 @@ def prompt_logprobs_field(info: ModelInfo, scores: list[TokenLogprob | None] | N
         return None
     out: list[Any] = [None]
     for lp in scores[1:]:
-        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": info.token_text(lp.token_id)}}
+        entry = {
+            str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": info.token_text(lp.token_id)}
+        }
         for rank, (token_id, value) in enumerate(lp.top, 1):
-            entry.setdefault(str(token_id), {"logprob": value, "rank": rank, "decoded_token": info.token_text(token_id)})
+            entry.setdefault(
+                str(token_id), {"logprob": value, "rank": rank, "decoded_token": info.token_text(token_id)}
+            )
         out.append(entry)
     return out
 
@@ -109,8 +122,14 @@ class CompletionShapes:
     with logprobs, so do its log-probabilities (the first prompt token's are null).
     """
 
-    def __init__(self, response_id: str, info: ModelInfo, echo: list[tuple[str, list[int]]] | None = None, n: int = 1,
-                 show_prompt_logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        info: ModelInfo,
+        echo: list[tuple[str, list[int]]] | None = None,
+        n: int = 1,
+        show_prompt_logprobs: bool = False,
+    ) -> None:
         self.id = response_id
         self.show_prompt_logprobs = show_prompt_logprobs
         self.info = info
@@ -123,16 +142,23 @@ class CompletionShapes:
     def _prompt_text(self, index: int) -> str:
         return "" if self._echo is None else self._echo[index // self._n][0]
 
-    def _logprobs(self, index: int, logprobs: list[TokenLogprob], offset: int,
-                  prompt: list[TokenLogprob | None] | None) -> dict[str, Any]:
+    def _logprobs(
+        self, index: int, logprobs: list[TokenLogprob], offset: int, prompt: list[TokenLogprob | None] | None
+    ) -> dict[str, Any]:
         """A choice's completions logprobs; with echo, `prompt` scores come first."""
         if self._echo is None or prompt is None:
             return completion_logprobs(self.info, logprobs, offset)
         return completion_logprobs(self.info, logprobs, offset, prompt, self._echo[index // self._n][1])
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.info.name,
-                "system_fingerprint": None, "choices": choices}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.info.name,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
 
     def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any]:
         text, prompt = delta.text, None
@@ -160,8 +186,12 @@ class CompletionShapes:
         out = []
         for i, c in enumerate(choices):
             logprobs = self._logprobs(i, c.logprobs, 0, c.prompt_logprobs) if c.logprobs is not None else None
-            choice = {"index": i, "text": self._prompt_text(i) + c.text, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason}
+            choice = {
+                "index": i,
+                "text": self._prompt_text(i) + c.text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+            }
             if self.show_prompt_logprobs:
                 choice["prompt_logprobs"] = prompt_logprobs_field(self.info, c.prompt_logprobs)
             out.append(choice)
@@ -174,8 +204,9 @@ class ChatShapes:
     content up to where a call starts and sends the calls, each with its index, in the choice's
     last chunk."""
 
-    def __init__(self, response_id: str, info: ModelInfo, tools: ToolCalling | None = None,
-                 show_prompt_logprobs: bool = False) -> None:
+    def __init__(
+        self, response_id: str, info: ModelInfo, tools: ToolCalling | None = None, show_prompt_logprobs: bool = False
+    ) -> None:
         self.id = response_id
         self.info = info
         self.created = int(time.time())
@@ -185,13 +216,21 @@ class ChatShapes:
         self.show_prompt_logprobs = show_prompt_logprobs  # vLLM's top-level `prompt_logprobs`
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.info.name,
-                "system_fingerprint": None, "choices": choices}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.info.name,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
 
     def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
         """The first chunk of each choice: the role, no content yet."""
-        body = self._envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}])
+        body = self._envelope(
+            "chat.completion.chunk",
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+        )
         if include_usage:
             body["usage"] = None
         return body
@@ -206,8 +245,10 @@ class ChatShapes:
             content, finish_reason = self._tool_delta(index, delta)
             if content is None and logprobs is None:
                 return None
-        body = self._envelope("chat.completion.chunk", [{"index": index, "delta": content or {}, "logprobs": logprobs,
-                                                         "finish_reason": finish_reason}])
+        body = self._envelope(
+            "chat.completion.chunk",
+            [{"index": index, "delta": content or {}, "logprobs": logprobs, "finish_reason": finish_reason}],
+        )
         if self.show_prompt_logprobs and delta.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_field(self.info, delta.prompt_logprobs)
         if include_usage:

@@ -23,43 +23,100 @@ from server.routes_tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 _STRING, _INTEGER, _NUMBER, _BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 FIELD_TYPES: dict[str, dict[str, Any]] = {
-    **dict.fromkeys(("model", "instructions", "previous_response_id", "system", "user", "role",
-                     "encoding_format", "service_tier", "safety_identifier", "prompt_cache_key", "lora_name",
-                     "lora_path"), _STRING),
-    **dict.fromkeys(("n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens", "top_k", "seed",
-                     "priority", "top_logprobs", "dimensions", "best_of", "at", "prompt_logprobs"), _INTEGER),
-    **dict.fromkeys(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"), _NUMBER),
-    **dict.fromkeys(("stream", "store", "background", "echo", "ignore_eos", "skip_special_tokens",
-                     "include_stop_str_in_output", "parallel_tool_calls", "add_special_tokens",
-                     "add_generation_prompt"), _BOOLEAN),
+    **dict.fromkeys(
+        (
+            "model",
+            "instructions",
+            "previous_response_id",
+            "system",
+            "user",
+            "role",
+            "encoding_format",
+            "service_tier",
+            "safety_identifier",
+            "prompt_cache_key",
+            "lora_name",
+            "lora_path",
+        ),
+        _STRING,
+    ),
+    **dict.fromkeys(
+        (
+            "n",
+            "max_tokens",
+            "max_completion_tokens",
+            "max_output_tokens",
+            "min_tokens",
+            "top_k",
+            "seed",
+            "priority",
+            "top_logprobs",
+            "dimensions",
+            "best_of",
+            "at",
+            "prompt_logprobs",
+        ),
+        _INTEGER,
+    ),
+    **dict.fromkeys(
+        ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"), _NUMBER
+    ),
+    **dict.fromkeys(
+        (
+            "stream",
+            "store",
+            "background",
+            "echo",
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "parallel_tool_calls",
+            "add_special_tokens",
+            "add_generation_prompt",
+        ),
+        _BOOLEAN,
+    ),
 }
 # (method, path) -> (summary, accepted body fields or None for no body, required fields)
 OPERATIONS: dict[tuple[str, str], tuple[str, frozenset[str] | None, tuple[str, ...]]] = {
     ("POST", "/v1/chat/completions"): ("Chat completion, streamed (SSE) or not", CHAT_FIELDS, ("messages",)),
-    ("POST", "/v1/completions"): ("Text completion of a prompt, streamed (SSE) or not", COMPLETION_FIELDS,
-                                  ("prompt",)),
-    ("POST", "/v1/responses"): ("Create a response (Responses API): streamed events, one object, or in the "
-                                "background", RESPONSE_FIELDS, ("input",)),
+    ("POST", "/v1/completions"): ("Text completion of a prompt, streamed (SSE) or not", COMPLETION_FIELDS, ("prompt",)),
+    ("POST", "/v1/responses"): (
+        "Create a response (Responses API): streamed events, one object, or in the background",
+        RESPONSE_FIELDS,
+        ("input",),
+    ),
     ("GET", "/v1/responses/{response_id}"): ("A stored response", None, ()),
     ("DELETE", "/v1/responses/{response_id}"): ("Delete a stored response", None, ()),
     ("POST", "/v1/responses/{response_id}/cancel"): ("Cancel a background response", None, ()),
-    ("GET", "/v1/responses/{response_id}/input_items"): ("A stored response's input items (limit, order, after, "
-                                                         "before)", None, ()),
+    ("GET", "/v1/responses/{response_id}/input_items"): (
+        "A stored response's input items (limit, order, after, before)",
+        None,
+        (),
+    ),
     ("POST", "/v1/embeddings"): ("Embeddings of texts or token ids", EMBEDDING_FIELDS, ("input",)),
     ("GET", "/v1/models"): ("The served model and its LoRA adapters", None, ()),
-    ("POST", "/v1/load_lora_adapter"): ("Serve a LoRA adapter (a PEFT directory) as a model", LOAD_FIELDS,
-                                        ("lora_name", "lora_path")),
+    ("POST", "/v1/load_lora_adapter"): (
+        "Serve a LoRA adapter (a PEFT directory) as a model",
+        LOAD_FIELDS,
+        ("lora_name", "lora_path"),
+    ),
     ("POST", "/v1/unload_lora_adapter"): ("Stop serving a LoRA adapter", UNLOAD_FIELDS, ("lora_name",)),
     ("GET", "/v1/models/{model}"): ("One model", None, ()),
     ("POST", "/v1/sessions"): ("Create a session", CREATE_FIELDS, ()),
     ("GET", "/v1/sessions"): ("The caller's sessions", None, ()),
     ("GET", "/v1/sessions/{session_id}"): ("One session with its messages", None, ()),
     ("DELETE", "/v1/sessions/{session_id}"): ("Delete a session", None, ()),
-    ("POST", "/v1/sessions/{session_id}/messages"): ("Add a user message and generate the reply", MESSAGE_FIELDS,
-                                                     ("content",)),
-    ("PUT", "/v1/sessions/{session_id}/messages/{index}"): ("Edit a message (and regenerate the reply)",
-                                                            MESSAGE_FIELDS, ("content",)),
+    ("POST", "/v1/sessions/{session_id}/messages"): (
+        "Add a user message and generate the reply",
+        MESSAGE_FIELDS,
+        ("content",),
+    ),
+    ("PUT", "/v1/sessions/{session_id}/messages/{index}"): (
+        "Edit a message (and regenerate the reply)",
+        MESSAGE_FIELDS,
+        ("content",),
+    ),
     ("POST", "/v1/sessions/{session_id}/fork"): ("A new session with the first messages", frozenset({"at"}), ()),
     ("POST", "/v1/sessions/{session_id}/cancel"): ("Stop the reply in flight", None, ()),
     ("POST", "/v1/sessions/{session_id}/continue"): ("Generate more of the last assistant message", REPLY_FIELDS, ()),
@@ -70,10 +127,22 @@ OPERATIONS: dict[tuple[str, str], tuple[str, frozenset[str] | None, tuple[str, .
     ("GET", "/metrics"): ("Prometheus metrics (no key needed)", None, ()),
     ("GET", "/openapi.json"): ("This document (no key needed)", None, ()),
 }
-ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": _STRING, "type": _STRING, "param": {"type": ["string", "null"]},
-                   "code": {"type": ["string", "null"]}}}}}
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": _STRING,
+                "type": _STRING,
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
 
 
 routes = web.RouteTableDef()
@@ -95,8 +164,12 @@ def document(app: web.Application, title: str, version: str) -> dict[str, Any]:
             continue
         path = route.resource.canonical
         paths.setdefault(path, {})[route.method.lower()] = _operation(route.method, path)
-    return {"openapi": "3.1.0", "info": {"title": title, "version": version},
-            "paths": dict(sorted(paths.items())), "components": {"schemas": {"Error": ERROR}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": dict(sorted(paths.items())),
+        "components": {"schemas": {"Error": ERROR}},
+    }
 
 
 def _operation(method: str, path: str) -> dict[str, Any]:
@@ -104,17 +177,27 @@ def _operation(method: str, path: str) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "summary": summary,
         "operationId": method.lower() + path.replace("/", "_").replace("{", "").replace("}", ""),
-        "responses": {"200": {"description": "OK"},
-                      "default": {"description": "An error", "content": {"application/json": {
-                          "schema": {"$ref": "#/components/schemas/Error"}}}}},
+        "responses": {
+            "200": {"description": "OK"},
+            "default": {
+                "description": "An error",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+            },
+        },
     }
-    parameters = [{"name": part[1:-1], "in": "path", "required": True, "schema": _STRING}
-                  for part in path.split("/") if part.startswith("{")]
+    parameters = [
+        {"name": part[1:-1], "in": "path", "required": True, "schema": _STRING}
+        for part in path.split("/")
+        if part.startswith("{")
+    ]
     if parameters:
         operation["parameters"] = parameters
     if fields is not None:
-        schema = {"type": "object", "additionalProperties": False,
-                  "properties": {name: FIELD_TYPES.get(name, {}) for name in sorted(fields)}}
+        schema = {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {name: FIELD_TYPES.get(name, {}) for name in sorted(fields)},
+        }
         if required:
             schema["required"] = list(required)
         operation["requestBody"] = {"required": bool(required), "content": {"application/json": {"schema": schema}}}

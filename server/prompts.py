@@ -22,7 +22,9 @@ TOOL_MESSAGE_FIELDS = MESSAGE_FIELDS | {"tool_call_id"}
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def check_prompt_ids(ids: list[int], info: ModelInfo, param: str = "prompt") -> list[int]:
@@ -96,10 +98,16 @@ def parse_messages(value: Any, param: str = "messages", tools: bool = False) -> 
             raise bad_request(f"{param}[{i}].role must be one of {sorted(roles)}", param=param)
         if message.get("tool_calls"):
             if not tools or role != "assistant":
-                raise bad_request(f"{param}[{i}]: only assistant messages of chat completions may hold tool calls",
-                                  param=param)
-            messages.append({"role": role, "content": _content_text(message.get("content") or "", i),
-                             "tool_calls": _tool_calls(message["tool_calls"], f"{param}[{i}]", param)})
+                raise bad_request(
+                    f"{param}[{i}]: only assistant messages of chat completions may hold tool calls", param=param
+                )
+            messages.append(
+                {
+                    "role": role,
+                    "content": _content_text(message.get("content") or "", i),
+                    "tool_calls": _tool_calls(message["tool_calls"], f"{param}[{i}]", param),
+                }
+            )
             continue
         for name in ("name", "refusal"):
             if message.get(name) is not None and not isinstance(message[name], str):
@@ -124,29 +132,50 @@ def _tool_calls(value: Any, where: str, param: str) -> list[dict[str, Any]]:
     calls = []
     for j, call in enumerate(value):
         function = call.get("function") if isinstance(call, dict) else None
-        if (not isinstance(function, dict) or call.get("type", "function") != "function"
-                or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
-            raise bad_request(f'{where}.tool_calls[{j}] must be {{"id", "type": "function", "function": {{"name": str, '
-                              f'"arguments": str}}}}', param=param)
-        calls.append({"id": str(call.get("id", "")), "type": "function",
-                      "function": {"name": function["name"], "arguments": function["arguments"]}})
+        if (
+            not isinstance(function, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise bad_request(
+                f'{where}.tool_calls[{j}] must be {{"id", "type": "function", "function": {{"name": str, '
+                f'"arguments": str}}}}',
+                param=param,
+            )
+        calls.append(
+            {
+                "id": str(call.get("id", "")),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": function["arguments"]},
+            }
+        )
     return calls
 
 
-def render_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> str:
+def render_chat(
+    info: ModelInfo,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The prompt text of a conversation, from the model's chat template (given `tools` too)."""
     keys = ("role", "content", "tool_calls", "tool_call_id")
     plain = [{k: m[k] for k in keys if k in m} for m in messages]
     try:
         return info.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as e:
-        raise bad_request(f"the conversation cannot be rendered with the model's chat template: {e}",
-                          param="messages") from None
+        raise bad_request(
+            f"the conversation cannot be rendered with the model's chat template: {e}", param="messages"
+        ) from None
 
 
-def encode_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_chat(
+    info: ModelInfo,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of a conversation: its rendered text, encoded as written, except that an
     assistant message carrying `token_ids` (the ids the model generated for it, which a
     session stores) contributes exactly those ids.
@@ -174,8 +203,9 @@ def encode_chat(info: ModelInfo, messages: list[dict[str, Any]], add_generation_
     return ids + (info.tokenizer.encode(pieces[-1]) if pieces[-1] else [])
 
 
-def reply_token_ids(info: ModelInfo, prefix_ids: list[int], generated: list[int], text: str,
-                    skip_special_tokens: bool) -> list[int] | None:
+def reply_token_ids(
+    info: ModelInfo, prefix_ids: list[int], generated: list[int], text: str, skip_special_tokens: bool
+) -> list[int] | None:
     """The ids to store with an assistant message whose content is `text`: `prefix_ids` (the
     ids the prompt already held of it, when continuing) plus the generated ids, without a final
     stop token that the text does not show (the template writes its own end-of-turn).

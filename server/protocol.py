@@ -21,11 +21,29 @@ from jaxserve.structured.spec import GuidedDecoding
 from server.errors import APIError, bad_request
 from server.json_body import JSONBodyError, parse_json
 
-SAMPLING_FIELDS = frozenset({
-    "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
-    "priority", "skip_special_tokens", "logit_bias", "include_stop_str_in_output", "prompt_logprobs",
-})
+SAMPLING_FIELDS = frozenset(
+    {
+        "n",
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "seed",
+        "priority",
+        "skip_special_tokens",
+        "logit_bias",
+        "include_stop_str_in_output",
+        "prompt_logprobs",
+    }
+)
 # Structured output: OpenAI's response_format and vLLM's extras (at most one of them).
 GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 TOOL_FIELDS = frozenset({"tools", "tool_choice"})
@@ -46,12 +64,21 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
 }
 CHAT_FIELDS = (
-    frozenset({"model", "messages"}) | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS | CHAT_LOGPROB_FIELDS
-    | GUIDED_FIELDS | TOOL_FIELDS | (frozenset(NEUTRAL_VALUES) - {"suffix"})
+    frozenset({"model", "messages"})
+    | SAMPLING_FIELDS
+    | METADATA_FIELDS
+    | STREAM_FIELDS
+    | CHAT_LOGPROB_FIELDS
+    | GUIDED_FIELDS
+    | TOOL_FIELDS
+    | (frozenset(NEUTRAL_VALUES) - {"suffix"})
 )
 COMPLETION_FIELDS = (
     frozenset({"model", "prompt", "logprobs", "best_of", "echo", "suffix"})
-    | SAMPLING_FIELDS | METADATA_FIELDS | STREAM_FIELDS | GUIDED_FIELDS
+    | SAMPLING_FIELDS
+    | METADATA_FIELDS
+    | STREAM_FIELDS
+    | GUIDED_FIELDS
 )
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -65,8 +92,9 @@ async def read_json_object(request: web.Request, optional: bool = False) -> dict
     try:
         raw = await asyncio.wait_for(request.read(), request.config_dict.get(BODY_TIMEOUT))
     except TimeoutError:
-        raise APIError(408, "the request body did not arrive in time", code="request_timeout",
-                       headers={"Connection": "close"}) from None
+        raise APIError(
+            408, "the request body did not arrive in time", code="request_timeout", headers={"Connection": "close"}
+        ) from None
     if not raw.strip():
         if optional:
             return {}
@@ -110,9 +138,13 @@ def check_model(body: dict[str, Any], served_name: str, adapters: Collection[str
     """The requested model: the served one (the default) or one of its LoRA `adapters`; else 404."""
     model = require_str(body, "model", served_name)
     if model != served_name and model not in adapters:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_name!r}"
-                       + (f" and its LoRA adapters {sorted(adapters)}" if adapters else ""),
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served_name!r}"
+            + (f" and its LoRA adapters {sorted(adapters)}" if adapters else ""),
+            param="model",
+            code="model_not_found",
+        )
     return model
 
 
@@ -190,7 +222,8 @@ def max_tokens_setting(body: dict[str, Any], limits: Limits, longest_prompt: int
         raise bad_request(
             f"this model's maximum context length is {limits.max_model_len} tokens; the request asks for "
             f"{longest_prompt + given} ({longest_prompt} in the prompt, {given} to generate)",
-            param=name, code="context_length_exceeded",
+            param=name,
+            code="context_length_exceeded",
         )
     return given
 
@@ -205,14 +238,15 @@ def guided_setting(body: dict[str, Any]) -> GuidedDecoding | None:
         raise bad_request(f"at most one of {sorted(given)} may be given", param=sorted(given)[1])
     if not given:
         return None
-    (name, value), = given.items()
+    ((name, value),) = given.items()
     try:
         if name == "response_format":
             return _response_format(value)
         if name == "guided_json":
             return GuidedDecoding("json", _json_value(value, name))
-        return GuidedDecoding({"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}[name],
-                              value)
+        return GuidedDecoding(
+            {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}[name], value
+        )
     except ValueError as e:
         raise bad_request(f"{name}: {e}", param=name, code="invalid_schema") from None
 
@@ -224,14 +258,18 @@ def _response_format(value: Any) -> GuidedDecoding:
     if kind == "json_schema" and set(value) == {"type", "json_schema"} and isinstance(value["json_schema"], dict):
         spec = value["json_schema"]
         if set(spec) - {"name", "description", "schema", "strict"}:
-            raise ValueError(f"json_schema has unsupported fields: {sorted(set(spec) - {'name', 'description', 'schema', 'strict'})}")
+            raise ValueError(
+                f"json_schema has unsupported fields: {sorted(set(spec) - {'name', 'description', 'schema', 'strict'})}"
+            )
         if "name" in spec and not isinstance(spec["name"], str):
             raise ValueError("json_schema.name must be a string")
         if "strict" in spec and not isinstance(spec["strict"], bool):
             raise ValueError("json_schema.strict must be a boolean")
         return GuidedDecoding("json", spec["schema"]) if "schema" in spec else GuidedDecoding("json_object")
-    raise ValueError('must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-                     '{"name": ..., "schema": {...}}}')
+    raise ValueError(
+        'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+        '{"name": ..., "schema": {...}}}'
+    )
 
 
 def _json_value(value: Any, name: str) -> Any:
@@ -244,15 +282,24 @@ def _json_value(value: Any, name: str) -> Any:
     return value
 
 
-def build_sampling_params(body: dict[str, Any], *, max_tokens: int, logprobs: int | None, max_n: int,
-                          vocab_size: int, guided: GuidedDecoding | None = None, echo: bool = False) -> SamplingParams:
+def build_sampling_params(
+    body: dict[str, Any],
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    max_n: int,
+    vocab_size: int,
+    guided: GuidedDecoding | None = None,
+    echo: bool = False,
+) -> SamplingParams:
     """The request's SamplingParams; `guided` (a tool call to enforce) replaces the body's
     structured-output fields, which may not be given with it. With `echo` and `logprobs`
     (completions), the prompt is scored too (prompt_logprobs defaults to logprobs)."""
     given = guided_setting(body)
     if guided is not None and given is not None:
-        raise bad_request("a required or named tool_choice cannot be combined with structured output fields",
-                          param="tool_choice")
+        raise bad_request(
+            "a required or named tool_choice cannot be combined with structured output fields", param="tool_choice"
+        )
     guided = guided or given
     fields = {name: body[name] for name in SAMPLING_FIELDS - {"max_tokens"} if name in body}
     if echo and logprobs is not None:

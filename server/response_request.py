@@ -18,17 +18,47 @@ from typing import Any
 from server.errors import bad_request
 from server.tools import ToolChoice, parse_tool_choice, parse_tools
 
-RESPONSE_FIELDS = frozenset({
-    "model", "input", "instructions", "previous_response_id", "store", "background", "stream", "stream_options",
-    "max_output_tokens", "temperature", "top_p", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "text", "include", "metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
-    "prompt_cache_retention", "truncation", "reasoning", "max_tool_calls",
-    # vLLM's extra sampling fields
-    "top_k", "min_p", "repetition_penalty", "seed",
-})
+RESPONSE_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "previous_response_id",
+        "store",
+        "background",
+        "stream",
+        "stream_options",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "include",
+        "metadata",
+        "user",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "truncation",
+        "reasoning",
+        "max_tool_calls",
+        # vLLM's extra sampling fields
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "seed",
+    }
+)
 # Fields the server does not implement, with the values that mean "not used".
-NEUTRAL = {"truncation": ("disabled",), "reasoning": ({}, {"effort": None}, {"effort": None, "summary": None}),
-           "max_tool_calls": ()}
+NEUTRAL = {
+    "truncation": ("disabled",),
+    "reasoning": ({}, {"effort": None}, {"effort": None, "summary": None}),
+    "max_tool_calls": (),
+}
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
@@ -75,17 +105,23 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
     messages, items = parse_input(body["input"])
     instructions = _optional(body, "instructions", str)
     previous = _optional(body, "previous_response_id", str)
-    store, background, stream = (_optional(body, name, bool, default) for name, default in
-                                 (("store", True), ("background", False), ("stream", False)))
+    store, background, stream = (
+        _optional(body, name, bool, default)
+        for name, default in (("store", True), ("background", False), ("stream", False))
+    )
     if background and not store:
         raise bad_request("background responses must be stored (store: true)", param="background")
     if background and stream:
-        raise bad_request("a background response cannot be streamed; retrieve it instead", param="stream",
-                          code="unsupported_parameter")
+        raise bad_request(
+            "a background response cannot be streamed; retrieve it instead",
+            param="stream",
+            code="unsupported_parameter",
+        )
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
-        raise bad_request("stream_options is only allowed with stream, and only include_obfuscation",
-                          param="stream_options")
+        raise bad_request(
+            "stream_options is only allowed with stream, and only include_obfuscation", param="stream_options"
+        )
     tools = parse_tools({"tools": _function_tools(body.get("tools", []))})
     choice = parse_tool_choice({"tool_choice": _chat_tool_choice(body.get("tool_choice", "auto"))}, tools)
     parallel = _optional(body, "parallel_tool_calls", bool, True)
@@ -94,15 +130,41 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
     sampling = {name: body[name] for name in SAMPLING if name in body}
     metadata = _metadata(body.get("metadata", {}))
     echo = {
-        "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"), "metadata": metadata,
-        "parallel_tool_calls": parallel, "previous_response_id": previous, "store": store, "background": background,
-        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0), "text": text,
-        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools", []),
-        "top_logprobs": logprobs or 0, "user": body.get("user"), "truncation": "disabled", "max_tool_calls": None,
-        "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+        "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": metadata,
+        "parallel_tool_calls": parallel,
+        "previous_response_id": previous,
+        "store": store,
+        "background": background,
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "text": text,
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools", []),
+        "top_logprobs": logprobs or 0,
+        "user": body.get("user"),
+        "truncation": "disabled",
+        "max_tool_calls": None,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
     }
-    return ResponseRequest(messages, items, instructions, previous, store, background, stream, tools, choice,
-                           parallel, sampling, response_format, logprobs, echo)
+    return ResponseRequest(
+        messages,
+        items,
+        instructions,
+        previous,
+        store,
+        background,
+        stream,
+        tools,
+        choice,
+        parallel,
+        sampling,
+        response_format,
+        logprobs,
+        echo,
+    )
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
@@ -132,8 +194,11 @@ def parse_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
         elif kind == "function_call_output":
             items.append(_output_item(item, where, messages))
         else:
-            raise bad_request(f"{where}: items of type {kind!r} are not supported (only messages, function_call and "
-                              "function_call_output)", param="input")
+            raise bad_request(
+                f"{where}: items of type {kind!r} are not supported (only messages, function_call and "
+                "function_call_output)",
+                param="input",
+            )
     return messages, items
 
 
@@ -151,8 +216,13 @@ def _message_item(item: dict[str, Any], where: str, messages: list[dict[str, Any
     text = _text_of(item.get("content"), f"{where}.content")
     messages.append({"role": "system" if role == "developer" else role, "content": text})
     part = "output_text" if role == "assistant" else "input_text"
-    return {"type": "message", "id": _id(item, "msg"), "role": role, "status": "completed",
-            "content": [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]}
+    return {
+        "type": "message",
+        "id": _id(item, "msg"),
+        "role": role,
+        "status": "completed",
+        "content": [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}],
+    }
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -164,8 +234,9 @@ def _text_of(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
-            raise bad_request(f"{where}[{j}]: only input_text and output_text parts are supported, not {kind!r}",
-                              param="input")
+            raise bad_request(
+                f"{where}[{j}]: only input_text and output_text parts are supported, not {kind!r}", param="input"
+            )
         _check_keys(part, PART_KEYS, f"{where}[{j}]")
         texts.append(part["text"])
     return "".join(texts)
@@ -183,14 +254,23 @@ def _call_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]])
     for name in ("call_id", "name", "arguments"):
         if not isinstance(item.get(name), str):
             raise bad_request(f"{where}.{name} must be a string", param="input")
-    call = {"id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    call = {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
     if messages and messages[-1]["role"] == "assistant":  # calls of one reply share its message
         messages[-1].setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    return {"type": "function_call", "id": _id(item, "fc"), "call_id": item["call_id"], "name": item["name"],
-            "arguments": item["arguments"], "status": "completed"}
+    return {
+        "type": "function_call",
+        "id": _id(item, "fc"),
+        "call_id": item["call_id"],
+        "name": item["name"],
+        "arguments": item["arguments"],
+        "status": "completed",
+    }
 
 
 def _output_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -199,8 +279,13 @@ def _output_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]
         raise bad_request(f"{where}.call_id must be a string", param="input")
     output = _text_of(item.get("output"), f"{where}.output")
     messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-    return {"type": "function_call_output", "id": _id(item, "fco"), "call_id": item["call_id"], "output": output,
-            "status": "completed"}
+    return {
+        "type": "function_call_output",
+        "id": _id(item, "fco"),
+        "call_id": item["call_id"],
+        "output": output,
+        "status": "completed",
+    }
 
 
 def _function_tools(tools: Any) -> Any:
@@ -227,8 +312,9 @@ def _chat_tool_choice(value: Any) -> Any:
     if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "name"}:
         return {"type": "function", "function": {"name": value["name"]}}
     if isinstance(value, dict):
-        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-                          param="tool_choice")
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', param="tool_choice"
+        )
     return value
 
 
@@ -250,8 +336,11 @@ def _text_format(text: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if kind == "json_schema" and not set(fmt) - FORMAT_KEYS and isinstance(fmt.get("schema"), dict):
         spec = {k: v for k, v in fmt.items() if k != "type"}
         return shown, {"type": "json_schema", "json_schema": spec}
-    raise bad_request('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
-                      '"name": ..., "schema": {...}}', param="text")
+    raise bad_request(
+        'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        '"name": ..., "schema": {...}}',
+        param="text",
+    )
 
 
 def _logprobs(body: dict[str, Any]) -> int | None:
@@ -266,9 +355,15 @@ def _logprobs(body: dict[str, Any]) -> int | None:
 
 
 def _metadata(value: Any) -> dict[str, str]:
-    if (not isinstance(value, dict) or len(value) > MAX_METADATA
-            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                       for k, v in value.items())):
-        raise bad_request(f"metadata must map at most {MAX_METADATA} keys (64 characters) to strings "
-                          "(512 characters)", param="metadata")
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA
+        or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()
+        )
+    ):
+        raise bad_request(
+            f"metadata must map at most {MAX_METADATA} keys (64 characters) to strings (512 characters)",
+            param="metadata",
+        )
     return value

@@ -24,17 +24,26 @@ from server.tools import ToolCall, ToolCalling
 
 
 def usage_body(usage: UsageCount) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
 
 
 class ResponseShapes:
     """The response object and its output items, for one response (its id, settings and model)."""
 
-    def __init__(self, response_id: str, info: ModelInfo, echo: dict[str, Any], tools: ToolCalling | None,
-                 created_at: int | None = None) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        info: ModelInfo,
+        echo: dict[str, Any],
+        tools: ToolCalling | None,
+        created_at: int | None = None,
+    ) -> None:
         self.id = response_id
         self.info = info
         self.echo = echo
@@ -43,13 +52,23 @@ class ResponseShapes:
         self.message_id = item_id("msg")
         self._call_ids: list[tuple[str, str]] = []  # (item id, call id) of each call, made once
 
-    def body(self, status: str, output: list[dict[str, Any]], usage: UsageCount | None,
-             error: dict[str, str] | None = None) -> dict[str, Any]:
+    def body(
+        self, status: str, output: list[dict[str, Any]], usage: UsageCount | None, error: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
-                "error": error, "incomplete_details": incomplete, "model": self.info.name, "output": output,
-                **self.echo, "usage": usage_body(usage) if usage is not None else None}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+            "error": error,
+            "incomplete_details": incomplete,
+            "model": self.info.name,
+            "output": output,
+            **self.echo,
+            "usage": usage_body(usage) if usage is not None else None,
+        }
 
     def reply(self, choice: ChoiceOutput, keep_message: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(status, output items) of a finished reply; the message item is left out when the
@@ -66,8 +85,13 @@ class ResponseShapes:
         return status, output
 
     def message(self, text: str, status: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [self.text_part(text, logprobs)]}
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [self.text_part(text, logprobs)],
+        }
 
     def text_part(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         shown = chat_logprobs(self.info, logprobs)["content"] if logprobs is not None else []
@@ -77,8 +101,14 @@ class ResponseShapes:
         while len(self._call_ids) <= index:
             self._call_ids.append((item_id("fc"), item_id("call")))
         fc_id, call_id = self._call_ids[index]
-        return {"type": "function_call", "id": fc_id, "call_id": call_id, "name": call.name,
-                "arguments": call.arguments, "status": status}
+        return {
+            "type": "function_call",
+            "id": fc_id,
+            "call_id": call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": status,
+        }
 
 
 class ResponseEvents:
@@ -108,23 +138,43 @@ class ResponseEvents:
         if end <= self._shown:
             return []
         events = self._open_message()
-        piece, self._shown = self._text[self._shown:end], end
+        piece, self._shown = self._text[self._shown : end], end
         shown = delta.logprobs if tools is None else None  # (with tools, text and tokens may part ways)
         logprobs = chat_logprobs(self.shapes.info, shown)["content"] if shown else []
-        events.append(self.event("response.output_text.delta", item_id=self.shapes.message_id, output_index=0,
-                                 content_index=0, delta=piece, logprobs=logprobs))
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.shapes.message_id,
+                output_index=0,
+                content_index=0,
+                delta=piece,
+                logprobs=logprobs,
+            )
+        )
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
         if self._message_open:
             return []
         self._message_open = True
-        item = {"type": "message", "id": self.shapes.message_id, "status": "in_progress", "role": "assistant",
-                "content": []}
+        item = {
+            "type": "message",
+            "id": self.shapes.message_id,
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self.event("response.output_item.added", output_index=0, item=item),
-                self.event("response.content_part.added", item_id=self.shapes.message_id, output_index=0,
-                           content_index=0, part=part)]
+        return [
+            self.event("response.output_item.added", output_index=0, item=item),
+            self.event(
+                "response.content_part.added",
+                item_id=self.shapes.message_id,
+                output_index=0,
+                content_index=0,
+                part=part,
+            ),
+        ]
 
     def finish(self, choice: ChoiceOutput, usage: UsageCount) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The events that close the output items and the response, and the response's body."""
@@ -135,23 +185,50 @@ class ResponseEvents:
                 events += self._open_message()
                 text = item["content"][0]["text"]
                 if len(text) > self._shown:
-                    events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                             content_index=0, delta=text[self._shown:], logprobs=[]))
+                    events.append(
+                        self.event(
+                            "response.output_text.delta",
+                            item_id=item["id"],
+                            output_index=index,
+                            content_index=0,
+                            delta=text[self._shown :],
+                            logprobs=[],
+                        )
+                    )
                 part = item["content"][0]
                 events += [
-                    self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                               text=text, logprobs=part["logprobs"]),
-                    self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                               content_index=0, part=part),
+                    self.event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=text,
+                        logprobs=part["logprobs"],
+                    ),
+                    self.event(
+                        "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                    ),
                 ]
             else:
                 events += [
-                    self.event("response.output_item.added", output_index=index,
-                               item={**item, "arguments": "", "status": "in_progress"}),
-                    self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=item["arguments"]),
-                    self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               name=item["name"], arguments=item["arguments"]),
+                    self.event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"},
+                    ),
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        delta=item["arguments"],
+                    ),
+                    self.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    ),
                 ]
             events.append(self.event("response.output_item.done", output_index=index, item=item))
         body = self.shapes.body(status, output, usage)

@@ -47,17 +47,22 @@ class ResponseStore:
         """The stored response a new one continues: 404 if there is none, 409 while it runs."""
         session = self.get(owner, response_id, param="previous_response_id")
         if session.busy or session.response["object"]["status"] in UNFINISHED:
-            raise APIError(409, f"the response {response_id!r} is still in progress", param="previous_response_id",
-                           code="response_in_progress")
+            raise APIError(
+                409,
+                f"the response {response_id!r} is still in progress",
+                param="previous_response_id",
+                code="response_in_progress",
+            )
         return session
 
-    async def create(self, owner: str, model: str, response_id: str, messages: list[Message],
-                     record: dict[str, Any]) -> Session:
+    async def create(
+        self, owner: str, model: str, response_id: str, messages: list[Message], record: dict[str, Any]
+    ) -> Session:
         """Store a response (written first with files; APIError 500 when that fails), deleting
         the owner's least recently used idle ones beyond the limit."""
         stored = self.sessions.owned_by(owner, responses=True)
         excess = len(stored) + 1 - self.max_per_owner
-        for old in sorted((s for s in stored if not s.busy), key=lambda s: s.last_used)[:max(excess, 0)]:
+        for old in sorted((s for s in stored if not s.busy), key=lambda s: s.last_used)[: max(excess, 0)]:
             logger.info("deleting stored response %s: its key keeps at most %d", old.id, self.max_per_owner)
             await self.remove(old)
         return self.sessions.create(owner, model, messages, {}, response=record, session_id=response_id)
@@ -71,6 +76,9 @@ class ResponseStore:
         """The response as the API shows it; one left unfinished by a server that stopped is failed."""
         body = session.response["object"]
         if body["status"] in UNFINISHED and not session.busy:
-            return {**body, "status": "failed",
-                    "error": {"code": "server_error", "message": "the server stopped before the response finished"}}
+            return {
+                **body,
+                "status": "failed",
+                "error": {"code": "server_error", "message": "the server stopped before the response finished"},
+            }
         return body

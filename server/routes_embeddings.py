@@ -45,8 +45,11 @@ def embedding_inputs(body: dict[str, Any], info: ModelInfo) -> list[list[int]]:
     if isinstance(value, str) or (isinstance(value, list) and value and _is_int(value[0])):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise bad_request("input must be a string, a list of strings, a list of token ids, or a list of token id "
-                          "lists, and not empty", param="input")
+        raise bad_request(
+            "input must be a string, a list of strings, a list of token ids, or a list of token id "
+            "lists, and not empty",
+            param="input",
+        )
     if len(value) > MAX_INPUTS:
         raise bad_request(f"at most {MAX_INPUTS} inputs per request", param="input")
     inputs = []
@@ -56,8 +59,11 @@ def embedding_inputs(body: dict[str, Any], info: ModelInfo) -> list[list[int]]:
         elif isinstance(item, list) and all(_is_int(t) for t in item):
             ids = item
         else:
-            raise bad_request("input must be a string, a list of strings, a list of token ids, or a list of token id "
-                              "lists, not a mix", param="input")
+            raise bad_request(
+                "input must be a string, a list of strings, a list of token ids, or a list of token id "
+                "lists, not a mix",
+                param="input",
+            )
         inputs.append(check_prompt_ids(ids, info, "input"))
     return inputs
 
@@ -72,9 +78,12 @@ def _encoding(body: dict[str, Any], hidden_size: int) -> str:
         raise bad_request(f"encoding_format must be one of {list(ENCODINGS)}", param="encoding_format")
     dimensions = body.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions != hidden_size):
-        raise bad_request(f"dimensions: this model's embeddings have {hidden_size} dimensions, and it cannot shorten "
-                          f"them (it was not trained to); leave dimensions out or give {hidden_size}",
-                          param="dimensions", code="unsupported_parameter")
+        raise bad_request(
+            f"dimensions: this model's embeddings have {hidden_size} dimensions, and it cannot shorten "
+            f"them (it was not trained to); leave dimensions out or give {hidden_size}",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
     return encoding
 
 
@@ -110,5 +119,11 @@ async def embeddings(request: web.Request) -> web.Response:
         raise APIError(500, "the engine ended an input without its embedding", code="internal_error")
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)} for i, v in enumerate(vectors)]
     usage = generation.usage
-    return web.json_response({"object": "list", "data": data, "model": state.info.name,
-                              "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "model": state.info.name,
+            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+        }
+    )

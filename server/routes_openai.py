@@ -11,7 +11,9 @@ from aiohttp import web
 from server.auth import OWNER_KEY
 from server.errors import bad_request, not_found
 from server.generation import EngineRequest
+from server.http_reply import respond
 from server.model_info import ModelInfo
+from server.openai_bodies import ChatShapes, CompletionShapes
 from server.prompts import check_prompt_ids, completion_prompts, encode_chat, parse_messages
 from server.protocol import (
     CHAT_FIELDS,
@@ -27,8 +29,6 @@ from server.protocol import (
     read_json_object,
     require_bool,
 )
-from server.http_reply import respond
-from server.openai_bodies import ChatShapes, CompletionShapes
 from server.state import STATE, ServerState
 from server.tools import ToolCalling, ToolFormat, forced_constraint, parse_tool_choice, parse_tools
 
@@ -50,16 +50,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = max_tokens_setting(body, state.limits, longest, DEFAULT_COMPLETION_MAX_TOKENS)
     logprobs = logprobs_setting(body, chat=False)
     echo = echo_setting(body)
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_n=state.limits.max_n,
-                                   vocab_size=state.info.vocab_size, echo=echo)
+    params = build_sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        max_n=state.limits.max_n,
+        vocab_size=state.info.vocab_size,
+        echo=echo,
+    )
     params = dataclasses.replace(params, lora=adapter)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = [
         EngineRequest(response_id if len(prompts) == 1 else f"{response_id}-{i}", ids, params, i * params.n)
         for i, (_, ids) in enumerate(prompts)
     ]
-    shapes = CompletionShapes(response_id, info, prompts if echo else None, params.n,
-                              show_prompt_logprobs="prompt_logprobs" in body)
+    shapes = CompletionShapes(
+        response_id, info, prompts if echo else None, params.n, show_prompt_logprobs="prompt_logprobs" in body
+    )
     with state.admission.hold(params.n * len(prompts)):
         generation = state.generation(request, requests, "completions", arrival)
         return await respond(request, generation, shapes, stream)
@@ -85,20 +92,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = check_prompt_ids(encode_chat(state.info, messages, tools=template_tools), state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
     forced = forced_constraint(tools, choice, require_bool(body, "parallel_tool_calls", True))
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=True),
-                                   max_n=state.limits.max_n, vocab_size=state.info.vocab_size, guided=forced)
+    params = build_sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs_setting(body, chat=True),
+        max_n=state.limits.max_n,
+        vocab_size=state.info.vocab_size,
+        guided=forced,
+    )
     params = dataclasses.replace(params, lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    shapes = ChatShapes(response_id, info, ToolCalling(tool_format, choice) if shown_tools else None,
-                        show_prompt_logprobs="prompt_logprobs" in body)
+    shapes = ChatShapes(
+        response_id,
+        info,
+        ToolCalling(tool_format, choice) if shown_tools else None,
+        show_prompt_logprobs="prompt_logprobs" in body,
+    )
     with state.admission.hold(params.n):
         generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)
         return await respond(request, generation, shapes, stream)
 
 
 def _model_card(info: ModelInfo) -> dict[str, object]:
-    return {"id": info.name, "object": "model", "created": info.created, "owned_by": "jaxserve",
-            "max_model_len": info.max_model_len}
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": info.created,
+        "owned_by": "jaxserve",
+        "max_model_len": info.max_model_len,
+    }
 
 
 def _cards(state: ServerState) -> dict[str, dict[str, object]]:
@@ -106,8 +128,9 @@ def _cards(state: ServerState) -> dict[str, dict[str, object]]:
     base model (`parent`) and directory (`root`), as vLLM's do."""
     base = _model_card(state.info)
     cards = {state.info.name: base}
-    cards.update({name: {**base, "id": name, "root": path, "parent": state.info.name}
-                  for name, path in state.adapters.items()})
+    cards.update(
+        {name: {**base, "id": name, "root": path, "parent": state.info.name} for name, path in state.adapters.items()}
+    )
     return cards
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from aiohttp import web
@@ -41,7 +40,7 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         snapshot = await state.engine.snapshot()
-    except asyncio.TimeoutError:
+    except TimeoutError:
         snapshot = None
     body = state.metrics.render(snapshot, state.engine.is_alive)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -91,21 +91,30 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
     req = parse_request(body)
     previous = state.responses.previous(owner, req.previous_response_id) if req.previous_response_id else None
     if previous is not None and previous.model != shown.name:
-        raise bad_request(f"response {req.previous_response_id} was made by model {previous.model!r}; its chain "
-                          f"cannot go on with {shown.name!r} (their KV differs)", param="model",
-                          code="model_mismatch")
+        raise bad_request(
+            f"response {req.previous_response_id} was made by model {previous.model!r}; its chain "
+            f"cannot go on with {shown.name!r} (their KV differs)",
+            param="model",
+            code="model_mismatch",
+        )
     history = previous.messages if previous is not None else []
     if len(history) + len(req.messages) + 1 > state.config.max_session_messages:
-        raise bad_request(f"a chain of responses holds at most {state.config.max_session_messages} messages",
-                          param="input")
+        raise bad_request(
+            f"a chain of responses holds at most {state.config.max_session_messages} messages", param="input"
+        )
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     tool_format = ToolFormat(info.tokenizer.chat_template)
     shown_tools = req.tools if req.tool_choice.mode != "none" else []
     messages, template_tools = tool_format.prompt([*instructions, *history, *req.messages], shown_tools)
     ids = check_prompt_ids(encode_chat(info, messages, tools=template_tools), info, "input")
-    params = build_sampling_params(req.sampling, max_tokens=_max_output_tokens(body, state.limits, len(ids)),
-                                   logprobs=req.logprobs, max_n=1, vocab_size=info.vocab_size,
-                                   guided=_constraint(req))
+    params = build_sampling_params(
+        req.sampling,
+        max_tokens=_max_output_tokens(body, state.limits, len(ids)),
+        logprobs=req.logprobs,
+        max_n=1,
+        vocab_size=info.vocab_size,
+        guided=_constraint(req),
+    )
     params = dataclasses.replace(params, lora=adapter)
     response_id = new_response_id()
     tools = ToolCalling(tool_format, req.tool_choice) if shown_tools else None
@@ -122,8 +131,9 @@ def _constraint(req: ResponseRequest) -> Any:
         try:
             given = guided_setting({"response_format": req.response_format})
         except APIError as e:
-            raise bad_request(f"text.format: {e.message.removeprefix('response_format: ')}", param="text",
-                              code=e.code) from None
+            raise bad_request(
+                f"text.format: {e.message.removeprefix('response_format: ')}", param="text", code=e.code
+            ) from None
     return forced_constraint(req.tools, req.tool_choice, req.parallel_tool_calls) or given
 
 
@@ -133,12 +143,16 @@ def _max_output_tokens(body: dict[str, Any], limits: Limits, prompt_tokens: int)
     if value is None:
         return max(1, min(limits.max_tokens_limit, room))
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limits.max_tokens_limit:
-        raise bad_request(f"max_output_tokens must be an integer in [1, {limits.max_tokens_limit}]",
-                          param="max_output_tokens")
+        raise bad_request(
+            f"max_output_tokens must be an integer in [1, {limits.max_tokens_limit}]", param="max_output_tokens"
+        )
     if value > room:
-        raise bad_request(f"this model's maximum context length is {limits.max_model_len} tokens; the response asks "
-                          f"for {prompt_tokens + value} ({prompt_tokens} of input, {value} to generate)",
-                          param="max_output_tokens", code="context_length_exceeded")
+        raise bad_request(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the response asks "
+            f"for {prompt_tokens + value} ({prompt_tokens} of input, {value} to generate)",
+            param="max_output_tokens",
+            code="context_length_exceeded",
+        )
     return value
 
 
@@ -150,8 +164,9 @@ async def _collect(generation: Generation) -> ChoiceOutput:
     return choice
 
 
-async def _finish(state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutput,
-                  usage: UsageCount) -> dict[str, Any]:
+async def _finish(
+    state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutput, usage: UsageCount
+) -> dict[str, Any]:
     """The finished response's body, stored first when it is to be."""
     status, output = turn.shapes.reply(choice)
     body = turn.shapes.body(status, output, usage)
@@ -178,9 +193,14 @@ def _reply_message(state: ServerState, turn: _Turn, choice: ChoiceOutput, output
     calls = [item for item in output if item["type"] == "function_call"]
     if calls:
         text = next((item["content"][0]["text"] for item in output if item["type"] == "message"), "")
-        return {"role": "assistant", "content": text, "tool_calls": [
-            {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls]}
+        return {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [
+                {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls
+            ],
+        }
     message: Message = {"role": "assistant", "content": choice.text}
     ids = reply_token_ids(state.info, [], choice.token_ids, choice.text, turn.params.skip_special_tokens)
     if ids is not None:
@@ -188,8 +208,9 @@ def _reply_message(state: ServerState, turn: _Turn, choice: ChoiceOutput, output
     return message
 
 
-async def _stream(request: web.Request, state: ServerState, owner: str, turn: _Turn,
-                  generation: Generation) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, state: ServerState, owner: str, turn: _Turn, generation: Generation
+) -> web.StreamResponse:
     """Stream the response's events; an error before the first delta is an ordinary JSON error."""
     stream = EventStream(request)
     events = ResponseEvents(turn.shapes)
@@ -220,15 +241,21 @@ async def _stream(request: web.Request, state: ServerState, owner: str, turn: _T
     return stream.response
 
 
-async def _start_in_background(state: ServerState, owner: str, turn: _Turn, generation: Generation,
-                               hold: contextlib.ExitStack) -> web.Response:
+async def _start_in_background(
+    state: ServerState, owner: str, turn: _Turn, generation: Generation, hold: contextlib.ExitStack
+) -> web.Response:
     """Store the response as in progress and generate it in the background (`hold` keeps its
     place in the server's queue until it ends)."""
     body = turn.shapes.body("in_progress", [], None)
     messages = [*turn.history, *turn.request.messages]
     try:
-        session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages,
-                                               {"object": body, "input_items": turn.request.items, "chain": turn.chain})
+        session = await state.responses.create(
+            owner,
+            turn.shapes.info.name,
+            turn.shapes.id,
+            messages,
+            {"object": body, "input_items": turn.request.items, "chain": turn.chain},
+        )
     except BaseException:
         hold.close()
         raise
@@ -237,8 +264,9 @@ async def _start_in_background(state: ServerState, owner: str, turn: _Turn, gene
     return web.json_response(body)
 
 
-async def _run_in_background(state: ServerState, owner: str, turn: _Turn, generation: Generation, session: Session,
-                             hold: contextlib.ExitStack) -> None:
+async def _run_in_background(
+    state: ServerState, owner: str, turn: _Turn, generation: Generation, session: Session, hold: contextlib.ExitStack
+) -> None:
     try:
         try:
             choice = await _collect(generation)
@@ -270,8 +298,9 @@ def _response(request: web.Request) -> tuple[ServerState, Session]:
 @routes.get("/v1/responses/{response_id}")
 async def get_response(request: web.Request) -> web.Response:
     if request.query.get("stream", "false") != "false":
-        raise bad_request("streaming a stored response again is not supported", param="stream",
-                          code="unsupported_parameter")
+        raise bad_request(
+            "streaming a stored response again is not supported", param="stream", code="unsupported_parameter"
+        )
     _, session = _response(request)
     return web.json_response(ResponseStore.public(session))
 
@@ -330,5 +359,12 @@ async def input_items(request: web.Request) -> web.Response:
             else:
                 end = ids.index(query[name])
     page = items[start:end][:limit]
-    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + len(page) < end,
+        }
+    )

@@ -33,6 +33,9 @@ from aiohttp import web
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request, not_found
 from server.generation import EngineRequest
+from server.http_reply import respond
+from server.model_info import ModelInfo
+from server.openai_bodies import ChatShapes, ChoiceOutput
 from server.prompts import check_prompt_ids, encode_chat, parse_messages, reply_token_ids
 from server.protocol import (
     GUIDED_FIELDS,
@@ -45,9 +48,6 @@ from server.protocol import (
     read_json_object,
     require_str,
 )
-from server.http_reply import respond
-from server.model_info import ModelInfo
-from server.openai_bodies import ChatShapes, ChoiceOutput
 from server.sessions import Message, Session
 from server.state import STATE, ServerState
 
@@ -68,8 +68,13 @@ def _session(request: web.Request) -> tuple[ServerState, Session]:
 def _check_defaults(state: ServerState, defaults: dict[str, Any]) -> None:
     """Refuse bad defaults when the session is created, not at its first reply."""
     max_tokens = max_tokens_setting(defaults, state.limits, 1, None)
-    build_sampling_params(defaults, max_tokens=max_tokens, logprobs=logprobs_setting(defaults, chat=True), max_n=1,
-                          vocab_size=state.info.vocab_size)
+    build_sampling_params(
+        defaults,
+        max_tokens=max_tokens,
+        logprobs=logprobs_setting(defaults, chat=True),
+        max_n=1,
+        vocab_size=state.info.vocab_size,
+    )
 
 
 def _check_length(state: ServerState, messages: list[Message]) -> None:
@@ -83,15 +88,18 @@ def _session_model(state: ServerState, session: Session, body: dict[str, Any]) -
     again or not in the body (400 for another); 404 when its adapter was unloaded since."""
     named = require_str(body, "model", session.model)
     if named != session.model:
-        raise bad_request(f"session {session.id} runs model {session.model!r}; it cannot go on with {named!r} "
-                          "(start another session for it)", param="model", code="model_mismatch")
+        raise bad_request(
+            f"session {session.id} runs model {session.model!r}; it cannot go on with {named!r} "
+            "(start another session for it)",
+            param="model",
+            code="model_mismatch",
+        )
     return state.model_for({"model": session.model})
 
 
 def _claim(session: Session) -> None:
     if session.busy:
-        raise APIError(409, "this session is already generating a reply; wait for it or cancel it",
-                       code="session_busy")
+        raise APIError(409, "this session is already generating a reply; wait for it or cancel it", code="session_busy")
 
 
 async def _wait_for_reply(session: Session) -> None:
@@ -249,8 +257,13 @@ async def _reply(
     settings = {**session.defaults, **{k: v for k, v in body.items() if k in DEFAULT_FIELDS}}
     stream = parse_stream(body)
     max_tokens = max_tokens_setting(settings, state.limits, len(ids), None)
-    params = build_sampling_params(settings, max_tokens=max_tokens, logprobs=logprobs_setting(settings, chat=True),
-                                   max_n=1, vocab_size=info.vocab_size)
+    params = build_sampling_params(
+        settings,
+        max_tokens=max_tokens,
+        logprobs=logprobs_setting(settings, chat=True),
+        max_n=1,
+        vocab_size=info.vocab_size,
+    )
     params = dataclasses.replace(params, lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     _claim(session)

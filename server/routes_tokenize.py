@@ -61,8 +61,12 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     tokenizer = info.tokenizer
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
-    body = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.bundle.special_tokens,
-            "add_bos_token": adds_bos, "model_max_length": info.max_model_len}
+    body = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **tokenizer.bundle.special_tokens,
+        "add_bos_token": adds_bos,
+        "model_max_length": info.max_model_len,
+    }
     if tokenizer.chat_template is not None:
         body["chat_template"] = tokenizer.chat_template
     return web.json_response(body)

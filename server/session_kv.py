@@ -30,14 +30,18 @@ class SessionKV:
         """Pin the cached blocks of `ids` for the session, replacing its previous pin (or the pin
         of `replacing`, a stored response it continues)."""
         holder_of_old = session if replacing is None else replacing
-        others = [s for s in self.store.owned_by(session.owner, responses=None)
-                  if s is not session and s is not holder_of_old and s.pin is not None]
+        others = [
+            s
+            for s in self.store.owned_by(session.owner, responses=None)
+            if s is not session and s is not holder_of_old and s.pin is not None
+        ]
         others.sort(key=lambda s: s.last_used)
         by_pin = {id(s.pin): s for s in others}
         old = holder_of_old.pin
         lora = None if session.model == self.base_model else session.model
-        result = await self.engine.pin_history(session.placement_id, session.owner, ids, old, [s.pin for s in others],
-                                               lora)
+        result = await self.engine.pin_history(
+            session.placement_id, session.owner, ids, old, [s.pin for s in others], lora
+        )
         if result is None:
             return
         pin, released = result

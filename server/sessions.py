@@ -85,8 +85,12 @@ class Session:
             "replying": self.busy,
         }
 
-    def record(self, messages: list[Message] | None = None, last_used: float | None = None,
-               response: dict[str, Any] | None = None) -> dict[str, Any]:
+    def record(
+        self,
+        messages: list[Message] | None = None,
+        last_used: float | None = None,
+        response: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """What is written to disk: the session as it is, or with `messages`, `last_used` or
         `response` replaced."""
         record = {
@@ -107,8 +111,15 @@ class Session:
         """A session from a record read from disk, or ValueError saying what is wrong with it."""
         if not isinstance(r, dict):
             raise ValueError("the record is not an object")
-        for name, kind in (("id", str), ("owner", str), ("model", str), ("created_at", int),
-                           ("last_used", (int, float)), ("defaults", dict), ("messages", list)):
+        for name, kind in (
+            ("id", str),
+            ("owner", str),
+            ("model", str),
+            ("created_at", int),
+            ("last_used", (int, float)),
+            ("defaults", dict),
+            ("messages", list),
+        ):
             if not isinstance(r.get(name), kind) or isinstance(r.get(name), bool):
                 raise ValueError(f"{name} is missing or not of type {kind}")
         if not SESSION_ID.match(r["id"]):
@@ -121,14 +132,23 @@ class Session:
         response = r.get("response")
         if (response is not None) != r["id"].startswith(RESPONSE_PREFIX):
             raise ValueError("a response record needs a resp_ id and a response, a session neither")
-        if response is not None and not (isinstance(response, dict) and isinstance(response.get("object"), dict)
-                                         and isinstance(response.get("input_items"), list)
-                                         and isinstance(response.get("chain"), str)):
+        if response is not None and not (
+            isinstance(response, dict)
+            and isinstance(response.get("object"), dict)
+            and isinstance(response.get("input_items"), list)
+            and isinstance(response.get("chain"), str)
+        ):
             raise ValueError("response must be an object with object, input_items and chain")
-        return cls(id=r["id"], owner=r["owner"], model=r["model"],
-                   messages=[_checked_message(m, vocab_size) for m in r["messages"]],
-                   defaults=dict(r["defaults"]), created_at=r["created_at"], last_used=float(r["last_used"]),
-                   response=response)
+        return cls(
+            id=r["id"],
+            owner=r["owner"],
+            model=r["model"],
+            messages=[_checked_message(m, vocab_size) for m in r["messages"]],
+            defaults=dict(r["defaults"]),
+            created_at=r["created_at"],
+            last_used=float(r["last_used"]),
+            response=response,
+        )
 
 
 def _checked_message(m: Any, vocab_size: int) -> Message:
@@ -145,8 +165,13 @@ def _checked_message(m: Any, vocab_size: int) -> Message:
         message["tool_calls"] = _checked_tool_calls(m)
     ids = m.get("token_ids")
     if ids is not None:
-        if m["role"] != "assistant" or not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < min(vocab_size, INT32_MAX) for i in ids):
+        if (
+            m["role"] != "assistant"
+            or not isinstance(ids, list)
+            or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < min(vocab_size, INT32_MAX) for i in ids
+            )
+        ):
             raise ValueError("token_ids must be token ids of an assistant message")
         message["token_ids"] = ids
     return message
@@ -154,18 +179,34 @@ def _checked_message(m: Any, vocab_size: int) -> Message:
 
 def _checked_tool_calls(m: dict[str, Any]) -> list[dict[str, Any]]:
     calls = m["tool_calls"]
-    if m["role"] != "assistant" or not isinstance(calls, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("id"), str) and c.get("type") == "function"
-            and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-            and isinstance(c["function"].get("arguments"), str) for c in calls):
+    if (
+        m["role"] != "assistant"
+        or not isinstance(calls, list)
+        or not all(
+            isinstance(c, dict)
+            and isinstance(c.get("id"), str)
+            and c.get("type") == "function"
+            and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), str)
+            for c in calls
+        )
+    ):
         raise ValueError("tool_calls must be the function calls of an assistant message")
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in calls]
+    return [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+        }
+        for c in calls
+    ]
 
 
 class SessionStore:
-    def __init__(self, max_per_owner: int, ttl: float, files: SessionFiles | None = None,
-                 response_ttl: float | None = None) -> None:
+    def __init__(
+        self, max_per_owner: int, ttl: float, files: SessionFiles | None = None, response_ttl: float | None = None
+    ) -> None:
         self.max_per_owner = max_per_owner
         self.ttl = ttl
         self.response_ttl = ttl if response_ttl is None else response_ttl  # idle seconds of a stored response
@@ -191,13 +232,23 @@ class SessionStore:
             self._sessions[session.id] = session
         return len(self._sessions)
 
-    def create(self, owner: str, model: str, messages: list[Message], defaults: dict[str, Any],
-               response: dict[str, Any] | None = None, session_id: str | None = None) -> Session:
+    def create(
+        self,
+        owner: str,
+        model: str,
+        messages: list[Message],
+        defaults: dict[str, Any],
+        response: dict[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> Session:
         """A new session (written first when there are files), or with `response` a stored
         response (of id `session_id`; `server.response_store` keeps their count per key)."""
         if response is None and len(self.owned_by(owner)) >= self.max_per_owner:
-            raise APIError(429, f"this key already has {self.max_per_owner} sessions; delete some first",
-                           code="session_limit_reached")
+            raise APIError(
+                429,
+                f"this key already has {self.max_per_owner} sessions; delete some first",
+                code="session_limit_reached",
+            )
         session = Session(
             id=session_id or new_session_id(),
             owner=owner,
@@ -229,8 +280,14 @@ class SessionStore:
 
     def owned_by(self, owner: str, responses: bool | None = False) -> list[Session]:
         """The owner's sessions, stored responses (`responses`), or both (None), oldest first."""
-        return sorted((s for s in self._sessions.values() if s.owner == owner
-                       and (responses is None or (s.response is not None) == responses)), key=lambda s: s.created_at)
+        return sorted(
+            (
+                s
+                for s in self._sessions.values()
+                if s.owner == owner and (responses is None or (s.response is not None) == responses)
+            ),
+            key=lambda s: s.created_at,
+        )
 
     def contains(self, session: Session) -> bool:
         return self._sessions.get(session.id) is session
@@ -277,8 +334,11 @@ class SessionStore:
 
     def expired(self, now: float | None = None) -> list[Session]:
         now = time.time() if now is None else now
-        return [s for s in self._sessions.values()
-                if not s.busy and now - s.last_used > (self.ttl if s.response is None else self.response_ttl)]
+        return [
+            s
+            for s in self._sessions.values()
+            if not s.busy and now - s.last_used > (self.ttl if s.response is None else self.response_ttl)
+        ]
 
 
 def new_session_id(prefix: str = SESSION_PREFIX) -> str:

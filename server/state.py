@@ -7,7 +7,8 @@ import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -26,7 +27,6 @@ from server.session_kv import SessionKV
 from server.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclasses.dataclass
@@ -69,12 +69,14 @@ class ServerState:
             return self.info, None
         return dataclasses.replace(self.info, name=model), model
 
-    def generation(self, request: web.Request, requests: list[EngineRequest], endpoint: str,
-                   arrival: float | None = None) -> Generation:
+    def generation(
+        self, request: web.Request, requests: list[EngineRequest], endpoint: str, arrival: float | None = None
+    ) -> Generation:
         return self.new_generation(request[OWNER_KEY], requests, endpoint, arrival)
 
-    def new_generation(self, owner: str, requests: list[EngineRequest], endpoint: str,
-                       arrival: float | None = None) -> Generation:
+    def new_generation(
+        self, owner: str, requests: list[EngineRequest], endpoint: str, arrival: float | None = None
+    ) -> Generation:
         """A generation for `owner`, tracked so that shutdown can drain it (503 once draining)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")

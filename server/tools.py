@@ -38,8 +38,11 @@ class ToolCall:
     arguments: str  # a JSON object, as text
 
     def as_dict(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -64,8 +67,9 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(function, dict):
             raise bad_request(f"{where}.function must be an object", param="tools")
         if set(function) - FUNCTION_FIELDS:
-            raise bad_request(f"{where}.function has unsupported fields: {sorted(set(function) - FUNCTION_FIELDS)}",
-                              param="tools")
+            raise bad_request(
+                f"{where}.function has unsupported fields: {sorted(set(function) - FUNCTION_FIELDS)}", param="tools"
+            )
         name = function.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise bad_request(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'", param="tools")
@@ -99,8 +103,10 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> Tool
         if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
         return ToolChoice("function", name)
-    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                      '{"name": ...}}', param="tool_choice")
+    raise bad_request(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
 
 
 def forced_constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool) -> GuidedDecoding | None:
@@ -110,10 +116,20 @@ def forced_constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel:
         return GuidedDecoding("json", functions[choice.name])
     if choice.mode != "required":
         return None
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
-                       "required": ["name", "parameters"], "additionalProperties": False}
-                      for name, parameters in functions.items()]}
-    return GuidedDecoding("json", {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})})
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, parameters in functions.items()
+        ]
+    }
+    return GuidedDecoding(
+        "json", {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    )
 
 
 class ToolFormat:
@@ -124,7 +140,9 @@ class ToolFormat:
         self.llama3 = PYTHON_TAG in source
         self.template_renders_tools = "tools" in source
 
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list | None]:
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list | None]:
         """The messages and the `tools` variable to render the chat template with (no tools:
         none are shown, but earlier calls and results in the conversation still are)."""
         if self.template_renders_tools:  # templates read a call's arguments as an object, as in transformers
@@ -260,8 +278,10 @@ def _value_end(text: str, at: int) -> int:
 
 def _hermes_system_text(tools: list[dict[str, Any]]) -> str:
     listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    return (f"You may call these functions:\n<tools>\n{listed}\n</tools>\nTo call one, reply with\n"
-            f'{HERMES_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{HERMES_CLOSE}')
+    return (
+        f"You may call these functions:\n<tools>\n{listed}\n</tools>\nTo call one, reply with\n"
+        f'{HERMES_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{HERMES_CLOSE}'
+    )
 
 
 def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -269,8 +289,10 @@ def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if calls:
         written = "\n".join(
-            f'{HERMES_OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False)}'
-            f"\n{HERMES_CLOSE}" for c in calls)
+            f"{HERMES_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)}, ensure_ascii=False)}"
+            f"\n{HERMES_CLOSE}"
+            for c in calls
+        )
         text = (message.get("content") or "") + ("\n" if message.get("content") else "") + written
         return {"role": "assistant", "content": text}
     if message["role"] == "tool":

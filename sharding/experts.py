@@ -12,11 +12,12 @@ the tokens never move, only the [T, E] partial results.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from sharding.rules import EP, TP
 
@@ -46,5 +47,6 @@ def shard_experts(fn: ExpertFn, mesh: Mesh) -> Callable[..., jax.Array]:
         partial = fn(x, ids, weights, real, w_gate, w_up, w_down, layer, first)
         return lax.psum(partial, (EP, TP))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), gate_up, gate_up, down, P()),
-                         out_specs=P(), check_vma=False)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(), P(), P(), gate_up, gate_up, down, P()), out_specs=P(), check_vma=False
+    )

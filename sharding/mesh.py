@@ -23,8 +23,13 @@ from jax.sharding import Mesh
 AXES = ("dp", "pp", "ep", "tp")
 
 
-def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices: list | None = None,
-              expert_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Mesh:
+def make_mesh(
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    devices: list | None = None,
+    expert_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> Mesh:
     """A ("dp", "pp", "ep", "tp") mesh over the first dp x pp x ep x tp devices (of `devices`,
     default all visible). Neighbouring devices share a stage (tp innermost), so on one host a
     stage's tensor-parallel group is contiguous and stages follow one another."""
@@ -32,8 +37,9 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
     sizes = (data_parallel_size, pipeline_parallel_size, expert_parallel_size, tensor_parallel_size)
     needed = math.prod(sizes)
     if min(sizes) < 1:
-        raise ValueError("tensor_parallel_size, data_parallel_size, pipeline_parallel_size and "
-                         "expert_parallel_size must be >= 1")
+        raise ValueError(
+            "tensor_parallel_size, data_parallel_size, pipeline_parallel_size and expert_parallel_size must be >= 1"
+        )
     if needed > len(devices):
         ep = f" x ep {expert_parallel_size}" if expert_parallel_size > 1 else ""
         pp = f" x pp {pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
@@ -78,7 +84,6 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, tp: int) -> TensorPa
     if num_heads % tp:
         divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
         raise ValueError(
-            f"tensor_parallel_size={tp} does not divide the model's {num_heads} query heads; "
-            f"use one of {divisors}"
+            f"tensor_parallel_size={tp} does not divide the model's {num_heads} query heads; use one of {divisors}"
         )
     return TensorParallelPlan(tp, num_heads, num_kv_heads, math.lcm(num_kv_heads, tp))

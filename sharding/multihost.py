@@ -49,14 +49,19 @@ _NOOP = ("noop",)
 
 def add_distributed_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """`--coordinator-address`, `--num-processes`, `--process-id` (default: the environment)."""
-    parser.add_argument("--coordinator-address", default=None,
-                        help="host:port of process 0's coordinator (env JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument(
+        "--coordinator-address", default=None, help="host:port of process 0's coordinator (env JAX_COORDINATOR_ADDRESS)"
+    )
     parser.add_argument("--num-processes", type=int, default=None, help="processes in the job (env JAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, default=None, help="this process's index (env JAX_PROCESS_ID)")
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, independent_groups: bool = False) -> bool:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    independent_groups: bool = False,
+) -> bool:
     """Join a multi-process JAX job; False (and nothing done) when no process count > 1 is given.
 
     `independent_groups` (a job of several replica groups, `sharding.process_layout`): a process
@@ -155,8 +160,9 @@ class StepChannel:
         mesh = Mesh(np.array(self._devices, dtype=object), ("device",))
         self._rows = NamedSharding(mesh, PartitionSpec("device"))
         # One row per device, all zero but the leader's: their sum is the leader's row everywhere.
-        self._sum = jax.jit(lambda rows: jnp.sum(rows, axis=0, dtype=rows.dtype),
-                            out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self._sum = jax.jit(
+            lambda rows: jnp.sum(rows, axis=0, dtype=rows.dtype), out_shardings=NamedSharding(mesh, PartitionSpec())
+        )
 
     @property
     def is_leader(self) -> bool:
@@ -177,8 +183,10 @@ class StepChannel:
         return pickle.loads(data[:size].tobytes())
 
     def _broadcast(self, row: np.ndarray) -> np.ndarray:
-        rows = [jax.device_put((row if self.is_leader and i == 0 else np.zeros_like(row))[None], device)
-                for i, device in enumerate(self._local)]
+        rows = [
+            jax.device_put((row if self.is_leader and i == 0 else np.zeros_like(row))[None], device)
+            for i, device in enumerate(self._local)
+        ]
         stacked = jax.make_array_from_single_device_arrays((len(self._devices), *row.shape), self._rows, rows)
         return np.asarray(self._sum(stacked).addressable_data(0))
 

@@ -84,4 +84,3 @@ def pad_layers(stacked: Any, plan: PipelinePlan) -> Any:
     taken = stacked[xp.asarray(np.maximum(index, 0))]
     real = xp.asarray(index >= 0).reshape((-1,) + (1,) * (stacked.ndim - 1))
     return xp.where(real, taken, xp.zeros((), stacked.dtype))
-

@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from sharding.pipeline import PP
 
@@ -29,8 +30,9 @@ from sharding.pipeline import PP
 Stage = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def run_pipeline(stage: Stage, mesh: Mesh, params: Any, state: Any, inputs: jax.Array, extras: Any
-                 ) -> tuple[jax.Array, Any, jax.Array]:
+def run_pipeline(
+    stage: Stage, mesh: Mesh, params: Any, state: Any, inputs: jax.Array, extras: Any
+) -> tuple[jax.Array, Any, jax.Array]:
     """Run `stage` over the `pp` stages of `mesh` on M micro-batches.
 
     params, state: pytrees whose leaves are split over `pp` on their leading axis (stacked layer
@@ -73,6 +75,12 @@ def run_pipeline(stage: Stage, mesh: Mesh, params: Any, state: Any, inputs: jax.
         return outputs, state, ran[None]
 
     split = jax.tree.map(lambda _: P(PP), params), jax.tree.map(lambda _: P(PP), state)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(*split, P(), jax.tree.map(lambda _: P(), extras)),
-                       out_specs=(P(), split[1], P(PP)), axis_names={PP}, check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(*split, P(), jax.tree.map(lambda _: P(), extras)),
+        out_specs=(P(), split[1], P(PP)),
+        axis_names={PP},
+        check_vma=False,
+    )
     return fn(params, state, inputs, extras)

@@ -35,27 +35,36 @@ class ProcessLayout:
         return range(group * self.processes_per_group, (group + 1) * self.processes_per_group)
 
 
-def plan_processes(data_parallel_size: int, devices_per_replica: int, local_devices: int,
-                   processes: int) -> ProcessLayout:
+def plan_processes(
+    data_parallel_size: int, devices_per_replica: int, local_devices: int, processes: int
+) -> ProcessLayout:
     """The layout of `data_parallel_size` replicas of `devices_per_replica` (pp x ep x tp) devices
     over `processes` processes of `local_devices` devices each; ValueError saying what would fit."""
     total = local_devices * processes
-    example = (f"e.g. --tensor-parallel-size {total} and --data-parallel-size 1, or --tensor-parallel-size "
-               f"{local_devices} and --data-parallel-size {processes}") if processes > 1 and local_devices > 1 else \
-        f"e.g. --tensor-parallel-size {total} and --data-parallel-size 1, or --data-parallel-size {total}"
+    example = (
+        (
+            f"e.g. --tensor-parallel-size {total} and --data-parallel-size 1, or --tensor-parallel-size "
+            f"{local_devices} and --data-parallel-size {processes}"
+        )
+        if processes > 1 and local_devices > 1
+        else f"e.g. --tensor-parallel-size {total} and --data-parallel-size 1, or --data-parallel-size {total}"
+    )
     if data_parallel_size * devices_per_replica != total:
         raise ValueError(
             f"a multi-process job uses every device of its {processes} processes ({total}): data-parallel size x "
             f"pipeline x expert x tensor parallel size is {data_parallel_size} x {devices_per_replica} = "
-            f"{data_parallel_size * devices_per_replica} ({example})")
+            f"{data_parallel_size * devices_per_replica} ({example})"
+        )
     if devices_per_replica >= local_devices:
         if devices_per_replica % local_devices:
             raise ValueError(
                 f"a replica's {devices_per_replica} devices (pipeline x expert x tensor parallel size) must be whole "
-                f"processes' devices: each process has {local_devices} ({example})")
+                f"processes' devices: each process has {local_devices} ({example})"
+            )
         return ProcessLayout(processes, devices_per_replica // local_devices, 1)
     if local_devices % devices_per_replica:
         raise ValueError(
             f"a process's {local_devices} devices must hold whole replicas of {devices_per_replica} devices "
-            f"(pipeline x expert x tensor parallel size) ({example})")
+            f"(pipeline x expert x tensor parallel size) ({example})"
+        )
     return ProcessLayout(processes, 1, local_devices // devices_per_replica)

@@ -23,7 +23,8 @@ import logging
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
@@ -84,8 +85,9 @@ def _path(keys: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keys)
 
 
-def param_shardings(tree: Any, mesh: Mesh, config: ModelConfig,
-                    quantization: dict[str, QuantFormat] | None = None) -> Any:
+def param_shardings(
+    tree: Any, mesh: Mesh, config: ModelConfig, quantization: dict[str, QuantFormat] | None = None
+) -> Any:
     """A NamedSharding for every leaf of a parameter tree of a `config` model, same nesting;
     `quantization`: its quantized kernels ({path: storage}), whose arrays shard like the kernel.
 
@@ -102,7 +104,8 @@ def param_shardings(tree: Any, mesh: Mesh, config: ModelConfig,
         return NamedSharding(mesh, spec_for(path, _shape(leaf), mesh, weights[path]))
 
     return jax.tree_util.tree_map_with_path(
-        sharding, tree, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
+        sharding, tree, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+    )
 
 
 def layer_sharding(stacked: NamedSharding, layer: int) -> NamedSharding:

@@ -19,9 +19,28 @@ import time
 # model rounds its queries, products and KV cache to bf16, which turns such differences into flips
 # at the tiny random model's near-ties (a resumed stream's text differed once in a full run). The
 # bf16 engine has its own tests: tests/test_model_dtype.py, the accuracy tests, the kernels'.
-SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--block-size", "8",
-                "--num-blocks", "128", "--decode-batch-buckets", "4", "--prefill-token-buckets", "32",
-                "--prefill-seq-buckets", "4", "--block-table-buckets", "32", "--dtype", "float32"]
+SMALL_ENGINE = [
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "32",
+    "--max-model-len",
+    "256",
+    "--block-size",
+    "8",
+    "--num-blocks",
+    "128",
+    "--decode-batch-buckets",
+    "4",
+    "--prefill-token-buckets",
+    "32",
+    "--prefill-seq-buckets",
+    "4",
+    "--block-table-buckets",
+    "32",
+    "--dtype",
+    "float32",
+]
 
 
 def small_engine_kwargs() -> dict:
@@ -47,8 +66,13 @@ class ChildProcess:
     manager: a child still running at the end is killed."""
 
     def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+        )
         self.seen: list[str] = []
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()

@@ -15,10 +15,22 @@ sys.path.insert(0, str(Path(__file__).parent / "data"))
 from lora_adapters import TINY_ADAPTERS, AdapterSpec, module_features, write_adapter  # noqa: E402
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "lora_reference.json").read_text())["tiny"]
-LORA_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=160,
-                   decode_batch_buckets=(8,), sampler_row_buckets=(8,), prefill_token_buckets=(64,),
-                   prefill_seq_buckets=(4,), block_table_buckets=(16,), enable_lora=True, max_loras=4,
-                   max_lora_rank=16, max_cpu_loras=5)
+LORA_ENGINE = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    num_blocks=160,
+    decode_batch_buckets=(8,),
+    sampler_row_buckets=(8,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(16,),
+    enable_lora=True,
+    max_loras=4,
+    max_lora_rank=16,
+    max_cpu_loras=5,
+)
 # A fifth adapter: one more than the device slots.
 EXTRA = AdapterSpec("extra-r2", 2, 2.0, ("o_proj", "down_proj"), seed=5)
 ALL_ADAPTERS = (*TINY_ADAPTERS, EXTRA)
@@ -28,8 +40,9 @@ def write_tiny_adapters(root: Path) -> dict[str, Path]:
     """Every adapter of ALL_ADAPTERS as a PEFT directory under `root`, checked against the bytes
     the reference was made from."""
     config = build_tiny_random().config
-    features = module_features(config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                               config.head_dim)
+    features = module_features(
+        config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim
+    )
     paths = {spec.name: write_adapter(root / spec.name, spec, config.num_layers, features) for spec in ALL_ADAPTERS}
     for name, entry in REFERENCE["adapters"].items():
         digest = hashlib.sha256((paths[name] / "adapter_model.safetensors").read_bytes()).hexdigest()

@@ -14,9 +14,17 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.runner.model_runner import run_to_end
 
-SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8,
-             decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
-             prefill_token_buckets=(32, 64), prefill_seq_buckets=(1, 4))
+SMALL = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    decode_batch_buckets=(4, 16),
+    block_table_buckets=(32,),
+    sampler_row_buckets=(16,),
+    prefill_token_buckets=(32, 64),
+    prefill_seq_buckets=(1, 4),
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +39,10 @@ def make_llm(model, async_scheduling: bool, **overrides) -> LLM:
 def prompts(n: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     shared = rng.integers(3, 250, 24).tolist()  # a common prefix: prefix-cache hits
-    return [{"prompt_token_ids": (shared if i % 2 else []) + rng.integers(3, 250, int(rng.integers(1, 90))).tolist()}
-            for i in range(n)]
+    return [
+        {"prompt_token_ids": (shared if i % 2 else []) + rng.integers(3, 250, int(rng.integers(1, 90))).tolist()}
+        for i in range(n)
+    ]
 
 
 def mixed_params(n: int) -> list[SamplingParams]:
@@ -42,8 +52,14 @@ def mixed_params(n: int) -> list[SamplingParams]:
         SamplingParams(max_tokens=9, temperature=1.0, top_k=5, seed=5, n=2),
         SamplingParams(max_tokens=15, temperature=0.0, min_tokens=6, logprobs=2),
         SamplingParams(max_tokens=16, temperature=0.7, seed=3, stop_token_ids=[40, 41, 42, 43, 44]),
-        SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True, repetition_penalty=1.4,
-                       frequency_penalty=0.3, presence_penalty=0.2),
+        SamplingParams(
+            max_tokens=18,
+            temperature=0.0,
+            ignore_eos=True,
+            repetition_penalty=1.4,
+            frequency_penalty=0.3,
+            presence_penalty=0.2,
+        ),
     ]
     return [kinds[i % len(kinds)] for i in range(n)]
 
@@ -55,9 +71,11 @@ def run(llm: LLM, ps: list[dict], params: list[SamplingParams]) -> list:
 
 @pytest.mark.parametrize("case", ["roomy", "recompute", "swap"])
 def test_async_and_sync_loops_give_the_same_outputs(model, case, assert_kv_all_free):
-    pool = {"roomy": dict(num_blocks=400),
-            "recompute": dict(num_blocks=40),
-            "swap": dict(num_blocks=40, preemption_mode="swap", swap_space_blocks=200)}[case]
+    pool = {
+        "roomy": dict(num_blocks=400),
+        "recompute": dict(num_blocks=40),
+        "swap": dict(num_blocks=40, preemption_mode="swap", swap_space_blocks=200),
+    }[case]
     ps, params = prompts(24, seed=1), mixed_params(24)
     results = {}
     for flag in (False, True):
@@ -73,11 +91,19 @@ def test_async_and_sync_loops_give_the_same_outputs(model, case, assert_kv_all_f
 
 def test_penalties_and_stop_strings_are_equal_too(model):
     ps = prompts(6, seed=2)
-    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, repetition_penalty=1.3,
-                             frequency_penalty=0.5, presence_penalty=0.2) for i in range(3)]
+    params = [
+        SamplingParams(
+            max_tokens=24, temperature=0.8, seed=i, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2
+        )
+        for i in range(3)
+    ]
     sync = make_llm(model, False, num_blocks=400)
-    text = sync.generate(ps[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    text = (
+        sync.generate(ps[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     params += [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])] * 3
     on = make_llm(model, True, num_blocks=400)
     assert run(on, ps, params) == run(sync, ps, params)

@@ -15,9 +15,18 @@ from jaxserve.model import AttentionMetadata, KVCache
 from jaxserve.model.llama import final_norm
 from jaxserve.pooling import PromptPooling
 
-SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=256,
-             decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
-             prefill_token_buckets=(32, 64), prefill_seq_buckets=(4,))
+SMALL = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    num_blocks=256,
+    decode_batch_buckets=(4, 16),
+    block_table_buckets=(32,),
+    sampler_row_buckets=(16,),
+    prefill_token_buckets=(32, 64),
+    prefill_seq_buckets=(4,),
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +49,22 @@ def reference(llm: LLM, ids: list[int], kind: str) -> np.ndarray:
     table = np.arange(1, -(-n // bs) + 1, dtype=np.int32)
     cache = KVCache.zeros(runner.config, len(table) + 1, bs, runner.cache_dtype)
     pos = np.arange(n)
-    meta = AttentionMetadata(jnp.asarray(table[pos // bs] * bs + pos % bs, jnp.int32), jnp.asarray(table[None]),
-                             jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32))
+    meta = AttentionMetadata(
+        jnp.asarray(table[pos // bs] * bs + pos % bs, jnp.int32),
+        jnp.asarray(table[None]),
+        jnp.array([n], jnp.int32),
+        jnp.array([0, n], jnp.int32),
+    )
 
     def hidden(params, tokens, positions):
-        _, state = runner.model.apply({"params": params}, tokens, positions, cache, meta, jnp.arange(n),
-                                      mutable=["intermediates"])
+        _, state = runner.model.apply(
+            {"params": params}, tokens, positions, cache, meta, jnp.arange(n), mutable=["intermediates"]
+        )
         return final_norm(runner.config, params, state["intermediates"]["hidden"][0])
 
-    rows = np.asarray(jax.jit(hidden)(runner.params, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32)),
-                      np.float64)
+    rows = np.asarray(
+        jax.jit(hidden)(runner.params, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32)), np.float64
+    )
     return rows[-1] if kind == "last" else rows.mean(axis=0)
 
 
@@ -78,8 +93,10 @@ def test_last_pooling_uses_the_prefix_cache_and_mean_pooling_computes_every_row(
     ids = prompts(1, [100])[0]
     plain = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert plain.num_cached_tokens == 0
-    mean, last = (llm.generate([{"prompt_token_ids": ids}], SamplingParams.for_pooling(k), use_tqdm=False)[0]
-                  for k in ("mean", "last"))
+    mean, last = (
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams.for_pooling(k), use_tqdm=False)[0]
+        for k in ("mean", "last")
+    )
     assert mean.num_cached_tokens == 0  # its rows had to be computed to be pooled
     assert last.num_cached_tokens >= 88
     np.testing.assert_allclose(mean.embedding, reference(llm, ids, "mean"), atol=2e-5, rtol=1e-5)
@@ -94,9 +111,11 @@ def test_a_preempted_embedding_is_recomputed_and_pools_each_row_once():
     # 40 blocks of 8: the generation grows until the embedding admitted after it is preempted.
     llm = LLM(build_tiny_random(), warm_up=False, **{**SMALL, "num_blocks": 40})
     gen, emb = prompts(3, [100, 230])
-    outs = llm.generate([{"prompt_token_ids": gen}, {"prompt_token_ids": emb}],
-                        [SamplingParams(max_tokens=150, ignore_eos=True), SamplingParams.for_pooling("mean")],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": gen}, {"prompt_token_ids": emb}],
+        [SamplingParams(max_tokens=150, ignore_eos=True), SamplingParams.for_pooling("mean")],
+        use_tqdm=False,
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     assert len(outs[0].outputs[0].token_ids) == 150
     np.testing.assert_allclose(outs[1].embedding, reference(llm, emb, "mean"), atol=2e-5, rtol=1e-5)
@@ -119,9 +138,15 @@ def test_rows_launched_again_by_a_recompute_are_pooled_once():
     np.testing.assert_allclose(pooling.vector(), np.full(3, 0.3))
 
 
-@pytest.mark.parametrize("fields", [dict(pooling="max"), dict(pooling="last", max_tokens=2),
-                                    dict(pooling="mean", n=2, max_tokens=1),
-                                    dict(pooling="last", max_tokens=1, logprobs=0)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(pooling="max"),
+        dict(pooling="last", max_tokens=2),
+        dict(pooling="mean", n=2, max_tokens=1),
+        dict(pooling="last", max_tokens=1, logprobs=0),
+    ],
+)
 def test_bad_pooling_requests_are_refused(fields):
     with pytest.raises(ValueError, match="pooling"):
         SamplingParams(**fields)

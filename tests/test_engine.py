@@ -11,9 +11,16 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine_client import PromptTooLongError
 
-SMALL = dict(max_num_seqs=64, max_num_batched_tokens=128, max_model_len=256, block_size=8,
-             decode_batch_buckets=(1, 4, 16, 64), block_table_buckets=(32,),
-             prefill_token_buckets=(32, 128), prefill_seq_buckets=(1, 4))
+SMALL = dict(
+    max_num_seqs=64,
+    max_num_batched_tokens=128,
+    max_model_len=256,
+    block_size=8,
+    decode_batch_buckets=(1, 4, 16, 64),
+    block_table_buckets=(32,),
+    prefill_token_buckets=(32, 128),
+    prefill_seq_buckets=(1, 4),
+)
 
 
 def make_llm(**overrides) -> LLM:
@@ -90,8 +97,13 @@ def test_chunked_prefill_and_prefix_cache_do_not_change_outputs(llm):
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert texts(again) == base
     assert sum(o.num_cached_tokens for o in again) > 0
-    unchunked = make_llm(warm_up=False, num_blocks=512, enable_chunked_prefill=False, enable_prefix_caching=False,
-                         prefill_token_buckets=(32, 256))
+    unchunked = make_llm(
+        warm_up=False,
+        num_blocks=512,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        prefill_token_buckets=(32, 256),
+    )
     assert texts(unchunked.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)) == base
 
 
@@ -113,7 +125,9 @@ def test_seeded_sampling_is_reproducible_and_neighbour_independent(llm):
     alone = texts(llm.generate(prompt, params, use_tqdm=False))[0]
     others = [{"prompt_token_ids": p} for p in mixed_prompts(9, seed=4)]
     neighbour = SamplingParams(max_tokens=16, temperature=0.8)
-    mixed = llm.generate(others[:4] + [prompt] + others[4:], [neighbour] * 4 + [params] + [neighbour] * 5, use_tqdm=False)
+    mixed = llm.generate(
+        others[:4] + [prompt] + others[4:], [neighbour] * 4 + [params] + [neighbour] * 5, use_tqdm=False
+    )
     assert texts(mixed)[4] == alone
     assert texts(llm.generate(prompt, params, use_tqdm=False))[0] == alone
     unseeded = texts(llm.generate([prompt, prompt], SamplingParams(max_tokens=16, temperature=1.0), use_tqdm=False))
@@ -129,8 +143,10 @@ def test_decode_sampling_rows_lift_the_stop_token_ban_exactly_at_min_tokens(llm,
     prepare = engine.runner.prepare
     monkeypatch.setattr(engine.runner, "prepare", lambda sched: prepared.append(prepare(sched)) or prepared[-1])
     prompts = mixed_prompts(2, seed=6)
-    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=7, min_tokens=4, stop_token_ids=[5], ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=8, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=1.0, seed=7, min_tokens=4, stop_token_ids=[5], ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=8, ignore_eos=True),
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     monkeypatch.undo()
     decodes = [p.programs[0].sampling for p in prepared if [q.key[0] for q in p.programs] == ["decode"]]
@@ -151,9 +167,16 @@ def test_no_compilation_after_warm_up_for_a_mixed_workload(llm):
     before = llm.engine.num_compilations
     rng = np.random.default_rng(5)
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(200, seed=5)]
-    params = [SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 0.7])),
-                             top_k=int(rng.choice([0, 5])), logprobs=int(rng.choice([0, 3])), seed=i)
-              for i in range(200)]
+    params = [
+        SamplingParams(
+            max_tokens=int(rng.integers(1, 24)),
+            temperature=float(rng.choice([0.0, 0.7])),
+            top_k=int(rng.choice([0, 5])),
+            logprobs=int(rng.choice([0, 3])),
+            seed=i,
+        )
+        for i in range(200)
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert len(outs) == 200 and all(o.finished for o in outs)
     assert llm.engine.num_compilations == before
@@ -166,24 +189,32 @@ def test_unrolled_layers_give_the_scanned_engines_tokens(llm, assert_kv_all_free
     layers = unrolled.engine.runner.params
     assert "layers" not in layers and {"layers_0", "layers_1"} <= set(layers)  # separate per-layer weights
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(12, seed=6)]
-    params = [GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=i, ignore_eos=True)
-              for i in range(12)]
+    params = [
+        GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=i, ignore_eos=True)
+        for i in range(12)
+    ]
     compiled = unrolled.engine.num_compilations
-    assert texts(unrolled.generate(prompts, params, use_tqdm=False)) == texts(llm.generate(prompts, params, use_tqdm=False))
+    assert texts(unrolled.generate(prompts, params, use_tqdm=False)) == texts(
+        llm.generate(prompts, params, use_tqdm=False)
+    )
     assert unrolled.engine.num_compilations == compiled
     assert_kv_all_free(unrolled.engine)
 
 
 def test_stop_string_split_across_tokens_never_leaks(llm):
     prompt = {"prompt_token_ids": mixed_prompts(1, seed=6)[0]}
-    full = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    full = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     tok = llm.get_tokenizer()
     # A stop string that starts inside one token's text and ends inside a later one.
     pieces = [tok.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
     boundary = len(pieces[10])
-    stop = full.text[boundary - 1: boundary + 2]
+    stop = full.text[boundary - 1 : boundary + 2]
     assert len(stop) == 3
-    out = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
     assert stop not in out.text
@@ -191,11 +222,17 @@ def test_stop_string_split_across_tokens_never_leaks(llm):
 
 def test_stop_token_ids_and_max_tokens(llm):
     prompt = {"prompt_token_ids": mixed_prompts(1, seed=7)[0]}
-    full = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    full = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert full.finish_reason == "length" and len(full.token_ids) == 20
     stop_id = full.token_ids[5]
     first = full.token_ids.index(stop_id)
-    out = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == full.token_ids[: first + 1]
 
@@ -205,7 +242,9 @@ def test_prompt_over_the_context_is_a_clear_error(llm):
         llm.generate({"prompt_token_ids": [5] * 256}, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     # A prompt that fits but whose max_tokens would overflow stops at the context length.
-    out = llm.generate({"prompt_token_ids": [5] * 250}, SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": [5] * 250}, SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 6
 
 
@@ -222,7 +261,9 @@ def test_abort_mid_generation_frees_blocks(llm):
 
 def test_n_greater_than_one_shares_the_prompt_blocks(llm):
     prompt = mixed_prompts(1, seed=9)[0] + list(range(3, 60))
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7), use_tqdm=False
+    )[0]
     assert len(out.outputs) == 3
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # different streams per choice
     # Two of the three choices found the prompt's full blocks computed by the first.
@@ -284,8 +325,12 @@ def test_generate_jsonl_keeps_what_finished_when_interrupted(llm, tmp_path):
 
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lengths = {"a": 3, "b": 30, "c": 2, "d": 1}  # d, c and a finish before b
-    src.write_text("".join(json.dumps({"id": k, "prompt": [5, 6], "max_tokens": n, "ignore_eos": True}) + "\n"
-                           for k, n in lengths.items()))
+    src.write_text(
+        "".join(
+            json.dumps({"id": k, "prompt": [5, 6], "max_tokens": n, "ignore_eos": True}) + "\n"
+            for k, n in lengths.items()
+        )
+    )
     with pytest.raises(KeyboardInterrupt):
         run(InterruptedAfterThree(), src, dst, {"temperature": 0.0})
     assert [json.loads(line)["id"] for line in dst.read_text().splitlines()] == ["a"]  # b holds c and d back

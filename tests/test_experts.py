@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from jaxserve.model.experts import (
-    expert_load, expert_mlp, grouped_matmul_ragged, grouped_matmul_tiles, route, tile_rows,
+    expert_load,
+    expert_mlp,
+    grouped_matmul_ragged,
+    grouped_matmul_tiles,
+    route,
+    tile_rows,
 )
 
 
@@ -17,7 +22,7 @@ def numpy_grouped(xs, w, layer, sizes):
     out = np.zeros((xs.shape[0], w.shape[-1]), np.float64)
     start = 0
     for g, n in enumerate(sizes):
-        out[start:start + n] = xs[start:start + n] @ w[layer, g]
+        out[start : start + n] = xs[start : start + n] @ w[layer, g]
         start += n
     return out
 
@@ -62,8 +67,19 @@ def test_expert_mlp_sums_the_chosen_experts_of_the_real_rows(first_expert, local
     gate, up = (rng.standard_normal((1, experts, e, f)).astype(np.float32) for _ in range(2))
     down = rng.standard_normal((1, experts, f, e)).astype(np.float32)
     mine = slice(first_expert, first_expert + local)
-    got = expert_mlp(x, ids, weights, real, gate[:, mine], up[:, mine], down[:, mine], jnp.int32(0), first_expert,
-                     act=jax.nn.silu, grouped_matmul=grouped_matmul_tiles)
+    got = expert_mlp(
+        x,
+        ids,
+        weights,
+        real,
+        gate[:, mine],
+        up[:, mine],
+        down[:, mine],
+        jnp.int32(0),
+        first_expert,
+        act=jax.nn.silu,
+        grouped_matmul=grouped_matmul_tiles,
+    )
     want = np.zeros((t, e))
     for row in range(t):
         for j in range(k):

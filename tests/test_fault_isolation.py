@@ -13,19 +13,32 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams, faults
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine_client import EngineDeadError
 from jaxserve.engine import LLMEngine
+from jaxserve.engine_client import EngineDeadError
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(build_tiny_random(), warm_up=False, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
-               block_size=8, num_blocks=300, decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
-               prefill_token_buckets=(32, 64), prefill_seq_buckets=(1, 4))
+    return LLM(
+        build_tiny_random(),
+        warm_up=False,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        block_size=8,
+        num_blocks=300,
+        decode_batch_buckets=(4, 16),
+        block_table_buckets=(32,),
+        sampler_row_buckets=(16,),
+        prefill_token_buckets=(32, 64),
+        prefill_seq_buckets=(1, 4),
+    )
 
 
-PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-          SamplingParams(max_tokens=10, temperature=0.9, seed=4, stop=["zz"], n=2)]
+PARAMS = [
+    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.9, seed=4, stop=["zz"], n=2),
+]
 
 
 def generate(llm, first_id: int):

@@ -13,9 +13,18 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.structured import GuidedDecoding
 
-SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=256,
-             decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
-             prefill_token_buckets=(32, 64), prefill_seq_buckets=(1, 4))
+SMALL = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    num_blocks=256,
+    decode_batch_buckets=(4, 16),
+    block_table_buckets=(32,),
+    sampler_row_buckets=(16,),
+    prefill_token_buckets=(32, 64),
+    prefill_seq_buckets=(1, 4),
+)
 
 # Greedy, seeded top-p, top-k with n = 2, min_tokens with logprobs, stop ids, penalties.
 PARAMS = [
@@ -24,8 +33,14 @@ PARAMS = [
     SamplingParams(max_tokens=9, temperature=1.0, top_k=5, seed=5, n=2),
     SamplingParams(max_tokens=15, temperature=0.0, min_tokens=6, logprobs=2),
     SamplingParams(max_tokens=16, temperature=0.7, seed=3, stop_token_ids=[40, 41, 42, 43, 44]),
-    SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True, repetition_penalty=1.4,
-                   frequency_penalty=0.3, presence_penalty=0.2),
+    SamplingParams(
+        max_tokens=18,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.4,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+    ),
 ]
 # A constrained neighbour that runs in every iteration of the others: their steps all sample apart.
 CONSTRAINED = SamplingParams(max_tokens=40, temperature=0.0, guided=GuidedDecoding("regex", "[a-z]{200}"))
@@ -40,6 +55,7 @@ def counted_calls(llm: LLM) -> collections.Counter:
         def call(*args):
             calls[key[0]] += 1
             return exe(*args)
+
         return call
 
     for key, exe in list(executables.items()):

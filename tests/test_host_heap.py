@@ -34,6 +34,7 @@ CHILD = textwrap.dedent("""
     print(keep_freed_blocks(), default, refault_pages(nbytes), nbytes // 4096)
 """)
 
+
 def test_a_freed_step_sized_block_is_reused_without_page_faults():
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True)
     kept, default, kept_faults, pages = done.stdout.split()

@@ -46,10 +46,13 @@ def built(batch: InputBatch, rows: list[tuple[int, Request, int]], num_rows: int
     for row, req, ahead in rows:
         banned = len(req.output_token_ids) + ahead < req.params.min_tokens
         settings[row] = RowSampling(
-            req.params, req.seed, req.num_tokens + ahead,
+            req.params,
+            req.seed,
+            req.num_tokens + ahead,
             banned_ids=tuple(req.stop_token_ids) if banned else (),
             penalty_slot=batch.slot(req) if req.params.has_penalties else -1,
-            token_mask=np.full(batch.mask_words, -1, np.int32) if masked else None)
+            token_mask=np.full(batch.mask_words, -1, np.int32) if masked else None,
+        )
     return SamplingTensors.build(settings, num_rows, batch.spare, mask_words=batch.mask_words)
 
 
@@ -166,8 +169,10 @@ class Tables:
         return self.reqs[rid].kv
 
     def sync(self, *rids: str) -> None:
-        chunks = [ScheduledChunk(self.reqs[r], 0, 1, self.handle(r).block_table, True,
-                                 table_version=self.handle(r).version) for r in rids]
+        chunks = [
+            ScheduledChunk(self.reqs[r], 0, 1, self.handle(r).block_table, True, table_version=self.handle(r).version)
+            for r in rids
+        ]
         self.batch.sync_tables(self.batch.slots([c.request for c in chunks]), chunks)
 
     def row(self, rid: str) -> list[int]:
@@ -251,6 +256,7 @@ def test_a_chunk_without_a_table_version_always_copies_its_table():
 
 # ----- positions and tokens -------------------------------------------------------------------
 
+
 def test_positions_and_tokens_follow_launches_and_reads():
     batch = InputBatch(SLOTS, filled, mask_words=0, max_blocks=WIDTH)
     a = running("a", SamplingParams(), 0, outputs=2)  # 5 tokens: the last, 11, at position 4
@@ -293,8 +299,18 @@ def test_multi_step_stop_ids_start_with_min_tokens():
 
 
 def test_a_decode_whose_token_is_neither_read_nor_in_flight_raises():
-    inputs = StepInputs(EngineConfig(max_num_seqs=4, max_model_len=64, block_size=8, decode_batch_buckets=(4,),
-                                     block_table_buckets=(8,), sampler_row_buckets=(4,)), filled, 64)
+    inputs = StepInputs(
+        EngineConfig(
+            max_num_seqs=4,
+            max_model_len=64,
+            block_size=8,
+            decode_batch_buckets=(4,),
+            block_table_buckets=(8,),
+            sampler_row_buckets=(4,),
+        ),
+        filled,
+        64,
+    )
     req = running("lost", SamplingParams(), 0, outputs=1)
     req.output_token_ids.append(PLACEHOLDER)  # in flight, but not in any launch the batch knows
     inputs.batch.join(req)
@@ -304,6 +320,7 @@ def test_a_decode_whose_token_is_neither_read_nor_in_flight_raises():
 
 
 # ----- every program of an engine against the arrays rebuilt from its chunks ------------------
+
 
 def rebuilt_tables(chunks: list[ScheduledChunk], rows: int, width: int) -> np.ndarray:
     tables = np.zeros((rows, width), np.int32)
@@ -339,7 +356,7 @@ def rebuilt_multi_decode(chunks, batch, width, prev_rows) -> tuple:
         num_steps[i] = c.num_steps
         if len(req.output_token_ids) >= req.params.min_tokens:
             ids = sorted(req.stop_token_ids)[:STOP_ID_SLOTS]
-            stop_ids[i, :len(ids)] = ids
+            stop_ids[i, : len(ids)] = ids
     return tokens, positions, rebuilt_tables(chunks, batch, width), num_steps, stop_ids, token_src
 
 
@@ -355,12 +372,12 @@ def rebuilt_prefill(inputs: StepInputs, chunks, decodes, num_tokens, num_seqs, w
     for i, c in enumerate(chunks):
         n = c.num_new_tokens
         pos = np.arange(c.start, c.start + n)
-        tokens[row:row + n], positions[row:row + n] = c.token_ids, pos
+        tokens[row : row + n], positions[row : row + n] = c.token_ids, pos
         token_src[row + n - 1] = pending(c, prev_rows)
-        slots[row:row + n] = tables[i, pos // bs] * bs + pos % bs
+        slots[row : row + n] = tables[i, pos // bs] * bs + pos % bs
         seq_lens[i], query_start[i + 1], logits_indices[i] = c.start + n, row + n, row + n - 1
         row += n
-    query_start[len(chunks) + 1:] = row
+    query_start[len(chunks) + 1 :] = row
     for j, c in enumerate(decodes):
         tokens[row], token_src[row], positions[row] = c.request.last_token_id, pending(c, prev_rows), c.start
         slots[row] = tables[num_seqs + j, c.start // bs] * bs + c.start % bs
@@ -374,8 +391,9 @@ def rebuilt_prefill(inputs: StepInputs, chunks, decodes, num_tokens, num_seqs, w
 def sampled_rows(program: Program, chunks: list[ScheduledChunk], verify_rows: int) -> list[tuple[int, Request, int]]:
     if program.key[0] != "verify":
         return [(i, c.request, 0) for i, c in enumerate(chunks) if c.sample]
-    return [(i * verify_rows + j, c.request, j) for i, c in enumerate(chunks) if c.sample
-            for j in range(1 + len(c.draft))]
+    return [
+        (i * verify_rows + j, c.request, j) for i, c in enumerate(chunks) if c.sample for j in range(1 + len(c.draft))
+    ]
 
 
 class Checks:
@@ -402,8 +420,13 @@ class Checks:
             return prepared
 
         def recording_launch(sched, prepared, **kwargs):
-            self.prev_rows = {c.request: p.sample_offset + i for chunks, p in zip(prepared.parts, prepared.programs)
-                              if p.drafts is None and p.num_steps == 1 for i, c in enumerate(chunks) if c.sample}
+            self.prev_rows = {
+                c.request: p.sample_offset + i
+                for chunks, p in zip(prepared.parts, prepared.programs)
+                if p.drafts is None and p.num_steps == 1
+                for i, c in enumerate(chunks)
+                if c.sample
+            }
             return launch(sched, prepared, **kwargs)
 
         runner.prepare, runner.launch = checked_prepare, recording_launch
@@ -435,18 +458,41 @@ class Checks:
         assert_same(program.sampling, built(inputs.batch, rows, num_rows, bool(program.masks)))
 
 
-ASYNC_SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8,
-                   decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,),
-                   prefill_token_buckets=(32, 64), prefill_seq_buckets=(1, 4))
-STEPS_SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=200,
-                   decode_batch_buckets=(2, 8), block_table_buckets=(16,), sampler_row_buckets=(8,),
-                   prefill_token_buckets=(64,), prefill_seq_buckets=(4,))
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-        "disable_by_batch_size": 4}
+ASYNC_SMALL = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    decode_batch_buckets=(4, 16),
+    block_table_buckets=(32,),
+    sampler_row_buckets=(16,),
+    prefill_token_buckets=(32, 64),
+    prefill_seq_buckets=(1, 4),
+)
+STEPS_SMALL = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    num_blocks=200,
+    decode_batch_buckets=(2, 8),
+    block_table_buckets=(16,),
+    sampler_row_buckets=(8,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+)
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 4,
+}
 CASES = {
     "async-recompute": dict(ASYNC_SMALL, async_scheduling=True, num_blocks=40),
-    "sync-swap": dict(ASYNC_SMALL, async_scheduling=False, num_blocks=40, preemption_mode="swap",
-                      swap_space_blocks=200),
+    "sync-swap": dict(
+        ASYNC_SMALL, async_scheduling=False, num_blocks=40, preemption_mode="swap", swap_space_blocks=200
+    ),
     "async-multi-step": dict(STEPS_SMALL, async_scheduling=True, num_scheduler_steps=4),
     "async-speculative": dict(STEPS_SMALL, async_scheduling=True, speculative_config=SPEC),
 }
@@ -472,7 +518,7 @@ def workload(rng: np.random.Generator, n: int, max_len: int, guided: bool) -> li
             continue
         body = rng.integers(3, 250, int(rng.integers(1, max_len))).tolist()
         if i % 3 == 0:
-            body = (body[:5] * 12)[:len(body) + 10]  # repeats
+            body = (body[:5] * 12)[: len(body) + 10]  # repeats
         out.append(((shared if i % 2 else []) + body, kinds[i % len(kinds)]))
     return out
 

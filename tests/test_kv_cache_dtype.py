@@ -21,9 +21,18 @@ from jaxserve.model import KVCache
 from jaxserve.runner.block_moves import BlockMover
 from kernels_pallas import kv_quant
 
-CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=96,
-              decode_batch_buckets=(4,), block_table_buckets=(32,), prefill_token_buckets=(64,),
-              prefill_seq_buckets=(4,), kv_disk_min_load_tokens=16)
+CONFIG = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    num_blocks=96,
+    decode_batch_buckets=(4,),
+    block_table_buckets=(32,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    kv_disk_min_load_tokens=16,
+)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97, 40))]
 
@@ -37,8 +46,10 @@ def test_block_bytes_follow_the_dtype_and_scales():
     """Bytes per block (what num_blocks from --kv-cache-memory divides by) of the default model's
     shapes: bf16 half of f32; int8 and fp8 a quarter plus 4 scale bytes per 64-value row."""
     config = types.SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
-    sizes = {name: KVCache.bytes_per_block(config, 16, kv_quant.storage_dtype(name, jnp.float32, "cpu"))
-             for name in ("auto", "bfloat16", "int8", "fp8")}
+    sizes = {
+        name: KVCache.bytes_per_block(config, 16, kv_quant.storage_dtype(name, jnp.float32, "cpu"))
+        for name in ("auto", "bfloat16", "int8", "fp8")
+    }
     f32 = 2 * 30 * 3 * 64 * 16 * 4
     assert sizes == {"auto": f32, "bfloat16": f32 // 2, "int8": f32 // 4 * 68 // 64, "fp8": f32 // 4 * 68 // 64}
 
@@ -61,8 +72,9 @@ def test_disk_files_keep_rows_and_scales(tmp_path):
     """Blocks of an int8 host tier written to the disk tier and read back into other slots come
     back byte for byte, scales included (what the engine's disk writes and loads do)."""
     rng = np.random.default_rng(1)
-    host = [np.array(kv_quant.quantize(jnp.asarray(rng.standard_normal((2, 2, 4, 8, 16)) * 3), jnp.int8))
-            for _ in range(2)]
+    host = [
+        np.array(kv_quant.quantize(jnp.asarray(rng.standard_normal((2, 2, 4, 8, 16)) * 3), jnp.int8)) for _ in range(2)
+    ]
     written = [a.copy() for a in host]
     disk = DiskTier(tmp_path, fingerprint({"kv_cache_dtype": "int8"}), 8, HostBlockArrays(host), 1 << 20)
     keys, tokens = [bytes([i]) * 16 for i in (1, 2)], [bytes(32), bytes(32)]
@@ -79,23 +91,44 @@ def test_disk_files_keep_rows_and_scales(tmp_path):
 
 def test_the_fingerprint_covers_the_kv_dtype():
     """Disk files and KV handed between workers are keyed by it: another KV dtype never reads them."""
-    runner = types.SimpleNamespace(config="cfg", engine_config=EngineConfig(), weights_digest="w",
-                                   dtype=jnp.float32, attention_backend="cpu", stages=None)
-    prints = {kv_fingerprint(types.SimpleNamespace(**vars(runner), kv_dtype=dtype), "m")
-              for dtype in (jnp.float32, jnp.uint16, jnp.bfloat16, jnp.int8, jnp.uint8)}
+    runner = types.SimpleNamespace(
+        config="cfg",
+        engine_config=EngineConfig(),
+        weights_digest="w",
+        dtype=jnp.float32,
+        attention_backend="cpu",
+        stages=None,
+    )
+    prints = {
+        kv_fingerprint(types.SimpleNamespace(**vars(runner), kv_dtype=dtype), "m")
+        for dtype in (jnp.float32, jnp.uint16, jnp.bfloat16, jnp.int8, jnp.uint8)
+    }
     assert len(prints) == 4  # bf16 bits (CPU) and bf16 (GPU) are one format
 
 
 def test_an_fp8_engine_compiles_nothing_after_warm_up(assert_kv_all_free):
     """Warm-up compiles the quantizing writes and reads with every bucket; a mixed workload (prefill
     chunks, decodes, logprobs) then compiles nothing and leaves the pool free."""
-    llm = LLM(build_tiny_random(), kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=32,
-              max_model_len=128, block_size=8, decode_batch_buckets=(4,), prefill_token_buckets=(32,),
-              prefill_seq_buckets=(2,), sampler_row_buckets=(4,), block_table_buckets=(16,), num_blocks=64)
+    llm = LLM(
+        build_tiny_random(),
+        kv_cache_dtype="fp8",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        block_size=8,
+        decode_batch_buckets=(4,),
+        prefill_token_buckets=(32,),
+        prefill_seq_buckets=(2,),
+        sampler_row_buckets=(4,),
+        block_table_buckets=(16,),
+        num_blocks=64,
+    )
     assert llm.engine.runner.cache.k.dtype == jnp.uint8
     before = llm.engine.num_compilations
-    params = [SamplingParams(max_tokens=n, temperature=t, logprobs=k, seed=i)
-              for i, (n, t, k) in enumerate([(9, 0.0, 0), (3, 0.8, 2), (12, 0.0, 1)])]
+    params = [
+        SamplingParams(max_tokens=n, temperature=t, logprobs=k, seed=i)
+        for i, (n, t, k) in enumerate([(9, 0.0, 0), (3, 0.8, 2), (12, 0.0, 1)])
+    ]
     outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 70)], params, use_tqdm=False)
     assert all(o.finished for o in outs)
     assert llm.engine.num_compilations == before
@@ -107,8 +140,14 @@ def test_int8_blocks_survive_the_disk_tier(tmp_path, assert_kv_all_free):
     """After a restart on an int8 engine's disk directory, an int8 engine loads the prompts' blocks
     (rows with their scales) and serves the greedy tokens of the first run; the pool holds more
     blocks than f32's in the same bytes (the engine's own accounting)."""
-    config = {**CONFIG, "num_blocks": None, "kv_cache_memory": 96 * 2 * 2 * 2 * 8 * 16 * 4,  # 96 f32 blocks
-              "kv_disk_dir": str(tmp_path), "kv_disk_bytes": 64 << 20, "kv_cache_dtype": "int8"}
+    config = {
+        **CONFIG,
+        "num_blocks": None,
+        "kv_cache_memory": 96 * 2 * 2 * 2 * 8 * 16 * 4,  # 96 f32 blocks
+        "kv_disk_dir": str(tmp_path),
+        "kv_disk_bytes": 64 << 20,
+        "kv_cache_dtype": "int8",
+    }
     first = LLM(build_tiny_random(), warm_up=False, **config)
     assert first.engine.runner.cache.k.dtype == jnp.int8 and first.engine.runner.num_blocks == 96 * 4 * 16 // 20
     tokens = run(first)[0]

@@ -14,9 +14,18 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.kv import disk_tier
 
-CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=96,
-              decode_batch_buckets=(4,), block_table_buckets=(32,), prefill_token_buckets=(64,),
-              prefill_seq_buckets=(4,), kv_disk_min_load_tokens=16)
+CONFIG = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    num_blocks=96,
+    decode_batch_buckets=(4,),
+    block_table_buckets=(32,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    kv_disk_min_load_tokens=16,
+)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97, 40))]
 
@@ -50,7 +59,7 @@ def test_outputs_equal_with_the_disk_tier_on_off_and_after_a_restart(tmp_path, r
     stats = first.engine.snapshot().tiers
     assert stats.disk_written_blocks >= (150 + 97 + 40) // 8 and stats.disk_files == stats.disk_written_blocks
 
-    second = make(tmp_path)                      # a restart: nothing on the device or the host
+    second = make(tmp_path)  # a restart: nothing on the device or the host
     tokens, cached = run(second)
     assert tokens == reference
     assert cached[0] == 144 and cached[1] == 96  # full blocks, last prompt token computed
@@ -61,7 +70,7 @@ def test_outputs_equal_with_the_disk_tier_on_off_and_after_a_restart(tmp_path, r
 
 
 def test_a_clean_close_writes_the_prefix_cache_and_the_restart_hits_it(tmp_path, reference, assert_kv_all_free):
-    first = make(tmp_path, kv_disk_write_through_hits=1000)   # nothing reaches the disk while it runs
+    first = make(tmp_path, kv_disk_write_through_hits=1000)  # nothing reaches the disk while it runs
     assert run(first)[0] == reference
     assert first.engine.snapshot().tiers.disk_written_blocks == 0
     close(first, assert_kv_all_free)
@@ -74,7 +83,7 @@ def test_a_clean_close_writes_the_prefix_cache_and_the_restart_hits_it(tmp_path,
     assert cached[0] == 144 and cached[1] == 96
     assert second.engine.snapshot().tiers.disk_hit_tokens >= 144 + 96
     close(second, assert_kv_all_free)
-    assert second.engine.snapshot().tiers.disk_written_blocks == 0   # it had nothing the disk lacked
+    assert second.engine.snapshot().tiers.disk_written_blocks == 0  # it had nothing the disk lacked
 
 
 def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, reference, assert_kv_all_free):
@@ -94,14 +103,14 @@ def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, refere
     # block (8 tokens), wherever its chain, and any after it are recomputed instead.
     assert tiers.disk_damaged == 1 and tiers.disk_hit_tokens <= 144 + 96 + 32 - 8
     close(second, assert_kv_all_free)
-    assert second.engine.snapshot().tiers.disk_written_blocks == 1   # the recomputed block, written again
+    assert second.engine.snapshot().tiers.disk_written_blocks == 1  # the recomputed block, written again
     assert victim.read_bytes() != bytes(data)
 
 
 def test_a_second_engine_on_the_directory_hits_what_the_first_computed(tmp_path, reference, assert_kv_all_free):
-    a, b = make(tmp_path), make(tmp_path)        # both started before anything was written
+    a, b = make(tmp_path), make(tmp_path)  # both started before anything was written
     run(a, PROMPTS[:1])
-    a.engine.step()                               # the last planned writes
+    a.engine.step()  # the last planned writes
     a.engine.disk_tier.flush()
     tokens, cached = run(b, PROMPTS[:1])
     assert tokens == reference[:1] and cached == [144]
@@ -109,12 +118,11 @@ def test_a_second_engine_on_the_directory_hits_what_the_first_computed(tmp_path,
     close(b, assert_kv_all_free)
 
 
-def test_a_request_loading_from_disk_does_not_stall_the_others(tmp_path, reference, monkeypatch,
-                                                               assert_kv_all_free):
+def test_a_request_loading_from_disk_does_not_stall_the_others(tmp_path, reference, monkeypatch, assert_kv_all_free):
     first = make(tmp_path)
     run(first, PROMPTS[:1])
     close(first, assert_kv_all_free)
-    gate = threading.Event()                     # a slow disk: no file is read until the gate opens
+    gate = threading.Event()  # a slow disk: no file is read until the gate opens
     read_block = disk_tier.read_block
     monkeypatch.setattr(disk_tier, "read_block", lambda *args: gate.wait(120) and read_block(*args))
     llm = make(tmp_path)
@@ -137,7 +145,7 @@ def test_a_request_loading_from_disk_does_not_stall_the_others(tmp_path, referen
         for _ in range(6):
             step()
             assert engine.kv.loads.is_loading(loading)
-        assert len(tokens["other"]) - before >= 5   # decoding went on while the load waited for the disk
+        assert len(tokens["other"]) - before >= 5  # decoding went on while the load waited for the disk
     finally:
         gate.set()
     while engine.has_unfinished_requests():
@@ -150,7 +158,7 @@ def test_short_disk_hits_are_recomputed(tmp_path, assert_kv_all_free):
     first = make(tmp_path)
     run(first, PROMPTS[2:])
     close(first, assert_kv_all_free)
-    second = make(tmp_path, kv_disk_min_load_tokens=64)   # the hit is 40 tokens: not worth a load
+    second = make(tmp_path, kv_disk_min_load_tokens=64)  # the hit is 40 tokens: not worth a load
     _, cached = run(second, PROMPTS[2:])
     assert cached == [0] and second.engine.snapshot().tiers.disk_loads == 0
     close(second, assert_kv_all_free)

@@ -10,13 +10,28 @@ import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
-from jaxserve.kv_transfer import (DeviceTransfer, hold_prompt, read_blocks, release, stage_blocks, write_blocks,
-                                  write_staged_blocks)
+from jaxserve.kv_transfer import (
+    DeviceTransfer,
+    hold_prompt,
+    read_blocks,
+    release,
+    stage_blocks,
+    write_blocks,
+    write_staged_blocks,
+)
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512, block_size=8, num_blocks=160,
-              decode_batch_buckets=(4,), block_table_buckets=(64,), prefill_token_buckets=(128,),
-              prefill_seq_buckets=(4,))
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=128,
+    max_model_len=512,
+    block_size=8,
+    num_blocks=160,
+    decode_batch_buckets=(4,),
+    block_table_buckets=(64,),
+    prefill_token_buckets=(128,),
+    prefill_seq_buckets=(4,),
+)
 NUM_BLOCKS = BLOCK_MOVE_CHUNK + 8  # two chunks
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

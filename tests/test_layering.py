@@ -20,8 +20,7 @@ def _lint(tree: Path) -> subprocess.CompletedProcess:
     """import-linter over the packages under `tree`, with the repository's contracts."""
     code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, timeout=120)
 
 
 def _copy_tree(dst: Path) -> None:
@@ -37,13 +36,16 @@ def test_the_repository_keeps_its_layering_contracts(tmp_path: Path) -> None:
     assert "3 kept, 0 broken" in result.stdout
 
 
-@pytest.mark.parametrize("module, line", [
-    ("server/sse.py", "import jaxserve.engine"),
-    ("server/cluster/router/sequence.py", "from jaxserve.kv.manager import KVCacheManager"),
-    ("server/cluster/worker/service.py", "from jaxserve.async_engine import AsyncEngine"),
-    ("jaxserve/engine.py", "import server.app"),
-    ("jaxserve/scheduler/scheduler.py", "import jax"),
-])
+@pytest.mark.parametrize(
+    "module, line",
+    [
+        ("server/sse.py", "import jaxserve.engine"),
+        ("server/cluster/router/sequence.py", "from jaxserve.kv.manager import KVCacheManager"),
+        ("server/cluster/worker/service.py", "from jaxserve.async_engine import AsyncEngine"),
+        ("jaxserve/engine.py", "import server.app"),
+        ("jaxserve/scheduler/scheduler.py", "import jax"),
+    ],
+)
 def test_an_import_across_a_boundary_breaks_the_check(tmp_path: Path, module: str, line: str) -> None:
     _copy_tree(tmp_path)
     path = tmp_path / module

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from lora_harness import EXTRA, LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine_client import UnknownAdapterError
-from lora_harness import EXTRA, LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,9 @@ def test_each_adapter_matches_peft_alone_and_in_one_mixed_batch(llm, assert_kv_a
         out = llm.generate([{"prompt_token_ids": prompt}], greedy(name, len(new_ids)), use_tqdm=False)
         assert out[0].outputs[0].token_ids == new_ids, name
     # All of them at once: 4 adapters and the base model in the same steps.
-    outs = llm.generate([{"prompt_token_ids": p} for _, p, _ in cases], [greedy(n, len(t)) for n, _, t in cases],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for _, p, _ in cases], [greedy(n, len(t)) for n, _, t in cases], use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs] == [t for _, _, t in cases]
     assert len({tuple(t) for _, _, t in cases}) == len(cases)  # every adapter changes the output
     assert llm.engine.num_compilations == compiled
@@ -66,8 +67,7 @@ def test_more_adapters_than_slots_wait_their_turn(llm, adapters, assert_kv_all_f
         cases = reference_runs()
         names = [EXTRA.name] + [n for n, _, _ in cases]
         prompts = [[5, 6, 7, 8]] + [p for _, p, _ in cases]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [greedy(n, 8) for n in names], use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy(n, 8) for n in names], use_tqdm=False)
         assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
         assert [o.outputs[0].token_ids for o in outs[1:]] == [t[:8] for _, _, t in cases]
         assert engine.lora.stats.device_loads > loads + 1  # slots were reused

@@ -9,12 +9,12 @@ import math
 
 import numpy as np
 import pytest
+from lora_harness import TINY_ADAPTERS, write_tiny_adapters
 from safetensors.numpy import load_file
 
 from checkpoints.tiny_random import tiny_random_config
 from jaxserve.lora.manager import LoraManager
 from jaxserve.lora.peft import load_peft_adapter
-from lora_harness import TINY_ADAPTERS, write_tiny_adapters
 
 CONFIG = tiny_random_config()
 
@@ -35,19 +35,23 @@ def test_peft_tensors_become_scaled_transposed_padded_stacks(adapters):
     a, b = weights.modules["q_proj"]
     assert a.shape == (CONFIG.num_layers, CONFIG.hidden_size, 16) and b.shape[1] == 16
     prefix = "base_model.model.model.layers.1.self_attn.q_proj"
-    np.testing.assert_array_equal(a[1, :, :spec.rank], tensors[f"{prefix}.lora_A.weight"].T)
+    np.testing.assert_array_equal(a[1, :, : spec.rank], tensors[f"{prefix}.lora_A.weight"].T)
     scaling = spec.alpha / math.sqrt(spec.rank)  # rsLoRA
-    np.testing.assert_allclose(b[1, :spec.rank], tensors[f"{prefix}.lora_B.weight"].T * scaling, rtol=1e-6)
-    assert not a[:, :, spec.rank:].any() and not b[:, spec.rank:].any()  # padding adds nothing
+    np.testing.assert_allclose(b[1, : spec.rank], tensors[f"{prefix}.lora_B.weight"].T * scaling, rtol=1e-6)
+    assert not a[:, :, spec.rank :].any() and not b[:, spec.rank :].any()  # padding adds nothing
     assert set(weights.modules) == set(spec.targets)
 
 
 def test_adapters_that_cannot_be_served_exactly_are_refused(adapters, tmp_path):
     source = adapters["attn-r8"]
     config = json.loads((source / "adapter_config.json").read_text())
-    for change, message in (({"r": 32}, "above --max-lora-rank"), ({"use_dora": True}, "use_dora"),
-                            ({"target_modules": ["embed_tokens"]}, "cannot target"),
-                            ({"peft_type": "IA3"}, "not a LoRA adapter"), ({"r": 4}, "has shape")):
+    for change, message in (
+        ({"r": 32}, "above --max-lora-rank"),
+        ({"use_dora": True}, "use_dora"),
+        ({"target_modules": ["embed_tokens"]}, "cannot target"),
+        ({"peft_type": "IA3"}, "not a LoRA adapter"),
+        ({"r": 4}, "has shape"),
+    ):
         directory = tmp_path / message.replace(" ", "_")
         directory.mkdir()
         (directory / "adapter_model.safetensors").write_bytes((source / "adapter_model.safetensors").read_bytes())
@@ -129,12 +133,20 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapt
     first, second = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name
     for name in (first, second):
         lora.add(name, str(adapters[name]))
-    config = EngineConfig(block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
-                          block_table_buckets=(16,), enable_lora=True, max_loras=1)
+    config = EngineConfig(
+        block_size=4,
+        max_model_len=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_table_buckets=(16,),
+        enable_lora=True,
+        max_loras=1,
+    )
     scheduler = Scheduler(config, KVCacheManager(64, 4, watermark_blocks=0), lora)
-    requests = {rid: Request(rid, [3, 4, 5, 6, 7], SamplingParams(max_tokens=8), seed=0,
-                             adapter=lora.resolve(name))
-                for rid, name in (("a1", first), ("b1", second), ("a2", first))}
+    requests = {
+        rid: Request(rid, [3, 4, 5, 6, 7], SamplingParams(max_tokens=8), seed=0, adapter=lora.resolve(name))
+        for rid, name in (("a1", first), ("b1", second), ("a2", first))
+    }
     for request in requests.values():
         scheduler.add_request(request)
     out = scheduler.schedule()

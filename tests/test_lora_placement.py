@@ -11,6 +11,7 @@ import asyncio
 import threading
 
 import pytest
+from lora_harness import LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
@@ -19,7 +20,6 @@ from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.routing import RoutingPolicy
 from jaxserve.sampling_params import SamplingParams
-from lora_harness import LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
 
 ONE_SLOT = {**LORA_ENGINE, "max_loras": 1, "max_cpu_loras": 1}
 FIRST, SECOND = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name

@@ -47,7 +47,8 @@ def test_packed_linear_equals_plain():
     for layer in range(3):
         plain = Linear(weight, None, jnp.float32, jnp.bfloat16).apply({"params": {"kernel": kernel[layer]}}, x)
         got = Linear(weight, None, jnp.float32, jnp.bfloat16, packed=True).apply(
-            {"params": {"kernel": packed[layer]}}, x)
+            {"params": {"kernel": packed[layer]}}, x
+        )
         np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
     with pytest.raises(ValueError, match="odd"):
         pack_kernels({"layers": {"up_proj": {"kernel": jnp.zeros((2, 4, 5), jnp.bfloat16)}}})
@@ -58,13 +59,17 @@ def test_bfloat16_runner_on_cpu_keeps_a_bf16_cache_and_packs_kernels():
     """XLA's dots (the `jax` backend: no cpu matmul): every stacked kernel packed; activations
     f32, the KV cache the weights' bf16 (as its bits) unless --kv-cache-dtype says otherwise."""
     model = load_model("tiny-random")
-    runner = ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype="bfloat16",
-                                                                  attention_backend="jax"))
+    runner = ModelRunner(
+        model.config, model.params, EngineConfig(num_blocks=16, dtype="bfloat16", attention_backend="jax")
+    )
     assert runner.model.cpu_matmul is None
     assert runner.cache_dtype == jnp.float32
     assert runner.cache.k.dtype == jnp.uint16 and kv_quant.format_name(runner.kv_dtype) == "bfloat16"
-    f32_cache = ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype="bfloat16",
-                                                                     attention_backend="jax", kv_cache_dtype="float32"))
+    f32_cache = ModelRunner(
+        model.config,
+        model.params,
+        EngineConfig(num_blocks=16, dtype="bfloat16", attention_backend="jax", kv_cache_dtype="float32"),
+    )
     assert f32_cache.cache.k.dtype == jnp.float32
     layers = runner.params["layers"]
     assert layers["q_proj"]["kernel"].dtype == jnp.uint32
@@ -78,8 +83,10 @@ def test_bfloat16_runner_on_cpu_stores_panels_for_the_cpu_matmul():
     """The `cpu` backend: the kernels the cpu matmul takes in its bf16 panels (half f32's bytes),
     the others packed; the cache bf16 (as its bits)."""
     model = load_model("tiny-random")
-    runners = {dtype: ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype=dtype))
-               for dtype in ("float32", "bfloat16")}
+    runners = {
+        dtype: ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype=dtype))
+        for dtype in ("float32", "bfloat16")
+    }
     runner, matmul = runners["bfloat16"], runners["bfloat16"].model.cpu_matmul
     assert matmul is not None and runner.cache.k.dtype == jnp.uint16
     for name, proj in runner.params["layers"].items():
@@ -108,18 +115,22 @@ def test_bfloat16_cpu_matmul_gives_the_logits_of_xlas_bf16_dots():
     bs, n = 4, 18
     params = jax.tree_util.tree_map_with_path(
         lambda p, a: jnp.asarray(a, jnp.float32 if "scale" in jax.tree_util.keystr(p) else jnp.bfloat16),
-        {k: v for k, v in loaded.params.items() if k != "lm_head"})
+        {k: v for k, v in loaded.params.items() if k != "lm_head"},
+    )
     matmul = cpu_matmul.kernels()
     tokens = jnp.arange(1, n + 1, dtype=jnp.int32)
     table = jnp.arange(1, 7, dtype=jnp.int32)[None]
     logits = {}
-    for name, lm, tree in (("xla", None, pack_kernels(params)),
-                           ("kernel", matmul, pack_kernels(panel_kernels(params, matmul)))):
+    for name, lm, tree in (
+        ("xla", None, pack_kernels(params)),
+        ("kernel", matmul, pack_kernels(panel_kernels(params, matmul))),
+    ):
         model = LlamaModel(cfg, get_attention_backend("cpu"), jnp.bfloat16, cpu_matmul=lm)
         step = jax.jit(model.apply)
         cache = KVCache.zeros(cfg, 8, bs, jnp.float32)
-        meta = AttentionMetadata(jnp.arange(bs, bs + n, dtype=jnp.int32), table, jnp.array([n], jnp.int32),
-                                 jnp.array([0, n], jnp.int32))
+        meta = AttentionMetadata(
+            jnp.arange(bs, bs + n, dtype=jnp.int32), table, jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32)
+        )
         args = ({"params": tree}, tokens, jnp.arange(n), cache, meta, jnp.arange(n))
         if lm is not None:
             hlo = step.lower(*args).as_text()
@@ -139,13 +150,18 @@ def test_bfloat16_logits_close_to_float32():
     cfg, bs, n = loaded.config, 4, 6
     cache = KVCache.zeros(cfg, 4, bs, jnp.float32)
     tokens = jnp.arange(1, n + 1, dtype=jnp.int32)
-    meta = AttentionMetadata(jnp.arange(bs, bs + n, dtype=jnp.int32), jnp.array([[1, 2, 0]], jnp.int32),
-                             jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32))
+    meta = AttentionMetadata(
+        jnp.arange(bs, bs + n, dtype=jnp.int32),
+        jnp.array([[1, 2, 0]], jnp.int32),
+        jnp.array([n], jnp.int32),
+        jnp.array([0, n], jnp.int32),
+    )
     logits = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         model = LlamaModel(cfg, get_attention_backend("reference"), dtype)
         params = jax.tree_util.tree_map_with_path(
-            lambda p, a: jnp.asarray(a, jnp.float32 if "scale" in jax.tree_util.keystr(p) else dtype), loaded.params)
+            lambda p, a: jnp.asarray(a, jnp.float32 if "scale" in jax.tree_util.keystr(p) else dtype), loaded.params
+        )
         if model.packed:
             params = pack_kernels(params)
         logits[dtype], _ = model.apply({"params": params}, tokens, jnp.arange(n), cache, meta, jnp.arange(n))
@@ -163,8 +179,15 @@ def test_bfloat16_engine_greedy_text_matches_float32_on_the_default_model(assert
     params = SamplingParams(max_tokens=8, temperature=0.0)
     texts = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(dtype=dtype, max_num_seqs=4, max_model_len=256, decode_batch_buckets=(4,),
-                  max_num_batched_tokens=32, prefill_token_buckets=(32,), prefill_seq_buckets=(2,))
+        llm = LLM(
+            dtype=dtype,
+            max_num_seqs=4,
+            max_model_len=256,
+            decode_batch_buckets=(4,),
+            max_num_batched_tokens=32,
+            prefill_token_buckets=(32,),
+            prefill_seq_buckets=(2,),
+        )
         texts[dtype] = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
         assert_kv_all_free(llm.engine)
     assert texts["bfloat16"] == texts["float32"]
@@ -185,15 +208,25 @@ def test_bfloat16_greedy_tokens_on_the_golden_prompts(assert_kv_all_free, capsys
     Before it, each token's log-probability within LOGPROB_TOLERANCE of f32's. No compilation
     after warm-up; the bf16 engine's weights about half f32's bytes."""
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
-    engine = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, decode_batch_buckets=(8,),
-                  sampler_row_buckets=(8,), prefill_token_buckets=(128,), prefill_seq_buckets=(4,),
-                  block_table_buckets=(16,), num_blocks=128)
+    engine = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        max_model_len=256,
+        decode_batch_buckets=(8,),
+        sampler_row_buckets=(8,),
+        prefill_token_buckets=(128,),
+        prefill_seq_buckets=(4,),
+        block_table_buckets=(16,),
+        num_blocks=128,
+    )
     outs, weight_bytes = {}, {}
     for dtype in ("float32", "bfloat16"):
         llm = LLM(dtype=dtype, **engine)
         compiled = llm.engine.num_compilations
-        outs[dtype] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in GOLDEN],
-                                                          params, use_tqdm=False)]
+        outs[dtype] = [
+            o.outputs[0]
+            for o in llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in GOLDEN], params, use_tqdm=False)
+        ]
         assert llm.engine.num_compilations == compiled, dtype
         weight_bytes[dtype] = llm.engine.runner.weight_bytes
         assert_kv_all_free(llm.engine)
@@ -210,8 +243,10 @@ def test_bfloat16_greedy_tokens_on_the_golden_prompts(assert_kv_all_free, capsys
         top = dict(f32.logprobs[flip].top)
         picked = bf16.token_ids[flip]
         with capsys.disabled():
-            print(f"\n{case['name']}: first divergence at token {flip}: f32 {f32.token_ids[flip]} "
-                  f"({top[f32.token_ids[flip]]:.4f}), bf16 {picked} (f32 scores it {top.get(picked, float('nan')):.4f})")
+            print(
+                f"\n{case['name']}: first divergence at token {flip}: f32 {f32.token_ids[flip]} "
+                f"({top[f32.token_ids[flip]]:.4f}), bf16 {picked} (f32 scores it {top.get(picked, float('nan')):.4f})"
+            )
         assert picked in top, case["name"]
         assert top[f32.token_ids[flip]] - top[picked] <= FLIP_TOLERANCE, case["name"]
     assert same >= len(GOLDEN) - 2  # flips are the exception
@@ -258,10 +293,23 @@ def test_auto_dtype_is_bf16_where_the_cpu_kernels_have_avx512_bf16(caplog):
         config = resolve_dtype(EngineConfig(num_blocks=16, dtype="auto"))
     assert config.dtype == ("bfloat16" if fast else "float32")
     assert f"dtype auto: {config.dtype}" in caplog.text
-    for other in (dict(attention_backend="jax"), dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                  dict(unroll_layers=True)):
+    for other in (
+        dict(attention_backend="jax"),
+        dict(tensor_parallel_size=2),
+        dict(pipeline_parallel_size=2),
+        dict(unroll_layers=True),
+    ):
         assert choose_dtype(EngineConfig(num_blocks=16, dtype="auto", **other))[0] == "float32"
     assert resolve_dtype(EngineConfig(num_blocks=16, dtype="float32")).dtype == "float32"  # given: kept
-    llm = LLM(model="tiny-random", dtype="auto", num_blocks=16, max_num_seqs=2, max_model_len=64,
-              max_num_batched_tokens=16, prefill_token_buckets=(16,), prefill_seq_buckets=(1,), decode_batch_buckets=(2,))
+    llm = LLM(
+        model="tiny-random",
+        dtype="auto",
+        num_blocks=16,
+        max_num_seqs=2,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        prefill_token_buckets=(16,),
+        prefill_seq_buckets=(1,),
+        decode_batch_buckets=(2,),
+    )
     assert llm.engine.config.dtype == config.dtype and llm.engine.runner.dtype == jnp.dtype(config.dtype)

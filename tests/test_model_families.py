@@ -26,9 +26,18 @@ from jaxserve import LLM, SamplingParams
 from server.metrics import ServerMetrics
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "family_reference.json").read_text())["tiny"]
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=96,
-              decode_batch_buckets=(4,), sampler_row_buckets=(4,), prefill_token_buckets=(64,),
-              prefill_seq_buckets=(4,), block_table_buckets=(16,))
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    num_blocks=96,
+    decode_batch_buckets=(4,),
+    sampler_row_buckets=(4,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(16,),
+)
 
 
 @pytest.fixture(scope="module", params=sorted(REFERENCE))

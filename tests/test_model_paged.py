@@ -15,8 +15,17 @@ NUM_BLOCKS = 64
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)
+    base = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -24,10 +33,10 @@ def tiny_config(**overrides) -> ModelConfig:
 def init(config):
     model = LlamaModel(config, get_attention_backend("reference"))
     cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
-    meta = AttentionMetadata(jnp.zeros(4, jnp.int32), jnp.zeros((1, 2), jnp.int32),
-                             jnp.array([4], jnp.int32), jnp.array([0, 4], jnp.int32))
-    params = model.init(jax.random.key(0), jnp.zeros(4, jnp.int32), jnp.arange(4), cache, meta,
-                        jnp.array([3]))
+    meta = AttentionMetadata(
+        jnp.zeros(4, jnp.int32), jnp.zeros((1, 2), jnp.int32), jnp.array([4], jnp.int32), jnp.array([0, 4], jnp.int32)
+    )
+    params = model.init(jax.random.key(0), jnp.zeros(4, jnp.int32), jnp.arange(4), cache, meta, jnp.array([3]))
     # Random (not default-initialized) norms and biases so that every parameter matters.
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -44,10 +53,20 @@ def run_chunks(model, params, tokens, chunk_sizes, table):
         pos = np.arange(start, start + n)
         slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
         # numpy inputs: building them with jnp would compile a small program per chunk size
-        meta = AttentionMetadata(slots.astype(np.int32), table[None].astype(np.int32),
-                                 np.array([start + n], np.int32), np.array([0, n], np.int32))
-        logits, cache = step(params, np.asarray(tokens[start:start + n], np.int32), pos.astype(np.int32), cache,
-                             meta, np.arange(n, dtype=np.int32))
+        meta = AttentionMetadata(
+            slots.astype(np.int32),
+            table[None].astype(np.int32),
+            np.array([start + n], np.int32),
+            np.array([0, n], np.int32),
+        )
+        logits, cache = step(
+            params,
+            np.asarray(tokens[start : start + n], np.int32),
+            pos.astype(np.int32),
+            cache,
+            meta,
+            np.arange(n, dtype=np.int32),
+        )
         out.append(np.asarray(logits))
         start += n
     return np.concatenate(out)
@@ -58,20 +77,34 @@ def run_decode(model, params, tokens, table):
     step = jax.jit(model.apply)
     out = []
     for p, tok in enumerate(tokens):
-        meta = AttentionMetadata(np.array([table[p // BLOCK] * BLOCK + p % BLOCK], np.int32),
-                                 table[None].astype(np.int32), np.array([p + 1], np.int32))
-        logits, cache = step(params, np.array([tok], np.int32), np.array([p], np.int32), cache, meta,
-                             np.array([0], np.int32))
+        meta = AttentionMetadata(
+            np.array([table[p // BLOCK] * BLOCK + p % BLOCK], np.int32),
+            table[None].astype(np.int32),
+            np.array([p + 1], np.int32),
+        )
+        logits, cache = step(
+            params, np.array([tok], np.int32), np.array([p], np.int32), cache, meta, np.array([0], np.int32)
+        )
         out.append(np.asarray(logits))
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"attention_bias": True, "tie_word_embeddings": False, "num_kv_heads": 4},
-    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True, "tie_word_embeddings": False, "num_kv_heads": 4},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ],
+)
 def test_one_piece_chunks_and_decode_agree(overrides):
     config = tiny_config(**overrides)
     model, params = init(config)
@@ -96,10 +129,18 @@ def test_unrolled_layers_on_unstacked_weights_equal_the_scan():
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, config.vocab_size, 21)
     table = rng.permutation(np.arange(1, NUM_BLOCKS))[:3]
-    np.testing.assert_allclose(run_chunks(unrolled, split, tokens, [13, 8], table),
-                               run_chunks(model, params, tokens, [13, 8], table), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(run_decode(unrolled, split, tokens[:6], table),
-                               run_decode(model, params, tokens[:6], table), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        run_chunks(unrolled, split, tokens, [13, 8], table),
+        run_chunks(model, params, tokens, [13, 8], table),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        run_decode(unrolled, split, tokens[:6], table),
+        run_decode(model, params, tokens[:6], table),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler")
@@ -126,10 +167,18 @@ def test_cpu_layer_matmul_gives_the_scan_logits():
     tokens = rng.integers(0, config.vocab_size, 120)
     table = rng.permutation(np.arange(1, NUM_BLOCKS))[:15]
     chunks = [1, 7, 100, 12]
-    np.testing.assert_allclose(run_chunks(native, panelled, tokens, chunks, table),
-                               run_chunks(model, params, tokens, chunks, table), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(run_decode(native, panelled, tokens[:6], table),
-                               run_decode(model, params, tokens[:6], table), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        run_chunks(native, panelled, tokens, chunks, table),
+        run_chunks(model, params, tokens, chunks, table),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        run_decode(native, panelled, tokens[:6], table),
+        run_decode(model, params, tokens[:6], table),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_matches_dense_causal_attention():
@@ -206,8 +255,13 @@ def meta_for(tables, starts, counts, decodes=None):
         seq_lens += [0] * padding
         slots += [0] * 3
         decode_rows = np.array(decode_rows, np.int32)
-    return AttentionMetadata(np.array(slots, np.int32), np.stack(all_tables).astype(np.int32),
-                             np.array(seq_lens, np.int32), np.array(query_start, np.int32), decode_rows)
+    return AttentionMetadata(
+        np.array(slots, np.int32),
+        np.stack(all_tables).astype(np.int32),
+        np.array(seq_lens, np.int32),
+        np.array(query_start, np.int32),
+        decode_rows,
+    )
 
 
 @pytest.mark.parametrize("backend", ["jax", "cpu", "reference", "pallas"])
@@ -226,18 +280,32 @@ def test_mixed_step_equals_a_prefill_step_and_a_decode_step(backend):
     # The decoders' history and the second prompt's first 3 tokens are cached already.
     first = [history[0], history[1], prompts[1][:3]]
     meta = meta_for(tables[:2] + tables[3:], [0, 0, 0], [len(t) for t in first])
-    _, cache = step(params, np.concatenate(first).astype(np.int32), np.concatenate(
-        [np.arange(len(t)) for t in first]).astype(np.int32), cache, meta, np.zeros(1, np.int32))
+    _, cache = step(
+        params,
+        np.concatenate(first).astype(np.int32),
+        np.concatenate([np.arange(len(t)) for t in first]).astype(np.int32),
+        cache,
+        meta,
+        np.zeros(1, np.int32),
+    )
     chunk_tokens = np.concatenate([prompts[0], prompts[1][3:]]).astype(np.int32)
     chunk_pos = np.concatenate([np.arange(9), np.arange(3, 5)]).astype(np.int32)
     new = rng.integers(0, config.vocab_size, 2).astype(np.int32)  # the decoders' next tokens
     decode_pos = np.array([11, 30], np.int32)
 
-    prefill_logits, split = step(params, chunk_tokens, chunk_pos, cache,
-                                 meta_for([tables[2], tables[3]], [0, 3], [9, 2]), np.array([8, 10], np.int32))
-    decode_meta = AttentionMetadata(np.array([tables[i][p // BLOCK] * BLOCK + p % BLOCK
-                                              for i, p in enumerate(decode_pos)], np.int32),
-                                    np.stack(tables[:2]).astype(np.int32), decode_pos + 1)
+    prefill_logits, split = step(
+        params,
+        chunk_tokens,
+        chunk_pos,
+        cache,
+        meta_for([tables[2], tables[3]], [0, 3], [9, 2]),
+        np.array([8, 10], np.int32),
+    )
+    decode_meta = AttentionMetadata(
+        np.array([tables[i][p // BLOCK] * BLOCK + p % BLOCK for i, p in enumerate(decode_pos)], np.int32),
+        np.stack(tables[:2]).astype(np.int32),
+        decode_pos + 1,
+    )
     decode_logits, split = step(params, new, decode_pos, split, decode_meta, np.arange(2, dtype=np.int32))
 
     tokens = np.concatenate([chunk_tokens, new, np.zeros(3, np.int32)])

@@ -24,9 +24,17 @@ from jaxserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REFERENCE = json.loads((Path(__file__).parent / "data" / "family_reference.json").read_text())["real"]
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, decode_batch_buckets=(4,),
-              sampler_row_buckets=(4,), prefill_token_buckets=(256,), prefill_seq_buckets=(4,),
-              block_table_buckets=(64,), num_blocks=300)
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    max_model_len=1024,
+    decode_batch_buckets=(4,),
+    sampler_row_buckets=(4,),
+    prefill_token_buckets=(256,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(64,),
+    num_blocks=300,
+)
 
 
 @pytest.fixture(scope="module", params=sorted(REFERENCE))
@@ -77,8 +85,12 @@ def test_jaxserve_serve_chats_with_the_registered_model(name):
     with ChildProcess(jaxserve("serve", "--model", name, "--port", str(port), *SMALL_ENGINE)) as child:
         child.wait_for("Running on", timeout=900)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        body = {"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 24, "temperature": 0}
+        body = {
+            "model": name,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         reply = json.loads(conn.getresponse().read())
         assert reply["usage"]["prompt_tokens"] == len(rendered["prompt_ids"]), reply

@@ -24,8 +24,17 @@ def smollm2():
     return load_model(DEFAULT_MODEL)
 
 
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, decode_batch_buckets=(8,), sampler_row_buckets=(8,),
-              prefill_token_buckets=(128,), prefill_seq_buckets=(4,), block_table_buckets=(16,), num_blocks=128)
+ENGINE = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    max_model_len=256,
+    decode_batch_buckets=(8,),
+    sampler_row_buckets=(8,),
+    prefill_token_buckets=(128,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(16,),
+    num_blocks=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +85,10 @@ def test_speculative_greedy_tokens_match_transformers(smollm2, assert_kv_all_fre
     for case, out in zip(cases, outs):
         assert out.outputs[0].token_ids == case["new_ids"], case["name"]
     code = next(c for c in cases if c["name"] == "code")
-    assert llm.generate({"prompt_token_ids": code["prompt_ids"]}, params, use_tqdm=False)[0].outputs[0].token_ids \
+    assert (
+        llm.generate({"prompt_token_ids": code["prompt_ids"]}, params, use_tqdm=False)[0].outputs[0].token_ids
         == code["new_ids"]
+    )
     stats = llm.engine.stats
     assert stats.accepted_tokens > 0 and stats.speculative_steps > 0
     assert_kv_all_free(llm.engine)
@@ -120,9 +131,17 @@ def test_the_default_model_serves_its_whole_context_by_default(smollm2, assert_k
     (the engine once capped every model at 2,048)."""
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(smollm2, warm_up=False, max_num_seqs=4, max_num_batched_tokens=512, num_blocks=8192 // 16 + 16,
-              decode_batch_buckets=(4,), sampler_row_buckets=(4,), prefill_token_buckets=(512,),
-              prefill_seq_buckets=(4,))
+    llm = LLM(
+        smollm2,
+        warm_up=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        num_blocks=8192 // 16 + 16,
+        decode_batch_buckets=(4,),
+        sampler_row_buckets=(4,),
+        prefill_token_buckets=(512,),
+        prefill_seq_buckets=(4,),
+    )
     assert llm.engine.config.max_model_len == 8192
     ids = [int(i) for i in np.random.default_rng(0).integers(100, 40000, 2100)]
     out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[0]

@@ -12,14 +12,29 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 
-SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=200,
-             decode_batch_buckets=(2, 8), block_table_buckets=(16,), sampler_row_buckets=(8,), prefill_token_buckets=(64,),
-             prefill_seq_buckets=(4,))
+SMALL = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    num_blocks=200,
+    decode_batch_buckets=(2, 8),
+    block_table_buckets=(16,),
+    sampler_row_buckets=(8,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+)
 
 PARAMS = [
     SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
-                   frequency_penalty=0.4, presence_penalty=0.2),
+    SamplingParams(
+        max_tokens=19,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+    ),
     SamplingParams(max_tokens=22, temperature=0.0, min_tokens=9, logprobs=2),
     SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[40, 41, 42, 43, 44, 45, 46, 47, 48, 49]),
     SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
@@ -45,9 +60,15 @@ def prompts(n: int, seed: int) -> list[dict]:
 
 def outputs(llm: LLM, prompt_list: list[dict], params: list[SamplingParams]) -> list:
     outs = llm.generate(prompt_list, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
-             None if o.outputs[0].logprobs is None else [round(lp.logprob, 4) for lp in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].finish_reason,
+            o.outputs[0].text,
+            None if o.outputs[0].logprobs is None else [round(lp.logprob, 4) for lp in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
 
 
 @pytest.mark.parametrize("steps, async_scheduling", [(4, True), (3, False)])
@@ -59,19 +80,27 @@ def test_outputs_are_the_same_as_one_step_at_a_time(plain, model, steps, async_s
     llm = LLM(model, warm_up=False, num_scheduler_steps=steps, async_scheduling=async_scheduling, **SMALL)
     assert outputs(llm, batch, params) == expected
     for i in (0, 5):  # alone: every iteration after the first prompt's is a loop
-        assert outputs(llm, batch[i:i + 1], params[i:i + 1]) == expected[i:i + 1]
+        assert outputs(llm, batch[i : i + 1], params[i : i + 1]) == expected[i : i + 1]
     assert_kv_all_free(llm.engine)
 
 
 def test_stop_strings_and_the_context_end_inside_a_loop(plain, model, assert_kv_all_free):
     prompt = prompts(1, seed=3)[0]
-    free_run = plain.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0].text
-    stop = free_run[len(free_run) // 2:len(free_run) // 2 + 3]
-    long_prompt = {"prompt_token_ids": prompt["prompt_token_ids"] * 2 + list(range(3, 3 + 128 - 6 - 2 * len(prompt["prompt_token_ids"])))}
+    free_run = (
+        plain.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    stop = free_run[len(free_run) // 2 : len(free_run) // 2 + 3]
+    long_prompt = {
+        "prompt_token_ids": prompt["prompt_token_ids"] * 2
+        + list(range(3, 3 + 128 - 6 - 2 * len(prompt["prompt_token_ids"])))
+    }
     batch = [prompt, long_prompt]
-    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]),
-              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]  # ends at max_model_len
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+    ]  # ends at max_model_len
     expected = outputs(plain, batch, params)
     assert expected[0][1] == "stop" and expected[1][1] == "length" and len(expected[1][0]) == 6
     llm = LLM(model, warm_up=False, num_scheduler_steps=4, **SMALL)
@@ -81,8 +110,11 @@ def test_stop_strings_and_the_context_end_inside_a_loop(plain, model, assert_kv_
 
 def test_a_stop_token_ends_the_row_on_the_device_and_loops_cut_the_iterations(plain, model, assert_kv_all_free):
     prompt = prompts(1, seed=7)
-    free_run = plain.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0].token_ids
+    free_run = (
+        plain.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     # The prefill samples token 0, then loops of 4 sample 1-4, 5-8, ...: a stop token first
     # sampled inside a loop, not at its end.
     at = next(i for i in range(6, 24) if free_run[i] not in free_run[:i] and i % 4 != 0)
@@ -97,9 +129,10 @@ def test_a_stop_token_ends_the_row_on_the_device_and_loops_cut_the_iterations(pl
         return results
 
     llm.engine.runner.fetch = recording_fetch
-    out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop],
-                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == free_run[:at + 1] and out.finish_reason == "stop"
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop], ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert out.token_ids == free_run[: at + 1] and out.finish_reason == "stop"
     assert read == [4] * ((at - 1) // 4) + [(at - 1) % 4 + 1]  # the device sent nothing after the stop
     # 24 tokens: one prefill iteration, then loops of 4 (23 tokens in 6 loops).
     steps_before = llm.engine.stats.num_steps
@@ -111,7 +144,8 @@ def test_a_stop_token_ends_the_row_on_the_device_and_loops_cut_the_iterations(pl
 def test_preemption_under_multi_step_decode_keeps_the_outputs(plain, model, assert_kv_all_free):
     batch = prompts(8, seed=4)
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 4 + [
-        SamplingParams(max_tokens=36, temperature=0.8, seed=i, ignore_eos=True) for i in range(4)]
+        SamplingParams(max_tokens=36, temperature=0.8, seed=i, ignore_eos=True) for i in range(4)
+    ]
     expected = outputs(plain, batch, params)
     tight = {**SMALL, "num_blocks": 40}  # 8 requests of up to ~70 tokens need ~60 blocks of 8
     llm = LLM(model, warm_up=False, num_scheduler_steps=4, **tight)
@@ -123,7 +157,9 @@ def test_preemption_under_multi_step_decode_keeps_the_outputs(plain, model, asse
 def test_no_compilation_after_warm_up_with_multi_step_decode(model):
     llm = LLM(model, num_scheduler_steps=4, **SMALL)
     assert {key for key in llm.engine.runner._executables if key[0] == "multi_decode"} == {
-        ("multi_decode", 2, 16), ("multi_decode", 8, 16)}
+        ("multi_decode", 2, 16),
+        ("multi_decode", 8, 16),
+    }
     compiled = llm.engine.num_compilations
     batch = prompts(6, seed=9)
     llm.generate(batch, [PARAMS[i] for i in range(6)], use_tqdm=False)

@@ -59,16 +59,42 @@ def test_a_dtype_that_does_not_fit_the_int32_words_is_refused(dtype):
         HostPack.of((np.zeros(4, np.int32), np.zeros(4, dtype)))
 
 
-SETTINGS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "seed", "positions", "num_logprobs", "penalty_slots")
+SETTINGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "positions",
+    "num_logprobs",
+    "penalty_slots",
+)
 
 
 def test_sampling_settings_are_columns_of_one_array_with_the_same_bits_in_jit():
-    rows = [RowSampling(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=-0.5,
-                                       frequency_penalty=0.25, repetition_penalty=1.3, logprobs=3, seed=1),
-                        seed=2 ** 64 - 3, position=41, penalty_slot=2),
-            None,
-            RowSampling(SamplingParams(temperature=0.0), seed=2 ** 63 + 5, position=7)]
+    rows = [
+        RowSampling(
+            SamplingParams(
+                temperature=0.7,
+                top_k=5,
+                top_p=0.9,
+                min_p=0.05,
+                presence_penalty=-0.5,
+                frequency_penalty=0.25,
+                repetition_penalty=1.3,
+                logprobs=3,
+                seed=1,
+            ),
+            seed=2**64 - 3,
+            position=41,
+            penalty_slot=2,
+        ),
+        None,
+        RowSampling(SamplingParams(temperature=0.0), seed=2**63 + 5, position=7),
+    ]
     t = SamplingTensors.build(rows, 4, spare_slot=9)
     assert t.settings.shape == (4, SamplingTensors.SETTING_WORDS) and t.settings.dtype == np.int32
     np.testing.assert_array_equal(t.seed, [[0xFFFFFFFF, 0xFFFFFFFD], [0, 0], [0x80000000, 5], [0, 0]])
@@ -78,13 +104,20 @@ def test_sampling_settings_are_columns_of_one_array_with_the_same_bits_in_jit():
     assert t.settings[1, SamplingTensors.positions.start] == 99
     host = {name: getattr(t, name) for name in SETTINGS}
     assert {name: a.dtype for name, a in host.items()} == {
-        **dict.fromkeys(SETTINGS, np.dtype(np.float32)), "top_k": np.int32, "seed": np.uint32,
-        "positions": np.int32, "num_logprobs": np.int32, "penalty_slots": np.int32}
+        **dict.fromkeys(SETTINGS, np.dtype(np.float32)),
+        "top_k": np.int32,
+        "seed": np.uint32,
+        "positions": np.int32,
+        "num_logprobs": np.int32,
+        "penalty_slots": np.int32,
+    }
     _assert_same_bits(jax.jit(lambda t: {name: getattr(t, name) for name in SETTINGS})(t), host)
     moved = jax.jit(lambda t: t.at_positions(t.positions + 1))(t)
     np.testing.assert_array_equal(moved.positions, t.positions + 1)
-    np.testing.assert_array_equal(np.delete(np.asarray(moved.settings), SamplingTensors.positions.start, axis=1),
-                                  np.delete(t.settings, SamplingTensors.positions.start, axis=1))
+    np.testing.assert_array_equal(
+        np.delete(np.asarray(moved.settings), SamplingTensors.positions.start, axis=1),
+        np.delete(t.settings, SamplingTensors.positions.start, axis=1),
+    )
 
 
 def test_settings_columns_do_not_overlap():
@@ -94,17 +127,36 @@ def test_settings_columns_do_not_overlap():
 
 
 def test_an_engine_serves_on_packed_arguments_without_compiling_after_warm_up():
-    llm = LLM(build_tiny_random(), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8,
-              num_blocks=200, decode_batch_buckets=(8,), block_table_buckets=(16,), prefill_token_buckets=(64,),
-              prefill_seq_buckets=(4,))
+    llm = LLM(
+        build_tiny_random(),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        block_size=8,
+        num_blocks=200,
+        decode_batch_buckets=(8,),
+        block_table_buckets=(16,),
+        prefill_token_buckets=(64,),
+        prefill_seq_buckets=(4,),
+    )
     runner = llm.engine.runner
     compiled = runner.num_compilations
     rng = np.random.default_rng(2)
     prompts = [{"prompt_token_ids": rng.integers(3, 250, int(n)).tolist()} for n in rng.integers(2, 40, 6)]
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=2 ** 63 + 1, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.7, seed=5, presence_penalty=0.5, logit_bias={9: 2.0},
-                             min_tokens=4, logprobs=2, ignore_eos=True)] * 2
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=2**63 + 1, ignore_eos=True),
+        SamplingParams(
+            max_tokens=10,
+            temperature=0.7,
+            seed=5,
+            presence_penalty=0.5,
+            logit_bias={9: 2.0},
+            min_tokens=4,
+            logprobs=2,
+            ignore_eos=True,
+        ),
+    ] * 2
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert runner.num_compilations == compiled
     assert [len(o.outputs[0].token_ids) for o in outs] == [10] * 6

@@ -17,13 +17,38 @@ TWO_BY_ONE = np.array([[0, -1], [-1, 0]], np.int32)
 
 
 def snapshot(ticks: PipelineTicks) -> EngineSnapshot:
-    usage = KVUsage(num_blocks=8, free=8, used=0, shared=0, cached=0, cached_idle=0, pinned=0, host_slots=0,
-                    host_swapped=0, host_cached=0, host_free=0)
-    return EngineSnapshot(running=0, waiting=0, swapped=0, preempted=0, has_unfinished=False, kv_requests=0,
-                          kv=usage, prefix_query_tokens=0, prefix_hit_tokens=0, num_preemptions=0,
-                          num_compilations=0, num_steps=0, prompt_tokens_computed=0, generated_tokens=0,
-                          replicas=(), pipeline_stage_busy_ticks=tuple(int(n) for n in ticks.busy),
-                          pipeline_ticks=ticks.ticks)
+    usage = KVUsage(
+        num_blocks=8,
+        free=8,
+        used=0,
+        shared=0,
+        cached=0,
+        cached_idle=0,
+        pinned=0,
+        host_slots=0,
+        host_swapped=0,
+        host_cached=0,
+        host_free=0,
+    )
+    return EngineSnapshot(
+        running=0,
+        waiting=0,
+        swapped=0,
+        preempted=0,
+        has_unfinished=False,
+        kv_requests=0,
+        kv=usage,
+        prefix_query_tokens=0,
+        prefix_hit_tokens=0,
+        num_preemptions=0,
+        num_compilations=0,
+        num_steps=0,
+        prompt_tokens_computed=0,
+        generated_tokens=0,
+        replicas=(),
+        pipeline_stage_busy_ticks=tuple(int(n) for n in ticks.busy),
+        pipeline_ticks=ticks.ticks,
+    )
 
 
 def test_ticks_add_up_per_stage():

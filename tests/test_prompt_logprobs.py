@@ -14,9 +14,18 @@ from jaxserve.model import AttentionMetadata, KVCache
 from jaxserve.outputs import TokenLogprob
 from jaxserve.request import Request
 
-SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=256,
-             decode_batch_buckets=(4, 16), block_table_buckets=(32,), sampler_row_buckets=(16,), prefill_token_buckets=(32, 64),
-             prefill_seq_buckets=(4,))
+SMALL = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    num_blocks=256,
+    decode_batch_buckets=(4, 16),
+    block_table_buckets=(32,),
+    sampler_row_buckets=(16,),
+    prefill_token_buckets=(32, 64),
+    prefill_seq_buckets=(4,),
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +47,15 @@ def reference_logprobs(llm: LLM, ids: list[int]) -> np.ndarray:
     table = np.arange(1, -(-n // bs) + 1, dtype=np.int32)
     cache = KVCache.zeros(runner.config, len(table) + 1, bs, runner.cache_dtype)
     pos = np.arange(n)
-    meta = AttentionMetadata(jnp.asarray(table[pos // bs] * bs + pos % bs, jnp.int32), jnp.asarray(table[None]),
-                             jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32))
-    logits, _ = jax.jit(runner.model.apply)({"params": runner.params}, jnp.asarray(ids, jnp.int32),
-                                            jnp.asarray(pos, jnp.int32), cache, meta, jnp.arange(n))
+    meta = AttentionMetadata(
+        jnp.asarray(table[pos // bs] * bs + pos % bs, jnp.int32),
+        jnp.asarray(table[None]),
+        jnp.array([n], jnp.int32),
+        jnp.array([0, n], jnp.int32),
+    )
+    logits, _ = jax.jit(runner.model.apply)(
+        {"params": runner.params}, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), cache, meta, jnp.arange(n)
+    )
     return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 
 
@@ -68,8 +82,12 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 def test_scores_equal_a_whole_prompt_forward_pass_across_chunks_and_batching(llm):
     # 150 tokens take three chunked-prefill steps of at most 64; the others share those steps.
     ids = prompts(0, [150, 20, 7, 40])
-    wanted = [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3), SamplingParams(max_tokens=3),
-              SamplingParams(max_tokens=3, prompt_logprobs=0), SamplingParams(max_tokens=3, prompt_logprobs=5)]
+    wanted = [
+        SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3),
+        SamplingParams(max_tokens=3),
+        SamplingParams(max_tokens=3, prompt_logprobs=0),
+        SamplingParams(max_tokens=3, prompt_logprobs=5),
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], wanted, use_tqdm=False)
     assert outs[1].prompt_logprobs is None
     for out, p, params in zip(outs, ids, wanted):
@@ -92,8 +110,9 @@ def test_a_cached_prefix_is_scored_again_and_stays_cached_for_others(llm):
 
 def test_n_choices_share_one_set_of_prompt_scores(llm):
     ids = prompts(2, [30])[0]
-    out = llm.generate([{"prompt_token_ids": ids}], [SamplingParams(n=3, max_tokens=2, prompt_logprobs=2, seed=1)],
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], [SamplingParams(n=3, max_tokens=2, prompt_logprobs=2, seed=1)], use_tqdm=False
+    )[0]
     assert len(out.outputs) == 3
     check_scores(llm, ids, out.prompt_logprobs, 2)
 

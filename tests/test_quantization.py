@@ -26,9 +26,19 @@ from checkpoints.weights import abstract, nest, quantized
 from jaxserve import LLM, SamplingParams
 from tests.checkpoints.ckpt_gguf_fixture import Q, write_tiny_gguf
 
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, dtype="float32",
-              decode_batch_buckets=(8,), prefill_token_buckets=(64,), prefill_seq_buckets=(4,),
-              sampler_row_buckets=(8,), block_table_buckets=(16,), num_blocks=128)
+ENGINE = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    dtype="float32",
+    decode_batch_buckets=(8,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    sampler_row_buckets=(8,),
+    block_table_buckets=(16,),
+    num_blocks=128,
+)
 PROMPTS = [[3 + (7 * i + 5 * j) % 290 for j in range(n)] for i, n in enumerate((5, 17, 30, 70))]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -72,11 +82,14 @@ def model():
     return build_tiny_random()
 
 
-@pytest.mark.parametrize("mode, backend", [
-    ("q4", "cpu"),
-    # ~40 s: the XLA path is in CI through the layers the C++ kernel does not take (k/v here and below).
-    pytest.param("int8", "jax", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "mode, backend",
+    [
+        ("q4", "cpu"),
+        # ~40 s: the XLA path is in CI through the layers the C++ kernel does not take (k/v here and below).
+        pytest.param("int8", "jax", marks=pytest.mark.slow),
+    ],
+)
 def test_quantized_engine_gives_the_tokens_of_its_dequantized_weights(model, mode, backend, assert_kv_all_free):
     llm = LLM(model, attention_backend=backend, quantization=mode, warm_up=mode == "q4", **ENGINE)
     runner = llm.engine.runner
@@ -86,8 +99,9 @@ def test_quantized_engine_gives_the_tokens_of_its_dequantized_weights(model, mod
         assert runner.num_compilations == compiled
     assert_kv_all_free(llm.engine)
     formats = runner.quantization
-    assert set(formats) == {f"layers/{n}/kernel" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj")} | {"lm_head/kernel"}
+    assert set(formats) == {
+        f"layers/{n}/kernel" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    } | {"lm_head/kernel"}
     assert (formats["lm_head/kernel"].bits, formats["lm_head/kernel"].group) == (8, 32)  # the head: int8 in q4 too
     declared = abstract(quantized(declare(runner.config), formats), np.float32)
     assert runner.weight_bytes == sum(np.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(declared))
@@ -99,15 +113,27 @@ def test_quantized_engine_gives_the_tokens_of_its_dequantized_weights(model, mod
 
 def test_gguf_blocks_served_as_stored_give_the_tokens_of_the_dequantized_file(model, tmp_path):
     path = tmp_path / "tiny.gguf"
-    types = {"attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q4_0,
-             "ffn_gate.weight": Q.Q8_0, "ffn_up.weight": Q.Q4_1, "ffn_down.weight": Q.F16,  # F16: dequantized
-             "output.weight": Q.Q4_1}
+    types = {
+        "attn_q.weight": Q.Q4_0,
+        "attn_k.weight": Q.Q4_1,
+        "attn_v.weight": Q.Q8_0,
+        "attn_output.weight": Q.Q4_0,
+        "ffn_gate.weight": Q.Q8_0,
+        "ffn_up.weight": Q.Q4_1,
+        "ffn_down.weight": Q.F16,  # F16: dequantized
+        "output.weight": Q.Q4_1,
+    }
     write_tiny_gguf(path, model, types=types)
     served = LLM(str(path), quantization="gguf", warm_up=False, **ENGINE)
     formats = {path: (fmt.bits, fmt.group) for path, fmt in served.engine.runner.quantization.items()}
-    assert formats == {"layers/q_proj/kernel": (4, 32), "layers/k_proj/kernel": (4, 32),
-                       "layers/v_proj/kernel": (8, 32), "layers/o_proj/kernel": (4, 32),
-                       "layers/gate_proj/kernel": (8, 32), "layers/up_proj/kernel": (4, 32),
-                       "lm_head/kernel": (4, 32)}
+    assert formats == {
+        "layers/q_proj/kernel": (4, 32),
+        "layers/k_proj/kernel": (4, 32),
+        "layers/v_proj/kernel": (8, 32),
+        "layers/o_proj/kernel": (4, 32),
+        "layers/gate_proj/kernel": (8, 32),
+        "layers/up_proj/kernel": (4, 32),
+        "lm_head/kernel": (4, 32),
+    }
     assert served.engine.runner.params["layers"]["down_proj"]["kernel"].dtype == np.float32
     assert tokens(served) == tokens(LLM(str(path), warm_up=False, **ENGINE))

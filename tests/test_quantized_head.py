@@ -106,8 +106,12 @@ def test_tied_head_is_quantized_in_panels_and_counted_in_the_weight_bytes(tied, 
     if mode == "q4":  # the layers as q4, the head as int8: the tokens of the f32 head on the table it stores
         got = tokens(llm)
         twin = dequantized_head(tied, mode)
-        reference = LLM(dataclasses.replace(twin, params=quantize_params(twin.params, twin.config, mode)),
-                        attention_backend="cpu", warm_up=False, **ENGINE)
+        reference = LLM(
+            dataclasses.replace(twin, params=quantize_params(twin.params, twin.config, mode)),
+            attention_backend="cpu",
+            warm_up=False,
+            **ENGINE,
+        )
         assert got == tokens(reference)
 
 

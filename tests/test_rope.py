@@ -18,9 +18,13 @@ REFERENCE = json.loads((Path(__file__).parent / "data" / "yarn_reference.json").
 
 @pytest.mark.parametrize("case", REFERENCE, ids=[json.dumps(c["rope_scaling"]) for c in REFERENCE])
 def test_yarn_matches_hugging_face(case):
-    config = dataclasses.replace(build_tiny_random().config, head_dim=case["head_dim"], rope_theta=case["rope_theta"],
-                                 max_position_embeddings=case["max_position_embeddings"],
-                                 rope_scaling=case["rope_scaling"])
+    config = dataclasses.replace(
+        build_tiny_random().config,
+        head_dim=case["head_dim"],
+        rope_theta=case["rope_theta"],
+        max_position_embeddings=case["max_position_embeddings"],
+        rope_scaling=case["rope_scaling"],
+    )
     np.testing.assert_allclose(inverse_frequencies(config), case["inv_freq"], rtol=1e-6)
     assert attention_factor(config) == pytest.approx(case["attention_factor"], rel=1e-12)
 
@@ -45,8 +49,10 @@ def test_the_model_applies_the_yarn_attention_factor():
     def first_logprobs(scaling: dict) -> np.ndarray:
         model = build_tiny_random()
         model.config = dataclasses.replace(model.config, rope_scaling=scaling)
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
-                                               block_size=8, num_blocks=32))
+        engine = LLMEngine(
+            model,
+            EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, block_size=8, num_blocks=32),
+        )
         engine.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=1, temperature=0, logprobs=5))
         deltas = []
         while engine.has_unfinished_requests():

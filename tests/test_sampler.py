@@ -206,10 +206,12 @@ def test_penalties_follow_vllm_semantics() -> None:
     logits[:, 1], logits[:, 2] = 1.5, -1.0
     prompt, output = [1, 2, 2, 9], [2, 3, 3, 4]
     rows = [
-        _row(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-             prompt=prompt, output=output),
-        _row(SamplingParams(frequency_penalty=-0.5, presence_penalty=1.0),
-             prompt=prompt, output=output),
+        _row(
+            SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+            prompt=prompt,
+            output=output,
+        ),
+        _row(SamplingParams(frequency_penalty=-0.5, presence_penalty=1.0), prompt=prompt, output=output),
         _row(SamplingParams(), prompt=prompt, output=output),  # no penalties: untouched
     ]
     got = np.asarray(_apply_penalties(logits, _tensors(rows), _counts(rows)))
@@ -231,10 +233,7 @@ def test_seeded_draws_depend_only_on_seed_and_position() -> None:
     logits = _random_logits(1, seed=7, scale=0.5)[0]  # flat: draws vary a lot
     target = SamplingParams(temperature=0.9, top_p=0.95)
     keys = [(seed, pos) for seed in (1, 2**40 + 1, 99) for pos in (0, 1, 57, 1000)]
-    alone = [
-        int(_sample(logits[None], [_row(target, s, pos)], 1, k=K).tokens[0])
-        for s, pos in keys
-    ]
+    alone = [int(_sample(logits[None], [_row(target, s, pos)], 1, k=K).tokens[0]) for s, pos in keys]
     assert len(set(alone)) >= 6  # the stream really moves with seed and position
     neighbours = [  # every expensive path on, different logits beside each target
         SamplingParams(temperature=0),
@@ -258,14 +257,10 @@ def test_random_stream_is_fold_in_of_seed_and_position() -> None:
     rows = [_row(SamplingParams(), seed=s, position=p) for s, p in streams]
     noise = np.asarray(_gumbel_noise(jax.device_put(_tensors(rows, 3)), 16))
     for (seed, position), got in zip(streams, noise):
-        key = jax.random.wrap_key_data(
-            np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl="threefry2x32"
-        )
+        key = jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl="threefry2x32")
         expected = jax.random.gumbel(jax.random.fold_in(key, position), (16,))
         np.testing.assert_array_equal(got, expected)
-    np.testing.assert_array_equal(
-        noise[0], jax.random.gumbel(jax.random.fold_in(jax.random.key(5), 0), (16,))
-    )
+    np.testing.assert_array_equal(noise[0], jax.random.gumbel(jax.random.fold_in(jax.random.key(5), 0), (16,)))
 
 
 def test_draws_follow_the_softmax_distribution() -> None:
@@ -291,8 +286,11 @@ def test_draws_follow_the_softmax_distribution() -> None:
 def test_logprobs_come_from_the_raw_log_softmax() -> None:
     logits = _random_logits(B, seed=11)
     rows = [
-        _row(SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.5, logprobs=5),
-             seed=3, output=[int(logits[0].argmax())]),
+        _row(
+            SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.5, logprobs=5),
+            seed=3,
+            output=[int(logits[0].argmax())],
+        ),
         _row(SamplingParams(temperature=0, logprobs=0)),
         None,
         _row(SamplingParams(temperature=1.2, min_p=0.1)),
@@ -353,8 +351,12 @@ def test_penalty_rows_are_set_from_history_and_count_what_is_sampled() -> None:
     np.testing.assert_array_equal(is_output, [[False, False, True, True], [True, True, False, False]])
     with pytest.raises(ValueError, match="history"):
         penalty_history([], [1] * 5, rep, 4)
-    counts = _set_penalty_rows(PenaltyCounts.zeros(3, 10), np.array([2, 0, -1, -1], np.int32),
-                               np.array(history + ([3, -1, -1, -1],) * 2, np.int32), np.array(is_output + (is_output[0],) * 2))
+    counts = _set_penalty_rows(
+        PenaltyCounts.zeros(3, 10),
+        np.array([2, 0, -1, -1], np.int32),
+        np.array(history + ([3, -1, -1, -1],) * 2, np.int32),
+        np.array(is_output + (is_output[0],) * 2),
+    )
     output, prompt = np.asarray(counts.output), np.asarray(counts.prompt)
     np.testing.assert_array_equal(output[2, [4, 5, 6, 7]], [0, 0, 2, 0])
     np.testing.assert_array_equal(np.flatnonzero(prompt[2]), [4, 5])

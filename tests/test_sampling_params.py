@@ -35,8 +35,15 @@ def test_normalisation() -> None:
 
 def test_accepts_edge_values() -> None:
     p = SamplingParams(
-        top_p=1e-6, min_p=1.0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-3,
-        logprobs=MAX_LOGPROBS, seed=2**64 - 1, top_k=2**31 - 1, max_tokens=1,
+        top_p=1e-6,
+        min_p=1.0,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        repetition_penalty=1e-3,
+        logprobs=MAX_LOGPROBS,
+        seed=2**64 - 1,
+        top_k=2**31 - 1,
+        max_tokens=1,
     )
     assert p.has_penalties
     assert SamplingParams(logprobs=0).logprobs == 0
@@ -117,8 +124,9 @@ def test_tiny_temperature_is_raised_to_the_float32_safe_floor() -> None:
     assert SamplingParams(temperature=0).is_greedy
 
 
-@pytest.mark.parametrize("kwargs,field", [({"stop_token_ids": [0, 100]}, "stop_token_ids"),
-                                          ({"logit_bias": {100: 1.0}}, "logit_bias")])
+@pytest.mark.parametrize(
+    "kwargs,field", [({"stop_token_ids": [0, 100]}, "stop_token_ids"), ({"logit_bias": {100: 1.0}}, "logit_bias")]
+)
 def test_token_ids_are_checked_against_the_vocabulary(kwargs: dict, field: str) -> None:
     params = SamplingParams(**kwargs)
     params.check_vocabulary(101)

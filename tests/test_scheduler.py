@@ -14,12 +14,22 @@ from jaxserve.scheduler import Scheduler
 
 
 def make(num_blocks=64, **cfg):
-    base = dict(block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-                max_prefill_seqs=4, block_table_buckets=(64,))
+    base = dict(
+        block_size=4,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_prefill_seqs=4,
+        block_table_buckets=(64,),
+    )
     config = EngineConfig(**{**base, **cfg})
-    kv = KVCacheManager(num_blocks, config.block_size, watermark_blocks=0,
-                        enable_prefix_cache=config.enable_prefix_caching,
-                        num_host_slots=config.swap_space_blocks)
+    kv = KVCacheManager(
+        num_blocks,
+        config.block_size,
+        watermark_blocks=0,
+        enable_prefix_cache=config.enable_prefix_caching,
+        num_host_slots=config.swap_space_blocks,
+    )
     return Scheduler(config, kv)
 
 

@@ -22,12 +22,26 @@ from jaxserve.sampling_tensors import PenaltyCounts, RowSampling, SamplingTensor
 from jaxserve.speculative import propose_ngram
 from jaxserve.speculative.verify import verify
 
-SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_blocks=200,
-             decode_batch_buckets=(2, 8), block_table_buckets=(16,), sampler_row_buckets=(8,), prefill_token_buckets=(64,),
-             prefill_seq_buckets=(4,))
+SMALL = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    num_blocks=200,
+    decode_batch_buckets=(2, 8),
+    block_table_buckets=(16,),
+    sampler_row_buckets=(8,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+)
 # Speculation while at most 4 requests run: 8 running requests decode without it.
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-        "disable_by_batch_size": 4}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 4,
+}
 
 
 def chi2_quantile(df: int, z: float = 3.72) -> float:
@@ -121,8 +135,14 @@ def repetitive_prompts(n: int, seed: int) -> list[dict]:
 
 GREEDY = [
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
-                   frequency_penalty=0.4, presence_penalty=0.2),
+    SamplingParams(
+        max_tokens=19,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+    ),
     SamplingParams(max_tokens=22, temperature=0.0, min_tokens=9, logprobs=2),
     SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[40, 41, 42, 43, 44, 45, 46, 47]),
     SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
@@ -140,8 +160,9 @@ def logprobs(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> lis
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_greedy_output_is_token_for_token_the_same_batched_and_alone(plain, model, async_scheduling,
-                                                                      assert_kv_all_free):
+def test_greedy_output_is_token_for_token_the_same_batched_and_alone(
+    plain, model, async_scheduling, assert_kv_all_free
+):
     prompts = repetitive_prompts(10, seed=1)
     # Two long requests outlast the rest, so the batch surely falls below the threshold and
     # speculates for many steps, whatever order the scheduler packs the prompts in.
@@ -153,7 +174,7 @@ def test_greedy_output_is_token_for_token_the_same_batched_and_alone(plain, mode
     stats = llm.engine.stats
     assert stats.speculative_steps > 0 and 0 < stats.accepted_tokens < stats.draft_tokens
     for i in (0, 1, 2):
-        assert outputs(llm, prompts[i:i + 1], params[i:i + 1]) == expected[i:i + 1]
+        assert outputs(llm, prompts[i : i + 1], params[i : i + 1]) == expected[i : i + 1]
     assert_kv_all_free(llm.engine)
 
 
@@ -161,8 +182,9 @@ def test_logprobs_of_accepted_tokens_and_prefix_hits_on_verified_output(plain, s
     prompts = repetitive_prompts(4, seed=2)
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=1)] * 4
     first = speculative.generate(prompts, params, use_tqdm=False)
-    np.testing.assert_allclose(sum(logprobs(speculative, prompts, params), []),
-                               sum(logprobs(plain, prompts, params), []), atol=1e-4)
+    np.testing.assert_allclose(
+        sum(logprobs(speculative, prompts, params), []), sum(logprobs(plain, prompts, params), []), atol=1e-4
+    )
     # Continue each from the middle of its own output: the blocks it hits in the prefix cache
     # were written by verify steps, and must hold only accepted tokens.
     cont = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids[:17]} for p, o in zip(prompts, first)]
@@ -181,18 +203,22 @@ def test_seeded_sampling_keeps_its_distribution(plain, speculative, assert_kv_al
     # likeliest next token, the n-gram draft is the greedy token after it (the continuation repeats
     # itself there), so that drafts are likely, neither certain nor impossible.
     start = repetitive_prompts(1, seed=3)[0]["prompt_token_ids"]
-    greedy = outputs(plain, [{"prompt_token_ids": start}], [SamplingParams(max_tokens=40, temperature=0.0,
-                                                                            ignore_eos=True)])[0][0]
-    cut = next(i for i in range(1, len(greedy) - 1)
-               if propose_ngram(start + greedy[:i + 1], 1, 1, 3) == [greedy[i + 1]])
+    greedy = outputs(
+        plain, [{"prompt_token_ids": start}], [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+    )[0][0]
+    cut = next(
+        i for i in range(1, len(greedy) - 1) if propose_ngram(start + greedy[: i + 1], 1, 1, 3) == [greedy[i + 1]]
+    )
     prompt = {"prompt_token_ids": start + greedy[:cut]}
     n = 320
 
     def histogram(llm: LLM, base_seed: int) -> collections.Counter:
         found = collections.Counter()
         for group in range(0, n, 4):  # 4 at a time: at the speculation threshold
-            params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=base_seed + i, ignore_eos=True)
-                      for i in range(group, group + 4)]
+            params = [
+                SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=base_seed + i, ignore_eos=True)
+                for i in range(group, group + 4)
+            ]
             found.update(tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * 4, params, use_tqdm=False))
         return found
 
@@ -211,7 +237,11 @@ def test_no_compilation_after_warm_up_with_speculation(plain, speculative):
     assert plain.engine.runner.inputs.verify_batches == ()  # no verify programs without speculation
     compiled = speculative.engine.num_compilations
     assert {key for key in speculative.engine.runner._executables if key[0].startswith("verify")} == {
-        ("verify", 2, 16), ("verify", 8, 16), ("verify_sample", 8), ("verify_sample", 32)}
+        ("verify", 2, 16),
+        ("verify", 8, 16),
+        ("verify_sample", 8),
+        ("verify_sample", 32),
+    }
     prompts = repetitive_prompts(9, seed=4)
     params = [GREEDY[i % len(GREEDY)] for i in range(9)]
     params[3] = SamplingParams(max_tokens=15, temperature=0.9, top_p=0.8, seed=2, presence_penalty=0.5)

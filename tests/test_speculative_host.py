@@ -35,18 +35,33 @@ def test_config_takes_vllms_names_from_json_or_a_dict():
     assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 4, 4)
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative.prompt_lookup_min == 5
     assert EngineConfig(speculative_config="").speculative is None
-    for bad in ('{"method": "eagle", "num_speculative_tokens": 2}', '{"num_speculative_tokens": 0}',
-                '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
-                '{"num_speculative_tokens": 2, "lookahead": 1}', '{"method": "ngram"}', "[1]", "{"):
+    for bad in (
+        '{"method": "eagle", "num_speculative_tokens": 2}',
+        '{"num_speculative_tokens": 0}',
+        '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+        '{"num_speculative_tokens": 2, "lookahead": 1}',
+        '{"method": "ngram"}',
+        "[1]",
+        "{",
+    ):
         with pytest.raises(ValueError):
             EngineConfig(speculative_config=bad)
 
 
 def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int = 64):
-    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64, block_size=4,
-                          num_blocks=num_blocks,
-                          speculative_config={"num_speculative_tokens": k, "prompt_lookup_min": 1,
-                                              "prompt_lookup_max": 2, "disable_by_batch_size": disable_by_batch_size})
+    config = EngineConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=4,
+        num_blocks=num_blocks,
+        speculative_config={
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+            "disable_by_batch_size": disable_by_batch_size,
+        },
+    )
     kv = KVCacheManager(num_blocks, 4)
     return Scheduler(config, kv), kv
 

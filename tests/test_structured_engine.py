@@ -16,9 +16,18 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.structured import GuidedDecoding
 
-SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, block_size=8, num_blocks=256,
-             decode_batch_buckets=(16,), block_table_buckets=(32,), sampler_row_buckets=(16,), prefill_token_buckets=(64,),
-             prefill_seq_buckets=(4,))
+SMALL = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    num_blocks=256,
+    decode_batch_buckets=(16,),
+    block_table_buckets=(32,),
+    sampler_row_buckets=(16,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -58,8 +67,9 @@ def test_json_schema_with_n_choices_each_valid_and_stopped_by_the_grammar(llm):
 
 
 def test_regex_and_choice_with_greedy_and_seeded_rows_in_one_batch(llm):
-    regex = SamplingParams(n=2, max_tokens=40, temperature=0.8, seed=1,
-                           guided=GuidedDecoding("regex", r"[0-9]{3}-[a-c]{2,4}"))
+    regex = SamplingParams(
+        n=2, max_tokens=40, temperature=0.8, seed=1, guided=GuidedDecoding("regex", r"[0-9]{3}-[a-c]{2,4}")
+    )
     choice = SamplingParams(max_tokens=40, temperature=0.0, guided=GuidedDecoding("choice", ["yes", "no", "maybe"]))
     plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outs = llm.generate(["x", "y", "z"], [regex, choice, plain], use_tqdm=False)
@@ -77,8 +87,7 @@ def test_seeded_constrained_output_repeats_and_max_tokens_still_applies(llm):
 
 
 def test_stop_string_ends_a_constrained_request(llm):
-    params = SamplingParams(max_tokens=60, temperature=0.0, stop=["b"],
-                            guided=GuidedDecoding("regex", "a{3}b{2}c{3}"))
+    params = SamplingParams(max_tokens=60, temperature=0.0, stop=["b"], guided=GuidedDecoding("regex", "a{3}b{2}c{3}"))
     out = outputs(llm, ["q"], params)[0]
     assert out.text == "aaa" and out.finish_reason == "stop"
 
@@ -101,14 +110,17 @@ def test_async_gives_the_sync_tokens_in_as_many_steps():
     assert runs[0][2] >= runs[0][1] - 2 and runs[1][2] == 0
 
 
-@pytest.mark.parametrize("kind,value,message", [
-    ("json", {"type": "objectx"}, "Invalid type"),
-    ("json", [1, 2], "must be an object"),
-    ("regex", "a(b", "unclosed group"),
-    ("choice", [], "non-empty list"),
-    ("grammar", "root ::= (((", "grammar"),
-    ("yaml", "x", "kind"),
-])
+@pytest.mark.parametrize(
+    "kind,value,message",
+    [
+        ("json", {"type": "objectx"}, "Invalid type"),
+        ("json", [1, 2], "must be an object"),
+        ("regex", "a(b", "unclosed group"),
+        ("choice", [], "non-empty list"),
+        ("grammar", "root ::= (((", "grammar"),
+        ("yaml", "x", "kind"),
+    ],
+)
 def test_constraints_the_library_rejects_raise_value_error(kind, value, message):
     with pytest.raises(ValueError, match=message):
         GuidedDecoding(kind, value)
@@ -120,7 +132,9 @@ def test_a_constrained_rows_mask_is_written_after_its_step_is_built(llm):
     from jaxserve.runner.prepared_step import write_token_masks
 
     engine = llm.engine
-    (req,) = engine.add_request("mask-timing", "Hi", SamplingParams(max_tokens=4, guided=GuidedDecoding("json", SCHEMA)))
+    (req,) = engine.add_request(
+        "mask-timing", "Hi", SamplingParams(max_tokens=4, guided=GuidedDecoding("json", SCHEMA))
+    )
     try:
         (program,) = engine.runner.prepare(engine.scheduler.schedule()).programs
         assert program.masks == ((0, req.grammar),)

@@ -47,8 +47,12 @@ def test_only_allowed_tokens_are_sampled(temperature):
     logits[:, 7] = 100.0  # the unconstrained favourite, forbidden in the masked rows
     seen = set()
     for seed in range(20):
-        rows = [RowSampling(SamplingParams(temperature=temperature, seed=seed), seed=seed, position=5,
-                            token_mask=packed(allowed)) for _ in range(2)]
+        rows = [
+            RowSampling(
+                SamplingParams(temperature=temperature, seed=seed), seed=seed, position=5, token_mask=packed(allowed)
+            )
+            for _ in range(2)
+        ]
         rows += [RowSampling(SamplingParams(temperature=temperature), seed=seed, position=5), None]
         tokens = run(rows, logits)
         assert tokens[0] in allowed and tokens[1] in allowed

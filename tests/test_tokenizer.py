@@ -133,7 +133,7 @@ def token_streams(vocab_size: int, byte_ids: list[int]) -> st.SearchStrategy[lis
     return st.lists(st.one_of(st.sampled_from(byte_ids), st.integers(0, vocab_size - 1)), max_size=48)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_token_ids(tokenizer: Tokenizer) -> list[int]:
     vocab = tokenizer.bundle.tokenizer.get_vocab()
     return sorted(i for token, i in vocab.items() if len(token) == 1)
@@ -190,7 +190,7 @@ def test_detokenizer_steady_state_needs_no_decode_call(tiny):
         before = counting.decodes
         detok = IncrementalDetokenizer(texts, context=tiny.encode("Q:"))
         text = "".join(detok.add(i) for i in ids) + detok.finish()
-        assert text == tiny.decode(tiny.encode("Q:") + ids)[len("Q:"):]
+        assert text == tiny.decode(tiny.encode("Q:") + ids)[len("Q:") :]
     vocab = tiny.bundle.tokenizer.get_vocab()
     split = {vocab[c] for c in "ä½ł"}  # "你" spelled in byte-level tokens, if the tokenizer split it
     assert counting.decodes - before <= 2 * len(split & set(ids)) + 2  # the context, finish()
@@ -204,12 +204,12 @@ def test_detokenizer_with_context_matches_full_decode(tiny, data, skip):
     ids = data.draw(token_streams(tiny.vocab_size, byte_token_ids(tiny)))
     detok = tiny.detokenizer(skip_special_tokens=skip, context=context)
     text = "".join(detok.add(i) for i in ids) + detok.finish()
-    kept = context[-IncrementalDetokenizer.CONTEXT_TOKENS:]
+    kept = context[-IncrementalDetokenizer.CONTEXT_TOKENS :]
     if tiny.decode(kept, skip_special_tokens=skip).endswith("\ufffd"):
         kept = []  # a context ending inside a character is dropped
     full, prompt = (tiny.decode(kept + ids, skip_special_tokens=skip), tiny.decode(kept, skip_special_tokens=skip))
     assert full.startswith(prompt)
-    assert text == full[len(prompt):]
+    assert text == full[len(prompt) :]
 
 
 # --- the default model (SmolLM2) vs Hugging Face --------------------------------------------------

@@ -67,22 +67,30 @@ class Run:
             why = "unknown to this XLA" if rejected_flag(result) else (result["error"] or result["problems"][0])
             self.command_buffers = False
             self.summary["command_buffers"] = f"off (the env stage failed with the flag: {why[:120]})"
-            result = run_stage(stage, self.out, self.dry_run, min(stage.limit_s, self.deadline - time.monotonic()), False)
+            result = run_stage(
+                stage, self.out, self.dry_run, min(stage.limit_s, self.deadline - time.monotonic()), False
+            )
         if stage.kind == "env":
             self.env_ok = result["status"] == "ok"
         return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreted kernels")
     parser.add_argument("--out", default=None, help="results folder (default $OUT, else out/gpu_check/TIME)")
-    parser.add_argument("--triton-command-buffers", choices=("on", "off", "both"), default="both",
-                        help=f"pass {COMMAND_BUFFER_FLAG} to XLA (GPU only): on, off, or on plus one "
-                             "engine stage with it off when time remains (default)")
-    parser.add_argument("--stages", nargs="+", default=None, metavar="NAME",
-                        help="run only these stages (env always runs)")
+    parser.add_argument(
+        "--triton-command-buffers",
+        choices=("on", "off", "both"),
+        default="both",
+        help=f"pass {COMMAND_BUFFER_FLAG} to XLA (GPU only): on, off, or on plus one "
+        "engine stage with it off when time remains (default)",
+    )
+    parser.add_argument(
+        "--stages", nargs="+", default=None, metavar="NAME", help="run only these stages (env always runs)"
+    )
     args = parser.parse_args(argv)
     plan = make_plan(args.dry_run, command_buffer_variant=args.triton_command_buffers == "both")
     unknown = set(args.stages or ()) - {s.name for s in plan.stages}
@@ -94,14 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command_buffers = not args.dry_run and args.triton_command_buffers != "off"
     start = time.monotonic()
-    summary = {"mode": "dry-run" if args.dry_run else "gpu",
-               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "budget_s": plan.budget_s, "command_buffer_flag": COMMAND_BUFFER_FLAG,
-               "command_buffers": "n/a (CPU)" if args.dry_run else ("on" if command_buffers else "off"),
-               "stages": [], "total_s": 0.0}
+    summary = {
+        "mode": "dry-run" if args.dry_run else "gpu",
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "budget_s": plan.budget_s,
+        "command_buffer_flag": COMMAND_BUFFER_FLAG,
+        "command_buffers": "n/a (CPU)" if args.dry_run else ("on" if command_buffers else "off"),
+        "stages": [],
+        "total_s": 0.0,
+    }
     run = Run(out, args.dry_run, start + plan.budget_s, command_buffers, summary)
-    print(f"gpu_check ({summary['mode']}): {len(stages)} stages, budget {plan.budget_s:.0f} s, results in {out}",
-          flush=True)
+    print(
+        f"gpu_check ({summary['mode']}): {len(stages)} stages, budget {plan.budget_s:.0f} s, results in {out}",
+        flush=True,
+    )
     for stage in stages:
         result = run.stage(stage)
         summary["stages"].append(result)
@@ -112,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     table = render(summary, plan)
     (out / "gpu_check.txt").write_text(table)
     print("\n" + table, end="", flush=True)
-    passed = all(s["status"] == "ok" or (s["status"] == "skipped" and plan.stage(s["name"]).optional)
-                 for s in summary["stages"])
+    passed = all(
+        s["status"] == "ok" or (s["status"] == "skipped" and plan.stage(s["name"]).optional) for s in summary["stages"]
+    )
     return 0 if passed else 1
 
 

@@ -48,8 +48,14 @@ def _compare(got: jax.Array, want: jax.Array, zero_rows: np.ndarray, dtype: str)
     bound = kernel_bench.TOLERANCE[dtype] * max(1.0, float(np.max(np.abs(want32))))
     zeros = not got32[zero_rows].any()
     same_dtype = got.dtype == want.dtype
-    return {"max_err": err, "bound": bound, "finite": finite, "padding_zero": zeros, "same_dtype": same_dtype,
-            "ok": finite and err <= bound and zeros and same_dtype}
+    return {
+        "max_err": err,
+        "bound": bound,
+        "finite": finite,
+        "padding_zero": zeros,
+        "same_dtype": same_dtype,
+        "ok": finite and err <= bound and zeros and same_dtype,
+    }
 
 
 def decode_case(kernel, config: ModelConfig, dtype: str, pages: int, num_splits: int | None, seed: int) -> dict:
@@ -57,13 +63,21 @@ def decode_case(kernel, config: ModelConfig, dtype: str, pages: int, num_splits:
     None: the kernel's own choice."""
     rng = np.random.default_rng(seed)
     full = pages * BLOCK_SIZE
-    lengths = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, full,
-               int(rng.integers(2, full)), int(rng.integers(2, full)), 0]
+    lengths = [
+        1,
+        BLOCK_SIZE - 1,
+        BLOCK_SIZE,
+        BLOCK_SIZE + 1,
+        full,
+        int(rng.integers(2, full)),
+        int(rng.integers(2, full)),
+        0,
+    ]
     k, v = _cache(seed, config, len(lengths) * pages + 1, dtype)
     tables = scattered_tables(rng, len(lengths), pages)
     q = random_normal(3 * seed + 2, (len(lengths), config.num_heads, config.head_dim), dtype)
     lens = jnp.asarray(lengths, jnp.int32)
-    scale = config.head_dim ** -0.5
+    scale = config.head_dim**-0.5
     want = _reference_decode(q, k, v, jnp.int32(LAYER), tables, lens, scale=scale)
     got = kernel(q, k, v, jnp.int32(LAYER), tables, lens, scale=scale, num_splits=num_splits)
     return _compare(got, want, np.asarray(lengths) == 0, dtype)
@@ -74,8 +88,14 @@ def prefill_case(config: ModelConfig, dtype: str, pages: int, seed: int) -> dict
     rng = np.random.default_rng(seed)
     full = pages * BLOCK_SIZE
     half = full // 2
-    sequences = [(0, min(37, full)), (19, 18), (2 * BLOCK_SIZE, 1), (half - 7, min(64, half)),
-                 (full - 5, 5), (0, 0)]  # (cached history, new chunk)
+    sequences = [
+        (0, min(37, full)),
+        (19, 18),
+        (2 * BLOCK_SIZE, 1),
+        (half - 7, min(64, half)),
+        (full - 5, 5),
+        (0, 0),
+    ]  # (cached history, new chunk)
     chunks = [c for _, c in sequences]
     query_start = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int32)
     rows = common.next_power_of_2(int(query_start[-1]) + 8)  # padding rows at the end
@@ -84,7 +104,7 @@ def prefill_case(config: ModelConfig, dtype: str, pages: int, seed: int) -> dict
     q = random_normal(3 * seed + 2, (rows, config.num_heads, config.head_dim), dtype)
     seq_lens = jnp.asarray([h + c for h, c in sequences], jnp.int32)
     starts = jnp.asarray(query_start)
-    scale = config.head_dim ** -0.5
+    scale = config.head_dim**-0.5
     want = _reference_prefill(q, k, v, jnp.int32(LAYER), tables, seq_lens, starts, scale=scale)
     got = prefill.prefill_attention(q, k, v, jnp.int32(LAYER), tables, seq_lens, starts, scale=scale)
     return _compare(got, want, np.arange(rows) >= query_start[-1], dtype)
@@ -106,14 +126,31 @@ def _cases(plan: Plan, with_mosaic: bool):
     for model, dtype in plan.correctness:
         config = plan.models[model]
         kernels = [("decode", decode.decode_attention)]
-        if with_mosaic and decode_mosaic.unsupported_reason(config.num_heads, config.num_kv_heads, config.head_dim,
-                                                            BLOCK_SIZE, jnp.dtype(dtype)) is None:
+        if (
+            with_mosaic
+            and decode_mosaic.unsupported_reason(
+                config.num_heads, config.num_kv_heads, config.head_dim, BLOCK_SIZE, jnp.dtype(dtype)
+            )
+            is None
+        ):
             kernels.append(("decode_mosaic", decode_mosaic.decode_attention))
         for name, kernel in kernels:
-            yield model, config, dtype, name, "default splits", functools.partial(
-                decode_case, kernel, config, dtype, pages, None)
-            yield model, config, dtype, name, f"{FORCED_SPLITS} splits", functools.partial(
-                decode_case, kernel, config, dtype, pages, FORCED_SPLITS)
+            yield (
+                model,
+                config,
+                dtype,
+                name,
+                "default splits",
+                functools.partial(decode_case, kernel, config, dtype, pages, None),
+            )
+            yield (
+                model,
+                config,
+                dtype,
+                name,
+                f"{FORCED_SPLITS} splits",
+                functools.partial(decode_case, kernel, config, dtype, pages, FORCED_SPLITS),
+            )
         yield model, config, dtype, "prefill", "ragged", functools.partial(prefill_case, config, dtype, pages)
 
 
@@ -131,11 +168,20 @@ def _failure(row: dict) -> str:
 
 def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     mosaic_skip = mosaic_skip_reason()
-    record.info(interpret=common.resolve_interpret(None), tolerance=kernel_bench.TOLERANCE,
-                pages=plan.correctness_pages, mosaic="runs" if mosaic_skip is None else f"not run: {mosaic_skip}")
+    record.info(
+        interpret=common.resolve_interpret(None),
+        tolerance=kernel_bench.TOLERANCE,
+        pages=plan.correctness_pages,
+        mosaic="runs" if mosaic_skip is None else f"not run: {mosaic_skip}",
+    )
     for seed, (model, config, dtype, kernel, variant, fn) in enumerate(_cases(plan, mosaic_skip is None)):
-        row = {"kernel": kernel, "variant": variant, "model": model, "dtype": dtype,
-               "shape": f"kvh{config.num_kv_heads} g{config.q_per_kv} d{config.head_dim}"}
+        row = {
+            "kernel": kernel,
+            "variant": variant,
+            "model": model,
+            "dtype": dtype,
+            "shape": f"kvh{config.num_kv_heads} g{config.q_per_kv} d{config.head_dim}",
+        }
         t0 = time.perf_counter()
         try:
             row.update(fn(seed))

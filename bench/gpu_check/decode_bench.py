@@ -11,7 +11,7 @@ over JAX's op.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,14 +29,15 @@ def mosaic_skip_reason(case: DecodeCase, dtype, interpret: bool) -> str | None:
         return f"not run: jax {jax.__version__} has no public Mosaic GPU interpreter (jax >= 0.11)"
     if not interpret and not gpu_select.mosaic_runs_on(gpu_select.compute_capability()):
         return f"not run: needs a Hopper GPU (compute capability 9.x), this is {gpu_select.compute_capability()}"
-    reason = decode_mosaic.unsupported_reason(case.num_kv_heads * case.group, case.num_kv_heads, case.head_dim,
-                                              case.block_size, dtype)
+    reason = decode_mosaic.unsupported_reason(
+        case.num_kv_heads * case.group, case.num_kv_heads, case.head_dim, case.block_size, dtype
+    )
     return f"not run: {reason}" if reason else None
 
 
 def _variants(case: DecodeCase, interpret: bool, with_reference: bool, mosaic_skip: str | None) -> dict[str, Callable]:
     """name -> jitted fn(q, k, v, tables, lengths) over one layer of K/V [KVH, NB, BS, D]."""
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     layer = jnp.int32(0)
     width = -(-case.context // case.block_size)
     splits = shipped_k_splits(width)
@@ -44,15 +45,31 @@ def _variants(case: DecodeCase, interpret: bool, with_reference: bool, mosaic_sk
 
     # k[None]: the stacked [1, KVH, NB, BS, D] view inside jit is a bitcast, not a copy.
     variants = {
-        "triton": jax.jit(lambda q, k, v, t, n: decode.decode_attention(
-            q, k[None], v[None], layer, t, n, scale=scale, interpret=interpret)),
-        "mosaic": jax.jit(lambda q, k, v, t, n: decode_mosaic.decode_attention(
-            q, k[None], v[None], layer, t, n, scale=scale, interpret=interpret)),
-        "shipped": jax.jit(lambda q, k, v, t, n: paged_attention(
-            (q.astype(jnp.float32) * scale).astype(q.dtype), k, v, t, n,
-            pages_per_compute_block=min(8, width // splits), k_splits=splits, interpret=interpret)),
-        "reference": jax.jit(lambda q, k, v, t, n: reference.decode_attention(
-            q, k[None], v[None], layer, t, n, scale=scale)),
+        "triton": jax.jit(
+            lambda q, k, v, t, n: decode.decode_attention(
+                q, k[None], v[None], layer, t, n, scale=scale, interpret=interpret
+            )
+        ),
+        "mosaic": jax.jit(
+            lambda q, k, v, t, n: decode_mosaic.decode_attention(
+                q, k[None], v[None], layer, t, n, scale=scale, interpret=interpret
+            )
+        ),
+        "shipped": jax.jit(
+            lambda q, k, v, t, n: paged_attention(
+                (q.astype(jnp.float32) * scale).astype(q.dtype),
+                k,
+                v,
+                t,
+                n,
+                pages_per_compute_block=min(8, width // splits),
+                k_splits=splits,
+                interpret=interpret,
+            )
+        ),
+        "reference": jax.jit(
+            lambda q, k, v, t, n: reference.decode_attention(q, k[None], v[None], layer, t, n, scale=scale)
+        ),
     }
     if mosaic_skip:
         del variants["mosaic"]
@@ -65,8 +82,9 @@ def _max_diff(a: jax.Array, b: jax.Array) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
-def bench_decode_case(case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps: float,
-                      with_reference: bool) -> dict:
+def bench_decode_case(
+    case: DecodeCase, dtype, interpret: bool, iters: int, copy_bps: float, with_reference: bool
+) -> dict:
     """Time every variant on one set of inputs; see the module docstring for the row's fields."""
     rng = np.random.default_rng(0)
     width = -(-case.context // case.block_size)
@@ -76,9 +94,18 @@ def bench_decode_case(case: DecodeCase, dtype, interpret: bool, iters: int, copy
     tables = scattered_tables(rng, case.batch, width)
     lengths = jnp.full((case.batch,), case.context, jnp.int32)
     mosaic_skip = mosaic_skip_reason(case, dtype, interpret)
-    row: dict = {"kind": "decode", "case": case.label(), **dataclasses.asdict(case),
-                 "kv_bytes": 2 * case.batch * width * case.block_size * case.num_kv_heads * case.head_dim
-                 * jnp.dtype(dtype).itemsize}
+    row: dict = {
+        "kind": "decode",
+        "case": case.label(),
+        **dataclasses.asdict(case),
+        "kv_bytes": 2
+        * case.batch
+        * width
+        * case.block_size
+        * case.num_kv_heads
+        * case.head_dim
+        * jnp.dtype(dtype).itemsize,
+    }
     if mosaic_skip:
         row["mosaic_s"], row["mosaic_error"] = None, mosaic_skip
     outputs = {}

@@ -39,5 +39,8 @@ def pick_decode_kernel(rows: list[dict], tolerance: float) -> dict:
         skipped = next((r["mosaic_error"] for r in rows if r.get("mosaic_error")), "no case timed both kernels")
         return {**result, "kernel": "triton", "why": f"mosaic {skipped}"}
     kernel = "mosaic" if ratio < 1.0 else "triton"
-    return {**result, "kernel": kernel,
-            "why": f"mosaic takes {ratio:.2f}x triton's time (geometric mean over {len(both)} cases)"}
+    return {
+        **result,
+        "kernel": kernel,
+        "why": f"mosaic takes {ratio:.2f}x triton's time (geometric mean over {len(both)} cases)",
+    }

@@ -50,12 +50,19 @@ def engine_config(plan: Plan, config: ModelConfig, stage: Stage) -> EngineConfig
     return EngineConfig(
         block_size=w.block_size,
         kv_cache_memory=num_blocks * KVCache.bytes_per_block(config, w.block_size, plan.engine_dtype),
-        max_num_seqs=max(w.batches), max_num_batched_tokens=w.max_num_batched_tokens,
-        max_model_len=w.max_model_len, max_prefill_seqs=w.max_prefill_seqs,
-        dtype=plan.engine_dtype, attention_backend="pallas",
-        decode_batch_buckets=w.batches, prefill_token_buckets=(w.max_num_batched_tokens,),
-        prefill_seq_buckets=(w.max_prefill_seqs,), block_table_buckets=(pages,),
-        num_scheduler_steps=stage.scheduler_steps, unroll_layers=stage.unroll_layers, **overlap,
+        max_num_seqs=max(w.batches),
+        max_num_batched_tokens=w.max_num_batched_tokens,
+        max_model_len=w.max_model_len,
+        max_prefill_seqs=w.max_prefill_seqs,
+        dtype=plan.engine_dtype,
+        attention_backend="pallas",
+        decode_batch_buckets=w.batches,
+        prefill_token_buckets=(w.max_num_batched_tokens,),
+        prefill_seq_buckets=(w.max_prefill_seqs,),
+        block_table_buckets=(pages,),
+        num_scheduler_steps=stage.scheduler_steps,
+        unroll_layers=stage.unroll_layers,
+        **overlap,
     )
 
 
@@ -105,11 +112,16 @@ def decode_window(engine: LLMEngine, batch: int, w: EngineWorkload, rng: np.rand
     # Per decode step (a token for every sequence): an engine step of multi-step decode is several.
     decode_steps = tokens / batch
     return {
-        "batch": batch, "steps": steps, "tokens": tokens, "seconds": seconds,
-        "tok_per_s": tokens / seconds, "step_s": seconds / decode_steps,
+        "batch": batch,
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_per_s": tokens / seconds,
+        "step_s": seconds / decode_steps,
         # the runner's host share: building and launching the iteration, then waiting to read it
         "runner_s": runner_seconds / decode_steps,
-        "mean_context": kv_tokens / (steps * batch), "kv_tokens_per_step": kv_tokens / steps,
+        "mean_context": kv_tokens / (steps * batch),
+        "kv_tokens_per_step": kv_tokens / steps,
         "prefill_tokens_in_window": prefill_tokens,
     }
 
@@ -125,8 +137,9 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     tables = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     meta = AttentionMetadata(np.zeros(batch, np.int32), tables, np.full(batch, context, np.int32))
     tokens, _, _, logits_indices, token_src = program.host_args
-    program = program._replace(host_args=(tokens, np.full(batch, context - 1, np.int32), meta, logits_indices,
-                                          token_src))
+    program = program._replace(
+        host_args=(tokens, np.full(batch, context - 1, np.int32), meta, logits_indices, token_src)
+    )
     # (params, cache, host inputs, prev_sampled, sampling, sampled buffer, offset, counts, sample_here)
     args = runner.step_args(program)
     inputs, here = jax.device_put(args[2:7], replicated(runner.mesh)), args[8]
@@ -157,12 +170,24 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     kv_bytes_per_token = KVCache.bytes_per_block(runner.config, w.block_size, plan.engine_dtype) // w.block_size
     warm_up_s = engine.warm_up()
     compiled = runner.num_compilations
-    record.info(model=stage.model, config=config.to_dict(), dtype=plan.engine_dtype, attention_backend="pallas",
-                overlap=stage.overlap, scheduler_steps=stage.scheduler_steps, unroll_layers=stage.unroll_layers,
-                copy_bps=copy_bps, init_s=init_s, warm_up_s=warm_up_s,
-                compilations_at_warm_up=compiled, weight_bytes=weight_bytes, num_blocks=runner.num_blocks,
-                kv_bytes_per_token=kv_bytes_per_token, buckets=runner.bucket_summary(),
-                workload={"prompt_len": w.prompt_len, "max_tokens": w.max_tokens})
+    record.info(
+        model=stage.model,
+        config=config.to_dict(),
+        dtype=plan.engine_dtype,
+        attention_backend="pallas",
+        overlap=stage.overlap,
+        scheduler_steps=stage.scheduler_steps,
+        unroll_layers=stage.unroll_layers,
+        copy_bps=copy_bps,
+        init_s=init_s,
+        warm_up_s=warm_up_s,
+        compilations_at_warm_up=compiled,
+        weight_bytes=weight_bytes,
+        num_blocks=runner.num_blocks,
+        kv_bytes_per_token=kv_bytes_per_token,
+        buckets=runner.bucket_summary(),
+        workload={"prompt_len": w.prompt_len, "max_tokens": w.max_tokens},
+    )
     counter = CompileCounter()
     rng = np.random.default_rng(0)
     for batch in w.batches:

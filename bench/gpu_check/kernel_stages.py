@@ -42,16 +42,27 @@ def run_decode(plan: Plan, stage: Stage, record: StageRecord) -> None:
     config = plan.models[plan.decode_model]
     copy_bps = kernel_bench.copy_bandwidth(plan.copy_bytes, dtype, plan.iters)
     capability = gpu_select.compute_capability()
-    record.info(copy_bps=copy_bps, interpret=interpret, dtype=plan.dtype, model_shape=plan.decode_model,
-                device=jax.devices()[0].device_kind, compute_capability=capability,
-                reference_max_tokens=plan.reference_max_tokens,
-                shipped_default=gpu_select.decode_kernel_for(capability))
+    record.info(
+        copy_bps=copy_bps,
+        interpret=interpret,
+        dtype=plan.dtype,
+        model_shape=plan.decode_model,
+        device=jax.devices()[0].device_kind,
+        compute_capability=capability,
+        reference_max_tokens=plan.reference_max_tokens,
+        shipped_default=gpu_select.decode_kernel_for(capability),
+    )
     for batch in plan.decode_batches:
         for context in plan.decode_contexts:
-            case = kernel_bench.DecodeCase(batch, context, config.q_per_kv, 16, config.num_kv_heads,
-                                           config.head_dim)
-            row = bench_decode_case(case, dtype, interpret, plan.iters, copy_bps,
-                                    with_reference=batch * context <= plan.reference_max_tokens)
+            case = kernel_bench.DecodeCase(batch, context, config.q_per_kv, 16, config.num_kv_heads, config.head_dim)
+            row = bench_decode_case(
+                case,
+                dtype,
+                interpret,
+                plan.iters,
+                copy_bps,
+                with_reference=batch * context <= plan.reference_max_tokens,
+            )
             record.row(row)
             _check(row, plan.dtype, record, KERNELS)
     record.info(pick=pick_decode_kernel(record.data["rows"], kernel_bench.TOLERANCE[plan.dtype]))
@@ -62,11 +73,18 @@ def run_prefill(plan: Plan, stage: Stage, record: StageRecord) -> None:
     dtype = jnp.dtype(plan.dtype)
     config = plan.models[plan.decode_model]
     matmul_flops = kernel_bench.matmul_peak(plan.matmul_n, dtype, plan.iters)
-    record.info(matmul_flops=matmul_flops, matmul_n=plan.matmul_n, interpret=interpret, dtype=plan.dtype,
-                model_shape=plan.decode_model, device=jax.devices()[0].device_kind)
+    record.info(
+        matmul_flops=matmul_flops,
+        matmul_n=plan.matmul_n,
+        interpret=interpret,
+        dtype=plan.dtype,
+        model_shape=plan.decode_model,
+        device=jax.devices()[0].device_kind,
+    )
     for num_seqs, chunk, history in plan.prefill_cases:
-        case = kernel_bench.PrefillCase(num_seqs, chunk, history, config.q_per_kv, 16, config.num_kv_heads,
-                                        config.head_dim)
+        case = kernel_bench.PrefillCase(
+            num_seqs, chunk, history, config.q_per_kv, 16, config.num_kv_heads, config.head_dim
+        )
         row = kernel_bench.bench_prefill(case, dtype, interpret, plan.iters)
         if row.get("ours_tflops"):
             row["ours_pct_peak"] = 100 * row["ours_tflops"] * 1e12 / matmul_flops

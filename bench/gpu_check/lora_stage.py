@@ -23,8 +23,16 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     config = plan.models[stage.model]
     params = random_params(config, dtype=plan.engine_dtype)
     batch = plan.workload.batches[-1] if plan.dry_run else 64
-    rows, lora, _ = step_times(config, params, batch, [ADAPTERS], max_loras=ADAPTERS, rank=16,
-                               rounds=2 if plan.dry_run else 5, dtype=plan.engine_dtype)
+    rows, lora, _ = step_times(
+        config,
+        params,
+        batch,
+        [ADAPTERS],
+        max_loras=ADAPTERS,
+        rank=16,
+        rounds=2 if plan.dry_run else 5,
+        dtype=plan.engine_dtype,
+    )
     base = rows[0][1]
     record.info(model=stage.model, batch=batch, adapters=ADAPTERS, rank=16, dtype=plan.engine_dtype)
     for label, seconds in rows:

@@ -56,13 +56,18 @@ def grouped_matmul_rows(config: ModelConfig, dtype: str, rows: int, iters: int, 
     rng = np.random.default_rng(seed)
     sizes = np.bincount(rng.integers(0, experts, rows - rows // 8), minlength=experts).astype(np.int32)
     xs = random_normal(2 * seed, (rows, hidden), dtype)
-    w = random_normal(2 * seed + 1, (2, experts, hidden, ffw), dtype) * hidden ** -0.5
+    w = random_normal(2 * seed + 1, (2, experts, hidden, ffw), dtype) * hidden**-0.5
     layer, sizes = jnp.int32(1), jnp.asarray(sizes)  # rows past the groups (an eighth) must come back zero
     want = _dense_grouped(xs, w, layer, sizes)
     out = []
     for name, fn in (("ragged_dot", grouped_matmul_ragged), ("tiles", grouped_matmul_tiles)):
-        row = {"check": "grouped matmul", "impl": name, "dtype": dtype, "rows": rows,
-               "shape": f"{experts} experts {hidden}x{ffw}"}
+        row = {
+            "check": "grouped matmul",
+            "impl": name,
+            "dtype": dtype,
+            "rows": rows,
+            "shape": f"{experts} experts {hidden}x{ffw}",
+        }
         try:
             call = jax.jit(fn)
             row.update(_error(call(xs, w, layer, sizes), want, dtype))
@@ -87,11 +92,17 @@ def window_decode_row(config: ModelConfig, dtype: str, seed: int) -> dict:
     tables = scattered_tables(rng, len(lengths), pages)
     q = random_normal(3 * seed + 2, (len(lengths), config.num_heads, config.head_dim), dtype)
     args = (q, k, v, jnp.int32(1), tables, jnp.asarray(lengths, jnp.int32))
-    scale = config.head_dim ** -0.5
+    scale = config.head_dim**-0.5
     want = reference.decode_attention(*args, scale=scale, sliding_window=window)
     got = decode.decode_attention(*args, scale=scale, sliding_window=window)
-    return {"check": "window decode", "impl": "pallas", "dtype": dtype, "rows": len(lengths),
-            "shape": f"window {window}, lengths {lengths}", **_error(got, want, dtype)}
+    return {
+        "check": "window decode",
+        "impl": "pallas",
+        "dtype": dtype,
+        "rows": len(lengths),
+        "shape": f"window {window}, lengths {lengths}",
+        **_error(got, want, dtype),
+    }
 
 
 def window_prefill_row(config: ModelConfig, dtype: str, seed: int) -> dict:
@@ -105,11 +116,17 @@ def window_prefill_row(config: ModelConfig, dtype: str, seed: int) -> dict:
     tables = scattered_tables(rng, len(sequences), pages)
     q = random_normal(3 * seed + 2, (sum(chunks) + 8, config.num_heads, config.head_dim), dtype)
     args = (q, k, v, jnp.int32(1), tables, jnp.asarray([h + c for h, c in sequences], jnp.int32), starts)
-    scale = config.head_dim ** -0.5
+    scale = config.head_dim**-0.5
     want = reference.prefill_attention(*args, scale=scale, sliding_window=window)
     got = prefill.prefill_attention(*args, scale=scale, sliding_window=window)
-    return {"check": "window prefill", "impl": "pallas", "dtype": dtype, "rows": sum(chunks),
-            "shape": f"window {window}, (history, chunk) {sequences}", **_error(got, want, dtype)}
+    return {
+        "check": "window prefill",
+        "impl": "pallas",
+        "dtype": dtype,
+        "rows": sum(chunks),
+        "shape": f"window {window}, (history, chunk) {sequences}",
+        **_error(got, want, dtype),
+    }
 
 
 def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
@@ -117,8 +134,10 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
     record.info(moe_model=MOE_MODEL, window_model=WINDOW_MODEL, tolerance=kernel_bench.TOLERANCE)
     seed = 0
     for dtype in DTYPES:
-        cases = [lambda s, rows=rows: grouped_matmul_rows(moe, dtype, rows, plan.iters, s)
-                 for rows in (2 * plan.workload.batches[-1], 2 * plan.workload.max_num_batched_tokens)]
+        cases = [
+            lambda s, rows=rows: grouped_matmul_rows(moe, dtype, rows, plan.iters, s)
+            for rows in (2 * plan.workload.batches[-1], 2 * plan.workload.max_num_batched_tokens)
+        ]
         cases += [lambda s: [window_decode_row(window, dtype, s)], lambda s: [window_prefill_row(window, dtype, s)]]
         for case in cases:
             seed += 1

@@ -19,15 +19,36 @@ MULTI_STEP_K = 8
 
 # The default model's shape (SmolLM2-135M) and Llama-3-8B's, with random weights in bf16.
 SMOLLM2_135M = ModelConfig(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-    num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
     max_position_embeddings=8192,
 )
 LLAMA3_8B = ModelConfig(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-    num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     max_position_embeddings=131072,
 )
 # The families' blocks (stage `models` and its engine stages): a Qwen3-MoE shape of 16 layers (128
@@ -35,35 +56,90 @@ LLAMA3_8B = ModelConfig(
 # windows interleaved five to one with global layers), random weights in bf16.
 MOE_MODEL, WINDOW_MODEL = "qwen3-moe-16l", "gemma3-1b"
 QWEN3_MOE_16L = ModelConfig(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=16, num_heads=32, num_kv_heads=4,
-    head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6, architecture="qwen3_moe", qk_norm=True,
-    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    architecture="qwen3_moe",
+    qk_norm=True,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
     max_position_embeddings=40960,
 )
 GEMMA3_1B = ModelConfig(
-    vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26, num_heads=4, num_kv_heads=1,
-    head_dim=256, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
-    qk_norm=True, post_norms=True, hidden_act="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=256.0,
-    sliding_window=512, rope_local_theta=10_000.0, max_position_embeddings=32768,
+    vocab_size=262144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_layers=26,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    architecture="gemma3",
+    qk_norm=True,
+    post_norms=True,
+    hidden_act="gelu_tanh",
+    scale_embeddings=True,
+    query_pre_attn_scalar=256.0,
+    sliding_window=512,
+    rope_local_theta=10_000.0,
+    max_position_embeddings=32768,
     layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)),
 )
 # Dry-run stand-ins: the same attention grouping (3 and 4 query heads per kv head), tiny sizes.
 TINY_SMOLLM2 = dataclasses.replace(
-    SMOLLM2_135M, vocab_size=512, hidden_size=96, intermediate_size=192, num_layers=2, num_heads=6,
-    num_kv_heads=2, head_dim=16,
+    SMOLLM2_135M,
+    vocab_size=512,
+    hidden_size=96,
+    intermediate_size=192,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
 )
 TINY_LLAMA3 = dataclasses.replace(
-    LLAMA3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
-    num_kv_heads=2, head_dim=32,
+    LLAMA3_8B,
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
 )
 # ... and of the families' models: 8 experts of 64 units (top-2), windows of 8 tokens (prompts of 24).
 TINY_QWEN3_MOE = dataclasses.replace(
-    QWEN3_MOE_16L, vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    QWEN3_MOE_16L,
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
 )
 TINY_GEMMA3 = dataclasses.replace(
-    GEMMA3_1B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
-    head_dim=32, query_pre_attn_scalar=32.0, sliding_window=8,
+    GEMMA3_1B,
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=3,
+    num_heads=4,
+    head_dim=32,
+    query_pre_attn_scalar=32.0,
+    sliding_window=8,
     layer_types=("sliding_attention", "full_attention", "sliding_attention"),
 )
 
@@ -136,26 +212,56 @@ class Plan:
         raise KeyError(f"no stage {name!r} in the plan; stages: {', '.join(s.name for s in self.stages)}")
 
 
-def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_variant: bool,
-            families_optional: bool) -> tuple[Stage, ...]:
-    stages = [Stage("env", "env", limits["env"]), Stage("correctness", "correctness", limits["correctness"]),
-              Stage("decode_kernels", "decode_kernels", limits["decode_kernels"]),
-              Stage("prefill_kernels", "prefill_kernels", limits["prefill_kernels"])]
+def _stages(
+    limits: dict[str, float], models: tuple[str, ...], command_buffer_variant: bool, families_optional: bool
+) -> tuple[Stage, ...]:
+    stages = [
+        Stage("env", "env", limits["env"]),
+        Stage("correctness", "correctness", limits["correctness"]),
+        Stage("decode_kernels", "decode_kernels", limits["decode_kernels"]),
+        Stage("prefill_kernels", "prefill_kernels", limits["prefill_kernels"]),
+    ]
     for model in models:
         stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, True))
     # The optional stages run only in what the others left; the small model's steps are the most
     # launch-bound, so they show the host's share and the command buffers' effect best.
-    stages.append(Stage(f"engine_{models[0]}_sync", "engine", limits[f"engine_{models[0]}"], models[0], False,
-                        optional=True))
-    stages.append(Stage(f"engine_{models[0]}_multistep", "engine", limits[f"engine_{models[0]}"], models[0],
-                        scheduler_steps=MULTI_STEP_K, optional=True))
+    stages.append(
+        Stage(f"engine_{models[0]}_sync", "engine", limits[f"engine_{models[0]}"], models[0], False, optional=True)
+    )
+    stages.append(
+        Stage(
+            f"engine_{models[0]}_multistep",
+            "engine",
+            limits[f"engine_{models[0]}"],
+            models[0],
+            scheduler_steps=MULTI_STEP_K,
+            optional=True,
+        )
+    )
     # Whether the scan over stacked layers costs a copy of each layer's weights per step (as on
     # XLA:CPU): the large model's weight-bound decode, unrolled, against its scanned stage.
-    stages.append(Stage(f"engine_{models[-1]}_unrolled", "engine", limits[f"engine_{models[-1]}"], models[-1],
-                        unroll_layers=True, optional=True))
+    stages.append(
+        Stage(
+            f"engine_{models[-1]}_unrolled",
+            "engine",
+            limits[f"engine_{models[-1]}"],
+            models[-1],
+            unroll_layers=True,
+            optional=True,
+        )
+    )
     if command_buffer_variant:
-        stages.append(Stage(f"engine_{models[0]}_no_cmdbuf", "engine", limits[f"engine_{models[0]}"],
-                            models[0], True, command_buffers=False, optional=True))
+        stages.append(
+            Stage(
+                f"engine_{models[0]}_no_cmdbuf",
+                "engine",
+                limits[f"engine_{models[0]}"],
+                models[0],
+                True,
+                command_buffers=False,
+                optional=True,
+            )
+        )
     # Weight-only quantized layer matmuls (int8, 4-bit) against bf16 at the 8B shape (optional on the
     # GPU: in what the others left).
     stages.append(Stage("quantized_matmul", "quantized_matmul", limits["quantized_matmul"], optional=families_optional))
@@ -165,8 +271,7 @@ def _stages(limits: dict[str, float], models: tuple[str, ...], command_buffer_va
     # LoRA: a decode step of rows over 8 adapters against base rows (bench/gpu_check/lora_stage.py).
     stages.append(Stage("lora", "lora", limits["lora"], models[0], optional=families_optional))
     for model in (MOE_MODEL, WINDOW_MODEL):
-        stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model,
-                            optional=families_optional))
+        stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, optional=families_optional))
     return tuple(stages)
 
 
@@ -179,41 +284,93 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         # A quiet 2-core CPU takes a fifth to a third of these; the margin is for a busy or throttled
         # CI machine (at load average 12 an engine stage took 200 s), where a limit hit would fail
         # the run, not measure anything.
-        limits = {"env": 150, "correctness": 300, "decode_kernels": 300, "prefill_kernels": 200,
-                  "engine_smollm2-135m": 300, "engine_llama3-8b": 300, "models": 200,
-                  f"engine_{MOE_MODEL}": 300, f"engine_{WINDOW_MODEL}": 300, "quantized_matmul": 150,
-                  "lora": 300}
+        limits = {
+            "env": 150,
+            "correctness": 300,
+            "decode_kernels": 300,
+            "prefill_kernels": 200,
+            "engine_smollm2-135m": 300,
+            "engine_llama3-8b": 300,
+            "models": 200,
+            f"engine_{MOE_MODEL}": 300,
+            f"engine_{WINDOW_MODEL}": 300,
+            "quantized_matmul": 150,
+            "lora": 300,
+        }
         return Plan(
-            dry_run=True, dtype="bfloat16", engine_dtype="float32",
-            models={"smollm2-135m": TINY_SMOLLM2, "llama3-8b": TINY_LLAMA3, MOE_MODEL: TINY_QWEN3_MOE,
-                    WINDOW_MODEL: TINY_GEMMA3},
-            correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")), correctness_pages=4,
-            decode_model="llama3-8b", decode_batches=(4,), decode_contexts=(64, 256),
-            reference_max_tokens=2 ** 21, prefill_cases=((2, 16, 24), (1, 32, 0)),
-            copy_bytes=16 * 2 ** 20, matmul_n=256, quant_rows=(1, 8), iters=2,
-            workload=EngineWorkload(batches=(4,), prompt_len=24, max_tokens=12,
-                                    max_num_batched_tokens=128, max_prefill_seqs=4),
-            goal_kernel_min_batch=4, goal_kernel_min_context=256, goal_engine_batch=4,
-            budget_s=1700, stages=_stages(limits, models, False, families_optional=False),
+            dry_run=True,
+            dtype="bfloat16",
+            engine_dtype="float32",
+            models={
+                "smollm2-135m": TINY_SMOLLM2,
+                "llama3-8b": TINY_LLAMA3,
+                MOE_MODEL: TINY_QWEN3_MOE,
+                WINDOW_MODEL: TINY_GEMMA3,
+            },
+            correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")),
+            correctness_pages=4,
+            decode_model="llama3-8b",
+            decode_batches=(4,),
+            decode_contexts=(64, 256),
+            reference_max_tokens=2**21,
+            prefill_cases=((2, 16, 24), (1, 32, 0)),
+            copy_bytes=16 * 2**20,
+            matmul_n=256,
+            quant_rows=(1, 8),
+            iters=2,
+            workload=EngineWorkload(
+                batches=(4,), prompt_len=24, max_tokens=12, max_num_batched_tokens=128, max_prefill_seqs=4
+            ),
+            goal_kernel_min_batch=4,
+            goal_kernel_min_context=256,
+            goal_engine_batch=4,
+            budget_s=1700,
+            stages=_stages(limits, models, False, families_optional=False),
         )
     # The limits add up to the budget, so a stage that overruns never eats into a later one's time;
     # the optional stage runs only in what the others left.
     # decode_kernels times two decode kernels, JAX's op and the copy over 12 cases (compiles included).
-    limits = {"env": 30, "correctness": 70, "decode_kernels": 170, "prefill_kernels": 40,
-              "engine_smollm2-135m": 70, "engine_llama3-8b": 130, "models": 40,
-              f"engine_{MOE_MODEL}": 90, f"engine_{WINDOW_MODEL}": 70, "quantized_matmul": 40, "lora": 60}
+    limits = {
+        "env": 30,
+        "correctness": 70,
+        "decode_kernels": 170,
+        "prefill_kernels": 40,
+        "engine_smollm2-135m": 70,
+        "engine_llama3-8b": 130,
+        "models": 40,
+        f"engine_{MOE_MODEL}": 90,
+        f"engine_{WINDOW_MODEL}": 70,
+        "quantized_matmul": 40,
+        "lora": 60,
+    }
     return Plan(
-        dry_run=False, dtype="bfloat16",
-        models={"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B, MOE_MODEL: QWEN3_MOE_16L, WINDOW_MODEL: GEMMA3_1B},
-        correctness=tuple((m, d) for m in models for d in ("float32", "bfloat16")), correctness_pages=64,
-        decode_model="llama3-8b", decode_batches=(1, 8, 64, 256), decode_contexts=(512, 4096, 32768),
+        dry_run=False,
+        dtype="bfloat16",
+        models={
+            "smollm2-135m": SMOLLM2_135M,
+            "llama3-8b": LLAMA3_8B,
+            MOE_MODEL: QWEN3_MOE_16L,
+            WINDOW_MODEL: GEMMA3_1B,
+        },
+        correctness=tuple((m, d) for m in models for d in ("float32", "bfloat16")),
+        correctness_pages=64,
+        decode_model="llama3-8b",
+        decode_batches=(1, 8, 64, 256),
+        decode_contexts=(512, 4096, 32768),
         # The reference gathers every sequence's pages into a copy: 2M tokens of 8 x 128 bf16
         # K and V are 8.6 GB (plus the pool); past that only ours and JAX's kernel run.
-        reference_max_tokens=2 ** 21,
+        reference_max_tokens=2**21,
         prefill_cases=((4, 512, 0), (4, 512, 4096), (16, 128, 2048), (1, 4096, 0)),
-        copy_bytes=2 ** 30, matmul_n=8192, quant_rows=(1, 16, 64, 256), iters=20,
-        workload=EngineWorkload(batches=(1, 64, 256), prompt_len=512, max_tokens=64,
-                                max_num_batched_tokens=8192, max_prefill_seqs=16),
-        goal_kernel_min_batch=64, goal_kernel_min_context=4096, goal_engine_batch=64,
-        budget_s=550, stages=_stages(limits, models, command_buffer_variant, families_optional=True),
+        copy_bytes=2**30,
+        matmul_n=8192,
+        quant_rows=(1, 16, 64, 256),
+        iters=20,
+        workload=EngineWorkload(
+            batches=(1, 64, 256), prompt_len=512, max_tokens=64, max_num_batched_tokens=8192, max_prefill_seqs=16
+        ),
+        goal_kernel_min_batch=64,
+        goal_kernel_min_context=4096,
+        goal_engine_batch=64,
+        budget_s=550,
+        stages=_stages(limits, models, command_buffer_variant, families_optional=True),
     )

@@ -29,8 +29,11 @@ TOLERANCE = 2e-2  # relative to the output's largest magnitude: bf16 activations
 def projections(plan: Plan) -> dict[str, tuple[int, int]]:
     """(K, N) of the 8B shape's distinct layer matmuls (tiny stand-ins in the dry run)."""
     c = plan.models["llama3-8b"]
-    return {"q_proj": (c.hidden_size, c.num_heads * c.head_dim), "gate_proj": (c.hidden_size, c.intermediate_size),
-            "down_proj": (c.intermediate_size, c.hidden_size)}
+    return {
+        "q_proj": (c.hidden_size, c.num_heads * c.head_dim),
+        "gate_proj": (c.hidden_size, c.intermediate_size),
+        "down_proj": (c.intermediate_size, c.hidden_size),
+    }
 
 
 def formats(k: int) -> dict[str, QuantFormat]:
@@ -43,8 +46,9 @@ def _bf16(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _quantized(fmt: QuantFormat):
-    return jax.jit(lambda x, arrays: jnp.matmul(x, dequantize(arrays, fmt, jnp.bfloat16),
-                                                preferred_element_type=jnp.float32))
+    return jax.jit(
+        lambda x, arrays: jnp.matmul(x, dequantize(arrays, fmt, jnp.bfloat16), preferred_element_type=jnp.float32)
+    )
 
 
 def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
@@ -65,9 +69,15 @@ def run(plan: Plan, stage: Stage, record: StageRecord) -> None:
                 nbytes = sum(a.nbytes for a in arrays.values())
                 want = _bf16(x, dequantize(arrays, fmt, jnp.bfloat16))
                 err = float(jnp.max(jnp.abs(matmul(x, arrays) - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-6))
-                row.update({f"{kind}_s": seconds, f"{kind}_over_bf16": seconds / row["bf16_s"],
-                            f"{kind}_gbps": nbytes / seconds / 1e9,
-                            f"{kind}_pct_copy": 100 * nbytes / seconds / copy_bps, f"{kind}_err": err})
+                row.update(
+                    {
+                        f"{kind}_s": seconds,
+                        f"{kind}_over_bf16": seconds / row["bf16_s"],
+                        f"{kind}_gbps": nbytes / seconds / 1e9,
+                        f"{kind}_pct_copy": 100 * nbytes / seconds / copy_bps,
+                        f"{kind}_err": err,
+                    }
+                )
                 if not err <= TOLERANCE:
                     record.problem(f"{row['case']}: {kind} differs from bf16 on its dequantized kernel by {err:.3g}")
             record.row(row)

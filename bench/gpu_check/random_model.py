@@ -41,8 +41,9 @@ def ids_tokenizer_bundle(vocab_size: int) -> TokenizerBundle:
 
 
 def random_model(config: ModelConfig, dtype: Any, shardings: Any, seed: int = 0) -> LoadedModel:
-    return LoadedModel(config, random_params_on_device(config, dtype, shardings, seed),
-                       ids_tokenizer_bundle(config.vocab_size))
+    return LoadedModel(
+        config, random_params_on_device(config, dtype, shardings, seed), ids_tokenizer_bundle(config.vocab_size)
+    )
 
 
 def weight_bytes_per_decode_step(params: ParamTree, config: ModelConfig) -> int:

@@ -83,8 +83,14 @@ def run_stage(stage: Stage, out_dir: Path, dry_run: bool, limit_s: float, comman
     t0 = time.monotonic()
     timed_out = False
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=stage_environment(dry_run, command_buffers, out_dir / "xla_cache"),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=stage_environment(dry_run, command_buffers, out_dir / "xla_cache"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
@@ -107,20 +113,41 @@ def run_stage(stage: Stage, out_dir: Path, dry_run: bool, limit_s: float, comman
     else:
         status = "ok"
     return {
-        "name": stage.name, "kind": stage.kind, "model": stage.model, "overlap": stage.overlap,
-        "scheduler_steps": stage.scheduler_steps, "unroll_layers": stage.unroll_layers,
-        "command_buffers": command_buffers, "status": status, "seconds": seconds, "limit_s": limit_s,
-        "error": error, "problems": problems, "info": record.get("info", {}), "rows": record.get("rows", []),
+        "name": stage.name,
+        "kind": stage.kind,
+        "model": stage.model,
+        "overlap": stage.overlap,
+        "scheduler_steps": stage.scheduler_steps,
+        "unroll_layers": stage.unroll_layers,
+        "command_buffers": command_buffers,
+        "status": status,
+        "seconds": seconds,
+        "limit_s": limit_s,
+        "error": error,
+        "problems": problems,
+        "info": record.get("info", {}),
+        "rows": record.get("rows", []),
         "log": str(log_path),
     }
 
 
 def skipped(stage: Stage, reason: str, command_buffers: bool) -> dict[str, Any]:
     return {
-        "name": stage.name, "kind": stage.kind, "model": stage.model, "overlap": stage.overlap,
-        "scheduler_steps": stage.scheduler_steps, "unroll_layers": stage.unroll_layers,
-        "command_buffers": command_buffers, "status": "skipped", "seconds": 0.0, "limit_s": 0.0,
-        "error": reason, "problems": [], "info": {}, "rows": [], "log": None,
+        "name": stage.name,
+        "kind": stage.kind,
+        "model": stage.model,
+        "overlap": stage.overlap,
+        "scheduler_steps": stage.scheduler_steps,
+        "unroll_layers": stage.unroll_layers,
+        "command_buffers": command_buffers,
+        "status": "skipped",
+        "seconds": 0.0,
+        "limit_s": 0.0,
+        "error": reason,
+        "problems": [],
+        "info": {},
+        "rows": [],
+        "log": None,
     }
 
 

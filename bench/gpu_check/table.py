@@ -8,8 +8,22 @@ from typing import Any
 from bench.gpu_check.plan import Plan
 from bench.kernel_report import print_prefill_table
 
-ENGINE_COLUMNS = ["model", "batch", "ctx", "tok/s", "step ms", "device ms", "roofline ms", "%roof",
-                  "%roof dev", "host %", "host % sync", "compiles", "xla compiles", "warm-up s"]
+ENGINE_COLUMNS = [
+    "model",
+    "batch",
+    "ctx",
+    "tok/s",
+    "step ms",
+    "device ms",
+    "roofline ms",
+    "%roof",
+    "%roof dev",
+    "host %",
+    "host % sync",
+    "compiles",
+    "xla compiles",
+    "warm-up s",
+]
 
 
 def _f(x: Any, digits: int = 1) -> str:
@@ -25,8 +39,9 @@ def _grid(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return [line(headers)] + [line(r) for r in rows]
 
@@ -42,10 +57,18 @@ def _stages_section(summary: dict) -> list[str]:
 
 
 def _correctness_section(stage: dict) -> list[str]:
-    rows = [[f"{r['kernel']} {r['variant']}", r["model"], r["dtype"], r["shape"],
-             "n/a" if r.get("max_err") is None else f"{r['max_err']:.1e}",
-             "n/a" if r.get("bound") is None else f"{r['bound']:.1e}",
-             "yes" if r["ok"] else f"NO: {r.get('error', '')[:60]}"] for r in stage["rows"]]
+    rows = [
+        [
+            f"{r['kernel']} {r['variant']}",
+            r["model"],
+            r["dtype"],
+            r["shape"],
+            "n/a" if r.get("max_err") is None else f"{r['max_err']:.1e}",
+            "n/a" if r.get("bound") is None else f"{r['bound']:.1e}",
+            "yes" if r["ok"] else f"NO: {r.get('error', '')[:60]}",
+        ]
+        for r in stage["rows"]
+    ]
     return _grid(["case", "model", "dtype", "shape", "max err", "bound", "ok"], rows, left=(0, 6))
 
 
@@ -62,10 +85,25 @@ def _decode_section(stage: dict, dry_run: bool) -> list[str]:
         cells += [_ms(r.get("shipped_s")), _ms(r.get("reference_s"))]
         cells += ["n/a" if r.get(f"{k}_err") is None else f"{r[f'{k}_err']:.1e}" for k in ("triton", "mosaic")]
         rows.append(cells)
-        notes += [f"  {r['case']}: {k}: {r[f'{k}_error']}" for k in ("triton", "mosaic", "shipped", "reference")
-                  if r.get(f"{k}_error")]
-    headers = ["decode case", "KV MB", "triton ms", "%copy", "x jax", "mosaic ms", "%copy", "x jax", "jax ms",
-               "ref ms", "err triton", "err mosaic"]
+        notes += [
+            f"  {r['case']}: {k}: {r[f'{k}_error']}"
+            for k in ("triton", "mosaic", "shipped", "reference")
+            if r.get(f"{k}_error")
+        ]
+    headers = [
+        "decode case",
+        "KV MB",
+        "triton ms",
+        "%copy",
+        "x jax",
+        "mosaic ms",
+        "%copy",
+        "x jax",
+        "jax ms",
+        "ref ms",
+        "err triton",
+        "err mosaic",
+    ]
     out = [f"copy bandwidth (read + write): {info['copy_bps'] / 1e9:.1f} GB/s"] + _grid(headers, rows)
     out += sorted(set(notes), key=notes.index)
     pick = info.get("pick")
@@ -75,22 +113,45 @@ def _decode_section(stage: dict, dry_run: bool) -> list[str]:
             out.append(f"pick (dry run: interpreter timings, not a measurement): {pick['kernel']}: {pick['why']}")
         else:
             out.append(f"pick for {where}: {pick['kernel']}: {pick['why']}")
-            out.append(f"record it: kernels_pallas/gpu_select.py MEASURED[{info.get('compute_capability')!r}] = "
-                       f"{pick['kernel']!r} (the default now: {info.get('shipped_default')})")
+            out.append(
+                f"record it: kernels_pallas/gpu_select.py MEASURED[{info.get('compute_capability')!r}] = "
+                f"{pick['kernel']!r} (the default now: {info.get('shipped_default')})"
+            )
     return out
 
 
 def _models_section(stage: dict) -> list[str]:
-    rows = [[r["check"], r.get("impl", ""), r["dtype"], str(r.get("rows", "")), r.get("shape", ""),
-             "n/a" if r.get("max_err") is None else f"{r['max_err']:.1e}",
-             "n/a" if r.get("bound") is None else f"{r['bound']:.1e}", _f(r.get("ms"), 3),
-             "yes" if r["ok"] else f"NO: {r.get('error', '')[:60]}"] for r in stage["rows"]]
+    rows = [
+        [
+            r["check"],
+            r.get("impl", ""),
+            r["dtype"],
+            str(r.get("rows", "")),
+            r.get("shape", ""),
+            "n/a" if r.get("max_err") is None else f"{r['max_err']:.1e}",
+            "n/a" if r.get("bound") is None else f"{r['bound']:.1e}",
+            _f(r.get("ms"), 3),
+            "yes" if r["ok"] else f"NO: {r.get('error', '')[:60]}",
+        ]
+        for r in stage["rows"]
+    ]
     return _grid(["check", "impl", "dtype", "rows", "shape", "max err", "bound", "ms", "ok"], rows, left=(0, 1, 4, 8))
 
 
 def _quant_section(stage: dict) -> list[str]:
-    rows = [[r["case"], _ms(r["bf16_s"]), _ms(r["int8_s"]), _f(r["int8_over_bf16"], 2), _f(r["int8_pct_copy"]),
-             _ms(r["q4_s"]), _f(r["q4_over_bf16"], 2), _f(r["q4_pct_copy"])] for r in stage["rows"]]
+    rows = [
+        [
+            r["case"],
+            _ms(r["bf16_s"]),
+            _ms(r["int8_s"]),
+            _f(r["int8_over_bf16"], 2),
+            _f(r["int8_pct_copy"]),
+            _ms(r["q4_s"]),
+            _f(r["q4_over_bf16"], 2),
+            _f(r["q4_pct_copy"]),
+        ]
+        for r in stage["rows"]
+    ]
     return _grid(["matmul", "bf16 ms", "int8 ms", "int8/bf16", "int8 % copy", "q4 ms", "q4/bf16", "q4 % copy"], rows)
 
 
@@ -102,46 +163,86 @@ def _engine_rows(stages: list[dict]) -> list[list[str]]:
     sync = {(s["model"], r["batch"]): r for s in engine if not s["overlap"] for r in s["rows"]}
     rows = []
     for s in (s for s in engine if s["overlap"]):
-        label = s["model"] + (" (no cmdbuf)" if s["name"].endswith("_no_cmdbuf") else "") + (
-            f" ({s['scheduler_steps']}-step)" if s.get("scheduler_steps", 1) > 1 else "") + (
-            " (unrolled)" if s.get("unroll_layers") else "")
+        label = (
+            s["model"]
+            + (" (no cmdbuf)" if s["name"].endswith("_no_cmdbuf") else "")
+            + (f" ({s['scheduler_steps']}-step)" if s.get("scheduler_steps", 1) > 1 else "")
+            + (" (unrolled)" if s.get("unroll_layers") else "")
+        )
         info = s["info"]
         for r in s["rows"]:
             off = sync.get((s["model"], r["batch"])) if s.get("scheduler_steps", 1) == 1 else None
-            rows.append([label, str(r["batch"]), _f(r["mean_context"], 0), _f(r["tok_per_s"], 0),
-                         _ms(r["step_s"]), _ms(r["device_s"]), _ms(r["roofline_s"]),
-                         _f(r["pct_roofline"]), _f(r["pct_roofline_device"]), _f(r["host_pct"]),
-                         _f(off["host_pct"]) if off else "n/a",
-                         str(info.get("compilations_after_warm_up", "n/a")),
-                         str(info.get("xla_compilations_serving", "n/a")), _f(info.get("warm_up_s"))])
+            rows.append(
+                [
+                    label,
+                    str(r["batch"]),
+                    _f(r["mean_context"], 0),
+                    _f(r["tok_per_s"], 0),
+                    _ms(r["step_s"]),
+                    _ms(r["device_s"]),
+                    _ms(r["roofline_s"]),
+                    _f(r["pct_roofline"]),
+                    _f(r["pct_roofline_device"]),
+                    _f(r["host_pct"]),
+                    _f(off["host_pct"]) if off else "n/a",
+                    str(info.get("compilations_after_warm_up", "n/a")),
+                    str(info.get("xla_compilations_serving", "n/a")),
+                    _f(info.get("warm_up_s")),
+                ]
+            )
     return rows
 
 
 def _goal_rows(stages: dict[str, dict], plan: Plan) -> list[list[str]]:
     decode_stage = stages.get("decode_kernels", {})
     kernel = decode_stage.get("info", {}).get("pick", {}).get("kernel", "triton")
-    decode = [r for r in decode_stage.get("rows", [])
-              if r["batch"] >= plan.goal_kernel_min_batch and r["context"] >= plan.goal_kernel_min_context]
+    decode = [
+        r
+        for r in decode_stage.get("rows", [])
+        if r["batch"] >= plan.goal_kernel_min_batch and r["context"] >= plan.goal_kernel_min_context
+    ]
     pct = [r[f"{kernel}_pct_copy"] for r in decode if r.get(f"{kernel}_pct_copy") is not None]
     vs_jax = [r[f"{kernel}_x_shipped"] for r in decode if r.get(f"{kernel}_x_shipped") is not None]
     cases = f"{kernel}, the pick; batch >= {plan.goal_kernel_min_batch}, context >= {plan.goal_kernel_min_context}"
     big = stages.get("engine_llama3-8b", {}).get("rows", [])
     roof = [r["pct_roofline"] for r in big if r["batch"] == plan.goal_engine_batch]
     engine = [s for s in stages.values() if s["kind"] == "engine" and not s["name"].endswith("_no_cmdbuf")]
-    host_on = [r["host_pct"] for s in engine if s["overlap"] and s.get("scheduler_steps", 1) == 1
-               for r in s["rows"] if r["host_pct"] is not None]
+    host_on = [
+        r["host_pct"]
+        for s in engine
+        if s["overlap"] and s.get("scheduler_steps", 1) == 1
+        for r in s["rows"]
+        if r["host_pct"] is not None
+    ]
 
     def met(values: list[float], ok) -> str:
         return "n/a" if not values else ("yes" if ok(values) else "no")
 
     return [
-        [f"decode kernel % of copy ({cases})", f"min {_f(min(pct))}" if pct else "n/a", ">= 80", met(pct, lambda v: min(v) >= 80)],
-        ["decode kernel x JAX's paged_attention (same cases)", f"min {_f(min(vs_jax), 2)}" if vs_jax else "n/a",
-         ">= 1.5", met(vs_jax, lambda v: min(v) >= 1.5)],
-        [f"engine decode step, llama3-8b at batch {plan.goal_engine_batch}, % of HBM roofline", _f(roof[0]) if roof else "n/a",
-         ">= 70", met(roof, lambda v: v[0] >= 70)],
-        ["host % of a step, overlap on", f"max {_f(max(host_on))}" if host_on else "n/a", "< 5",
-         met(host_on, lambda v: max(v) < 5)],
+        [
+            f"decode kernel % of copy ({cases})",
+            f"min {_f(min(pct))}" if pct else "n/a",
+            ">= 80",
+            met(pct, lambda v: min(v) >= 80),
+        ],
+        [
+            "decode kernel x JAX's paged_attention (same cases)",
+            f"min {_f(min(vs_jax), 2)}" if vs_jax else "n/a",
+            ">= 1.5",
+            met(vs_jax, lambda v: min(v) >= 1.5),
+        ],
+        [
+            f"engine decode step, llama3-8b at batch {plan.goal_engine_batch}, % of HBM roofline",
+            _f(roof[0]) if roof else "n/a",
+            ">= 70",
+            met(roof, lambda v: v[0] >= 70),
+        ],
+        [
+            "host % of a step, overlap on",
+            f"max {_f(max(host_on))}" if host_on else "n/a",
+            "< 5",
+            met(host_on, lambda v: max(v) < 5),
+        ],
     ]
 
 
@@ -161,8 +262,11 @@ def render(summary: dict, plan: Plan) -> str:
         if stages["correctness"]["info"].get("mosaic", "").startswith("not run"):
             out.append(f"decode_mosaic: {stages['correctness']['info']['mosaic']}")
     if stages.get("models", {}).get("rows"):
-        out += ["", "model families' blocks (grouped expert matmuls vs every expert on every row; sliding-window "
-                    "kernels vs the reference)"] + _models_section(stages["models"])
+        out += [
+            "",
+            "model families' blocks (grouped expert matmuls vs every expert on every row; sliding-window "
+            "kernels vs the reference)",
+        ] + _models_section(stages["models"])
     for name, title in (("decode_kernels", "decode kernels"), ("prefill_kernels", "prefill kernel")):
         stage = stages.get(name)
         if not stage or not stage["rows"]:
@@ -177,13 +281,19 @@ def render(summary: dict, plan: Plan) -> str:
             out += ["", f"{title} ({info.get('dtype')}, {info.get('model_shape')} attention shape)"]
             out += text.getvalue().rstrip("\n").splitlines()
     if stages.get("quantized_matmul", {}).get("rows"):
-        out += ["", "weight-only quantized layer matmuls (dequantize fused into a bf16 dot) vs bf16, 8B shapes; "
-                    "% copy: weight bytes per second over the device copy's"] + _quant_section(stages["quantized_matmul"])
+        out += [
+            "",
+            "weight-only quantized layer matmuls (dequantize fused into a bf16 dot) vs bf16, 8B shapes; "
+            "% copy: weight bytes per second over the device copy's",
+        ] + _quant_section(stages["quantized_matmul"])
     engine_rows = _engine_rows(summary["stages"])
     if engine_rows:
         out += ["", "engine decode (LLMEngine, pallas attention, random weights; ctx = mean tokens per sequence)"]
         out += _grid(ENGINE_COLUMNS, engine_rows)
-    out += ["", "goals (issue 16)" + ("; dry-run figures are CPU timings of tiny shapes, the goals are for the GPU"
-                                      if plan.dry_run else "")]
+    out += [
+        "",
+        "goals (issue 16)"
+        + ("; dry-run figures are CPU timings of tiny shapes, the goals are for the GPU" if plan.dry_run else ""),
+    ]
     out += _grid(["goal", "measured", "target", "met"], _goal_rows(stages, plan), left=(0, 1))
     return "\n".join(out) + "\n"

@@ -36,8 +36,7 @@ def main(job_path: str, out_path: str) -> None:
         sys.exit(MISSING_DEPENDENCY)
     job = json.loads(Path(job_path).read_text())
     gguf_file, out_dir = Path(job["gguf"]), Path(job["out_dir"])
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -34,25 +34,32 @@ def main(job_path: str, out_path: str) -> None:
         import transformers
         from transformers import AutoModelForCausalLM
     except ImportError as e:
-        Path(out_path).write_text(json.dumps({"unavailable": f"the transformers peer needs torch, transformers, "
-                                                             f"accelerate and gguf in {sys.executable} ({e})"}))
+        Path(out_path).write_text(
+            json.dumps(
+                {
+                    "unavailable": f"the transformers peer needs torch, transformers, "
+                    f"accelerate and gguf in {sys.executable} ({e})"
+                }
+            )
+        )
         sys.exit(MISSING_DEPENDENCY)
     torch.set_num_threads(job["threads"])
     gguf_path = Path(job["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
 
     @torch.no_grad()
     def embed(texts: list[list[int]]) -> list[list[float]]:
         out = []
         for start in range(0, len(texts), job["batch_size"]):
-            batch = texts[start:start + job["batch_size"]]
+            batch = texts[start : start + job["batch_size"]]
             lengths = torch.tensor([len(ids) for ids in batch])
             ids = torch.zeros((len(batch), int(lengths.max())), dtype=torch.long)
             mask = torch.zeros_like(ids)
             for row, text in enumerate(batch):
-                ids[row, :len(text)] = torch.tensor(text)
-                mask[row, :len(text)] = 1
+                ids[row, : len(text)] = torch.tensor(text)
+                mask[row, : len(text)] = 1
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
             if job["pooling"] == "last":
                 pooled = hidden[torch.arange(len(batch)), lengths - 1]
@@ -68,8 +75,15 @@ def main(job_path: str, out_path: str) -> None:
         vectors = embed(texts)
         seconds.append(time.perf_counter() - t0)
         first = first or vectors
-    Path(out_path).write_text(json.dumps({"seconds": seconds, "embeddings": first, "versions": {
-        "torch": torch.__version__, "transformers": transformers.__version__}}))
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "embeddings": first,
+                "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

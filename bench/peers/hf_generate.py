@@ -45,8 +45,8 @@ def _generate(torch, model, batch: list[dict], pad_id: int) -> None:
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, r in enumerate(batch):
         n = len(r["prompt_token_ids"])
-        ids[row, width - n:] = torch.tensor(r["prompt_token_ids"], dtype=torch.long)
-        mask[row, width - n:] = 1
+        ids[row, width - n :] = torch.tensor(r["prompt_token_ids"], dtype=torch.long)
+        mask[row, width - n :] = 1
     new = max(r["max_tokens"] for r in batch)
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -70,7 +70,7 @@ def main(job_path: str, out_path: str) -> None:
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}  # fmt: skip
     if job["mode"] == "throughput":
         size = job["batch_size"]
-        batches = [requests[i:i + size] for i in range(0, len(requests), size)]
+        batches = [requests[i : i + size] for i in range(0, len(requests), size)]
         t0 = time.perf_counter()
         for k, batch in enumerate(batches):
             _generate(torch, model, batch, pad_id)

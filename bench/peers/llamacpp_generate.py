@@ -23,7 +23,9 @@ MISSING_DEPENDENCY = 3
 
 def _generate(llm, prompt_ids: list[int], max_tokens: int) -> None:
     """Greedy generation of exactly max_tokens tokens."""
-    for count, _ in enumerate(llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True), 1):
+    for count, _ in enumerate(
+        llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True), 1
+    ):
         if count == max_tokens:
             break
 
@@ -50,7 +52,11 @@ def main(job_path: str, out_path: str) -> None:
         for k, r in enumerate(requests):
             _generate(llm, r["prompt_token_ids"], r["max_tokens"])
             if (k + 1) % 8 == 0:
-                print(f"llama-cpp: {k + 1}/{len(requests)} at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                print(
+                    f"llama-cpp: {k + 1}/{len(requests)} at {time.perf_counter() - t0:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         result["elapsed_s"] = time.perf_counter() - t0
         result["batch_size"] = 1
         result["generated_tokens_total"] = sum(r["max_tokens"] for r in requests)

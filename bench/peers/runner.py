@@ -9,8 +9,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-PEER_SCRIPTS = {"transformers": "hf_generate.py", "transformers-embed": "hf_embed.py",
-                "llama-cpp": "llamacpp_generate.py", "gguf-to-hf": "gguf_to_hf.py"}
+PEER_SCRIPTS = {
+    "transformers": "hf_generate.py",
+    "transformers-embed": "hf_embed.py",
+    "llama-cpp": "llamacpp_generate.py",
+    "gguf-to-hf": "gguf_to_hf.py",
+}
 MISSING_DEPENDENCY = 3  # the scripts' exit code when their engine is not installed
 
 
@@ -18,7 +22,9 @@ class PeerUnavailable(RuntimeError):
     """The peer's engine is not installed in the interpreter it was asked to run in."""
 
 
-def run_offline_peer(peer: str, job: dict[str, Any], python: str | None = None, timeout_s: float = 3600.0) -> dict[str, Any]:
+def run_offline_peer(
+    peer: str, job: dict[str, Any], python: str | None = None, timeout_s: float = 3600.0
+) -> dict[str, Any]:
     """Run `peer` on `job` (see hf_generate.py for the format); its progress shows on our stderr."""
     if peer not in PEER_SCRIPTS:
         raise ValueError(f"unknown peer {peer!r}; choose from {sorted(PEER_SCRIPTS)}")

@@ -16,8 +16,15 @@ from checkpoints.weights import Declaration
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
-    for arch in (llama.ARCHITECTURE, mistral.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE,
-                 gemma3.ARCHITECTURE, mixtral.ARCHITECTURE, qwen3_moe.ARCHITECTURE)
+    for arch in (
+        llama.ARCHITECTURE,
+        mistral.ARCHITECTURE,
+        qwen2.ARCHITECTURE,
+        qwen3.ARCHITECTURE,
+        gemma3.ARCHITECTURE,
+        mixtral.ARCHITECTURE,
+        qwen3_moe.ARCHITECTURE,
+    )
 }
 
 

@@ -11,7 +11,8 @@ sliding layers, experts, ...), and takes its parameter shapes from the declarati
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -26,30 +26,73 @@ from __future__ import annotations
 
 from checkpoints.config import ModelConfig
 from checkpoints.weights import (
-    BIAS, EMBED, EMBEDDING, EXPERT_FFW, EXPERTS, FFW, HEAD_DIM, KERNEL, KV_HEADS, LAYERS, Q_HEADS, ROUTER,
-    ROUTER_KERNEL, SCALE, VOCAB, Declaration, Weight,
+    BIAS,
+    EMBED,
+    EMBEDDING,
+    EXPERT_FFW,
+    EXPERTS,
+    FFW,
+    HEAD_DIM,
+    KERNEL,
+    KV_HEADS,
+    LAYERS,
+    Q_HEADS,
+    ROUTER,
+    ROUTER_KERNEL,
+    SCALE,
+    VOCAB,
+    Declaration,
+    Weight,
 )
 
 HF_LAYER = "model.layers.{layer}."
 GGUF_LAYER = "blk.{layer}."
 
 
-def _layer(config: ModelConfig, shape: tuple[int, ...], axes: tuple[str | None, ...], init: str, hf: str | None,
-           gguf: str | None, quantizable: bool = False) -> Weight:
+def _layer(
+    config: ModelConfig,
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    init: str,
+    hf: str | None,
+    gguf: str | None,
+    quantizable: bool = False,
+) -> Weight:
     """A per-layer weight, stacked over the layers; names relative to a layer's prefix."""
-    return Weight((config.num_layers, *shape), (LAYERS, *axes), init, float32=init == SCALE,
-                  hf=None if hf is None else HF_LAYER + hf, gguf=None if gguf is None else GGUF_LAYER + gguf,
-                  quantizable=quantizable)
+    return Weight(
+        (config.num_layers, *shape),
+        (LAYERS, *axes),
+        init,
+        float32=init == SCALE,
+        hf=None if hf is None else HF_LAYER + hf,
+        gguf=None if gguf is None else GGUF_LAYER + gguf,
+        quantizable=quantizable,
+    )
 
 
 def norm(config: ModelConfig, hf: str, gguf: str, size: int | None = None) -> dict[str, Weight]:
     """A per-layer RMS norm over `size` features (default: the hidden size)."""
-    return {"scale": _layer(config, (size or config.hidden_size,), (EMBED if size is None else HEAD_DIM,), SCALE,
-                            f"{hf}.weight", f"{gguf}.weight")}
+    return {
+        "scale": _layer(
+            config,
+            (size or config.hidden_size,),
+            (EMBED if size is None else HEAD_DIM,),
+            SCALE,
+            f"{hf}.weight",
+            f"{gguf}.weight",
+        )
+    }
 
 
-def linear(config: ModelConfig, fan_in: int, fan_out: int, axes: tuple[str | None, str | None], hf: str, gguf: str,
-           bias: bool = False) -> dict[str, Weight]:
+def linear(
+    config: ModelConfig,
+    fan_in: int,
+    fan_out: int,
+    axes: tuple[str | None, str | None],
+    hf: str,
+    gguf: str,
+    bias: bool = False,
+) -> dict[str, Weight]:
     """A per-layer projection [in, out], with its bias when `bias`; its kernel is quantizable."""
     out = {"kernel": _layer(config, (fan_in, fan_out), axes, KERNEL, f"{hf}.weight", f"{gguf}.weight", True)}
     if bias:
@@ -61,14 +104,26 @@ def embedding_and_head(config: ModelConfig) -> Declaration:
     v, e = config.vocab_size, config.hidden_size
     out: Declaration = {
         # tied: the table is the output head too, and quantizable as its kernel [E, V]
-        "embed": {"embedding": Weight((v, e), (VOCAB, EMBED), EMBEDDING, hf="model.embed_tokens.weight",
-                                      gguf="token_embd.weight", quantizable=config.tie_word_embeddings)},
-        "final_norm": {"scale": Weight((e,), (EMBED,), SCALE, float32=True, hf="model.norm.weight",
-                                       gguf="output_norm.weight")},
+        "embed": {
+            "embedding": Weight(
+                (v, e),
+                (VOCAB, EMBED),
+                EMBEDDING,
+                hf="model.embed_tokens.weight",
+                gguf="token_embd.weight",
+                quantizable=config.tie_word_embeddings,
+            )
+        },
+        "final_norm": {
+            "scale": Weight((e,), (EMBED,), SCALE, float32=True, hf="model.norm.weight", gguf="output_norm.weight")
+        },
     }
     if not config.tie_word_embeddings:
-        out["lm_head"] = {"kernel": Weight((e, v), (EMBED, VOCAB), KERNEL, hf="lm_head.weight", gguf="output.weight",
-                                           quantizable=True)}
+        out["lm_head"] = {
+            "kernel": Weight(
+                (e, v), (EMBED, VOCAB), KERNEL, hf="lm_head.weight", gguf="output.weight", quantizable=True
+            )
+        }
     return out
 
 
@@ -105,12 +160,25 @@ def experts(config: ModelConfig, router_hf: str, expert_hf: str, gate: str, up: 
     e, f, x = config.hidden_size, config.moe_intermediate_size, config.num_experts
 
     def expert(name: str, fan_in: int, fan_out: int, axes: tuple[str, str], hf: str, gguf: str) -> dict[str, Weight]:
-        return {name: {"kernel": _layer(config, (x, fan_in, fan_out), (EXPERTS, *axes), KERNEL,
-                                        f"{expert_hf}.{{expert}}.{hf}.weight", f"{gguf}.weight")}}
+        return {
+            name: {
+                "kernel": _layer(
+                    config,
+                    (x, fan_in, fan_out),
+                    (EXPERTS, *axes),
+                    KERNEL,
+                    f"{expert_hf}.{{expert}}.{hf}.weight",
+                    f"{gguf}.weight",
+                )
+            }
+        }
 
     return {
-        "router": {"kernel": _layer(config, (e, x), (EMBED, ROUTER), ROUTER_KERNEL, f"{router_hf}.weight",
-                                    "ffn_gate_inp.weight")},
+        "router": {
+            "kernel": _layer(
+                config, (e, x), (EMBED, ROUTER), ROUTER_KERNEL, f"{router_hf}.weight", "ffn_gate_inp.weight"
+            )
+        },
         **expert("expert_gate", e, f, (EMBED, EXPERT_FFW), gate, "ffn_gate_exps"),
         **expert("expert_up", e, f, (EMBED, EXPERT_FFW), up, "ffn_up_exps"),
         **expert("expert_down", f, e, (EXPERT_FFW, EMBED), down, "ffn_down_exps"),
@@ -119,8 +187,10 @@ def experts(config: ModelConfig, router_hf: str, expert_hf: str, gate: str, up: 
 
 def llama_norms(config: ModelConfig) -> Declaration:
     """The two norms of a Llama layer: before attention and before the MLP."""
-    return {"attn_norm": norm(config, "input_layernorm", "attn_norm"),
-            "mlp_norm": norm(config, "post_attention_layernorm", "ffn_norm")}
+    return {
+        "attn_norm": norm(config, "input_layernorm", "attn_norm"),
+        "mlp_norm": norm(config, "post_attention_layernorm", "ffn_norm"),
+    }
 
 
 def decoder(config: ModelConfig, norms: Declaration, mlp: Declaration) -> Declaration:

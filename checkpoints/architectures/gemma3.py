@@ -69,22 +69,33 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     local_theta, local_scaling = rope(params.get(SLIDING), {"rope_theta": hf.get("rope_local_base_freq", LOCAL_THETA)})
     if local_scaling is not None:
         raise ValueError("Gemma 3 with scaled RoPE on its sliding layers is not supported")
-    layer_types = hf.get("layer_types") or default_layer_types(hf["num_hidden_layers"],
-                                                               hf.get("sliding_window_pattern", PATTERN))
-    return {**common_fields(hf, "gemma3"), **_gemma_fields(),
-            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
-            "rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
-            "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
-            "sliding_window": hf.get("sliding_window", 4096), "layer_types": tuple(layer_types)}
+    layer_types = hf.get("layer_types") or default_layer_types(
+        hf["num_hidden_layers"], hf.get("sliding_window_pattern", PATTERN)
+    )
+    return {
+        **common_fields(hf, "gemma3"),
+        **_gemma_fields(),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_local_theta": local_theta,
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
+        "sliding_window": hf.get("sliding_window", 4096),
+        "layer_types": tuple(layer_types),
+    }
 
 
 def to_hf(config: ModelConfig) -> dict[str, Any]:
     d = common_hf(config, "Gemma3ForCausalLM")
     d.pop("use_sliding_window", None)
-    return {**d, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-            "rope_local_base_freq": config.rope_local_theta,
-            "query_pre_attn_scalar": _number(config.query_pre_attn_scalar),
-            "layer_types": list(config.layer_types or ())}
+    return {
+        **d,
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_local_base_freq": config.rope_local_theta,
+        "query_pre_attn_scalar": _number(config.query_pre_attn_scalar),
+        "layer_types": list(config.layer_types or ()),
+    }
 
 
 def _number(x: float | None) -> float | int | None:
@@ -95,10 +106,13 @@ def _number(x: float | None) -> float | int | None:
 def from_gguf(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     layers = int(meta[f"{arch}.block_count"])
     head_dim = int(meta[f"{arch}.attention.key_length"])
-    return {**_gemma_fields(), "query_pre_attn_scalar": float(head_dim),
-            "sliding_window": int(meta[f"{arch}.attention.sliding_window"]),
-            "layer_types": default_layer_types(layers),
-            "rope_local_theta": float(meta.get(f"{arch}.rope.freq_base_swa", LOCAL_THETA))}
+    return {
+        **_gemma_fields(),
+        "query_pre_attn_scalar": float(head_dim),
+        "sliding_window": int(meta[f"{arch}.attention.sliding_window"]),
+        "layer_types": default_layer_types(layers),
+        "rope_local_theta": float(meta.get(f"{arch}.rope.freq_base_swa", LOCAL_THETA)),
+    }
 
 
 def _is_norm(path: str) -> bool:
@@ -113,6 +127,17 @@ def to_hf_tensor(path: str, array: np.ndarray) -> np.ndarray:
     return array - np.float32(1.0) if _is_norm(path) else array
 
 
-ARCHITECTURE = Architecture("gemma3", "Gemma3ForCausalLM", weights, from_hf, to_hf, from_gguf=from_gguf,
-                            gguf_name="gemma3", from_hf_tensor=from_hf_tensor, to_hf_tensor=to_hf_tensor,
-                            chat_template=CHAT_TEMPLATE, end_of_turn="<end_of_turn>", hf_model_type="gemma3_text")
+ARCHITECTURE = Architecture(
+    "gemma3",
+    "Gemma3ForCausalLM",
+    weights,
+    from_hf,
+    to_hf,
+    from_gguf=from_gguf,
+    gguf_name="gemma3",
+    from_hf_tensor=from_hf_tensor,
+    to_hf_tensor=to_hf_tensor,
+    chat_template=CHAT_TEMPLATE,
+    end_of_turn="<end_of_turn>",
+    hf_model_type="gemma3_text",
+)

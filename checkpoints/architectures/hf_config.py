@@ -16,8 +16,9 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
 
 
-def rope(params: dict[str, Any] | None, hf: dict[str, Any], default_theta: float = 10000.0
-         ) -> tuple[float, dict[str, Any] | None]:
+def rope(
+    params: dict[str, Any] | None, hf: dict[str, Any], default_theta: float = 10000.0
+) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling or None) from one `rope_parameters` dict, else from `rope_theta` / `rope_scaling`."""
     if params is None:
         return float(hf.get("rope_theta", default_theta)), hf.get("rope_scaling")

@@ -31,8 +31,12 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def from_llama_gguf(path: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
     """A GGUF tensor (`[out, in]`) of a `llama` file with its Q/K rows un-permuted."""
-    heads = {"layers/q_proj/kernel": config.num_heads, "layers/q_proj/bias": config.num_heads,
-             "layers/k_proj/kernel": config.num_kv_heads, "layers/k_proj/bias": config.num_kv_heads}
+    heads = {
+        "layers/q_proj/kernel": config.num_heads,
+        "layers/q_proj/bias": config.num_heads,
+        "layers/k_proj/kernel": config.num_kv_heads,
+        "layers/k_proj/bias": config.num_kv_heads,
+    }
     return unpermute_rope_rows(array, heads[path]) if path in heads else array
 
 
@@ -48,5 +52,13 @@ def to_hf(config: ModelConfig) -> dict[str, Any]:
     return common_hf(config, "LlamaForCausalLM")
 
 
-ARCHITECTURE = Architecture("llama", "LlamaForCausalLM", weights, from_hf, to_hf, from_gguf=lambda *_: {},
-                            gguf_name="llama", from_gguf_tensor=from_llama_gguf)
+ARCHITECTURE = Architecture(
+    "llama",
+    "LlamaForCausalLM",
+    weights,
+    from_hf,
+    to_hf,
+    from_gguf=lambda *_: {},
+    gguf_name="llama",
+    from_gguf_tensor=from_llama_gguf,
+)

@@ -19,16 +19,26 @@ def weights(config: ModelConfig) -> Declaration:
 
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    return {**common_fields(hf, "mixtral"), "sliding_window": hf.get("sliding_window"),
-            "num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
-            "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True}
+    return {
+        **common_fields(hf, "mixtral"),
+        "sliding_window": hf.get("sliding_window"),
+        "num_experts": hf["num_local_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["intermediate_size"],
+        "norm_topk_prob": True,
+    }
 
 
 def to_hf(config: ModelConfig) -> dict[str, Any]:
     d = common_hf(config, "MixtralForCausalLM")
     d.pop("use_sliding_window", None)
-    return {**d, "sliding_window": config.sliding_window, "intermediate_size": config.moe_intermediate_size,
-            "num_local_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok}
+    return {
+        **d,
+        "sliding_window": config.sliding_window,
+        "intermediate_size": config.moe_intermediate_size,
+        "num_local_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+    }
 
 
 ARCHITECTURE = Architecture("mixtral", "MixtralForCausalLM", weights, from_hf, to_hf)

@@ -19,5 +19,12 @@ def to_hf(config: ModelConfig) -> dict[str, Any]:
     return common_hf(config, "Qwen3ForCausalLM")
 
 
-ARCHITECTURE = Architecture("qwen3", "Qwen3ForCausalLM", llama.weights, from_hf, to_hf,
-                            from_gguf=lambda *_: {"qk_norm": True}, gguf_name="qwen3")
+ARCHITECTURE = Architecture(
+    "qwen3",
+    "Qwen3ForCausalLM",
+    llama.weights,
+    from_hf,
+    to_hf,
+    from_gguf=lambda *_: {"qk_norm": True},
+    gguf_name="qwen3",
+)

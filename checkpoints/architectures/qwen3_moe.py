@@ -21,16 +21,27 @@ def weights(config: ModelConfig) -> Declaration:
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not supported")
-    return {**common_fields(hf, "qwen3_moe"), "qk_norm": True, "sliding_window": sliding_window(hf, default_on=False),
-            "num_experts": hf["num_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
-            "moe_intermediate_size": hf["moe_intermediate_size"],
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+    return {
+        **common_fields(hf, "qwen3_moe"),
+        "qk_norm": True,
+        "sliding_window": sliding_window(hf, default_on=False),
+        "num_experts": hf["num_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+    }
 
 
 def to_hf(config: ModelConfig) -> dict[str, Any]:
-    return {**common_hf(config, "Qwen3MoeForCausalLM"), "num_experts": config.num_experts,
-            "num_experts_per_tok": config.num_experts_per_tok, "moe_intermediate_size": config.moe_intermediate_size,
-            "norm_topk_prob": config.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return {
+        **common_hf(config, "Qwen3MoeForCausalLM"),
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 ARCHITECTURE = Architecture("qwen3_moe", "Qwen3MoeForCausalLM", weights, from_hf, to_hf)

@@ -4,6 +4,7 @@
 A sequence's block table is a `KVHandle` that its request owns.
 """
 
+from jaxserve.kv.accounting import KVUsage
 from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool, NoFreeBlocksError
 from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.content_keys import ChainKeys, fingerprint
@@ -11,17 +12,38 @@ from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
 from jaxserve.kv.disk_link import LoadStart
 from jaxserve.kv.disk_tier import DiskStats, DiskTier, HostBlockArrays
 from jaxserve.kv.host_tier import HostTier
-from jaxserve.kv.accounting import KVUsage
-from jaxserve.kv.manager import KVCacheManager
-from jaxserve.kv.prefix_cache import PrefixHit
 from jaxserve.kv.leases import Hold, Lease, Leases, Pin
-from jaxserve.kv.prefix_cache import PrefixCache
+from jaxserve.kv.manager import KVCacheManager
+from jaxserve.kv.prefix_cache import PrefixCache, PrefixHit
 from jaxserve.kv.radix_cache import RadixCache
 from jaxserve.kv.radix_node import CacheStats, InsertResult, PrefixMatch, RadixNode
 
 __all__ = [
-    "RESERVED_BLOCK", "BlockPool", "NoFreeBlocksError", "ChainKeys", "fingerprint", "CopyKind", "CopyPlan",
-    "CopyStage", "LoadStart", "DiskStats", "DiskTier", "HostBlockArrays",
-    "Hold", "HostTier", "KVCacheManager", "KVHandle", "KVUsage", "Lease", "Leases", "PrefixHit", "Pin", "CacheStats",
-    "InsertResult", "PrefixCache", "PrefixMatch", "RadixCache", "RadixNode",
+    "RESERVED_BLOCK",
+    "BlockPool",
+    "NoFreeBlocksError",
+    "ChainKeys",
+    "fingerprint",
+    "CopyKind",
+    "CopyPlan",
+    "CopyStage",
+    "LoadStart",
+    "DiskStats",
+    "DiskTier",
+    "HostBlockArrays",
+    "Hold",
+    "HostTier",
+    "KVCacheManager",
+    "KVHandle",
+    "KVUsage",
+    "Lease",
+    "Leases",
+    "PrefixHit",
+    "Pin",
+    "CacheStats",
+    "InsertResult",
+    "PrefixCache",
+    "PrefixMatch",
+    "RadixCache",
+    "RadixNode",
 ]

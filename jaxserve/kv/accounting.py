@@ -21,16 +21,16 @@ if TYPE_CHECKING:
 class KVUsage:
     """Block counts. free + used + pinned + cached_idle == num_blocks (each block once)."""
 
-    num_blocks: int         # usable device blocks (the reserved block 0 excluded)
-    free: int               # on the free list
-    used: int               # held by at least one request
-    shared: int             # held by two or more requests
-    cached: int             # stored in the prefix cache (some may also be used or pinned)
-    cached_idle: int        # cached and held by no request or pin: reclaimable at once
-    pinned: int             # cached, held by no request, kept by a pin
+    num_blocks: int  # usable device blocks (the reserved block 0 excluded)
+    free: int  # on the free list
+    used: int  # held by at least one request
+    shared: int  # held by two or more requests
+    cached: int  # stored in the prefix cache (some may also be used or pinned)
+    cached_idle: int  # cached and held by no request or pin: reclaimable at once
+    pinned: int  # cached, held by no request, kept by a pin
     host_slots: int
-    host_swapped: int       # host slots holding swapped-out requests
-    host_cached: int        # host slots holding spilled prefix-cache blocks
+    host_swapped: int  # host slots holding swapped-out requests
+    host_cached: int  # host slots holding spilled prefix-cache blocks
     host_free: int
 
     @property
@@ -48,7 +48,7 @@ def kv_usage(mgr: KVCacheManager) -> KVUsage:
     """Block counts of a KV manager; O(blocks), so call it per scrape, not per step."""
     holders = np.zeros(mgr.pool.num_blocks, dtype=np.int32)
     for handle in mgr.live_handles():
-        np.add.at(holders, handle.table[:handle.num_blocks], 1)
+        np.add.at(holders, handle.table[: handle.num_blocks], 1)
     cache = mgr.prefix_cache
     host = mgr.host
     swapped = sum(len(h.host_slots) for h in mgr.live_handles() if h.host_slots is not None)
@@ -88,7 +88,7 @@ def check_integrity(mgr: KVCacheManager) -> None:
                 raise AssertionError("a swapped sequence's slots do not cover its tokens")
             host_held += handle.host_slots
             continue
-        blocks = handle.table[:handle.num_blocks].tolist()
+        blocks = handle.table[: handle.num_blocks].tolist()
         if len(blocks) != -(-handle.num_tokens // bs):
             raise AssertionError(f"a sequence has {len(blocks)} blocks for {handle.num_tokens} tokens")
         if len(set(blocks)) != len(blocks) or RESERVED_BLOCK in blocks:
@@ -97,9 +97,10 @@ def check_integrity(mgr: KVCacheManager) -> None:
         if cache is not None:
             locks[handle.node] += 1
             if handle.node.end != handle.cached_blocks:
-                raise AssertionError(f"a sequence's locked node ends at block {handle.node.end}, "
-                                     f"cached_blocks {handle.cached_blocks}")
-            if cache.path_blocks(handle.node) != blocks[:handle.cached_blocks]:
+                raise AssertionError(
+                    f"a sequence's locked node ends at block {handle.node.end}, cached_blocks {handle.cached_blocks}"
+                )
+            if cache.path_blocks(handle.node) != blocks[: handle.cached_blocks]:
                 raise AssertionError("a sequence's cached blocks differ from the tree")
         elif handle.cached_blocks:
             raise AssertionError("cached blocks without a prefix cache")

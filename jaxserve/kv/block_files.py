@@ -95,6 +95,6 @@ def read_block(path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payloa
     crc = _HEADER.unpack(bytes(data[:HEADER_BYTES]))[5]
     if zlib.crc32(body) != crc:
         raise DamagedBlockFile("checksum mismatch")
-    if body[:len(tokens)] != tokens:
+    if body[: len(tokens)] != tokens:
         raise DamagedBlockFile("the block holds other tokens")
-    return body[len(tokens):]
+    return body[len(tokens) :]

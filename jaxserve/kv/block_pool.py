@@ -95,11 +95,10 @@ class BlockPool:
             if count < 0:
                 raise AssertionError(f"block {block} has refcount {count}")
             if (count == 0) != (block in free_set):
-                raise AssertionError(
-                    f"block {block}: refcount {count} but on free list = {block in free_set}")
+                raise AssertionError(f"block {block}: refcount {count} but on free list = {block in free_set}")
         if expected_refcount is not None:
             for block in range(self.num_blocks):
                 if self.refcount[block] != expected_refcount[block]:
                     raise AssertionError(
-                        f"block {block}: refcount {self.refcount[block]} but "
-                        f"{expected_refcount[block]} holders")
+                        f"block {block}: refcount {self.refcount[block]} but {expected_refcount[block]} holders"
+                    )

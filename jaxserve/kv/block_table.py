@@ -25,14 +25,33 @@ def next_table_version() -> int:
 
 
 class KVHandle:
-    __slots__ = ("block_size", "table", "_readonly", "num_blocks", "version", "num_tokens", "node",
-                 "cached_blocks", "host_slots", "chain", "is_live")
+    __slots__ = (
+        "block_size",
+        "table",
+        "_readonly",
+        "num_blocks",
+        "version",
+        "num_tokens",
+        "node",
+        "cached_blocks",
+        "host_slots",
+        "chain",
+        "is_live",
+    )
 
-    def __init__(self, block_size: int, blocks: list[int], num_tokens: int, node: RadixNode | None,
-                 cached_blocks: int, chain: ChainKeys | None, capacity: int = 0) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        blocks: list[int],
+        num_tokens: int,
+        node: RadixNode | None,
+        cached_blocks: int,
+        chain: ChainKeys | None,
+        capacity: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.table = np.empty(max(capacity, 2 * len(blocks), 8), dtype=np.int32)  # [:num_blocks] valid
-        self.table[:len(blocks)] = blocks
+        self.table[: len(blocks)] = blocks
         self._readonly = _readonly(self.table)
         self.num_blocks = len(blocks)
         self.version = next_table_version()
@@ -46,7 +65,7 @@ class KVHandle:
     @property
     def block_table(self) -> np.ndarray:
         """Read-only int32 view of the sequence's blocks (empty while swapped out)."""
-        return self._readonly[:self.num_blocks]
+        return self._readonly[: self.num_blocks]
 
     @property
     def is_swapped(self) -> bool:
@@ -72,9 +91,9 @@ class KVHandle:
         end = self.num_blocks + len(blocks)
         if end > len(self.table):
             grown = np.empty(max(2 * len(self.table), end), dtype=np.int32)
-            grown[:self.num_blocks] = self.table[:self.num_blocks]
+            grown[: self.num_blocks] = self.table[: self.num_blocks]
             self.table, self._readonly = grown, _readonly(grown)
-        self.table[self.num_blocks:end] = blocks
+        self.table[self.num_blocks : end] = blocks
         self.num_blocks = end
 
     def renew_version(self) -> None:

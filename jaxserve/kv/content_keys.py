@@ -35,8 +35,7 @@ def next_key(previous: bytes, block_tokens: bytes) -> bytes:
     return hashlib.blake2b(previous + block_tokens, digest_size=KEY_BYTES).digest()
 
 
-def chain_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, num_blocks: int,
-               block_size: int) -> list[bytes]:
+def chain_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, num_blocks: int, block_size: int) -> list[bytes]:
     """Keys of the first `num_blocks` full blocks of `tokens`."""
     return ChainKeys(seed, block_size).keys(tokens, num_blocks)
 
@@ -74,10 +73,10 @@ class ChainKeys:
         keys = self._keys
         done = len(keys)
         if num_blocks > done:
-            data = np.ascontiguousarray(np.asarray(tokens[done * bs:num_blocks * bs]), dtype=np.int32).tobytes()
+            data = np.ascontiguousarray(np.asarray(tokens[done * bs : num_blocks * bs]), dtype=np.int32).tobytes()
             step = bs * 4
             previous = keys[-1] if keys else self.seed
             for i in range(num_blocks - done):
-                previous = next_key(previous, data[i * step:(i + 1) * step])
+                previous = next_key(previous, data[i * step : (i + 1) * step])
                 keys.append(previous)
         return keys[:num_blocks]

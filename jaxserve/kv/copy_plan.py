@@ -61,8 +61,12 @@ class CopyPlan:
         stages = self._stages
         stage = stages[-1] if stages else None
         # Only device -> device copies read the space they write (read-after-write hazard).
-        if (stage is None or stage.kind is not kind or dst in stage._written
-                or (kind is CopyKind.DEVICE_TO_DEVICE and src in stage._written)):
+        if (
+            stage is None
+            or stage.kind is not kind
+            or dst in stage._written
+            or (kind is CopyKind.DEVICE_TO_DEVICE and src in stage._written)
+        ):
             stage = CopyStage(kind)
             stages.append(stage)
         stage.src.append(src)

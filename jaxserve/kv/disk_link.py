@@ -35,28 +35,27 @@ MAX_HIT_COUNTS = 1 << 20  # distinct keys counted for selective write-through be
 
 
 class LoadStart(enum.Enum):
-    STARTED = "started"     # the request waits for its blocks
-    BUSY = "busy"           # loads in flight use the byte bound: try again next step
-    NONE = "none"           # nothing to load (or no host room): recompute instead
+    STARTED = "started"  # the request waits for its blocks
+    BUSY = "busy"  # loads in flight use the byte bound: try again next step
+    NONE = "none"  # nothing to load (or no host room): recompute instead
 
 
 @dataclass(eq=False)
 class _Load:
-    job: LoadJob | None     # None until submitted
-    node: RadixNode         # locked for the request: the match node, then the loaded node
-    tokens: bytes           # the loaded blocks' token ids (int32 bytes)
-    slots: list[int]        # host slots the load holds until it is done
+    job: LoadJob | None  # None until submitted
+    node: RadixNode  # locked for the request: the match node, then the loaded node
+    tokens: bytes  # the loaded blocks' token ids (int32 bytes)
+    slots: list[int]  # host slots the load holds until it is done
     done: bool = False
     cancelled: bool = False
-    loaded: tuple[int, int] = (0, 0)    # token positions the load added to the tree
+    loaded: tuple[int, int] = (0, 0)  # token positions the load added to the tree
     # Where an earlier load of the same request began adding (a prefix loaded in parts, when the
     # host tier had room for only some of it): the disk hits counted at admission start there.
     loaded_from: int | None = None
 
 
 class DiskLink:
-    def __init__(self, disk: DiskTier, cache: RadixCache, copies: CopyPlan, *,
-                 write_through_hits: int = 0) -> None:
+    def __init__(self, disk: DiskTier, cache: RadixCache, copies: CopyPlan, *, write_through_hits: int = 0) -> None:
         if cache.host is None or cache.host.num_slots == 0:
             raise ValueError("the disk tier loads through the host tier: give it host slots")
         if write_through_hits < 0:
@@ -66,7 +65,7 @@ class DiskLink:
         self.copies = copies
         self.block_size = cache.block_size
         self.write_through_hits = write_through_hits
-        self.disk_hit_tokens = 0        # prompt tokens admitted from blocks the disk tier loaded
+        self.disk_hit_tokens = 0  # prompt tokens admitted from blocks the disk tier loaded
         self._loads: dict[Hashable, _Load] = {}
         self._by_job: dict[LoadJob, Hashable] = {}
         self._unsubmitted: list[tuple[list[bytes], list[bytes], list[int], Hashable]] = []
@@ -84,7 +83,7 @@ class DiskLink:
             return 0
         if not self.disk.contains(chain.keys(tokens, first + 1)[first]):
             return 0
-        return 1 + self.disk.num_leading(chain.keys(tokens, limit)[first + 1:])
+        return 1 + self.disk.num_leading(chain.keys(tokens, limit)[first + 1 :])
 
     # ------------------------------------------------------------------ writes
 
@@ -102,7 +101,7 @@ class DiskLink:
         bs = self.block_size
         keys = chain.keys(tokens, max(blocks) + 1)
         for i, block in blocks.items():
-            self._plan(CopyKind.DEVICE_TO_DISK, block, keys[i], token_bytes(tokens[i * bs:(i + 1) * bs], bs))
+            self._plan(CopyKind.DEVICE_TO_DISK, block, keys[i], token_bytes(tokens[i * bs : (i + 1) * bs], bs))
 
     def count_hits(self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray, device_blocks: Sequence[int]) -> None:
         """An admission reused `device_blocks` (the first blocks of `tokens`): selective write-through."""
@@ -116,7 +115,7 @@ class DiskLink:
             count = self._hits.get(key, 0) + 1
             if count >= n:
                 self._hits.pop(key, None)
-                self._plan(CopyKind.DEVICE_TO_DISK, block, key, token_bytes(tokens[i * bs:(i + 1) * bs], bs))
+                self._plan(CopyKind.DEVICE_TO_DISK, block, key, token_bytes(tokens[i * bs : (i + 1) * bs], bs))
             else:
                 self._hits[key] = count
 
@@ -130,7 +129,7 @@ class DiskLink:
         kind = CopyKind.DEVICE_TO_DISK if on_device else CopyKind.HOST_TO_DISK
         for j in range(node.length - take, node.length):
             i = node.start + j
-            self._plan(kind, storage[j], keys[i], path[i * bs:(i + 1) * bs].tobytes())
+            self._plan(kind, storage[j], keys[i], path[i * bs : (i + 1) * bs].tobytes())
 
     def flush(self) -> int:
         """At a clean shutdown: plan writes of the cached blocks (device and host tier) the disk
@@ -148,7 +147,7 @@ class DiskLink:
                 break
             key = keys[node.parent]
             for j in range(min(node.length, room - len(chosen))):
-                key = next_key(key, node.key[j * kb:(j + 1) * kb])
+                key = next_key(key, node.key[j * kb : (j + 1) * kb])
                 chosen.append((node, j, key))
             keys[node] = key
         planned = 0
@@ -160,13 +159,14 @@ class DiskLink:
                 kind, src = CopyKind.DEVICE_TO_DISK, node.blocks[j]
             else:
                 kind, src = CopyKind.HOST_TO_DISK, node.host_slots[j]
-            planned += self._plan(kind, src, key, node.key[j * kb:(j + 1) * kb])
+            planned += self._plan(kind, src, key, node.key[j * kb : (j + 1) * kb])
         return planned
 
     # ------------------------------------------------------------------ loads
 
-    def start_load(self, req_id: Hashable, node: RadixNode, tokens: Sequence[int] | np.ndarray,
-                   chain: ChainKeys, num_blocks: int) -> LoadStart:
+    def start_load(
+        self, req_id: Hashable, node: RadixNode, tokens: Sequence[int] | np.ndarray, chain: ChainKeys, num_blocks: int
+    ) -> LoadStart:
         """Load the `num_blocks` blocks after `node` (the request's tree match) from disk.
 
         A request whose earlier load is done but that was not admitted yet (its match still
@@ -176,7 +176,7 @@ class DiskLink:
         if earlier is not None and not earlier.done:
             raise ValueError(f"request {req_id!r} is loading already")
         disk, cache = self.disk, self.cache
-        cache.lock(node)     # before reserving slots: reserving may evict idle host blocks
+        cache.lock(node)  # before reserving slots: reserving may evict idle host blocks
         room = cache.host.num_free + cache.num_evictable_host_blocks
         n = min(num_blocks, room)
         if n <= 0:
@@ -188,8 +188,8 @@ class DiskLink:
         slots = cache.reserve_host(n)
         bs, first = self.block_size, node.end
         keys = chain.keys(tokens, first + n)[first:]
-        data = token_bytes(tokens[first * bs:(first + n) * bs], n * bs)
-        per_block = [data[i * 4 * bs:(i + 1) * 4 * bs] for i in range(n)]
+        data = token_bytes(tokens[first * bs : (first + n) * bs], n * bs)
+        per_block = [data[i * 4 * bs : (i + 1) * 4 * bs] for i in range(n)]
         self._unsubmitted.append((keys, per_block, slots, req_id))
         self._loads[req_id] = _Load(None, node, data, slots=slots)
         if earlier is not None:  # its blocks are on the path `node` locks now
@@ -220,7 +220,7 @@ class DiskLink:
                 cache.unlock(load.node)
                 del self._loads[req_id]
                 continue
-            node, unused = cache.insert_host(load.node, load.tokens[:good * 4 * self.block_size], job.slots[:good])
+            node, unused = cache.insert_host(load.node, load.tokens[: good * 4 * self.block_size], job.slots[:good])
             cache.host.free(unused + spare)
             cache.lock(node)
             cache.unlock(load.node)
@@ -248,7 +248,7 @@ class DiskLink:
         if not load.done:
             load.cancelled = True
             if load.job is not None:
-                load.job.cancelled = True   # the slots are freed when the loader is done with them
+                load.job.cancelled = True  # the slots are freed when the loader is done with them
             return
         del self._loads[req_id]
         self.cache.unlock(load.node)

@@ -35,8 +35,9 @@ class DiskLoads:
             return LoadStart.NONE
         if hit._epoch != self._epoch():
             raise ValueError("stale PrefixHit: the manager changed since match_prefix; match again")
-        result = self._link.start_load(key, hit._node, hit._token_ids, hit._chain,
-                                       hit.num_disk_tokens // self._link.cache.block_size)
+        result = self._link.start_load(
+            key, hit._node, hit._token_ids, hit._chain, hit.num_disk_tokens // self._link.cache.block_size
+        )
         if result is LoadStart.STARTED:
             self._changed()
         return result

@@ -35,8 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.kv.block_files import (SUFFIX, TEMP_PREFIX, DamagedBlockFile, file_bytes, read_block,
-                                     read_header, write_block)
+from jaxserve.kv.block_files import (
+    SUFFIX,
+    TEMP_PREFIX,
+    DamagedBlockFile,
+    file_bytes,
+    read_block,
+    read_header,
+    write_block,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +55,18 @@ KV_LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 @dataclasses.dataclass
 class DiskStats:
-    loads: int = 0               # load jobs finished
-    loaded_blocks: int = 0       # blocks read, checked and put in host slots
-    load_seconds: float = 0.0    # summed wall time of the load jobs
+    loads: int = 0  # load jobs finished
+    loaded_blocks: int = 0  # blocks read, checked and put in host slots
+    load_seconds: float = 0.0  # summed wall time of the load jobs
     # load jobs by wall time: count i took at most KV_LOAD_SECONDS_BUCKETS[i] (and more than the bound before)
     load_seconds_counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(KV_LOAD_SECONDS_BUCKETS) + 1))
     bytes_read: int = 0
     written_blocks: int = 0
     bytes_written: int = 0
-    write_seconds: float = 0.0   # summed wall time of the file writes
-    evictions: int = 0           # files deleted to stay within the budget
-    damaged: int = 0             # files found damaged (at scan or read) and deleted
-    missing: int = 0             # files indexed but gone when read (another engine evicted them)
+    write_seconds: float = 0.0  # summed wall time of the file writes
+    evictions: int = 0  # files deleted to stay within the budget
+    damaged: int = 0  # files found damaged (at scan or read) and deleted
+    missing: int = 0  # files indexed but gone when read (another engine evicted them)
     write_errors: int = 0
 
 
@@ -78,7 +85,7 @@ class HostBlockArrays:
         for a in self.arrays:
             view = a[:, :, slot]
             n = view.nbytes
-            view[...] = np.frombuffer(payload[offset:offset + n], dtype=a.dtype).reshape(view.shape)
+            view[...] = np.frombuffer(payload[offset : offset + n], dtype=a.dtype).reshape(view.shape)
             offset += n
 
     @staticmethod
@@ -101,8 +108,15 @@ class LoadJob:
 
 
 class DiskTier:
-    def __init__(self, directory: str | os.PathLike, fingerprint: bytes, block_size: int,
-                 host: HostBlockArrays, capacity_bytes: int, max_inflight_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        fingerprint: bytes,
+        block_size: int,
+        host: HostBlockArrays,
+        capacity_bytes: int,
+        max_inflight_bytes: int = 256 << 20,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"the disk tier needs a positive byte budget, got {capacity_bytes}")
         self.fingerprint = fingerprint
@@ -116,9 +130,9 @@ class DiskTier:
         self.root.mkdir(parents=True, exist_ok=True)
         self.stats = DiskStats()
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()   # key -> file bytes, oldest first
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, oldest first
         self._bytes = 0
-        self._reserved = 0           # bytes of files being written
+        self._reserved = 0  # bytes of files being written
         self._writing: set[bytes] = set()
         self._tickets: dict[int, tuple[bytes, bytes]] = {}
         self._next_ticket = 0
@@ -128,8 +142,10 @@ class DiskTier:
         self._writes: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._scan()
-        self._threads = [threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True),
-                         threading.Thread(target=self._load_loop, name="kv-disk-loader", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True),
+            threading.Thread(target=self._load_loop, name="kv-disk-loader", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -160,7 +176,7 @@ class DiskTier:
             return False
         with self._lock:
             if key not in self._index and self._make_room(size):
-                self._index[key] = size       # written by another engine: now ours to count
+                self._index[key] = size  # written by another engine: now ours to count
                 self._bytes += size
             return key in self._index
 
@@ -216,8 +232,13 @@ class DiskTier:
                     if path.suffix != SUFFIX:
                         continue
                     fp, key, num_tokens, payload = read_header(path)
-                    if (fp != self.fingerprint or key.hex() + SUFFIX != path.name or sub.name != path.name[:2]
-                            or num_tokens != self.block_size or payload != self.payload_bytes):
+                    if (
+                        fp != self.fingerprint
+                        or key.hex() + SUFFIX != path.name
+                        or sub.name != path.name[:2]
+                        or num_tokens != self.block_size
+                        or payload != self.payload_bytes
+                    ):
                         raise DamagedBlockFile("header does not match its name or this model")
                 except DamagedBlockFile as e:
                     logger.warning("deleting KV block file %s: %s", path, e)
@@ -341,8 +362,7 @@ class DiskTier:
                         self.stats.missing += 1
                     break
                 except (DamagedBlockFile, OSError) as e:
-                    logger.warning("KV block file %s is unusable (%s); deleting it, the block is recomputed",
-                                   path, e)
+                    logger.warning("KV block file %s is unusable (%s); deleting it, the block is recomputed", path, e)
                     self._forget(key)
                     path.unlink(missing_ok=True)
                     with self._lock:
@@ -401,8 +421,7 @@ class DiskTier:
             if total != self._bytes:
                 raise AssertionError(f"disk index counts {self._bytes} bytes, its files {total}")
             if self._bytes + self._reserved > self.capacity_bytes:
-                raise AssertionError(f"disk tier over budget: {self._bytes} + {self._reserved} > "
-                                     f"{self.capacity_bytes}")
+                raise AssertionError(f"disk tier over budget: {self._bytes} + {self._reserved} > {self.capacity_bytes}")
             if self._reserved < 0 or self._inflight < 0:
                 raise AssertionError("negative reserved or in-flight bytes")
 

@@ -73,5 +73,4 @@ class HostTier:
                 raise AssertionError("a host slot has two holders")
             used = {slot for slot in range(self.num_slots) if self._in_use[slot]}
             if set(held) != used:
-                raise AssertionError(f"host slots in use {sorted(used)[:8]}... differ from "
-                                     f"held {sorted(held)[:8]}...")
+                raise AssertionError(f"host slots in use {sorted(used)[:8]}... differ from held {sorted(held)[:8]}...")

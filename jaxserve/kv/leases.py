@@ -60,8 +60,14 @@ class Hold(Lease):
 class Leases:
     """The pins and holds of one KV cache, with the pins' budgets."""
 
-    def __init__(self, cache: PrefixCache | None, pool: BlockPool, budget_per_owner: int, max_pinned: int,
-                 changed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        cache: PrefixCache | None,
+        pool: BlockPool,
+        budget_per_owner: int,
+        max_pinned: int,
+        changed: Callable[[], None],
+    ) -> None:
         """`changed` is called before every change of the cache's locks (it invalidates prefix hits)."""
         if budget_per_owner < 0 or max_pinned < 0:
             raise ValueError("pin budgets must be >= 0")
@@ -91,11 +97,14 @@ class Leases:
         """Would a pin of `num_blocks` for `owner` fit both limits, once `replacing` is gone?"""
         freed_total = replacing.num_blocks if replacing is not None else 0
         freed_owner = freed_total if replacing is not None and replacing.owner == owner else 0
-        return (self.pinned_by(owner) - freed_owner + num_blocks <= self.budget_per_owner
-                and self.num_pinned - freed_total + num_blocks <= self.max_pinned)
+        return (
+            self.pinned_by(owner) - freed_owner + num_blocks <= self.budget_per_owner
+            and self.num_pinned - freed_total + num_blocks <= self.max_pinned
+        )
 
-    def pin(self, owner: Hashable, token_ids: Sequence[int] | np.ndarray, *,
-            replacing: Pin | None = None) -> Pin | None:
+    def pin(
+        self, owner: Hashable, token_ids: Sequence[int] | np.ndarray, *, replacing: Pin | None = None
+    ) -> Pin | None:
         """Keep the cached full blocks of `token_ids` from eviction, for `owner`.
 
         Pins what is cached now (on either tier). Returns None, with nothing changed, if it would
@@ -119,8 +128,9 @@ class Leases:
             self.unpin(replacing)
         return pin
 
-    def pin_within_budget(self, owner: Hashable, token_ids: Sequence[int], old: Pin | None,
-                          others: list[Pin]) -> tuple[Pin | None, list[Pin]]:
+    def pin_within_budget(
+        self, owner: Hashable, token_ids: Sequence[int], old: Pin | None, others: list[Pin]
+    ) -> tuple[Pin | None, list[Pin]]:
         """Pin `token_ids` for `owner` replacing `old` (a session's previous history), unpinning
         `others` (the owner's other pins, least recently used first) as needed to fit its budget.
         Returns the new pin (None if even alone it does not fit) and the pins released. Pins in
@@ -200,7 +210,7 @@ class Leases:
             raise ValueError("imported blocks go into the prefix cache: enable it")
         bs, first = self.pool.block_size, hold.num_blocks
         self._changed()
-        result = cache.insert(token_ids[first * bs:(first + len(blocks)) * bs], blocks, parent=hold.node)
+        result = cache.insert(token_ids[first * bs : (first + len(blocks)) * bs], blocks, parent=hold.node)
         self.pool.decref_all(blocks)
         longer = Hold(hold.blocks + result.blocks, node=result.node)  # `insert` locked its node
         self._holds.add(longer)

@@ -56,12 +56,20 @@ class KVCacheManager:
     """Block tables (`KVHandle`s), admission, growth, copy-on-write, prefix reuse and swap; the
     leases (pins, holds) and the disk tier's loads through `leases` and `disk`."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *,
-                 watermark_blocks: int | None = None, enable_prefix_cache: bool = True,
-                 num_host_slots: int = 0, spill_to_host: bool = True,
-                 pin_budget_blocks: int | None = None,
-                 max_pinned_blocks: int | None = None,
-                 disk: DiskTier | None = None, disk_write_through_hits: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        watermark_blocks: int | None = None,
+        enable_prefix_cache: bool = True,
+        num_host_slots: int = 0,
+        spill_to_host: bool = True,
+        pin_budget_blocks: int | None = None,
+        max_pinned_blocks: int | None = None,
+        disk: DiskTier | None = None,
+        disk_write_through_hits: int = 0,
+    ) -> None:
         """
         watermark_blocks: free blocks that admissions and swap-ins must leave for running
             sequences to grow into (default 1% of the pool).
@@ -80,12 +88,17 @@ class KVCacheManager:
             raise ValueError(f"watermark_blocks must be in [0, {usable}), got {watermark_blocks}")
         self.copies = CopyPlan()
         self.host = HostTier(num_host_slots) if num_host_slots > 0 else None
-        radix = (RadixCache(self.pool, self.host, self.copies, spill_to_host=spill_to_host)
-                 if enable_prefix_cache else None)
+        radix = (
+            RadixCache(self.pool, self.host, self.copies, spill_to_host=spill_to_host) if enable_prefix_cache else None
+        )
         self.prefix_cache: PrefixCache | None = radix
-        self.leases = Leases(self.prefix_cache, self.pool,
-                             usable // 8 if pin_budget_blocks is None else pin_budget_blocks,
-                             usable // 2 if max_pinned_blocks is None else max_pinned_blocks, self._changed)
+        self.leases = Leases(
+            self.prefix_cache,
+            self.pool,
+            usable // 8 if pin_budget_blocks is None else pin_budget_blocks,
+            usable // 2 if max_pinned_blocks is None else max_pinned_blocks,
+            self._changed,
+        )
         self._handles: set[KVHandle] = set()  # the live ones (for accounting and checks)
         self._epoch = 0  # moves on every change a PrefixHit depends on
         self.disk = None
@@ -141,8 +154,18 @@ class KVCacheManager:
             chain = chain if chain is not None else self.disk.new_chain()
             limit = (len(token_ids) - 1) // self.block_size
             disk_tokens = self.disk.blocks_on_disk(token_ids, chain, match.num_blocks, limit) * self.block_size
-        return PrefixHit(match.num_tokens, match.num_host_tokens, len(token_ids), match.node,
-                         match.device_blocks, match.idle_device_blocks, self._epoch, disk_tokens, chain, token_ids)
+        return PrefixHit(
+            match.num_tokens,
+            match.num_host_tokens,
+            len(token_ids),
+            match.node,
+            match.device_blocks,
+            match.idle_device_blocks,
+            self._epoch,
+            disk_tokens,
+            chain,
+            token_ids,
+        )
 
     def _admit_need(self, hit: PrefixHit, num_new_tokens: int) -> int:
         if hit._epoch != self._epoch:
@@ -178,8 +201,7 @@ class KVCacheManager:
                 self.disk.count_hits(hit._chain, hit._token_ids, hit._device_blocks)
             if hit.num_host_tokens:
                 path += cache.load_to_device(node)
-            cache.stats.record(hit.num_prompt_tokens, hit.num_tokens - hit.num_host_tokens,
-                               hit.num_host_tokens)
+            cache.stats.record(hit.num_prompt_tokens, hit.num_tokens - hit.num_host_tokens, hit.num_host_tokens)
         for block in path:
             self.pool.incref(block)
         new = self._allocate(need - hit.num_host_tokens // self.block_size)
@@ -201,8 +223,11 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         bs = self.block_size
         new_blocks = -(-(handle.num_tokens + num_new_tokens) // bs) - handle.num_blocks
-        cow = (num_new_tokens > 0 and handle.num_tokens % bs != 0
-               and self.pool.refcount[handle.table[handle.num_blocks - 1]] > 1)
+        cow = (
+            num_new_tokens > 0
+            and handle.num_tokens % bs != 0
+            and self.pool.refcount[handle.table[handle.num_blocks - 1]] > 1
+        )
         return new_blocks + cow, cow
 
     def can_allocate(self, handle: KVHandle, num_new_tokens: int) -> bool:
@@ -243,12 +268,14 @@ class KVCacheManager:
         self._on_device(handle)
         bs = self.block_size
         if not handle.cached_blocks * bs <= num_tokens <= handle.num_tokens:
-            raise ValueError(f"cannot shrink a sequence from {handle.num_tokens} to {num_tokens} slots "
-                             f"({handle.cached_blocks} cached blocks)")
+            raise ValueError(
+                f"cannot shrink a sequence from {handle.num_tokens} to {num_tokens} slots "
+                f"({handle.cached_blocks} cached blocks)"
+            )
         keep = -(-num_tokens // bs)
         self._epoch += 1
         if keep < handle.num_blocks:
-            self.pool.decref_all(handle.table[keep:handle.num_blocks].tolist())
+            self.pool.decref_all(handle.table[keep : handle.num_blocks].tolist())
             handle.num_blocks = keep
             handle.renew_version()
         handle.num_tokens = num_tokens
@@ -280,14 +307,14 @@ class KVCacheManager:
             return done
         self._epoch += 1
         table = handle.table
-        result = cache.insert(token_ids[done * bs:full * bs], table[done:full].tolist(), parent=handle.node)
+        result = cache.insert(token_ids[done * bs : full * bs], table[done:full].tolist(), parent=handle.node)
         cache.unlock(handle.node)
         handle.node = result.node
         pool = self.pool
         adopted = []
         for i, cached in enumerate(result.blocks, start=done):
             own = int(table[i])
-            if cached != own:       # the cache had these tokens already: use its block
+            if cached != own:  # the cache had these tokens already: use its block
                 pool.incref(cached)
                 pool.decref(own)
                 table[i] = cached
@@ -314,14 +341,21 @@ class KVCacheManager:
         """A new sequence sharing every block of `parent` (copy-on-write on the partial one)."""
         self._on_device(parent)
         self._epoch += 1
-        blocks = parent.table[:parent.num_blocks].tolist()
+        blocks = parent.table[: parent.num_blocks].tolist()
         for block in blocks:
             self.pool.incref(block)
         if self.prefix_cache is not None:
             self.prefix_cache.lock(parent.node)
         chain = parent.chain.fork() if parent.chain is not None else None
-        child = KVHandle(self.block_size, blocks, parent.num_tokens, parent.node, parent.cached_blocks, chain,
-                         capacity=len(parent.table))
+        child = KVHandle(
+            self.block_size,
+            blocks,
+            parent.num_tokens,
+            parent.node,
+            parent.cached_blocks,
+            chain,
+            capacity=len(parent.table),
+        )
         self._handles.add(child)
         return child
 
@@ -336,7 +370,7 @@ class KVCacheManager:
             self.host.free(handle.host_slots)
             handle.host_slots = None
             return
-        self.pool.decref_all(handle.table[:handle.num_blocks].tolist())
+        self.pool.decref_all(handle.table[: handle.num_blocks].tolist())
         handle.num_blocks = 0
         if self.prefix_cache is not None:
             self.prefix_cache.unlock(handle.node)
@@ -361,8 +395,7 @@ class KVCacheManager:
             return False
         self._epoch += 1
         n = handle.num_blocks
-        slots = (self.prefix_cache.reserve_host(n) if self.prefix_cache is not None
-                 else self.host.allocate(n))
+        slots = self.prefix_cache.reserve_host(n) if self.prefix_cache is not None else self.host.allocate(n)
         blocks = handle.table[:n].tolist()
         for block, slot in zip(blocks, slots):
             self.copies.add(CopyKind.DEVICE_TO_HOST, block, slot)

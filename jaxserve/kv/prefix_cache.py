@@ -24,28 +24,29 @@ from jaxserve.kv.radix_node import CacheStats, InsertResult, PrefixMatch, RadixN
 class PrefixHit:
     """The cached prefix of a prompt, from `match_prefix`; pass it to `admit`."""
 
-    num_tokens: int             # prompt tokens whose KV is cached (device + host)
-    num_host_tokens: int        # the part of num_tokens that is copied back from the host tier
+    num_tokens: int  # prompt tokens whose KV is cached (device + host)
+    num_host_tokens: int  # the part of num_tokens that is copied back from the host tier
     num_prompt_tokens: int
     _node: RadixNode | None
     _device_blocks: list[int]
     _idle_path_blocks: int
     _epoch: int
-    num_disk_tokens: int = 0    # after num_tokens: blocks on the disk tier (see `DiskLoads.start`)
+    num_disk_tokens: int = 0  # after num_tokens: blocks on the disk tier (see `DiskLoads.start`)
     _chain: ChainKeys | None = None
     _token_ids: Sequence[int] | np.ndarray | None = None
 
 
 @runtime_checkable
 class PrefixCache(Protocol):
-    root: RadixNode             # the empty path: a handle that locks nothing
+    root: RadixNode  # the empty path: a handle that locks nothing
     stats: CacheStats
 
     def match(self, tokens: Sequence[int] | np.ndarray, *, leave_last_token: bool = True) -> PrefixMatch:
         """Longest cached prefix of `tokens` in whole blocks (nothing locked)."""
 
-    def insert(self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], *,
-               parent: RadixNode | None = None) -> InsertResult:
+    def insert(
+        self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], *, parent: RadixNode | None = None
+    ) -> InsertResult:
         """Cache full blocks of computed KV after `parent`'s path and lock the result for the caller."""
 
     def lock(self, node: RadixNode) -> None:

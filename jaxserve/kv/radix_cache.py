@@ -36,8 +36,14 @@ class RadixCache(RadixTree):
     """Prefix cache of full KV blocks with LRU eviction and an optional host tier: the tree
     (`RadixTree`: lookup, locks, splits) plus what it stores and when blocks leave it."""
 
-    def __init__(self, pool: BlockPool, host: HostTier | None = None,
-                 copies: CopyPlan | None = None, *, spill_to_host: bool = True) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        host: HostTier | None = None,
+        copies: CopyPlan | None = None,
+        *,
+        spill_to_host: bool = True,
+    ) -> None:
         self.pool = pool
         self.host = host
         self.copies = copies if copies is not None else CopyPlan()
@@ -74,8 +80,9 @@ class RadixCache(RadixTree):
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], *,
-               parent: RadixNode | None = None) -> InsertResult:
+    def insert(
+        self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], *, parent: RadixNode | None = None
+    ) -> InsertResult:
         """Add full blocks to the tree and lock the path for the caller.
 
         `blocks[i]` holds the KV of `tokens[i*bs:(i+1)*bs]`; both continue the path that ends at
@@ -90,8 +97,7 @@ class RadixCache(RadixTree):
         """
         num_blocks = len(blocks)
         if len(tokens) < num_blocks * self.block_size:
-            raise ValueError(f"{num_blocks} blocks need {num_blocks * self.block_size} tokens, "
-                             f"got {len(tokens)}")
+            raise ValueError(f"{num_blocks} blocks need {num_blocks * self.block_size} tokens, got {len(tokens)}")
         start = self.root if parent is None else parent
         if start.blocks is None:
             raise ValueError("insert below a node that lives on the host")
@@ -104,13 +110,13 @@ class RadixCache(RadixTree):
         out: list[int] = []
         i = 0
         while i < num_blocks:
-            child = node.children.get(key[i * kb:(i + 1) * kb])
+            child = node.children.get(key[i * kb : (i + 1) * kb])
             if child is None:
                 j = i
                 while j < num_blocks and refcount[blocks[j]] == 1:
                     j += 1
                 if j > i:
-                    node = self._add_blocks(node, start, key[i * kb:j * kb], list(blocks[i:j]))
+                    node = self._add_blocks(node, start, key[i * kb : j * kb], list(blocks[i:j]))
                     out.extend(blocks[i:j])
                 break
             m = self._common_blocks(child, key, i, num_blocks)
@@ -125,7 +131,7 @@ class RadixCache(RadixTree):
                 m = r
                 if m < child.length:
                     child = self._split(child, m)
-                self._adopt_from_host(child, list(blocks[i:i + m]))
+                self._adopt_from_host(child, list(blocks[i : i + m]))
             elif m < child.length:
                 child = self._split(child, m)
             out.extend(child.blocks)
@@ -134,15 +140,14 @@ class RadixCache(RadixTree):
         self.lock(node)
         return InsertResult(node, out)
 
-    def _add_blocks(self, node: RadixNode, start: RadixNode, key: bytes,
-                    blocks: list[int]) -> RadixNode:
+    def _add_blocks(self, node: RadixNode, start: RadixNode, key: bytes, blocks: list[int]) -> RadixNode:
         """Store new device blocks after `node`; return the node that now ends with them."""
         for block in blocks:
             if block == RESERVED_BLOCK:
                 raise ValueError("the reserved block 0 cannot be cached")
             self.pool.incref(block)
         self._device_blocks += len(blocks)
-        if (node is start and node is not self.root and not node.children and node.lock == 1):
+        if node is start and node is not self.root and not node.children and node.lock == 1:
             # The caller's own leaf (only its lock on it): grow it in place, so a long
             # conversation stays one node instead of one node per block.
             node.key += key
@@ -150,8 +155,8 @@ class RadixCache(RadixTree):
             node.length += len(blocks)
             return node
         child = RadixNode(node, key, node.end, len(blocks), blocks, None)
-        node.children[key[:self._kb]] = child
-        self.idle.add(child)      # locked by insert() right after; kept consistent meanwhile
+        node.children[key[: self._kb]] = child
+        self.idle.add(child)  # locked by insert() right after; kept consistent meanwhile
         self.idle.touch(node, self.root)
         return child
 
@@ -190,7 +195,7 @@ class RadixCache(RadixTree):
                 self.copies.add(CopyKind.HOST_TO_DEVICE, slot, block)
             self.host.free(host_node.host_slots)
             host_node.host_slots = None
-            host_node.blocks = blocks        # the tree's reference is the one allocate() gave
+            host_node.blocks = blocks  # the tree's reference is the one allocate() gave
             self._host_blocks -= host_node.length
             self._device_blocks += host_node.length
             loaded.extend(blocks)
@@ -212,9 +217,9 @@ class RadixCache(RadixTree):
             raise ValueError("insert_host below a parent the caller has not locked")
         node, i = parent, 0
         while i < n:
-            child = node.children.get(tokens[i * kb:(i + 1) * kb])
+            child = node.children.get(tokens[i * kb : (i + 1) * kb])
             if child is None:
-                new = RadixNode(node, tokens[i * kb:], node.end, n - i, None, slots[i:])
+                new = RadixNode(node, tokens[i * kb :], node.end, n - i, None, slots[i:])
                 node.children[new.key[:kb]] = new
                 self._host_blocks += n - i
                 self.idle.add(new)
@@ -235,8 +240,9 @@ class RadixCache(RadixTree):
         short = n - pool.num_free
         if short > 0:
             if short > self.idle.device_blocks:
-                raise NoFreeBlocksError(f"asked for {n} blocks: {pool.num_free} free, "
-                                        f"{self.idle.device_blocks} evictable")
+                raise NoFreeBlocksError(
+                    f"asked for {n} blocks: {pool.num_free} free, {self.idle.device_blocks} evictable"
+                )
             self.evict(short)
         return pool.allocate(n)
 
@@ -253,7 +259,7 @@ class RadixCache(RadixTree):
 
     def _evict_device_tail(self, node: RadixNode, take: int) -> None:
         kb = self._kb
-        tail = node.blocks[node.length - take:]
+        tail = node.blocks[node.length - take :]
         whole = take == node.length
         slots = self.reserve_host(take) if self.spill_to_host else None
         if slots is not None:
@@ -266,7 +272,7 @@ class RadixCache(RadixTree):
                 node.host_slots = slots
                 self.idle.add(node)
             else:
-                spilled = RadixNode(node, node.key[-take * kb:], node.end - take, take, None, slots)
+                spilled = RadixNode(node, node.key[-take * kb :], node.end - take, take, None, slots)
                 spilled.children = node.children
                 for child in spilled.children.values():
                     child.parent = spilled
@@ -294,8 +300,8 @@ class RadixCache(RadixTree):
 
     def _trim(self, node: RadixNode, take: int) -> None:
         """Cut the last `take` blocks off `node` (the caller takes care of their storage)."""
-        node.key = node.key[:(node.length - take) * self._kb]
-        node.blocks = node.blocks[:node.length - take]
+        node.key = node.key[: (node.length - take) * self._kb]
+        node.blocks = node.blocks[: node.length - take]
         node.length -= take
 
     def _drop_host_subtrees(self, node: RadixNode) -> None:
@@ -337,13 +343,13 @@ class RadixCache(RadixTree):
             if self.on_drop is not None:
                 self.on_drop(node, take)
             self.stats.host_evictions += take
-            self.host.free(node.host_slots[node.length - take:])
+            self.host.free(node.host_slots[node.length - take :])
             if take == node.length:
                 del lru[node]
                 self._detach(node)
             else:
-                node.key = node.key[:(node.length - take) * self._kb]
-                node.host_slots = node.host_slots[:node.length - take]
+                node.key = node.key[: (node.length - take) * self._kb]
+                node.host_slots = node.host_slots[: node.length - take]
                 node.length -= take
             self.idle.host_blocks -= take
             self._host_blocks -= take

@@ -49,8 +49,7 @@ def check_radix_cache(cache: RadixCache, direct_locks: dict[RadixNode, int] | No
             raise AssertionError("node must live on exactly one tier")
         own = direct_locks.get(node, 0) if direct_locks is not None else 0
         if direct_locks is not None and node.lock != own + child_locks:
-            raise AssertionError(
-                f"lock count {node.lock} != {own} holders + {child_locks} below")
+            raise AssertionError(f"lock count {node.lock} != {own} holders + {child_locks} below")
         if node.lock < child_locks:
             raise AssertionError("lock count below the sum of the children's")
         idle = node.lock == 0
@@ -63,8 +62,7 @@ def check_radix_cache(cache: RadixCache, direct_locks: dict[RadixNode, int] | No
                     raise AssertionError(f"block {block} reserved or cached twice")
                 seen_blocks.add(block)
                 if refcount[block] < 1 or (idle and refcount[block] != 1):
-                    raise AssertionError(
-                        f"cached block {block} has refcount {refcount[block]} (idle={idle})")
+                    raise AssertionError(f"cached block {block} has refcount {refcount[block]} (idle={idle})")
             totals["device"] += node.length
             if idle:
                 totals["idle_device"] += node.length
@@ -92,8 +90,7 @@ def check_radix_cache(cache: RadixCache, direct_locks: dict[RadixNode, int] | No
                 ancestor = ancestor.parent
     if len(device_lru_pos) + len(host_lru_pos) != idle_nodes:
         raise AssertionError("LRU holds nodes that are not in the tree")
-    expected = (cache.num_device_blocks, cache.num_host_blocks, cache.idle.device_blocks,
-                cache.idle.host_blocks)
+    expected = (cache.num_device_blocks, cache.num_host_blocks, cache.idle.device_blocks, cache.idle.host_blocks)
     actual = (totals["device"], totals["host"], totals["idle_device"], totals["idle_host"])
     if expected != actual:
         raise AssertionError(f"counters {expected} != recount {actual}")

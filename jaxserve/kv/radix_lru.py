@@ -22,7 +22,7 @@ class IdleNodes:
     def __init__(self) -> None:
         self.device: OrderedDict[RadixNode, None] = OrderedDict()
         self.host: OrderedDict[RadixNode, None] = OrderedDict()
-        self.device_blocks = 0      # device blocks in idle nodes: what eviction can free
+        self.device_blocks = 0  # device blocks in idle nodes: what eviction can free
         self.host_blocks = 0
 
     def add(self, node: RadixNode) -> None:

@@ -24,16 +24,24 @@ class RadixNode:
 
     __slots__ = ("parent", "children", "key", "start", "length", "blocks", "host_slots", "lock")
 
-    def __init__(self, parent: RadixNode | None, key: bytes, start: int, length: int,
-                 blocks: list[int] | None, host_slots: list[int] | None, lock: int = 0) -> None:
+    def __init__(
+        self,
+        parent: RadixNode | None,
+        key: bytes,
+        start: int,
+        length: int,
+        blocks: list[int] | None,
+        host_slots: list[int] | None,
+        lock: int = 0,
+    ) -> None:
         self.parent = parent
         self.children: dict[bytes, RadixNode] = {}
         self.key = key
-        self.start = start          # blocks on the path before this node
-        self.length = length        # blocks in this node
-        self.blocks = blocks        # device blocks, or None when the node lives on the host
+        self.start = start  # blocks on the path before this node
+        self.length = length  # blocks in this node
+        self.blocks = blocks  # device blocks, or None when the node lives on the host
         self.host_slots = host_slots
-        self.lock = lock            # locks on this node or any descendant
+        self.lock = lock  # locks on this node or any descendant
 
     @property
     def end(self) -> int:
@@ -51,10 +59,10 @@ class CacheStats:
 
     queries: int = 0
     query_tokens: int = 0
-    hit_tokens: int = 0         # served from device blocks
-    host_hit_tokens: int = 0    # served from the host tier (copied back, not recomputed)
-    device_evictions: int = 0   # blocks evicted from the device (spilled to the host or dropped)
-    host_evictions: int = 0     # blocks dropped from the host tier
+    hit_tokens: int = 0  # served from device blocks
+    host_hit_tokens: int = 0  # served from the host tier (copied back, not recomputed)
+    device_evictions: int = 0  # blocks evicted from the device (spilled to the host or dropped)
+    host_evictions: int = 0  # blocks dropped from the host tier
 
     def record(self, query_tokens: int, hit_tokens: int, host_hit_tokens: int) -> None:
         self.queries += 1
@@ -67,11 +75,11 @@ class CacheStats:
 class PrefixMatch:
     """The cached prefix of a token sequence."""
 
-    node: RadixNode             # deepest matched node (the root when nothing matched)
-    device_blocks: list[int]    # device blocks of the matched path, in order
-    num_host_blocks: int        # blocks after those that live on the host tier
-    idle_device_blocks: int     # device blocks on the path no one holds: locking removes them
-    block_size: int             # from the evictable count
+    node: RadixNode  # deepest matched node (the root when nothing matched)
+    device_blocks: list[int]  # device blocks of the matched path, in order
+    num_host_blocks: int  # blocks after those that live on the host tier
+    idle_device_blocks: int  # device blocks on the path no one holds: locking removes them
+    block_size: int  # from the evictable count
 
     @property
     def num_blocks(self) -> int:
@@ -88,5 +96,5 @@ class PrefixMatch:
 
 @dataclass(frozen=True, slots=True)
 class InsertResult:
-    node: RadixNode      # deepest node of the inserted path, locked once for the caller
-    blocks: list[int]    # the tree's blocks for the inserted positions (may differ from yours)
+    node: RadixNode  # deepest node of the inserted path, locked once for the caller
+    blocks: list[int]  # the tree's blocks for the inserted positions (may differ from yours)

@@ -24,14 +24,13 @@ class RadixTree:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._kb = block_size * TOKEN_BYTES   # key bytes per block
+        self._kb = block_size * TOKEN_BYTES  # key bytes per block
         self.root = RadixNode(None, b"", 0, 0, [], None)
         self.idle = IdleNodes()
 
     # ------------------------------------------------------------------ lookup
 
-    def match(self, tokens: Sequence[int] | np.ndarray, *,
-              leave_last_token: bool = True) -> PrefixMatch:
+    def match(self, tokens: Sequence[int] | np.ndarray, *, leave_last_token: bool = True) -> PrefixMatch:
         """Longest cached prefix of `tokens` in whole blocks.
 
         With `leave_last_token` (prompts) at most `len(tokens) - 1` tokens match, so the last
@@ -54,19 +53,19 @@ class RadixTree:
         while i < num_blocks:
             if have <= i:
                 grown = min(num_blocks, max(i + 1, 2 * have))
-                key += token_bytes(tokens[have * bs:grown * bs], (grown - have) * bs)
+                key += token_bytes(tokens[have * bs : grown * bs], (grown - have) * bs)
                 have = grown
-            child = node.children.get(key[i * kb:(i + 1) * kb])
+            child = node.children.get(key[i * kb : (i + 1) * kb])
             if child is None:
                 break
             wanted = min(num_blocks, i + child.length)
             if have < wanted:
                 grown = min(num_blocks, max(wanted, 2 * have))
-                key += token_bytes(tokens[have * bs:grown * bs], (grown - have) * bs)
+                key += token_bytes(tokens[have * bs : grown * bs], (grown - have) * bs)
                 have = grown
             n = child.length
-            if key[i * kb:(i + n) * kb] == child.key:   # (shorter when the query ends first)
-                m = n                               # the common case: the whole node matches
+            if key[i * kb : (i + n) * kb] == child.key:  # (shorter when the query ends first)
+                m = n  # the common case: the whole node matches
             else:
                 m = self._common_blocks(child, key, i, num_blocks)
                 if m < n:
@@ -85,12 +84,12 @@ class RadixTree:
         """How many leading blocks of `node` equal key blocks i, i+1, ... (the first one does)."""
         kb = self._kb
         n = min(node.length, num_blocks - i)
-        if key[i * kb:(i + n) * kb] == node.key[:n * kb]:
+        if key[i * kb : (i + n) * kb] == node.key[: n * kb]:
             return n
-        lo, hi = 1, n - 1   # blocks [0, lo) match; answer < n
-        while lo < hi:      # binary search on the (monotone) "first k blocks equal"
+        lo, hi = 1, n - 1  # blocks [0, lo) match; answer < n
+        while lo < hi:  # binary search on the (monotone) "first k blocks equal"
             mid = (lo + hi + 1) // 2
-            if key[i * kb:(i + mid) * kb] == node.key[:mid * kb]:
+            if key[i * kb : (i + mid) * kb] == node.key[: mid * kb]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -119,7 +118,7 @@ class RadixTree:
 
     def unlock(self, node: RadixNode) -> None:
         root = self.root
-        while node is not root:     # leaf to root, so idle nodes precede their ancestors
+        while node is not root:  # leaf to root, so idle nodes precede their ancestors
             if node.lock <= 0:
                 raise ValueError("unlock of a node that is not locked")
             node.lock -= 1
@@ -133,14 +132,14 @@ class RadixTree:
         """Cut `node` after its first m blocks; return the new upper node (node stays the lower)."""
         kb = self._kb
         parent = node.parent
-        upper = RadixNode(parent, node.key[:m * kb], node.start, m, None, None, node.lock)
+        upper = RadixNode(parent, node.key[: m * kb], node.start, m, None, None, node.lock)
         if node.blocks is not None:
             upper.blocks = node.blocks[:m]
             node.blocks = node.blocks[m:]
         else:
             upper.host_slots = node.host_slots[:m]
             node.host_slots = node.host_slots[m:]
-        node.key = node.key[m * kb:]
+        node.key = node.key[m * kb :]
         node.start += m
         node.length -= m
         upper.children = {node.key[:kb]: node}
@@ -154,7 +153,7 @@ class RadixTree:
         return upper
 
     def _detach(self, node: RadixNode) -> None:
-        del node.parent.children[node.key[:self._kb]]
+        del node.parent.children[node.key[: self._kb]]
         node.parent = None
 
     # ------------------------------------------------------------------ inspection

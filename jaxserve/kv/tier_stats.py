@@ -10,13 +10,13 @@ from jaxserve.kv.manager import KVCacheManager
 
 @dataclasses.dataclass(frozen=True)
 class TierStats:
-    device_hit_tokens: int = 0      # prompt tokens served from device blocks
-    host_hit_tokens: int = 0        # ... copied back from the host tier (disk loads included)
-    disk_hit_tokens: int = 0        # ... of which the disk tier loaded
-    device_evictions: int = 0       # blocks evicted from the device (spilled or dropped)
-    host_evictions: int = 0         # blocks dropped from the host tier
-    disk_evictions: int = 0         # files deleted to stay within the disk budget
-    disk_loads: int = 0             # load jobs finished
+    device_hit_tokens: int = 0  # prompt tokens served from device blocks
+    host_hit_tokens: int = 0  # ... copied back from the host tier (disk loads included)
+    disk_hit_tokens: int = 0  # ... of which the disk tier loaded
+    device_evictions: int = 0  # blocks evicted from the device (spilled or dropped)
+    host_evictions: int = 0  # blocks dropped from the host tier
+    disk_evictions: int = 0  # files deleted to stay within the disk budget
+    disk_loads: int = 0  # load jobs finished
     disk_loaded_blocks: int = 0
     disk_load_seconds: float = 0.0  # summed wall time of the load jobs
     # the load jobs by wall time, one count per bucket of disk_tier.KV_LOAD_SECONDS_BUCKETS and one above them
@@ -25,7 +25,7 @@ class TierStats:
     disk_bytes_written: int = 0
     disk_written_blocks: int = 0
     disk_write_seconds: float = 0.0  # summed wall time of the file writes
-    disk_damaged: int = 0           # damaged files found and deleted (recomputed, never served)
+    disk_damaged: int = 0  # damaged files found and deleted (recomputed, never served)
     disk_files: int = 0
     disk_bytes: int = 0
 
@@ -35,17 +35,30 @@ class TierStats:
     @classmethod
     def of(cls, kv: KVCacheManager) -> TierStats:
         cache = kv.stats
-        fields = dict(device_hit_tokens=cache.hit_tokens, host_hit_tokens=cache.host_hit_tokens,
-                      device_evictions=cache.device_evictions, host_evictions=cache.host_evictions)
+        fields = dict(
+            device_hit_tokens=cache.hit_tokens,
+            host_hit_tokens=cache.host_hit_tokens,
+            device_evictions=cache.device_evictions,
+            host_evictions=cache.host_evictions,
+        )
         if kv.disk is not None:
             disk = kv.disk.disk
             s = disk.stats
-            fields.update(disk_hit_tokens=kv.disk.disk_hit_tokens, disk_evictions=s.evictions, disk_loads=s.loads,
-                          disk_loaded_blocks=s.loaded_blocks, disk_load_seconds=s.load_seconds,
-                          disk_load_seconds_counts=tuple(s.load_seconds_counts),
-                          disk_bytes_read=s.bytes_read, disk_bytes_written=s.bytes_written,
-                          disk_written_blocks=s.written_blocks, disk_write_seconds=s.write_seconds, disk_damaged=s.damaged, disk_files=disk.num_files,
-                          disk_bytes=disk.num_bytes)
+            fields.update(
+                disk_hit_tokens=kv.disk.disk_hit_tokens,
+                disk_evictions=s.evictions,
+                disk_loads=s.loads,
+                disk_loaded_blocks=s.loaded_blocks,
+                disk_load_seconds=s.load_seconds,
+                disk_load_seconds_counts=tuple(s.load_seconds_counts),
+                disk_bytes_read=s.bytes_read,
+                disk_bytes_written=s.bytes_written,
+                disk_written_blocks=s.written_blocks,
+                disk_write_seconds=s.write_seconds,
+                disk_damaged=s.damaged,
+                disk_files=disk.num_files,
+                disk_bytes=disk.num_bytes,
+            )
         return cls(**fields)
 
     @classmethod
@@ -54,8 +67,9 @@ class TierStats:
 
     def minus(self, before: TierStats) -> TierStats:
         """What the counters gained since `before` (gauges such as disk_files are differenced too)."""
-        return TierStats(*(_combine([getattr(self, f.name), getattr(before, f.name)], -1)
-                           for f in dataclasses.fields(TierStats)))
+        return TierStats(
+            *(_combine([getattr(self, f.name), getattr(before, f.name)], -1) for f in dataclasses.fields(TierStats))
+        )
 
 
 def _combine(values: list, sign: int):

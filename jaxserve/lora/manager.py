@@ -58,11 +58,19 @@ class LoraStats:
 
 
 class LoraManager:
-    def __init__(self, config: ModelConfig, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 write_slot: Callable[[int, LoraWeights], None]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_rank: int,
+        write_slot: Callable[[int, LoraWeights], None],
+    ) -> None:
         if config.vocab_size > 1 << TOKEN_BITS:
-            raise ValueError(f"LoRA serving keys the prefix cache with vocabularies up to {1 << TOKEN_BITS} tokens; "
-                             f"this model has {config.vocab_size}")
+            raise ValueError(
+                f"LoRA serving keys the prefix cache with vocabularies up to {1 << TOKEN_BITS} tokens; "
+                f"this model has {config.vocab_size}"
+            )
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras

@@ -83,8 +83,11 @@ def read_adapter_config(path: str) -> dict:
 def _targets(path: str, config: dict, supported: dict[str, tuple[int, int]]) -> tuple[str, ...]:
     targets = config.get("target_modules")
     if isinstance(targets, str):  # PEFT: a regular expression matched in full against module paths
-        names = tuple(m for m in supported
-                      if re.fullmatch(targets, f"model.layers.0.{'mlp' if m in MLP_MODULES else 'self_attn'}.{m}"))
+        names = tuple(
+            m
+            for m in supported
+            if re.fullmatch(targets, f"model.layers.0.{'mlp' if m in MLP_MODULES else 'self_attn'}.{m}")
+        )
     elif isinstance(targets, list) and targets:
         names = tuple(targets)
     else:
@@ -97,8 +100,12 @@ def _targets(path: str, config: dict, supported: dict[str, tuple[int, int]]) -> 
 
 def _check_options(path: str, config: dict) -> None:
     checks = {
-        "use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
-        "modules_to_save": (None, []), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
+        "use_dora": (False, None),
+        "fan_in_fan_out": (False, None),
+        "bias": ("none", None),
+        "modules_to_save": (None, []),
+        "rank_pattern": ({}, None),
+        "alpha_pattern": ({}, None),
     }
     for key, allowed in checks.items():
         if config.get(key, allowed[0]) not in allowed:
@@ -126,8 +133,13 @@ def load_peft_adapter(path: str, config: ModelConfig, max_rank: int) -> LoraWeig
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise _fail(path, f"unreadable {WEIGHTS_FILE}: {e}") from e
     layers = config.num_layers
-    modules = {m: (np.zeros((layers, shapes[m][0], max_rank), np.float32),
-                   np.zeros((layers, max_rank, shapes[m][1]), np.float32)) for m in targets}
+    modules = {
+        m: (
+            np.zeros((layers, shapes[m][0], max_rank), np.float32),
+            np.zeros((layers, max_rank, shapes[m][1]), np.float32),
+        )
+        for m in targets
+    }
     digest = hashlib.blake2b(json.dumps(peft, sort_keys=True).encode(), digest_size=16)
     for name in sorted(tensors):
         match = _TENSOR.match(name)
@@ -149,4 +161,3 @@ def load_peft_adapter(path: str, config: ModelConfig, max_rank: int) -> LoraWeig
         digest.update(name.encode())
         digest.update(x.tobytes())
     return LoraWeights(rank, modules, digest.digest())
-

@@ -93,6 +93,7 @@ def grouped_matmul_tiles(xs: jax.Array, w: jax.Array, layer: jax.Array, sizes: j
             current = lax.dynamic_slice_in_dim(out, row0[i], tile)
             mine = (jnp.arange(tile) < valid[i])[:, None]
             return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, current), row0[i], 0)
+
         return lax.cond(i < tile_ends[-1], compute, lambda out: out, out)
 
     return lax.fori_loop(0, num_tiles, body, out)[:m]
@@ -108,9 +109,20 @@ def default_grouped_matmul() -> Callable[..., jax.Array]:
     return grouped_matmul_tiles if jax.default_backend() == "cpu" else grouped_matmul_ragged
 
 
-def expert_mlp(x: jax.Array, ids: jax.Array, weights: jax.Array, real: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, layer: jax.Array, first_expert: jax.Array | int = 0, *,
-               act: Activation, grouped_matmul: Callable[..., jax.Array]) -> jax.Array:
+def expert_mlp(
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    real: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    layer: jax.Array,
+    first_expert: jax.Array | int = 0,
+    *,
+    act: Activation,
+    grouped_matmul: Callable[..., jax.Array],
+) -> jax.Array:
     """The weighted sum over each token's chosen experts among the local ones -> [T, E] f32.
 
     x [T, E]; ids, weights [T, k] (routing); real [T] (padding rows are routed nowhere); the

@@ -42,8 +42,8 @@ from checkpoints.config import ModelConfig
 from checkpoints.quant_format import SCALE, QuantFormat
 from checkpoints.weights import LAYERS, Weight, flat, quantized
 from jaxserve.model.experts import activation, expert_backend, expert_load, route
-from jaxserve.model.quantized import QuantizedEmbed, quantized_matmul, stored_matmul
 from jaxserve.model.lora import LoraStacks, lora_delta
+from jaxserve.model.quantized import QuantizedEmbed, quantized_matmul, stored_matmul
 from jaxserve.model.rope import RopeTables, apply_rope, rope_tables
 from kernels_pallas import AttentionBackend, kv_quant
 from kernels_pallas.cpu_matmul import CpuMatmul, to_panels
@@ -67,7 +67,7 @@ class KVCache:
         return self.k.shape[3]
 
     @classmethod
-    def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> "KVCache":
+    def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
         row = kv_quant.row_width(config.head_dim, dtype)
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, row)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -104,21 +104,36 @@ class AttentionMetadata:
     lora_slots: jax.Array | None = None
 
 
-def paged_attention(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    layer: jax.Array, meta: AttentionMetadata, **options: Any) -> jax.Array:
+def paged_attention(
+    backend: AttentionBackend,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttentionMetadata,
+    **options: Any,
+) -> jax.Array:
     """q [T, H, D] -> [T, H, D] through the backend: its decode kernel for a decode step, its
     prefill kernel for ragged chunks, and both for a prefill step with decode rows, which are
     gathered for the decode kernel (one row per sequence, as it is fastest) and put back."""
     if meta.query_start is None:
         return backend.decode(q, k_cache, v_cache, layer, meta.block_tables, meta.seq_lens, **options)
     p = meta.query_start.shape[0] - 1
-    out = backend.prefill(q, k_cache, v_cache, layer, meta.block_tables[:p], meta.seq_lens[:p], meta.query_start,
-                          **options)  # zeros at rows past the chunks'
+    out = backend.prefill(
+        q, k_cache, v_cache, layer, meta.block_tables[:p], meta.seq_lens[:p], meta.query_start, **options
+    )  # zeros at rows past the chunks'
     if meta.decode_rows is None:
         return out
     rows = meta.decode_rows
-    decoded = backend.decode(q[jnp.minimum(rows, q.shape[0] - 1)], k_cache, v_cache, layer, meta.block_tables[p:],
-                             meta.seq_lens[p:], **options)
+    decoded = backend.decode(
+        q[jnp.minimum(rows, q.shape[0] - 1)],
+        k_cache,
+        v_cache,
+        layer,
+        meta.block_tables[p:],
+        meta.seq_lens[p:],
+        **options,
+    )
     return out.at[rows].set(decoded, mode="drop")
 
 
@@ -130,8 +145,11 @@ def layer_weights(config: ModelConfig, stacked: bool, quantization: Quantization
     over the layers (the scan), or one layer's own (`unroll_layers`); quantized kernels as the
     arrays that store them (`checkpoints.weights.quantized`)."""
     declared = quantized(declare(config), dict(quantization))
-    return {path[len("layers/"):]: w if stacked else w.unstacked()
-            for path, w in flat(declared).items() if path.startswith("layers/")}
+    return {
+        path[len("layers/") :]: w if stacked else w.unstacked()
+        for path, w in flat(declared).items()
+        if path.startswith("layers/")
+    }
 
 
 def sliding_layers(config: ModelConfig) -> tuple[bool, ...]:
@@ -197,14 +215,26 @@ class DecoderLayer(nn.Module):
 
         def dense(name):
             def project(x):
-                y = Linear(w[f"{name}/kernel"], w.get(f"{name}/bias"), self.dtype, self.param_dtype, self.packed,
-                           cpu_matmul, name=name)(x, layer)
+                y = Linear(
+                    w[f"{name}/kernel"],
+                    w.get(f"{name}/bias"),
+                    self.dtype,
+                    self.param_dtype,
+                    self.packed,
+                    cpu_matmul,
+                    name=name,
+                )(x, layer)
                 if lora is None or name not in lora:
                     return y
                 return (y + lora_delta(x, lora[name]["a"], lora[name]["b"], meta.lora_slots, layer)).astype(y.dtype)
+
             return project
-        norm = lambda name: lambda x: RMSNorm(  # noqa: E731
-            w[f"{name}/scale"], cfg.rms_norm_eps, self.dtype, name=name)(x, layer)
+
+        norm = lambda name: (
+            lambda x: RMSNorm(  # noqa: E731
+                w[f"{name}/scale"], cfg.rms_norm_eps, self.dtype, name=name
+            )(x, layer)
+        )
         t = h.shape[0]
         x = norm("attn_norm")(h)
         q = dense("q_proj")(x).reshape(t, cfg.num_heads, cfg.head_dim)
@@ -227,8 +257,11 @@ class DecoderLayer(nn.Module):
             # A bf16 model's queries are bf16 (on CPU, where activations are f32, the matmuls round
             # them to bf16 pairs anyway): its prefill attention then multiplies bf16 pairs too.
             q = q.astype(jnp.bfloat16)
-        attend = lambda window: lambda: paged_attention(  # noqa: E731
-            self.backend, q, k_cache, v_cache, layer, meta, scale=scale, sliding_window=window)
+        attend = lambda window: (
+            lambda: paged_attention(  # noqa: E731
+                self.backend, q, k_cache, v_cache, layer, meta, scale=scale, sliding_window=window
+            )
+        )
         if all(sliding) or not any(sliding):
             attn = attend(cfg.sliding_window if all(sliding) else None)()
         else:  # interleaved local and global layers: each kind's kernels, the layer's taken
@@ -282,6 +315,7 @@ def pack_kernels(params: Any) -> Any:
     uint32 pairs [L, in, out / 2] (a bitcast, no conversion); `Linear(packed=True)` reads them.
     Kernels already in a cpu matmul's panels (`panel_kernels`, more dimensions) and expert kernels
     [L, X, in, out] (the experts' grouped matmuls read them) stay as they are."""
+
     def pack(path, x):
         name = jax.tree_util.keystr(path)
         if "layers" not in name or not name.endswith("['kernel']") or x.dtype.itemsize != 2 or x.ndim != 3:
@@ -289,6 +323,7 @@ def pack_kernels(params: Any) -> Any:
         if x.shape[-1] % 2:
             raise ValueError(f"cannot pack {name} of shape {x.shape}: its output features are odd")
         return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
+
     return jax.tree_util.tree_map_with_path(pack, params)
 
 
@@ -297,10 +332,13 @@ def panel_kernels(params: Any, cpu_matmul: CpuMatmul) -> Any:
     stored as its panels [L, out / P, in, P] (a quantized kernel's codes and scales each so),
     and a quantized output head's arrays [rows, V] as a stack of one [1, V / P, rows, P];
     `Linear(cpu_matmul=...)` and `QuantizedEmbed` read them."""
+
     def convert(path, x):
         name = jax.tree_util.keystr(path)
-        quantized = (name.endswith(("['kernel_scale']", "['kernel_min']"))  # beside quantized codes
-                     or (name.endswith("['kernel']") and jnp.issubdtype(x.dtype, jnp.integer)))
+        quantized = (
+            name.endswith(("['kernel_scale']", "['kernel_min']"))  # beside quantized codes
+            or (name.endswith("['kernel']") and jnp.issubdtype(x.dtype, jnp.integer))
+        )
         if x.ndim not in (2, 3) or not cpu_matmul.takes(x.shape[-1]):
             return x
         if "layers" in name and x.ndim == 3 and (quantized or name.endswith("['kernel']")):
@@ -308,6 +346,7 @@ def panel_kernels(params: Any, cpu_matmul: CpuMatmul) -> Any:
         if "layers" not in name and x.ndim == 2 and quantized:
             return to_panels(x[None], cpu_matmul.panel)
         return x
+
     return jax.tree_util.tree_map_with_path(convert, params)
 
 
@@ -328,8 +367,9 @@ def matmul(x: jax.Array, w: jax.Array, contract_w: int = 0) -> jax.Array:
     (a batch-1 bf16 decode step ~2.5x an f32 one); the spare row costs nothing elsewhere."""
     dims = (((1,), (contract_w,)), ((), ()))
     if x.shape[0] == 1 and w.dtype.itemsize == 2:
-        return lax.dot_general(jnp.pad(x, ((0, 1), (0, 0))).astype(w.dtype), w, dims,
-                               preferred_element_type=jnp.float32)[:1]
+        return lax.dot_general(
+            jnp.pad(x, ((0, 1), (0, 0))).astype(w.dtype), w, dims, preferred_element_type=jnp.float32
+        )[:1]
     return lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32)
 
 
@@ -423,8 +463,14 @@ class LlamaModel(nn.Module):
         if "embed/kernel" in weights:  # a tied table stored quantized as the head's kernel
             embed = QuantizedEmbed(weights["embed/kernel"], act, self.dtype, self.cpu_matmul, name="embed")
         else:
-            embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=act, param_dtype=self.dtype,
-                             embedding_init=weights["embed/embedding"].flax_init(), name="embed")
+            embed = nn.Embed(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                dtype=act,
+                param_dtype=self.dtype,
+                embedding_init=weights["embed/embedding"].flax_init(),
+                name="embed",
+            )
         h = embed(tokens)
         if cfg.scale_embeddings:  # by sqrt(hidden) rounded to the weights' dtype, as Gemma does
             h = h * jnp.asarray(cfg.hidden_size**0.5, self.dtype).astype(act)
@@ -433,8 +479,16 @@ class LlamaModel(nn.Module):
         if self.unroll_layers:
             loads = []
             for i in range(cfg.num_layers):
-                layer = DecoderLayer(cfg, act, self.dtype, self.packed, self.backend, experts=experts,
-                                     quantization=self.quantization, name=f"layers_{i}")
+                layer = DecoderLayer(
+                    cfg,
+                    act,
+                    self.dtype,
+                    self.packed,
+                    self.backend,
+                    experts=experts,
+                    quantization=self.quantization,
+                    name=f"layers_{i}",
+                )
                 carry, load = layer(carry, jnp.int32(i), rope, meta, lora)
                 loads.append(load)
             load = jnp.stack(loads)
@@ -461,8 +515,9 @@ class LlamaModel(nn.Module):
         elif cfg.tie_word_embeddings:
             logits = matmul(h, embed.embedding, contract_w=1)
         else:  # a quantized head on the C++ kernel where one is given (in panels: `panel_kernels`)
-            logits = Linear(weights["lm_head/kernel"], None, jnp.float32, self.dtype, cpu_matmul=self.cpu_matmul,
-                            name="lm_head")(h)
+            logits = Linear(
+                weights["lm_head/kernel"], None, jnp.float32, self.dtype, cpu_matmul=self.cpu_matmul, name="lm_head"
+            )(h)
         return logits, KVCache(k, v)
 
     def _scanned_layers(self, num_layers: int, experts: Callable[..., jax.Array] | None, **module: Any) -> nn.Module:
@@ -475,8 +530,18 @@ class LlamaModel(nn.Module):
             split_rngs={"params": False},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=num_layers,
-        )(cfg, self.compute_dtype, self.dtype, self.packed, self.backend, True, self.cpu_matmul, experts,
-          self.quantization, **module)
+        )(
+            cfg,
+            self.compute_dtype,
+            self.dtype,
+            self.packed,
+            self.backend,
+            True,
+            self.cpu_matmul,
+            experts,
+            self.quantization,
+            **module,
+        )
 
     def _stage_layers(self, params: Any, carry: tuple, rope: RopeTables, meta: AttentionMetadata) -> tuple:
         """A pipeline stage's layers: its slice [L / P, ...] of the stacked layer weights `params`

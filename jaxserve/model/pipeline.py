@@ -36,8 +36,9 @@ class PipelineLayers:
     mesh: Mesh
     microbatches: int
 
-    def __call__(self, stage_layers: StageLayers, params: Any, carry: tuple, rope: RopeTables,
-                 meta: AttentionMetadata) -> tuple[tuple, jax.Array]:
+    def __call__(
+        self, stage_layers: StageLayers, params: Any, carry: tuple, rope: RopeTables, meta: AttentionMetadata
+    ) -> tuple[tuple, jax.Array]:
         """The layers' (h, k, v) after the step, and the [P, ticks] schedule each stage ran."""
         h, k, v = carry
         rows = h.shape[0]

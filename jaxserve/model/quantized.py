@@ -73,8 +73,14 @@ def stored_matmul(x: jax.Array, arrays: dict[str, jax.Array], layer: jax.Array |
     return lax.dot_general(x.astype(param_dtype), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def quantized_matmul(module: nn.Module, codes: Weight, x: jax.Array, layer: jax.Array | None, param_dtype: Any,
-                     cpu_matmul: CpuMatmul | None) -> jax.Array:
+def quantized_matmul(
+    module: nn.Module,
+    codes: Weight,
+    x: jax.Array,
+    layer: jax.Array | None,
+    param_dtype: Any,
+    cpu_matmul: CpuMatmul | None,
+) -> jax.Array:
     """x @ the quantized kernel declared by `codes` (its arrays are `module`'s parameters:
     `declare_arrays`), for layer `layer` of a stacked kernel -> f32."""
     arrays = declare_arrays(module, codes, cpu_matmul)

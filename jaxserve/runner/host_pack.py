@@ -42,7 +42,7 @@ class HostPack:
         leaves, offset = [], 0
         for shape, dtype in specs:
             size = math.prod(shape)
-            words = self.buffer[offset:offset + size].reshape(shape)
+            words = self.buffer[offset : offset + size].reshape(shape)
             leaves.append(words != 0 if dtype == np.bool_ else lax.bitcast_convert_type(words, dtype))
             offset += size
         return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -45,8 +45,13 @@ class InputBatch:
     Sampling row of slot s: s, or s + num_slots + 1 while the request's stop tokens are still
     banned. Block-table rows are `max_blocks` wide, zeros past each row's valid length."""
 
-    def __init__(self, num_slots: int, constant: Callable[[tuple[int, ...], np.dtype, object], Any],
-                 mask_words: int, max_blocks: int):
+    def __init__(
+        self,
+        num_slots: int,
+        constant: Callable[[tuple[int, ...], np.dtype, object], Any],
+        mask_words: int,
+        max_blocks: int,
+    ):
         self.spare = num_slots
         self.constant = constant  # device-resident filled arrays (bias and mask tables no row uses)
         self.mask_words = mask_words
@@ -100,9 +105,13 @@ class InputBatch:
         slot = self._free[-1]
         penalty_slot = slot if req.params.has_penalties else -1
         built = SamplingTensors.build(
-            [RowSampling(req.params, req.seed, 0, penalty_slot=penalty_slot),
-             RowSampling(req.params, req.seed, 0, banned_ids=tuple(req.stop_token_ids), penalty_slot=penalty_slot)],
-            2, self.spare)
+            [
+                RowSampling(req.params, req.seed, 0, penalty_slot=penalty_slot),
+                RowSampling(req.params, req.seed, 0, banned_ids=tuple(req.stop_token_ids), penalty_slot=penalty_slot),
+            ],
+            2,
+            self.spare,
+        )
         self._free.pop()
         req.batch_slot, self._owners[slot] = slot, req
         rows = [slot, slot + self.spare + 1]
@@ -119,7 +128,7 @@ class InputBatch:
         self._stops_from[slot] = req.num_prompt_tokens + req.params.min_tokens
         ids = sorted(req.stop_token_ids)[:STOP_ID_SLOTS]
         self._stop_ids[slot] = -1
-        self._stop_ids[slot, :len(ids)] = ids
+        self._stop_ids[slot, : len(ids)] = ids
         self.constrained[slot] = req.grammar is not None
 
     def sync_tables(self, slots: np.ndarray, chunks: Sequence[ScheduledChunk]) -> None:
@@ -168,7 +177,7 @@ class InputBatch:
         verify or multi-step program; -1 after a row's last token), row i for slot `slots[i]`.
         A slot that no later launch sampled for, and that no other request took since, knows its
         last token, and is as many tokens further as the row holds beyond its first."""
-        rows = tokens.reshape(tokens.shape[0], -1)[:len(slots)]
+        rows = tokens.reshape(tokens.shape[0], -1)[: len(slots)]
         held = np.flatnonzero(self._launch[slots] == launch)
         if not len(held):
             return
@@ -179,8 +188,9 @@ class InputBatch:
         self.token_src[slots] = -1
         self.positions[slots] += counts - 1
 
-    def sampling(self, rows: np.ndarray, slots: np.ndarray, ahead: np.ndarray | int, num_rows: int,
-                 masked: bool) -> SamplingTensors:
+    def sampling(
+        self, rows: np.ndarray, slots: np.ndarray, ahead: np.ndarray | int, num_rows: int, masked: bool
+    ) -> SamplingTensors:
         """Sampling tensors of `num_rows` rows: row `rows[i]` samples the token `ahead[i]` places
         after the next one of the request in slot `slots[i]` (a verified draft's); the other rows
         are padding. `masked`: some row has a token mask (structured output), so the mask table

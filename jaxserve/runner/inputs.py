@@ -40,11 +40,13 @@ PENALTY_RESET_ROWS = 4  # penalty slots set from histories per call (one compile
 class StepInputs:
     """Builds the arrays of each iteration's programs for one runner."""
 
-    def __init__(self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any],
-                 vocab_size: int):
+    def __init__(
+        self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any], vocab_size: int
+    ):
         self.config = engine_config
-        self.batch = InputBatch(engine_config.max_num_seqs, constant, mask_words(vocab_size),
-                                max(engine_config.block_table_buckets))
+        self.batch = InputBatch(
+            engine_config.max_num_seqs, constant, mask_words(vocab_size), max(engine_config.block_table_buckets)
+        )
         # Each iteration's sampled tokens, at fixed rows (prefill chunk i at i, decode row j at
         # `decode_offset + j`), stay on the device for the next iteration's placeholders.
         self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
@@ -54,10 +56,18 @@ class StepInputs:
         self.verify_rows = 0 if spec is None else spec.num_speculative_tokens + 1  # rows per verified sequence
         # Verify programs exist for the decode batch buckets up to the first that holds the
         # largest batch that speculates.
-        self.verify_batches = () if spec is None else tuple(
-            b for b in engine_config.decode_batch_buckets
-            if b <= bucket_for(min(spec.disable_by_batch_size, engine_config.max_num_seqs),
-                               engine_config.decode_batch_buckets))
+        self.verify_batches = (
+            ()
+            if spec is None
+            else tuple(
+                b
+                for b in engine_config.decode_batch_buckets
+                if b
+                <= bucket_for(
+                    min(spec.disable_by_batch_size, engine_config.max_num_seqs), engine_config.decode_batch_buckets
+                )
+            )
+        )
 
     def sampler_rows(self, rows: int) -> int:
         return bucket_for(rows, self.config.sampler_row_buckets)
@@ -71,8 +81,9 @@ class StepInputs:
         for req in sampling:
             batch.join(req)
         unset = [req for req in sampling if req in batch.unset]
-        resets = [self.penalty_reset(unset[i:i + PENALTY_RESET_ROWS])
-                  for i in range(0, len(unset), PENALTY_RESET_ROWS)]
+        resets = [
+            self.penalty_reset(unset[i : i + PENALTY_RESET_ROWS]) for i in range(0, len(unset), PENALTY_RESET_ROWS)
+        ]
         programs, parts, scores, pooled = [], [], [], []
         decodes = sched.decodes
         slots = self.decode_slots(decodes)
@@ -80,16 +91,18 @@ class StepInputs:
             chunks = sched.prefills
             # Plain decodes join the prefill chunks in one program; drafts are verified apart.
             joined = not any(c.draft or c.num_steps > 1 for c in decodes)
-            programs.append(self.prefill(
-                chunks,
-                bucket_for(sum(c.num_new_tokens for c in chunks) + len(decodes) * joined, ec.prefill_token_buckets),
-                bucket_for(len(chunks), ec.prefill_seq_buckets),
-                self._width_bucket(chunks, slots[:len(decodes) * joined]),
-                scores,
-                decodes if joined else [],
-                slots if joined else None,
-                pooled,
-            ))
+            programs.append(
+                self.prefill(
+                    chunks,
+                    bucket_for(sum(c.num_new_tokens for c in chunks) + len(decodes) * joined, ec.prefill_token_buckets),
+                    bucket_for(len(chunks), ec.prefill_seq_buckets),
+                    self._width_bucket(chunks, slots[: len(decodes) * joined]),
+                    scores,
+                    decodes if joined else [],
+                    slots if joined else None,
+                    pooled,
+                )
+            )
             parts.append(chunks + decodes if joined else chunks)
             decodes = [] if joined else decodes
         if decodes:
@@ -122,15 +135,24 @@ class StepInputs:
         tokens, token_src, positions = self._decode_inputs(index, chunks)
         tables = self.batch.tables[index, :width]
         seq_lens = (positions + 1) * (index != self.batch.spare)  # padding rows: 0
-        meta = AttentionMetadata(self._cache_slots(tables, positions), tables, seq_lens,
-                                 lora_slots=self._lora_rows(chunks, batch))
+        meta = AttentionMetadata(
+            self._cache_slots(tables, positions), tables, seq_lens, lora_slots=self._lora_rows(chunks, batch)
+        )
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
-        return Program(("decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks,
-                       constrained=bool(masks))
+        return Program(
+            ("decode", batch, width),
+            host_args,
+            sampling,
+            self.decode_offset,
+            slots,
+            masks=masks,
+            constrained=bool(masks),
+        )
 
-    def multi_decode(self, chunks: list[ScheduledChunk], batch: int, width: int,
-                     slots: np.ndarray | None = None) -> Program:
+    def multi_decode(
+        self, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None
+    ) -> Program:
         """A multi-step decode program: `num_scheduler_steps` decode steps of the batch in one
         device loop, each feeding its sampled tokens to the next. Row i takes at most
         `num_steps[i]` steps (its slots are allocated) and stops after one of its `stop_ids`
@@ -142,12 +164,26 @@ class StepInputs:
         index = self._padded(slots, batch)
         tokens, token_src, positions = self._decode_inputs(index, chunks)
         num_steps = np.zeros(batch, np.int32)
-        num_steps[:len(chunks)] = [c.num_steps for c in chunks]
-        host_args = (tokens, positions, self.batch.tables[index, :width], num_steps, self.batch.stop_ids(index),
-                     token_src)
+        num_steps[: len(chunks)] = [c.num_steps for c in chunks]
+        host_args = (
+            tokens,
+            positions,
+            self.batch.tables[index, :width],
+            num_steps,
+            self.batch.stop_ids(index),
+            token_src,
+        )
         sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
-        return Program(("multi_decode", batch, width), host_args, sampling, self.decode_offset, slots, masks=masks,
-                       constrained=bool(masks), num_steps=self.config.num_scheduler_steps)
+        return Program(
+            ("multi_decode", batch, width),
+            host_args,
+            sampling,
+            self.decode_offset,
+            slots,
+            masks=masks,
+            constrained=bool(masks),
+            num_steps=self.config.num_scheduler_steps,
+        )
 
     def verify(self, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None) -> Program:
         """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
@@ -172,35 +208,56 @@ class StepInputs:
             if PLACEHOLDER in req.output_token_ids[-1:]:
                 raise ValueError(f"request {req.request_id!r} is verified with its last token in flight")
             pos = c.start + np.arange(rows)
-            tokens[row:row + n] = [req.last_token_id, *c.draft]
-            positions[row:row + rows] = pos
-            kv_slots[row:row + n] = tables[i, pos[:n] // bs] * bs + pos[:n] % bs
+            tokens[row : row + n] = [req.last_token_id, *c.draft]
+            positions[row : row + rows] = pos
+            kv_slots[row : row + n] = tables[i, pos[:n] // bs] * bs + pos[:n] % bs
             seq_lens[i] = c.start + rows
             query_start[i + 1] = row + rows
-            drafts[row:row + n - 1] = c.draft
+            drafts[row : row + n - 1] = c.draft
             for j in range(n):
                 history[row + j, :j] = c.draft[:j]
                 if c.sample:
                     sampled.append((row + j, slots[i], j))
-        query_start[len(chunks) + 1:] = len(chunks) * rows
-        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start,
-                                 lora_slots=self._lora_rows(chunks, num_tokens, [rows] * len(chunks)))
+        query_start[len(chunks) + 1 :] = len(chunks) * rows
+        meta = AttentionMetadata(
+            kv_slots,
+            tables,
+            seq_lens,
+            query_start,
+            lora_slots=self._lora_rows(chunks, num_tokens, [rows] * len(chunks)),
+        )
         host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
         masks = self._constrained_rows(chunks, slots, rows)
         self._check_sampling(chunks)
         sampled_rows, sampled_slots, ahead = np.array(sampled, np.intp).reshape(-1, 3).T
         sampling = self.batch.sampling(sampled_rows, sampled_slots, ahead, num_tokens, bool(masks))
-        return Program(("verify", batch, width), host_args, sampling, 0, slots, drafts=(drafts, history), masks=masks,
-                       constrained=bool(masks))
+        return Program(
+            ("verify", batch, width),
+            host_args,
+            sampling,
+            0,
+            slots,
+            drafts=(drafts, history),
+            masks=masks,
+            constrained=bool(masks),
+        )
 
     def decode_rows(self, num_tokens: int) -> int:
         """Decode sequences of a prefill program of `num_tokens` rows: every decode an iteration
         of that many tokens can hold (each takes one of them, and at most max_num_seqs run)."""
         return min(num_tokens, self.config.max_num_seqs)
 
-    def prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_seqs: int, width: int,
-                scores: list[PromptScores] | None = None, decodes: list[ScheduledChunk] = (),
-                decode_slots: np.ndarray | None = None, pooled: list[PooledRows] | None = None) -> Program:
+    def prefill(
+        self,
+        chunks: list[ScheduledChunk],
+        num_tokens: int,
+        num_seqs: int,
+        width: int,
+        scores: list[PromptScores] | None = None,
+        decodes: list[ScheduledChunk] = (),
+        decode_slots: np.ndarray | None = None,
+        pooled: list[PooledRows] | None = None,
+    ) -> Program:
         """A ragged prefill program: the chunks' rows, then one row per decode of `decodes`, in
         one model step (one read of the weights), with `decode_rows` decode sequences after the
         `num_seqs` chunk ones (`AttentionMetadata.decode_rows`; padding ones have length 0, so
@@ -229,40 +286,56 @@ class StepInputs:
             faults.check("input", c.request)
             n = c.num_new_tokens
             table = c.block_table[:width]
-            tables[i, :len(table)] = table
+            tables[i, : len(table)] = table
             pos = np.arange(c.start, c.start + n)
-            tokens[row:row + n] = c.token_ids
+            tokens[row : row + n] = c.token_ids
             if c.sample:
                 chunk_slots[i] = self.batch.slot(c.request)
                 token_src[row + n - 1] = self._pending_input(c, chunk_slots[i])
-            positions[row:row + n] = pos
-            kv_slots[row:row + n] = tables[i, pos // bs] * bs + pos % bs
+            positions[row : row + n] = pos
+            kv_slots[row : row + n] = tables[i, pos // bs] * bs + pos % bs
             seq_lens[i] = c.start + n
             row += n
             query_start[i + 1] = row
             logits_indices[i] = row - 1
-        query_start[len(chunks) + 1:] = row
+        query_start[len(chunks) + 1 :] = row
         # The decodes: rows row.. of the tokens, sequences num_seqs.. of the tables.
         rows = np.arange(row, row + len(decodes))
         index = self._padded(decode_slots, num_decodes)
-        tokens[rows], token_src[rows], decode_positions = self._decode_inputs(index[:len(decodes)], decodes)
+        tokens[rows], token_src[rows], decode_positions = self._decode_inputs(index[: len(decodes)], decodes)
         positions[rows] = decode_positions
         tables[num_seqs:] = self.batch.tables[index, :width]
-        kv_slots[rows] = self._cache_slots(tables[num_seqs:num_seqs + len(decodes)], decode_positions)
-        seq_lens[num_seqs:num_seqs + len(decodes)] = decode_positions + 1
+        kv_slots[rows] = self._cache_slots(tables[num_seqs : num_seqs + len(decodes)], decode_positions)
+        seq_lens[num_seqs : num_seqs + len(decodes)] = decode_positions + 1
         decode_rows = np.full(num_decodes, num_tokens, np.int32)
-        decode_rows[:len(decodes)] = logits_indices[len(chunks):len(chunks) + len(decodes)] = rows
-        meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start, decode_rows, self._lora_rows(
-            chunks + decodes, num_tokens, [c.num_new_tokens for c in chunks] + [1] * len(decodes)))
+        decode_rows[: len(decodes)] = logits_indices[len(chunks) : len(chunks) + len(decodes)] = rows
+        meta = AttentionMetadata(
+            kv_slots,
+            tables,
+            seq_lens,
+            query_start,
+            decode_rows,
+            self._lora_rows(chunks + decodes, num_tokens, [c.num_new_tokens for c in chunks] + [1] * len(decodes)),
+        )
         host_args = (tokens, positions, meta, logits_indices, token_src)
         slots = np.concatenate([chunk_slots, decode_slots])
         sampling, masks = self._sampling(chunks + decodes, slots, self.sampler_rows(len(logits_indices)))
         key = ("prefill", num_tokens, num_seqs, width)
-        return Program(key, host_args, sampling, 0, slots, self._score_rows(chunks, num_tokens, scores), masks=masks,
-                       constrained=bool(masks), pool=self._pool_rows(chunks, num_tokens, pooled))
+        return Program(
+            key,
+            host_args,
+            sampling,
+            0,
+            slots,
+            self._score_rows(chunks, num_tokens, scores),
+            masks=masks,
+            constrained=bool(masks),
+            pool=self._pool_rows(chunks, num_tokens, pooled),
+        )
 
-    def _lora_rows(self, chunks: list[ScheduledChunk], num_rows: int, rows_per_chunk: list[int] | None = None
-                   ) -> np.ndarray | None:
+    def _lora_rows(
+        self, chunks: list[ScheduledChunk], num_rows: int, rows_per_chunk: list[int] | None = None
+    ) -> np.ndarray | None:
         """With LoRA on, each row's adapter slot (`Request.lora_slot`; -1 for the base model and
         for padding): chunk i has `rows_per_chunk[i]` consecutive rows (one each by default)."""
         if not self.config.enable_lora:
@@ -270,11 +343,12 @@ class StepInputs:
         counts = [1] * len(chunks) if rows_per_chunk is None else rows_per_chunk
         out = np.full(num_rows, -1, np.int32)
         filled = np.repeat(np.fromiter((c.request.lora_slot for c in chunks), np.int32, len(chunks)), counts)
-        out[:len(filled)] = filled
+        out[: len(filled)] = filled
         return out
 
-    def _pool_rows(self, chunks: list[ScheduledChunk], num_tokens: int,
-                   pooled: list[PooledRows] | None) -> np.ndarray | None:
+    def _pool_rows(
+        self, chunks: list[ScheduledChunk], num_tokens: int, pooled: list[PooledRows] | None
+    ) -> np.ndarray | None:
         """Each row's pooling segment: one per chunk of an embedding request that pools rows
         (`PromptPooling.positions`), `pool_segments` for the other rows."""
         segments, row, segment = np.full(num_tokens, self.pool_segments, np.int32), 0, 0
@@ -283,7 +357,7 @@ class StepInputs:
             if req.pooling is not None:
                 positions = req.pooling.positions(c.start, c.num_new_tokens, req.num_prompt_tokens)
                 if positions:
-                    segments[row + positions.start - c.start:row + positions.stop - c.start] = segment
+                    segments[row + positions.start - c.start : row + positions.stop - c.start] = segment
                     if pooled is not None:
                         pooled.append(PooledRows(req, segment, positions))
                     segment += 1
@@ -291,8 +365,9 @@ class StepInputs:
         return segments if segment else None
 
     @staticmethod
-    def _score_rows(chunks: list[ScheduledChunk], num_tokens: int,
-                    scores: list[PromptScores] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    def _score_rows(
+        chunks: list[ScheduledChunk], num_tokens: int, scores: list[PromptScores] | None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """Rows and target tokens of the prompt positions these chunks score: the row of
         position p - 1 gives the log-probability of prompt token p. Positions already scored
         (before a recompute) are skipped."""
@@ -306,12 +381,12 @@ class StepInputs:
                     if scores is not None:
                         scores.append(PromptScores(req, len(rows), first, last - first + 1))
                     rows.extend(range(row + first - 1 - c.start, row + last - c.start))
-                    targets.extend(req.prompt_token_ids[first:last + 1])
+                    targets.extend(req.prompt_token_ids[first : last + 1])
             row += n
         if not rows:
             return None
         padded_rows, padded_targets = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-        padded_rows[:len(rows)], padded_targets[:len(targets)] = rows, targets
+        padded_rows[: len(rows)], padded_targets[: len(targets)] = rows, targets
         return padded_rows, padded_targets
 
     def penalty_reset(self, requests: list[Request]) -> tuple[np.ndarray, ...]:
@@ -319,7 +394,11 @@ class StepInputs:
         histories so far, which of their tokens are generated, and for a history whose last token
         is still in flight, its row in the previous iteration's sampled tokens and its index."""
         length, rows = self.config.max_model_len, PENALTY_RESET_ROWS
-        slots, token_src, token_index = np.full(rows, -1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        slots, token_src, token_index = (
+            np.full(rows, -1, np.int32),
+            np.full(rows, -1, np.int32),
+            np.zeros(rows, np.int32),
+        )
         history = np.full((rows, length), -1, np.int32)
         is_output = np.zeros((rows, length), np.bool_)
         for i, req in enumerate(requests):
@@ -342,7 +421,7 @@ class StepInputs:
     def _padded(self, slots: np.ndarray, rows: int) -> np.ndarray:
         """`slots` then the spare slot, `rows` in all: the index of a program's gathers."""
         index = np.full(rows, self.batch.spare, np.intp)
-        index[:len(slots)] = slots
+        index[: len(slots)] = slots
         return index
 
     def _decode_inputs(self, index: np.ndarray, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, ...]:
@@ -352,8 +431,10 @@ class StepInputs:
         tokens, token_src = batch.tokens[index], batch.token_src[index]
         lost = np.flatnonzero((tokens < 0) & (token_src < 0))
         if len(lost):
-            raise ValueError(f"request {chunks[lost[0]].request.request_id!r} decodes a token that is "
-                             "neither read nor in the previous iteration's sampled tokens")
+            raise ValueError(
+                f"request {chunks[lost[0]].request.request_id!r} decodes a token that is "
+                "neither read nor in the previous iteration's sampled tokens"
+            )
         return tokens, token_src, batch.positions[index]
 
     def _cache_slots(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -361,8 +442,9 @@ class StepInputs:
         bs = self.config.block_size
         return tables[np.arange(len(positions)), positions // bs] * bs + positions % bs
 
-    def _sampling(self, chunks: list[ScheduledChunk], slots: np.ndarray,
-                  rows: int) -> tuple[SamplingTensors, tuple[tuple[int, GrammarState], ...]]:
+    def _sampling(
+        self, chunks: list[ScheduledChunk], slots: np.ndarray, rows: int
+    ) -> tuple[SamplingTensors, tuple[tuple[int, GrammarState], ...]]:
         """The sampling tensors of chunks with these slots (the spare one: a chunk that samples
         nothing), one row each (gathered from the persistent batch), and their constrained rows
         (`Program.masks`)."""
@@ -377,10 +459,13 @@ class StepInputs:
             if c.sample:
                 faults.check("sampling", c.request)
 
-    def _constrained_rows(self, chunks: list[ScheduledChunk], slots: np.ndarray,
-                          rows_per_chunk: int) -> tuple[tuple[int, GrammarState], ...]:
-        return tuple((i * rows_per_chunk, chunks[i].request.grammar)
-                     for i in np.flatnonzero(self.batch.constrained[slots]).tolist())
+    def _constrained_rows(
+        self, chunks: list[ScheduledChunk], slots: np.ndarray, rows_per_chunk: int
+    ) -> tuple[tuple[int, GrammarState], ...]:
+        return tuple(
+            (i * rows_per_chunk, chunks[i].request.grammar)
+            for i in np.flatnonzero(self.batch.constrained[slots]).tolist()
+        )
 
     def _pending_input(self, chunk: ScheduledChunk, slot: int) -> int:
         """Row of the previous iteration's sampled buffer holding a sampling chunk's last input
@@ -393,6 +478,8 @@ class StepInputs:
         which the host does not know yet."""
         row = int(self.batch.token_src[slot])
         if row < 0:
-            raise ValueError(f"request {req.request_id!r}: its last token is neither read nor in the "
-                             "previous iteration's sampled tokens")
+            raise ValueError(
+                f"request {req.request_id!r}: its last token is neither read nor in the "
+                "previous iteration's sampled tokens"
+            )
         return row

@@ -22,11 +22,15 @@ from jaxserve.model.lora import LORA_MODULES, LoraStacks
 def write_slot(stacks: LoraStacks, slot: jax.Array, adapter: LoraStacks) -> LoraStacks:
     """`stacks` with slot `slot` (a device scalar) holding `adapter` (per module a [L, in, r],
     b [L, r, out])."""
+
     def put(module: str) -> dict[str, jax.Array]:
         a, b = stacks[module]["a"], stacks[module]["b"]
         new_a, new_b = adapter[module]["a"][:, :, None], adapter[module]["b"][:, None]
-        return {"a": jax.lax.dynamic_update_slice(a, new_a.astype(a.dtype), (0, 0, slot, 0)),
-                "b": jax.lax.dynamic_update_slice(b, new_b.astype(b.dtype), (0, slot, 0, 0))}
+        return {
+            "a": jax.lax.dynamic_update_slice(a, new_a.astype(a.dtype), (0, 0, slot, 0)),
+            "b": jax.lax.dynamic_update_slice(b, new_b.astype(b.dtype), (0, slot, 0, 0)),
+        }
+
     return {module: put(module) for module in stacks}
 
 
@@ -36,29 +40,54 @@ class LoraSlots:
     `kv_replicas` copies of each kv head); `kernel_specs` are the stacked base kernels' partition
     specs [L, in, out] by module, which A (over `in`) and B (over `out`) follow."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, rank: int, dtype: Any, mesh: Mesh,
-                 kernel_specs: dict[str, P], kv_replicas: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        rank: int,
+        dtype: Any,
+        mesh: Mesh,
+        kernel_specs: dict[str, P],
+        kv_replicas: int,
+    ) -> None:
         self.config, self.num_slots, self.rank, self.dtype = config, num_slots, rank, jnp.dtype(dtype)
         self.kv_replicas = kv_replicas
         layers = config.num_layers
-        self.shapes = {m: (fan_in, features * (kv_replicas if m in ("k_proj", "v_proj") else 1))
-                       for m, (fan_in, features) in module_shapes(config).items() if m in LORA_MODULES}
-        self.stack_shapes = {m: {"a": (layers, fan_in, num_slots, rank), "b": (layers, num_slots, rank, out)}
-                             for m, (fan_in, out) in self.shapes.items()}
+        self.shapes = {
+            m: (fan_in, features * (kv_replicas if m in ("k_proj", "v_proj") else 1))
+            for m, (fan_in, features) in module_shapes(config).items()
+            if m in LORA_MODULES
+        }
+        self.stack_shapes = {
+            m: {"a": (layers, fan_in, num_slots, rank), "b": (layers, num_slots, rank, out)}
+            for m, (fan_in, out) in self.shapes.items()
+        }
 
         def spec(module: str, axis: int) -> Any:  # the base kernel's split of its `in` (1) or `out` (2) axis
             s = tuple(kernel_specs.get(module, P()))
             return s[axis] if len(s) > axis else None
 
-        self.shardings = {m: {"a": NamedSharding(mesh, P(None, spec(m, 1), None, None)),
-                              "b": NamedSharding(mesh, P(None, None, None, spec(m, 2)))} for m in self.shapes}
-        self.adapter_shardings = {m: {"a": NamedSharding(mesh, P(None, spec(m, 1), None)),
-                                      "b": NamedSharding(mesh, P(None, None, spec(m, 2)))} for m in self.shapes}
+        self.shardings = {
+            m: {
+                "a": NamedSharding(mesh, P(None, spec(m, 1), None, None)),
+                "b": NamedSharding(mesh, P(None, None, None, spec(m, 2))),
+            }
+            for m in self.shapes
+        }
+        self.adapter_shardings = {
+            m: {
+                "a": NamedSharding(mesh, P(None, spec(m, 1), None)),
+                "b": NamedSharding(mesh, P(None, None, spec(m, 2))),
+            }
+            for m in self.shapes
+        }
 
     def zeros(self) -> LoraStacks:
         """Empty slots, placed."""
-        return {m: {k: jax.device_put(np.zeros(shape, self.dtype), self.shardings[m][k]) for k, shape in s.items()}
-                for m, s in self.stack_shapes.items()}
+        return {
+            m: {k: jax.device_put(np.zeros(shape, self.dtype), self.shardings[m][k]) for k, shape in s.items()}
+            for m, s in self.stack_shapes.items()
+        }
 
     def adapter_arrays(self, weights: LoraWeights | None) -> LoraStacks:
         """One adapter's A [L, in, r] and B [L, r, out] per module, as numpy in the slots' dtype
@@ -77,5 +106,7 @@ class LoraSlots:
 
     @property
     def bytes_per_slot(self) -> int:
-        return sum(int(np.prod(s)) // self.num_slots for shapes in self.stack_shapes.values()
-                   for s in shapes.values()) * self.dtype.itemsize
+        return (
+            sum(int(np.prod(s)) // self.num_slots for shapes in self.stack_shapes.values() for s in shapes.values())
+            * self.dtype.itemsize
+        )

@@ -18,8 +18,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Generator
-from typing import Any, Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,24 +31,24 @@ from checkpoints.digest import weights_digest
 from checkpoints.quantize import GGUF, INT8, Q4, formats_of, quantize_head, quantize_params
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
+from jaxserve.lora.peft import LoraWeights
 from jaxserve.model import KVCache, LlamaModel
 from jaxserve.model.experts import expert_backend
-from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.model.llama import pack_kernels, panel_kernels, unstack_layers
 from jaxserve.model.lora import LORA_MODULES
-from jaxserve.lora.peft import LoraWeights
 from jaxserve.outputs import SampledToken
+from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.inputs import StepInputs
 from jaxserve.runner.lora_slots import LoraSlots
-from jaxserve.runner.prepared_step import PreparedStep, Program, write_token_masks
 from jaxserve.runner.pipeline_placement import pipeline_layers, plan_stages, stage_model_config, stage_params
 from jaxserve.runner.placement import cast_params, enable_persistent_compilation_cache, plan_parallelism, runner_mesh
+from jaxserve.runner.prepared_step import PreparedStep, Program, write_token_masks
 from jaxserve.runner.programs import declare_programs
 from jaxserve.runner.step_counters import PipelineTicks, StepCounters
-from jaxserve.runner.step_handle import StepHandle, StepResults
 from jaxserve.runner.step_functions import StepFunctions
+from jaxserve.runner.step_handle import StepHandle, StepResults
 from jaxserve.sampling_tensors import PenaltyCounts
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, kv_quant, shard_attention
@@ -82,8 +82,12 @@ class ModelRunner:
         # One CPU device with f32 or bf16 weights, the cpu backend and scanned layers: the layers'
         # matmuls read their layer of the stacked weights, stored in panels, in place, and the tied
         # head is a C++ kernel too (kernels_pallas/cpu_matmul.py).
-        native_matmul = (self.attention_backend == "cpu" and self.dtype in cpu_matmul.WEIGHT_DTYPES
-                         and self.mesh.size == 1 and not engine_config.unroll_layers)
+        native_matmul = (
+            self.attention_backend == "cpu"
+            and self.dtype in cpu_matmul.WEIGHT_DTYPES
+            and self.mesh.size == 1
+            and not engine_config.unroll_layers
+        )
         matmul = cpu_matmul.kernels() if native_matmul else None
         experts = expert_backend(config, self.mesh) if config.num_experts else None
         # Weight-only quantization: kernels quantized here (int8, q4), or as the checkpoint stored them
@@ -94,8 +98,16 @@ class ModelRunner:
             params = quantize_head(params, config)
         self.quantization = formats_of(params)
         pipeline = pipeline_layers(self.mesh, engine_config) if self.stages is not None else None
-        self.model = LlamaModel(config, attention, self.dtype, engine_config.unroll_layers, matmul, experts,
-                                tuple(sorted(self.quantization.items())), pipeline)
+        self.model = LlamaModel(
+            config,
+            attention,
+            self.dtype,
+            engine_config.unroll_layers,
+            matmul,
+            experts,
+            tuple(sorted(self.quantization.items())),
+            pipeline,
+        )
         self.cache_dtype = self.model.compute_dtype  # of activations
         # The KV cache's storage dtype (its format: kernels_pallas/kv_quant.py); auto: the weights'
         # dtype, as vLLM's, also on CPU where bf16 weights' activations are f32 (a bf16 cache halves
@@ -111,11 +123,19 @@ class ModelRunner:
         self.param_shardings = param_shardings(params, self.mesh, config, self.quantization)
         # LoRA: the adapters' device slots ride in the parameters (`params["lora"]`), split like
         # the projections they update (jaxserve/runner/lora_slots.py).
-        self.lora_slots = None if not engine_config.enable_lora else LoraSlots(
-            dataclasses.replace(config, num_kv_heads=plan.num_kv_heads), engine_config.max_loras,
-            engine_config.max_lora_rank, self.model.compute_dtype, self.mesh,
-            {m: s["kernel"].spec for m, s in self.param_shardings["layers"].items() if m in LORA_MODULES},
-            plan.kv_replicas)
+        self.lora_slots = (
+            None
+            if not engine_config.enable_lora
+            else LoraSlots(
+                dataclasses.replace(config, num_kv_heads=plan.num_kv_heads),
+                engine_config.max_loras,
+                engine_config.max_lora_rank,
+                self.model.compute_dtype,
+                self.mesh,
+                {m: s["kernel"].spec for m, s in self.param_shardings["layers"].items() if m in LORA_MODULES},
+                plan.kv_replicas,
+            )
+        )
         if engine_config.unroll_layers:
             params = unstack_layers(params, config.num_layers, lambda leaf, i: leaf[i])
             self.param_shardings = unstack_layers(self.param_shardings, config.num_layers, layer_sharding)
@@ -133,19 +153,27 @@ class ModelRunner:
         self.cache = jax.jit(
             lambda: KVCache.zeros(config, self.num_blocks, bs, self.kv_dtype), out_shardings=self.cache_sharding
         )()
-        logger.info("KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
-                    kv_quant.format_name(self.kv_dtype), self.num_blocks, bs, self.num_blocks * bs,
-                    self.num_blocks * block_bytes / 1e6, (1 << 30) * bs // block_bytes)
+        logger.info(
+            "KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
+            kv_quant.format_name(self.kv_dtype),
+            self.num_blocks,
+            bs,
+            self.num_blocks * bs,
+            self.num_blocks * block_bytes / 1e6,
+            (1 << 30) * bs // block_bytes,
+        )
         rep, kv = replicated(self.mesh), self.cache_sharding
         self.num_host_slots = engine_config.num_host_slots(block_bytes)
         self.blocks = BlockMover(self.cache, kv, rep, self.num_host_slots)
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)
 
-        self.functions = StepFunctions(self.model, config, self.mesh, bs, self.inputs.sampler_rows,
-                                       self.inputs.pool_segments)
+        self.functions = StepFunctions(
+            self.model, config, self.mesh, bs, self.inputs.sampler_rows, self.inputs.pool_segments
+        )
         self.penalty_counts = jax.jit(PenaltyCounts.zeros, static_argnums=(0, 1), out_shardings=rep)(
-            engine_config.max_num_seqs, config.vocab_size)
+            engine_config.max_num_seqs, config.vocab_size
+        )
         self._no_tokens = jax.device_put(np.zeros(self.inputs.sampled_rows, np.int32), rep)
         self._prev_sampled = self._no_tokens  # the last launched iteration's sampled tokens
         self.num_launches = 0
@@ -226,8 +254,14 @@ class ModelRunner:
         self.params = {**self.params, "lora": self._run(("lora_write",), self.lora_write_args(slot, weights))}
 
     def multi_step_args(self, program: Program) -> tuple:
-        return (self.params, self.cache, HostPack.of(program.host_args), program.sampling, self._prev_sampled,
-                self.penalty_counts)
+        return (
+            self.params,
+            self.cache,
+            HostPack.of(program.host_args),
+            program.sampling,
+            self._prev_sampled,
+            self.penalty_counts,
+        )
 
     def _sample_offset(self, program: Program) -> jax.Array:
         return self._device_constant((), np.int32, program.sample_offset)  # 0 or decode_offset: not shipped
@@ -271,10 +305,18 @@ class ModelRunner:
             f"prefill tokens {list(ec.prefill_token_buckets)} x seqs {list(ec.prefill_seq_buckets)} "
             f"x width {list(ec.block_table_buckets)}: {ec.num_compiled_variants()} step variants; "
             f"sampler rows {list(ec.sampler_row_buckets)}"
-            + (f"; verify (speculative, {self.inputs.verify_rows} rows per sequence) batch "
-               f"{list(self.inputs.verify_batches)} x width {list(ec.block_table_buckets)}" if self.inputs.verify_rows else "")
-            + (f"; multi-step decode ({ec.num_scheduler_steps} steps) batch {list(ec.decode_batch_buckets)} x width "
-               f"{list(ec.block_table_buckets)}" if ec.num_scheduler_steps > 1 else "")
+            + (
+                f"; verify (speculative, {self.inputs.verify_rows} rows per sequence) batch "
+                f"{list(self.inputs.verify_batches)} x width {list(ec.block_table_buckets)}"
+                if self.inputs.verify_rows
+                else ""
+            )
+            + (
+                f"; multi-step decode ({ec.num_scheduler_steps} steps) batch {list(ec.decode_batch_buckets)} x width "
+                f"{list(ec.block_table_buckets)}"
+                if ec.num_scheduler_steps > 1
+                else ""
+            )
         )
 
     # ----- execution ------------------------------------------------------------------------
@@ -297,8 +339,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.move_blocks(sched.copy_stages)
         self.num_launches += 1
-        handle = StepHandle(self.num_launches, [], _rest=self._run_steps(prepared.penalty_resets, prepared.programs),
-                            _prepared=prepared)
+        handle = StepHandle(
+            self.num_launches, [], _rest=self._run_steps(prepared.penalty_resets, prepared.programs), _prepared=prepared
+        )
         self._dispatch(handle)
         self.last_launch_time = time.perf_counter() - t0
         return handle
@@ -319,11 +362,15 @@ class ModelRunner:
         prepared, handle._rest, handle._prepared = handle._prepared, None, None
         self.inputs.batch.unset.difference_update(prepared.reset_requests)
         # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
-        self.inputs.batch.launched(handle.launch_index, [
-            (p.slots, p.sample_offset if p.drafts is None and p.num_steps == 1 else None) for p in prepared.programs])
+        self.inputs.batch.launched(
+            handle.launch_index,
+            [(p.slots, p.sample_offset if p.drafts is None and p.num_steps == 1 else None) for p in prepared.programs],
+        )
         for chunks, program, out in zip(prepared.parts, prepared.programs, outs):
-            wanted = max((c.request.params.logprobs for c in chunks
-                          if c.sample and c.request.params.logprobs is not None), default=None)
+            wanted = max(
+                (c.request.params.logprobs for c in chunks if c.sample and c.request.params.logprobs is not None),
+                default=None,
+            )
             fields = (out.tokens,) if wanted is None else (out.tokens, out.logprobs) if wanted == 0 else tuple(out)
             for field in fields:
                 field.copy_to_host_async()
@@ -384,8 +431,9 @@ class ModelRunner:
             for c in counters:
                 self.pipeline_ticks.add(np.asarray(c.pipeline_ticks))
 
-    def _run_steps(self, penalty_resets: list[tuple], programs: list[Program],
-                   warming_up: bool = False) -> Generator[None, None, StepResults]:
+    def _run_steps(
+        self, penalty_resets: list[tuple], programs: list[Program], warming_up: bool = False
+    ) -> Generator[None, None, StepResults]:
         """Run one iteration: first the penalty rows of requests that just got a slot, then the
         programs (and the prompt scores and pooled rows of the one that has any). The sampled
         tokens land in a fresh buffer that becomes the next iteration's `prev_sampled`. Returns
@@ -423,7 +471,8 @@ class ModelRunner:
             args = self.step_args(program, sampled)
             if program.is_decode:
                 logits, self.cache, hidden, step_counters, out, sampled, self.penalty_counts = self._run(
-                    program.key, args, warming_up)
+                    program.key, args, warming_up
+                )
             else:
                 logits, self.cache, hidden, step_counters = self._run(program.key, args, warming_up)
             counters.append(step_counters)
@@ -448,7 +497,7 @@ class ModelRunner:
         """Execute the KV manager's copy plan, stage by stage, in order (a step does it first)."""
         for stage in stages:
             for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
-                op = ("move", stage.kind, stage.src[i:i + BLOCK_MOVE_CHUNK], stage.dst[i:i + BLOCK_MOVE_CHUNK])
+                op = ("move", stage.kind, stage.src[i : i + BLOCK_MOVE_CHUNK], stage.dst[i : i + BLOCK_MOVE_CHUNK])
                 if self.mirror is not None:
                     self.mirror(op)
                 self.cache = self.blocks.move(self.cache, *op[1:])

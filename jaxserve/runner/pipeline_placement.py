@@ -28,8 +28,9 @@ def plan_stages(config: ModelConfig, engine_config: EngineConfig) -> PipelinePla
     if config.num_experts:
         raise ValueError("pipeline_parallel_size > 1 does not run mixture-of-experts models yet (use ep / tp)")
     if len(set(sliding_layers(config))) > 1:
-        raise ValueError("pipeline_parallel_size > 1 does not run models with interleaved sliding-window and "
-                         "global layers yet")
+        raise ValueError(
+            "pipeline_parallel_size > 1 does not run models with interleaved sliding-window and global layers yet"
+        )
     return plan
 
 

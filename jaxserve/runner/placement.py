@@ -3,7 +3,8 @@ shardings a checkpoint is restored into, and the weights' dtype; and JAX's on-di
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +31,14 @@ def cast_params(params: Any, dtype: jnp.dtype) -> Any:
     """Matrices and embeddings in the compute dtype; norm scales stay f32, and the arrays of a
     quantized kernel (codes, scales, mins) as they are. Arrays already on devices (restored into
     shards) are cast there, never pulled back to the host."""
+
     def cast(path, x):
         name = jax.tree_util.keystr(path)
         if name.endswith(("['kernel_scale']", "['kernel_min']")) or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         target = np.float32 if "scale" in name else dtype
         return x.astype(target) if isinstance(x, jax.Array) else np.asarray(x, target)
+
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
@@ -66,8 +69,9 @@ def plan_parallelism(config: ModelConfig, engine_config: EngineConfig) -> Tensor
     if config.num_experts:
         plan_expert_parallel(config.num_experts, config.moe_intermediate_size, ep, tp)
     elif ep > 1:
-        raise ValueError(f"expert_parallel_size={ep} needs a mixture-of-experts model; "
-                         f"{config.architecture} has no experts")
+        raise ValueError(
+            f"expert_parallel_size={ep} needs a mixture-of-experts model; {config.architecture} has no experts"
+        )
     return plan_tensor_parallel(config.num_heads, config.num_kv_heads, tp)
 
 
@@ -75,7 +79,9 @@ def checkpoint_shardings(engine_config: EngineConfig, mesh: Mesh | None = None) 
     """Where a checkpoint's parameters are restored, for `load_model(shardings=...)`: the rules'
     shardings of the checkpoint's own shapes on the runner's mesh (kv heads are repeated later,
     on device, when tp needs more of them). A model tp cannot split is refused before any read."""
+
     def shardings(config: ModelConfig) -> Any:
         plan_parallelism(config, engine_config)
         return param_shardings(param_shapes(config), runner_mesh(engine_config, mesh), config)
+
     return shardings

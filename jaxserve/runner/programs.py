@@ -39,13 +39,23 @@ class ProgramSpec:
     """One declared program. `variants()` yields (bucket, example arguments) for warm-up; a
     bucket may come more than once (the first one's arguments are compiled)."""
 
-    def __init__(self, name: str, fn: Callable, args: Sequence[Arg], outs: Any,
-                 variants: Callable[[], Iterable[tuple[Bucket, tuple]]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        args: Sequence[Arg],
+        outs: Any,
+        variants: Callable[[], Iterable[tuple[Bucket, tuple]]],
+    ) -> None:
         self.name = name
         self.args = tuple(args)
         self.variants = variants
-        self.jitted = jax.jit(fn, donate_argnums=tuple(i for i, a in enumerate(self.args) if a.donated),
-                              in_shardings=tuple(a.sharding for a in self.args), out_shardings=outs)
+        self.jitted = jax.jit(
+            fn,
+            donate_argnums=tuple(i for i, a in enumerate(self.args) if a.donated),
+            in_shardings=tuple(a.sharding for a in self.args),
+            out_shardings=outs,
+        )
 
     def key(self, bucket: Bucket) -> tuple:
         """The executable's key: the program's name, then its bucket."""
@@ -77,8 +87,12 @@ def declare_programs(runner: ModelRunner) -> dict[str, ProgramSpec]:
         return (inputs.decode([], b, w) for w in widths for b in ec.decode_batch_buckets)
 
     def prefills() -> Iterator[Program]:
-        return (inputs.prefill([], t, n, w) for w in widths for t in ec.prefill_token_buckets
-                for n in ec.prefill_seq_buckets)
+        return (
+            inputs.prefill([], t, n, w)
+            for w in widths
+            for t in ec.prefill_token_buckets
+            for n in ec.prefill_seq_buckets
+        )
 
     def verifies() -> Iterator[Program]:
         return (inputs.verify([], b, w) for w in widths for b in inputs.verify_batches)
@@ -114,9 +128,13 @@ def declare_programs(runner: ModelRunner) -> dict[str, ProgramSpec]:
     specs = [
         # A decode step samples in the same program (one dispatch per decode iteration); its
         # logits are an output too, for the sampler program of a step with constrained rows.
-        ProgramSpec("decode", f.decode_step,
-                    [params, cache, host, prev, sampling, sampled, offset, counts, Arg("sample_here", rep)],
-                    (*step_outs, rep, rep, rep), steps(decodes)),
+        ProgramSpec(
+            "decode",
+            f.decode_step,
+            [params, cache, host, prev, sampling, sampled, offset, counts, Arg("sample_here", rep)],
+            (*step_outs, rep, rep, rep),
+            steps(decodes),
+        ),
         # A prefill step (chunks, and the decodes that join them) leaves sampling to the sampler
         # program: a dispatch is nothing next to its device time, and each of its many shapes
         # would compile the sampler again (~1 s each on CPU).
@@ -132,22 +150,47 @@ def declare_programs(runner: ModelRunner) -> dict[str, ProgramSpec]:
         ProgramSpec("pool", f.pool, [params, Arg("hidden", rep), host], rep, pools),
         # Speculative decoding: verify steps keep every row's logits (no padding to a sampler
         # bucket), and their sampler (by its rows) accepts or rejects the drafts.
-        ProgramSpec("verify", functools.partial(f.model_step, pad_logits=False), [params, cache, host, prev],
-                    step_outs, steps(verifies)),
-        ProgramSpec("verify_sample", f.verify_drafts, [logits, sampling, counts, Arg("drafts", rep)], rep,
-                    lambda: (((p.sampling.temperature.shape[0],), runner.verify_args(p, logits_of(p)))
-                             for p in verifies())),
+        ProgramSpec(
+            "verify",
+            functools.partial(f.model_step, pad_logits=False),
+            [params, cache, host, prev],
+            step_outs,
+            steps(verifies),
+        ),
+        ProgramSpec(
+            "verify_sample",
+            f.verify_drafts,
+            [logits, sampling, counts, Arg("drafts", rep)],
+            rep,
+            lambda: (((p.sampling.temperature.shape[0],), runner.verify_args(p, logits_of(p))) for p in verifies()),
+        ),
         # Multi-step decode: the whole loop (model steps and their sampling) is one program.
-        ProgramSpec("multi_decode", functools.partial(f.multi_step, loop_steps=ec.num_scheduler_steps),
-                    [params, cache, host, sampling, prev, counts], (rep, runner.cache_sharding, rep), multi_decodes),
+        ProgramSpec(
+            "multi_decode",
+            functools.partial(f.multi_step, loop_steps=ec.num_scheduler_steps),
+            [params, cache, host, sampling, prev, counts],
+            (rep, runner.cache_sharding, rep),
+            multi_decodes,
+        ),
         # The penalty counts of requests that just got a slot, from their histories.
-        ProgramSpec("penalty_reset", f.reset_penalty_rows, [counts, host, prev], rep,
-                    lambda: [((), runner.reset_args(inputs.penalty_reset([])))]),
+        ProgramSpec(
+            "penalty_reset",
+            f.reset_penalty_rows,
+            [counts, host, prev],
+            rep,
+            lambda: [((), runner.reset_args(inputs.penalty_reset([])))],
+        ),
     ]
     if runner.lora_slots is not None:
         # LoRA: an adapter written into a device slot (one shape for every adapter and slot).
         lora = runner.lora_slots
-        specs.append(ProgramSpec("lora_write", write_slot, [Arg("lora", lora.shardings), Arg("slot", rep),
-                                                            Arg("adapter", lora.adapter_shardings)],
-                                 lora.shardings, lambda: [((), runner.lora_write_args(0, None))]))
+        specs.append(
+            ProgramSpec(
+                "lora_write",
+                write_slot,
+                [Arg("lora", lora.shardings), Arg("slot", rep), Arg("adapter", lora.adapter_shardings)],
+                lora.shardings,
+                lambda: [((), runner.lora_write_args(0, None))],
+            )
+        )
     return {spec.name: spec for spec in specs}

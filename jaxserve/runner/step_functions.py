@@ -26,8 +26,15 @@ from sharding.rules import logits_sharding, replicated
 
 
 class StepFunctions:
-    def __init__(self, model: LlamaModel, config: ModelConfig, mesh: Mesh, block_size: int,
-                 sampler_rows: Callable[[int], int], pool_segments: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: ModelConfig,
+        mesh: Mesh,
+        block_size: int,
+        sampler_rows: Callable[[int], int],
+        pool_segments: int,
+    ) -> None:
         self.model = model
         self.config = config
         self.mesh = mesh
@@ -43,20 +50,32 @@ class StepFunctions:
         # Rows whose token the previous step sampled (a PLACEHOLDER on the host) read it here.
         tokens = jnp.where(token_src >= 0, prev_sampled[jnp.maximum(token_src, 0)], tokens)
         (logits, cache), state = self.model.apply(
-            {"params": params}, tokens, positions, cache, meta, logits_indices, params.get("lora"),
-            mutable=["intermediates"])
+            {"params": params},
+            tokens,
+            positions,
+            cache,
+            meta,
+            logits_indices,
+            params.get("lora"),
+            mutable=["intermediates"],
+        )
         rows = logits.shape[0]
         if pad_logits:
             logits = jnp.pad(logits, ((0, self.sampler_rows(rows) - rows), (0, 0)))
         intermediates = state["intermediates"]
-        load = jnp.sum(intermediates["expert_load"][0], axis=0) if "expert_load" in intermediates else \
-            jnp.zeros(0, jnp.int32)
-        ticks = intermediates["pipeline_ticks"][0] if "pipeline_ticks" in intermediates else \
-            jnp.zeros((0, 0), jnp.int32)
+        load = (
+            jnp.sum(intermediates["expert_load"][0], axis=0)
+            if "expert_load" in intermediates
+            else jnp.zeros(0, jnp.int32)
+        )
+        ticks = (
+            intermediates["pipeline_ticks"][0] if "pipeline_ticks" in intermediates else jnp.zeros((0, 0), jnp.int32)
+        )
         return logits, cache, intermediates["hidden"][0], StepCounters(load, ticks)
 
-    def decode_step(self, params, cache, inputs: HostPack, prev_sampled, sampling, sampled, offset, counts,
-                    sample_here):
+    def decode_step(
+        self, params, cache, inputs: HostPack, prev_sampled, sampling, sampled, offset, counts, sample_here
+    ):
         """`model_step`, then, when `sample_here` (a device scalar), `sample_into` on its logits.
         Returns (logits, cache, hidden, step counters, sampler output, sampled buffer, counts); without
         sampling the buffer and counts are unchanged and the output is empty (a step with

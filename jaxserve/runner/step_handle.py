@@ -59,11 +59,23 @@ def read_prompt_scores(handle: StepHandle) -> list[tuple[Request, int, list[Toke
     for s in scored:
         k = s.request.params.prompt_logprobs
         rows = range(s.row, s.row + s.count)
-        results.append((s.request, s.first, [
-            TokenLogprob(s.request.prompt_token_ids[s.first + i], float(logprob[r]),
-                         [(int(t), float(p)) for t, p in zip(top_ids[r, :k], top_logprobs[r, :k])], int(rank[r]))
-            for i, r in enumerate(rows)]))
+        results.append(
+            (
+                s.request,
+                s.first,
+                [
+                    TokenLogprob(
+                        s.request.prompt_token_ids[s.first + i],
+                        float(logprob[r]),
+                        [(int(t), float(p)) for t, p in zip(top_ids[r, :k], top_logprobs[r, :k])],
+                        int(rank[r]),
+                    )
+                    for i, r in enumerate(rows)
+                ],
+            )
+        )
     return results
+
 
 def read_pooled(handle: StepHandle) -> list[tuple[Request, np.ndarray, int]]:
     """Wait for a launched iteration's pooled rows: for each embedding request it pooled for,

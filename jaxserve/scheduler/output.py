@@ -37,7 +37,7 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
 
 
 @dataclasses.dataclass

@@ -64,8 +64,11 @@ class Scheduler:
         self._speculation_backoff = 0  # length of the last pause (0: the last speculating step drafted)
         self._speculation_pause = 0  # steps left to schedule without speculating
         # Smaller = more important. FCFS ignores the priority field.
-        self._priority_key = (attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority"
-                              else attrgetter("arrival_time"))
+        self._priority_key = (
+            attrgetter("priority", "arrival_time")
+            if config.scheduling_policy == "priority"
+            else attrgetter("arrival_time")
+        )
 
     # ----- queue management -----------------------------------------------------------------
 
@@ -126,8 +129,11 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput, masks_after_read: bool) -> int:
         # A request whose last token (maybe still in flight) ends it by length needs no step; a
         # constrained one needs its token in flight before its next mask.
-        decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)
-                    and (masks_after_read or not r.awaits_token)]
+        decoding = [
+            r
+            for r in self.running
+            if not r.is_prefilling and not self._length_capped(r) and (masks_after_read or not r.awaits_token)
+        ]
         speculating = self._speculates(decoding)
         multi_step = not speculating and self._runs_multi_step(decoding)
         looked_up = False  # some request's tokens were searched for a draft
@@ -164,8 +170,7 @@ class Scheduler:
         """Whether this step could verify drafts: speculation on, few enough running, and no
         pause after draftless steps."""
         spec = self.config.speculative
-        return (spec is not None and not self._speculation_pause
-                and len(self.running) <= spec.disable_by_batch_size)
+        return spec is not None and not self._speculation_pause and len(self.running) <= spec.disable_by_batch_size
 
     def _speculates(self, decoding: list[Request]) -> bool:
         """Drafts this step: `may_speculate`, and room in every decode's context for a verify
@@ -178,17 +183,22 @@ class Scheduler:
     def _after_speculating(self, drafted: bool) -> None:
         """A step that looked for drafts and found none doubles the pause (1, 2, 4 ... steps);
         one with a draft ends it."""
-        self._speculation_backoff = 0 if drafted else min(max(1, 2 * self._speculation_backoff),
-                                                          SPECULATION_MAX_PAUSE)
+        self._speculation_backoff = 0 if drafted else min(max(1, 2 * self._speculation_backoff), SPECULATION_MAX_PAUSE)
         self._speculation_pause = self._speculation_backoff
 
     def _runs_multi_step(self, decoding: list[Request]) -> bool:
         """Multi-step decode this step: configured, and nothing but decodes to run (no prompt
         waits or is being chunked, nothing is swapped out or loading), none constrained (each
         of its masks depends on the token before)."""
-        return (self.config.num_scheduler_steps > 1 and bool(decoding) and not self.waiting and not self.swapped
-                and not any(r.is_prefilling for r in self.running) and not self.kv.loads.pending
-                and all(r.grammar is None for r in decoding))
+        return (
+            self.config.num_scheduler_steps > 1
+            and bool(decoding)
+            and not self.waiting
+            and not self.swapped
+            and not any(r.is_prefilling for r in self.running)
+            and not self.kv.loads.pending
+            and all(r.grammar is None for r in decoding)
+        )
 
     def _num_steps(self, req: Request) -> int:
         """Decode steps the request may take in one device loop: at most `num_scheduler_steps`,
@@ -242,7 +252,7 @@ class Scheduler:
                 continue  # preempted with its last token in flight
             if self.kv.loads.is_loading(req):
                 continue  # its prefix is being read from disk; others go meanwhile
-            cacheable = req.cache_token_ids[:req.num_cacheable_tokens]
+            cacheable = req.cache_token_ids[: req.num_cacheable_tokens]
             hit = self.kv.match_prefix(cacheable, req.block_keys)
             if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
                 if self.kv.loads.start(req, hit) is not LoadStart.NONE:
@@ -290,8 +300,9 @@ class Scheduler:
         short ones behind it (and never leaves half a step idle when none could start)."""
         return budget // 2 if others_could_start and budget > self.config.block_size else budget
 
-    def _others_could_start(self, budget: int, num_partial: int, num_prefills: int,
-                            besides: Request | None = None) -> bool:
+    def _others_could_start(
+        self, budget: int, num_partial: int, num_prefills: int, besides: Request | None = None
+    ) -> bool:
         """Whether a waiting prompt (other than `besides`) could join this step in the half of
         `budget` a capped chunk leaves, with `num_partial` prompts chunking and `num_prefills`
         chunks in the step: as a chunk of its own while fewer than `max_num_partial_prefills`
@@ -301,9 +312,12 @@ class Scheduler:
         if num_prefills >= cfg.max_prefill_seqs or len(self.running) + (besides is not None) >= cfg.max_num_seqs:
             return False
         rest = budget - budget // 2
-        return any(r is not besides and not r.awaits_token and (num_partial < cfg.max_num_partial_prefills
-                                                               or r.num_tokens <= rest)
-                   for r in self.waiting)
+        return any(
+            r is not besides
+            and not r.awaits_token
+            and (num_partial < cfg.max_num_partial_prefills or r.num_tokens <= rest)
+            for r in self.waiting
+        )
 
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: set[int]) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
@@ -327,16 +341,24 @@ class Scheduler:
         if not in_flight:
             return False
         i = start // self.config.block_size
-        return (i + 1) * self.config.block_size <= req.num_prompt_tokens and \
-            req.block_keys.keys(req.cache_token_ids, i + 1)[i] in in_flight
+        return (i + 1) * self.config.block_size <= req.num_prompt_tokens and req.block_keys.keys(
+            req.cache_token_ids, i + 1
+        )[i] in in_flight
 
     def _chunk(self, req: Request, n: int, draft: list[int] | None = None, num_steps: int = 1) -> ScheduledChunk:
         start = req.num_computed_tokens
-        return ScheduledChunk(req, start, n, req.kv.block_table, start + n == req.num_tokens,
-                              draft=[] if draft is None else draft, num_steps=num_steps, table_version=req.kv.version)
+        return ScheduledChunk(
+            req,
+            start,
+            n,
+            req.kv.block_table,
+            start + n == req.num_tokens,
+            draft=[] if draft is None else draft,
+            num_steps=num_steps,
+            table_version=req.kv.version,
+        )
 
     # ----- policies and preemption ----------------------------------------------------------
-
 
     def _waiting_in_policy_order(self) -> list[Request]:
         policy = self.config.scheduling_policy

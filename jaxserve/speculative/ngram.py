@@ -23,8 +23,8 @@ def propose_ngram(token_ids: Sequence[int] | np.ndarray, k: int, min_n: int, max
         # Windows starting at 0 .. length - n - 1: each is followed by at least one token, and
         # none is the suffix itself.
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []

@@ -29,8 +29,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.sampler import (_any_penalty, _argmax, _draw, _logprobs, apply_logit_bias, apply_token_mask, penalize,
-                              row_keys, sampling_logits)
+from jaxserve.sampler import (
+    _any_penalty,
+    _argmax,
+    _draw,
+    _logprobs,
+    apply_logit_bias,
+    apply_token_mask,
+    penalize,
+    row_keys,
+    sampling_logits,
+)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.sampling_tensors import PenaltyCounts, SamplingTensors
 
@@ -45,7 +54,11 @@ class VerifyOutput(NamedTuple):
 
 
 def verify(
-    logits: jax.Array, t: SamplingTensors, counts: PenaltyCounts, drafts: jax.Array, history: jax.Array,
+    logits: jax.Array,
+    t: SamplingTensors,
+    counts: PenaltyCounts,
+    drafts: jax.Array,
+    history: jax.Array,
     num_top_logprobs: int = MAX_LOGPROBS,
 ) -> tuple[VerifyOutput, PenaltyCounts]:
     """logits f32[B * S, V]; `t` has a row per logits row; drafts i32[B * S]: the draft token row
@@ -60,8 +73,9 @@ def verify(
 
     def with_drafts_counted(x: jax.Array) -> jax.Array:
         index = lax.broadcasted_iota(jnp.int32, history.shape, 0)
-        drafted = jnp.zeros((rows, vocab), jnp.int32).at[index, jnp.where(history < 0, vocab, history)].add(
-            1, mode="drop")
+        drafted = (
+            jnp.zeros((rows, vocab), jnp.int32).at[index, jnp.where(history < 0, vocab, history)].add(1, mode="drop")
+        )
         return penalize(x, t, counts.output[t.penalty_slots] + drafted, counts.prompt[t.penalty_slots])
 
     penalized = lax.cond(_any_penalty(t), with_drafts_counted, lambda x: x, x)

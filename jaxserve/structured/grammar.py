@@ -36,8 +36,9 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                self._ll = llguidance.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                  eos_token=self._eos or None)
+                self._ll = llguidance.LLTokenizer(
+                    self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None
+                )
             return self._ll
 
     def states(self, spec: GuidedDecoding, n: int) -> list[GrammarState]:

@@ -45,8 +45,13 @@ class GuidedDecoding:
         object.__setattr__(self, "grammar", grammar)
 
 
-_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice list",
-          "grammar": "grammar"}
+_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "grammar",
+}
 
 
 def _grammar(kind: str, value: Any) -> str:

@@ -87,10 +87,15 @@ async def _front_door(args: argparse.Namespace, engine: EngineClient, listener: 
         try:
             addresses.append(await asyncio.to_thread(multihost.lookup, group_address_key(group), GROUP_WAIT_S))
         except Exception as e:  # the coordination service's timeout or a process gone
-            raise SystemExit(f"replica group {group} (processes {list(layout.members(group))}) did not serve "
-                             f"within {GROUP_WAIT_S:g} s: {e}") from None
-    print(f"routing over {layout.groups} replica groups of {layout.replicas_per_group} replica(s) each: "
-          f"{', '.join(addresses)}", flush=True)
+            raise SystemExit(
+                f"replica group {group} (processes {list(layout.members(group))}) did not serve "
+                f"within {GROUP_WAIT_S:g} s: {e}"
+            ) from None
+    print(
+        f"routing over {layout.groups} replica groups of {layout.replicas_per_group} replica(s) each: "
+        f"{', '.join(addresses)}",
+        flush=True,
+    )
     remote = await RemoteEngine.connect(addresses, ROUTER_POLICY, timeout=GROUP_WAIT_S)
     config = server_config_from_args(args, remote.info.model_name)
     app = build_app(remote, config)
@@ -135,8 +140,11 @@ async def _serve_group(listener: WorkerListener, layout: ProcessLayout, shutdown
     await listener.stop(shutdown_timeout)
     snapshot = await listener.engine.snapshot()
     if snapshot is not None:
-        print(f"replica group {group} stops: {snapshot.prompt_tokens_computed} prompt tokens computed, "
-              f"{snapshot.generated_tokens} generated", flush=True)
+        print(
+            f"replica group {group} stops: {snapshot.prompt_tokens_computed} prompt tokens computed, "
+            f"{snapshot.generated_tokens} generated",
+            flush=True,
+        )
 
 
 def _coordinator_up() -> bool:

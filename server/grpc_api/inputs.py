@@ -29,10 +29,12 @@ from server.protocol import (
 def set_fields(message: Message) -> dict[str, Any]:
     """The fields given in `message` (unset optional fields and empty lists and maps are left
     out, as JSON's null and absent fields are); maps become dicts, lists lists."""
+
     def plain(field: Any, value: Any) -> Any:
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             return dict(value)
         return list(value) if field.is_repeated else value
+
     return {field.name: plain(field, value) for field, value in message.ListFields()}
 
 
@@ -56,6 +58,11 @@ def parse_generate(request: pb.GenerateRequest, info: ModelInfo, limits: Limits)
     body = set_fields(request.sampling_params)
     default = None if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = max_tokens_setting(body, limits, len(ids), default)
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs_setting(body, chat=False),
-                                   max_n=limits.max_n, vocab_size=info.vocab_size)
+    params = build_sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs_setting(body, chat=False),
+        max_n=limits.max_n,
+        vocab_size=info.vocab_size,
+    )
     return ids, params

@@ -9,7 +9,8 @@ becomes a `Malformed` value, which the wrapped method answers with INVALID_ARGUM
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,14 +27,18 @@ def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
             return parse(data)
         except DecodeError as e:
             return Malformed(str(e))
+
     return parse_or_malformed
 
 
 def _refusing(method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Callable:
     async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.reason}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.reason}"
+            )
         return await method(request, context)
+
     return guarded
 
 
@@ -43,9 +48,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         if handler.unary_unary is not None:
-            return handler._replace(request_deserializer=_lenient(handler.request_deserializer),
-                                    unary_unary=_refusing(handler.unary_unary))
+            return handler._replace(
+                request_deserializer=_lenient(handler.request_deserializer), unary_unary=_refusing(handler.unary_unary)
+            )
         if handler.unary_stream is not None:
-            return handler._replace(request_deserializer=_lenient(handler.request_deserializer),
-                                    unary_stream=_refusing(handler.unary_stream))
+            return handler._replace(
+                request_deserializer=_lenient(handler.request_deserializer),
+                unary_stream=_refusing(handler.unary_stream),
+            )
         return handler

@@ -10,7 +10,7 @@ after `ServerConfig.shutdown_timeout` seconds with UNAVAILABLE, within the stop'
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 from aiohttp import web
@@ -37,8 +37,10 @@ class GrpcServer:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         state = app[STATE]
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", state.config.max_body_bytes)],
-                                 interceptors=[MalformedRequestInterceptor()])
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", state.config.max_body_bytes)],
+            interceptors=[MalformedRequestInterceptor()],
+        )
         add_JaxServeServicer_to_server(JaxServeServicer(state), server)
         self.port = server.add_insecure_port(self.address)
         await server.start()

@@ -75,13 +75,19 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING, detail=f"engine: {problem}")
         return pb.HealthResponse(status=pb.HealthResponse.SERVING)
 
-    async def ListModels(self, request: pb.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
         try:
             self._authenticate(context)
         except APIError as e:
             await abort(context, e)
         info = self._state.info
-        model = pb.Model(id=info.name, created=info.created, owned_by="jaxserve", max_model_len=info.max_model_len,
-                         vocab_size=info.vocab_size)
+        model = pb.Model(
+            id=info.name,
+            created=info.created,
+            owned_by="jaxserve",
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+        )
         return pb.ListModelsResponse(models=[model])

@@ -57,12 +57,15 @@ def test_scores_must_have_one_entry_per_next_token():
         scores([1, 2, 3], [-1.0], [2])
 
 
-@pytest.mark.parametrize("n, window, want", [
-    (10, 4, [(0, 4), (3, 7), (6, 10)]),
-    (11, 4, [(0, 4), (3, 7), (6, 10), (9, 11)]),
-    (3, 8, [(0, 3)]),
-    (1, 8, []),
-])
+@pytest.mark.parametrize(
+    "n, window, want",
+    [
+        (10, 4, [(0, 4), (3, 7), (6, 10)]),
+        (11, 4, [(0, 4), (3, 7), (6, 10), (9, 11)]),
+        (3, 8, [(0, 3)]),
+        (1, 8, []),
+    ],
+)
 def test_windows_overlap_by_one_so_each_target_is_scored_once(n, window, want):
     spans = windows(n, window)
     assert spans == want
@@ -85,8 +88,15 @@ def test_engine_namespace_applies_flags_over_the_shared_ones():
 
 # ----- the engine -------------------------------------------------------------------------------
 
-TINY = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, prefill_token_buckets=(64,),
-            prefill_seq_buckets=(4,), decode_batch_buckets=(4,), sampler_row_buckets=(4,))
+TINY = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=64,
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    decode_batch_buckets=(4,),
+    sampler_row_buckets=(4,),
+)
 
 
 def test_score_text_equals_the_engines_prompt_scores_of_each_window():
@@ -98,8 +108,8 @@ def test_score_text_equals_the_engines_prompt_scores_of_each_window():
     ranks = []
     for a, b in windows(150, 40):  # each window alone
         want = llm.generate([{"prompt_token_ids": ids[a:b]}], params, use_tqdm=False)[0].prompt_logprobs[1:]
-        np.testing.assert_array_equal(got.logprobs[a:b - 1], [s.logprob for s in want])
-        np.testing.assert_array_equal(got.top1[a:b - 1], [s.top[0][0] for s in want])
+        np.testing.assert_array_equal(got.logprobs[a : b - 1], [s.logprob for s in want])
+        np.testing.assert_array_equal(got.top1[a : b - 1], [s.top[0][0] for s in want])
         ranks += [s.rank for s in want]
     # the actual token is the top-1 exactly where the engine ranks it first
     np.testing.assert_array_equal(got.top1 == np.asarray(ids[1:]), np.asarray(ranks) == 1)
@@ -112,11 +122,27 @@ def test_bench_accuracy_command_writes_the_table_and_json(tmp_path, capsys):
     out = tmp_path / "acc.json"
     text = tmp_path / "t.txt"
     text.write_text(python_docs_text()[:4000])
-    flags = [x for k, v in TINY.items()
-             for x in (f"--{k.replace('_', '-')}", *([str(e) for e in v] if isinstance(v, tuple) else [str(v)]))]
-    args = build_parser().parse_args(["bench", "accuracy", "--model", "tiny-random", "--positions", "100",
-                                      "--text-file", str(text), *flags, "--candidate-args=--dtype bfloat16",
-                                      "--result-file", str(out)])
+    flags = [
+        x
+        for k, v in TINY.items()
+        for x in (f"--{k.replace('_', '-')}", *([str(e) for e in v] if isinstance(v, tuple) else [str(v)]))
+    ]
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "accuracy",
+            "--model",
+            "tiny-random",
+            "--positions",
+            "100",
+            "--text-file",
+            str(text),
+            *flags,
+            "--candidate-args=--dtype bfloat16",
+            "--result-file",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -130,9 +156,17 @@ def test_bench_accuracy_command_writes_the_table_and_json(tmp_path, capsys):
 # ----- bf16 against f32 on the default model ----------------------------------------------------
 
 POSITIONS = 2040  # 2 windows of 1,021 targets each
-REAL = dict(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=1024, prefill_token_buckets=(512,),
-            prefill_seq_buckets=(2,), decode_batch_buckets=(2,), sampler_row_buckets=(2,), block_table_buckets=(64,),
-            num_blocks=160)
+REAL = dict(
+    max_num_seqs=2,
+    max_num_batched_tokens=512,
+    max_model_len=1024,
+    prefill_token_buckets=(512,),
+    prefill_seq_buckets=(2,),
+    decode_batch_buckets=(2,),
+    sampler_row_buckets=(2,),
+    block_table_buckets=(64,),
+    num_blocks=160,
+)
 MIN_TOP1_AGREEMENT = 0.98
 MAX_PERPLEXITY_CHANGE = 0.01
 
@@ -161,9 +195,11 @@ def test_bfloat16_agrees_with_float32_on_real_text(text_ids, f32_scores, capsys)
     bf16 = _scores("bfloat16", text_ids)
     a = compare(f32, bf16)
     with capsys.disabled():
-        print(f"\nbf16 vs f32 over {a.positions} positions: top-1 {a.top1_agreement:.4f}, perplexity "
-              f"{a.reference_perplexity:.3f} -> {a.candidate_perplexity:.3f} ({a.perplexity_ratio:.4f}), "
-              f"first divergence {a.first_divergence}, mean |dlogp| {a.mean_abs_logprob_diff:.4f}")
+        print(
+            f"\nbf16 vs f32 over {a.positions} positions: top-1 {a.top1_agreement:.4f}, perplexity "
+            f"{a.reference_perplexity:.3f} -> {a.candidate_perplexity:.3f} ({a.perplexity_ratio:.4f}), "
+            f"first divergence {a.first_divergence}, mean |dlogp| {a.mean_abs_logprob_diff:.4f}"
+        )
     assert a.positions == POSITIONS
     assert 5 < a.reference_perplexity < 60  # the f32 model reads English (~20 on this text)
     assert a.top1_agreement >= MIN_TOP1_AGREEMENT
@@ -182,9 +218,11 @@ KV_MAX_PERPLEXITY_CHANGE = 0.01
 def test_int8_and_fp8_kv_caches_agree_with_float32_on_real_text(kv, text_ids, f32_scores, capsys):
     a = compare(f32_scores, _scores("float32", text_ids, kv_cache_dtype=kv))
     with capsys.disabled():
-        print(f"\n{kv} KV vs f32 over {a.positions} positions: top-1 {a.top1_agreement:.4f}, perplexity "
-              f"{a.reference_perplexity:.3f} -> {a.candidate_perplexity:.3f} ({a.perplexity_ratio:.4f}), "
-              f"mean |dlogp| {a.mean_abs_logprob_diff:.4f}")
+        print(
+            f"\n{kv} KV vs f32 over {a.positions} positions: top-1 {a.top1_agreement:.4f}, perplexity "
+            f"{a.reference_perplexity:.3f} -> {a.candidate_perplexity:.3f} ({a.perplexity_ratio:.4f}), "
+            f"mean |dlogp| {a.mean_abs_logprob_diff:.4f}"
+        )
     assert a.positions == POSITIONS
     assert a.top1_agreement >= KV_MIN_TOP1_AGREEMENT[kv]
     assert abs(a.perplexity_ratio - 1) <= KV_MAX_PERPLEXITY_CHANGE

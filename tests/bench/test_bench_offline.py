@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from bench_engine_args import SMALL_ENGINE
 
 from bench.offline import run_latency, run_throughput
 from bench.peers.runner import PeerUnavailable, check_peer, run_offline_peer
 from bench.workloads import TokenSampler, random_workload
-from bench_engine_args import SMALL_ENGINE
 
 
 def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
@@ -27,8 +27,10 @@ def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
     assert ours["compilations_during_run"] == 0
     assert result["system"]["accelerator"]
     tiers = result["backends"]["jaxserve"]["kv_tiers"]
-    assert tiers["device_hit_tokens"] + tiers["host_hit_tokens"] + tiers["disk_hit_tokens"] == ours["cached_prompt_tokens"]
-    assert tiers["disk_loads"] == 0 and tiers["disk_bytes_written"] == 0   # no disk tier here
+    assert (
+        tiers["device_hit_tokens"] + tiers["host_hit_tokens"] + tiers["disk_hit_tokens"] == ours["cached_prompt_tokens"]
+    )
+    assert tiers["disk_loads"] == 0 and tiers["disk_bytes_written"] == 0  # no disk tier here
 
 
 def test_latency_reports_prefill_and_decode(compile_cache):

@@ -19,7 +19,9 @@ def result(throughput: float, ttft: float, cpu: str = "x") -> dict:
 def test_ratio_is_ours_over_peer_and_the_verdict_knows_the_direction():
     r = with_ratios(result(100.0, 40.0))
     assert r["ratios"]["llama-cpp"] == {"output_throughput": 2.0, "median_ttft_ms": 2.0, "completed": 1.0}
-    text = table("t", {"jaxserve": r["backends"]["jaxserve"]["results"], "llama-cpp": r["backends"]["llama-cpp"]["results"]})
+    text = table(
+        "t", {"jaxserve": r["backends"]["jaxserve"]["results"], "llama-cpp": r["backends"]["llama-cpp"]["results"]}
+    )
     rows = {line.split()[0]: line for line in text.splitlines() if line and line.split()[0] in r["ratios"]["llama-cpp"]}
     assert rows["output_throughput"].endswith("2.00x better")  # higher throughput is better
     assert rows["median_ttft_ms"].endswith("2.00x worse")  # higher latency is worse

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_engine_args import SMALL_ENGINE, engine_flags
 
 from bench.server_process import ManagedServer, free_port, jaxserve_argv
 from jaxserve.config import EngineConfig
 from jaxserve.dtype_choice import choose_dtype
-from bench_engine_args import SMALL_ENGINE, engine_flags
 
 ENGINE_ARGS = engine_flags(SMALL_ENGINE)
 pytestmark = pytest.mark.slow

@@ -23,8 +23,22 @@ from bench.server_process import ServerStartError, vllm_argv, vllm_env
 
 def test_vllm_argv_starts_the_openai_server_module():
     assert vllm_argv("/v/bin/python", "/m", "smol", 8123, "bfloat16", 4096) == [
-        "/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--served-model-name", "smol",
-        "--host", "127.0.0.1", "--port", "8123", "--dtype", "bfloat16", "--max-model-len", "4096"]
+        "/v/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/m",
+        "--served-model-name",
+        "smol",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "4096",
+    ]
 
 
 def test_vllm_env_binds_threads_sizes_the_cache_and_preloads_the_venvs_openmp(tmp_path):
@@ -46,8 +60,20 @@ def test_a_missing_vllm_is_a_clear_message_and_exit_code_2():
         check_serving_peer(ServeOptions(model="tiny-random", peer="vllm", peer_python=sys.executable))
     from jaxserve.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "sweep", "--model", "tiny-random", "--concurrencies", "1",
-                                      "--peer", "vllm", "--peer-python", sys.executable])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "sweep",
+            "--model",
+            "tiny-random",
+            "--concurrencies",
+            "1",
+            "--peer",
+            "vllm",
+            "--peer-python",
+            sys.executable,
+        ]
+    )
     assert args.func(args) == 2
 
 
@@ -116,9 +142,16 @@ def _alive(pid: int) -> bool:
 def test_vllm_endpoint_waits_for_health_and_stops_the_server_and_its_workers(fake_vllm_python, tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    opts = ServeOptions(model="smol.gguf", served_model_name="smol", peer="vllm", peer_python=fake_vllm_python,
-                        peer_model=str(tmp_path / "model"), peer_threads=2, peer_kv_cache_gib=3,
-                        startup_timeout_s=60)
+    opts = ServeOptions(
+        model="smol.gguf",
+        served_model_name="smol",
+        peer="vllm",
+        peer_python=fake_vllm_python,
+        peer_model=str(tmp_path / "model"),
+        peer_threads=2,
+        peer_kv_cache_gib=3,
+        startup_timeout_s=60,
+    )
     with vllm_endpoint(opts) as (endpoint, info):
         assert info["startup_s"] >= 1.5  # /health answered 503 until then
         with urllib.request.urlopen(endpoint.base_url + "/health", timeout=5) as response:
@@ -137,8 +170,14 @@ def test_vllm_endpoint_waits_for_health_and_stops_the_server_and_its_workers(fak
 
 def test_a_vllm_that_exits_at_start_is_a_start_error_with_its_log(fake_vllm_python, tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    opts = ServeOptions(model="smol.gguf", peer="vllm", peer_python=fake_vllm_python, peer_model=str(tmp_path),
-                        peer_dtype="float16", startup_timeout_s=60)
+    opts = ServeOptions(
+        model="smol.gguf",
+        peer="vllm",
+        peer_python=fake_vllm_python,
+        peer_model=str(tmp_path),
+        peer_dtype="float16",
+        startup_timeout_s=60,
+    )
     with pytest.raises(ServerStartError, match="float16 is not supported"):
         with vllm_endpoint(opts):
             pass

@@ -25,8 +25,13 @@ pytestmark = pytest.mark.timeout(int(PLAN.budget_s) + 120)
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=PLAN.budget_s + 60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=PLAN.budget_s + 60,
+    )
     summary = json.loads((out / "gpu_check.json").read_text())
     return proc, summary, (out / "gpu_check.txt").read_text()
 
@@ -40,8 +45,11 @@ def test_every_stage_runs_and_passes(dry_run):
     proc, summary, table = dry_run
     assert [s["name"] for s in summary["stages"]] == [s.name for s in PLAN.stages]
     # An optional stage runs only in the time the others left (see __main__.Run.stage).
-    failed = {s["name"]: s["error"] or s["problems"] for s in summary["stages"]
-              if s["status"] != "ok" and not (s["status"] == "skipped" and PLAN.stage(s["name"]).optional)}
+    failed = {
+        s["name"]: s["error"] or s["problems"]
+        for s in summary["stages"]
+        if s["status"] != "ok" and not (s["status"] == "skipped" and PLAN.stage(s["name"]).optional)
+    }
     assert not failed, f"{failed}\n{proc.stdout[-3000:]}"
     assert proc.returncode == 0
     assert summary["mode"] == "dry-run"
@@ -52,8 +60,15 @@ def test_every_stage_runs_and_passes(dry_run):
 def mosaic_interpreted_here() -> bool:
     """Whether this jax runs the Mosaic GPU kernel in the dry run (its interpreter is public from 0.11)."""
     code = "from kernels_pallas import decode_mosaic; print(decode_mosaic.interpret_available())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
     return out.stdout.strip() == "True"
 
 
@@ -76,7 +91,8 @@ def test_kernel_stages_measure_every_case_against_their_peers(dry_run):
     decode = stage(summary, "decode_kernels")
     assert decode["info"]["copy_bps"] > 0
     assert [(r["batch"], r["context"]) for r in decode["rows"]] == [
-        (b, c) for b in PLAN.decode_batches for c in PLAN.decode_contexts]
+        (b, c) for b in PLAN.decode_batches for c in PLAN.decode_contexts
+    ]
     mosaic = mosaic_interpreted_here()
     for r in decode["rows"]:
         assert r["triton_gbps"] > 0 and r["shipped_s"] > 0 and r["triton_x_shipped"] > 0
@@ -117,8 +133,9 @@ def test_table_has_the_columns_of_the_gpu_run(dry_run):
     lines = table.splitlines()
     assert lines[0].startswith("jaxserve GPU check (DRY RUN")
     assert any(line.split() == "  ".join(ENGINE_COLUMNS).split() for line in lines)
-    assert any(line.startswith("decode case") and "%copy" in line and "x jax" in line and "mosaic ms" in line
-               for line in lines)
+    assert any(
+        line.startswith("decode case") and "%copy" in line and "x jax" in line and "mosaic ms" in line for line in lines
+    )
     assert any(line.startswith("pick (dry run: interpreter timings, not a measurement): ") for line in lines)
     assert any(line.startswith("prefill case") and "%peak" in line for line in lines)
     engine_rows = [line for line in lines if line.split()[:1] and line.split()[0] in PLAN.models]
@@ -159,20 +176,28 @@ def test_stages_import_without_the_packages_the_gpu_machine_lacks():
         "for module, _ in stage.RUNNERS.values():\n"
         "    importlib.import_module(module)\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
-                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, check=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
 
 
 def _row(case, triton_s, mosaic_s, **extra):
-    return {"case": case, "triton_s": triton_s, "mosaic_s": mosaic_s, "triton_err": 1e-3, "mosaic_err": 1e-3,
-            "mosaic_vs_triton_err": 1e-3, **extra}
+    return {
+        "case": case,
+        "triton_s": triton_s,
+        "mosaic_s": mosaic_s,
+        "triton_err": 1e-3,
+        "mosaic_err": 1e-3,
+        "mosaic_vs_triton_err": 1e-3,
+        **extra,
+    }
 
 
 def test_pick_follows_the_geometric_mean_of_time_ratios():
     """Mosaic 2x faster in one case and 1.5x slower in the other: geometric mean 0.87, Mosaic."""
     rows = [_row("a", 2.0, 1.0), _row("b", 1.0, 1.5)]
     pick = pick_decode_kernel(rows, 2e-2)
-    assert pick["kernel"] == "mosaic" and pick["cases"] == 2 and abs(pick["mosaic_over_triton"] - 0.75 ** 0.5) < 1e-9
+    assert pick["kernel"] == "mosaic" and pick["cases"] == 2 and abs(pick["mosaic_over_triton"] - 0.75**0.5) < 1e-9
     assert pick_decode_kernel([_row("a", 1.0, 1.2), _row("b", 1.0, 0.9)], 2e-2)["kernel"] == "triton"
 
 
@@ -196,7 +221,10 @@ def test_pick_is_triton_when_mosaic_could_not_run():
 @pytest.mark.slow
 def test_lora_stage_times_adapter_rows_against_base_rows(dry_run):
     lora = stage(dry_run[1], "lora")
-    assert [r["case"] for r in lora["rows"]] == ["base rows, runner without LoRA", "base rows, LoRA runner",
-                                                 "rows over 8 adapters, LoRA runner"]
+    assert [r["case"] for r in lora["rows"]] == [
+        "base rows, runner without LoRA",
+        "base rows, LoRA runner",
+        "rows over 8 adapters, LoRA runner",
+    ]
     assert all(r["ms"] > 0 for r in lora["rows"]) and not lora["problems"]
     assert lora["info"]["adapters"] == 8 and lora["info"]["ratio_8_adapters"] > 0

@@ -17,10 +17,14 @@ def test_quantized_matmul_stage_measures_every_projection_against_bf16(tmp_path)
     rows = record.data["rows"]
     assert not record.data["problems"]
     assert [(r["case"].split()[0], r["rows"]) for r in rows] == [
-        (name, n) for name in quant_stage.projections(plan) for n in plan.quant_rows]
+        (name, n) for name in quant_stage.projections(plan) for n in plan.quant_rows
+    ]
     for r in rows:
         for kind in ("int8", "q4"):
             assert r[f"{kind}_s"] > 0 and r[f"{kind}_pct_copy"] > 0 and r[f"{kind}_err"] <= quant_stage.TOLERANCE
-    summary = {"stages": [{**record.data, "kind": stage.kind, "status": "ok", "seconds": 1.0, "limit_s": 1.0,
-                           "error": None}], "command_buffers": "off", "total_s": 1.0}
+    summary = {
+        "stages": [{**record.data, "kind": stage.kind, "status": "ok", "seconds": 1.0, "limit_s": 1.0, "error": None}],
+        "command_buffers": "off",
+        "total_s": 1.0,
+    }
     assert "int8/bf16" in render(summary, plan)

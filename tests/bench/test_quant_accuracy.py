@@ -17,9 +17,18 @@ from bench.heldout_text import first_tokens, python_docs_text
 from jaxserve import LLM
 
 POSITIONS = 2040  # 2 windows of 1,021 targets each
-REAL = dict(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=1024, prefill_token_buckets=(512,),
-            prefill_seq_buckets=(2,), decode_batch_buckets=(2,), sampler_row_buckets=(2,), block_table_buckets=(64,),
-            num_blocks=160, dtype="float32")
+REAL = dict(
+    max_num_seqs=2,
+    max_num_batched_tokens=512,
+    max_model_len=1024,
+    prefill_token_buckets=(512,),
+    prefill_seq_buckets=(2,),
+    decode_batch_buckets=(2,),
+    sampler_row_buckets=(2,),
+    block_table_buckets=(64,),
+    num_blocks=160,
+    dtype="float32",
+)
 # (least top-1 agreement, largest relative change of perplexity) per mode. Measured (Python 3.11.7's
 # docs): int8 top-1 0.9775, perplexity 13.354 -> 13.378 (+0.18%); q4 1.0 and unchanged (see above).
 BOUNDS = {"int8": (0.97, 0.01), "q4": (0.80, 0.05)}
@@ -43,18 +52,23 @@ def f32(text_ids):
     return _scores("none", text_ids)
 
 
-@pytest.mark.parametrize("mode", [
-    pytest.param("int8", marks=pytest.mark.integration),
-    # slow: a third engine on the default model; its kernels and engine path are in CI (tiny model)
-    pytest.param("q4", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("int8", marks=pytest.mark.integration),
+        # slow: a third engine on the default model; its kernels and engine path are in CI (tiny model)
+        pytest.param("q4", marks=pytest.mark.slow),
+    ],
+)
 def test_quantized_weights_agree_with_float32_on_real_text(f32, text_ids, mode, capsys):
     min_agreement, max_change = BOUNDS[mode]
     a = compare(f32, _scores(mode, text_ids))
     with capsys.disabled():
-        print(f"\n{mode} vs f32 over {a.positions} positions: top-1 {a.top1_agreement:.4f}, perplexity "
-              f"{a.reference_perplexity:.3f} -> {a.candidate_perplexity:.3f} ({a.perplexity_ratio:.4f}), "
-              f"first divergence at {a.first_divergence}")
+        print(
+            f"\n{mode} vs f32 over {a.positions} positions: top-1 {a.top1_agreement:.4f}, perplexity "
+            f"{a.reference_perplexity:.3f} -> {a.candidate_perplexity:.3f} ({a.perplexity_ratio:.4f}), "
+            f"first divergence at {a.first_divergence}"
+        )
     assert a.positions >= 2000
     assert a.top1_agreement >= min_agreement, a
     assert abs(a.perplexity_ratio - 1) <= max_change, a

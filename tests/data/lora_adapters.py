@@ -47,12 +47,20 @@ DEFAULT_ADAPTERS = (
 )
 
 
-def module_features(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int
-                    ) -> dict[str, tuple[int, int]]:
+def module_features(
+    hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int
+) -> dict[str, tuple[int, int]]:
     """(in, out) of each projection of a Llama-shaped layer."""
     q, kv = heads * head_dim, kv_heads * head_dim
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
 
 
 def write_adapter(directory: Path, spec: AdapterSpec, num_layers: int, features: dict[str, tuple[int, int]]) -> Path:
@@ -67,10 +75,23 @@ def write_adapter(directory: Path, spec: AdapterSpec, num_layers: int, features:
             prefix = f"base_model.model.model.layers.{layer}.{'mlp' if module in MLP else 'self_attn'}.{module}"
             a = rng.standard_normal((spec.rank, fan_in)) * spec.scale
             b = rng.standard_normal((out, spec.rank)) * spec.scale
-            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a.astype(np.float32), b.astype(np.float32)
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = (
+                a.astype(np.float32),
+                b.astype(np.float32),
+            )
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-              "target_modules": list(spec.targets), "use_rslora": spec.rslora, "lora_dropout": 0.0, "bias": "none",
-              "fan_in_fan_out": False, "base_model_name_or_path": None, "inference_mode": True}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": list(spec.targets),
+        "use_rslora": spec.rslora,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+    }
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return directory

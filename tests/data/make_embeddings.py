@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from make_reference import default_gguf, sha256
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 OUT = Path(__file__).with_name("smollm2_embeddings.json")
 TEXTS = [
@@ -42,18 +41,25 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=default_gguf())
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(args.gguf.parent), gguf_file=args.gguf.name, dtype=torch.float32
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name)
     texts = []
     for text in TEXTS:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0].double()
         pooled = {"last": hidden[-1], "mean": hidden.mean(dim=0)}
-        texts.append({"text": text, "ids": ids, **{k: [round(float(x), 7) for x in v / v.norm()]
-                                                   for k, v in pooled.items()}})
-    source = {"gguf": args.gguf.name, "gguf_sha256": sha256(args.gguf), "transformers": transformers.__version__,
-              "torch": torch.__version__, "dtype": "float32"}
+        texts.append(
+            {"text": text, "ids": ids, **{k: [round(float(x), 7) for x in v / v.norm()] for k, v in pooled.items()}}
+        )
+    source = {
+        "gguf": args.gguf.name,
+        "gguf_sha256": sha256(args.gguf),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "dtype": "float32",
+    }
     OUT.write_text(json.dumps({"source": source, "texts": texts}) + "\n")
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 

@@ -64,15 +64,22 @@ for family in sys.argv[2:]:
 QWEN_CHATS = [
     ("capital", [{"role": "user", "content": "What is the capital of France?"}]),
     ("prime", [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]),
-    ("system", [{"role": "system", "content": "You are a terse assistant."},
-                {"role": "user", "content": "Explain a hash map in one sentence."}]),
+    (
+        "system",
+        [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Explain a hash map in one sentence."},
+        ],
+    ),
     ("chinese", [{"role": "user", "content": "用一句话解释什么是递归。"}]),
 ]
-PARAGRAPH = ("The river wound through the valley, past farms and orchards, under old stone bridges, until it "
-             "reached the town where the market opened every Saturday and the bakers sold bread still warm. ")
+PARAGRAPH = (
+    "The river wound through the valley, past farms and orchards, under old stone bridges, until it "
+    "reached the town where the market opened every Saturday and the bakers sold bread still warm. "
+)
 GEMMA_PROMPTS = [
     ("capital", "The capital of France is", True),
-    ("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", True),
+    ("code", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', True),
     ("long", PARAGRAPH * 18 + "In summary, the town", True),
     ("turns", "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n", False),
 ]
@@ -141,16 +148,27 @@ def real_cases(name: str, gguf: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(**load)
     model = load_checked(**load)
     if name.startswith("qwen"):
-        prompts = [(case, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False,
-                    messages) for case, messages in QWEN_CHATS]
+        prompts = [
+            (case, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False, messages)
+            for case, messages in QWEN_CHATS
+        ]
     else:
         prompts = [(case, text, special, None) for case, text, special in GEMMA_PROMPTS]
     cases = []
     for case, text, special, messages in prompts:
         prompt_ids = tokenizer(text, add_special_tokens=special)["input_ids"]
         new_ids, margins = greedy(model, prompt_ids, REAL_NEW_TOKENS)
-        cases.append({"name": case, "text": text, "special": special, "prompt_ids": prompt_ids, "new_ids": new_ids,
-                      "new_margins": margins, **({"messages": messages} if messages else {})})
+        cases.append(
+            {
+                "name": case,
+                "text": text,
+                "special": special,
+                "prompt_ids": prompt_ids,
+                "new_ids": new_ids,
+                "new_margins": margins,
+                **({"messages": messages} if messages else {}),
+            }
+        )
         print(f"{name} {case} ({len(prompt_ids)} tokens): {tokenizer.decode(new_ids)!r}", flush=True)
     samples = [{"text": t, "ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in TOKENIZER_SAMPLES]
     return {"gguf": gguf.name, "gguf_sha256": sha256(gguf), "tokenizer_samples": samples, "cases": cases}
@@ -164,8 +182,12 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
     cache = Path(os.environ.get("JAXSERVE_CACHE", "~/.cache/jaxserve")).expanduser()
-    real = {"qwen2.5-coder-0.5b-instruct": cache / "qwen2.5-coder-0.5b-instruct" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            "gemma-3-270m": cache / "gemma-3-270m" / "gemma-3-270m-q4_k_m.gguf"}
+    real = {
+        "qwen2.5-coder-0.5b-instruct": cache
+        / "qwen2.5-coder-0.5b-instruct"
+        / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "gemma-3-270m": cache / "gemma-3-270m" / "gemma-3-270m-q4_k_m.gguf",
+    }
     wanted = set(args.only or [*TINY_FAMILIES, *real])
     reference = json.loads(OUT.read_text()) if OUT.is_file() else {"tiny": {}, "real": {}}
     reference["source"] = {"transformers": transformers.__version__, "torch": torch.__version__, "dtype": "float32"}

@@ -58,8 +58,10 @@ model = build_tiny_random(family="llama")
 save_hf_dir(model.params, model.config, model.tokenizer_bundle, sys.argv[1])
 """
 # The default model's prompts: the first two chats of its transformers reference.
-DEFAULT_PROMPTS = [case["prompt_ids"] for case in
-                   json.loads(Path(__file__).with_name("smollm2_reference.json").read_text())["greedy"][:2]]
+DEFAULT_PROMPTS = [
+    case["prompt_ids"]
+    for case in json.loads(Path(__file__).with_name("smollm2_reference.json").read_text())["greedy"][:2]
+]
 
 
 def cases_for(model, prompts: list[list[int]]) -> list[dict]:
@@ -71,8 +73,13 @@ def cases_for(model, prompts: list[list[int]]) -> list[dict]:
 
 
 def with_adapters(base, config, specs, prompts: list[list[int]], tmp: Path) -> dict:
-    features = module_features(config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                               config.num_key_value_heads, config.hidden_size // config.num_attention_heads)
+    features = module_features(
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.hidden_size // config.num_attention_heads,
+    )
     result = {"base": {"cases": cases_for(base, prompts)}, "adapters": {}}
     for spec in specs:
         directory = write_adapter(tmp / spec.name, spec, config.num_hidden_layers, features)
@@ -93,8 +100,12 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
     reference = json.loads(OUT.read_text()) if OUT.is_file() else {}
-    reference["source"] = {"transformers": transformers.__version__, "torch": torch.__version__,
-                           "peft": peft.__version__, "dtype": "float32"}
+    reference["source"] = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "peft": peft.__version__,
+        "dtype": "float32",
+    }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.only in (None, "tiny"):

@@ -23,17 +23,19 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
 # Jitted once per shape: run eagerly, the references compile op by op (several times slower).
-reference_decode = jax.jit(reference.decode_attention,
-                           static_argnames=("scale", "soft_cap", "sliding_window"))
-reference_prefill = jax.jit(reference.prefill_attention,
-                            static_argnames=("scale", "soft_cap", "sliding_window"))
+reference_decode = jax.jit(reference.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window"))
+reference_prefill = jax.jit(reference.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window"))
 # The plain-JAX backends by name: (decode, prefill), each jitted once per shape.
 PLAIN_JAX = {
     "reference": (reference_decode, reference_prefill),
-    "jax": (jax.jit(paged_jax.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
-            jax.jit(paged_jax.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window"))),
-    "cpu": (jax.jit(cpu_attention.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
-            jax.jit(cpu_attention.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window"))),
+    "jax": (
+        jax.jit(paged_jax.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
+        jax.jit(paged_jax.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
+    ),
+    "cpu": (
+        jax.jit(cpu_attention.decode_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
+        jax.jit(cpu_attention.prefill_attention, static_argnames=("scale", "soft_cap", "sliding_window")),
+    ),
 }
 
 
@@ -61,8 +63,7 @@ class Cache:
     block_size: int
 
 
-def make_cache(rng: np.random.Generator, num_kv_heads: int, block_size: int, num_blocks: int,
-               dtype) -> Cache:
+def make_cache(rng: np.random.Generator, num_kv_heads: int, block_size: int, num_blocks: int, dtype) -> Cache:
     shape = (NUM_LAYERS, num_kv_heads, num_blocks, block_size, HEAD_DIM)
     k = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
     v = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
@@ -81,8 +82,7 @@ def block_tables(rng: np.random.Generator, seq_lens: list[int], width: int, num_
 def decode_lengths(rng: np.random.Generator, block_size: int, width: int) -> list[int]:
     """1, exact block multiples, the full table, two random lengths, and a padded entry (0)."""
     full = width * block_size
-    return [1, block_size, full, int(rng.integers(2, full)), int(rng.integers(2, full)),
-            2 * block_size, 0]
+    return [1, block_size, full, int(rng.integers(2, full)), int(rng.integers(2, full)), 2 * block_size, 0]
 
 
 def prefill_sequences(rng: np.random.Generator, block_size: int, width: int) -> list[tuple[int, int]]:

@@ -12,12 +12,23 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+from paged_cases import (  # noqa: E402
+    LAYER,
+    SCALE,
+    TOLERANCE,
+    assert_close,
+    block_tables,
+    decode_lengths,
+    make_cache,
+    prefill_sequences,
+    queries,
+    reference_decode,
+    reference_prefill,
+)
 
 from kernels_pallas import get_attention_backend, shard_attention  # noqa: E402
-from paged_cases import (LAYER, SCALE, TOLERANCE, assert_close, block_tables, decode_lengths,  # noqa: E402
-                         make_cache, prefill_sequences, queries, reference_decode,
-                         reference_prefill)
 
 NUM_KV_HEADS, GROUP, BLOCK, WIDTH = 4, 2, 8, 4
 
@@ -43,8 +54,7 @@ def main(dp: int, tp: int) -> None:
     ptables = block_tables(rng, [h + c for h, c in seqs], WIDTH, cache.num_blocks)
     query_start = jnp.asarray(np.concatenate([[0], np.cumsum([c for _, c in seqs])]), jnp.int32)
     pq = queries(rng, int(query_start[-1]) + 2, NUM_KV_HEADS * GROUP, jnp.float32)
-    want_prefill = reference_prefill(pq, cache.k, cache.v, layer, ptables, seq_lens, query_start,
-                                     scale=SCALE)
+    want_prefill = reference_prefill(pq, cache.k, cache.v, layer, ptables, seq_lens, query_start, scale=SCALE)
 
     for name in ("reference", "pallas"):
         backend = shard_attention(get_attention_backend(name), mesh, "tp")

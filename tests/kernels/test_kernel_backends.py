@@ -3,8 +3,20 @@
 import jax
 import pytest
 
-from kernels_pallas import (BACKENDS, common, cpu_attention, cpu_build, decode, decode_mosaic, default_attention_backend,
-                            get_attention_backend, gpu_select, paged_jax, prefill, reference)
+from kernels_pallas import (
+    BACKENDS,
+    common,
+    cpu_attention,
+    cpu_build,
+    decode,
+    decode_mosaic,
+    default_attention_backend,
+    get_attention_backend,
+    gpu_select,
+    paged_jax,
+    prefill,
+    reference,
+)
 
 
 def test_registry():

@@ -8,21 +8,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_cases import TOLERANCE, assert_close, reference_decode, reference_prefill
 
 from kernels_pallas import cpu_attention
-from paged_cases import TOLERANCE, assert_close, reference_decode, reference_prefill
 
 STATIC = ("scale", "soft_cap", "sliding_window")
 decode = jax.jit(cpu_attention.decode_attention, static_argnames=STATIC)
 prefill = jax.jit(cpu_attention.prefill_attention, static_argnames=STATIC)
-SHAPES = pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [
-    (3, 3, 64, 16),  # the default model
-    (2, 1, 32, 8),
-    (1, 20, 128, 16),  # more query heads per kv head than one register group holds
-    (2, 4, 256, 4),
-    (2, 2, 80, 32),  # head_dim 80 (Phi); pages of 32 keys, two key steps each
-    (2, 2, 16, 16),  # the tiny test model
-])
+SHAPES = pytest.mark.parametrize(
+    "kv_heads,group,head_dim,block_size",
+    [
+        (3, 3, 64, 16),  # the default model
+        (2, 1, 32, 8),
+        (1, 20, 128, 16),  # more query heads per kv head than one register group holds
+        (2, 4, 256, 4),
+        (2, 2, 80, 32),  # head_dim 80 (Phi); pages of 32 keys, two key steps each
+        (2, 2, 16, 16),  # the tiny test model
+    ],
+)
 OPTIONS = pytest.mark.parametrize("options", [{}, {"soft_cap": 2.0, "sliding_window": 21}])
 
 
@@ -40,8 +43,9 @@ def case(seed, kv_heads, group, head_dim, block_size, lengths, width=12, num_blo
 @OPTIONS
 def test_decode_matches_reference(kv_heads, group, head_dim, block_size, options):
     full = 12 * block_size
-    q, k, v, tables, lengths = case(0, kv_heads, group, head_dim, block_size,
-                                    [1, block_size, full, 0, full - 3, 2 * block_size + 1])
+    q, k, v, tables, lengths = case(
+        0, kv_heads, group, head_dim, block_size, [1, block_size, full, 0, full - 3, 2 * block_size + 1]
+    )
     scale = head_dim**-0.5
     got = decode(q, k, v, jnp.int32(1), tables, lengths, scale=scale, **options)
     want = reference_decode(q, k, v, jnp.int32(1), tables, lengths, scale=scale, **options)
@@ -71,8 +75,9 @@ def test_prefill_matches_reference(kv_heads, group, head_dim, block_size, option
 @SHAPES
 @OPTIONS
 @pytest.mark.parametrize("cache", ["float32", "bfloat16"])
-def test_prefill_of_bf16_queries_multiplies_bf16_pairs_within_bf16_tolerance(kv_heads, group, head_dim, block_size,
-                                                                             options, cache):
+def test_prefill_of_bf16_queries_multiplies_bf16_pairs_within_bf16_tolerance(
+    kv_heads, group, head_dim, block_size, options, cache
+):
     """A bf16 model's prefill takes its products in bf16 pairs (AVX512-BF16 where present): every
     tile shape, odd key counts (a pair's second key past the block), soft cap and window."""
     full = 12 * block_size
@@ -87,8 +92,17 @@ def test_prefill_of_bf16_queries_multiplies_bf16_pairs_within_bf16_tolerance(kv_
     scale = head_dim**-0.5
     got = prefill(q, k, v, jnp.int32(1), tables, seq_lens, query_start, scale=scale, **options)
     assert got.dtype == jnp.bfloat16
-    want = reference_prefill(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), jnp.int32(1),
-                             tables, seq_lens, query_start, scale=scale, **options)
+    want = reference_prefill(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        jnp.int32(1),
+        tables,
+        seq_lens,
+        query_start,
+        scale=scale,
+        **options,
+    )
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
 
 
@@ -100,14 +114,23 @@ def test_decode_of_bf16_queries_on_a_bf16_cache_within_bf16_tolerance(kv_heads, 
     size, odd lengths (a pair's second key past the end), a length in the middle of a pair of pages,
     soft cap and window; a padded entry gives zeros."""
     full = 12 * block_size
-    q, k, v, tables, lengths = case(9, kv_heads, group, head_dim, block_size,
-                                    [1, block_size, full, 0, full - 3, 2 * block_size + 1])
+    q, k, v, tables, lengths = case(
+        9, kv_heads, group, head_dim, block_size, [1, block_size, full, 0, full - 3, 2 * block_size + 1]
+    )
     q, k, v = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     scale = head_dim**-0.5
     got = decode(q, k, v, jnp.int32(1), tables, lengths, scale=scale, **options)
     assert got.dtype == jnp.bfloat16
-    want = reference_decode(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), jnp.int32(1), tables,
-                            lengths, scale=scale, **options)
+    want = reference_decode(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        jnp.int32(1),
+        tables,
+        lengths,
+        scale=scale,
+        **options,
+    )
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
     assert not np.asarray(got[3]).any(), "a padded entry (length 0) must give zeros"
 
@@ -116,7 +139,9 @@ def test_bf16_queries_on_an_f32_cache_are_computed_in_f32():
     q, k, v, tables, lengths = case(1, 2, 2, 64, 16, [5, 100])
     got = decode(q.astype(jnp.bfloat16), k, v, jnp.int32(0), tables, lengths, scale=0.125)
     assert got.dtype == jnp.bfloat16
-    want = reference_decode(q.astype(jnp.bfloat16).astype(jnp.float32), k, v, jnp.int32(0), tables, lengths, scale=0.125)
+    want = reference_decode(
+        q.astype(jnp.bfloat16).astype(jnp.float32), k, v, jnp.int32(0), tables, lengths, scale=0.125
+    )
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
 
 
@@ -133,4 +158,6 @@ def test_rejects_what_it_cannot_serve():
         prefill(q, k, v, jnp.int32(0), tables, lengths, jnp.asarray([0, 1], jnp.int32), scale=0.125)
     q, k, v, tables, lengths = case(6, 2, 2, 64, 16, [5, 100])
     with pytest.raises(Exception, match="query_start / seq_lens out of range"):  # a chunk longer than its sequence
-        prefill(q, k, v, jnp.int32(0), tables, lengths, jnp.asarray([0, 6, 7], jnp.int32), scale=0.125).block_until_ready()
+        prefill(
+            q, k, v, jnp.int32(0), tables, lengths, jnp.asarray([0, 6, 7], jnp.int32), scale=0.125
+        ).block_until_ready()

@@ -105,8 +105,10 @@ def test_head(matmul, m, k, v):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(k))
 
 
-@pytest.mark.parametrize("m,k,dtype", [(cpu_matmul.HEAD_MAX_ROWS + 1, 64, np.float32), (3, 40, np.float32),
-                                     (1, 48, jnp.bfloat16), (1, 64, jnp.float16)])
+@pytest.mark.parametrize(
+    "m,k,dtype",
+    [(cpu_matmul.HEAD_MAX_ROWS + 1, 64, np.float32), (3, 40, np.float32), (1, 48, jnp.bfloat16), (1, 64, jnp.float16)],
+)
 def test_head_refuses_what_xlas_dot_keeps(matmul, m, k, dtype):
     """More rows than it pays for, K off its vectors, other dtypes: the model keeps XLA's dot."""
     x, e = jnp.ones((m, k), jnp.float32), jnp.ones((7, k), dtype)
@@ -126,7 +128,7 @@ def check_bf16_result(got, x, w, k: int) -> None:
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(k))
     exact = x.astype(np.float64) @ w.astype(np.float64)
-    bound = 2.0 ** -7 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
+    bound = 2.0**-7 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
     assert np.all(np.abs(got - exact) <= bound)
 
 
@@ -183,9 +185,9 @@ def test_bf16_activations(matmul, m, k):
 def test_bf16_rounds_activations_to_nearest_even(matmul):
     """x = 1 + 2^-8 (a tie: to 1.0) and 1 + 3 * 2^-8 (a tie: up to 1 + 2^-6), times weights of 1."""
     p = matmul.panel
-    x = jnp.array([[1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8]], jnp.float32)
+    x = jnp.array([[1 + 2.0**-8, 1 + 3 * 2.0**-8]], jnp.float32)
     got = np.asarray(jax.jit(matmul)(x, cpu_matmul.to_panels(jnp.ones((1, 2, p), jnp.bfloat16), p), 0))
-    np.testing.assert_array_equal(got, 2 + 2.0 ** -6)
+    np.testing.assert_array_equal(got, 2 + 2.0**-6)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
@@ -225,8 +227,10 @@ def test_bf16_head_refuses_k_off_its_vectors(matmul):
 
 # The AVX-512 widened path shares the AVX2 path's widening code at a wider vector: it runs in the
 # slow tier (each case builds the kernels and reruns this file, ~40 s).
-ISA_FLAGS = [pytest.param("-mno-avx512bf16", id="avx512-widened", marks=pytest.mark.slow),
-             pytest.param("-mno-avx512f", id="avx2")]
+ISA_FLAGS = [
+    pytest.param("-mno-avx512bf16", id="avx512-widened", marks=pytest.mark.slow),
+    pytest.param("-mno-avx512f", id="avx2"),
+]
 
 
 @pytest.mark.parametrize("flags", ISA_FLAGS)
@@ -241,8 +245,22 @@ def test_bf16_paths_of_other_cpus(flags):
     assert done.returncode == 0, done.stderr[-3000:]
     if flags == "-mno-avx512f":
         assert done.stdout.split()[-1] == "32"  # 8-float vectors
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                           "bf16 and not paths_of_other_cpus", __file__], env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "bf16 and not paths_of_other_cpus",
+            __file__,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and " failed" not in done.stdout

@@ -25,8 +25,11 @@ from kernels_pallas.cpu_matmul import to_panels
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler")
 
-FORMATS = {"int8": lambda k: QuantFormat(8, k), "int8/32": lambda k: QuantFormat(8, 32),
-           "q4": lambda k: QuantFormat(4, 32)}
+FORMATS = {
+    "int8": lambda k: QuantFormat(8, k),
+    "int8/32": lambda k: QuantFormat(8, 32),
+    "q4": lambda k: QuantFormat(4, 32),
+}
 
 
 def reference_dequantize(arrays: dict, fmt: QuantFormat) -> np.ndarray:
@@ -103,9 +106,23 @@ def test_paths_of_other_cpus():
     """The tests above on kernels built without AVX-512 (AVX2 vectors), in a subprocess (slow: a
     second build of the kernels; the same source's AVX-512 build is tested above in CI)."""
     env = {**os.environ, "JAXSERVE_CPU_KERNEL_FLAGS": "-mno-avx512f"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                           "not paths_of_other_cpus and (tile_height and (1- or 5-)) or odd_number", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "not paths_of_other_cpus and (tile_height and (1- or 5-)) or odd_number",
+            __file__,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     check = "from kernels_pallas import cpu_qmatmul; print(cpu_qmatmul.panel_width())"
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)

@@ -44,18 +44,27 @@ def lowered_text(fn, *args, device_kind: str = HOPPER) -> str:
 
 def decode_args(batch, group, dtype, width=8, head_dim=DIM, block=BLOCK, cache_dtype=None):
     kv = cache(cache_dtype or dtype, head_dim, block)
-    return (S((batch, KV_HEADS * group, head_dim), dtype), kv, kv,
-            S((), jnp.int32), S((batch, width), jnp.int32), S((batch,), jnp.int32))
+    return (
+        S((batch, KV_HEADS * group, head_dim), dtype),
+        kv,
+        kv,
+        S((), jnp.int32),
+        S((batch, width), jnp.int32),
+        S((batch,), jnp.int32),
+    )
 
 
 # Caches of int8 and fp8 (uint8) rows with their scales (`--kv-cache-dtype`), bf16 queries.
-@pytest.mark.parametrize("group,dtype,options,device_kind,cache_dtype", [
-    (4, jnp.bfloat16, {}, HOPPER, None),
-    (1, jnp.float32, {"num_splits": 2}, HOPPER, None),
-    (3, jnp.bfloat16, {"soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}, AMPERE, None),
-    (3, jnp.bfloat16, {"num_splits": 2}, HOPPER, jnp.int8),
-    (3, jnp.bfloat16, {}, AMPERE, jnp.uint8),
-])
+@pytest.mark.parametrize(
+    "group,dtype,options,device_kind,cache_dtype",
+    [
+        (4, jnp.bfloat16, {}, HOPPER, None),
+        (1, jnp.float32, {"num_splits": 2}, HOPPER, None),
+        (3, jnp.bfloat16, {"soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}, AMPERE, None),
+        (3, jnp.bfloat16, {"num_splits": 2}, HOPPER, jnp.int8),
+        (3, jnp.bfloat16, {}, AMPERE, jnp.uint8),
+    ],
+)
 def test_triton_decode_lowers(group, dtype, options, device_kind, cache_dtype):
     def fn(q, k, v, layer, tables, lengths):
         return decode.decode_attention(q, k, v, layer, tables, lengths, scale=0.1, interpret=False, **options)
@@ -67,13 +76,16 @@ def test_triton_decode_lowers(group, dtype, options, device_kind, cache_dtype):
 # The shapes of the models we serve (SmolLM2: 3 query heads per kv head of 64; Llama 3 8B: 4 of
 # 128), a one-page step, 8-token blocks, a large group, f16, the flash-decoding split, soft cap
 # and sliding window, and head_dim 256 (fewer pipeline stages fit).
-@pytest.mark.parametrize("group,dtype,head_dim,block,options", [
-    (3, jnp.bfloat16, 64, 16, {}),
-    (4, jnp.bfloat16, 128, 16, {"num_splits": 4}),
-    (8, jnp.float16, 64, 8, {"pages_per_step": 2, "num_stages": 2}),
-    (16, jnp.bfloat16, 32, 16, {"pages_per_step": 1, "soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}),
-    (1, jnp.bfloat16, 256, 16, {}),
-])
+@pytest.mark.parametrize(
+    "group,dtype,head_dim,block,options",
+    [
+        (3, jnp.bfloat16, 64, 16, {}),
+        (4, jnp.bfloat16, 128, 16, {"num_splits": 4}),
+        (8, jnp.float16, 64, 8, {"pages_per_step": 2, "num_stages": 2}),
+        (16, jnp.bfloat16, 32, 16, {"pages_per_step": 1, "soft_cap": 5.0, "sliding_window": 20, "num_splits": 3}),
+        (1, jnp.bfloat16, 256, 16, {}),
+    ],
+)
 def test_mosaic_decode_lowers(group, dtype, head_dim, block, options):
     def fn(q, k, v, layer, tables, lengths):
         return decode_mosaic.decode_attention(q, k, v, layer, tables, lengths, scale=0.1, interpret=False, **options)
@@ -82,24 +94,35 @@ def test_mosaic_decode_lowers(group, dtype, head_dim, block, options):
     assert MOSAIC_CALL in text and TRITON_CALL not in text
 
 
-@pytest.mark.parametrize("group,dtype,options,cache_dtype", [
-    (8, jnp.bfloat16, {}, None),
-    (1, jnp.float32, {"soft_cap": 3.0, "sliding_window": 20}, None),
-    (3, jnp.bfloat16, {"block_q": 8}, None),
-    (3, jnp.bfloat16, {}, jnp.int8),
-    (3, jnp.bfloat16, {}, jnp.uint8),
-])
+@pytest.mark.parametrize(
+    "group,dtype,options,cache_dtype",
+    [
+        (8, jnp.bfloat16, {}, None),
+        (1, jnp.float32, {"soft_cap": 3.0, "sliding_window": 20}, None),
+        (3, jnp.bfloat16, {"block_q": 8}, None),
+        (3, jnp.bfloat16, {}, jnp.int8),
+        (3, jnp.bfloat16, {}, jnp.uint8),
+    ],
+)
 def test_triton_prefill_lowers(group, dtype, options, cache_dtype):
     tokens, seqs, width = 40, 3, 8
 
     def fn(q, k, v, layer, tables, seq_lens, query_start):
-        return prefill.prefill_attention(q, k, v, layer, tables, seq_lens, query_start,
-                                         scale=0.1, interpret=False, **options)
+        return prefill.prefill_attention(
+            q, k, v, layer, tables, seq_lens, query_start, scale=0.1, interpret=False, **options
+        )
 
     kv = cache(cache_dtype or dtype)
-    text = lowered_text(fn, S((tokens, KV_HEADS * group, DIM), dtype), kv, kv,
-                        S((), jnp.int32), S((seqs, width), jnp.int32), S((seqs,), jnp.int32),
-                        S((seqs + 1,), jnp.int32))
+    text = lowered_text(
+        fn,
+        S((tokens, KV_HEADS * group, DIM), dtype),
+        kv,
+        kv,
+        S((), jnp.int32),
+        S((seqs, width), jnp.int32),
+        S((seqs,), jnp.int32),
+        S((seqs + 1,), jnp.int32),
+    )
     assert TRITON_CALL in text
 
 
@@ -107,9 +130,12 @@ def test_unsupported_head_dim_is_a_clear_error_not_a_lowering_crash():
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         lowered_text(
             lambda q, k, v, layer, t, n: decode.decode_attention(q, k, v, layer, t, n, scale=1.0, interpret=False),
-            *decode_args(1, 2, jnp.bfloat16, head_dim=80))
+            *decode_args(1, 2, jnp.bfloat16, head_dim=80),
+        )
     with pytest.raises(ValueError, match="head_dim a multiple of 16"):
         lowered_text(
-            lambda q, k, v, layer, t, n: decode_mosaic.decode_attention(q, k, v, layer, t, n, scale=1.0,
-                                                                        interpret=False),
-            *decode_args(1, 2, jnp.bfloat16, head_dim=72))
+            lambda q, k, v, layer, t, n: decode_mosaic.decode_attention(
+                q, k, v, layer, t, n, scale=1.0, interpret=False
+            ),
+            *decode_args(1, 2, jnp.bfloat16, head_dim=72),
+        )

@@ -5,9 +5,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_cases import LAYER, SCALE, block_tables, decode_lengths, make_cache, queries
 
 from kernels_pallas import decode, decode_mosaic, gpu_select
-from paged_cases import LAYER, SCALE, block_tables, decode_lengths, make_cache, queries
 
 
 @dataclasses.dataclass
@@ -52,8 +52,9 @@ def _inputs(dtype):
     return queries(rng, len(lengths), 8, dtype), cache.k, cache.v, jnp.int32(LAYER), tables, jnp.asarray(lengths)
 
 
-@pytest.mark.parametrize("dtype,expected", [(jnp.bfloat16, "mosaic"), (jnp.float32, "triton"), (jnp.int8, "triton"),
-                                            (jnp.uint8, "triton")])
+@pytest.mark.parametrize(
+    "dtype,expected", [(jnp.bfloat16, "mosaic"), (jnp.float32, "triton"), (jnp.int8, "triton"), (jnp.uint8, "triton")]
+)
 def test_dispatch_follows_the_pick_and_the_cache(monkeypatch, dtype, expected):
     """On a Hopper GPU measured for Mosaic, a bf16 cache goes to the Mosaic kernel and an f32 cache
     (which WGMMA cannot take) to Triton, as do int8 and fp8 (uint8) caches (`--kv-cache-dtype`); the
@@ -73,5 +74,7 @@ def test_dispatch_on_this_machine_matches_the_triton_kernel():
     if gpu_select.decode_kernel_for(gpu_select.compute_capability()) != "triton":
         pytest.skip("this GPU's measured pick is the Mosaic kernel")
     args = _inputs(jnp.float32)
-    np.testing.assert_array_equal(np.asarray(gpu_select.decode_attention(*args, scale=SCALE)),
-                                  np.asarray(decode.decode_attention(*args, scale=SCALE)))
+    np.testing.assert_array_equal(
+        np.asarray(gpu_select.decode_attention(*args, scale=SCALE)),
+        np.asarray(decode.decode_attention(*args, scale=SCALE)),
+    )

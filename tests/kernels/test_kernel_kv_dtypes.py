@@ -4,11 +4,11 @@ same stored cache, for bf16 bits, int8 and fp8 rows with their scales."""
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
-import pytest
-
 import paged_cases as pc
+import pytest
+from jax import lax
+
 from kernels_pallas import cpu_attention, cpu_build, decode, kv_quant, prefill
 
 FORMATS = ("bfloat16", "int8", "fp8")
@@ -31,7 +31,11 @@ def test_storage_dtypes_and_rows():
     with pytest.raises(ValueError, match="auto, float32, bfloat16, fp8, fp8_e4m3, int8"):
         sd("fp4", jnp.float32, "cpu")
     assert [kv_quant.format_name(sd(n, jnp.float32, "cpu")) for n in ("auto", "bfloat16", "fp8", "int8")] == [
-        "float32", "bfloat16", "fp8", "int8"]
+        "float32",
+        "bfloat16",
+        "fp8",
+        "int8",
+    ]
     assert [kv_quant.row_width(64, sd(n, jnp.float32, "cpu")) for n in ("auto", "bfloat16", "int8")] == [64, 64, 68]
 
 
@@ -43,8 +47,10 @@ def test_round_trip_error_bounds():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 4, 5, 64)) * rng.uniform(0.01, 100, (3, 4, 5, 1)), jnp.float32)
     x = x.at[0, 0, 0].set(0.0)
-    back = {name: np.asarray(jax.jit(lambda a, n=name: kv_quant.dequantize(stored(n, a)).astype(jnp.float32))(x))
-            for name in FORMATS}
+    back = {
+        name: np.asarray(jax.jit(lambda a, n=name: kv_quant.dequantize(stored(n, a)).astype(jnp.float32))(x))
+        for name in FORMATS
+    }
     x = np.asarray(x)
     amax = np.maximum(np.max(np.abs(x), axis=-1, keepdims=True), 1e-30)
     err = {name: np.abs(back[name] - x) for name in FORMATS}
@@ -65,8 +71,9 @@ def test_fp8_bits_are_xlas_conversions():
     np.testing.assert_array_equal(np.asarray(kv_quant.fp8_bits_to_f32(codes)), np.asarray(values))
     exact = np.sort(np.asarray(values))
     rng = np.random.default_rng(0)
-    x = np.concatenate([exact, (exact[1:] + exact[:-1]) / 2, rng.uniform(-448, 448, 5000),
-                        rng.uniform(-0.03, 0.03, 5000)]).astype(np.float32)
+    x = np.concatenate(
+        [exact, (exact[1:] + exact[:-1]) / 2, rng.uniform(-448, 448, 5000), rng.uniform(-0.03, 0.03, 5000)]
+    ).astype(np.float32)
     want = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float8_e4m3fn), jnp.uint8)
     np.testing.assert_array_equal(np.asarray(jax.jit(kv_quant.f32_to_fp8_bits)(x)), np.asarray(want))
 
@@ -145,12 +152,14 @@ def test_cpu_kernels_at_other_head_dims_with_a_window(name):
         options = dict(scale=dim**-0.5, soft_cap=3.0, sliding_window=40)
         want = pc.reference_decode(q, k, v, jnp.int32(1), tables, lengths, **options)
         got = jax.jit(cpu_attention.decode_attention, static_argnames=tuple(options))(
-            q, k, v, jnp.int32(1), tables, lengths, **options)
+            q, k, v, jnp.int32(1), tables, lengths, **options
+        )
         pc.assert_close(got, want, TOLERANCE[name])
         query_start = jnp.asarray([0, 1, 30, 60], jnp.int32)
         want = pc.reference_prefill(q.repeat(20, axis=0), k, v, jnp.int32(1), tables, lengths, query_start, **options)
         got = jax.jit(cpu_attention.prefill_attention, static_argnames=tuple(options))(
-            q.repeat(20, axis=0), k, v, jnp.int32(1), tables, lengths, query_start, **options)
+            q.repeat(20, axis=0), k, v, jnp.int32(1), tables, lengths, query_start, **options
+        )
         pc.assert_close(got, want, TOLERANCE[name])
 
 
@@ -161,6 +170,7 @@ def test_cpu_kernel_reads_a_native_bf16_cache_as_its_bits():
     tables = pc.block_tables(rng, [5, 40], WIDTH, BLOCKS)
     q = pc.queries(rng, 2, HEADS, jnp.float32)
     bits = cpu_attention.decode_attention(q, k, v, jnp.int32(0), tables, lengths, scale=0.2)
-    native = cpu_attention.decode_attention(q, kv_quant.dequantize(k), kv_quant.dequantize(v), jnp.int32(0), tables,
-                                            lengths, scale=0.2)
+    native = cpu_attention.decode_attention(
+        q, kv_quant.dequantize(k), kv_quant.dequantize(v), jnp.int32(0), tables, lengths, scale=0.2
+    )
     np.testing.assert_array_equal(np.asarray(bits), np.asarray(native))

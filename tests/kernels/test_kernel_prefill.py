@@ -3,10 +3,20 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_cases import (
+    LAYER,
+    SCALE,
+    TOLERANCE,
+    assert_close,
+    block_tables,
+    interpret,
+    make_cache,
+    prefill_sequences,
+    queries,
+    reference_prefill,
+)
 
 from kernels_pallas import common, prefill
-from paged_cases import (LAYER, SCALE, TOLERANCE, assert_close, block_tables, interpret,
-                         make_cache, prefill_sequences, queries, reference_prefill)
 
 WIDTH = 6
 NUM_KV_HEADS = 2
@@ -64,8 +74,7 @@ def test_tile_layout_partitions_the_rows():
     seq_lens = history + q_lens
     block_q = 4
     num_tiles = -(-int(query_start[-1]) // block_q) + len(q_lens)
-    tiles = np.asarray(common.tile_layout(jnp.asarray(query_start), jnp.asarray(seq_lens),
-                                           num_tiles, block_q))
+    tiles = np.asarray(common.tile_layout(jnp.asarray(query_start), jnp.asarray(seq_lens), num_tiles, block_q))
     owner = np.full(int(query_start[-1]), -1)
     for seq, first_row, rows, first_pos in tiles:
         assert 0 <= rows <= block_q

@@ -19,8 +19,9 @@ from jaxserve.model.quantized import QuantizedEmbed
 from tests.kernels.test_kernel_gpu_lowering import HOPPER, gpu_target
 
 
-@pytest.mark.parametrize("fmt, codes", [(QuantFormat(8, 64), "tensor<2x64x128xi8>"),
-                                        (QuantFormat(4, 32), "tensor<2x32x128xui8>")])
+@pytest.mark.parametrize(
+    "fmt, codes", [(QuantFormat(8, 64), "tensor<2x64x128xi8>"), (QuantFormat(4, 32), "tensor<2x32x128xui8>")]
+)
 def test_quantized_linear_lowers_for_cuda(fmt, codes):
     config = tiny_random_config()  # gate_proj: [2 layers, 64, 128]
     declaration = quantized(declare(config), {"layers/gate_proj/kernel": fmt})
@@ -29,8 +30,12 @@ def test_quantized_linear_lowers_for_cuda(fmt, codes):
     x = jax.ShapeDtypeStruct((8, 64), jnp.bfloat16)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
     with gpu_target(HOPPER):
-        text = jax.jit(lambda p, x, l: linear.apply({"params": p}, x, l)).trace(params, x, layer).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = (
+            jax.jit(lambda p, x, l: linear.apply({"params": p}, x, l))
+            .trace(params, x, layer)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     assert codes in text and text.count("stablehlo.dot_general") == 1
     assert "tensor<8x128xbf16>" in text
 
@@ -46,10 +51,18 @@ def test_quantized_tied_head_and_lookup_lower_for_cuda():
     x = jax.ShapeDtypeStruct((8, 64), jnp.bfloat16)
     tokens = jax.ShapeDtypeStruct((8,), jnp.int32)
     with gpu_target(HOPPER):
-        head = jax.jit(lambda p, x: embed.apply({"params": p}, x, method="attend")).trace(params, x).lower(
-            lowering_platforms=("cuda",)).as_text()
-        lookup = jax.jit(lambda p, t: embed.apply({"params": p}, t)).trace(params, tokens).lower(
-            lowering_platforms=("cuda",)).as_text()
+        head = (
+            jax.jit(lambda p, x: embed.apply({"params": p}, x, method="attend"))
+            .trace(params, x)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        lookup = (
+            jax.jit(lambda p, t: embed.apply({"params": p}, t))
+            .trace(params, tokens)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     assert "tensor<64x320xi8>" in head and head.count("stablehlo.dot_general") == 1
     assert "tensor<8x320xf32>" in head
     assert "tensor<64x320xi8>" in lookup and "dot_general" not in lookup and "tensor<8x64xbf16>" in lookup

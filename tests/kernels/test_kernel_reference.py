@@ -6,7 +6,6 @@ an empty sequence: the reference (the oracle of the Pallas kernels, so it gets o
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from paged_cases import LAYER, PLAIN_JAX, SCALE, TOLERANCE, assert_close, block_tables, make_cache, queries
 
 NUM_KV_HEADS = 2
@@ -66,10 +65,20 @@ BACKENDS = pytest.mark.parametrize("backend", sorted(PLAIN_JAX))
 @pytest.mark.parametrize("options", [{}, {"soft_cap": 2.0, "sliding_window": 300}])
 def test_prefill_matches_numpy(backend, options):
     q, cache, tables, seq_lens, query_start = ragged_case(0, MIXED)
-    got = PLAIN_JAX[backend][1](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
-                            jnp.asarray(seq_lens), jnp.asarray(query_start), scale=SCALE, **options)
-    want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, query_start,
-                           options.get("soft_cap"), options.get("sliding_window"))
+    got = PLAIN_JAX[backend][1](
+        q,
+        cache.k,
+        cache.v,
+        jnp.int32(LAYER),
+        jnp.asarray(tables),
+        jnp.asarray(seq_lens),
+        jnp.asarray(query_start),
+        scale=SCALE,
+        **options,
+    )
+    want = numpy_attention(
+        q, cache.k, cache.v, tables, seq_lens, query_start, options.get("soft_cap"), options.get("sliding_window")
+    )
     assert_close(got, want, TOLERANCE[jnp.float32])
     assert not np.asarray(got[-PADDED_ROWS:]).any(), "padding rows must give zeros"
 
@@ -77,11 +86,20 @@ def test_prefill_matches_numpy(backend, options):
 @BACKENDS
 def test_prefill_bf16_matches_numpy(backend):
     q, cache, tables, seq_lens, query_start = ragged_case(1, MIXED[:4], jnp.bfloat16)
-    got = PLAIN_JAX[backend][1](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
-                            jnp.asarray(seq_lens), jnp.asarray(query_start), scale=SCALE)
+    got = PLAIN_JAX[backend][1](
+        q,
+        cache.k,
+        cache.v,
+        jnp.int32(LAYER),
+        jnp.asarray(tables),
+        jnp.asarray(seq_lens),
+        jnp.asarray(query_start),
+        scale=SCALE,
+    )
     assert got.dtype == jnp.bfloat16
-    want = numpy_attention(q.astype(jnp.float32), cache.k.astype(jnp.float32),
-                           cache.v.astype(jnp.float32), tables, seq_lens, query_start)
+    want = numpy_attention(
+        q.astype(jnp.float32), cache.k.astype(jnp.float32), cache.v.astype(jnp.float32), tables, seq_lens, query_start
+    )
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
 
 
@@ -91,12 +109,17 @@ def test_a_sequence_does_not_see_its_neighbours(backend):
     q, cache, tables, seq_lens, query_start = ragged_case(2, MIXED)
     args = (cache.k, cache.v, jnp.int32(LAYER))
     prefill = PLAIN_JAX[backend][1]
-    together = prefill(q, *args, jnp.asarray(tables), jnp.asarray(seq_lens),
-                                 jnp.asarray(query_start), scale=SCALE)
+    together = prefill(q, *args, jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(query_start), scale=SCALE)
     s = 5
     lo, hi = query_start[s], query_start[s + 1]
-    alone = prefill(q[lo:hi], *args, jnp.asarray(tables[s:s + 1]), jnp.asarray(seq_lens[s:s + 1]),
-                              jnp.asarray([0, hi - lo], jnp.int32), scale=SCALE)
+    alone = prefill(
+        q[lo:hi],
+        *args,
+        jnp.asarray(tables[s : s + 1]),
+        jnp.asarray(seq_lens[s : s + 1]),
+        jnp.asarray([0, hi - lo], jnp.int32),
+        scale=SCALE,
+    )
     np.testing.assert_allclose(np.asarray(alone), np.asarray(together[lo:hi]), rtol=1e-6, atol=1e-6)
 
 
@@ -106,11 +129,13 @@ def test_decode_matches_numpy(backend, options):
     lengths = [1, 640, 0, 257, 16, 300]
     q, cache, tables, seq_lens, _ = ragged_case(3, [(n - 1, 1) if n else (0, 0) for n in lengths])
     q = q[: len(lengths)]
-    got = PLAIN_JAX[backend][0](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
-                           jnp.asarray(seq_lens), scale=SCALE, **options)
+    got = PLAIN_JAX[backend][0](
+        q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables), jnp.asarray(seq_lens), scale=SCALE, **options
+    )
     starts = np.arange(len(lengths) + 1, dtype=np.int32)
-    want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, starts, options.get("soft_cap"),
-                           options.get("sliding_window"))
+    want = numpy_attention(
+        q, cache.k, cache.v, tables, seq_lens, starts, options.get("soft_cap"), options.get("sliding_window")
+    )
     assert_close(got, want, TOLERANCE[jnp.float32])
     assert not np.asarray(got[2]).any(), "a padded entry (length 0) must give zeros"
 
@@ -121,8 +146,16 @@ def test_decode_window_past_the_first_pages(backend):
     lengths = [640, 513, 0, 300]
     q, cache, tables, seq_lens, _ = ragged_case(4, [(n - 1, 1) if n else (0, 0) for n in lengths])
     q = q[: len(lengths)]
-    got = PLAIN_JAX[backend][0](q, cache.k, cache.v, jnp.int32(LAYER), jnp.asarray(tables),
-                                jnp.asarray(seq_lens), scale=SCALE, sliding_window=70)
+    got = PLAIN_JAX[backend][0](
+        q,
+        cache.k,
+        cache.v,
+        jnp.int32(LAYER),
+        jnp.asarray(tables),
+        jnp.asarray(seq_lens),
+        scale=SCALE,
+        sliding_window=70,
+    )
     starts = np.arange(len(lengths) + 1, dtype=np.int32)
     want = numpy_attention(q, cache.k, cache.v, tables, seq_lens, starts, window=70)
     assert_close(got, want, TOLERANCE[jnp.float32])

@@ -19,8 +19,14 @@ def test_sharded_backends_match_reference():
     """tp=4 (one kv head per device) and dp=2 x tp=2 (replicated over dp), in one subprocess."""
     # Simulated devices exist on the CPU platform only, where Pallas runs interpreted.
     env = {**os.environ, "JAX_PLATFORMS": "cpu", common.INTERPRET_ENV: "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), "1x4", "2x2"],
-                          cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sharded_worker.py"), "1x4", "2x2"],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(": ok") == 4, proc.stdout
 

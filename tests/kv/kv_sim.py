@@ -33,7 +33,7 @@ def as_block_arrays(space: np.ndarray) -> np.ndarray:
 class Req:
     tokens: list[int]
     kv: KVHandle
-    computed: int = 0           # tokens with KV written or being written this round
+    computed: int = 0  # tokens with KV written or being written this round
     swapped: bool = False
 
 
@@ -47,11 +47,11 @@ class PinRecord:
 class FakeEngine:
     mgr: KVCacheManager
     reqs: dict[str, Req] = field(default_factory=dict)
-    waiting: dict[str, list[int]] = field(default_factory=dict)   # preempted to recompute
+    waiting: dict[str, list[int]] = field(default_factory=dict)  # preempted to recompute
     pins: list[PinRecord] = field(default_factory=list)
-    busy: set[str] = field(default_factory=set)    # has writes pending in this round
+    busy: set[str] = field(default_factory=set)  # has writes pending in this round
     pending: list[tuple[str, int, int]] = field(default_factory=list)
-    host: np.ndarray | None = None   # host slots' content (made here unless a disk tier shares it)
+    host: np.ndarray | None = None  # host slots' content (made here unless a disk tier shares it)
 
     def __post_init__(self) -> None:
         pool = self.mgr.pool
@@ -89,7 +89,7 @@ class FakeEngine:
         req = self.reqs[rid]
         decode = req.computed == len(req.tokens)
         if decode:
-            req.tokens.append(new_token)    # the token sampled by the previous step
+            req.tokens.append(new_token)  # the token sampled by the previous step
         n = min(chunk, len(req.tokens) - req.computed)
         can = self.mgr.can_allocate(req.kv, n)
         ok = self.mgr.allocate_slots(req.kv, n)
@@ -107,7 +107,7 @@ class FakeEngine:
 
     def fork(self, parent: str, child: str) -> None:
         req = self.reqs[parent]
-        self.reqs[child] = Req(req.tokens[:req.computed], self.mgr.fork(req.kv), req.computed)
+        self.reqs[child] = Req(req.tokens[: req.computed], self.mgr.fork(req.kv), req.computed)
 
     def preempt(self, rid: str) -> None:
         req = self.reqs.pop(rid)
@@ -140,7 +140,7 @@ class FakeEngine:
     def pin(self, owner: str, tokens: list[int]) -> Pin | None:
         pin = self.mgr.leases.pin(owner, tokens)
         if pin is not None:
-            self.pins.append(PinRecord(pin, list(tokens[:pin.num_tokens])))
+            self.pins.append(PinRecord(pin, list(tokens[: pin.num_tokens])))
         return pin
 
     def unpin(self, index: int) -> None:
@@ -164,7 +164,7 @@ class FakeEngine:
         self.busy.clear()
         for rid in self.running() if cache else []:
             req = self.reqs[rid]
-            cached = self.mgr.cache_full_blocks(req.kv, req.tokens[:req.computed])
+            cached = self.mgr.cache_full_blocks(req.kv, req.tokens[: req.computed])
             assert cached <= req.computed // self.bs
 
     def execute_copies(self, stages: list[CopyStage] | None = None) -> None:
@@ -176,14 +176,14 @@ class FakeEngine:
         }
         to_disk = {CopyKind.DEVICE_TO_DISK: self.device, CopyKind.HOST_TO_DISK: self.host}
         for stage in self.mgr.take_copies() if stages is None else stages:
-            if stage.kind in to_disk:       # the block as it is now, handed to the writer thread
+            if stage.kind in to_disk:  # the block as it is now, handed to the writer thread
                 self.mgr.disk.disk.write(stage.dst, [as_block_arrays(to_disk[stage.kind][stage.src])])
                 continue
             src, dst = spaces[stage.kind]
             assert len(set(stage.dst)) == len(stage.dst), "a stage writes one place twice"
-            values = src[stage.src]             # one gather ...
-            dst[stage.dst] = values             # ... then one scatter
-        self.mgr.loads.submit()                 # disk reads into slots these copies may have read
+            values = src[stage.src]  # one gather ...
+            dst[stage.dst] = values  # ... then one scatter
+        self.mgr.loads.submit()  # disk reads into slots these copies may have read
 
     # ------------------------------------------------------------- checks
 
@@ -214,7 +214,7 @@ class FakeEngine:
             assert pool.is_free(block) == (holders[block] == 0), "free xor referenced"
         usage = mgr.usage()
         assert usage.free + usage.used + usage.pinned + usage.cached_idle == usage.num_blocks
-        for record in self.pins if cache is not None else []:   # pinned paths are never evicted
+        for record in self.pins if cache is not None else []:  # pinned paths are never evicted
             match = cache.match(record.tokens, leave_last_token=False)
             assert match.num_tokens == record.pin.num_tokens
 
@@ -224,15 +224,13 @@ class FakeEngine:
         assert not self.pending
         for rid in self.running():
             req = self.reqs[rid]
-            np.testing.assert_array_equal(self.content(rid), req.tokens[:req.computed],
-                                          err_msg=f"content of {rid}")
+            np.testing.assert_array_equal(self.content(rid), req.tokens[: req.computed], err_msg=f"content of {rid}")
         cache = self.mgr.prefix_cache
         if cache is None:
             return
         for node in cache.nodes():
             key = np.frombuffer(node.key, dtype=np.int32).reshape(-1, self.bs)
-            stored = (self.device[node.blocks] if node.blocks is not None
-                      else self.host[node.host_slots])
+            stored = self.device[node.blocks] if node.blocks is not None else self.host[node.host_slots]
             np.testing.assert_array_equal(stored, key, err_msg="cached block content")
 
     def drain(self) -> None:

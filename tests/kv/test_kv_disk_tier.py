@@ -26,16 +26,18 @@ from jaxserve.kv.block_files import HEADER_BYTES, SUFFIX
 
 BS = 4
 FP = fingerprint({"model": "fake", "block_size": BS})
-FILE = HEADER_BYTES + 4 * BS + 8 * BS    # one block file: header, int32 tokens, int64 "KV"
+FILE = HEADER_BYTES + 4 * BS + 8 * BS  # one block file: header, int32 tokens, int64 "KV"
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 2, 3, 0, 0], [2] * 13, []]
 
 
-def make(tmp: Path, num_blocks: int, host_slots: int, disk_blocks: int, hits: int = 0,
-         watermark: int = 0) -> FakeEngine:
+def make(
+    tmp: Path, num_blocks: int, host_slots: int, disk_blocks: int, hits: int = 0, watermark: int = 0
+) -> FakeEngine:
     host = new_host_array(host_slots, BS)
     disk = DiskTier(tmp, FP, BS, HostBlockArrays([as_block_arrays(host)]), disk_blocks * FILE)
-    mgr = KVCacheManager(num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots,
-                         disk=disk, disk_write_through_hits=hits)
+    mgr = KVCacheManager(
+        num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots, disk=disk, disk_write_through_hits=hits
+    )
     return FakeEngine(mgr, host=host)
 
 
@@ -65,11 +67,11 @@ class Driver:
     def poll(self, wait: bool) -> None:
         mgr = self.eng.mgr
         if wait and mgr.loads.pending:
-            self.eng.execute_copies()    # what the next launch runs first; then the reads start
+            self.eng.execute_copies()  # what the next launch runs first; then the reads start
             mgr.disk.disk.wait(5)
         mgr.loads.poll()
         for rid in [r for r in self.loading if not mgr.loads.is_loading(r)]:
-            self.eng.waiting[rid] = self.loading.pop(rid)   # loaded: admitted at its next turn
+            self.eng.waiting[rid] = self.loading.pop(rid)  # loaded: admitted at its next turn
 
     def cancel(self, i: int) -> None:
         if self.loading:
@@ -87,8 +89,8 @@ class Driver:
             mgr.disk.disk.wait(5)
             mgr.loads.poll()
         for rid in list(self.eng.waiting):
-            mgr.loads.cancel(rid)        # loaded but never admitted
-        mgr.flush_to_disk()             # a clean shutdown: what is cached goes to disk, within budget
+            mgr.loads.cancel(rid)  # loaded but never admitted
+        mgr.flush_to_disk()  # a clean shutdown: what is cached goes to disk, within budget
         self.eng.execute_copies()
         mgr.disk.disk.flush()
         check_disk_files(mgr.disk.disk)
@@ -104,15 +106,16 @@ def check_disk_files(disk: DiskTier) -> None:
     assert disk.num_bytes == len(files) * FILE <= disk.capacity_bytes
     for path in files.values():
         data = path.read_bytes()
-        tokens = np.frombuffer(data[HEADER_BYTES:HEADER_BYTES + 4 * BS], np.int32)
-        kv = np.frombuffer(data[HEADER_BYTES + 4 * BS:], np.int64)
+        tokens = np.frombuffer(data[HEADER_BYTES : HEADER_BYTES + 4 * BS], np.int32)
+        kv = np.frombuffer(data[HEADER_BYTES + 4 * BS :], np.int64)
         np.testing.assert_array_equal(kv, tokens, err_msg=f"{path.name} holds another block's KV")
 
 
 index = st.integers(0, 99)
 ACTIONS = [
-    st.tuples(st.just("admit"), st.integers(0, len(PROMPTS) - 1), st.lists(st.integers(0, 3), max_size=9),
-              st.integers(1, 12)),
+    st.tuples(
+        st.just("admit"), st.integers(0, len(PROMPTS) - 1), st.lists(st.integers(0, 3), max_size=9), st.integers(1, 12)
+    ),
     st.tuples(st.just("readmit"), index, st.integers(1, 12)),
     st.tuples(st.just("step"), index, st.integers(1, 6), st.integers(0, 3)),
     st.tuples(st.just("step"), index, st.integers(1, 6), st.integers(0, 3)),
@@ -125,7 +128,7 @@ ACTIONS = [
     st.tuples(st.just("finish"), index),
     st.tuples(st.just("evict"), st.integers(1, 8)),
     st.tuples(st.just("evict_host"), st.integers(1, 8)),
-    st.tuples(st.just("clear")),       # drop device and host blocks: what is left is on disk
+    st.tuples(st.just("clear")),  # drop device and host blocks: what is left is on disk
     st.tuples(st.just("clear")),
 ]
 
@@ -175,17 +178,24 @@ def apply(drv: Driver, action: tuple, new_id: str) -> None:
             eng.finish(rid)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(workload=st.lists(st.lists(st.one_of(ACTIONS), min_size=1, max_size=6), min_size=3, max_size=30),
-       num_blocks=st.integers(8, 24), host_slots=st.sampled_from([4, 12]), disk_blocks=st.sampled_from([3, 40]),
-       hits=st.sampled_from([0, 0, 2]), seeded=st.lists(st.integers(0, 2), max_size=3))
-def test_tier_invariants_hold_after_every_call(tmp_path_factory, workload, num_blocks, host_slots, disk_blocks,
-                                               hits, seeded) -> None:
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    workload=st.lists(st.lists(st.one_of(ACTIONS), min_size=1, max_size=6), min_size=3, max_size=30),
+    num_blocks=st.integers(8, 24),
+    host_slots=st.sampled_from([4, 12]),
+    disk_blocks=st.sampled_from([3, 40]),
+    hits=st.sampled_from([0, 0, 2]),
+    seeded=st.lists(st.integers(0, 2), max_size=3),
+)
+def test_tier_invariants_hold_after_every_call(
+    tmp_path_factory, workload, num_blocks, host_slots, disk_blocks, hits, seeded
+) -> None:
     drv = Driver(make(tmp_path_factory.mktemp("disk"), num_blocks, host_slots, disk_blocks, hits))
     eng = drv.eng
     try:
-        for i, p in enumerate(seeded):      # prompts computed earlier: on disk only
+        for i, p in enumerate(seeded):  # prompts computed earlier: on disk only
             _served(drv, f"seed{i}", PROMPTS[p])
         eng.execute_copies()
         eng.mgr.disk.disk.flush()
@@ -227,7 +237,7 @@ def _served(drv: Driver, rid: str, prompt: list[int]) -> int:
     return hit.num_tokens
 
 
-PROMPT = list(range(1, 26))   # 6 full blocks + 1 token
+PROMPT = list(range(1, 26))  # 6 full blocks + 1 token
 
 
 def _fresh(tmp: Path) -> FakeEngine:
@@ -235,7 +245,7 @@ def _fresh(tmp: Path) -> FakeEngine:
 
 
 def _close(eng: FakeEngine) -> None:
-    eng.execute_copies()        # the writes the last step planned (the next step would run them)
+    eng.execute_copies()  # the writes the last step planned (the next step would run them)
     eng.mgr.disk.disk.flush()
     eng.mgr.disk.disk.close()
 
@@ -244,8 +254,8 @@ def test_a_restart_finds_the_blocks_on_disk(tmp_path) -> None:
     first = _fresh(tmp_path)
     assert _served(Driver(first), "a", PROMPT) == 0
     _close(first)
-    second = _fresh(tmp_path)                      # a new process: empty device and host
-    assert second.mgr.disk.disk.num_files == 6     # found by scanning the headers
+    second = _fresh(tmp_path)  # a new process: empty device and host
+    assert second.mgr.disk.disk.num_files == 6  # found by scanning the headers
     assert _served(Driver(second), "b", PROMPT) == 24
     assert second.mgr.disk.disk_hit_tokens == 24
     _close(second)
@@ -265,10 +275,10 @@ def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
     _served(drv, "a", PROMPT)
     eng.execute_copies()
     mgr.disk.disk.flush()
-    mgr.clear_prefix_cache()                       # PROMPT's 6 blocks are on disk only
+    mgr.clear_prefix_cache()  # PROMPT's 6 blocks are on disk only
     assert eng.admit("s", [40 + i for i in range(7)], 7)
     eng.run_step()
-    assert eng.swap_out("s")                       # it holds 2 of the 4 host slots
+    assert eng.swap_out("s")  # it holds 2 of the 4 host slots
     eng.execute_copies()
     hit = mgr.match_prefix(PROMPT)
     assert (hit.num_tokens, hit.num_disk_tokens) == (0, 24)
@@ -276,10 +286,10 @@ def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
     eng.execute_copies()
     _wait_loaded(mgr, "b")
     first = mgr.match_prefix(PROMPT)
-    assert first.num_host_tokens == 8 and first.num_disk_tokens == 16   # room for 2 blocks only
+    assert first.num_host_tokens == 8 and first.num_disk_tokens == 16  # room for 2 blocks only
     assert eng.swap_in("s")
     eng.execute_copies()
-    eng.finish("s")                                # its host slots are free again
+    eng.finish("s")  # its host slots are free again
     rest = mgr.match_prefix(PROMPT)
     assert mgr.loads.start("b", rest) is LoadStart.STARTED
     eng.execute_copies()
@@ -287,7 +297,7 @@ def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
     final = mgr.match_prefix(PROMPT)
     assert final.num_host_tokens == 16 and final.num_disk_tokens == 8
     assert eng.admit("b", PROMPT, len(PROMPT) - final.num_tokens)
-    assert mgr.disk.disk_hit_tokens == 16          # both parts: 8 tokens each
+    assert mgr.disk.disk_hit_tokens == 16  # both parts: 8 tokens each
     eng.run_step()
     eng.check_content()
     eng.finish("b")
@@ -304,11 +314,11 @@ def test_a_damaged_file_is_dropped_and_recomputed_never_served(tmp_path) -> None
     keys = ChainKeys(FP, BS).keys(PROMPT, 6)
     third = disk_root / keys[2].hex()[:2] / (keys[2].hex() + SUFFIX)
     data = bytearray(third.read_bytes())
-    data[-3] ^= 0xFF                               # one flipped bit of KV: same length, bad checksum
+    data[-3] ^= 0xFF  # one flipped bit of KV: same length, bad checksum
     third.write_bytes(bytes(data))
     assert len(paths) == 6
     second = _fresh(tmp_path)
-    assert _served(Driver(second), "b", PROMPT) == 8     # blocks 0-1 loaded, 2 on recomputed
+    assert _served(Driver(second), "b", PROMPT) == 8  # blocks 0-1 loaded, 2 on recomputed
     assert not third.exists()
     assert second.mgr.disk.disk.stats.damaged == 1
     _close(second)
@@ -321,33 +331,33 @@ def test_a_damaged_file_is_dropped_and_recomputed_never_served(tmp_path) -> None
 
 
 def test_two_managers_on_one_directory_share_blocks(tmp_path) -> None:
-    a, b = _fresh(tmp_path), _fresh(tmp_path)     # both running: b scanned before a wrote
+    a, b = _fresh(tmp_path), _fresh(tmp_path)  # both running: b scanned before a wrote
     assert _served(Driver(a), "a", PROMPT) == 0
     a.execute_copies()
     a.mgr.disk.disk.flush()
-    assert _served(Driver(b), "b", PROMPT) == 24    # found with a stat of the next key
+    assert _served(Driver(b), "b", PROMPT) == 24  # found with a stat of the next key
     _close(a)
     _close(b)
 
 
 def test_the_shutdown_flush_writes_what_is_cached_newest_first_within_the_budget(tmp_path) -> None:
-    older, newer = PROMPT, list(range(100, 125))        # 6 full blocks each
+    older, newer = PROMPT, list(range(100, 125))  # 6 full blocks each
     eng = make(tmp_path, num_blocks=16, host_slots=8, disk_blocks=8, hits=100)  # no write-through
     _served(Driver(eng), "a", older)
-    eng.mgr.prefix_cache.evict(6)                          # spilled: the older prompt is on the host
+    eng.mgr.prefix_cache.evict(6)  # spilled: the older prompt is on the host
     eng.execute_copies()
     _served(Driver(eng), "b", newer)
     assert eng.mgr.disk.disk.stats.written_blocks == 0
-    assert eng.mgr.flush_to_disk() == 8                    # the budget: 6 newer blocks, 2 older ones
+    assert eng.mgr.flush_to_disk() == 8  # the budget: 6 newer blocks, 2 older ones
     eng.execute_copies()
     eng.mgr.disk.disk.flush()
     check_disk_files(eng.mgr.disk.disk)
-    assert eng.mgr.flush_to_disk() == 0                    # all of it is on disk, or does not fit
+    assert eng.mgr.flush_to_disk() == 0  # all of it is on disk, or does not fit
     _close(eng)
-    again = make(tmp_path, num_blocks=16, host_slots=8, disk_blocks=8, hits=100)   # the restart
+    again = make(tmp_path, num_blocks=16, host_slots=8, disk_blocks=8, hits=100)  # the restart
     assert again.mgr.disk.disk.num_files == 8
-    assert _served(Driver(again), "b", newer) == 24        # whole: no block of its chain is missing
-    assert _served(Driver(again), "a", older) == 8         # its first two blocks; the rest recomputed
+    assert _served(Driver(again), "b", newer) == 24  # whole: no block of its chain is missing
+    assert _served(Driver(again), "a", older) == 8  # its first two blocks; the rest recomputed
     _close(again)
 
 

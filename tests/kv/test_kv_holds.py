@@ -26,13 +26,13 @@ def _all_free(mgr: KVCacheManager) -> bool:
 
 def test_a_hold_keeps_the_prompt_blocks_until_released() -> None:
     mgr = KVCacheManager(8, BS, watermark_blocks=0)
-    prompt = list(range(1, 11))                       # 2 full blocks and 2 tokens
+    prompt = list(range(1, 11))  # 2 full blocks and 2 tokens
     _cached(mgr, prompt)
     hold = mgr.leases.hold_prefix(prompt)
     assert hold.num_blocks == 2 and hold.blocks == mgr.prefix_cache.path_blocks(hold.node)
     assert mgr.usage().pinned == 2 and mgr.num_available_blocks == 5
     mgr.check_integrity()
-    other = list(range(50, 70))                       # needs 5 blocks: evicts all but the held ones
+    other = list(range(50, 70))  # needs 5 blocks: evicts all but the held ones
     hit = mgr.match_prefix(other)
     b = mgr.admit(hit, 20)
     assert b is not None and not mgr.can_admit(mgr.match_prefix([7] * 8), 8)
@@ -47,8 +47,8 @@ def test_a_hold_keeps_the_prompt_blocks_until_released() -> None:
 
 def test_imported_blocks_join_the_cache_after_what_was_held() -> None:
     mgr = KVCacheManager(16, BS, watermark_blocks=0)
-    prompt = list(range(1, 15))                       # 3 full blocks
-    _cached(mgr, prompt[:4] + [99] * 4)        # the first block is cached already
+    prompt = list(range(1, 15))  # 3 full blocks
+    _cached(mgr, prompt[:4] + [99] * 4)  # the first block is cached already
     hold = mgr.leases.hold_prefix(prompt)
     assert hold.num_blocks == 1
     blocks = mgr.allocate_import(2)
@@ -58,7 +58,7 @@ def test_imported_blocks_join_the_cache_after_what_was_held() -> None:
     mgr.check_integrity()
     hit = mgr.match_prefix(prompt + [7])
     assert hit.num_tokens == 12
-    new = mgr.admit(hit, 3)                           # admitted while held: then let go
+    new = mgr.admit(hit, 3)  # admitted while held: then let go
     assert new is not None
     mgr.leases.release_hold(hold)
     mgr.check_integrity()
@@ -73,7 +73,7 @@ def test_an_import_of_tokens_cached_meanwhile_gives_its_blocks_back() -> None:
     hold = mgr.leases.hold_prefix(prompt)
     assert hold.num_blocks == 0
     blocks = mgr.allocate_import(2)
-    _cached(mgr, prompt, check=False)                    # computed here while the bytes were on the way
+    _cached(mgr, prompt, check=False)  # computed here while the bytes were on the way
     free_before = mgr.pool.num_free
     hold = mgr.leases.adopt_import(hold, prompt, blocks)
     assert hold.num_blocks == 2 and not set(hold.blocks) & set(blocks)

@@ -26,12 +26,12 @@ def settle(eng: FakeEngine) -> None:
 def test_cow_on_a_shared_partial_block_copies_once() -> None:
     eng = engine()
     mgr = eng.mgr
-    assert eng.admit("a", [5, 6, 7, 8, 9, 10], chunk=6)   # [5 6 7 8] [9 10 . .]
+    assert eng.admit("a", [5, 6, 7, 8, 9, 10], chunk=6)  # [5 6 7 8] [9 10 . .]
     settle(eng)
     eng.fork("a", "b")
     shared = int(eng.table("a")[1])
     assert mgr.pool.refcount[shared] == 2
-    assert eng.step("b", 1, 11)                            # b writes into the shared block
+    assert eng.step("b", 1, 11)  # b writes into the shared block
     (stage,) = mgr.take_copies()
     copy = int(eng.table("b")[1])
     assert stage.kind is CopyKind.DEVICE_TO_DEVICE and stage.pairs == [(shared, copy)]
@@ -39,7 +39,7 @@ def test_cow_on_a_shared_partial_block_copies_once() -> None:
     assert mgr.pool.refcount[shared] == 1 and mgr.pool.refcount[copy] == 1
     eng.execute_copies([stage])
     settle(eng)
-    assert eng.step("a", 1, 12)                            # a is alone now: no copy
+    assert eng.step("a", 1, 12)  # a is alone now: no copy
     assert mgr.take_copies() == []
     settle(eng)
     assert list(eng.content("a")) == [5, 6, 7, 8, 9, 10, 12]
@@ -55,7 +55,7 @@ def test_fork_of_a_fork_shares_then_diverges() -> None:
     eng.fork("a", "b")
     eng.fork("b", "c")
     full, partial = (int(b) for b in eng.table("c"))
-    assert mgr.pool.refcount[full] == 4                    # three tables + the prefix cache
+    assert mgr.pool.refcount[full] == 4  # three tables + the prefix cache
     assert mgr.pool.refcount[partial] == 3
     for rid, token in (("c", 30), ("b", 20), ("a", 10)):
         assert eng.step(rid, 1, token)
@@ -65,8 +65,8 @@ def test_fork_of_a_fork_shares_then_diverges() -> None:
     settle(eng)
     for rid, token in (("a", 10), ("b", 20), ("c", 30)):
         assert list(eng.content(rid)) == [1, 2, 3, 4, 5, 6, 7, token]
-    assert int(eng.table("a")[1]) == partial          # the last writer kept the original
-    eng.fork("c", "d")                                     # and a fork of the fork of the fork
+    assert int(eng.table("a")[1]) == partial  # the last writer kept the original
+    eng.fork("c", "d")  # and a fork of the fork of the fork
     for _ in range(6):
         assert eng.step("d", 1, 40)
         settle(eng)
@@ -76,14 +76,14 @@ def test_fork_of_a_fork_shares_then_diverges() -> None:
 
 
 def test_swap_in_when_the_pool_is_full_waits_then_restores_content() -> None:
-    eng = engine(num_blocks=9, num_host_slots=8)           # 8 usable blocks
+    eng = engine(num_blocks=9, num_host_slots=8)  # 8 usable blocks
     mgr = eng.mgr
-    assert eng.admit("a", list(range(10, 22)), chunk=12)   # 3 blocks
+    assert eng.admit("a", list(range(10, 22)), chunk=12)  # 3 blocks
     settle(eng)
     assert eng.swap_out("a")
     settle(eng)
-    assert eng.admit("b", list(range(30, 50)), chunk=20)   # 5 blocks
-    assert eng.admit("c", list(range(60, 72)), chunk=12)   # 3 blocks: evicts a's cached ones
+    assert eng.admit("b", list(range(30, 50)), chunk=20)  # 5 blocks
+    assert eng.admit("c", list(range(60, 72)), chunk=12)  # 3 blocks: evicts a's cached ones
     settle(eng)
     before = mgr.usage()
     assert before.free == 0 and before.cached_idle == 0
@@ -102,8 +102,8 @@ def test_swap_in_and_out_again_in_one_round_keeps_content() -> None:
     settle(eng)
     assert eng.swap_out("a")
     settle(eng)
-    assert eng.swap_in("a") and eng.swap_out("a")          # planned back to back
-    assert eng.admit("b", list(range(50, 70)), chunk=20)   # reuses the blocks just freed
+    assert eng.swap_in("a") and eng.swap_out("a")  # planned back to back
+    assert eng.admit("b", list(range(50, 70)), chunk=20)  # reuses the blocks just freed
     settle(eng)
     assert eng.swap_in("a")
     settle(eng)
@@ -113,7 +113,7 @@ def test_swap_in_and_out_again_in_one_round_keeps_content() -> None:
 
 def test_swap_out_fails_cleanly_when_the_host_is_full() -> None:
     eng = engine(num_blocks=16, num_host_slots=2)
-    assert eng.admit("a", list(range(1, 11)), chunk=10)    # 3 blocks > 2 host slots
+    assert eng.admit("a", list(range(1, 11)), chunk=10)  # 3 blocks > 2 host slots
     settle(eng)
     assert not eng.mgr.can_swap_out(eng.reqs["a"].kv) and not eng.swap_out("a")
     assert not eng.reqs["a"].kv.is_swapped
@@ -125,25 +125,25 @@ def test_swap_out_fails_cleanly_when_the_host_is_full() -> None:
 
 
 def test_watermark_holds_back_admissions_but_not_running_growth() -> None:
-    eng = engine(num_blocks=11, watermark_blocks=2)        # 10 usable
+    eng = engine(num_blocks=11, watermark_blocks=2)  # 10 usable
     mgr = eng.mgr
     assert eng.admit("a", list(range(100, 140)), chunk=32)  # 8 blocks, leaves 2
     hit = mgr.match_prefix([1, 2, 3])
     assert not mgr.can_admit(hit, 3) and mgr.admit(hit, 3) is None
-    assert eng.step("a", 8, 0)                              # growth may use the reserve
+    assert eng.step("a", 8, 0)  # growth may use the reserve
     assert mgr.num_available_blocks == 0
     settle(eng)
     eng.drain()
 
 
 def test_admission_counts_the_idle_blocks_it_is_about_to_lock() -> None:
-    eng = engine(num_blocks=9)                              # 8 usable
+    eng = engine(num_blocks=9)  # 8 usable
     mgr = eng.mgr
     prompt = list(range(1, 14))
-    assert eng.admit("a", prompt, chunk=13)                 # 4 blocks, 3 of them full
+    assert eng.admit("a", prompt, chunk=13)  # 4 blocks, 3 of them full
     settle(eng)
-    eng.finish("a")                                         # 3 cached idle, 5 free
-    assert eng.admit("b", list(range(50, 70)), chunk=20)    # takes the 5 free blocks
+    eng.finish("a")  # 3 cached idle, 5 free
+    assert eng.admit("b", list(range(50, 70)), chunk=20)  # takes the 5 free blocks
     hit = mgr.match_prefix(prompt)
     assert hit.num_tokens == 12 and mgr.num_available_blocks == 3
     # Reusing the 3 idle blocks locks them, so nothing is left for the 13th token.
@@ -155,7 +155,7 @@ def test_admission_counts_the_idle_blocks_it_is_about_to_lock() -> None:
 def test_prefix_hit_on_admission_and_stale_hits() -> None:
     eng = engine()
     mgr = eng.mgr
-    prompt = list(range(1, 14))                             # 13 tokens: 3 full blocks
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
     assert eng.admit("a", prompt, chunk=13)
     settle(eng)
     hit = mgr.match_prefix(prompt)
@@ -171,20 +171,20 @@ def test_prefix_hit_on_admission_and_stale_hits() -> None:
 
 
 def test_spilled_prefix_comes_back_from_the_host_on_a_hit() -> None:
-    eng = engine(num_blocks=9, num_host_slots=8)           # 8 usable device blocks
+    eng = engine(num_blocks=9, num_host_slots=8)  # 8 usable device blocks
     mgr = eng.mgr
     prompt = list(range(1, 14))
     assert eng.admit("a", prompt, chunk=13)
     settle(eng)
-    eng.finish("a")                                         # 3 blocks stay cached, idle
-    assert eng.admit("b", list(range(50, 82)), chunk=32)    # 8 blocks: a's spill to the host
+    eng.finish("a")  # 3 blocks stay cached, idle
+    assert eng.admit("b", list(range(50, 82)), chunk=32)  # 8 blocks: a's spill to the host
     settle(eng)
     assert mgr.usage().host_cached == 3
     eng.finish("b")
     hit = mgr.match_prefix(prompt)
     assert hit.num_tokens == 12 and hit.num_host_tokens == 12
     assert eng.admit("a2", prompt, chunk=1)
-    stages = mgr.take_copies()                              # b's blocks spill, a's come back
+    stages = mgr.take_copies()  # b's blocks spill, a's come back
     loads = [pair for s in stages if s.kind is CopyKind.HOST_TO_DEVICE for pair in s.pairs]
     assert len(loads) == 3
     eng.execute_copies(stages)
@@ -200,15 +200,15 @@ def test_pins_respect_per_owner_budget_and_survive_clearing() -> None:
     long, short = list(range(1, 18)), list(range(40, 49))  # 4 and 2 full blocks
     assert eng.admit("a", long, chunk=17) and eng.admit("b", short, chunk=9)
     settle(eng)
-    assert leases.pin("alice", long) is None                  # 4 blocks > budget 3
+    assert leases.pin("alice", long) is None  # 4 blocks > budget 3
     first = leases.pin("alice", long[:12])
     assert first is not None and first.num_blocks == 3
-    assert leases.pin("alice", short) is None                 # 3 + 2 > 3
-    second = leases.pin("alice", short, replacing=first)      # a session's next turn
+    assert leases.pin("alice", short) is None  # 3 + 2 > 3
+    second = leases.pin("alice", short, replacing=first)  # a session's next turn
     assert second is not None and not first.active and leases.pinned_by("alice") == 2
     bob = leases.pin("bob", long[:12])
     assert bob is not None and leases.num_pinned == 5
-    assert leases.pin("carol", short) is None                 # pool-wide cap
+    assert leases.pin("carol", short) is None  # pool-wide cap
     eng.finish("a")
     eng.finish("b")
     mgr.clear_prefix_cache()
@@ -239,7 +239,7 @@ def test_slot_mapping_and_block_table_views() -> None:
 def test_table_version_changes_when_entries_change_not_when_blocks_are_appended() -> None:
     mgr = KVCacheManager(32, BS, watermark_blocks=0, num_host_slots=16)
     prompt = list(range(6))
-    a = mgr.admit(mgr.match_prefix(prompt), 6)             # [0 1 2 3] [4 5 . .]
+    a = mgr.admit(mgr.match_prefix(prompt), 6)  # [0 1 2 3] [4 5 . .]
     version = a.version
     assert mgr.allocate_slots(a, 1) and mgr.allocate_slots(a, 4)  # fills block 1, appends block 2
     assert len(a.block_table) == 3 and a.version == version
@@ -252,22 +252,27 @@ def test_table_version_changes_when_entries_change_not_when_blocks_are_appended(
 
     b = mgr.fork(a)
     changed("fork (the parent's entries stay)")
-    assert mgr.allocate_slots(a, 1)                        # a writes into the shared partial block
+    assert mgr.allocate_slots(a, 1)  # a writes into the shared partial block
     changed("copy-on-write")
-    assert mgr.release_slots(a, 10) is None                 # within the last block: nothing freed
+    assert mgr.release_slots(a, 10) is None  # within the last block: nothing freed
     changed("a release within the last block")
-    assert mgr.release_slots(a, 8) is None                  # frees block 2
+    assert mgr.release_slots(a, 8) is None  # frees block 2
     changed("a release freeing a block")
     assert mgr.swap_out(a)
     changed("swap out")
     assert mgr.swap_in(a)
     changed("swap in")
-    assert changes == [("fork (the parent's entries stay)", False), ("copy-on-write", True),
-                       ("a release within the last block", False), ("a release freeing a block", True),
-                       ("swap out", True), ("swap in", True)]
+    assert changes == [
+        ("fork (the parent's entries stay)", False),
+        ("copy-on-write", True),
+        ("a release within the last block", False),
+        ("a release freeing a block", True),
+        ("swap out", True),
+        ("swap in", True),
+    ]
     versions = {a.version, b.version}
     mgr.free(a)
-    again = mgr.admit(mgr.match_prefix(prompt), 6)          # admitted again: a version never seen
+    again = mgr.admit(mgr.match_prefix(prompt), 6)  # admitted again: a version never seen
     assert again.version not in versions | {version}
 
 
@@ -277,11 +282,11 @@ def test_a_block_swapped_for_the_caches_copy_changes_the_version() -> None:
     a, b = (mgr.admit(mgr.match_prefix(ids), 9) for _ in range(2))  # the same tokens, computed twice
     mgr.cache_full_blocks(a, ids)
     before = b.block_table.tolist(), b.version
-    mgr.cache_full_blocks(b, ids)                           # b switches to a's cached blocks
+    mgr.cache_full_blocks(b, ids)  # b switches to a's cached blocks
     after = b.block_table.tolist(), b.version
     assert after[0][:2] == a.block_table.tolist()[:2] != before[0][:2]
     assert after[1] != before[1]
-    mgr.cache_full_blocks(b, ids)                           # nothing new: the version stays
+    mgr.cache_full_blocks(b, ids)  # nothing new: the version stays
     assert b.version == after[1]
 
 

@@ -5,11 +5,28 @@ from pathlib import Path
 
 import jaxserve.kv
 
-ALLOWED_ROOTS = {"__future__", "array", "collections", "dataclasses", "enum", "itertools", "typing", "numpy",
-                 "jaxserve",
-                 # the disk tier: files, checksums, content hashes and its I/O threads
-                 "hashlib", "logging", "os", "pathlib", "queue", "struct", "tempfile", "threading", "time",
-                 "zlib"}
+ALLOWED_ROOTS = {
+    "__future__",
+    "array",
+    "collections",
+    "dataclasses",
+    "enum",
+    "itertools",
+    "typing",
+    "numpy",
+    "jaxserve",
+    # the disk tier: files, checksums, content hashes and its I/O threads
+    "hashlib",
+    "logging",
+    "os",
+    "pathlib",
+    "queue",
+    "struct",
+    "tempfile",
+    "threading",
+    "time",
+    "zlib",
+}
 
 
 def test_kv_imports_only_the_standard_library_numpy_and_itself() -> None:

@@ -61,11 +61,11 @@ def test_host_tier_capacity_and_double_free() -> None:
 def test_copy_plan_splits_stages_at_hazards_only() -> None:
     plan = CopyPlan()
     plan.add(CopyKind.DEVICE_TO_HOST, 5, 0)
-    plan.add(CopyKind.DEVICE_TO_HOST, 0, 1)     # reads device 0, writes host 1: no hazard
-    plan.add(CopyKind.DEVICE_TO_HOST, 6, 1)     # host slot 1 written twice: new stage
+    plan.add(CopyKind.DEVICE_TO_HOST, 0, 1)  # reads device 0, writes host 1: no hazard
+    plan.add(CopyKind.DEVICE_TO_HOST, 6, 1)  # host slot 1 written twice: new stage
     plan.add(CopyKind.HOST_TO_DEVICE, 1, 7)
     plan.add(CopyKind.DEVICE_TO_DEVICE, 7, 8)
-    plan.add(CopyKind.DEVICE_TO_DEVICE, 8, 9)   # reads what the stage wrote: new stage
+    plan.add(CopyKind.DEVICE_TO_DEVICE, 8, 9)  # reads what the stage wrote: new stage
     stages = plan.take()
     assert [(s.kind, s.pairs) for s in stages] == [
         (CopyKind.DEVICE_TO_HOST, [(5, 0), (0, 1)]),
@@ -85,10 +85,15 @@ copy_op = st.tuples(st.sampled_from(list(CopyKind)), st.integers(0, 5), st.integ
 def test_staged_batched_copies_equal_one_by_one_copies(ops: list[tuple]) -> None:
     """Running each stage as one gather + one scatter gives what running copies in order gives
     (writes to the disk tier included: their destination is a ticket, modelled as a third space)."""
+
     def spaces(device, host, disk):
-        return {CopyKind.DEVICE_TO_HOST: (device, host), CopyKind.HOST_TO_DEVICE: (host, device),
-                CopyKind.DEVICE_TO_DEVICE: (device, device), CopyKind.DEVICE_TO_DISK: (device, disk),
-                CopyKind.HOST_TO_DISK: (host, disk)}
+        return {
+            CopyKind.DEVICE_TO_HOST: (device, host),
+            CopyKind.HOST_TO_DEVICE: (host, device),
+            CopyKind.DEVICE_TO_DEVICE: (device, device),
+            CopyKind.DEVICE_TO_DISK: (device, disk),
+            CopyKind.HOST_TO_DISK: (host, disk),
+        }
 
     seq = np.arange(6), np.arange(100, 106), np.full(6, -1)
     for kind, src, dst in ops:

@@ -29,8 +29,9 @@ tokens = st.integers(0, 3)
 index = st.integers(0, 99)
 
 CORE_ACTIONS = [
-    st.tuples(st.just("admit"), st.integers(0, len(SYSTEM_PROMPTS) - 1),
-              st.lists(tokens, max_size=9), st.integers(1, 12)),
+    st.tuples(
+        st.just("admit"), st.integers(0, len(SYSTEM_PROMPTS) - 1), st.lists(tokens, max_size=9), st.integers(1, 12)
+    ),
     st.tuples(st.just("readmit"), index, st.integers(1, 12)),
     st.tuples(st.just("step"), index, st.integers(1, 6), tokens),
     st.tuples(st.just("step"), index, st.integers(1, 6), tokens),
@@ -83,12 +84,14 @@ def apply(eng: FakeEngine, action: tuple, new_id: str, twin: FakeEngine | None =
         return rid and eng.swap_in(rid)
     if kind == "pin":
         running = eng.running()
-        sources = [eng.reqs[r].tokens[:eng.reqs[r].computed] for r in running]
+        sources = [eng.reqs[r].tokens[: eng.reqs[r].computed] for r in running]
         path = (sources + [p for p in SYSTEM_PROMPTS if p])[action[1] % (len(sources) + 3)]
         owner = action[2]
         wanted = mgr.prefix_cache.match(path, leave_last_token=False).num_blocks
-        fits = (mgr.leases.pinned_by(owner) + wanted <= PIN_BUDGET
-                and mgr.leases.num_pinned + wanted <= mgr.leases.max_pinned)
+        fits = (
+            mgr.leases.pinned_by(owner) + wanted <= PIN_BUDGET
+            and mgr.leases.num_pinned + wanted <= mgr.leases.max_pinned
+        )
         pin = eng.pin(owner, path)
         assert (pin is not None) == fits, "pin budget accounting"
         assert pin is None or pin.num_blocks == wanted
@@ -129,14 +132,25 @@ def rounds(actions: list) -> st.SearchStrategy:
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=rounds(CORE_ACTIONS + CACHE_ACTIONS), num_blocks=st.integers(8, 32),
-       host_slots=st.sampled_from([0, 6, 24]), watermark=st.integers(0, 2), spill=st.booleans())
-def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool]],
-                                          num_blocks: int, host_slots: int, watermark: int,
-                                          spill: bool) -> None:
-    mgr = KVCacheManager(num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots,
-                         spill_to_host=spill, pin_budget_blocks=PIN_BUDGET,
-                         max_pinned_blocks=num_blocks // 3)
+@given(
+    workload=rounds(CORE_ACTIONS + CACHE_ACTIONS),
+    num_blocks=st.integers(8, 32),
+    host_slots=st.sampled_from([0, 6, 24]),
+    watermark=st.integers(0, 2),
+    spill=st.booleans(),
+)
+def test_invariants_hold_after_every_call(
+    workload: list[tuple[list[tuple], bool]], num_blocks: int, host_slots: int, watermark: int, spill: bool
+) -> None:
+    mgr = KVCacheManager(
+        num_blocks,
+        BS,
+        watermark_blocks=watermark,
+        num_host_slots=host_slots,
+        spill_to_host=spill,
+        pin_budget_blocks=PIN_BUDGET,
+        max_pinned_blocks=num_blocks // 3,
+    )
     eng = FakeEngine(mgr)
     for r, (calls, cache) in enumerate(workload):
         for c, action in enumerate(calls):
@@ -149,20 +163,22 @@ def test_invariants_hold_after_every_call(workload: list[tuple[list[tuple], bool
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=rounds(CORE_ACTIONS), num_blocks=st.integers(10, 32),
-       host_slots=st.sampled_from([0, 8, 24]))
-def test_prefix_cache_does_not_change_content(workload: list[tuple[list[tuple], bool]],
-                                              num_blocks: int, host_slots: int) -> None:
+@given(workload=rounds(CORE_ACTIONS), num_blocks=st.integers(10, 32), host_slots=st.sampled_from([0, 8, 24]))
+def test_prefix_cache_does_not_change_content(
+    workload: list[tuple[list[tuple], bool]], num_blocks: int, host_slots: int
+) -> None:
     """The same workload with and without the prefix cache: same outcomes, same contents.
 
     With the cache a request may get more memory (shared blocks), never less, so whenever the
     run without it succeeds the run with it must succeed too; when the plain run fails, the
     call is skipped in both so they stay in step.
     """
-    plain = FakeEngine(KVCacheManager(num_blocks, BS, watermark_blocks=0,
-                                      num_host_slots=host_slots, enable_prefix_cache=False))
-    cached = FakeEngine(KVCacheManager(num_blocks, BS, watermark_blocks=0,
-                                       num_host_slots=host_slots, spill_to_host=True))
+    plain = FakeEngine(
+        KVCacheManager(num_blocks, BS, watermark_blocks=0, num_host_slots=host_slots, enable_prefix_cache=False)
+    )
+    cached = FakeEngine(
+        KVCacheManager(num_blocks, BS, watermark_blocks=0, num_host_slots=host_slots, spill_to_host=True)
+    )
     for r, (calls, cache) in enumerate(workload):
         for c, action in enumerate(calls):
             outcome = apply(plain, action, f"r{r}.{c}", twin=cached)

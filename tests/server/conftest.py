@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from server_harness import KEY_A, KEY_B, TEST_ENGINE, start_server
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from server_harness import KEY_A, KEY_B, TEST_ENGINE, start_server
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,5 +44,3 @@ def server(async_engine):
     srv = start_server(async_engine, api_keys=(KEY_A, KEY_B))
     yield srv
     srv.stop()
-
-

@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 import grpc
-
 from child_process import ChildProcess, free_port, jaxserve
+
 from jaxserve.engine_snapshot import EngineSnapshot
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import snapshot_from_json
@@ -29,8 +29,9 @@ class Endpoint:
 
 
 def start_worker(port: int, engine_flags: list[str], cache_dir: str, model: str = "tiny-random") -> ChildProcess:
-    return ChildProcess(jaxserve("worker", "--model", model, "--port", str(port), "--compilation-cache-dir", cache_dir,
-                                 *engine_flags))
+    return ChildProcess(
+        jaxserve("worker", "--model", model, "--port", str(port), "--compilation-cache-dir", cache_dir, *engine_flags)
+    )
 
 
 def start_router(worker_ports: list[int], *flags: str) -> tuple[ChildProcess, Endpoint]:
@@ -97,7 +98,7 @@ class Stream:
                 return None
             text = line.decode().strip()
             if text.startswith("data: "):
-                payload = text[len("data: "):]
+                payload = text[len("data: ") :]
                 return payload if payload == "[DONE]" else json.loads(payload)
 
     def first_text_event(self) -> Any:

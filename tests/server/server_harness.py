@@ -14,16 +14,17 @@ import http.client
 import json
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.engine_snapshot import EngineSnapshot
 from server.app import build_app
 from server.auth import owner_id
 from server.config import ServerConfig
-from jaxserve.engine_snapshot import EngineSnapshot
 from server.state import STATE
 
 MODEL_NAME = "tiny-random"
@@ -33,8 +34,15 @@ BLOCK_SIZE = 8
 # Few buckets: every one costs seconds of compilation on a 2-core CI machine, and padding a
 # tiny model's step to a bigger bucket costs next to nothing.
 TEST_ENGINE = dict(
-    max_num_seqs=64, max_num_batched_tokens=128, max_model_len=512, block_size=BLOCK_SIZE, num_blocks=1024,
-    decode_batch_buckets=(4, 64), block_table_buckets=(64,), prefill_token_buckets=(128,), prefill_seq_buckets=(4,),
+    max_num_seqs=64,
+    max_num_batched_tokens=128,
+    max_model_len=512,
+    block_size=BLOCK_SIZE,
+    num_blocks=1024,
+    decode_batch_buckets=(4, 64),
+    block_table_buckets=(64,),
+    prefill_token_buckets=(128,),
+    prefill_seq_buckets=(4,),
     sampler_row_buckets=(64,),
 )
 
@@ -47,8 +55,13 @@ class ServerThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
         config = app[STATE].config
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
-                                     keepalive_timeout=config.keepalive_timeout, lingering_time=config.body_timeout)
+        self._runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=5.0,
+            keepalive_timeout=config.keepalive_timeout,
+            lingering_time=config.body_timeout,
+        )
         self.app = app
         self.port = self.run(self._start())
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -106,6 +119,7 @@ def delete_stored_responses(srv: ServerThread, timeout: float = 30.0) -> None:
         for session in state.sessions.all():
             if session.response is not None:
                 await state.responses.remove(session)
+
     srv.run(delete_all())
 
 
@@ -133,8 +147,13 @@ def assert_serving_and_idle(srv: ServerThread, async_engine: AsyncEngine, key: s
     while pinned() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pinned() == 0
-    reply = send(srv, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3,
-                                                  "ignore_eos": True}, key=key)
+    reply = send(
+        srv,
+        "POST",
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+        key=key,
+    )
     assert reply.status == 200 and reply.json["usage"]["completion_tokens"] == 3
 
 
@@ -149,8 +168,17 @@ class Reply:
         return json.loads(self.text)
 
 
-def send(srv: ServerThread, method: str, path: str, body: Any = None, *, key: str | None = KEY_A,
-         raw: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 60.0) -> Reply:
+def send(
+    srv: ServerThread,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    key: str | None = KEY_A,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Reply:
     """One plain HTTP request (stdlib client): `body` is sent as JSON, `raw` as is."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=timeout)
     all_headers = {"Content-Type": "application/json", **(headers or {})}
@@ -170,7 +198,7 @@ async def stream_events(resp: Any) -> AsyncIterator[Any]:
     async for raw in resp.content:
         line = raw.decode().strip()
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             yield payload if payload == "[DONE]" else json.loads(payload)
 
 
@@ -179,6 +207,6 @@ def sse_events(text: str) -> list[Any]:
     events = []
     for block in text.split("\n\n"):
         if block.startswith("data: "):
-            payload = block[len("data: "):]
+            payload = block[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events

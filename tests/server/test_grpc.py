@@ -7,13 +7,15 @@ the HTTP API's (and the engine's) for the same request, and every test leaves th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import aclosing
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
-
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
+from server_harness import KEY_A, KEY_B, MODEL_NAME, ServerThread, send, wait_until_idle
+
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
 from server.app import build_app
@@ -24,7 +26,6 @@ from server.grpc_api import jaxserve_pb2_grpc as pb_grpc
 from server.grpc_api.server import GrpcServer
 from server.grpc_api.status import status_code
 from server.state import STATE
-from server_harness import KEY_A, KEY_B, MODEL_NAME, ServerThread, send, wait_until_idle
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 CHAT = [("system", "You are terse."), ("user", "Hello world! What is a fox?")]
@@ -121,8 +122,9 @@ def test_text_prompt_streams_what_http_and_the_engine_give(served, async_engine)
     assert (usage.prompt_tokens, usage.completion_tokens) == (http["usage"]["prompt_tokens"], 12)
 
     ids = served.http.app[STATE].info.tokenizer.encode(PROMPT)
-    direct = served.http.run(engine_tokens(async_engine, ids, SamplingParams(max_tokens=12, temperature=0,
-                                                                             ignore_eos=True)))
+    direct = served.http.run(
+        engine_tokens(async_engine, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    )
     assert tokens == {0: direct}
 
 
@@ -142,12 +144,21 @@ def test_token_ids_prompt_equals_the_text_prompt_and_reports_logprobs(served):
 
 def test_chat_messages_equal_the_http_chat_completion(served):
     messages = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in CHAT])
-    out = generate(served.stub, model=MODEL_NAME, messages=messages,
-                   sampling_params=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    out = generate(
+        served.stub,
+        model=MODEL_NAME,
+        messages=messages,
+        sampling_params=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+    )
     texts, _, finish = by_choice(out)
     usage = assert_usage_only_at_the_end(out)
-    body = {"model": MODEL_NAME, "messages": [{"role": r, "content": c} for r, c in CHAT], "max_tokens": 10,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": r, "content": c} for r, c in CHAT],
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     http = send(served.http, "POST", "/v1/chat/completions", body).json
     assert texts == {0: http["choices"][0]["message"]["content"]} and finish == {0: "length"}
     assert (usage.prompt_tokens, usage.completion_tokens) == (http["usage"]["prompt_tokens"], 10)
@@ -162,11 +173,17 @@ def test_seeded_n_choices_and_stop_strings_follow_http(served):
     http = send(served.http, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, **params}).json
     assert texts == {c["index"]: c["text"] for c in http["choices"]}
 
-    greedy = by_choice(generate(served.stub, text=PROMPT, sampling_params=pb.SamplingParams(
-        max_tokens=16, temperature=0, ignore_eos=True)))[0][0]
+    greedy = by_choice(
+        generate(
+            served.stub, text=PROMPT, sampling_params=pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        )
+    )[0][0]
     stop = next(c for c in greedy[2:] if c.isascii() and c.isalnum())
-    stopped = generate(served.stub, text=PROMPT, sampling_params=pb.SamplingParams(
-        max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))
+    stopped = generate(
+        served.stub,
+        text=PROMPT,
+        sampling_params=pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]),
+    )
     assert by_choice(stopped)[0] == {0: greedy[: greedy.index(stop)]}
     assert by_choice(stopped)[2] == {0: "stop"}
 
@@ -189,11 +206,17 @@ BAD_REQUESTS = [
     ({"text": ""}, "the prompt is empty", "prompt"),
     ({"token_ids": pb.TokenIds(ids=[1, 10**6])}, "prompt token ids must be in [0, ", "prompt"),
     ({"token_ids": pb.TokenIds(ids=[5] * 600)}, "maximum context length is 512 tokens", "prompt"),
-    ({"token_ids": pb.TokenIds(ids=[5] * 100), "sampling_params": pb.SamplingParams(max_tokens=500)},
-     "maximum context length is 512 tokens", "max_tokens"),
+    (
+        {"token_ids": pb.TokenIds(ids=[5] * 100), "sampling_params": pb.SamplingParams(max_tokens=500)},
+        "maximum context length is 512 tokens",
+        "max_tokens",
+    ),
     ({"messages": pb.ChatMessages()}, "messages must be a non-empty list", "messages"),
-    ({"messages": pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="hi")])},
-     "messages[0].role must be one of", "messages"),
+    (
+        {"messages": pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="hi")])},
+        "messages[0].role must be one of",
+        "messages",
+    ),
     (_params(max_tokens=0), "max_tokens must be at least 1", "max_tokens"),
     (_params(max_tokens=513), "max_tokens must be at most 512", "max_tokens"),
     (_params(temperature=-1), "temperature must be non-negative", "temperature"),
@@ -235,8 +258,10 @@ def test_another_model_is_not_found(served):
 def test_api_keys_guard_generate_and_list_models_but_not_health(served):
     stub = served.stub
     for key, message in ((None, "missing API key"), ("wrong-key", "incorrect API key")):
-        for call in (lambda: generate(stub, key=key, text="Hello"),
-                     lambda: stub.ListModels(pb.ListModelsRequest(), metadata=auth(key), timeout=10)):
+        for call in (
+            lambda: generate(stub, key=key, text="Hello"),
+            lambda: stub.ListModels(pb.ListModelsRequest(), metadata=auth(key), timeout=10),
+        ):
             error = rpc_error(call)
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED and message in error.details()
     no_scheme = (("authorization", KEY_A),)
@@ -287,8 +312,11 @@ def test_client_cancel_aborts_the_request_in_the_engine(served, async_engine):
     labels = {"endpoint": "grpc", "outcome": "cancelled"}
     cancelled_before = registry.get_sample_value("jaxserve_requests_total", labels) or 0.0
     generated_before = served.http.engine_call(async_engine, lambda e: e.stats.generated_tokens)
-    call = served.stub.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=pb.SamplingParams(
-        max_tokens=400, ignore_eos=True)), metadata=auth(), timeout=60)
+    call = served.stub.Generate(
+        pb.GenerateRequest(text=PROMPT, sampling_params=pb.SamplingParams(max_tokens=400, ignore_eos=True)),
+        metadata=auth(),
+        timeout=60,
+    )
     stream = iter(call)
     next(stream), next(stream)
     call.cancel()
@@ -318,8 +346,18 @@ def test_serve_flag_sets_the_grpc_port():
 
 def test_serve_with_grpc_port_serves_both_apis_and_drains_grpc_on_sigterm():
     http_port, grpc_port = free_port(), free_port()
-    command = jaxserve("serve", "--model", MODEL_NAME, "--port", str(http_port), "--grpc-port", str(grpc_port),
-                       "--api-key", "k1", *SMALL_ENGINE)
+    command = jaxserve(
+        "serve",
+        "--model",
+        MODEL_NAME,
+        "--port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--api-key",
+        "k1",
+        *SMALL_ENGINE,
+    )
     with ChildProcess(command) as child:
         child.wait_for("Running on", timeout=240)
         child.wait_for(f"gRPC service listening on 127.0.0.1:{grpc_port}", timeout=1)
@@ -327,8 +365,9 @@ def test_serve_with_grpc_port_serves_both_apis_and_drains_grpc_on_sigterm():
             stub = pb_grpc.JaxServeStub(channel)
             assert stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
             # A stream in flight when SIGTERM arrives runs to its end before the process exits.
-            request = pb.GenerateRequest(text="Hello", sampling_params=pb.SamplingParams(max_tokens=150,
-                                                                                         ignore_eos=True))
+            request = pb.GenerateRequest(
+                text="Hello", sampling_params=pb.SamplingParams(max_tokens=150, ignore_eos=True)
+            )
             stream = iter(stub.Generate(request, metadata=auth("k1"), timeout=60))
             messages = [next(stream)]
             child.terminate()

@@ -26,49 +26,70 @@ import jax
 import pytest
 import ray
 import yaml
-
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from router_cluster import Endpoint, wait_worker_status, workers
+from server_harness import send
+
 from server.cluster.launch.ray_cluster import ClusterNotFoundError, RayTarget, check_reachable, choose_cluster
 from server.cluster.launch.topology import TopologyError, parse_topology
-from server_harness import send
 
 
 def _topology(**overrides: object) -> dict:
     return {"model": "tiny-random", "workers": [{"role": "both", "count": 2}], **overrides}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"model": ""}, "model:"),
-    ({"placement": "ANYWHERE"}, "placement: one of PACK"),
-    ({"routr": {}}, "unknown key 'routr'"),
-    ({"router": {"port": 70000}}, "router.port"),
-    ({"router": {"args": ["--worker", "h:1"]}}, "router.args: --worker is set by the launcher"),
-    ({"workers": []}, "workers: a non-empty list"),
-    ({"workers": [{"role": "prefill"}]}, "at least one worker of role both or decode"),
-    ({"workers": [{"role": "prefill"}, {"role": "both"}]}, "role prefill needs workers of role decode"),
-    ({"workers": [{"role": "both"}, {"role": "cook"}]}, "workers[1].role"),
-    ({"workers": [{"count": 0}]}, "workers[0].count: a positive integer"),
-    ({"workers": [{"tp": 2, "gpus": 3}]}, "workers[0].gpus: 0 or a multiple of tp"),
-    ({"workers": [{"count": 2, "ports": [9000]}]}, "workers[0].ports: a list of 2 ports"),
-    ({"workers": [{"args": ["--port=9"]}]}, "workers[0].args: --port is set by the launcher"),
-    ({"workers": [{"args": [True]}]}, "workers[0].args: a list of command-line words"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model": ""}, "model:"),
+        ({"placement": "ANYWHERE"}, "placement: one of PACK"),
+        ({"routr": {}}, "unknown key 'routr'"),
+        ({"router": {"port": 70000}}, "router.port"),
+        ({"router": {"args": ["--worker", "h:1"]}}, "router.args: --worker is set by the launcher"),
+        ({"workers": []}, "workers: a non-empty list"),
+        ({"workers": [{"role": "prefill"}]}, "at least one worker of role both or decode"),
+        ({"workers": [{"role": "prefill"}, {"role": "both"}]}, "role prefill needs workers of role decode"),
+        ({"workers": [{"role": "both"}, {"role": "cook"}]}, "workers[1].role"),
+        ({"workers": [{"count": 0}]}, "workers[0].count: a positive integer"),
+        ({"workers": [{"tp": 2, "gpus": 3}]}, "workers[0].gpus: 0 or a multiple of tp"),
+        ({"workers": [{"count": 2, "ports": [9000]}]}, "workers[0].ports: a list of 2 ports"),
+        ({"workers": [{"args": ["--port=9"]}]}, "workers[0].args: --port is set by the launcher"),
+        ({"workers": [{"args": [True]}]}, "workers[0].args: a list of command-line words"),
+    ],
+)
 def test_a_bad_topology_is_refused_with_the_key_it_names(overrides, message):
     with pytest.raises(TopologyError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_topology(_topology(**overrides))
 
 
 def test_worker_specs_carry_each_workers_bundle_and_flags():
-    topology = parse_topology(_topology(placement="SPREAD", workers=[
-        {"role": "prefill", "tp": 2, "gpus": 2, "cpus": 4, "ports": [9000], "args": ["--max-num-seqs", 8]},
-        {"role": "decode", "count": 2}]))
+    topology = parse_topology(
+        _topology(
+            placement="SPREAD",
+            workers=[
+                {"role": "prefill", "tp": 2, "gpus": 2, "cpus": 4, "ports": [9000], "args": ["--max-num-seqs", 8]},
+                {"role": "decode", "count": 2},
+            ],
+        )
+    )
     specs = topology.worker_specs()
     assert [(s.name, s.role, s.bundle) for s in specs] == [
-        ("worker-0", "prefill", {"CPU": 4.0, "GPU": 2}), ("worker-1", "decode", {"CPU": 1.0}),
-        ("worker-2", "decode", {"CPU": 1.0})]
-    assert specs[0].flags == ("--model", "tiny-random", "--port", "9000", "--role", "prefill",
-                              "--tensor-parallel-size", "2", "--max-num-seqs", "8")
+        ("worker-0", "prefill", {"CPU": 4.0, "GPU": 2}),
+        ("worker-1", "decode", {"CPU": 1.0}),
+        ("worker-2", "decode", {"CPU": 1.0}),
+    ]
+    assert specs[0].flags == (
+        "--model",
+        "tiny-random",
+        "--port",
+        "9000",
+        "--role",
+        "prefill",
+        "--tensor-parallel-size",
+        "2",
+        "--max-num-seqs",
+        "8",
+    )
     assert specs[1].flags[2:4] == ("--port", "0")  # a free port of its node, printed by the worker
 
 
@@ -156,17 +177,24 @@ def test_a_launch_told_of_a_cluster_that_is_gone_fails_in_seconds(how, ray_tmp, 
 
 
 def test_launch_without_an_address_starts_its_own_cluster_and_gets_a_killed_worker_back(
-        tmp_path, ray_tmp, _compilation_cache):
+    tmp_path, ray_tmp, _compilation_cache
+):
     path, stale = _stale_discovery_file(ray_tmp)
     router_port = free_port()
     worker_args = [*SMALL_ENGINE, "--compilation-cache-dir", jax.config.jax_compilation_cache_dir]
     config = tmp_path / "topology.yaml"
-    config.write_text(yaml.safe_dump(_topology(
-        router={"host": "127.0.0.1", "port": router_port, "args": ["--health-check-interval", "0.3"]},
-        workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}])))
+    config.write_text(
+        yaml.safe_dump(
+            _topology(
+                router={"host": "127.0.0.1", "port": router_port, "args": ["--health-check-interval", "0.3"]},
+                workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}],
+            )
+        )
+    )
     body = {"model": "tiny-random", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with ChildProcess(jaxserve("launch", "--config", str(config), "--stop-timeout", "20",
-                               "--worker-restarts", "1")) as launch:
+    with ChildProcess(
+        jaxserve("launch", "--config", str(config), "--stop-timeout", "20", "--worker-restarts", "1")
+    ) as launch:
         launch.wait_for("[launch] starting a local Ray cluster on 127.0.0.1", timeout=60)
         line = launch.wait_for("[launch] router on", timeout=600)
         router = Endpoint(router_port)
@@ -196,32 +224,70 @@ def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(t
     gcs_port, router_port = free_port(), free_port()
     worker_args = [*SMALL_ENGINE, "--compilation-cache-dir", jax.config.jax_compilation_cache_dir]
     config = tmp_path / "topology.yaml"
-    config.write_text(yaml.safe_dump(_topology(
-        router={"host": "127.0.0.1", "port": router_port, "args": ["--health-check-interval", "0.5"]},
-        workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}])))
-    head_command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                    "--node-ip-address", "127.0.0.1", "--port", str(gcs_port), "--num-cpus", "2",
-                    "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
-                    "--temp-dir", str(ray_tmp / "head")]
+    config.write_text(
+        yaml.safe_dump(
+            _topology(
+                router={"host": "127.0.0.1", "port": router_port, "args": ["--health-check-interval", "0.5"]},
+                workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}],
+            )
+        )
+    )
+    head_command = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(gcs_port),
+        "--num-cpus",
+        "2",
+        "--num-gpus",
+        "0",
+        "--include-dashboard",
+        "false",
+        "--disable-usage-stats",
+        "--temp-dir",
+        str(ray_tmp / "head"),
+    ]
     with ChildProcess(head_command) as head:
         head.wait_for("Ray runtime started", timeout=180)
         try:
             too_big = tmp_path / "too_big.yaml"
             too_big.write_text(yaml.safe_dump(_topology(workers=[{"role": "both", "count": 2, "cpus": 1.5}])))
-            with ChildProcess(jaxserve("launch", "--config", str(too_big), "--address", f"127.0.0.1:{gcs_port}",
-                                       "--placement-timeout", "3")) as refused:
+            with ChildProcess(
+                jaxserve(
+                    "launch", "--config", str(too_big), "--address", f"127.0.0.1:{gcs_port}", "--placement-timeout", "3"
+                )
+            ) as refused:
                 assert refused.finish(timeout=120) != 0
             assert "the cluster has no room for 2 worker bundles" in refused.output, refused.output
-            with ChildProcess(jaxserve("launch", "--config", str(config), "--address",
-                                       f"127.0.0.1:{gcs_port}", "--stop-timeout", "20")) as launch:
+            with ChildProcess(
+                jaxserve(
+                    "launch", "--config", str(config), "--address", f"127.0.0.1:{gcs_port}", "--stop-timeout", "20"
+                )
+            ) as launch:
                 launch.wait_for("[launch] router on", timeout=600)
                 router = Endpoint(router_port)
                 placed = workers(router)
                 assert [w["status"] for w in placed] == ["up", "up"], placed
                 worker_ports = [int(w["address"].rsplit(":", 1)[1]) for w in placed]
-                reply = send(router, "POST", "/v1/completions", {"model": "tiny-random", "prompt": "Hello there",
-                                                                  "max_tokens": 6, "temperature": 0,
-                                                                  "ignore_eos": True}, key=None)
+                reply = send(
+                    router,
+                    "POST",
+                    "/v1/completions",
+                    {
+                        "model": "tiny-random",
+                        "prompt": "Hello there",
+                        "max_tokens": 6,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                    key=None,
+                )
                 assert reply.status == 200, reply.text
                 assert reply.json["usage"]["completion_tokens"] == 6
                 assert sum(w["routed"] for w in workers(router)) == 1

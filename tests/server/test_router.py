@@ -19,14 +19,14 @@ import jax
 import numpy as np
 import openai
 import pytest
+from child_process import SMALL_ENGINE, free_port, small_engine_kwargs
+from router_cluster import Stream, load, routed, start_router, start_worker, wait_idle, wait_worker_status, workers
+from server_harness import KEY_A, KEY_B, MODEL_NAME, send, start_server
 
 from checkpoints.tiny_random import build_tiny_random
-from child_process import SMALL_ENGINE, free_port, small_engine_kwargs
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from router_cluster import Stream, load, routed, start_router, start_worker, wait_idle, wait_worker_status, workers
-from server_harness import KEY_A, KEY_B, MODEL_NAME, send, start_server
 
 MAX_LEN = 256
 
@@ -53,8 +53,9 @@ def cluster(_compilation_cache):
             proc.wait_for("worker listening", timeout=600)
         ref_server, ref_engine = reference.result()
     router_a, a = start_router(ports, "--api-key", KEY_A, "--api-key", KEY_B, "--health-check-interval", "0.3")
-    router_b, b = start_router(ports, "--health-check-interval", "600", "--balance-abs-threshold", "0",
-                               "--balance-rel-threshold", "1")
+    router_b, b = start_router(
+        ports, "--health-check-interval", "600", "--balance-abs-threshold", "0", "--balance-rel-threshold", "1"
+    )
     router_a.wait_for("Running on", timeout=120)
     router_b.wait_for("Running on", timeout=120)
     state = dict(ports=ports, procs=procs, a=a, b=b, router_a=router_a, router_b=router_b, ref=ref_server)
@@ -90,14 +91,35 @@ def _same_choices(ref, got):
 
 def test_router_gives_the_one_process_output(cluster):
     cases = [
-        ("/v1/completions", {"model": MODEL_NAME, "prompt": _prompt(1), "max_tokens": 12, "temperature": 0,
-                             "ignore_eos": True}),
-        ("/v1/completions", {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 10, "temperature": 0,
-                             "logprobs": 2}),
-        ("/v1/completions", {"model": MODEL_NAME, "prompt": _prompt(2), "max_tokens": 10, "temperature": 0.8,
-                             "seed": 7, "n": 2, "ignore_eos": True}),
-        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi, who are you?"}],
-                                  "max_tokens": 10, "temperature": 0}),
+        (
+            "/v1/completions",
+            {"model": MODEL_NAME, "prompt": _prompt(1), "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 10, "temperature": 0, "logprobs": 2},
+        ),
+        (
+            "/v1/completions",
+            {
+                "model": MODEL_NAME,
+                "prompt": _prompt(2),
+                "max_tokens": 10,
+                "temperature": 0.8,
+                "seed": 7,
+                "n": 2,
+                "ignore_eos": True,
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "Hi, who are you?"}],
+                "max_tokens": 10,
+                "temperature": 0,
+            },
+        ),
     ]
     for path, body in cases:
         ref, got = _both(cluster, path, body)
@@ -118,9 +140,14 @@ def test_router_gives_the_one_process_output(cluster):
 def test_openai_client_streams_through_the_router(cluster):
     def run(server):
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY_B, max_retries=0, timeout=120)
-        chunks = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Tell me"}],
-                                                max_tokens=12, temperature=0, stream=True,
-                                                stream_options={"include_usage": True})
+        chunks = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Tell me"}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", None
         for chunk in chunks:
             if chunk.choices:
@@ -172,7 +199,9 @@ def test_a_response_chain_stays_on_the_worker_holding_its_kv(cluster):
 
 def test_sessions_keys_and_limits_through_the_router(cluster):
     def session_flow(server):
-        sid = send(server, "POST", "/v1/sessions", {"system": "Be brief.", "temperature": 0, "max_tokens": 8}).json["id"]
+        sid = send(server, "POST", "/v1/sessions", {"system": "Be brief.", "temperature": 0, "max_tokens": 8}).json[
+            "id"
+        ]
         replies = [send(server, "POST", f"/v1/sessions/{sid}/messages", {"content": c}) for c in ("One?", "Two?")]
         assert all(r.status == 200 for r in replies), [r.text for r in replies]
         other = send(server, "GET", f"/v1/sessions/{sid}", key=KEY_B).status  # another key's session

@@ -6,22 +6,30 @@ from __future__ import annotations
 import jax
 import openai
 import pytest
+from child_process import free_port
+from router_cluster import start_router, start_worker, wait_idle
+from server_harness import ServerThread
 
 from checkpoints.registry import DEFAULT_MODEL
-from child_process import free_port
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from router_cluster import start_router, start_worker, wait_idle
 from server.app import build_app
 from server.config import ServerConfig
-from server_harness import ServerThread
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16, num_blocks=128,
-              decode_batch_buckets=(4,), prefill_token_buckets=(64,), prefill_seq_buckets=(4,),
-              block_table_buckets=(16,))
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=16,
+    num_blocks=128,
+    decode_batch_buckets=(4,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(16,),
+)
 QUESTIONS = ["What is the capital of France? Answer in one word.", "Name three colours."]
 
 
@@ -38,8 +46,13 @@ def _replies(base_url: str) -> list[tuple[str, str]]:
     for question in QUESTIONS:
         messages = [{"role": "user", "content": question}]
         full = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=16, temperature=0)
-        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-            model=DEFAULT_MODEL, messages=messages, max_tokens=16, temperature=0, stream=True) if chunk.choices)
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=DEFAULT_MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+            )
+            if chunk.choices
+        )
         out.append((full.choices[0].message.content, streamed))
     return out
 
@@ -49,8 +62,9 @@ def test_router_serves_the_default_model_as_one_process_does(_compilation_cache)
     engine.warm_up()  # first: the worker then finds every program in the shared compilation cache
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    reference_server = ServerThread(build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL,
-                                                                         api_keys=("k",))))
+    reference_server = ServerThread(
+        build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL, api_keys=("k",)))
+    )
     try:
         expected = _replies(reference_server.base_url)
     finally:

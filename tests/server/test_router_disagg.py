@@ -22,14 +22,14 @@ import time
 import grpc
 import jax
 import pytest
-
 from child_process import SMALL_ENGINE, free_port
-from jaxserve.sampling_params import SamplingParams
 from router_cluster import Endpoint, Stream, start_router, start_worker
+from server_harness import KEY_A, MODEL_NAME, send
+
+from jaxserve.sampling_params import SamplingParams
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import params_to_json, snapshot_from_json
 from server.cluster.worker.worker_pb2_grpc import WorkerStub
-from server_harness import KEY_A, MODEL_NAME, send
 
 BLOCK = 8  # SMALL_ENGINE's block size
 LEASE_TIMEOUT = 3.0
@@ -40,22 +40,30 @@ def _prompt(seed: int, n: int) -> list[int]:
     return random.Random(seed).choices(range(3, 299), k=n)
 
 
-
-
 @pytest.fixture(scope="module")
 def cluster(_compilation_cache):
     cache_dir = jax.config.jax_compilation_cache_dir
     ports = {"both": free_port(), "prefill": free_port(), "decode": free_port()}
-    flags = {"both": [], "prefill": ["--role", "prefill", "--kv-lease-timeout", str(LEASE_TIMEOUT)],
-             "decode": ["--role", "decode"]}
+    flags = {
+        "both": [],
+        "prefill": ["--role", "prefill", "--kv-lease-timeout", str(LEASE_TIMEOUT)],
+        "decode": ["--role", "decode"],
+    }
     procs = {"both": start_worker(ports["both"], SMALL_ENGINE, cache_dir)}
     procs["both"].wait_for("worker listening", timeout=900)  # the others find its programs in the cache
     for role in ("prefill", "decode"):
         procs[role] = start_worker(ports[role], [*SMALL_ENGINE, *flags[role]], cache_dir)
     for role in ("prefill", "decode"):
         procs[role].wait_for("worker listening", timeout=900)
-    split_router, split = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
-                                       "--decode-worker", f"127.0.0.1:{ports['decode']}", "--api-key", KEY_A)
+    split_router, split = start_router(
+        [],
+        "--prefill-worker",
+        f"127.0.0.1:{ports['prefill']}",
+        "--decode-worker",
+        f"127.0.0.1:{ports['decode']}",
+        "--api-key",
+        KEY_A,
+    )
     colo_router, colo = start_router([ports["both"]], "--api-key", KEY_A)
     split_router.wait_for("Running on", timeout=120)
     colo_router.wait_for("Running on", timeout=120)
@@ -86,8 +94,14 @@ def _all_free(port: int, timeout: float = 30.0) -> None:
     while True:
         reply = _load(port)
         snap = snapshot_from_json(reply.snapshot_json)
-        free = (not snap.has_unfinished and snap.kv_requests == 0 and snap.kv.used == 0 and snap.kv.pinned == 0
-                and snap.kv.free + snap.kv.cached_idle == snap.kv.num_blocks and reply.kv_leases == 0)
+        free = (
+            not snap.has_unfinished
+            and snap.kv_requests == 0
+            and snap.kv.used == 0
+            and snap.kv.pinned == 0
+            and snap.kv.free + snap.kv.cached_idle == snap.kv.num_blocks
+            and reply.kv_leases == 0
+        )
         if free:
             return
         assert time.monotonic() < deadline, (snap, reply.kv_leases)
@@ -102,9 +116,15 @@ def _both_free(cluster) -> None:
 def _transfers(router: Endpoint) -> dict[str, float]:
     text = send(router, "GET", "/metrics", key=None).text
     out = {}
-    for name, label in (("transfers_total", None), ("device_transfers_total", None), ("transfer_blocks_total", "pulled"),
-                        ("transfer_blocks_total", "skipped"), ("transfer_bytes_total", None),
-                        ("transfer_failures_total", None), ("transfer_duration_seconds_count", None)):
+    for name, label in (
+        ("transfers_total", None),
+        ("device_transfers_total", None),
+        ("transfer_blocks_total", "pulled"),
+        ("transfer_blocks_total", "skipped"),
+        ("transfer_bytes_total", None),
+        ("transfer_failures_total", None),
+        ("transfer_duration_seconds_count", None),
+    ):
         labels = f'{{kind="{label}"}}' if label else ""
         out[label or name] = float(re.search(rf"^jaxserve_kv_{name}{re.escape(labels)} (\S+)$", text, re.M).group(1))
     return out
@@ -142,7 +162,9 @@ def _same_output(cluster, path: str, body: dict, split_router: str = "split") ->
 
 
 def _compilations(cluster) -> list[int]:
-    return [snapshot_from_json(_load(cluster["ports"][r]).snapshot_json).num_compilations for r in ("prefill", "decode")]
+    return [
+        snapshot_from_json(_load(cluster["ports"][r]).snapshot_json).num_compilations for r in ("prefill", "decode")
+    ]
 
 
 def test_split_serving_gives_the_colocated_output(cluster):
@@ -155,8 +177,15 @@ def test_split_serving_gives_the_colocated_output(cluster):
         ("/v1/completions", _completion(_prompt(3, 24), 10, temperature=0.8, seed=7, n=2, ignore_eos=True)),
         ("/v1/completions", _completion(_prompt(4, 30), 8, min_tokens=3)),
         ("/v1/completions", _completion(_prompt(5, 20), 8, presence_penalty=0.5, ignore_eos=True)),  # not split
-        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi, who are you?"}],
-                                  "max_tokens": 10, "temperature": 0}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "Hi, who are you?"}],
+                "max_tokens": 10,
+                "temperature": 0,
+            },
+        ),
     ]
     for path, body in cases:
         _same_output(cluster, path, body)
@@ -203,8 +232,12 @@ def _params(max_tokens: int) -> str:
 
 def _lease(port: int, request_id: str, prompt: list[int]) -> tuple[pb.KVLease, int]:
     """Prefill `prompt` on a prefill worker as a router does: the lease of its blocks, and the first token."""
-    messages = _generate(port, pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                                  sampling_params_json=_params(1), hold_kv=True))
+    messages = _generate(
+        port,
+        pb.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling_params_json=_params(1), hold_kv=True
+        ),
+    )
     assert messages[-1].finish_reason == "length" and messages[-1].HasField("lease")
     return messages[-1].lease, messages[-1].token_ids[-1]
 
@@ -241,9 +274,14 @@ def test_going_away_mid_transfer_leaks_nothing(cluster):
     lease, first = _lease(prefill, "cut", prompt)
     channel, stub = _stub(decode)
     with channel:
-        call = stub.Generate(pb.GenerateRequest(
-            request_id="cut", prompt_token_ids=prompt + [first], sampling_params_json=_params(50),
-            kv_source=pb.KVSource(address=f"127.0.0.1:{prefill}", lease=lease)))
+        call = stub.Generate(
+            pb.GenerateRequest(
+                request_id="cut",
+                prompt_token_ids=prompt + [first],
+                sampling_params_json=_params(50),
+                kv_source=pb.KVSource(address=f"127.0.0.1:{prefill}", lease=lease),
+            )
+        )
         call.cancel()
     _both_free(cluster)
     # A client that disconnects once the first token is out, while the decode worker pulls the prompt.
@@ -261,13 +299,21 @@ def test_a_lease_gone_before_the_pull_leaves_the_decode_worker_to_recompute(clus
     channel, stub = _stub(prefill)
     with channel:
         assert stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id), timeout=30).released
-    got = _generate(decode, pb.GenerateRequest(request_id="late", prompt_token_ids=prompt + [first],
-                                               sampling_params_json=_params(5),
-                                               kv_source=pb.KVSource(address=f"127.0.0.1:{prefill}", lease=lease)))
+    got = _generate(
+        decode,
+        pb.GenerateRequest(
+            request_id="late",
+            prompt_token_ids=prompt + [first],
+            sampling_params_json=_params(5),
+            kv_source=pb.KVSource(address=f"127.0.0.1:{prefill}", lease=lease),
+        ),
+    )
     transfer = got[0].transfer
     assert transfer.blocks_pulled == 0 and "NOT_FOUND" in transfer.error
-    expected = _generate(cluster["ports"]["both"], pb.GenerateRequest(request_id="late", prompt_token_ids=prompt,
-                                                                      sampling_params_json=_params(6)))
+    expected = _generate(
+        cluster["ports"]["both"],
+        pb.GenerateRequest(request_id="late", prompt_token_ids=prompt, sampling_params_json=_params(6)),
+    )
     tokens = lambda messages: [t for m in messages for t in m.token_ids]  # noqa: E731
     assert [first, *tokens(got)] == tokens(expected)
     _both_free(cluster)
@@ -282,10 +328,17 @@ def test_a_decode_worker_dead_before_its_half_gets_the_half_retried_on_another(c
     spare_port = free_port()
     spare = start_worker(spare_port, [*SMALL_ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
     spare.wait_for("worker listening", timeout=900)
-    router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
-                                    "--decode-worker", f"127.0.0.1:{spare_port}",
-                                    "--decode-worker", f"127.0.0.1:{ports['decode']}",
-                                    "--health-check-interval", "600")
+    router, endpoint = start_router(
+        [],
+        "--prefill-worker",
+        f"127.0.0.1:{ports['prefill']}",
+        "--decode-worker",
+        f"127.0.0.1:{spare_port}",
+        "--decode-worker",
+        f"127.0.0.1:{ports['decode']}",
+        "--health-check-interval",
+        "600",
+    )
     try:
         router.wait_for("Running on", timeout=120)
         spare.proc.kill()  # SIGKILL
@@ -314,14 +367,23 @@ def test_a_decode_worker_dead_mid_stream_has_the_sequence_resumed_on_another(clu
     spare_port = free_port()
     spare = start_worker(spare_port, [*SMALL_ENGINE, "--role", "decode"], jax.config.jax_compilation_cache_dir)
     spare.wait_for("worker listening", timeout=900)
-    router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
-                                    "--decode-worker", f"127.0.0.1:{spare_port}",
-                                    "--decode-worker", f"127.0.0.1:{ports['decode']}",
-                                    "--health-check-interval", "0.3")
+    router, endpoint = start_router(
+        [],
+        "--prefill-worker",
+        f"127.0.0.1:{ports['prefill']}",
+        "--decode-worker",
+        f"127.0.0.1:{spare_port}",
+        "--decode-worker",
+        f"127.0.0.1:{ports['decode']}",
+        "--health-check-interval",
+        "0.3",
+    )
     try:
         router.wait_for("Running on", timeout=120)
-        bodies = [_completion(_prompt(60, 3 * BLOCK + 5), 200, ignore_eos=True),
-                  _completion(_prompt(61, 2 * BLOCK + 1), 200, ignore_eos=True, temperature=0.9, seed=11)]
+        bodies = [
+            _completion(_prompt(60, 3 * BLOCK + 5), 200, ignore_eos=True),
+            _completion(_prompt(61, 2 * BLOCK + 1), 200, ignore_eos=True, temperature=0.9, seed=11),
+        ]
         streams = [Stream(endpoint, {**b, "stream_options": {"include_usage": True}}, None) for b in bodies]
         # The first goes to the spare (an idle tie); its first token comes from the prefill worker:
         # kill the spare once it has streamed tokens of its own.
@@ -353,13 +415,22 @@ def device_pair(cluster):
     """A prefill and a decode worker with --kv-transport device, behind their own router."""
     cache_dir = jax.config.jax_compilation_cache_dir
     ports = {"prefill": free_port(), "decode": free_port()}
-    procs = {role: start_worker(port, [*SMALL_ENGINE, "--role", role, "--kv-transport", "device"], cache_dir)
-             for role, port in ports.items()}
+    procs = {
+        role: start_worker(port, [*SMALL_ENGINE, "--role", role, "--kv-transport", "device"], cache_dir)
+        for role, port in ports.items()
+    }
     for proc in procs.values():
         proc.wait_for("KV transfer server on", timeout=900)
         proc.wait_for("worker listening", timeout=120)
-    router, endpoint = start_router([], "--prefill-worker", f"127.0.0.1:{ports['prefill']}",
-                                    "--decode-worker", f"127.0.0.1:{ports['decode']}", "--api-key", KEY_A)
+    router, endpoint = start_router(
+        [],
+        "--prefill-worker",
+        f"127.0.0.1:{ports['prefill']}",
+        "--decode-worker",
+        f"127.0.0.1:{ports['decode']}",
+        "--api-key",
+        KEY_A,
+    )
     router.wait_for("Running on", timeout=120)
     yield dict(cluster, ports=ports, split_device=endpoint, grpc_ports=cluster["ports"])
     for proc in [router, *procs.values()]:
@@ -400,13 +471,21 @@ def test_a_device_decode_worker_pulls_bytes_from_a_prefill_worker_without_a_tran
         lease, first = _lease(prefill, f"bytes-{seed}", prompt)
         assert lease.transfer_address == ""
         lease.transfer_address = forged_address
-        got = _generate(decode, pb.GenerateRequest(
-            request_id=f"bytes-{seed}", prompt_token_ids=prompt + [first], sampling_params_json=_params(5),
-            kv_source=pb.KVSource(address=f"127.0.0.1:{prefill}", lease=lease)))
+        got = _generate(
+            decode,
+            pb.GenerateRequest(
+                request_id=f"bytes-{seed}",
+                prompt_token_ids=prompt + [first],
+                sampling_params_json=_params(5),
+                kv_source=pb.KVSource(address=f"127.0.0.1:{prefill}", lease=lease),
+            ),
+        )
         transfer = got[0].transfer
         assert (transfer.transport, transfer.blocks_pulled, transfer.error) == ("grpc", 4, "")
-        expected = _generate(device_pair["grpc_ports"]["both"], pb.GenerateRequest(
-            request_id=f"ref-{seed}", prompt_token_ids=prompt, sampling_params_json=_params(6)))
+        expected = _generate(
+            device_pair["grpc_ports"]["both"],
+            pb.GenerateRequest(request_id=f"ref-{seed}", prompt_token_ids=prompt, sampling_params_json=_params(6)),
+        )
         assert [first, *tokens(got)] == tokens(expected)
     _all_free(prefill)
     _both_free(device_pair)

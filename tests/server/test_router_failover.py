@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import pytest
-
 from child_process import SMALL_ENGINE, free_port
 from router_cluster import Stream, start_router, start_worker, wait_idle, workers
 from server_harness import MODEL_NAME, send
@@ -63,8 +62,9 @@ def _read(stream: Stream, first: dict[str, Any]) -> tuple[str, list[Any]]:
     """The stream's whole text and every event after the first, to its end."""
     events = stream.rest()
     stream.close()
-    text = first["choices"][0]["text"] + "".join(e["choices"][0]["text"] for e in events
-                                                 if isinstance(e, dict) and e.get("choices"))
+    text = first["choices"][0]["text"] + "".join(
+        e["choices"][0]["text"] for e in events if isinstance(e, dict) and e.get("choices")
+    )
     return text, [first, *events]
 
 
@@ -87,8 +87,13 @@ def test_a_worker_killed_mid_stream_has_its_streams_resumed_on_the_other(cluster
     for i, (text, events) in enumerate(results):
         assert not [e for e in events if isinstance(e, dict) and "error" in e], (i, events)
         assert events[-1] == "[DONE]", (i, events[-3:])
-        reasons = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", ())
-                   if c.get("finish_reason")]
+        reasons = [
+            c["finish_reason"]
+            for e in events
+            if isinstance(e, dict)
+            for c in e.get("choices", ())
+            if c.get("finish_reason")
+        ]
         assert reasons == ["length"], (i, reasons)
         usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
         assert len(usage) == 1, (i, usage)

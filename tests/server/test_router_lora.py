@@ -16,20 +16,26 @@ import grpc
 import jax
 import openai
 import pytest
-
-from checkpoints.tiny_random import build_tiny_random
 from child_process import free_port
-from jaxserve.tokenizer import Tokenizer
 from lora_harness import EXTRA, LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
 from router_cluster import routed, start_router, start_worker, wait_idle, wait_worker_status
-from server.cluster.worker import worker_pb2 as pb
-from server.cluster.worker.worker_pb2_grpc import WorkerStub
 from server_harness import KEY_A, send
 
+from checkpoints.tiny_random import build_tiny_random
+from jaxserve.tokenizer import Tokenizer
+from server.cluster.worker import worker_pb2 as pb
+from server.cluster.worker.worker_pb2_grpc import WorkerStub
+
 pytestmark = pytest.mark.slow  # two workers and a router start (about a minute on 2 cores)
-ENGINE_FLAGS = [flag for name, value in LORA_ENGINE.items() for flag in
-                (["--" + name.replace("_", "-")] if value is True else
-                 ["--" + name.replace("_", "-"), *map(str, value if isinstance(value, tuple) else (value,))])]
+ENGINE_FLAGS = [
+    flag
+    for name, value in LORA_ENGINE.items()
+    for flag in (
+        ["--" + name.replace("_", "-")]
+        if value is True
+        else ["--" + name.replace("_", "-"), *map(str, value if isinstance(value, tuple) else (value,))]
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +47,15 @@ def cluster(_compilation_cache, tmp_path_factory):
     procs = [start_worker(p, flags, jax.config.jax_compilation_cache_dir) for p in ports]
     for proc in procs:
         proc.wait_for("worker listening", timeout=600)
-    router, endpoint = start_router(ports, "--api-key", KEY_A, "--served-model-name", "tiny-random",
-                                    "--worker-max-loras", str(LORA_ENGINE["max_loras"]))
+    router, endpoint = start_router(
+        ports,
+        "--api-key",
+        KEY_A,
+        "--served-model-name",
+        "tiny-random",
+        "--worker-max-loras",
+        str(LORA_ENGINE["max_loras"]),
+    )
     router.wait_for("Running on", timeout=120)
     cluster = dict(ports=ports, router=endpoint, adapters=adapters, procs=procs, flags=flags)
     yield cluster
@@ -64,8 +77,13 @@ def test_adapters_through_the_router_match_peft_on_both_workers(cluster):
 
     def run(case: tuple) -> str:
         name, prompt, new_ids = case
-        out = client.completions.create(model=name or "tiny-random", prompt=prompt, max_tokens=len(new_ids),
-                                        temperature=0.0, extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model=name or "tiny-random",
+            prompt=prompt,
+            max_tokens=len(new_ids),
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         return out.choices[0].text
 
     with ThreadPoolExecutor(8) as pool:
@@ -80,8 +98,14 @@ def test_adapters_through_the_router_match_peft_on_both_workers(cluster):
     assert send(router, "POST", "/v1/load_lora_adapter", load).status == 200
     bad = {"lora_name": "bad", "lora_path": "/nonexistent"}
     assert send(router, "POST", "/v1/load_lora_adapter", bad).status == 400
-    outs = [client.completions.create(model=EXTRA.name, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0.0,
-                                      extra_body={"ignore_eos": True}).choices[0].text for _ in range(4)]
+    outs = [
+        client.completions.create(
+            model=EXTRA.name, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for _ in range(4)
+    ]
     assert len(set(outs)) == 1  # the same adapter on either worker
     assert send(router, "POST", "/v1/unload_lora_adapter", {"lora_name": EXTRA.name}).status == 200
     with pytest.raises(openai.NotFoundError):
@@ -97,8 +121,13 @@ def worker_adapters(port: int) -> dict[str, str]:
 
 
 def complete(client: openai.OpenAI, model: str, prompt: list[int]) -> str:
-    return client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    return (
+        client.completions.create(
+            model=model, prompt=prompt, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
 
 
 def test_an_adapter_sticks_to_its_worker_restarts_get_run_time_loads_and_sessions_keep_it(cluster):
@@ -133,7 +162,9 @@ def test_an_adapter_sticks_to_its_worker_restarts_get_run_time_loads_and_session
     created = send(router, "POST", "/v1/sessions", {"model": name, "temperature": 0.0, "max_tokens": 4})
     assert created.status == 200, created.text
     sid = json.loads(created.text)["id"]
-    turns = [send(router, "POST", f"/v1/sessions/{sid}/messages", {"content": text}) for text in ("Hello there.", "More.")]
+    turns = [
+        send(router, "POST", f"/v1/sessions/{sid}/messages", {"content": text}) for text in ("Hello there.", "More.")
+    ]
     assert [t.status for t in turns] == [200, 200], [t.text for t in turns]
     replies = [json.loads(t.text) for t in turns]
     assert {r["model"] for r in replies} == {name}

@@ -7,16 +7,16 @@ import dataclasses
 import subprocess
 
 import pytest
-
 from child_process import jaxserve
+
 from jaxserve.engine_client import EngineDeadError
 from jaxserve.routing import adapter_key, choose_replica
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import GuidedDecoding
 from server.cluster.router.prefix_tree import ApproxPrefixTree
 from server.cluster.router.remote_engine import ROUTER_POLICY, RemoteEngine
 from server.cluster.router.sequence import worker_params
 from server.cluster.router.worker_client import WorkerClient, WorkerInfo
-from jaxserve.structured import GuidedDecoding
 from server.cluster.worker.wire import params_from_json, params_to_json
 
 
@@ -64,8 +64,9 @@ def test_lora_requests_prefer_workers_holding_their_adapter_and_match_only_its_p
     assert choose_replica([0, 40, 40], [0, 0, 1], 40, ROUTER_POLICY, resident=[False, True, True]) == 1
     assert adapter_key([5, 6], None) == [5, 6] and adapter_key([5, 6], 2) == [-2, 5, 6]
     # The router's picture of its workers, fed as requests are sent (no process behind them).
-    remote = RemoteEngine([WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")],
-                          dataclasses.replace(ROUTER_POLICY, adapter_slots=1))
+    remote = RemoteEngine(
+        [WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")], dataclasses.replace(ROUTER_POLICY, adapter_slots=1)
+    )
     a, b = remote.workers
     a.up = b.up = True
     prompt = list(range(40))
@@ -89,16 +90,24 @@ def test_lora_requests_prefer_workers_holding_their_adapter_and_match_only_its_p
 
 
 def test_sampling_params_cross_the_wire_and_bad_json_is_a_clear_error():
-    params = SamplingParams(n=3, max_tokens=7, temperature=0.5, stop=["x"], logit_bias={5: -100.0}, seed=9,
-                            logprobs=2, min_tokens=1)
+    params = SamplingParams(
+        n=3, max_tokens=7, temperature=0.5, stop=["x"], logit_bias={5: -100.0}, seed=9, logprobs=2, min_tokens=1
+    )
     sent = worker_params(params, seed=11)
     assert (sent.n, sent.seed, sent.stop) == (1, 11, [])
     assert params_from_json(params_to_json(sent)) == sent
-    guided = SamplingParams(guided=GuidedDecoding("json", {"type": "object", "properties": {"a": {"type": "integer"}}}),
-                            prompt_logprobs=1)
+    guided = SamplingParams(
+        guided=GuidedDecoding("json", {"type": "object", "properties": {"a": {"type": "integer"}}}), prompt_logprobs=1
+    )
     assert params_from_json(params_to_json(guided)) == guided
-    for bad, message in [('{"guided": {"kind": "regex"}}', "kind and value"),("{", "does not parse"), ("[1]", "JSON object"), ('{"nope": 1}', "unknown sampling"),
-                         ('{"logit_bias": {"a": 1}}', "token ids"), ('{"max_tokens": -1}', "max_tokens")]:
+    for bad, message in [
+        ('{"guided": {"kind": "regex"}}', "kind and value"),
+        ("{", "does not parse"),
+        ("[1]", "JSON object"),
+        ('{"nope": 1}', "unknown sampling"),
+        ('{"logit_bias": {"a": 1}}', "token ids"),
+        ('{"max_tokens": -1}', "max_tokens"),
+    ]:
         with pytest.raises(ValueError, match=message):
             params_from_json(bad)
 
@@ -111,16 +120,26 @@ def test_workers_serving_other_models_cannot_join():
     assert "tokenizer json" in info.mismatch(dataclasses.replace(info, tokenizer_json="[]"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["router", "--port", "1", "--worker", "nohostport"], "HOST:PORT"),
-    (["router", "--port", "1", "--worker", "h:1", "--cache-threshold", "2"], "--cache-threshold"),
-    (["router", "--port", "1"], "give --worker or --decode-worker"),
-    (["router", "--port", "1", "--worker", "h:1", "--prefill-worker", "h:2"], "--prefill-worker needs --decode-worker"),
-    (["worker", "--model", "tiny-random", "--port", "1", "--role", "prefill", "--data-parallel-size", "2"],
-     "one engine replica"),
-    (["worker", "--model", "tiny-random", "--port", "1", "--role", "decode", "--kv-lease-timeout", "0"],
-     "--kv-lease-timeout must be positive"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["router", "--port", "1", "--worker", "nohostport"], "HOST:PORT"),
+        (["router", "--port", "1", "--worker", "h:1", "--cache-threshold", "2"], "--cache-threshold"),
+        (["router", "--port", "1"], "give --worker or --decode-worker"),
+        (
+            ["router", "--port", "1", "--worker", "h:1", "--prefill-worker", "h:2"],
+            "--prefill-worker needs --decode-worker",
+        ),
+        (
+            ["worker", "--model", "tiny-random", "--port", "1", "--role", "prefill", "--data-parallel-size", "2"],
+            "one engine replica",
+        ),
+        (
+            ["worker", "--model", "tiny-random", "--port", "1", "--role", "decode", "--kv-lease-timeout", "0"],
+            "--kv-lease-timeout must be positive",
+        ),
+    ],
+)
 def test_bad_command_lines_get_clear_errors(args, message):
     result = subprocess.run(jaxserve(*args), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and message in result.stderr + result.stdout, result.stderr

@@ -14,13 +14,12 @@ from typing import Literal
 import pytest
 from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, function_tool
 from openai import AsyncOpenAI
+from server_harness import KEY_A, MODEL_NAME, TEST_ENGINE, delete_stored_responses, start_server, wait_until_idle
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from server_harness import KEY_A, MODEL_NAME, TEST_ENGINE, delete_stored_responses, start_server, wait_until_idle
-
 
 # The SDK's tool schemas and the tool-call format in the system message take ~600 tokens of the tiny
 # model's byte-level vocabulary: an engine with its whole context (2,048).
@@ -61,8 +60,14 @@ def test_an_agent_calls_its_function_tool_and_answers(server):
         calls.append(city)
         return f"18 degrees and sunny in {city}"
 
-    agent = Agent(name="forecaster", instructions="Answer with the weather.", model=MODEL_NAME, tools=[weather],
-                  output_type=Forecast, model_settings=ModelSettings(tool_choice="required", temperature=0))
+    agent = Agent(
+        name="forecaster",
+        instructions="Answer with the weather.",
+        model=MODEL_NAME,
+        tools=[weather],
+        output_type=Forecast,
+        model_settings=ModelSettings(tool_choice="required", temperature=0),
+    )
 
     async def run() -> object:
         client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)

@@ -6,7 +6,6 @@ import logging
 
 import openai
 import pytest
-
 from server_harness import KEY_A, KEY_B, MODEL_NAME, send, start_server
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
@@ -22,8 +21,10 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}],
         {"Authorization": f"Bearer {KEY_A}x"},
     ],
 )
-@pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                                         ("GET", "/v1/sessions"), ("POST", "/v1/sessions")])
+@pytest.mark.parametrize(
+    "method,path",
+    [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/sessions"), ("POST", "/v1/sessions")],
+)
 def test_missing_or_wrong_key_is_401(server, headers, method, path):
     reply = send(server, method, path, CHAT if method == "POST" else None, key=None, headers=headers)
     assert reply.status == 401
@@ -43,7 +44,9 @@ def test_health_and_metrics_need_no_key(server):
 
 
 def test_key_b_cannot_read_fork_edit_continue_cancel_or_delete_key_a_session(server):
-    created = send(server, "POST", "/v1/sessions", {"system": "secret plans", "temperature": 0, "max_tokens": 4}, key=KEY_A)
+    created = send(
+        server, "POST", "/v1/sessions", {"system": "secret plans", "temperature": 0, "max_tokens": 4}, key=KEY_A
+    )
     sid = created.json["id"]
     assert send(server, "POST", f"/v1/sessions/{sid}/messages", {"content": "Hello"}, key=KEY_A).status == 200
     attempts = [

@@ -19,10 +19,13 @@ class _Port:
 
 def test_serve_warms_up_serves_and_exits_0_on_sigterm():
     port = free_port()
-    with ChildProcess(jaxserve("serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", "k1",
-                               *SMALL_ENGINE)) as child:
+    with ChildProcess(
+        jaxserve("serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", "k1", *SMALL_ENGINE)
+    ) as child:
         child.wait_for("Running on", timeout=240)
-        assert child.wait_for("compiling buckets", timeout=1).startswith("compiling buckets: decode batch [4]"), child.output
+        assert child.wait_for("compiling buckets", timeout=1).startswith("compiling buckets: decode batch [4]"), (
+            child.output
+        )
         assert " s" in child.wait_for("warm-up: ", timeout=1)
         srv = _Port(port)
         assert send(srv, "GET", "/health", key=None).json == {"status": "ok"}
@@ -31,8 +34,12 @@ def test_serve_warms_up_serves_and_exits_0_on_sigterm():
         # A stream in flight when SIGTERM arrives runs to its end before the process exits.
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Authorization": "Bearer k1", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body),
+            {"Authorization": "Bearer k1", "Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         first = resp.readline()

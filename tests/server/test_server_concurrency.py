@@ -14,12 +14,12 @@ from contextlib import aclosing
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import KEY_A, MODEL_NAME, check_kv_integrity, send, snapshot, stream_events, wait_until_idle
 
 from jaxserve.sampling_params import SamplingParams
 from server.generation import EngineRequest, Generation
 from server.metrics import ServerMetrics
 from server.rate_limit import RateLimiter
-from server_harness import KEY_A, MODEL_NAME, check_kv_integrity, send, snapshot, stream_events, wait_until_idle
 
 NUM_CLIENTS = 50
 MAX_TOKENS = 24
@@ -27,9 +27,16 @@ HANGUP_MAX_TOKENS = 400  # a hung-up request that kept running would take hundre
 
 
 async def _client(http: aiohttp.ClientSession, i: int, hang_up_after: int | None) -> dict:
-    body = {"model": MODEL_NAME, "stream": True, "stream_options": {"include_usage": True}, "temperature": 1.0,
-            "seed": i, "messages": [{"role": "user", "content": f"Client {i}: the quick brown fox " * (1 + i % 3)}],
-            "max_tokens": HANGUP_MAX_TOKENS if hang_up_after is not None else MAX_TOKENS, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 1.0,
+        "seed": i,
+        "messages": [{"role": "user", "content": f"Client {i}: the quick brown fox " * (1 + i % 3)}],
+        "max_tokens": HANGUP_MAX_TOKENS if hang_up_after is not None else MAX_TOKENS,
+        "ignore_eos": True,
+    }
     resp = await http.post("/v1/chat/completions", json=body)
     assert resp.status == 200, await resp.text()
     text, events = "", []
@@ -123,8 +130,15 @@ def test_a_hang_up_is_counted_when_the_handler_is_cancelled_again_during_its_cle
     which lands while the generation waits for its stream tasks. It must still count its outcome."""
     metrics = ServerMetrics()
     params = SamplingParams(max_tokens=400, ignore_eos=True)
-    generation = Generation(async_engine, [EngineRequest("hang-up-twice", [1, 2, 3], params)], owner="a",
-                            endpoint="chat", metrics=metrics, limiter=RateLimiter(), timeout=None)
+    generation = Generation(
+        async_engine,
+        [EngineRequest("hang-up-twice", [1, 2, 3], params)],
+        owner="a",
+        endpoint="chat",
+        metrics=metrics,
+        limiter=RateLimiter(),
+        timeout=None,
+    )
 
     async def handler():
         async with aclosing(generation.deltas()) as deltas:
@@ -144,7 +158,9 @@ def test_a_hang_up_is_counted_when_the_handler_is_cancelled_again_during_its_cle
     handler_task = None
     assert asyncio.run(main())  # the second cancellation reached the clean-up
     assert generation.done and generation.outcome == "cancelled"
-    assert metrics.registry.get_sample_value("jaxserve_requests_total", {"endpoint": "chat", "outcome": "cancelled"}) == 1
+    assert (
+        metrics.registry.get_sample_value("jaxserve_requests_total", {"endpoint": "chat", "outcome": "cancelled"}) == 1
+    )
     # Deltas that reach the closed loop afterwards abort the request; the engine serves on.
     assert not wait_until_idle(server, async_engine, timeout=10).has_unfinished
     assert async_engine.is_alive

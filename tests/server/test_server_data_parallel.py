@@ -15,14 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from server_harness import KEY_A, MODEL_NAME, TEST_ENGINE, send, snapshot, start_server, wait_until_idle
+from test_server_sessions import cached, create, history_len, reused_blocks_of, turn
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
-from server_harness import KEY_A, MODEL_NAME, TEST_ENGINE, send, snapshot, start_server, wait_until_idle
-from test_server_sessions import cached, create, history_len, reused_blocks_of, turn
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,13 @@ def dp_server():
 def replica_0_busy(srv, async_engine) -> Iterator[None]:
     """A long request occupies replica 0 (the tie-break pick) while the block runs."""
     with ThreadPoolExecutor(1) as pool:
-        background = pool.submit(send, srv, "POST", "/v1/completions",
-                                 {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 480, "ignore_eos": True})
+        background = pool.submit(
+            send,
+            srv,
+            "POST",
+            "/v1/completions",
+            {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 480, "ignore_eos": True},
+        )
         while srv.engine_call(async_engine, lambda router: router.loads()) != [1, 0]:
             time.sleep(0.02)
         yield
@@ -63,8 +68,16 @@ def test_concurrent_requests_spread_over_both_replicas(dp_server, assert_kv_all_
     async def run() -> list[str]:
         async with openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY_A, max_retries=0) as client:
             # Prompts with nothing in common: a shared prefix would rightly draw them together.
-            calls = [client.completions.create(model=MODEL_NAME, prompt=f"{i} " * (i + 1), max_tokens=24,
-                                               temperature=0, extra_body={"ignore_eos": True}) for i in range(8)]
+            calls = [
+                client.completions.create(
+                    model=MODEL_NAME,
+                    prompt=f"{i} " * (i + 1),
+                    max_tokens=24,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(8)
+            ]
             return [r.choices[0].text for r in await asyncio.gather(*calls)]
 
     texts = asyncio.run(run())

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from server_harness import ServerThread, delete_stored_responses, send
 
 from checkpoints.registry import DEFAULT_MODEL
 from jaxserve.async_engine import AsyncEngine
@@ -18,7 +19,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
-from server_harness import ServerThread, delete_stored_responses, send
 
 pytestmark = pytest.mark.integration
 
@@ -27,9 +27,17 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def smol_engine():
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=BLOCK,
-                          num_blocks=128, decode_batch_buckets=(4,), prefill_token_buckets=(64,),
-                          prefill_seq_buckets=(4,), block_table_buckets=(16,))
+    config = EngineConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        block_size=BLOCK,
+        num_blocks=128,
+        decode_batch_buckets=(4,),
+        prefill_token_buckets=(64,),
+        prefill_seq_buckets=(4,),
+        block_table_buckets=(16,),
+    )
     engine = LLMEngine(DEFAULT_MODEL, config)
     engine.warm_up()
     async_engine = AsyncEngine(engine)
@@ -53,8 +61,9 @@ def test_default_model_answers_and_streams_the_same_text(smol_server):
     assert "Paris" in text
     streamed = "".join(
         chunk.choices[0].delta.content or ""
-        for chunk in client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=12,
-                                                    temperature=0, stream=True)
+        for chunk in client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
         if chunk.choices
     )
     assert streamed == text
@@ -97,8 +106,9 @@ def test_embeddings_equal_transformers_pooled_hidden_states(smol_engine, pooling
     try:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
         texts = [r["text"] for r in reference]  # one of ~100 tokens takes two prefill steps of 64
-        assert [send(srv, "POST", "/tokenize", {"prompt": t}, key=None).json["tokens"] for t in texts] == \
-            [r["ids"] for r in reference]
+        assert [send(srv, "POST", "/tokenize", {"prompt": t}, key=None).json["tokens"] for t in texts] == [
+            r["ids"] for r in reference
+        ]
         for _ in range(2):  # the second time, last-token pooling finds the prompts in the prefix cache
             got = client.embeddings.create(model=DEFAULT_MODEL, input=texts)
             for item, ref in zip(got.data, reference):

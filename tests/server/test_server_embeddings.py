@@ -9,9 +9,9 @@ import base64
 import numpy as np
 import openai
 import pytest
+from server_harness import KEY_A, MODEL_NAME, send, wait_until_idle
 
 from server.state import STATE
-from server_harness import KEY_A, MODEL_NAME, send, wait_until_idle
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "Hello world!"]
 
@@ -71,19 +71,22 @@ def test_dimensions_is_honoured_at_the_models_size_and_refused_otherwise(server)
     assert f"{hidden} dimensions" in reply.json["error"]["message"]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({}, "input"),
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [[]]}, "input"),
-    ({"input": ["a", 1]}, "input"),
-    ({"input": [1, "a"]}, "input"),
-    ({"input": [10**9]}, "input"),
-    ({"input": {"text": "a"}}, "input"),
-    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "a", "dimensions": "576"}, "dimensions"),
-    ({"input": "a", "pooling": "mean"}, "pooling"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": ["a", 1]}, "input"),
+        ({"input": [1, "a"]}, "input"),
+        ({"input": [10**9]}, "input"),
+        ({"input": {"text": "a"}}, "input"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "a", "dimensions": "576"}, "dimensions"),
+        ({"input": "a", "pooling": "mean"}, "pooling"),
+    ],
+)
 def test_bad_input_is_a_400_naming_the_field(server, body, param):
     reply = send(server, "POST", "/v1/embeddings", {"model": MODEL_NAME, **body})
     assert reply.status == 400, reply.text

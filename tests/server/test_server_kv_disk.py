@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import openai
-
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import BLOCK_SIZE, MODEL_NAME, send
 
@@ -23,10 +22,27 @@ class _Port:
 
 
 def _serve(port: int, session_dir, kv_dir, *extra: str) -> ChildProcess:
-    return ChildProcess(jaxserve("serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", KEY,
-                                 "--session-dir", str(session_dir), "--kv-disk-dir", str(kv_dir),
-                                 "--kv-disk-bytes", str(64 << 20), "--kv-disk-min-load-tokens", "16", *extra,
-                                 *SMALL_ENGINE))
+    return ChildProcess(
+        jaxserve(
+            "serve",
+            "--model",
+            MODEL_NAME,
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--session-dir",
+            str(session_dir),
+            "--kv-disk-dir",
+            str(kv_dir),
+            "--kv-disk-bytes",
+            str(64 << 20),
+            "--kv-disk-min-load-tokens",
+            "16",
+            *extra,
+            *SMALL_ENGINE,
+        )
+    )
 
 
 def _ok(reply):
@@ -35,8 +51,15 @@ def _ok(reply):
 
 
 def _turn(port: int, sid: str, content: str) -> dict:
-    return _ok(send(_Port(port), "POST", f"/v1/sessions/{sid}/messages",
-                    {"role": "user", "content": content, "max_tokens": 12, "temperature": 0}, key=KEY))
+    return _ok(
+        send(
+            _Port(port),
+            "POST",
+            f"/v1/sessions/{sid}/messages",
+            {"role": "user", "content": content, "max_tokens": 12, "temperature": 0},
+            key=KEY,
+        )
+    )
 
 
 def _metric(port: int, name: str) -> float:
@@ -53,8 +76,11 @@ def test_a_session_resumes_with_its_kv_from_disk_after_a_restart(tmp_path):
     with _serve(port, sessions, kv, "--kv-disk-write-through-hits", "1000") as child:
         child.wait_for("Running on", timeout=300)
         sid = _ok(send(_Port(port), "POST", "/v1/sessions", {"system": "You answer in one line."}, key=KEY))["id"]
-        for q in ("Tell me about the sea and its tides.", "And about the moon, please, in some detail?",
-                  "What links the two of them?"):
+        for q in (
+            "Tell me about the sea and its tides.",
+            "And about the moon, please, in some detail?",
+            "What links the two of them?",
+        ):
             last = _turn(port, sid, q)
         history = last["usage"]["prompt_tokens"] + last["usage"]["completion_tokens"]
         assert _metric(port, 'jaxserve_kv_disk_io_bytes_total{direction="written"}') == 0
@@ -74,20 +100,30 @@ def test_a_session_resumes_with_its_kv_from_disk_after_a_restart(tmp_path):
 
 
 def _complete(port: int, prompt: list[int]) -> dict:
-    return _ok(send(_Port(port), "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
-                                                             "temperature": 0, "ignore_eos": True}, key=KEY))
+    return _ok(
+        send(
+            _Port(port),
+            "POST",
+            "/v1/completions",
+            {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            key=KEY,
+        )
+    )
 
 
 def test_two_servers_on_one_directory_hit_each_others_blocks(tmp_path):
     prompt = [(7 * i) % 200 + 3 for i in range(120)]
     ports = free_port(), free_port()
-    with _serve(ports[0], tmp_path / "s0", tmp_path / "kv") as a, _serve(ports[1], tmp_path / "s1", tmp_path / "kv") as b:
+    with (
+        _serve(ports[0], tmp_path / "s0", tmp_path / "kv") as a,
+        _serve(ports[1], tmp_path / "s1", tmp_path / "kv") as b,
+    ):
         a.wait_for("Running on", timeout=400)
         b.wait_for("Running on", timeout=400)
         first = _complete(ports[0], prompt)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         want = (len(prompt) - 1) // BLOCK_SIZE
-        written, deadline = -1.0, time.monotonic() + 30   # until a's background writes settle
+        written, deadline = -1.0, time.monotonic() + 30  # until a's background writes settle
         while time.monotonic() < deadline:
             now = _metric(ports[0], 'jaxserve_kv_disk_io_bytes_total{direction="written"}')
             if now > 0 and now == written:

@@ -6,7 +6,6 @@ import asyncio
 
 import aiohttp
 import pytest
-
 from server_harness import KEY_A, KEY_B, MODEL_NAME, send, sse_events, start_server, wait_until_idle
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
@@ -32,8 +31,12 @@ def test_requests_per_minute_per_key(limited):
 
 @pytest.mark.parametrize("limited", [{"rate_limit_tpm": 20}], indirect=True)
 def test_generated_tokens_per_minute_per_key(limited):
-    first = send(limited, "POST", "/v1/completions",
-                 {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 25, "ignore_eos": True})
+    first = send(
+        limited,
+        "POST",
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 25, "ignore_eos": True},
+    )
     assert first.status == 200 and first.json["usage"]["completion_tokens"] == 25
     refused = send(limited, "POST", "/v1/chat/completions", CHAT)
     assert refused.status == 429 and refused.json["error"]["code"] == "rate_limit_exceeded_tokens"

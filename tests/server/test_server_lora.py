@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from lora_harness import EXTRA, LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
+from server_harness import KEY_A, MODEL_NAME, send, start_server, wait_until_idle
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from server.state import STATE
-from lora_harness import EXTRA, LORA_ENGINE, TINY_ADAPTERS, reference_runs, write_tiny_adapters
-from server_harness import KEY_A, MODEL_NAME, send, start_server, wait_until_idle
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,9 @@ def client(lora_server):
 def open_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int) -> openai.Stream:
     """A streamed greedy completion of token ids; it returns once the first delta is out (the
     request is in the engine)."""
-    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                     stream=True, extra_body={"ignore_eos": True})
+    return client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    )
 
 
 def read_text(stream: openai.Stream, model: str) -> str:
@@ -105,9 +106,12 @@ def test_concurrent_requests_of_four_adapters_and_the_base_match_peft(client, lo
 
 
 def test_an_unknown_model_is_a_404(client):
-    for call in (lambda: client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2),
-                 lambda: client.chat.completions.create(model="no-such-adapter", max_tokens=2,
-                                                        messages=[{"role": "user", "content": "hi"}])):
+    for call in (
+        lambda: client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2),
+        lambda: client.chat.completions.create(
+            model="no-such-adapter", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        ),
+    ):
         with pytest.raises(openai.NotFoundError) as error:
             call()
         assert error.value.body["code"] == "model_not_found"
@@ -164,8 +168,15 @@ def test_sessions_and_response_chains_keep_their_adapter(client, lora_server):
     assert first.status == 200, first.text
     reply = json.loads(first.text)
     assert reply["model"] == name
-    direct = client.chat.completions.create(model=name, temperature=0.0, max_tokens=4, messages=[
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something about the sea."}])
+    direct = client.chat.completions.create(
+        model=name,
+        temperature=0.0,
+        max_tokens=4,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say something about the sea."},
+        ],
+    )
     assert reply["choices"][0]["message"]["content"] == direct.choices[0].message.content
     session = next(s for s in state.sessions.all() if s.id == sid)
     deadline = time.monotonic() + 10
@@ -182,8 +193,9 @@ def test_sessions_and_response_chains_keep_their_adapter(client, lora_server):
     assert start.model == name
     with pytest.raises(openai.BadRequestError, match="cannot go on"):
         client.responses.create(model=other, input="Another.", previous_response_id=start.id, max_output_tokens=4)
-    follow = client.responses.create(model=name, input="Another.", previous_response_id=start.id,
-                                     max_output_tokens=4, temperature=0.0)
+    follow = client.responses.create(
+        model=name, input="Another.", previous_response_id=start.id, max_output_tokens=4, temperature=0.0
+    )
     assert follow.model == name and follow.usage.input_tokens_details.cached_tokens >= 8
     assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200
     check_idle(lora_server)

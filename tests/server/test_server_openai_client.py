@@ -6,9 +6,9 @@ import json
 
 import openai
 import pytest
+from server_harness import KEY_A, MODEL_NAME, send
 
 from server.state import STATE
-from server_harness import KEY_A, MODEL_NAME, send
 
 CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. Hello world!"}]
 
@@ -48,7 +48,10 @@ def test_chat_non_stream_and_stream_agree_for_a_seed(client):
     texts, finish, stream_usage = stream_chat(client, **kw)
     assert texts == {0: choice.message.content}
     assert finish == {0: choice.finish_reason}
-    assert (stream_usage.prompt_tokens, stream_usage.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    assert (stream_usage.prompt_tokens, stream_usage.completion_tokens) == (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
 
 
 def test_seed_reproduces_and_other_seeds_differ(client):
@@ -82,8 +85,9 @@ def test_completions_stream_equals_non_stream_with_n_2(client):
 
 
 def test_chat_n_2_and_logprobs(client):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, temperature=1.0,
-                                         seed=5, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, temperature=1.0, seed=5, logprobs=True, top_logprobs=3
+    )
     assert len(out.choices) == 2
     total = 0
     for choice in out.choices:
@@ -110,8 +114,9 @@ def test_greedy_logprobs_pick_the_top_token(client):
 
 def test_logit_bias_forces_and_bans_tokens(client, server):
     text_of = server.app[STATE].info.token_text
-    kw = dict(model=MODEL_NAME, prompt=[40, 41, 42], max_tokens=6, temperature=0, logprobs=1,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL_NAME, prompt=[40, 41, 42], max_tokens=6, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+    )
     forced = client.completions.create(logit_bias={"90": 100}, **kw).choices[0].logprobs
     assert forced.tokens == [text_of(90)] * 6
     banned = client.completions.create(logit_bias={"90": -100, "91": 100}, **kw).choices[0].logprobs
@@ -160,14 +165,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, server
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     vllm = scored.model_extra["prompt_logprobs"]  # vLLM's field: None, then {id: {logprob, rank, decoded_token}}
     assert vllm[0] is None and len(vllm) == len(ids)
-    assert lp.token_logprobs[1:len(ids)] == [vllm[p][str(ids[p])]["logprob"] for p in range(1, len(ids))]
-    assert all(v <= 0 for v in lp.token_logprobs[1:len(ids)])
+    assert lp.token_logprobs[1 : len(ids)] == [vllm[p][str(ids[p])]["logprob"] for p in range(1, len(ids))]
+    assert all(v <= 0 for v in lp.token_logprobs[1 : len(ids)])
     for p in range(1, len(ids)):
         best = max(vllm[p].values(), key=lambda e: e["logprob"])
         assert best["rank"] == 1 and len(lp.top_logprobs[p]) <= 2
         assert max(lp.top_logprobs[p].values()) == best["logprob"]
     assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
-    assert lp.token_logprobs[len(ids):] == scored.logprobs.token_logprobs  # then the completion's
+    assert lp.token_logprobs[len(ids) :] == scored.logprobs.token_logprobs  # then the completion's
     streamed = [c for chunk in client.completions.create(echo=True, stream=True, **kw) for c in chunk.choices]
     tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
     values = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
@@ -175,8 +180,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, server
 
 
 def test_chat_prompt_logprobs_are_returned_for_the_rendered_prompt(client):
-    reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0,
-                                           extra_body={"prompt_logprobs": 0})
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
     scores = reply.model_extra["prompt_logprobs"]
     assert scores[0] is None and len(scores) == reply.usage.prompt_tokens
     assert all(len(entry) >= 1 and all(e["logprob"] <= 0 for e in entry.values()) for entry in scores[1:])
@@ -209,11 +215,15 @@ def test_completions_accept_token_ids_and_prompt_lists(client):
 
 
 def test_raw_stream_shape_ends_with_done(server):
-    reply = send(server, "POST", "/v1/chat/completions",
-                 {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "ignore_eos": True, "stream": True})
+    reply = send(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "ignore_eos": True, "stream": True},
+    )
     assert reply.status == 200 and reply.headers["content-type"].startswith("text/event-stream")
     events = reply.text.split("\n\n")
     assert events[-2] == "data: [DONE]" and events[-1] == ""
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
     assert all("usage" not in c for c in chunks)  # OpenAI sends none without stream_options.include_usage
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"

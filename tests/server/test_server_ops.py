@@ -4,6 +4,7 @@ describes every route with the fields its handler accepts."""
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import MODEL_NAME, TEST_ENGINE, ServerThread, send, start_server
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
@@ -11,17 +12,31 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
-from server_harness import MODEL_NAME, TEST_ENGINE, ServerThread, send, start_server
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
 EXPECTED_FAMILIES = {
-    "jaxserve_engine_alive", "jaxserve_num_requests", "jaxserve_kv_blocks", "jaxserve_kv_blocks_total",
-    "jaxserve_kv_usage_ratio", "jaxserve_prefix_cache_hit_rate", "jaxserve_prefix_cache_queried_tokens",
-    "jaxserve_prefix_cache_hit_tokens", "jaxserve_preemptions", "jaxserve_compilations", "jaxserve_engine_steps",
-    "jaxserve_prompt_tokens_computed", "jaxserve_time_to_first_token_seconds", "jaxserve_time_per_output_token_seconds",
-    "jaxserve_e2e_request_latency_seconds", "jaxserve_engine_step_seconds", "jaxserve_prompt_tokens",
-    "jaxserve_generation_tokens", "jaxserve_requests", "jaxserve_spec_decode_steps",
-    "jaxserve_spec_decode_draft_tokens", "jaxserve_spec_decode_accepted_tokens",
+    "jaxserve_engine_alive",
+    "jaxserve_num_requests",
+    "jaxserve_kv_blocks",
+    "jaxserve_kv_blocks_total",
+    "jaxserve_kv_usage_ratio",
+    "jaxserve_prefix_cache_hit_rate",
+    "jaxserve_prefix_cache_queried_tokens",
+    "jaxserve_prefix_cache_hit_tokens",
+    "jaxserve_preemptions",
+    "jaxserve_compilations",
+    "jaxserve_engine_steps",
+    "jaxserve_prompt_tokens_computed",
+    "jaxserve_time_to_first_token_seconds",
+    "jaxserve_time_per_output_token_seconds",
+    "jaxserve_e2e_request_latency_seconds",
+    "jaxserve_engine_step_seconds",
+    "jaxserve_prompt_tokens",
+    "jaxserve_generation_tokens",
+    "jaxserve_requests",
+    "jaxserve_spec_decode_steps",
+    "jaxserve_spec_decode_draft_tokens",
+    "jaxserve_spec_decode_accepted_tokens",
 }
 
 
@@ -69,11 +84,15 @@ def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
             span = [first + 5, 17, 9, 33, 21, 8]
             body = {"model": MODEL_NAME, "prompt": span * 4, "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
             assert send(srv, "POST", "/v1/completions", body, key=None).status == 200
-        found = {name: f.samples[0].value for name, f in families(srv).items() if name.startswith("jaxserve_spec_decode")}
+        found = {
+            name: f.samples[0].value for name, f in families(srv).items() if name.startswith("jaxserve_spec_decode")
+        }
         stats = engine.stats
-        assert found == {"jaxserve_spec_decode_steps": stats.speculative_steps,
-                         "jaxserve_spec_decode_draft_tokens": stats.draft_tokens,
-                         "jaxserve_spec_decode_accepted_tokens": stats.accepted_tokens}
+        assert found == {
+            "jaxserve_spec_decode_steps": stats.speculative_steps,
+            "jaxserve_spec_decode_draft_tokens": stats.draft_tokens,
+            "jaxserve_spec_decode_accepted_tokens": stats.accepted_tokens,
+        }
         assert stats.speculative_steps > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
     finally:
         srv.stop()
@@ -95,11 +114,18 @@ def test_openapi_describes_every_route_with_the_fields_it_accepts(server):
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert op["summary"], (method, path)
-            assert [p["name"] for p in op.get("parameters", [])] == [part[1:-1] for part in path.split("/")
-                                                                    if part.startswith("{")]
-    for path, fields, required in (("/v1/responses", RESPONSE_FIELDS, ["input"]),
-                                   ("/v1/embeddings", EMBEDDING_FIELDS, ["input"])):
+            assert [p["name"] for p in op.get("parameters", [])] == [
+                part[1:-1] for part in path.split("/") if part.startswith("{")
+            ]
+    for path, fields, required in (
+        ("/v1/responses", RESPONSE_FIELDS, ["input"]),
+        ("/v1/embeddings", EMBEDDING_FIELDS, ["input"]),
+    ):
         schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert set(schema["properties"]) == fields and schema["required"] == required
-    assert {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
-            "/v1/responses/{response_id}/input_items", "/tokenizer_info"} <= set(doc["paths"])
+    assert {
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/responses/{response_id}/input_items",
+        "/tokenizer_info",
+    } <= set(doc["paths"])

@@ -10,9 +10,9 @@ from server.admission import Admission
 from server.auth import ApiKeys, owner_id, read_key_file
 from server.errors import APIError
 from server.json_body import MAX_DEPTH, JSONBodyError, nesting_depth, parse_json
-from server.rate_limit import RateLimiter
 from server.model_info import ModelInfo
 from server.prompts import encode_chat, reply_token_ids
+from server.rate_limit import RateLimiter
 
 
 class Clock:
@@ -94,14 +94,18 @@ def test_stored_reply_ids_are_used_as_generated_and_keep_the_prompt_a_prefix(tok
     turn = [{"role": "user", "content": "Hi"}]
     prompt = encode_chat(info, turn)
     assert prompt == tokenizer.encode(tokenizer.apply_chat_template(turn))  # no stored ids: the text as written
-    history = [*turn, {"role": "assistant", "content": reply, "token_ids": spelled},
-               {"role": "user", "content": "And now?"}]
+    history = [
+        *turn,
+        {"role": "assistant", "content": reply, "token_ids": spelled},
+        {"role": "user", "content": "And now?"},
+    ]
     assert encode_chat(info, history)[: len(prompt) + len(spelled)] == prompt + spelled
     without = [{k: v for k, v in m.items() if k != "token_ids"} for m in history]
     assert encode_chat(info, without) == tokenizer.encode(tokenizer.apply_chat_template(without))
     marker_in_text = [*history[:2], {"role": "user", "content": "\ue000 0 \ue000"}]  # markers in user text: fall back
-    assert encode_chat(info, marker_in_text) == tokenizer.encode(tokenizer.apply_chat_template(
-        [{k: v for k, v in m.items() if k != "token_ids"} for m in marker_in_text]))
+    assert encode_chat(info, marker_in_text) == tokenizer.encode(
+        tokenizer.apply_chat_template([{k: v for k, v in m.items() if k != "token_ids"} for m in marker_in_text])
+    )
 
 
 def test_reply_ids_are_stored_only_when_they_decode_to_the_stored_text(tokenizer):
@@ -117,7 +121,9 @@ def test_json_nesting_is_measured_outside_strings():
     assert nesting_depth(b'{"a": "x\\"[[[[\\\\", "b": "]]]"}') == 1  # escaped quotes and backslashes
     assert nesting_depth(b"1") == 0
     assert parse_json(b'{"n": 12345678901234567890, "x": [0.5, -1e10, "\\u00e9"]}') == {
-        "n": 12345678901234567890, "x": [0.5, -1e10, "\u00e9"]}
+        "n": 12345678901234567890,
+        "x": [0.5, -1e10, "\u00e9"],
+    }
     for bad in (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), b"1" * 41, b"-Infinity", b'["\\udc80"]', b"\xff"):
         with pytest.raises(JSONBodyError):
             parse_json(bad)

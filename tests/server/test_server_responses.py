@@ -13,18 +13,36 @@ import time
 import jsonschema
 import openai
 import pytest
+from server_harness import (
+    BLOCK_SIZE,
+    KEY_A,
+    KEY_B,
+    MODEL_NAME,
+    delete_stored_responses,
+    send,
+    start_server,
+    wait_until_idle,
+)
 
 from jaxserve import faults
 
-from server_harness import (BLOCK_SIZE, KEY_A, KEY_B, MODEL_NAME, delete_stored_responses, send, start_server,
-                            wait_until_idle)
-
-WEATHER = {"type": "function", "name": "weather", "description": "The weather in a city.",
-           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-                          "additionalProperties": False}}
-SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "size": {"type": "integer",
-                                                                                        "minimum": 1, "maximum": 9}},
-          "required": ["colour", "size"], "additionalProperties": False}
+WEATHER = {
+    "type": "function",
+    "name": "weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["colour", "size"],
+    "additionalProperties": False,
+}
 GREEDY = dict(model=MODEL_NAME, temperature=0, max_output_tokens=8)
 
 
@@ -47,14 +65,17 @@ def test_create_retrieve_input_items_and_delete(client):
     assert created.status in ("completed", "incomplete")
     (message,) = created.output
     assert message.type == "message" and message.role == "assistant" and created.output_text == message.content[0].text
-    assert created.usage.output_tokens >= 1 and created.usage.total_tokens == created.usage.input_tokens + \
-        created.usage.output_tokens
+    assert (
+        created.usage.output_tokens >= 1
+        and created.usage.total_tokens == created.usage.input_tokens + created.usage.output_tokens
+    )
     assert created.instructions == "Be brief." and created.store and created.model == MODEL_NAME
     got = client.responses.retrieve(created.id)
     assert got.model_dump() == created.model_dump()
     items = client.responses.input_items.list(created.id)
-    assert [(i.type, i.role, i.content[0].text) for i in items.data] == \
-        [("message", "user", "Hello there, how are you?")]
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [
+        ("message", "user", "Hello there, how are you?")
+    ]
     client.responses.delete(created.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
@@ -63,10 +84,18 @@ def test_create_retrieve_input_items_and_delete(client):
 def test_stream_sends_openais_event_sequence_and_equals_the_stored_response(client):
     events = list(client.responses.create(input="Tell me a story.", stream=True, **GREEDY))
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          kinds[-1]] and kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        kinds[-1],
+    ] and kinds[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
@@ -97,39 +126,71 @@ def test_a_chain_reuses_its_kv_and_each_link_holds_its_own_history(client):
 
 
 def test_text_format_json_schema(client):
-    out = client.responses.create(input="A thing?", model=MODEL_NAME, temperature=0.7, max_output_tokens=40,
-                                  text={"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA,
-                                                   "strict": True}})
+    out = client.responses.create(
+        input="A thing?",
+        model=MODEL_NAME,
+        temperature=0.7,
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}},
+    )
     jsonschema.validate(json.loads(out.output_text), SCHEMA)
     assert out.text.format.type == "json_schema"
 
 
 def test_forced_function_calls_then_their_output_continues_the_chain(client):
-    call_response = client.responses.create(input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
-                                            model=MODEL_NAME, temperature=0.8, max_output_tokens=60)
+    call_response = client.responses.create(
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        model=MODEL_NAME,
+        temperature=0.8,
+        max_output_tokens=60,
+    )
     (call,) = call_response.output
     assert call.type == "function_call" and call.name == "weather" and call.call_id.startswith("call_")
     assert json.loads(call.arguments)["city"] in ("Paris", "Rome") and call_response.status == "completed"
-    named = client.responses.create(input="Weather?", tools=[WEATHER], model=MODEL_NAME, max_output_tokens=60,
-                                    tool_choice={"type": "function", "name": "weather"})
+    named = client.responses.create(
+        input="Weather?",
+        tools=[WEATHER],
+        model=MODEL_NAME,
+        max_output_tokens=60,
+        tool_choice={"type": "function", "name": "weather"},
+    )
     assert [o.type for o in named.output] == ["function_call"]
     followed = client.responses.create(
-        previous_response_id=call_response.id, tools=[WEATHER], **GREEDY,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}])
+        previous_response_id=call_response.id,
+        tools=[WEATHER],
+        **GREEDY,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}],
+    )
     assert followed.status in ("completed", "incomplete")
     assert followed.usage.input_tokens > call_response.usage.input_tokens
     # The same conversation sent whole, as the Agents SDK does (no previous_response_id).
     whole = client.responses.create(
-        tools=[WEATHER], **GREEDY,
-        input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
-               {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}])
-    assert [i.type for i in client.responses.input_items.list(whole.id, order="asc").data] == \
-        ["message", "function_call", "function_call_output"]
+        tools=[WEATHER],
+        **GREEDY,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"},
+        ],
+    )
+    assert [i.type for i in client.responses.input_items.list(whole.id, order="asc").data] == [
+        "message",
+        "function_call",
+        "function_call_output",
+    ]
 
 
 def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_call(client):
-    out = client.responses.create(input="Weather?", tools=[WEATHER], model=MODEL_NAME, temperature=0,
-                                  max_output_tokens=3, tool_choice={"type": "function", "name": "weather"})
+    out = client.responses.create(
+        input="Weather?",
+        tools=[WEATHER],
+        model=MODEL_NAME,
+        temperature=0,
+        max_output_tokens=3,
+        tool_choice={"type": "function", "name": "weather"},
+    )
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     (call,) = out.output
     assert call.type == "function_call" and call.status == "incomplete" and call.arguments.startswith("{")
@@ -158,35 +219,39 @@ def test_background_response_completes_and_one_can_be_cancelled(client):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert done.status in ("completed", "incomplete") and done.output_text
-    long = client.responses.create(input="Write a long essay.", background=True, model=MODEL_NAME,
-                                   max_output_tokens=400, extra_body={"top_k": 1})
+    long = client.responses.create(
+        input="Write a long essay.", background=True, model=MODEL_NAME, max_output_tokens=400, extra_body={"top_k": 1}
+    )
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(done.id if not done.background else client.responses.create(input="x", **GREEDY).id)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "t"}}}, "text"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "t", "schema": {"type": "nope"}}}}, "text"),
-    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "background": True, "stream": True}, "stream"),
-    ({"input": "x", "metadata": {"k": 1}}, "metadata"),
-    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": "x", "temperature": -1}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "t"}}}, "text"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "t", "schema": {"type": "nope"}}}}, "text"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "background": True, "store": False}, "background"),
+        ({"input": "x", "background": True, "stream": True}, "stream"),
+        ({"input": "x", "metadata": {"k": 1}}, "metadata"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "temperature": -1}, "temperature"),
+    ],
+)
 def test_bad_requests_are_400s_naming_the_field(server, body, param):
     reply = send(server, "POST", "/v1/responses", {"model": MODEL_NAME, **body})
     assert reply.status == 400, reply.text
@@ -205,8 +270,9 @@ def test_input_items_pages(client):
 
 
 def test_a_stream_that_fails_midway_ends_with_response_failed_and_stores_nothing(client):
-    events = client.responses.create(input="Tell me everything.", model=MODEL_NAME, max_output_tokens=300,
-                                     temperature=0, stream=True)
+    events = client.responses.create(
+        input="Tell me everything.", model=MODEL_NAME, max_output_tokens=300, temperature=0, stream=True
+    )
     first = next(iter(events))
     with faults.inject("detokenize", first.response.id):  # the engine fails this request's next token
         rest = list(events)

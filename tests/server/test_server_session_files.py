@@ -11,8 +11,9 @@ import threading
 import time
 
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
-from server.state import STATE
 from server_harness import BLOCK_SIZE, KEY_A, MODEL_NAME, send, start_server
+
+from server.state import STATE
 
 OK_ID = "sess_" + "a" * 24
 
@@ -25,14 +26,29 @@ def ok(reply):
 def _record(session_id: str, **changes) -> dict:
     from server.auth import owner_id
 
-    record = {"id": session_id, "owner": owner_id(KEY_A), "model": MODEL_NAME, "created_at": 1_700_000_000,
-              "last_used": time.time(), "defaults": {}, "messages": [{"role": "system", "content": "Be brief."}]}
+    record = {
+        "id": session_id,
+        "owner": owner_id(KEY_A),
+        "model": MODEL_NAME,
+        "created_at": 1_700_000_000,
+        "last_used": time.time(),
+        "defaults": {},
+        "messages": [{"role": "system", "content": "Be brief."}],
+    }
     return {**record, **changes}
 
 
 def test_a_damaged_directory_loads_what_is_sound_and_quarantines_the_rest(async_engine, tmp_path, caplog):
-    good = [_record(OK_ID), _record("sess_" + "b" * 24, messages=[
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "token_ids": [5, 6]}])]
+    good = [
+        _record(OK_ID),
+        _record(
+            "sess_" + "b" * 24,
+            messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello", "token_ids": [5, 6]},
+            ],
+        ),
+    ]
     for record in good:
         (tmp_path / f"{record['id']}.json").write_text(json.dumps(record))
     bad = {
@@ -41,8 +57,9 @@ def test_a_damaged_directory_loads_what_is_sound_and_quarantines_the_rest(async_
         "sess_" + "e" * 24: json.dumps(_record("sess_" + "e" * 24, id="sess_" + "f" * 24)),  # id is not its name
         "sess_" + "1" * 24: json.dumps(_record("sess_" + "1" * 24, messages=[{"role": "wizard", "content": 1}])),
         "sess_" + "2" * 24: json.dumps(_record("sess_" + "2" * 24, created_at="yesterday")),
-        "sess_" + "3" * 24: json.dumps(_record("sess_" + "3" * 24, messages=[
-            {"role": "assistant", "content": "x", "token_ids": [10**9]}])),  # not a token of this model
+        "sess_" + "3" * 24: json.dumps(
+            _record("sess_" + "3" * 24, messages=[{"role": "assistant", "content": "x", "token_ids": [10**9]}])
+        ),  # not a token of this model
         "../../etc": json.dumps(_record("sess_" + "4" * 24)),
         "sess_" + "5" * 24: "[1, 2]",
     }
@@ -54,7 +71,9 @@ def test_a_damaged_directory_loads_what_is_sound_and_quarantines_the_rest(async_
         listed = ok(send(srv, "GET", "/v1/sessions"))["data"]
         assert sorted(s["id"] for s in listed) == sorted(r["id"] for r in good)
         assert ok(send(srv, "GET", f"/v1/sessions/{good[1]['id']}"))["messages"][1] == {
-            "role": "assistant", "content": "Hello"}  # stored token ids are not shown
+            "role": "assistant",
+            "content": "Hello",
+        }  # stored token ids are not shown
         quarantined = sorted(p.name for p in (tmp_path / "quarantine").iterdir())
         assert quarantined == sorted(f"{name.replace('/', '_')}.json" for name in bad)
         assert not list(tmp_path.glob(".write-*"))
@@ -69,19 +88,29 @@ def test_a_damaged_directory_loads_what_is_sound_and_quarantines_the_rest(async_
 def test_stored_responses_load_from_their_files_and_bad_ones_are_quarantined(async_engine, tmp_path):
     rid, chain = "resp_" + "a" * 24, "resp_" + "0" * 24
     body = {"id": rid, "object": "response", "status": "completed", "output": []}
-    good = _record(rid, response={"object": body, "input_items": [], "chain": chain}, messages=[
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    good = _record(
+        rid,
+        response={"object": body, "input_items": [], "chain": chain},
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
     bad = {
         "resp_" + "b" * 24: _record("resp_" + "b" * 24),  # a response id without a response
         "sess_" + "b" * 24: _record("sess_" + "b" * 24, response=good["response"]),  # a session with one
         "resp_" + "c" * 24: _record("resp_" + "c" * 24, response={"object": body}),  # no chain, no items
-        "resp_" + "d" * 24: _record("resp_" + "d" * 24, response=good["response"],
-                                    messages=[{"role": "tool", "content": "x"}]),  # a tool message without its call id
-        "resp_" + "e" * 24: _record("resp_" + "e" * 24, response=good["response"], messages=[
-            {"role": "user", "content": "x", "tool_calls": []}]),  # calls on a user message
+        "resp_" + "d" * 24: _record(
+            "resp_" + "d" * 24, response=good["response"], messages=[{"role": "tool", "content": "x"}]
+        ),  # a tool message without its call id
+        "resp_" + "e" * 24: _record(
+            "resp_" + "e" * 24, response=good["response"], messages=[{"role": "user", "content": "x", "tool_calls": []}]
+        ),  # calls on a user message
     }
     (tmp_path / f"{rid}.json").write_text(json.dumps(good))
     for name, record in bad.items():
@@ -153,8 +182,11 @@ def test_a_session_deleted_while_a_message_body_arrives_takes_no_late_message(se
     body = json.dumps({"content": "late", "max_tokens": 3}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     try:
-        sock.sendall(f"POST /v1/sessions/{sid}/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+        sock.sendall(
+            f"POST /v1/sessions/{sid}/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body[:5]
+        )
         time.sleep(0.2)  # the handler is waiting for the body
         ok(send(server, "DELETE", f"/v1/sessions/{sid}"))
         sock.sendall(body[5:])
@@ -170,8 +202,14 @@ def test_a_session_deleted_while_a_message_body_arrives_takes_no_late_message(se
 def test_a_reply_that_retokenizes_differently_still_reuses_its_exact_ids(server):
     info = server.app[STATE].info
     sid = ok(send(server, "POST", "/v1/sessions", {"system": "Be brief."}))["id"]
-    first = ok(send(server, "POST", f"/v1/sessions/{sid}/messages",
-                    {"content": "Hi", "max_tokens": 120, "ignore_eos": True, "temperature": 1.0, "seed": 3}))
+    first = ok(
+        send(
+            server,
+            "POST",
+            f"/v1/sessions/{sid}/messages",
+            {"content": "Hi", "max_tokens": 120, "ignore_eos": True, "temperature": 1.0, "seed": 3},
+        )
+    )
     text = first["choices"][0]["message"]["content"]
     generated = first["usage"]["completion_tokens"]
     assert len(info.tokenizer.encode(text)) != generated  # random tokens: the text spells differently
@@ -189,8 +227,14 @@ def _write_loop(port: int, sid: str, acked: dict[str, int], stop: threading.Even
     while not stop.is_set():
         k += 1
         try:
-            reply = send(_Port(port), "PUT", f"/v1/sessions/{sid}/messages/0",
-                         {"role": "system", "content": f"v{k} " + "x" * 50_000}, key="k1", timeout=10)
+            reply = send(
+                _Port(port),
+                "PUT",
+                f"/v1/sessions/{sid}/messages/0",
+                {"role": "system", "content": f"v{k} " + "x" * 50_000},
+                key="k1",
+                timeout=10,
+            )
         except OSError:
             return
         if reply.status != 200:
@@ -204,8 +248,20 @@ class _Port:
 
 
 def _serve(port: int, session_dir) -> ChildProcess:
-    return ChildProcess(jaxserve("serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", "k1",
-                                 "--session-dir", str(session_dir), *SMALL_ENGINE))
+    return ChildProcess(
+        jaxserve(
+            "serve",
+            "--model",
+            MODEL_NAME,
+            "--port",
+            str(port),
+            "--api-key",
+            "k1",
+            "--session-dir",
+            str(session_dir),
+            *SMALL_ENGINE,
+        )
+    )
 
 
 def test_kill_9_during_session_writes_leaves_each_session_at_its_previous_or_new_state(tmp_path):

@@ -11,9 +11,9 @@ import time
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import BLOCK_SIZE, KEY_A, send, start_server, stream_events
 
 from server.auth import owner_id
-from server_harness import BLOCK_SIZE, KEY_A, send, start_server, stream_events
 
 SYSTEM = "You are a helpful assistant. The answer is in the question. " * 3
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -60,7 +60,9 @@ def metric(srv, name: str) -> float:
 
 
 def pinned_blocks(srv, async_engine, key: str) -> int:
-    return srv.engine_call(async_engine, lambda router: sum(e.kv.leases.pinned_by(owner_id(key)) for e in router.replicas))
+    return srv.engine_call(
+        async_engine, lambda router: sum(e.kv.leases.pinned_by(owner_id(key)) for e in router.replicas)
+    )
 
 
 def test_three_turns_compute_only_the_new_tokens(server, async_engine):
@@ -111,8 +113,14 @@ def test_edit_turn_one_truncates_and_regenerates(server):
     assert messages[1]["content"] == "The lazy dog."
     assert messages[2]["content"] == edited["choices"][0]["message"]["content"]
     assert cached(edited) >= 2 * BLOCK_SIZE  # the system prompt before message 1 was reused
-    fixed = ok(send(server, "PUT", f"/v1/sessions/{session['id']}/messages/2",
-                    {"role": "assistant", "content": "A better answer."}))
+    fixed = ok(
+        send(
+            server,
+            "PUT",
+            f"/v1/sessions/{session['id']}/messages/2",
+            {"role": "assistant", "content": "A better answer."},
+        )
+    )
     assert fixed["messages"][2] == {"role": "assistant", "content": "A better answer."}
     assert len(fixed["messages"]) == 3
 
@@ -121,8 +129,13 @@ async def _stream_then_cancel(base: str, sid: str) -> tuple[str, list, dict, int
     """Stream a long reply, try a second reply (409), cancel, read the stream to its end."""
     headers = {"Authorization": f"Bearer {KEY_A}"}
     async with aiohttp.ClientSession(base, headers=headers) as http:
-        body = {"content": "Tell me everything.", "stream": True, "stream_options": {"include_usage": True},
-                "max_tokens": 200, "ignore_eos": True}
+        body = {
+            "content": "Tell me everything.",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 200,
+            "ignore_eos": True,
+        }
         async with http.post(f"/v1/sessions/{sid}/messages", json=body) as resp:
             assert resp.status == 200
             text, events, cancelled = "", [], None

@@ -12,7 +12,6 @@ import json
 import socket
 import time
 
-
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from server_harness import KEY_A, MODEL_NAME, send, sse_events, start_server
 
@@ -33,8 +32,21 @@ def _open_stream(port: int, path: str, body: dict) -> tuple[http.client.HTTPConn
 
 
 def _serve(port: int, session_dir, *extra: str) -> ChildProcess:
-    return ChildProcess(jaxserve("serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", "k1",
-                                 "--session-dir", str(session_dir), *SMALL_ENGINE, *extra))
+    return ChildProcess(
+        jaxserve(
+            "serve",
+            "--model",
+            MODEL_NAME,
+            "--port",
+            str(port),
+            "--api-key",
+            "k1",
+            "--session-dir",
+            str(session_dir),
+            *SMALL_ENGINE,
+            *extra,
+        )
+    )
 
 
 def test_sigterm_past_the_timeout_ends_streams_with_an_error_then_done_and_keeps_sessions(tmp_path):
@@ -108,8 +120,11 @@ def test_idle_keepalive_stalled_headers_and_stalled_bodies_are_closed(async_engi
             sock.close()
 
         sock = _raw_connection(srv.port)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode()
-                     + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY_A.encode()
+            + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt":'
+        )
         sock.settimeout(5.0)
         reply = sock.recv(65536)
         assert reply.startswith(b"HTTP/1.1 408"), reply

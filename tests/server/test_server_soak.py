@@ -11,7 +11,6 @@ import random
 import time
 
 import aiohttp
-
 from server_harness import MODEL_NAME, assert_serving_and_idle, start_server, stream_events
 
 SOAK_KEY = "key-soak"
@@ -30,8 +29,9 @@ class Soak:
         self.num_cut = 0
         self.sessions: list[str] = []
 
-    async def request(self, method: str, path: str, body: object = None, *, stream: bool = False,
-                      cut_after: int | None = None) -> object:
+    async def request(
+        self, method: str, path: str, body: object = None, *, stream: bool = False, cut_after: int | None = None
+    ) -> object:
         """Send one request; read it whole (checking [DONE] on streams) or cut it off after
         `cut_after` events. Returns the JSON body of a whole non-stream 200, else None."""
         async with self.http.request(method, path, json=body) as resp:
@@ -70,23 +70,41 @@ class Soak:
         kind = r.choices(["completion", "chat", "session", "bad", "tokenize"], weights=[30, 30, 30, 7, 3])[0]
         if kind == "completion":
             stream = r.random() < 0.6
-            body = {"model": MODEL_NAME, "prompt": r.choice(["Hello", ["Hi", "Yo"], [1, 2, 3]]),
-                    "n": r.randint(1, 3), "stream": stream, **self.sampling()}
-            await self.request("POST", "/v1/completions", body, stream=stream, cut_after=self.cut_after() if stream else None)
+            body = {
+                "model": MODEL_NAME,
+                "prompt": r.choice(["Hello", ["Hi", "Yo"], [1, 2, 3]]),
+                "n": r.randint(1, 3),
+                "stream": stream,
+                **self.sampling(),
+            }
+            await self.request(
+                "POST", "/v1/completions", body, stream=stream, cut_after=self.cut_after() if stream else None
+            )
         elif kind == "chat":
             stream = r.random() < 0.6
-            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": r.choice(["Hi", "Tell me", "Why?"])}],
-                    "n": r.randint(1, 2), "stream": stream, **self.sampling()}
+            body = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": r.choice(["Hi", "Tell me", "Why?"])}],
+                "n": r.randint(1, 2),
+                "stream": stream,
+                **self.sampling(),
+            }
             await self.request("POST", CHAT, body, stream=stream, cut_after=self.cut_after() if stream else None)
         elif kind == "session":
             await self.session_op()
         elif kind == "bad":
-            await self.request("POST", CHAT, r.choice([
-                {"model": MODEL_NAME, "messages": [{"role": ["user"], "content": "x"}]},
-                {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "top_k": 2**40},
-                {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "stop": ["x" * 400]},
-                {"prompt": "x"},
-            ]))
+            await self.request(
+                "POST",
+                CHAT,
+                r.choice(
+                    [
+                        {"model": MODEL_NAME, "messages": [{"role": ["user"], "content": "x"}]},
+                        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "top_k": 2**40},
+                        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "stop": ["x" * 400]},
+                        {"prompt": "x"},
+                    ]
+                ),
+            )
         else:
             await self.request("POST", "/tokenize", {"model": MODEL_NAME, "prompt": "Hello world"})
 
@@ -98,16 +116,22 @@ class Soak:
                 self.sessions.append(created["id"])
             return
         sid = r.choice(self.sessions)
-        op = r.choices(["message", "edit", "fork", "cancel", "delete", "continue", "get"],
-                       weights=[40, 10, 8, 8, 6, 8, 20])[0]
+        op = r.choices(
+            ["message", "edit", "fork", "cancel", "delete", "continue", "get"], weights=[40, 10, 8, 8, 6, 8, 20]
+        )[0]
         stream = r.random() < 0.5
         if op == "message":
-            await self.request("POST", f"/v1/sessions/{sid}/messages", {"content": "Go on", "stream": stream,
-                                                                        **self.sampling()},
-                               stream=stream, cut_after=self.cut_after() if stream else None)
+            await self.request(
+                "POST",
+                f"/v1/sessions/{sid}/messages",
+                {"content": "Go on", "stream": stream, **self.sampling()},
+                stream=stream,
+                cut_after=self.cut_after() if stream else None,
+            )
         elif op == "edit":
-            await self.request("PUT", f"/v1/sessions/{sid}/messages/{r.randint(0, 3)}",
-                               {"content": "Edited", "max_tokens": 4})
+            await self.request(
+                "PUT", f"/v1/sessions/{sid}/messages/{r.randint(0, 3)}", {"content": "Edited", "max_tokens": 4}
+            )
         elif op == "fork":
             forked = await self.request("POST", f"/v1/sessions/{sid}/fork", {"at": r.randint(0, 2)})
             if forked is not None:
@@ -144,8 +168,10 @@ def test_soak_mixed_traffic_leaves_the_engine_serving_and_idle(async_engine):
     srv = start_server(async_engine, api_keys=(SOAK_KEY,), max_sessions_per_key=16)
     try:
         sent, seconds, soak = asyncio.run(_soak(srv.base_url))
-        print(f"\nsoak: {sent} requests in {seconds:.1f} s ({CONCURRENCY} at once), {soak.num_cut} streams cut off; "
-              f"statuses {dict(sorted(soak.statuses.items()))}")
+        print(
+            f"\nsoak: {sent} requests in {seconds:.1f} s ({CONCURRENCY} at once), {soak.num_cut} streams cut off; "
+            f"statuses {dict(sorted(soak.statuses.items()))}"
+        )
         assert sent >= MIN_REQUESTS and sum(soak.statuses.values()) == sent
         assert soak.statuses[200] > sent // 2 and soak.num_cut > 0
         assert_serving_and_idle(srv, async_engine, SOAK_KEY)

@@ -11,6 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from server_harness import ServerThread, wait_until_idle
 
 from checkpoints.registry import DEFAULT_MODEL
 from jaxserve.async_engine import AsyncEngine
@@ -18,14 +19,17 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
-from server_harness import ServerThread, wait_until_idle
 
 pytestmark = pytest.mark.integration
 
 
 def obj(properties: dict, required: list | None = None) -> dict:
-    return {"type": "object", "properties": properties, "required": list(properties) if required is None else required,
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+        "additionalProperties": False,
+    }
 
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 16}
@@ -40,41 +44,109 @@ SCHEMAS = [
     obj({"scores": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 10}, "maxItems": 4}}),
     obj({"person": obj({"first": NAME, "last": NAME})}),
     obj({"book": obj({"title": NAME, "year": {"type": "integer", "minimum": 1500, "maximum": 2025}})}),
-    obj({"point": obj({"x": {"type": "integer", "minimum": -10, "maximum": 10},
-                       "y": {"type": "integer", "minimum": -10, "maximum": 10}})}),
-    obj({"items": {"type": "array", "maxItems": 2, "items": obj({"name": NAME, "qty": {"type": "integer",
-                                                                                      "minimum": 1, "maximum": 9}})}}),
+    obj(
+        {
+            "point": obj(
+                {
+                    "x": {"type": "integer", "minimum": -10, "maximum": 10},
+                    "y": {"type": "integer", "minimum": -10, "maximum": 10},
+                }
+            )
+        }
+    ),
+    obj(
+        {
+            "items": {
+                "type": "array",
+                "maxItems": 2,
+                "items": obj({"name": NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}),
+            }
+        }
+    ),
     obj({"status": {"enum": ["ok", "error"]}, "code": {"type": "integer", "minimum": 100, "maximum": 599}}),
-    obj({"animal": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8},
-         "name": NAME}),
-    obj({"day": {"enum": ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]}, "hour": {"type": "integer",
-                                                                                    "minimum": 0, "maximum": 23}}),
+    obj({"animal": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8}, "name": NAME}),
+    obj(
+        {
+            "day": {"enum": ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]},
+            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+        }
+    ),
     obj({"ratio": {"type": "number", "minimum": 0, "maximum": 1}}),
     obj({"title": NAME, "done": {"type": "boolean"}, "priority": {"enum": [1, 2, 3]}}),
-    obj({"user": obj({"id": {"type": "integer", "minimum": 1, "maximum": 9999}, "roles": {
-        "type": "array", "items": {"enum": ["admin", "dev", "guest"]}, "minItems": 1, "maxItems": 3}})}),
+    obj(
+        {
+            "user": obj(
+                {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                    "roles": {
+                        "type": "array",
+                        "items": {"enum": ["admin", "dev", "guest"]},
+                        "minItems": 1,
+                        "maxItems": 3,
+                    },
+                }
+            )
+        }
+    ),
     obj({"capital": NAME, "population": {"type": "integer", "minimum": 0, "maximum": 50000000}}),
     obj({"email": NAME, "verified": {"type": "boolean"}}, required=["email"]),
 ]
-PROMPTS = ["Describe a person.", "Name a city.", "Pick a colour.", "Is the sky blue?", "Price of a book?",
-           "Weather today?", "Tags for a photo of a beach.", "Some scores.", "A famous person.", "A famous book.",
-           "A point on a grid.", "A shopping list.", "An HTTP response.", "A pet.", "A meeting time.", "A ratio.",
-           "A task.", "A user account.", "The capital of France.", "An email address."]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": obj({"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}})}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the current time in a time zone",
-    "parameters": obj({"zone": {"type": "string", "maxLength": 20}})}}
+PROMPTS = [
+    "Describe a person.",
+    "Name a city.",
+    "Pick a colour.",
+    "Is the sky blue?",
+    "Price of a book?",
+    "Weather today?",
+    "Tags for a photo of a beach.",
+    "Some scores.",
+    "A famous person.",
+    "A famous book.",
+    "A point on a grid.",
+    "A shopping list.",
+    "An HTTP response.",
+    "A pet.",
+    "A meeting time.",
+    "A ratio.",
+    "A task.",
+    "A user account.",
+    "The capital of France.",
+    "An email address.",
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": obj({"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}),
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current time in a time zone",
+        "parameters": obj({"zone": {"type": "string", "maxLength": 20}}),
+    },
+}
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
 def smol():
-    config = EngineConfig(max_num_seqs=40, max_num_batched_tokens=256, max_model_len=512, block_size=16,
-                          num_blocks=800, decode_batch_buckets=(8, 40), prefill_token_buckets=(256,), sampler_row_buckets=(40,),
-                          prefill_seq_buckets=(8,), block_table_buckets=(32,))
+    config = EngineConfig(
+        max_num_seqs=40,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        block_size=16,
+        num_blocks=800,
+        decode_batch_buckets=(8, 40),
+        prefill_token_buckets=(256,),
+        sampler_row_buckets=(40,),
+        prefill_seq_buckets=(8,),
+        block_table_buckets=(32,),
+    )
     engine = LLMEngine(DEFAULT_MODEL, config)
     engine.warm_up()
     async_engine = AsyncEngine(engine)
@@ -106,9 +178,13 @@ def all_at_once(fn, args: list) -> list:
 def test_twenty_json_schemas_parse_and_validate_streamed_and_not(client):
     def ask(case):
         (schema, prompt), stream = case
-        kwargs = dict(model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt + " Answer in JSON."}],
-                      max_tokens=120, temperature=0, response_format={
-                          "type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
+        kwargs = dict(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": prompt + " Answer in JSON."}],
+            max_tokens=120,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}},
+        )
         if not stream:
             choice = client.chat.completions.create(**kwargs).choices[0]
             return choice.message.content, choice.finish_reason
@@ -130,9 +206,13 @@ def test_twenty_json_schemas_parse_and_validate_streamed_and_not(client):
 def test_the_grammar_ends_the_reply_even_when_eos_is_ignored(client):
     schema = obj({"colour": {"enum": ["red", "green", "blue"]}})
     full = client.chat.completions.create(
-        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Pick a colour."}], max_tokens=100, temperature=0,
+        model=DEFAULT_MODEL,
+        messages=[{"role": "user", "content": "Pick a colour."}],
+        max_tokens=100,
+        temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
-        extra_body={"ignore_eos": True})
+        extra_body={"ignore_eos": True},
+    )
     assert full.choices[0].finish_reason == "stop" and full.usage.completion_tokens < 20
     jsonschema.validate(json.loads(full.choices[0].message.content), schema)
 
@@ -147,8 +227,15 @@ def check_calls(calls, names):
 def test_tool_choice_required_named_and_auto(client):
     def ask(case):
         tool_choice, seed, stream = case
-        kwargs = dict(model=DEFAULT_MODEL, messages=ASK, max_tokens=100, temperature=0 if seed is None else 0.8,
-                      seed=seed, tools=[WEATHER, TIME], tool_choice=tool_choice)
+        kwargs = dict(
+            model=DEFAULT_MODEL,
+            messages=ASK,
+            max_tokens=100,
+            temperature=0 if seed is None else 0.8,
+            seed=seed,
+            tools=[WEATHER, TIME],
+            tool_choice=tool_choice,
+        )
         if not stream:
             choice = client.chat.completions.create(**kwargs).choices[0]
             return choice.message.content, choice.message.tool_calls, choice.finish_reason
@@ -160,8 +247,11 @@ def test_tool_choice_required_named_and_auto(client):
         return None, calls, finish
 
     named = {"type": "function", "function": {"name": "get_time"}}
-    cases = ([("required", seed, False) for seed in (None, 1, 2, 3, 4, 5)] + [("required", None, True)]
-             + [(named, None, False), (named, 7, True), ("auto", None, False), ("auto", 3, False)])
+    cases = (
+        [("required", seed, False) for seed in (None, 1, 2, 3, 4, 5)]
+        + [("required", None, True)]
+        + [(named, None, False), (named, 7, True), ("auto", None, False), ("auto", 3, False)]
+    )
     for (choice, _, _), (content, calls, finish) in zip(cases, all_at_once(ask, cases)):
         if choice == "auto":
             assert content or calls

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import jinja2
 import pytest
+from server_harness import MODEL_NAME, send
 
 from server.state import STATE
-from server_harness import MODEL_NAME, send
 
 TEXT = "The quick brown fox jumps over the lazy dog. 你好!"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -34,16 +34,19 @@ def test_detokenize_inverts_tokenize(server):
     assert ok(send(server, "POST", "/detokenize", {"tokens": []})) == {"prompt": ""}
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/tokenize", {"prompt": TEXT, "messages": MESSAGES}, "prompt"),
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": [1, 2]}, "prompt"),
-    ("/tokenize", {"prompt": TEXT, "add_special_tokens": "yes"}, "add_special_tokens"),
-    ("/tokenize", {"prompt": TEXT, "colour": "blue"}, "colour"),
-    ("/detokenize", {"tokens": "12"}, "tokens"),
-    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
-    ("/detokenize", {"tokens": [True]}, "tokens"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {"prompt": TEXT, "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": [1, 2]}, "prompt"),
+        ("/tokenize", {"prompt": TEXT, "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"prompt": TEXT, "colour": "blue"}, "colour"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [True]}, "tokens"),
+    ],
+)
 def test_bad_input_names_the_field(server, path, body, param):
     reply = send(server, "POST", path, body)
     assert reply.status == 400 and reply.json["error"]["param"] == param, reply.text
@@ -63,8 +66,17 @@ def test_tokenizer_info_serves_what_a_remote_tokenizer_reads(server):
     eos = ok(send(server, "POST", "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}))["tokens"]
     assert eos[0] in tokenizer.eos_token_ids
     assert info["add_bos_token"] == (tokenizer.encode("a", add_special_tokens=True)[0] == tokenizer.bos_token_id)
-    rendered = jinja2.Environment().from_string(info["chat_template"]).render(
-        messages=MESSAGES, add_generation_prompt=True, **{k: info[k] for k in ("bos_token", "eos_token") if k in info})
-    assert ok(send(server, "POST", "/tokenize", {"prompt": rendered, "add_special_tokens": False}))["tokens"] == \
-        ok(send(server, "POST", "/tokenize", {"messages": MESSAGES}))["tokens"]
+    rendered = (
+        jinja2.Environment()
+        .from_string(info["chat_template"])
+        .render(
+            messages=MESSAGES,
+            add_generation_prompt=True,
+            **{k: info[k] for k in ("bos_token", "eos_token") if k in info},
+        )
+    )
+    assert (
+        ok(send(server, "POST", "/tokenize", {"prompt": rendered, "add_special_tokens": False}))["tokens"]
+        == ok(send(server, "POST", "/tokenize", {"messages": MESSAGES}))["tokens"]
+    )
     assert send(server, "GET", "/tokenizer_info", key=None).status == 401

@@ -18,14 +18,18 @@ LLAMA3 = ToolFormat("{% if tools %}{{ tools | tojson }}{% endif %}<|python_tag|>
 
 
 def test_hermes_calls_with_content_before_them():
-    text = 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n' \
-           '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    )
     content, calls = HERMES.parse(text)
     assert content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
 
 
-@pytest.mark.parametrize("text", ["no call here", '<tool_call>{"name": "a", "arguments": ', '<tool_call>[1]</tool_call>'])
+@pytest.mark.parametrize(
+    "text", ["no call here", '<tool_call>{"name": "a", "arguments": ', "<tool_call>[1]</tool_call>"]
+)
 def test_hermes_text_without_a_whole_call_is_content(text):
     assert HERMES.parse(text) == (text, [])
 
@@ -33,7 +37,10 @@ def test_hermes_text_without_a_whole_call_is_content(text):
 def test_llama3_calls_with_python_tag_and_semicolons():
     text = '<|python_tag|>{"name": "a", "parameters": {"q": "x"}}; {"name": "b", "parameters": {"n": 2}}'
     content, calls = LLAMA3.parse(text)
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"q": "x"}), ("b", {"n": 2})]
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("a", {"q": "x"}),
+        ("b", {"n": 2}),
+    ]
     assert LLAMA3.parse("Paris is sunny.") == ("Paris is sunny.", [])
 
 
@@ -46,31 +53,37 @@ def test_holdback_of_a_partial_marker():
 def test_forced_constraints_and_their_parse():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     required = forced_constraint(tools, ToolChoice("required"), parallel=False)
-    assert required.value["maxItems"] == 1 and required.value["items"]["anyOf"][0]["properties"]["name"] == {"const": "f"}
+    assert required.value["maxItems"] == 1 and required.value["items"]["anyOf"][0]["properties"]["name"] == {
+        "const": "f"
+    }
     assert forced_constraint(tools, ToolChoice("function", "f"), True).value == {"type": "object"}
     assert forced_constraint(tools, ToolChoice("auto"), True) is None
     calls = parse_forced('[{"name": "f", "parameters": {"k": [1]}}]', ToolChoice("required"))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"k": [1]})]
 
 
-
 def test_forced_calls_cut_short_keep_what_they_hold():
     assert parse_forced('{"k": 1', ToolChoice("function", "f")) == [ToolCall("f", '{"k": 1')]
     cut = '[{"name": "f", "parameters": {"k": [1, {"s": "}]"}]}}, {"name": "g", "parameters": {"x": "a\\"'
-    assert parse_forced(cut, ToolChoice("required")) == [ToolCall("f", '{"k": [1, {"s": "}]"}]}'),
-                                                         ToolCall("g", '{"x": "a\\"')]
+    assert parse_forced(cut, ToolChoice("required")) == [
+        ToolCall("f", '{"k": [1, {"s": "}]"}]}'),
+        ToolCall("g", '{"x": "a\\"'),
+    ]
     assert parse_forced('[{"name": "f", "param', ToolChoice("required")) == [ToolCall("f", "")]
     assert parse_forced('[{"name": "f', ToolChoice("required")) == []  # its name was cut
 
 
-@pytest.mark.parametrize("choice,text,finish,want", [
-    (ToolChoice("function", "f"), '{"k": 1}', "stop", "stop"),
-    (ToolChoice("function", "f"), '{"k": ', "length", "length"),
-    (ToolChoice("required"), '[{"name": "f", "parameters": {}}]', "stop", "tool_calls"),
-    (ToolChoice("required"), '[{"name": "f", "parameters": {', "length", "length"),
-    (ToolChoice("auto"), '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "stop", "tool_calls"),
-    (ToolChoice("auto"), "Hello", "stop", "stop"),
-])
+@pytest.mark.parametrize(
+    "choice,text,finish,want",
+    [
+        (ToolChoice("function", "f"), '{"k": 1}', "stop", "stop"),
+        (ToolChoice("function", "f"), '{"k": ', "length", "length"),
+        (ToolChoice("required"), '[{"name": "f", "parameters": {}}]', "stop", "tool_calls"),
+        (ToolChoice("required"), '[{"name": "f", "parameters": {', "length", "length"),
+        (ToolChoice("auto"), '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "stop", "tool_calls"),
+        (ToolChoice("auto"), "Hello", "stop", "stop"),
+    ],
+)
 def test_finish_reasons_are_openais(choice, text, finish, want):
     content, calls, reason = ToolCalling(HERMES, choice).reply(text, finish)
     assert reason == want

@@ -13,12 +13,12 @@ from collections import Counter
 
 import jax
 import numpy as np
+from mesh_cases import TINY_ENGINE, generate_greedy
+from tp_worker import step_logits
 
 from checkpoints.registry import DEFAULT_MODEL, load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from mesh_cases import TINY_ENGINE, generate_greedy
-from tp_worker import step_logits
 
 
 def bytes_per_device(tree) -> dict[int, int]:
@@ -32,8 +32,9 @@ def bytes_per_device(tree) -> dict[int, int]:
 def main() -> None:
     assert len(jax.devices()) == 3, jax.devices()
     model = load_model(DEFAULT_MODEL)
-    prompt = model.tokenizer_bundle.tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-                                                     "<|im_start|>assistant\n").ids
+    prompt = model.tokenizer_bundle.tokenizer.encode(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    ).ids
     results = {}
     for tp in (1, 3):
         engine = LLMEngine(model, EngineConfig(tensor_parallel_size=tp, **TINY_ENGINE))
@@ -42,7 +43,8 @@ def main() -> None:
         prefill, decode = step_logits(engine.runner, [prompt])
         results[tp] = {
             "tokens": generate_greedy(engine, [prompt], max_tokens=8)[0],
-            "prefill": np.asarray(prefill), "decode": np.asarray(decode),
+            "prefill": np.asarray(prefill),
+            "decode": np.asarray(decode),
             "compilations": [warm, engine.num_compilations],
             "param_bytes_per_device": bytes_per_device(engine.runner.params),
             "cache_bytes_per_device": bytes_per_device(engine.runner.cache),
@@ -50,15 +52,22 @@ def main() -> None:
         }
         del engine
     one, three = results[1], results[3]
-    print(json.dumps({
-        "prompt_tokens": len(prompt),
-        "tokens": {tp: r["tokens"] for tp, r in results.items()},
-        "max_abs_logit_diff": float(max(np.abs(one["prefill"] - three["prefill"]).max(),
-                                        np.abs(one["decode"] - three["decode"]).max())),
-        "max_abs_logit": float(np.abs(one["prefill"]).max()),
-        **{key: {tp: r[key] for tp, r in results.items()}
-           for key in ("compilations", "param_bytes_per_device", "cache_bytes_per_device", "cache_shard_shape")},
-    }))
+    print(
+        json.dumps(
+            {
+                "prompt_tokens": len(prompt),
+                "tokens": {tp: r["tokens"] for tp, r in results.items()},
+                "max_abs_logit_diff": float(
+                    max(np.abs(one["prefill"] - three["prefill"]).max(), np.abs(one["decode"] - three["decode"]).max())
+                ),
+                "max_abs_logit": float(np.abs(one["prefill"]).max()),
+                **{
+                    key: {tp: r[key] for tp, r in results.items()}
+                    for key in ("compilations", "param_bytes_per_device", "cache_bytes_per_device", "cache_shard_shape")
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ import json
 import sys
 
 import jax
+from mesh_cases import PROMPTS, TINY_ENGINE, generate_greedy
+from tp_worker import count_xla_compilations, shardings, step_logits
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine, make_engine
-from mesh_cases import PROMPTS, TINY_ENGINE, generate_greedy
-from tp_worker import count_xla_compilations, shardings, step_logits
 
 
 def run_layout(model, dp: int, ep: int, tp: int) -> dict:

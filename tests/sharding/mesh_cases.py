@@ -15,9 +15,16 @@ CACHE_ENV = "JAXSERVE_TEST_COMPILATION_CACHE"  # a worker's persistent compilati
 
 # One bucket per step kind (the sampler's too) keeps every engine at 3 step variants and 1 sampler.
 TINY_ENGINE = dict(
-    max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=8,
-    decode_batch_buckets=(8,), prefill_token_buckets=(64,), prefill_seq_buckets=(4,), sampler_row_buckets=(8,),
-    block_table_buckets=(16,), num_blocks=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    block_size=8,
+    decode_batch_buckets=(8,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    sampler_row_buckets=(8,),
+    block_table_buckets=(16,),
+    num_blocks=128,
 )
 
 # Too few blocks for PROMPTS at once: requests are preempted and swapped to the host.
@@ -32,8 +39,9 @@ NEW_TOKENS = 8
 QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
-def generate_greedy(engine: Any, prompts: list[list[int]], max_tokens: int = NEW_TOKENS,
-                    prefix: str = "p") -> list[list[int]]:
+def generate_greedy(
+    engine: Any, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, prefix: str = "p"
+) -> list[list[int]]:
     """Greedy token ids per prompt, driving `add_request`/`step` of an engine or router."""
     from jaxserve import SamplingParams
 
@@ -49,13 +57,29 @@ def generate_greedy(engine: Any, prompts: list[list[int]], max_tokens: int = NEW
     return [out[rid] for rid in ids]
 
 
-def run_worker(script: str, *args: str, devices: int = 8, timeout: int = 600,
-               env: dict[str, str] | None = None, xla_flags: str = "") -> dict:
+def run_worker(
+    script: str,
+    *args: str,
+    devices: int = 8,
+    timeout: int = 600,
+    env: dict[str, str] | None = None,
+    xla_flags: str = "",
+) -> dict:
     """Run `script` in a fresh interpreter with `devices` simulated CPU devices (and `xla_flags`);
     return the JSON object it prints on its last stdout line."""
-    full_env = {**os.environ, "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(), **(env or {})}
-    proc = subprocess.run([sys.executable, str(HERE / script), *args], cwd=HERE, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    full_env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(),
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / script), *args],
+        cwd=HERE,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,19 +16,20 @@ from sharding import multihost
 assert multihost.initialize(), "expected a multi-process job from the environment"
 
 import jax  # noqa: E402
+from mesh_cases import PROMPTS, SWAP_ENGINE, generate_greedy  # noqa: E402
 
 from checkpoints.tiny_random import build_tiny_random  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine import LLMEngine  # noqa: E402
-from mesh_cases import PROMPTS, SWAP_ENGINE, generate_greedy  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
 
 
 def main() -> None:
     assert jax.process_count() == 2 and len(jax.devices()) == 2 and len(jax.local_devices()) == 1
     mesh = make_mesh(tensor_parallel_size=2)  # one device from each process
-    engine = LLMEngine(build_tiny_random(num_heads=8, num_kv_heads=4),
-                       EngineConfig(tensor_parallel_size=2, **SWAP_ENGINE), mesh)
+    engine = LLMEngine(
+        build_tiny_random(num_heads=8, num_kv_heads=4), EngineConfig(tensor_parallel_size=2, **SWAP_ENGINE), mesh
+    )
     engine.warm_up()  # every process compiles and runs the same warm-up steps
     multihost.barrier("worker-warm")
     channel = multihost.StepChannel(jax.devices())

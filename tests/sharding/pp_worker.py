@@ -20,6 +20,8 @@ import sys
 
 import jax
 import numpy as np
+from mesh_cases import PROMPTS, SWAP_ENGINE, TINY_ENGINE, generate_greedy
+from tp_worker import count_xla_compilations
 
 from checkpoints.registry import DEFAULT_MODEL, load_model
 from checkpoints.tiny_random import build_tiny_random
@@ -31,9 +33,7 @@ from jaxserve.request import Request
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.output import ScheduledChunk
-from mesh_cases import PROMPTS, SWAP_ENGINE, TINY_ENGINE, generate_greedy
 from server.metrics import ServerMetrics
-from tp_worker import count_xla_compilations
 
 WIDTH = TINY_ENGINE["block_table_buckets"][0]
 
@@ -42,8 +42,9 @@ def generate_seeded(engine, prompts: list[list[int]]) -> list[list[int]]:
     """Sampled tokens (temperature 0.9, top-p 0.95, a seed per request)."""
     ids = [f"s{i}" for i in range(len(prompts))]
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=100 + i,
-                                                       ignore_eos=True))
+        engine.add_request(
+            rid, prompt, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+        )
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for d in engine.step():
@@ -58,8 +59,13 @@ def kv_leaks(engine) -> list[str]:
         kv = replica.kv
         kv.check_integrity()
         usage = kv.usage()
-        if kv.num_live_handles or usage.used or usage.pinned or usage.host_swapped or \
-                usage.free + usage.cached_idle != usage.num_blocks:
+        if (
+            kv.num_live_handles
+            or usage.used
+            or usage.pinned
+            or usage.host_swapped
+            or usage.free + usage.cached_idle != usage.num_blocks
+        ):
             leaks.append(str(usage))
     return leaks
 
@@ -67,10 +73,12 @@ def kv_leaks(engine) -> list[str]:
 def schedule_of(runner, program) -> list[list[int]]:
     """[P, ticks]: the micro-batch each stage ran per tick (-1: idle), as the pipelined layers
     report it for `program` (run on a copy of the runner's cache: its own is left as it is)."""
+
     def ticks(params, cache, inputs):
         tokens, positions, meta, logits_indices, _ = inputs.unpack()
-        _, state = runner.model.apply({"params": params}, tokens, positions, cache, meta, logits_indices,
-                                      mutable=["intermediates"])
+        _, state = runner.model.apply(
+            {"params": params}, tokens, positions, cache, meta, logits_indices, mutable=["intermediates"]
+        )
         return state["intermediates"]["pipeline_ticks"][0]
 
     return np.asarray(jax.jit(ticks)(runner.params, runner.cache, HostPack.of(program.host_args))).tolist()
@@ -94,9 +102,13 @@ def pipeline_counters(engine, fetched: int) -> dict:
     it read (`fetched`)."""
     snapshot = engine.snapshot()
     text = ServerMetrics().render(snapshot, True).decode()
-    return {"busy": list(snapshot.pipeline_stage_busy_ticks), "ticks": snapshot.pipeline_ticks,
-            "bubble_fraction": snapshot.pipeline_bubble_fraction, "model_steps": fetched,
-            "metrics": [line for line in text.splitlines() if line.startswith("jaxserve_pipeline")]}
+    return {
+        "busy": list(snapshot.pipeline_stage_busy_ticks),
+        "ticks": snapshot.pipeline_ticks,
+        "bubble_fraction": snapshot.pipeline_bubble_fraction,
+        "model_steps": fetched,
+        "metrics": [line for line in text.splitlines() if line.startswith("jaxserve_pipeline")],
+    }
 
 
 def schedules(runner) -> dict:
@@ -106,8 +118,9 @@ def schedules(runner) -> dict:
     for r in requests:
         runner.inputs.batch.join(r)
     chunks = [ScheduledChunk(r, 0, r.num_tokens, t, True) for r, t in zip(requests, tables)]
-    prefill = runner.inputs.prefill(chunks, TINY_ENGINE["prefill_token_buckets"][0],
-                                    TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)
+    prefill = runner.inputs.prefill(
+        chunks, TINY_ENGINE["prefill_token_buckets"][0], TINY_ENGINE["prefill_seq_buckets"][0], WIDTH
+    )
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
     decode = runner.inputs.decode(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
     result = {"prefill": schedule_of(runner, prefill), "decode": schedule_of(runner, decode)}
@@ -137,7 +150,9 @@ def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving
         seeded = generate_seeded(engine, prompts)
     runner = replicas[0].runner
     return {
-        "greedy": greedy, "again": again, "seeded": seeded,
+        "greedy": greedy,
+        "again": again,
+        "seeded": seeded,
         "compilations": [warm, engine.num_compilations],
         "xla_compilations_while_serving": len(serving_compiles),
         "xla_compilations_during_warm_up": len(warm_up_compiles),
@@ -147,7 +162,7 @@ def run_case(model, prompts: list[list[int]], dp: int, pp: int, tp: int, serving
         "cache_shard_shape": list(runner.cache.k.addressable_shards[0].data.shape),
         "layer_devices": sorted({s.device.id for s in runner.params["layers"]["q_proj"]["kernel"].addressable_shards}),
         "schedules": schedules(runner) if pp > 1 else None,
-        "pipeline_counters": pipeline_counters(engine, sum(n for n, in fetched)),
+        "pipeline_counters": pipeline_counters(engine, sum(n for (n,) in fetched)),
     }
 
 
@@ -155,15 +170,18 @@ def run_handoff(model, source_pp: int) -> dict:
     """A prefill engine with `source_pp` stages hands a prompt's full blocks, as host bytes, to a
     decode engine on one device, and back (the disaggregated path's engine side,
     `jaxserve.kv_transfer`); both key the blocks alike (`kv_fingerprint(model_layers=True)`)."""
+
     def engine(pp: int):
         return make_engine(model, EngineConfig(pipeline_parallel_size=pp, **TINY_ENGINE))
 
     staged, single = engine(source_pp), engine(1)
     prompt = PROMPTS[3]  # 70 tokens: 8 full blocks of 8
-    report = {"handoff_keys_match": kv_fingerprint(staged.runner, "m", model_layers=True)
-              == kv_fingerprint(single.runner, "m", model_layers=True),
-              "disk_keys_match": kv_fingerprint(staged.runner, "m") == kv_fingerprint(single.runner, "m"),
-              "kv_leaks": []}
+    report = {
+        "handoff_keys_match": kv_fingerprint(staged.runner, "m", model_layers=True)
+        == kv_fingerprint(single.runner, "m", model_layers=True),
+        "disk_keys_match": kv_fingerprint(staged.runner, "m") == kv_fingerprint(single.runner, "m"),
+        "kv_leaks": [],
+    }
     for direction, (source, dest) in {"to_one": (staged, single), "from_one": (engine(1), engine(source_pp))}.items():
         want = generate_greedy(source, [prompt], prefix=f"src-{direction}")[0]
         held = hold_prompt(source, prompt)
@@ -175,9 +193,12 @@ def run_handoff(model, source_pp: int) -> dict:
         computed = dest.stats.prompt_tokens_computed
         tokens = generate_greedy(dest, [prompt], prefix=f"dst-{direction}")[0]
         report[direction] = {
-            "handed_blocks": held.num_blocks, "written_blocks": longer.num_blocks, "layers": k.shape[0],
+            "handed_blocks": held.num_blocks,
+            "written_blocks": longer.num_blocks,
+            "layers": k.shape[0],
             "same_bytes": bool(np.array_equal(got_k, k) and np.array_equal(got_v, v)),
-            "source_tokens": want, "dest_tokens": tokens,
+            "source_tokens": want,
+            "dest_tokens": tokens,
             "dest_prompt_tokens_computed": dest.stats.prompt_tokens_computed - computed,
         }
         report["kv_leaks"] += kv_leaks(source) + kv_leaks(dest)
@@ -197,17 +218,23 @@ def main(cases: list[str]) -> None:
             else:
                 models[model] = loaded = load_model(DEFAULT_MODEL)
                 tokenizer = loaded.tokenizer_bundle.tokenizer
-                prompts[model] = [tokenizer.encode(t).ids for t in (
-                    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-                    "The three primary colours are", "def fibonacci(n):")]
+                prompts[model] = [
+                    tokenizer.encode(t).ids
+                    for t in (
+                        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+                        "The three primary colours are",
+                        "def fibonacci(n):",
+                    )
+                ]
         dp, pp, tp = map(int, layout.split("x"))
         if "handoff" in variants:
             results[case] = run_handoff(models[model], pp)
         elif "reference" in variants:
             results[case] = run_reference(models[model], prompts[model], dp, pp, tp)
         else:
-            results[case] = run_case(models[model], prompts[model], dp, pp, tp, "serving" in variants,
-                                     "multistep" in variants)
+            results[case] = run_case(
+                models[model], prompts[model], dp, pp, tp, "serving" in variants, "multistep" in variants
+            )
     print(json.dumps(results))
 
 

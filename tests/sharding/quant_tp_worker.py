@@ -6,26 +6,32 @@ from __future__ import annotations
 
 import json
 
+from mesh_cases import PROMPTS, TINY_ENGINE, generate_greedy
+
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import make_engine
-from mesh_cases import PROMPTS, TINY_ENGINE, generate_greedy
 
 
 def main() -> None:
     model = build_tiny_random()
     out = {}
     for tp in (1, 2):
-        engine = make_engine(model, EngineConfig(**TINY_ENGINE, dtype="float32", quantization="int8",
-                                                 tensor_parallel_size=tp))
+        engine = make_engine(
+            model, EngineConfig(**TINY_ENGINE, dtype="float32", quantization="int8", tensor_parallel_size=tp)
+        )
         layers = engine.runner.params["layers"]
         out[f"tp{tp}"] = {
             "tokens": generate_greedy(engine, PROMPTS),
-            "specs": {f"{name}/{leaf}": list(layers[name][leaf].sharding.spec)
-                      for name in ("q_proj", "o_proj") for leaf in ("kernel", "kernel_scale")},
+            "specs": {
+                f"{name}/{leaf}": list(layers[name][leaf].sharding.spec)
+                for name in ("q_proj", "o_proj")
+                for leaf in ("kernel", "kernel_scale")
+            },
             "dtypes": {name: str(layers[name]["kernel"].dtype) for name in ("q_proj", "down_proj")},
-            "head_specs": {leaf: list(engine.runner.params["lm_head"][leaf].sharding.spec)
-                           for leaf in ("kernel", "kernel_scale")},
+            "head_specs": {
+                leaf: list(engine.runner.params["lm_head"][leaf].sharding.spec) for leaf in ("kernel", "kernel_scale")
+            },
         }
     print(json.dumps(out))
 

@@ -8,14 +8,14 @@ the multi-device layouts are covered by test_tensor_data_parallel.py).
 from __future__ import annotations
 
 import pytest
+from mesh_cases import TINY_ENGINE, generate_greedy
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine, make_engine
-from jaxserve.routing import RoutingPolicy, choose_replica
 from jaxserve.engine import LLMEngine
+from jaxserve.routing import RoutingPolicy, choose_replica
 from jaxserve.sampling_params import SamplingParams
-from mesh_cases import TINY_ENGINE, generate_greedy
 
 POLICY = RoutingPolicy(match_fraction=0.5, balance_abs=4, balance_rel=1.5)
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

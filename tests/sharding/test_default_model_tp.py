@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from mesh_cases import run_worker
 
 from checkpoints.registry import DEFAULT_MODEL
-from mesh_cases import run_worker
 from sharding.mesh import plan_tensor_parallel
 
 
 def test_tp_must_divide_the_query_heads():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 query heads; "
-                                         r"use one of \[1, 3, 9\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 does not divide the model's 9 query heads; "
+        r"use one of \[1, 3, 9\]",
+    ):
         plan_tensor_parallel(num_heads=9, num_kv_heads=3, tp=2)
     assert plan_tensor_parallel(9, 3, 3).served_kv_heads == 3
     assert plan_tensor_parallel(9, 3, 9).kv_replicas == 3

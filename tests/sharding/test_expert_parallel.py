@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mesh_cases import run_worker
 
 BASELINES = ["mixtral:1x1x1", "qwen3_moe:1x1x1"]

@@ -6,7 +6,6 @@ batch still equal transformers + PEFT's, with nothing compiled after warm-up."""
 from __future__ import annotations
 
 import pytest
-
 from mesh_cases import run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # a tp=4 warm-up; test_lora_engine.py covers CI

@@ -9,21 +9,34 @@ import subprocess
 import sys
 
 import pytest
+from child_process import free_port
+from mesh_cases import HERE, PROMPTS, TINY_ENGINE, generate_greedy
 
 from checkpoints.tiny_random import build_tiny_random
-from child_process import free_port
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from mesh_cases import HERE, PROMPTS, TINY_ENGINE, generate_greedy
 from sharding import multihost
 
 
 def run_two_processes(timeout: float = 600) -> list[dict]:
-    base = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py")], cwd=HERE,
-                              env={**base, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    base = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+        "JAX_NUM_PROCESSES": "2",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "multihost_worker.py")],
+            cwd=HERE,
+            env={**base, "JAX_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -58,11 +71,14 @@ def test_initialize_is_a_no_op_for_one_process(monkeypatch):
     assert multihost.initialize(num_processes=1) is False
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_processes=2, process_id=0), "coordinator address"),
-    (dict(num_processes=2, coordinator_address="127.0.0.1:1"), "process id"),
-    (dict(num_processes=2, coordinator_address="127.0.0.1:1", process_id=2), "not in"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_processes=2, process_id=0), "coordinator address"),
+        (dict(num_processes=2, coordinator_address="127.0.0.1:1"), "process id"),
+        (dict(num_processes=2, coordinator_address="127.0.0.1:1", process_id=2), "not in"),
+    ],
+)
 def test_initialize_names_what_is_missing(monkeypatch, kwargs, message):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)

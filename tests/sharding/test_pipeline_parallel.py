@@ -10,15 +10,20 @@ and the default model) run the same code and are marked slow.
 from __future__ import annotations
 
 import pytest
-
 from mesh_cases import QUICK_COMPILE, run_worker
 
 pytestmark = pytest.mark.timeout(1800)
 
 BASELINE = "tiny+reference:1x1x1"
 CI_LAYOUTS = ["tiny+serving:1x3x1"]
-SLOW_LAYOUTS = ["tiny+serving+multistep:1x3x1", "tiny:1x2x1", "tiny:1x2x2", "tiny:2x2x1", "tiny+handoff:1x2x1",
-                "tiny+handoff:1x3x1"]
+SLOW_LAYOUTS = [
+    "tiny+serving+multistep:1x3x1",
+    "tiny:1x2x1",
+    "tiny:1x2x2",
+    "tiny:2x2x1",
+    "tiny+handoff:1x2x1",
+    "tiny+handoff:1x3x1",
+]
 DEFAULT_LAYOUTS = ["default:1x1x1", "default:1x2x1", "default:1x3x1"]
 
 
@@ -55,8 +60,12 @@ def check_schedule(schedule: list[list[int]], stages: int, micro: int) -> None:
     assert len(schedule) == stages and all(len(row) == micro + stages - 1 for row in schedule)
     for s, row in enumerate(schedule):
         assert row == [t - s if 0 <= t - s < micro else -1 for t in range(micro + stages - 1)]
-    overlapped = [(t, s) for t in range(micro + stages - 1) for s in range(stages - 1)
-                  if schedule[s + 1][t] >= 0 and schedule[s + 1][t] == schedule[s][t] - 1]
+    overlapped = [
+        (t, s)
+        for t in range(micro + stages - 1)
+        for s in range(stages - 1)
+        if schedule[s + 1][t] >= 0 and schedule[s + 1][t] == schedule[s][t] - 1
+    ]
     assert len(overlapped) == (stages - 1) * (micro - 1)
     idle = sum(row.count(-1) for row in schedule)
     assert idle / (stages * (micro + stages - 1)) == pytest.approx((stages - 1) / (micro + stages - 1))

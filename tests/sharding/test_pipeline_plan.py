@@ -39,10 +39,13 @@ def test_every_stage_gets_a_layer_even_when_few_layers_are_left():
     assert [len(plan.stage_layers(s)) for s in range(4)] == [2, 1, 1, 1]
 
 
-@pytest.mark.parametrize("pp, message", [
-    (3, r"pipeline_parallel_size=3 is larger than the model's 2 layers: every stage needs at least one layer"),
-    (0, r"pipeline_parallel_size must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "pp, message",
+    [
+        (3, r"pipeline_parallel_size=3 is larger than the model's 2 layers: every stage needs at least one layer"),
+        (0, r"pipeline_parallel_size must be an integer >= 1, got 0"),
+    ],
+)
 def test_bad_stage_counts_are_refused(pp, message):
     with pytest.raises(ValueError, match=message):
         plan_pipeline(2, pp)
@@ -62,12 +65,15 @@ def test_a_mesh_that_does_not_fit_the_devices_is_refused():
         make_mesh(tensor_parallel_size=2, data_parallel_size=2, devices=jax.devices()[:1], pipeline_parallel_size=4)
 
 
-@pytest.mark.parametrize("family, settings, message", [
-    ("llama", {"pipeline_parallel_size": 3}, "larger than the model's 2 layers"),
-    ("mixtral", {"pipeline_parallel_size": 2}, "does not run mixture-of-experts models yet"),
-    ("gemma3", {"pipeline_parallel_size": 3}, "interleaved sliding-window and global layers"),
-    ("llama", {"pipeline_parallel_size": 2, "unroll_layers": True}, "unroll_layers cannot be used"),
-])
+@pytest.mark.parametrize(
+    "family, settings, message",
+    [
+        ("llama", {"pipeline_parallel_size": 3}, "larger than the model's 2 layers"),
+        ("mixtral", {"pipeline_parallel_size": 2}, "does not run mixture-of-experts models yet"),
+        ("gemma3", {"pipeline_parallel_size": 3}, "interleaved sliding-window and global layers"),
+        ("llama", {"pipeline_parallel_size": 2, "unroll_layers": True}, "unroll_layers cannot be used"),
+    ],
+)
 def test_what_stages_cannot_run_is_refused(family, settings, message):
     config = tiny_random_config(**TINY_FAMILIES[family])
     with pytest.raises(ValueError, match=message):
@@ -75,19 +81,23 @@ def test_what_stages_cannot_run_is_refused(family, settings, message):
 
 
 def test_uniform_sliding_layers_keep_their_kind_in_identity_slots():
-    config = dataclasses.replace(tiny_random_config(num_layers=3, sliding_window=8),
-                                 layer_types=("sliding_attention",) * 3)
+    config = dataclasses.replace(
+        tiny_random_config(num_layers=3, sliding_window=8), layer_types=("sliding_attention",) * 3
+    )
     plan = plan_stages(config, EngineConfig(pipeline_parallel_size=2))
     served = stage_model_config(config, plan)
     assert served.num_layers == 4 and served.layer_types == ("sliding_attention",) * 4
 
 
-@pytest.mark.parametrize("settings, named", [
-    ({"enable_lora": True}, "enable_lora"),
-    ({"quantization": "int8"}, "quantization"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
-    ({"enable_lora": True, "kv_cache_dtype": "int8"}, "enable_lora, kv_cache_dtype"),
-])
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        ({"enable_lora": True}, "enable_lora"),
+        ({"quantization": "int8"}, "quantization"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"enable_lora": True, "kv_cache_dtype": "int8"}, "enable_lora, kv_cache_dtype"),
+    ],
+)
 def test_stages_refuse_what_they_do_not_slice_yet(settings, named):
     with pytest.raises(ValueError, match=f"does not run with {named} yet"):
         EngineConfig(pipeline_parallel_size=2, **settings)

@@ -30,12 +30,21 @@ def test_replicas_spanning_two_processes_each():
     assert list(layout.members(1)) == [2, 3] and layout.group_of(3) == 1
 
 
-@pytest.mark.parametrize("dp, per_replica, local, processes, message", [
-    (1, 1, 1, 2, r"uses every device of its 2 processes \(2\): .* is 1 x 1 = 1 \(e\.g\. --tensor-parallel-size 2 "
-                 r"and --data-parallel-size 1, or --data-parallel-size 2\)"),
-    (2, 3, 2, 3, r"a replica's 3 devices .* must be whole processes' devices: each process has 2"),
-    (3, 2, 3, 2, r"a process's 3 devices must hold whole replicas of 2 devices"),
-])
+@pytest.mark.parametrize(
+    "dp, per_replica, local, processes, message",
+    [
+        (
+            1,
+            1,
+            1,
+            2,
+            r"uses every device of its 2 processes \(2\): .* is 1 x 1 = 1 \(e\.g\. --tensor-parallel-size 2 "
+            r"and --data-parallel-size 1, or --data-parallel-size 2\)",
+        ),
+        (2, 3, 2, 3, r"a replica's 3 devices .* must be whole processes' devices: each process has 2"),
+        (3, 2, 3, 2, r"a process's 3 devices must hold whole replicas of 2 devices"),
+    ],
+)
 def test_layouts_that_do_not_fit_say_what_would(dp, per_replica, local, processes, message):
     with pytest.raises(ValueError, match=message):
         plan_processes(dp, per_replica, local, processes)

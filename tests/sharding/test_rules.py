@@ -8,7 +8,8 @@ import logging
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from checkpoints.architectures import declare
 from checkpoints.params import param_shapes
@@ -35,8 +36,9 @@ def test_replica_meshes_are_the_rows_of_the_mesh():
     assert dict(only.shape) == {"dp": 1, "pp": 1, "ep": 1, "tp": 1} and list(only.devices.flat) == devices
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(h, k) for h in (1, 2, 4, 6, 8, 9, 12, 16) for k in (1, 2, 3, 4, 6, 8)
-                                             if h % k == 0])
+@pytest.mark.parametrize(
+    "heads, kv_heads", [(h, k) for h in (1, 2, 4, 6, 8, 9, 12, 16) for k in (1, 2, 3, 4, 6, 8) if h % k == 0]
+)
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, 6, 8])
 def test_every_query_head_reads_its_own_kv_head_after_replication(heads, kv_heads, tp):
     if heads % tp:
@@ -66,25 +68,29 @@ def test_replicate_kv_heads_repeats_whole_heads():
             before, after = params["layers"][name][leaf], out["layers"][name][leaf]
             assert after.shape[-1] == 4 * d
             for served in range(4):
-                np.testing.assert_array_equal(after[..., served * d:(served + 1) * d],
-                                              before[..., (served // 2) * d:(served // 2 + 1) * d])
+                np.testing.assert_array_equal(
+                    after[..., served * d : (served + 1) * d], before[..., (served // 2) * d : (served // 2 + 1) * d]
+                )
     assert out["layers"]["q_proj"]["kernel"] is params["layers"]["q_proj"]["kernel"]
     on_device = replicate_kv_heads(jax.tree.map(jax.numpy.asarray, params), plan, d)
     np.testing.assert_array_equal(on_device["layers"]["k_proj"]["kernel"], out["layers"]["k_proj"]["kernel"])
     assert replicate_kv_heads(params, plan_tensor_parallel(8, 2, 2), d) is params
 
 
-@pytest.mark.parametrize("path, spec", [
-    ("embed/embedding", P("tp", None)),
-    ("lm_head/kernel", P(None, "tp")),
-    ("layers/q_proj/kernel", P(None, None, "tp")),
-    ("layers/k_proj/bias", P(None, "tp")),
-    ("layers/up_proj/kernel", P(None, None, "tp")),
-    ("layers/o_proj/kernel", P(None, "tp", None)),
-    ("layers/down_proj/kernel", P(None, "tp", None)),
-    ("layers/attn_norm/scale", P()),
-    ("final_norm/scale", P()),
-])
+@pytest.mark.parametrize(
+    "path, spec",
+    [
+        ("embed/embedding", P("tp", None)),
+        ("lm_head/kernel", P(None, "tp")),
+        ("layers/q_proj/kernel", P(None, None, "tp")),
+        ("layers/k_proj/bias", P(None, "tp")),
+        ("layers/up_proj/kernel", P(None, None, "tp")),
+        ("layers/o_proj/kernel", P(None, "tp", None)),
+        ("layers/down_proj/kernel", P(None, "tp", None)),
+        ("layers/attn_norm/scale", P()),
+        ("final_norm/scale", P()),
+    ],
+)
 def test_rules(path, spec):
     weights = flat(declare(tiny_random_config(num_heads=8, attention_bias=True)))
     assert spec_for(path, weights[path].shape, TP4, weights[path]) == spec

@@ -19,9 +19,9 @@ import urllib.request
 
 import openai
 import pytest
+from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve, small_engine_kwargs
 
 from checkpoints.tiny_random import build_tiny_random
-from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve, small_engine_kwargs
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
@@ -47,15 +47,30 @@ def _one_device_text() -> str:
 
 def _job_command(port: int, tmp_path, processes: int, *flags: str) -> list[str]:
     """`jaxserve serve` arguments of a `processes`-process job on the tiny model (add --process-id)."""
-    return ["serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1", *flags,
-            "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(processes),
-            "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE]
+    return [
+        "serve",
+        "--model",
+        "tiny-random",
+        "--port",
+        str(port),
+        "--api-key",
+        "k1",
+        *flags,
+        "--coordinator-address",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        str(processes),
+        "--compilation-cache-dir",
+        str(tmp_path / "xla"),
+        *SMALL_ENGINE,
+    ]
 
 
 def _completion_text(port: int, prompt: list[int]) -> str:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
-    reply = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="tiny-random", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == MAX_TOKENS
     return reply.choices[0].text
 
@@ -64,8 +79,10 @@ def _completion_text(port: int, prompt: list[int]) -> str:
 def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
     port = free_port()
     common = _job_command(port, tmp_path, 2, "--tensor-parallel-size", "2")
-    with ChildProcess(jaxserve(*common, "--process-id", "0")) as leader, \
-            ChildProcess(jaxserve(*common, "--process-id", "1")) as follower:
+    with (
+        ChildProcess(jaxserve(*common, "--process-id", "0")) as leader,
+        ChildProcess(jaxserve(*common, "--process-id", "1")) as follower,
+    ):
         leader.wait_for("Running on", timeout=300)
         time.sleep(7)  # idle past the keep-alive period: the follower must still be there
         assert follower.proc.poll() is None, follower.output
@@ -79,25 +96,50 @@ def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
 
 
 def test_a_multi_process_job_must_span_every_device():
-    common = ["serve", "--model", "tiny-random", "--port", str(free_port()), "--tensor-parallel-size", "1",
-              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2", *SMALL_ENGINE]
-    with ChildProcess(jaxserve(*common, "--process-id", "0")) as first, \
-            ChildProcess(jaxserve(*common, "--process-id", "1")) as second:
+    common = [
+        "serve",
+        "--model",
+        "tiny-random",
+        "--port",
+        str(free_port()),
+        "--tensor-parallel-size",
+        "1",
+        "--coordinator-address",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        "2",
+        *SMALL_ENGINE,
+    ]
+    with (
+        ChildProcess(jaxserve(*common, "--process-id", "0")) as first,
+        ChildProcess(jaxserve(*common, "--process-id", "1")) as second,
+    ):
         for child in (first, second):
             assert child.finish(120) != 0
-            assert "(e.g. --tensor-parallel-size 2 and --data-parallel-size 1, or --data-parallel-size 2)" \
-                in child.output, child.output
+            assert (
+                "(e.g. --tensor-parallel-size 2 and --data-parallel-size 1, or --data-parallel-size 2)" in child.output
+            ), child.output
             assert "Traceback" not in child.output
 
 
 def _seeded_and_greedy_texts(port: int) -> list[str]:
     """Four prompts at once, greedy and seeded, through the job's front door."""
+
     async def run() -> list[str]:
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0) as client:
-            calls = [client.completions.create(model="tiny-random", prompt=[3 + i, 4 + i, 5 + i], max_tokens=MAX_TOKENS,
-                                               temperature=0.0 if i % 2 else 0.9, seed=i,
-                                               extra_body={"ignore_eos": True}) for i in range(4)]
+            calls = [
+                client.completions.create(
+                    model="tiny-random",
+                    prompt=[3 + i, 4 + i, 5 + i],
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0 if i % 2 else 0.9,
+                    seed=i,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(4)
+            ]
             return [r.choices[0].text for r in await asyncio.gather(*calls)]
+
     return asyncio.run(run())
 
 
@@ -149,8 +191,10 @@ def test_two_processes_serve_one_pipeline_of_two_stages(tmp_path):
     """Stage 0 on process 0's device, stage 1 on process 1's: activations cross processes."""
     port = free_port()
     common = _job_command(port, tmp_path, 2, "--pipeline-parallel-size", "2")
-    with ChildProcess(jaxserve(*common, "--process-id", "0")) as leader, \
-            ChildProcess(jaxserve(*common, "--process-id", "1")) as follower:
+    with (
+        ChildProcess(jaxserve(*common, "--process-id", "0")) as leader,
+        ChildProcess(jaxserve(*common, "--process-id", "1")) as follower,
+    ):
         leader.wait_for("Running on", timeout=300)
         assert _completion_text(port, PROMPT_IDS) == _one_device_text()
         leader.terminate()
@@ -165,8 +209,10 @@ def test_a_killed_replica_group_leaves_the_others_serving(tmp_path):
     coordination service does not stop process 0 when process 1's heartbeats end (~100 s)."""
     port = free_port()
     common = _job_command(port, tmp_path, 2, "--data-parallel-size", "2")
-    with ChildProcess(jaxserve(*common, "--process-id", "0")) as front, \
-            ChildProcess(jaxserve(*common, "--process-id", "1")) as other:
+    with (
+        ChildProcess(jaxserve(*common, "--process-id", "0")) as front,
+        ChildProcess(jaxserve(*common, "--process-id", "1")) as other,
+    ):
         front.wait_for("Running on", timeout=600)
         other.proc.kill()
         other.finish(30)
@@ -185,27 +231,49 @@ def test_four_processes_serve_two_replica_groups_of_two_tensor_parallel_processe
     texts, outputs = _serve_processes(tmp_path, 4, "--data-parallel-size", "2", "--tensor-parallel-size", "2")
     assert texts == _one_device_texts()
     for follower, leader in ((1, 0), (3, 2)):  # each group's second process replayed its leader's steps
-        replayed = re.search(rf"process {follower}: replayed (\d+) device operations; process {leader} stopped",
-                             outputs[follower])
+        replayed = re.search(
+            rf"process {follower}: replayed (\d+) device operations; process {leader} stopped", outputs[follower]
+        )
         assert replayed and int(replayed.group(1)) >= 2, outputs[follower]
 
 
 @pytest.mark.slow
 def test_one_process_serves_two_data_parallel_replicas_on_cpu_devices(tmp_path):
     port = free_port()
-    command = jaxserve("serve", "--model", "tiny-random", "--port", str(port), "--api-key", "k1",
-                       "--cpu-devices", "2", "--data-parallel-size", "2",
-                       "--compilation-cache-dir", str(tmp_path / "xla"), *SMALL_ENGINE)
+    command = jaxserve(
+        "serve",
+        "--model",
+        "tiny-random",
+        "--port",
+        str(port),
+        "--api-key",
+        "k1",
+        "--cpu-devices",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--compilation-cache-dir",
+        str(tmp_path / "xla"),
+        *SMALL_ENGINE,
+    )
     with ChildProcess(command) as child:
         child.wait_for("Running on", timeout=300)
         assert "compiling buckets on each of 2 replicas" in child.output
 
         async def four_requests() -> list[int]:
-            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1",
-                                          max_retries=0) as client:
-                calls = [client.completions.create(model="tiny-random", prompt=[3 + i] * (i + 2),
-                                                   max_tokens=MAX_TOKENS, temperature=0,
-                                                   extra_body={"ignore_eos": True}) for i in range(4)]
+            async with openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0
+            ) as client:
+                calls = [
+                    client.completions.create(
+                        model="tiny-random",
+                        prompt=[3 + i] * (i + 2),
+                        max_tokens=MAX_TOKENS,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(4)
+                ]
                 return [r.usage.completion_tokens for r in await asyncio.gather(*calls)]
 
         assert asyncio.run(four_requests()) == [MAX_TOKENS] * 4

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, run_worker
 
 BASELINES = ["gqa:1x1", "few_kv:1x1"]
@@ -19,8 +18,15 @@ BASELINES = ["gqa:1x1", "few_kv:1x1"]
 # +multistep: multi-step decode (4 decode steps in one device loop).
 # +unrolled: the layers unrolled over per-layer weights (`unroll_layers`) instead of scanned.
 # Each layout costs a warm-up (~1 minute on CI): tp=2 is covered by the Pallas layout, dp x tp by 2x2.
-LAYOUTS = ["gqa:1x4", "gqa:2x2", "few_kv:1x4", "gqa+pallas:1x2", "few_kv+restored:1x4", "gqa+multistep:1x2",
-           "few_kv+unrolled:1x4"]
+LAYOUTS = [
+    "gqa:1x4",
+    "gqa:2x2",
+    "few_kv:1x4",
+    "gqa+pallas:1x2",
+    "few_kv+restored:1x4",
+    "gqa+multistep:1x2",
+    "few_kv+unrolled:1x4",
+]
 L, E, F, V, D = 2, 64, 128, 300, 16  # tiny model: layers, hidden, MLP, vocab, head dim
 # The first test waits for the worker (10 minutes on a busy CI machine): above pyproject's 900 s per test.
 pytestmark = pytest.mark.timeout(1800)
@@ -106,8 +112,12 @@ def test_unrolled_layers_carry_the_stacked_rules_without_the_layer_axis(report):
     arrays = report["few_kv+unrolled:1x4"]["shardings"][0]
     assert not any(path.startswith("layers/") for path in arrays)
     for i in range(L):
-        for path in (f"layers_{i}/q_proj/kernel", f"layers_{i}/k_proj/kernel", f"layers_{i}/down_proj/kernel",
-                     f"layers_{i}/attn_norm/scale"):
+        for path in (
+            f"layers_{i}/q_proj/kernel",
+            f"layers_{i}/k_proj/kernel",
+            f"layers_{i}/down_proj/kernel",
+            f"layers_{i}/attn_norm/scale",
+        ):
             a = arrays[path]
             stacked = eval(expected_spec(path.replace(f"layers_{i}/", "layers/")))
             assert a["spec"] == str(tuple(stacked[1:])), path
@@ -136,8 +146,9 @@ def test_compiled_step_has_only_the_expected_collectives(report, case, step):
     rows = {"decode": 8, "prefill": 64}[step]
     logit_rows = TINY_ENGINE["sampler_row_buckets"][0]  # logits at the rows of the (one) sampler bucket
     found = report[case]["collectives"][step]
-    in_loop = sorted((c["op"], c["shape"].split("{")[0], c["op_name"].rsplit("/", 2)[-2]) for c in found
-                     if c["in_layer_loop"])
+    in_loop = sorted(
+        (c["op"], c["shape"].split("{")[0], c["op_name"].rsplit("/", 2)[-2]) for c in found if c["in_layer_loop"]
+    )
     assert in_loop == [("all-reduce", f"f32[{rows},{E}]", "down_proj"), ("all-reduce", f"f32[{rows},{E}]", "o_proj")]
     outside = sorted((c["op"], c["shape"].split("{")[0]) for c in found if not c["in_layer_loop"])
     assert outside == [("all-gather", f"f32[{logit_rows},{V}]"), ("all-reduce", f"f32[{rows},{E}]")]

@@ -19,6 +19,7 @@ import tempfile
 import jax
 import numpy as np
 from jax._src.dispatch import BACKEND_COMPILE_EVENT
+from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, generate_greedy
 
 from checkpoints import registry
 from checkpoints.orbax_io import load_orbax, save_orbax
@@ -29,7 +30,6 @@ from jaxserve.request import Request
 from jaxserve.runner import enable_persistent_compilation_cache
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.output import ScheduledChunk
-from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, generate_greedy
 from sharding import hlo
 
 WIDTH = TINY_ENGINE["block_table_buckets"][0]
@@ -59,12 +59,15 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
     chunks = [ScheduledChunk(r, 0, r.num_tokens, t, True) for r, t in zip(requests, tables)]
     for r in requests:  # what prepare() does for the requests a step samples
         runner.inputs.batch.join(r)
-    program = runner.inputs.prefill(chunks, TINY_ENGINE["prefill_token_buckets"][0],
-                                     TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)
+    program = runner.inputs.prefill(
+        chunks, TINY_ENGINE["prefill_token_buckets"][0], TINY_ENGINE["prefill_seq_buckets"][0], WIDTH
+    )
     prefill = np.asarray(runner.step_logits(program))[: len(prompts)]
     # The decodes' requests, the prompts and the tokens the prefill gave, join the batch as they are now.
-    requests = [Request(f"decode{i}", p + [int(row.argmax())], SamplingParams(), seed=0)
-                for i, (p, row) in enumerate(zip(prompts, prefill))]
+    requests = [
+        Request(f"decode{i}", p + [int(row.argmax())], SamplingParams(), seed=0)
+        for i, (p, row) in enumerate(zip(prompts, prefill))
+    ]
     for r in requests:
         runner.inputs.batch.join(r)
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
@@ -74,6 +77,7 @@ def step_logits(runner, prompts: list[list[int]]) -> tuple[list, list]:
 
 def shardings(runner) -> dict:
     """Spec, global shape, shard shapes and devices of every parameter and the cache, from the arrays."""
+
     def describe(x: jax.Array) -> dict:
         return {
             "spec": str(tuple(x.sharding.spec)),
@@ -81,8 +85,11 @@ def shardings(runner) -> dict:
             "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards}),
             "devices": sorted(d.id for d in x.sharding.device_set),
         }
-    out = {jax.tree_util.keystr(path, simple=True, separator="/"): describe(x)
-           for path, x in jax.tree_util.tree_leaves_with_path(runner.params)}
+
+    out = {
+        jax.tree_util.keystr(path, simple=True, separator="/"): describe(x)
+        for path, x in jax.tree_util.tree_leaves_with_path(runner.params)
+    }
     out["cache/k"] = describe(runner.cache.k)
     out["cache/v"] = describe(runner.cache.v)
     return out
@@ -93,10 +100,23 @@ def collectives(runner, key: tuple) -> list[dict]:
     return [dataclasses.asdict(c) for c in hlo.collectives(runner._executables[key].as_text())]
 
 
-def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str | None = None,
-               num_scheduler_steps: int = 1, unroll_layers: bool = False) -> dict:
-    config = EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, attention_backend=attention_backend,
-                          num_scheduler_steps=num_scheduler_steps, unroll_layers=unroll_layers, **TINY_ENGINE)
+def run_layout(
+    model,
+    dp: int,
+    tp: int,
+    with_hlo: bool,
+    attention_backend: str | None = None,
+    num_scheduler_steps: int = 1,
+    unroll_layers: bool = False,
+) -> dict:
+    config = EngineConfig(
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        attention_backend=attention_backend,
+        num_scheduler_steps=num_scheduler_steps,
+        unroll_layers=unroll_layers,
+        **TINY_ENGINE,
+    )
     engine = make_engine(model, config)
     with count_xla_compilations() as warm_up_compiles:
         engine.warm_up()
@@ -121,8 +141,10 @@ def run_layout(model, dp: int, tp: int, with_hlo: bool, attention_backend: str |
         runner = replicas[0].runner
         result["collectives"] = {
             "decode": collectives(runner, ("decode", TINY_ENGINE["decode_batch_buckets"][0], WIDTH)),
-            "prefill": collectives(runner, ("prefill", TINY_ENGINE["prefill_token_buckets"][0],
-                                            TINY_ENGINE["prefill_seq_buckets"][0], WIDTH)),
+            "prefill": collectives(
+                runner,
+                ("prefill", TINY_ENGINE["prefill_token_buckets"][0], TINY_ENGINE["prefill_seq_buckets"][0], WIDTH),
+            ),
             "sample": collectives(runner, ("sample", TINY_ENGINE["decode_batch_buckets"][0])),
         }
     return result
@@ -146,8 +168,10 @@ def restore_into_shards(model, tp: int) -> dict:
     finally:
         registry.load_orbax = load_orbax
     (loaded,) = restored
-    restored_specs = {jax.tree_util.keystr(p, simple=True, separator="/"): str(tuple(x.sharding.spec))
-                      for p, x in jax.tree_util.tree_leaves_with_path(loaded.params)}
+    restored_specs = {
+        jax.tree_util.keystr(p, simple=True, separator="/"): str(tuple(x.sharding.spec))
+        for p, x in jax.tree_util.tree_leaves_with_path(loaded.params)
+    }
     return {**layout, "restored_specs": restored_specs}
 
 
@@ -174,8 +198,9 @@ def main(cases: list[str]) -> None:
         elif variant == "unrolled":
             results[case] = run_layout(models[model], dp, tp, with_hlo=False, unroll_layers=True)
         else:
-            results[case] = run_layout(models[model], dp, tp, with_hlo=tp > 1 and dp == 1,
-                                       attention_backend=variant or None)
+            results[case] = run_layout(
+                models[model], dp, tp, with_hlo=tp > 1 and dp == 1, attention_backend=variant or None
+            )
     print(json.dumps(results))
 
 

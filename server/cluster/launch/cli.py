@@ -28,21 +28,45 @@ ROUTER_READY = r"Running on (http://\S+)"
 
 
 def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("launch", help="place a router and its workers on a Ray cluster (pip install 'jaxserve[ray]')")
+    p = subparsers.add_parser(
+        "launch", help="place a router and its workers on a Ray cluster (pip install 'jaxserve[ray]')"
+    )
     p.add_argument("--config", required=True, help="the topology file (YAML): model, router, worker groups")
-    p.add_argument("--address", default=None,
-                   help="the Ray cluster (HOST:PORT of its head; 'auto': RAY_ADDRESS, else the last `ray start` here); "
-                        "default: RAY_ADDRESS, else a local cluster of this launch's own")
-    p.add_argument("--node-ip-address", default="127.0.0.1",
-                   help="without --address: the address the local cluster (and so the workers) binds to")
-    p.add_argument("--worker-restarts", type=int, default=3,
-                   help="times Ray restarts each worker whose process exits (0: a worker that exits stays down)")
-    p.add_argument("--placement-timeout", type=float, default=60.0,
-                   help="seconds to wait for the cluster to have room for every worker's bundle")
-    p.add_argument("--ready-timeout", type=float, default=900.0,
-                   help="seconds a worker (load and warm-up) or the router may take to serve")
-    p.add_argument("--stop-timeout", type=float, default=60.0,
-                   help="seconds each process gets to drain on stop before it is killed")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster (HOST:PORT of its head; 'auto': RAY_ADDRESS, else the last `ray start` here); "
+        "default: RAY_ADDRESS, else a local cluster of this launch's own",
+    )
+    p.add_argument(
+        "--node-ip-address",
+        default="127.0.0.1",
+        help="without --address: the address the local cluster (and so the workers) binds to",
+    )
+    p.add_argument(
+        "--worker-restarts",
+        type=int,
+        default=3,
+        help="times Ray restarts each worker whose process exits (0: a worker that exits stays down)",
+    )
+    p.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the cluster to have room for every worker's bundle",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a worker (load and warm-up) or the router may take to serve",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=60.0,
+        help="seconds each process gets to drain on stop before it is killed",
+    )
     p.set_defaults(func=run_launch)
     return p
 
@@ -121,11 +145,15 @@ class Launch:
         try:
             ray.get(self.placement_group.ready(), timeout=self.args.placement_timeout)
         except ray.exceptions.GetTimeoutError:
-            raise SystemExit(f"jaxserve launch: the cluster has no room for {len(specs)} worker bundles "
-                             f"{[s.bundle for s in specs]} ({self.topology.placement}) after "
-                             f"{self.args.placement_timeout:.0f} s; it has {ray.cluster_resources()}") from None
-        strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
-                      for i in range(len(specs))]
+            raise SystemExit(
+                f"jaxserve launch: the cluster has no room for {len(specs)} worker bundles "
+                f"{[s.bundle for s in specs]} ({self.topology.placement}) after "
+                f"{self.args.placement_timeout:.0f} s; it has {ray.cluster_resources()}"
+            ) from None
+        strategies = [
+            PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
+            for i in range(len(specs))
+        ]
         resources = [dict(num_cpus=s.bundle["CPU"], num_gpus=s.bundle.get("GPU", 0)) for s in specs]
         # Each bundle's node, and a free port there for a worker the topology gives none: a worker
         # that Ray restarts must come back where the router looks for it.
@@ -136,20 +164,30 @@ class Launch:
         hosts = [host for host, _ in places]
         print(f"[launch] placing {len(specs)} workers of {self.topology.model} on {', '.join(hosts)}", flush=True)
         for spec, strategy, res, (host, port) in zip(specs, strategies, resources, places):
-            self.workers.append(actor.options(
-                name=None, scheduling_strategy=strategy, max_restarts=self.args.worker_restarts, **res,
-            ).remote(spec.name, _worker_argv(spec, host, port), WORKER_READY, exit_with_child=True))
+            self.workers.append(
+                actor.options(
+                    name=None,
+                    scheduling_strategy=strategy,
+                    max_restarts=self.args.worker_restarts,
+                    **res,
+                ).remote(spec.name, _worker_argv(spec, host, port), WORKER_READY, exit_with_child=True)
+            )
         addresses = self._wait_all([w.wait_ready.remote(self.args.ready_timeout) for w in self.workers])
         self.pids = ray.get([w.pid.remote() for w in self.workers])
-        router_flags = [arg for spec, address in zip(specs, addresses)
-                        for arg in (ROUTER_FLAG_OF_ROLE[spec.role], address)]
+        router_flags = [
+            arg for spec, address in zip(specs, addresses) for arg in (ROUTER_FLAG_OF_ROLE[spec.role], address)
+        ]
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         r = self.topology.router
         self.router = actor.options(num_cpus=0, scheduling_strategy=here).remote(
-            "router", ["router", "--host", r.host, "--port", str(r.port), *router_flags, *r.args], ROUTER_READY)
-        self.router_url, = self._wait_all([self.router.wait_ready.remote(self.args.ready_timeout)])
-        print(f"[launch] router on {self.router_url} over {len(specs)} workers: "
-              + ", ".join(f"{s.name} ({s.role}) {a}" for s, a in zip(specs, addresses)), flush=True)
+            "router", ["router", "--host", r.host, "--port", str(r.port), *router_flags, *r.args], ROUTER_READY
+        )
+        (self.router_url,) = self._wait_all([self.router.wait_ready.remote(self.args.ready_timeout)])
+        print(
+            f"[launch] router on {self.router_url} over {len(specs)} workers: "
+            + ", ".join(f"{s.name} ({s.role}) {a}" for s, a in zip(specs, addresses)),
+            flush=True,
+        )
 
     def _wait_all(self, refs: list) -> list[str]:
         import ray
@@ -183,8 +221,11 @@ class Launch:
             pid = ray.get(worker.pid.remote(), timeout=5)
         except ray.exceptions.ActorDiedError:
             if was != -1:
-                print(f"[launch] {name} is down for good ({self.args.worker_restarts} restarts used); "
-                      "the router serves from the others", flush=True)
+                print(
+                    f"[launch] {name} is down for good ({self.args.worker_restarts} restarts used); "
+                    "the router serves from the others",
+                    flush=True,
+                )
                 self.pids[i] = -1
             return
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+
 def node_address() -> str:
     """The address the Ray cluster reaches this node at (where a worker listens)."""
     import ray
@@ -56,8 +57,13 @@ class ManagedProcess:
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._found: list[str] = []
         self._ready = threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *argv], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         print(f"[{name}] started pid {self.proc.pid}", flush=True)
         threading.Thread(target=self._pump, args=(ready_pattern, exit_with_child), daemon=True).start()
 

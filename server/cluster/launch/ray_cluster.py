@@ -67,8 +67,10 @@ def choose_cluster(address: str | None, environ: Mapping[str, str] = os.environ)
     except OSError:
         found = ""
     if not found:
-        raise ClusterNotFoundError(f"--address auto: RAY_ADDRESS is unset and {path} names no cluster; "
-                                   "leave out --address to start a local cluster")
+        raise ClusterNotFoundError(
+            f"--address auto: RAY_ADDRESS is unset and {path} names no cluster; "
+            "leave out --address to start a local cluster"
+        )
     return RayTarget(found, f"Ray's discovery file {path}")
 
 
@@ -119,10 +121,28 @@ class LocalCluster:
             port = s.getsockname()[1]
         self.address = f"{self.host}:{port}"
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address",
-             self.host, "--port", str(port), "--temp-dir", self.temp_dir, "--include-dashboard", "false",
-             "--disable-usage-stats"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=_stop_with_parent)
+            [
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address",
+                self.host,
+                "--port",
+                str(port),
+                "--temp-dir",
+                self.temp_dir,
+                "--include-dashboard",
+                "false",
+                "--disable-usage-stats",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_stop_with_parent,
+        )
         ready = threading.Event()
 
         def pump() -> None:
@@ -136,8 +156,9 @@ class LocalCluster:
         if not ready.wait(self.timeout) or self._proc.poll() is not None:
             self.__exit__()
             tail = "\n".join(self._tail)
-            raise ClusterNotFoundError(f"a local Ray cluster on {self.host} did not start within "
-                                       f"{self.timeout:.0f} s:\n{tail}")
+            raise ClusterNotFoundError(
+                f"a local Ray cluster on {self.host} did not start within {self.timeout:.0f} s:\n{tail}"
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -80,8 +80,17 @@ class Topology:
             for k in range(group.count):
                 bundle = {"CPU": group.cpus, **({"GPU": group.gpus} if group.gpus else {})}
                 port = group.ports[k] if group.ports else 0  # 0: the worker binds a free port and prints it
-                flags = ("--model", self.model, "--port", str(port), "--role", group.role,
-                         "--tensor-parallel-size", str(group.tp), *group.args)
+                flags = (
+                    "--model",
+                    self.model,
+                    "--port",
+                    str(port),
+                    "--role",
+                    group.role,
+                    "--tensor-parallel-size",
+                    str(group.tp),
+                    *group.args,
+                )
                 specs.append(WorkerSpec(f"worker-{len(specs)}", group.role, bundle, flags))
         return specs
 
@@ -145,8 +154,7 @@ def _worker_group(data: Any, where: str) -> WorkerGroup:
         raise TopologyError(f"{where}.gpus: 0 or a multiple of tp ({tp}) (GPUs per worker), got {gpus!r}")
     ports = group.get("ports")
     if ports is not None:
-        if (not isinstance(ports, list) or len(ports) != count
-                or not all(_is_int(p) and 0 < p < 65536 for p in ports)):
+        if not isinstance(ports, list) or len(ports) != count or not all(_is_int(p) and 0 < p < 65536 for p in ports):
             raise TopologyError(f"{where}.ports: a list of {count} ports (one per worker) in [1, 65535], got {ports!r}")
         ports = tuple(ports)
     args = _args(group.get("args", []), f"{where}.args", WORKER_OWN_FLAGS)
@@ -164,7 +172,9 @@ def _mapping(data: Any, where: str, known: tuple[str, ...]) -> dict[str, Any]:
 
 def _args(data: Any, where: str, own_flags: tuple[str, ...]) -> tuple[str, ...]:
     """Command-line words: strings, or numbers written without quotes."""
-    if not isinstance(data, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in data):
+    if not isinstance(data, list) or not all(
+        isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in data
+    ):
         raise TopologyError(f"{where}: a list of command-line words (strings or numbers), got {data!r}")
     args = tuple(str(a) for a in data)
     for arg in args:

@@ -26,26 +26,58 @@ def _address(text: str) -> str:
 def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("router", help="the OpenAI server over remote workers (jaxserve worker)")
     g = p.add_argument_group("workers")
-    g.add_argument("--worker", type=_address, action="append", default=[], metavar="HOST:PORT",
-                   help="a colocated worker's address (--role both; repeatable)")
-    g.add_argument("--prefill-worker", type=_address, action="append", default=[], metavar="HOST:PORT",
-                   help="a prefill worker (jaxserve worker --role prefill; repeatable): prompts run there and "
-                        "their KV blocks move to a decode worker")
-    g.add_argument("--decode-worker", type=_address, action="append", default=[], metavar="HOST:PORT",
-                   help="a decode worker (jaxserve worker --role decode; repeatable): pulls a prompt's KV blocks "
-                        "from the prefill worker and generates to the end")
-    g.add_argument("--cache-threshold", type=float, default=ROUTER_POLICY.match_fraction,
-                   help="share of a prompt a worker's cached prefix must cover to attract it")
-    g.add_argument("--balance-abs-threshold", type=int, default=ROUTER_POLICY.balance_abs,
-                   help="route by load alone when the busiest worker runs this many more sequences than the idlest...")
-    g.add_argument("--balance-rel-threshold", type=float, default=ROUTER_POLICY.balance_rel,
-                   help="...and this many times as many")
-    g.add_argument("--worker-max-loras", type=int, default=ROUTER_POLICY.adapter_slots,
-                   help="the workers' --max-loras: a worker counts as holding the LoRA adapters of the last "
-                        "requests sent to it, this many distinct ones, and attracts their requests")
+    g.add_argument(
+        "--worker",
+        type=_address,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a colocated worker's address (--role both; repeatable)",
+    )
+    g.add_argument(
+        "--prefill-worker",
+        type=_address,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a prefill worker (jaxserve worker --role prefill; repeatable): prompts run there and "
+        "their KV blocks move to a decode worker",
+    )
+    g.add_argument(
+        "--decode-worker",
+        type=_address,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a decode worker (jaxserve worker --role decode; repeatable): pulls a prompt's KV blocks "
+        "from the prefill worker and generates to the end",
+    )
+    g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=ROUTER_POLICY.match_fraction,
+        help="share of a prompt a worker's cached prefix must cover to attract it",
+    )
+    g.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=ROUTER_POLICY.balance_abs,
+        help="route by load alone when the busiest worker runs this many more sequences than the idlest...",
+    )
+    g.add_argument(
+        "--balance-rel-threshold", type=float, default=ROUTER_POLICY.balance_rel, help="...and this many times as many"
+    )
+    g.add_argument(
+        "--worker-max-loras",
+        type=int,
+        default=ROUTER_POLICY.adapter_slots,
+        help="the workers' --max-loras: a worker counts as holding the LoRA adapters of the last "
+        "requests sent to it, this many distinct ones, and attracts their requests",
+    )
     g.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker health checks")
-    g.add_argument("--worker-wait-timeout", type=float, default=600.0,
-                   help="seconds to wait at start for a worker to serve")
+    g.add_argument(
+        "--worker-wait-timeout", type=float, default=600.0, help="seconds to wait at start for a worker to serve"
+    )
     add_server_args(p.add_argument_group("server"))
     p.set_defaults(func=run_router)
     return p
@@ -69,14 +101,21 @@ def run_router(args: argparse.Namespace) -> int:
         raise SystemExit("--worker-max-loras must be >= 1")
     if args.health_check_interval <= 0:
         raise SystemExit("--health-check-interval must be positive")
-    policy = RoutingPolicy(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
-                           args.worker_max_loras)
+    policy = RoutingPolicy(
+        args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold, args.worker_max_loras
+    )
 
     async def make_app() -> web.Application:
         everyone = args.worker + args.decode_worker + args.prefill_worker
         print(f"waiting for workers: {', '.join(everyone)}", flush=True)
-        remote = await RemoteEngine.connect(args.worker, policy, args.health_check_interval, args.worker_wait_timeout,
-                                            args.decode_worker, args.prefill_worker)
+        remote = await RemoteEngine.connect(
+            args.worker,
+            policy,
+            args.health_check_interval,
+            args.worker_wait_timeout,
+            args.decode_worker,
+            args.prefill_worker,
+        )
         up = sum(w.up for w in remote.workers + remote.prefill_workers)
         print(f"{up} of {len(everyone)} workers serve {remote.info.model_name}", flush=True)
         config = server_config_from_args(args, remote.info.model_name)
@@ -92,6 +131,8 @@ def run_router(args: argparse.Namespace) -> int:
         app.on_cleanup.append(close)
         return app
 
-    run_app(make_app(), server_config_from_args(args, "router"))  # (its host and port: the app's config names the model)
+    run_app(
+        make_app(), server_config_from_args(args, "router")
+    )  # (its host and port: the app's config names the model)
     print("router stopped", flush=True)
     return 0

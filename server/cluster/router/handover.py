@@ -39,5 +39,6 @@ def prefill_params(params: SamplingParams) -> SamplingParams:
 
 def decode_params(params: SamplingParams, tokens_out: int) -> SamplingParams:
     """The rest, after `tokens_out` tokens (now part of the decode worker's prompt)."""
-    return dataclasses.replace(params, max_tokens=params.max_tokens - tokens_out,
-                               min_tokens=max(params.min_tokens - tokens_out, 0))
+    return dataclasses.replace(
+        params, max_tokens=params.max_tokens - tokens_out, min_tokens=max(params.min_tokens - tokens_out, 0)
+    )

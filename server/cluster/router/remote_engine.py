@@ -36,13 +36,18 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
-from jaxserve.engine_client import (EngineDeadError, EngineInfo, Pin, RequestFailedError, UnknownAdapterError,
-                                    check_prompt_ids)
+from jaxserve.engine_client import (
+    EngineDeadError,
+    EngineInfo,
+    Pin,
+    RequestFailedError,
+    UnknownAdapterError,
+    check_prompt_ids,
+)
 from jaxserve.engine_snapshot import EngineSnapshot, KVTransferStats
 from jaxserve.outputs import Delta, Usage
 from jaxserve.routing import RoutingPolicy, adapter_key, choose_replica
@@ -77,8 +82,13 @@ class _Placed:
 class RemoteEngine:
     """`EngineClient` over worker processes (placement, retries, disaggregation, pins by id)."""
 
-    def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy = ROUTER_POLICY,
-                 health_interval: float = 1.0, prefill_workers: Sequence[WorkerClient] = ()) -> None:
+    def __init__(
+        self,
+        workers: Sequence[WorkerClient],
+        policy: RoutingPolicy = ROUTER_POLICY,
+        health_interval: float = 1.0,
+        prefill_workers: Sequence[WorkerClient] = (),
+    ) -> None:
         if not workers:
             raise ValueError("a router needs at least one worker")
         self.workers = list(workers)  # colocated or decode workers: they generate to the end
@@ -99,9 +109,15 @@ class RemoteEngine:
         self._adapter_numbers: dict[str, int] = {}  # the prefix trees' key of each adapter name
 
     @classmethod
-    async def connect(cls, addresses: Sequence[str], policy: RoutingPolicy = ROUTER_POLICY,
-                      health_interval: float = 1.0, timeout: float = 300.0, decode_addresses: Sequence[str] = (),
-                      prefill_addresses: Sequence[str] = ()) -> RemoteEngine:
+    async def connect(
+        cls,
+        addresses: Sequence[str],
+        policy: RoutingPolicy = ROUTER_POLICY,
+        health_interval: float = 1.0,
+        timeout: float = 300.0,
+        decode_addresses: Sequence[str] = (),
+        prefill_addresses: Sequence[str] = (),
+    ) -> RemoteEngine:
         """Wait (up to `timeout` s) until a worker that generates serves, then keep checking them
         all. `addresses` are colocated workers (--role both), `decode_addresses` decode workers;
         until a prefill worker is up, decode workers run requests whole."""
@@ -138,8 +154,14 @@ class RemoteEngine:
             details["prefill_workers"] = [w.status() for w in self.prefill_workers]
         return details
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       session_id: str | None = None, hold_kv: bool = False) -> AsyncIterator[Delta]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        hold_kv: bool = False,
+    ) -> AsyncIterator[Delta]:
         """See `EngineClient.generate`: on the worker that routing picks (retried elsewhere when
         it fails before streaming). A router holds no KV of its own (`hold_kv` is refused)."""
         if hold_kv:
@@ -159,8 +181,10 @@ class RemoteEngine:
         self._requests[request_id] = placed
         out: asyncio.Queue = asyncio.Queue()
         run = self._run_split if self.prefill_workers and splits(params) else self._run
-        tasks = [asyncio.create_task(run(request_id, i, p, ids, params, seeds[i], session_id, out))
-                 for i, p in enumerate(placed)]
+        tasks = [
+            asyncio.create_task(run(request_id, i, p, ids, params, seeds[i], session_id, out))
+            for i, p in enumerate(placed)
+        ]
         remaining = params.n
         try:
             while remaining:
@@ -186,15 +210,23 @@ class RemoteEngine:
         """The workers' snapshots summed (those that answer), with the KV transfers counted
         here; None when none answers."""
         up = [w for w in self.workers + self.prefill_workers if w.up]
-        replies = await asyncio.gather(*(w.stub.Load(pb.LoadRequest(), timeout=CALL_TIMEOUT) for w in up),
-                                       return_exceptions=True)
+        replies = await asyncio.gather(
+            *(w.stub.Load(pb.LoadRequest(), timeout=CALL_TIMEOUT) for w in up), return_exceptions=True
+        )
         snapshots = [snapshot_from_json(r.snapshot_json) for r in replies if isinstance(r, pb.LoadResponse)]
         if not snapshots:
             return None
         return dataclasses.replace(EngineSnapshot.total(snapshots), kv_transfer=self.transfers)
 
-    async def pin_history(self, session_id: str, owner: str, token_ids: list[int], old: Pin | None,
-                          others: list[Pin], lora: str | None = None) -> tuple[Pin | None, list[Pin]] | None:
+    async def pin_history(
+        self,
+        session_id: str,
+        owner: str,
+        token_ids: list[int],
+        old: Pin | None,
+        others: list[Pin],
+        lora: str | None = None,
+    ) -> tuple[Pin | None, list[Pin]] | None:
         """`EngineClient.pin_history` in the cache of the session's worker (None if unreachable)."""
         try:
             worker = self._place(token_ids, session_id, lora)
@@ -202,9 +234,13 @@ class RemoteEngine:
             return None
         mine = [p for p in (*others, old) if isinstance(p, RemotePin) and p.on(worker)]
         request = pb.PinHistoryRequest(
-            session_id=session_id, owner=owner, token_ids=token_ids,
-            old_pin=old.remote_id if old in mine else 0, others=[p.remote_id for p in others if p in mine],
-            lora=lora or "")
+            session_id=session_id,
+            owner=owner,
+            token_ids=token_ids,
+            old_pin=old.remote_id if old in mine else 0,
+            others=[p.remote_id for p in others if p in mine],
+            lora=lora or "",
+        )
         try:
             reply = await worker.stub.PinHistory(request, timeout=CALL_TIMEOUT)
         except grpc.aio.AioRpcError as e:
@@ -218,15 +254,22 @@ class RemoteEngine:
             old.active = False  # replaced by the new pin
         pin = None
         if reply.pin:
-            pin = RemotePin(owner, reply.num_blocks, reply.num_tokens, worker=worker,
-                            instance_id=worker.instance_id, remote_id=reply.pin)
+            pin = RemotePin(
+                owner,
+                reply.num_blocks,
+                reply.num_tokens,
+                worker=worker,
+                instance_id=worker.instance_id,
+                remote_id=reply.pin,
+            )
         return pin, released
 
     async def unpin(self, pin: Pin) -> None:
         if isinstance(pin, RemotePin) and pin.worker is not None and pin.on(pin.worker):
             pin.active = False
-            await self._quietly(pin.worker, pin.worker.stub.Unpin(pb.UnpinRequest(pin=pin.remote_id),
-                                                                  timeout=CALL_TIMEOUT))
+            await self._quietly(
+                pin.worker, pin.worker.stub.Unpin(pb.UnpinRequest(pin=pin.remote_id), timeout=CALL_TIMEOUT)
+            )
 
     async def end_sessions(self, ended: list[tuple[str, Pin | None]]) -> None:
         """Sessions that are gone: forget their workers and release their pins there."""
@@ -238,9 +281,13 @@ class RemoteEngine:
                 per_worker.setdefault(pin.worker, []).append(pb.EndedSession(session_id=session_id, pin=pin.remote_id))
             elif worker is not None:
                 per_worker.setdefault(worker, []).append(pb.EndedSession(session_id=session_id))
-        await asyncio.gather(*(self._quietly(w, w.stub.EndSessions(pb.EndSessionsRequest(sessions=s),
-                                                                   timeout=CALL_TIMEOUT))
-                               for w, s in per_worker.items() if w.up))
+        await asyncio.gather(
+            *(
+                self._quietly(w, w.stub.EndSessions(pb.EndSessionsRequest(sessions=s), timeout=CALL_TIMEOUT))
+                for w, s in per_worker.items()
+                if w.up
+            )
+        )
 
     async def set_pin_budget(self, blocks_per_owner: int) -> None:
         """Every worker's budget, now and whenever a worker (re)joins."""
@@ -250,8 +297,9 @@ class RemoteEngine:
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load the adapter on every worker that serves (each reads `path` on its own file
         system), and later on every worker that joins or restarts."""
-        up = await self._on_every_worker(lambda w: w.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path),
-                                                                            timeout=CALL_TIMEOUT))
+        up = await self._on_every_worker(
+            lambda w: w.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path), timeout=CALL_TIMEOUT)
+        )
         self._adapters[name] = path
         self._new_adapter_number(name)
         for worker in up:
@@ -263,8 +311,9 @@ class RemoteEngine:
             worker.loaded_adapters.discard(name)
             worker.recent_adapters.pop(name, None)
         self._new_adapter_number(name)  # a name loaded again later may be other weights
-        await self._on_every_worker(lambda w: w.stub.UnloadLoraAdapter(pb.LoraAdapterRequest(name=name),
-                                                                         timeout=CALL_TIMEOUT))
+        await self._on_every_worker(
+            lambda w: w.stub.UnloadLoraAdapter(pb.LoraAdapterRequest(name=name), timeout=CALL_TIMEOUT)
+        )
 
     def _new_adapter_number(self, name: str) -> None:
         """A fresh prefix-tree key for `name`: nothing routed under an earlier one matches it."""
@@ -282,14 +331,18 @@ class RemoteEngine:
         for worker in self.workers:
             if worker.up:
                 try:
-                    return dict((await worker.stub.ListLoraAdapters(pb.ListLoraAdaptersRequest(),
-                                                                     timeout=CALL_TIMEOUT)).adapters)
+                    return dict(
+                        (
+                            await worker.stub.ListLoraAdapters(pb.ListLoraAdaptersRequest(), timeout=CALL_TIMEOUT)
+                        ).adapters
+                    )
                 except grpc.aio.AioRpcError as e:
                     logger.warning("listing the LoRA adapters of worker %s failed: %s", worker.address, e.code().name)
         return None
 
-    async def _on_every_worker(self, call: Callable[[WorkerClient], Awaitable[pb.LoraAdaptersResponse]]
-                               ) -> list[WorkerClient]:
+    async def _on_every_worker(
+        self, call: Callable[[WorkerClient], Awaitable[pb.LoraAdaptersResponse]]
+    ) -> list[WorkerClient]:
         """A LoRA call on every worker that serves (returned): ValueError (a bad adapter) or
         UnknownAdapterError (an unknown name) as the first worker that refuses says."""
         up = [w for w in self.workers if w.up]
@@ -339,8 +392,13 @@ class RemoteEngine:
             self._sessions[session_id] = worker
         return worker
 
-    def _pick(self, ids: list[int], exclude: Sequence[WorkerClient],
-              among: Sequence[WorkerClient] | None = None, lora: str | None = None) -> WorkerClient:
+    def _pick(
+        self,
+        ids: list[int],
+        exclude: Sequence[WorkerClient],
+        among: Sequence[WorkerClient] | None = None,
+        lora: str | None = None,
+    ) -> WorkerClient:
         """By the policy, among `among` (the generating workers by default) that are up; for a
         LoRA request, among those that serve its adapter (a worker that joined gets the router's
         run-time loads first), preferring those that had it last (see `RoutingPolicy`)."""
@@ -353,26 +411,48 @@ class RemoteEngine:
             raise EngineDeadError(f"no worker is available ({details})")
         key = adapter_key(ids, None if lora is None else self._routed_adapter(lora).number)
         resident = None if lora is None else [lora in w.recent_adapters for w in up]
-        index = choose_replica([w.tree.match(key) for w in up], [w.in_flight for w in up], len(ids), self.policy,
-                               resident)
+        index = choose_replica(
+            [w.tree.match(key) for w in up], [w.in_flight for w in up], len(ids), self.policy, resident
+        )
         return up[index]
 
-    async def _run(self, group_id: str, index: int, placed: _Placed, ids: list[int], params: SamplingParams,
-                   seed: int | None, session_id: str | None, out: asyncio.Queue) -> None:
+    async def _run(
+        self,
+        group_id: str,
+        index: int,
+        placed: _Placed,
+        ids: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        session_id: str | None,
+        out: asyncio.Queue,
+    ) -> None:
         """Generate one choice on `placed.worker`, moving it to another worker while nothing was
         streamed; its deltas (or the error that ends it) go to `out`."""
         sequence = RemoteSequence(group_id, index, ids, params, self.info.tokenizer)
         wanted = worker_params(params, seed)
-        request = pb.GenerateRequest(request_id=placed.request_id, prompt_token_ids=ids,
-                                     sampling_params_json=params_to_json(wanted), session_id=session_id or "")
+        request = pb.GenerateRequest(
+            request_id=placed.request_id,
+            prompt_token_ids=ids,
+            sampling_params_json=params_to_json(wanted),
+            session_id=session_id or "",
+        )
         try:
             await self._stream_retrying(placed, request, wanted, sequence, out, ids, session_id)
         except (ValueError, EngineDeadError, RequestFailedError) as e:
             out.put_nowait(e)
 
-    async def _stream_retrying(self, placed: _Placed, request: pb.GenerateRequest, wanted: SamplingParams,
-                               sequence: RemoteSequence, out: asyncio.Queue, ids: list[int], session_id: str | None,
-                               cached_tokens: int | None = None) -> None:
+    async def _stream_retrying(
+        self,
+        placed: _Placed,
+        request: pb.GenerateRequest,
+        wanted: SamplingParams,
+        sequence: RemoteSequence,
+        out: asyncio.Queue,
+        ids: list[int],
+        session_id: str | None,
+        cached_tokens: int | None = None,
+    ) -> None:
         """Stream `request` (`wanted`: its sequence's worker params) on `placed.worker` to the
         sequence's end. A worker that fails is marked down and the sequence goes on on another one
         that is up: the same request when the worker streamed nothing of it (with a decode half,
@@ -384,8 +464,16 @@ class RemoteEngine:
             tried.append((worker, worker.instance_id))
             streamed = sequence.num_out
             try:
-                if await stream_once(worker, request, sequence, out, cached_tokens, self._count_transfer,
-                                     self._routed_adapter(wanted.lora), self.policy.adapter_slots):
+                if await stream_once(
+                    worker,
+                    request,
+                    sequence,
+                    out,
+                    cached_tokens,
+                    self._count_transfer,
+                    self._routed_adapter(wanted.lora),
+                    self.policy.adapter_slots,
+                ):
                     return
                 error = "the stream ended without a final message"
             except grpc.aio.AioRpcError as e:
@@ -398,17 +486,26 @@ class RemoteEngine:
             resumed = sequence.num_out > streamed
             if resumed:
                 if not resumes(wanted):
-                    raise WorkerLostError(f"worker {worker.address} failed while generating ({error}); a sequence "
-                                          "with presence or frequency penalties or a grammar cannot resume elsewhere")
+                    raise WorkerLostError(
+                        f"worker {worker.address} failed while generating ({error}); a sequence "
+                        "with presence or frequency penalties or a grammar cannot resume elsewhere"
+                    )
                 if self._ended_by_length(sequence, ids, wanted):
                     out.put_nowait(sequence.delta("length", sequence.stop_usage(cached_tokens or 0)))
                     return
                 request = self._resume_request(request, wanted, sequence, ids)
-            placed.worker = self._pick(ids, exclude=[w for w, instance in tried if w.instance_id == instance],
-                                       lora=wanted.lora)
-            logger.warning("worker %s failed after streaming %d of %s's tokens (%s); %s on %s", worker.address,
-                           sequence.num_out - streamed, request.request_id, error,
-                           "resuming it" if resumed else "retrying", placed.worker.address)
+            placed.worker = self._pick(
+                ids, exclude=[w for w, instance in tried if w.instance_id == instance], lora=wanted.lora
+            )
+            logger.warning(
+                "worker %s failed after streaming %d of %s's tokens (%s); %s on %s",
+                worker.address,
+                sequence.num_out - streamed,
+                request.request_id,
+                error,
+                "resuming it" if resumed else "retrying",
+                placed.worker.address,
+            )
             if session_id is not None:
                 self._sessions[session_id] = placed.worker
 
@@ -417,16 +514,29 @@ class RemoteEngine:
         return sequence.num_out >= wanted.max_tokens or len(ids) + sequence.num_out >= self.info.max_model_len
 
     @staticmethod
-    def _resume_request(request: pb.GenerateRequest, wanted: SamplingParams, sequence: RemoteSequence,
-                        ids: list[int]) -> pb.GenerateRequest:
+    def _resume_request(
+        request: pb.GenerateRequest, wanted: SamplingParams, sequence: RemoteSequence, ids: list[int]
+    ) -> pb.GenerateRequest:
         """The rest of a sequence: the prompt plus its tokens so far, generating what is left of its
         budget (the KV of those tokens is recomputed on the worker that takes it)."""
-        return pb.GenerateRequest(request_id=request.request_id, prompt_token_ids=ids + sequence.token_ids,
-                                  sampling_params_json=params_to_json(decode_params(wanted, sequence.num_out)),
-                                  session_id=request.session_id)
+        return pb.GenerateRequest(
+            request_id=request.request_id,
+            prompt_token_ids=ids + sequence.token_ids,
+            sampling_params_json=params_to_json(decode_params(wanted, sequence.num_out)),
+            session_id=request.session_id,
+        )
 
-    async def _run_split(self, group_id: str, index: int, placed: _Placed, ids: list[int], params: SamplingParams,
-                         seed: int | None, session_id: str | None, out: asyncio.Queue) -> None:
+    async def _run_split(
+        self,
+        group_id: str,
+        index: int,
+        placed: _Placed,
+        ids: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        session_id: str | None,
+        out: asyncio.Queue,
+    ) -> None:
         """Prefill on a prefill worker, decode on `placed.worker` with the KV it pulls from there.
         Without a prefill worker up, or when the prefill worker fails before its token, `_run`."""
         wanted = worker_params(params, seed)
@@ -436,8 +546,12 @@ class RemoteEngine:
         except EngineDeadError:
             return await self._run(group_id, index, placed, ids, params, seed, session_id, out)
         placed.prefill = prefill
-        request = pb.GenerateRequest(request_id=placed.request_id, prompt_token_ids=ids, hold_kv=True,
-                                     sampling_params_json=params_to_json(prefill_params(wanted)))
+        request = pb.GenerateRequest(
+            request_id=placed.request_id,
+            prompt_token_ids=ids,
+            hold_kv=True,
+            sampling_params_json=params_to_json(prefill_params(wanted)),
+        )
         lease = None
         try:
             try:
@@ -449,13 +563,20 @@ class RemoteEngine:
                 last, error = None, f"{e.code().name}: {e.details()}"
             if last is None:
                 prefill.mark_down(error)
-                logger.warning("prefill worker %s failed on %s; generating it on %s alone", prefill.address,
-                               placed.request_id, placed.worker.address)
+                logger.warning(
+                    "prefill worker %s failed on %s; generating it on %s alone",
+                    prefill.address,
+                    placed.request_id,
+                    placed.worker.address,
+                )
                 return await self._run(group_id, index, placed, ids, params, seed, session_id, out)
             lease = last.lease if last.HasField("lease") else None
             usage = usage_from_message(last) or Usage(len(ids), sequence.num_out, 0)
-            ends = (last.finish_reason != "length" or sequence.num_out >= params.max_tokens
-                    or len(ids) + sequence.num_out >= self.info.max_model_len)
+            ends = (
+                last.finish_reason != "length"
+                or sequence.num_out >= params.max_tokens
+                or len(ids) + sequence.num_out >= self.info.max_model_len
+            )
             if sequence.stopped or ends:
                 reason = "stop" if sequence.stopped else last.finish_reason
                 out.put_nowait(sequence.delta(reason, sequence.stop_usage(usage.cached_tokens)))
@@ -464,18 +585,21 @@ class RemoteEngine:
             if delta is not None:
                 out.put_nowait(delta)
             rest = pb.GenerateRequest(
-                request_id=placed.request_id, prompt_token_ids=ids + sequence.token_ids,
+                request_id=placed.request_id,
+                prompt_token_ids=ids + sequence.token_ids,
                 sampling_params_json=params_to_json(decode_params(wanted, sequence.num_out)),
                 session_id=session_id or "",
-                kv_source=pb.KVSource(address=prefill.address, lease=lease) if lease is not None else None)
+                kv_source=pb.KVSource(address=prefill.address, lease=lease) if lease is not None else None,
+            )
             await self._stream_retrying(placed, rest, wanted, sequence, out, ids, session_id, usage.cached_tokens)
             lease = None  # the decode worker released it
         except (ValueError, EngineDeadError, RequestFailedError) as e:
             out.put_nowait(e)
         finally:
             if lease is not None:  # the decode half never ran to the end: free the prefill's blocks now
-                self._spawn(prefill.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id),
-                                                      timeout=CALL_TIMEOUT))
+                self._spawn(
+                    prefill.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id), timeout=CALL_TIMEOUT)
+                )
 
     def _count_transfer(self, t: pb.KVTransfer) -> None:
         self.transfers = with_transfer(self.transfers, t)
@@ -497,8 +621,9 @@ class RemoteEngine:
                 del self._sessions[session_id]  # their KV is gone with the old process
             if self._pin_budget is not None:
                 await self._send_pin_budget(worker)
-        await asyncio.gather(*(self._send_adapters(w) for w in self.workers
-                               if w.up and not w.loaded_adapters.issuperset(self._adapters)))
+        await asyncio.gather(
+            *(self._send_adapters(w) for w in self.workers if w.up and not w.loaded_adapters.issuperset(self._adapters))
+        )
 
     async def _health_loop(self) -> None:
         while True:
@@ -517,15 +642,22 @@ class RemoteEngine:
             try:
                 await worker.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path), timeout=CALL_TIMEOUT)
             except grpc.aio.AioRpcError as e:
-                logger.warning("loading LoRA adapter %s on worker %s failed: %s: %s", name, worker.address,
-                               e.code().name, e.details())
+                logger.warning(
+                    "loading LoRA adapter %s on worker %s failed: %s: %s",
+                    name,
+                    worker.address,
+                    e.code().name,
+                    e.details(),
+                )
                 continue
             if self._adapters.get(name) == path:  # not unloaded meanwhile
                 worker.loaded_adapters.add(name)
 
     async def _send_pin_budget(self, worker: WorkerClient) -> None:
-        await self._quietly(worker, worker.stub.SetPinBudget(
-            pb.SetPinBudgetRequest(blocks_per_owner=self._pin_budget), timeout=CALL_TIMEOUT))
+        await self._quietly(
+            worker,
+            worker.stub.SetPinBudget(pb.SetPinBudgetRequest(blocks_per_owner=self._pin_budget), timeout=CALL_TIMEOUT),
+        )
 
     @staticmethod
     async def _quietly(worker: WorkerClient, call: grpc.aio.UnaryUnaryCall) -> None:
@@ -541,6 +673,7 @@ class RemoteEngine:
                 await call
             except grpc.aio.AioRpcError:
                 pass  # the request is gone with its worker
+
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)

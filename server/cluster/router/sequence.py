@@ -27,8 +27,9 @@ def worker_params(params: SamplingParams, seed: int | None) -> SamplingParams:
 
 
 class RemoteSequence:
-    def __init__(self, group_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, group_id: str, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer
+    ) -> None:
         self.params = params
         self.num_out = 0
         self.token_ids: list[int] = []  # sampled so far
@@ -46,9 +47,14 @@ class RemoteSequence:
             self.token_ids.append(token)
             lp = logprobs[j] if j < len(logprobs) else None
             top = lp.top if lp is not None else []
-            self._stream.add_token(SampledToken(token, lp.logprob if lp is not None else 0.0,
-                                                np.array([i for i, _ in top], np.int32),
-                                                np.array([p for _, p in top], np.float32)))
+            self._stream.add_token(
+                SampledToken(
+                    token,
+                    lp.logprob if lp is not None else 0.0,
+                    np.array([i for i, _ in top], np.int32),
+                    np.array([p for _, p in top], np.float32),
+                )
+            )
             if j == last and msg.finish_reason == FinishReason.STOP.value:
                 break  # the worker stopped on a stop token id or EOS, whose text the engine never adds
             if self._stream.add_text(token, check_stops=self.num_out >= self.params.min_tokens):

@@ -21,16 +21,23 @@ from server.cluster.worker.wire import embedding_from_message, usage_from_messag
 CALL_TIMEOUT = 30.0  # seconds a unary call (pins, loads, aborts) may take
 
 
-async def stream_once(worker: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence,
-                      out: asyncio.Queue, cached_tokens: int | None,
-                      on_transfer: Callable[[pb.KVTransfer], None], lora: RoutedAdapter | None = None,
-                      adapter_slots: int = 1) -> bool:
+async def stream_once(
+    worker: WorkerClient,
+    request: pb.GenerateRequest,
+    sequence: RemoteSequence,
+    out: asyncio.Queue,
+    cached_tokens: int | None,
+    on_transfer: Callable[[pb.KVTransfer], None],
+    lora: RoutedAdapter | None = None,
+    adapter_slots: int = 1,
+) -> bool:
     """One try on one worker; True when the sequence has ended. Deltas go to `out`, the KV
     transfers the worker reports (a decode half's pull) to `on_transfer`; the prompt goes into the
     worker's cache picture keyed by `lora` (see `WorkerClient.note_routed`). When the request's prompt holds
     output tokens (a decode half, a resumed sequence), usage is the router's count: the original
     prompt and every output token, with `cached_tokens` (the prefill worker's prefix hit) or
     else the share of the original prompt this worker found cached."""
+
     def usage_of(cached: int) -> Usage:
         return sequence.stop_usage(cached_tokens if cached_tokens is not None else min(cached, sequence.num_prompt))
 
@@ -62,6 +69,7 @@ async def stream_once(worker: WorkerClient, request: pb.GenerateRequest, sequenc
         call.cancel()  # a no-op once the call is over; else the worker aborts the request
         worker.in_flight -= 1
 
+
 async def end_on_worker(worker: WorkerClient, request_id: str, call: grpc.aio.UnaryStreamCall) -> int:
     """Abort a sequence the router ended; the prompt tokens the worker had cached (from its last message)."""
     try:
@@ -74,8 +82,9 @@ async def end_on_worker(worker: WorkerClient, request_id: str, call: grpc.aio.Un
     return 0
 
 
-async def prefill_once(prefill: WorkerClient, request: pb.GenerateRequest,
-                       sequence: RemoteSequence) -> pb.GenerateResponse | None:
+async def prefill_once(
+    prefill: WorkerClient, request: pb.GenerateRequest, sequence: RemoteSequence
+) -> pb.GenerateResponse | None:
     """Run the prefill half; its tokens are fed to `sequence`; returns its last message (None
     when the stream ended without one)."""
     prefill.in_flight += 1
@@ -100,7 +109,13 @@ def with_transfer(stats: KVTransferStats, t: pb.KVTransfer) -> KVTransferStats:
     """`stats` with one more KV transfer (a decode worker's pull, as it reported it)."""
     bucket = load_seconds_bucket(t.seconds)
     return dataclasses.replace(
-        stats, transfers=stats.transfers + 1, device_transfers=stats.device_transfers + (t.transport == "device"),
-        blocks_pulled=stats.blocks_pulled + t.blocks_pulled, blocks_skipped=stats.blocks_skipped + t.blocks_skipped,
-        bytes=stats.bytes + t.bytes, seconds=stats.seconds + t.seconds, failed=stats.failed + bool(t.error),
-        seconds_counts=tuple(n + (i == bucket) for i, n in enumerate(stats.seconds_counts)))
+        stats,
+        transfers=stats.transfers + 1,
+        device_transfers=stats.device_transfers + (t.transport == "device"),
+        blocks_pulled=stats.blocks_pulled + t.blocks_pulled,
+        blocks_skipped=stats.blocks_skipped + t.blocks_skipped,
+        bytes=stats.bytes + t.bytes,
+        seconds=stats.seconds + t.seconds,
+        failed=stats.failed + bool(t.error),
+        seconds_counts=tuple(n + (i == bucket) for i, n in enumerate(stats.seconds_counts)),
+    )

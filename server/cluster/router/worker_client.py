@@ -22,8 +22,8 @@ from jaxserve.routing import adapter_key
 from jaxserve.tokenizer import Tokenizer
 from server.cluster.router.prefix_tree import ApproxPrefixTree
 from server.cluster.worker import worker_pb2 as pb
-from server.cluster.worker.worker_pb2_grpc import WorkerStub
 from server.cluster.worker.wire import PROTOCOL_VERSION
+from server.cluster.worker.worker_pb2_grpc import WorkerStub
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,11 @@ HEALTH_TIMEOUT = 2.0  # seconds a Health or Info call may take before the worker
 MAX_MESSAGE_BYTES = 64 << 20  # Info carries the tokenizer (a few MB for large vocabularies)
 # gRPC backs off up to 2 minutes between reconnects to an address that refused; a worker that
 # restarts should be back within a health check or two.
-RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-             ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +55,32 @@ class WorkerInfo:
 
     @classmethod
     def from_message(cls, msg: pb.InfoResponse) -> WorkerInfo:
-        return cls(msg.model, msg.vocab_size, msg.max_model_len, msg.max_num_seqs, msg.block_size,
-                   msg.tokenizer_json, msg.chat_template if msg.HasField("chat_template") else None,
-                   tuple(sorted(msg.special_tokens.items())), tuple(msg.eos_token_ids), msg.hidden_size)
+        return cls(
+            msg.model,
+            msg.vocab_size,
+            msg.max_model_len,
+            msg.max_num_seqs,
+            msg.block_size,
+            msg.tokenizer_json,
+            msg.chat_template if msg.HasField("chat_template") else None,
+            tuple(sorted(msg.special_tokens.items())),
+            tuple(msg.eos_token_ids),
+            msg.hidden_size,
+        )
 
     def mismatch(self, other: WorkerInfo) -> str | None:
         """Why a worker serving `other` cannot join workers serving this, or None."""
-        for field in ("model", "vocab_size", "max_model_len", "block_size", "tokenizer_json", "chat_template",
-                      "special_tokens", "eos_token_ids", "hidden_size"):
+        for field in (
+            "model",
+            "vocab_size",
+            "max_model_len",
+            "block_size",
+            "tokenizer_json",
+            "chat_template",
+            "special_tokens",
+            "eos_token_ids",
+            "hidden_size",
+        ):
             if getattr(self, field) != getattr(other, field):
                 return f"it serves another {field.replace('_', ' ')}"
         return None
@@ -97,7 +118,8 @@ class WorkerClient:
         """The stub, on a channel made on first use (inside the router's event loop)."""
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(
-                self.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT])
+                self.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT]
+            )
             self._stub = WorkerStub(self._channel)
         return self._stub
 
@@ -151,8 +173,13 @@ class WorkerClient:
         self.up, self.detail = False, detail
 
     def status(self) -> dict[str, object]:
-        return {"address": self.address, "status": "up" if self.up else "down", "detail": self.detail,
-                "in_flight": self.in_flight, "routed": self.routed}
+        return {
+            "address": self.address,
+            "status": "up" if self.up else "down",
+            "detail": self.detail,
+            "in_flight": self.in_flight,
+            "routed": self.routed,
+        }
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -161,11 +188,21 @@ class WorkerClient:
 
 def engine_info(info: WorkerInfo, num_workers: int) -> EngineInfo:
     """What the server reads of an engine at start-up, from a worker's `Info`."""
-    bundle = TokenizerBundle(tokenizers.Tokenizer.from_str(info.tokenizer_json), info.chat_template,
-                             dict(info.special_tokens), info.eos_token_ids)
-    return EngineInfo(model_name=info.model, tokenizer=Tokenizer(bundle), vocab_size=info.vocab_size,
-                      max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs * num_workers,
-                      block_size=info.block_size, hidden_size=info.hidden_size)
+    bundle = TokenizerBundle(
+        tokenizers.Tokenizer.from_str(info.tokenizer_json),
+        info.chat_template,
+        dict(info.special_tokens),
+        info.eos_token_ids,
+    )
+    return EngineInfo(
+        model_name=info.model,
+        tokenizer=Tokenizer(bundle),
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        max_num_seqs=info.max_num_seqs * num_workers,
+        block_size=info.block_size,
+        hidden_size=info.hidden_size,
+    )
 
 
 @dataclasses.dataclass(eq=False)

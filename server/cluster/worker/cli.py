@@ -12,8 +12,7 @@ device to device (`jax.experimental.transfer`) where both run with --kv-transpor
 from __future__ import annotations
 
 import argparse
-
-from typing import Callable
+from collections.abc import Callable
 
 from server.cli import StartEngine
 
@@ -21,24 +20,40 @@ ROLES = ("both", "prefill", "decode")
 TRANSPORTS = ("grpc", "device")
 
 
-def add_worker_parser(subparsers: argparse._SubParsersAction, add_engine_args: Callable[[argparse.ArgumentParser], None],
-                      start_engine: Callable[[argparse.Namespace], StartEngine]) -> argparse.ArgumentParser:
+def add_worker_parser(
+    subparsers: argparse._SubParsersAction,
+    add_engine_args: Callable[[argparse.ArgumentParser], None],
+    start_engine: Callable[[argparse.Namespace], StartEngine],
+) -> argparse.ArgumentParser:
     p = subparsers.add_parser("worker", help="an engine process behind the internal gRPC service of a router")
     add_engine_args(p)
     g = p.add_argument_group("worker")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (keep it on a private network)")
     g.add_argument("--port", type=int, required=True)
-    g.add_argument("--role", choices=ROLES, default="both",
-                   help="prefill: runs prompts and leases their KV blocks to decode workers; decode: pulls "
-                        "them and generates; both: either, or whole requests")
-    g.add_argument("--kv-lease-timeout", type=float, default=30.0,
-                   help="seconds a prefill worker holds a prompt's KV blocks for a decode worker that does not pull them")
-    g.add_argument("--kv-transport", choices=TRANSPORTS, default="grpc",
-                   help="how KV blocks move between prefill and decode workers: grpc (bytes over the worker "
-                        "service) or device (device to device through jax.experimental.transfer, on a transfer "
-                        "server listening on --host; used where both workers have it, else grpc)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
+    g.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="prefill: runs prompts and leases their KV blocks to decode workers; decode: pulls "
+        "them and generates; both: either, or whole requests",
+    )
+    g.add_argument(
+        "--kv-lease-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a prefill worker holds a prompt's KV blocks for a decode worker that does not pull them",
+    )
+    g.add_argument(
+        "--kv-transport",
+        choices=TRANSPORTS,
+        default="grpc",
+        help="how KV blocks move between prefill and decode workers: grpc (bytes over the worker "
+        "service) or device (device to device through jax.experimental.transfer, on a transfer "
+        "server listening on --host; used where both workers have it, else grpc)",
+    )
+    g.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT"
+    )
     p.set_defaults(func=lambda args: run_worker(args, start_engine(args)))
     return p
 
@@ -54,8 +69,9 @@ def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
         raise SystemExit("--kv-lease-timeout must be positive")
     one_replica = args.data_parallel_size == 1
     if args.role != "both" and not one_replica:
-        raise SystemExit(f"--role {args.role} runs one engine replica in one process (no --data-parallel-size, "
-                         "no multi-host)")
+        raise SystemExit(
+            f"--role {args.role} runs one engine replica in one process (no --data-parallel-size, no multi-host)"
+        )
     if args.kv_transport == "device" and not one_replica:
         raise SystemExit("--kv-transport device runs one engine replica in one process")
     engine = start_engine(kv_transfer_host=args.host if args.kv_transport == "device" else None)

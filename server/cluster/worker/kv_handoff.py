@@ -132,8 +132,13 @@ class KVHandoff:
         """Lease the blocks the engine held as the request ended (its final delta's `kv_hold`)."""
         key = self._engine.kv_key(prompt_ids, hold.num_blocks)
         lease = self.leases.add(request_id, hold, key)
-        return pb.KVLease(lease_id=lease.lease_id, num_blocks=hold.num_blocks, last_key=key,
-                          timeout_s=self.leases.timeout, transfer_address=self._engine.transfer_address or "")
+        return pb.KVLease(
+            lease_id=lease.lease_id,
+            num_blocks=hold.num_blocks,
+            last_key=key,
+            timeout_s=self.leases.timeout,
+            transfer_address=self._engine.transfer_address or "",
+        )
 
     def _leased_range(self, request: pb.PullKVRequest) -> tuple[Lease, int, int]:
         lease = self.leases.get(request.lease_id)
@@ -160,8 +165,12 @@ class KVHandoff:
             k, v = arrays
             for j in range(0, count, per_message):
                 part = slice(j, j + per_message)
-                yield pb.KVBlocks(first_block=start + j, num_blocks=k[:, :, part].shape[2],
-                                  k=k[:, :, part].tobytes(), v=v[:, :, part].tobytes())
+                yield pb.KVBlocks(
+                    first_block=start + j,
+                    num_blocks=k[:, :, part].shape[2],
+                    k=k[:, :, part].tobytes(),
+                    v=v[:, :, part].tobytes(),
+                )
 
     async def stage(self, request: pb.PullKVRequest) -> pb.StageKVResponse:
         """Offer the leased blocks asked for to one device-to-device pull (for STAGE_TIMEOUT
@@ -171,8 +180,9 @@ class KVHandoff:
         staged = await self._engine.stage_kv(lease.hold, first, end - first, STAGE_TIMEOUT)
         if staged is None:
             raise LeaseGoneError("the engine loop is not running")
-        return pb.StageKVResponse(transfer_id=staged.transfer_id, num_chunks=staged.num_chunks,
-                                  chunk_blocks=staged.chunk_blocks)
+        return pb.StageKVResponse(
+            transfer_id=staged.transfer_id, num_chunks=staged.num_chunks, chunk_blocks=staged.chunk_blocks
+        )
 
     async def release_lease(self, lease_id: int) -> bool:
         lease = self.leases.pop(lease_id)
@@ -210,8 +220,10 @@ class KVHandoff:
             if lease.num_blocks * bs > len(prompt_ids):
                 stats.error = f"the lease holds {lease.num_blocks} blocks, the prompt has {len(prompt_ids)} tokens"
             elif self._engine.kv_key(prompt_ids, lease.num_blocks) != lease.last_key:
-                stats.error = ("the prefill worker's KV does not fit here (other tokens, weights, dtype, KV cache dtype "
-                               "(--kv-cache-dtype) or layout): recomputing")
+                stats.error = (
+                    "the prefill worker's KV does not fit here (other tokens, weights, dtype, KV cache dtype "
+                    "(--kv-cache-dtype) or layout): recomputing"
+                )
             else:
                 hold = await self._holding(self._engine.hold_kv(prompt_ids, lease.num_blocks))
                 if hold is None:
@@ -233,7 +245,7 @@ class KVHandoff:
         first, end = hold.num_blocks, source.lease.num_blocks
         if first >= end:
             return hold
-        ids = prompt_ids[:end * self.block_size]
+        ids = prompt_ids[: end * self.block_size]
         longer = None
         if self._engine.transfer_address is not None and source.lease.transfer_address:
             try:
@@ -262,7 +274,8 @@ class KVHandoff:
         expected = first
         call = self._peer(source.address).PullKV(
             pb.PullKVRequest(lease_id=source.lease.lease_id, first_block=first, num_blocks=end - first),
-            timeout=PULL_TIMEOUT)
+            timeout=PULL_TIMEOUT,
+        )
         async for msg in call:
             if msg.first_block != expected:
                 raise TransferError(f"block {msg.first_block} arrived, {expected} expected")
@@ -275,23 +288,28 @@ class KVHandoff:
             raise TransferError(f"the pull ended at block {expected} of {end}")
         return np.concatenate([k for k, _ in parts], axis=2), np.concatenate([v for _, v in parts], axis=2)
 
-    async def _pull_device(self, source: pb.KVSource, first: int, end: int, hold: KVHold,
-                           prompt_ids: list[int]) -> KVHold | None:
+    async def _pull_device(
+        self, source: pb.KVSource, first: int, end: int, hold: KVHold, prompt_ids: list[int]
+    ) -> KVHold | None:
         """Blocks [first, end) of the lease device to device, written into the cache."""
         staged = await self._peer(source.address).StageKV(
             pb.PullKVRequest(lease_id=source.lease.lease_id, first_block=first, num_blocks=end - first),
-            timeout=PULL_TIMEOUT)
-        offer = StagedKV(source.lease.transfer_address, staged.transfer_id, end - first, staged.num_chunks,
-                         staged.chunk_blocks)
+            timeout=PULL_TIMEOUT,
+        )
+        offer = StagedKV(
+            source.lease.transfer_address, staged.transfer_id, end - first, staged.num_chunks, staged.chunk_blocks
+        )
         return await self._engine.pull_staged_kv(offer, hold, prompt_ids, PULL_TIMEOUT)
 
     async def _ack(self, source: pb.KVSource) -> None:
         try:
-            await self._peer(source.address).ReleaseLease(pb.ReleaseLeaseRequest(lease_id=source.lease.lease_id),
-                                                          timeout=10.0)
+            await self._peer(source.address).ReleaseLease(
+                pb.ReleaseLeaseRequest(lease_id=source.lease.lease_id), timeout=10.0
+            )
         except grpc.aio.AioRpcError as e:  # the lease times out there instead
-            logger.warning("releasing KV lease %d on %s failed: %s", source.lease.lease_id, source.address,
-                           e.code().name)
+            logger.warning(
+                "releasing KV lease %d on %s failed: %s", source.lease.lease_id, source.address, e.code().name
+            )
 
     def _peer(self, address: str) -> WorkerStub:
         if address not in self._peers:
@@ -316,9 +334,11 @@ class KVHandoff:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+
             def drop(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is None:
                     self.release_hold(t.result())
+
             task.add_done_callback(drop)
             raise
 

@@ -15,8 +15,9 @@ class WorkerListener:
     """Serves `engine` as a worker on `host`:`port` (0: a free port, read `port` after `start`).
     `handoff` (prefill/decode disaggregation) is started and closed with the service."""
 
-    def __init__(self, engine: KVTransferEngine, host: str, port: int, role: str = "both",
-                 handoff: KVHandoff | None = None) -> None:
+    def __init__(
+        self, engine: KVTransferEngine, host: str, port: int, role: str = "both", handoff: KVHandoff | None = None
+    ) -> None:
         self.engine = engine
         self._role = role
         self._handoff = handoff

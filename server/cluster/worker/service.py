@@ -11,17 +11,17 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import AsyncIterator
 
 import grpc
 
 from jaxserve.engine_client import EngineDeadError, KVTransferEngine, Pin, RequestFailedError, UnknownAdapterError
-from server.routes_ops import engine_problem
-from server.cluster.worker.kv_handoff import KVHandoff, LeaseGoneError
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker import worker_pb2_grpc
+from server.cluster.worker.kv_handoff import KVHandoff, LeaseGoneError
 from server.cluster.worker.wire import PROTOCOL_VERSION, delta_to_message, params_from_json, snapshot_to_json
+from server.routes_ops import engine_problem
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +39,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         info = self._engine.info
         bundle = info.tokenizer.bundle
         return pb.InfoResponse(
-            protocol_version=PROTOCOL_VERSION, instance_id=self.instance_id, model=info.model_name,
-            vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-            max_num_seqs=info.max_num_seqs, block_size=info.block_size, role=self._role,
-            tokenizer_json=bundle.tokenizer.to_str(), chat_template=bundle.chat_template,
-            special_tokens=bundle.special_tokens, eos_token_ids=bundle.eos_token_ids, hidden_size=info.hidden_size,
+            protocol_version=PROTOCOL_VERSION,
+            instance_id=self.instance_id,
+            model=info.model_name,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            max_num_seqs=info.max_num_seqs,
+            block_size=info.block_size,
+            role=self._role,
+            tokenizer_json=bundle.tokenizer.to_str(),
+            chat_template=bundle.chat_template,
+            special_tokens=bundle.special_tokens,
+            eos_token_ids=bundle.eos_token_ids,
+            hidden_size=info.hidden_size,
         )
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         hold, leased_out = None, False
         try:
             params = params_from_json(request.sampling_params_json)
@@ -60,8 +69,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transfer = None
             if request.HasField("kv_source"):
                 hold, transfer = await self._handoff.pull_into_cache(ids, request.kv_source)
-            stream = self._engine.generate(request.request_id, ids, params, request.session_id or None,
-                                           hold_kv=request.hold_kv)
+            stream = self._engine.generate(
+                request.request_id, ids, params, request.session_id or None, hold_kv=request.hold_kv
+            )
             async with aclosing(stream):  # leaving early (the call cancelled) aborts the request
                 async for delta in stream:
                     msg = delta_to_message(delta)
@@ -93,11 +103,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self._handoff.drop_leases(request.request_id)
 
     def _check_handoff(self, request: pb.GenerateRequest) -> None:
-        for wanted, roles, what in ((request.hold_kv, ("prefill", "both"), "hold_kv"),
-                                    (request.HasField("kv_source"), ("decode", "both"), "kv_source")):
+        for wanted, roles, what in (
+            (request.hold_kv, ("prefill", "both"), "hold_kv"),
+            (request.HasField("kv_source"), ("decode", "both"), "kv_source"),
+        ):
             if wanted and (self._handoff is None or self._role not in roles):
-                raise ValueError(f"{what} needs a worker started with --role {' or '.join(roles)} "
-                                 f"(one engine replica); this one is --role {self._role}")
+                raise ValueError(
+                    f"{what} needs a worker started with --role {' or '.join(roles)} "
+                    f"(one engine replica); this one is --role {self._role}"
+                )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         self._engine.abort(request.request_id)
@@ -126,8 +140,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest,
-                           context: grpc.aio.ServicerContext) -> pb.ReleaseLeaseResponse:
+    async def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLeaseResponse:
         released = self._handoff is not None and await self._handoff.release_lease(request.lease_id)
         return pb.ReleaseLeaseResponse(released=released)
 
@@ -139,18 +154,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         snapshot = await self._engine.snapshot()
         if snapshot is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
-        return pb.LoadResponse(running=snapshot.running, waiting=snapshot.waiting, kv_used=snapshot.kv.used,
-                               kv_blocks=snapshot.kv.num_blocks, kv_requests=snapshot.kv_requests,
-                               snapshot_json=snapshot_to_json(snapshot),
-                               kv_leases=len(self._handoff.leases) if self._handoff is not None else 0)
+        return pb.LoadResponse(
+            running=snapshot.running,
+            waiting=snapshot.waiting,
+            kv_used=snapshot.kv.used,
+            kv_blocks=snapshot.kv.num_blocks,
+            kv_requests=snapshot.kv_requests,
+            snapshot_json=snapshot_to_json(snapshot),
+            kv_leases=len(self._handoff.leases) if self._handoff is not None else 0,
+        )
 
-    async def PinHistory(self, request: pb.PinHistoryRequest,
-                         context: grpc.aio.ServicerContext) -> pb.PinHistoryResponse:
+    async def PinHistory(
+        self, request: pb.PinHistoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PinHistoryResponse:
         old = self._pins.get(request.old_pin)
         others = [self._pins[i] for i in request.others if i in self._pins]
         ids = {id(self._pins[i]): i for i in (*request.others, request.old_pin) if i in self._pins}
-        result = await self._engine.pin_history(request.session_id, request.owner, list(request.token_ids), old,
-                                                others, request.lora or None)
+        result = await self._engine.pin_history(
+            request.session_id, request.owner, list(request.token_ids), old, others, request.lora or None
+        )
         if result is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
         pin, released = result
@@ -171,36 +193,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self._engine.unpin(pin)
         return pb.UnpinResponse()
 
-    async def EndSessions(self, request: pb.EndSessionsRequest,
-                          context: grpc.aio.ServicerContext) -> pb.EndSessionsResponse:
+    async def EndSessions(
+        self, request: pb.EndSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EndSessionsResponse:
         ended = [(s.session_id, self._pins.pop(s.pin, None)) for s in request.sessions]
         await self._engine.end_sessions(ended)
         return pb.EndSessionsResponse()
 
-    async def LoadLoraAdapter(self, request: pb.LoraAdapterRequest,
-                              context: grpc.aio.ServicerContext) -> pb.LoraAdaptersResponse:
+    async def LoadLoraAdapter(
+        self, request: pb.LoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdaptersResponse:
         try:
             await self._engine.load_lora_adapter(request.name, request.path)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return await self.ListLoraAdapters(pb.ListLoraAdaptersRequest(), context)
 
-    async def UnloadLoraAdapter(self, request: pb.LoraAdapterRequest,
-                                context: grpc.aio.ServicerContext) -> pb.LoraAdaptersResponse:
+    async def UnloadLoraAdapter(
+        self, request: pb.LoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdaptersResponse:
         try:
             await self._engine.unload_lora_adapter(request.name)
         except UnknownAdapterError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         return await self.ListLoraAdapters(pb.ListLoraAdaptersRequest(), context)
 
-    async def ListLoraAdapters(self, request: pb.ListLoraAdaptersRequest,
-                               context: grpc.aio.ServicerContext) -> pb.LoraAdaptersResponse:
+    async def ListLoraAdapters(
+        self, request: pb.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdaptersResponse:
         adapters = await self._engine.lora_adapters()
         if adapters is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
         return pb.LoraAdaptersResponse(adapters=adapters)
 
-    async def SetPinBudget(self, request: pb.SetPinBudgetRequest,
-                           context: grpc.aio.ServicerContext) -> pb.SetPinBudgetResponse:
+    async def SetPinBudget(
+        self, request: pb.SetPinBudgetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetPinBudgetResponse:
         await self._engine.set_pin_budget(request.blocks_per_owner)
         return pb.SetPinBudgetResponse()

@@ -53,17 +53,25 @@ def params_from_json(text: str) -> SamplingParams:
 
 
 def delta_to_message(delta: Delta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
-                              error=delta.error or "")
+    msg = pb.GenerateResponse(
+        token_ids=delta.token_ids, finish_reason=delta.finish_reason or "", error=delta.error or ""
+    )
     for lp in delta.logprobs or ():
-        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
-                         top_logprobs=[p for _, p in lp.top])
+        msg.logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_ids=[i for i, _ in lp.top],
+            top_logprobs=[p for _, p in lp.top],
+        )
     if delta.embedding is not None:
         msg.embedding = np.asarray(delta.embedding, "<f4").tobytes()
     if delta.usage is not None:
         u = delta.usage
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                    cached_tokens=u.cached_tokens))
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens
+            )
+        )
     return msg
 
 
