@@ -4,7 +4,7 @@ Times single compiled steps (the model and its greedy sampling, no scheduler), s
 `bench/peers/hf_steps.py`, which times the same shapes in Hugging Face transformers:
 
     python3 -m bench.steps [--unroll-layers] [--dtype float32|bfloat16] [--kv-cache-dtype D]
-                           [--decode-batch 32 64] [--profile]
+                           [--quantization none|int8|q4|gguf] [--decode-batch 32 64] [--profile]
     /path/to/python-with-torch bench/peers/hf_steps.py ~/.cache/jaxserve/smollm2-135m-instruct/*.gguf
 
 Prefill steps: one 128-token prompt; a ragged step of 4 x 128 prompts; a 512-token chunk over
@@ -72,6 +72,7 @@ def main() -> None:
         "--dtype", default="auto", help="the weights' (EngineConfig.dtype; auto: this machine's choice)"
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype")
+    parser.add_argument("--quantization", default="none", help="EngineConfig.quantization (weight-only)")
     parser.add_argument("--decode-batch", type=int, nargs="+", default=[32], help="decode batches past batch 1")
     parser.add_argument("--profile", action="store_true", help="each step's costliest operations")
     args = parser.parse_args()
@@ -81,15 +82,19 @@ def main() -> None:
             unroll_layers=args.unroll_layers,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
             decode_batch_buckets=(1, *args.decode_batch),
             max_num_seqs=max(32, *args.decode_batch),
         )
     )
-    m = load_model("smollm2-135m-instruct", dtype=load_dtype(config))
+    m = load_model("smollm2-135m-instruct", dtype=load_dtype(config), gguf_blocks=config.quantization == "gguf")
     r = ModelRunner(m.config, m.params, config)
     config = r.engine_config
     width, bs, seqs = config.block_table_buckets[-1], config.block_size, config.max_prefill_seqs
-    print(f"{config.dtype} weights, {kv_quant.format_name(r.kv_dtype)} KV cache, {r.attention_backend} attention")
+    print(
+        f"{config.dtype} weights ({config.quantization} quantization), {kv_quant.format_name(r.kv_dtype)} KV cache, "
+        f"{r.attention_backend} attention"
+    )
     steps = [
         ("prefill 1 x 128", 128, lambda: r.inputs.prefill(chunks(r, 1, 0, 128, bs), 128, seqs, width)),
         ("prefill 4 x 128", 512, lambda: r.inputs.prefill(chunks(r, 4, 0, 128, bs), 512, seqs, width)),

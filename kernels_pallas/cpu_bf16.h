@@ -42,8 +42,20 @@ inline IVec bf16_lanes(Vec f) {
 }
 
 // Lane by lane, the pair (lo[i], hi[i]) rounded to bf16: a vector of pairs from two vectors of
-// f32 (two rows of a matrix whose columns run along the lanes).
-inline IVec pair_lanes(Vec lo, Vec hi) { return bf16_lanes(lo) | (bf16_lanes(hi) << 16); }
+// f32 (two rows of a matrix whose columns run along the lanes). With AVX512-BF16 one conversion
+// rounds both (lo's halves in the low 256 bits, hi's in the high) and a permute interleaves them.
+inline IVec pair_lanes(Vec lo, Vec hi) {
+#if JAXSERVE_DPBF16 && defined(__AVX512BW__)
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512bh both = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo));
+  return reinterpret_cast<IVec>(
+      _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), reinterpret_cast<__m512i>(both)));
+#else
+  return bf16_lanes(lo) | (bf16_lanes(hi) << 16);
+#endif
+}
 
 // out[e] = the pair (f[2e], f[2e + 1]) rounded to bf16, for e < n: pairs of consecutive values.
 inline void pairs_in_order(const float* f, int64_t n, Pairs* out) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_bf16.h"
+#include "cpu_panel_tiles.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
@@ -36,107 +37,12 @@ namespace ffi = xla::ffi;
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int64_t kMaxRows = 6;  // rows of a tile: 6 x 4 accumulators of 32 registers
 constexpr int64_t kHeadRows = 4;  // output head: rows x embedding rows = kLanes accumulators
 #else
-constexpr int64_t kMaxRows = 3;  // 3 x 4 of 16
 constexpr int64_t kHeadRows = 2;
 #endif
-// Rows of a bf16 tile: as f32's with vdpbf16ps; without it a step widens each weight vector to
-// two f32 vectors, which take registers beside the accumulators.
-constexpr int64_t kMaxPairRows = JAXSERVE_DPBF16 ? kMaxRows : kMaxRows - 2;
-constexpr int64_t kVecs = 4;  // vectors per panel row
-constexpr int64_t kPanel = kVecs * kLanes;
 constexpr int64_t kRowBlock = 4 * kMaxRows;  // rows of a unit of work (see `run` for calls of few rows)
 constexpr int64_t kFewRows = 64;  // a call of at most this many rows may take them all in one unit
-constexpr int64_t kPrefetch = 2048;  // words ahead of the stream a tile reads
-constexpr int64_t kLineVecs = std::max<int64_t>(1, 64 / (kLanes * sizeof(float)));  // vectors per cache line
-constexpr int64_t kLineWords = 64 / sizeof(float);
-
-// The two kinds of weights, both streams of 32-bit words: f32 values, or bf16 pairs.
-// `Word` is a weight's (and an activation's) unit; a step of K is one word of each.
-struct F32 {
-  using Word = float;
-  using Lanes = Vec;
-  static constexpr int64_t kRows = kMaxRows;
-  static Lanes broadcast(float x) { return Vec{} + x; }
-  static Lanes load_lanes(const float* p) { return load(p); }
-  static void madd(Vec& acc, Lanes a, Lanes b) { acc += a * b; }
-};
-
-struct Bf16 {
-  using Word = Pairs;
-  using Lanes = IVec;
-  static constexpr int64_t kRows = kMaxPairRows;
-  static Lanes broadcast(Pairs x) { return splat(x); }
-  static Lanes load_lanes(const Pairs* p) { return load_pairs(p); }
-  static void madd(Vec& acc, Lanes a, Lanes b) { madd_pairs(acc, a, b); }
-};
-
-template <typename T>
-struct Problem {
-  using Word = typename T::Word;
-  const Word* x;  // [M, K] words
-  const Word* w;  // the layer's panels [N / P, K, P] words
-  float* out;     // [M, N]
-  int64_t m, k, n;  // k: words of a row of x (bf16: pairs)
-};
-
-// out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels. Meanwhile it
-// prefetches `ahead_lines` cache lines from `ahead` (weights the thread reads next).
-template <typename T, int64_t R, int64_t G>
-void tile(const Problem<T>& p, int64_t row, int64_t panel, const typename T::Word* ahead = nullptr,
-          int64_t ahead_lines = 0) {
-  using Word = typename T::Word;
-  Vec acc[R][G][kVecs] = {};
-  const Word* x = p.x + row * p.k;
-  const Word* w = p.w + panel * p.k * kPanel;
-  const int64_t per_step = (ahead_lines + p.k - 1) / p.k;
-  for (int64_t i = 0; i < p.k; ++i, w += kPanel) {
-    for (int64_t j = i * per_step; j < std::min(ahead_lines, (i + 1) * per_step); ++j) {
-      __builtin_prefetch(ahead + j * kLineWords);
-    }
-    typename T::Lanes b[G][kVecs];
-    for (int64_t g = 0; g < G; ++g) {
-      const Word* wg = w + g * p.k * kPanel;
-      for (int64_t v = 0; v < kVecs; v += kLineVecs) __builtin_prefetch(wg + kPrefetch + v * kLanes);
-      for (int64_t v = 0; v < kVecs; ++v) b[g][v] = T::load_lanes(wg + v * kLanes);
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      const auto a = T::broadcast(x[r * p.k + i]);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t v = 0; v < kVecs; ++v) T::madd(acc[r][g][v], a, b[g][v]);
-    }
-  }
-  float* out = p.out + row * p.n + panel * kPanel;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + g * kPanel + v * kLanes, acc[r][g][v]);
-}
-
-template <typename T, int64_t G, int64_t... R>
-void short_tile(const Problem<T>& p, int64_t rows, int64_t row, int64_t panel, std::integer_sequence<int64_t, R...>) {
-  ((rows == R + 1 && (tile<T, R + 1, G>(p, row, panel), true)) || ...);
-}
-
-// Rows [first, last) of panels [panel, panel + G): tiles of R rows, then the rows left over.
-// The first tile streams the panels from memory, the others read them from L2; those others
-// prefetch, evenly between them, the panels from `next` (-1: none), so that the memory streams
-// them while the multiply-adds run.
-template <typename T, int64_t R, int64_t G>
-void rows(const Problem<T>& p, int64_t first, int64_t last, int64_t panel, int64_t next = -1) {
-  const int64_t later_tiles = std::max<int64_t>(0, (last - first) / R - 1);  // full tiles after the first
-  const int64_t lines = next < 0 || later_tiles == 0 ? 0 : G * p.k * kPanel / kLineWords;
-  const int64_t per_tile = later_tiles == 0 ? 0 : (lines + later_tiles - 1) / later_tiles;
-  const auto* ahead = p.w + std::max<int64_t>(next, 0) * p.k * kPanel;
-  int64_t row = first, prefetched = 0;
-  for (; row + R <= last; row += R) {
-    const int64_t n = row == first ? 0 : std::min(per_tile, lines - prefetched);
-    tile<T, R, G>(p, row, panel, ahead + prefetched * kLineWords, n);
-    prefetched += n;
-  }
-  if (row < last) short_tile<T, G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
-}
 
 // Rows [first, last) of the G panels from `panel`, or of that panel alone when it is the odd
 // one of a two-panel call; `next`: the panel group to prefetch meanwhile (see `rows`).
@@ -186,36 +92,6 @@ void run_layer(ffi::ThreadPool& pool, const Problem<T>& p) {
   } else {
     run<T, T::kRows, 1>(pool, p);
   }
-}
-
-// Rows of activations as bf16 pairs [M, ceil(K / 2)] (an odd K's last pair padded with a
-// zero), from f32 (rounded to nearest even) or bf16. Once per call: M * K conversions against
-// the M * K * N multiply-adds. The buffer is the calling thread's, kept between calls (freeing
-// and mapping it again would cost page faults every call); the call's workers read it while the
-// caller waits for them in `parallel_units`.
-const Pairs* pair_rows(const ffi::AnyBuffer& x, int64_t m, int64_t k) {
-  thread_local std::vector<Pairs> buffer;
-  const int64_t pairs = (k + 1) / 2;
-  buffer.resize(m * pairs);
-  uint16_t* halves = reinterpret_cast<uint16_t*>(buffer.data());  // little-endian: the first of a pair is low
-  if (x.element_type() == ffi::DataType::F32) {
-    const float* src = x.typed_data<float>();
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t i = 0; i < k; ++i) halves[r * 2 * pairs + i] = to_bf16(src[r * k + i]);
-      if (k % 2) halves[r * 2 * pairs + k] = 0;
-    }
-  } else {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.untyped_data());
-    for (int64_t r = 0; r < m; ++r) {
-      std::copy(src + r * k, src + (r + 1) * k, halves + r * 2 * pairs);
-      if (k % 2) halves[r * 2 * pairs + k] = 0;
-    }
-  }
-  return buffer.data();
-}
-
-bool is_f32_or_bf16(const ffi::AnyBuffer& x) {
-  return x.element_type() == ffi::DataType::F32 || x.element_type() == ffi::DataType::BF16;
 }
 
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

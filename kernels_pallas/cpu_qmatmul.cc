@@ -15,9 +15,12 @@
 // widens each code vector to f32 once for its R rows (a tile of one or two rows scales each group's
 // sums, not each weight: `folded_tile`). Nothing is dequantized in memory: a step streams 1 byte
 // (8 bits) or half a byte (4 bits) per weight, against 4 for f32. Many rows: each panel is
-// dequantized once per unit of work into an f32 buffer in L2, which f32 register tiles read for all
-// the unit's rows (`run_panels`). The code is written with the compiler's vector types,
-// so it builds for AVX-512 (16 lanes), AVX2 (8) or anything else the compiler targets.
+// dequantized once per unit of work into a buffer in L2, which the layer matmul's register tiles
+// (cpu_panel_tiles.h) read for all the unit's rows (`run_panels`): f32 weights and f32 products, or
+// with the `bf16` attribute (a model whose weights are bf16) bf16 pairs and x rounded to bf16 pairs,
+// the bf16 layer matmul's products (AVX512-BF16 dot products where the CPU has them). The code is
+// written with the compiler's vector types, so it builds for AVX-512 (16 lanes), AVX2 (8) or
+// anything else the compiler targets.
 
 #include <algorithm>
 #include <cstdint>
@@ -29,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_bf16.h"
+#include "cpu_panel_tiles.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,16 +42,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kVecs = 4;  // vectors per panel row, as cpu_matmul.cc
-constexpr int64_t kPanel = kVecs * kLanes;
-// Rows of a tile: R x kVecs accumulators beside a group's kVecs scales and kVecs mins.
+// Panels of kVecs vectors of columns: cpu_panel_tiles.h's kPanel. Rows of a tile on codes:
+// R x kVecs accumulators beside a group's kVecs scales and kVecs mins.
 #if defined(__AVX512F__)
-constexpr int64_t kRows = 4;
+constexpr int64_t kCodeRows = 4;
 #else
-constexpr int64_t kRows = 2;
+constexpr int64_t kCodeRows = 2;
 #endif
-constexpr int64_t kRowBlock = 4 * kRows;  // rows of a unit of work
-constexpr int64_t kPrefetch = 1024;  // bytes ahead of the stream a tile reads
+constexpr int64_t kCodeRowBlock = 4 * kCodeRows;  // rows of a unit of work
+constexpr int64_t kCodePrefetch = 1024;  // bytes ahead of the stream a tile reads
 
 using Bytes = uint8_t __attribute__((vector_size(kLanes)));
 
@@ -128,13 +132,14 @@ struct Int4 {
 };
 
 template <typename F>
-struct Problem {
+struct QProblem {
   const float* x;  // [M, K]
   const uint8_t* codes;  // the layer's panels [N / P, K / kStep, P] bytes
   const typename F::Scale* scale;  // [N / P, groups, P]
   const uint16_t* min;  // 4 bits: [N / P, groups, P] f16; else null
   float* out;  // [M, N]
   int64_t m, k, n, group;  // group: rows of K per scale
+  bool bf16;  // from F::kPanelRows rows: products of bf16 values (weights and x rounded), not f32's
 };
 
 // A tile of one or two rows of outputs (R * G <= 2) with the scales (and mins) applied once per
@@ -143,7 +148,7 @@ struct Problem {
 // shares that work, it is most of it); the sums of a group take a second set of R * G * kVecs
 // registers, which only small tiles have.
 template <typename F, int64_t R, int64_t G>
-void folded_tile(const Problem<F>& p, int64_t row, int64_t panel) {
+void folded_tile(const QProblem<F>& p, int64_t row, int64_t panel) {
   Vec acc[R][G][kVecs] = {};
   const float* x = p.x + row * p.k;
   const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
@@ -153,7 +158,7 @@ void folded_tile(const Problem<F>& p, int64_t row, int64_t panel) {
     for (int64_t i = first; i < last; i += F::kStep) {
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* c = p.codes + ((panel + g) * code_rows + i / F::kStep) * kPanel;
-        __builtin_prefetch(c + kPrefetch);
+        __builtin_prefetch(c + kCodePrefetch);
         for (int64_t v = 0; v < kVecs; ++v) {
           if constexpr (F::kStep == 1) {
             const Vec w = widen_signed(c + v * kLanes);
@@ -188,7 +193,7 @@ void folded_tile(const Problem<F>& p, int64_t row, int64_t panel) {
 
 // out[R rows from `row`, panels [panel, panel + G)] = x[rows] @ those panels' dequantized weights.
 template <typename F, int64_t R, int64_t G>
-void tile(const Problem<F>& p, int64_t row, int64_t panel) {
+void code_tile(const QProblem<F>& p, int64_t row, int64_t panel) {
   if constexpr (R * G <= 2) {
     folded_tile<F, R, G>(p, row, panel);
     return;
@@ -208,7 +213,7 @@ void tile(const Problem<F>& p, int64_t row, int64_t panel) {
     for (int64_t i = grp * p.group; i < (grp + 1) * p.group; i += F::kStep) {
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* c = p.codes + ((panel + g) * code_rows + i / F::kStep) * kPanel;
-        __builtin_prefetch(c + kPrefetch);
+        __builtin_prefetch(c + kCodePrefetch);
         for (int64_t v = 0; v < kVecs; ++v) {
           if constexpr (F::kStep == 1) {
             const Vec w = widen_signed(c + v * kLanes) * s[g][v];
@@ -231,32 +236,32 @@ void tile(const Problem<F>& p, int64_t row, int64_t panel) {
 }
 
 template <typename F, int64_t G, int64_t... R>
-void short_tile(const Problem<F>& p, int64_t rows, int64_t row, int64_t panel, std::integer_sequence<int64_t, R...>) {
-  ((rows == R + 1 && (tile<F, R + 1, G>(p, row, panel), true)) || ...);
+void short_code_tile(const QProblem<F>& p, int64_t rows, int64_t row, int64_t panel, std::integer_sequence<int64_t, R...>) {
+  ((rows == R + 1 && (code_tile<F, R + 1, G>(p, row, panel), true)) || ...);
 }
 
 // Rows [first, last) of panels [panel, panel + G): tiles of R rows, then the rows left over.
 template <typename F, int64_t R, int64_t G>
-void rows(const Problem<F>& p, int64_t first, int64_t last, int64_t panel) {
+void code_rows(const QProblem<F>& p, int64_t first, int64_t last, int64_t panel) {
   int64_t row = first;
-  for (; row + R <= last; row += R) tile<F, R, G>(p, row, panel);
-  if (row < last) short_tile<F, G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
+  for (; row + R <= last; row += R) code_tile<F, R, G>(p, row, panel);
+  if (row < last) short_code_tile<F, G>(p, last - row, row, panel, std::make_integer_sequence<int64_t, R - 1>{});
 }
 
 // Units of a group of G panels by a block of rows (panel-group major, so that consecutive units
 // read the same codes, from L2 after the first), split over XLA's intra-op threads. An odd last
 // panel of a two-panel call is a group of one.
 template <typename F, int64_t R, int64_t G>
-void run(ffi::ThreadPool& pool, const Problem<F>& p) {
+void run_codes(ffi::ThreadPool& pool, const QProblem<F>& p) {
   const int64_t panels = p.n / kPanel, groups = (panels + G - 1) / G;
-  const int64_t blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  const int64_t blocks = (p.m + kCodeRowBlock - 1) / kCodeRowBlock;
   const int64_t cost = (p.m + 16) * p.k * p.n;
   parallel_units(pool, groups * blocks, cost, [p, panels, blocks](int64_t u) {
-    const int64_t first = u % blocks * kRowBlock, last = std::min(first + kRowBlock, p.m), panel = u / blocks * G;
+    const int64_t first = u % blocks * kCodeRowBlock, last = std::min(first + kCodeRowBlock, p.m), panel = u / blocks * G;
     if (panel + G <= panels) {
-      rows<F, R, G>(p, first, last, panel);
+      code_rows<F, R, G>(p, first, last, panel);
     } else {
-      rows<F, R, 1>(p, first, last, panel);
+      code_rows<F, R, 1>(p, first, last, panel);
     }
   });
 }
@@ -266,28 +271,29 @@ void run(ffi::ThreadPool& pool, const Problem<F>& p) {
 // Above, every tile dequantizes its panel's codes again for its R rows: at many rows that costs
 // more than the multiply-adds (4 bits: a widening, a multiply and an add per weight for R = 4
 // multiply-adds). From F::kPanelRows rows a unit of work dequantizes its panel once into a buffer
-// of the thread's, [K, P] f32 (K = 1536: 384 KB, within L2), and runs f32 register tiles of
-// kF32Rows rows over all its rows against it, as the f32 layer matmul does on its panels.
+// of the thread's, in the layout of the layer matmul's panels (cpu_panel_tiles.h): f32 [K, P]
+// (K = 1536: 384 KB, within L2), or bf16 pairs [ceil(K / 2), P] (half that), and runs that
+// matmul's register tiles over all its rows against it, as it does on its own panels.
 
-#if defined(__AVX512F__)
-constexpr int64_t kF32Rows = 6;  // 6 x 4 accumulators beside the 4 weight vectors, of 32 registers
-#else
-constexpr int64_t kF32Rows = 3;  // 3 x 4 of 16
-#endif
 constexpr int64_t kMinPanelBlock = 32;  // fewest rows a unit dequantizes a panel for (but a call's all)
+
+// The scales (and mins) of group `grp` of panel `panel`, vector `v` (no mins: zeros).
+template <typename F>
+void group_scales(const QProblem<F>& p, int64_t panel, int64_t grp, Vec (&s)[kVecs], Vec (&z)[kVecs]) {
+  const int64_t at = (panel * (p.k / p.group) + grp) * kPanel;
+  for (int64_t v = 0; v < kVecs; ++v) {
+    s[v] = F::scale(p.scale + at + v * kLanes);
+    z[v] = p.min == nullptr ? Vec{} : load_halves(p.min + at + v * kLanes);
+  }
+}
 
 // Panel `panel` of the layer as f32 weights [K, P] into `w`.
 template <typename F>
-void dequantize_panel(const Problem<F>& p, int64_t panel, float* w) {
-  const int64_t groups = p.k / p.group, code_rows = p.k / F::kStep;
-  const uint8_t* codes = p.codes + panel * code_rows * kPanel;
-  for (int64_t grp = 0; grp < groups; ++grp) {
-    const int64_t at = (panel * groups + grp) * kPanel;
+void dequantize_panel(const QProblem<F>& p, int64_t panel, float* w) {
+  const uint8_t* codes = p.codes + panel * (p.k / F::kStep) * kPanel;
+  for (int64_t grp = 0; grp < p.k / p.group; ++grp) {
     Vec s[kVecs], z[kVecs];
-    for (int64_t v = 0; v < kVecs; ++v) {
-      s[v] = F::scale(p.scale + at + v * kLanes);
-      z[v] = p.min == nullptr ? Vec{} : load_halves(p.min + at + v * kLanes);
-    }
+    group_scales(p, panel, grp, s, z);
     for (int64_t i = grp * p.group; i < (grp + 1) * p.group; i += F::kStep) {
       const uint8_t* c = codes + i / F::kStep * kPanel;
       float* out = w + i * kPanel;
@@ -304,62 +310,68 @@ void dequantize_panel(const Problem<F>& p, int64_t panel, float* w) {
   }
 }
 
-// out[R rows from `row`, panel `panel`] = x[rows] @ w, the panel's f32 weights [K, P].
-template <typename F, int64_t R>
-void f32_tile(const Problem<F>& p, const float* w, int64_t row, int64_t panel) {
-  Vec acc[R][kVecs] = {};
-  const float* x = p.x + row * p.k;
-  for (int64_t i = 0; i < p.k; ++i, w += kPanel) {
-    Vec b[kVecs];
-    for (int64_t v = 0; v < kVecs; ++v) b[v] = load(w + v * kLanes);
-    for (int64_t r = 0; r < R; ++r) {
-      const Vec a = Vec{} + x[r * p.k + i];
-      for (int64_t v = 0; v < kVecs; ++v) acc[r][v] += a * b[v];
+// Panel `panel` of the layer as bf16 pairs [ceil(K / 2), P] into `w` (rows 2i and 2i + 1 of the
+// weights, each dequantized in f32 and rounded to bf16; an odd K's last pair padded with a zero).
+// A 4-bit code row is one such pair already (groups are even); 8 bits pair two code rows, whose
+// groups may differ (an odd group), so each takes its own scale.
+template <typename F>
+void dequantize_panel(const QProblem<F>& p, int64_t panel, Pairs* w) {
+  const uint8_t* codes = p.codes + panel * (p.k / F::kStep) * kPanel;
+  if constexpr (F::kStep == 2) {
+    for (int64_t grp = 0; grp < p.k / p.group; ++grp) {
+      Vec s[kVecs], z[kVecs];
+      group_scales(p, panel, grp, s, z);
+      for (int64_t i = grp * p.group / 2; i < (grp + 1) * p.group / 2; ++i) {
+        for (int64_t v = 0; v < kVecs; ++v) {
+          const Bytes b = load_bytes<Bytes>(codes + i * kPanel + v * kLanes);
+          store_pairs(w + i * kPanel + v * kLanes, pair_lanes(widen(b & 15) * s[v] + z[v], widen(b >> 4) * s[v] + z[v]));
+        }
+      }
     }
+  } else {
+    const typename F::Scale* scales = p.scale + panel * (p.k / p.group) * kPanel;
+    auto row = [&](int64_t i, int64_t v) {
+      if (i >= p.k) return Vec{};
+      return widen_signed(codes + i * kPanel + v * kLanes) * F::scale(scales + i / p.group * kPanel + v * kLanes);
+    };
+    for (int64_t i = 0; i < (p.k + 1) / 2; ++i)
+      for (int64_t v = 0; v < kVecs; ++v) store_pairs(w + i * kPanel + v * kLanes, pair_lanes(row(2 * i, v), row(2 * i + 1, v)));
   }
-  float* out = p.out + row * p.n + panel * kPanel;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < kVecs; ++v) store(out + r * p.n + v * kLanes, acc[r][v]);
-}
-
-template <typename F, int64_t... R>
-void short_f32_tile(const Problem<F>& p, const float* w, int64_t rows, int64_t row, int64_t panel,
-                    std::integer_sequence<int64_t, R...>) {
-  ((rows == R + 1 && (f32_tile<F, R + 1>(p, w, row, panel), true)) || ...);
 }
 
 // Units of a panel by a block of rows (panel major), enough of them to keep every thread busy
 // but no block under kMinPanelBlock rows; each dequantizes its panel into its thread's buffer
-// (kept between calls: mapping it again would cost page faults every call) and runs its rows.
-template <typename F>
-void run_panels(ffi::ThreadPool& pool, const Problem<F>& p) {
+// (kept between calls: mapping it again would cost page faults every call) and runs the layer
+// matmul's tiles over its rows. `x`: the rows as that matmul's words (T: F32 or Bf16), `k` words each.
+template <typename T, typename F>
+void run_panels(ffi::ThreadPool& pool, const QProblem<F>& p, const typename T::Word* x, int64_t k) {
   const int64_t panels = p.n / kPanel, workers = pool.num_threads() + 1;
   const int64_t wanted = (4 * workers + panels - 1) / panels;  // row blocks for ~4 units per thread
   const int64_t blocks = std::max<int64_t>(1, std::min(wanted, p.m / kMinPanelBlock));
   const int64_t block = (p.m + blocks - 1) / blocks;
-  parallel_units(pool, panels * blocks, (p.m + 16) * p.k * p.n, [p, blocks, block](int64_t u) {
-    thread_local std::vector<float> buffer;
-    buffer.resize(p.k * kPanel);
+  parallel_units(pool, panels * blocks, (p.m + 16) * p.k * p.n, [p, x, k, blocks, block](int64_t u) {
+    thread_local std::vector<typename T::Word> buffer;
+    buffer.resize(k * kPanel);
     const int64_t panel = u / blocks, first = u % blocks * block, last = std::min(first + block, p.m);
     dequantize_panel(p, panel, buffer.data());
-    int64_t row = first;
-    for (; row + kF32Rows <= last; row += kF32Rows) f32_tile<F, kF32Rows>(p, buffer.data(), row, panel);
-    if (row < last) {
-      short_f32_tile(p, buffer.data(), last - row, row, panel, std::make_integer_sequence<int64_t, kF32Rows - 1>{});
-    }
+    const Problem<T> unit{x, buffer.data(), p.out + panel * kPanel, p.m, k, p.n};  // the panel alone
+    rows<T, T::kRows, 1>(unit, first, last, 0);
   });
 }
 
 // A call of one row takes two panels at once, so that its tile has enough accumulators to hide
-// the latency of its multiply-adds; from F::kPanelRows rows each panel is dequantized once.
+// the latency of its multiply-adds; from F::kPanelRows rows each panel is dequantized once, and
+// with `bf16` the activations are rounded to bf16 pairs once for the call (`pair_rows`).
 template <typename F>
-void run_layer(ffi::ThreadPool& pool, const Problem<F>& p) {
+void run_layer(ffi::ThreadPool& pool, const QProblem<F>& p) {
   if (p.m == 1) {
-    run<F, 1, 2>(pool, p);
-  } else if (p.m >= F::kPanelRows) {
-    run_panels(pool, p);
+    run_codes<F, 1, 2>(pool, p);
+  } else if (p.m < F::kPanelRows) {
+    run_codes<F, kCodeRows, 1>(pool, p);
+  } else if (p.bf16) {
+    run_panels<Bf16>(pool, p, pair_rows(p.x, nullptr, p.m, p.k), (p.k + 1) / 2);
   } else {
-    run<F, kRows, 1>(pool, p);
+    run_panels<F32>(pool, p, p.x, p.k);
   }
 }
 
@@ -380,23 +392,24 @@ ffi::Error check(const ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> cd, ff
 }
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                          bool bf16) {
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
   const int64_t l = layer.typed_data()[0];
   if (auto error = check(x, cd, sd, 1, l); error.failure()) return error;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
   if (m == 0 || cd[1] == 0) return ffi::Error::Success();
-  const Problem<Int8> p{x.typed_data(), reinterpret_cast<const uint8_t*>(codes.typed_data()) + l * cd[1] * cd[2] * kPanel,
+  const QProblem<Int8> p{x.typed_data(), reinterpret_cast<const uint8_t*>(codes.typed_data()) + l * cd[1] * cd[2] * kPanel,
                         scale.typed_data() + l * sd[1] * sd[2] * kPanel, nullptr, out->typed_data(), m, k,
-                        cd[1] * kPanel, k / sd[2]};
+                        cd[1] * kPanel, k / sd[2], bf16};
   run_layer(pool, p);
   return ffi::Error::Success();
 }
 
 ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> min, ffi::Buffer<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::ResultBuffer<ffi::F32> out, bool bf16) {
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
   const auto md = min.dimensions();
@@ -408,10 +421,10 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
   if (m == 0 || cd[1] == 0) return ffi::Error::Success();
   const int64_t scales = l * sd[1] * sd[2] * kPanel;
-  const Problem<Int4> p{x.typed_data(), codes.typed_data() + l * cd[1] * cd[2] * kPanel,
+  const QProblem<Int4> p{x.typed_data(), codes.typed_data() + l * cd[1] * cd[2] * kPanel,
                         reinterpret_cast<const uint16_t*>(scale.untyped_data()) + scales,
                         reinterpret_cast<const uint16_t*>(min.untyped_data()) + scales, out->typed_data(), m, k,
-                        cd[1] * kPanel, k / sd[2]};
+                        cd[1] * kPanel, k / sd[2], bf16};
   run_layer(pool, p);
   return ffi::Error::Success();
 }
@@ -425,7 +438,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()  // codes, panels
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales, panels
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("bf16"));  // products of bf16 values from F::kPanelRows rows
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matmul, Int4MatmulImpl,
                               ffi::Ffi::Bind()
@@ -435,6 +449,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matmul, Int4MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F16>>()  // scales, panels
                                   .Arg<ffi::Buffer<ffi::F16>>()  // mins, panels
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("bf16"));  // products of bf16 values from F::kPanelRows rows
 
 extern "C" int64_t JaxserveQMatmulPanel() { return kPanel; }
+
+// The fewest rows from which a call of `bits`-bit codes dequantizes each panel into a buffer (and
+// with the `bf16` attribute multiplies bf16 values).
+extern "C" int64_t JaxserveQMatmulPanelRows(int64_t bits) { return bits == 8 ? Int8::kPanelRows : Int4::kPanelRows; }

@@ -66,7 +66,7 @@ def stored_matmul(x: jax.Array, arrays: dict[str, jax.Array], layer: jax.Array |
     -> f32 [M, N]: the C++ kernel on arrays in panels, else dequantize-then-dot in `param_dtype`."""
     fmt = format_of(arrays)
     if in_panels(arrays):
-        return cpu_qmatmul.layer_matmul(x, arrays, fmt, 0 if layer is None else layer)
+        return cpu_qmatmul.layer_matmul(x, arrays, fmt, 0 if layer is None else layer, param_dtype)
     if layer is not None:
         arrays = {name: a[layer] for name, a in arrays.items()}
     w = dequantize(arrays, fmt, param_dtype)

@@ -3,11 +3,16 @@ kernel quantized (`checkpoints.quantize.quantize_kernel`), dequantized in numpy 
 and scales, and multiplied in f64. The kernel computes exactly those dequantized weights' products
 but for its f32 rounding (the dequantized weight, and the sums), so the tolerance is f32's.
 
+In a bf16 model (`dtype` bf16) a call of many rows (`cpu_qmatmul.panel_rows`) multiplies bf16
+values: its reference rounds the f32 dequantized weights and x to bf16 first (what the kernel's
+products are, to f32's tolerance), and it stays within the bound bf16 rounding of both allows of
+the exact product (2^-8 of the sum of |x| |w| per output, and f32's summation).
+
 Int8 per channel and in groups of 32 (GGUF Q8_0's), 4 bits in groups of 32: every tile height and
 the rows left over, many rows (each panel dequantized once into a buffer), one-row calls over an
-odd number of panels, a layer of the stack, and its refusals. The quantizer itself: each weight within half a step of its group's grid. The same
-tests run again in a subprocess on kernels built without AVX-512 (AVX2 vectors, F16C scales;
-marked slow)."""
+odd number of panels, a layer of the stack, and its refusals. The quantizer itself: each weight
+within half a step of its group's grid. The same tests run again in a subprocess on kernels built
+without AVX-512 (AVX2 vectors, F16C scales, bf16 products by widening; marked slow)."""
 
 import os
 import subprocess
@@ -45,7 +50,12 @@ def reference_dequantize(arrays: dict, fmt: QuantFormat) -> np.ndarray:
     return w
 
 
-def check(kind: str, m: int, k: int, panels: int, layer: int = 1, layers: int = 3) -> None:
+def bf16(a: np.ndarray) -> np.ndarray:
+    """f64 values rounded to f32, then to bf16 (to nearest even), as f64."""
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def check(kind: str, m: int, k: int, panels: int, layer: int = 1, layers: int = 3, dtype=jnp.float32) -> None:
     panel = cpu_qmatmul.panel_width()
     n = panels * panel
     fmt = FORMATS[kind](k)
@@ -53,11 +63,16 @@ def check(kind: str, m: int, k: int, panels: int, layer: int = 1, layers: int = 
     x = rng.standard_normal((m, k), np.float32)
     arrays = quantize_kernel(jnp.asarray(rng.standard_normal((layers, k, n), np.float32)), fmt)
     stored = {name: to_panels(a, panel) for name, a in arrays.items()}
-    got = np.asarray(jax.jit(cpu_qmatmul.layer_matmul, static_argnums=(2,))(x, stored, fmt, layer))
+    got = np.asarray(jax.jit(cpu_qmatmul.layer_matmul, static_argnums=(2, 4))(x, stored, fmt, layer, dtype))
     w = reference_dequantize({name: np.asarray(a)[layer] for name, a in arrays.items()}, fmt)
-    want = x.astype(np.float64) @ w
     assert got.shape == (m, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=0, atol=4e-6 * np.abs(want).max() * np.sqrt(k))
+    tolerance = 4e-6 * np.abs(x.astype(np.float64) @ w).max() * np.sqrt(k)
+    if dtype == jnp.bfloat16 and m >= cpu_qmatmul.panel_rows(fmt.bits):
+        np.testing.assert_allclose(got, bf16(x) @ bf16(w), rtol=0, atol=tolerance)
+        bound = (2**-8 + 2**-17 + k * 2**-23) * (np.abs(x) @ np.abs(w))  # bf16 rounding of x and w, f32 sums
+        assert np.all(np.abs(got - x.astype(np.float64) @ w) <= bound)
+    else:
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=0, atol=tolerance)
 
 
 @pytest.mark.parametrize("kind", sorted(FORMATS))
@@ -72,6 +87,22 @@ def test_many_rows_dequantize_each_panel_once_and_give_the_same_products(kind, m
     """From 24 rows (4 bits: 12) a panel is dequantized into a buffer and f32 tiles run over it: row blocks
     split over the threads, tiles of every height left over."""
     check(kind, m, 96 if kind == "int8" else 128, panels)
+
+
+BF16_CASES = [(1, 128, 3), (5, 128, 2), (12, 128, 2), (24, 96, 1), (70, 160, 3), (257, 64, 2)]
+
+
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+@pytest.mark.parametrize("m, k, panels", BF16_CASES)
+def test_a_bf16_model_multiplies_bf16_values_from_many_rows(kind, m, k, panels):
+    """With bf16 weights the model's calls of many rows dequantize each panel into bf16 pairs and run
+    the bf16 layer matmul's tiles on x rounded to bf16; fewer rows keep f32 products."""
+    check(kind, m, k, panels, dtype=jnp.bfloat16)
+
+
+def test_a_bf16_model_pairs_the_rows_of_an_odd_per_channel_group():
+    """int8 per channel over an odd K: the last pair's second row is padding (zero weight, zero x)."""
+    check("int8", 40, 97, 2, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("kind", sorted(FORMATS))
@@ -115,7 +146,7 @@ def test_paths_of_other_cpus():
             "-p",
             "no:cacheprovider",
             "-k",
-            "not paths_of_other_cpus and (tile_height and (1- or 5-)) or odd_number",
+            "not paths_of_other_cpus and (tile_height and (1- or 5-)) or odd_number or bf16_model",
             __file__,
         ],
         env=env,
