@@ -35,21 +35,25 @@ SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # q/o, k/v, gate/up
 VOCAB = 49152  # the tied head: x [M, 576] @ embedding [VOCAB, 576].T
 
 
-def alternated(fns: list[Callable[[], jax.Array]], iters: int, rounds: int = 3) -> list[float]:
+def alternated(
+    fns: list[Callable[[], jax.Array]], iters: int, rounds: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
     """Seconds per call of each of `fns` (compiled first): in each round each runs `iters` calls
     back to back, one after the other; each keeps its best round's mean. Alternating them puts
-    every variant through the same spells of load from other processes."""
+    every variant through the same spells of load from other processes. `clock`: wall time, or
+    `time.process_time` (this process's CPU time, all its threads: what the work itself took
+    where other processes crowd the cores)."""
     for fn in fns:
         jax.block_until_ready(fn())
     best = [math.inf] * len(fns)
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            start = time.perf_counter()
+            start = clock()
             out = None
             for _ in range(iters):
                 out = fn()
             jax.block_until_ready(out)
-            best[i] = min(best[i], (time.perf_counter() - start) / iters)
+            best[i] = min(best[i], (clock() - start) / iters)
     return best
 
 

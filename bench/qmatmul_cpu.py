@@ -13,12 +13,14 @@ as the model gives them. Prints, per row count, each format's time for the whole
 shapes together) and its time over bf16's; with `--floors`, each one's time over its floor:
 max(its weight bytes / read bandwidth, FLOPs / bf16 peak), both measured after that row count
 (`bench.memory_bandwidth`, `bench.compute_peak`). Variants alternate call by
-call (`bench.matmul_cpu.alternated`): the machines are shared and noisy.
+call (`bench.matmul_cpu.alternated`): the machines are shared and noisy; on a crowded one
+`--cpu-time` times the process's CPU seconds (its threads' work) instead of wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import gguf
 import jax
@@ -97,6 +99,9 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--floors", action="store_true")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time this process's CPU seconds, not wall (a crowded machine)"
+    )
     args = parser.parse_args()
     shapes, formats = SHAPES[args.shapes], args.formats
     panel = cpu_matmul.panel_width()
@@ -120,7 +125,8 @@ def main() -> None:
     for m in args.rows:
         xs = [jnp.asarray(np.random.default_rng(1).standard_normal((m, k), np.float32)) for k, _ in shapes]
         calls = [lambda name=name: loops[name](xs, arrays[name]) for name in formats]
-        times = dict(zip(formats, alternated(calls, args.iters)))
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        times = dict(zip(formats, alternated(calls, args.iters, clock=clock)))
         print(f"{m:>5}" + "".join(f" {times[f] * 1e3:>17.2f} {times[f] / times[base]:>6.2f}" for f in formats))
         if args.floors:
             floor = floors(nbytes, 2 * m * sum(k * n for k, n in shapes) * args.layers)
