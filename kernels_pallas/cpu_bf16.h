@@ -41,6 +41,26 @@ inline IVec bf16_lanes(Vec f) {
   return reinterpret_cast<IVec>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
+// Lane by lane, f[i] rounded to bf16 (as `to_bf16`), as an f32 value.
+inline Vec bf16_values(Vec f) { return reinterpret_cast<Vec>(bf16_lanes(f) << 16); }
+
+// Whether this CPU multiplies bf16 values faster with AVX512-BF16 dot products on pairs than with
+// f32 FMAs on the values (rounded to bf16, held as f32; the products are exact either way, so the
+// two differ only in the order of the f32 sums): AMD's (Zen 4 and 5: a vdpbf16ps does twice an
+// FMA's multiply-adds in the same time), not Intel's, which issue it on one port against two for
+// FMAs (in these kernels' tiles it measured 0.65x an f32 tile's rate: docs/performance.md, "bf16
+// products at many rows"). -DJAXSERVE_BF16_DOT_TILES=0 or 1 decides at build time instead.
+inline bool dot_tiles_faster() {
+#if defined(JAXSERVE_BF16_DOT_TILES)
+  return JAXSERVE_BF16_DOT_TILES && JAXSERVE_DPBF16;
+#elif JAXSERVE_DPBF16
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return false;
+#endif
+}
+
 // Lane by lane, the pair (lo[i], hi[i]) rounded to bf16: a vector of pairs from two vectors of
 // f32 (two rows of a matrix whose columns run along the lanes). With AVX512-BF16 one conversion
 // rounds both (lo's halves in the low 256 bits, hi's in the high) and a permute interleaves them.

@@ -17,14 +17,16 @@
 // (8 bits) or half a byte (4 bits) per weight, against 4 for f32. Many rows: each panel is
 // dequantized once per unit of work into a buffer in L2, which the layer matmul's register tiles
 // (cpu_panel_tiles.h) read for all the unit's rows (`run_panels`): f32 weights and f32 products, or
-// with the `bf16` attribute (a model whose weights are bf16) bf16 pairs and x rounded to bf16 pairs,
-// the bf16 layer matmul's products (AVX512-BF16 dot products where the CPU has them). The code is
+// with the `bf16` attribute (a model whose weights are bf16) the weights and x rounded to bf16, the
+// bf16 layer matmul's products: as pairs for its AVX512-BF16 dot-product tiles where the CPU runs
+// those faster (cpu_bf16.h's `dot_tiles_faster`: AMD's), else as f32 values for the f32 tiles. The code is
 // written with the compiler's vector types, so it builds for AVX-512 (16 lanes), AVX2 (8) or
 // anything else the compiler targets.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -272,8 +274,9 @@ void run_codes(ffi::ThreadPool& pool, const QProblem<F>& p) {
 // more than the multiply-adds (4 bits: a widening, a multiply and an add per weight for R = 4
 // multiply-adds). From F::kPanelRows rows a unit of work dequantizes its panel once into a buffer
 // of the thread's, in the layout of the layer matmul's panels (cpu_panel_tiles.h): f32 [K, P]
-// (K = 1536: 384 KB, within L2), or bf16 pairs [ceil(K / 2), P] (half that), and runs that
-// matmul's register tiles over all its rows against it, as it does on its own panels.
+// (K = 1536: 384 KB, within L2; in a bf16 model each value rounded to bf16), or bf16 pairs
+// [ceil(K / 2), P] (half that), and runs that matmul's register tiles over all its rows against
+// it, as it does on its own panels.
 
 constexpr int64_t kMinPanelBlock = 32;  // fewest rows a unit dequantizes a panel for (but a call's all)
 
@@ -287,9 +290,10 @@ void group_scales(const QProblem<F>& p, int64_t panel, int64_t grp, Vec (&s)[kVe
   }
 }
 
-// Panel `panel` of the layer as f32 weights [K, P] into `w`.
+// Panel `panel` of the layer as f32 weights [K, P] into `w`; `round`: each rounded to bf16.
 template <typename F>
-void dequantize_panel(const QProblem<F>& p, int64_t panel, float* w) {
+void dequantize_panel(const QProblem<F>& p, int64_t panel, float* w, bool round) {
+  auto put = [round](float* at, Vec v) { store(at, round ? bf16_values(v) : v); };
   const uint8_t* codes = p.codes + panel * (p.k / F::kStep) * kPanel;
   for (int64_t grp = 0; grp < p.k / p.group; ++grp) {
     Vec s[kVecs], z[kVecs];
@@ -299,11 +303,11 @@ void dequantize_panel(const QProblem<F>& p, int64_t panel, float* w) {
       float* out = w + i * kPanel;
       for (int64_t v = 0; v < kVecs; ++v) {
         if constexpr (F::kStep == 1) {
-          store(out + v * kLanes, widen_signed(c + v * kLanes) * s[v]);
+          put(out + v * kLanes, widen_signed(c + v * kLanes) * s[v]);
         } else {
           const Bytes b = load_bytes<Bytes>(c + v * kLanes);
-          store(out + v * kLanes, widen(b & 15) * s[v] + z[v]);
-          store(out + kPanel + v * kLanes, widen(b >> 4) * s[v] + z[v]);
+          put(out + v * kLanes, widen(b & 15) * s[v] + z[v]);
+          put(out + kPanel + v * kLanes, widen(b >> 4) * s[v] + z[v]);
         }
       }
     }
@@ -342,36 +346,56 @@ void dequantize_panel(const QProblem<F>& p, int64_t panel, Pairs* w) {
 // Units of a panel by a block of rows (panel major), enough of them to keep every thread busy
 // but no block under kMinPanelBlock rows; each dequantizes its panel into its thread's buffer
 // (kept between calls: mapping it again would cost page faults every call) and runs the layer
-// matmul's tiles over its rows. `x`: the rows as that matmul's words (T: F32 or Bf16), `k` words each.
+// matmul's tiles over its rows. `x`: the rows as that matmul's words (T: F32 or Bf16), `k` words
+// each; `round`: f32 weights rounded to bf16 (bf16 pairs always are).
 template <typename T, typename F>
-void run_panels(ffi::ThreadPool& pool, const QProblem<F>& p, const typename T::Word* x, int64_t k) {
+void run_panels(ffi::ThreadPool& pool, const QProblem<F>& p, const typename T::Word* x, int64_t k, bool round) {
   const int64_t panels = p.n / kPanel, workers = pool.num_threads() + 1;
   const int64_t wanted = (4 * workers + panels - 1) / panels;  // row blocks for ~4 units per thread
   const int64_t blocks = std::max<int64_t>(1, std::min(wanted, p.m / kMinPanelBlock));
   const int64_t block = (p.m + blocks - 1) / blocks;
-  parallel_units(pool, panels * blocks, (p.m + 16) * p.k * p.n, [p, x, k, blocks, block](int64_t u) {
+  parallel_units(pool, panels * blocks, (p.m + 16) * p.k * p.n, [p, x, k, round, blocks, block](int64_t u) {
     thread_local std::vector<typename T::Word> buffer;
     buffer.resize(k * kPanel);
     const int64_t panel = u / blocks, first = u % blocks * block, last = std::min(first + block, p.m);
-    dequantize_panel(p, panel, buffer.data());
+    if constexpr (std::is_same_v<T, F32>) {
+      dequantize_panel(p, panel, buffer.data(), round);
+    } else {
+      dequantize_panel(p, panel, buffer.data());
+    }
     const Problem<T> unit{x, buffer.data(), p.out + panel * kPanel, p.m, k, p.n};  // the panel alone
     rows<T, T::kRows, 1>(unit, first, last, 0);
   });
 }
 
+// x [M, K] rounded to bf16, as f32 values, in the calling thread's buffer (kept between calls, as
+// `pair_rows`'s; the call's workers read it while the caller waits for them).
+const float* bf16_rows(const float* x, int64_t n) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(n);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(buffer.data() + i, bf16_values(load(x + i)));
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(to_bf16(x[i])) << 16;
+    std::memcpy(&buffer[i], &bits, sizeof(bits));
+  }
+  return buffer.data();
+}
+
 // A call of one row takes two panels at once, so that its tile has enough accumulators to hide
-// the latency of its multiply-adds; from F::kPanelRows rows each panel is dequantized once, and
-// with `bf16` the activations are rounded to bf16 pairs once for the call (`pair_rows`).
+// the latency of its multiply-adds; from F::kPanelRows rows each panel is dequantized once. With
+// `bf16` the weights and x are rounded to bf16: as pairs for the dot-product tiles where this CPU
+// runs them faster (`dot_tiles_faster`), else as f32 values for the f32 tiles.
 template <typename F>
 void run_layer(ffi::ThreadPool& pool, const QProblem<F>& p) {
   if (p.m == 1) {
     run_codes<F, 1, 2>(pool, p);
   } else if (p.m < F::kPanelRows) {
     run_codes<F, kCodeRows, 1>(pool, p);
-  } else if (p.bf16) {
-    run_panels<Bf16>(pool, p, pair_rows(p.x, nullptr, p.m, p.k), (p.k + 1) / 2);
+  } else if (p.bf16 && dot_tiles_faster()) {
+    run_panels<Bf16>(pool, p, pair_rows(p.x, nullptr, p.m, p.k), (p.k + 1) / 2, true);
   } else {
-    run_panels<F32>(pool, p, p.x, p.k);
+    run_panels<F32>(pool, p, p.bf16 ? bf16_rows(p.x, p.m * p.k) : p.x, p.k, p.bf16);
   }
 }
 

@@ -4,9 +4,10 @@ and scales, and multiplied in f64. The kernel computes exactly those dequantized
 but for its f32 rounding (the dequantized weight, and the sums), so the tolerance is f32's.
 
 In a bf16 model (`dtype` bf16) a call of many rows (`cpu_qmatmul.panel_rows`) multiplies bf16
-values: its reference rounds the f32 dequantized weights and x to bf16 first (what the kernel's
-products are, to f32's tolerance), and it stays within the bound bf16 rounding of both allows of
-the exact product (2^-8 of the sum of |x| |w| per output, and f32's summation).
+values (on f32 tiles; on AMD's CPUs on the dot-product tiles, which a slow test builds here): its
+reference rounds the f32 dequantized weights and x to bf16 first (what the kernel's products are,
+to f32's tolerance), and it stays within the bound bf16 rounding of both allows of the exact
+product (2^-8 of the sum of |x| |w| per output, and f32's summation).
 
 Int8 per channel and in groups of 32 (GGUF Q8_0's), 4 bits in groups of 32: every tile height and
 the rows left over, many rows (each panel dequantized once into a buffer), one-row calls over an
@@ -25,7 +26,7 @@ import pytest
 
 from checkpoints.quant_format import CODES, MIN, SCALE, QuantFormat
 from checkpoints.quantize import quantize_kernel
-from kernels_pallas import cpu_build, cpu_qmatmul
+from kernels_pallas import cpu_build, cpu_matmul, cpu_qmatmul
 from kernels_pallas.cpu_matmul import to_panels
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler")
@@ -130,6 +131,24 @@ def test_refuses_a_layer_out_of_range_and_codes_not_in_panels():
         jax.block_until_ready(jax.jit(cpu_qmatmul.layer_matmul, static_argnums=(2,))(jnp.ones((1, 64)), stored, fmt, 2))
     with pytest.raises(ValueError, match="in panels"):
         cpu_qmatmul.layer_matmul(jnp.ones((1, 64)), arrays, fmt, 0)
+
+
+@pytest.mark.slow
+def test_bf16_products_on_the_dot_product_tiles():
+    """A bf16 model's many-row calls on the AVX512-BF16 dot-product tiles (bf16 pairs), which only AMD
+    CPUs take by themselves (`dot_tiles_faster`; elsewhere the f32 tiles on values rounded to bf16,
+    tested above): the bf16 tests again on kernels built to take them, in a subprocess."""
+    if not cpu_matmul.bf16_dot():
+        pytest.skip("no AVX512-BF16")
+    env = {**os.environ, "JAXSERVE_CPU_KERNEL_FLAGS": "-DJAXSERVE_BF16_DOT_TILES=1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bf16_model", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.mark.slow
