@@ -54,7 +54,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.dtype_choice import load_dtype, resolve_dtype
 from jaxserve.engine_client import UnknownAdapterError, check_prompt_ids
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
-from jaxserve.kv import CopyStage, KVCacheManager
+from jaxserve.kv import CopyStage, build_kv_manager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.lora.manager import AdapterRef, LoraManager
@@ -111,7 +111,7 @@ class LLMEngine:
         self.config = ec = config.for_model(self.model_config.max_position_embeddings)
         self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh)
         self.disk_tier = build_disk_tier(self.runner, self.model_name)  # None without --kv-disk-dir
-        self.kv = KVCacheManager(
+        self.kv = build_kv_manager(
             self.runner.num_blocks,
             ec.block_size,
             watermark_blocks=ec.watermark_blocks,
@@ -325,7 +325,7 @@ class LLMEngine:
         logger.info(
             "KV disk tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) on disk",
             flushed,
-            self.disk_tier.num_files,
+            self.disk_tier.num_blocks,
             self.disk_tier.num_bytes / 1e6,
         )
 

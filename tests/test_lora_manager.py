@@ -123,7 +123,7 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapt
     """One slot: adapter a runs; b waits for the slot; a later request of a (resident) waits
     behind b instead of extending a's pin, and b runs as soon as a's first request ends."""
     from jaxserve.config import EngineConfig
-    from jaxserve.kv import KVCacheManager
+    from jaxserve.kv import build_kv_manager
     from jaxserve.outputs import FinishReason
     from jaxserve.request import Request
     from jaxserve.sampling_params import SamplingParams
@@ -142,7 +142,7 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapt
         enable_lora=True,
         max_loras=1,
     )
-    scheduler = Scheduler(config, KVCacheManager(64, 4, watermark_blocks=0), lora)
+    scheduler = Scheduler(config, build_kv_manager(64, 4, watermark_blocks=0), lora)
     requests = {
         rid: Request(rid, [3, 4, 5, 6, 7], SamplingParams(max_tokens=8), seed=0, adapter=lora.resolve(name))
         for rid, name in (("a1", first), ("b1", second), ("a2", first))

@@ -6,7 +6,7 @@ import time
 import zlib
 
 from jaxserve.config import EngineConfig
-from jaxserve.kv import KVCacheManager
+from jaxserve.kv import build_kv_manager
 from jaxserve.outputs import FinishReason
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ def make(num_blocks=64, **cfg):
         block_table_buckets=(64,),
     )
     config = EngineConfig(**{**base, **cfg})
-    kv = KVCacheManager(
+    kv = build_kv_manager(
         num_blocks,
         config.block_size,
         watermark_blocks=0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.kv import KVCacheManager
+from jaxserve.kv import build_kv_manager
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
@@ -62,7 +62,7 @@ def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int =
             "disable_by_batch_size": disable_by_batch_size,
         },
     )
-    kv = KVCacheManager(num_blocks, 4)
+    kv = build_kv_manager(num_blocks, 4)
     return Scheduler(config, kv), kv
 
 
