@@ -16,7 +16,7 @@ from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
 from jaxserve.kv.disk_tier import DiskTier
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.kv_tier import HostBlockArrays, KVTier, KVTierStats
-from jaxserve.kv.leases import Hold, Lease, Leases, Pin
+from jaxserve.kv.leases import Hold, Leases, Pin
 from jaxserve.kv.manager import KVCacheManager
 from jaxserve.kv.no_prefix_cache import NoPrefixCache
 from jaxserve.kv.prefix_cache import CachedPath, CacheStats, PrefixCache, PrefixMatch, SpillingPrefixCache
@@ -44,7 +44,6 @@ __all__ = [
     "KVCacheManager",
     "KVHandle",
     "KVUsage",
-    "Lease",
     "Leases",
     "PrefixHit",
     "Pin",

@@ -13,7 +13,7 @@ A lease locks a path of the prefix cache so that its blocks are not evicted. Two
   (`allocate_import`), adds them to the cache (`adopt_import`) and keeps the longer path held
   until the request is admitted. A hold counts against no budget: it lives seconds.
 
-Disk loads (`disk_link`) lock paths too, with host slots, while blocks are read from disk.
+Loads from the tier below the host tier (`tier_link`) lock paths too, with host slots, while blocks are read.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from jaxserve.kv.prefix_cache import CachedPath, PrefixCache
 
 
 @dataclass(eq=False)
-class Lease:
+class CacheLease:
     """Cached blocks kept until released (the path they are on stays with `Leases`)."""
 
     active: bool = field(default=True, kw_only=True)
 
 
 @dataclass(eq=False)
-class Pin(Lease):
+class Pin(CacheLease):
     """A session's pinned history: pass it back to `unpin` or to the next `pin_within_budget`."""
 
     owner: Hashable
@@ -44,7 +44,7 @@ class Pin(Lease):
 
 
 @dataclass(eq=False)
-class Hold(Lease):
+class Hold(CacheLease):
     """Held device blocks: `blocks` hold the KV of the first `len(blocks) * block_size` tokens of
     the prompt the hold was made for."""
 
@@ -207,12 +207,12 @@ class Leases:
         """The path of every active lease (a path locked twice appears twice)."""
         return [*self._pins.values(), *self._holds.values()]
 
-    def _lock(self, leases: dict, lease: Lease, path: CachedPath) -> None:
+    def _lock(self, leases: dict, lease: CacheLease, path: CachedPath) -> None:
         self._changed()
         self.cache.lock(path)
         leases[lease] = path
 
-    def _unlock(self, leases: dict, lease: Lease) -> None:
+    def _unlock(self, leases: dict, lease: CacheLease) -> None:
         self._changed()
         lease.active = False
         self.cache.unlock(leases.pop(lease))

@@ -94,3 +94,19 @@ def test_imports_leave_the_watermark_free() -> None:
     mgr.leases.release_hold(hold)
     assert _all_free(mgr)
     mgr.check_integrity()
+
+
+def test_without_prefix_caching_a_hold_is_empty_and_an_import_is_refused() -> None:
+    mgr = build_kv_manager(16, BS, watermark_blocks=0, enable_prefix_cache=False)
+    prompt = list(range(1, 10))
+    _cached(mgr, prompt)  # nothing stays cached
+    hold = mgr.leases.hold_prefix(prompt)
+    assert hold.num_blocks == 0 and mgr.usage().pinned == 0
+    blocks = mgr.allocate_import(2)
+    with pytest.raises(ValueError, match="prefix cache"):
+        mgr.leases.adopt_import(hold, prompt, blocks)
+    assert [mgr.pool.refcount[b] for b in blocks] == [1, 1]  # still the caller's to give back
+    mgr.pool.decref_all(blocks)
+    mgr.leases.release_hold(hold)
+    assert _all_free(mgr)
+    mgr.check_integrity()
