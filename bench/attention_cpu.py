@@ -90,9 +90,9 @@ def compare_formats(names: list[str], iters: int) -> None:
     head = " ".join(f"{n + ' ms':>12}" for n in names)
     ratios = " ".join(f"{'x ' + names[0][:6]:>9}" for _ in names[1:])
     print(f"{'cpu kernels: case':<40} {head} {ratios}")
-    cases = [
-        ("prefill %d x %d / %d / %d" % c, functools.partial(bench_prefill, cpu_attention, *c, iters)) for c in PREFILL
-    ] + [("decode %d / %d / %d" % c, functools.partial(bench_decode, cpu_attention, *c, iters)) for c in DECODE]
+    prefill = [("prefill {} x {} / {} / {}".format(*c), bench_prefill, c) for c in PREFILL]
+    decode = [("decode {} / {} / {}".format(*c), bench_decode, c) for c in DECODE]
+    cases = [(label, functools.partial(bench, cpu_attention, *c, iters)) for label, bench, c in prefill + decode]
     for label, run in cases:
         seconds = [run(kv_dtype=name)[0] for name in names]
         print(
@@ -155,7 +155,7 @@ def compare_decode_queries(kv_dtype: str, iters: int, layers: int) -> None:
         step = jax.jit(step)
         q = jax.random.normal(jax.random.key(2), (batch, KV_HEADS * GROUP, HEAD_DIM))
         times = [
-            time_call(lambda q=q.astype(dtype): step(q, k, v, tables, lengths), iters, repeats=5)
+            time_call(functools.partial(step, q.astype(dtype), k, v, tables, lengths), iters, repeats=5)
             for dtype in (jnp.float32, jnp.bfloat16)
         ]
         nbytes = 2 * layers * batch * context * KV_HEADS * k.shape[-1] * k.dtype.itemsize
@@ -224,7 +224,7 @@ def main() -> None:
         seconds, nbytes = bench_decode(cpu_attention, *case, args.iters)
         jax_seconds, _ = bench_decode(paged_jax, *case, args.iters)
         print(
-            f"{'%d / %d / %d' % case:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
+            f"{'{} / {} / {}'.format(*case):<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
             f"{nbytes / seconds / 1e9:8.1f} {100 * nbytes / seconds / copy_bps:8.1f} "
             f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}"
         )

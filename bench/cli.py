@@ -92,8 +92,12 @@ def _add_output_args(p: argparse.ArgumentParser, ignore_eos_flag: bool = True) -
         "--result-file", default=None, help=f"JSON output (default: {DEFAULT_RESULT_DIR}/KIND-WORKLOAD-TIME.json)"
     )
     if ignore_eos_flag:
-        p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                       help="let requests stop at EOS (default: exactly max_tokens each, as vLLM's random dataset)")  # fmt: skip
+        p.add_argument(
+            "--no-ignore-eos",
+            dest="ignore_eos",
+            action="store_false",
+            help="let requests stop at EOS (default: exactly max_tokens each, as vLLM's random dataset)",
+        )
 
 
 def _result_path(args: argparse.Namespace, kind: str, name: str) -> Path:
@@ -251,8 +255,20 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-_SWEEP_KEYS = ["completed", "failed", "request_throughput", "output_throughput", "request_goodput", "slo_attainment",
-               "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms"]  # fmt: skip
+_SWEEP_KEYS = [
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "slo_attainment",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+]
 
 
 def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
