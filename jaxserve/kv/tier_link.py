@@ -12,9 +12,9 @@ the plan comes: after the copies that filled it, before any later one that reuse
   is written if the tier does not hold it yet.
 
 Loads. A prompt whose cache match ends where the tier continues it (its next blocks' keys are
-stored there) can start a load: host slots are reserved, the matched path is locked, and once the copies
-planned so far have run (`submit`: a slot freed this round may still be read by one of them, a
-host -> device copy or a write-back) the tier reads the blocks into the slots. When the job is
+stored there) can start a load: host slots are reserved, the matched path is locked, and once
+the copies planned so far have run (`submit`: a slot freed this round may still be read by one of
+them, a host -> device copy or a write-back) the tier reads the blocks into the slots. When the job is
 done (`poll`), the blocks that read back whole join the cache as idle host blocks locked for the
 request, and the request's next match finds them on the host tier; admission copies them to the
 device as any host hit.
@@ -51,13 +51,15 @@ class _Load:
     slots: list[int]  # host slots the load holds until it is done
     done: bool = False
     cancelled: bool = False
-    loaded: tuple[int, int] = (0, 0)  # token positions the load added to the tree
+    loaded: tuple[int, int] = (0, 0)  # token positions the load added to the cache
     # Where an earlier load of the same request began adding (a prefix loaded in parts, when the
-    # host tier had room for only some of it): the disk hits counted at admission start there.
+    # host tier had room for only some of it): the tier hits counted at admission start there.
     loaded_from: int | None = None
 
 
 class TierLink:
+    """One prefix cache's link to one `KVTier` (see the module docstring)."""
+
     def __init__(
         self,
         tier: KVTier,
