@@ -23,13 +23,21 @@ import uuid
 from typing import Any
 
 from jaxserve.structured.spec import GuidedDecoding
+from jaxserve.structured.strict import strict_schema
 from server.errors import bad_request
+from server.partial_json import complete_string, cut_json_objects, cut_objects
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
+PartialCall = tuple[str | None, str]  # (the name once complete, the arguments' text so far)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +47,7 @@ class ToolCall:
 
     def as_dict(self, index: int | None = None) -> dict[str, Any]:
         call = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "id": new_call_id(),
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
@@ -109,9 +117,13 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> Tool
     )
 
 
-def forced_constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool) -> GuidedDecoding | None:
-    """The structured-output constraint that enforces "required" or a named function."""
-    functions = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+def forced_constraint(
+    tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool, strict: bool = True
+) -> GuidedDecoding | None:
+    """The structured-output constraint that enforces "required" or a named function. With
+    `strict` (the server's default), a function's parameters hold only the properties they list
+    unless they allow more (`strict_schema`); a function's own `strict: false` opts out."""
+    functions = {t["function"]["name"]: parameters_schema(t["function"], strict) for t in tools}
     if choice.mode == "function":
         return GuidedDecoding("json", functions[choice.name])
     if choice.mode != "required":
@@ -132,12 +144,22 @@ def forced_constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel:
     )
 
 
+def parameters_schema(function: dict[str, Any], strict: bool = True) -> Any:
+    """A function's parameters as its calls are constrained: strict unless it or the server says not."""
+    parameters = function.get("parameters", EMPTY_PARAMETERS)
+    return strict_schema(parameters) if function.get("strict", strict) else parameters
+
+
 class ToolFormat:
-    """How one chat template shows tools to the model and how the model writes its calls."""
+    """How one chat template shows tools to the model and how the model writes its calls:
+    "hermes" (`<tool_call>{...}</tool_call>`, also Qwen's), "llama3" (JSON objects, optionally
+    after `<|python_tag|>`) or "mistral" (`[TOOL_CALLS]` and a JSON array of calls; the tag is a
+    special token, so a reply that starts with `[{` is taken as calls too)."""
 
     def __init__(self, template: str | None) -> None:
         source = template or ""
-        self.llama3 = PYTHON_TAG in source
+        self.kind = "llama3" if PYTHON_TAG in source else "mistral" if MISTRAL_TAG in source else "hermes"
+        self.llama3 = self.kind == "llama3"
         self.template_renders_tools = "tools" in source
 
     def prompt(
@@ -157,18 +179,23 @@ class ToolFormat:
 
     def call_start(self, text: str) -> int | None:
         """Where the first call starts in a reply's text, if one has."""
-        if self.llama3:
-            stripped = text.lstrip()
+        stripped = text.lstrip()
+        if self.kind == "llama3":
             return len(text) - len(stripped) if stripped.startswith(("{", PYTHON_TAG)) else None
-        at = text.find(HERMES_OPEN)
+        if self.kind == "mistral" and stripped.startswith("[{"):
+            return len(text) - len(stripped)
+        at = text.find(MISTRAL_TAG if self.kind == "mistral" else HERMES_OPEN)
         return None if at < 0 else at
 
     def holdback(self, text: str) -> int:
         """Characters at the end of `text` that may still become the start of a call."""
-        if self.llama3:
+        if self.kind == "llama3":
             return len(text) if not text.strip() or PYTHON_TAG.startswith(text.lstrip()) else 0
-        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-            if text.endswith(HERMES_OPEN[:k]):
+        if self.kind == "mistral" and text.strip() == "[":
+            return len(text)
+        marker = MISTRAL_TAG if self.kind == "mistral" else HERMES_OPEN
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:k]):
                 return k
         return 0
 
@@ -177,11 +204,28 @@ class ToolFormat:
         start = self.call_start(text)
         if start is None:
             return text, []
-        calls = _llama3_calls(text[start:]) if self.llama3 else _hermes_calls(text[start:])
+        calls = {"llama3": _llama3_calls, "mistral": _mistral_calls, "hermes": _hermes_calls}[self.kind](text[start:])
         if calls is None:
             return text, []
         content = text[:start].strip()
         return content or None, calls
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of `text` (a reply from where its calls start) as far as they are written."""
+        if self.kind == "hermes":
+            blocks = [b.split(HERMES_CLOSE, 1)[0] for b in text.split(HERMES_OPEN)[1:]]
+            objects = [(cut_objects(b, 0) or [{}])[0] for b in blocks]
+        elif self.kind == "llama3":
+            objects = cut_objects(text.lstrip().removeprefix(PYTHON_TAG), 0, " \t\r\n;")
+        else:
+            objects = cut_json_objects(text.replace(MISTRAL_TAG, "", 1))
+        return [_partial_call(o, "parameters" if self.kind == "llama3" else "arguments") for o in objects]
+
+
+def _partial_call(item: dict[str, str], arguments_key: str) -> PartialCall:
+    name = complete_string(item["name"]) if "name" in item else None
+    arguments = item.get(arguments_key, item.get("arguments", item.get("parameters", "")))
+    return name, arguments
 
 
 def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall]:
@@ -208,74 +252,6 @@ def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall]:
     return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
-def cut_json_objects(text: str) -> list[dict[str, str]]:
-    """The objects of a JSON array of objects whose text may end anywhere: for each object, its keys
-    and the raw text of their values as far as it goes (a key whose own text is cut is left out)."""
-    objects: list[dict[str, str]] = []
-    at = text.find("[")
-    if at < 0:
-        return objects
-    at += 1
-    while True:
-        at = _skip(text, at, " \t\r\n,")
-        if at >= len(text) or text[at] != "{":
-            return objects
-        item: dict[str, str] = {}
-        objects.append(item)
-        at += 1
-        while True:
-            at = _skip(text, at, " \t\r\n,")
-            if at >= len(text):
-                return objects
-            if text[at] == "}":
-                at += 1
-                break
-            key_end = _value_end(text, at)
-            try:
-                key = json.loads(text[at:key_end])
-            except json.JSONDecodeError:
-                return objects
-            at = _skip(text, key_end, " \t\r\n:")
-            end = _value_end(text, at)
-            item[str(key)] = text[at:end]
-            at = end
-
-
-def _skip(text: str, at: int, chars: str) -> int:
-    while at < len(text) and text[at] in chars:
-        at += 1
-    return at
-
-
-def _value_end(text: str, at: int) -> int:
-    """Where the JSON value starting at `at` ends (`len(text)` when it is cut)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(at, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            if depth == 0:
-                return i
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif c in ",:" and depth == 0:
-            return i
-    return len(text)
-
-
 def _hermes_system_text(tools: list[dict[str, Any]]) -> str:
     listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
     return (
@@ -288,11 +264,8 @@ def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message for a template without tool support: calls and results written out as text."""
     calls = message.get("tool_calls")
     if calls:
-        written = "\n".join(
-            f"{HERMES_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)}, ensure_ascii=False)}"
-            f"\n{HERMES_CLOSE}"
-            for c in calls
-        )
+        bodies = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in calls]
+        written = "\n".join(f"{HERMES_OPEN}\n{json.dumps(b, ensure_ascii=False)}\n{HERMES_CLOSE}" for b in bodies)
         text = (message.get("content") or "") + ("\n" if message.get("content") else "") + written
         return {"role": "assistant", "content": text}
     if message["role"] == "tool":
@@ -322,6 +295,15 @@ def _hermes_calls(text: str) -> list[ToolCall] | None:
             return None
         calls.append(call)
     return calls or None
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    try:
+        value = json.loads(text.strip().removeprefix(MISTRAL_TAG))
+    except json.JSONDecodeError:
+        return None
+    calls = [_call_object(v, "arguments") for v in value] if isinstance(value, list) else [None]
+    return None if not calls or None in calls else calls
 
 
 def _llama3_calls(text: str) -> list[ToolCall] | None:
@@ -383,8 +365,19 @@ class ToolCalling:
 
     def shown(self, text: str) -> int:
         """How much of an unfinished reply may be streamed as content: everything before a call
-        (or before what may still become one); nothing of a forced reply."""
+        (or before what may still become one), less its trailing whitespace (a reply with calls
+        drops it); nothing of a forced reply."""
         if self.forced:
             return 0
         start = self.format.call_start(text)
-        return len(text) - self.format.holdback(text) if start is None else start
+        end = len(text) - self.format.holdback(text) if start is None else start
+        return len(text[:end].rstrip())
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of an unfinished reply as far as they are written (a forced reply is all calls)."""
+        if self.choice.mode == "function":
+            return [(self.choice.name, text)]
+        if self.choice.mode == "required":
+            return [_partial_call(item, "parameters") for item in cut_json_objects(text)]
+        start = self.format.call_start(text)
+        return [] if start is None else self.format.partial_calls(text[start:])
