@@ -125,7 +125,8 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default=None,
-        help="split a thinking model's <think>...</think> into reasoning_content (chat) and reasoning items (Responses)",
+        help="split a thinking model's <think>...</think> into reasoning_content (chat) and reasoning items "
+        "(Responses)",
     )
     g.add_argument(
         "--chat-template", default=None, help="a jinja chat template (a file, or the text) instead of the model's"
