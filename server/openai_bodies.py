@@ -10,8 +10,8 @@ from typing import Any
 from jaxserve.outputs import Delta, TokenLogprob
 from server.model_info import ModelInfo
 from server.reply_stream import ReplyParsing, ReplyStream
+from server.tool_formats import new_call_id
 from server.tool_stream import CallStart, Content, Event, Reasoning
-from server.tools import new_call_id
 
 
 @dataclasses.dataclass

@@ -88,7 +88,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = parse_messages(body["messages"], tools=True)
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
-    tool_format = ToolFormat(state.info.template)
+    tool_format = ToolFormat(state.info.template, tools)
     shown_tools = tools if choice.mode != "none" else []
     messages, template_tools = tool_format.prompt(messages, shown_tools)
     kwargs = template_kwargs_setting(body)

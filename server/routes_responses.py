@@ -105,7 +105,7 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
             f"a chain of responses holds at most {state.config.max_session_messages} messages", param="input"
         )
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    tool_format = ToolFormat(info.template)
+    tool_format = ToolFormat(info.template, req.tools)
     shown_tools = req.tools if req.tool_choice.mode != "none" else []
     messages, template_tools = tool_format.prompt([*instructions, *history, *req.messages], shown_tools)
     ids = check_prompt_ids(encode_chat(info, messages, tools=template_tools), info, "input")

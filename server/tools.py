@@ -1,12 +1,12 @@
 """Tool calling on chat completions: `tools` and `tool_choice` checked, tools rendered into the
 prompt, and the reply's calls parsed into OpenAI's `tool_calls`.
 
-Two tool-call formats, chosen from the model's chat template:
+The tool-call format is chosen from the model's chat template (`server.tool_formats` parses them):
 - Hermes style (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), the default. A
   template that does not render `tools` itself (SmolLM2-Instruct's, the default model's, has no
   tool support at all) gets the tools and this format described in its system message.
-- Llama 3 (templates that know `<|python_tag|>`): the template renders the tools; a call is a JSON
-  object with "name" and "parameters", optionally after `<|python_tag|>`, several joined by ";".
+- Llama 3 (templates that know `<|python_tag|>`), Mistral (`[TOOL_CALLS]`) and Qwen3-Coder's XML
+  (templates that write `<parameter=`): the template renders the tools.
 
 `tool_choice` "required" and a named function are enforced with structured output, as vLLM does:
 "required" constrains the reply to a JSON array of {"name", "parameters"} objects over the given
@@ -19,39 +19,32 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from typing import Any
 
 from jaxserve.structured.spec import GuidedDecoding
 from jaxserve.structured.strict import strict_schema
 from server.errors import bad_request
-from server.partial_json import complete_string, cut_json_objects, cut_objects
+from server.partial_json import cut_json_objects, cut_objects
+from server.tool_formats import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    MISTRAL_TAG,
+    PYTHON_TAG,
+    XML_FUNCTION,
+    PartialCall,
+    Schemas,
+    ToolCall,
+    hermes_calls,
+    llama3_calls,
+    mistral_calls,
+    partial_call,
+    xml_calls,
+    xml_partial_calls,
+)
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-MISTRAL_TAG = "[TOOL_CALLS]"
-PartialCall = tuple[str | None, str]  # (the name once complete, the arguments' text so far)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text
-
-    def as_dict(self, index: int | None = None) -> dict[str, Any]:
-        call = {
-            "id": new_call_id(),
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return call if index is None else {"index": index, **call}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,16 +144,24 @@ def parameters_schema(function: dict[str, Any], strict: bool = True) -> Any:
 
 
 class ToolFormat:
-    """How one chat template shows tools to the model and how the model writes its calls:
-    "hermes" (`<tool_call>{...}</tool_call>`, also Qwen's), "llama3" (JSON objects, optionally
-    after `<|python_tag|>`) or "mistral" (`[TOOL_CALLS]` and a JSON array of calls; the tag is a
-    special token, so a reply that starts with `[{` is taken as calls too)."""
+    """How one chat template shows tools to the model and how the model writes its calls: "hermes",
+    "llama3", "mistral" or "qwen3_coder" (`server.tool_formats`). Mistral's tag is a special token, so
+    a reply that starts with `[{` is taken as calls too. `tools` (the request's) type the values of
+    Qwen3-Coder's XML parameters."""
 
-    def __init__(self, template: str | None) -> None:
+    def __init__(self, template: str | None, tools: list[dict[str, Any]] | None = None) -> None:
         source = template or ""
-        self.kind = "llama3" if PYTHON_TAG in source else "mistral" if MISTRAL_TAG in source else "hermes"
+        self.kind = "hermes"
+        for kind, marker in (("llama3", PYTHON_TAG), ("mistral", MISTRAL_TAG), ("qwen3_coder", "<parameter=")):
+            if marker in source:
+                self.kind = kind
+                break
         self.llama3 = self.kind == "llama3"
         self.template_renders_tools = "tools" in source
+        self._schemas: Schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools or []}
+        self._markers = {"mistral": (MISTRAL_TAG,), "qwen3_coder": (HERMES_OPEN, XML_FUNCTION)}.get(
+            self.kind, (HERMES_OPEN,)
+        )
 
     def prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -184,8 +185,8 @@ class ToolFormat:
             return len(text) - len(stripped) if stripped.startswith(("{", PYTHON_TAG)) else None
         if self.kind == "mistral" and stripped.startswith("[{"):
             return len(text) - len(stripped)
-        at = text.find(MISTRAL_TAG if self.kind == "mistral" else HERMES_OPEN)
-        return None if at < 0 else at
+        found = [at for at in (text.find(m) for m in self._markers) if at >= 0]
+        return min(found) if found else None
 
     def holdback(self, text: str) -> int:
         """Characters at the end of `text` that may still become the start of a call."""
@@ -193,9 +194,8 @@ class ToolFormat:
             return len(text) if not text.strip() or PYTHON_TAG.startswith(text.lstrip()) else 0
         if self.kind == "mistral" and text.strip() == "[":
             return len(text)
-        marker = MISTRAL_TAG if self.kind == "mistral" else HERMES_OPEN
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:k]):
+        for k in range(min(max(len(m) for m in self._markers) - 1, len(text)), 0, -1):
+            if any(text.endswith(m[:k]) for m in self._markers):
                 return k
         return 0
 
@@ -204,7 +204,10 @@ class ToolFormat:
         start = self.call_start(text)
         if start is None:
             return text, []
-        calls = {"llama3": _llama3_calls, "mistral": _mistral_calls, "hermes": _hermes_calls}[self.kind](text[start:])
+        if self.kind == "qwen3_coder":
+            calls = xml_calls(text[start:], self._schemas)
+        else:
+            calls = {"llama3": llama3_calls, "mistral": mistral_calls, "hermes": hermes_calls}[self.kind](text[start:])
         if calls is None:
             return text, []
         content = text[:start].strip()
@@ -212,6 +215,8 @@ class ToolFormat:
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         """The calls of `text` (a reply from where its calls start) as far as they are written."""
+        if self.kind == "qwen3_coder":
+            return xml_partial_calls(text, self._schemas)
         if self.kind == "hermes":
             blocks = [b.split(HERMES_CLOSE, 1)[0] for b in text.split(HERMES_OPEN)[1:]]
             objects = [(cut_objects(b, 0) or [{}])[0] for b in blocks]
@@ -219,13 +224,7 @@ class ToolFormat:
             objects = cut_objects(text.lstrip().removeprefix(PYTHON_TAG), 0, " \t\r\n;")
         else:
             objects = cut_json_objects(text.replace(MISTRAL_TAG, "", 1))
-        return [_partial_call(o, "parameters" if self.kind == "llama3" else "arguments") for o in objects]
-
-
-def _partial_call(item: dict[str, str], arguments_key: str) -> PartialCall:
-    name = complete_string(item["name"]) if "name" in item else None
-    arguments = item.get(arguments_key, item.get("arguments", item.get("parameters", "")))
-    return name, arguments
+        return [partial_call(o, "parameters" if self.kind == "llama3" else "arguments") for o in objects]
 
 
 def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall]:
@@ -287,59 +286,6 @@ def _arguments(call: dict[str, Any]) -> Any:
         return call["function"]["arguments"]
 
 
-def _hermes_calls(text: str) -> list[ToolCall] | None:
-    calls = []
-    for block in text.split(HERMES_OPEN)[1:]:
-        call = _call(block.split(HERMES_CLOSE, 1)[0], "arguments")
-        if call is None:
-            return None
-        calls.append(call)
-    return calls or None
-
-
-def _mistral_calls(text: str) -> list[ToolCall] | None:
-    try:
-        value = json.loads(text.strip().removeprefix(MISTRAL_TAG))
-    except json.JSONDecodeError:
-        return None
-    calls = [_call_object(v, "arguments") for v in value] if isinstance(value, list) else [None]
-    return None if not calls or None in calls else calls
-
-
-def _llama3_calls(text: str) -> list[ToolCall] | None:
-    text = text.strip().removeprefix(PYTHON_TAG)
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while at < len(text):
-        try:
-            value, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            return None
-        call = _call_object(value, "parameters")
-        if call is None:
-            return None
-        calls.append(call)
-        at = end
-        while at < len(text) and text[at] in " \n\t;":
-            at += 1
-    return calls or None
-
-
-def _call(text: str, arguments_key: str) -> ToolCall | None:
-    try:
-        return _call_object(json.loads(text), arguments_key)
-    except json.JSONDecodeError:
-        return None
-
-
-def _call_object(value: Any, arguments_key: str) -> ToolCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
 @dataclasses.dataclass(frozen=True)
 class ToolCalling:
     """A chat request's tool setup, as the response shapes need it."""
@@ -378,6 +324,6 @@ class ToolCalling:
         if self.choice.mode == "function":
             return [(self.choice.name, text)]
         if self.choice.mode == "required":
-            return [_partial_call(item, "parameters") for item in cut_json_objects(text)]
+            return [partial_call(item, "parameters") for item in cut_json_objects(text)]
         start = self.format.call_start(text)
         return [] if start is None else self.format.partial_calls(text[start:])

