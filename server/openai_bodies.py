@@ -220,7 +220,8 @@ class ChatShapes:
         self.info = info
         self.created = int(time.time())
         self._parsing = parsing
-        self._streams: dict[int, tuple[ReplyStream, list[str]]] = {}  # per choice: its stream, its text
+        self._streams: dict[int, ReplyStream] = {}  # per choice
+        self._texts: dict[int, str] = {}  # per choice: its reply so far
         self._call_ids: dict[tuple[int, int], str] = {}
         self.show_prompt_logprobs = show_prompt_logprobs  # vLLM's top-level `prompt_logprobs`
 
@@ -269,12 +270,12 @@ class ChatShapes:
 
     def _parsed(self, index: int, delta: Delta) -> tuple[list[dict[str, Any]], str | None]:
         """A delta's pieces as the reply's parsing shows them, and the choice's finish reason."""
-        stream, text = self._streams.setdefault(index, (self._parsing.stream(), []))
-        text.append(delta.text)
+        stream = self._streams.setdefault(index, self._parsing.stream())
+        text = self._texts[index] = self._texts.get(index, "") + delta.text
         if delta.finish_reason is None:
-            events, finish_reason = stream.update("".join(text)), None
+            events, finish_reason = stream.update(text), None
         else:
-            events, parts = stream.finish("".join(text), delta.finish_reason)
+            events, parts = stream.finish(text, delta.finish_reason)
             finish_reason = parts.finish_reason
         return [self._piece(index, event) for event in events], finish_reason
 

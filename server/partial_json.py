@@ -11,8 +11,12 @@ escapes go, a number or literal once something follows it.
 from __future__ import annotations
 
 import json
+import re
 
 _SPACE = " \t\r\n"
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: runs of plain characters
+# The part of a cut string whose escapes are whole.
+_COMPLETE_CHARACTERS = re.compile(r'[^"\\]*(?:(?:\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})[^"\\]*)*')
 _TOKEN_END = _SPACE + ",:}]"
 
 
@@ -62,32 +66,13 @@ def stable_json(raw: str) -> str:
 
 def _string_end(raw: str, at: int) -> int | None:
     """The index after the string that opens at `at`, or None when it is cut."""
-    escaped = False
-    for i in range(at + 1, len(raw)):
-        if escaped:
-            escaped = False
-        elif raw[i] == "\\":
-            escaped = True
-        elif raw[i] == '"':
-            return i + 1
-    return None
+    match = _STRING.match(raw, at)
+    return None if match is None else match.end()
 
 
 def _partial_string(body: str) -> str:
     """An opening quote and the escaped text of a cut string's complete characters."""
-    cut, i = 0, 0
-    while i < len(body):
-        if body[i] != "\\":
-            i += 1
-        elif i + 1 >= len(body):
-            break
-        elif body[i + 1] == "u":
-            if i + 6 > len(body):
-                break
-            i += 6
-        else:
-            i += 2
-        cut = i
+    cut = _COMPLETE_CHARACTERS.match(body).end()
     try:
         text = json.loads('"' + body[:cut] + '"')
     except json.JSONDecodeError:
@@ -150,21 +135,18 @@ def _skip(text: str, at: int, chars: str) -> int:
 
 def _value_end(text: str, at: int) -> int:
     """Where the JSON value starting at `at` ends (`len(text)` when it is cut)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(at, len(text)):
+    depth, i = 0, at
+    while i < len(text):
         c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
+        if c == '"':  # strings are skipped whole (a regex: long arguments are read once per delta)
+            end = _string_end(text, i)
+            if end is None:
+                return len(text)
+            if depth == 0:
+                return end
+            i = end
+            continue
+        if c in "{[":
             depth += 1
         elif c in "}]":
             if depth == 0:
@@ -174,4 +156,5 @@ def _value_end(text: str, at: int) -> int:
                 return i + 1
         elif c in ",:" and depth == 0:
             return i
+        i += 1
     return len(text)
