@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from jaxserve.tokenizer import Tokenizer
+if TYPE_CHECKING:  # (server.config imports this module for its names)
+    from jaxserve.tokenizer import Tokenizer
+
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from jaxserve.tokenizer import Tokenizer
 from server.reasoning import ReasoningParser
 from server.tool_stream import Event, Reasoning, ToolStream
 from server.tools import ToolCall, ToolCalling
+
+if TYPE_CHECKING:
+    from jaxserve.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
