@@ -3,6 +3,8 @@
 - "hermes" (Hermes, Qwen 2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks;
 - "llama3": JSON objects with "name" and "parameters", optionally after `<|python_tag|>`, joined by ";";
 - "mistral": `[TOOL_CALLS]` and a JSON array of `{"name", "arguments"}` objects;
+- "pythonic" (Llama 3.2's and 4's pythonic templates): a Python list of calls with keyword
+  arguments, `[get_weather(city="Paris"), get_time(zone="UTC")]`, the whole reply;
 - "qwen3_coder" (Qwen3-Coder's XML): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>`, each value text that the function's parameter schema types (a string
   stays text; numbers, booleans, arrays and objects are read as JSON when they parse).
@@ -13,6 +15,7 @@ is (its name once complete, the JSON text of its arguments so far) for `server.t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -158,3 +161,74 @@ def _xml_value(text: str, schema: Any) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+_PYTHON_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*\(")
+
+
+def pythonic_calls(text: str) -> list[ToolCall] | None:
+    """Calls written as a Python list of calls with keyword arguments (`[f(a=1), g(b="x")]`, the
+    format of Llama 3.2's and Llama 4's pythonic templates); None unless all of it is that."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except ValueError:
+            return None
+        if None in arguments:  # `**kwargs`
+            return None
+        calls.append(ToolCall(ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def pythonic_partial_calls(text: str) -> list[PartialCall]:
+    """Pythonic calls as far as they go: a call's name once its `(` is written, then its keyword
+    arguments one at a time as each is complete (a value is only known whole)."""
+    out: list[PartialCall] = []
+    at = text.find("[") + 1
+    while at > 0:
+        match = _PYTHON_NAME.match(text, at)
+        if match is None:
+            return out
+        end, commas = _call_end(text, match.end())
+        if end is None:
+            done = text[match.start() : commas[-1]] + ")" if commas else match.group(0) + ")"
+            whole = pythonic_calls("[" + done + "]")
+            return [*out, (match.group(1), whole[0].arguments[:-1] if whole and commas else "")]
+        whole = pythonic_calls("[" + text[match.start() : end] + "]")
+        out.append((match.group(1), whole[0].arguments if whole else ""))
+        at = end + 1 if end < len(text) and text[end] == "," else 0
+    return out
+
+
+def _call_end(text: str, at: int) -> tuple[int | None, list[int]]:
+    """(the index after the `)` that closes a call whose arguments start at `at`, None when cut;
+    the indexes of the commas between its arguments)."""
+    depth, quote, i, commas = 1, None, at, []
+    while i < len(text):
+        c = text[i]
+        if quote is not None:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1, commas
+        elif c == "," and depth == 1:
+            commas.append(i)
+        i += 1
+    return None, commas

