@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from jaxserve import faults
-from jaxserve.config import EngineConfig, bucket_for
+from jaxserve.config import bucket_for
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request
+from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores
 from jaxserve.sampling_tensors import SamplingTensors, penalty_history
@@ -41,7 +42,10 @@ class StepInputs:
     """Builds the arrays of each iteration's programs for one runner."""
 
     def __init__(
-        self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any], vocab_size: int
+        self,
+        engine_config: ResolvedConfig,
+        constant: Callable[[tuple[int, ...], np.dtype, object], Any],
+        vocab_size: int,
     ):
         self.config = engine_config
         self.batch = InputBatch(
