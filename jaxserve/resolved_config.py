@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jaxserve.config import BUCKETS, EngineConfig
+from jaxserve.config import BUCKETS, EngineConfig, bucket_for
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class ResolvedConfig(EngineConfig):
     prefill_seq_buckets: tuple[int, ...] = dataclasses.field()
     block_table_buckets: tuple[int, ...] = dataclasses.field()
     sampler_row_buckets: tuple[int, ...] = dataclasses.field()
+    # Speculative decoding's verify programs: the decode batch buckets up to the first that holds the largest
+    # batch that speculates (none without speculation).
+    verify_batch_buckets: tuple[int, ...]
     model_context: int  # the model's own context (max_position_embeddings)
     kv_storage_dtype: str  # numpy name of the KV cache's storage dtype
     kv_block_bytes: int  # bytes of one KV block over all devices, scales included
@@ -80,6 +83,7 @@ def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
     batched = config.max_num_batched_tokens
     if not config.enable_chunked_prefill:  # a whole prompt must fit one step
         batched = max(batched, max_model_len)
+    buckets = _buckets(config, max_model_len, batched)
     derived = dict(
         dtype=served.dtype,
         attention_backend=served.attention_backend,
@@ -93,7 +97,8 @@ def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
         kv_storage_dtype=served.kv_storage_dtype,
         kv_block_bytes=served.kv_block_bytes,
         num_host_slots=_num_host_slots(config, served.kv_block_bytes, max_model_len // bs),
-        **_buckets(config, max_model_len, batched),
+        **buckets,
+        verify_batch_buckets=_verify_batches(config, buckets["decode_batch_buckets"]),
     )
     asked = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
     return ResolvedConfig(**{**asked, **derived})
@@ -163,6 +168,15 @@ def _buckets(config: EngineConfig, max_model_len: int, batched: int) -> dict[str
         block_table_buckets=given["block_table_buckets"] or (max_model_len // config.block_size,),
         sampler_row_buckets=given["sampler_row_buckets"] or _geometric(min(4, rows), rows, 2),
     )
+
+
+def _verify_batches(config: EngineConfig, decode: tuple[int, ...]) -> tuple[int, ...]:
+    """The decode batch buckets up to the first that holds the largest batch that speculates."""
+    spec = config.speculative_config
+    if spec is None:
+        return ()
+    largest = bucket_for(min(spec.disable_by_batch_size, config.max_num_seqs), decode)
+    return tuple(b for b in decode if b <= largest)
 
 
 def _check_buckets(c: ResolvedConfig) -> None:

@@ -13,6 +13,7 @@ from checkpoints.tiny_random import tiny_random_config
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
 from jaxserve.resolved_config import ResolvedConfig
+from jaxserve.speculative.config import SpeculativeConfig
 
 # 2 layers, 2 kv heads of 16 dims, a context of 2,048 tokens: a float32 block of 16 tokens is
 # 2 (K, V) x 2 layers x 2 heads x 16 dims x 16 tokens x 4 bytes = 8 KiB.
@@ -84,6 +85,13 @@ def test_everything_derived_is_filled_in_once():
     assert config.block_table_buckets == (16,) and config.prefill_seq_buckets == (4,)
     assert (config.num_host_slots, config.max_cpu_loras, config.pipeline_microbatches) == (4, 2, 1)
     assert config.num_compiled_variants() == 3 + 4
+    assert config.verify_batch_buckets == ()  # no speculation: no verify programs
+
+
+def test_verify_programs_cover_the_decode_batches_that_speculate():
+    spec = SpeculativeConfig("ngram", 3, disable_by_batch_size=5)
+    config = resolve(EngineConfig(num_blocks=64, max_num_seqs=32, speculative_config=spec), MODEL)
+    assert config.decode_batch_buckets == (1, 2, 4, 8, 16, 32) and config.verify_batch_buckets == (1, 2, 4, 8)
 
 
 def test_the_resolved_config_is_frozen_and_so_is_what_was_asked():

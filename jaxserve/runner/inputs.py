@@ -58,20 +58,7 @@ class StepInputs:
         self.pool_segments = max(engine_config.prefill_seq_buckets)  # chunks of a prefill program, at most
         spec = engine_config.speculative
         self.verify_rows = 0 if spec is None else spec.num_speculative_tokens + 1  # rows per verified sequence
-        # Verify programs exist for the decode batch buckets up to the first that holds the
-        # largest batch that speculates.
-        self.verify_batches = (
-            ()
-            if spec is None
-            else tuple(
-                b
-                for b in engine_config.decode_batch_buckets
-                if b
-                <= bucket_for(
-                    min(spec.disable_by_batch_size, engine_config.max_num_seqs), engine_config.decode_batch_buckets
-                )
-            )
-        )
+        self.verify_batches = engine_config.verify_batch_buckets
 
     def sampler_rows(self, rows: int) -> int:
         return bucket_for(rows, self.config.sampler_row_buckets)
