@@ -197,7 +197,7 @@ class FakeEngine:
         mgr.check_integrity()
         pool = mgr.pool
         holders = np.zeros(pool.num_blocks, dtype=np.int64)
-        for rid, req in self.reqs.items():
+        for req in self.reqs.values():
             table = req.kv.block_table
             if req.swapped:
                 assert len(table) == 0
