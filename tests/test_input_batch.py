@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from config_harness import resolved
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM
-from jaxserve.config import EngineConfig
 from jaxserve.kv import KVHandle, build_kv_manager
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
@@ -296,7 +296,7 @@ def test_multi_step_stop_ids_start_with_min_tokens():
 
 def test_a_decode_whose_token_is_neither_read_nor_in_flight_raises():
     inputs = StepInputs(
-        EngineConfig(
+        resolved(
             max_num_seqs=4,
             max_model_len=64,
             block_size=8,

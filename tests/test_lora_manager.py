@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from config_harness import resolved
 from lora_harness import TINY_ADAPTERS, write_tiny_adapters
 from safetensors.numpy import load_file
 
@@ -122,7 +123,6 @@ def test_content_keys_of_an_adapter_differ_from_the_base_models_and_repeat_for_i
 def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapters):
     """One slot: adapter a runs; b waits for the slot; a later request of a (resident) waits
     behind b instead of extending a's pin, and b runs as soon as a's first request ends."""
-    from jaxserve.config import EngineConfig
     from jaxserve.kv import build_kv_manager
     from jaxserve.outputs import FinishReason
     from jaxserve.request import Request
@@ -133,7 +133,7 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapt
     first, second = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name
     for name in (first, second):
         lora.add(name, str(adapters[name]))
-    config = EngineConfig(
+    config = resolved(
         block_size=4,
         max_model_len=64,
         max_num_seqs=8,

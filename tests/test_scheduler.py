@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 import zlib
 
-from jaxserve.config import EngineConfig
+from config_harness import resolved
+
 from jaxserve.kv import build_kv_manager
 from jaxserve.outputs import FinishReason
 from jaxserve.request import Request, RequestStatus
@@ -22,7 +23,7 @@ def make(num_blocks=64, **cfg):
         max_prefill_seqs=4,
         block_table_buckets=(64,),
     )
-    config = EngineConfig(**{**base, **cfg})
+    config = resolved(**{**base, **cfg})
     kv = build_kv_manager(
         num_blocks,
         config.block_size,
