@@ -40,7 +40,6 @@ STILL_OVER: set[str] = {
     "jaxserve/scheduler/scheduler.py",
     "jaxserve/scheduler/scheduler.py:Scheduler",
     "jaxserve/serving.py:start_engine",
-    "server/cli.py:add_server_args",
     "server/cluster/router/remote_engine.py",
     "server/cluster/router/remote_engine.py:RemoteEngine",
     "server/cluster/router/remote_engine.py:_run_split",
