@@ -298,8 +298,8 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         schema = tool.get("input_schema")
         if not isinstance(schema, dict) or schema.get("type") != "object":
             raise bad_request(f'tools.{i}.input_schema must be a JSON schema with "type": "object"', param="tools")
-        function = {"name": tool.get("name"), "parameters": schema}
-        function.update({k: tool[k] for k in ("description", "strict") if k in tool})
+        function = {"name": tool.get("name"), **({"description": tool["description"]} if "description" in tool else {})}
+        function.update(parameters=schema, **({"strict": tool["strict"]} if "strict" in tool else {}))  # chat's order
         converted.append({"type": "function", "function": function})
     try:
         return parse_tools({"tools": converted})
