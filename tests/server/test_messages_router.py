@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anthropic
 import jax
 import pytest
-from child_process import SMALL_ENGINE, free_port, small_engine_kwargs
+from child_process import free_port
 from router_cluster import start_router, start_worker, wait_idle
 from server_harness import KEY_A, MODEL_NAME, send, start_server
 
@@ -19,20 +19,41 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 
+# The tool prompt takes ~330 tokens of the tiny model's byte-level vocabulary: a longer context
+# than the router tests' small engine.
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=640,
+    block_size=8,
+    num_blocks=256,
+    decode_batch_buckets=(4,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(80,),
+    dtype="float32",
+)
 GREEDY = {"temperature": 0}
 NOTE = {
     "name": "take_note",
     "input_schema": {
         "type": "object",
-        "properties": {"level": {"type": "integer"}},
+        "properties": {"level": {"enum": [1, 2, 3]}},
         "required": ["level"],
         "additionalProperties": False,
     },
 }
 
 
+def _flags(config: dict) -> list[str]:
+    out = []
+    for name, value in config.items():
+        out += [f"--{name.replace('_', '-')}", *(str(v) for v in (value if isinstance(value, tuple) else (value,)))]
+    return out
+
+
 def _reference():
-    engine = LLMEngine(build_tiny_random(), EngineConfig(**small_engine_kwargs()))
+    engine = LLMEngine(build_tiny_random(), EngineConfig(**ENGINE))
     engine.warm_up()
     async_engine = AsyncEngine(engine)
     async_engine.start()
@@ -43,7 +64,7 @@ def _reference():
 def pair(_compilation_cache):
     """(router endpoint, the one-process server) and the worker's port."""
     port = free_port()
-    worker = start_worker(port, SMALL_ENGINE, jax.config.jax_compilation_cache_dir)
+    worker = start_worker(port, _flags(ENGINE), jax.config.jax_compilation_cache_dir)
     with ThreadPoolExecutor(1) as pool:  # the reference engine compiles while the worker does
         reference = pool.submit(_reference)
         worker.wait_for("worker listening", timeout=600)
@@ -71,7 +92,7 @@ def _conversation(server) -> dict:
     with client.messages.stream(messages=ask, stop_sequences=["e"], **kw) as stream:
         streamed = stream.get_final_message()
     forced = dict(tools=[NOTE], tool_choice={"type": "tool", "name": "take_note"})
-    called = client.messages.create(messages=ask, **forced, **{**kw, "max_tokens": 24})
+    called = client.messages.create(messages=ask, **forced, **{**kw, "max_tokens": 40})
     result = [{"type": "tool_result", "tool_use_id": called.content[0].id, "content": "noted"}]
     round_trip = [
         *ask,
