@@ -243,3 +243,17 @@ def test_a_final_assistant_message_is_continued(client):
     assert "Paris" in _text(reply) and not _text(reply).startswith(prefill)
     with client.messages.stream(model=DEFAULT_MODEL, max_tokens=8, messages=messages, extra_body=GREEDY) as stream:
         assert stream.get_final_text() == _text(reply)
+
+
+def test_with_tools_on_auto_the_stream_accumulates_to_the_reply(client):
+    ask = [{"role": "user", "content": "What is the weather like in Paris? Use your tool."}]
+    kw = dict(model=DEFAULT_MODEL, max_tokens=64, tools=[WEATHER], messages=ask, extra_body=GREEDY)
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
+        b.model_dump(exclude={"id"}) for b in whole.content
+    ]
+    assert streamed.stop_reason == whole.stop_reason and whole.content
+    calls = [b for b in whole.content if b.type == "tool_use"]
+    assert (whole.stop_reason == "tool_use") == bool(calls)

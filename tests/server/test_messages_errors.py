@@ -72,7 +72,7 @@ BAD_BODIES = {
                     "role": "user",
                     "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image"}]}],
                 },
-            ],  # noqa: E501
+            ],
         },
         "image",
     ),
@@ -162,7 +162,7 @@ def test_keys_as_x_api_key_or_bearer(messages_server):
         {},
         {"Authorization": "Basic x"},
         {"x-api-key": "nope", "Authorization": f"Bearer {KEY_A}"},
-    ):  # noqa: E501
+    ):
         reply = send(messages_server, "POST", "/v1/messages", BASE, key=None, headers=wrong)
         _anthropic_error(reply, 401, "authentication_error")
     reply = send(messages_server, "GET", "/v1/models", key=None, headers={"x-api-key": KEY_A})
