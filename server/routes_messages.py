@@ -96,7 +96,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.json_response({"input_tokens": len(ids)})
 
 
-class _Events:
+class MessageEvents:
     """The SSE stream of one reply: events sent as they come, and a `ping` whenever nothing else
     went out for PING_SECONDS (a long prefill, a tool call held back), so that idle-connection
     timeouts of proxies and clients do not end it."""
@@ -137,7 +137,7 @@ class _Events:
 async def _stream(request: web.Request, generation: Generation, reply: MessageReply) -> web.StreamResponse:
     """Stream the reply's events; an error before the first delta is an ordinary JSON error, one
     after it an `error` event."""
-    events = _Events(request)
+    events = MessageEvents(request)
     try:
         try:
             async with aclosing(generation.deltas()) as deltas:

@@ -1,7 +1,7 @@
 """Anthropic's Messages API refusing what it cannot serve (tiny random model): every bad request gets
 Anthropic's error shape (`{"type": "error", "error": {"type", "message"}}`) with the right status and
 type, never a 500; keys as `x-api-key` or Bearer; rate limits; a stream stopped after it started
-ends with an `error` event; `ping` events while a stream has nothing else to send; a property-based
+ends with an `error` event; each event named by its `event:` line; a property-based
 fuzz of both routes. The KV pool is all free after each test."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_harness import KEY_A, KEY_B, MODEL_NAME, send, start_server, wait_until_idle
 
-from server import routes_messages
 from server.state import STATE
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -213,8 +212,7 @@ def test_a_stream_stopped_after_it_started_ends_with_an_error_event(messages_ser
     assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "overloaded_error"
 
 
-def test_pings_keep_a_held_back_stream_alive(messages_server, monkeypatch):
-    monkeypatch.setattr(routes_messages, "PING_SECONDS", 0.005)
+def test_a_stream_names_each_event(messages_server):
     body = _long_greedy_body(
         max_tokens=64,
         stream=True,
@@ -229,55 +227,73 @@ def test_pings_keep_a_held_back_stream_alive(messages_server, monkeypatch):
             head, data = block.split("\n", 1)
             events.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     assert all(name == payload["type"] for name, payload in events)
-    names = [name for name, _ in events]
-    assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"
-    assert names.count("ping") > 1 and names.index("content_block_start") > 2
+    names = [name for name, _ in events if name != "ping"]
+    assert events[1][0] == "ping" and names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert names[1:-2] == ["content_block_start", "content_block_delta", "content_block_stop"] * (len(names) // 3 - 1)
 
 
 # ----- fuzz ------------------------------------------------------------------------------------
+# Bodies drawn three ways: each field a valid value (so requests get served), valid bodies with one
+# field replaced by any JSON value or hostile blocks (each refusal path is reached), and any value.
 
 texts = st.one_of(st.text(max_size=8), st.sampled_from(["\ud800", "x" * 200, "<|im_start|>", "", " "]))
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | texts
 anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3))
 block_types = st.sampled_from(["text", "image", "document", "tool_use", "tool_result", "thinking", "x"])
-block = st.fixed_dictionaries(
+hostile_block = st.fixed_dictionaries(
     {"type": block_types},
     optional={"text": texts, "id": texts, "name": texts, "input": anything, "tool_use_id": texts, "content": anything},
 )
-content = st.one_of(texts, st.lists(block, max_size=3), anything)
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "x"]), "content": content})
-FIELDS = {
-    "model": st.sampled_from([MODEL_NAME, "claude-x"]),
-    "max_tokens": st.one_of(st.integers(1, 4), st.integers()),
-    "messages": st.one_of(st.lists(message, min_size=1, max_size=3), anything),
-    "system": st.one_of(texts, st.lists(block, max_size=2)),
-    "stop_sequences": st.lists(texts, max_size=2),
-    "stream": st.booleans(),
-    "temperature": st.floats(),
-    "top_p": st.floats(),
-    "top_k": st.integers(),
-    "tools": st.lists(st.fixed_dictionaries({"name": texts, "input_schema": anything}, optional={"type": texts})),
-    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])}),
-    "metadata": anything,
-    "thinking": anything,
-}
-bodies = st.one_of(
-    st.fixed_dictionaries({}, optional=FIELDS),
-    st.fixed_dictionaries({"max_tokens": st.integers(1, 4), "messages": st.lists(message, min_size=1, max_size=3)}),
-    anything,
+hostile_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system", "x"]),
+        "content": st.one_of(texts, st.lists(hostile_block)),
+    }
 )
+words = st.sampled_from(["Hi", "Tell me", "x" * 60, "<|im_start|>", "\u00fcn\u00ef", "<tool_call>"])
+text_blocks = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": words}), min_size=1, max_size=2)
+user_message = st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(words, text_blocks)})
+VALID = {
+    "model": st.just(MODEL_NAME),
+    "max_tokens": st.integers(1, 4),
+    "messages": st.lists(user_message, min_size=1, max_size=2),
+    "system": st.one_of(words, text_blocks),
+    "stop_sequences": st.lists(st.sampled_from(["a", "\n", "END"]), max_size=2),
+    "stream": st.booleans(),
+    "temperature": st.floats(0, 1),
+    "top_p": st.floats(0.1, 1),
+    "top_k": st.integers(0, 50),
+    "tools": st.lists(st.just(TOOL), max_size=1),
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}, {"type": "any"}]),
+    "metadata": st.just({"user_id": "u"}),
+}
+COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice")
+
+
+def bodies(path: str) -> st.SearchStrategy:
+    fields = VALID if path == "/v1/messages" else {k: VALID[k] for k in COUNT_FIELDS}
+    required = {k: v for k, v in fields.items() if k in ("max_tokens", "messages")}
+    shaped = st.fixed_dictionaries(required, optional={k: v for k, v in fields.items() if k not in required})
+    replaced = st.builds(lambda b, k, v: {**b, k: v}, shaped, st.sampled_from(sorted(fields)), anything)
+    hostile = st.builds(lambda b, m: {**b, "messages": m}, shaped, st.lists(hostile_message, min_size=1, max_size=3))
+    return st.one_of(shaped, shaped, replaced, hostile, anything)
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
-@settings(max_examples=80, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-@given(body=bodies)
-def test_fuzzed_bodies_never_get_a_5xx(messages_server, path, body):
+@settings(max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_bodies_never_get_a_5xx(messages_server, path, data):
+    body = data.draw(bodies(path))
     reply = send(messages_server, "POST", path, raw=json.dumps(body).encode())
     assert reply.status < 500, reply.text
     if reply.status >= 400:
         assert reply.json["type"] == "error" and reply.json["error"]["type"] != "api_error", reply.text
     elif reply.headers["content-type"].startswith("text/event-stream"):
         assert reply.text.rstrip().endswith('"message_stop"}'), reply.text[-300:]
+    elif path == "/v1/messages":
+        assert reply.json["type"] == "message" and reply.json["usage"]["output_tokens"] <= body["max_tokens"]
+    else:
+        assert reply.json["input_tokens"] > 0
 
 
 def test_concurrent_streams_share_the_engine(messages_server):

@@ -2,15 +2,20 @@
 sends them, cut at awkward places: with tools on auto, text is shown up to where a call starts and the
 call becomes a tool_use block; a call forced by name streams its input; stop sequences are cut and
 named; the events accumulate (as the SDK accumulates them) to the message that was not streamed.
-And the request checks that need no server: conversions of blocks to chat messages."""
+Pings on an idle stream (a real aiohttp server). And the request checks that need no server:
+conversions of blocks to chat messages."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from jaxserve.outputs import Delta
+from server import routes_messages
 from server.errors import APIError
 from server.messages_reply import MessageReply
 from server.messages_request import parse_conversation, parse_messages_request
@@ -187,3 +192,25 @@ def test_request_settings():
         assert parse_conversation({**body, "tools": [WEATHER], "tool_choice": choice}).choice == expected
     with pytest.raises(APIError, match="max_tokens"):
         parse_messages_request({"messages": body["messages"]})
+
+
+def test_an_idle_stream_sends_pings(monkeypatch):
+    monkeypatch.setattr(routes_messages, "PING_SECONDS", 0.01)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        events = routes_messages.MessageEvents(request)
+        await events.send([{"type": "message_start"}])
+        await asyncio.sleep(0.2)  # a long prefill, a tool call held back
+        await events.send([{"type": "message_stop"}])
+        await events.close()
+        return events.stream.response
+
+    async def fetch() -> str:
+        app = web.Application()
+        app.router.add_post("/", handler)
+        async with TestClient(TestServer(app)) as client:
+            return await (await client.post("/")).text()
+
+    names = [line.removeprefix("event: ") for line in asyncio.run(fetch()).splitlines() if line.startswith("event:")]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
+    assert set(names[1:-1]) == {"ping"} and 5 <= len(names) - 2 <= 21  # every 0.01 s, not a busy loop
