@@ -1,7 +1,7 @@
 """Anthropic's Messages API refusing what it cannot serve (tiny random model): every bad request gets
 Anthropic's error shape (`{"type": "error", "error": {"type", "message"}}`) with the right status and
 type, never a 500; keys as `x-api-key` or Bearer; rate limits; a stream stopped after it started
-ends with an `error` event; each event named by its `event:` line; a property-based
+ends with an `error` event, one the client leaves is aborted; each event named by its `event:` line; a property-based
 fuzz of both routes. The KV pool is all free after each test."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import anthropic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_harness import KEY_A, KEY_B, MODEL_NAME, send, start_server, wait_until_idle
+from server_harness import KEY_A, KEY_B, MODEL_NAME, send, snapshot, start_server, wait_until_idle
 
 from server.state import STATE
 
@@ -210,6 +210,21 @@ def test_a_stream_stopped_after_it_started_ends_with_an_error_event(messages_ser
         for _ in stream:
             pass
     assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "overloaded_error"
+
+
+def test_a_client_leaving_a_stream_aborts_its_generation(messages_server, async_engine):
+    whole = send(messages_server, "POST", "/v1/messages", _long_greedy_body())
+    assert whole.json["stop_reason"] == "max_tokens"  # greedy: the stream below would run as long
+    before = snapshot(messages_server, async_engine).generated_tokens
+    client = anthropic.Anthropic(base_url=messages_server.base_url, api_key=KEY_A, max_retries=0)
+    body = _long_greedy_body()
+    stream = client.messages.create(
+        stream=True, model=MODEL_NAME, max_tokens=200, messages=body["messages"], extra_body={"temperature": 0}
+    )
+    assert next(iter(stream)).type == "message_start"
+    stream.close()
+    snap = wait_until_idle(messages_server, async_engine)
+    assert not snap.has_unfinished and snap.generated_tokens - before < 150
 
 
 def test_a_stream_names_each_event(messages_server):
