@@ -3,7 +3,7 @@
 to the reply not streamed (greedy), with `client.messages.stream` and `stream=True`; the prompt equal to
 chat completions' prompt of the same conversation (same greedy text, count_tokens equal to its
 prompt tokens), tools and a tool_result round trip included; a forced tool call; stop sequences; a
-prefilled assistant turn. The KV pool is all free after each test."""
+prefilled assistant turn; bad input answered with Anthropic's errors. The KV pool is all free after each test."""
 
 from __future__ import annotations
 
@@ -257,3 +257,28 @@ def test_with_tools_on_auto_the_stream_accumulates_to_the_reply(client):
     assert streamed.stop_reason == whole.stop_reason and whole.content
     calls = [b for b in whole.content if b.type == "tool_use"]
     assert (whole.stop_reason == "tool_use") == bool(calls)
+
+
+def test_bad_input_gets_anthropics_errors_and_never_a_500(client):
+    ask = QUESTION
+    image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}]
+    unknown_id = [
+        *ask,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_b", "content": "x"}]},
+    ]
+    long = [{"role": "user", "content": "Paris is lovely. " * 200}]
+    for kw, words in (
+        (dict(messages=image, max_tokens=4), "image"),
+        (dict(messages=unknown_id, tools=[WEATHER], max_tokens=4), "toolu_b"),
+        (dict(messages=long, max_tokens=4), "context"),
+        (dict(messages=ask, max_tokens=10**9), "max_tokens"),
+        (dict(messages=ask, max_tokens=500), "context"),
+        (dict(messages=ask, max_tokens=4, tools=[{**WEATHER, "type": "bash_20250124"}]), "custom tools"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            client.messages.create(model=DEFAULT_MODEL, **kw)
+        assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "invalid_request_error"
+        assert words in raised.value.body["error"]["message"], raised.value.body
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-sonnet-4-5", messages=ask, max_tokens=4)
