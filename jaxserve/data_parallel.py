@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
-from jaxserve.dtype_choice import load_dtype, resolve_dtype
+from jaxserve.dtype_choice import load_dtype, weights_dtype
 from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv import Pin
@@ -62,7 +62,7 @@ class DataParallelEngine:
     ) -> DataParallelEngine:
         """`config.data_parallel_size` replicas over the first dp x pp x ep x tp devices; the
         checkpoint is read once and each replica places its own shards."""
-        config = resolve_dtype(config)  # "auto": this machine's choice, once for all replicas
+        config = dataclasses.replace(config, dtype=weights_dtype(config))  # "auto" chosen once for all replicas
         mesh = make_mesh(
             config.tensor_parallel_size,
             config.data_parallel_size,
@@ -73,7 +73,9 @@ class DataParallelEngine:
         loaded = (
             model
             if isinstance(model, LoadedModel)
-            else load_model(model, dtype=load_dtype(config), gguf_blocks=config.quantization == "gguf")
+            else load_model(
+                model, dtype=load_dtype(config.quantization, config.dtype), gguf_blocks=config.quantization == "gguf"
+            )
         )
         engines = [LLMEngine(loaded, config, sub_mesh) for sub_mesh in replica_meshes(mesh)]
         router = cls(engines, policy)

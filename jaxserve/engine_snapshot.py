@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.kv import KVUsage
-from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS, load_seconds_bucket
+from jaxserve.kv.kv_tier import KV_LOAD_SECONDS_BUCKETS, load_seconds_bucket
 from jaxserve.kv.tier_stats import TierStats
 
 __all__ = [

@@ -53,7 +53,7 @@ DRAIN_POLL_SECONDS = 0.05
 
 def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The server for `engine` (already started and warmed up)."""
-    info = ModelInfo.from_engine(engine.info, config.served_model_name)
+    info = ModelInfo.from_engine(engine.info, config.served_model_name, config.chat_template)
     keys = ApiKeys(config.api_keys)
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
     sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files, config.response_ttl)

@@ -15,6 +15,7 @@ from typing import Any
 from jaxserve.engine_client import EngineClient
 from jaxserve.sampling_params import POOLING_KINDS
 from server.config import ServerConfig
+from server.reasoning import REASONING_PARSERS
 from sharding.multihost import add_distributed_arguments
 
 # Starts the engine that the command's flags describe: None in a multi-process job's followers,
@@ -114,6 +115,23 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
         "state, or the mean of every token's; normalized",
     )
     g.add_argument(
+        "--no-strict-schemas",
+        dest="strict_schemas",
+        action="store_false",
+        help="plain JSON Schema for tool parameters and json_schema formats: objects may hold properties "
+        "they do not list (by default they may not unless additionalProperties allows them)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a thinking model's <think>...</think> into reasoning_content (chat) and reasoning items "
+        "(Responses)",
+    )
+    g.add_argument(
+        "--chat-template", default=None, help="a jinja chat template (a file, or the text) instead of the model's"
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=defaults.shutdown_timeout,
@@ -154,7 +172,17 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
         max_stored_responses_per_key=args.max_stored_responses_per_key,
         embedding_pooling=args.embedding_pooling,
         shutdown_timeout=args.shutdown_timeout,
+        strict_schemas=args.strict_schemas,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=_chat_template(args.chat_template),
     )
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (as vLLM reads it)."""
+    if value is None or "{" in value:
+        return value
+    return Path(value).read_text()
 
 
 def serve(args: argparse.Namespace, start_engine: StartEngine) -> int:

@@ -7,11 +7,11 @@ Events, in Anthropic's order: `message_start` (then a `ping`), per content block
 block), `content_block_stop`; then `message_delta` (stop_reason, stop_sequence, usage) and
 `message_stop`.
 
-With tools, the text is shown up to where a tool call starts (or may still start: `ToolCalling.shown`),
-without leading or trailing whitespace around it; the calls become tool_use blocks at the end. A
-reply forced to one named tool is that tool's input as it is written, streamed argument by argument.
-A stop sequence reaches here at the end of the text (the engine keeps it: `include_stop_str_in_output`),
-which tells it from an end of turn; it is cut off and named in `stop_sequence`.
+With tools, `server.tool_stream.ToolStream` reads the reply as it grows: its text up to where a call
+starts becomes a text block, and each call a tool_use block once its name is complete, its input
+streamed fragment by fragment (in the form the finished reply's parse gives). A stop sequence
+reaches here at the end of the text (the engine keeps it: `include_stop_str_in_output`), which tells
+it from an end of turn; it is cut off and named in `stop_sequence`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 
 from jaxserve.outputs import Delta
 from server.openai_bodies import UsageCount
-from server.tools import ToolCall, ToolCalling
+from server.tool_stream import Arguments, CallStart, Content, ToolStream
+from server.tools import ToolCalling
 
 Event = dict[str, Any]
 
@@ -55,15 +56,14 @@ class MessageReply:
     ) -> None:
         self.id = message_id
         self.model = model
-        self._tools = tools
-        self._named = tools is not None and tools.choice.mode == "function"
+        self._calls = ToolStream(tools) if tools is not None else None
         self._stops = stop_sequences
-        self._parallel = parallel
+        self._parallel = parallel  # False: only the first call of a reply is kept
         self.blocks: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the block being streamed
-        self._json = ""  # the open tool_use block's input as written so far
+        self._call_blocks: dict[int, int] = {}  # call index -> its tool_use block's index
+        self._inputs: dict[int, str] = {}  # tool_use block index -> its input as written so far
         self.text = ""  # the whole text of the reply so far (stop sequence cut)
-        self._sent = 0  # with tools: where the text shown so far ends in `text`
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
@@ -74,44 +74,26 @@ class MessageReply:
         return [{"type": "message_start", "message": head}, {"type": "ping"}]
 
     def delta(self, delta: Delta) -> list[Event]:
-        """The events that show a delta (none while a tool call may be in the text)."""
+        """The events that show a delta (none while a tool call may be starting in the text)."""
         text = delta.text
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             text = self._cut_stop_sequence(text)
         self.text += text
-        if self._tools is None:
+        if self._calls is None:
             return self._text_delta(text) if text else []
-        if self._named:
-            return self._json_delta(text)
-        if self._tools.forced:
-            return []  # a reply forced to call any tool is a list of calls: shown whole at the end
-        lead = len(self.text) - len(self.text.lstrip())
-        end = len(self.text[: self._tools.shown(self.text)].rstrip())
-        start = max(self._sent, lead)
-        if end <= start:
-            return []
-        self._sent = end
-        return self._text_delta(self.text[start:end])
+        return self._show(self._calls.update(self.text))
 
     def finish(self, usage: UsageCount) -> list[Event]:
-        """The events that end the reply: the rest of its text, its tool_use blocks, the stop reason
-        and usage."""
+        """The events that end the reply: the rest of its text and calls, the stop reason and usage."""
         events: list[Event] = []
-        calls: list[ToolCall] = []
-        if self._named:
-            if self._open is None:
-                events += self._json_delta("")
-            self._open["input"] = _tool_input(self._json)
-        elif self._tools is not None:
-            content, calls, _ = self._tools.reply(self.text, self.finish_reason)
-            calls = calls if self._parallel else calls[:1]
-            if not self._tools.forced:
-                events += self._rest_of_text(content if calls else self.text.lstrip())
+        if self._calls is not None:
+            more, _ = self._calls.finish(self.text, self.finish_reason)
+            events += self._show(more)
         events += self._close()
-        for call in calls:
-            events += self._whole_tool_use(call)
-        self.stop_reason = self._stop_reason(bool(calls) or self._named)
+        for index, arguments in self._inputs.items():
+            self.blocks[index]["input"] = _tool_input(arguments)
+        self.stop_reason = self._stop_reason(bool(self._inputs))
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
         return events + [
             {"type": "message_delta", "delta": delta, "usage": self._usage(usage)},
@@ -159,6 +141,25 @@ class MessageReply:
         self.stop_sequence = max(matched, key=len)
         return whole[: len(whole) - len(self.stop_sequence)][len(self.text) :]
 
+    def _show(self, events: list[Content | CallStart | Arguments]) -> list[Event]:
+        """Anthropic's events for the tool stream's: text, a call started, more of its input."""
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, Content):
+                out += self._text_delta(event.text) if event.text else []
+            elif isinstance(event, CallStart):
+                if self._parallel or event.index == 0:
+                    block = {"type": "tool_use", "id": _tool_use_id(), "name": event.name, "input": {}}
+                    out += self._open_block(block)
+                    self._call_blocks[event.index] = len(self.blocks) - 1
+                    self._inputs[len(self.blocks) - 1] = ""
+            elif isinstance(event, Arguments) and event.index in self._call_blocks:
+                index = self._call_blocks[event.index]
+                self._inputs[index] += event.text
+                delta = {"type": "input_json_delta", "partial_json": event.text}
+                out.append({"type": "content_block_delta", "index": index, "delta": delta})
+        return out
+
     def _open_block(self, block: dict[str, Any]) -> list[Event]:
         events = self._close()
         self._open = block
@@ -173,33 +174,8 @@ class MessageReply:
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
     def _text_delta(self, text: str) -> list[Event]:
-        events = [] if self._open is not None else self._open_block({"type": "text", "text": ""})
+        opened = self._open is not None and self._open["type"] == "text"
+        events = [] if opened else self._open_block({"type": "text", "text": ""})
         self._open["text"] += text
         delta = {"type": "text_delta", "text": text}
         return events + [{"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]
-
-    def _json_delta(self, partial: str) -> list[Event]:
-        """The input of the one tool_use block of a reply forced to a named tool, as written."""
-        events: list[Event] = []
-        if self._open is None:
-            name = self._tools.choice.name
-            events = self._open_block({"type": "tool_use", "id": _tool_use_id(), "name": name, "input": {}})
-        self._json += partial
-        if partial:
-            delta = {"type": "input_json_delta", "partial_json": partial}
-            events.append({"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta})
-        return events
-
-    def _rest_of_text(self, final: str | None) -> list[Event]:
-        """The part of the reply's final text not shown yet (what was shown is a prefix of it)."""
-        shown = self._open["text"] if self._open is not None else ""
-        final = final or ""
-        if not final.startswith(shown) or len(final) == len(shown):
-            return []
-        return self._text_delta(final[len(shown) :])
-
-    def _whole_tool_use(self, call: ToolCall) -> list[Event]:
-        arguments = _tool_input(call.arguments)
-        events = self._open_block({"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": arguments})
-        delta = {"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}
-        return events + [{"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}] + self._close()

@@ -44,7 +44,7 @@ PING_SECONDS = 10.0  # a stream with nothing else to send for this long sends a 
 
 def encode_conversation(info: ModelInfo, conversation: Conversation) -> tuple[list[int], ToolCalling | None]:
     """The prompt's token ids, and the tool setup its reply is read with (None without tools)."""
-    tool_format = ToolFormat(info.tokenizer.chat_template)
+    tool_format = ToolFormat(info.template, conversation.tools)
     shown_tools = conversation.tools if conversation.choice.mode != "none" else []
     messages, template_tools = tool_format.prompt(conversation.messages, shown_tools)
     ids = encode_chat(info, messages, tools=template_tools)
@@ -71,7 +71,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         logprobs=None,
         max_n=1,
         vocab_size=state.info.vocab_size,
-        guided=forced_constraint(conversation.tools, conversation.choice, conversation.parallel),
+        guided=forced_constraint(
+            conversation.tools, conversation.choice, conversation.parallel, state.config.strict_schemas
+        ),
     )
     params = dataclasses.replace(params, lora=adapter)
     reply = MessageReply(new_message_id(), shown.name, tools, req.stop_sequences, conversation.parallel)

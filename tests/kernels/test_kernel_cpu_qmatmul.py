@@ -5,7 +5,8 @@ but for its f32 rounding (the dequantized weight, and the sums), so the toleranc
 
 Int8 per channel and in groups of 32 (GGUF Q8_0's), 4 bits in groups of 32: every tile height and
 the rows left over, many rows (each panel dequantized once into a buffer), one-row calls over an
-odd number of panels, a layer of the stack, and its refusals. The quantizer itself: each weight within half a step of its group's grid. The same
+odd number of panels, a layer of the stack, and its refusals. The quantizer itself: each weight within half a
+step of its group's grid. The same
 tests run again in a subprocess on kernels built without AVX-512 (AVX2 vectors, F16C scales;
 marked slow)."""
 

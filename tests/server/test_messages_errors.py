@@ -244,7 +244,17 @@ def test_a_stream_names_each_event(messages_server):
     assert all(name == payload["type"] for name, payload in events)
     names = [name for name, _ in events if name != "ping"]
     assert events[1][0] == "ping" and names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
-    assert names[1:-2] == ["content_block_start", "content_block_delta", "content_block_stop"] * (len(names) // 3 - 1)
+    open_block, stopped = None, 0  # each block started, filled and stopped before the next, in index order
+    for name, payload in events:
+        if name == "content_block_start":
+            assert open_block is None and payload["index"] == stopped
+            assert payload["content_block"]["type"] == "tool_use"
+            open_block = payload["index"]
+        elif name in ("content_block_delta", "content_block_stop"):
+            assert payload["index"] == open_block
+            if name == "content_block_stop":
+                open_block, stopped = None, stopped + 1
+    assert open_block is None and stopped > 0
 
 
 # ----- fuzz ------------------------------------------------------------------------------------

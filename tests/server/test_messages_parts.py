@@ -78,7 +78,7 @@ def test_auto_tools_show_the_text_before_a_call_and_the_call_as_a_tool_use_block
     pieces = ["\n Let me ", "check. <to", "ol_call>\n", *call]
     events, message = _run(MessageReply("msg_1", "m", _auto(), []), pieces)
     texts = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and "text" in e["delta"]]
-    assert "".join(texts) == "Let me check."  # no leading or trailing space, nothing of the tag
+    assert "".join(texts) == "\n Let me check."  # the text before the call, less its trailing space
     assert [b["type"] for b in message["content"]] == ["text", "tool_use"]
     assert message["content"][1]["input"] == {"city": "Paris"} and message["content"][1]["id"].startswith("toolu_")
     assert message["stop_reason"] == "tool_use"
@@ -93,7 +93,7 @@ def test_auto_tools_show_the_text_before_a_call_and_the_call_as_a_tool_use_block
 
 def test_auto_tools_without_a_call_show_all_the_text():
     events, message = _run(MessageReply("msg_1", "m", _auto(), []), ["  Hello <", "b>", " there  "], "length")
-    assert message["content"] == [{"type": "text", "text": "Hello <b> there  "}]
+    assert message["content"] == [{"type": "text", "text": "  Hello <b> there  "}]
     assert message["stop_reason"] == "max_tokens"
     _same(_accumulate(events), message)
 
