@@ -24,6 +24,7 @@ from server import (
     openapi,
     routes_embeddings,
     routes_lora,
+    routes_messages,
     routes_openai,
     routes_ops,
     routes_responses,
@@ -80,6 +81,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.add_routes(routes_lora.routes)
     app.add_routes(routes_embeddings.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(routes_messages.routes)
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_tokenize.routes)
