@@ -61,7 +61,7 @@ def metric(srv, name: str) -> float:
 
 def pinned_blocks(srv, async_engine, key: str) -> int:
     return srv.engine_call(
-        async_engine, lambda router: sum(e.kv.leases.pinned_by(owner_id(key)) for e in router.replicas)
+        async_engine, lambda dp: sum(e.kv.leases.pinned_by(owner_id(key)) for e in dp.replicas)
     )
 
 
