@@ -7,9 +7,9 @@ workers', and session pins live in the cache of the worker holding the session.
 Placement is the in-process data-parallel engine's (`jaxserve.placement.Placement`, SGLang's
 defaults): the approximate prefix tree of each worker (fed with what the router sent it) against
 the sequences the router has running there; a session's turns stay on their worker while it is
-up (`worker_pool.py`). A request with n choices becomes n one-sequence worker requests on one worker, with the
-seeds the engine would give its choices (a request without a seed gets one drawn here, as the
-engine would draw it). A worker that fails before it streamed anything for a sequence gets the
+up (`worker_pool.py`). A request with n choices becomes n one-sequence worker requests on one
+worker, with the seeds the engine would give its choices (a request without a seed gets one drawn
+here, as the engine would draw it). A worker that fails before it streamed anything for a sequence gets the
 sequence retried on another. One that fails after has it resumed on another: the new worker's
 prompt is the prompt plus the tokens streamed so far (their KV recomputed there), its budget the
 rest (`handover.decode_params`); the sampler keys a draw by its position in the whole sequence, so
