@@ -53,7 +53,8 @@ from jaxserve import faults
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
 from jaxserve.dtype_choice import load_dtype, weights_dtype
-from jaxserve.engine_client import UnknownAdapterError, check_prompt_ids
+from jaxserve.engine_client import DuplicateRequestError, UnknownAdapterError, encode_prompt
+from jaxserve.engine_core_ops import EngineCoreOps
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.kv import CopyStage, build_kv_manager
 from jaxserve.kv.tier_stats import TierStats
@@ -66,7 +67,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings, read_pooled, read_prompt_scores
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.prepared_step import PreparedStep
-from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarCompiler
@@ -94,7 +95,10 @@ class StepStats:
     accepted_tokens: int = 0
 
 
-class LLMEngine:
+class LLMEngine(EngineCoreOps):
+    """One engine replica (`jaxserve.engine_core.EngineCore`): the request loop here, its other
+    operations (placement answers, pins, KV blocks, LoRA host copies) in `EngineCoreOps`."""
+
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, config: EngineConfig | None = None, mesh: Any = None):
         config = config or EngineConfig()
         dtype = weights_dtype(config)  # "auto": this machine's choice
@@ -158,7 +162,7 @@ class LLMEngine:
     def add_prompt_ids(self, request_id: str, ids: list[int], params: SamplingParams) -> list[Request]:
         """`add_request` for token ids that `encode_prompt` returned (they are not checked again)."""
         if request_id in self._groups:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise DuplicateRequestError(request_id)
         params.check_vocabulary(self.model_config.vocab_size)
         adapter = self._adapter(params.lora)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -218,13 +222,8 @@ class LLMEngine:
         return {} if self.lora is None else self.lora.names()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, or ValueError when it cannot be served. Text is a completion
-        prompt: it gets what the tokenizer adds (a BOS for Llama 2 / Mistral), as in vLLM; a
-        rendered chat, whose template writes its own BOS, comes as ids."""
-        if isinstance(prompt, str) and not encodes_as_utf8(prompt):
-            raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        return check_prompt_ids(ids, self.model_config.vocab_size, self.config.max_model_len)
+        """Token ids of a prompt, or ValueError when it cannot be served (see `engine_client.encode_prompt`)."""
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.config.max_model_len)
 
     def abort(self, request_id: str) -> list[Delta]:
         """Stop a request now; its blocks are freed and final deltas returned."""

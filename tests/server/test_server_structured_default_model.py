@@ -167,7 +167,7 @@ def kv_all_free_after(smol, assert_kv_all_free):
     yield
     srv, async_engine = smol
     wait_until_idle(srv, async_engine)
-    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    srv.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def all_at_once(fn, args: list) -> list:
