@@ -24,9 +24,6 @@ STILL_OVER: set[str] = {
     "bench/kernel_bench.py:main",
     "bench/lora_steps.py:step_times",
     "bench/moe_steps.py:main",
-    "jaxserve/async_engine.py",
-    "jaxserve/async_engine.py:AsyncEngine",
-    "jaxserve/data_parallel.py:DataParallelEngine",
     "jaxserve/engine.py",
     "jaxserve/engine.py:LLMEngine",
     "jaxserve/model/llama.py",
@@ -40,10 +37,6 @@ STILL_OVER: set[str] = {
     "jaxserve/scheduler/scheduler.py",
     "jaxserve/scheduler/scheduler.py:Scheduler",
     "jaxserve/serving.py:start_engine",
-    "server/cluster/router/remote_engine.py",
-    "server/cluster/router/remote_engine.py:RemoteEngine",
-    "server/cluster/router/remote_engine.py:_run_split",
-    "server/cluster/router/remote_engine.py:_stream_retrying",
     "server/response_request.py:parse_request",
 }
 
