@@ -23,6 +23,7 @@ from kernels_pallas.cpu_matmul import CpuMatmul
 
 # (config, attention backend, weights' dtype) -> the attention block of a layer (`AttentionBlock`).
 AttentionKind = Callable[[ModelConfig, AttentionBackend, Any], AttentionBlock]
+Carry = tuple[jax.Array, Any]  # (h [T, E], the layers' cache) through the layers
 
 
 class DecoderLayer(nn.Module):
@@ -32,7 +33,7 @@ class DecoderLayer(nn.Module):
 
     `attention` makes the layer's attention block from the config: `PagedAttention` for every
     family served today; another kind of layer (another cache) is another `AttentionKind` given
-    to its layers (see docs/design.md)."""
+    to its layers (docs/models.md: where a new layer kind plugs in)."""
 
     config: ModelConfig
     dtype: Any  # activations and KV cache
@@ -48,12 +49,12 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(
         self,
-        carry: tuple[jax.Array, Any],
+        carry: Carry,
         layer: jax.Array,
         rope: RopeTables,
         meta: AttentionMetadata,
         lora: LoraStacks | None = None,
-    ) -> tuple[tuple[jax.Array, Any], jax.Array]:
+    ) -> tuple[Carry, jax.Array]:
         h, cache = carry
         cfg = self.config
         scope = LayerScope(

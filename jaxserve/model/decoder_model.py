@@ -37,11 +37,12 @@ import jax.numpy as jnp
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.weights import flat, quantized
+from jaxserve.model.decoder_layer import Carry
 from jaxserve.model.experts import expert_backend
 from jaxserve.model.head import embedding, output_head
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.layer_scope import Quantization
-from jaxserve.model.layer_stack import Carry, LayerStack
+from jaxserve.model.layer_stack import LayerStack
 from jaxserve.model.layout import compute_dtype, packs_kernels
 from jaxserve.model.lora import LoraStacks
 from jaxserve.model.norm import RMSNorm

@@ -4,7 +4,7 @@ weights (`nn.scan`: compile time independent of depth), unrolled over per-layer 
 
 The cache rides in the carry (h, cache) and each layer writes its tokens with an in-place scatter
 before it reads them; scanning it as an input would make XLA copy it per step. Every layer is one
-`DecoderLayer` kind over one cache (one layer group); see docs/design.md for where a model with
+`DecoderLayer` kind over one cache (one layer group); docs/models.md says where a model with
 layers of several kinds (caches of several kinds) would give each group its own stack.
 """
 
@@ -19,15 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints.config import ModelConfig
-from jaxserve.model.decoder_layer import DecoderLayer
+from jaxserve.model.decoder_layer import Carry, DecoderLayer
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.layer_scope import Quantization
 from jaxserve.model.lora import LoraStacks
 from jaxserve.model.rope import RopeTables
 from kernels_pallas import AttentionBackend
 from kernels_pallas.cpu_matmul import CpuMatmul
-
-Carry = tuple[jax.Array, Any]  # (h [T, E], the layers' cache)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxserve.model.decoder_layer import Carry
 from jaxserve.model.kv_cache import AttentionMetadata
-from jaxserve.model.layer_stack import Carry
 from jaxserve.model.rope import RopeTables
 from sharding.pipeline_schedule import run_pipeline
 
