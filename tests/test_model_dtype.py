@@ -20,8 +20,9 @@ from checkpoints.weights import EMBED, KERNEL, Q_HEADS, Weight
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
 from jaxserve.llm import LLM
-from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
-from jaxserve.model.llama import Linear, compute_dtype, pack_kernels, packs_kernels, panel_kernels
+from jaxserve.model import AttentionMetadata, DecoderModel, KVCache
+from jaxserve.model.layout import compute_dtype, pack_kernels, packs_kernels, panel_kernels
+from jaxserve.model.linear import Linear
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from kernels_pallas import cpu_build, cpu_matmul, get_attention_backend, kv_quant
@@ -125,7 +126,7 @@ def test_bfloat16_cpu_matmul_gives_the_logits_of_xlas_bf16_dots():
         ("xla", None, pack_kernels(params)),
         ("kernel", matmul, pack_kernels(panel_kernels(params, matmul))),
     ):
-        model = LlamaModel(cfg, get_attention_backend("cpu"), jnp.bfloat16, cpu_matmul=lm)
+        model = DecoderModel(cfg, get_attention_backend("cpu"), jnp.bfloat16, cpu_matmul=lm)
         step = jax.jit(model.apply)
         cache = KVCache.zeros(cfg, 8, bs, jnp.float32)
         meta = AttentionMetadata(
@@ -158,7 +159,7 @@ def test_bfloat16_logits_close_to_float32():
     )
     logits = {}
     for dtype in (jnp.float32, jnp.bfloat16):
-        model = LlamaModel(cfg, get_attention_backend("reference"), dtype)
+        model = DecoderModel(cfg, get_attention_backend("reference"), dtype)
         params = jax.tree_util.tree_map_with_path(
             lambda p, a: jnp.asarray(a, jnp.float32 if "scale" in jax.tree_util.keystr(p) else dtype), loaded.params
         )

@@ -267,7 +267,7 @@ class StepInputs:
         seq_lens = np.zeros(num_seqs + num_decodes, np.int32)
         query_start = np.zeros(num_seqs + 1, np.int32)
         # It samples for its chunks and decodes, at most max_num_seqs (all running); padding rows
-        # are -1 (`LlamaModel`: the C++ head skips them; a 512-row step's 64 rows cost ~19 ms in
+        # are -1 (`DecoderModel`: the C++ head skips them; a 512-row step's 64 rows cost ~19 ms in
         # the default model's bf16 head where it samples one row alone).
         logits_indices = np.full(min(num_seqs + num_decodes, self.config.max_num_seqs), -1, np.int32)
         tables = np.zeros((num_seqs + num_decodes, width), np.int32)

@@ -31,9 +31,9 @@ from checkpoints.digest import weights_digest
 from checkpoints.quantize import GGUF, INT8, Q4, formats_of, quantize_head, quantize_params
 from jaxserve.kv import CopyStage
 from jaxserve.lora.peft import LoraWeights
-from jaxserve.model import KVCache, LlamaModel
+from jaxserve.model import DecoderModel, KVCache
 from jaxserve.model.experts import expert_backend
-from jaxserve.model.llama import pack_kernels, panel_kernels, unstack_layers
+from jaxserve.model.layout import pack_kernels, panel_kernels, unstack_layers
 from jaxserve.model.lora import LORA_MODULES
 from jaxserve.outputs import SampledToken
 from jaxserve.resolved_config import ResolvedConfig
@@ -100,7 +100,7 @@ class ModelRunner:
             params = quantize_head(params, config)
         self.quantization = formats_of(params)
         pipeline = pipeline_layers(self.mesh, engine_config) if self.stages is not None else None
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             config,
             attention,
             self.dtype,
