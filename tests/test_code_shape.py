@@ -26,8 +26,6 @@ STILL_OVER: set[str] = {
     "bench/moe_steps.py:main",
     "jaxserve/engine.py",
     "jaxserve/engine.py:LLMEngine",
-    "jaxserve/model/llama.py",
-    "jaxserve/model/llama.py:__call__",
     "jaxserve/runner/inputs.py",
     "jaxserve/runner/inputs.py:prefill",
     "jaxserve/runner/model_runner.py",
