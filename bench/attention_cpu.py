@@ -90,9 +90,9 @@ def compare_formats(names: list[str], iters: int) -> None:
     head = " ".join(f"{n + ' ms':>12}" for n in names)
     ratios = " ".join(f"{'x ' + names[0][:6]:>9}" for _ in names[1:])
     print(f"{'cpu kernels: case':<40} {head} {ratios}")
-    cases = [
-        ("prefill %d x %d / %d / %d" % c, functools.partial(bench_prefill, cpu_attention, *c, iters)) for c in PREFILL
-    ] + [("decode %d / %d / %d" % c, functools.partial(bench_decode, cpu_attention, *c, iters)) for c in DECODE]
+    prefill = [("prefill {} x {} / {} / {}".format(*c), bench_prefill, c) for c in PREFILL]
+    decode = [("decode {} / {} / {}".format(*c), bench_decode, c) for c in DECODE]
+    cases = [(label, functools.partial(bench, cpu_attention, *c, iters)) for label, bench, c in prefill + decode]
     for label, run in cases:
         seconds = [run(kv_dtype=name)[0] for name in names]
         print(
@@ -155,7 +155,7 @@ def compare_decode_queries(kv_dtype: str, iters: int, layers: int) -> None:
         step = jax.jit(step)
         q = jax.random.normal(jax.random.key(2), (batch, KV_HEADS * GROUP, HEAD_DIM))
         times = [
-            time_call(lambda q=q.astype(dtype): step(q, k, v, tables, lengths), iters, repeats=5)
+            time_call(functools.partial(step, q.astype(dtype), k, v, tables, lengths), iters, repeats=5)
             for dtype in (jnp.float32, jnp.bfloat16)
         ]
         nbytes = 2 * layers * batch * context * KV_HEADS * k.shape[-1] * k.dtype.itemsize
@@ -200,19 +200,25 @@ def main() -> None:
     if args.kv_cache_dtypes:
         compare_formats(args.kv_cache_dtypes, args.iters)
         return
-    peak = matmul_flops_per_s(args.iters)
-    copy_bps = copy_bandwidth(1 << 24, jnp.float32, args.iters)  # 64 MB would time page faults
+    against_jax(args.iters, args.layers)
+
+
+def against_jax(iters: int, layers: int) -> None:
+    """The cpu kernels against the jax backend's attention, prefill and decode cases, with the
+    share of the matmul peak (prefill) and of the copy bandwidth (decode) each reaches."""
+    peak = matmul_flops_per_s(iters)
+    copy_bps = copy_bandwidth(1 << 24, jnp.float32, iters)  # 64 MB would time page faults
     print(f"f32 matmul 512x576x1536: {peak / 1e9:.0f} GFLOP/s; copy: {copy_bps / 1e9:.1f} GB/s")
     print(
         f"{'prefill S x chunk / history / width':<38} {'ms/layer':>9} {'ms/step':>8} {'GFLOP/s':>8} "
         f"{'%matmul':>8} {'jax ms':>8} {'x jax':>6}"
     )
     for case in PREFILL:
-        seconds, flops = bench_prefill(cpu_attention, *case, args.iters)
-        jax_seconds, _ = bench_prefill(paged_jax, *case, args.iters)
+        seconds, flops = bench_prefill(cpu_attention, *case, iters)
+        jax_seconds, _ = bench_prefill(paged_jax, *case, iters)
         label = f"{case[0]} x {case[1]} / {case[2]} / {case[3]}"
         print(
-            f"{label:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
+            f"{label:<38} {seconds * 1e3:9.2f} {seconds * layers * 1e3:8.0f} "
             f"{flops / seconds / 1e9:8.1f} {100 * flops / seconds / peak:8.1f} "
             f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}"
         )
@@ -221,10 +227,10 @@ def main() -> None:
         f"{'jax ms':>8} {'x jax':>6}"
     )
     for case in DECODE:
-        seconds, nbytes = bench_decode(cpu_attention, *case, args.iters)
-        jax_seconds, _ = bench_decode(paged_jax, *case, args.iters)
+        seconds, nbytes = bench_decode(cpu_attention, *case, iters)
+        jax_seconds, _ = bench_decode(paged_jax, *case, iters)
         print(
-            f"{'%d / %d / %d' % case:<38} {seconds * 1e3:9.2f} {seconds * args.layers * 1e3:8.0f} "
+            f"{'{} / {} / {}'.format(*case):<38} {seconds * 1e3:9.2f} {seconds * layers * 1e3:8.0f} "
             f"{nbytes / seconds / 1e9:8.1f} {100 * nbytes / seconds / copy_bps:8.1f} "
             f"{jax_seconds * 1e3:8.2f} {jax_seconds / seconds:6.1f}"
         )

@@ -7,185 +7,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
-import shlex
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from bench.metrics import DEFAULT_PERCENTILES, SLO
-from bench.workloads import WORKLOAD_NAMES, TokenizerLike, TokenSampler, Workload
+from bench.cli_flags import (
+    DEFAULT_RESULT_DIR,
+    add_output_args,
+    add_peer_args,
+    add_serving_args,
+    add_workload_args,
+    load_spec,
+    result_path,
+    serve_options,
+    workload_factory,
+    workload_tokenizer,
+)
 from jaxserve.engine_args import add_engine_args, engine_config_from_args
-
-DEFAULT_RESULT_DIR = Path("out/bench")
-
-
-# ----- shared flags --------------------------------------------------------------------------
-
-
-def _add_workload_args(p: argparse.ArgumentParser, default_prompt_format: str, add_seed: bool = True) -> None:
-    """Workload flags; `add_seed=False` where the engine flags already define --seed (it then seeds both)."""
-    g = p.add_argument_group("workload")
-    g.add_argument("--workload", "--dataset-name", dest="workload", choices=WORKLOAD_NAMES, default="random")
-    g.add_argument("--workload-file", "--dataset-path", dest="workload_file", help="JSONL file (--workload jsonl)")
-    g.add_argument(
-        "--num-prompts", type=int, default=100, help="requests (random, shared-prefix, long-prompt: short ones)"
-    )
-    g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
-    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
-    g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0)
-    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
-    g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per shared prefix")
-    g.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens per question")
-    g.add_argument("--long-num", type=int, default=4, help="long-prompt: long prompts among --num-prompts short")
-    g.add_argument("--long-len", type=int, default=1536, help="long-prompt: tokens per long prompt")
-    g.add_argument("--short-len", type=int, default=64, help="long-prompt: tokens per short prompt")
-    g.add_argument("--num-sessions", type=int, default=8, help="multi-turn: conversations")
-    g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
-    g.add_argument("--user-len", type=int, default=32, help="multi-turn: tokens per user message")
-    g.add_argument("--system-len", type=int, default=0, help="multi-turn: tokens of the system prompt")
-    g.add_argument("--prompt-format", choices=("ids", "text"), default=default_prompt_format,
-                   help="send prompts as token ids or as text (peers' servers take text)")  # fmt: skip
-    if add_seed:
-        g.add_argument("--seed", type=int, default=0)
-
-
-def workload_factory(args: argparse.Namespace) -> Callable[[TokenizerLike, set[int], int], Workload]:
-    """A function (tokenizer, special ids, seed offset) -> the workload the flags describe."""
-    from bench import workloads as w
-
-    def make(tokenizer: TokenizerLike, special: set[int], seed_offset: int = 0) -> Workload:
-        sampler = TokenSampler(tokenizer, args.seed + seed_offset, special)
-        text = args.prompt_format == "text"
-        if args.workload == "random":
-            return w.random_workload(sampler, args.num_prompts, args.input_len, args.output_len, args.range_ratio, text)
-        if args.workload == "facts32":
-            return w.facts32_workload(sampler, text)
-        if args.workload == "shared-prefix":
-            per_prefix = math.ceil(args.num_prompts / args.num_prefixes)
-            return w.shared_prefix_workload(sampler, args.num_prefixes, per_prefix, args.prefix_len, args.suffix_len,
-                                            args.output_len, text)  # fmt: skip
-        if args.workload == "long-prompt":
-            return w.long_prompt_workload(sampler, args.num_prompts, args.short_len, args.long_num, args.long_len,
-                                          args.output_len, text)  # fmt: skip
-        if args.workload == "multi-turn":
-            return w.multi_turn_workload(sampler, args.num_sessions, args.turns, args.user_len, args.output_len,
-                                         args.system_len)  # fmt: skip
-        if not args.workload_file:
-            raise SystemExit("--workload jsonl needs --workload-file")
-        return w.jsonl_workload(args.workload_file, tokenizer, args.output_len)
-
-    return make
-
-
-def _add_peer_args(p: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
-    g = p.add_argument_group("peer (optional; measured in the same run on the same workload and GGUF)")
-    g.add_argument("--peer", choices=choices, default=None)
-    g.add_argument("--peer-python", default=None, help="interpreter that has the peer installed (default: this one)")
-    g.add_argument("--peer-threads", type=int, default=2, help="CPU threads for the peer")
-
-
-def _add_output_args(p: argparse.ArgumentParser, ignore_eos_flag: bool = True) -> None:
-    p.add_argument(
-        "--result-file", default=None, help=f"JSON output (default: {DEFAULT_RESULT_DIR}/KIND-WORKLOAD-TIME.json)"
-    )
-    if ignore_eos_flag:
-        p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                       help="let requests stop at EOS (default: exactly max_tokens each, as vLLM's random dataset)")  # fmt: skip
-
-
-def _result_path(args: argparse.Namespace, kind: str, name: str) -> Path:
-    if args.result_file:
-        return Path(args.result_file)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return DEFAULT_RESULT_DIR / f"{kind}-{name.replace(':', '-')}-{stamp}.json"
-
-
-def _percentiles(text: str) -> tuple[float, ...]:
-    values = tuple(float(x) for x in text.split(",") if x.strip())
-    if not values or any(not 0 < v <= 100 for v in values):
-        raise argparse.ArgumentTypeError("percentiles are numbers in (0, 100], comma-separated")
-    return values
-
-
-def _add_serving_args(p: argparse.ArgumentParser) -> None:
-    from checkpoints.registry import DEFAULT_MODEL
-
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (tokenizer, server model, peers' GGUF)")
-    p.add_argument("--base-url", default=None, help="a running jaxserve server (default: start one on a free port)")
-    p.add_argument("--served-model-name", default=None, help="`model` field of the requests (default: --model)")
-    p.add_argument(
-        "--server-args",
-        default="",
-        help="extra `jaxserve serve` flags when starting the server, one string; written with = "
-        '(--server-args="--dtype bfloat16"), since it starts with a dash',
-    )
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: requests in flight at most")
-    p.add_argument("--api", choices=("completions", "chat"), default="completions", help="for single-turn workloads")
-    p.add_argument("--multi-turn-api", choices=("history", "sessions"), default="history",
-                   help="multi-turn: resend the chat history, or use /v1/sessions")  # fmt: skip
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--slo", type=SLO.parse, default=None, metavar="TTFT_MS,TPOT_MS", help="goodput SLO, e.g. 500,100")
-    p.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", type=_percentiles,
-                   default=DEFAULT_PERCENTILES, help="besides mean and median; e.g. 90,99")  # fmt: skip
-    p.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
-    p.add_argument("--save-detailed", action="store_true", help="keep every inter-token gap in the JSON")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument(
-        "--peer-n-ctx",
-        type=int,
-        default=4096,
-        help="context of the llama-cpp server (llama-server: per slot; vllm: --max-model-len)",
-    )
-    p.add_argument("--peer-binary", default="llama-server", help="llama-server: the executable (path or name on PATH)")
-    p.add_argument("--peer-slots", type=int, default=32, help="llama-server: parallel slots (continuous batching)")
-    p.add_argument(
-        "--peer-model",
-        default=None,
-        help="vllm: a Hugging Face model directory (default: the GGUF converted by transformers, cached)",
-    )
-    p.add_argument(
-        "--peer-convert-python",
-        default=None,
-        help="vllm: interpreter with torch, transformers, accelerate and gguf that converts the GGUF "
-        "(default: --peer-python)",
-    )
-    p.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="vllm: its --dtype")
-    p.add_argument("--peer-kv-cache-gib", type=float, default=2.0, help="vllm: its KV cache (VLLM_CPU_KVCACHE_SPACE)")
-    _add_workload_args(p, "text")
-    _add_peer_args(p, ("llama-cpp", "llama-server", "vllm"))
-    _add_output_args(p)
-
-
-def _serve_options(args: argparse.Namespace) -> Any:
-    from bench.serve import ServeOptions
-
-    return ServeOptions(model=args.model, base_url=args.base_url, served_model_name=args.served_model_name,
-                        server_args=shlex.split(args.server_args), startup_timeout_s=args.startup_timeout,
-                        api_key=args.api_key, ignore_eos=args.ignore_eos, peer=args.peer,
-                        peer_python=args.peer_python, peer_threads=args.peer_threads,
-                        peer_n_ctx=args.peer_n_ctx, peer_binary=args.peer_binary,
-                        peer_slots=args.peer_slots, peer_model=args.peer_model,
-                        peer_convert_python=args.peer_convert_python, peer_dtype=args.peer_dtype,
-                        peer_kv_cache_gib=args.peer_kv_cache_gib)  # fmt: skip
-
-
-def _load_spec(args: argparse.Namespace, rate: float, concurrency: int | None) -> Any:
-    from bench.load import LoadSpec
-
-    return LoadSpec(request_rate=rate, max_concurrency=concurrency, seed=args.seed, api=args.api,
-                    multi_turn_api=args.multi_turn_api, request_timeout_s=args.request_timeout)  # fmt: skip
-
-
-def _tokenizer(model: str) -> tuple[Any, set[int]]:
-    from bench.model_files import load_tokenizer, special_token_ids
-
-    tokenizer = load_tokenizer(model)
-    return tokenizer, special_token_ids(tokenizer)
 
 
 def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -211,13 +50,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from bench.report import print_result, write_json
     from bench.serve import run_serve
 
-    tokenizer, special = _tokenizer(args.model)
+    tokenizer, special = workload_tokenizer(args.model)
     workload = workload_factory(args)(tokenizer, special)
-    path = _result_path(args, "serve", workload.name)
+    path = result_path(args, "serve", workload.name)
     stem = str(path.with_suffix("")) if args.plot else None
     if stem:
         path.parent.mkdir(parents=True, exist_ok=True)
-    result = run_serve(_serve_options(args), workload, _load_spec(args, args.request_rate, args.max_concurrency),
+    result = run_serve(serve_options(args), workload, load_spec(args, args.request_rate, args.max_concurrency),
                        tokenizer, args.slo, args.percentiles, args.save_detailed, stem, args.progress)  # fmt: skip
     print_result(result)
     write_json(result, path)
@@ -233,17 +72,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         raise SystemExit("give exactly one of --request-rates or --concurrencies")
     if args.request_rates is not None:
         xlabel = "request_rate"
-        points = [SweepPoint(r, _load_spec(args, r, args.max_concurrency)) for r in args.request_rates]
+        points = [SweepPoint(r, load_spec(args, r, args.max_concurrency)) for r in args.request_rates]
     else:
         xlabel = "max_concurrency"
-        points = [SweepPoint(c, _load_spec(args, math.inf, c)) for c in args.concurrencies]
-    tokenizer, special = _tokenizer(args.model)
+        points = [SweepPoint(c, load_spec(args, math.inf, c)) for c in args.concurrencies]
+    tokenizer, special = workload_tokenizer(args.model)
     make = workload_factory(args)
-    path = _result_path(args, "sweep", args.workload)
+    path = result_path(args, "sweep", args.workload)
     stem = str(path.with_suffix("")) if args.plot else None
     if stem:
         path.parent.mkdir(parents=True, exist_ok=True)
-    result = run_sweep(_serve_options(args), lambda i: make(tokenizer, special, i), points, xlabel, tokenizer,
+    result = run_sweep(serve_options(args), lambda i: make(tokenizer, special, i), points, xlabel, tokenizer,
                        args.slo, args.slo_attainment, args.percentiles, stem, args.progress)  # fmt: skip
     print_sweep(result, _SWEEP_KEYS)
     write_json(result, path)
@@ -251,8 +90,20 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-_SWEEP_KEYS = ["completed", "failed", "request_throughput", "output_throughput", "request_goodput", "slo_attainment",
-               "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms"]  # fmt: skip
+_SWEEP_KEYS = [
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "slo_attainment",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+]
 
 
 def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -290,7 +141,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     result = run_throughput(args.model, _engine_args(args), lambda tok, special: make(tok, special, 0), peer,
                             args.ignore_eos, args.progress)  # fmt: skip
     print_result(result)
-    path = _result_path(args, "throughput", result["workload"]["name"])
+    path = result_path(args, "throughput", result["workload"]["name"])
     write_json(result, path)
     print(f"results: {path}")
     return 0
@@ -303,7 +154,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     result = run_latency(args.model, _engine_args(args), args.input_len, args.output_len, args.num_iters,
                          args.num_iters_warmup, args.seed, _peer_spec(args))  # fmt: skip
     print_result(result)
-    path = _result_path(args, "latency", "single")
+    path = result_path(args, "latency", "single")
     write_json(result, path)
     print(f"results: {path}")
     return 0
@@ -321,7 +172,7 @@ def _cmd_accuracy(args: argparse.Namespace) -> int:
     result = {"system": system_info(), "model": args.model, "text": source, **result}
     print(f"{args.model}: {result['positions']} next-token positions of {source}")
     print(format_table(result["rows"]))
-    path = _result_path(args, "accuracy", "text")
+    path = result_path(args, "accuracy", "text")
     write_json(result, path)
     print(f"results: {path}")
     return 0
@@ -339,24 +190,37 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     bench = subparsers.add_parser("bench", help="serving and offline benchmarks, with peers")
     sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_serve_command(sub)
+    _add_sweep_command(sub)
+    _add_throughput_command(sub)
+    _add_latency_command(sub)
+    _add_accuracy_command(sub)
+    _add_compare_command(sub)
+    return bench
 
+
+def _add_serve_command(sub: Any) -> None:
     p = sub.add_parser("serve", help="load a server over HTTP and measure TTFT, TPOT, ITL, throughput, goodput")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")
-    _add_serving_args(p)
+    add_serving_args(p)
     p.set_defaults(func=_guarded(_cmd_serve))
 
+
+def _add_sweep_command(sub: Any) -> None:
     p = sub.add_parser("sweep", help="several request rates or concurrencies -> latency-throughput curve")
     p.add_argument("--request-rates", type=float, nargs="+", default=None)
     p.add_argument("--concurrencies", type=int, nargs="+", default=None)
     p.add_argument("--slo-attainment", type=float, default=0.9,
                    help="a point meets the SLO when this fraction of its requests does")  # fmt: skip
-    _add_serving_args(p)
+    add_serving_args(p)
     p.set_defaults(func=_guarded(_cmd_sweep))
 
+
+def _add_throughput_command(sub: Any) -> None:
     p = sub.add_parser("throughput", help="offline engine throughput on a workload (no HTTP)")
     add_engine_args(p)
-    _add_workload_args(p, "ids", add_seed=False)
-    _add_peer_args(p, ("transformers", "llama-cpp"))
+    add_workload_args(p, "ids", add_seed=False)
+    add_peer_args(p, ("transformers", "llama-cpp"))
     p.add_argument("--peer-batch-size", type=int, default=32, help="transformers: prompts per generate() batch")
     p.add_argument(
         "--peer-dtype",
@@ -365,19 +229,23 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="transformers: compute dtype (torch's bf16 matmuls are fast on AVX512-BF16 CPUs)",
     )
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    _add_output_args(p)
+    add_output_args(p)
     p.set_defaults(func=_guarded(_cmd_throughput))
 
+
+def _add_latency_command(sub: Any) -> None:
     p = sub.add_parser("latency", help="one request: prefill time and per-token decode time")
     add_engine_args(p)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--num-iters-warmup", type=int, default=1)
-    _add_peer_args(p, ("transformers", "llama-cpp"))
-    _add_output_args(p, ignore_eos_flag=False)
+    add_peer_args(p, ("transformers", "llama-cpp"))
+    add_output_args(p, ignore_eos_flag=False)
     p.set_defaults(func=_guarded(_cmd_latency))
 
+
+def _add_accuracy_command(sub: Any) -> None:
     p = sub.add_parser("accuracy", help="top-1 agreement and perplexity of engine modes against an f32 reference")
     add_engine_args(p)
     p.add_argument("--positions", type=int, default=2000, help="next-token positions of the text to score")
@@ -404,8 +272,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_accuracy)
 
+
+def _add_compare_command(sub: Any) -> None:
     p = sub.add_parser("compare", help="compare two result JSON files")
     p.add_argument("a")
     p.add_argument("b")
     p.set_defaults(func=_cmd_compare)
-    return bench

@@ -73,7 +73,7 @@ async def _tokenize(base_url: str, batch: list[str]) -> list[list[int]]:
         return ids
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--texts", type=int, default=256)
@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-batch-size", type=int, default=32)
     p.add_argument("--server-arg", action="append", default=[], help="extra `jaxserve serve` argument (repeatable)")
     p.add_argument("--result-file", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     try:
         peer_versions = check_peer("transformers-embed", args.peer_python)
     except PeerUnavailable as e:
@@ -97,27 +101,48 @@ def main(argv: list[str] | None = None) -> int:
     with ManagedServer(jaxserve_argv(args.model, port, server_args), port, name="jaxserve") as server:
         ids = [asyncio.run(_tokenize(server.base_url, batch)) for batch in runs]
         timed = [asyncio.run(_embed_all(server.base_url, run, args.request_size, args.concurrency)) for run in ids]
-    ours = [seconds for seconds, _ in timed[1:]]
-    peer = run_offline_peer(
-        "transformers-embed",
-        {
-            "gguf": str(gguf_path(args.model)),
-            "threads": os.cpu_count(),
-            "batch_size": args.peer_batch_size,
-            "pooling": args.pooling,
-            "runs": ids,
-        },
-        args.peer_python,
+    peer_job = {
+        "gguf": str(gguf_path(args.model)),
+        "threads": os.cpu_count(),
+        "batch_size": args.peer_batch_size,
+        "pooling": args.pooling,
+        "runs": ids,
+    }
+    peer = run_offline_peer("transformers-embed", peer_job, args.peer_python)
+    result = _result(args, server_args, peer_versions, ids, timed, peer)
+    print(
+        f"{args.texts} texts of {result['mean_tokens_per_text']:.1f} tokens, {args.pooling} pooling, "
+        f"median of {args.runs} runs:\n"
+        f"  jaxserve      {result['jaxserve_texts_per_s']:8.1f} texts/s  (requests of {args.request_size}, "
+        f"{args.concurrency} at a time)\n"
+        f"  transformers  {result['transformers_texts_per_s']:8.1f} texts/s  (batches of {args.peer_batch_size})\n"
+        f"  jaxserve / transformers = {result['ratio_jaxserve_over_transformers']:.2f}; largest difference of the "
+        f"unit vectors {result['max_abs_diff']:.1e}"
     )
+    if args.result_file is not None:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _result(
+    args: argparse.Namespace,
+    server_args: list[str],
+    peer_versions: Any,
+    ids: list[list[list[int]]],
+    timed: list[tuple[float, list]],
+    peer: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's figures: rates (median of the timed runs, the first is a warm-up) and the largest
+    difference of the embeddings from the peer's."""
+    ours = [seconds for seconds, _ in timed[1:]]
     ours_rate, peer_rate = args.texts / statistics.median(ours), args.texts / statistics.median(peer["seconds"])
-    diff = float(np.max(np.abs(np.array(timed[1][1]) - np.array(peer["embeddings"]))))
-    tokens = sum(len(t) for t in ids[1]) / args.texts
-    result = {
+    return {
         "system": system_info(),
         "model": args.model,
         "pooling": args.pooling,
         "texts": args.texts,
-        "mean_tokens_per_text": tokens,
+        "mean_tokens_per_text": sum(len(t) for t in ids[1]) / args.texts,
         "request_size": args.request_size,
         "concurrency": args.concurrency,
         "server_args": server_args,
@@ -128,19 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         "jaxserve_texts_per_s": ours_rate,
         "transformers_texts_per_s": peer_rate,
         "ratio_jaxserve_over_transformers": ours_rate / peer_rate,
-        "max_abs_diff": diff,
+        "max_abs_diff": float(np.max(np.abs(np.array(timed[1][1]) - np.array(peer["embeddings"])))),
     }
-    print(
-        f"{args.texts} texts of {tokens:.1f} tokens, {args.pooling} pooling, median of {args.runs} runs:\n"
-        f"  jaxserve      {ours_rate:8.1f} texts/s  (requests of {args.request_size}, {args.concurrency} at a time)\n"
-        f"  transformers  {peer_rate:8.1f} texts/s  (batches of {args.peer_batch_size})\n"
-        f"  jaxserve / transformers = {ours_rate / peer_rate:.2f}; largest difference of the unit vectors "
-        f"{diff:.1e}"
-    )
-    if args.result_file is not None:
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(result, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

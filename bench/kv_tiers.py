@@ -172,18 +172,21 @@ def _admitted(engine: Any, rid: str) -> bool:
     return not any(r.request_id == rid for r in engine.scheduler.waiting)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one under /var/tmp)")
     parser.add_argument("--decoders", type=int, default=3, help="requests decoding during a load (part 3)")
     parser.add_argument("--bandwidth-bytes", type=int, default=512 << 20, help="size of the machine's test file")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     bs = 16
     max_len = -(-(args.tokens + 64) // 512) * 512
     seqs = args.decoders + 1
-    config = dict(
+    return dict(
         max_num_seqs=seqs,
         max_num_batched_tokens=512,
         max_model_len=max_len,
@@ -197,63 +200,96 @@ def main() -> None:
         kv_disk_bytes=4 << 30,
         compilation_cache_dir=str(cache_dir() / "xla"),
     )
+
+
+def _prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Random token prompts: five of `--tokens`, the decoders' and the short ones (twice each length)."""
+    rng = np.random.default_rng(0)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(min(100, vocab // 2), min(40000, vocab), n).tolist()
+
+    prompts: dict[str, Any] = {
+        name: tokens(args.tokens) for name in ("conversation", "warm", "loaded", "fresh", "recomputed")
+    }
+    prompts["decoders"] = [tokens(32) for _ in range(args.decoders)]
+    prompts["shorts"], prompts["short_fresh"] = ({n: tokens(n) for n in SHORT_PROMPTS} for _ in range(2))
+    return prompts
+
+
+def _before_restart(first: LLM, prompts: dict[str, Any], runs: dict[str, Any]) -> dict[str, Any]:
+    """Cold, device and host hits; more prompts written to the disk. Returns the disk writes' figures."""
+    conversation = prompts["conversation"]
+    runs["recompute_cold"] = ttft(first, conversation, "recompute (cold)")  # written through to disk
+    first.engine.step()  # runs the write-through copies the cold run planned ...
+    first.engine.disk_tier.flush()  # ... and waits for the files, so the next TTFT does not share the CPU
+    runs["device_hit"] = ttft(first, conversation, "device hit")
+    kv = first.engine.kv
+    kv.prefix_cache.evict(kv.prefix_cache.num_evictable_blocks)  # spill everything to the host
+    first.engine.step()  # run the spill copies
+    runs["host_hit"] = ttft(first, conversation, "host hit")
+    for prompt in (prompts["warm"], prompts["loaded"], *prompts["shorts"].values()):  # more prompts for the disk
+        first.generate({"prompt_token_ids": prompt}, ONE_TOKEN, use_tqdm=False)
+    first.close()
+    return from_tier_stats(TierStats(), first.engine.snapshot().tiers)
+
+
+def _after_restart(second: LLM, prompts: dict[str, Any], runs: dict[str, Any]) -> dict[str, Any]:
+    """Disk hits read from the disk and from the page cache, decode steps during a load and a
+    recompute, and short prompts' hits against their recompute."""
+    drop_from_page_cache(block_paths(second, prompts["conversation"]) + block_paths(second, prompts["loaded"]))
+    runs["recompute_after_restart"] = ttft(second, prompts["fresh"], "recompute (after the restart)")
+    second.engine.disk_tier.flush()
+    os.sync()  # the recompute's files reach the disk now, not in the kernel's writeback during the next read
+    runs["disk_hit_from_disk"] = ttft(second, prompts["conversation"], "disk hit, files read from the disk")
+    for path in block_paths(second, prompts["warm"]):
+        path.read_bytes()  # surely in the page cache
+    runs["disk_hit_from_page_cache"] = ttft(second, prompts["warm"], "disk hit, files in the page cache")
+    decoders = prompts["decoders"]
+    steps = {
+        "alone": decode_steps(second, decoders, None, "alone", _admitted),
+        "during_load": decode_steps(second, decoders, prompts["loaded"], "during a disk load", _admitted, True),
+        "during_recompute": decode_steps(
+            second, decoders, prompts["recomputed"], "during a recompute", lambda e, rid: not e.is_active(rid)
+        ),
+    }
+    short = {}
+    for n in SHORT_PROMPTS:
+        for path in block_paths(second, prompts["shorts"][n]):
+            path.read_bytes()
+        short[n] = {
+            "recompute": ttft(second, prompts["short_fresh"][n], f"{n} tokens, recompute"),
+            "disk_hit": ttft(second, prompts["shorts"][n], f"{n} tokens, disk hit (page cache)"),
+        }
+    second.close()
+    return {"steps": steps, "short": short}
+
+
+def main() -> None:
+    args = _parse_args()
+    config = _engine_config(args)
+    runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:  # /var/tmp: a disk, not a tmpfs
         directory = Path(args.dir or tmp)
         first = LLM(args.model, kv_disk_dir=str(directory), **config)
         model = first.engine.model_config
-        rng, vocab = np.random.default_rng(0), model.vocab_size
-        conversation, warm, loaded, fresh, recomputed = (
-            rng.integers(min(100, vocab // 2), min(40000, vocab), args.tokens).tolist() for _ in range(5)
-        )
-        decoders = [rng.integers(min(100, vocab // 2), min(40000, vocab), 32).tolist() for _ in range(args.decoders)]
-        shorts, short_fresh = (
-            {n: rng.integers(min(100, vocab // 2), min(40000, vocab), n).tolist() for n in SHORT_PROMPTS}
-            for _ in range(2)
-        )
+        prompts = _prompts(args, model.vocab_size)
         print(
             f"model: max_position_embeddings {model.max_position_embeddings}, rope_theta {model.rope_theta}, "
             f"rope_scaling {model.rope_scaling}; max_model_len {first.engine.config.max_model_len}",
             flush=True,
         )
-        runs = {"recompute_cold": ttft(first, conversation, "recompute (cold)")}  # written through to disk
-        first.engine.step()  # runs the write-through copies the cold run planned ...
-        first.engine.disk_tier.flush()  # ... and waits for the files, so the next TTFT does not share the CPU
-        runs["device_hit"] = ttft(first, conversation, "device hit")
-        kv = first.engine.kv
-        kv.prefix_cache.evict(kv.prefix_cache.num_evictable_blocks)  # spill everything to the host
-        first.engine.step()  # run the spill copies
-        runs["host_hit"] = ttft(first, conversation, "host hit")
-        for prompt in (warm, loaded, *shorts.values()):  # more prompts for the disk
-            first.generate({"prompt_token_ids": prompt}, ONE_TOKEN, use_tqdm=False)
-        first.close()
-        written = from_tier_stats(TierStats(), first.engine.snapshot().tiers)
-
+        written = _before_restart(first, prompts, runs)
         # The restart; every disk hit loads, however short (part 4 measures where that pays).
         second = LLM(args.model, kv_disk_dir=str(directory), kv_disk_min_load_tokens=1, **config)
-        drop_from_page_cache(block_paths(second, conversation) + block_paths(second, loaded))
-        runs["recompute_after_restart"] = ttft(second, fresh, "recompute (after the restart)")
-        second.engine.disk_tier.flush()
-        os.sync()  # the recompute's files reach the disk now, not in the kernel's writeback during the next read
-        runs["disk_hit_from_disk"] = ttft(second, conversation, "disk hit, files read from the disk")
-        for path in block_paths(second, warm):
-            path.read_bytes()  # surely in the page cache
-        runs["disk_hit_from_page_cache"] = ttft(second, warm, "disk hit, files in the page cache")
-        alone = decode_steps(second, decoders, None, "alone", _admitted)
-        during_load = decode_steps(second, decoders, loaded, "during a disk load", _admitted, drop_last=True)
-        during_recompute = decode_steps(
-            second, decoders, recomputed, "during a recompute", lambda engine, rid: not engine.is_active(rid)
-        )
-        short = {}
-        for n in SHORT_PROMPTS:
-            for path in block_paths(second, shorts[n]):
-                path.read_bytes()
-            short[n] = {
-                "recompute": ttft(second, short_fresh[n], f"{n} tokens, recompute"),
-                "disk_hit": ttft(second, shorts[n], f"{n} tokens, disk hit (page cache)"),
-            }
-        second.close()
+        after = _after_restart(second, prompts, runs)
         machine = machine_disk_bandwidth(directory, args.bandwidth_bytes)
+    print(json.dumps(_summary(args, runs, written, after, machine), indent=2, default=float))
 
+
+def _summary(
+    args: argparse.Namespace, runs: dict[str, Any], written: dict[str, Any], after: dict[str, Any], machine: Any
+) -> dict[str, Any]:
     recompute = runs["recompute_after_restart"]["ttft_s"]
     first_tokens = {name: r["first_token"] for name, r in runs.items()}
     same = (
@@ -262,7 +298,9 @@ def main() -> None:
         == first_tokens["host_hit"]
         == first_tokens["disk_hit_from_disk"]
     )
-    result = {
+    steps = after["steps"]
+    alone, during_load, during_recompute = steps["alone"], steps["during_load"], steps["during_recompute"]
+    return {
         "prompt_tokens": args.tokens,
         "ttft_s": {name: round(r["ttft_s"], 3) for name, r in runs.items()},
         "cached_tokens": {name: r["cached_tokens"] for name, r in runs.items()},
@@ -291,10 +329,9 @@ def main() -> None:
                 "disk_hit_tokens": r["disk_hit"]["tiers"]["disk_hit_tokens"],
                 "speedup": round(r["recompute"]["ttft_s"] / r["disk_hit"]["ttft_s"], 2),
             }
-            for n, r in short.items()
+            for n, r in after["short"].items()
         },
     }
-    print(json.dumps(result, indent=2, default=float))
 
 
 def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:

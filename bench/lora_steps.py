@@ -65,6 +65,7 @@ def step_times(
 
     from bench.steps import chunks, timed
     from jaxserve.config import EngineConfig
+    from jaxserve.config_resolution import resolve
     from jaxserve.lora.peft import LoraWeights, module_shapes
     from jaxserve.runner import ModelRunner
 
@@ -79,10 +80,9 @@ def step_times(
         decode_batch_buckets=(batch,),
         block_table_buckets=(width,),
     )
-    plain = ModelRunner(config, params, EngineConfig(**engine))
-    lora = ModelRunner(
-        config, params, EngineConfig(**engine, enable_lora=True, max_loras=max_loras, max_lora_rank=rank)
-    )
+    plain = ModelRunner(config, params, resolve(EngineConfig(**engine), config))
+    lora_config = EngineConfig(**engine, enable_lora=True, max_loras=max_loras, max_lora_rank=rank)
+    lora = ModelRunner(config, params, resolve(lora_config, config))
     rng = np.random.default_rng(0)
     adapters = []
     for slot in range(max_loras):

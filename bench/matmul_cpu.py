@@ -116,8 +116,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     matmul = cpu_matmul.kernels()
+    bf16_by = "AVX512-BF16 dot products" if cpu_matmul.bf16_dot() else "widening to f32"
     print(
-        f"panel width {matmul.panel}; bf16 by {'AVX512-BF16 dot products' if cpu_matmul.bf16_dot() else 'widening to f32'}; "
+        f"panel width {matmul.panel}; bf16 by {bf16_by}; "
         f"copy: {copy_bandwidth(1 << 28, jnp.float32, args.iters) / 1e9:.1f} GB/s (read + write)"
     )
     layer_matmuls(args, matmul)

@@ -32,6 +32,7 @@ def main() -> None:
     from bench.steps import chunks
     from checkpoints.tiny_random import random_params, tiny_random_config
     from jaxserve.config import EngineConfig
+    from jaxserve.config_resolution import resolve
     from jaxserve.runner import ModelRunner
 
     config = tiny_random_config(
@@ -67,7 +68,7 @@ def main() -> None:
             decode_batch_buckets=tuple(args.batches),
             block_table_buckets=(width,),
         )
-        runner = ModelRunner(config, params, engine)
+        runner = ModelRunner(config, params, resolve(engine, config))
         for batch in args.batches:
             program = runner.inputs.decode(chunks(runner, batch, history, 1, block_size), batch, width)
             best = float("inf")

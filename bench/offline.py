@@ -115,8 +115,14 @@ def _result(kind: str, model: str, engine_args: dict[str, Any], workload: dict[s
     return with_ratios(result)
 
 
-def run_throughput(model: str, engine_args: dict[str, Any], make_workload: Callable[[TokenizerLike, set[int]], Workload],
-                   peer: PeerSpec | None = None, ignore_eos: bool = True, show_progress: bool = True) -> dict[str, Any]:  # fmt: skip
+def run_throughput(
+    model: str,
+    engine_args: dict[str, Any],
+    make_workload: Callable[[TokenizerLike, set[int]], Workload],
+    peer: PeerSpec | None = None,
+    ignore_eos: bool = True,
+    show_progress: bool = True,
+) -> dict[str, Any]:
     """jaxserve's offline throughput on a workload, then the peer's on the same token ids."""
     llm = _jaxserve_llm(model, engine_args)
     tokenizer = llm.get_tokenizer()
@@ -130,8 +136,8 @@ def run_throughput(model: str, engine_args: dict[str, Any], make_workload: Calla
     del llm
     gc.collect()
     if peer is not None:
-        job = _peer_job(peer, model, "throughput",
-                        [{"prompt_token_ids": r.token_ids(tokenizer), "max_tokens": r.max_tokens} for r in requests])  # fmt: skip
+        jobs = [{"prompt_token_ids": r.token_ids(tokenizer), "max_tokens": r.max_tokens} for r in requests]
+        job = _peer_job(peer, model, "throughput", jobs)
         raw = run_offline_peer(peer.name, job, peer.python)
         backends[peer.name] = {"results": _peer_throughput_results(raw, requests, tokenizer), "info": raw}
     return _result("throughput", model, engine_args, workload.describe(), {"ignore_eos": ignore_eos}, backends)

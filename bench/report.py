@@ -80,7 +80,7 @@ def table(title: str, columns: Mapping[str, Mapping[str, Any]], keys: Iterable[s
             row += [_fmt(r), _verdict(key, r) if r is not None else ""]
         rows.append(row)
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    line = "  ".join("{:<%d}" % widths[0] if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
+    line = "  ".join(f"{{:<{widths[0]}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     bar = "=" * (sum(widths) + 2 * (len(widths) - 1))
     out = [bar, title.center(len(bar)), bar, line.format(*header), "-" * len(bar)]
     out += [line.format(*row) for row in rows]

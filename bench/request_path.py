@@ -21,6 +21,7 @@ import json
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 START = ("server/routes_openai.py", "chat_completions")
@@ -86,72 +87,67 @@ class PathRecorder:
             self.ended = (rel, frame.f_code.co_name) == END
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="store_true", help="print every call, not just the files")
-    args = parser.parse_args(argv)
-
-    from aiohttp import web
-
+def _tiny_engine() -> Any:
+    """The engine of a server over the tiny random model, warmed up and started."""
     from checkpoints.tiny_random import build_tiny_random
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
+
+    config = EngineConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        block_size=8,
+        num_blocks=64,
+        decode_batch_buckets=(4,),
+        prefill_token_buckets=(64,),
+        prefill_seq_buckets=(4,),
+        block_table_buckets=(32,),
+        sampler_row_buckets=(4,),
+    )
+    engine = AsyncEngine(LLMEngine(build_tiny_random(), config))
+    engine.engine.warm_up()
+    engine.start()
+    return engine
+
+
+async def _record_a_chat(engine: Any, recorder: PathRecorder) -> None:
+    """Serve two chat requests on a loopback port; record the calls of the second (both threads)."""
+    import aiohttp
+    from aiohttp import web
+
     from server.app import build_app
     from server.config import ServerConfig
 
-    engine = AsyncEngine(
-        LLMEngine(
-            build_tiny_random(),
-            EngineConfig(
-                max_num_seqs=4,
-                max_num_batched_tokens=64,
-                max_model_len=256,
-                block_size=8,
-                num_blocks=64,
-                decode_batch_buckets=(4,),
-                prefill_token_buckets=(64,),
-                prefill_seq_buckets=(4,),
-                block_table_buckets=(32,),
-                sampler_row_buckets=(4,),
-            ),
-        )
-    )
-    engine.engine.warm_up()
-    engine.start()
-    recorder = PathRecorder()
+    runner = web.AppRunner(build_app(engine, ServerConfig(served_model_name="tiny-random")))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
+    async with aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async with http.post(url, json=body) as resp:  # first: lazy imports and caches
+            await resp.json()
+        await engine.inspect(lambda _engine: sys.setprofile(recorder.profile))  # the engine thread
+        sys.setprofile(recorder.profile)
+        try:
+            async with http.post(url, json=body) as resp:
+                reply = await resp.json()
+        finally:
+            sys.setprofile(None)
+            await engine.inspect(lambda _engine: sys.setprofile(None))
+    assert "choices" in reply, json.dumps(reply)
+    await runner.cleanup()
 
-    async def run() -> None:
-        import aiohttp
 
-        runner = web.AppRunner(build_app(engine, ServerConfig(served_model_name="tiny-random")))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
-        async with aiohttp.ClientSession() as http:
-            url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            async with http.post(url, json=body) as resp:  # first: lazy imports and caches
-                await resp.json()
-            await engine.inspect(lambda _engine: sys.setprofile(recorder.profile))  # the engine thread
-            sys.setprofile(recorder.profile)
-            try:
-                async with http.post(url, json=body) as resp:
-                    reply = await resp.json()
-            finally:
-                sys.setprofile(None)
-                await engine.inspect(lambda _engine: sys.setprofile(None))
-        assert "choices" in reply, json.dumps(reply)
-        await runner.cleanup()
-
-    asyncio.run(run())
-    engine.shutdown()
+def _print_path(recorder: PathRecorder, tree: bool) -> None:
     files: list[str] = []
     for thread, depth, rel, function in recorder.calls:
         if rel not in files:
             files.append(rel)
-        if args.tree:
+        if tree:
             print(f"{thread:>16} {'  ' * depth}{rel}:{function}")
     path = [rel for i, rel in enumerate(recorder.path) if i == 0 or recorder.path[i - 1] != rel]
     returns = [rel for i, rel in enumerate(path) if rel in path[:i]]
@@ -164,6 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     for i, rel in enumerate(files, 1):
         print(f"  {i:2d}. {rel}")
     print(f"entered: {len(files)} files")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="store_true", help="print every call, not just the files")
+    args = parser.parse_args(argv)
+    engine = _tiny_engine()
+    recorder = PathRecorder()
+    asyncio.run(_record_a_chat(engine, recorder))
+    engine.shutdown()
+    _print_path(recorder, args.tree)
     return 0
 
 

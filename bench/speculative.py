@@ -122,28 +122,34 @@ def main(argv: list[str] | None = None) -> None:
             prompts = [
                 tok.encode(tok.apply_chat_template(WORKLOADS[name](i), add_generation_prompt=True)) for i in range(b)
             ]
-            for llm in llms.values():
-                run(llm, prompts[:1], 4)  # first steps of each kind, not timed
-            times: dict[str, list[float]] = {k: [] for k in llms}
-            outputs, counts = {}, (0, 0, 0)
-            for _ in range(args.rounds):
-                for key, llm in llms.items():
-                    seconds, outputs[key], c = run(llm, prompts, args.tokens)
-                    times[key].append(seconds)
-                    if key == "spec":
-                        counts = tuple(x + y for x, y in zip(counts, c))
-            generated = sum(len(o) for o in outputs["plain"])
-            same = outputs["plain"] == outputs["spec"]
-            rate = {k: generated / statistics.median(v) for k, v in times.items()}
-            steps, drafts, accepted = counts
-            acceptance = f"{accepted / drafts:.2f}" if drafts else "n/a"
-            per_step = f"{accepted / steps:.2f}" if steps else "n/a"
-            print(
-                f"  {name:4s} batch {b:3d}: plain {rate['plain']:7.1f} tok/s, spec {rate['spec']:7.1f} tok/s, "
-                f"ratio {rate['spec'] / rate['plain']:.2f}x; acceptance {acceptance} ({accepted}/{drafts} drafts, "
-                f"+{per_step} tokens per verify step, {steps} verify steps); {generated} tokens; "
-                f"greedy outputs {'identical' if same else 'DIFFER'}"
-            )
+            print(f"  {name:4s} batch {b:3d}: " + _compare(llms, prompts, args.tokens, args.rounds))
+
+
+def _compare(llms: dict[str, LLM], prompts: list[list[int]], tokens: int, rounds: int) -> str:
+    """Plain against speculative decoding on the same prompts: a line of rates, acceptance and
+    whether the greedy outputs are identical."""
+    for llm in llms.values():
+        run(llm, prompts[:1], 4)  # first steps of each kind, not timed
+    times: dict[str, list[float]] = {k: [] for k in llms}
+    outputs, counts = {}, (0, 0, 0)
+    for _ in range(rounds):
+        for key, llm in llms.items():
+            seconds, outputs[key], c = run(llm, prompts, tokens)
+            times[key].append(seconds)
+            if key == "spec":
+                counts = tuple(x + y for x, y in zip(counts, c))
+    generated = sum(len(o) for o in outputs["plain"])
+    same = outputs["plain"] == outputs["spec"]
+    rate = {k: generated / statistics.median(v) for k, v in times.items()}
+    steps, drafts, accepted = counts
+    acceptance = f"{accepted / drafts:.2f}" if drafts else "n/a"
+    per_step = f"{accepted / steps:.2f}" if steps else "n/a"
+    return (
+        f"plain {rate['plain']:7.1f} tok/s, spec {rate['spec']:7.1f} tok/s, "
+        f"ratio {rate['spec'] / rate['plain']:.2f}x; acceptance {acceptance} ({accepted}/{drafts} drafts, "
+        f"+{per_step} tokens per verify step, {steps} verify steps); {generated} tokens; "
+        f"greedy outputs {'identical' if same else 'DIFFER'}"
+    )
 
 
 if __name__ == "__main__":

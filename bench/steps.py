@@ -30,7 +30,8 @@ import numpy as np
 
 from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
-from jaxserve.dtype_choice import load_dtype, resolve_dtype
+from jaxserve.config_resolution import resolve
+from jaxserve.dtype_choice import load_dtype, weights_dtype
 from jaxserve.request import Request
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -78,20 +79,20 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="each step's costliest operations")
     parser.add_argument("--cpu-time", action="store_true", help="the process's CPU seconds per step, not wall time")
     args = parser.parse_args()
-    config = resolve_dtype(
-        EngineConfig(
-            num_blocks=2048,
-            unroll_layers=args.unroll_layers,
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization,
-            decode_batch_buckets=(1, *args.decode_batch),
-            max_num_seqs=max(32, *args.decode_batch),
-        )
+    asked = EngineConfig(
+        num_blocks=2048,
+        unroll_layers=args.unroll_layers,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        decode_batch_buckets=(1, *args.decode_batch),
+        max_num_seqs=max(32, *args.decode_batch),
     )
-    m = load_model("smollm2-135m-instruct", dtype=load_dtype(config), gguf_blocks=config.quantization == "gguf")
+    dtype = weights_dtype(asked)
+    gguf_blocks = asked.quantization == "gguf"
+    m = load_model("smollm2-135m-instruct", dtype=load_dtype(asked.quantization, dtype), gguf_blocks=gguf_blocks)
+    config = resolve(asked, m.config, dtype)
     r = ModelRunner(m.config, m.params, config)
-    config = r.engine_config
     width, bs, seqs = config.block_table_buckets[-1], config.block_size, config.max_prefill_seqs
     print(
         f"{config.dtype} weights ({config.quantization} quantization), {kv_quant.format_name(r.kv_dtype)} KV cache, "

@@ -3,8 +3,8 @@
 Tensors are dequantized to float with `gguf.quants.dequantize` (every type it implements: the
 K-quants, Q4/Q5/Q8, the IQ types, ...), or, with `quantized=True` (`--quantization gguf`), a
 quantizable kernel whose layers are all Q8_0, or all 4-bit (Q4_0 / Q4_1 / Q4_K), is kept as its
-blocks' codes and scales (`checkpoints.gguf_blocks`), never dequantized. GGUF stores a weight with the Hugging Face `[out, in]`
-shape, so kernels are transposed to `[in, out]`. Tensor names and the file's
+blocks' codes and scales (`checkpoints.gguf_blocks`), never dequantized. GGUF stores a weight with
+the Hugging Face `[out, in]` shape, so kernels are transposed to `[in, out]`. Tensor names and the file's
 `general.architecture` come from the families' declarations (`checkpoints/architectures/`), and
 each family undoes what llama.cpp's converter changed (`llama`: the Q/K row permutation of its
 interleaved-pair RoPE).

@@ -7,7 +7,8 @@ into a thread-safe inbox that the loop drains between steps; deltas and results 
 
 The loop drives a `DataParallelEngine`: a lone `LLMEngine` is wrapped in one of one replica, so
 requests that name a session reach the replica holding the session's KV either way. KV export and
-import (`KVTransferEngine`) need one replica.
+import (`KVTransferEngine`, in `jaxserve.async_kv_transfer`) need one replica. Replicas are used
+through `EngineCore` only.
 """
 
 from __future__ import annotations
@@ -18,27 +19,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import jax
-import numpy as np
-
 from jaxserve import kv_transfer
+from jaxserve.async_kv_transfer import AsyncKVTransfer
 from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_client import (
-    BlockLayout,
     EngineDeadError,
     EngineInfo,
     KVHold,
     Pin,
     RequestFailedError,
-    StagedKV,
-    TransferError,
+    merge_choices,
 )
 from jaxserve.engine_snapshot import EngineSnapshot
-from jaxserve.kv_tiers import kv_fingerprint
 from jaxserve.outputs import Delta, FinishReason
 from jaxserve.sampling_params import SamplingParams
 
@@ -65,13 +61,13 @@ class _Abort:
 
 @dataclasses.dataclass
 class _Call:
-    """Run fn(router) on the engine thread (session pins, snapshots)."""
+    """Run fn(the data-parallel engine) on the engine thread (session pins, snapshots)."""
 
     fn: Callable[[DataParallelEngine], Any]
     done: Callable[[Any], None]
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncKVTransfer):
     """`EngineClient` and `KVTransferEngine` (one replica) over the engine loop of this process."""
 
     def __init__(self, engine: LLMEngine | DataParallelEngine):
@@ -144,15 +140,9 @@ class AsyncEngine:
         if params.lora is not None:
             await self._read_lora_host_copy(params.lora)
         self._inbox.put(_Add(request_id, prompt, params, session_id, deliver, hold_kv))
-        remaining = params.n
         finished = False
         try:
-            while remaining:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    remaining -= 1
+            async for item in merge_choices(out, params.n):
                 yield item
             finished = True
         finally:
@@ -166,7 +156,7 @@ class AsyncEngine:
         """A delivered delta no one will read may carry held KV: release it on the engine thread."""
         hold = getattr(item, "kv_hold", None)
         if hold is not None:
-            self._inbox.put(_Call(lambda e: kv_transfer.release(e.lone_replica, hold), lambda _result: None))
+            self._inbox.put(_Call(lambda e: e.lone_replica.release_hold(hold), lambda _result: None))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -198,9 +188,9 @@ class AsyncEngine:
     async def end_sessions(self, ended: list[tuple[str, Pin | None]]) -> None:
         """Sessions that are gone: release each one's pin and its place on a replica."""
 
-        def end(router: DataParallelEngine) -> None:
+        def end(engine: DataParallelEngine) -> None:
             for session_id, pin in ended:
-                router.end_session(session_id, pin)
+                engine.end_session(session_id, pin)
 
         await self._on_engine_thread(end)
 
@@ -210,27 +200,27 @@ class AsyncEngine:
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Read the adapter in a worker thread (steps go on meanwhile); only registering it and
         its host copy runs on the engine thread."""
-        weights = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_lora, path)
-        await self._on_engine_thread(lambda e: e.add_lora(name, path, weights))
+        weights = await asyncio.get_running_loop().run_in_executor(None, self.engine.adapters.read, path)
+        await self._on_engine_thread(lambda e: e.adapters.add(name, path, weights))
 
     async def _read_lora_host_copy(self, name: str) -> None:
         """A request's adapter whose host copy was dropped (past `max_cpu_loras`) is read again in
         a worker thread before the request reaches the engine thread, so no step waits for the
         disk. A bad or vanished directory is left for the engine to report with the request."""
-        path = self.engine.missing_lora_host_copy(name)
+        path = self.engine.adapters.missing_host_copy(name)
         if path is None:
             return
         try:
-            weights = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_lora, path)
+            weights = await asyncio.get_running_loop().run_in_executor(None, self.engine.adapters.read, path)
         except (OSError, ValueError):
             return
-        await self._on_engine_thread(lambda e: e.keep_lora(name, path, weights))
+        await self._on_engine_thread(lambda e: e.adapters.keep(name, path, weights))
 
     async def unload_lora_adapter(self, name: str) -> None:
-        await self._on_engine_thread(lambda e: e.remove_lora(name))
+        await self._on_engine_thread(lambda e: e.adapters.remove(name))
 
     async def lora_adapters(self) -> dict[str, str] | None:
-        return await self._on_engine_thread(DataParallelEngine.lora_adapters)
+        return await self._on_engine_thread(lambda e: e.adapters.served())
 
     async def aclose(self) -> None:
         """`shutdown` without blocking the event loop (its last deliveries still land)."""
@@ -241,79 +231,7 @@ class AsyncEngine:
         any internal state. Not part of `EngineClient`: the server and the cluster never call it."""
         return await self._on_engine_thread(fn)
 
-    # ----- KV export and import (`KVTransferEngine`), on the one replica -------------------------
-
-    @property
-    def _replica(self) -> LLMEngine:
-        return self.engine.lone_replica
-
-    @property
-    def kv_layout(self) -> BlockLayout:
-        return kv_transfer.block_layout(self._replica)
-
-    def kv_key(self, token_ids: Sequence[int], num_blocks: int) -> bytes:
-        if self._kv_fingerprint is None:
-            replica = self._replica
-            self._kv_fingerprint = kv_fingerprint(replica.runner, replica.model_name, model_layers=True)
-        return kv_transfer.prompt_key(self._kv_fingerprint, token_ids, num_blocks, self.info.block_size)
-
-    def start_transfer_server(self, host: str) -> str:
-        """Serve device-to-device KV pulls on `host` (an address other workers reach); returns
-        the server's address. ValueError for uneven pipeline stages (they hand KV over as bytes)."""
-        kv_transfer.check_device_layout(self._replica)
-        self._transfer = kv_transfer.DeviceTransfer(self._replica, host)
-        return self._transfer.address
-
-    @property
-    def transfer_address(self) -> str | None:
-        return self._transfer.address if self._transfer is not None else None
-
-    async def hold_kv(self, token_ids: Sequence[int], max_blocks: int | None = None) -> KVHold | None:
-        return await self._on_engine_thread(lambda e: kv_transfer.hold_prompt(e.lone_replica, token_ids, max_blocks))
-
-    async def read_kv(self, hold: KVHold, first: int, count: int) -> tuple[np.ndarray, np.ndarray] | None:
-        return await self._on_engine_thread(lambda e: kv_transfer.read_blocks(e.lone_replica, hold, first, count))
-
-    async def write_kv(self, hold: KVHold, token_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> KVHold | None:
-        return await self._on_engine_thread(lambda e: kv_transfer.write_blocks(e.lone_replica, hold, token_ids, k, v))
-
-    async def stage_kv(self, hold: KVHold, first: int, count: int, timeout: float) -> StagedKV | None:
-        transfer = self._transfer
-        if transfer is None:
-            raise LookupError("this worker moves KV as bytes only (--kv-transport grpc)")
-
-        def offer(e: DataParallelEngine) -> StagedKV:
-            arrays = kv_transfer.stage_blocks(e.lone_replica, hold, first, count)
-            return StagedKV(
-                transfer.address, transfer.offer(arrays, timeout), count, len(arrays) // 2, transfer.chunk_shape[2]
-            )
-
-        return await self._on_engine_thread(offer)
-
-    async def pull_staged_kv(
-        self, staged: StagedKV, hold: KVHold, token_ids: Sequence[int], timeout: float
-    ) -> KVHold | None:
-        transfer = self._transfer
-        if transfer is None:
-            raise TransferError("this worker has no transfer server")
-        chunk = transfer.chunk_shape[2]
-        if staged.chunk_blocks != chunk or staged.num_chunks * chunk < staged.num_blocks:
-            raise TransferError(
-                f"{staged.num_chunks} chunks of {staged.chunk_blocks} blocks staged, "
-                f"{staged.num_blocks} blocks of {chunk} a chunk wanted"
-            )
-        try:
-            arrays = await asyncio.to_thread(
-                transfer.pull, staged.address, staged.transfer_id, 2 * staged.num_chunks, timeout
-            )
-        except (TimeoutError, jax.errors.JaxRuntimeError) as e:
-            raise TransferError(str(e) or type(e).__name__) from e
-        return await self._on_engine_thread(
-            lambda e: kv_transfer.write_staged_blocks(e.lone_replica, hold, token_ids, arrays, staged.num_blocks)
-        )
-
-    async def release_kv(self, hold: KVHold) -> None:
-        await self._on_engine_thread(lambda e: kv_transfer.release(e.lone_replica, hold))
+    # ----- the engine thread ------------------------------------------------------------------
 
     async def _on_engine_thread(self, fn: Callable[[DataParallelEngine], Any]) -> Any:
         if not self.is_alive:
@@ -386,10 +304,10 @@ class AsyncEngine:
     def _hold_prompt(self, prompt_ids: list[int]) -> KVHold | None:
         """Hold a finished prompt's cached blocks (None when none are cached)."""
         replica = self._replica
-        hold = kv_transfer.hold_prompt(replica, prompt_ids)
+        hold = replica.hold_prefix(prompt_ids)
         if hold.num_blocks:
             return hold
-        kv_transfer.release(replica, hold)
+        replica.release_hold(hold)
         return None
 
     def _loop(self) -> None:

@@ -1,4 +1,7 @@
-"""Engine configuration: KV cache, scheduler limits and the shape buckets of the jitted steps.
+"""Engine configuration as the user asked it (flags, `LLM(...)` keyword arguments): KV cache, scheduler limits
+and the shape buckets of the jitted steps. Checked here, never rewritten: what is derived from it (the model's
+context, the KV blocks, the dtype `auto` picks, the buckets left unset) is computed once, before anything is
+built, into a frozen `jaxserve.resolved_config.ResolvedConfig` (`jaxserve.config_resolution.resolve`).
 
 Names follow vLLM's engine arguments where one exists (max_num_seqs, max_num_batched_tokens,
 enable_prefix_caching, enable_chunked_prefill, ...), so users can carry their settings over.
@@ -7,27 +10,21 @@ enable_prefix_caching, enable_chunked_prefill, ...), so users can carry their se
 from __future__ import annotations
 
 import dataclasses
-import logging
-from typing import Any
 
 from jaxserve.speculative.config import SpeculativeConfig
 
 QUANTIZATIONS = ("none", "int8", "q4", "gguf")  # --quantization (checkpoints/quantize.py)
-
-logger = logging.getLogger(__name__)
-
-
-def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
-    """lo, lo * factor, ... up to and including hi."""
-    out, x = [], lo
-    while x < hi:
-        out.append(x)
-        x *= factor
-    out.append(hi)
-    return tuple(sorted(set(out)))
+# The shape-bucket settings, in the order `ResolvedConfig` fills them in.
+BUCKETS = (
+    "decode_batch_buckets",
+    "prefill_token_buckets",
+    "prefill_seq_buckets",
+    "block_table_buckets",
+    "sampler_row_buckets",
+)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     # KV cache
     block_size: int = 16
@@ -50,7 +47,7 @@ class EngineConfig:
     # Scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    # None: the model's own context (`for_model`), lowered to what the KV cache holds for one request.
+    # None: the model's own context; either way lowered to what the KV cache holds for one request.
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     max_prefill_seqs: int = 4  # sequences in one ragged prefill step
@@ -90,9 +87,9 @@ class EngineConfig:
     # Launch iteration N+1 before reading N's sampled tokens (they feed N+1 on the device), so the
     # host schedules and post-processes while the device computes. Off: the synchronous loop.
     async_scheduling: bool = True
-    # N-gram speculative decoding (off: None): a SpeculativeConfig, its dict, or its JSON text
-    # (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`); parsed here.
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Speculative decoding (off: None). `SpeculativeConfig.parse` reads the command line's JSON text
+    # (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`) and `LLM(...)`'s dict.
+    speculative_config: SpeculativeConfig | None = None
     # Multi-step decode: up to this many decode steps of a batch in one device loop (sampling and
     # stop checks on the device, one read per loop). 1: off. Used for iterations with nothing
     # to prefill, no speculation and no structured output.
@@ -117,137 +114,101 @@ class EngineConfig:
     sampler_row_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        """Check the settings; with max_model_len known, derive the buckets left unset (without it,
-        they wait for `for_model`)."""
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
-            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.swap_space_blocks <= 0 and self.kv_host_bytes <= 0:
-            raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0 or kv_host_bytes > 0")
-        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
-        if self.pipeline_microbatches is not None and (
-            not isinstance(self.pipeline_microbatches, int) or self.pipeline_microbatches < 1
-        ):
-            raise ValueError(f"pipeline_microbatches must be an integer >= 1, got {self.pipeline_microbatches!r}")
-        if self.pipeline_parallel_size > 1:
-            # Not yet through the pipeline's stages: each needs its arrays sliced by stage (adapter
-            # slots, quantization scales, the cache's scales) and a test.
-            unstaged = [
-                name
-                for name, on in (
-                    ("enable_lora", self.enable_lora),
-                    ("quantization", self.quantization != "none"),
-                    ("kv_cache_dtype", self.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")),
-                )
-                if on
-            ]
-            if unstaged:
-                raise ValueError(f"pipeline_parallel_size > 1 does not run with {', '.join(unstaged)} yet")
-        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
-        if self.enable_lora:
-            if self.max_loras < 1 or self.max_lora_rank < 1:
-                raise ValueError(
-                    f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}"
-                )
-            self.max_cpu_loras = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
-            if self.max_cpu_loras < self.max_loras:
-                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-            if self.num_scheduler_steps > 1:
-                raise ValueError("enable_lora does not run multi-step decode yet: use num_scheduler_steps=1")
-        for name in ("swap_space_blocks", "kv_host_bytes", "kv_disk_write_through_hits", "kv_disk_min_load_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.kv_disk_dir is not None:
-            if not self.kv_disk_dir:
-                raise ValueError("kv_disk_dir must be a directory path")
-            if not self.enable_prefix_caching:
-                raise ValueError("the disk tier (kv_disk_dir) needs enable_prefix_caching")
-            if self.kv_disk_bytes <= 0 or self.kv_disk_max_inflight_bytes <= 0:
-                raise ValueError("kv_disk_bytes and kv_disk_max_inflight_bytes must be > 0")
-        if self.max_model_len is None:
-            return
-        if self.max_model_len <= 0 or self.max_model_len % self.block_size:
-            raise ValueError(f"max_model_len must be a positive multiple of block_size, got {self.max_model_len}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            # Without chunking a whole prompt must fit one step.
-            self.max_num_batched_tokens = self.max_model_len
-        max_blocks = self.max_model_len // self.block_size
-        if self.decode_batch_buckets is None:
-            self.decode_batch_buckets = _geometric(1, self.max_num_seqs, 2)
-        if self.prefill_token_buckets is None:
-            self.prefill_token_buckets = _geometric(
-                min(32, self.max_num_batched_tokens), self.max_num_batched_tokens, 2
+        """Check the settings (ValueError naming the setting); nothing is changed here."""
+        if not isinstance(self.speculative_config, SpeculativeConfig | None):
+            raise ValueError(
+                "speculative_config must be a SpeculativeConfig or None (SpeculativeConfig.parse reads its JSON "
+                f"text or dict), got {type(self.speculative_config).__name__}"
             )
-        if self.prefill_seq_buckets is None:
-            # One count: a prefill step's unused sequence slots cost a few empty attention tiles
-            # and logits rows, less than compiling a variant per count would.
-            self.prefill_seq_buckets = (self.max_prefill_seqs,)
-        if self.block_table_buckets is None:
-            # One width: the serving backends (paged_jax, Pallas) walk a block table only up to
-            # each sequence's length, so a wider table costs a few bytes, not attention work.
-            self.block_table_buckets = (max_blocks,)
-        if self.sampler_row_buckets is None:
-            rows = max(max(self.decode_batch_buckets), max(self.prefill_seq_buckets))
-            self.sampler_row_buckets = _geometric(min(4, rows), rows, 2)
-        for name in (
-            "decode_batch_buckets",
-            "prefill_token_buckets",
-            "prefill_seq_buckets",
-            "block_table_buckets",
-            "sampler_row_buckets",
-        ):
-            setattr(self, name, tuple(sorted(set(getattr(self, name)))))
-        if self.decode_batch_buckets[-1] < self.max_num_seqs:
-            raise ValueError("decode_batch_buckets must reach max_num_seqs")
-        if self.prefill_token_buckets[-1] < self.max_num_batched_tokens:
-            raise ValueError("prefill_token_buckets must reach max_num_batched_tokens")
-        if self.block_table_buckets[-1] < max_blocks:
-            raise ValueError("block_table_buckets must reach max_model_len / block_size")
-        if self.sampler_row_buckets[-1] < max(self.decode_batch_buckets[-1], self.prefill_seq_buckets[-1]):
-            raise ValueError("sampler_row_buckets must reach the largest decode batch and prefill sequence buckets")
-
-    def for_model(self, model_context: int) -> EngineConfig:
-        """This configuration for a model of `model_context` tokens of context: max_model_len
-        defaults to it (rounded down to whole blocks) and may not exceed it; the buckets follow.
-        Returns self when there is nothing to change."""
-        longest = model_context - model_context % self.block_size
-        if self.max_model_len is not None and self.max_model_len <= longest:
-            return self
-        if self.max_model_len is not None:
-            logger.warning(
-                "max_model_len %d exceeds the model's context (%d tokens); lowering it",
-                self.max_model_len,
-                model_context,
-            )
-        return dataclasses.replace(self, max_model_len=longest)
+        _check_choices(self)
+        _check_sizes(self)
+        _check_pipeline(self)
+        _check_lora(self)
+        _check_kv_tiers(self)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
-        """The parsed speculative config (None: speculation off)."""
-        return self.speculative_config  # type: ignore[return-value]
+        """`speculative_config` (None: speculation off)."""
+        return self.speculative_config
 
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return self.max_model_len // self.block_size
 
-    def num_host_slots(self, block_bytes: int) -> int:
-        """Host-tier slots: the larger of swap_space_blocks and kv_host_bytes; with a disk tier
-        and neither set, room for two requests of max_model_len (disk loads land there)."""
-        slots = max(self.swap_space_blocks, self.kv_host_bytes // block_bytes)
-        if self.kv_disk_dir is not None and slots == 0:
-            slots = 2 * self.max_blocks_per_seq
-        return slots
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
-    def num_compiled_variants(self) -> int:
-        decode = len(self.decode_batch_buckets) * len(self.block_table_buckets) * (1 + (self.num_scheduler_steps > 1))
-        prefill = len(self.prefill_token_buckets) * len(self.prefill_seq_buckets) * len(self.block_table_buckets)
-        return decode + prefill
+
+def _check_choices(c: EngineConfig) -> None:
+    if c.scheduling_policy not in ("fcfs", "priority", "lpm"):
+        raise ValueError(f"unknown scheduling_policy {c.scheduling_policy!r}")
+    if c.quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {c.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    if c.preemption_mode not in ("recompute", "swap"):
+        raise ValueError(f"unknown preemption_mode {c.preemption_mode!r}")
+    if c.preemption_mode == "swap" and c.swap_space_blocks <= 0 and c.kv_host_bytes <= 0:
+        raise ValueError("preemption_mode='swap' needs swap_space_blocks > 0 or kv_host_bytes > 0")
+
+
+def _check_sizes(c: EngineConfig) -> None:
+    """The limits and the buckets given: whole numbers in range."""
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "num_scheduler_steps"):
+        if not _positive_int(getattr(c, name)):
+            raise ValueError(f"{name} must be an integer >= 1, got {getattr(c, name)!r}")
+    if c.num_blocks is not None and (not _positive_int(c.num_blocks) or c.num_blocks < 2):
+        raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {c.num_blocks!r}")
+    if c.max_model_len is not None and (not _positive_int(c.max_model_len) or c.max_model_len % c.block_size):
+        raise ValueError(f"max_model_len must be a positive multiple of block_size, got {c.max_model_len}")
+    if c.kv_cache_memory <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0, got {c.kv_cache_memory}")
+    for name in ("swap_space_blocks", "kv_host_bytes", "kv_disk_write_through_hits", "kv_disk_min_load_tokens"):
+        if getattr(c, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(c, name)}")
+    for name in BUCKETS:
+        given = getattr(c, name)
+        if given is not None and (not given or not all(_positive_int(b) for b in given)):
+            raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {given!r}")
+
+
+def _check_pipeline(c: EngineConfig) -> None:
+    if not _positive_int(c.pipeline_parallel_size):
+        raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {c.pipeline_parallel_size!r}")
+    if c.pipeline_microbatches is not None and not _positive_int(c.pipeline_microbatches):
+        raise ValueError(f"pipeline_microbatches must be an integer >= 1, got {c.pipeline_microbatches!r}")
+    if c.pipeline_parallel_size == 1:
+        return
+    # Not yet through the pipeline's stages: each needs its arrays sliced by stage (adapter slots,
+    # quantization scales, the cache's scales) and a test.
+    unstaged = [
+        name
+        for name, on in (
+            ("enable_lora", c.enable_lora),
+            ("quantization", c.quantization != "none"),
+            ("kv_cache_dtype", c.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")),
+        )
+        if on
+    ]
+    if unstaged:
+        raise ValueError(f"pipeline_parallel_size > 1 does not run with {', '.join(unstaged)} yet")
+
+
+def _check_lora(c: EngineConfig) -> None:
+    if not c.enable_lora:
+        return
+    if c.max_loras < 1 or c.max_lora_rank < 1:
+        raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {c.max_loras} and {c.max_lora_rank}")
+    if c.max_cpu_loras is not None and c.max_cpu_loras < c.max_loras:
+        raise ValueError(f"max_cpu_loras ({c.max_cpu_loras}) must be >= max_loras ({c.max_loras})")
+    if c.num_scheduler_steps > 1:
+        raise ValueError("enable_lora does not run multi-step decode yet: use num_scheduler_steps=1")
+
+
+def _check_kv_tiers(c: EngineConfig) -> None:
+    if c.kv_disk_dir is None:
+        return
+    if not c.kv_disk_dir:
+        raise ValueError("kv_disk_dir must be a directory path")
+    if not c.enable_prefix_caching:
+        raise ValueError("the disk tier (kv_disk_dir) needs enable_prefix_caching")
+    if c.kv_disk_bytes <= 0 or c.kv_disk_max_inflight_bytes <= 0:
+        raise ValueError("kv_disk_bytes and kv_disk_max_inflight_bytes must be > 0")
 
 
 def bucket_for(value: int, buckets: tuple[int, ...]) -> int:

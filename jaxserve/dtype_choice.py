@@ -15,7 +15,6 @@ The choice is logged once at start; `--dtype float32` or `--dtype bfloat16` over
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from jaxserve.config import EngineConfig
@@ -47,17 +46,17 @@ def choose_dtype(config: EngineConfig) -> tuple[str, str]:
     return "bfloat16", "this CPU has AVX512-BF16 and the C++ matmuls use it"
 
 
-def resolve_dtype(config: EngineConfig) -> EngineConfig:
-    """`config` with dtype "auto" replaced by `choose_dtype`'s choice (logged); others as given."""
+def weights_dtype(config: EngineConfig) -> str:
+    """The weights' dtype `config` asks for: "auto" replaced by `choose_dtype`'s choice (logged)."""
     if config.dtype != AUTO:
-        return config
+        return config.dtype
     dtype, why = choose_dtype(config)
     logger.info("dtype auto: %s (%s); --dtype overrides it", dtype, why)
-    return dataclasses.replace(config, dtype=dtype)
+    return dtype
 
 
-def load_dtype(config: EngineConfig) -> str:
-    """The dtype a checkpoint is loaded in for `config`: float32 when the kernels are quantized
-    from it (`--quantization int8 / q4`: from full precision; the runner casts the other weights
-    to `config.dtype`), else `config.dtype`."""
-    return "float32" if config.quantization in ("int8", "q4") else config.dtype
+def load_dtype(quantization: str, dtype: str) -> str:
+    """The dtype a checkpoint is loaded in for weights of `dtype`: float32 when the kernels are quantized
+    from it (`--quantization int8 / q4`: from full precision; the runner casts the other weights to
+    `dtype`), else `dtype`."""
+    return "float32" if quantization in ("int8", "q4") else dtype

@@ -51,10 +51,12 @@ from checkpoints.loaded import LoadedModel
 from checkpoints.registry import DEFAULT_MODEL, load_model
 from jaxserve import faults
 from jaxserve.config import EngineConfig
-from jaxserve.dtype_choice import load_dtype, resolve_dtype
-from jaxserve.engine_client import UnknownAdapterError, check_prompt_ids
+from jaxserve.config_resolution import resolve
+from jaxserve.dtype_choice import load_dtype, weights_dtype
+from jaxserve.engine_client import DuplicateRequestError, UnknownAdapterError, encode_prompt
+from jaxserve.engine_core_ops import EngineCoreOps
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
-from jaxserve.kv import CopyStage, KVCacheManager
+from jaxserve.kv import CopyStage, build_kv_manager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.lora.manager import AdapterRef, LoraManager
@@ -65,7 +67,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings, read_pooled, read_prompt_scores
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.prepared_step import PreparedStep
-from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarCompiler
@@ -93,47 +95,38 @@ class StepStats:
     accepted_tokens: int = 0
 
 
-class LLMEngine:
+class LLMEngine(EngineCoreOps):
+    """One engine replica (`jaxserve.engine_core.EngineCore`): the request loop here, its other
+    operations (placement answers, pins, KV blocks, LoRA host copies) in `EngineCoreOps`."""
+
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, config: EngineConfig | None = None, mesh: Any = None):
-        config = resolve_dtype(config or EngineConfig())  # "auto": this machine's choice
+        config = config or EngineConfig()
+        dtype = weights_dtype(config)  # "auto": this machine's choice
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # restored straight into this replica's shards
             loaded = load_model(
                 model,
-                dtype=load_dtype(config),
+                dtype=load_dtype(config.quantization, dtype),
                 shardings=checkpoint_shardings(config, mesh),
                 gguf_blocks=config.quantization == "gguf",
             )
         self.model_config = loaded.config
         self.model_name = model if isinstance(model, str) else "custom"
         self.tokenizer = Tokenizer(loaded.tokenizer_bundle)
-        self.config = ec = config.for_model(self.model_config.max_position_embeddings)
+        # Everything derived (context, KV blocks, buckets, ...) once, before anything is built.
+        self.config = ec = resolve(config, loaded.config, dtype)
         self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh)
         self.disk_tier = build_disk_tier(self.runner, self.model_name)  # None without --kv-disk-dir
-        self.kv = KVCacheManager(
-            self.runner.num_blocks,
+        self.kv = build_kv_manager(
+            ec.num_blocks,
             ec.block_size,
             watermark_blocks=ec.watermark_blocks,
             enable_prefix_cache=ec.enable_prefix_caching,
-            num_host_slots=self.runner.num_host_slots,
+            num_host_slots=ec.num_host_slots,
             disk=self.disk_tier,
             disk_write_through_hits=ec.kv_disk_write_through_hits,
         )
-        # A lone request must always fit the pool, or it could be preempted forever.
-        capacity = (self.kv.pool.num_usable - self.kv.watermark_blocks) * ec.block_size
-        if ec.max_model_len > capacity:
-            logger.warning(
-                "max_model_len %d needs %d KV blocks for one request, and the KV cache holds %d above its watermark "
-                "(--kv-cache-memory %d bytes, or --num-blocks): lowering max_model_len to %d tokens; give the KV "
-                "cache more memory to serve longer requests",
-                ec.max_model_len,
-                ec.max_blocks_per_seq,
-                capacity // ec.block_size,
-                ec.kv_cache_memory,
-                capacity,
-            )
-            self.config = ec = dataclasses.replace(ec, max_model_len=capacity)
         self.lora = (
             None
             if not ec.enable_lora
@@ -169,7 +162,7 @@ class LLMEngine:
     def add_prompt_ids(self, request_id: str, ids: list[int], params: SamplingParams) -> list[Request]:
         """`add_request` for token ids that `encode_prompt` returned (they are not checked again)."""
         if request_id in self._groups:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise DuplicateRequestError(request_id)
         params.check_vocabulary(self.model_config.vocab_size)
         adapter = self._adapter(params.lora)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -229,13 +222,8 @@ class LLMEngine:
         return {} if self.lora is None else self.lora.names()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, or ValueError when it cannot be served. Text is a completion
-        prompt: it gets what the tokenizer adds (a BOS for Llama 2 / Mistral), as in vLLM; a
-        rendered chat, whose template writes its own BOS, comes as ids."""
-        if isinstance(prompt, str) and not encodes_as_utf8(prompt):
-            raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        return check_prompt_ids(ids, self.model_config.vocab_size, self.config.max_model_len)
+        """Token ids of a prompt, or ValueError when it cannot be served (see `engine_client.encode_prompt`)."""
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.config.max_model_len)
 
     def abort(self, request_id: str) -> list[Delta]:
         """Stop a request now; its blocks are freed and final deltas returned."""
@@ -325,7 +313,7 @@ class LLMEngine:
         logger.info(
             "KV disk tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) on disk",
             flushed,
-            self.disk_tier.num_files,
+            self.disk_tier.num_blocks,
             self.disk_tier.num_bytes / 1e6,
         )
 

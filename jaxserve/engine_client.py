@@ -2,7 +2,7 @@
 may ask of an engine, and the types they exchange with it.
 
 Two implementations: `jaxserve.async_engine.AsyncEngine` runs the engine loop of this process (one
-replica, or several data-parallel ones behind `jaxserve.replicas.Replicas`), and
+replica, or several data-parallel ones behind `jaxserve.data_parallel.DataParallelEngine`), and
 `server.cluster.router.RemoteEngine` gives the same API over worker processes. The server and the
 cluster import this module and the public types below, nothing else of the engine
 (`tests/test_layering.py` checks it), so either engine can stand behind the same routes.
@@ -10,13 +10,15 @@ cluster import this module and the public types below, nothing else of the engin
 The public types: `SamplingParams` (`jaxserve.sampling_params`), `Delta`, `Usage`, `TokenLogprob`,
 `FinishReason` (`jaxserve.outputs`), `EngineSnapshot` and its parts (`jaxserve.engine_snapshot`),
 `Tokenizer`, `GuidedDecoding` (`jaxserve.structured.spec`), `TextStream` (detokenizing and stop
-strings, which the router applies itself), `RoutingPolicy`, and the handles `Pin` (a session's pinned
+strings, which the router applies itself), `jaxserve.placement` (the one placement policy, which
+the router applies to its workers), and the handles `Pin` (a session's pinned
 history) and `KVHold` (KV blocks held for a transfer), which callers pass back but never look into.
 No JAX here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
@@ -27,11 +29,12 @@ from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.kv.leases import Hold as KVHold
 from jaxserve.kv.leases import Pin
 from jaxserve.outputs import Delta
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, encodes_as_utf8
 from jaxserve.tokenizer import Tokenizer
 
 __all__ = [
     "BlockLayout",
+    "DuplicateRequestError",
     "EngineClient",
     "EngineDeadError",
     "EngineInfo",
@@ -43,6 +46,8 @@ __all__ = [
     "StagedKV",
     "TransferError",
     "check_prompt_ids",
+    "encode_prompt",
+    "merge_choices",
 ]
 
 
@@ -56,6 +61,13 @@ class RequestFailedError(RuntimeError):
 
 class UnknownAdapterError(ValueError):
     """A request named a LoRA adapter this engine does not serve (a 404, like an unknown model)."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is already running."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"duplicate request id {request_id!r}")
 
 
 class PromptTooLongError(ValueError):
@@ -75,6 +87,30 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) ->
             f"{len(ids)} tokens (at least one token must be left to generate)"
         )
     return list(ids)
+
+
+def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """Token ids of a prompt, or ValueError when it cannot be served (the engine's and the
+    router's). Text is a completion prompt: it gets what the tokenizer adds (a BOS for Llama 2 /
+    Mistral), as in vLLM; a rendered chat, whose template writes its own BOS, comes as ids."""
+    if isinstance(prompt, str):
+        if not encodes_as_utf8(prompt):
+            raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
+        prompt = tokenizer.encode(prompt, add_special_tokens=True)
+    return check_prompt_ids(prompt, vocab_size, max_model_len)
+
+
+async def merge_choices(out: asyncio.Queue, n: int) -> AsyncIterator[Delta]:
+    """The deltas of a request's `n` choices as they arrive in `out`, until each has its final
+    one; an exception put in `out` ends the stream with it."""
+    remaining = n
+    while remaining:
+        item = await out.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            remaining -= 1
+        yield item
 
 
 @dataclasses.dataclass(frozen=True)

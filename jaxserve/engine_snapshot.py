@@ -2,7 +2,7 @@
 
 Used by `/metrics` and by tests that check that nothing is left behind (no request in the
 engine, no KV block held by a request). Each replica takes its own (`LLMEngine.snapshot`); the
-data-parallel router sums them (`EngineSnapshot.total`). From the server: `await
+data-parallel engine sums them (`EngineSnapshot.total`). From the server: `await
 async_engine.snapshot()`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.kv import KVUsage
-from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS, load_seconds_bucket
+from jaxserve.kv.kv_tier import KV_LOAD_SECONDS_BUCKETS, load_seconds_bucket
 from jaxserve.kv.tier_stats import TierStats
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaLoad:
-    """One data-parallel replica's share: how the router spread the work."""
+    """One data-parallel replica's share: how placement spread the work."""
 
     running: int
     waiting: int

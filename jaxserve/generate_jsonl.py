@@ -51,8 +51,8 @@ def _parse_line(raw: str, defaults: dict[str, Any]) -> tuple[str | list[int], Sa
     raise ValueError("'prompt' must be a non-empty string or list of token ids")
 
 
-def run(llm: LLM, input_path: Path, output_path: Path, defaults: dict[str, Any]) -> dict[str, int]:
-    """Generate every line of `input_path` not yet in `output_path`; return counts."""
+def _done_ids(output_path: Path) -> set[str]:
+    """The ids already written to `output_path` (a resumed run skips them)."""
     done: set[str] = set()
     if output_path.exists():
         for line in output_path.read_text().splitlines():
@@ -60,6 +60,14 @@ def run(llm: LLM, input_path: Path, output_path: Path, defaults: dict[str, Any])
                 done.add(str(json.loads(line)["id"]))
             except (ValueError, KeyError, TypeError):
                 continue
+    return done
+
+
+def _read_jobs(
+    llm: LLM, input_path: Path, done: set[str], defaults: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[tuple[int, list[int], SamplingParams]]]:
+    """A record per line not done (with its error, if the line is bad) and the jobs of the good
+    lines: (record index, prompt ids, sampling parameters)."""
     records: list[dict[str, Any]] = []
     jobs: list[tuple[int, str | list[int], SamplingParams]] = []
     tokenizer = llm.get_tokenizer()
@@ -86,6 +94,13 @@ def run(llm: LLM, input_path: Path, output_path: Path, defaults: dict[str, Any])
             good.append((idx, llm.engine.encode_prompt(prompt), params))
         except ValueError as e:
             records[idx]["error"] = str(e)
+    return records, good
+
+
+def run(llm: LLM, input_path: Path, output_path: Path, defaults: dict[str, Any]) -> dict[str, int]:
+    """Generate every line of `input_path` not yet in `output_path`; return counts."""
+    done = _done_ids(output_path)
+    records, good = _read_jobs(llm, input_path, done, defaults)
     waiting = {idx for idx, _, _ in good}
     written = 0
     with output_path.open("a") as f:

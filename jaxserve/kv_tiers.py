@@ -61,7 +61,7 @@ def build_disk_tier(runner: ModelRunner, model_name: str) -> DiskTier | None:
     logger.info(
         "KV disk tier in %s: %d blocks (%.1f MB) found, budget %.1f GB",
         tier.root,
-        tier.num_files,
+        tier.num_blocks,
         tier.num_bytes / 1e6,
         ec.kv_disk_bytes / 1e9,
     )

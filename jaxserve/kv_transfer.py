@@ -1,9 +1,9 @@
 """KV handed between engines (prefill/decode disaggregation): the engine side, run on the engine
 thread between steps.
 
-The prefill engine holds a prompt's cached blocks when its sequence ends (`hold_prompt`) and
-reads them out in chunks (`read_blocks`); the decode engine holds what its cache has of the
-prompt (`hold_prompt` again), writes the pulled rest into fresh blocks, adds them to its prefix
+The prefill engine holds a prompt's cached blocks when its sequence ends (`EngineCore.hold_prefix`)
+and reads them out in chunks (`read_blocks`); the decode engine holds what its cache has of the
+prompt (`hold_prefix` again), writes the pulled rest into fresh blocks, adds them to its prefix
 cache (`write_blocks`), and keeps them held until the request is admitted, which then takes them
 as a prefix hit and computes only the partial last block. Both sides key the blocks by content
 (`prompt_key`: chained hashes of the tokens seeded with `kv_fingerprint`, the disk tier's keys),
@@ -13,6 +13,9 @@ The blocks move either as host bytes (`read_blocks` / `write_blocks`, the portab
 device to device (`stage_blocks` / `write_staged_blocks` over a `DeviceTransfer`: the source
 offers device arrays that the other engine's transfer server pulls straight into its devices,
 through `jax.experimental.transfer`). (Here, not in jaxserve/kv, because it moves device arrays.)
+
+These functions are the engine's own (`jaxserve.engine_core_ops` passes them its runner and KV
+manager); everything above an engine moves blocks through `EngineCore`'s methods.
 """
 
 from __future__ import annotations
@@ -22,27 +25,24 @@ import itertools
 import random
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.experimental import transfer
 
 from jaxserve.engine_client import BlockLayout
-from jaxserve.kv import Hold
+from jaxserve.kv import Hold, KVCacheManager
 from jaxserve.kv.content_keys import chain_keys
+from jaxserve.runner import ModelRunner
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from sharding.pipeline import pad_layers
 
-if TYPE_CHECKING:
-    from jaxserve.engine import LLMEngine
 
-
-def block_layout(engine: LLMEngine) -> BlockLayout:
+def block_layout(runner: ModelRunner) -> BlockLayout:
     """A block as the handoff moves it: [model layers, kv heads, block size, head dim] (uneven
     pipeline stages' identity slots are not sent)."""
-    host = engine.runner.blocks.host_k  # [served layers, kv_heads, slots, block_size, head_dim]
-    stages = engine.runner.stages
+    host = runner.blocks.host_k  # [served layers, kv_heads, slots, block_size, head_dim]
+    stages = runner.stages
     layers = host.shape[0] if stages is None else stages.num_layers
     return BlockLayout((layers, host.shape[1], *host.shape[3:]), host.dtype)
 
@@ -52,15 +52,6 @@ def prompt_key(fingerprint: bytes, token_ids: Sequence[int], num_blocks: int, bl
     return chain_keys(fingerprint, token_ids, num_blocks, block_size)[-1] if num_blocks else fingerprint
 
 
-def hold_prompt(engine: LLMEngine, token_ids: Sequence[int], max_blocks: int | None = None) -> Hold:
-    return engine.kv.leases.hold_prefix(token_ids, max_blocks)
-
-
-def release(engine: LLMEngine, hold: Hold) -> None:
-    if hold.active:
-        engine.kv.leases.release_hold(hold)
-
-
 def _check_held(hold: Hold, first: int, count: int) -> None:
     if not hold.active:
         raise LookupError("the hold was released")
@@ -68,10 +59,10 @@ def _check_held(hold: Hold, first: int, count: int) -> None:
         raise ValueError(f"blocks [{first}, {first + count}) are not held (the hold has {hold.num_blocks})")
 
 
-def read_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+def read_blocks(runner: ModelRunner, hold: Hold, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """K and V of held blocks [first, first + count), block i on axis 2."""
     _check_held(hold, first, count)
-    runner, blocks = engine.runner, hold.blocks[first : first + count]
+    blocks = hold.blocks[first : first + count]
     parts = [
         runner.blocks.read(runner.cache, blocks[i : i + BLOCK_MOVE_CHUNK])
         for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)
@@ -83,27 +74,29 @@ def read_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> tuple[
     return k, v
 
 
-def write_blocks(engine: LLMEngine, hold: Hold, token_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> Hold:
+def write_blocks(
+    runner: ModelRunner, kv: KVCacheManager, hold: Hold, token_ids: Sequence[int], k: np.ndarray, v: np.ndarray
+) -> Hold:
     """Write pulled K and V of the prompt's blocks from `hold.num_blocks` on into fresh blocks
     and add them to the prefix cache; returns the hold of the longer path (it replaces `hold`).
     Fewer blocks are taken when the pool is short (the request recomputes the rest)."""
-    stages = engine.runner.stages
+    stages = runner.stages
     if stages is not None:  # into this engine's stage slots (identity slots: zeros, never read)
         k, v = pad_layers(k, stages), pad_layers(v, stages)
 
     def write(cache, blocks: list[int], first: int):
         part = slice(first, first + len(blocks))
-        return engine.runner.blocks.write(cache, blocks, k[:, :, part], v[:, :, part])
+        return runner.blocks.write(cache, blocks, k[:, :, part], v[:, :, part])
 
-    return _write_imported(engine, hold, token_ids, k.shape[2], write)
+    return _write_imported(runner, kv, hold, token_ids, k.shape[2], write)
 
 
-def stage_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> list[jax.Array]:
+def stage_blocks(runner: ModelRunner, hold: Hold, first: int, count: int) -> list[jax.Array]:
     """K and V of held blocks [first, first + count) as device arrays K0, V0, K1, V1, ...: chunk i
     holds BLOCK_MOVE_CHUNK blocks from first + i * BLOCK_MOVE_CHUNK on (the last one padded)."""
     _check_held(hold, first, count)
-    check_device_layout(engine)
-    runner, blocks = engine.runner, hold.blocks[first : first + count]
+    check_device_layout(runner)
+    blocks = hold.blocks[first : first + count]
     return [
         x
         for i in range(0, len(blocks), BLOCK_MOVE_CHUNK)
@@ -112,33 +105,40 @@ def stage_blocks(engine: LLMEngine, hold: Hold, first: int, count: int) -> list[
 
 
 def write_staged_blocks(
-    engine: LLMEngine, hold: Hold, token_ids: Sequence[int], arrays: list[jax.Array], num_blocks: int
+    runner: ModelRunner,
+    kv: KVCacheManager,
+    hold: Hold,
+    token_ids: Sequence[int],
+    arrays: list[jax.Array],
+    num_blocks: int,
 ) -> Hold:
     """`write_blocks` for `stage_blocks`' arrays, pulled onto this engine's devices."""
-    check_device_layout(engine)
+    check_device_layout(runner)
 
     def write(cache, blocks: list[int], first: int):
         chunk = 2 * (first // BLOCK_MOVE_CHUNK)
-        return engine.runner.blocks.scatter(cache, blocks, arrays[chunk], arrays[chunk + 1])
+        return runner.blocks.scatter(cache, blocks, arrays[chunk], arrays[chunk + 1])
 
-    return _write_imported(engine, hold, token_ids, num_blocks, write)
+    return _write_imported(runner, kv, hold, token_ids, num_blocks, write)
 
 
-def check_device_layout(engine: LLMEngine) -> None:
+def check_device_layout(runner: ModelRunner) -> None:
     """Staged arrays carry the cache's own layer slots: engines with uneven pipeline stages
     (identity slots among them) hand blocks over as bytes only."""
-    if engine.runner.stages is not None and engine.runner.stages.is_uneven:
-        raise ValueError(
-            f"uneven pipeline stages ({engine.runner.stages.describe()}) move KV as bytes, not device to device"
-        )
+    if runner.stages is not None and runner.stages.is_uneven:
+        raise ValueError(f"uneven pipeline stages ({runner.stages.describe()}) move KV as bytes, not device to device")
 
 
 def _write_imported(
-    engine: LLMEngine, hold: Hold, token_ids: Sequence[int], num_blocks: int, write: Callable[..., object]
+    runner: ModelRunner,
+    kv: KVCacheManager,
+    hold: Hold,
+    token_ids: Sequence[int],
+    num_blocks: int,
+    write: Callable[..., object],
 ) -> Hold:
     """Allocate up to `num_blocks` fresh blocks, fill them chunk by chunk (`write(cache, blocks,
     first)` for the blocks from `first` on) and add them to the prefix cache after `hold`."""
-    kv, runner = engine.kv, engine.runner
     blocks = kv.allocate_import(num_blocks)
     runner.move_blocks(kv.take_copies())  # evictions for them plan copies that read the old contents
     for i in range(0, len(blocks), BLOCK_MOVE_CHUNK):
@@ -154,14 +154,13 @@ class DeviceTransfer:
     connection, so each pull runs on a daemon thread that the caller stops waiting for after its
     timeout; offers not pulled within `offer_timeout` seconds are dropped by the source."""
 
-    def __init__(self, engine: LLMEngine, host: str) -> None:
-        runner = engine.runner
+    def __init__(self, runner: ModelRunner, host: str) -> None:
         self.sharding = runner.blocks.cache_sharding
         client = next(iter(runner.cache.k.sharding.device_set)).client
         bind = f"[{host}]:0" if ":" in host else f"{host}:0"
         self._server = transfer.start_transfer_server(client, bind, [bind])
         self.address = self._server.address()
-        block = block_layout(engine).shape
+        block = block_layout(runner).shape
         self.chunk_shape = block[:2] + (BLOCK_MOVE_CHUNK,) + block[2:]
         self.dtype = runner.cache.k.dtype
         self._ids = itertools.count(random.getrandbits(48) + 1)  # unique across restarts too

@@ -16,6 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import make_engine
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.speculative.config import SpeculativeConfig
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -28,7 +29,9 @@ class LLM:
         unknown = set(engine_args) - fields
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine = make_engine(model, EngineConfig(**engine_args))
+        # vLLM's speculative_config: a dict (or JSON text) here, one SpeculativeConfig in the engine config.
+        speculative = SpeculativeConfig.parse(engine_args.pop("speculative_config", None))
+        self.engine = make_engine(model, EngineConfig(**engine_args, speculative_config=speculative))
         self.warm_up_seconds = self.engine.warm_up() if warm_up else 0.0
         self._ids = itertools.count()
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 (str() of a member is its qualified name, as callers expect)
     STOP = "stop"  # an EOS / stop token id / stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the client or by shutdown

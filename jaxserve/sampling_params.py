@@ -53,22 +53,23 @@ def _is_real(value: object) -> bool:
 class SamplingParams:
     """Sampling settings of one request (vLLM's names and defaults).
 
-    `top_k` 0 or -1 means "off" (stored as 0). `temperature` 0 means greedy. `logprobs` None
-    returns no log-probabilities, 0 only the sampled token's, k (<= 20) also the k most
-    likely tokens'. `prompt_logprobs` (vLLM's) likewise for every prompt token after the
-    first: its log-probability given the tokens before it, and the k most likely there. `seed` None lets the engine draw a seed for the request once, so its
-    random stream is still fixed for its whole life (including preemption and recompute).
-    `logit_bias` maps token ids to values added to their logits before sampling (OpenAI's
-    semantics: -100 bans a token, +100 all but forces it); log-probabilities stay unbiased.
-    `min_tokens` (vLLM's): until that many tokens are out, EOS and `stop_token_ids` cannot be
-    sampled and stop strings are not looked for. `include_stop_str_in_output` (vLLM's) keeps
-    the stop string that ended the text at its end. `guided` constrains the output to a JSON
-    schema, regex, choice or grammar (structured output; see `jaxserve.structured`).
-    `pooling` ("last" or "mean") makes the request an embedding: its prompt is prefilled and
-    nothing is generated; the final delta carries the pooled final hidden states of the prompt
-    (after the model's final norm, not normalized), `Delta.embedding`. Build it with `for_pooling`.
-    `lora` names the LoRA adapter to run the request with (None: the base model); it travels with
-    the other settings so that every engine (replica, remote worker) sees it.
+        `top_k` 0 or -1 means "off" (stored as 0). `temperature` 0 means greedy. `logprobs` None
+        returns no log-probabilities, 0 only the sampled token's, k (<= 20) also the k most
+        likely tokens'. `prompt_logprobs` (vLLM's) likewise for every prompt token after the
+        first: its log-probability given the tokens before it, and the k most likely there. `seed` None
+    lets the engine draw a seed for the request once, so its
+        random stream is still fixed for its whole life (including preemption and recompute).
+        `logit_bias` maps token ids to values added to their logits before sampling (OpenAI's
+        semantics: -100 bans a token, +100 all but forces it); log-probabilities stay unbiased.
+        `min_tokens` (vLLM's): until that many tokens are out, EOS and `stop_token_ids` cannot be
+        sampled and stop strings are not looked for. `include_stop_str_in_output` (vLLM's) keeps
+        the stop string that ended the text at its end. `guided` constrains the output to a JSON
+        schema, regex, choice or grammar (structured output; see `jaxserve.structured`).
+        `pooling` ("last" or "mean") makes the request an embedding: its prompt is prefilled and
+        nothing is generated; the final delta carries the pooled final hidden states of the prompt
+        (after the model's final norm, not normalized), `Delta.embedding`. Build it with `for_pooling`.
+        `lora` names the LoRA adapter to run the request with (None: the base model); it travels with
+        the other settings so that every engine (replica, remote worker) sees it.
     """
 
     n: int = 1

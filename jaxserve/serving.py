@@ -56,7 +56,8 @@ def start_engine(
             raise SystemExit(f"--lora-modules {name}={path}: {e}") from None
         print(f"LoRA adapter {name!r} from {path}", flush=True)
     for disk in {id(e.disk_tier): e.disk_tier for e in replicas if e.disk_tier is not None}.values():
-        print(f"KV disk tier in {disk.root}: {disk.num_files} blocks found ({disk.num_bytes / 1e6:.1f} MB)", flush=True)
+        found = f"{disk.num_blocks} blocks found ({disk.num_bytes / 1e6:.1f} MB)"
+        print(f"KV disk tier in {disk.root}: {found}", flush=True)
     on_each = f" on each of {len(replicas)} replicas" if len(replicas) > 1 else ""
     print(f"compiling buckets{on_each}: {replicas[0].runner.bucket_summary()}", flush=True)
     seconds = engine.warm_up()

@@ -177,14 +177,17 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        template: str | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}, ...]) to the prompt text.
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) to the prompt text, with the
+        model's chat template or `template` (a server's `--chat-template`).
 
         Raises `ValueError` when the model has no chat template, and jinja2's `TemplateError`
         when the template rejects the conversation (e.g. roles out of order).
         """
-        if self.bundle.chat_template is None:
+        template = template or self.bundle.chat_template
+        if template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
@@ -192,7 +195,7 @@ class Tokenizer:
 
         normalized = [normalize_message(m) for m in messages]
         variables = {**self.bundle.special_tokens, **template_kwargs}
-        return compile_chat_template(self.bundle.chat_template).render(
+        return compile_chat_template(template).render(
             messages=normalized,
             tools=tools,
             documents=documents,

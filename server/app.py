@@ -24,6 +24,7 @@ from server import (
     openapi,
     routes_embeddings,
     routes_lora,
+    routes_messages,
     routes_openai,
     routes_ops,
     routes_responses,
@@ -52,7 +53,7 @@ DRAIN_POLL_SECONDS = 0.05
 
 def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The server for `engine` (already started and warmed up)."""
-    info = ModelInfo.from_engine(engine.info, config.served_model_name)
+    info = ModelInfo.from_engine(engine.info, config.served_model_name, config.chat_template)
     keys = ApiKeys(config.api_keys)
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
     sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files, config.response_ttl)
@@ -80,6 +81,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.add_routes(routes_lora.routes)
     app.add_routes(routes_embeddings.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(routes_messages.routes)
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_tokenize.routes)

@@ -1,4 +1,5 @@
-"""API keys as Bearer tokens, and the owner identity that sessions and rate limits hang on.
+"""API keys as Bearer tokens (or in an `x-api-key` header, as Anthropic's clients send them), and
+the owner identity that sessions and rate limits hang on.
 
 A key is never stored or logged: the server keys everything on `owner_id(key)`, a short hash,
 so a session file on disk does not reveal the key that owns it.
@@ -44,16 +45,22 @@ class ApiKeys:
     def is_open(self) -> bool:
         return not self._keys
 
-    def authenticate(self, authorization: str | None) -> str:
-        """The caller's owner id, or APIError 401."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:
+        """The caller's owner id, or APIError 401. The key is `api_key` (an `x-api-key` header)
+        when one is given (not blank), else the Bearer token of `authorization`."""
         if self.is_open:
             return OPEN_OWNER
-        if not authorization:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "the Authorization header must be 'Bearer <key>'", code="invalid_api_key")
+        if api_key is not None and api_key.strip():
+            token = api_key.strip()
+        elif not authorization:
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", code="invalid_api_key"
+            )
+        else:
+            scheme, _, token = authorization.partition(" ")
+            token = token.strip()
+            if scheme.lower() != "bearer" or not token:
+                raise APIError(401, "the Authorization header must be 'Bearer <key>'", code="invalid_api_key")
         # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes; they match no key.
         presented = token.encode("utf-8", "surrogateescape")
         # Compare with every key in constant time, so timing reveals neither key nor position.
@@ -72,7 +79,7 @@ def auth_middleware(keys: ApiKeys) -> Callable:
     ) -> web.StreamResponse:
         if request.path in PUBLIC_PATHS:
             return await handler(request)
-        request[OWNER_KEY] = keys.authenticate(request.headers.get("Authorization"))
+        request[OWNER_KEY] = keys.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
         return await handler(request)
 
     return middleware

@@ -15,6 +15,7 @@ from typing import Any
 from jaxserve.engine_client import EngineClient
 from jaxserve.sampling_params import POOLING_KINDS
 from server.config import ServerConfig
+from server.reasoning import REASONING_PARSERS
 from sharding.multihost import add_distributed_arguments
 
 # Starts the engine that the command's flags describe: None in a multi-process job's followers,
@@ -44,6 +45,14 @@ def add_serve_parser(
 def add_server_args(g: argparse._ArgumentGroup) -> None:
     """The flags of the public server, which `jaxserve serve` and `jaxserve router` share."""
     defaults = ServerConfig()
+    _add_listen_args(g, defaults)
+    _add_limit_args(g, defaults)
+    _add_session_args(g, defaults)
+    _add_reply_args(g, defaults)
+
+
+def _add_listen_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
+    """Where it listens, who may call it, and its shutdown."""
     g.add_argument("--host", default=defaults.host)
     g.add_argument("--port", type=int, default=defaults.port)
     g.add_argument(
@@ -55,6 +64,17 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     g.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
     g.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout,
+        help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
+        "with an error event and [DONE]",
+    )
+
+
+def _add_limit_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
+    """Rate limits, admission, request sizes and timeouts."""
     g.add_argument(
         "--rate-limit-rpm", type=int, default=defaults.rate_limit_rpm, help="requests/minute per key, 0 = off"
     )
@@ -84,6 +104,10 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
         default=defaults.keepalive_timeout,
         help="seconds an idle keep-alive connection stays open",
     )
+
+
+def _add_session_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
+    """Sessions and stored responses."""
     g.add_argument("--session-dir", type=Path, default=None, help="persist sessions as JSON files here")
     g.add_argument("--session-ttl", type=float, default=defaults.session_ttl, help="idle seconds before expiry")
     g.add_argument("--max-sessions-per-key", type=int, default=defaults.max_sessions_per_key)
@@ -106,6 +130,10 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
         default=defaults.max_stored_responses_per_key,
         help="stored responses one key keeps; beyond it, its least recently used idle ones are deleted",
     )
+
+
+def _add_reply_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
+    """How replies are shaped: embeddings' pooling, schemas, reasoning, the chat template."""
     g.add_argument(
         "--embedding-pooling",
         choices=POOLING_KINDS,
@@ -114,11 +142,21 @@ def add_server_args(g: argparse._ArgumentGroup) -> None:
         "state, or the mean of every token's; normalized",
     )
     g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=defaults.shutdown_timeout,
-        help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
-        "with an error event and [DONE]",
+        "--no-strict-schemas",
+        dest="strict_schemas",
+        action="store_false",
+        help="plain JSON Schema for tool parameters and json_schema formats: objects may hold properties "
+        "they do not list (by default they may not unless additionalProperties allows them)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a thinking model's <think>...</think> into reasoning_content (chat) and reasoning items "
+        "(Responses)",
+    )
+    g.add_argument(
+        "--chat-template", default=None, help="a jinja chat template (a file, or the text) instead of the model's"
     )
 
 
@@ -154,7 +192,17 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
         max_stored_responses_per_key=args.max_stored_responses_per_key,
         embedding_pooling=args.embedding_pooling,
         shutdown_timeout=args.shutdown_timeout,
+        strict_schemas=args.strict_schemas,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=_chat_template(args.chat_template),
     )
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (as vLLM reads it)."""
+    if value is None or "{" in value:
+        return value
+    return Path(value).read_text()
 
 
 def serve(args: argparse.Namespace, start_engine: StartEngine) -> int:

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from jaxserve.sampling_params import POOLING_KINDS
+from server.reasoning import REASONING_PARSERS
 
 
 @dataclasses.dataclass
@@ -44,6 +45,11 @@ class ServerConfig:
     # Embeddings: which final hidden states of a prompt /v1/embeddings pools ("last" or "mean").
     embedding_pooling: str = "last"
 
+    # The agent-facing API (server.tools, server.reasoning).
+    strict_schemas: bool = True  # tool parameters and json_schema formats: no properties they do not list
+    reasoning_parser: str | None = None  # vLLM's names: "qwen3", "deepseek_r1"
+    chat_template: str | None = None  # jinja text used instead of the model's own chat template
+
     # Lifecycle.
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
 
@@ -69,5 +75,7 @@ class ServerConfig:
             raise ValueError("grpc_port must be in [0, 65535] and differ from port")
         if self.embedding_pooling not in POOLING_KINDS:
             raise ValueError(f"embedding_pooling must be one of {list(POOLING_KINDS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}")
         if any(not key or any(c.isspace() for c in key) for key in self.api_keys):
             raise ValueError("API keys must be non-empty and contain no whitespace")

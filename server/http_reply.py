@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import aclosing
+from typing import Any
 
 from aiohttp import web
 
+from jaxserve.outputs import Delta
 from server.errors import APIError
 from server.generation import Generation
 from server.openai_bodies import ChatShapes, ChoiceOutput, CompletionShapes
@@ -63,11 +65,11 @@ async def _stream(
                         started.add(index)
                         await events.send(shapes.role_chunk(index, include_usage))
                     if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
-                        chunk = shapes.chunk(index, delta, include_usage)
-                        if chunk is None:  # held back (a tool call still being written)
-                            continue
-                        await events.send(chunk)
+                        for chunk in _chunks(shapes, index, delta, include_usage):
+                            await events.send(chunk)
             if include_usage:
+                if isinstance(shapes, ChatShapes):
+                    shapes.count_reasoning(choices, generation.usage)
                 await events.send(shapes.usage_chunk(generation.usage))
         except APIError as e:
             if not events.started:
@@ -77,3 +79,13 @@ async def _stream(
     except ConnectionError:
         pass  # the client went away; leaving the loop aborted the generation
     return events.response
+
+
+def _chunks(
+    shapes: ChatShapes | CompletionShapes, index: int, delta: Delta, include_usage: bool
+) -> list[dict[str, Any]]:
+    """A delta's chunks: a chat delta may make several (a call's start, then its arguments), or
+    none yet (a call's name still being written)."""
+    if isinstance(shapes, ChatShapes):
+        return shapes.chunks(index, delta, include_usage)
+    return [shapes.chunk(index, delta, include_usage)]

@@ -34,77 +34,88 @@ class _EngineCollector(Collector):
         s = self.snapshot
         if s is None:
             return
-        requests = GaugeMetricFamily(f"{PREFIX}_num_requests", "Sequences in the engine by state", labels=["state"])
-        requests.add_metric(["running"], s.running)
-        requests.add_metric(["waiting"], s.waiting)
-        requests.add_metric(["swapped"], s.swapped)
-        requests.add_metric(["preempted"], s.preempted)
-        yield requests
-        blocks = GaugeMetricFamily(f"{PREFIX}_kv_blocks", "KV cache blocks by state", labels=["state"])
-        for state in ("used", "free", "cached", "cached_idle", "pinned"):
-            blocks.add_metric([state], getattr(s.kv, state))
-        yield blocks
-        yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_total", "Usable KV cache blocks", value=s.kv.num_blocks)
-        yield GaugeMetricFamily(
-            f"{PREFIX}_kv_usage_ratio",
-            "Fraction of KV blocks held by requests",
-            value=s.kv.used / s.kv.num_blocks if s.kv.num_blocks else 0.0,
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_prefix_cache_hit_rate",
-            "Prompt tokens served from the prefix cache / prompt tokens queried",
-            value=s.prefix_hit_rate,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            value=s.prefix_query_tokens,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", value=s.prefix_hit_tokens
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_preemptions", "Requests preempted by the scheduler", value=s.num_preemptions
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_compilations", "XLA compilations of step functions", value=s.num_compilations
-        )
-        yield CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps run", value=s.num_steps)
-        yield CounterMetricFamily(
-            f"{PREFIX}_prompt_tokens_computed",
-            "Prompt tokens computed (not served from cache)",
-            value=s.prompt_tokens_computed,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_spec_decode_steps", "Engine steps that verified speculative drafts", value=s.speculative_steps
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (n-gram speculation)", value=s.draft_tokens
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_spec_decode_accepted_tokens", "Draft tokens accepted by verification", value=s.accepted_tokens
-        )
+        yield from _state_metrics(s)
+        yield from _counter_metrics(s)
         yield from _tier_metrics(s)
         yield from _transfer_metrics(s)
         yield from _expert_metrics(s)
         yield from _lora_metrics(s)
         yield from _pipeline_metrics(s)
-        per_replica = GaugeMetricFamily(
-            f"{PREFIX}_replica_num_requests",
-            "Sequences per data-parallel replica by state",
-            labels=["replica", "state"],
-        )
-        kv_per_replica = GaugeMetricFamily(
-            f"{PREFIX}_replica_kv_usage_ratio",
-            "Fraction of a data-parallel replica's KV blocks held by requests",
-            labels=["replica"],
-        )
-        for i, r in enumerate(s.replicas):
-            per_replica.add_metric([str(i), "running"], r.running)
-            per_replica.add_metric([str(i), "waiting"], r.waiting)
-            kv_per_replica.add_metric([str(i)], r.kv_used / r.kv_blocks if r.kv_blocks else 0.0)
-        yield per_replica
-        yield kv_per_replica
+        yield from _replica_metrics(s)
+
+
+def _state_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """Sequences by state, KV blocks by state, usage and the prefix cache's hit rate."""
+    requests = GaugeMetricFamily(f"{PREFIX}_num_requests", "Sequences in the engine by state", labels=["state"])
+    requests.add_metric(["running"], s.running)
+    requests.add_metric(["waiting"], s.waiting)
+    requests.add_metric(["swapped"], s.swapped)
+    requests.add_metric(["preempted"], s.preempted)
+    yield requests
+    blocks = GaugeMetricFamily(f"{PREFIX}_kv_blocks", "KV cache blocks by state", labels=["state"])
+    for state in ("used", "free", "cached", "cached_idle", "pinned"):
+        blocks.add_metric([state], getattr(s.kv, state))
+    yield blocks
+    yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_total", "Usable KV cache blocks", value=s.kv.num_blocks)
+    yield GaugeMetricFamily(
+        f"{PREFIX}_kv_usage_ratio",
+        "Fraction of KV blocks held by requests",
+        value=s.kv.used / s.kv.num_blocks if s.kv.num_blocks else 0.0,
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_prefix_cache_hit_rate",
+        "Prompt tokens served from the prefix cache / prompt tokens queried",
+        value=s.prefix_hit_rate,
+    )
+
+
+def _counter_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """Counters since the start: prefix-cache tokens, preemptions, compilations, steps, speculation."""
+    yield CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache",
+        value=s.prefix_query_tokens,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", value=s.prefix_hit_tokens
+    )
+    yield CounterMetricFamily(f"{PREFIX}_preemptions", "Requests preempted by the scheduler", value=s.num_preemptions)
+    yield CounterMetricFamily(f"{PREFIX}_compilations", "XLA compilations of step functions", value=s.num_compilations)
+    yield CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps run", value=s.num_steps)
+    yield CounterMetricFamily(
+        f"{PREFIX}_prompt_tokens_computed",
+        "Prompt tokens computed (not served from cache)",
+        value=s.prompt_tokens_computed,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_spec_decode_steps", "Engine steps that verified speculative drafts", value=s.speculative_steps
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (n-gram speculation)", value=s.draft_tokens
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_spec_decode_accepted_tokens", "Draft tokens accepted by verification", value=s.accepted_tokens
+    )
+
+
+def _replica_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """Per data-parallel replica: sequences by state and KV usage."""
+    per_replica = GaugeMetricFamily(
+        f"{PREFIX}_replica_num_requests",
+        "Sequences per data-parallel replica by state",
+        labels=["replica", "state"],
+    )
+    kv_per_replica = GaugeMetricFamily(
+        f"{PREFIX}_replica_kv_usage_ratio",
+        "Fraction of a data-parallel replica's KV blocks held by requests",
+        labels=["replica"],
+    )
+    for i, r in enumerate(s.replicas):
+        per_replica.add_metric([str(i), "running"], r.running)
+        per_replica.add_metric([str(i), "waiting"], r.waiting)
+        kv_per_replica.add_metric([str(i)], r.kv_used / r.kv_blocks if r.kv_blocks else 0.0)
+    yield per_replica
+    yield kv_per_replica
 
 
 def _expert_metrics(s: EngineSnapshot) -> Iterator[Metric]:

@@ -23,9 +23,15 @@ class ModelInfo:
     block_size: int
     hidden_size: int
     created: int
+    chat_template: str | None = None  # the server's --chat-template, used instead of the model's
+
+    @property
+    def template(self) -> str | None:
+        """The chat template that prompts are rendered with."""
+        return self.chat_template or self.tokenizer.chat_template
 
     @classmethod
-    def from_engine(cls, info: EngineInfo, name: str) -> ModelInfo:
+    def from_engine(cls, info: EngineInfo, name: str, chat_template: str | None = None) -> ModelInfo:
         return cls(
             name=name,
             tokenizer=info.tokenizer,
@@ -35,6 +41,7 @@ class ModelInfo:
             block_size=info.block_size,
             hidden_size=info.hidden_size,
             created=int(time.time()),
+            chat_template=chat_template,
         )
 
     def token_text(self, token_id: int) -> str:

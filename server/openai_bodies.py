@@ -9,7 +9,9 @@ from typing import Any
 
 from jaxserve.outputs import Delta, TokenLogprob
 from server.model_info import ModelInfo
-from server.tools import ToolCalling
+from server.reply_stream import ReplyParsing, ReplyStream
+from server.tool_formats import new_call_id
+from server.tool_stream import CallStart, Content, Event, Reasoning
 
 
 @dataclasses.dataclass
@@ -17,6 +19,7 @@ class UsageCount:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens (with a reasoning parser)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -24,6 +27,7 @@ class UsageCount:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
 
@@ -199,20 +203,26 @@ class CompletionShapes:
 
 
 class ChatShapes:
-    """`chat.completion` and `chat.completion.chunk` objects. With `tools`, a reply's tool calls
-    become `tool_calls` (finish reasons as OpenAI gives them: `ToolCalling.reply`); a stream shows
-    content up to where a call starts and sends the calls, each with its index, in the choice's
-    last chunk."""
+    """`chat.completion` and `chat.completion.chunk` objects. With a `ReplyParsing` (tools or a
+    reasoning parser), a reply's reasoning becomes `reasoning_content` and its tool calls
+    `tool_calls` (finish reasons as OpenAI gives them: `ToolCalling.reply`); a stream sends them as
+    they are written (`server.reply_stream`): reasoning deltas, content up to where a call starts,
+    and each call's id and name, then its argument fragments, one chunk each."""
 
     def __init__(
-        self, response_id: str, info: ModelInfo, tools: ToolCalling | None = None, show_prompt_logprobs: bool = False
+        self,
+        response_id: str,
+        info: ModelInfo,
+        parsing: ReplyParsing | None = None,
+        show_prompt_logprobs: bool = False,
     ) -> None:
         self.id = response_id
         self.info = info
         self.created = int(time.time())
-        self._tools = tools
-        self._texts: dict[int, str] = {}  # with tools: each choice's text so far
-        self._shown: dict[int, int] = {}  # and how much of it was sent as content
+        self._parsing = parsing
+        self._streams: dict[int, ReplyStream] = {}  # per choice
+        self._texts: dict[int, str] = {}  # per choice: its reply so far
+        self._call_ids: dict[tuple[int, int], str] = {}
         self.show_prompt_logprobs = show_prompt_logprobs  # vLLM's top-level `prompt_logprobs`
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -235,54 +245,75 @@ class ChatShapes:
             body["usage"] = None
         return body
 
-    def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any] | None:
-        """The chunk of a delta; None when it has nothing to show yet (a tool call in progress)."""
+    def chunks(self, index: int, delta: Delta, include_usage: bool) -> list[dict[str, Any]]:
+        """The chunks of a delta: none when it shows nothing yet (a call's name still being
+        written), else one per piece, the finish reason on the last, the logprobs on the first."""
         logprobs = chat_logprobs(self.info, delta.logprobs) if delta.logprobs is not None else None
         finish_reason = delta.finish_reason
-        if self._tools is None:
-            content = {"content": delta.text} if delta.text or finish_reason is None else {}
+        if self._parsing is None:
+            pieces = [{"content": delta.text}] if delta.text or finish_reason is None else []
         else:
-            content, finish_reason = self._tool_delta(index, delta)
-            if content is None and logprobs is None:
-                return None
-        body = self._envelope(
-            "chat.completion.chunk",
-            [{"index": index, "delta": content or {}, "logprobs": logprobs, "finish_reason": finish_reason}],
-        )
+            pieces, finish_reason = self._parsed(index, delta)
+        if not pieces and logprobs is None and finish_reason is None:
+            return []
+        out = []
+        for piece in pieces or [{}]:
+            choice = {"index": index, "delta": piece, "logprobs": None, "finish_reason": None}
+            out.append(self._envelope("chat.completion.chunk", [choice]))
+            if include_usage:
+                out[-1]["usage"] = None
+        out[0]["choices"][0]["logprobs"] = logprobs
+        out[-1]["choices"][0]["finish_reason"] = finish_reason
         if self.show_prompt_logprobs and delta.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_field(self.info, delta.prompt_logprobs)
-        if include_usage:
-            body["usage"] = None
-        return body
+            out[0]["prompt_logprobs"] = prompt_logprobs_field(self.info, delta.prompt_logprobs)
+        return out
 
-    def _tool_delta(self, index: int, delta: Delta) -> tuple[dict[str, Any] | None, str | None]:
-        """A tool request's delta: content newly safe to show, and at the end the calls."""
+    def _parsed(self, index: int, delta: Delta) -> tuple[list[dict[str, Any]], str | None]:
+        """A delta's pieces as the reply's parsing shows them, and the choice's finish reason."""
+        stream = self._streams.setdefault(index, self._parsing.stream())
         text = self._texts[index] = self._texts.get(index, "") + delta.text
-        shown = self._shown.get(index, 0)
         if delta.finish_reason is None:
-            end = max(shown, self._tools.shown(text))
-            self._shown[index] = end
-            return ({"content": text[shown:end]} if end > shown else None), None
-        content, calls, finish_reason = self._tools.reply(text, delta.finish_reason)
-        body: dict[str, Any] = {"content": content[shown:]} if content and len(content) > shown else {}
-        if calls:
-            body["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
-        return body, finish_reason
+            events, finish_reason = stream.update(text), None
+        else:
+            events, parts = stream.finish(text, delta.finish_reason)
+            finish_reason = parts.finish_reason
+        return [self._piece(index, event) for event in events], finish_reason
+
+    def _piece(self, index: int, event: Event) -> dict[str, Any]:
+        if isinstance(event, Reasoning):
+            return {"reasoning_content": event.text}
+        if isinstance(event, Content):
+            return {"content": event.text}
+        if isinstance(event, CallStart):
+            call_id = self._call_ids[index, event.index] = new_call_id()
+            function = {"name": event.name, "arguments": ""}
+            return {"tool_calls": [{"index": event.index, "id": call_id, "type": "function", "function": function}]}
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+
+    def count_reasoning(self, choices: list[ChoiceOutput], usage: UsageCount) -> None:
+        """Set the usage's reasoning tokens from the choices' finished replies."""
+        if self._parsing is not None and self._parsing.reasoning is not None:
+            usage.reasoning_tokens = sum(
+                self._parsing.reasoning_tokens(self.info.tokenizer, c.token_ids) for c in choices
+            )
 
     def usage_chunk(self, usage: UsageCount) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage.as_dict()}
 
     def response(self, choices: list[ChoiceOutput], usage: UsageCount) -> dict[str, Any]:
+        self.count_reasoning(choices, usage)
         out = []
         for i, c in enumerate(choices):
             logprobs = chat_logprobs(self.info, c.logprobs) if c.logprobs is not None else None
             message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
             finish_reason = c.finish_reason
-            if self._tools is not None:
-                content, calls, finish_reason = self._tools.reply(c.text, finish_reason)
-                message["content"] = content
-                if calls:
-                    message["tool_calls"] = [call.as_dict() for call in calls]
+            if self._parsing is not None:
+                parts = self._parsing.parts(c.text, finish_reason)
+                message["content"], finish_reason = parts.content, parts.finish_reason
+                if self._parsing.reasoning is not None:
+                    message["reasoning_content"] = parts.reasoning
+                if parts.calls:
+                    message["tool_calls"] = [call.as_dict() for call in parts.calls]
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         body = {**self._envelope("chat.completion", out), "usage": usage.as_dict()}
         if self.show_prompt_logprobs:

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from server.messages_request import COUNT_TOKENS_FIELDS, MESSAGES_FIELDS
 from server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from server.response_request import RESPONSE_FIELDS
 from server.routes_embeddings import EMBEDDING_FIELDS
@@ -85,6 +86,16 @@ OPERATIONS: dict[tuple[str, str], tuple[str, frozenset[str] | None, tuple[str, .
         "Create a response (Responses API): streamed events, one object, or in the background",
         RESPONSE_FIELDS,
         ("input",),
+    ),
+    ("POST", "/v1/messages"): (
+        "Create a message (Anthropic's Messages API), streamed (SSE events) or not",
+        MESSAGES_FIELDS,
+        ("max_tokens", "messages"),
+    ),
+    ("POST", "/v1/messages/count_tokens"): (
+        "The prompt tokens of a Messages API request (Anthropic's count_tokens)",
+        COUNT_TOKENS_FIELDS,
+        ("messages",),
     ),
     ("GET", "/v1/responses/{response_id}"): ("A stored response", None, ()),
     ("DELETE", "/v1/responses/{response_id}"): ("Delete a stored response", None, ()),

@@ -158,12 +158,20 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text of a conversation, from the model's chat template (given `tools` too)."""
+    """The prompt text of a conversation, from the model's chat template (given `tools` too, and
+    a request's `chat_template_kwargs` as template variables)."""
     keys = ("role", "content", "tool_calls", "tool_call_id")
     plain = [{k: m[k] for k in keys if k in m} for m in messages]
     try:
-        return info.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools)
+        return info.tokenizer.apply_chat_template(
+            plain,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template=info.chat_template,
+            **(template_kwargs or {}),
+        )
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(
             f"the conversation cannot be rendered with the model's chat template: {e}", param="messages"
@@ -175,6 +183,7 @@ def encode_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of a conversation: its rendered text, encoded as written, except that an
     assistant message carrying `token_ids` (the ids the model generated for it, which a
@@ -191,11 +200,11 @@ def encode_chat(
     """
     with_ids = [i for i, m in enumerate(messages) if m.get("token_ids") is not None]
     if not with_ids or any(_MARK in m["content"] for m in messages):
-        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt, tools))
+        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt, tools, template_kwargs))
     marked = [dict(m, content=f"{_MARK}{i}{_MARK}") if i in with_ids else m for i, m in enumerate(messages)]
-    pieces = render_chat(info, marked, add_generation_prompt, tools).split(_MARK)
+    pieces = render_chat(info, marked, add_generation_prompt, tools, template_kwargs).split(_MARK)
     if pieces[1::2] != [str(i) for i in with_ids]:
-        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt, tools))
+        return info.tokenizer.encode(render_chat(info, messages, add_generation_prompt, tools, template_kwargs))
     ids: list[int] = []
     for text, i in zip(pieces[0::2], with_ids):
         ids += info.tokenizer.encode(text) if text else []

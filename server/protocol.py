@@ -18,6 +18,7 @@ from aiohttp import web
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.structured.spec import GuidedDecoding
+from jaxserve.structured.strict import strict_schema
 from server.errors import APIError, bad_request
 from server.json_body import JSONBodyError, parse_json
 
@@ -47,6 +48,7 @@ SAMPLING_FIELDS = frozenset(
 # Structured output: OpenAI's response_format and vLLM's extras (at most one of them).
 GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 TOOL_FIELDS = frozenset({"tools", "tool_choice"})
+TEMPLATE_FIELDS = frozenset({"chat_template_kwargs"})  # vLLM's extra template variables
 # Accepted and ignored: they describe the caller, not the generation.
 METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 STREAM_FIELDS = frozenset({"stream", "stream_options"})
@@ -71,6 +73,7 @@ CHAT_FIELDS = (
     | CHAT_LOGPROB_FIELDS
     | GUIDED_FIELDS
     | TOOL_FIELDS
+    | TEMPLATE_FIELDS
     | (frozenset(NEUTRAL_VALUES) - {"suffix"})
 )
 COMPLETION_FIELDS = (
@@ -228,9 +231,11 @@ def max_tokens_setting(body: dict[str, Any], limits: Limits, longest_prompt: int
     return given
 
 
-def guided_setting(body: dict[str, Any]) -> GuidedDecoding | None:
+def guided_setting(body: dict[str, Any], strict: bool = True) -> GuidedDecoding | None:
     """The structured-output constraint of `response_format` or a `guided_*` field (at most one);
-    400 naming the field and the problem when it is malformed or the grammar library rejects it."""
+    400 naming the field and the problem when it is malformed or the grammar library rejects it.
+    With `strict` (the server's default; `json_schema.strict: false` opts out), objects hold only
+    the properties their schema lists unless it allows more (`strict_schema`)."""
     given = {name: body[name] for name in GUIDED_FIELDS if name in body}
     if given.get("response_format") == {"type": "text"}:
         del given["response_format"]
@@ -241,9 +246,10 @@ def guided_setting(body: dict[str, Any]) -> GuidedDecoding | None:
     ((name, value),) = given.items()
     try:
         if name == "response_format":
-            return _response_format(value)
+            return _response_format(value, strict)
         if name == "guided_json":
-            return GuidedDecoding("json", _json_value(value, name))
+            schema = _json_value(value, name)
+            return GuidedDecoding("json", strict_schema(schema) if strict else schema)
         return GuidedDecoding(
             {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}[name], value
         )
@@ -251,7 +257,7 @@ def guided_setting(body: dict[str, Any]) -> GuidedDecoding | None:
         raise bad_request(f"{name}: {e}", param=name, code="invalid_schema") from None
 
 
-def _response_format(value: Any) -> GuidedDecoding:
+def _response_format(value: Any, strict: bool) -> GuidedDecoding:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "json_object" and set(value) == {"type"}:
         return GuidedDecoding("json_object")
@@ -265,7 +271,9 @@ def _response_format(value: Any) -> GuidedDecoding:
             raise ValueError("json_schema.name must be a string")
         if "strict" in spec and not isinstance(spec["strict"], bool):
             raise ValueError("json_schema.strict must be a boolean")
-        return GuidedDecoding("json", spec["schema"]) if "schema" in spec else GuidedDecoding("json_object")
+        if "schema" not in spec:
+            return GuidedDecoding("json_object")
+        return GuidedDecoding("json", strict_schema(spec["schema"]) if spec.get("strict", strict) else spec["schema"])
     raise ValueError(
         'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
         '{"name": ..., "schema": {...}}}'
@@ -291,11 +299,12 @@ def build_sampling_params(
     vocab_size: int,
     guided: GuidedDecoding | None = None,
     echo: bool = False,
+    strict_schemas: bool = True,
 ) -> SamplingParams:
     """The request's SamplingParams; `guided` (a tool call to enforce) replaces the body's
     structured-output fields, which may not be given with it. With `echo` and `logprobs`
     (completions), the prompt is scored too (prompt_logprobs defaults to logprobs)."""
-    given = guided_setting(body)
+    given = guided_setting(body, strict_schemas)
     if guided is not None and given is not None:
         raise bad_request(
             "a required or named tool_choice cannot be combined with structured output fields", param="tool_choice"

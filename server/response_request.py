@@ -4,9 +4,10 @@ as chat messages, function tools and `tool_choice` in chat completions' form, th
 
 `input` is a string (one user message) or a list of items: messages (roles user, system,
 developer, assistant; text content or `input_text` / `output_text` parts), `function_call` items
-(an earlier reply's calls) and `function_call_output` items (their results). Each item is kept,
-with an id, for `GET /v1/responses/{id}/input_items`. Anything else (images, files, reasoning or
-item references, hosted tools) is a 400 that names it.
+(an earlier reply's calls), `function_call_output` items (their results) and `reasoning` items
+(an earlier reply's reasoning: kept, not shown to the model). Each item is kept, with an id, for
+`GET /v1/responses/{id}/input_items`. Anything else (images, files, item references, hosted
+tools) is a 400 that names it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ RESPONSE_FIELDS = frozenset(
         "min_p",
         "repetition_penalty",
         "seed",
+        # vLLM's structured-output extras
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "guided_json",
     }
 )
 # Fields the server does not implement, with the values that mean "not used".
@@ -60,12 +66,14 @@ NEUTRAL = {
     "max_tool_calls": (),
 }
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+GUIDED = ("guided_regex", "guided_grammar", "guided_choice", "guided_json")  # with SAMPLING, to build_sampling_params
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
 PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
 TEXT_PARTS = ("input_text", "output_text")
 CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
+REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
 TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 FORMAT_KEYS = frozenset({"type", "name", "schema", "strict", "description"})
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
@@ -127,7 +135,7 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
     parallel = _optional(body, "parallel_tool_calls", bool, True)
     text, response_format = _text_format(body.get("text"))
     logprobs = _logprobs(body)
-    sampling = {name: body[name] for name in SAMPLING if name in body}
+    sampling = {name: body[name] for name in SAMPLING + GUIDED if name in body}
     metadata = _metadata(body.get("metadata", {}))
     echo = {
         "instructions": instructions,
@@ -193,10 +201,12 @@ def parse_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
             items.append(_call_item(item, where, messages))
         elif kind == "function_call_output":
             items.append(_output_item(item, where, messages))
+        elif kind == "reasoning":
+            items.append(_reasoning_item(item, where))
         else:
             raise bad_request(
-                f"{where}: items of type {kind!r} are not supported (only messages, function_call and "
-                "function_call_output)",
+                f"{where}: items of type {kind!r} are not supported (only messages, function_call, "
+                "function_call_output and reasoning)",
                 param="input",
             )
     return messages, items
@@ -285,6 +295,24 @@ def _output_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]
         "call_id": item["call_id"],
         "output": output,
         "status": "completed",
+    }
+
+
+def _reasoning_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """An earlier reply's reasoning, as clients send it back: kept with the input, not shown to the
+    model (chat templates drop the reasoning of earlier turns)."""
+    _check_keys(item, REASONING_KEYS, where)
+    for name in ("summary", "content"):
+        parts = item.get(name, [])
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+        ):
+            raise bad_request(f"{where}.{name} must be a list of text parts", param="input")
+    return {
+        "type": "reasoning",
+        "id": _id(item, "rs"),
+        "summary": item.get("summary", []),
+        **({"content": item["content"]} if "content" in item else {}),
     }
 
 

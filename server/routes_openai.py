@@ -29,6 +29,7 @@ from server.protocol import (
     read_json_object,
     require_bool,
 )
+from server.reply_setup import reply_parsing, template_kwargs_setting
 from server.state import STATE, ServerState
 from server.tools import ToolCalling, ToolFormat, forced_constraint, parse_tool_choice, parse_tools
 
@@ -57,6 +58,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_n=state.limits.max_n,
         vocab_size=state.info.vocab_size,
         echo=echo,
+        strict_schemas=state.config.strict_schemas,
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -86,12 +88,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = parse_messages(body["messages"], tools=True)
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
-    tool_format = ToolFormat(state.info.tokenizer.chat_template)
+    tool_format = ToolFormat(state.info.template, tools)
     shown_tools = tools if choice.mode != "none" else []
     messages, template_tools = tool_format.prompt(messages, shown_tools)
-    ids = check_prompt_ids(encode_chat(state.info, messages, tools=template_tools), state.info, "messages")
+    kwargs = template_kwargs_setting(body)
+    ids = encode_chat(state.info, messages, tools=template_tools, template_kwargs=kwargs)
+    ids = check_prompt_ids(ids, state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
-    forced = forced_constraint(tools, choice, require_bool(body, "parallel_tool_calls", True))
+    strict = state.config.strict_schemas
+    forced = forced_constraint(tools, choice, require_bool(body, "parallel_tool_calls", True), strict)
     params = build_sampling_params(
         body,
         max_tokens=max_tokens,
@@ -99,15 +104,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_n=state.limits.max_n,
         vocab_size=state.info.vocab_size,
         guided=forced,
+        strict_schemas=strict,
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    shapes = ChatShapes(
-        response_id,
-        info,
-        ToolCalling(tool_format, choice) if shown_tools else None,
-        show_prompt_logprobs="prompt_logprobs" in body,
-    )
+    calling = ToolCalling(tool_format, choice) if shown_tools else None
+    parsing = reply_parsing(state.info, state.config.reasoning_parser, calling, ids, params)
+    shapes = ChatShapes(response_id, info, parsing, show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n):
         generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)
         return await respond(request, generation, shapes, stream)

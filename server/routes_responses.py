@@ -34,8 +34,10 @@ from server.generation import EngineRequest, Generation
 from server.openai_bodies import ChoiceOutput, UsageCount
 from server.prompts import check_prompt_ids, encode_chat, reply_token_ids
 from server.protocol import Limits, build_sampling_params, check_fields, guided_setting, read_json_object
+from server.reply_setup import reply_parsing
+from server.response_events import ResponseEvents
 from server.response_request import RESPONSE_FIELDS, ResponseRequest, parse_request
-from server.response_shapes import ResponseEvents, ResponseShapes
+from server.response_shapes import ResponseShapes
 from server.response_store import ResponseStore, new_response_id
 from server.sessions import Message, Session
 from server.sse import EventStream
@@ -103,7 +105,7 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
             f"a chain of responses holds at most {state.config.max_session_messages} messages", param="input"
         )
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    tool_format = ToolFormat(info.tokenizer.chat_template)
+    tool_format = ToolFormat(info.template, req.tools)
     shown_tools = req.tools if req.tool_choice.mode != "none" else []
     messages, template_tools = tool_format.prompt([*instructions, *history, *req.messages], shown_tools)
     ids = check_prompt_ids(encode_chat(info, messages, tools=template_tools), info, "input")
@@ -113,28 +115,29 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
         logprobs=req.logprobs,
         max_n=1,
         vocab_size=info.vocab_size,
-        guided=_constraint(req),
+        guided=_constraint(req, state.config.strict_schemas),
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = new_response_id()
     tools = ToolCalling(tool_format, req.tool_choice) if shown_tools else None
+    parsing = reply_parsing(info, state.config.reasoning_parser, tools, ids, params)
     chain = previous.placement_id if previous is not None else response_id
-    return _Turn(req, ResponseShapes(response_id, shown, req.echo, tools), previous, history, chain, ids, params)
+    return _Turn(req, ResponseShapes(response_id, shown, req.echo, parsing), previous, history, chain, ids, params)
 
 
-def _constraint(req: ResponseRequest) -> Any:
+def _constraint(req: ResponseRequest, strict: bool) -> Any:
     """The structured output of a forced tool call (the reply is a call, whatever `text.format`
     says of text), else of `text.format` (which leaves no room for a call: with tool_choice auto, a
     reply is then text)."""
     given = None
     if req.response_format is not None:
         try:
-            given = guided_setting({"response_format": req.response_format})
+            given = guided_setting({"response_format": req.response_format}, strict)
         except APIError as e:
             raise bad_request(
                 f"text.format: {e.message.removeprefix('response_format: ')}", param="text", code=e.code
             ) from None
-    return forced_constraint(req.tools, req.tool_choice, req.parallel_tool_calls) or given
+    return forced_constraint(req.tools, req.tool_choice, req.parallel_tool_calls, strict) or given
 
 
 def _max_output_tokens(body: dict[str, Any], limits: Limits, prompt_tokens: int) -> int:
@@ -168,6 +171,7 @@ async def _finish(
     state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutput, usage: UsageCount
 ) -> dict[str, Any]:
     """The finished response's body, stored first when it is to be."""
+    turn.shapes.count_reasoning(choice, usage)
     status, output = turn.shapes.reply(choice)
     body = turn.shapes.body(status, output, usage)
     await _save(state, owner, turn, choice, body)

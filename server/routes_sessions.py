@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxserve.sampling_params import SamplingParams
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request, not_found
 from server.generation import EngineRequest
@@ -233,6 +234,27 @@ async def cancel_reply(request: web.Request) -> web.Response:
     return web.json_response(session.public())
 
 
+def _reply_prompt(info: ModelInfo, messages: list[Message], continuing: bool) -> tuple[list[int], list[int]]:
+    """The reply's prompt ids and, `continuing`, the ids of the open last message it extends."""
+    if not continuing:
+        return encode_chat(info, messages), []
+    last = messages[-1]
+    open_ids = last.get("token_ids") or (info.tokenizer.encode(last["content"]) if last["content"] else [])
+    return encode_chat(info, messages[:-1]) + open_ids, open_ids
+
+
+def _reply_params(state: ServerState, session: Session, body: dict[str, Any], prompt_len: int) -> SamplingParams:
+    """The session's default settings, overridden by the request's."""
+    settings = {**session.defaults, **{k: v for k, v in body.items() if k in DEFAULT_FIELDS}}
+    return build_sampling_params(
+        settings,
+        max_tokens=max_tokens_setting(settings, state.limits, prompt_len, None),
+        logprobs=logprobs_setting(settings, chat=True),
+        max_n=1,
+        vocab_size=state.info.vocab_size,
+    )
+
+
 async def _reply(
     request: web.Request,
     state: ServerState,
@@ -246,25 +268,10 @@ async def _reply(
     and make `messages` plus the reply the session's history."""
     info = state.info
     shown, adapter = _session_model(state, session, body)
-    if continuing:
-        last = messages[-1]
-        open_ids = last.get("token_ids") or (info.tokenizer.encode(last["content"]) if last["content"] else [])
-        prompt = encode_chat(info, messages[:-1]) + open_ids
-    else:
-        open_ids = []
-        prompt = encode_chat(info, messages)
+    prompt, open_ids = _reply_prompt(info, messages, continuing)
     ids = check_prompt_ids(prompt, info, param="messages")
-    settings = {**session.defaults, **{k: v for k, v in body.items() if k in DEFAULT_FIELDS}}
     stream = parse_stream(body)
-    max_tokens = max_tokens_setting(settings, state.limits, len(ids), None)
-    params = build_sampling_params(
-        settings,
-        max_tokens=max_tokens,
-        logprobs=logprobs_setting(settings, chat=True),
-        max_n=1,
-        vocab_size=info.vocab_size,
-    )
-    params = dataclasses.replace(params, lora=adapter)
+    params = dataclasses.replace(_reply_params(state, session, body, len(ids)), lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     _claim(session)
     with state.admission.hold(1):

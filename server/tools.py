@@ -1,12 +1,13 @@
 """Tool calling on chat completions: `tools` and `tool_choice` checked, tools rendered into the
 prompt, and the reply's calls parsed into OpenAI's `tool_calls`.
 
-Two tool-call formats, chosen from the model's chat template:
+The tool-call format is chosen from the model's chat template (`server.tool_formats` parses them):
 - Hermes style (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), the default. A
   template that does not render `tools` itself (SmolLM2-Instruct's, the default model's, has no
   tool support at all) gets the tools and this format described in its system message.
-- Llama 3 (templates that know `<|python_tag|>`): the template renders the tools; a call is a JSON
-  object with "name" and "parameters", optionally after `<|python_tag|>`, several joined by ";".
+- Llama 3 (templates that know `<|python_tag|>`), Mistral (`[TOOL_CALLS]`), Qwen3-Coder's XML
+  (templates that write `<parameter=`) and pythonic calls (`[f(a=1)]`, templates that describe
+  `[func_name1(...)]`, as Llama 3.2's and 4's pythonic ones do): the template renders the tools.
 
 `tool_choice` "required" and a named function are enforced with structured output, as vLLM does:
 "required" constrains the reply to a JSON array of {"name", "parameters"} objects over the given
@@ -19,31 +20,36 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from typing import Any
 
 from jaxserve.structured.spec import GuidedDecoding
+from jaxserve.structured.strict import strict_schema
 from server.errors import bad_request
+from server.partial_json import cut_json_objects, cut_objects
+from server.tool_formats import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    MISTRAL_TAG,
+    PYTHON_TAG,
+    XML_FUNCTION,
+    PartialCall,
+    Schemas,
+    ToolCall,
+    hermes_calls,
+    llama3_calls,
+    mistral_calls,
+    partial_call,
+    pythonic_calls,
+    pythonic_partial_calls,
+    xml_calls,
+    xml_partial_calls,
+)
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+PYTHONIC_START = re.compile(r"\[\s*[A-Za-z_][\w.-]*\s*\(")  # a reply that is a list of calls
+PYTHONIC_PREFIX = re.compile(r"\s*(\[\s*([A-Za-z_][\w.-]*\s*)?)?")  # what may still become one
 FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text
-
-    def as_dict(self, index: int | None = None) -> dict[str, Any]:
-        call = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return call if index is None else {"index": index, **call}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +115,13 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> Tool
     )
 
 
-def forced_constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool) -> GuidedDecoding | None:
-    """The structured-output constraint that enforces "required" or a named function."""
-    functions = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+def forced_constraint(
+    tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool, strict: bool = True
+) -> GuidedDecoding | None:
+    """The structured-output constraint that enforces "required" or a named function. With
+    `strict` (the server's default), a function's parameters hold only the properties they list
+    unless they allow more (`strict_schema`); a function's own `strict: false` opts out."""
+    functions = {t["function"]["name"]: parameters_schema(t["function"], strict) for t in tools}
     if choice.mode == "function":
         return GuidedDecoding("json", functions[choice.name])
     if choice.mode != "required":
@@ -132,13 +142,37 @@ def forced_constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel:
     )
 
 
-class ToolFormat:
-    """How one chat template shows tools to the model and how the model writes its calls."""
+def parameters_schema(function: dict[str, Any], strict: bool = True) -> Any:
+    """A function's parameters as its calls are constrained: strict unless it or the server says not."""
+    parameters = function.get("parameters", EMPTY_PARAMETERS)
+    return strict_schema(parameters) if function.get("strict", strict) else parameters
 
-    def __init__(self, template: str | None) -> None:
+
+class ToolFormat:
+    """How one chat template shows tools to the model and how the model writes its calls: "hermes",
+    "llama3", "mistral", "qwen3_coder" or "pythonic" (`server.tool_formats`). Mistral's tag is a special token, so
+    a reply that starts with `[{` is taken as calls too. `tools` (the request's) type the values of
+    Qwen3-Coder's XML parameters."""
+
+    def __init__(self, template: str | None, tools: list[dict[str, Any]] | None = None) -> None:
         source = template or ""
-        self.llama3 = PYTHON_TAG in source
+        self.kind = "hermes"
+        markers = (
+            ("pythonic", "func_name1("),
+            ("llama3", PYTHON_TAG),
+            ("mistral", MISTRAL_TAG),
+            ("qwen3_coder", "<parameter="),
+        )
+        for kind, marker in markers:
+            if marker in source:
+                self.kind = kind
+                break
+        self.llama3 = self.kind == "llama3"
         self.template_renders_tools = "tools" in source
+        self._schemas: Schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools or []}
+        self._markers = {"mistral": (MISTRAL_TAG,), "qwen3_coder": (HERMES_OPEN, XML_FUNCTION)}.get(
+            self.kind, (HERMES_OPEN,)
+        )
 
     def prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -157,18 +191,26 @@ class ToolFormat:
 
     def call_start(self, text: str) -> int | None:
         """Where the first call starts in a reply's text, if one has."""
-        if self.llama3:
-            stripped = text.lstrip()
+        stripped = text.lstrip()
+        if self.kind == "llama3":
             return len(text) - len(stripped) if stripped.startswith(("{", PYTHON_TAG)) else None
-        at = text.find(HERMES_OPEN)
-        return None if at < 0 else at
+        if self.kind == "pythonic":
+            return len(text) - len(stripped) if PYTHONIC_START.match(stripped) else None
+        if self.kind == "mistral" and stripped.startswith("[{"):
+            return len(text) - len(stripped)
+        found = [at for at in (text.find(m) for m in self._markers) if at >= 0]
+        return min(found) if found else None
 
     def holdback(self, text: str) -> int:
         """Characters at the end of `text` that may still become the start of a call."""
-        if self.llama3:
+        if self.kind == "llama3":
             return len(text) if not text.strip() or PYTHON_TAG.startswith(text.lstrip()) else 0
-        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-            if text.endswith(HERMES_OPEN[:k]):
+        if self.kind == "pythonic":
+            return len(text) if PYTHONIC_PREFIX.fullmatch(text) else 0
+        if self.kind == "mistral" and text.strip() == "[":
+            return len(text)
+        for k in range(min(max(len(m) for m in self._markers) - 1, len(text)), 0, -1):
+            if any(text.endswith(m[:k]) for m in self._markers):
                 return k
         return 0
 
@@ -177,11 +219,31 @@ class ToolFormat:
         start = self.call_start(text)
         if start is None:
             return text, []
-        calls = _llama3_calls(text[start:]) if self.llama3 else _hermes_calls(text[start:])
+        if self.kind == "qwen3_coder":
+            calls = xml_calls(text[start:], self._schemas)
+        elif self.kind == "pythonic":
+            calls = pythonic_calls(text[start:])
+        else:
+            calls = {"llama3": llama3_calls, "mistral": mistral_calls, "hermes": hermes_calls}[self.kind](text[start:])
         if calls is None:
             return text, []
         content = text[:start].strip()
         return content or None, calls
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of `text` (a reply from where its calls start) as far as they are written."""
+        if self.kind == "qwen3_coder":
+            return xml_partial_calls(text, self._schemas)
+        if self.kind == "pythonic":
+            return pythonic_partial_calls(text)
+        if self.kind == "hermes":
+            blocks = [b.split(HERMES_CLOSE, 1)[0] for b in text.split(HERMES_OPEN)[1:]]
+            objects = [(cut_objects(b, 0) or [{}])[0] for b in blocks]
+        elif self.kind == "llama3":
+            objects = cut_objects(text.lstrip().removeprefix(PYTHON_TAG), 0, " \t\r\n;")
+        else:
+            objects = cut_json_objects(text.replace(MISTRAL_TAG, "", 1))
+        return [partial_call(o, "parameters" if self.kind == "llama3" else "arguments") for o in objects]
 
 
 def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall]:
@@ -208,74 +270,6 @@ def parse_forced(text: str, choice: ToolChoice) -> list[ToolCall]:
     return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
-def cut_json_objects(text: str) -> list[dict[str, str]]:
-    """The objects of a JSON array of objects whose text may end anywhere: for each object, its keys
-    and the raw text of their values as far as it goes (a key whose own text is cut is left out)."""
-    objects: list[dict[str, str]] = []
-    at = text.find("[")
-    if at < 0:
-        return objects
-    at += 1
-    while True:
-        at = _skip(text, at, " \t\r\n,")
-        if at >= len(text) or text[at] != "{":
-            return objects
-        item: dict[str, str] = {}
-        objects.append(item)
-        at += 1
-        while True:
-            at = _skip(text, at, " \t\r\n,")
-            if at >= len(text):
-                return objects
-            if text[at] == "}":
-                at += 1
-                break
-            key_end = _value_end(text, at)
-            try:
-                key = json.loads(text[at:key_end])
-            except json.JSONDecodeError:
-                return objects
-            at = _skip(text, key_end, " \t\r\n:")
-            end = _value_end(text, at)
-            item[str(key)] = text[at:end]
-            at = end
-
-
-def _skip(text: str, at: int, chars: str) -> int:
-    while at < len(text) and text[at] in chars:
-        at += 1
-    return at
-
-
-def _value_end(text: str, at: int) -> int:
-    """Where the JSON value starting at `at` ends (`len(text)` when it is cut)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(at, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            if depth == 0:
-                return i
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif c in ",:" and depth == 0:
-            return i
-    return len(text)
-
-
 def _hermes_system_text(tools: list[dict[str, Any]]) -> str:
     listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
     return (
@@ -288,11 +282,8 @@ def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message for a template without tool support: calls and results written out as text."""
     calls = message.get("tool_calls")
     if calls:
-        written = "\n".join(
-            f"{HERMES_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)}, ensure_ascii=False)}"
-            f"\n{HERMES_CLOSE}"
-            for c in calls
-        )
+        bodies = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in calls]
+        written = "\n".join(f"{HERMES_OPEN}\n{json.dumps(b, ensure_ascii=False)}\n{HERMES_CLOSE}" for b in bodies)
         text = (message.get("content") or "") + ("\n" if message.get("content") else "") + written
         return {"role": "assistant", "content": text}
     if message["role"] == "tool":
@@ -312,50 +303,6 @@ def _arguments(call: dict[str, Any]) -> Any:
         return json.loads(call["function"]["arguments"])
     except (json.JSONDecodeError, TypeError):
         return call["function"]["arguments"]
-
-
-def _hermes_calls(text: str) -> list[ToolCall] | None:
-    calls = []
-    for block in text.split(HERMES_OPEN)[1:]:
-        call = _call(block.split(HERMES_CLOSE, 1)[0], "arguments")
-        if call is None:
-            return None
-        calls.append(call)
-    return calls or None
-
-
-def _llama3_calls(text: str) -> list[ToolCall] | None:
-    text = text.strip().removeprefix(PYTHON_TAG)
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while at < len(text):
-        try:
-            value, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            return None
-        call = _call_object(value, "parameters")
-        if call is None:
-            return None
-        calls.append(call)
-        at = end
-        while at < len(text) and text[at] in " \n\t;":
-            at += 1
-    return calls or None
-
-
-def _call(text: str, arguments_key: str) -> ToolCall | None:
-    try:
-        return _call_object(json.loads(text), arguments_key)
-    except json.JSONDecodeError:
-        return None
-
-
-def _call_object(value: Any, arguments_key: str) -> ToolCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,8 +330,19 @@ class ToolCalling:
 
     def shown(self, text: str) -> int:
         """How much of an unfinished reply may be streamed as content: everything before a call
-        (or before what may still become one); nothing of a forced reply."""
+        (or before what may still become one), less its trailing whitespace (a reply with calls
+        drops it); nothing of a forced reply."""
         if self.forced:
             return 0
         start = self.format.call_start(text)
-        return len(text) - self.format.holdback(text) if start is None else start
+        end = len(text) - self.format.holdback(text) if start is None else start
+        return len(text[:end].rstrip())
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of an unfinished reply as far as they are written (a forced reply is all calls)."""
+        if self.choice.mode == "function":
+            return [(self.choice.name, text)]
+        if self.choice.mode == "required":
+            return [partial_call(item, "parameters") for item in cut_json_objects(text)]
+        start = self.format.call_start(text)
+        return [] if start is None else self.format.partial_calls(text[start:])

@@ -1,6 +1,7 @@
 """Async scheduling (iteration N+1 launched before N's tokens are read) against the synchronous
 loop: the same tokens for greedy, seeded, penalised (their counts live on the device) and stopped
-requests, under chunked prefill, prefix hits and both kinds of preemption; and proof, from the runner's launch counter, that
+requests, under chunked prefill, prefix hits and both kinds of preemption; and proof, from the runner's
+launch counter, that
 reads really come after the next launch."""
 
 from __future__ import annotations

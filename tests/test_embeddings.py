@@ -12,7 +12,7 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.model import AttentionMetadata, KVCache
-from jaxserve.model.llama import final_norm
+from jaxserve.model.head import final_norm
 from jaxserve.pooling import PromptPooling
 
 SMALL = dict(

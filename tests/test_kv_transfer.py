@@ -10,15 +10,6 @@ import pytest
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
-from jaxserve.kv_transfer import (
-    DeviceTransfer,
-    hold_prompt,
-    read_blocks,
-    release,
-    stage_blocks,
-    write_blocks,
-    write_staged_blocks,
-)
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 
 ENGINE = dict(
@@ -59,26 +50,26 @@ def test_handed_blocks_hold_the_source_kv_and_give_its_tokens(engines, path, ass
     source, dest = engines
     prompt = _prompt({"bytes": 1, "device": 2}[path])
     want = _tokens(source, prompt)
-    held = hold_prompt(source, prompt)
+    held = source.hold_prefix(prompt)
     assert held.num_blocks == NUM_BLOCKS
-    k, v = read_blocks(source, held, 0, NUM_BLOCKS)
-    empty = hold_prompt(dest, prompt)
+    k, v = source.read_kv_blocks(held, 0, NUM_BLOCKS)
+    empty = dest.hold_prefix(prompt)
     assert empty.num_blocks == 0
     if path == "bytes":
-        longer = write_blocks(dest, empty, prompt, k, v)
+        longer = dest.write_kv_blocks(empty, prompt, k, v)
     else:
-        offering, pulling = DeviceTransfer(source, "127.0.0.1"), DeviceTransfer(dest, "127.0.0.1")
-        staged = stage_blocks(source, held, 0, NUM_BLOCKS)
+        offering, pulling = source.start_device_transfer("127.0.0.1"), dest.start_device_transfer("127.0.0.1")
+        staged = source.stage_kv_blocks(held, 0, NUM_BLOCKS)
         assert len(staged) == 4  # K and V of two chunks
         transfer_id = offering.offer(staged, offer_timeout=30)
         arrays = pulling.pull(offering.address, transfer_id, len(staged), timeout=60)
-        longer = write_staged_blocks(dest, empty, prompt, arrays, NUM_BLOCKS)
+        longer = dest.write_staged_kv_blocks(empty, prompt, arrays, NUM_BLOCKS)
     assert longer.num_blocks == NUM_BLOCKS
-    got_k, got_v = read_blocks(dest, longer, 0, NUM_BLOCKS)
+    got_k, got_v = dest.read_kv_blocks(longer, 0, NUM_BLOCKS)
     np.testing.assert_array_equal(got_k, k)
     np.testing.assert_array_equal(got_v, v)
-    release(source, held)
-    release(dest, longer)
+    source.release_hold(held)
+    dest.release_hold(longer)
     computed = dest.stats.prompt_tokens_computed
     assert _tokens(dest, prompt) == want
     assert dest.stats.prompt_tokens_computed - computed == len(prompt) - NUM_BLOCKS * 8  # a prefix hit

@@ -79,7 +79,6 @@ def test_more_adapters_than_slots_wait_their_turn(llm, adapters, assert_kv_all_f
 
 
 def test_the_prefix_cache_keeps_adapters_apart(llm, assert_kv_all_free):
-    engine = llm.engine
     prompt = {"prompt_token_ids": list(range(10, 43))}  # 4 full blocks of 8
     base = llm.generate([prompt], greedy(None, 4), use_tqdm=False)[0]
     first = llm.generate([prompt], greedy("attn-r8", 4), use_tqdm=False)[0]

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from config_harness import resolved
 from lora_harness import TINY_ADAPTERS, write_tiny_adapters
 from safetensors.numpy import load_file
 
@@ -122,8 +123,7 @@ def test_content_keys_of_an_adapter_differ_from_the_base_models_and_repeat_for_i
 def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapters):
     """One slot: adapter a runs; b waits for the slot; a later request of a (resident) waits
     behind b instead of extending a's pin, and b runs as soon as a's first request ends."""
-    from jaxserve.config import EngineConfig
-    from jaxserve.kv import KVCacheManager
+    from jaxserve.kv import build_kv_manager
     from jaxserve.outputs import FinishReason
     from jaxserve.request import Request
     from jaxserve.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapt
     first, second = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name
     for name in (first, second):
         lora.add(name, str(adapters[name]))
-    config = EngineConfig(
+    config = resolved(
         block_size=4,
         max_model_len=64,
         max_num_seqs=8,
@@ -142,7 +142,7 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapt
         enable_lora=True,
         max_loras=1,
     )
-    scheduler = Scheduler(config, KVCacheManager(64, 4, watermark_blocks=0), lora)
+    scheduler = Scheduler(config, build_kv_manager(64, 4, watermark_blocks=0), lora)
     requests = {
         rid: Request(rid, [3, 4, 5, 6, 7], SamplingParams(max_tokens=8), seed=0, adapter=lora.resolve(name))
         for rid, name in (("a1", first), ("b1", second), ("a2", first))

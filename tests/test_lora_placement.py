@@ -18,7 +18,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
-from jaxserve.routing import RoutingPolicy
+from jaxserve.placement import PlacementPolicy
 from jaxserve.sampling_params import SamplingParams
 
 ONE_SLOT = {**LORA_ENGINE, "max_loras": 1, "max_cpu_loras": 1}
@@ -34,7 +34,9 @@ def adapters(tmp_path_factory):
 def replicas():
     model = build_tiny_random()
     config = EngineConfig(**ONE_SLOT)
-    return DataParallelEngine([LLMEngine(model, config), LLMEngine(model, config)], RoutingPolicy())
+    # Loads count as far apart from 16 sequences (SGLang's default is 64).
+    policy = PlacementPolicy(match_fraction=0.5, balance_abs=16)
+    return DataParallelEngine([LLMEngine(model, config), LLMEngine(model, config)], policy)
 
 
 def greedy(name: str | None, max_tokens: int = 2) -> SamplingParams:
@@ -48,7 +50,7 @@ def run_to_end(engine: LLMEngine) -> None:
 
 def test_replicas_holding_the_adapter_attract_its_requests_and_credit_only_its_kv(replicas, adapters):
     for spec in TINY_ADAPTERS[:2]:
-        replicas.add_lora(spec.name, str(adapters[spec.name]))
+        replicas.adapters.add(spec.name, str(adapters[spec.name]))
     cached, other = list(range(10, 43)), list(range(50, 83))  # 4 full blocks of 8 each
     holder = replicas.replicas[1]
     holder.add_prompt_ids("first-on-1", cached, greedy(FIRST))
@@ -86,7 +88,7 @@ def test_adapters_are_read_off_the_engine_thread(replicas, adapters):
 
     async def scenario() -> list[int]:
         await async_engine.load_lora_adapter(name, str(adapters[name]))  # drops FIRST's host copy (one kept)
-        assert replicas.missing_lora_host_copy(FIRST) is not None
+        assert replicas.adapters.missing_host_copy(FIRST) is not None
         tokens: list[int] = []
         async for delta in async_engine.generate("r", prompt, greedy(FIRST, len(expected))):
             tokens += delta.token_ids
@@ -98,4 +100,4 @@ def test_adapters_are_read_off_the_engine_thread(replicas, adapters):
         async_engine.shutdown()
     assert tokens == expected
     assert len(read_on) == 2 and "jaxserve-engine" not in read_on  # the load, then FIRST again
-    assert name in replicas.lora_adapters()
+    assert name in replicas.adapters.served()

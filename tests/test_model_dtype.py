@@ -18,9 +18,11 @@ import pytest
 from checkpoints.registry import load_model
 from checkpoints.weights import EMBED, KERNEL, Q_HEADS, Weight
 from jaxserve.config import EngineConfig
+from jaxserve.config_resolution import resolve
 from jaxserve.llm import LLM
-from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
-from jaxserve.model.llama import Linear, compute_dtype, pack_kernels, packs_kernels, panel_kernels
+from jaxserve.model import AttentionMetadata, DecoderModel, KVCache
+from jaxserve.model.layout import compute_dtype, pack_kernels, packs_kernels, panel_kernels
+from jaxserve.model.linear import Linear
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from kernels_pallas import cpu_build, cpu_matmul, get_attention_backend, kv_quant
@@ -59,16 +61,15 @@ def test_bfloat16_runner_on_cpu_keeps_a_bf16_cache_and_packs_kernels():
     """XLA's dots (the `jax` backend: no cpu matmul): every stacked kernel packed; activations
     f32, the KV cache the weights' bf16 (as its bits) unless --kv-cache-dtype says otherwise."""
     model = load_model("tiny-random")
-    runner = ModelRunner(
-        model.config, model.params, EngineConfig(num_blocks=16, dtype="bfloat16", attention_backend="jax")
-    )
+    config = EngineConfig(num_blocks=16, dtype="bfloat16", attention_backend="jax")
+    runner = ModelRunner(model.config, model.params, resolve(config, model.config))
     assert runner.model.cpu_matmul is None
     assert runner.cache_dtype == jnp.float32
     assert runner.cache.k.dtype == jnp.uint16 and kv_quant.format_name(runner.kv_dtype) == "bfloat16"
     f32_cache = ModelRunner(
         model.config,
         model.params,
-        EngineConfig(num_blocks=16, dtype="bfloat16", attention_backend="jax", kv_cache_dtype="float32"),
+        resolve(dataclasses.replace(config, kv_cache_dtype="float32"), model.config),
     )
     assert f32_cache.cache.k.dtype == jnp.float32
     layers = runner.params["layers"]
@@ -84,7 +85,7 @@ def test_bfloat16_runner_on_cpu_stores_panels_for_the_cpu_matmul():
     the others packed; the cache bf16 (as its bits)."""
     model = load_model("tiny-random")
     runners = {
-        dtype: ModelRunner(model.config, model.params, EngineConfig(num_blocks=16, dtype=dtype))
+        dtype: ModelRunner(model.config, model.params, resolve(EngineConfig(num_blocks=16, dtype=dtype), model.config))
         for dtype in ("float32", "bfloat16")
     }
     runner, matmul = runners["bfloat16"], runners["bfloat16"].model.cpu_matmul
@@ -125,7 +126,7 @@ def test_bfloat16_cpu_matmul_gives_the_logits_of_xlas_bf16_dots():
         ("xla", None, pack_kernels(params)),
         ("kernel", matmul, pack_kernels(panel_kernels(params, matmul))),
     ):
-        model = LlamaModel(cfg, get_attention_backend("cpu"), jnp.bfloat16, cpu_matmul=lm)
+        model = DecoderModel(cfg, get_attention_backend("cpu"), jnp.bfloat16, cpu_matmul=lm)
         step = jax.jit(model.apply)
         cache = KVCache.zeros(cfg, 8, bs, jnp.float32)
         meta = AttentionMetadata(
@@ -158,7 +159,7 @@ def test_bfloat16_logits_close_to_float32():
     )
     logits = {}
     for dtype in (jnp.float32, jnp.bfloat16):
-        model = LlamaModel(cfg, get_attention_backend("reference"), dtype)
+        model = DecoderModel(cfg, get_attention_backend("reference"), dtype)
         params = jax.tree_util.tree_map_with_path(
             lambda p, a: jnp.asarray(a, jnp.float32 if "scale" in jax.tree_util.keystr(p) else dtype), loaded.params
         )
@@ -261,8 +262,9 @@ tokens = {}
 for tp in (1, 2):
     # the jax backend: at tp=1 too the packed kernels and XLA's dots (the cpu backend's bf16 panels
     # run only on one device; they are tested against XLA's dots above)
-    llm = LLM(model="tiny-random", dtype="bfloat16", tensor_parallel_size=tp, attention_backend="jax", max_num_seqs=4, max_model_len=128,
-              max_num_batched_tokens=32, prefill_token_buckets=(32,), prefill_seq_buckets=(2,), decode_batch_buckets=(4,))
+    llm = LLM(model="tiny-random", dtype="bfloat16", tensor_parallel_size=tp, attention_backend="jax",
+              max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, prefill_token_buckets=(32,),
+              prefill_seq_buckets=(2,), decode_batch_buckets=(4,))
     kernel = llm.engine.runner.params["layers"]["q_proj"]["kernel"]
     assert kernel.dtype.name == "uint32" and len(kernel.sharding.device_set) == tp
     outs = llm.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
@@ -286,13 +288,13 @@ def test_bfloat16_packed_kernels_split_over_tensor_parallel_devices():
 def test_auto_dtype_is_bf16_where_the_cpu_kernels_have_avx512_bf16(caplog):
     """`dtype="auto"` (the command line's default): bf16 on a CPU whose bf16 kernels use
     AVX512-BF16 and run (cpu backend, one device, scanned layers), f32 otherwise; logged."""
-    from jaxserve.dtype_choice import choose_dtype, resolve_dtype
+    from jaxserve.dtype_choice import choose_dtype, weights_dtype
 
     fast = cpu_build.available() and cpu_matmul.bf16_dot()
     with caplog.at_level("INFO", logger="jaxserve.dtype_choice"):
-        config = resolve_dtype(EngineConfig(num_blocks=16, dtype="auto"))
-    assert config.dtype == ("bfloat16" if fast else "float32")
-    assert f"dtype auto: {config.dtype}" in caplog.text
+        dtype = weights_dtype(EngineConfig(num_blocks=16, dtype="auto"))
+    assert dtype == ("bfloat16" if fast else "float32")
+    assert f"dtype auto: {dtype}" in caplog.text
     for other in (
         dict(attention_backend="jax"),
         dict(tensor_parallel_size=2),
@@ -300,7 +302,7 @@ def test_auto_dtype_is_bf16_where_the_cpu_kernels_have_avx512_bf16(caplog):
         dict(unroll_layers=True),
     ):
         assert choose_dtype(EngineConfig(num_blocks=16, dtype="auto", **other))[0] == "float32"
-    assert resolve_dtype(EngineConfig(num_blocks=16, dtype="float32")).dtype == "float32"  # given: kept
+    assert weights_dtype(EngineConfig(num_blocks=16, dtype="float32")) == "float32"  # given: kept
     llm = LLM(
         model="tiny-random",
         dtype="auto",
@@ -312,4 +314,4 @@ def test_auto_dtype_is_bf16_where_the_cpu_kernels_have_avx512_bf16(caplog):
         prefill_seq_buckets=(1,),
         decode_batch_buckets=(2,),
     )
-    assert llm.engine.config.dtype == config.dtype and llm.engine.runner.dtype == jnp.dtype(config.dtype)
+    assert llm.engine.config.dtype == dtype and llm.engine.runner.dtype == jnp.dtype(dtype)

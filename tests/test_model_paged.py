@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from checkpoints.config import ModelConfig
-from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
-from jaxserve.model.llama import panel_kernels, unstack_layers
+from jaxserve.model import AttentionMetadata, DecoderModel, KVCache
+from jaxserve.model.layout import panel_kernels, unstack_layers
 from kernels_pallas import cpu_build, cpu_matmul, get_attention_backend
 
 BLOCK = 8
@@ -31,7 +31,7 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def init(config):
-    model = LlamaModel(config, get_attention_backend("reference"))
+    model = DecoderModel(config, get_attention_backend("reference"))
     cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
     meta = AttentionMetadata(
         jnp.zeros(4, jnp.int32), jnp.zeros((1, 2), jnp.int32), jnp.array([4], jnp.int32), jnp.array([0, 4], jnp.int32)
@@ -123,7 +123,7 @@ def test_unrolled_layers_on_unstacked_weights_equal_the_scan():
     scanned model's logits, for a prefill in chunks and for decode steps."""
     config = tiny_config(num_layers=3)
     model, params = init(config)
-    unrolled = LlamaModel(config, model.backend, unroll_layers=True)
+    unrolled = DecoderModel(config, model.backend, unroll_layers=True)
     split = {"params": unstack_layers(params["params"], config.num_layers, lambda leaf, i: leaf[i])}
     assert "layers" not in split["params"] and split["params"]["layers_2"]["q_proj"]["kernel"].shape == (64, 64)
     rng = np.random.default_rng(2)
@@ -153,7 +153,7 @@ def test_cpu_layer_matmul_gives_the_scan_logits():
     config = tiny_config(num_layers=3, attention_bias=True, num_kv_heads=1)
     model, params = init(config)
     matmul = cpu_matmul.kernels()
-    native = LlamaModel(config, model.backend, cpu_matmul=matmul)
+    native = DecoderModel(config, model.backend, cpu_matmul=matmul)
     panelled = panel_kernels(params, matmul)
     layers, stored = params["params"]["layers"], panelled["params"]["layers"]
     for name, proj in layers.items():
@@ -270,7 +270,7 @@ def test_mixed_step_equals_a_prefill_step_and_a_decode_step(backend):
     and cache writes of a prefill step of the chunks and a decode step of the decodes."""
     config = tiny_config()
     _, params = init(config)
-    model = LlamaModel(config, get_attention_backend(backend))
+    model = DecoderModel(config, get_attention_backend(backend))
     step = jax.jit(model.apply)
     rng = np.random.default_rng(2)
     tables = [np.arange(1, 9), np.arange(9, 17), np.arange(17, 25), np.arange(25, 33)]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from checkpoints.registry import DEFAULT_MODEL, load_model
-from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
+from jaxserve.model import AttentionMetadata, DecoderModel, KVCache
 from kernels_pallas import get_attention_backend
 
 pytestmark = pytest.mark.integration
@@ -45,7 +45,7 @@ def llm(smollm2):
 
 
 def test_last_position_logits_match_transformers(smollm2):
-    model = LlamaModel(smollm2.config, get_attention_backend("reference"))
+    model = DecoderModel(smollm2.config, get_attention_backend("reference"))
     step = jax.jit(model.apply)
     for case in REFERENCE["greedy"]:
         ids = case["prompt_ids"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 import zlib
 
-from jaxserve.config import EngineConfig
-from jaxserve.kv import KVCacheManager
+from config_harness import resolved
+
+from jaxserve.kv import build_kv_manager
 from jaxserve.outputs import FinishReason
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
@@ -22,8 +23,8 @@ def make(num_blocks=64, **cfg):
         max_prefill_seqs=4,
         block_table_buckets=(64,),
     )
-    config = EngineConfig(**{**base, **cfg})
-    kv = KVCacheManager(
+    config = resolved(**{**base, **cfg})
+    kv = build_kv_manager(
         num_blocks,
         config.block_size,
         watermark_blocks=0,

@@ -4,9 +4,10 @@ scheduler's drafts with their KV slots (allocated for every draft, released for 
 from __future__ import annotations
 
 import pytest
+from config_harness import resolved
 
 from jaxserve.config import EngineConfig
-from jaxserve.kv import KVCacheManager
+from jaxserve.kv import build_kv_manager
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
@@ -32,37 +33,67 @@ def test_no_draft_without_a_recurring_ngram_of_at_least_min_n():
 
 def test_config_takes_vllms_names_from_json_or_a_dict():
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
-    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 4, 4)
-    assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative.prompt_lookup_min == 5
-    assert EngineConfig(speculative_config="").speculative is None
-    for bad in (
-        '{"method": "eagle", "num_speculative_tokens": 2}',
-        '{"num_speculative_tokens": 0}',
-        '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
-        '{"num_speculative_tokens": 2, "lookahead": 1}',
-        '{"method": "ngram"}',
-        "[1]",
-        "{",
-    ):
-        with pytest.raises(ValueError):
-            EngineConfig(speculative_config=bad)
+    assert spec == SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2}) == SpeculativeConfig("ngram", 2, 5, 5)
+    assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse(spec) is spec
+    assert EngineConfig(speculative_config=spec).speculative is spec
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown speculative method 'eagle'; use one of ngram"),
+        ('{"method": "eagle3", "num_speculative_tokens": 2}', "speculative method 'eagle3' is not supported yet"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "'draft_model' is not supported yet"),
+        ('{"num_speculative_tokens": 2, "model": "smollm2-135m"}', "'ngram' takes no model, got model='smollm2-135m'"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1, got 0"),
+        ('{"num_speculative_tokens": true}', "num_speculative_tokens must be an integer >= 1, got True"),
+        ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "must not exceed"),
+        ('{"num_speculative_tokens": 2, "lookahead": 1}', r"unknown speculative_config fields: \['lookahead'\]"),
+        ('{"method": "ngram"}', "needs num_speculative_tokens"),
+        ("[1]", "must be a JSON object, got list"),
+        ("{", "not valid JSON"),
+    ],
+)
+def test_a_bad_speculative_config_is_refused_with_what_is_wrong(text, error):
+    with pytest.raises(ValueError, match=error):
+        SpeculativeConfig.from_json(text)
+
+
+def test_the_engine_config_holds_one_speculative_type():
+    """Text and dicts are read at the edges (flags, `LLM(...)`); the engine config takes only the parsed type."""
+    with pytest.raises(ValueError, match="speculative_config must be a SpeculativeConfig or None"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 2})
+
+
+def test_the_speculative_config_flag_parses_json_and_names_what_is_wrong(capsys):
+    import argparse
+
+    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert engine_config_from_args(args).speculative_config == SpeculativeConfig("ngram", 4)
+    assert engine_config_from_args(parser.parse_args([])).speculative_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert "--speculative-config: speculative method 'mtp' is not supported yet" in capsys.readouterr().err
 
 
 def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int = 64):
-    config = EngineConfig(
+    config = resolved(
         max_num_seqs=16,
         max_num_batched_tokens=64,
         max_model_len=64,
         block_size=4,
         num_blocks=num_blocks,
-        speculative_config={
-            "num_speculative_tokens": k,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 2,
-            "disable_by_batch_size": disable_by_batch_size,
-        },
+        speculative_config=SpeculativeConfig(
+            "ngram", k, prompt_lookup_min=1, prompt_lookup_max=2, disable_by_batch_size=disable_by_batch_size
+        ),
     )
-    kv = KVCacheManager(num_blocks, 4)
+    kv = build_kv_manager(num_blocks, 4)
     return Scheduler(config, kv), kv
 
 

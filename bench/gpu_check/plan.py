@@ -223,6 +223,24 @@ def _stages(
     ]
     for model in models:
         stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, True))
+    stages += _engine_variants(limits, models, command_buffer_variant)
+    # Weight-only quantized layer matmuls (int8, 4-bit) against bf16 at the 8B shape (optional on the
+    # GPU: in what the others left).
+    stages.append(Stage("quantized_matmul", "quantized_matmul", limits["quantized_matmul"], optional=families_optional))
+    # The families' blocks: grouped expert matmuls and sliding-window kernels, then the engine on
+    # each family's model (on the GPU in what the other stages left: the budget is 8 minutes).
+    stages.append(Stage("models", "models", limits["models"]))
+    # LoRA: a decode step of rows over 8 adapters against base rows (bench/gpu_check/lora_stage.py).
+    stages.append(Stage("lora", "lora", limits["lora"], models[0], optional=families_optional))
+    for model in (MOE_MODEL, WINDOW_MODEL):
+        stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, optional=families_optional))
+    return tuple(stages)
+
+
+def _engine_variants(limits: dict[str, float], models: tuple[str, ...], command_buffer_variant: bool) -> list[Stage]:
+    """The optional engine stages: the synchronous loop, multi-step decode, unrolled layers and
+    (GPU only) command buffers off."""
+    stages: list[Stage] = []
     # The optional stages run only in what the others left; the small model's steps are the most
     # launch-bound, so they show the host's share and the command buffers' effect best.
     stages.append(
@@ -262,71 +280,71 @@ def _stages(
                 optional=True,
             )
         )
-    # Weight-only quantized layer matmuls (int8, 4-bit) against bf16 at the 8B shape (optional on the
-    # GPU: in what the others left).
-    stages.append(Stage("quantized_matmul", "quantized_matmul", limits["quantized_matmul"], optional=families_optional))
-    # The families' blocks: grouped expert matmuls and sliding-window kernels, then the engine on
-    # each family's model (on the GPU in what the other stages left: the budget is 8 minutes).
-    stages.append(Stage("models", "models", limits["models"]))
-    # LoRA: a decode step of rows over 8 adapters against base rows (bench/gpu_check/lora_stage.py).
-    stages.append(Stage("lora", "lora", limits["lora"], models[0], optional=families_optional))
-    for model in (MOE_MODEL, WINDOW_MODEL):
-        stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, optional=families_optional))
-    return tuple(stages)
+    return stages
 
 
 def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
     """The GPU plan (one H100 or H200, under 9 minutes: one call of the device tool) or the dry-run plan
     (2 CPU cores: 1-8 minutes, more on a loaded machine).
     command_buffer_variant: add an engine stage with Triton command buffers off (GPU only)."""
-    models = ("smollm2-135m", "llama3-8b")
     if dry_run:
-        # A quiet 2-core CPU takes a fifth to a third of these; the margin is for a busy or throttled
-        # CI machine (at load average 12 an engine stage took 200 s), where a limit hit would fail
-        # the run, not measure anything.
-        limits = {
-            "env": 150,
-            "correctness": 300,
-            "decode_kernels": 300,
-            "prefill_kernels": 200,
-            "engine_smollm2-135m": 300,
-            "engine_llama3-8b": 300,
-            "models": 200,
-            f"engine_{MOE_MODEL}": 300,
-            f"engine_{WINDOW_MODEL}": 300,
-            "quantized_matmul": 150,
-            "lora": 300,
-        }
-        return Plan(
-            dry_run=True,
-            dtype="bfloat16",
-            engine_dtype="float32",
-            models={
-                "smollm2-135m": TINY_SMOLLM2,
-                "llama3-8b": TINY_LLAMA3,
-                MOE_MODEL: TINY_QWEN3_MOE,
-                WINDOW_MODEL: TINY_GEMMA3,
-            },
-            correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")),
-            correctness_pages=4,
-            decode_model="llama3-8b",
-            decode_batches=(4,),
-            decode_contexts=(64, 256),
-            reference_max_tokens=2**21,
-            prefill_cases=((2, 16, 24), (1, 32, 0)),
-            copy_bytes=16 * 2**20,
-            matmul_n=256,
-            quant_rows=(1, 8),
-            iters=2,
-            workload=EngineWorkload(
-                batches=(4,), prompt_len=24, max_tokens=12, max_num_batched_tokens=128, max_prefill_seqs=4
-            ),
-            goal_kernel_min_batch=4,
-            goal_kernel_min_context=256,
-            goal_engine_batch=4,
-            budget_s=1700,
-            stages=_stages(limits, models, False, families_optional=False),
-        )
+        return _dry_run_plan()
+    return _gpu_plan(command_buffer_variant)
+
+
+_MODELS = ("smollm2-135m", "llama3-8b")
+
+
+def _dry_run_plan() -> Plan:
+    # A quiet 2-core CPU takes a fifth to a third of these; the margin is for a busy or throttled
+    # CI machine (at load average 12 an engine stage took 200 s), where a limit hit would fail
+    # the run, not measure anything.
+    limits = {
+        "env": 150,
+        "correctness": 300,
+        "decode_kernels": 300,
+        "prefill_kernels": 200,
+        "engine_smollm2-135m": 300,
+        "engine_llama3-8b": 300,
+        "models": 200,
+        f"engine_{MOE_MODEL}": 300,
+        f"engine_{WINDOW_MODEL}": 300,
+        "quantized_matmul": 150,
+        "lora": 300,
+    }
+    return Plan(
+        dry_run=True,
+        dtype="bfloat16",
+        engine_dtype="float32",
+        models={
+            "smollm2-135m": TINY_SMOLLM2,
+            "llama3-8b": TINY_LLAMA3,
+            MOE_MODEL: TINY_QWEN3_MOE,
+            WINDOW_MODEL: TINY_GEMMA3,
+        },
+        correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")),
+        correctness_pages=4,
+        decode_model="llama3-8b",
+        decode_batches=(4,),
+        decode_contexts=(64, 256),
+        reference_max_tokens=2**21,
+        prefill_cases=((2, 16, 24), (1, 32, 0)),
+        copy_bytes=16 * 2**20,
+        matmul_n=256,
+        quant_rows=(1, 8),
+        iters=2,
+        workload=EngineWorkload(
+            batches=(4,), prompt_len=24, max_tokens=12, max_num_batched_tokens=128, max_prefill_seqs=4
+        ),
+        goal_kernel_min_batch=4,
+        goal_kernel_min_context=256,
+        goal_engine_batch=4,
+        budget_s=1700,
+        stages=_stages(limits, _MODELS, False, families_optional=False),
+    )
+
+
+def _gpu_plan(command_buffer_variant: bool) -> Plan:
     # The limits add up to the budget, so a stage that overruns never eats into a later one's time;
     # the optional stage runs only in what the others left.
     # decode_kernels times two decode kernels, JAX's op and the copy over 12 cases (compiles included).
@@ -352,7 +370,7 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
             MOE_MODEL: QWEN3_MOE_16L,
             WINDOW_MODEL: GEMMA3_1B,
         },
-        correctness=tuple((m, d) for m in models for d in ("float32", "bfloat16")),
+        correctness=tuple((m, d) for m in _MODELS for d in ("float32", "bfloat16")),
         correctness_pages=64,
         decode_model="llama3-8b",
         decode_batches=(1, 8, 64, 256),
@@ -372,5 +390,5 @@ def make_plan(dry_run: bool, command_buffer_variant: bool) -> Plan:
         goal_kernel_min_context=4096,
         goal_engine_batch=64,
         budget_s=550,
-        stages=_stages(limits, models, command_buffer_variant, families_optional=True),
+        stages=_stages(limits, _MODELS, command_buffer_variant, families_optional=True),
     )

@@ -33,7 +33,8 @@ def run(batch):
             tok = o.logits[:, -1:].argmax(-1)
         td = (time.perf_counter() - t) / 32
     print(
-        f"transformers batch {batch}: prefill {batch * 128 / tp:.0f} tok/s ({tp * 1e3:.0f} ms for {batch}x128), decode {batch / td:.1f} tok/s ({td * 1e3:.1f} ms/step)"
+        f"transformers batch {batch}: prefill {batch * 128 / tp:.0f} tok/s ({tp * 1e3:.0f} ms for {batch}x128), "
+        f"decode {batch / td:.1f} tok/s ({td * 1e3:.1f} ms/step)"
     )
 
 

@@ -1,49 +1,58 @@
-"""KV memory: block pool, prefix (radix) cache, block tables, leases, host and disk tiers. No JAX here.
+"""KV memory: block pool, prefix cache, block tables, leases, host tier and the tiers below it. No JAX here.
 
-`KVCacheManager` is the entry point for the scheduler; its module docstring describes the API.
-A sequence's block table is a `KVHandle` that its request owns.
+`KVCacheManager` is the entry point for the scheduler (its module docstring describes the API);
+`build_kv_manager` builds one with its parts. A sequence's block table is a `KVHandle` that its
+request owns. The declared interfaces: `PrefixCache` (radix_cache.RadixCache,
+no_prefix_cache.NoPrefixCache), `SpillingPrefixCache` (RadixCache; what `TierLink` uses) and
+`KVTier` (disk_tier.DiskTier; a tier below the host tier).
 """
 
 from jaxserve.kv.accounting import KVUsage
 from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool, NoFreeBlocksError
 from jaxserve.kv.block_table import KVHandle
+from jaxserve.kv.build import build_kv_manager
 from jaxserve.kv.content_keys import ChainKeys, fingerprint
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
-from jaxserve.kv.disk_link import LoadStart
-from jaxserve.kv.disk_tier import DiskStats, DiskTier, HostBlockArrays
+from jaxserve.kv.disk_tier import DiskTier
 from jaxserve.kv.host_tier import HostTier
-from jaxserve.kv.leases import Hold, Lease, Leases, Pin
+from jaxserve.kv.kv_tier import HostBlockArrays, KVTier, KVTierStats
+from jaxserve.kv.leases import Hold, Leases, Pin
 from jaxserve.kv.manager import KVCacheManager
-from jaxserve.kv.prefix_cache import PrefixCache, PrefixHit
+from jaxserve.kv.no_prefix_cache import NoPrefixCache
+from jaxserve.kv.prefix_cache import CachedPath, CacheStats, PrefixCache, PrefixMatch, SpillingPrefixCache
+from jaxserve.kv.prefix_hit import PrefixHit
 from jaxserve.kv.radix_cache import RadixCache
-from jaxserve.kv.radix_node import CacheStats, InsertResult, PrefixMatch, RadixNode
+from jaxserve.kv.tier_link import LoadStart, TierLink
 
 __all__ = [
     "RESERVED_BLOCK",
     "BlockPool",
     "NoFreeBlocksError",
+    "build_kv_manager",
     "ChainKeys",
     "fingerprint",
     "CopyKind",
     "CopyPlan",
     "CopyStage",
     "LoadStart",
-    "DiskStats",
     "DiskTier",
     "HostBlockArrays",
+    "KVTier",
+    "KVTierStats",
     "Hold",
     "HostTier",
     "KVCacheManager",
     "KVHandle",
     "KVUsage",
-    "Lease",
     "Leases",
     "PrefixHit",
     "Pin",
     "CacheStats",
-    "InsertResult",
+    "CachedPath",
+    "NoPrefixCache",
     "PrefixCache",
     "PrefixMatch",
     "RadixCache",
-    "RadixNode",
+    "SpillingPrefixCache",
+    "TierLink",
 ]

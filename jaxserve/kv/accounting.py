@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.kv.block_pool import RESERVED_BLOCK
-from jaxserve.kv.radix_node import RadixNode
+from jaxserve.kv.block_table import KVHandle
+from jaxserve.kv.prefix_cache import CachedPath, PrefixCache
 
 if TYPE_CHECKING:
     from jaxserve.kv.manager import KVCacheManager
@@ -49,74 +50,68 @@ def kv_usage(mgr: KVCacheManager) -> KVUsage:
     holders = np.zeros(mgr.pool.num_blocks, dtype=np.int32)
     for handle in mgr.live_handles():
         np.add.at(holders, handle.table[: handle.num_blocks], 1)
-    cache = mgr.prefix_cache
-    host = mgr.host
+    cache, host = mgr.prefix_cache, mgr.host
     swapped = sum(len(h.host_slots) for h in mgr.live_handles() if h.host_slots is not None)
-    pinned = 0
-    if cache is not None:
-        cached_blocks = np.fromiter(cache.device_blocks(), dtype=np.int64)
-        cached_used = int((holders[cached_blocks] > 0).sum())
-        pinned = cache.num_device_blocks - cache.num_evictable_blocks - cached_used
+    cached_blocks = np.fromiter(cache.device_blocks(), dtype=np.int64)
+    cached_used = int((holders[cached_blocks] > 0).sum())
     return KVUsage(
         num_blocks=mgr.pool.num_usable,
         free=mgr.pool.num_free,
         used=int((holders > 0).sum()),
         shared=int((holders > 1).sum()),
-        cached=cache.num_device_blocks if cache is not None else 0,
-        cached_idle=cache.num_evictable_blocks if cache is not None else 0,
-        pinned=pinned,
-        host_slots=host.num_slots if host is not None else 0,
+        cached=cache.num_device_blocks,
+        cached_idle=cache.num_evictable_blocks,
+        pinned=cache.num_device_blocks - cache.num_evictable_blocks - cached_used,
+        host_slots=host.num_slots,
         host_swapped=swapped,
-        host_cached=cache.num_host_blocks if cache is not None else 0,
-        host_free=host.num_free if host is not None else 0,
+        host_cached=cache.num_host_blocks,
+        host_free=host.num_free,
     )
 
 
 def check_integrity(mgr: KVCacheManager) -> None:
     """Check the invariants of a KV manager's pool, tables, cache, host tier and leases (AssertionError)."""
-    pool = mgr.pool
     cache = mgr.prefix_cache
-    holders: Counter[int] = Counter()
-    locks: Counter[RadixNode] = Counter()
-    host_held: list[int] = []
-    bs = mgr.block_size
+    holders: Counter[int] = Counter(cache.device_blocks())
+    locks: Counter[CachedPath] = Counter(mgr.leases.locked_paths())
+    host_held = list(cache.host_slots())
     for handle in mgr.live_handles():
         if not handle.is_live:
             raise AssertionError("a freed handle among the live ones")
         if handle.host_slots is not None:
-            if handle.num_blocks or len(handle.host_slots) != -(-handle.num_tokens // bs):
-                raise AssertionError("a swapped sequence's slots do not cover its tokens")
+            _check_swapped(handle, mgr.block_size)
             host_held += handle.host_slots
-            continue
-        blocks = handle.table[: handle.num_blocks].tolist()
-        if len(blocks) != -(-handle.num_tokens // bs):
-            raise AssertionError(f"a sequence has {len(blocks)} blocks for {handle.num_tokens} tokens")
-        if len(set(blocks)) != len(blocks) or RESERVED_BLOCK in blocks:
-            raise AssertionError("repeated or reserved block in a table")
-        holders.update(blocks)
-        if cache is not None:
-            locks[handle.node] += 1
-            if handle.node.end != handle.cached_blocks:
-                raise AssertionError(
-                    f"a sequence's locked node ends at block {handle.node.end}, cached_blocks {handle.cached_blocks}"
-                )
-            if cache.path_blocks(handle.node) != blocks[: handle.cached_blocks]:
-                raise AssertionError("a sequence's cached blocks differ from the tree")
-        elif handle.cached_blocks:
-            raise AssertionError("cached blocks without a prefix cache")
-    if cache is not None:
-        holders.update(cache.device_blocks())
-        host_held += list(cache.host_slots())
-        locks.update(mgr.leases.locked_nodes())
-        if mgr.disk is not None:
-            locks.update(mgr.disk.locked_nodes())
-            host_held += mgr.disk.held_slots()
-            mgr.disk.disk.check_integrity()
-        del locks[cache.root]
-        cache.check_integrity(dict(locks))
+        else:
+            holders.update(_check_on_device(handle, cache))
+            locks[handle.path] += 1
+    if mgr.tier_link is not None:
+        locks.update(mgr.tier_link.locked_paths())
+        host_held += mgr.tier_link.held_slots()
+        mgr.tier_link.tier.check_integrity()
+    del locks[cache.root]
+    cache.check_integrity(locks)
+    pool = mgr.pool
     pool.check_integrity([holders.get(block, 0) for block in range(pool.num_blocks)])
-    if mgr.host is not None:
-        mgr.host.check_integrity(host_held)
-    elif host_held:
-        raise AssertionError("host slots held without a host tier")
+    mgr.host.check_integrity(host_held)
     mgr.leases.check_integrity()
+
+
+def _check_swapped(handle: KVHandle, block_size: int) -> None:
+    if handle.num_blocks or len(handle.host_slots) != -(-handle.num_tokens // block_size):
+        raise AssertionError("a swapped sequence's slots do not cover its tokens")
+
+
+def _check_on_device(handle: KVHandle, cache: PrefixCache) -> list[int]:
+    """Check a running sequence's table against its tokens and the cache; returns its blocks."""
+    blocks = handle.table[: handle.num_blocks].tolist()
+    if len(blocks) != -(-handle.num_tokens // handle.block_size):
+        raise AssertionError(f"a sequence has {len(blocks)} blocks for {handle.num_tokens} tokens")
+    if len(set(blocks)) != len(blocks) or RESERVED_BLOCK in blocks:
+        raise AssertionError("repeated or reserved block in a table")
+    if handle.path.end != handle.cached_blocks:
+        raise AssertionError(
+            f"a sequence's locked path ends at block {handle.path.end}, cached_blocks {handle.cached_blocks}"
+        )
+    if cache.path_blocks(handle.path) != blocks[: handle.cached_blocks]:
+        raise AssertionError("a sequence's cached blocks differ from the cache")
+    return blocks

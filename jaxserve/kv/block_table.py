@@ -1,7 +1,7 @@
 """A sequence's KV handle: its block table and what the KV manager knows of it.
 
-The request owns its handle (`Request.kv`); the KV manager makes it (`admit`, `fork`) and edits
-it (growth, copy-on-write, caching, swap, `free`); the runner reads its table. Vocabulary: the
+The request owns its handle (`Request.kv`); the KV manager makes it (`admit`) and edits it
+(growth, caching, swap, `free`); the runner reads its table. Vocabulary: the
 handle's *slots* are the token positions it has KV space for: tokens computed plus those being
 computed by the step being scheduled. The slot of position p is
 `table[p // block_size] * block_size + p % block_size`.
@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 
 from jaxserve.kv.content_keys import ChainKeys
-from jaxserve.kv.radix_node import RadixNode
+from jaxserve.kv.prefix_cache import CachedPath
 
 _versions = itertools.count(1)
 
@@ -32,7 +32,7 @@ class KVHandle:
         "num_blocks",
         "version",
         "num_tokens",
-        "node",
+        "path",
         "cached_blocks",
         "host_slots",
         "chain",
@@ -44,19 +44,18 @@ class KVHandle:
         block_size: int,
         blocks: list[int],
         num_tokens: int,
-        node: RadixNode | None,
+        path: CachedPath,
         cached_blocks: int,
         chain: ChainKeys | None,
-        capacity: int = 0,
     ) -> None:
         self.block_size = block_size
-        self.table = np.empty(max(capacity, 2 * len(blocks), 8), dtype=np.int32)  # [:num_blocks] valid
+        self.table = np.empty(max(2 * len(blocks), 8), dtype=np.int32)  # [:num_blocks] valid
         self.table[: len(blocks)] = blocks
         self._readonly = _readonly(self.table)
         self.num_blocks = len(blocks)
         self.version = next_table_version()
         self.num_tokens = num_tokens
-        self.node = node  # locked prefix-cache node covering [:cached_blocks]
+        self.path = path  # the locked prefix-cache path of [:cached_blocks]
         self.cached_blocks = cached_blocks
         self.host_slots: list[int] | None = None  # set while swapped out
         self.chain = chain  # content keys of its blocks (the disk tier's write-through)
@@ -66,10 +65,6 @@ class KVHandle:
     def block_table(self) -> np.ndarray:
         """Read-only int32 view of the sequence's blocks (empty while swapped out)."""
         return self._readonly[: self.num_blocks]
-
-    @property
-    def is_swapped(self) -> bool:
-        return self.host_slots is not None
 
     def slot_mapping(self, start: int, stop: int) -> np.ndarray:
         """int32 cache slots of token positions [start, stop) (the handle must be on the device)."""

@@ -15,11 +15,21 @@ longer), so matching a waiting request again every step costs nothing after the 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 KEY_BYTES = 16
+TOKEN_BYTES = 4  # token ids are keyed as int32
+assert array("i").itemsize == TOKEN_BYTES
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray, num_tokens: int) -> bytes:
+    """The first `num_tokens` token ids as int32 bytes: the key format of the prefix cache and the tiers."""
+    if isinstance(tokens, np.ndarray):
+        return np.ascontiguousarray(tokens[:num_tokens], dtype=np.int32).tobytes()
+    return array("i", tokens[:num_tokens]).tobytes()
 
 
 def fingerprint(fields: Mapping[str, object]) -> bytes:

@@ -1,11 +1,12 @@
 """Block copies the runner must execute before the next step, in stages.
 
-The KV manager plans copies as it goes: copy-on-write of a shared partial block (device ->
-device), swap-out and spill of evicted cached blocks (device -> host), swap-in and reload of
-cached blocks (host -> device), and writes of cached blocks to the disk tier (device or host ->
-disk: the block is read when its turn in the plan comes, before a later copy overwrites it). A block or slot freed by one operation may be handed out again
-by the next one in the same scheduling round, so the order matters: the plan's meaning is
-"execute the copies one by one, in the order they were planned, then run the step".
+The KV manager plans copies as it goes: swap-out and spill of evicted cached blocks (device ->
+host), swap-in and reload of cached blocks (host -> device), and writes of cached blocks to the
+disk tier (device or host -> disk: the block is read when its turn in the plan comes, before a
+later copy overwrites it); device -> device copies are supported too. A block or slot freed by
+one operation may be handed out again by the next one in the same scheduling round, so the order
+matters: the plan's meaning is "execute the copies one by one, in the order they were planned,
+then run the step".
 
 To let the runner batch them, consecutive copies are grouped into stages. Within a stage every
 copy has the same kind, no copy reads a location another copy of the stage writes, and no two

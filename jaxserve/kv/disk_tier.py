@@ -22,7 +22,6 @@ is done (`poll`), also when it was cancelled.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -44,70 +43,16 @@ from jaxserve.kv.block_files import (
     read_header,
     write_block,
 )
+from jaxserve.kv.kv_tier import HostBlockArrays, KVTierStats, LoadJob, load_seconds_bucket
 
 logger = logging.getLogger(__name__)
 
 STALE_TEMP_SECONDS = 600.0  # a temporary file this old was left by a writer that died
-# Upper bounds (seconds) of the buckets of KV load-time histograms (disk loads here; a disaggregating
-# router's pulls of KV from prefill workers); a last bucket holds the slower loads.
-KV_LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-@dataclasses.dataclass
-class DiskStats:
-    loads: int = 0  # load jobs finished
-    loaded_blocks: int = 0  # blocks read, checked and put in host slots
-    load_seconds: float = 0.0  # summed wall time of the load jobs
-    # load jobs by wall time: count i took at most KV_LOAD_SECONDS_BUCKETS[i] (and more than the bound before)
-    load_seconds_counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(KV_LOAD_SECONDS_BUCKETS) + 1))
-    bytes_read: int = 0
-    written_blocks: int = 0
-    bytes_written: int = 0
-    write_seconds: float = 0.0  # summed wall time of the file writes
-    evictions: int = 0  # files deleted to stay within the budget
-    damaged: int = 0  # files found damaged (at scan or read) and deleted
-    missing: int = 0  # files indexed but gone when read (another engine evicted them)
-    write_errors: int = 0
-
-
-class HostBlockArrays:
-    """The host tier's storage as numpy arrays with the slot on axis 2 ([layers, heads, slot, ...]);
-    a block's payload is the bytes of `arrays[0][:, :, slot]`, then `arrays[1][:, :, slot]`, ..."""
-
-    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
-        if not arrays or any(a.ndim < 3 for a in arrays):
-            raise ValueError("host block arrays need a slot axis (axis 2)")
-        self.arrays = list(arrays)
-        self.payload_bytes = sum(a[:, :, 0].nbytes for a in self.arrays)
-
-    def store(self, slot: int, payload: memoryview) -> None:
-        offset = 0
-        for a in self.arrays:
-            view = a[:, :, slot]
-            n = view.nbytes
-            view[...] = np.frombuffer(payload[offset : offset + n], dtype=a.dtype).reshape(view.shape)
-            offset += n
-
-    @staticmethod
-    def payload(arrays: Sequence[Any], i: int) -> list[memoryview]:
-        """Block i (axis 2) of a copy's arrays (numpy, or anything `np.asarray` takes)."""
-        return [memoryview(np.ascontiguousarray(np.asarray(a)[:, :, i])).cast("B") for a in arrays]
-
-
-@dataclasses.dataclass(eq=False)
-class LoadJob:
-    """Blocks to read into host slots, in chain order; `loaded` leading ones succeeded."""
-
-    keys: list[bytes]
-    tokens: list[bytes]
-    slots: list[int]
-    nbytes: int
-    loaded: int = 0
-    done: bool = False
-    cancelled: bool = False
 
 
 class DiskTier:
+    """A `KVTier` (kv_tier.py) of block files in one directory."""
+
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -128,7 +73,7 @@ class DiskTier:
         self.max_inflight_bytes = max_inflight_bytes
         self.root = Path(directory) / fingerprint.hex()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.stats = DiskStats()
+        self.stats = KVTierStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, oldest first
         self._bytes = 0
@@ -156,8 +101,13 @@ class DiskTier:
         return self.root / name[:2] / (name + SUFFIX)
 
     @property
-    def num_files(self) -> int:
+    def num_blocks(self) -> int:
+        """Block files indexed."""
         return len(self._index)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_bytes // self.block_file_bytes
 
     @property
     def num_bytes(self) -> int:
@@ -331,7 +281,8 @@ class DiskTier:
 
     # ------------------------------------------------------------------ loads
 
-    def can_load(self, nbytes: int) -> bool:
+    def can_load(self, num_blocks: int) -> bool:
+        nbytes = num_blocks * self.block_file_bytes
         return self._inflight == 0 or self._inflight + nbytes <= self.max_inflight_bytes
 
     def start_load(self, keys: list[bytes], tokens: list[bytes], slots: list[int]) -> LoadJob:
@@ -424,8 +375,3 @@ class DiskTier:
                 raise AssertionError(f"disk tier over budget: {self._bytes} + {self._reserved} > {self.capacity_bytes}")
             if self._reserved < 0 or self._inflight < 0:
                 raise AssertionError("negative reserved or in-flight bytes")
-
-
-def load_seconds_bucket(seconds: float) -> int:
-    """The bucket of KV_LOAD_SECONDS_BUCKETS (or the one above them) that a load of `seconds` counts in."""
-    return sum(seconds > bound for bound in KV_LOAD_SECONDS_BUCKETS)

@@ -13,7 +13,7 @@ A lease locks a path of the prefix cache so that its blocks are not evicted. Two
   (`allocate_import`), adds them to the cache (`adopt_import`) and keeps the longer path held
   until the request is admitted. A hold counts against no budget: it lives seconds.
 
-Disk loads (`disk_link`) lock paths too, with host slots, while blocks are read from disk.
+Loads from the tier below the host tier (`tier_link`) lock paths too, with host slots, while blocks are read.
 """
 
 from __future__ import annotations
@@ -24,20 +24,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxserve.kv.block_pool import BlockPool
-from jaxserve.kv.prefix_cache import PrefixCache
-from jaxserve.kv.radix_node import RadixNode
+from jaxserve.kv.prefix_cache import CachedPath, PrefixCache
 
 
 @dataclass(eq=False)
-class Lease:
-    """A locked path of the prefix cache (`node`, None without a cache), until released."""
+class CacheLease:
+    """Cached blocks kept until released (the path they are on stays with `Leases`)."""
 
-    node: RadixNode | None = field(repr=False, default=None, kw_only=True)
     active: bool = field(default=True, kw_only=True)
 
 
 @dataclass(eq=False)
-class Pin(Lease):
+class Pin(CacheLease):
     """A session's pinned history: pass it back to `unpin` or to the next `pin_within_budget`."""
 
     owner: Hashable
@@ -46,7 +44,7 @@ class Pin(Lease):
 
 
 @dataclass(eq=False)
-class Hold(Lease):
+class Hold(CacheLease):
     """Held device blocks: `blocks` hold the KV of the first `len(blocks) * block_size` tokens of
     the prompt the hold was made for."""
 
@@ -62,7 +60,7 @@ class Leases:
 
     def __init__(
         self,
-        cache: PrefixCache | None,
+        cache: PrefixCache,
         pool: BlockPool,
         budget_per_owner: int,
         max_pinned: int,
@@ -78,8 +76,8 @@ class Leases:
         self.num_pinned = 0
         self._changed = changed
         self._pinned_by: dict[Hashable, int] = {}
-        self._pins: set[Pin] = set()
-        self._holds: set[Hold] = set()
+        self._pins: dict[Pin, CachedPath] = {}  # each active pin and the path it locks
+        self._holds: dict[Hold, CachedPath] = {}
 
     # ------------------------------------------------------------------ pins
 
@@ -113,14 +111,12 @@ class Leases:
         """
         if replacing is not None and not replacing.active:
             raise ValueError("replacing a pin that is not active")
-        cache = self.cache
-        match = cache.match(token_ids, leave_last_token=False) if cache is not None else None
-        num_blocks = match.num_blocks if match is not None else 0
+        match = self.cache.match(token_ids, leave_last_token=False)
+        num_blocks = match.num_blocks
         if not self._fits(owner, num_blocks, replacing):
             return None
-        pin = Pin(owner, num_blocks, num_blocks * self.pool.block_size, node=match.node if match else None)
-        self._lock(pin)
-        self._pins.add(pin)
+        pin = Pin(owner, num_blocks, num_blocks * self.pool.block_size)
+        self._lock(self._pins, pin, match.path)
         if num_blocks:
             self._pinned_by[owner] = self.pinned_by(owner) + num_blocks
         self.num_pinned += num_blocks
@@ -140,7 +136,7 @@ class Leases:
             old = None
         released = []
         pin = self.pin(owner, token_ids, replacing=old)
-        if pin is None and others and self.cache is not None:
+        if pin is None and others:
             needed = self.cache.match(token_ids, leave_last_token=False).num_blocks
             if needed <= self.budget_per_owner:  # else hopeless even alone: keep the others
                 for other in others:
@@ -159,44 +155,31 @@ class Leases:
     def unpin(self, pin: Pin) -> None:
         if not pin.active or pin not in self._pins:
             raise ValueError("unpin of a pin that is not active")
-        self._pins.remove(pin)
         left = self.pinned_by(pin.owner) - pin.num_blocks
         if left:
             self._pinned_by[pin.owner] = left
         else:
             self._pinned_by.pop(pin.owner, None)
         self.num_pinned -= pin.num_blocks
-        self._unlock(pin)
+        self._unlock(self._pins, pin)
 
     # ------------------------------------------------------------------ holds
-
-    @property
-    def num_holds(self) -> int:
-        return len(self._holds)
 
     def hold_prefix(self, token_ids: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> Hold:
         """Hold the cached device blocks that start `token_ids` (its full blocks, at most
         `max_blocks`): not evicted until `release_hold`. Blocks spilled to the host are left out
-        (they follow the device ones). Empty without a prefix cache."""
+        (they follow the device ones). Empty without prefix caching."""
         cache = self.cache
-        if cache is None:
-            hold = Hold([])
-        else:
-            bs = self.pool.block_size
-            n = len(token_ids) if max_blocks is None else min(len(token_ids), max_blocks * bs)
-            node = cache.match(token_ids[:n], leave_last_token=False).node
-            while node.blocks is None:
-                node = node.parent
-            hold = Hold(cache.path_blocks(node), node=node)
-        self._lock(hold)
-        self._holds.add(hold)
+        n = len(token_ids) if max_blocks is None else min(len(token_ids), max_blocks * self.pool.block_size)
+        path = cache.device_prefix(cache.match(token_ids[:n], leave_last_token=False).path)
+        hold = Hold(cache.path_blocks(path))
+        self._lock(self._holds, hold, path)
         return hold
 
     def release_hold(self, hold: Hold) -> None:
         if not hold.active or hold not in self._holds:
             raise ValueError("release of a hold that is not active")
-        self._holds.remove(hold)
-        self._unlock(hold)
+        self._unlock(self._holds, hold)
 
     def adopt_import(self, hold: Hold, token_ids: Sequence[int] | np.ndarray, blocks: list[int]) -> Hold:
         """Add `blocks` (KV written: see `KVCacheManager.allocate_import`) to the prefix cache
@@ -205,34 +188,34 @@ class Leases:
         tokens the cache has already go back to the pool."""
         if not hold.active:
             raise ValueError("adopt_import after a hold that is not active")
-        cache = self.cache
-        if cache is None:
-            raise ValueError("imported blocks go into the prefix cache: enable it")
         bs, first = self.pool.block_size, hold.num_blocks
         self._changed()
-        result = cache.insert(token_ids[first * bs : (first + len(blocks)) * bs], blocks, parent=hold.node)
+        tokens = token_ids[first * bs : (first + len(blocks)) * bs]
+        result = self.cache.insert(tokens, blocks, parent=self._holds[hold])
+        if len(result.blocks) < len(blocks):  # (the cache of an engine with prefix caching off)
+            self.cache.unlock(result.path)
+            raise ValueError("imported blocks go into the prefix cache: enable it")
         self.pool.decref_all(blocks)
-        longer = Hold(hold.blocks + result.blocks, node=result.node)  # `insert` locked its node
-        self._holds.add(longer)
+        longer = Hold(hold.blocks + result.blocks)
+        self._holds[longer] = result.path  # `insert` locked it
         self.release_hold(hold)
         return longer
 
     # ------------------------------------------------------------------ all leases
 
-    def locked_nodes(self) -> list[RadixNode]:
-        """The node of every active lease (a node locked twice appears twice)."""
-        return [lease.node for lease in (*self._pins, *self._holds) if lease.node is not None]
+    def locked_paths(self) -> list[CachedPath]:
+        """The path of every active lease (a path locked twice appears twice)."""
+        return [*self._pins.values(), *self._holds.values()]
 
-    def _lock(self, lease: Lease) -> None:
+    def _lock(self, leases: dict, lease: CacheLease, path: CachedPath) -> None:
         self._changed()
-        if self.cache is not None:
-            self.cache.lock(lease.node)
+        self.cache.lock(path)
+        leases[lease] = path
 
-    def _unlock(self, lease: Lease) -> None:
+    def _unlock(self, leases: dict, lease: CacheLease) -> None:
         self._changed()
         lease.active = False
-        if self.cache is not None:
-            self.cache.unlock(lease.node)
+        self.cache.unlock(leases.pop(lease))
 
     def check_integrity(self) -> None:
         by_owner: dict[Hashable, int] = {}

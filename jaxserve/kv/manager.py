@@ -7,27 +7,29 @@ edits the handle it is given. How the scheduler uses it, every step:
     hit = mgr.match_prefix(prompt_ids, chain)  # cached prefix; valid until the next change
     req.kv = mgr.admit(hit, n)                 # None: it would eat into the watermark
     ok = mgr.allocate_slots(req.kv, n)         # grow (decode: 1, a chunk: n); False: preempt, retry
-    stages = mgr.take_copies()                 # copy-on-write, swap and spill copies, before the step
+    stages = mgr.take_copies()                 # swap, spill and reload copies, before the step
     mgr.cache_full_blocks(req.kv, token_ids)   # after the step: filled blocks join the prefix cache
 
 Preempt with `free(handle)` (recompute: admit again later, the cached blocks will hit) or
-`swap_out(handle)`, resumed by `swap_in(handle)`. `fork(handle)` shares every block (parallel
-sampling); a write into a shared partial block copies it first. A handle's `version` changes when
-entries of its table are replaced (not when blocks are appended), so a copy of a table with the
-same version and length is current. Running sequences may grow into the watermark reserve;
-admissions and swap-ins may not. `can_admit`, `can_allocate`, `can_swap_in/out` peek.
+`swap_out(handle)`, resumed by `swap_in(handle)`. A handle's `version` changes when entries of its
+table are replaced (not when blocks are appended), so a copy of a table with the same version and
+length is current. Running sequences may grow into the watermark reserve; admissions and swap-ins
+may not. `can_admit`, `can_swap_in/out` peek.
+
+The manager is given its prefix cache (`prefix_cache.PrefixCache`: the radix cache, or one that
+caches nothing when prefix caching is off) and its link to a tier below the host tier
+(`tier_link.TierLink`, optional); `build.build_kv_manager` builds them all.
 
 Sessions and KV handed between workers keep cached blocks through `leases` (`leases.py`).
-With a disk tier, `match_prefix` also reports the blocks after the tree's match that are on disk;
-the scheduler may `loads.start(key, hit)` them into the host tier instead of admitting, then admit
-once `loads.poll()` has put them in the tree (`disk_loads.py`).
-Cached blocks are written to disk as the copy plan's `*_TO_DISK` stages (`disk_link.py`).
+With a lower tier (the disk tier), `match_prefix` also reports the blocks after the cache's match
+that the tier holds; the scheduler may `loads.start(key, hit)` them into the host tier instead of
+admitting, then admit once `loads.poll()` has put them in the cache (`tier_loads.py`). Cached
+blocks are written to the tier as the copy plan's `*_TO_DISK` stages (`tier_link.py`).
 
 Design notes. A sequence locks the prefix-cache path of its cached leading blocks
-(`cached_blocks`), so a block it holds is never evicted under it. The cache adopts a block only
-while one sequence holds it, so full blocks a fork shares enter the cache once the sharing ends.
-Swap-out copies the whole table to the host (shared prefix blocks too: simple, and the sequence
-comes back whole whatever the cache did meanwhile). Token ids must fit in int32 (the cache keys
+(`cached_blocks`), so a block it holds is never evicted under it. Swap-out copies the whole
+table to the host (shared prefix blocks too: simple, and the sequence comes back whole whatever
+the cache did meanwhile). Token ids must fit in int32 (the cache keys
 tokens as int32 bytes); numpy int32 arrays match fastest.
 """
 
@@ -42,71 +44,59 @@ from jaxserve.kv.block_pool import BlockPool
 from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.content_keys import KEY_BYTES, ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
-from jaxserve.kv.disk_link import DiskLink
-from jaxserve.kv.disk_loads import DiskLoads
-from jaxserve.kv.disk_tier import DiskTier
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.leases import Leases
-from jaxserve.kv.prefix_cache import PrefixCache, PrefixHit
-from jaxserve.kv.radix_cache import RadixCache
-from jaxserve.kv.radix_node import CacheStats
+from jaxserve.kv.prefix_cache import CacheStats, PrefixCache
+from jaxserve.kv.prefix_hit import PrefixHit
+from jaxserve.kv.tier_link import TierLink
+from jaxserve.kv.tier_loads import TierLoads
 
 
 class KVCacheManager:
-    """Block tables (`KVHandle`s), admission, growth, copy-on-write, prefix reuse and swap; the
-    leases (pins, holds) and the disk tier's loads through `leases` and `disk`."""
+    """Block tables (`KVHandle`s), admission, growth, prefix reuse and swap; the leases (pins,
+    holds) and the lower tier's loads through `leases` and `loads`."""
 
     def __init__(
         self,
-        num_blocks: int,
-        block_size: int = 16,
+        pool: BlockPool,
+        prefix_cache: PrefixCache,
+        host: HostTier,
+        copies: CopyPlan,
         *,
         watermark_blocks: int | None = None,
-        enable_prefix_cache: bool = True,
-        num_host_slots: int = 0,
-        spill_to_host: bool = True,
         pin_budget_blocks: int | None = None,
         max_pinned_blocks: int | None = None,
-        disk: DiskTier | None = None,
-        disk_write_through_hits: int = 0,
+        tier_link: TierLink | None = None,
     ) -> None:
         """
+        prefix_cache, host, copies: the prefix cache over `pool`, the host tier and the copy plan
+            they plan into (see `build.build_kv_manager`).
         watermark_blocks: free blocks that admissions and swap-ins must leave for running
             sequences to grow into (default 1% of the pool).
-        num_host_slots: capacity of the host tier in blocks (0 = no swapping, no spilling).
-        spill_to_host: blocks evicted from the device prefix cache move to the host tier.
         pin_budget_blocks: most blocks one owner may pin (default 1/8 of the pool).
         max_pinned_blocks: most blocks all pins together may pin (default half the pool).
-        disk: a disk tier under the host tier (needs the prefix cache and host slots).
-        disk_write_through_hits: 0 = write every cached block to disk; N = once hit N times.
+        tier_link: the link of the prefix cache to a tier below the host tier (the disk tier).
         """
-        self.pool = BlockPool(num_blocks, block_size)
-        self.block_size = block_size
-        usable = self.pool.num_usable
+        self.pool = pool
+        self.block_size = pool.block_size
+        usable = pool.num_usable
         self.watermark_blocks = usable // 100 if watermark_blocks is None else watermark_blocks
         if not 0 <= self.watermark_blocks < usable:
             raise ValueError(f"watermark_blocks must be in [0, {usable}), got {watermark_blocks}")
-        self.copies = CopyPlan()
-        self.host = HostTier(num_host_slots) if num_host_slots > 0 else None
-        radix = (
-            RadixCache(self.pool, self.host, self.copies, spill_to_host=spill_to_host) if enable_prefix_cache else None
-        )
-        self.prefix_cache: PrefixCache | None = radix
+        self.copies = copies
+        self.host = host
+        self.prefix_cache = prefix_cache
         self.leases = Leases(
-            self.prefix_cache,
-            self.pool,
+            prefix_cache,
+            pool,
             usable // 8 if pin_budget_blocks is None else pin_budget_blocks,
             usable // 2 if max_pinned_blocks is None else max_pinned_blocks,
             self._changed,
         )
         self._handles: set[KVHandle] = set()  # the live ones (for accounting and checks)
         self._epoch = 0  # moves on every change a PrefixHit depends on
-        self.disk = None
-        if disk is not None:
-            if radix is None:
-                raise ValueError("the disk tier needs the prefix cache")
-            self.disk = DiskLink(disk, radix, self.copies, write_through_hits=disk_write_through_hits)
-        self.loads = DiskLoads(self.disk, lambda: self._epoch, self._changed)
+        self.tier_link = tier_link
+        self.loads = TierLoads(tier_link, lambda: self._epoch, self._changed)
 
     def _changed(self) -> None:
         self._epoch += 1
@@ -123,13 +113,12 @@ class KVCacheManager:
 
     @property
     def stats(self) -> CacheStats:
-        return self.prefix_cache.stats if self.prefix_cache is not None else CacheStats()
+        return self.prefix_cache.stats
 
     @property
     def num_available_blocks(self) -> int:
         """Free blocks plus idle cached blocks that eviction would free."""
-        cache = self.prefix_cache
-        return self.pool.num_free + (cache.num_evictable_blocks if cache is not None else 0)
+        return self.pool.num_free + self.prefix_cache.num_evictable_blocks
 
     def usage(self) -> KVUsage:
         """Counts for metrics; O(blocks), so call it per scrape, not per step."""
@@ -138,126 +127,82 @@ class KVCacheManager:
     # ------------------------------------------------------------------ admission
 
     def new_chain(self) -> ChainKeys:
-        """Content keys for one request's tokens, seeded as the disk tier's are (when there is
+        """Content keys for one request's tokens, seeded as the lower tier's are (when there is
         one): pass the same chain to every `match_prefix` of that request, so its keys are
         computed once."""
-        return self.disk.new_chain() if self.disk is not None else ChainKeys(bytes(KEY_BYTES), self.block_size)
+        link = self.tier_link
+        return link.new_chain() if link is not None else ChainKeys(bytes(KEY_BYTES), self.block_size)
 
     def match_prefix(self, token_ids: Sequence[int] | np.ndarray, chain: ChainKeys | None = None) -> PrefixHit:
         """Find the cached prefix of a prompt. Changes nothing a hit depends on."""
-        cache = self.prefix_cache
-        if cache is None:
-            return PrefixHit(0, 0, len(token_ids), None, [], 0, self._epoch)
-        match = cache.match(token_ids)
-        disk_tokens = 0
-        if self.disk is not None:
-            chain = chain if chain is not None else self.disk.new_chain()
-            limit = (len(token_ids) - 1) // self.block_size
-            disk_tokens = self.disk.blocks_on_disk(token_ids, chain, match.num_blocks, limit) * self.block_size
-        return PrefixHit(
-            match.num_tokens,
-            match.num_host_tokens,
-            len(token_ids),
-            match.node,
-            match.device_blocks,
-            match.idle_device_blocks,
-            self._epoch,
-            disk_tokens,
-            chain,
-            token_ids,
-        )
+        match = self.prefix_cache.match(token_ids)
+        link = self.tier_link
+        if link is None:
+            return PrefixHit(match, len(token_ids), self._epoch, None, token_ids)
+        chain = chain if chain is not None else link.new_chain()
+        limit = (len(token_ids) - 1) // self.block_size
+        tier_tokens = link.blocks_stored(token_ids, chain, match.num_blocks, limit) * self.block_size
+        return PrefixHit(match, len(token_ids), self._epoch, chain, token_ids, tier_tokens)
 
     def _admit_need(self, hit: PrefixHit, num_new_tokens: int) -> int:
-        if hit._epoch != self._epoch:
+        if hit.epoch != self._epoch:
             raise ValueError("stale PrefixHit: the manager changed since match_prefix; match again")
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         total_blocks = -(-(hit.num_tokens + num_new_tokens) // self.block_size)
-        return total_blocks - len(hit._device_blocks)
+        return total_blocks - len(hit.device_blocks)
 
     def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Would `admit` succeed (leaving the watermark free for running sequences)?"""
         need = self._admit_need(hit, num_new_tokens)
-        available = self.num_available_blocks - hit._idle_path_blocks
+        available = self.num_available_blocks - hit.match.idle_device_blocks
         return available - need >= self.watermark_blocks
 
     def admit(self, hit: PrefixHit, num_new_tokens: int, load_key: Hashable | None = None) -> KVHandle | None:
         """Start a sequence: reuse the hit's cached blocks, add slots for `num_new_tokens`. Its
         handle has `num_tokens == hit.num_tokens + num_new_tokens`. None, with nothing changed,
         when the blocks needed would eat into the watermark. `load_key`: the key the request's
-        disk load was started with, whose lock the admission takes over."""
+        lower-tier load was started with, whose lock the admission takes over."""
         if not self.can_admit(hit, num_new_tokens):
             return None
         need = self._admit_need(hit, num_new_tokens)
         self._epoch += 1
         cache = self.prefix_cache
-        path = list(hit._device_blocks)
-        node = hit._node
-        if cache is not None:
-            cache.lock(node)
-            if self.disk is not None:
-                if load_key is not None:
-                    self.disk.release(load_key, hit.num_tokens)
-                self.disk.count_hits(hit._chain, hit._token_ids, hit._device_blocks)
-            if hit.num_host_tokens:
-                path += cache.load_to_device(node)
-            cache.stats.record(hit.num_prompt_tokens, hit.num_tokens - hit.num_host_tokens, hit.num_host_tokens)
+        cache.lock(hit.path)
+        if self.tier_link is not None:
+            if load_key is not None:
+                self.tier_link.release(load_key, hit.num_tokens)
+            self.tier_link.count_hits(hit.chain, hit.token_ids, hit.device_blocks)
+        path = list(hit.device_blocks)
+        if hit.num_host_tokens:
+            path += cache.load_to_device(hit.path)
+        cache.stats.record(hit.num_prompt_tokens, hit.num_tokens - hit.num_host_tokens, hit.num_host_tokens)
         for block in path:
             self.pool.incref(block)
-        new = self._allocate(need - hit.num_host_tokens // self.block_size)
-        handle = KVHandle(self.block_size, path + new, hit.num_tokens + num_new_tokens, node, len(path), hit._chain)
+        new = cache.allocate(need - hit.num_host_tokens // self.block_size)
+        handle = KVHandle(self.block_size, path + new, hit.num_tokens + num_new_tokens, hit.path, len(path), hit.chain)
         self._handles.add(handle)
         return handle
 
     def flush_to_disk(self) -> int:
-        """At a clean shutdown: plan disk writes of the cached blocks the disk tier lacks, within
-        its budget (see `DiskLink.flush`); run the copies, then close the tier. Returns the blocks
-        planned (0 without a disk tier)."""
-        return self.disk.flush() if self.disk is not None else 0
+        """At a clean shutdown: plan writes of the cached blocks the lower tier lacks, within its
+        budget (see `TierLink.flush`); run the copies, then close the tier. Returns the blocks
+        planned (0 without a lower tier)."""
+        return self.tier_link.flush() if self.tier_link is not None else 0
 
     # ------------------------------------------------------------------ growth
 
-    def _growth_need(self, handle: KVHandle, num_new_tokens: int) -> tuple[int, bool]:
-        """(blocks to allocate, whether the last block must be copied before writing)."""
+    def allocate_slots(self, handle: KVHandle, num_new_tokens: int) -> bool:
+        """Add `num_new_tokens` slots to a running sequence; False (nothing changed) if short."""
+        self._on_device(handle)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        bs = self.block_size
-        new_blocks = -(-(handle.num_tokens + num_new_tokens) // bs) - handle.num_blocks
-        cow = (
-            num_new_tokens > 0
-            and handle.num_tokens % bs != 0
-            and self.pool.refcount[handle.table[handle.num_blocks - 1]] > 1
-        )
-        return new_blocks + cow, cow
-
-    def can_allocate(self, handle: KVHandle, num_new_tokens: int) -> bool:
-        """Would `allocate_slots` succeed? (Running sequences may use the watermark reserve.)"""
-        need, _ = self._growth_need(self._on_device(handle), num_new_tokens)
-        return need <= self.num_available_blocks
-
-    def allocate_slots(self, handle: KVHandle, num_new_tokens: int) -> bool:
-        """Add `num_new_tokens` slots to a running sequence; False (nothing changed) if short.
-
-        A shared, partly filled last block is copied first (copy-on-write): the copy is planned
-        and shows up in `take_copies()`.
-        """
-        need, cow = self._growth_need(self._on_device(handle), num_new_tokens)
+        need = -(-(handle.num_tokens + num_new_tokens) // self.block_size) - handle.num_blocks
         self._epoch += 1
-        if need == 0:
-            handle.num_tokens += num_new_tokens
-            return True
-        if need > self.num_available_blocks:
-            return False
-        blocks = self._allocate(need)
-        if cow:
-            last = handle.num_blocks - 1
-            shared = int(handle.table[last])
-            copy = blocks.pop()
-            self.copies.add(CopyKind.DEVICE_TO_DEVICE, shared, copy)
-            self.pool.decref(shared)
-            handle.table[last] = copy
-            handle.renew_version()
-        handle.append(blocks)
+        if need > 0:
+            if need > self.num_available_blocks:
+                return False
+            handle.append(self.prefix_cache.allocate(need))
         handle.num_tokens += num_new_tokens
         return True
 
@@ -280,11 +225,6 @@ class KVCacheManager:
             handle.renew_version()
         handle.num_tokens = num_tokens
 
-    def _allocate(self, n: int) -> list[int]:
-        if self.prefix_cache is not None:
-            return self.prefix_cache.allocate(n)
-        return self.pool.allocate(n)
-
     # ------------------------------------------------------------------ prefix caching
 
     def cache_full_blocks(self, handle: KVHandle, token_ids: Sequence[int] | np.ndarray) -> int:
@@ -292,12 +232,9 @@ class KVCacheManager:
 
         `token_ids` are the sequence's tokens from position 0 whose KV has been written (call
         after the step). Cheap when no block filled since the last call. Returns how many
-        leading blocks of the sequence are now cached. A no-op without a prefix cache.
+        leading blocks of the sequence are now cached (none with prefix caching off).
         """
         self._on_device(handle)
-        cache = self.prefix_cache
-        if cache is None:
-            return 0
         if len(token_ids) > handle.num_tokens:
             raise ValueError(f"{len(token_ids)} token ids but only {handle.num_tokens} slots")
         bs = self.block_size
@@ -306,58 +243,28 @@ class KVCacheManager:
         if full <= done:
             return done
         self._epoch += 1
-        table = handle.table
-        result = cache.insert(token_ids[done * bs : full * bs], table[done:full].tolist(), parent=handle.node)
-        cache.unlock(handle.node)
-        handle.node = result.node
-        pool = self.pool
-        adopted = []
+        cache, table = self.prefix_cache, handle.table
+        result = cache.insert(token_ids[done * bs : full * bs], table[done:full].tolist(), parent=handle.path)
+        cache.unlock(handle.path)
+        handle.path = result.path
+        adopted = {}
         for i, cached in enumerate(result.blocks, start=done):
             own = int(table[i])
             if cached != own:  # the cache had these tokens already: use its block
-                pool.incref(cached)
-                pool.decref(own)
+                self.pool.incref(cached)
+                self.pool.decref(own)
                 table[i] = cached
                 handle.renew_version()
-            elif self.disk is not None:
-                adopted.append(i)
-        if adopted:
+            else:
+                adopted[i] = own
+        if adopted and self.tier_link is not None:
             if handle.chain is None:
-                handle.chain = self.disk.new_chain()
-            self.disk.write_through(handle.chain, token_ids, {i: int(table[i]) for i in adopted})
+                handle.chain = self.tier_link.new_chain()
+            self.tier_link.write_through(handle.chain, token_ids, adopted)
         handle.cached_blocks = done + len(result.blocks)
         return handle.cached_blocks
 
-    def clear_prefix_cache(self) -> int:
-        """Drop every cached block no sequence or lease holds (both tiers); returns blocks freed."""
-        if self.prefix_cache is None:
-            return 0
-        self._epoch += 1
-        return self.prefix_cache.clear()
-
-    # ------------------------------------------------------------------ fork, free
-
-    def fork(self, parent: KVHandle) -> KVHandle:
-        """A new sequence sharing every block of `parent` (copy-on-write on the partial one)."""
-        self._on_device(parent)
-        self._epoch += 1
-        blocks = parent.table[: parent.num_blocks].tolist()
-        for block in blocks:
-            self.pool.incref(block)
-        if self.prefix_cache is not None:
-            self.prefix_cache.lock(parent.node)
-        chain = parent.chain.fork() if parent.chain is not None else None
-        child = KVHandle(
-            self.block_size,
-            blocks,
-            parent.num_tokens,
-            parent.node,
-            parent.cached_blocks,
-            chain,
-            capacity=len(parent.table),
-        )
-        self._handles.add(child)
-        return child
+    # ------------------------------------------------------------------ free
 
     def free(self, handle: KVHandle) -> None:
         """Release everything the sequence holds (finish, abort, or preempt-to-recompute)."""
@@ -372,18 +279,12 @@ class KVCacheManager:
             return
         self.pool.decref_all(handle.table[: handle.num_blocks].tolist())
         handle.num_blocks = 0
-        if self.prefix_cache is not None:
-            self.prefix_cache.unlock(handle.node)
+        self.prefix_cache.unlock(handle.path)
 
     # ------------------------------------------------------------------ swap
 
     def can_swap_out(self, handle: KVHandle) -> bool:
-        n = self._on_device(handle).num_blocks
-        if self.host is None:
-            return False
-        if self.prefix_cache is not None:
-            return self.prefix_cache.can_reserve_host(n)
-        return self.host.num_free >= n
+        return self.prefix_cache.can_reserve_host(self._on_device(handle).num_blocks)
 
     def swap_out(self, handle: KVHandle) -> bool:
         """Preempt by copying the sequence's blocks to host slots and freeing them on the device.
@@ -395,14 +296,14 @@ class KVCacheManager:
             return False
         self._epoch += 1
         n = handle.num_blocks
-        slots = self.prefix_cache.reserve_host(n) if self.prefix_cache is not None else self.host.allocate(n)
+        cache = self.prefix_cache
+        slots = cache.reserve_host(n)
         blocks = handle.table[:n].tolist()
         for block, slot in zip(blocks, slots):
             self.copies.add(CopyKind.DEVICE_TO_HOST, block, slot)
         self.pool.decref_all(blocks)
-        if self.prefix_cache is not None:
-            self.prefix_cache.unlock(handle.node)
-            handle.node = self.prefix_cache.root
+        cache.unlock(handle.path)
+        handle.path = cache.root
         handle.host_slots = slots
         handle.num_blocks = 0
         handle.renew_version()
@@ -420,7 +321,7 @@ class KVCacheManager:
             return False
         self._epoch += 1
         slots = handle.host_slots
-        blocks = self._allocate(len(slots))
+        blocks = self.prefix_cache.allocate(len(slots))
         for slot, block in zip(slots, blocks):
             self.copies.add(CopyKind.HOST_TO_DEVICE, slot, block)
         self.host.free(slots)
@@ -440,15 +341,13 @@ class KVCacheManager:
         would eat into the watermark. Write their KV, then `leases.adopt_import` them. Evicting
         idle cached blocks for them may plan copies: run `take_copies()` before writing."""
         self._epoch += 1
-        return self._allocate(max(0, min(n, self.num_available_blocks - self.watermark_blocks)))
+        return self.prefix_cache.allocate(max(0, min(n, self.num_available_blocks - self.watermark_blocks)))
 
     # ------------------------------------------------------------------ checks
 
     def check_integrity(self) -> None:
         """Check the invariants of pool, tables, cache, host tier and leases (AssertionError)."""
         check_integrity(self)
-
-    # ------------------------------------------------------------------ helpers
 
     @staticmethod
     def _on_device(handle: KVHandle) -> KVHandle:

@@ -1,64 +1,103 @@
-"""The interface of a prefix cache (what the KV manager and the leases ask of one), and the
-manager's answer to "what of this prompt is cached" (`PrefixHit`).
+"""The interface of a prefix cache: what the KV manager and the leases ask of one.
 
-`RadixCache` (radix_cache.py) is the implementation. The callers hold nodes (`RadixNode`) only as
-opaque handles to a matched or inserted path: they lock a path while they use its blocks and unlock
-it when they are done; everything else about the tree, its tiers and its eviction order stays
-behind these methods. The disk tier's link (disk_link.py) works below this interface, on the
-radix cache itself.
+Two implementations: `RadixCache` (radix_cache.py: a radix tree of full blocks, spilling to the
+host tier) and `NoPrefixCache` (no_prefix_cache.py: prefix caching off, caches nothing). Whoever
+builds the KV manager picks one (`build.build_kv_manager`); the manager never asks which it has.
+
+Callers hold paths (`CachedPath`) only as opaque handles to a matched or inserted path: they lock
+a path while they use its blocks and unlock it when they are done; the tree, its tiers and its
+eviction order stay behind these methods. The link to the tiers below the host tier
+(`tier_link.py`) asks a little more of a cache that spills to the host: `SpillingPrefixCache`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from jaxserve.kv.content_keys import ChainKeys
-from jaxserve.kv.radix_node import CacheStats, InsertResult, PrefixMatch, RadixNode
+
+class CachedPath(Protocol):
+    """An opaque handle to a cached path, from the first block on. Its one public fact is its length."""
+
+    @property
+    def end(self) -> int:
+        """Blocks on the path."""
+
+
+@dataclass
+class CacheStats:
+    """Hit statistics, recorded when a match is used (admission), not on every peek."""
+
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0  # served from device blocks
+    host_hit_tokens: int = 0  # served from the host tier (copied back, not recomputed)
+    device_evictions: int = 0  # blocks evicted from the device (spilled to the host or dropped)
+    host_evictions: int = 0  # blocks dropped from the host tier
+
+    def record(self, query_tokens: int, hit_tokens: int, host_hit_tokens: int) -> None:
+        self.queries += 1
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+        self.host_hit_tokens += host_hit_tokens
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """The cached prefix of a prompt, from `match_prefix`; pass it to `admit`."""
+class PrefixMatch:
+    """The cached prefix of a token sequence."""
 
-    num_tokens: int  # prompt tokens whose KV is cached (device + host)
-    num_host_tokens: int  # the part of num_tokens that is copied back from the host tier
-    num_prompt_tokens: int
-    _node: RadixNode | None
-    _device_blocks: list[int]
-    _idle_path_blocks: int
-    _epoch: int
-    num_disk_tokens: int = 0  # after num_tokens: blocks on the disk tier (see `DiskLoads.start`)
-    _chain: ChainKeys | None = None
-    _token_ids: Sequence[int] | np.ndarray | None = None
+    path: CachedPath  # the matched path (the empty one when nothing matched)
+    device_blocks: list[int]  # device blocks of the matched path, in order
+    num_host_blocks: int  # blocks after those that live on the host tier
+    idle_device_blocks: int  # device blocks on the path no one holds: locking removes them
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device_blocks) + self.num_host_blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_host_tokens(self) -> int:
+        return self.num_host_blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    path: CachedPath  # the inserted path, locked once for the caller
+    blocks: list[int]  # the cache's blocks for the inserted positions (may differ from yours, or be fewer)
 
 
 @runtime_checkable
 class PrefixCache(Protocol):
-    root: RadixNode  # the empty path: a handle that locks nothing
+    root: CachedPath  # the empty path: a handle that locks nothing
     stats: CacheStats
 
     def match(self, tokens: Sequence[int] | np.ndarray, *, leave_last_token: bool = True) -> PrefixMatch:
         """Longest cached prefix of `tokens` in whole blocks (nothing locked)."""
 
-    def insert(
-        self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], *, parent: RadixNode | None = None
-    ) -> InsertResult:
+    def insert(self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], *, parent: CachedPath) -> InsertResult:
         """Cache full blocks of computed KV after `parent`'s path and lock the result for the caller."""
 
-    def lock(self, node: RadixNode) -> None:
-        """Keep the path ending at `node` from eviction."""
+    def lock(self, path: CachedPath) -> None:
+        """Keep `path` from eviction."""
 
-    def unlock(self, node: RadixNode) -> None:
+    def unlock(self, path: CachedPath) -> None:
         """Release one `lock` (or the lock an `insert` took)."""
 
-    def path_blocks(self, node: RadixNode) -> list[int]:
-        """The device blocks of the path ending at `node`."""
+    def path_blocks(self, path: CachedPath) -> list[int]:
+        """The device blocks of a path that is all on the device."""
 
-    def load_to_device(self, node: RadixNode) -> list[int]:
+    def device_prefix(self, path: CachedPath) -> CachedPath:
+        """The longest leading part of `path` that is on the device (its host part left out)."""
+
+    def load_to_device(self, path: CachedPath) -> list[int]:
         """Bring the host part of a locked path back to the device (plans the copies)."""
 
     def allocate(self, n: int) -> list[int]:
@@ -73,9 +112,6 @@ class PrefixCache(Protocol):
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` idle device blocks (spilled to the host tier or dropped)."""
 
-    def clear(self) -> int:
-        """Drop every idle cached block; returns the device blocks freed."""
-
     @property
     def num_device_blocks(self) -> int:
         """Device blocks the cache stores."""
@@ -84,11 +120,11 @@ class PrefixCache(Protocol):
     def num_evictable_blocks(self) -> int:
         """Device blocks no one locks: what `allocate` may evict."""
 
-    # What the KV accounting reads (`accounting.kv_usage`, `accounting.check_integrity`).
-
     @property
     def num_host_blocks(self) -> int:
         """Host slots holding spilled cached blocks."""
+
+    # What the KV accounting reads (`accounting.kv_usage`, `accounting.check_integrity`).
 
     def device_blocks(self) -> Iterator[int]:
         """Every device block the cache stores."""
@@ -96,5 +132,49 @@ class PrefixCache(Protocol):
     def host_slots(self) -> Iterator[int]:
         """Every host slot the cache stores."""
 
-    def check_integrity(self, direct_locks: dict[RadixNode, int] | None = None) -> None:
-        """Raise AssertionError unless the cache is consistent (and its locks match `direct_locks`)."""
+    def check_integrity(self, direct_locks: Mapping[CachedPath, int]) -> None:
+        """Raise AssertionError unless the cache is consistent and its locks match `direct_locks`
+        (each locked path's number of holders; the empty path left out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRun:
+    """A run of cached blocks that continues a path: what a spilling cache reports of its contents."""
+
+    path: CachedPath  # the path that ends with this run
+    parent: CachedPath  # the path it continues
+    tokens: bytes  # the run's token ids (int32 bytes)
+    locations: list[int]  # its device blocks, or its host slots
+    on_device: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedBlocks:
+    """Cached blocks about to leave the cache for good: blocks [first, first + len(locations)) of a
+    path whose token ids (from the first block up to the dropped ones' end) are `tokens`."""
+
+    tokens: np.ndarray
+    first: int
+    locations: list[int]  # device blocks, or host slots
+    on_device: bool
+
+
+@runtime_checkable
+class SpillingPrefixCache(PrefixCache, Protocol):
+    """A prefix cache that spills to the host tier: what the link to the lower tiers uses."""
+
+    block_size: int
+    # Called just before cached blocks leave the cache (dropped from the device without a host
+    # slot, or from the host): the lower tiers' write-back.
+    on_drop: Callable[[DroppedBlocks], None] | None
+
+    @property
+    def num_evictable_host_blocks(self) -> int:
+        """Host slots of idle cached blocks: what `reserve_host` may evict."""
+
+    def insert_host(self, parent: CachedPath, tokens: bytes, slots: list[int]) -> tuple[CachedPath, list[int]]:
+        """Add blocks read into host slots after `parent` (locked by the caller); returns the
+        path (not locked) and the slots not taken (positions cached meanwhile)."""
+
+    def runs_by_recency(self) -> Iterator[CachedRun]:
+        """Every cached run, most recently used first, never before the run it continues."""

@@ -20,21 +20,24 @@ Rules that keep it correct and fast:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool, NoFreeBlocksError
+from jaxserve.kv.content_keys import token_bytes
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan
 from jaxserve.kv.host_tier import HostTier
+from jaxserve.kv.prefix_cache import CacheStats, DroppedBlocks, InsertResult
 from jaxserve.kv.radix_integrity import check_radix_cache
-from jaxserve.kv.radix_node import CacheStats, InsertResult, RadixNode, token_bytes
+from jaxserve.kv.radix_node import RadixNode
 from jaxserve.kv.radix_tree import RadixTree
 
 
 class RadixCache(RadixTree):
     """Prefix cache of full KV blocks with LRU eviction and an optional host tier: the tree
-    (`RadixTree`: lookup, locks, splits) plus what it stores and when blocks leave it."""
+    (`RadixTree`: lookup, locks, splits) plus what it stores and when blocks leave it. A
+    `SpillingPrefixCache` (prefix_cache.py)."""
 
     def __init__(
         self,
@@ -45,17 +48,16 @@ class RadixCache(RadixTree):
         spill_to_host: bool = True,
     ) -> None:
         self.pool = pool
-        self.host = host
+        self.host = host if host is not None else HostTier(0)
         self.copies = copies if copies is not None else CopyPlan()
-        self.spill_to_host = spill_to_host and host is not None and host.num_slots > 0
+        self.spill_to_host = spill_to_host and self.host.num_slots > 0
         super().__init__(pool.block_size)
         self._device_blocks = 0
         self._host_blocks = 0
         self.stats = CacheStats()
-        # Called with (node, n) just before the last n blocks of an idle node leave the cache
-        # (dropped from the device without a host slot, or from the host): the disk tier's
-        # write-back. Not called by `clear`.
-        self.on_drop: Callable[[RadixNode, int], None] | None = None
+        # Called just before blocks of an idle node leave the cache (dropped from the device
+        # without a host slot, or from the host): the lower tiers' write-back. Not called by `clear`.
+        self.on_drop: Callable[[DroppedBlocks], None] | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -284,7 +286,7 @@ class RadixCache(RadixTree):
         else:
             self._drop_host_subtrees(node)
             if self.on_drop is not None:
-                self.on_drop(node, take)
+                self.on_drop(self.dropped(node, take))
             if whole:
                 del self.idle.device[node]
                 self._detach(node)
@@ -312,7 +314,7 @@ class RadixCache(RadixTree):
             child = stack.pop()
             stack.extend(child.children.values())
             if self.on_drop is not None:
-                self.on_drop(child, child.length)
+                self.on_drop(self.dropped(child, child.length))
             self.stats.host_evictions += child.length
             del self.idle.host[child]
             self.idle.host_blocks -= child.length
@@ -321,8 +323,7 @@ class RadixCache(RadixTree):
             child.parent = None
 
     def can_reserve_host(self, n: int) -> bool:
-        host = self.host
-        return host is not None and host.num_free + self.idle.host_blocks >= n
+        return self.host.num_free + self.idle.host_blocks >= n
 
     def reserve_host(self, n: int) -> list[int] | None:
         """Take n host slots, evicting idle cached host blocks if needed; None if impossible."""
@@ -341,7 +342,7 @@ class RadixCache(RadixTree):
             node = next(iter(lru))
             take = min(num_slots - freed, node.length)
             if self.on_drop is not None:
-                self.on_drop(node, take)
+                self.on_drop(self.dropped(node, take))
             self.stats.host_evictions += take
             self.host.free(node.host_slots[node.length - take :])
             if take == node.length:
@@ -380,7 +381,7 @@ class RadixCache(RadixTree):
             if node.host_slots is not None:
                 yield from node.host_slots
 
-    def check_integrity(self, direct_locks: dict[RadixNode, int] | None = None) -> None:
+    def check_integrity(self, direct_locks: Mapping[RadixNode, int] | None = None) -> None:
         """Check structure, tiers, lock counts, LRU order and counters; raise AssertionError
         (`radix_integrity.check_radix_cache`)."""
         check_radix_cache(self, direct_locks)

@@ -2,95 +2,133 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jaxserve.kv.block_pool import RESERVED_BLOCK
-from jaxserve.kv.radix_node import TOKEN_BYTES, RadixNode
+from jaxserve.kv.content_keys import TOKEN_BYTES
+from jaxserve.kv.radix_node import RadixNode
 
 if TYPE_CHECKING:
     from jaxserve.kv.radix_cache import RadixCache
 
 
-def check_radix_cache(cache: RadixCache, direct_locks: dict[RadixNode, int] | None = None) -> None:
+@dataclass
+class _Recount:
+    """What the walk over the tree found, to compare with the cache's own counters."""
+
+    device_lru: dict[RadixNode, int]  # idle device node -> its position in the LRU
+    host_lru: dict[RadixNode, int]
+    blocks: set[int] = field(default_factory=set)
+    slots: set[int] = field(default_factory=set)
+    device: int = 0
+    host: int = 0
+    idle_device: int = 0
+    idle_host: int = 0
+    idle_nodes: int = 0
+
+
+def check_radix_cache(cache: RadixCache, direct_locks: Mapping[RadixNode, int] | None = None) -> None:
     """Check structure, tiers, lock counts, LRU order and counters; raise AssertionError.
 
     `direct_locks` maps each node to the number of holders (requests, pins) that locked it;
     when given, every lock count must equal its own holders plus its children's counts.
     """
     kb = cache.block_size * TOKEN_BYTES
-    root = cache.root
-    device_lru_pos = {node: i for i, node in enumerate(cache.idle.device)}
-    host_lru_pos = {node: i for i, node in enumerate(cache.idle.host)}
-    seen_blocks: set[int] = set()
-    seen_slots: set[int] = set()
-    totals = {"device": 0, "host": 0, "idle_device": 0, "idle_host": 0}
-    refcount = cache.pool.refcount
-    idle_nodes = 0
-    stack = [root]
+    seen = _Recount({n: i for i, n in enumerate(cache.idle.device)}, {n: i for i, n in enumerate(cache.idle.host)})
+    stack = [cache.root]
     while stack:
         node = stack.pop()
-        child_locks = 0
-        for first, child in node.children.items():
-            if child.parent is not node:
-                raise AssertionError("child's parent pointer is wrong")
-            if first != child.key[:kb]:
-                raise AssertionError("child keyed by the wrong first block")
-            if child.start != node.end:
-                raise AssertionError("child start does not follow its parent")
-            if node.blocks is None and child.blocks is not None:
-                raise AssertionError("device node below a host node")
-            child_locks += child.lock
-            stack.append(child)
-        if node is root:
+        child_locks = _check_children(node, kb)
+        stack.extend(node.children.values())
+        if node is cache.root:
             continue
-        if node.length < 1 or len(node.key) != node.length * kb:
-            raise AssertionError("node key length does not match its block count")
-        if (node.blocks is None) == (node.host_slots is None):
-            raise AssertionError("node must live on exactly one tier")
-        own = direct_locks.get(node, 0) if direct_locks is not None else 0
-        if direct_locks is not None and node.lock != own + child_locks:
-            raise AssertionError(f"lock count {node.lock} != {own} holders + {child_locks} below")
-        if node.lock < child_locks:
-            raise AssertionError("lock count below the sum of the children's")
-        idle = node.lock == 0
-        idle_nodes += idle
+        _check_node(node, kb, child_locks, direct_locks)
         if node.blocks is not None:
-            if len(node.blocks) != node.length:
-                raise AssertionError("device node block count mismatch")
-            for block in node.blocks:
-                if block == RESERVED_BLOCK or block in seen_blocks:
-                    raise AssertionError(f"block {block} reserved or cached twice")
-                seen_blocks.add(block)
-                if refcount[block] < 1 or (idle and refcount[block] != 1):
-                    raise AssertionError(f"cached block {block} has refcount {refcount[block]} (idle={idle})")
-            totals["device"] += node.length
-            if idle:
-                totals["idle_device"] += node.length
-            if idle != (node in device_lru_pos) or node in host_lru_pos:
-                raise AssertionError("device node LRU membership wrong")
+            _count_device_node(cache, node, seen)
         else:
-            if len(node.host_slots) != node.length:
-                raise AssertionError("host node slot count mismatch")
-            for slot in node.host_slots:
-                if slot in seen_slots or not cache.host.is_in_use(slot):
-                    raise AssertionError(f"host slot {slot} cached twice or not in use")
-                seen_slots.add(slot)
-            totals["host"] += node.length
-            if idle:
-                totals["idle_host"] += node.length
-            if idle != (node in host_lru_pos) or node in device_lru_pos:
-                raise AssertionError("host node LRU membership wrong")
-        if idle:
-            positions = device_lru_pos if node.blocks is not None else host_lru_pos
-            ancestor = node.parent
-            while ancestor is not root and ancestor.lock == 0:
-                other = device_lru_pos if ancestor.blocks is not None else host_lru_pos
-                if other is positions and other[ancestor] < positions[node]:
-                    raise AssertionError("an idle ancestor precedes its descendant in the LRU")
-                ancestor = ancestor.parent
-    if len(device_lru_pos) + len(host_lru_pos) != idle_nodes:
+            _count_host_node(cache, node, seen)
+        if node.lock == 0:
+            _check_lru_order(cache, node, seen)
+    if len(seen.device_lru) + len(seen.host_lru) != seen.idle_nodes:
         raise AssertionError("LRU holds nodes that are not in the tree")
     expected = (cache.num_device_blocks, cache.num_host_blocks, cache.idle.device_blocks, cache.idle.host_blocks)
-    actual = (totals["device"], totals["host"], totals["idle_device"], totals["idle_host"])
+    actual = (seen.device, seen.host, seen.idle_device, seen.idle_host)
     if expected != actual:
         raise AssertionError(f"counters {expected} != recount {actual}")
+
+
+def _check_children(node: RadixNode, kb: int) -> int:
+    """Check the links to `node`'s children; returns the sum of their lock counts."""
+    child_locks = 0
+    for first, child in node.children.items():
+        if child.parent is not node:
+            raise AssertionError("child's parent pointer is wrong")
+        if first != child.key[:kb]:
+            raise AssertionError("child keyed by the wrong first block")
+        if child.start != node.end:
+            raise AssertionError("child start does not follow its parent")
+        if node.blocks is None and child.blocks is not None:
+            raise AssertionError("device node below a host node")
+        child_locks += child.lock
+    return child_locks
+
+
+def _check_node(node: RadixNode, kb: int, child_locks: int, direct_locks: Mapping[RadixNode, int] | None) -> None:
+    if node.length < 1 or len(node.key) != node.length * kb:
+        raise AssertionError("node key length does not match its block count")
+    if (node.blocks is None) == (node.host_slots is None):
+        raise AssertionError("node must live on exactly one tier")
+    if direct_locks is not None:
+        own = direct_locks.get(node, 0)
+        if node.lock != own + child_locks:
+            raise AssertionError(f"lock count {node.lock} != {own} holders + {child_locks} below")
+    if node.lock < child_locks:
+        raise AssertionError("lock count below the sum of the children's")
+
+
+def _count_device_node(cache: RadixCache, node: RadixNode, seen: _Recount) -> None:
+    idle = node.lock == 0
+    refcount = cache.pool.refcount
+    if len(node.blocks) != node.length:
+        raise AssertionError("device node block count mismatch")
+    for block in node.blocks:
+        if block == RESERVED_BLOCK or block in seen.blocks:
+            raise AssertionError(f"block {block} reserved or cached twice")
+        seen.blocks.add(block)
+        if refcount[block] < 1 or (idle and refcount[block] != 1):
+            raise AssertionError(f"cached block {block} has refcount {refcount[block]} (idle={idle})")
+    seen.device += node.length
+    if idle:
+        seen.idle_device += node.length
+        seen.idle_nodes += 1
+    if idle != (node in seen.device_lru) or node in seen.host_lru:
+        raise AssertionError("device node LRU membership wrong")
+
+
+def _count_host_node(cache: RadixCache, node: RadixNode, seen: _Recount) -> None:
+    idle = node.lock == 0
+    if len(node.host_slots) != node.length:
+        raise AssertionError("host node slot count mismatch")
+    for slot in node.host_slots:
+        if slot in seen.slots or not cache.host.is_in_use(slot):
+            raise AssertionError(f"host slot {slot} cached twice or not in use")
+        seen.slots.add(slot)
+    seen.host += node.length
+    if idle:
+        seen.idle_host += node.length
+        seen.idle_nodes += 1
+    if idle != (node in seen.host_lru) or node in seen.device_lru:
+        raise AssertionError("host node LRU membership wrong")
+
+
+def _check_lru_order(cache: RadixCache, node: RadixNode, seen: _Recount) -> None:
+    """An idle node comes before its idle ancestors of the same tier in that tier's LRU."""
+    positions = seen.device_lru if node.blocks is not None else seen.host_lru
+    ancestor = node.parent
+    while ancestor is not cache.root and ancestor.lock == 0:
+        other = seen.device_lru if ancestor.blocks is not None else seen.host_lru
+        if other is positions and other[ancestor] < positions[node]:
+            raise AssertionError("an idle ancestor precedes its descendant in the LRU")
+        ancestor = ancestor.parent

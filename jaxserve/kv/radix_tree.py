@@ -15,8 +15,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jaxserve.kv.content_keys import TOKEN_BYTES, token_bytes
+from jaxserve.kv.prefix_cache import CachedRun, DroppedBlocks, PrefixMatch
 from jaxserve.kv.radix_lru import IdleNodes
-from jaxserve.kv.radix_node import TOKEN_BYTES, PrefixMatch, RadixNode, token_bytes
+from jaxserve.kv.radix_node import RadixNode
 
 
 class RadixTree:
@@ -95,6 +97,12 @@ class RadixTree:
                 hi = mid - 1
         return lo
 
+    def device_prefix(self, node: RadixNode) -> RadixNode:
+        """The deepest node of `node`'s path that is on the device (the root when none is)."""
+        while node.blocks is None:
+            node = node.parent
+        return node
+
     def path_blocks(self, node: RadixNode) -> list[int]:
         """Device blocks from the root to `node` (all of its path must be on the device)."""
         parts: list[list[int]] = []
@@ -166,16 +174,22 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def nodes_by_recency(self) -> list[RadixNode]:
-        """Every node but the root, most recently used first: the locked ones (in use or pinned),
-        then idle device nodes, then idle host nodes, each LRU newest first. A node never comes
-        before its parent, so any leading part of the list is a set of whole prefixes."""
-        return [node for node in self.nodes() if node.lock > 0] + self.idle.newest_first()
+    def runs_by_recency(self) -> Iterator[CachedRun]:
+        """Every node as a `CachedRun`, most recently used first: the locked ones (in use or
+        pinned), then idle device nodes, then idle host nodes, each LRU newest first. A node never
+        comes before its parent, so any leading part is a set of whole prefixes."""
+        for node in [node for node in self.nodes() if node.lock > 0] + self.idle.newest_first():
+            on_device = node.blocks is not None
+            yield CachedRun(node, node.parent, node.key, node.blocks if on_device else node.host_slots, on_device)
 
-    def node_tokens(self, node: RadixNode) -> np.ndarray:
-        """The token ids of the path from the root to the end of `node`."""
+    def dropped(self, node: RadixNode, take: int) -> DroppedBlocks:
+        """The last `take` blocks of `node`, as the lower tiers' write-back sees them."""
         parts = []
-        while node is not self.root:
-            parts.append(node.key)
-            node = node.parent
-        return np.frombuffer(b"".join(reversed(parts)), dtype=np.int32)
+        path = node
+        while path is not self.root:
+            parts.append(path.key)
+            path = path.parent
+        tokens = np.frombuffer(b"".join(reversed(parts)), dtype=np.int32)
+        on_device = node.blocks is not None
+        storage = node.blocks if on_device else node.host_slots
+        return DroppedBlocks(tokens, node.end - take, storage[node.length - take :], on_device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.kv.disk_tier import KV_LOAD_SECONDS_BUCKETS
+from jaxserve.kv.kv_tier import KV_LOAD_SECONDS_BUCKETS
 from jaxserve.kv.manager import KVCacheManager
 
 
@@ -41,11 +41,11 @@ class TierStats:
             device_evictions=cache.device_evictions,
             host_evictions=cache.host_evictions,
         )
-        if kv.disk is not None:
-            disk = kv.disk.disk
+        if kv.tier_link is not None:
+            disk = kv.tier_link.tier
             s = disk.stats
             fields.update(
-                disk_hit_tokens=kv.disk.disk_hit_tokens,
+                disk_hit_tokens=kv.tier_link.hit_tokens,
                 disk_evictions=s.evictions,
                 disk_loads=s.loads,
                 disk_loaded_blocks=s.loaded_blocks,
@@ -56,7 +56,7 @@ class TierStats:
                 disk_written_blocks=s.written_blocks,
                 disk_write_seconds=s.write_seconds,
                 disk_damaged=s.damaged,
-                disk_files=disk.num_files,
+                disk_files=disk.num_blocks,
                 disk_bytes=disk.num_bytes,
             )
         return cls(**fields)

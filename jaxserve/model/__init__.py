@@ -1,5 +1,6 @@
-"""The Flax model: a Llama-family decoder over a paged KV cache."""
+"""The Flax model: a decoder over a paged KV cache, for every family in `checkpoints/architectures/`."""
 
-from jaxserve.model.llama import AttentionMetadata, KVCache, LlamaModel
+from jaxserve.model.decoder_model import DecoderModel
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 
-__all__ = ["AttentionMetadata", "KVCache", "LlamaModel"]
+__all__ = ["AttentionMetadata", "DecoderModel", "KVCache"]

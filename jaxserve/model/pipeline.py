@@ -20,27 +20,28 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.model.llama import AttentionMetadata
+from jaxserve.model.decoder_layer import Carry
+from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.rope import RopeTables
 from sharding.pipeline_schedule import run_pipeline
 
-# stage_layers(stage params, (h, k, v), rope, meta) -> (h, k, v): a stage's layers (`LlamaModel`).
-StageLayers = Callable[[Any, tuple, RopeTables, AttentionMetadata], tuple]
+# stage_layers(stage params, (h, cache), rope, meta) -> (h, cache): a stage's layers (`LayerStack.stage`).
+StageLayers = Callable[[Any, Carry, RopeTables, AttentionMetadata], Carry]
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineLayers:
     """Runs a model's stacked layers as the stages of `mesh`'s `pp` axis, an iteration's rows in up
-    to `microbatches` micro-batches. Called as `LlamaModel.pipeline`."""
+    to `microbatches` micro-batches. Called as `DecoderModel.pipeline`."""
 
     mesh: Mesh
     microbatches: int
 
     def __call__(
-        self, stage_layers: StageLayers, params: Any, carry: tuple, rope: RopeTables, meta: AttentionMetadata
-    ) -> tuple[tuple, jax.Array]:
-        """The layers' (h, k, v) after the step, and the [P, ticks] schedule each stage ran."""
-        h, k, v = carry
+        self, stage_layers: StageLayers, params: Any, carry: Carry, rope: RopeTables, meta: AttentionMetadata
+    ) -> tuple[Carry, jax.Array]:
+        """The layers' (h, cache) after the step, and the [P, ticks] schedule each stage ran."""
+        h, cache = carry
         rows = h.shape[0]
         num = max(1, min(self.microbatches, rows))
         size = -(-rows // num)
@@ -49,11 +50,10 @@ class PipelineLayers:
 
         def stage(params, cache, x, extra):
             rope, meta = extra
-            x, k, v = stage_layers(params, (x, *cache), rope, meta)
-            return x, (k, v)
+            return stage_layers(params, (x, cache), rope, meta)
 
-        out, (k, v), ran = run_pipeline(stage, self.mesh, params, (k, v), inputs, extras)
-        return (out.reshape(num * size, *out.shape[2:])[:rows], k, v), ran
+        out, cache, ran = run_pipeline(stage, self.mesh, params, cache, inputs, extras)
+        return (out.reshape(num * size, *out.shape[2:])[:rows], cache), ran
 
 
 def _split_rows(x: jax.Array, num: int, size: int) -> jax.Array:

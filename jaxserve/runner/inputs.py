@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from jaxserve import faults
-from jaxserve.config import EngineConfig, bucket_for
+from jaxserve.config import bucket_for
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request
+from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores
 from jaxserve.sampling_tensors import SamplingTensors, penalty_history
@@ -41,7 +42,10 @@ class StepInputs:
     """Builds the arrays of each iteration's programs for one runner."""
 
     def __init__(
-        self, engine_config: EngineConfig, constant: Callable[[tuple[int, ...], np.dtype, object], Any], vocab_size: int
+        self,
+        engine_config: ResolvedConfig,
+        constant: Callable[[tuple[int, ...], np.dtype, object], Any],
+        vocab_size: int,
     ):
         self.config = engine_config
         self.batch = InputBatch(
@@ -54,20 +58,7 @@ class StepInputs:
         self.pool_segments = max(engine_config.prefill_seq_buckets)  # chunks of a prefill program, at most
         spec = engine_config.speculative
         self.verify_rows = 0 if spec is None else spec.num_speculative_tokens + 1  # rows per verified sequence
-        # Verify programs exist for the decode batch buckets up to the first that holds the
-        # largest batch that speculates.
-        self.verify_batches = (
-            ()
-            if spec is None
-            else tuple(
-                b
-                for b in engine_config.decode_batch_buckets
-                if b
-                <= bucket_for(
-                    min(spec.disable_by_batch_size, engine_config.max_num_seqs), engine_config.decode_batch_buckets
-                )
-            )
-        )
+        self.verify_batches = engine_config.verify_batch_buckets
 
     def sampler_rows(self, rows: int) -> int:
         return bucket_for(rows, self.config.sampler_row_buckets)
@@ -276,7 +267,7 @@ class StepInputs:
         seq_lens = np.zeros(num_seqs + num_decodes, np.int32)
         query_start = np.zeros(num_seqs + 1, np.int32)
         # It samples for its chunks and decodes, at most max_num_seqs (all running); padding rows
-        # are -1 (`LlamaModel`: the C++ head skips them; a 512-row step's 64 rows cost ~19 ms in
+        # are -1 (`DecoderModel`: the C++ head skips them; a 512-row step's 64 rows cost ~19 ms in
         # the default model's bf16 head where it samples one row alone).
         logits_indices = np.full(min(num_seqs + num_decodes, self.config.max_num_seqs), -1, np.int32)
         tables = np.zeros((num_seqs + num_decodes, width), np.int32)

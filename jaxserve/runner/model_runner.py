@@ -29,14 +29,14 @@ from jax.sharding import Mesh
 from checkpoints.config import ModelConfig
 from checkpoints.digest import weights_digest
 from checkpoints.quantize import GGUF, INT8, Q4, formats_of, quantize_head, quantize_params
-from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyStage
 from jaxserve.lora.peft import LoraWeights
-from jaxserve.model import KVCache, LlamaModel
+from jaxserve.model import DecoderModel, KVCache
 from jaxserve.model.experts import expert_backend
-from jaxserve.model.llama import pack_kernels, panel_kernels, unstack_layers
+from jaxserve.model.layout import pack_kernels, panel_kernels, unstack_layers
 from jaxserve.model.lora import LORA_MODULES
 from jaxserve.outputs import SampledToken
+from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.host_pack import HostPack
@@ -59,8 +59,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, params: Any, engine_config: EngineConfig, mesh: Mesh | None = None):
-        self.engine_config = engine_config = engine_config.for_model(config.max_position_embeddings)
+    def __init__(self, config: ModelConfig, params: Any, engine_config: ResolvedConfig, mesh: Mesh | None = None):
+        if not isinstance(engine_config, ResolvedConfig):
+            raise TypeError("ModelRunner takes a ResolvedConfig: jaxserve.config_resolution.resolve(config, model)")
+        self.engine_config = engine_config
         self.weights_digest = weights_digest(params)  # of the checkpoint's arrays, before any layout here
         if jax.default_backend() == "cpu":
             keep_freed_blocks()  # each step's temporaries reuse the last one's pages (host_heap)
@@ -98,7 +100,7 @@ class ModelRunner:
             params = quantize_head(params, config)
         self.quantization = formats_of(params)
         pipeline = pipeline_layers(self.mesh, engine_config) if self.stages is not None else None
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             config,
             attention,
             self.dtype,
@@ -112,7 +114,7 @@ class ModelRunner:
         # The KV cache's storage dtype (its format: kernels_pallas/kv_quant.py); auto: the weights'
         # dtype, as vLLM's, also on CPU where bf16 weights' activations are f32 (a bf16 cache halves
         # the bytes a decode step's attention reads: a batch-64 step at 256 tokens 0.69x the time).
-        self.kv_dtype = kv_quant.storage_dtype(engine_config.kv_cache_dtype, self.dtype, jax.default_backend())
+        self.kv_dtype = jnp.dtype(engine_config.kv_storage_dtype)
         params = replicate_kv_heads(cast_params(params, self.dtype), plan, config.head_dim)
         if self.stages is not None:
             params = stage_params(params, self.stages)
@@ -145,10 +147,8 @@ class ModelRunner:
             self.param_shardings = {**self.param_shardings, "lora": self.lora_slots.shardings}
 
         bs = engine_config.block_size
-        # kv_cache_memory is per device: a block's kv heads split over tp, its layers over pp
-        devices = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
-        block_bytes = KVCache.bytes_per_block(config, bs, self.kv_dtype)  # all devices' shards, scales included
-        self.num_blocks = engine_config.num_blocks or max(2, engine_config.kv_cache_memory * devices // block_bytes)
+        block_bytes = engine_config.kv_block_bytes  # all devices' shards, scales included
+        self.num_blocks = engine_config.num_blocks
         self.cache_sharding = cache_sharding(self.mesh)
         self.cache = jax.jit(
             lambda: KVCache.zeros(config, self.num_blocks, bs, self.kv_dtype), out_shardings=self.cache_sharding
@@ -163,7 +163,7 @@ class ModelRunner:
             (1 << 30) * bs // block_bytes,
         )
         rep, kv = replicated(self.mesh), self.cache_sharding
-        self.num_host_slots = engine_config.num_host_slots(block_bytes)
+        self.num_host_slots = engine_config.num_host_slots
         self.blocks = BlockMover(self.cache, kv, rep, self.num_host_slots)
         self._constants: dict[tuple, jax.Array] = {}
         self.inputs = StepInputs(engine_config, self._device_constant, config.vocab_size)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
 from jaxserve.config import EngineConfig
-from jaxserve.model.llama import sliding_layers
+from jaxserve.model.attention import sliding_layers
 from jaxserve.model.pipeline import PipelineLayers
 from sharding.pipeline import PipelinePlan, pad_layers, plan_pipeline
 

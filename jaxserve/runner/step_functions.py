@@ -14,8 +14,8 @@ from jax import lax
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
-from jaxserve.model import AttentionMetadata, LlamaModel
-from jaxserve.model.llama import final_norm, head_logits
+from jaxserve.model import AttentionMetadata, DecoderModel
+from jaxserve.model.head import final_norm, head_logits
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.runner.step_counters import StepCounters
 from jaxserve.sampler import SamplerOutput, sample
@@ -28,7 +28,7 @@ from sharding.rules import logits_sharding, replicated
 class StepFunctions:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         config: ModelConfig,
         mesh: Mesh,
         block_size: int,

@@ -36,10 +36,10 @@ from collections import deque
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from jaxserve.config import EngineConfig
 from jaxserve.kv import KVCacheManager, LoadStart
 from jaxserve.outputs import FinishReason
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.speculative import propose_ngram
 
@@ -53,7 +53,7 @@ SPECULATION_MAX_PAUSE = 16  # steps without speculation after draftless ones, at
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, adapters: LoraManager | None = None):
+    def __init__(self, config: ResolvedConfig, kv: KVCacheManager, adapters: LoraManager | None = None):
         self.config = config
         self.kv = kv
         self.adapters = adapters  # LoRA: a request is admitted once its adapter holds a device slot

@@ -1,7 +1,10 @@
-"""`--speculative-config`: vLLM's names (`method`, `num_speculative_tokens`, `prompt_lookup_min`,
-`prompt_lookup_max`) plus `disable_by_batch_size`, the largest decode batch that still
-speculates (n-gram drafts pay where a step is bound by reading the weights, i.e. small batches;
-a large batch already uses the weights well and would only pay for the rejected rows)."""
+"""`--speculative-config`: one type, with vLLM's names (`method`, `num_speculative_tokens`, `model`,
+`prompt_lookup_min`, `prompt_lookup_max`) plus `disable_by_batch_size`, the largest decode batch that still
+speculates (n-gram drafts pay where a step is bound by reading the weights, i.e. small batches; a large batch
+already uses the weights well and would only pay for the rejected rows).
+
+The command line's JSON text and `LLM(speculative_config={...})`'s dict are read by `SpeculativeConfig.parse`;
+`EngineConfig.speculative_config` holds the result (None: speculation off)."""
 
 from __future__ import annotations
 
@@ -11,51 +14,69 @@ from typing import Any
 
 DEFAULT_LOOKUP = 5  # vLLM's default n-gram size when neither bound is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+METHODS = ("ngram",)  # served today
+PLANNED_METHODS = ("draft_model", "eagle3", "mtp")  # vLLM's names of the methods not served yet
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
+    method: str
     num_speculative_tokens: int
-    method: str = "ngram"
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int = DEFAULT_LOOKUP  # n-gram sizes looked up in a request's tokens
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+    model: str | None = None  # the draft model (none of the served methods takes one)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r} is not supported (only 'ngram')")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if lo is None and hi is None:
-            lo = hi = DEFAULT_LOOKUP
-        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.method in PLANNED_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported yet (served: {', '.join(METHODS)})")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.model is not None:
+            raise ValueError(f"speculative method {self.method!r} takes no model, got model={self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
-        if lo > hi:
-            raise ValueError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's fields. `method` defaults to "ngram"; one n-gram bound given stands for both, as in vLLM."""
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown speculative_config fields: {sorted(unknown)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        fields = {"method": "ngram", **value}
+        lo, hi = fields.pop("prompt_lookup_min", None), fields.pop("prompt_lookup_max", None)
+        if lo is not None or hi is not None:
+            fields["prompt_lookup_min"] = hi if lo is None else lo
+            fields["prompt_lookup_max"] = lo if hi is None else hi
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig | None:
+        """From the command line's JSON text; empty text means off (None)."""
+        if not text.strip():
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        return cls.from_dict(value)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-        """From a JSON string (the command line), a dict (`LLM(speculative_config={...})`), or
-        itself; None and "" mean off."""
+        """From what a user may pass (`LLM(speculative_config=...)`): JSON text, a dict, or the config itself."""
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(value) - names
-        if unknown:
-            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
-        if "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs num_speculative_tokens")
-        return cls(**value)
+            return cls.from_json(value)
+        return cls.from_dict(value)

@@ -7,5 +7,6 @@ that samples for it, and advances it with each sampled token (`LLMEngine._update
 
 from jaxserve.structured.grammar import GrammarCompiler, GrammarState, mask_words
 from jaxserve.structured.spec import GUIDED_KINDS, GuidedDecoding
+from jaxserve.structured.strict import strict_schema
 
-__all__ = ["GUIDED_KINDS", "GrammarCompiler", "GrammarState", "GuidedDecoding", "mask_words"]
+__all__ = ["GUIDED_KINDS", "GrammarCompiler", "GrammarState", "GuidedDecoding", "mask_words", "strict_schema"]

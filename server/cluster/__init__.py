@@ -5,5 +5,6 @@
 one process. `worker/` is `jaxserve worker`: one engine behind the internal `Worker` gRPC service,
 and the KV handoff of prefill/decode disaggregation. `launch/` is `jaxserve launch`: a router and
 its workers placed on a Ray cluster. Like the server, this package uses only the engine interface
-and its public types (tests/test_layering.py).
+and its public types, and the placement it shares with the in-process data-parallel engine
+(`jaxserve.placement`; tests/test_layering.py).
 """

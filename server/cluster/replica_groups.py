@@ -78,7 +78,7 @@ def _leave(code: int) -> NoReturn:
 async def _front_door(args: argparse.Namespace, engine: EngineClient, listener: WorkerListener, layout: ProcessLayout):
     """Process 0's app: the public API over every group's worker, its own included."""
     from server.app import build_app
-    from server.cluster.router.remote_engine import ROUTER_POLICY, RemoteEngine
+    from server.cluster.router.remote_engine import RemoteEngine
 
     await listener.start()
     multihost.publish(group_address_key(0), listener.address)
@@ -96,7 +96,7 @@ async def _front_door(args: argparse.Namespace, engine: EngineClient, listener: 
         f"{', '.join(addresses)}",
         flush=True,
     )
-    remote = await RemoteEngine.connect(addresses, ROUTER_POLICY, timeout=GROUP_WAIT_S)
+    remote = await RemoteEngine.connect(addresses, timeout=GROUP_WAIT_S)
     config = server_config_from_args(args, remote.info.model_name)
     app = build_app(remote, config)
     if config.grpc_port:

@@ -17,8 +17,9 @@ def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
     def make(tokenizer, special):
         return random_workload(TokenSampler(tokenizer, 0, special), 6, input_len=20, output_len=5)
 
-    result = run_throughput("tiny-random", {**SMALL_ENGINE, "compilation_cache_dir": compile_cache}, make,
-                            show_progress=False)  # fmt: skip
+    result = run_throughput(
+        "tiny-random", {**SMALL_ENGINE, "compilation_cache_dir": compile_cache}, make, show_progress=False
+    )
     assert result["kind"] == "throughput" and result["workload"]["total_prompt_tokens"] == 120
     ours = result["backends"]["jaxserve"]["results"]
     assert ours["num_requests"] == 6 and ours["total_prompt_tokens"] == 120 and ours["total_output_tokens"] == 30
@@ -36,8 +37,14 @@ def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
 def test_latency_reports_prefill_and_decode(compile_cache):
     # 31 decode steps after the first token, so the full run outlasts the one-token run by far more than
     # the noise of a loaded CI machine (with 5 steps, one stalled prefill once outlasted a full run).
-    result = run_latency("tiny-random", {**SMALL_ENGINE, "compilation_cache_dir": compile_cache}, input_len=16,
-                         output_len=32, iters=2, warmup_iters=1)  # fmt: skip
+    result = run_latency(
+        "tiny-random",
+        {**SMALL_ENGINE, "compilation_cache_dir": compile_cache},
+        input_len=16,
+        output_len=32,
+        iters=2,
+        warmup_iters=1,
+    )
     ours = result["backends"]["jaxserve"]["results"]
     assert ours["iterations"] == 2
     assert 0 < ours["mean_prefill_ms"] < ours["mean_latency_ms"]
@@ -54,18 +61,29 @@ def test_missing_peer_is_a_clear_error():
         pytest.skip("llama-cpp-python is installed in this interpreter")
     with pytest.raises(PeerUnavailable, match="pip install"):
         check_peer("llama-cpp", sys.executable)
-    job = {"gguf": "unused.gguf", "threads": 1, "mode": "throughput", "batch_size": 1,
-           "requests": [{"prompt_token_ids": [1], "max_tokens": 1}]}  # fmt: skip
+    job = {
+        "gguf": "unused.gguf",
+        "threads": 1,
+        "mode": "throughput",
+        "batch_size": 1,
+        "requests": [{"prompt_token_ids": [1], "max_tokens": 1}],
+    }
     with pytest.raises(PeerUnavailable, match="llama-cpp-python"):
         run_offline_peer("llama-cpp", job, sys.executable)
 
 
 def test_cli_refuses_a_peer_it_cannot_run_before_running_anything():
-    for command in (["throughput", "--peer", "transformers", "--peer-python", sys.executable],
-                    ["serve", "--peer", "llama-cpp", "--peer-python", sys.executable],
-                    ["sweep", "--concurrencies", "1", "--peer", "llama-server", "--peer-binary", "/nonexistent/llama-server"]):  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", *command, "--model", "tiny-random"],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    for command in (
+        ["throughput", "--peer", "transformers", "--peer-python", sys.executable],
+        ["serve", "--peer", "llama-cpp", "--peer-python", sys.executable],
+        ["sweep", "--concurrencies", "1", "--peer", "llama-server", "--peer-binary", "/nonexistent/llama-server"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "jaxserve.cli", "bench", *command, "--model", "tiny-random"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2, done.stderr[-2000:]
         assert "jaxserve bench:" in done.stderr and "Traceback" not in done.stderr
         assert command[command.index("--peer") + 1] in done.stderr  # says which peer is missing

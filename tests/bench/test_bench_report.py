@@ -10,10 +10,19 @@ from bench.report import compare, higher_is_better, ratios, table, with_ratios
 
 
 def result(throughput: float, ttft: float, cpu: str = "x") -> dict:
-    return {"kind": "serve", "model": "m", "dtype": "float32", "config": {}, "workload": {"name": "random"},
-            "run": {}, "system": {"cpu": cpu},
-            "backends": {"jaxserve": {"results": {"output_throughput": throughput, "median_ttft_ms": ttft, "completed": 4}},
-                         "llama-cpp": {"results": {"output_throughput": 50.0, "median_ttft_ms": 20.0, "completed": 4}}}}  # fmt: skip
+    return {
+        "kind": "serve",
+        "model": "m",
+        "dtype": "float32",
+        "config": {},
+        "workload": {"name": "random"},
+        "run": {},
+        "system": {"cpu": cpu},
+        "backends": {
+            "jaxserve": {"results": {"output_throughput": throughput, "median_ttft_ms": ttft, "completed": 4}},
+            "llama-cpp": {"results": {"output_throughput": 50.0, "median_ttft_ms": 20.0, "completed": 4}},
+        },
+    }
 
 
 def test_ratio_is_ours_over_peer_and_the_verdict_knows_the_direction():

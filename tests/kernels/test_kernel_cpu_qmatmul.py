@@ -13,7 +13,7 @@ Int8 per channel and in groups of 32 (GGUF Q8_0's), 4 bits in groups of 32: ever
 the rows left over, many rows (each panel dequantized once into a buffer), one-row calls over an
 odd number of panels, a layer of the stack, and its refusals. The quantizer itself: each weight
 within half a step of its group's grid. The same tests run again in a subprocess on kernels built
-without AVX-512 (AVX2 vectors, F16C scales, bf16 products by widening; marked slow)."""
+without AVX-512 (AVX2 vectors, F16C scales; marked slow)."""
 
 import os
 import subprocess

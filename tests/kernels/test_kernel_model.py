@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from checkpoints.config import ModelConfig
-from jaxserve.model import AttentionMetadata, KVCache, LlamaModel
+from jaxserve.model import AttentionMetadata, DecoderModel, KVCache
 from kernels_pallas import cpu_build, get_attention_backend
 
 BLOCK, NUM_BLOCKS, WIDTH = 8, 32, 4
@@ -50,7 +50,7 @@ BACKENDS = ["pallas", "jax"] + (["cpu"] if cpu_build.available() else [])
 
 def init_params(config):
     """Random weights (norm scales too, so every weight matters), shaped by the model's init."""
-    model = LlamaModel(config, get_attention_backend("reference"))
+    model = DecoderModel(config, get_attention_backend("reference"))
     cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
     meta = AttentionMetadata(
         jnp.zeros(4, jnp.int32), jnp.zeros((1, 2), jnp.int32), jnp.array([4], jnp.int32), jnp.array([0, 4], jnp.int32)
@@ -68,7 +68,7 @@ def slots(table, positions):
 
 def generate(config, backend_name, params, prompts, tables, steps):
     # The pallas backend interprets on CPU by itself (or as $JAXSERVE_PALLAS_INTERPRET says).
-    apply = jax.jit(LlamaModel(config, get_attention_backend(backend_name)).apply)
+    apply = jax.jit(DecoderModel(config, get_attention_backend(backend_name)).apply)
     cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
     a, b = prompts
     cut = len(b) - 4

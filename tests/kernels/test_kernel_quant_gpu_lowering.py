@@ -14,7 +14,7 @@ from checkpoints.architectures import declare
 from checkpoints.quant_format import QuantFormat
 from checkpoints.tiny_random import tiny_random_config
 from checkpoints.weights import abstract, flat, quantized
-from jaxserve.model.llama import Linear
+from jaxserve.model.linear import Linear
 from jaxserve.model.quantized import QuantizedEmbed
 from tests.kernels.test_kernel_gpu_lowering import HOPPER, gpu_target
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, KVHandle, Pin
+from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, KVHandle, Pin, RadixCache
 
 EMPTY = -1
 
@@ -58,7 +58,7 @@ class FakeEngine:
         self.bs = pool.block_size
         self.device = np.full((pool.num_blocks, self.bs), EMPTY, dtype=np.int64)
         if self.host is None:
-            self.host = new_host_array(self.mgr.host.num_slots if self.mgr.host is not None else 0, self.bs)
+            self.host = new_host_array(self.mgr.host.num_slots, self.bs)
 
     # ------------------------------------------------------------- scheduling calls
 
@@ -66,7 +66,7 @@ class FakeEngine:
         return [r for r, q in self.reqs.items() if not q.swapped]
 
     def idle_running(self) -> list[str]:
-        """Running requests not scheduled this round (the ones a scheduler may preempt or fork)."""
+        """Running requests not scheduled this round (the ones a scheduler may preempt)."""
         return [r for r in self.running() if r not in self.busy]
 
     def admit(self, rid: str, tokens: list[int], chunk: int, total: int | None = None) -> bool:
@@ -91,9 +91,7 @@ class FakeEngine:
         if decode:
             req.tokens.append(new_token)  # the token sampled by the previous step
         n = min(chunk, len(req.tokens) - req.computed)
-        can = self.mgr.can_allocate(req.kv, n)
         ok = self.mgr.allocate_slots(req.kv, n)
-        assert ok == can
         if ok:
             self._schedule(rid, req.computed, req.computed + n)
             req.computed += n
@@ -105,10 +103,6 @@ class FakeEngine:
         self.busy.add(rid)
         self.pending.append((rid, start, stop))
 
-    def fork(self, parent: str, child: str) -> None:
-        req = self.reqs[parent]
-        self.reqs[child] = Req(req.tokens[: req.computed], self.mgr.fork(req.kv), req.computed)
-
     def preempt(self, rid: str) -> None:
         req = self.reqs.pop(rid)
         self.mgr.free(req.kv)
@@ -119,7 +113,7 @@ class FakeEngine:
         ok = self.mgr.swap_out(req.kv)
         if ok:
             req.swapped = True
-            assert req.kv.is_swapped and len(req.kv.block_table) == 0
+            assert req.kv.host_slots is not None and len(req.kv.block_table) == 0
         return ok
 
     def swap_in(self, rid: str) -> bool:
@@ -152,8 +146,7 @@ class FakeEngine:
     def run_step(self, cache: bool = True) -> None:
         """Copies, then the step's writes, then (unless told not to) caching of full blocks.
 
-        A scheduler may cache lazily; skipping it leaves full blocks uncached for a while,
-        possibly shared by forks when they are cached later.
+        A scheduler may cache lazily; skipping it leaves full blocks uncached for a while.
         """
         self.execute_copies()
         for rid, start, stop in self.pending:
@@ -177,7 +170,7 @@ class FakeEngine:
         to_disk = {CopyKind.DEVICE_TO_DISK: self.device, CopyKind.HOST_TO_DISK: self.host}
         for stage in self.mgr.take_copies() if stages is None else stages:
             if stage.kind in to_disk:  # the block as it is now, handed to the writer thread
-                self.mgr.disk.disk.write(stage.dst, [as_block_arrays(to_disk[stage.kind][stage.src])])
+                self.mgr.tier_link.tier.write(stage.dst, [as_block_arrays(to_disk[stage.kind][stage.src])])
                 continue
             src, dst = spaces[stage.kind]
             assert len(set(stage.dst)) == len(stage.dst), "a stage writes one place twice"
@@ -197,7 +190,7 @@ class FakeEngine:
         mgr.check_integrity()
         pool = mgr.pool
         holders = np.zeros(pool.num_blocks, dtype=np.int64)
-        for rid, req in self.reqs.items():
+        for req in self.reqs.values():
             table = req.kv.block_table
             if req.swapped:
                 assert len(table) == 0
@@ -206,15 +199,13 @@ class FakeEngine:
             assert req.kv.num_tokens == req.computed
             np.add.at(holders, table, 1)
         cache = mgr.prefix_cache
-        if cache is not None:
-            np.add.at(holders, np.fromiter(cache.device_blocks(), dtype=np.int64), 1)
+        np.add.at(holders, np.fromiter(cache.device_blocks(), dtype=np.int64), 1)
         assert holders[0] == 0, "block 0 was handed out"
         assert list(holders) == pool.refcount, "refcounts differ from the number of holders"
-        for block in range(1, pool.num_blocks):
-            assert pool.is_free(block) == (holders[block] == 0), "free xor referenced"
+        assert pool.num_free == int((holders[1:] == 0).sum()), "free xor referenced"
         usage = mgr.usage()
         assert usage.free + usage.used + usage.pinned + usage.cached_idle == usage.num_blocks
-        for record in self.pins if cache is not None else []:  # pinned paths are never evicted
+        for record in self.pins:  # pinned paths are never evicted
             match = cache.match(record.tokens, leave_last_token=False)
             assert match.num_tokens == record.pin.num_tokens
 
@@ -226,12 +217,15 @@ class FakeEngine:
             req = self.reqs[rid]
             np.testing.assert_array_equal(self.content(rid), req.tokens[: req.computed], err_msg=f"content of {rid}")
         cache = self.mgr.prefix_cache
-        if cache is None:
-            return
-        for node in cache.nodes():
+        for node in cache.nodes() if isinstance(cache, RadixCache) else []:
             key = np.frombuffer(node.key, dtype=np.int32).reshape(-1, self.bs)
             stored = self.device[node.blocks] if node.blocks is not None else self.host[node.host_slots]
             np.testing.assert_array_equal(stored, key, err_msg="cached block content")
+
+    def clear_cache(self) -> None:
+        """Drop every idle cached block (both tiers, nothing written to a lower tier)."""
+        if isinstance(self.mgr.prefix_cache, RadixCache):
+            self.mgr.prefix_cache.clear()
 
     def drain(self) -> None:
         """Finish everything, release pins, clear the cache: the pool must be whole again."""
@@ -240,12 +234,11 @@ class FakeEngine:
             self.finish(rid)
         while self.pins:
             self.unpin(0)
-        self.mgr.clear_prefix_cache()
+        self.clear_cache()
         self.execute_copies()
         self.check_bookkeeping()
         pool = self.mgr.pool
         assert pool.num_free == pool.num_usable, "blocks leaked"
-        if self.mgr.host is not None:
-            assert self.mgr.host.num_free == self.mgr.host.num_slots, "host slots leaked"
+        assert self.mgr.host.num_free == self.mgr.host.num_slots, "host slots leaked"
         usage = self.mgr.usage()
         assert usage.free == usage.num_blocks and usage.used == usage.cached == 0

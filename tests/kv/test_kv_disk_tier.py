@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kv_sim import FakeEngine, as_block_arrays, new_host_array
 
-from jaxserve.kv import ChainKeys, DiskTier, HostBlockArrays, KVCacheManager, LoadStart, fingerprint
+from jaxserve.kv import ChainKeys, DiskTier, HostBlockArrays, KVCacheManager, LoadStart, build_kv_manager, fingerprint
 from jaxserve.kv.block_files import HEADER_BYTES, SUFFIX
 
 BS = 4
@@ -35,7 +35,7 @@ def make(
 ) -> FakeEngine:
     host = new_host_array(host_slots, BS)
     disk = DiskTier(tmp, FP, BS, HostBlockArrays([as_block_arrays(host)]), disk_blocks * FILE)
-    mgr = KVCacheManager(
+    mgr = build_kv_manager(
         num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots, disk=disk, disk_write_through_hits=hits
     )
     return FakeEngine(mgr, host=host)
@@ -68,7 +68,7 @@ class Driver:
         mgr = self.eng.mgr
         if wait and mgr.loads.pending:
             self.eng.execute_copies()  # what the next launch runs first; then the reads start
-            mgr.disk.disk.wait(5)
+            mgr.tier_link.tier.wait(5)
         mgr.loads.poll()
         for rid in [r for r in self.loading if not mgr.loads.is_loading(r)]:
             self.eng.waiting[rid] = self.loading.pop(rid)  # loaded: admitted at its next turn
@@ -86,17 +86,17 @@ class Driver:
         self.loading.clear()
         self.eng.execute_copies()
         while mgr.loads.pending:
-            mgr.disk.disk.wait(5)
+            mgr.tier_link.tier.wait(5)
             mgr.loads.poll()
         for rid in list(self.eng.waiting):
             mgr.loads.cancel(rid)  # loaded but never admitted
         mgr.flush_to_disk()  # a clean shutdown: what is cached goes to disk, within budget
         self.eng.execute_copies()
-        mgr.disk.disk.flush()
-        check_disk_files(mgr.disk.disk)
+        mgr.tier_link.tier.flush()
+        check_disk_files(mgr.tier_link.tier)
         self.eng.drain()
-        mgr.disk.disk.flush()
-        check_disk_files(mgr.disk.disk)
+        mgr.tier_link.tier.flush()
+        check_disk_files(mgr.tier_link.tier)
 
 
 def check_disk_files(disk: DiskTier) -> None:
@@ -158,7 +158,7 @@ def apply(drv: Driver, action: tuple, new_id: str) -> None:
     elif kind == "evict_host":
         mgr.prefix_cache.evict_host(action[1])
     elif kind == "clear":
-        mgr.clear_prefix_cache()
+        mgr.prefix_cache.clear()
     elif kind == "swap_in":
         rid = _pick([r for r, q in eng.reqs.items() if q.swapped], action[1])
         if rid is not None:
@@ -198,8 +198,8 @@ def test_tier_invariants_hold_after_every_call(
         for i, p in enumerate(seeded):  # prompts computed earlier: on disk only
             _served(drv, f"seed{i}", PROMPTS[p])
         eng.execute_copies()
-        eng.mgr.disk.disk.flush()
-        eng.mgr.clear_prefix_cache()
+        eng.mgr.tier_link.tier.flush()
+        eng.mgr.prefix_cache.clear()
         for r, calls in enumerate(workload):
             for c, action in enumerate(calls):
                 apply(drv, action, f"r{r}.{c}")
@@ -207,13 +207,13 @@ def test_tier_invariants_hold_after_every_call(
             eng.run_step()
             eng.check_bookkeeping()
             eng.check_content()
-        stats = eng.mgr.disk.disk.stats
+        stats = eng.mgr.tier_link.tier.stats
         event(f"blocks loaded from disk: {'some' if stats.loaded_blocks else 'none'}")
         event(f"blocks written: {'some' if stats.written_blocks else 'none'}")
         event(f"disk evictions: {'some' if stats.evictions else 'none'}")
         drv.drain()
     finally:
-        eng.mgr.disk.disk.close()
+        eng.mgr.tier_link.tier.close()
 
 
 def _served(drv: Driver, rid: str, prompt: list[int]) -> int:
@@ -225,7 +225,7 @@ def _served(drv: Driver, rid: str, prompt: list[int]) -> int:
         if hit.num_disk_tokens and mgr.loads.start(rid, hit) is LoadStart.STARTED:
             eng.execute_copies()
             while mgr.loads.is_loading(rid):
-                mgr.disk.disk.wait(5)
+                mgr.tier_link.tier.wait(5)
                 mgr.loads.poll()
             continue
         break
@@ -246,8 +246,8 @@ def _fresh(tmp: Path) -> FakeEngine:
 
 def _close(eng: FakeEngine) -> None:
     eng.execute_copies()  # the writes the last step planned (the next step would run them)
-    eng.mgr.disk.disk.flush()
-    eng.mgr.disk.disk.close()
+    eng.mgr.tier_link.tier.flush()
+    eng.mgr.tier_link.tier.close()
 
 
 def test_a_restart_finds_the_blocks_on_disk(tmp_path) -> None:
@@ -255,15 +255,15 @@ def test_a_restart_finds_the_blocks_on_disk(tmp_path) -> None:
     assert _served(Driver(first), "a", PROMPT) == 0
     _close(first)
     second = _fresh(tmp_path)  # a new process: empty device and host
-    assert second.mgr.disk.disk.num_files == 6  # found by scanning the headers
+    assert second.mgr.tier_link.tier.num_blocks == 6  # found by scanning the headers
     assert _served(Driver(second), "b", PROMPT) == 24
-    assert second.mgr.disk.disk_hit_tokens == 24
+    assert second.mgr.tier_link.hit_tokens == 24
     _close(second)
 
 
 def _wait_loaded(mgr: KVCacheManager, rid: str) -> None:
     while mgr.loads.is_loading(rid):
-        mgr.disk.disk.wait(5)
+        mgr.tier_link.tier.wait(5)
         mgr.loads.poll()
 
 
@@ -274,8 +274,8 @@ def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
     drv, mgr = Driver(eng), eng.mgr
     _served(drv, "a", PROMPT)
     eng.execute_copies()
-    mgr.disk.disk.flush()
-    mgr.clear_prefix_cache()  # PROMPT's 6 blocks are on disk only
+    mgr.tier_link.tier.flush()
+    mgr.prefix_cache.clear()  # PROMPT's 6 blocks are on disk only
     assert eng.admit("s", [40 + i for i in range(7)], 7)
     eng.run_step()
     assert eng.swap_out("s")  # it holds 2 of the 4 host slots
@@ -297,7 +297,7 @@ def test_a_prefix_loaded_in_parts_is_admitted_with_every_part(tmp_path) -> None:
     final = mgr.match_prefix(PROMPT)
     assert final.num_host_tokens == 16 and final.num_disk_tokens == 8
     assert eng.admit("b", PROMPT, len(PROMPT) - final.num_tokens)
-    assert mgr.disk.disk_hit_tokens == 16  # both parts: 8 tokens each
+    assert mgr.tier_link.hit_tokens == 16  # both parts: 8 tokens each
     eng.run_step()
     eng.check_content()
     eng.finish("b")
@@ -309,7 +309,7 @@ def test_a_damaged_file_is_dropped_and_recomputed_never_served(tmp_path) -> None
     first = _fresh(tmp_path)
     _served(Driver(first), "a", PROMPT)
     _close(first)
-    disk_root = first.mgr.disk.disk.root
+    disk_root = first.mgr.tier_link.tier.root
     paths = sorted(disk_root.glob("*/*" + SUFFIX))
     keys = ChainKeys(FP, BS).keys(PROMPT, 6)
     third = disk_root / keys[2].hex()[:2] / (keys[2].hex() + SUFFIX)
@@ -320,13 +320,13 @@ def test_a_damaged_file_is_dropped_and_recomputed_never_served(tmp_path) -> None
     second = _fresh(tmp_path)
     assert _served(Driver(second), "b", PROMPT) == 8  # blocks 0-1 loaded, 2 on recomputed
     assert not third.exists()
-    assert second.mgr.disk.disk.stats.damaged == 1
+    assert second.mgr.tier_link.tier.stats.damaged == 1
     _close(second)
     # A truncated file is caught by the scan at start.
     fourth = disk_root / keys[3].hex()[:2] / (keys[3].hex() + SUFFIX)
     fourth.write_bytes(fourth.read_bytes()[:-5])
     again = _fresh(tmp_path)
-    assert not fourth.exists() and again.mgr.disk.disk.stats.damaged == 1
+    assert not fourth.exists() and again.mgr.tier_link.tier.stats.damaged == 1
     _close(again)
 
 
@@ -334,7 +334,7 @@ def test_two_managers_on_one_directory_share_blocks(tmp_path) -> None:
     a, b = _fresh(tmp_path), _fresh(tmp_path)  # both running: b scanned before a wrote
     assert _served(Driver(a), "a", PROMPT) == 0
     a.execute_copies()
-    a.mgr.disk.disk.flush()
+    a.mgr.tier_link.tier.flush()
     assert _served(Driver(b), "b", PROMPT) == 24  # found with a stat of the next key
     _close(a)
     _close(b)
@@ -347,15 +347,15 @@ def test_the_shutdown_flush_writes_what_is_cached_newest_first_within_the_budget
     eng.mgr.prefix_cache.evict(6)  # spilled: the older prompt is on the host
     eng.execute_copies()
     _served(Driver(eng), "b", newer)
-    assert eng.mgr.disk.disk.stats.written_blocks == 0
+    assert eng.mgr.tier_link.tier.stats.written_blocks == 0
     assert eng.mgr.flush_to_disk() == 8  # the budget: 6 newer blocks, 2 older ones
     eng.execute_copies()
-    eng.mgr.disk.disk.flush()
-    check_disk_files(eng.mgr.disk.disk)
+    eng.mgr.tier_link.tier.flush()
+    check_disk_files(eng.mgr.tier_link.tier)
     assert eng.mgr.flush_to_disk() == 0  # all of it is on disk, or does not fit
     _close(eng)
     again = make(tmp_path, num_blocks=16, host_slots=8, disk_blocks=8, hits=100)  # the restart
-    assert again.mgr.disk.disk.num_files == 8
+    assert again.mgr.tier_link.tier.num_blocks == 8
     assert _served(Driver(again), "b", newer) == 24  # whole: no block of its chain is missing
     assert _served(Driver(again), "a", older) == 8  # its first two blocks; the rest recomputed
     _close(again)
@@ -366,11 +366,11 @@ def test_bad_settings_are_refused(tmp_path) -> None:
     disk = DiskTier(tmp_path, FP, BS, HostBlockArrays([as_block_arrays(host)]), 10 * FILE)
     try:
         with pytest.raises(ValueError, match="host"):
-            KVCacheManager(16, BS, num_host_slots=0, disk=disk)
+            build_kv_manager(16, BS, num_host_slots=0, disk=disk)
         with pytest.raises(ValueError, match="prefix cache"):
-            KVCacheManager(16, BS, num_host_slots=4, enable_prefix_cache=False, disk=disk)
+            build_kv_manager(16, BS, num_host_slots=4, enable_prefix_cache=False, disk=disk)
         with pytest.raises(ValueError, match="write_through_hits"):
-            KVCacheManager(16, BS, num_host_slots=4, disk=disk, disk_write_through_hits=-1)
+            build_kv_manager(16, BS, num_host_slots=4, disk=disk, disk_write_through_hits=-1)
     finally:
         disk.close()
     with pytest.raises(ValueError, match="budget"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.kv import KVCacheManager
+from jaxserve.kv import KVCacheManager, build_kv_manager
 
 BS = 4
 
@@ -21,15 +21,15 @@ def _cached(mgr: KVCacheManager, tokens: list[int], check: bool = True) -> None:
 
 def _all_free(mgr: KVCacheManager) -> bool:
     u = mgr.usage()
-    return u.used == 0 and u.pinned == 0 and u.free + u.cached_idle == u.num_blocks and mgr.leases.num_holds == 0
+    return u.used == 0 and u.pinned == 0 and u.free + u.cached_idle == u.num_blocks
 
 
 def test_a_hold_keeps_the_prompt_blocks_until_released() -> None:
-    mgr = KVCacheManager(8, BS, watermark_blocks=0)
+    mgr = build_kv_manager(8, BS, watermark_blocks=0)
     prompt = list(range(1, 11))  # 2 full blocks and 2 tokens
     _cached(mgr, prompt)
     hold = mgr.leases.hold_prefix(prompt)
-    assert hold.num_blocks == 2 and hold.blocks == mgr.prefix_cache.path_blocks(hold.node)
+    assert hold.num_blocks == 2 and hold.blocks == mgr.match_prefix(prompt + [0]).device_blocks[:2]
     assert mgr.usage().pinned == 2 and mgr.num_available_blocks == 5
     mgr.check_integrity()
     other = list(range(50, 70))  # needs 5 blocks: evicts all but the held ones
@@ -46,7 +46,7 @@ def test_a_hold_keeps_the_prompt_blocks_until_released() -> None:
 
 
 def test_imported_blocks_join_the_cache_after_what_was_held() -> None:
-    mgr = KVCacheManager(16, BS, watermark_blocks=0)
+    mgr = build_kv_manager(16, BS, watermark_blocks=0)
     prompt = list(range(1, 15))  # 3 full blocks
     _cached(mgr, prompt[:4] + [99] * 4)  # the first block is cached already
     hold = mgr.leases.hold_prefix(prompt)
@@ -68,7 +68,7 @@ def test_imported_blocks_join_the_cache_after_what_was_held() -> None:
 
 
 def test_an_import_of_tokens_cached_meanwhile_gives_its_blocks_back() -> None:
-    mgr = KVCacheManager(16, BS, watermark_blocks=0)
+    mgr = build_kv_manager(16, BS, watermark_blocks=0)
     prompt = list(range(1, 10))
     hold = mgr.leases.hold_prefix(prompt)
     assert hold.num_blocks == 0
@@ -84,13 +84,29 @@ def test_an_import_of_tokens_cached_meanwhile_gives_its_blocks_back() -> None:
 
 
 def test_imports_leave_the_watermark_free() -> None:
-    mgr = KVCacheManager(10, BS, watermark_blocks=3)  # 9 usable
+    mgr = build_kv_manager(10, BS, watermark_blocks=3)  # 9 usable
     prompt = list(range(1, 41))
     hold = mgr.leases.hold_prefix(prompt)
     blocks = mgr.allocate_import(10)
     assert len(blocks) == 6
     hold = mgr.leases.adopt_import(hold, prompt, blocks)
     assert mgr.usage().pinned == 6 and mgr.allocate_import(1) == []
+    mgr.leases.release_hold(hold)
+    assert _all_free(mgr)
+    mgr.check_integrity()
+
+
+def test_without_prefix_caching_a_hold_is_empty_and_an_import_is_refused() -> None:
+    mgr = build_kv_manager(16, BS, watermark_blocks=0, enable_prefix_cache=False)
+    prompt = list(range(1, 10))
+    _cached(mgr, prompt)  # nothing stays cached
+    hold = mgr.leases.hold_prefix(prompt)
+    assert hold.num_blocks == 0 and mgr.usage().pinned == 0
+    blocks = mgr.allocate_import(2)
+    with pytest.raises(ValueError, match="prefix cache"):
+        mgr.leases.adopt_import(hold, prompt, blocks)
+    assert [mgr.pool.refcount[b] for b in blocks] == [1, 1]  # still the caller's to give back
+    mgr.pool.decref_all(blocks)
     mgr.leases.release_hold(hold)
     assert _all_free(mgr)
     mgr.check_integrity()

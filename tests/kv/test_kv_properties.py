@@ -1,4 +1,4 @@
-"""Property tests: random admit / step / fork / preempt / swap / finish / pin / evict workloads.
+"""Property tests: random admit / step / preempt / swap / finish / pin / evict workloads.
 
 A workload is a list of engine rounds; a round is a few manager calls followed by the step (the
 planned copies run, then the scheduled tokens are written, then full blocks are cached).
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_sim import FakeEngine
 
-from jaxserve.kv import KVCacheManager
+from jaxserve.kv import build_kv_manager
 
 BS = 4
 PIN_BUDGET = 4
@@ -35,7 +35,6 @@ CORE_ACTIONS = [
     st.tuples(st.just("readmit"), index, st.integers(1, 12)),
     st.tuples(st.just("step"), index, st.integers(1, 6), tokens),
     st.tuples(st.just("step"), index, st.integers(1, 6), tokens),
-    st.tuples(st.just("fork"), index),
     st.tuples(st.just("preempt"), index),
     st.tuples(st.just("swap_out"), index),
     st.tuples(st.just("swap_in"), index),
@@ -114,9 +113,7 @@ def apply(eng: FakeEngine, action: tuple, new_id: str, twin: FakeEngine | None =
         return None
     if kind == "step":
         return eng.step(rid, action[2], action[3])
-    if kind == "fork":
-        eng.fork(rid, new_id)
-    elif kind == "preempt":
+    if kind == "preempt":
         eng.preempt(rid)
     elif kind == "swap_out":
         return eng.swap_out(rid)
@@ -142,7 +139,7 @@ def rounds(actions: list) -> st.SearchStrategy:
 def test_invariants_hold_after_every_call(
     workload: list[tuple[list[tuple], bool]], num_blocks: int, host_slots: int, watermark: int, spill: bool
 ) -> None:
-    mgr = KVCacheManager(
+    mgr = build_kv_manager(
         num_blocks,
         BS,
         watermark_blocks=watermark,
@@ -174,10 +171,10 @@ def test_prefix_cache_does_not_change_content(
     call is skipped in both so they stay in step.
     """
     plain = FakeEngine(
-        KVCacheManager(num_blocks, BS, watermark_blocks=0, num_host_slots=host_slots, enable_prefix_cache=False)
+        build_kv_manager(num_blocks, BS, watermark_blocks=0, num_host_slots=host_slots, enable_prefix_cache=False)
     )
     cached = FakeEngine(
-        KVCacheManager(num_blocks, BS, watermark_blocks=0, num_host_slots=host_slots, spill_to_host=True)
+        build_kv_manager(num_blocks, BS, watermark_blocks=0, num_host_slots=host_slots, spill_to_host=True)
     )
     for r, (calls, cache) in enumerate(workload):
         for c, action in enumerate(calls):

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.kv import BlockPool, CopyKind, HostTier, KVCacheManager, NoFreeBlocksError, PrefixCache, RadixCache
+from jaxserve.kv import (
+    BlockPool,
+    CopyKind,
+    HostTier,
+    NoFreeBlocksError,
+    NoPrefixCache,
+    PrefixCache,
+    RadixCache,
+    SpillingPrefixCache,
+    build_kv_manager,
+)
 
 BS = 4
 
@@ -20,15 +30,17 @@ def cached(cache: RadixCache, tokens: list[int], blocks: list[int] | None = None
     if blocks is None:
         blocks = pool.allocate(len(tokens) // BS)
     result = cache.insert(tokens, blocks)
-    cache.unlock(result.node)
+    cache.unlock(result.path)
     pool.decref_all(blocks)  # the request finishes; the tree keeps what it adopted
     return result.blocks
 
 
 def test_the_manager_reaches_the_cache_through_its_interface() -> None:
     assert isinstance(RadixCache(BlockPool(8, BS)), PrefixCache)
-    assert isinstance(KVCacheManager(8, BS).prefix_cache, PrefixCache)
-    assert KVCacheManager(8, BS, enable_prefix_cache=False).prefix_cache is None
+    assert isinstance(RadixCache(BlockPool(8, BS)), SpillingPrefixCache)
+    assert isinstance(build_kv_manager(8, BS).prefix_cache, PrefixCache)
+    off = build_kv_manager(8, BS, enable_prefix_cache=False).prefix_cache
+    assert isinstance(off, NoPrefixCache) and isinstance(off, PrefixCache)
 
 
 def test_match_ending_mid_node_splits_it() -> None:
@@ -38,12 +50,12 @@ def test_match_ending_mid_node_splits_it() -> None:
     match = cache.match(seq(1, 2, 9), leave_last_token=False)
     assert match.device_blocks == blocks[:2] and match.num_tokens == 2 * BS
     assert len(list(cache.nodes())) == 2  # [1,2] -> [3,4]
-    assert match.node.end == 2
-    cache.lock(match.node)  # only the matched part is protected
+    assert match.path.end == 2
+    cache.lock(match.path)  # only the matched part is protected
     assert cache.num_evictable_blocks == 2
     assert cache.evict(10) == 2
     assert cache.match(seq(1, 2, 3, 4), leave_last_token=False).device_blocks == blocks[:2]
-    cache.unlock(match.node)
+    cache.unlock(match.path)
     cache.check_integrity({})
 
 
@@ -78,11 +90,11 @@ def test_insert_keeps_existing_blocks_and_adopts_new_ones() -> None:
     result = cache.insert(seq(1, 2, 5), mine)
     assert result.blocks == first + [mine[2]]  # positions 0-1 are the tree's, 2 adopted
     assert pool.refcount[mine[2]] == 2  # caller + tree
-    assert result.node.lock == 1
-    cache.check_integrity({result.node: 1})
-    cache.unlock(result.node)
+    assert result.path.lock == 1
+    cache.check_integrity({result.path: 1})
+    cache.unlock(result.path)
     pool.decref_all(mine)
-    assert pool.is_free(mine[0]) and pool.is_free(mine[1]) and not pool.is_free(mine[2])
+    assert [pool.refcount[b] for b in mine] == [0, 0, 1]
     cache.check_integrity({})
 
 
@@ -93,14 +105,14 @@ def test_insert_does_not_adopt_a_block_someone_else_holds() -> None:
     pool.incref(mine[1])  # shared with a fork sibling
     result = cache.insert(seq(1, 2), mine)
     assert result.blocks == mine[:1]  # stops before the shared block
-    assert result.node.end == 1
+    assert result.path.end == 1
     pool.decref(mine[1])  # the sibling is gone: now it can be cached
-    parent = result.node  # still locked by this caller
+    parent = result.path  # still locked by this caller
     result = cache.insert(seq(2), mine[1:], parent=parent)
     cache.unlock(parent)
-    assert result.node.end == 2 and result.blocks == mine[1:]
-    cache.check_integrity({result.node: 1})
-    cache.unlock(result.node)
+    assert result.path.end == 2 and result.blocks == mine[1:]
+    cache.check_integrity({result.path: 1})
+    cache.unlock(result.path)
     pool.decref_all(mine)
     cache.check_integrity({})
 
@@ -109,13 +121,13 @@ def test_long_conversation_grows_one_node_in_place() -> None:
     pool = BlockPool(64, BS)
     cache = RadixCache(pool)
     blocks = pool.allocate(1)
-    node = cache.insert(seq(1), blocks).node
+    node = cache.insert(seq(1), blocks).path
     for turn in range(2, 30):
         new = pool.allocate(1)
         blocks += new
         result = cache.insert(seq(turn), new, parent=node)
         cache.unlock(node)
-        node = result.node
+        node = result.path
     assert len(list(cache.nodes())) == 1 and node.length == 29
     cache.check_integrity({node: 1})
     cache.unlock(node)
@@ -129,7 +141,7 @@ def test_eviction_is_lru_and_takes_the_tail_of_the_oldest_leaf() -> None:
     assert cache.evict(2) == 2  # the tail [2, 3] of the older branch goes
     assert cache.match(seq(1, 2, 3), leave_last_token=False).device_blocks == old[:1]
     assert cache.match(seq(7, 8), leave_last_token=False).device_blocks == new
-    touched = cache.match(seq(1, 9), leave_last_token=False).node
+    touched = cache.match(seq(1, 9), leave_last_token=False).path
     cache.lock(touched)  # a use makes [1] the most recent
     cache.unlock(touched)
     assert cache.evict(1) == 1
@@ -144,7 +156,7 @@ def test_eviction_under_pressure_never_touches_locked_paths() -> None:
     cached(cache, seq(1, 2, 3))
     cached(cache, seq(1, 2, 5))  # shares [1, 2]
     cached(cache, seq(6, 6))
-    locked = cache.match(seq(1, 2, 5), leave_last_token=False).node
+    locked = cache.match(seq(1, 2, 5), leave_last_token=False).path
     cache.lock(locked)  # [1, 2, 5] in use by a request
     assert pool.num_free == 2 and cache.num_evictable_blocks == 3
     taken = cache.allocate(5)  # frees every idle block, nothing locked
@@ -168,15 +180,15 @@ def test_spill_to_host_and_reload_instead_of_recompute() -> None:
     spilled_slots = stages[0].dst
     match = cache.match(seq(1, 2, 3, 4))
     assert match.device_blocks == blocks[:1] and match.num_host_blocks == 2
-    cache.lock(match.node)
-    loaded = cache.load_to_device(match.node)
+    cache.lock(match.path)
+    loaded = cache.load_to_device(match.path)
     (stage,) = cache.copies.take()
     assert stage.kind is CopyKind.HOST_TO_DEVICE
     assert stage.pairs == list(zip(spilled_slots, loaded))
     assert cache.match(seq(1, 2, 3, 4)).device_blocks == blocks[:1] + loaded
     assert host.num_free == 4
-    cache.check_integrity({match.node: 1})
-    cache.unlock(match.node)
+    cache.check_integrity({match.path: 1})
+    cache.unlock(match.path)
 
 
 def test_spill_makes_room_by_dropping_old_host_blocks_and_drops_when_host_is_locked() -> None:
@@ -188,7 +200,7 @@ def test_spill_makes_room_by_dropping_old_host_blocks_and_drops_when_host_is_loc
     cache.evict(2)  # [2, 2] to the host, dropping [1, 1]
     assert cache.match(seq(1, 1), leave_last_token=False).num_blocks == 0
     assert cache.match(seq(2, 2), leave_last_token=False).num_host_blocks == 2
-    pinned = cache.match(seq(2, 2), leave_last_token=False).node
+    pinned = cache.match(seq(2, 2), leave_last_token=False).path
     cache.lock(pinned)  # host copy pinned: no room left to spill
     cached(cache, seq(3))
     cache.evict(1)
@@ -220,8 +232,8 @@ def test_insert_over_a_spilled_path_takes_the_fresh_device_blocks() -> None:
     mine = pool.allocate(3)
     result = cache.insert(seq(1, 2, 3), mine)  # recomputed while the cache had it on host
     assert result.blocks == mine and cache.num_host_blocks == 0 and host.num_free == 4
-    cache.check_integrity({result.node: 1})
-    cache.unlock(result.node)
+    cache.check_integrity({result.path: 1})
+    cache.unlock(result.path)
     pool.decref_all(mine)
 
 
@@ -234,8 +246,8 @@ def test_insert_over_a_spilled_path_leaves_it_on_the_host_if_the_blocks_are_shar
     pool.incref(mine[1])  # a fork sibling holds the second block
     result = cache.insert(seq(1, 2), mine)
     assert result.blocks == mine[:1] and cache.num_host_blocks == 1
-    cache.check_integrity({result.node: 1})
-    cache.unlock(result.node)
+    cache.check_integrity({result.path: 1})
+    cache.unlock(result.path)
     pool.decref_all(mine + mine[1:])
     cache.check_integrity({})
 
@@ -243,7 +255,7 @@ def test_insert_over_a_spilled_path_leaves_it_on_the_host_if_the_blocks_are_shar
 def test_unlock_without_lock_is_an_error() -> None:
     cache = RadixCache(BlockPool(9, BS))
     cached(cache, seq(1))
-    node = cache.match(seq(1), leave_last_token=False).node
+    node = cache.match(seq(1), leave_last_token=False).path
     cache.lock(node)
     cache.unlock(node)
     with pytest.raises(ValueError, match="not locked"):
@@ -258,14 +270,14 @@ def test_thousands_of_sessions_share_one_system_prompt() -> None:
     for session in range(3000):
         tokens = system + seq(1000 + session, 2000 + session % 7)
         match = cache.match(tokens + [0])
-        cache.lock(match.node)
+        cache.lock(match.path)
         fresh = pool.allocate(10 - match.num_blocks)
-        result = cache.insert(tokens[match.num_tokens :], fresh, parent=match.node)
-        cache.unlock(match.node)
-        nodes.append(result.node)
+        result = cache.insert(tokens[match.num_tokens :], fresh, parent=match.path)
+        cache.unlock(match.path)
+        nodes.append(result.path)
         held.append(fresh)
     assert cache.num_device_blocks == 8 + 3000 * 2
-    assert cache.match(system + [0]).node.lock == 3000
+    assert cache.match(system + [0]).path.lock == 3000
     cache.check_integrity({node: 1 for node in nodes})
     for node, fresh in zip(nodes, held):
         cache.unlock(node)

@@ -124,7 +124,7 @@ def delete_stored_responses(srv: ServerThread, timeout: float = 30.0) -> None:
 
 
 def check_kv_integrity(srv: ServerThread, async_engine: AsyncEngine) -> None:
-    srv.engine_call(async_engine, lambda router: [e.kv.check_integrity() for e in router.replicas])
+    srv.engine_call(async_engine, lambda dp: [e.kv.check_integrity() for e in dp.replicas])
 
 
 def assert_serving_and_idle(srv: ServerThread, async_engine: AsyncEngine, key: str) -> None:
@@ -141,7 +141,7 @@ def assert_serving_and_idle(srv: ServerThread, async_engine: AsyncEngine, key: s
     owner = owner_id(key)
 
     def pinned() -> int:
-        return srv.engine_call(async_engine, lambda router: sum(e.kv.leases.pinned_by(owner) for e in router.replicas))
+        return srv.engine_call(async_engine, lambda dp: sum(e.kv.leases.pinned_by(owner) for e in dp.replicas))
 
     deadline = time.monotonic() + 10  # unpinning runs on the engine thread after the deletes
     while pinned() and time.monotonic() < deadline:

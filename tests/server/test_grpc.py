@@ -57,7 +57,7 @@ def served(async_engine) -> Iterator[Served]:
 def kv_all_free_after(served, async_engine, assert_kv_all_free):
     yield
     wait_until_idle(served.http, async_engine)
-    served.http.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    served.http.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def auth(key: str | None = KEY_A) -> tuple[tuple[str, str], ...]:

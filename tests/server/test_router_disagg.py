@@ -6,7 +6,8 @@ prompts (greedy, seeded sampling with n = 2, stop strings, min_tokens, a penalty
 split); transferred and skipped blocks counted in /metrics; a lease nobody pulls freed at its
 timeout; a puller or a client that goes away mid-transfer leaking nothing; an expired lease
 leaving the decode worker to recompute the same output; a decode worker dead before its half
-getting the half retried on another, and one dead mid-stream having it resumed on another; blocks moved device to device (`--kv-transport device`,
+getting the half retried on another, and one dead mid-stream having it resumed on another; blocks moved
+device to device (`--kv-transport device`,
 jax.experimental.transfer between the CPU processes) giving the same output, and a decode worker
 with a transfer server pulling bytes from a prefill worker without one. After each test the
 workers' pools are all free, with no lease and no hold left. One module-scoped cluster of three

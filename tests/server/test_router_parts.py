@@ -10,11 +10,12 @@ import pytest
 from child_process import jaxserve
 
 from jaxserve.engine_client import EngineDeadError
-from jaxserve.routing import adapter_key, choose_replica
+from jaxserve.placement import PlacementPolicy, choose_target
+from jaxserve.placement.prefix_tree import ApproxPrefixTree
+from jaxserve.placement.sent_prefixes import SentPrefixes
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import GuidedDecoding
-from server.cluster.router.prefix_tree import ApproxPrefixTree
-from server.cluster.router.remote_engine import ROUTER_POLICY, RemoteEngine
+from server.cluster.router.remote_engine import RemoteEngine
 from server.cluster.router.sequence import worker_params
 from server.cluster.router.worker_client import WorkerClient, WorkerInfo
 from server.cluster.worker.wire import params_from_json, params_to_json
@@ -45,24 +46,31 @@ def test_prefix_tree_matches_splits_and_evicts_least_recently_used():
         ApproxPrefixTree(max_tokens=0)
 
 
-def test_router_policy_defaults_are_sglangs():
+ROUTER_POLICY = PlacementPolicy()
+
+
+def test_placement_policy_defaults_are_sglangs():
     assert (ROUTER_POLICY.match_fraction, ROUTER_POLICY.balance_abs, ROUTER_POLICY.balance_rel) == (0.3, 64, 1.5)
     # 30 of 100 tokens cached on the busier worker: the prefix wins while loads are close...
-    assert choose_replica([30, 0], [10, 0], 100, ROUTER_POLICY) == 0
-    assert choose_replica([29, 0], [10, 0], 100, ROUTER_POLICY) == 1  # ...but not under 30%
+    assert choose_target([30, 0], [10, 0], 100, ROUTER_POLICY) == 0
+    assert choose_target([29, 0], [10, 0], 100, ROUTER_POLICY) == 1  # ...but not under 30%
     # Imbalance beyond both thresholds (more than 64 apart and 1.5x) overrides the prefix.
-    assert choose_replica([100, 0], [65, 0], 100, ROUTER_POLICY) == 1
-    assert choose_replica([100, 0], [64, 0], 100, ROUTER_POLICY) == 0
-    assert choose_replica([100, 0], [200, 150], 100, ROUTER_POLICY) == 0  # 50 apart: not imbalanced
+    assert choose_target([100, 0], [65, 0], 100, ROUTER_POLICY) == 1
+    assert choose_target([100, 0], [64, 0], 100, ROUTER_POLICY) == 0
+    assert choose_target([100, 0], [200, 150], 100, ROUTER_POLICY) == 0  # 50 apart: not imbalanced
 
 
 def test_lora_requests_prefer_workers_holding_their_adapter_and_match_only_its_prefixes():
     # The policy: among replicas holding the adapter unless loads are imbalanced.
-    assert choose_replica([0, 0], [3, 0], 40, ROUTER_POLICY, resident=[True, False]) == 0
-    assert choose_replica([0, 0], [3, 0], 40, ROUTER_POLICY, resident=[False, False]) == 1
-    assert choose_replica([0, 0], [100, 0], 40, ROUTER_POLICY, resident=[True, False]) == 1
-    assert choose_replica([0, 40, 40], [0, 0, 1], 40, ROUTER_POLICY, resident=[False, True, True]) == 1
-    assert adapter_key([5, 6], None) == [5, 6] and adapter_key([5, 6], 2) == [-2, 5, 6]
+    assert choose_target([0, 0], [3, 0], 40, ROUTER_POLICY, resident=[True, False]) == 0
+    assert choose_target([0, 0], [3, 0], 40, ROUTER_POLICY, resident=[False, False]) == 1
+    assert choose_target([0, 0], [100, 0], 40, ROUTER_POLICY, resident=[True, False]) == 1
+    assert choose_target([0, 40, 40], [0, 0, 1], 40, ROUTER_POLICY, resident=[False, True, True]) == 1
+    sent = SentPrefixes()
+    assert sent.key([5, 6], None) == [5, 6] and sent.key([5, 6], "sql") == [-1, 5, 6]
+    assert sent.key([5, 6], "chat") == [-2, 5, 6]
+    sent.forget_adapter("sql")  # loaded again: maybe other weights, so a new key
+    assert sent.key([5, 6], "sql") == [-3, 5, 6]
     # The router's picture of its workers, fed as requests are sent (no process behind them).
     remote = RemoteEngine(
         [WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")], dataclasses.replace(ROUTER_POLICY, adapter_slots=1)
@@ -70,23 +78,28 @@ def test_lora_requests_prefer_workers_holding_their_adapter_and_match_only_its_p
     a, b = remote.workers
     a.up = b.up = True
     prompt = list(range(40))
-    assert remote._pick(prompt, (), lora="sql") is a  # nothing known: least loaded, lower index
-    a.note_routed(prompt, remote._routed_adapter("sql"), 1)
+    pool = remote.pool
+    assert pool.pick(prompt, lora="sql") is a  # nothing known: least loaded, lower index
+    a.sent.note(prompt, "sql", 1)
     a.in_flight = 3
-    assert remote._pick(prompt, (), lora="sql") is a  # holds sql and its prefix, though busier
-    assert remote._pick(list(range(100, 140)), (), lora="sql") is a  # holds sql: no slot to wait for
-    assert remote._pick(prompt, (), lora="chat") is b  # sql's prefix is not chat's KV
-    assert remote._pick(prompt, ()) is b  # nor the base model's
-    a.note_routed(prompt, remote._routed_adapter("chat"), 1)  # one slot: chat took sql's place
-    assert list(a.recent_adapters) == ["chat"]
-    assert remote._pick(list(range(100, 140)), (), lora="sql") is b
+    assert pool.pick(prompt, lora="sql") is a  # holds sql and its prefix, though busier
+    assert pool.pick(list(range(100, 140)), lora="sql") is a  # holds sql: no slot to wait for
+    assert pool.pick(prompt, lora="chat") is b  # sql's prefix is not chat's KV
+    assert pool.pick(prompt) is b  # nor the base model's
+    a.sent.note(prompt, "chat", 1)  # one slot: chat took sql's place
+    assert list(a.sent.recent_adapters) == ["chat"]
+    assert pool.pick(list(range(100, 140)), lora="sql") is b
+    # Sessions stick to their worker while it is a candidate, then move.
+    assert pool.place(list(range(200, 240)), "s") is b
+    assert pool.place(prompt, "s") is b and pool.placement.session_target("s") is b
     # An adapter loaded through the router goes only to workers that have it loaded.
-    remote._adapters["law"] = "/adapters/law"
+    pool.adapters["law"] = "/adapters/law"
     a.loaded_adapters.add("law")
-    assert remote._pick(prompt, (), lora="law") is a
+    assert pool.pick(prompt, lora="law") is a
+    assert pool.place(prompt, "s", lora="law") is a  # its worker cannot serve it: placed afresh
     a.up = False
-    with pytest.raises(EngineDeadError):
-        remote._pick(prompt, (), lora="law")
+    with pytest.raises(EngineDeadError, match="no worker is available"):
+        pool.pick(prompt, lora="law")
 
 
 def test_sampling_params_cross_the_wire_and_bad_json_is_a_clear_error():

@@ -42,7 +42,7 @@ def server(long_engine, assert_kv_all_free):
     yield srv
     delete_stored_responses(srv)
     wait_until_idle(srv, long_engine)
-    srv.engine_call(long_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    srv.engine_call(long_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
     srv.stop()
 
 

@@ -51,14 +51,14 @@ def replica_0_busy(srv, async_engine) -> Iterator[None]:
             "/v1/completions",
             {"model": MODEL_NAME, "prompt": "busy", "max_tokens": 480, "ignore_eos": True},
         )
-        while srv.engine_call(async_engine, lambda router: router.loads()) != [1, 0]:
+        while srv.engine_call(async_engine, lambda dp: dp.loads()) != [1, 0]:
             time.sleep(0.02)
         yield
         assert background.result().status == 200
 
 
 def _generated_per_replica(srv, async_engine) -> list[int]:
-    return srv.engine_call(async_engine, lambda router: [e.stats.generated_tokens for e in router.replicas])
+    return srv.engine_call(async_engine, lambda dp: [e.stats.generated_tokens for e in dp.replicas])
 
 
 def test_concurrent_requests_spread_over_both_replicas(dp_server, assert_kv_all_free):
@@ -86,7 +86,7 @@ def test_concurrent_requests_spread_over_both_replicas(dp_server, assert_kv_all_
     per_replica = [a - b for a, b in zip(after, before)]
     assert sum(per_replica) == 8 * 24 and min(per_replica) >= 24, per_replica  # both replicas served
     assert wait_until_idle(srv, async_engine).kv_requests == 0
-    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    srv.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def test_a_session_stays_on_its_replica_and_reuses_its_kv(dp_server, assert_kv_all_free):
@@ -94,7 +94,7 @@ def test_a_session_stays_on_its_replica_and_reuses_its_kv(dp_server, assert_kv_a
     with replica_0_busy(srv, async_engine):  # so the session's first turn goes to replica 1
         sid = create(srv)["id"]
         first = turn(srv, sid, "What is the capital of France?")
-    assert srv.engine_call(async_engine, lambda router: router.loads()) == [0, 0]
+    assert srv.engine_call(async_engine, lambda dp: dp.loads()) == [0, 0]
     # Both replicas idle, and most of the next prompt is new: routing by load or by prefix
     # would pick replica 0; the session stays where its KV is.
     before = _generated_per_replica(srv, async_engine)
@@ -102,13 +102,13 @@ def test_a_session_stays_on_its_replica_and_reuses_its_kv(dp_server, assert_kv_a
     after = _generated_per_replica(srv, async_engine)
     assert after[1] - before[1] == second["usage"]["completion_tokens"] and after[0] == before[0]
     assert cached(second) >= reused_blocks_of(history_len(first))  # the first turn's KV was reused
-    pins = srv.engine_call(async_engine, lambda router: [len(e.kv.leases.pins()) for e in router.replicas])
+    pins = srv.engine_call(async_engine, lambda dp: [len(e.kv.leases.pins()) for e in dp.replicas])
     assert pins == [0, 1]  # the session's history is pinned on its own replica
 
     assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200
-    assert srv.engine_call(async_engine, lambda router: router.route([1] * 64, sid)) == 0  # routed afresh
+    assert srv.engine_call(async_engine, lambda dp: dp.route([1] * 64, sid)) == 0  # routed afresh
     assert wait_until_idle(srv, async_engine).kv_requests == 0
-    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    srv.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def test_a_fork_joins_its_parent_on_the_replica_holding_the_shared_history(dp_server, assert_kv_all_free):
@@ -116,22 +116,22 @@ def test_a_fork_joins_its_parent_on_the_replica_holding_the_shared_history(dp_se
     with replica_0_busy(srv, async_engine):
         parent = create(srv)["id"]
         first = turn(srv, parent, "Tell me about the sea.")
-    assert srv.engine_call(async_engine, lambda router: router.route([], parent)) == 1
+    assert srv.engine_call(async_engine, lambda dp: dp.route([], parent)) == 1
     fork = send(srv, "POST", f"/v1/sessions/{parent}/fork", {}).json["id"]
     # Both replicas idle: by load the fork would go to replica 0; its history is on replica 1.
-    assert srv.engine_call(async_engine, lambda router: router.route([], fork)) == 1
+    assert srv.engine_call(async_engine, lambda dp: dp.route([], fork)) == 1
     forked = turn(srv, fork, "And about rivers?")
     assert cached(forked) >= reused_blocks_of(history_len(first))
     for sid in (parent, fork):
         assert send(srv, "DELETE", f"/v1/sessions/{sid}").status == 200
     assert wait_until_idle(srv, async_engine).kv_requests == 0
-    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    srv.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def test_metrics_and_snapshot_count_both_replicas(dp_server):
     srv, async_engine = dp_server
     snap = snapshot(srv, async_engine)
-    one_pool = srv.engine_call(async_engine, lambda router: router.replicas[0].kv.usage().num_blocks)
+    one_pool = srv.engine_call(async_engine, lambda dp: dp.replicas[0].kv.usage().num_blocks)
     assert snap.kv.num_blocks == 2 * one_pool
     metrics = send(srv, "GET", "/metrics", key=None).text
     for replica in ("0", "1"):

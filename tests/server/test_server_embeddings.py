@@ -25,7 +25,7 @@ def client(server):
 def kv_all_free_after(server, async_engine, assert_kv_all_free):
     yield
     wait_until_idle(server, async_engine)
-    server.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    server.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def ok(reply):

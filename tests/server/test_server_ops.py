@@ -10,6 +10,7 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.speculative.config import SpeculativeConfig
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -75,7 +76,9 @@ def test_a_stopped_engine_is_unhealthy_and_refuses_work(async_engine):
 
 def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    engine = LLMEngine(build_tiny_random(), EngineConfig(**TEST_ENGINE, speculative_config=spec))
+    engine = LLMEngine(
+        build_tiny_random(), EngineConfig(**TEST_ENGINE, speculative_config=SpeculativeConfig.from_dict(spec))
+    )
     ae = AsyncEngine(engine)
     ae.start()
     srv = start_server(ae)

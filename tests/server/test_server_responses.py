@@ -56,7 +56,7 @@ def nothing_left_after(server, async_engine, assert_kv_all_free):
     yield
     delete_stored_responses(server)
     wait_until_idle(server, async_engine)
-    server.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    server.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def test_create_retrieve_input_items_and_delete(client):

@@ -195,8 +195,8 @@ def test_a_session_deleted_while_a_message_body_arrives_takes_no_late_message(se
         sock.close()
     assert reply.startswith("HTTP/1.1 404") and "session_not_found" in reply
     assert send(server, "GET", f"/v1/sessions/{sid}").status == 404
-    routed = server.engine_call(async_engine, lambda router: router.has_session(sid))
-    assert not routed  # the router holds no replica for the deleted session
+    placed = server.engine_call(async_engine, lambda engine: engine.placement.session_target(sid))
+    assert placed is None  # the engine holds no replica for the deleted session
 
 
 def test_a_reply_that_retokenizes_differently_still_reuses_its_exact_ids(server):

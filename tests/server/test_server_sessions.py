@@ -60,9 +60,7 @@ def metric(srv, name: str) -> float:
 
 
 def pinned_blocks(srv, async_engine, key: str) -> int:
-    return srv.engine_call(
-        async_engine, lambda router: sum(e.kv.leases.pinned_by(owner_id(key)) for e in router.replicas)
-    )
+    return srv.engine_call(async_engine, lambda dp: sum(e.kv.leases.pinned_by(owner_id(key)) for e in dp.replicas))
 
 
 def test_three_turns_compute_only_the_new_tokens(server, async_engine):

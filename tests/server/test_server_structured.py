@@ -61,7 +61,7 @@ def client(server):
 def kv_all_free_after(server, async_engine, assert_kv_all_free):
     yield
     wait_until_idle(server, async_engine)
-    server.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    server.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def response_format(schema=SCHEMA):
@@ -247,10 +247,15 @@ def test_required_streamed_gives_indexed_tool_call_deltas(client):
             assert not c.delta.content
             deltas += c.delta.tool_calls or []
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and [d.index for d in deltas] == [0]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls
-    ]
+    assert finish == "tool_calls" and {d.index for d in deltas} == {0} and len(deltas) > 2
+    first = deltas[0]  # id and name first, with no arguments yet; then argument fragments only
+    assert first.id.startswith("call_") and first.type == "function" and first.function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    (whole,) = full.choices[0].message.tool_calls
+    assert (first.function.name, "".join(d.function.arguments for d in deltas)) == (
+        whole.function.name,
+        whole.function.arguments,
+    )
 
 
 def test_named_function_yields_that_function(client):
@@ -267,12 +272,15 @@ def test_named_function_yields_that_function(client):
         if not stream:
             calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
         else:
-            calls = [
+            deltas = [
                 d
                 for chunk in client.chat.completions.create(**kwargs, stream=True)
                 for c in chunk.choices
                 for d in c.delta.tool_calls or []
             ]
+            assert {d.index for d in deltas} == {0} and deltas[0].function.arguments == ""
+            calls = [deltas[0]]  # the call's id and name, then its argument fragments
+            calls[0].function.arguments = "".join(d.function.arguments for d in deltas)
         assert len(calls) == 1
         check_calls(calls, {"time"})
 
@@ -328,9 +336,8 @@ def test_a_forced_call_cut_by_max_tokens_comes_back_as_a_partial_call(client, to
     )
     deltas, finish, content = _streamed_calls(client, kwargs)
     assert finish == "length" and not content
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-        (0, "weather", call.function.arguments)
-    ]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "weather")] + [(0, None)] * (len(deltas) - 1)
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
 
 
 def test_auto_yields_text_or_calls_and_none_yields_text(client):

@@ -167,7 +167,7 @@ def kv_all_free_after(smol, assert_kv_all_free):
     yield
     srv, async_engine = smol
     wait_until_idle(srv, async_engine)
-    srv.engine_call(async_engine, lambda router: [assert_kv_all_free(e) for e in router.replicas])
+    srv.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
 
 
 def all_at_once(fn, args: list) -> list:
@@ -239,12 +239,16 @@ def test_tool_choice_required_named_and_auto(client):
         if not stream:
             choice = client.chat.completions.create(**kwargs).choices[0]
             return choice.message.content, choice.message.tool_calls, choice.finish_reason
-        calls, finish = [], None
+        calls, finish = {}, None  # by index: the first delta (id, type, name), arguments joined onto it
         for chunk in client.chat.completions.create(**kwargs, stream=True):
             for c in chunk.choices:
-                calls += c.delta.tool_calls or []
+                for d in c.delta.tool_calls or []:
+                    if d.index in calls:
+                        calls[d.index].function.arguments += d.function.arguments
+                    else:
+                        calls[d.index] = d
                 finish = c.finish_reason or finish
-        return None, calls, finish
+        return None, list(calls.values()), finish
 
     named = {"type": "function", "function": {"name": "get_time"}}
     cases = (

@@ -1,7 +1,7 @@
 """Tool-call parsing and the streamed tool-call shape, without an engine: the Hermes-style format
 (the default model's) and Llama 3's, text before a call, several calls, malformed calls left as
 content, forced calls cut short, OpenAI's finish reasons, what a stream holds back, and
-`delta.tool_calls` with indexes in the last chunk."""
+`delta.tool_calls` streamed: id and name first, then argument fragments."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.outputs import Delta
 from server.openai_bodies import ChatShapes
+from server.reply_stream import ReplyParsing
 from server.tools import ToolCall, ToolCalling, ToolChoice, ToolFormat, forced_constraint, parse_forced
 
 HERMES = ToolFormat("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # renders no tools
@@ -56,7 +57,11 @@ def test_forced_constraints_and_their_parse():
     assert required.value["maxItems"] == 1 and required.value["items"]["anyOf"][0]["properties"]["name"] == {
         "const": "f"
     }
-    assert forced_constraint(tools, ToolChoice("function", "f"), True).value == {"type": "object"}
+    strict = forced_constraint(tools, ToolChoice("function", "f"), True).value
+    assert strict == {"type": "object", "additionalProperties": False}  # strict by default
+    assert forced_constraint(tools, ToolChoice("function", "f"), True, strict=False).value == {"type": "object"}
+    loose = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": False}}]
+    assert forced_constraint(loose, ToolChoice("function", "f"), True).value == {"type": "object"}
     assert forced_constraint(tools, ToolChoice("auto"), True) is None
     calls = parse_forced('[{"name": "f", "parameters": {"k": [1]}}]', ToolChoice("required"))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"k": [1]})]
@@ -98,23 +103,29 @@ def _delta(text: str, finish: str | None = None) -> Delta:
     return Delta("r", 0, text, [1], None, finish, None)
 
 
-def test_stream_shows_content_then_sends_the_calls_with_indexes():
-    shapes = ChatShapes("id", _Info(), ToolCalling(HERMES, ToolChoice("auto")))
-    pieces = ["Checking", " <tool", '_call>{"name": "a", ', '"arguments": {"x": 2}}</tool_call>', ""]
-    chunks = [shapes.chunk(0, _delta(p, "stop" if i == len(pieces) - 1 else None), False) for i, p in enumerate(pieces)]
-    shown = [c["choices"][0]["delta"].get("content") for c in chunks if c is not None]
-    assert "".join(s for s in shown if s) == "Checking "
-    last = chunks[-1]["choices"][0]
-    assert last["finish_reason"] == "tool_calls"
-    (call,) = last["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"] == {"name": "a", "arguments": '{"x": 2}'}
+def test_stream_shows_content_then_the_call_id_and_name_then_its_arguments():
+    shapes = ChatShapes("id", _Info(), ReplyParsing(ToolCalling(HERMES, ToolChoice("auto"))))
+    pieces = ["Checking", " <tool", '_call>{"name": "a", ', '"arguments": {"x":', " 2}}</tool_call>", ""]
+    per_delta = [
+        shapes.chunks(0, _delta(p, "stop" if i == len(pieces) - 1 else None), False) for i, p in enumerate(pieces)
+    ]
+    chunks = [c["choices"][0] for batch in per_delta for c in batch]
+    shown = [c["delta"].get("content") for c in chunks]
+    assert "".join(s for s in shown if s) == "Checking"  # as the whole reply has it
+    calls = [c["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["delta"]]
+    first = calls[0]
+    assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
+    assert first["function"] == {"name": "a", "arguments": ""}
+    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
+    assert len(calls) > 2  # the arguments came in more than one fragment
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"x": 2}'
+    assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
 def test_response_without_calls_keeps_its_text_and_finish_reason():
     from server.openai_bodies import ChoiceOutput, UsageCount
 
-    shapes = ChatShapes("id", _Info(), ToolCalling(HERMES, ToolChoice("auto")))
+    shapes = ChatShapes("id", _Info(), ReplyParsing(ToolCalling(HERMES, ToolChoice("auto"))))
     body = shapes.response([ChoiceOutput(text="Hello", finish_reason="length")], UsageCount())
     assert body["choices"][0]["message"]["content"] == "Hello" and body["choices"][0]["finish_reason"] == "length"
     assert "tool_calls" not in body["choices"][0]["message"]

@@ -42,7 +42,7 @@ QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 def generate_greedy(
     engine: Any, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, prefix: str = "p"
 ) -> list[list[int]]:
-    """Greedy token ids per prompt, driving `add_request`/`step` of an engine or router."""
+    """Greedy token ids per prompt, driving `add_request`/`step` of an engine or a data-parallel engine."""
     from jaxserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -5,7 +5,7 @@ stages) or `default` (SmolLM2-135M, 30 layers). VARIANT `serving`: preemption wi
 (too few blocks) and a second round of the prompts (prefix-cache hits), with async scheduling (the
 default); `multistep` adds multi-step decode (2 steps per program); `reference` only generates (no
 warm-up, no report beyond the tokens: the one-device result the others are compared with). For
-each other case the worker builds the engine (a router for dp > 1), warms it up, generates greedily
+each other case the worker builds the engine (a data-parallel engine for dp > 1), warms it up, generates greedily
 and with seeded sampling, checks that every KV pool is free afterwards, and reads the schedule that
 the pipelined layers report for a decode and a prefill step (which micro-batch each stage ran at
 each tick), and the engine's bubble counters (snapshot and Prometheus text) against the model
@@ -28,7 +28,6 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine, make_engine
 from jaxserve.kv_tiers import kv_fingerprint
-from jaxserve.kv_transfer import hold_prompt, read_blocks, release, write_blocks
 from jaxserve.request import Request
 from jaxserve.runner.host_pack import HostPack
 from jaxserve.sampling_params import SamplingParams
@@ -184,12 +183,12 @@ def run_handoff(model, source_pp: int) -> dict:
     }
     for direction, (source, dest) in {"to_one": (staged, single), "from_one": (engine(1), engine(source_pp))}.items():
         want = generate_greedy(source, [prompt], prefix=f"src-{direction}")[0]
-        held = hold_prompt(source, prompt)
-        k, v = read_blocks(source, held, 0, held.num_blocks)
-        longer = write_blocks(dest, hold_prompt(dest, prompt), prompt, k, v)
-        got_k, got_v = read_blocks(dest, longer, 0, longer.num_blocks)
-        release(source, held)
-        release(dest, longer)
+        held = source.hold_prefix(prompt)
+        k, v = source.read_kv_blocks(held, 0, held.num_blocks)
+        longer = dest.write_kv_blocks(dest.hold_prefix(prompt), prompt, k, v)
+        got_k, got_v = dest.read_kv_blocks(longer, 0, longer.num_blocks)
+        source.release_hold(held)
+        dest.release_hold(longer)
         computed = dest.stats.prompt_tokens_computed
         tokens = generate_greedy(dest, [prompt], prefix=f"dst-{direction}")[0]
         report[direction] = {

@@ -1,6 +1,6 @@
 """Run by test_tensor_data_parallel.py in a subprocess with 8 simulated CPU devices.
 
-For each mesh layout (dp x tp) of the tiny model it builds the engine (a router for dp > 1),
+For each mesh layout (dp x tp) of the tiny model it builds the engine (a data-parallel engine for dp > 1),
 warms it up, computes the prefill and decode logits of the runner's own bucketed steps,
 generates greedily, and reports everything as one JSON line: tokens, logits, compilation
 counts, the shardings read back from the parameter and cache arrays, and the collectives of

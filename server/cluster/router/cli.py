@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-from jaxserve.routing import RoutingPolicy
+from jaxserve.placement import PlacementPolicy
 from server.cli import add_server_args, run_app, server_config_from_args
-from server.cluster.router.remote_engine import ROUTER_POLICY
+
+DEFAULTS = PlacementPolicy()  # SGLang's router's
 
 
 def _address(text: str) -> str:
@@ -55,22 +56,22 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     g.add_argument(
         "--cache-threshold",
         type=float,
-        default=ROUTER_POLICY.match_fraction,
+        default=DEFAULTS.match_fraction,
         help="share of a prompt a worker's cached prefix must cover to attract it",
     )
     g.add_argument(
         "--balance-abs-threshold",
         type=int,
-        default=ROUTER_POLICY.balance_abs,
+        default=DEFAULTS.balance_abs,
         help="route by load alone when the busiest worker runs this many more sequences than the idlest...",
     )
     g.add_argument(
-        "--balance-rel-threshold", type=float, default=ROUTER_POLICY.balance_rel, help="...and this many times as many"
+        "--balance-rel-threshold", type=float, default=DEFAULTS.balance_rel, help="...and this many times as many"
     )
     g.add_argument(
         "--worker-max-loras",
         type=int,
-        default=ROUTER_POLICY.adapter_slots,
+        default=DEFAULTS.adapter_slots,
         help="the workers' --max-loras: a worker counts as holding the LoRA adapters of the last "
         "requests sent to it, this many distinct ones, and attracts their requests",
     )
@@ -101,7 +102,7 @@ def run_router(args: argparse.Namespace) -> int:
         raise SystemExit("--worker-max-loras must be >= 1")
     if args.health_check_interval <= 0:
         raise SystemExit("--health-check-interval must be positive")
-    policy = RoutingPolicy(
+    policy = PlacementPolicy(
         args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold, args.worker_max_loras
     )
 

@@ -36,6 +36,8 @@ class RemoteSequence:
         self.stopped = False  # a stop string ended the text
         self.num_prompt = len(prompt_ids)
         self._stream = TextStream(group_id, index, params, prompt_ids, tokenizer)
+        eos = () if params.ignore_eos else tokenizer.eos_token_ids
+        self._stop_token_ids = frozenset((*params.stop_token_ids, *eos))
 
     def feed(self, msg: pb.GenerateResponse) -> bool:
         """Take a worker message's tokens; True when a stop string has ended the text (the rest
@@ -55,8 +57,9 @@ class RemoteSequence:
                     np.array([p for _, p in top], np.float32),
                 )
             )
-            if j == last and msg.finish_reason == FinishReason.STOP.value:
+            if j == last and msg.finish_reason == FinishReason.STOP.value and token in self._stop_token_ids:
                 break  # the worker stopped on a stop token id or EOS, whose text the engine never adds
+            # (a sequence whose grammar is complete also stops, on a token whose text counts)
             if self._stream.add_text(token, check_stops=self.num_out >= self.params.min_tokens):
                 self.stopped = True
                 return True

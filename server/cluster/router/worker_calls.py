@@ -1,6 +1,6 @@
 """One call of the router to one worker: a generation streamed to its end or to the worker's
 failure (`stream_once`), a prefill half (`prefill_once`), and the bookkeeping of a KV transfer.
-What to do when a call fails (retry, resume, another worker) is `RemoteEngine`'s business."""
+What to do when a call fails (retry, resume, another worker) is `SequenceRunner`'s business."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from jaxserve.engine_client import RequestFailedError
 from jaxserve.engine_snapshot import KVTransferStats, load_seconds_bucket
 from jaxserve.outputs import Usage
 from server.cluster.router.sequence import RemoteSequence
-from server.cluster.router.worker_client import RoutedAdapter, WorkerClient
+from server.cluster.router.worker_client import WorkerClient
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import embedding_from_message, usage_from_message
 
@@ -28,12 +28,12 @@ async def stream_once(
     out: asyncio.Queue,
     cached_tokens: int | None,
     on_transfer: Callable[[pb.KVTransfer], None],
-    lora: RoutedAdapter | None = None,
+    lora: str | None = None,
     adapter_slots: int = 1,
 ) -> bool:
     """One try on one worker; True when the sequence has ended. Deltas go to `out`, the KV
     transfers the worker reports (a decode half's pull) to `on_transfer`; the prompt goes into the
-    worker's cache picture keyed by `lora` (see `WorkerClient.note_routed`). When the request's prompt holds
+    worker's cache picture with adapter `lora` (see `SentPrefixes.note`). When the request's prompt holds
     output tokens (a decode half, a resumed sequence), usage is the router's count: the original
     prompt and every output token, with `cached_tokens` (the prefill worker's prefix hit) or
     else the share of the original prompt this worker found cached."""
@@ -43,7 +43,7 @@ async def stream_once(
 
     worker.in_flight += 1
     worker.routed += 1
-    worker.note_routed(request.prompt_token_ids, lora, adapter_slots)
+    worker.sent.note(request.prompt_token_ids, lora, adapter_slots)
     call = worker.stub.Generate(request)
     try:
         async for msg in call:
@@ -89,7 +89,7 @@ async def prefill_once(
     when the stream ended without one)."""
     prefill.in_flight += 1
     prefill.routed += 1
-    prefill.tree.insert(request.prompt_token_ids)
+    prefill.sent.note(request.prompt_token_ids, None)
     call = prefill.stub.Generate(request)
     try:
         async for msg in call:

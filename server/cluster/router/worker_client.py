@@ -3,12 +3,15 @@
 `refresh` is the health check: a worker that answers Health and serves is up; one that does
 not is down until a later check finds it serving again. A worker that comes back with another
 instance id has restarted: its cache picture is cleared and the router is told (`restarted`),
-so that sessions placed there are routed afresh and pin budgets sent again.
+so that sessions placed there are placed afresh and pin budgets sent again.
+
+A worker is a `jaxserve.placement.PlacementTarget`: its load is the sequences the router has running
+there, its cached prefixes and resident adapters the router's picture of what it sent there
+(`SentPrefixes`), since the router never asks a worker what it holds.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -18,9 +21,8 @@ import tokenizers
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.engine_client import EngineInfo, Pin
-from jaxserve.routing import adapter_key
+from jaxserve.placement.sent_prefixes import SentPrefixes
 from jaxserve.tokenizer import Tokenizer
-from server.cluster.router.prefix_tree import ApproxPrefixTree
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import PROTOCOL_VERSION
 from server.cluster.worker.worker_pb2_grpc import WorkerStub
@@ -86,15 +88,6 @@ class WorkerInfo:
         return None
 
 
-@dataclasses.dataclass(frozen=True)
-class RoutedAdapter:
-    """A request's LoRA adapter as the router keys it: its name, and the router's number for
-    that name (see `jaxserve.routing.adapter_key`)."""
-
-    name: str
-    number: int
-
-
 class WorkerClient:
     def __init__(self, address: str, roles: tuple[str, ...] = ("both",)) -> None:
         self.address = address
@@ -105,11 +98,8 @@ class WorkerClient:
         self.instance_id: str | None = None
         self.in_flight = 0  # sequences the router has running there
         self.routed = 0  # sequences the router has sent there since it started
-        self.tree = ApproxPrefixTree()
-        # LoRA adapters by name: those of the latest requests sent here (most recent last), taken
-        # as resident in its device slots; and those the router loaded here (run-time loads).
-        self.recent_adapters: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.loaded_adapters: set[str] = set()
+        self.sent = SentPrefixes()  # what the router sent here: its cache picture
+        self.loaded_adapters: set[str] = set()  # LoRA adapters the router loaded here (run-time loads)
         self._channel: grpc.aio.Channel | None = None
         self._stub: WorkerStub | None = None
 
@@ -146,8 +136,7 @@ class WorkerClient:
                     self.mark_down(f"incompatible: {problem}")
                     return False
                 self.info, self.instance_id = info, info_msg.instance_id
-                self.tree.clear()
-                self.recent_adapters.clear()
+                self.sent.clear()
                 self.loaded_adapters.clear()
         except grpc.aio.AioRpcError as e:
             self.mark_down(f"{e.code().name}: {e.details()}")
@@ -157,15 +146,17 @@ class WorkerClient:
         self.up, self.detail = True, ""
         return restarted
 
-    def note_routed(self, prompt_ids: Sequence[int], lora: RoutedAdapter | None, adapter_slots: int) -> None:
-        """A prompt was sent here (with `lora`'s adapter, if any): it is in the worker's cache
-        picture, its adapter among those taken as resident (the latest `adapter_slots`)."""
-        self.tree.insert(adapter_key(prompt_ids, None if lora is None else lora.number))
-        if lora is not None:
-            self.recent_adapters[lora.name] = None
-            self.recent_adapters.move_to_end(lora.name)
-            while len(self.recent_adapters) > adapter_slots:
-                self.recent_adapters.popitem(last=False)
+    # ----- placement (`jaxserve.placement.PlacementTarget`) ---------------------------------
+
+    @property
+    def load(self) -> int:
+        return self.in_flight
+
+    def prefix_match_length(self, token_ids: Sequence[int], lora: str | None = None) -> int:
+        return self.sent.match(token_ids, lora)
+
+    def adapter_resident(self, name: str) -> bool:
+        return name in self.sent.recent_adapters
 
     def mark_down(self, detail: str) -> None:
         if self.up:

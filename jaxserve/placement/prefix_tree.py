@@ -1,10 +1,10 @@
-"""An approximate picture of one worker's prefix cache, built from the prompts routed to it.
+"""An approximate picture of one target's prefix cache, built from the prompts placed there.
 
-As SGLang's cache-aware router does, the router never asks a worker what it holds: it inserts
-each prompt it sends there into that worker's tree, and the longest match of a new prompt says
-how much of it the worker probably has cached. The tree is a radix tree over token ids, capped
-at `max_tokens` tokens: past the cap the least recently used leaves go, as a worker's LRU cache
-evicts its own. A worker that restarts has its tree cleared (see `WorkerClient`).
+As SGLang's cache-aware router does, a placer that cannot ask a target what it holds (a worker
+process) inserts each prompt it sends there into that target's tree, and the longest match of a new
+prompt says how much of it the target probably has cached. The tree is a radix tree over token ids,
+capped at `max_tokens` tokens: past the cap the least recently used leaves go, as a target's LRU
+cache evicts its own. A target that restarts has its tree cleared (see `SentPrefixes`).
 """
 
 from __future__ import annotations

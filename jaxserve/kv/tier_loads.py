@@ -1,43 +1,41 @@
-"""Reads of cached blocks from the disk tier into the host tier, while their requests wait.
+"""Reads of cached blocks from the tier below the host tier into the host tier, while their
+requests wait.
 
-The scheduler, instead of admitting a request whose prompt continues on disk, may `start` a load
-of those blocks under the request's key; once `poll` has put them in the prefix cache it matches
-and admits again (`KVCacheManager.admit(..., load_key=key)` takes the load's lock over). Without a
-disk tier every method is a no-op (`start` answers NONE), so callers need not ask which they have.
+The scheduler, instead of admitting a request whose prompt continues in that tier, may `start` a
+load of those blocks under the request's key; once `poll` has put them in the prefix cache it
+matches and admits again (`KVCacheManager.admit(..., load_key=key)` takes the load's lock over).
+Without such a tier every method is a no-op (`start` answers NONE), so callers need not ask
+which they have.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING
 
-from jaxserve.kv.disk_link import DiskLink, LoadStart
-
-if TYPE_CHECKING:
-    from jaxserve.kv.prefix_cache import PrefixHit
+from jaxserve.kv.prefix_hit import PrefixHit
+from jaxserve.kv.tier_link import LoadStart, TierLink
 
 
-class DiskLoads:
-    def __init__(self, link: DiskLink | None, epoch: Callable[[], int], changed: Callable[[], None]) -> None:
+class TierLoads:
+    def __init__(self, link: TierLink | None, epoch: Callable[[], int], changed: Callable[[], None]) -> None:
         """`epoch` reads the manager's change counter (a stale hit is refused); `changed` moves it."""
         self._link = link
         self._epoch = epoch
         self._changed = changed
 
     def start(self, key: Hashable, hit: PrefixHit) -> LoadStart:
-        """Read the hit's disk blocks into the host tier in the background, instead of admitting.
+        """Read the hit's lower-tier blocks into the host tier in the background, instead of admitting.
 
         STARTED: `is_loading(key)` until a later `poll()`; then match and admit again (a match that
-        still continues on disk, when the host tier had room for part of it, may load again).
+        still continues in the tier, when the host tier had room for part of it, may load again).
         BUSY: the in-flight bound is reached, try again later. NONE: no room; admit and recompute.
         """
         if self._link is None or not hit.num_disk_tokens:
             return LoadStart.NONE
-        if hit._epoch != self._epoch():
+        if hit.epoch != self._epoch():
             raise ValueError("stale PrefixHit: the manager changed since match_prefix; match again")
-        result = self._link.start_load(
-            key, hit._node, hit._token_ids, hit._chain, hit.num_disk_tokens // self._link.cache.block_size
-        )
+        num_blocks = hit.num_disk_tokens // self._link.block_size
+        result = self._link.start_load(key, hit.path, hit.token_ids, hit.chain, num_blocks)
         if result is LoadStart.STARTED:
             self._changed()
         return result

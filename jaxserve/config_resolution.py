@@ -1,0 +1,46 @@
+"""`resolve`: an `EngineConfig` for a model, resolved once before anything is built (`ResolvedConfig`).
+
+The facts of the served model come from the same functions the runner builds it with: the weights' dtype
+(`jaxserve.dtype_choice`), the kv heads tensor parallelism repeats and the layers pipeline stages pad to
+(`jaxserve.runner.placement`, `jaxserve.runner.pipeline_placement`), and the KV cache's storage dtype
+(`kernels_pallas.kv_quant`); `jaxserve.resolved_config.resolve_limits` does the arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from checkpoints.config import ModelConfig
+from jaxserve.config import EngineConfig
+from jaxserve.dtype_choice import weights_dtype
+from jaxserve.model import KVCache
+from jaxserve.resolved_config import ResolvedConfig, ServedModel, resolve_limits
+from jaxserve.runner.pipeline_placement import plan_stages, stage_model_config
+from jaxserve.runner.placement import plan_parallelism
+from kernels_pallas import default_attention_backend, kv_quant
+
+
+def resolve(config: EngineConfig, model: ModelConfig, dtype: str | None = None) -> ResolvedConfig:
+    """`config` as served for `model`. `dtype`: the weights' dtype, when it was already chosen to load them
+    (`weights_dtype(config)`); None: chosen here. ValueError for what the model and the config cannot run."""
+    return resolve_limits(config, served_model(config, model, dtype or weights_dtype(config)))
+
+
+def served_model(config: EngineConfig, model: ModelConfig, dtype: str) -> ServedModel:
+    """The facts of `model` served with `config` and weights of `dtype` that resolution needs."""
+    served = dataclasses.replace(model, num_kv_heads=plan_parallelism(model, config).served_kv_heads)
+    stages = plan_stages(served, config)
+    if stages is not None:
+        served = stage_model_config(served, stages)
+    kv_dtype = kv_quant.storage_dtype(config.kv_cache_dtype, jnp.dtype(dtype), jax.default_backend())
+    return ServedModel(
+        context=model.max_position_embeddings,
+        dtype=dtype,
+        attention_backend=config.attention_backend or default_attention_backend(),
+        kv_storage_dtype=kv_dtype.name,
+        kv_block_bytes=KVCache.bytes_per_block(served, config.block_size, kv_dtype),
+        kv_devices=config.tensor_parallel_size * config.pipeline_parallel_size,
+    )

@@ -1,0 +1,81 @@
+"""The paged KV cache and where a step's tokens go in it (the metadata every attention reads)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from checkpoints.config import ModelConfig
+from kernels_pallas import kv_quant
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Stacked paged cache: k and v are [num_layers, num_kv_heads, num_blocks, block_size, row], a
+    row being head_dim values of the storage dtype, and a scale for int8 / fp8 (`kernels_pallas.kv_quant`)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
+        row = kv_quant.row_width(config.head_dim, dtype)
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, row)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
+        """Bytes of K and V of one block in a cache of storage dtype `dtype`, scales included."""
+        per_token = 2 * config.num_layers * config.num_kv_heads * kv_quant.row_width(config.head_dim, dtype)
+        return per_token * block_size * jnp.dtype(dtype).itemsize
+
+    def write(self, layer: jax.Array, slot_mapping: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+        """The cache with layer `layer`'s K and V [T, num_kv_heads, head_dim] of a step's new tokens
+        stored (in the storage format) at their slots [T]: an in-place scatter where the cache is
+        a scan's carry or donated."""
+        blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
+        return KVCache(
+            self.k.at[layer, :, blocks, offsets].set(kv_quant.quantize(k, self.k.dtype)),
+            self.v.at[layer, :, blocks, offsets].set(kv_quant.quantize(v, self.v.dtype)),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where a step's new tokens go and what each sequence attends to.
+
+    slot_mapping [T]: cache slot (block * block_size + offset) of each new token; padding rows
+      point into block 0, which is never allocated.
+    block_tables [S, W], seq_lens [S]: each sequence's blocks and its length after this step.
+    query_start [P + 1]: row offsets of the new tokens of the first P sequences (ragged
+      prefill chunks); None for a decode step, where row b is the one new token of sequence b.
+    decode_rows [S - P]: a prefill step that runs decodes too (in one program): the row of
+      each of the last S - P sequences' one new token (decodes), after the chunks' rows; a
+      padding entry is T (out of range) and its sequence's length 0. None: no decodes.
+    lora_slots [T]: with LoRA on, each row's adapter slot (-1: the base model; see
+      jaxserve/model/lora.py). None: LoRA off.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    query_start: jax.Array | None = None
+    decode_rows: jax.Array | None = None
+    lora_slots: jax.Array | None = None
+
+    def real_rows(self, block_size: int) -> jax.Array:
+        """[T] bool: the rows of live tokens (a padding row's slot is in block 0, never allocated)."""
+        return self.slot_mapping >= block_size

@@ -1,0 +1,71 @@
+"""A decoder layer's declared weights bound to the layer being built, through which its blocks
+(attention, MLP) make their projections and norms: the parameters are the layer's own
+(`layers/q_proj/kernel`, ...) whichever block makes them, so blocks are plain functions and
+swapping one changes no other block's parameter paths."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from checkpoints.architectures import declare
+from checkpoints.config import ModelConfig
+from checkpoints.quant_format import QuantFormat
+from checkpoints.weights import Weight, flat, quantized
+from jaxserve.model.linear import DeclaredParam, Linear
+from jaxserve.model.lora import LoraStacks, lora_delta
+from jaxserve.model.norm import RMSNorm
+from kernels_pallas.cpu_matmul import CpuMatmul
+
+Quantization = tuple[tuple[str, QuantFormat], ...]  # (kernel path, storage) of each quantized kernel
+
+
+def layer_weights(config: ModelConfig, stacked: bool, quantization: Quantization = ()) -> dict[str, Weight]:
+    """The declared weights of a layer by name under `layers/` (`q_proj/kernel`, ...): stacked
+    over the layers (the scan), or one layer's own (`unroll_layers`); quantized kernels as the
+    arrays that store them (`checkpoints.weights.quantized`)."""
+    declared = quantized(declare(config), dict(quantization))
+    return {
+        path[len("layers/") :]: w if stacked else w.unstacked()
+        for path, w in flat(declared).items()
+        if path.startswith("layers/")
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScope:
+    """Layer `layer`'s weights (`layer_weights`) as its blocks use them. Its methods make Flax
+    submodules, so they are called inside the layer module's `__call__` (the parent they bind to).
+
+    dtype: of activations; packed, cpu_matmul: how the layer kernels are stored (`Linear`);
+    lora, lora_slots: the adapters' device slots and each row's slot (None: LoRA off)."""
+
+    weights: dict[str, Weight]
+    layer: jax.Array
+    eps: float
+    dtype: Any
+    param_dtype: Any
+    packed: bool
+    cpu_matmul: CpuMatmul | None
+    lora: LoraStacks | None = None
+    lora_slots: jax.Array | None = None
+
+    def dense(self, name: str, x: jax.Array) -> jax.Array:
+        """x through the projection `name` (`<name>/kernel`, and `<name>/bias` where declared),
+        plus each row's LoRA update where adapters target it; in `dtype`."""
+        kernel, bias = self.weights[f"{name}/kernel"], self.weights.get(f"{name}/bias")
+        y = Linear(kernel, bias, self.dtype, self.param_dtype, self.packed, self.cpu_matmul, name=name)(x, self.layer)
+        if self.lora is None or name not in self.lora:
+            return y
+        update = lora_delta(x, self.lora[name]["a"], self.lora[name]["b"], self.lora_slots, self.layer)
+        return (y + update).astype(y.dtype)
+
+    def norm(self, name: str, x: jax.Array) -> jax.Array:
+        """x through the RMS norm `name` (`<name>/scale`), in `dtype`."""
+        return RMSNorm(self.weights[f"{name}/scale"], self.eps, self.dtype, name=name)(x, self.layer)
+
+    def stack(self, name: str) -> jax.Array:
+        """The declared parameter `<name>/kernel` whole (a stack the block indexes itself)."""
+        return DeclaredParam(self.weights[f"{name}/kernel"], self.param_dtype, name=name)()

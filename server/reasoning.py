@@ -1,0 +1,96 @@
+"""Reasoning parsers: a thinking model's `<think>...</think>` apart from its answer.
+
+`--reasoning-parser` takes vLLM's names:
+- "deepseek_r1": the reply starts inside the think block (DeepSeek-R1's template opens it in the
+  prompt); everything up to `</think>` is reasoning, and a reply that never closes it is all
+  reasoning. A `<think>` the model writes itself at the start is dropped.
+- "qwen3": the reply is reasoning when it starts with `<think>` (Qwen3 writes it), or when the
+  prompt ends inside an open think block (templates that open it themselves, such as
+  Qwen3-Thinking's); otherwise (`enable_thinking: false` writes an empty block into the prompt)
+  it is all content.
+
+The answer after `</think>` is the content (its leading whitespace dropped), which the tool-call
+parser then reads: calls written inside the reasoning are reasoning, calls after it are calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (server.config imports this module for its names)
+    from jaxserve.tokenizer import Tokenizer
+
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read to see whether it leaves a think block open
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningSplit:
+    reasoning: str  # the reasoning as far as it may be shown
+    content: str  # the answer as far as it may be shown
+    ended: bool  # the reasoning is over (the rest is content)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningParser:
+    """Splits one request's replies. `opened`: a reply starts inside a think block."""
+
+    name: str
+    opened: bool
+
+    @classmethod
+    def for_prompt(cls, name: str, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> ReasoningParser:
+        """The parser of a request whose prompt is `prompt_ids` (does it leave a think block open?)."""
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {name!r}; known: {list(REASONING_PARSERS)}")
+        tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        prompt_opens = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+        return cls(name, name == "deepseek_r1" or prompt_opens)
+
+    def split(self, text: str, finished: bool) -> ReasoningSplit:
+        """The reasoning and content of a reply so far. An unfinished reply keeps back what may
+        still turn out to be a tag (the start of `</think>`, or of a leading `<think>`)."""
+        stripped = text.lstrip()
+        if stripped.startswith(THINK_OPEN):
+            body = stripped[len(THINK_OPEN) :]
+        elif not finished and THINK_OPEN.startswith(stripped):
+            return ReasoningSplit("", "", False)  # may still become `<think>`
+        elif self.opened:
+            body = text
+        else:
+            return ReasoningSplit("", text, True)
+        end = body.find(THINK_CLOSE)
+        if end >= 0:
+            return ReasoningSplit(body[:end], body[end + len(THINK_CLOSE) :].lstrip(), True)
+        if finished:
+            return ReasoningSplit(body, "", False)
+        return ReasoningSplit(body[: len(body) - _partial_tag(body, THINK_CLOSE)], "", False)
+
+    def reasoning_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
+        """Of a finished reply's tokens, how many are reasoning: those up to and including the
+        ones that write `</think>` (all of them when it never comes; none without reasoning)."""
+        text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        if not self.opened and not text.lstrip().startswith(THINK_OPEN):
+            return 0
+        if not self.split(text, finished=True).ended:
+            return len(token_ids)
+        low, high = 1, len(token_ids)  # the shortest prefix whose text holds the closing tag
+        while low < high:
+            mid = (low + high) // 2
+            if THINK_CLOSE in tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` are the start of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

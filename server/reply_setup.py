@@ -1,0 +1,47 @@
+"""A chat request's reply setup from its body and the server's settings: `chat_template_kwargs`,
+and the `ReplyParsing` (reasoning parser, tool calls) that its replies are read with."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.sampling_params import SamplingParams
+from server.errors import bad_request
+from server.model_info import ModelInfo
+from server.reasoning import ReasoningParser
+from server.reply_stream import ReplyParsing
+from server.tools import ToolCalling
+
+# Variables the server itself gives the template; a request may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "template"})
+
+
+def template_kwargs_setting(body: dict[str, Any], name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """The request's extra chat template variables (vLLM's `chat_template_kwargs`, such as
+    `{"enable_thinking": false}`); 400 for anything but an object of names."""
+    value = body.get(name, {})
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise bad_request(f"{name} must be an object of template variable names to values", param=name)
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(value))
+    if reserved:
+        raise bad_request(f"{name} may not set {reserved}: the server sets them", param=name)
+    return value
+
+
+def reply_parsing(
+    info: ModelInfo,
+    reasoning_parser: str | None,
+    tools: ToolCalling | None,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+) -> ReplyParsing | None:
+    """How the request's replies are read; None when they are plain text. A reply held to JSON or
+    a choice (structured output, a forced call) is that from its first token, so it has no
+    reasoning; a regex or grammar may write a think block, and is read for one."""
+    reasoning = None
+    if reasoning_parser is not None and (params.guided is None or params.guided.kind in ("regex", "grammar")):
+        reasoning = ReasoningParser.for_prompt(reasoning_parser, info.tokenizer, prompt_ids)
+    if tools is None and reasoning is None:
+        return None
+    return ReplyParsing(tools, reasoning)

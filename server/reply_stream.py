@@ -1,0 +1,79 @@
+"""What a reply is made of (reasoning, content, tool calls), whole and as it streams.
+
+`ReplyParsing` is one request's setup: its reasoning parser (`server.reasoning`) and its tools
+(`server.tools`), either of them absent. The reasoning parser reads the reply first; the content
+after the reasoning is what the tool-call parser reads. `parts` splits a finished reply;
+`stream` gives one choice's `ReplyStream`, which turns the reply so far into events (reasoning,
+content, a call's start, its arguments) whose concatenation is what `parts` gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from server.reasoning import ReasoningParser
+from server.tool_stream import Event, Reasoning, ToolStream
+from server.tools import ToolCall, ToolCalling
+
+if TYPE_CHECKING:
+    from jaxserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyParts:
+    reasoning: str | None
+    content: str | None
+    calls: list[ToolCall]
+    finish_reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyParsing:
+    tools: ToolCalling | None = None
+    reasoning: ReasoningParser | None = None
+
+    def parts(self, text: str, finish_reason: str | None) -> ReplyParts:
+        """The parts of a finished reply (as `ToolCalling.reply` reports calls and finish reasons)."""
+        return self.stream().finish(text, finish_reason)[1]
+
+    def stream(self) -> ReplyStream:
+        return ReplyStream(self)
+
+    def reasoning_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
+        return 0 if self.reasoning is None else self.reasoning.reasoning_tokens(tokenizer, token_ids)
+
+
+class ReplyStream:
+    """One choice's reply, turned into events as it grows."""
+
+    def __init__(self, parsing: ReplyParsing) -> None:
+        self._reasoning = parsing.reasoning
+        self._reasoning_sent = 0
+        self.tools = ToolStream(parsing.tools)
+
+    def update(self, text: str) -> list[Event]:
+        """The events that the reply so far (`text`, all of it) adds."""
+        if self._reasoning is None:
+            return self.tools.update(text)
+        split = self._reasoning.split(text, finished=False)
+        events = self._more_reasoning(split.reasoning)
+        return events + self.tools.update(split.content) if split.ended else events
+
+    def finish(self, text: str, finish_reason: str | None) -> tuple[list[Event], ReplyParts]:
+        """The last events of the finished reply `text`, and its parts."""
+        reasoning, content = None, text
+        events: list[Event] = []
+        if self._reasoning is not None:
+            split = self._reasoning.split(text, finished=True)
+            events = self._more_reasoning(split.reasoning)
+            reasoning, content = split.reasoning or None, split.content
+        more, reply = self.tools.finish(content, finish_reason)
+        return events + more, ReplyParts(reasoning, reply.content, reply.calls, reply.finish_reason)
+
+    def _more_reasoning(self, reasoning: str) -> list[Event]:
+        if len(reasoning) <= self._reasoning_sent:
+            return []
+        piece, self._reasoning_sent = reasoning[self._reasoning_sent :], len(reasoning)
+        return [Reasoning(piece)]
