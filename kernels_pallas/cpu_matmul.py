@@ -10,8 +10,8 @@ so every register tile streams its weights in one run. On a 2-core AVX-512 machi
 30-layer stack of the default model's shapes, it is faster than XLA's dot of the [K, N] layout
 at every row count (`python3 -m bench.matmul_cpu`), so it takes every call. The tied output
 head, x [M, K] @ embedding [V, K].T, is a dot product per output: XLA:CPU's dot of one row reads
-the embedding well below memory speed (from 8 rows it is as fast as the kernel, so it keeps them). `cpu_build` compiles the source on
-first use.
+the embedding well below memory speed (from 8 rows it is as fast as the kernel, so it keeps them).
+`cpu_build` compiles the source on first use.
 
 bf16 weights: the same kernels on bf16 panels of pairs, [L, N / P, ceil(K / 2), P, 2] (rows 2i
 and 2i + 1 of the weights side by side in each column), and a bf16 embedding; the activations
