@@ -81,7 +81,9 @@ class ModelRunner:
         )
         adapters = None if self.lora_slots is None else self.lora_slots.shardings
         shardings = state_shardings(served.param_shardings, adapters, kv, rep)
-        setting = ProgramSetting(functions, ec, self.inputs, self.args, self.state, shardings, rep)
+        # The variants are lowered for the state's shapes and placement (not its arrays, which serving takes over).
+        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        setting = ProgramSetting(functions, ec, self.inputs, self.args, example, shardings, rep)
         self.executables = Executables(declare_programs(setting))
         self.num_launches = 0
         self.last_prepare_time = self.last_launch_time = self.last_fetch_time = 0.0
