@@ -27,7 +27,8 @@ from jaxserve.sampling_params import SamplingParams
 PHASES = {
     "schedule": ("scheduler.py", "schedule"),
     "prepare": ("model_runner.py", "prepare"),
-    "launch": ("model_runner.py", "launch"),
+    "launch": ("model_runner.py", "run_model"),
+    "sample": ("model_runner.py", "run_sampler"),
     "read": ("model_runner.py", "fetch"),
     "post-process": ("engine.py", "_read"),
 }

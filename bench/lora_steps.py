@@ -95,7 +95,7 @@ def step_times(
         }
         adapters.append(LoraWeights(rank, modules, bytes([slot]) * 16))
         lora.write_lora_slot(slot, adapters[-1])
-    jax.block_until_ready(lora.params["lora"])
+    jax.block_until_ready(lora.state.adapters)
 
     def step_time(runner: ModelRunner, num_adapters: int) -> float:
         rows = chunks(runner, batch, history, 1, block_size)
@@ -155,7 +155,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for slot, weights in enumerate(adapters):
         lora.write_lora_slot(slot, weights)
-        jax.block_until_ready(lora.params["lora"])
+        jax.block_until_ready(lora.state.adapters)
     device_s = (time.perf_counter() - t0) / len(adapters)
     print(f"adapter load, disk -> host: {disk_s * 1e3:.1f} ms; host -> device slot: {device_s * 1e3:.1f} ms")
     print(

@@ -42,7 +42,7 @@ def report(model: str, tp: int, num_blocks: int, block_size: int, batch: int) ->
     runner = engine.runner
     width = config.block_table_buckets[-1]
     args = runner.step_args(runner.inputs.decode([], batch, width))  # one decode bucket is enough to read its HLO
-    found = collectives(runner.programs["decode"].jitted.lower(*args).compile().as_text())
+    found = collectives(runner.executables.programs["decode"].lower(*args).compile().as_text())
     return {
         "tp": tp,
         "served_kv_heads": runner.config.num_kv_heads,

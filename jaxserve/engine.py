@@ -23,25 +23,21 @@ Three kinds of iteration change what the overlapped loop may overlap:
   tokens instead of overlapped.
 - Structured output: a constrained request's next mask depends on its last token. The next
   iteration's model step is dispatched first, then the iteration in flight is read, then the
-  masks are written and the sampler dispatched (`ModelRunner.complete_launch`; multi-host: the
-  followers need the masks before the model step, so the iteration in flight is read before
-  scheduling whenever a constrained request waits for its token).
+  masks are written and the sampler dispatched (`ModelRunner.run_sampler`; a multi-host leader
+  reads the iteration in flight before scheduling whenever a constrained request waits for its
+  token).
 
 Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own thread only.
 
 Embeddings (`SamplingParams.pooling`): a pooling request is prefilled like any prompt (sharing the
-prefix cache) while its steps pool its rows' final hidden states (`jaxserve.pooling`); once the
-step that samples after its last prompt token is read, the request ends with the pooled vector in
-its final delta and the sampled token is dropped (its max_tokens of 1 keeps it from another step).
+prefix cache) while its steps pool its rows' final hidden states (see `output_processor`).
 
-Fault isolation: an exception while preparing or post-processing one request's part of an
-iteration fails that request (an ERROR delta, its blocks freed) and the engine goes on; only a
-failure of the device iteration itself propagates.
+Fault isolation: an exception while preparing or post-processing (`output_processor`) one request's
+part of an iteration fails that request alone; only a failure of the device iteration propagates.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -49,7 +45,6 @@ from typing import Any
 
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import DEFAULT_MODEL, load_model
-from jaxserve import faults
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
 from jaxserve.dtype_choice import load_dtype, weights_dtype
@@ -61,38 +56,21 @@ from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_disk_tier
 from jaxserve.lora.manager import AdapterRef, LoraManager
 from jaxserve.lora.peft import LoraWeights
-from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
+from jaxserve.output_processor import OutputProcessor, StepStats
+from jaxserve.outputs import Delta, FinishReason
 from jaxserve.pooling import PromptPooling
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings, read_pooled, read_prompt_scores
+from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
-from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.structured import GrammarCompiler
 from jaxserve.text_stream import TextStream
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class StepStats:
-    num_steps: int = 0
-    step_time: float = 0.0  # all of step(), wall clock
-    model_time: float = 0.0  # host time in the runner: building and launching, then waiting to read
-    prompt_tokens_computed: int = 0
-    generated_tokens: int = 0
-    # Iterations whose output was read only after the next one was launched (async scheduling).
-    overlapped_reads: int = 0
-    # Iterations whose prefill chunks and decodes ran as one model step.
-    mixed_steps: int = 0
-    failed_requests: int = 0  # requests ended by an error in their own part of a step
-    # Speculative decoding: steps that verified drafts, drafts verified, drafts accepted.
-    speculative_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
 
 
 class LLMEngine(EngineCoreOps):
@@ -143,6 +121,7 @@ class LLMEngine(EngineCoreOps):
         self._rng = random.Random(ec.seed)
         self._in_flight: StepHandle | None = None  # launched, output not read (async scheduling)
         self.stats = StepStats()
+        self.outputs = OutputProcessor(self.scheduler, self._groups, self.stats, ec.max_model_len)
 
     @property
     def num_compilations(self) -> int:
@@ -231,8 +210,8 @@ class LLMEngine(EngineCoreOps):
         for req in self._groups.get(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, FinishReason.ABORT)
-                deltas.append(self._final_delta(req, FinishReason.ABORT))
-        self._forget_if_finished(request_id)
+                deltas.append(self.outputs.final_delta(req, FinishReason.ABORT))
+        self.outputs.forget_if_finished(request_id)
         return deltas
 
     # ----- state the serving layer reads ----------------------------------------------------
@@ -261,11 +240,11 @@ class LLMEngine(EngineCoreOps):
             speculative_steps=self.stats.speculative_steps,
             draft_tokens=self.stats.draft_tokens,
             accepted_tokens=self.stats.accepted_tokens,
-            expert_tokens=tuple(int(n) for n in self.runner.expert_tokens),
-            expert_load=tuple(int(n) for n in self.runner.last_expert_load),
+            expert_tokens=tuple(int(n) for n in self.runner.totals.expert_tokens),
+            expert_load=tuple(int(n) for n in self.runner.totals.last_expert_load),
             **self._lora_counts(),
-            pipeline_stage_busy_ticks=tuple(int(n) for n in self.runner.pipeline_ticks.busy),
-            pipeline_ticks=self.runner.pipeline_ticks.ticks,
+            pipeline_stage_busy_ticks=tuple(int(n) for n in self.runner.totals.pipeline_ticks.busy),
+            pipeline_ticks=self.runner.totals.pipeline_ticks.ticks,
         )
 
     def _lora_counts(self) -> dict[str, Any]:
@@ -367,19 +346,14 @@ class LLMEngine(EngineCoreOps):
         # Marked launched first: the read of the step in flight below sees this step's placeholders
         # (nothing is dispatched in between, so its writes still come first).
         self.scheduler.on_step_launched(sched)
-        handle = self.runner.launch(sched, prepared)
-        if handle.awaits_masks:
-            if self._in_flight is not None:
-                deltas += self._read(self._take_in_flight())
-            self.runner.complete_launch(handle)
+        handle = self.runner.run_model(sched, prepared)
+        if handle.awaits_masks and self._in_flight is not None:  # the masks follow its tokens
+            deltas += self._read(self._take_in_flight())
+        self.runner.run_sampler(handle)
         for pooled in prepared.pooled:  # a recompute launched later does not pool these again
             pooled.request.pooling.on_launched(pooled.positions)
         self.kv.loads.submit()  # after the launch: the copies that read their slots have run
-        self.stats.model_time += self.runner.last_prepare_time + self.runner.last_launch_time
-        self.stats.prompt_tokens_computed += sum(c.num_new_tokens for c in sched.prefills)
-        self.stats.num_steps += 1
-        self.stats.speculative_steps += sched.is_speculative
-        self.stats.mixed_steps += bool(sched.prefills) and len(prepared.parts[0]) > len(sched.prefills)
+        self.stats.count_launch(sched, prepared, self.runner.last_prepare_time + self.runner.last_launch_time)
         return handle
 
     def _take_in_flight(self) -> StepHandle | None:
@@ -400,7 +374,7 @@ class LLMEngine(EngineCoreOps):
                     self.runner.prepare(SchedulerOutput(**{field: [chunk]}))
                     kept.append(chunk)
                 except Exception as e:  # noqa: BLE001 - this request's fault
-                    deltas += self._fail(chunk.request, e)
+                    deltas += self.outputs.fail(chunk.request, e)
             setattr(sched, field, kept)
         return self.runner.prepare(sched)
 
@@ -408,106 +382,5 @@ class LLMEngine(EngineCoreOps):
         """Read an iteration's sampled tokens and update every request it sampled for."""
         results = self.runner.fetch(handle)
         self.stats.model_time += self.runner.last_fetch_time
-        for req, first, scored in read_prompt_scores(handle):
-            if not req.is_finished:
-                req.add_prompt_logprobs(first, scored)
-        for req, total, rows in read_pooled(handle):
-            if not req.is_finished:
-                req.pooling.add(total, rows)
         self.stats.overlapped_reads += handle.launches_before_fetch > handle.launch_index
-        deltas = []
-        finished_groups = set()
-        for chunk, tokens in results:
-            req = chunk.request
-            if req.is_finished:  # aborted, failed or ended while its step was running
-                continue
-            stream = req.text
-            try:
-                if req.pooling is not None:  # an embedding: its prompt is pooled, its sampled token dropped
-                    deltas.append(self._pooled_delta(req))
-                    finished_groups.add(stream.group_id)
-                    continue
-                reason = self._update_all(req, stream, chunk, tokens)
-                if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    deltas.append(self._final_delta(req, reason))
-                    finished_groups.add(stream.group_id)
-                else:
-                    self.scheduler.on_token_read(req, chunk.output_index)
-                    delta = stream.take_delta(None, None, prompt_logprobs=req.prompt_logprobs)
-                    if delta is not None:
-                        deltas.append(delta)
-            except Exception as e:  # noqa: BLE001 - one request's fault
-                deltas += self._fail(req, e)
-        for group_id in finished_groups:
-            self._forget_if_finished(group_id)
-        return deltas
-
-    def _update_all(
-        self, req: Request, stream: TextStream, chunk: ScheduledChunk, tokens: list[SampledToken]
-    ) -> FinishReason | None:
-        """Land a chunk's tokens in order: one, a verified decode's accepted drafts and the
-        token after them, or a multi-step decode's tokens. Every stop rule applies to each;
-        tokens after a stop are dropped. A request that goes on keeps the K/V of the tokens it
-        kept only."""
-        reason = None
-        for i, sampled in enumerate(tokens):
-            reason = self._update(req, stream, chunk.output_index + i, sampled)
-            self.stats.generated_tokens += 1
-            if reason is not None:
-                break
-        if chunk.draft:
-            self.stats.draft_tokens += len(chunk.draft)
-            self.stats.accepted_tokens += len(tokens) - 1
-        if reason is None and (chunk.draft or chunk.num_steps > 1):
-            self.scheduler.accept_tokens(req, len(tokens) - 1)
-        return reason
-
-    def _update(self, req: Request, stream: TextStream, index: int, sampled: SampledToken) -> FinishReason | None:
-        """The one place a sampled token lands: it replaces its placeholder and advances the
-        request's grammar (structured output), then every stop rule is applied in order (stop
-        token ids and EOS, stop strings, a grammar that allows nothing more, max_tokens, the
-        context), none of them but the grammar's before `min_tokens` tokens are out. The stream
-        only reads the token."""
-        token = sampled.token_id
-        req.land_token(index, token)
-        num_out = index + 1
-        checking = num_out >= req.params.min_tokens  # vLLM: no stop checks before min_tokens
-        stream.add_token(sampled)
-        faults.check("stop", req)
-        if checking and token in req.stop_token_ids:
-            return FinishReason.STOP  # finishing drops a later step's placeholder
-        faults.check("detokenize", req)
-        stopped = stream.add_text(token, check_stops=checking)
-        if stopped or (req.grammar is not None and req.grammar.is_finished):
-            return FinishReason.STOP
-        return FinishReason.LENGTH if req.ends_by_length(num_out, self.config.max_model_len) else None
-
-    def _pooled_delta(self, req: Request) -> Delta:
-        """End an embedding request whose whole prompt is pooled: the final delta carries the
-        pooled vector and generates nothing."""
-        embedding = req.pooling.vector()
-        self.scheduler.finish(req, FinishReason.STOP)
-        delta = self._final_delta(req, FinishReason.STOP)
-        delta.embedding = embedding
-        return delta
-
-    def _fail(self, req: Request, error: BaseException) -> list[Delta]:
-        """End one request whose part of an iteration raised; the others go on."""
-        logger.error("request %s failed: %r", req.request_id, error, exc_info=error)
-        self.stats.failed_requests += 1
-        group_id = req.text.group_id
-        if not req.is_finished:
-            self.scheduler.finish(req, FinishReason.ERROR)
-        delta = self._final_delta(req, FinishReason.ERROR, error)
-        self._forget_if_finished(group_id)
-        return [delta]
-
-    def _final_delta(self, req: Request, reason: FinishReason, error: BaseException | None = None) -> Delta:
-        usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)
-        return req.text.take_delta(reason, usage, error, req.prompt_logprobs)
-
-    def _forget_if_finished(self, request_id: str) -> None:
-        group = self._groups.get(request_id)
-        if group is not None and all(r.is_finished for r in group):
-            del self._groups[request_id]
+        return self.outputs.land(handle, results)

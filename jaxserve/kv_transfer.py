@@ -142,7 +142,7 @@ def _write_imported(
     blocks = kv.allocate_import(num_blocks)
     runner.move_blocks(kv.take_copies())  # evictions for them plan copies that read the old contents
     for i in range(0, len(blocks), BLOCK_MOVE_CHUNK):
-        runner.cache = write(runner.cache, blocks[i : i + BLOCK_MOVE_CHUNK], i)
+        runner.write_blocks(write, blocks[i : i + BLOCK_MOVE_CHUNK], i)
     return kv.leases.adopt_import(hold, token_ids, blocks)
 
 

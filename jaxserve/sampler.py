@@ -1,7 +1,8 @@
 """On-device sampling for a padded batch of logits, jittable inside the runner's step.
 
 Per row: logit bias (and the ban on stop tokens before `min_tokens`), the token mask of
-structured output (a packed bitmask computed on the host; batches without one skip it), then penalties (vLLM/HF semantics: repetition over prompt + output
+structured output (a packed bitmask computed on the host; batches without one skip it), then
+penalties (vLLM/HF semantics: repetition over prompt + output
 tokens, then frequency and presence over output tokens), then either greedy argmax (temperature 0) or
 temperature, top-k, top-p (over the top-k survivors, renormalised), min-p and a random
 draw. The draw's key comes from the request's seed and the position being generated only

@@ -4,10 +4,10 @@ group's leader only (`sharding.process_layout`).
 Every process of a group holds its shards of the group's parameters and KV cache and must launch
 the same computations in the same order (each step's collectives span the group's processes).
 The leader runs the engine; a `Leader` sets its runner's `mirror` hook so each device operation
-(the bucketed arrays of a step, or a block move) is broadcast by `StepChannel.send` before the
-leader runs it. The group's other processes sit in `follow`, receiving and replaying operations
-until `Leader.stop`. Groups do not wait on one another: a channel's collective spans its group's
-devices only.
+(an iteration's model or sampler phase with its bucketed arrays, a block move, a LoRA slot write:
+`ModelRunner._device`) is broadcast by `StepChannel.send` before the leader runs it. The group's
+other processes sit in `follow`, receiving and replaying operations until `Leader.stop`. Groups
+do not wait on one another: a channel's collective spans its group's devices only.
 
 Two timeouts shape the protocol. Gloo gives a group's first collective 30 s for every process
 to arrive, and warm-ups on different processes can finish minutes apart: `barrier` (on the

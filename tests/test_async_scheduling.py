@@ -6,6 +6,8 @@ reads really come after the next launch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
-from jaxserve.runner.model_runner import run_to_end
+from jaxserve.runner.prepared_step import PreparedStep
+from jaxserve.scheduler.output import SchedulerOutput
 
 SMALL = dict(
     max_num_seqs=16,
@@ -129,13 +132,14 @@ def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(m
     req = Request("p", [5, 6, 7], SamplingParams(max_tokens=4, frequency_penalty=1.0), seed=0)
     req.status = RequestStatus.RUNNING
     req.output_token_ids = [9]
-    runner._prev_sampled = jax.device_put(np.arange(runner.inputs.sampled_rows, dtype=np.int32) + 20)  # row r: 20 + r
+    last = jax.device_put(np.arange(runner.inputs.sampled_rows, dtype=np.int32) + 20)  # row r: 20 + r
+    runner.state = runner.state.with_sampler(dataclasses.replace(runner.state.sampler, sampled=last))
     batch = runner.inputs.batch
     batch.join(req)
     batch.launched(1, [(np.array([batch.slot(req)]), 3)])  # the launch sampling its next token, at row 3
     req.output_token_ids.append(PLACEHOLDER)
-    run_to_end(runner._run_steps([runner.inputs.penalty_reset([req])], []))
-    counts = np.asarray(runner.penalty_counts.output)[runner.inputs.batch.slot(req)]
+    runner.run_model(SchedulerOutput(), PreparedStep([runner.inputs.penalty_reset([req])], [req], [], []))
+    counts = np.asarray(runner.state.sampler.penalty_counts.output)[runner.inputs.batch.slot(req)]
     assert counts[9] == 1 and counts[23] == 1 and counts.sum() == 2
 
 

@@ -87,7 +87,7 @@ def test_a_failing_device_step_stops_the_loop_and_says_so(llm):
     def device_lost(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    engine.runner.launch = device_lost
+    engine.runner.run_model = device_lost
     async_engine.start()
 
     async def generate() -> None:

@@ -49,7 +49,7 @@ CONSTRAINED = SamplingParams(max_tokens=40, temperature=0.0, guided=GuidedDecodi
 def counted_calls(llm: LLM) -> collections.Counter:
     """Calls of each kind of compiled program (by the first item of its key) from now on."""
     calls = collections.Counter()
-    executables = llm.engine.runner._executables
+    executables = llm.engine.runner.executables.compiled
 
     def counting(key, exe):
         def call(*args):

@@ -404,7 +404,7 @@ class Checks:
         self.kinds: dict[str, int] = {}
         self.versions: dict[Request, set[int]] = {}
         self.errors: list[AssertionError] = []
-        prepare, launch = runner.prepare, runner.launch
+        prepare, launch = runner.prepare, runner.run_model
 
         def checked_prepare(sched):
             prepared = prepare(sched)
@@ -425,7 +425,7 @@ class Checks:
             }
             return launch(sched, prepared, **kwargs)
 
-        runner.prepare, runner.launch = checked_prepare, recording_launch
+        runner.prepare, runner.run_model = checked_prepare, recording_launch
 
     def check(self, program: Program, chunks: list[ScheduledChunk], num_prefills: int) -> None:
         inputs = self.runner.inputs

@@ -156,7 +156,7 @@ def test_preemption_under_multi_step_decode_keeps_the_outputs(plain, model, asse
 
 def test_no_compilation_after_warm_up_with_multi_step_decode(model):
     llm = LLM(model, num_scheduler_steps=4, **SMALL)
-    assert {key for key in llm.engine.runner._executables if key[0] == "multi_decode"} == {
+    assert {key for key in llm.engine.runner.executables.compiled if key[0] == "multi_decode"} == {
         ("multi_decode", 2, 16),
         ("multi_decode", 8, 16),
     }

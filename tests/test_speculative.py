@@ -236,7 +236,7 @@ def test_seeded_sampling_keeps_its_distribution(plain, speculative, assert_kv_al
 def test_no_compilation_after_warm_up_with_speculation(plain, speculative):
     assert plain.engine.runner.inputs.verify_batches == ()  # no verify programs without speculation
     compiled = speculative.engine.num_compilations
-    assert {key for key in speculative.engine.runner._executables if key[0].startswith("verify")} == {
+    assert {key for key in speculative.engine.runner.executables.compiled if key[0].startswith("verify")} == {
         ("verify", 2, 16),
         ("verify", 8, 16),
         ("verify_sample", 8),

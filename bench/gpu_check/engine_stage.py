@@ -133,27 +133,27 @@ def device_step_seconds(runner: ModelRunner, batch: int, context: int, iters: in
     so nothing the engine holds is written."""
     width = runner.engine_config.block_table_buckets[-1]
     program = runner.inputs.decode([], batch, width)
-    step = runner._executables[program.key]
+    step = runner.executables.compiled[program.key]
     tables = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     meta = AttentionMetadata(np.zeros(batch, np.int32), tables, np.full(batch, context, np.int32))
     tokens, _, _, logits_indices, token_src = program.host_args
     program = program._replace(
         host_args=(tokens, np.full(batch, context - 1, np.int32), meta, logits_indices, token_src)
     )
-    # (params, cache, host inputs, prev_sampled, sampling, sampled buffer, offset, counts, sample_here)
+    # (state, host inputs, sampling, offset, sample_here)
     args = runner.step_args(program)
-    inputs, here = jax.device_put(args[2:7], replicated(runner.mesh)), args[8]
+    inputs, here = jax.device_put(args[1:4], replicated(runner.mesh)), args[4]
 
-    def once(cache, counts):
-        _, cache, _, _, out, _, counts = step(runner.params, cache, *inputs, counts, here)
-        return out, cache, counts
+    def once(state):
+        updated, out = step(state.params, state.updatable(), *inputs, here)
+        return out.sampled, state.join(updated)
 
-    out, runner.cache, runner.penalty_counts = once(runner.cache, runner.penalty_counts)
+    out, runner.state = once(runner.state)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(iters):
-        out, runner.cache, runner.penalty_counts = once(runner.cache, runner.penalty_counts)
-    jax.block_until_ready((out, runner.cache))
+        out, runner.state = once(runner.state)
+    jax.block_until_ready((out, runner.state))
     return (time.perf_counter() - t0) / iters
 
 

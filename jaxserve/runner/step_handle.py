@@ -1,33 +1,30 @@
-"""A launched iteration (`StepHandle`), what its programs give back (`StepResults`), and the
-readers of its prompt scores and pooled rows (`read_prompt_scores`, `read_pooled`); the sampled
-tokens are read by `ModelRunner.fetch`, which also updates the persistent batch."""
+"""A launched iteration (`StepHandle`) and its reads: `start_reads` starts copying what its
+programs gave back to the host, `read_tokens` waits for its sampled tokens (and updates the
+persistent batch), `read_prompt_scores` and `read_pooled` for its prompt scores and pooled rows."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
 
 import jax
 import numpy as np
 
-from jaxserve.outputs import TokenLogprob
+from jaxserve.outputs import SampledToken, TokenLogprob
 from jaxserve.request import Request
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.iteration import ModelPhase
 from jaxserve.runner.prepared_step import PooledRows, PreparedStep, PromptScores
 from jaxserve.runner.step_counters import StepCounters
 from jaxserve.sampler import SamplerOutput
 from jaxserve.scheduler.output import ScheduledChunk
-
-# What an iteration's programs give back: their sampler outputs, the prompt scores, the pooled sums,
-# the model steps' counters.
-StepResults = tuple[list[SamplerOutput], tuple[jax.Array, ...] | None, jax.Array | None, list[StepCounters]]
 
 
 @dataclasses.dataclass
 class StepHandle:
     """A launched iteration: for each of its programs, the chunks, their slots in the persistent
     batch and the sampler outputs the host will read (tokens; log-probabilities only when a
-    chunk asked for them). While `awaits_masks`, it is dispatched up to its first grammar mask:
-    `ModelRunner.complete_launch` writes the masks and dispatches the rest."""
+    chunk asked for them). Between `ModelRunner.run_model` and `run_sampler` it holds its
+    prepared step (`awaits_masks`: some rows wait for grammar masks)."""
 
     launch_index: int  # 1 for the runner's first launch
     parts: list[tuple[list[ScheduledChunk], np.ndarray, tuple[jax.Array, ...]]]
@@ -38,13 +35,84 @@ class StepHandle:
     pooled: tuple[list[PooledRows], jax.Array] | None = None
     # Each model step's counters (not multi-step loops), when the runner counts anything.
     counters: list[StepCounters] = dataclasses.field(default_factory=list)
-    # The rest of the launch (`ModelRunner._run_steps`), while it waits for the masks to be written.
-    _rest: Generator[None, None, StepResults] | None = None
-    _prepared: PreparedStep | None = None
+    # The iteration's host work, until its samplers are dispatched.
+    prepared: PreparedStep | None = None
 
     @property
     def awaits_masks(self) -> bool:
-        return self._rest is not None
+        return self.prepared is not None and any(p.masks for p in self.prepared.programs)
+
+
+def start_reads(
+    handle: StepHandle, batch: InputBatch, phase: ModelPhase, outs: list[SamplerOutput], counted: bool
+) -> None:
+    """Record a dispatched iteration in the persistent batch and start copying to the host what
+    the host will read of it: the tokens (log-probabilities only when a chunk asked), the prompt
+    scores, the pooled sums and (when `counted`) the model steps' counters."""
+    prepared, handle.prepared = handle.prepared, None
+    batch.unset.difference_update(prepared.reset_requests)
+    # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
+    batch.launched(
+        handle.launch_index,
+        [(p.slots, p.sample_offset if p.drafts is None and p.num_steps == 1 else None) for p in prepared.programs],
+    )
+    for chunks, program, out in zip(prepared.parts, prepared.programs, outs):
+        wanted = max(
+            (c.request.params.logprobs for c in chunks if c.sample and c.request.params.logprobs is not None),
+            default=None,
+        )
+        fields = (out.tokens,) if wanted is None else (out.tokens, out.logprobs) if wanted == 0 else tuple(out)
+        for field in fields:
+            field.copy_to_host_async()
+        handle.parts.append((chunks, program.slots, fields))
+    if phase.scores is not None:
+        scores = phase.scores.fields()
+        for field in scores:
+            field.copy_to_host_async()
+        handle.prompt_scores = (prepared.prompt_scores, scores)
+    if phase.pooled is not None:
+        phase.pooled.sums.copy_to_host_async()
+        handle.pooled = (prepared.pooled, phase.pooled.sums)
+    handle.counters = phase.counters if counted else []
+    for counters in handle.counters:
+        for field in counters:
+            field.copy_to_host_async()
+
+
+def read_tokens(handle: StepHandle, batch: InputBatch) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
+    """Wait for a launched iteration and read the tokens (and log-probabilities, if asked) that
+    each of its sampling chunks produced: one, or for a verified decode its accepted drafts
+    and the token after them, or a multi-step decode's tokens."""
+    results = []
+    for chunks, slots, fields in handle.parts:
+        tokens, *rest = (np.asarray(f) for f in fields)
+        batch.read(handle.launch_index, slots, tokens)
+        width = tokens.shape[1] if tokens.ndim == 2 else 1  # [B, k + 1] or [B, K]: verify, multi-step
+        token_rows = tokens.reshape(-1, width).tolist()
+        # Other fields are by row (a verified chunk's rows follow each other). Python floats
+        # once per field: a numpy scalar per row costs more than the rest of the loop.
+        logprobs = rest[0].tolist() if rest else None
+        top_ids, top_logprobs = (rest[1], rest[2]) if len(rest) == 3 else (None, None)
+        for i, c in enumerate(chunks):
+            if not c.sample:
+                continue
+            sampled = []
+            for j, token in enumerate(token_rows[i]):
+                if token < 0:
+                    break
+                row = i * width + j
+                lp = logprobs[row] if logprobs is not None else _NAN
+                if top_ids is None:
+                    sampled.append(SampledToken(token, lp, _NO_TOP_IDS, _NO_TOP_LOGPROBS))
+                else:
+                    sampled.append(SampledToken(token, lp, top_ids[row], top_logprobs[row]))
+            results.append((c, sampled))
+    return results
+
+
+_NAN = float("nan")
+_NO_TOP_IDS = np.zeros(0, np.int32)
+_NO_TOP_LOGPROBS = np.zeros(0, np.float32)
 
 
 def read_prompt_scores(handle: StepHandle) -> list[tuple[Request, int, list[TokenLogprob]]]:

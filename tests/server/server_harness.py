@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import http.client
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.engine import LLMEngine
 from jaxserve.engine_snapshot import EngineSnapshot
 from server.app import build_app
 from server.auth import owner_id
@@ -85,6 +88,20 @@ class ServerThread:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+@contextlib.contextmanager
+def running_engine(model: Any, config: EngineConfig) -> Iterator[AsyncEngine]:
+    """An engine of `model` (a registry name or a loaded model), warmed up and started behind the
+    async interface; shut down on leaving."""
+    engine = LLMEngine(model, config)
+    engine.warm_up()
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    try:
+        yield async_engine
+    finally:
+        async_engine.shutdown()
 
 
 def start_server(async_engine: AsyncEngine, **config: Any) -> ServerThread:

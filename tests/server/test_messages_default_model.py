@@ -12,12 +12,10 @@ import json
 import anthropic
 import openai
 import pytest
-from server_harness import ServerThread, wait_until_idle
+from server_harness import ServerThread, running_engine, wait_until_idle
 
 from checkpoints.registry import DEFAULT_MODEL
-from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -55,12 +53,8 @@ def smol_engine():
         prefill_seq_buckets=(4,),
         block_table_buckets=(32,),
     )
-    engine = LLMEngine(DEFAULT_MODEL, config)
-    engine.warm_up()
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    yield async_engine
-    async_engine.shutdown()
+    with running_engine(DEFAULT_MODEL, config) as async_engine:
+        yield async_engine
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,10 @@ import openai
 import pytest
 from child_process import free_port
 from router_cluster import start_router, start_worker, wait_idle
-from server_harness import ServerThread
+from server_harness import ServerThread, running_engine
 
 from checkpoints.registry import DEFAULT_MODEL
-from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -58,18 +56,15 @@ def _replies(base_url: str) -> list[tuple[str, str]]:
 
 
 def test_router_serves_the_default_model_as_one_process_does(_compilation_cache):
-    engine = LLMEngine(DEFAULT_MODEL, EngineConfig(**ENGINE))
-    engine.warm_up()  # first: the worker then finds every program in the shared compilation cache
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    reference_server = ServerThread(
-        build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL, api_keys=("k",)))
-    )
-    try:
-        expected = _replies(reference_server.base_url)
-    finally:
-        reference_server.stop()
-        async_engine.shutdown()
+    # First: the worker then finds every program in the shared compilation cache.
+    with running_engine(DEFAULT_MODEL, EngineConfig(**ENGINE)) as async_engine:
+        reference_server = ServerThread(
+            build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL, api_keys=("k",)))
+        )
+        try:
+            expected = _replies(reference_server.base_url)
+        finally:
+            reference_server.stop()
     assert "Paris" in expected[0][0] and all(full == streamed for full, streamed in expected)
     port = free_port()
     with start_worker(port, _flags(ENGINE), jax.config.jax_compilation_cache_dir, model=DEFAULT_MODEL) as worker:

@@ -15,12 +15,10 @@ import json
 
 import openai
 import pytest
-from server_harness import ServerThread, wait_until_idle
+from server_harness import ServerThread, running_engine, wait_until_idle
 
 from checkpoints.registry import DEFAULT_MODEL
-from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -68,24 +66,20 @@ def servers():
         prefill_seq_buckets=(8,),
         block_table_buckets=(64,),
     )
-    engine = LLMEngine(DEFAULT_MODEL, config)
-    engine.warm_up()
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    settings = {
-        "strict": {},
-        "plain": {"strict_schemas": False},
-        "thinking": {"chat_template": THINK_TEMPLATE, "reasoning_parser": "qwen3"},
-        "raw": {"chat_template": THINK_TEMPLATE},
-    }
-    started = {
-        name: ServerThread(build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL, **extra)))
-        for name, extra in settings.items()
-    }
-    yield started, async_engine
-    for srv in started.values():
-        srv.stop()
-    async_engine.shutdown()
+    with running_engine(DEFAULT_MODEL, config) as async_engine:
+        settings = {
+            "strict": {},
+            "plain": {"strict_schemas": False},
+            "thinking": {"chat_template": THINK_TEMPLATE, "reasoning_parser": "qwen3"},
+            "raw": {"chat_template": THINK_TEMPLATE},
+        }
+        started = {
+            name: ServerThread(build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL, **extra)))
+            for name, extra in settings.items()
+        }
+        yield started, async_engine
+        for srv in started.values():
+            srv.stop()
 
 
 def client_of(servers, name: str) -> openai.OpenAI:

@@ -11,12 +11,10 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from server_harness import ServerThread, delete_stored_responses, send
+from server_harness import ServerThread, delete_stored_responses, running_engine, send
 
 from checkpoints.registry import DEFAULT_MODEL
-from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -38,12 +36,8 @@ def smol_engine():
         prefill_seq_buckets=(4,),
         block_table_buckets=(16,),
     )
-    engine = LLMEngine(DEFAULT_MODEL, config)
-    engine.warm_up()
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    yield async_engine
-    async_engine.shutdown()
+    with running_engine(DEFAULT_MODEL, config) as async_engine:
+        yield async_engine
 
 
 @pytest.fixture(scope="module")

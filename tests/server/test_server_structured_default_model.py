@@ -11,12 +11,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_harness import ServerThread, wait_until_idle
+from server_harness import ServerThread, running_engine, wait_until_idle
 
 from checkpoints.registry import DEFAULT_MODEL
-from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -147,14 +145,10 @@ def smol():
         prefill_seq_buckets=(8,),
         block_table_buckets=(32,),
     )
-    engine = LLMEngine(DEFAULT_MODEL, config)
-    engine.warm_up()
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    srv = ServerThread(build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL, api_keys=("k",))))
-    yield srv, async_engine
-    srv.stop()
-    async_engine.shutdown()
+    with running_engine(DEFAULT_MODEL, config) as async_engine:
+        srv = ServerThread(build_app(async_engine, ServerConfig(served_model_name=DEFAULT_MODEL, api_keys=("k",))))
+        yield srv, async_engine
+        srv.stop()
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def main() -> None:
             [SamplingParams(max_tokens=len(t), temperature=0.0, ignore_eos=True, lora=n) for n, _, t in runs],
             use_tqdm=False,
         )
-    stacks = llm.engine.runner.params["lora"]
+    stacks = llm.engine.runner.state.adapters
     print(
         json.dumps(
             {

@@ -45,7 +45,7 @@ def main() -> None:
         mirrored = []
 
         def mirror(op: tuple) -> None:
-            mirrored.append(op[0] if op[0] == "steps" else op[1].name)
+            mirrored.append(op[1].name if op[0] == "move" else op[0])
             leader.send(op)
 
         engine.runner.mirror = mirror

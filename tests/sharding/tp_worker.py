@@ -97,7 +97,7 @@ def shardings(runner) -> dict:
 
 def collectives(runner, key: tuple) -> list[dict]:
     """Collective ops of a compiled step: kind, result shape, and whether in the layer loop."""
-    return [dataclasses.asdict(c) for c in hlo.collectives(runner._executables[key].as_text())]
+    return [dataclasses.asdict(c) for c in hlo.collectives(runner.executables.compiled[key].as_text())]
 
 
 def run_layout(
