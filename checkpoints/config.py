@@ -65,13 +65,6 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def num_params(self) -> int:
-        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * e * f + 2 * e
-        head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.num_layers * per_layer + self.vocab_size * e + head + e
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)

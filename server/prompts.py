@@ -27,8 +27,9 @@ def _is_token_list(value: Any) -> bool:
     )
 
 
-def check_prompt_ids(ids: list[int], info: ModelInfo, param: str = "prompt") -> list[int]:
-    """The engine's prompt check (`jaxserve.request.check_prompt_ids`), as a 400 naming `param`."""
+def prompt_ids_or_400(ids: list[int], info: ModelInfo, param: str = "prompt") -> list[int]:
+    """The ids, checked as the engine checks them (`jaxserve.engine_client.check_prompt_ids`); a 400
+    naming `param` if they fail."""
     try:
         return check_engine_prompt_ids(ids, info.vocab_size, info.max_model_len)
     except PromptTooLongError as e:
@@ -61,7 +62,7 @@ def completion_prompts(body: dict[str, Any], info: ModelInfo, max_prompts: int) 
     tokenizer = info.tokenizer
     out = []
     for p in prompts:
-        ids = check_prompt_ids(tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p), info)
+        ids = prompt_ids_or_400(tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p), info)
         out.append((p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False), ids))
     return out
 

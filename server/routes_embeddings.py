@@ -25,7 +25,7 @@ from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request
 from server.generation import EngineRequest
 from server.model_info import ModelInfo
-from server.prompts import check_prompt_ids
+from server.prompts import prompt_ids_or_400
 from server.protocol import check_fields, check_model, read_json_object
 from server.state import STATE
 
@@ -64,7 +64,7 @@ def embedding_inputs(body: dict[str, Any], info: ModelInfo) -> list[list[int]]:
                 "lists, not a mix",
                 param="input",
             )
-        inputs.append(check_prompt_ids(ids, info, "input"))
+        inputs.append(prompt_ids_or_400(ids, info, "input"))
     return inputs
 
 

@@ -31,7 +31,7 @@ from server.messages_request import (
     parse_messages_request,
 )
 from server.model_info import ModelInfo
-from server.prompts import check_prompt_ids, encode_chat
+from server.prompts import encode_chat, prompt_ids_or_400
 from server.protocol import build_sampling_params, check_fields, max_tokens_setting, read_json_object
 from server.sse import EventStream
 from server.state import STATE
@@ -64,7 +64,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     req = parse_messages_request(body)
     conversation = req.conversation
     prompt, tools = encode_conversation(state.info, conversation)
-    ids = check_prompt_ids(prompt, state.info, "messages")
+    ids = prompt_ids_or_400(prompt, state.info, "messages")
     params = build_sampling_params(
         req.sampling,
         max_tokens=max_tokens_setting({"max_tokens": req.max_tokens}, state.limits, len(ids), None),

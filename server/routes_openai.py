@@ -14,7 +14,7 @@ from server.generation import EngineRequest
 from server.http_reply import respond
 from server.model_info import ModelInfo
 from server.openai_bodies import ChatShapes, CompletionShapes
-from server.prompts import check_prompt_ids, completion_prompts, encode_chat, parse_messages
+from server.prompts import completion_prompts, encode_chat, parse_messages, prompt_ids_or_400
 from server.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -93,7 +93,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages, template_tools = tool_format.prompt(messages, shown_tools)
     kwargs = template_kwargs_setting(body)
     ids = encode_chat(state.info, messages, tools=template_tools, template_kwargs=kwargs)
-    ids = check_prompt_ids(ids, state.info, "messages")
+    ids = prompt_ids_or_400(ids, state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
     strict = state.config.strict_schemas
     forced = forced_constraint(tools, choice, require_bool(body, "parallel_tool_calls", True), strict)

@@ -32,7 +32,7 @@ from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request
 from server.generation import EngineRequest, Generation
 from server.openai_bodies import ChoiceOutput, UsageCount
-from server.prompts import check_prompt_ids, encode_chat, reply_token_ids
+from server.prompts import encode_chat, prompt_ids_or_400, reply_token_ids
 from server.protocol import Limits, build_sampling_params, check_fields, guided_setting, read_json_object
 from server.reply_setup import reply_parsing
 from server.response_events import ResponseEvents
@@ -108,7 +108,7 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
     tool_format = ToolFormat(info.template, req.tools)
     shown_tools = req.tools if req.tool_choice.mode != "none" else []
     messages, template_tools = tool_format.prompt([*instructions, *history, *req.messages], shown_tools)
-    ids = check_prompt_ids(encode_chat(info, messages, tools=template_tools), info, "input")
+    ids = prompt_ids_or_400(encode_chat(info, messages, tools=template_tools), info, "input")
     params = build_sampling_params(
         req.sampling,
         max_tokens=_max_output_tokens(body, state.limits, len(ids)),

@@ -37,7 +37,7 @@ from server.generation import EngineRequest
 from server.http_reply import respond
 from server.model_info import ModelInfo
 from server.openai_bodies import ChatShapes, ChoiceOutput
-from server.prompts import check_prompt_ids, encode_chat, parse_messages, reply_token_ids
+from server.prompts import encode_chat, parse_messages, prompt_ids_or_400, reply_token_ids
 from server.protocol import (
     GUIDED_FIELDS,
     SAMPLING_FIELDS,
@@ -269,7 +269,7 @@ async def _reply(
     info = state.info
     shown, adapter = _session_model(state, session, body)
     prompt, open_ids = _reply_prompt(info, messages, continuing)
-    ids = check_prompt_ids(prompt, info, param="messages")
+    ids = prompt_ids_or_400(prompt, info, param="messages")
     stream = parse_stream(body)
     params = dataclasses.replace(_reply_params(state, session, body, len(ids)), lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"

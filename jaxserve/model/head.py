@@ -51,7 +51,7 @@ def output_head(
     if isinstance(embed, QuantizedEmbed):
         return embed.attend(h)
     if config.tie_word_embeddings and cpu_matmul is not None and cpu_matmul.takes_head(h, embed.embedding):
-        # Padding rows (index -1, after the live ones: `ModelInputs.prefill`) are not computed.
+        # Padding rows (index -1, after the live ones: `StepInputs.prefill`) are not computed.
         return cpu_matmul.head(h, embed.embedding, jnp.sum(logits_indices >= 0))
     if config.tie_word_embeddings:
         return matmul(h, embed.embedding, contract_w=1)

@@ -15,7 +15,7 @@ from jaxserve.sampling_params import SamplingParams
 from server.errors import bad_request
 from server.grpc_api import jaxserve_pb2 as pb
 from server.model_info import ModelInfo
-from server.prompts import check_prompt_ids, encode_chat, parse_messages
+from server.prompts import encode_chat, parse_messages, prompt_ids_or_400
 from server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     Limits,
@@ -43,11 +43,11 @@ def prompt_ids(request: pb.GenerateRequest, info: ModelInfo) -> tuple[list[int],
     kind = request.WhichOneof("prompt")
     if kind == "messages":
         messages = parse_messages([{"role": m.role, "content": m.content} for m in request.messages.messages])
-        return check_prompt_ids(encode_chat(info, messages), info, "messages"), True
+        return prompt_ids_or_400(encode_chat(info, messages), info, "messages"), True
     if kind == "text":
-        return check_prompt_ids(info.tokenizer.encode(request.text, add_special_tokens=True), info), False
+        return prompt_ids_or_400(info.tokenizer.encode(request.text, add_special_tokens=True), info), False
     if kind == "token_ids":
-        return check_prompt_ids(list(request.token_ids.ids), info), False
+        return prompt_ids_or_400(list(request.token_ids.ids), info), False
     raise bad_request("the request has no prompt: set text, token_ids or messages", param="prompt")
 
 
