@@ -150,7 +150,7 @@ class StepInputs:
         (STOP_ID_SLOTS of them; a stop token beyond those, or a stop string, is caught on the host,
         which drops what follows). Its sampling row is the same at every step but for the
         position, so a row whose `min_tokens` ends inside the loop takes steps only up to there
-        (the scheduler's `_num_steps`)."""
+        (`jaxserve.scheduler.multi_step.decode_loop_steps`)."""
         slots = self.decode_slots(chunks) if slots is None else slots
         index = self._padded(slots, batch)
         tokens, token_src, positions = self._decode_inputs(index, chunks)
