@@ -12,9 +12,9 @@ sequences, return the deltas.
 
 Three kinds of iteration change what the overlapped loop may overlap:
 
-- Speculative decoding (`speculative_config`): drafts are looked up in a request's known tokens,
+- Speculative decoding (`speculative_config`): a `Proposer` drafts from a request's known tokens,
   and a verified decode's accepted count decides where its next step starts. So while the
-  scheduler may speculate (few requests running, no pause after draftless steps) the iteration
+  proposer may draft (n-gram: few requests running, no pause after draftless steps) the iteration
   in flight is read before scheduling, and one that verifies drafts is read at once. At such
   batch sizes the device step dwarfs the host work that overlap would hide. Greedy output is the
   same either way (tests/test_speculative.py).
@@ -66,6 +66,7 @@ from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import SchedulerOutput
+from jaxserve.speculative.proposer import build_proposer
 from jaxserve.structured import GrammarCompiler
 from jaxserve.text_stream import TextStream
 from jaxserve.tokenizer import Tokenizer
@@ -112,7 +113,8 @@ class LLMEngine(EngineCoreOps):
                 loaded.config, ec.max_loras, ec.max_cpu_loras, ec.max_lora_rank, self.runner.write_lora_slot
             )
         )
-        self.scheduler = Scheduler(ec, self.kv, self.lora)
+        self.proposer = build_proposer(ec.speculative, ec.max_model_len)  # speculative decoding (None: off)
+        self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(
             loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size, self.eos_token_ids
@@ -318,7 +320,8 @@ class LLMEngine(EngineCoreOps):
         deltas: list[Delta] = []
         masks_after_read = self.runner.mirror is None  # multi-host: masks go before the model step
         if self._in_flight is not None and (
-            self.scheduler.may_speculate() or (not masks_after_read and self.scheduler.awaits_tokens())
+            (self.proposer is not None and self.proposer.may_propose(len(self.scheduler.running)))
+            or (not masks_after_read and self.scheduler.awaits_tokens())
         ):
             deltas += self._read(self._take_in_flight())
         sched = self.scheduler.schedule(masks_after_read=masks_after_read)

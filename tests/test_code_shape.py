@@ -24,10 +24,6 @@ STILL_OVER: set[str] = {
     "bench/kernel_bench.py:main",
     "bench/lora_steps.py:step_times",
     "bench/moe_steps.py:main",
-    "jaxserve/runner/inputs.py",
-    "jaxserve/runner/inputs.py:prefill",
-    "jaxserve/scheduler/scheduler.py",
-    "jaxserve/scheduler/scheduler.py:Scheduler",
     "jaxserve/serving.py:start_engine",
     "server/response_request.py:parse_request",
 }

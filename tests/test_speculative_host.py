@@ -1,5 +1,6 @@
-"""Host side of n-gram speculative decoding (no JAX): the proposer, the config, and the
-scheduler's drafts with their KV slots (allocated for every draft, released for the rejected)."""
+"""Host side of speculative decoding (no JAX): the n-gram lookup, the config, the `Proposer` interface
+(`NgramProposer` and its pause), and the scheduler's drafts with their KV slots (allocated for every
+draft, released for the rejected)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from jaxserve.kv import build_kv_manager
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
-from jaxserve.speculative import SpeculativeConfig, propose_ngram
+from jaxserve.speculative import NgramProposer, SpeculativeConfig, build_proposer, propose_ngram
 
 
 def test_the_longest_recurring_ngram_proposes_what_followed_its_latest_occurrence():
@@ -94,7 +95,12 @@ def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int =
         ),
     )
     kv = build_kv_manager(num_blocks, 4)
-    return Scheduler(config, kv), kv
+    return Scheduler(config, kv, proposer=build_proposer(config.speculative, config.max_model_len)), kv
+
+
+def may_draft(sched: Scheduler) -> bool:
+    """What the engine asks before scheduling (it reads the step in flight first while drafts may come)."""
+    return sched.proposer.may_propose(len(sched.running))
 
 
 def decoding(sched: Scheduler, rid: str, prompt: list[int], first: int, max_tokens: int = 20) -> Request:
@@ -148,12 +154,12 @@ def test_no_drafts_above_the_batch_threshold_for_a_token_in_flight_or_past_max_t
     out = sched.schedule()
     sched.on_step_launched(out)
     a.output_token_ids[-1], b.output_token_ids[-1] = 1, 3
-    assert not sched.may_speculate()
+    assert not may_draft(sched)
     out = sched.schedule()
     assert len(out.decodes) == 2 and not out.is_speculative  # two decodes > threshold 1
     sched.on_step_launched(out)
     sched.finish(a, "stop")
-    assert sched.may_speculate()
+    assert may_draft(sched)
     out = sched.schedule()  # b's last token is still in flight: nothing to look up
     assert out.decodes[0].request is b and out.decodes[0].draft == []
     sched.on_step_launched(out)
@@ -166,12 +172,12 @@ def test_no_drafts_above_the_batch_threshold_for_a_token_in_flight_or_past_max_t
 
 
 def test_draftless_steps_pause_speculation_for_doubling_stretches_and_a_draft_ends_the_pause():
-    """While paused, `may_speculate` is False: the engine keeps async scheduling's overlap."""
+    """While paused, `may_propose` is False: the engine keeps async scheduling's overlap."""
     sched, kv = make_scheduler(k=2)
     req = decoding(sched, "a", [10, 11, 12, 13], 14, max_tokens=60)
     seen = []
     for token in range(15, 27):  # tokens that never recur: no draft anywhere
-        seen.append(sched.may_speculate())
+        seen.append(may_draft(sched))
         out = sched.schedule()
         assert not out.is_speculative
         sched.on_step_launched(out)
@@ -179,7 +185,7 @@ def test_draftless_steps_pause_speculation_for_doubling_stretches_and_a_draft_en
     T, F = True, False
     assert seen == [T, F, T, F, F, T, F, F, F, F, T, F]  # pauses of 1, 2, 4, then 8
     for token in range(27, 40):
-        if sched.may_speculate():
+        if may_draft(sched):
             break
         sched.on_step_launched(sched.schedule())
         req.output_token_ids[-1] = token
@@ -190,10 +196,10 @@ def test_draftless_steps_pause_speculation_for_doubling_stretches_and_a_draft_en
     sched.on_step_launched(out)
     req.output_token_ids[-1] = 5  # both drafts rejected
     sched.accept_tokens(req, 0)
-    assert sched.may_speculate()  # a step with a draft ended the backoff
+    assert may_draft(sched)  # a step with a draft ended the backoff
     sched.on_step_launched(sched.schedule())
     req.output_token_ids[-1] = 6
-    assert not sched.may_speculate()  # the next draftless step pauses for 1 again, not 16
+    assert not may_draft(sched)  # the next draftless step pauses for 1 again, not 16
     sched.finish(req, "stop")
     kv.check_integrity()
 
@@ -205,3 +211,42 @@ def test_the_host_side_imports_no_jax():
 
     for mod in (jaxserve.speculative, jaxserve.speculative.config, jaxserve.speculative.ngram):
         assert "import jax" not in open(mod.__file__).read()
+
+
+class FixedProposer:
+    """A proposer of another kind (as a draft model would be): the same draft for every decode it is given."""
+
+    def __init__(self, draft: list[int]):
+        self.draft = draft
+        self.scheduled: list[tuple[bool, bool]] = []
+
+    def may_propose(self, num_running: int) -> bool:
+        return True
+
+    def propose(self, decodes, num_running):
+        return {req: list(self.draft) for req in decodes}
+
+    def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
+        self.scheduled.append((looked_up, drafted))
+
+
+def test_the_scheduler_reserves_slots_for_any_proposers_drafts_and_tells_it_what_it_scheduled():
+    sched, kv = make_scheduler()
+    sched.proposer = proposer = FixedProposer([7, 7])
+    req = decoding(sched, "a", [1, 2, 3], 4)  # no n-gram recurs: only this proposer drafts
+    out = sched.schedule()
+    assert out.decodes[0].draft == [7, 7] and out.num_tokens == 3 and req.kv.num_tokens == 4 + 2
+    assert proposer.scheduled[-1] == (True, True)
+    sched.on_step_launched(out)
+    req.output_token_ids[-1] = 8  # the first draft rejected
+    sched.accept_tokens(req, 0)
+    assert req.kv.num_tokens == 4
+    sched.finish(req, "stop")
+    kv.check_integrity()
+    assert kv.usage().used == 0
+
+
+def test_the_proposer_is_built_from_the_speculative_config():
+    assert build_proposer(None, 64) is None
+    proposer = build_proposer(SpeculativeConfig("ngram", 2), 64)
+    assert isinstance(proposer, NgramProposer) and proposer.may_propose(1)

@@ -31,6 +31,9 @@ from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores
+from jaxserve.runner.prompt_rows import pool_rows, score_rows
+from jaxserve.runner.ragged_rows import RaggedRows
+from jaxserve.runner.verify_inputs import verify_program
 from jaxserve.sampling_tensors import SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.structured import GrammarState, mask_words
@@ -122,12 +125,12 @@ class StepInputs:
         """A decode program: one row per chunk, gathered from the chunks' slots (`slots`, from
         `decode_slots`; looked up here when None)."""
         slots = self.decode_slots(chunks) if slots is None else slots
-        index = self._padded(slots, batch)
+        index = self.padded(slots, batch)
         tokens, token_src, positions = self._decode_inputs(index, chunks)
         tables = self.batch.tables[index, :width]
         seq_lens = (positions + 1) * (index != self.batch.spare)  # padding rows: 0
         meta = AttentionMetadata(
-            self._cache_slots(tables, positions), tables, seq_lens, lora_slots=self._lora_rows(chunks, batch)
+            self._cache_slots(tables, positions), tables, seq_lens, lora_slots=self.lora_rows(chunks, batch)
         )
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, slots, self.sampler_rows(batch))
@@ -150,9 +153,9 @@ class StepInputs:
         (STOP_ID_SLOTS of them; a stop token beyond those, or a stop string, is caught on the host,
         which drops what follows). Its sampling row is the same at every step but for the
         position, so a row whose `min_tokens` ends inside the loop takes steps only up to there
-        (the scheduler's `_num_steps`)."""
+        (`jaxserve.scheduler.multi_step.decode_loop_steps`)."""
         slots = self.decode_slots(chunks) if slots is None else slots
-        index = self._padded(slots, batch)
+        index = self.padded(slots, batch)
         tokens, token_src, positions = self._decode_inputs(index, chunks)
         num_steps = np.zeros(batch, np.int32)
         num_steps[: len(chunks)] = [c.num_steps for c in chunks]
@@ -177,61 +180,8 @@ class StepInputs:
         )
 
     def verify(self, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None) -> Program:
-        """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
-        sequence (its last token, then its drafts; rows past a shorter draft are padding that
-        writes into block 0) with logits at every row, and one sampling row per logits row.
-        Every token of its chunks is known on the host: speculative steps are synchronous (see
-        `LLMEngine.step`)."""
-        bs, rows = self.config.block_size, self.verify_rows
-        slots = self.decode_slots(chunks) if slots is None else slots
-        num_tokens = batch * rows
-        tokens = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        kv_slots = np.zeros(num_tokens, np.int32)
-        seq_lens = np.zeros(batch, np.int32)
-        query_start = np.zeros(batch + 1, np.int32)
-        tables = self.batch.tables[self._padded(slots, batch), :width]
-        drafts = np.full(num_tokens, -1, np.int32)
-        history = np.full((num_tokens, rows - 1), -1, np.int32)
-        sampled = []  # (row, slot, drafts before it) of each row that samples
-        for i, c in enumerate(chunks):
-            req, row, n = c.request, i * rows, 1 + len(c.draft)
-            if PLACEHOLDER in req.output_token_ids[-1:]:
-                raise ValueError(f"request {req.request_id!r} is verified with its last token in flight")
-            pos = c.start + np.arange(rows)
-            tokens[row : row + n] = [req.last_token_id, *c.draft]
-            positions[row : row + rows] = pos
-            kv_slots[row : row + n] = tables[i, pos[:n] // bs] * bs + pos[:n] % bs
-            seq_lens[i] = c.start + rows
-            query_start[i + 1] = row + rows
-            drafts[row : row + n - 1] = c.draft
-            for j in range(n):
-                history[row + j, :j] = c.draft[:j]
-                if c.sample:
-                    sampled.append((row + j, slots[i], j))
-        query_start[len(chunks) + 1 :] = len(chunks) * rows
-        meta = AttentionMetadata(
-            kv_slots,
-            tables,
-            seq_lens,
-            query_start,
-            lora_slots=self._lora_rows(chunks, num_tokens, [rows] * len(chunks)),
-        )
-        host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
-        masks = self._constrained_rows(chunks, slots, rows)
-        self._check_sampling(chunks)
-        sampled_rows, sampled_slots, ahead = np.array(sampled, np.intp).reshape(-1, 3).T
-        sampling = self.batch.sampling(sampled_rows, sampled_slots, ahead, num_tokens, bool(masks))
-        return Program(
-            ("verify", batch, width),
-            host_args,
-            sampling,
-            0,
-            slots,
-            drafts=(drafts, history),
-            masks=masks,
-            constrained=bool(masks),
-        )
+        """A verify program (speculative decoding; `verify_program`)."""
+        return verify_program(self, chunks, batch, width, slots)
 
     def decode_rows(self, num_tokens: int) -> int:
         """Decode sequences of a prefill program of `num_tokens` rows: every decode an iteration
@@ -256,75 +206,79 @@ class StepInputs:
         are the chunks' then the decodes', in order. Rows that score prompt positions are listed
         in `scores`, and rows that embeddings pool in `pooled`. The decodes' rows are gathered
         from their slots (`decode_slots`, as `decode_slots()` gives them; looked up here when None)."""
-        bs = self.config.block_size
         num_decodes = self.decode_rows(num_tokens)
         decodes = list(decodes)
         decode_slots = self.decode_slots(decodes) if decode_slots is None else decode_slots
-        tokens = np.zeros(num_tokens, np.int32)
-        token_src = np.full(num_tokens, -1, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        kv_slots = np.zeros(num_tokens, np.int32)
-        seq_lens = np.zeros(num_seqs + num_decodes, np.int32)
-        query_start = np.zeros(num_seqs + 1, np.int32)
         # It samples for its chunks and decodes, at most max_num_seqs (all running); padding rows
         # are -1 (`DecoderModel`: the C++ head skips them; a 512-row step's 64 rows cost ~19 ms in
         # the default model's bf16 head where it samples one row alone).
-        logits_indices = np.full(min(num_seqs + num_decodes, self.config.max_num_seqs), -1, np.int32)
-        tables = np.zeros((num_seqs + num_decodes, width), np.int32)
+        num_logits = min(num_seqs + num_decodes, self.config.max_num_seqs)
+        r = RaggedRows.empty(num_tokens, num_seqs, num_decodes, width, num_logits)
+        chunk_slots = self._chunk_rows(chunks, r)
+        decode_rows = self._joined_decode_rows(decodes, decode_slots, r, len(chunks), num_seqs)
+        rows_per_chunk = [c.num_new_tokens for c in chunks] + [1] * len(decodes)
+        lora = self.lora_rows(chunks + decodes, num_tokens, rows_per_chunk)
+        meta = AttentionMetadata(r.kv_slots, r.tables, r.seq_lens, r.query_start, decode_rows, lora)
+        host_args = (r.tokens, r.positions, meta, r.logits_indices, r.token_src)
+        slots = np.concatenate([chunk_slots, decode_slots])
+        sampling, masks = self._sampling(chunks + decodes, slots, self.sampler_rows(num_logits))
+        return Program(
+            ("prefill", num_tokens, num_seqs, width),
+            host_args,
+            sampling,
+            0,
+            slots,
+            score_rows(chunks, num_tokens, scores),
+            masks=masks,
+            constrained=bool(masks),
+            pool=pool_rows(chunks, num_tokens, pooled, self.pool_segments),
+        )
+
+    def _chunk_rows(self, chunks: list[ScheduledChunk], r: RaggedRows) -> np.ndarray:
+        """Fill the prompt chunks' rows and sequences (chunk i is sequence i, its rows after chunk
+        i - 1's); return each chunk's slot in the persistent batch (the spare one: it samples nothing)."""
+        bs, width = self.config.block_size, r.tables.shape[1]
         chunk_slots = np.full(len(chunks), self.batch.spare, np.intp)
         row = 0
         for i, c in enumerate(chunks):
             faults.check("input", c.request)
             n = c.num_new_tokens
             table = c.block_table[:width]
-            tables[i, : len(table)] = table
+            r.tables[i, : len(table)] = table
             pos = np.arange(c.start, c.start + n)
-            tokens[row : row + n] = c.token_ids
+            r.tokens[row : row + n] = c.token_ids
             if c.sample:
                 chunk_slots[i] = self.batch.slot(c.request)
-                token_src[row + n - 1] = self._pending_input(c, chunk_slots[i])
-            positions[row : row + n] = pos
-            kv_slots[row : row + n] = tables[i, pos // bs] * bs + pos % bs
-            seq_lens[i] = c.start + n
+                r.token_src[row + n - 1] = self._pending_input(c, chunk_slots[i])
+            r.positions[row : row + n] = pos
+            r.kv_slots[row : row + n] = r.tables[i, pos // bs] * bs + pos % bs
+            r.seq_lens[i] = c.start + n
             row += n
-            query_start[i + 1] = row
-            logits_indices[i] = row - 1
-        query_start[len(chunks) + 1 :] = row
-        # The decodes: rows row.. of the tokens, sequences num_seqs.. of the tables.
-        rows = np.arange(row, row + len(decodes))
-        index = self._padded(decode_slots, num_decodes)
-        tokens[rows], token_src[rows], decode_positions = self._decode_inputs(index[: len(decodes)], decodes)
-        positions[rows] = decode_positions
-        tables[num_seqs:] = self.batch.tables[index, :width]
-        kv_slots[rows] = self._cache_slots(tables[num_seqs : num_seqs + len(decodes)], decode_positions)
-        seq_lens[num_seqs : num_seqs + len(decodes)] = decode_positions + 1
-        decode_rows = np.full(num_decodes, num_tokens, np.int32)
-        decode_rows[: len(decodes)] = logits_indices[len(chunks) : len(chunks) + len(decodes)] = rows
-        meta = AttentionMetadata(
-            kv_slots,
-            tables,
-            seq_lens,
-            query_start,
-            decode_rows,
-            self._lora_rows(chunks + decodes, num_tokens, [c.num_new_tokens for c in chunks] + [1] * len(decodes)),
-        )
-        host_args = (tokens, positions, meta, logits_indices, token_src)
-        slots = np.concatenate([chunk_slots, decode_slots])
-        sampling, masks = self._sampling(chunks + decodes, slots, self.sampler_rows(len(logits_indices)))
-        key = ("prefill", num_tokens, num_seqs, width)
-        return Program(
-            key,
-            host_args,
-            sampling,
-            0,
-            slots,
-            self._score_rows(chunks, num_tokens, scores),
-            masks=masks,
-            constrained=bool(masks),
-            pool=self._pool_rows(chunks, num_tokens, pooled),
-        )
+            r.query_start[i + 1] = row
+            r.logits_indices[i] = row - 1
+        r.query_start[len(chunks) + 1 :] = row
+        return chunk_slots
 
-    def _lora_rows(
+    def _joined_decode_rows(
+        self, decodes: list[ScheduledChunk], decode_slots: np.ndarray, r: RaggedRows, num_chunks: int, num_seqs: int
+    ) -> np.ndarray:
+        """Fill the rows of the decodes that join a prefill program: one each after the chunks' rows,
+        sequences `num_seqs`.. of the tables, gathered from their slots; return each decode sequence's
+        row (`AttentionMetadata.decode_rows`; the program's token count for padding ones)."""
+        num_tokens, num_decodes = len(r.tokens), len(r.seq_lens) - num_seqs
+        first = int(r.query_start[-1])
+        rows = np.arange(first, first + len(decodes))
+        index = self.padded(decode_slots, num_decodes)
+        r.tokens[rows], r.token_src[rows], decode_positions = self._decode_inputs(index[: len(decodes)], decodes)
+        r.positions[rows] = decode_positions
+        r.tables[num_seqs:] = self.batch.tables[index, : r.tables.shape[1]]
+        r.kv_slots[rows] = self._cache_slots(r.tables[num_seqs : num_seqs + len(decodes)], decode_positions)
+        r.seq_lens[num_seqs : num_seqs + len(decodes)] = decode_positions + 1
+        decode_rows = np.full(num_decodes, num_tokens, np.int32)
+        decode_rows[: len(decodes)] = r.logits_indices[num_chunks : num_chunks + len(decodes)] = rows
+        return decode_rows
+
+    def lora_rows(
         self, chunks: list[ScheduledChunk], num_rows: int, rows_per_chunk: list[int] | None = None
     ) -> np.ndarray | None:
         """With LoRA on, each row's adapter slot (`Request.lora_slot`; -1 for the base model and
@@ -336,49 +290,6 @@ class StepInputs:
         filled = np.repeat(np.fromiter((c.request.lora_slot for c in chunks), np.int32, len(chunks)), counts)
         out[: len(filled)] = filled
         return out
-
-    def _pool_rows(
-        self, chunks: list[ScheduledChunk], num_tokens: int, pooled: list[PooledRows] | None
-    ) -> np.ndarray | None:
-        """Each row's pooling segment: one per chunk of an embedding request that pools rows
-        (`PromptPooling.positions`), `pool_segments` for the other rows."""
-        segments, row, segment = np.full(num_tokens, self.pool_segments, np.int32), 0, 0
-        for c in chunks:
-            req = c.request
-            if req.pooling is not None:
-                positions = req.pooling.positions(c.start, c.num_new_tokens, req.num_prompt_tokens)
-                if positions:
-                    segments[row + positions.start - c.start : row + positions.stop - c.start] = segment
-                    if pooled is not None:
-                        pooled.append(PooledRows(req, segment, positions))
-                    segment += 1
-            row += c.num_new_tokens
-        return segments if segment else None
-
-    @staticmethod
-    def _score_rows(
-        chunks: list[ScheduledChunk], num_tokens: int, scores: list[PromptScores] | None
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Rows and target tokens of the prompt positions these chunks score: the row of
-        position p - 1 gives the log-probability of prompt token p. Positions already scored
-        (before a recompute) are skipped."""
-        rows, targets, row = [], [], 0
-        for c in chunks:
-            req, n = c.request, c.num_new_tokens
-            if req.prompt_logprobs is not None:
-                first = max(len(req.prompt_logprobs), c.start + 1)
-                last = min(c.start + n, req.num_prompt_tokens - 1)
-                if first <= last:
-                    if scores is not None:
-                        scores.append(PromptScores(req, len(rows), first, last - first + 1))
-                    rows.extend(range(row + first - 1 - c.start, row + last - c.start))
-                    targets.extend(req.prompt_token_ids[first : last + 1])
-            row += n
-        if not rows:
-            return None
-        padded_rows, padded_targets = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-        padded_rows[: len(rows)], padded_targets[: len(targets)] = rows, targets
-        return padded_rows, padded_targets
 
     def penalty_reset(self, requests: list[Request]) -> tuple[np.ndarray, ...]:
         """Arguments of a penalty-row reset for up to PENALTY_RESET_ROWS requests' slots: slots,
@@ -409,7 +320,7 @@ class StepInputs:
             need = max(need, int(np.max(-(-(self.batch.positions[slots] + rows) // bs))))
         return bucket_for(need, self.config.block_table_buckets)
 
-    def _padded(self, slots: np.ndarray, rows: int) -> np.ndarray:
+    def padded(self, slots: np.ndarray, rows: int) -> np.ndarray:
         """`slots` then the spare slot, `rows` in all: the index of a program's gathers."""
         index = np.full(rows, self.batch.spare, np.intp)
         index[: len(slots)] = slots
@@ -439,18 +350,18 @@ class StepInputs:
         """The sampling tensors of chunks with these slots (the spare one: a chunk that samples
         nothing), one row each (gathered from the persistent batch), and their constrained rows
         (`Program.masks`)."""
-        masks = self._constrained_rows(chunks, slots, 1)
-        self._check_sampling(chunks)
+        masks = self.constrained_rows(chunks, slots, 1)
+        self.check_sampling(chunks)
         sampled = np.flatnonzero(slots != self.batch.spare)
         return self.batch.sampling(sampled, slots[sampled], 0, rows, bool(masks)), masks
 
     @staticmethod
-    def _check_sampling(chunks: list[ScheduledChunk]) -> None:
+    def check_sampling(chunks: list[ScheduledChunk]) -> None:
         for c in chunks:
             if c.sample:
                 faults.check("sampling", c.request)
 
-    def _constrained_rows(
+    def constrained_rows(
         self, chunks: list[ScheduledChunk], slots: np.ndarray, rows_per_chunk: int
     ) -> tuple[tuple[int, GrammarState], ...]:
         return tuple(

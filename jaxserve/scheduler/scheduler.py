@@ -15,11 +15,9 @@ sequence cap (`max_num_seqs`):
    chunked at once; a request whose next block is being computed by another request in this
    very step waits one step and then hits the cache instead of computing it twice.
 
-With speculative decoding configured and at most `disable_by_batch_size` decodes, each decode
-whose tokens are all known gets n-gram draft tokens and slots for them; the slots of rejected
-drafts are released when the step is read (`accept_tokens`). A step that looked for drafts and
-found none pauses speculation for 1, 2, 4 ... steps (at most SPECULATION_MAX_PAUSE), so a batch
-whose text does not repeat keeps async scheduling's overlap most of the time.
+With a `Proposer` (speculative decoding), each decode it drafts for gets slots for 1 + len(draft)
+tokens to verify; the slots of rejected drafts are released when the step is read (`accept_tokens`).
+How drafts are made, and when, is the proposer's alone.
 
 With `num_scheduler_steps` K > 1, an iteration with nothing but unconstrained decodes gives each
 decode slots for up to K tokens (fewer near its length limits or its `min_tokens`), which the
@@ -31,38 +29,41 @@ No JAX here: the scheduler is host-side bookkeeping on the hot path.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from jaxserve.kv import KVCacheManager, LoadStart
 from jaxserve.outputs import FinishReason
-from jaxserve.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.request import Request, RequestStatus
 from jaxserve.resolved_config import ResolvedConfig
+from jaxserve.scheduler.multi_step import decode_loop_steps
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
-from jaxserve.speculative import propose_ngram
+from jaxserve.scheduler.policy import waiting_in_policy_order
 
 if TYPE_CHECKING:
     from jaxserve.lora.manager import LoraManager
+    from jaxserve.speculative.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
-LPM_STARVATION_SECONDS = 5.0  # under LPM, a request waiting longer than this goes first
-SPECULATION_MAX_PAUSE = 16  # steps without speculation after draftless ones, at most
-
 
 class Scheduler:
-    def __init__(self, config: ResolvedConfig, kv: KVCacheManager, adapters: LoraManager | None = None):
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        kv: KVCacheManager,
+        adapters: LoraManager | None = None,
+        proposer: Proposer | None = None,
+    ):
         self.config = config
         self.kv = kv
         self.adapters = adapters  # LoRA: a request is admitted once its adapter holds a device slot
+        self.proposer = proposer  # speculative decoding: drafts to verify (None: off)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = 0
-        self._speculation_backoff = 0  # length of the last pause (0: the last speculating step drafted)
-        self._speculation_pause = 0  # steps left to schedule without speculating
         # Smaller = more important. FCFS ignores the priority field.
         self._priority_key = (
             attrgetter("priority", "arrival_time")
@@ -134,18 +135,19 @@ class Scheduler:
             for r in self.running
             if not r.is_prefilling and not self._length_capped(r) and (masks_after_read or not r.awaits_token)
         ]
-        speculating = self._speculates(decoding)
-        multi_step = not speculating and self._runs_multi_step(decoding)
-        looked_up = False  # some request's tokens were searched for a draft
+        cfg = self.config
+        drafts = self.proposer.propose(decoding, len(self.running)) if self.proposer is not None else None
+        multi_step = drafts is None and self._runs_multi_step(decoding)
+        drafts = drafts or {}
+        looked_up = False  # some scheduled request's tokens were searched for a draft
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for a more important one
-            draft = self._draft(req) if speculating else None
-            looked_up |= draft is not None
-            draft = draft or []
+            looked_up |= req in drafts
+            draft = drafts.get(req, [])
             if draft and not self.kv.allocate_slots(req.kv, 1 + len(draft)):
-                draft = []  # no room for the drafts: a plain decode
-            num_steps = self._num_steps(req) if multi_step else 1
+                draft = []  # no room for the tokens to verify: a plain decode
+            num_steps = decode_loop_steps(req, cfg.num_scheduler_steps, cfg.max_model_len) if multi_step else 1
             if num_steps > 1 and not self.kv.allocate_slots(req.kv, num_steps):
                 num_steps = 1  # no room for the loop's slots: one step
             reserved = bool(draft) or num_steps > 1
@@ -156,35 +158,13 @@ class Scheduler:
                     break
             else:
                 out.decodes.append(self._chunk(req, 1, draft, num_steps))
-        if looked_up:
-            self._after_speculating(drafted=out.is_speculative)
-        elif self._speculation_pause:
-            self._speculation_pause -= 1
+        if self.proposer is not None:
+            self.proposer.on_scheduled(looked_up, drafted=out.is_speculative)
         return sum(1 + len(c.draft) for c in out.decodes)
 
     def awaits_tokens(self) -> bool:
         """Whether a running constrained request waits for its last token, still in flight."""
         return any(r.awaits_token for r in self.running)
-
-    def may_speculate(self) -> bool:
-        """Whether this step could verify drafts: speculation on, few enough running, and no
-        pause after draftless steps."""
-        spec = self.config.speculative
-        return spec is not None and not self._speculation_pause and len(self.running) <= spec.disable_by_batch_size
-
-    def _speculates(self, decoding: list[Request]) -> bool:
-        """Drafts this step: `may_speculate`, and room in every decode's context for a verify
-        step (k + 1 positions from its last token)."""
-        if not decoding or not self.may_speculate():
-            return False
-        room = self.config.max_model_len - self.config.speculative.num_speculative_tokens
-        return all(r.num_tokens <= room for r in decoding)
-
-    def _after_speculating(self, drafted: bool) -> None:
-        """A step that looked for drafts and found none doubles the pause (1, 2, 4 ... steps);
-        one with a draft ends it."""
-        self._speculation_backoff = 0 if drafted else min(max(1, 2 * self._speculation_backoff), SPECULATION_MAX_PAUSE)
-        self._speculation_pause = self._speculation_backoff
 
     def _runs_multi_step(self, decoding: list[Request]) -> bool:
         """Multi-step decode this step: configured, and nothing but decodes to run (no prompt
@@ -199,29 +179,6 @@ class Scheduler:
             and not self.kv.loads.pending
             and all(r.grammar is None for r in decoding)
         )
-
-    def _num_steps(self, req: Request) -> int:
-        """Decode steps the request may take in one device loop: at most `num_scheduler_steps`,
-        not past its length limits, and not across its `min_tokens` (the loop bans its stop
-        tokens throughout, or never)."""
-        out = len(req.output_token_ids)
-        steps = 1
-        limit = self.config.num_scheduler_steps
-        if out < req.params.min_tokens:
-            limit = min(limit, req.params.min_tokens - out)
-        while steps < limit and not req.ends_by_length(out + steps, self.config.max_model_len):
-            steps += 1
-        return steps
-
-    def _draft(self, req: Request) -> list[int] | None:
-        """The request's n-gram draft, at most as long as it may still generate ([] if its
-        tokens hold none); None, not looked up, for a constrained request (its next masks depend
-        on each token), one with a token in flight, or one with no token left to draft."""
-        spec = self.config.speculative
-        k = min(spec.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
-        if k <= 0 or req.grammar is not None or PLACEHOLDER in req.output_token_ids[-1:]:
-            return None
-        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
@@ -243,7 +200,7 @@ class Scheduler:
             budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, others), out, in_flight)
         num_partial = self._num_partial(out)
         slot_wait = False  # LoRA: a request waits for an adapter slot
-        for req in self._waiting_in_policy_order():
+        for req in waiting_in_policy_order(self.waiting, self.config.scheduling_policy, self._priority_key, self.kv):
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
             if len(self.running) >= cfg.max_num_seqs:
@@ -359,18 +316,6 @@ class Scheduler:
         )
 
     # ----- policies and preemption ----------------------------------------------------------
-
-    def _waiting_in_policy_order(self) -> list[Request]:
-        policy = self.config.scheduling_policy
-        if policy == "fcfs":
-            return list(self.waiting)
-        if policy == "priority":
-            return sorted(self.waiting, key=self._priority_key)
-        now = time.monotonic()
-        starving = [r for r in self.waiting if now - r.arrival_time > LPM_STARVATION_SECONDS]
-        rest = [r for r in self.waiting if now - r.arrival_time <= LPM_STARVATION_SECONDS]
-        rest.sort(key=lambda r: (-self.kv.match_prefix(r.cache_token_ids, r.block_keys).num_tokens, r.arrival_time))
-        return starving + rest
 
     def _pick_victim(self) -> Request:
         growing = [r for r in self.running if not self._length_capped(r)]

@@ -1,8 +1,9 @@
-"""N-gram (prompt lookup) speculative decoding: its settings and the draft proposer (host side,
-no JAX), and the device-side verification of the drafts (`jaxserve.speculative.verify`, which
-imports JAX and is loaded by the runner only)."""
+"""Speculative decoding: its settings, the `Proposer` interface that drafts tokens (n-gram prompt lookup
+today; host side, no JAX), and the device-side verification of the drafts (`jaxserve.speculative.verify`,
+which imports JAX and is loaded by the runner only)."""
 
 from jaxserve.speculative.config import SpeculativeConfig
 from jaxserve.speculative.ngram import propose_ngram
+from jaxserve.speculative.proposer import NgramProposer, Proposer, build_proposer
 
-__all__ = ["SpeculativeConfig", "propose_ngram"]
+__all__ = ["NgramProposer", "Proposer", "SpeculativeConfig", "build_proposer", "propose_ngram"]

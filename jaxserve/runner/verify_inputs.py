@@ -1,0 +1,78 @@
+"""The host arrays of a verify program (speculative decoding): the target model checks each decode's
+draft tokens in one ragged step, and the verify sampler (`jaxserve.speculative.verify`) keeps the accepted
+ones. Every other program kind is built in inputs.py (`StepInputs`), whose persistent batch this one
+gathers its block tables and sampling rows from."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxserve.model import AttentionMetadata
+from jaxserve.request import PLACEHOLDER
+from jaxserve.runner.prepared_step import Program
+from jaxserve.scheduler.output import ScheduledChunk
+
+if TYPE_CHECKING:
+    from jaxserve.runner.inputs import StepInputs
+
+
+def verify_program(
+    inputs: StepInputs, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None
+) -> Program:
+    """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
+    sequence (its last token, then its drafts; rows past a shorter draft are padding that
+    writes into block 0) with logits at every row, and one sampling row per logits row.
+    Every token of its chunks is known on the host: speculative steps are synchronous (see
+    `LLMEngine.step`). `slots`: the chunks' slots (`StepInputs.decode_slots`; looked up here when None)."""
+    bs, rows = inputs.config.block_size, inputs.verify_rows
+    slots = inputs.decode_slots(chunks) if slots is None else slots
+    num_tokens = batch * rows
+    tokens = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    kv_slots = np.zeros(num_tokens, np.int32)
+    seq_lens = np.zeros(batch, np.int32)
+    query_start = np.zeros(batch + 1, np.int32)
+    tables = inputs.batch.tables[inputs.padded(slots, batch), :width]
+    drafts = np.full(num_tokens, -1, np.int32)
+    history = np.full((num_tokens, rows - 1), -1, np.int32)
+    sampled = []  # (row, slot, drafts before it) of each row that samples
+    for i, c in enumerate(chunks):
+        req, row, n = c.request, i * rows, 1 + len(c.draft)
+        if PLACEHOLDER in req.output_token_ids[-1:]:
+            raise ValueError(f"request {req.request_id!r} is verified with its last token in flight")
+        pos = c.start + np.arange(rows)
+        tokens[row : row + n] = [req.last_token_id, *c.draft]
+        positions[row : row + rows] = pos
+        kv_slots[row : row + n] = tables[i, pos[:n] // bs] * bs + pos[:n] % bs
+        seq_lens[i] = c.start + rows
+        query_start[i + 1] = row + rows
+        drafts[row : row + n - 1] = c.draft
+        for j in range(n):
+            history[row + j, :j] = c.draft[:j]
+            if c.sample:
+                sampled.append((row + j, slots[i], j))
+    query_start[len(chunks) + 1 :] = len(chunks) * rows
+    meta = AttentionMetadata(
+        kv_slots,
+        tables,
+        seq_lens,
+        query_start,
+        lora_slots=inputs.lora_rows(chunks, num_tokens, [rows] * len(chunks)),
+    )
+    host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
+    masks = inputs.constrained_rows(chunks, slots, rows)
+    inputs.check_sampling(chunks)
+    sampled_rows, sampled_slots, ahead = np.array(sampled, np.intp).reshape(-1, 3).T
+    sampling = inputs.batch.sampling(sampled_rows, sampled_slots, ahead, num_tokens, bool(masks))
+    return Program(
+        ("verify", batch, width),
+        host_args,
+        sampling,
+        0,
+        slots,
+        drafts=(drafts, history),
+        masks=masks,
+        constrained=bool(masks),
+    )

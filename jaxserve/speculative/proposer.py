@@ -1,0 +1,93 @@
+"""The proposer interface: where draft tokens come from, for the scheduler to verify.
+
+Before each step the scheduler hands the proposer the decodes it may run (`Proposer.propose`) and gets
+back the draft tokens of those it drafts for; it then only reserves KV slots for 1 + len(draft) tokens to
+verify per decode (under its token budget), and releases the slots of rejected drafts when the step is read.
+How drafts are made (n-gram lookup today; a draft model, EAGLE-3 or MTP next) is the proposer's alone.
+
+`NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`) is the one served today; `build_proposer`
+builds the configured one from `SpeculativeConfig` (None: speculation off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from jaxserve.request import PLACEHOLDER, Request
+from jaxserve.speculative.config import SpeculativeConfig
+from jaxserve.speculative.ngram import propose_ngram
+
+MAX_PAUSE = 16  # steps without drafting after draftless ones, at most
+
+
+class Proposer(Protocol):
+    """Draft tokens for decodes, verified by the target model in one step (`jaxserve.speculative.verify`)."""
+
+    def may_propose(self, num_running: int) -> bool:
+        """Whether the next step may carry drafts with `num_running` requests running. While it may, the
+        engine reads the step in flight before scheduling: a draft continues every known token."""
+        ...
+
+    def propose(self, decodes: Sequence[Request], num_running: int) -> dict[Request, list[int]] | None:
+        """The drafts of the decodes it looked up (a draft may be []: looked up, none found), each at most
+        as long as its request may still generate; a decode absent was not looked up. None: no drafting
+        this step (it may run multi-step decode instead)."""
+        ...
+
+    def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
+        """The step is scheduled: some scheduled decode was `looked_up`, and some carries a draft
+        (`drafted`; a decode without room for its draft's slots runs without it)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (`propose_ngram`) with the pause after draftless steps: a step that looked for drafts
+    and found none pauses drafting for 1, 2, 4 ... steps (at most MAX_PAUSE), so a batch whose text does not
+    repeat keeps async scheduling's overlap most of the time; a step with a draft ends the pause."""
+
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int):
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self._backoff = 0  # length of the last pause (0: the last step that looked up drafted)
+        self._pause = 0  # steps left to schedule without drafting
+
+    def may_propose(self, num_running: int) -> bool:
+        """Drafting on, no pause after draftless steps, and at most `disable_by_batch_size` running."""
+        return not self._pause and num_running <= self.spec.disable_by_batch_size
+
+    def propose(self, decodes: Sequence[Request], num_running: int) -> dict[Request, list[int]] | None:
+        """None unless `may_propose` and every decode's context has room for a verify step (k + 1
+        positions from its last token); then a draft per decode that may get one (`_draft`)."""
+        room = self.max_model_len - self.spec.num_speculative_tokens
+        if not decodes or not self.may_propose(num_running) or any(r.num_tokens > room for r in decodes):
+            return None
+        drafts = {req: self._draft(req) for req in decodes}
+        return {req: draft for req, draft in drafts.items() if draft is not None}
+
+    def _draft(self, req: Request) -> list[int] | None:
+        """The request's n-gram draft, at most as long as it may still generate ([] if its tokens hold
+        none); None, not looked up, for a constrained request (its next masks depend on each token), one
+        with a token in flight, or one with no token left to draft."""
+        spec = self.spec
+        k = min(spec.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if k <= 0 or req.grammar is not None or PLACEHOLDER in req.output_token_ids[-1:]:
+            return None
+        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
+        if looked_up:
+            self._backoff = 0 if drafted else min(max(1, 2 * self._backoff), MAX_PAUSE)
+            self._pause = self._backoff
+        elif self._pause:
+            self._pause -= 1
+
+
+def build_proposer(spec: SpeculativeConfig | None, max_model_len: int) -> Proposer | None:
+    """The configured proposer (None: speculation off). Methods not served are refused by
+    `SpeculativeConfig` itself, so only "ngram" reaches here."""
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec, max_model_len)
+    raise ValueError(f"no proposer for speculative method {spec.method!r}")
