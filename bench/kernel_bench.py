@@ -259,14 +259,7 @@ def bench_prefill(case: PrefillCase, dtype, interpret: bool, iters: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU, or a smoke run)")
-    parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
-    parser.add_argument("--iters", type=int, default=None, help="calls per timing (default 20 GPU, 2 CPU)")
-    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
-    parser.add_argument("--no-prefill", action="store_true")
-    args = parser.parse_args(argv)
-
+    args = _parse_args(argv)
     on_cpu = jax.default_backend() == "cpu"
     interpret = common.resolve_interpret(None)
     dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
@@ -282,27 +275,42 @@ def main(argv: list[str] | None = None) -> int:
     # CPU: 16 MiB (bigger fresh outputs pay page faults every call); GPU: 1 GiB, past any cache.
     copy_bps = copy_bandwidth((16 if on_cpu else 1024) * 2**20, dtype, iters)
     matmul_flops = matmul_peak(256 if on_cpu else 8192, dtype, iters) if prefill_cases else None
+    header = {
+        "copy_bps": copy_bps,
+        "matmul_flops": matmul_flops,
+        "device": jax.devices()[0].device_kind,
+        "interpret": interpret,
+        "dtype": dtype.name,
+    }
+    rows = _run_cases(decode_cases, prefill_cases, dtype, interpret, iters, copy_bps, args.json, header)
+    return _report(rows, copy_bps, matmul_flops, dtype)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU, or a smoke run)")
+    parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    parser.add_argument("--iters", type=int, default=None, help="calls per timing (default 20 GPU, 2 CPU)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--no-prefill", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _run_cases(
+    decode_cases: list[DecodeCase],
+    prefill_cases: list[PrefillCase],
+    dtype,
+    interpret: bool,
+    iters: int,
+    copy_bps: float,
+    json_path: str | None,
+    header: dict,
+) -> list[dict]:
+    """Every case's row, each printed as it is measured."""
     rows: list[dict] = []
-
-    def record(row: dict) -> None:
-        rows.append(row)
-        if args.json:  # rewritten after every case, so a run cut short still leaves its rows
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "copy_bps": copy_bps,
-                        "matmul_flops": matmul_flops,
-                        "device": jax.devices()[0].device_kind,
-                        "interpret": interpret,
-                        "dtype": dtype.name,
-                        "rows": rows,
-                    },
-                    f,
-                    indent=1,
-                )
-
     for case in decode_cases:
-        record(bench_decode(case, dtype, interpret, iters, copy_bps))
+        rows.append(bench_decode(case, dtype, interpret, iters, copy_bps))
+        _save_json(json_path, header, rows)
         r = rows[-1]
         print(
             f"  {r['case']}: ours {ms(r['ours_s'])} ms, ref {ms(r.get('reference_s'))} ms, "
@@ -310,8 +318,22 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     for pcase in prefill_cases:
-        record(bench_prefill(pcase, dtype, interpret, iters))
+        rows.append(bench_prefill(pcase, dtype, interpret, iters))
+        _save_json(json_path, header, rows)
         print(f"  {rows[-1]['case']}: ours {ms(rows[-1]['ours_s'])} ms", flush=True)
+    return rows
+
+
+def _save_json(path: str | None, header: dict, rows: list[dict]) -> None:
+    """`header` and the rows so far at `path`, if any: rewritten after every case, so a run cut short
+    still leaves its rows."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({**header, "rows": rows}, f, indent=1)
+
+
+def _report(rows: list[dict], copy_bps: float, matmul_flops: float | None, dtype) -> int:
+    """Print the tables and the median decode bandwidth; 1 when a case failed or mismatched the reference."""
     print()
     print_tables(rows, copy_bps, matmul_flops)
     errors = [r for r in rows if "ours_error" in r or r.get("ours_err", 0) > TOLERANCE[dtype.name]]

@@ -60,17 +60,29 @@ def step_times(
     `max_loras` slots of rank `rank` (random adapters on all seven projections written into every
     slot), then rows spread round-robin over each of `adapter_counts` adapters; interleaved rounds.
     Returns the (label, seconds) rows, the LoRA runner and its host adapters."""
-    import jax
-    import numpy as np
-
-    from bench.steps import chunks, timed
-    from jaxserve.config import EngineConfig
-    from jaxserve.config_resolution import resolve
-    from jaxserve.lora.peft import LoraWeights, module_shapes
-    from jaxserve.runner import ModelRunner
-
     block_size = 16
     width = -(-(history + 1) // block_size)
+    plain, lora = _runners(config, params, batch, width, block_size, max_loras, rank, dtype)
+    adapters = _random_adapters_in_every_slot(lora, config, max_loras, rank)
+    cases = [
+        ("base rows, runner without LoRA", plain, 0),
+        ("base rows, LoRA runner", lora, 0),
+        *((f"rows over {n} adapters, LoRA runner", lora, n) for n in adapter_counts),
+    ]
+    best = [float("inf")] * len(cases)
+    for _ in range(rounds):  # a busy machine's noise falls on every case alike
+        for i, (_, runner, n) in enumerate(cases):
+            best[i] = min(best[i], _step_time(runner, batch, history, width, block_size, n))
+    return [(label, t) for (label, _, _), t in zip(cases, best)], lora, adapters
+
+
+def _runners(config, params, batch: int, width: int, block_size: int, max_loras: int, rank: int, dtype: str) -> tuple:
+    """(a runner without LoRA, one with `max_loras` slots of rank `rank`), each for decode steps of
+    `batch` rows over `width` blocks."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.config_resolution import resolve
+    from jaxserve.runner import ModelRunner
+
     engine = dict(
         num_blocks=batch * width + 1,
         block_size=block_size,
@@ -82,7 +94,16 @@ def step_times(
     )
     plain = ModelRunner(config, params, resolve(EngineConfig(**engine), config))
     lora_config = EngineConfig(**engine, enable_lora=True, max_loras=max_loras, max_lora_rank=rank)
-    lora = ModelRunner(config, params, resolve(lora_config, config))
+    return plain, ModelRunner(config, params, resolve(lora_config, config))
+
+
+def _random_adapters_in_every_slot(lora, config, max_loras: int, rank: int) -> list:
+    """A random adapter on all seven projections written into each of the runner's slots; the host adapters."""
+    import jax
+    import numpy as np
+
+    from jaxserve.lora.peft import LoraWeights, module_shapes
+
     rng = np.random.default_rng(0)
     adapters = []
     for slot in range(max_loras):
@@ -96,25 +117,20 @@ def step_times(
         adapters.append(LoraWeights(rank, modules, bytes([slot]) * 16))
         lora.write_lora_slot(slot, adapters[-1])
     jax.block_until_ready(lora.state.adapters)
+    return adapters
 
-    def step_time(runner: ModelRunner, num_adapters: int) -> float:
-        rows = chunks(runner, batch, history, 1, block_size)
-        for i, chunk in enumerate(rows):
-            chunk.request.lora_slot = i % num_adapters if num_adapters else -1
-        best = timed(runner, runner.inputs.decode(rows, batch, width), 1)
-        runner.inputs.batch.release_finished()  # the bench's requests never run: their slots come back
-        return best
 
-    cases = [
-        ("base rows, runner without LoRA", plain, 0),
-        ("base rows, LoRA runner", lora, 0),
-        *((f"rows over {n} adapters, LoRA runner", lora, n) for n in adapter_counts),
-    ]
-    best = [float("inf")] * len(cases)
-    for _ in range(rounds):  # a busy machine's noise falls on every case alike
-        for i, (_, runner, n) in enumerate(cases):
-            best[i] = min(best[i], step_time(runner, n))
-    return [(label, t) for (label, _, _), t in zip(cases, best)], lora, adapters
+def _step_time(runner, batch: int, history: int, width: int, block_size: int, num_adapters: int) -> float:
+    """Best decode step seconds of `batch` rows of `history` tokens, spread round-robin over
+    `num_adapters` adapters (0: base rows)."""
+    from bench.steps import chunks, timed
+
+    rows = chunks(runner, batch, history, 1, block_size)
+    for i, chunk in enumerate(rows):
+        chunk.request.lora_slot = i % num_adapters if num_adapters else -1
+    best = timed(runner, runner.inputs.decode(rows, batch, width), 1)
+    runner.inputs.batch.release_finished()  # the bench's requests never run: their slots come back
+    return best
 
 
 def main() -> None:

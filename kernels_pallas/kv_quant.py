@@ -16,7 +16,7 @@ a row is [head_dim + 4]. Why per token and head: a token's K/V is written once, 
 (decode writes one token of a block at a time), so its scale is known then and never changes; a
 per-block scale would have to grow as the block fills and re-quantize the rows already written.
 Per (token, head) also follows the outliers that differ between heads. Why in the row: every
-move of blocks (copy-on-write, swap to the host tier, the disk tier's files, the KV handed between
+move of blocks (swap to the host tier, the disk tier's files, the KV handed between
 workers) moves whole rows, so the scales travel with their values with no extra array, and a block
 is still one contiguous run of bytes. The price is 4 bytes per 64-128 (6% / 3%).
 """

@@ -17,6 +17,7 @@ import secrets
 from typing import Any
 
 from server.errors import bad_request
+from server.response_tools import chat_tool_choice, function_tools
 from server.tools import ToolChoice, parse_tool_choice, parse_tools
 
 RESPONSE_FIELDS = frozenset(
@@ -74,7 +75,6 @@ TEXT_PARTS = ("input_text", "output_text")
 CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
 REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
-TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 FORMAT_KEYS = frozenset({"type", "name", "schema", "strict", "description"})
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -113,6 +113,34 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
     messages, items = parse_input(body["input"])
     instructions = _optional(body, "instructions", str)
     previous = _optional(body, "previous_response_id", str)
+    store, background, stream = _delivery(body)
+    tools = parse_tools({"tools": function_tools(body.get("tools", []))})
+    choice = parse_tool_choice({"tool_choice": chat_tool_choice(body.get("tool_choice", "auto"))}, tools)
+    parallel = _optional(body, "parallel_tool_calls", bool, True)
+    text, response_format = _text_format(body.get("text"))
+    logprobs = _logprobs(body)
+    sampling = {name: body[name] for name in SAMPLING + GUIDED if name in body}
+    echo = _echo(body, instructions, previous, store, background, parallel, text, logprobs)
+    return ResponseRequest(
+        messages,
+        items,
+        instructions,
+        previous,
+        store,
+        background,
+        stream,
+        tools,
+        choice,
+        parallel,
+        sampling,
+        response_format,
+        logprobs,
+        echo,
+    )
+
+
+def _delivery(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(store, background, stream): a background response is stored and not streamed; `stream_options` needs stream."""
     store, background, stream = (
         _optional(body, name, bool, default)
         for name, default in (("store", True), ("background", False), ("stream", False))
@@ -130,17 +158,24 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
         raise bad_request(
             "stream_options is only allowed with stream, and only include_obfuscation", param="stream_options"
         )
-    tools = parse_tools({"tools": _function_tools(body.get("tools", []))})
-    choice = parse_tool_choice({"tool_choice": _chat_tool_choice(body.get("tool_choice", "auto"))}, tools)
-    parallel = _optional(body, "parallel_tool_calls", bool, True)
-    text, response_format = _text_format(body.get("text"))
-    logprobs = _logprobs(body)
-    sampling = {name: body[name] for name in SAMPLING + GUIDED if name in body}
-    metadata = _metadata(body.get("metadata", {}))
-    echo = {
+    return store, background, stream
+
+
+def _echo(
+    body: dict[str, Any],
+    instructions: str | None,
+    previous: str | None,
+    store: bool,
+    background: bool,
+    parallel: bool,
+    text: dict[str, Any],
+    logprobs: int | None,
+) -> dict[str, Any]:
+    """What the response shows of the request: its checked settings, the rest with their defaults."""
+    return {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": metadata,
+        "metadata": _metadata(body.get("metadata", {})),
         "parallel_tool_calls": parallel,
         "previous_response_id": previous,
         "store": store,
@@ -157,22 +192,6 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
         "reasoning": {"effort": None, "summary": None},
         "service_tier": "default",
     }
-    return ResponseRequest(
-        messages,
-        items,
-        instructions,
-        previous,
-        store,
-        background,
-        stream,
-        tools,
-        choice,
-        parallel,
-        sampling,
-        response_format,
-        logprobs,
-        echo,
-    )
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
@@ -314,36 +333,6 @@ def _reasoning_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         "summary": item.get("summary", []),
         **({"content": item["content"]} if "content" in item else {}),
     }
-
-
-def _function_tools(tools: Any) -> Any:
-    """Responses' flat function tools in chat completions' form (`parse_tools` checks the rest)."""
-    if not isinstance(tools, list):
-        return tools
-    converted = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"tools[{i}]: only function tools are supported, not {kind!r}", param="tools")
-        _check_tool_keys(tool, i)
-        converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-    return converted
-
-
-def _check_tool_keys(tool: dict[str, Any], i: int) -> None:
-    unknown = set(tool) - TOOL_KEYS
-    if unknown:
-        raise bad_request(f"tools[{i}] has unsupported fields: {sorted(unknown)}", param="tools")
-
-
-def _chat_tool_choice(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "name"}:
-        return {"type": "function", "function": {"name": value["name"]}}
-    if isinstance(value, dict):
-        raise bad_request(
-            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', param="tool_choice"
-        )
-    return value
 
 
 def _text_format(text: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:

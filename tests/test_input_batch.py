@@ -1,9 +1,9 @@
 """The persistent batch: a step's sampling tensors gathered from slot rows equal the ones built
 from each row's settings, whatever joined, left or changed state between steps; block-table rows
-follow the KV manager's tables incrementally (growth, copy-on-write, a block swapped for the
-cache's copy, swap, released slots, a slot given to another request); positions and tokens follow
-launches and reads; and the arrays of every program an engine runs (through the real scheduler and
-KV manager, the tiny model) equal the ones rebuilt from its scheduled chunks row by row."""
+follow the KV manager's tables incrementally (growth, a block swapped for the cache's copy, swap,
+released slots, a slot given to another request); positions and tokens follow launches and reads;
+and the arrays of every program an engine runs (through the real scheduler and KV manager, the tiny
+model) equal the ones rebuilt from its scheduled chunks row by row."""
 
 from __future__ import annotations
 

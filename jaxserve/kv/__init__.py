@@ -3,8 +3,9 @@
 `KVCacheManager` is the entry point for the scheduler (its module docstring describes the API);
 `build_kv_manager` builds one with its parts. A sequence's block table is a `KVHandle` that its
 request owns. The declared interfaces: `PrefixCache` (radix_cache.RadixCache,
-no_prefix_cache.NoPrefixCache), `SpillingPrefixCache` (RadixCache; what `TierLink` uses) and
-`KVTier` (disk_tier.DiskTier; a tier below the host tier).
+no_prefix_cache.NoPrefixCache), `SpillingPrefixCache` (RadixCache; what `TierLink` uses),
+`KVTier` (disk_tier.DiskTier; a tier below the host tier) and `LowerTierLink` (tier_link.TierLink,
+no_tier_link.NoTierLink; the cache's link to that tier).
 """
 
 from jaxserve.kv.accounting import KVUsage
@@ -19,10 +20,11 @@ from jaxserve.kv.kv_tier import HostBlockArrays, KVTier, KVTierStats
 from jaxserve.kv.leases import Hold, Leases, Pin
 from jaxserve.kv.manager import KVCacheManager
 from jaxserve.kv.no_prefix_cache import NoPrefixCache
+from jaxserve.kv.no_tier_link import NoTierLink
 from jaxserve.kv.prefix_cache import CachedPath, CacheStats, PrefixCache, PrefixMatch, SpillingPrefixCache
 from jaxserve.kv.prefix_hit import PrefixHit
 from jaxserve.kv.radix_cache import RadixCache
-from jaxserve.kv.tier_link import LoadStart, TierLink
+from jaxserve.kv.tier_link import LoadStart, LowerTierLink, TierLink
 
 __all__ = [
     "RESERVED_BLOCK",
@@ -50,6 +52,8 @@ __all__ = [
     "CacheStats",
     "CachedPath",
     "NoPrefixCache",
+    "NoTierLink",
+    "LowerTierLink",
     "PrefixCache",
     "PrefixMatch",
     "RadixCache",

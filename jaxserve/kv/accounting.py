@@ -84,10 +84,9 @@ def check_integrity(mgr: KVCacheManager) -> None:
         else:
             holders.update(_check_on_device(handle, cache))
             locks[handle.path] += 1
-    if mgr.tier_link is not None:
-        locks.update(mgr.tier_link.locked_paths())
-        host_held += mgr.tier_link.held_slots()
-        mgr.tier_link.tier.check_integrity()
+    locks.update(mgr.tier_link.locked_paths())
+    host_held += mgr.tier_link.held_slots()
+    mgr.tier_link.check_integrity()
     del locks[cache.root]
     cache.check_integrity(locks)
     pool = mgr.pool

@@ -9,8 +9,9 @@ from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.kv_tier import KVTier
 from jaxserve.kv.manager import KVCacheManager
 from jaxserve.kv.no_prefix_cache import NoPrefixCache
+from jaxserve.kv.no_tier_link import NoTierLink
 from jaxserve.kv.radix_cache import RadixCache
-from jaxserve.kv.tier_link import TierLink
+from jaxserve.kv.tier_link import LowerTierLink, TierLink
 
 
 def build_kv_manager(
@@ -38,7 +39,7 @@ def build_kv_manager(
     pool = BlockPool(num_blocks, block_size)
     host = HostTier(num_host_slots)
     copies = CopyPlan()
-    link = None
+    link: LowerTierLink = NoTierLink(block_size)
     if enable_prefix_cache:
         cache = RadixCache(pool, host, copies, spill_to_host=spill_to_host)
         if disk is not None:

@@ -3,15 +3,14 @@
 The KV manager plans copies as it goes: swap-out and spill of evicted cached blocks (device ->
 host), swap-in and reload of cached blocks (host -> device), and writes of cached blocks to the
 disk tier (device or host -> disk: the block is read when its turn in the plan comes, before a
-later copy overwrites it); device -> device copies are supported too. A block or slot freed by
-one operation may be handed out again by the next one in the same scheduling round, so the order
-matters: the plan's meaning is "execute the copies one by one, in the order they were planned,
-then run the step".
+later copy overwrites it). A block or slot freed by one operation may be handed out again by the
+next one in the same scheduling round, so the order matters: the plan's meaning is "execute the
+copies one by one, in the order they were planned, then run the step".
 
 To let the runner batch them, consecutive copies are grouped into stages. Within a stage every
-copy has the same kind, no copy reads a location another copy of the stage writes, and no two
-copies write the same location, so a stage can run as one gather followed by one scatter
-(`dst[...] = src[...]` with fancy indexing). Stages must run in order.
+copy has the same kind and no two copies write the same location; no kind reads the space it
+writes, so no copy reads what another copy of its stage writes, and a stage can run as one gather
+followed by one scatter (`dst[...] = src[...]` with fancy indexing). Stages must run in order.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import numpy as np
 class CopyKind(enum.Enum):
     DEVICE_TO_HOST = "device_to_host"
     HOST_TO_DEVICE = "host_to_device"
-    DEVICE_TO_DEVICE = "device_to_device"
     # Writes to the disk tier: `dst` is a ticket of `DiskTier.plan_write`, not a location.
     DEVICE_TO_DISK = "device_to_disk"
     HOST_TO_DISK = "host_to_disk"
@@ -61,13 +59,7 @@ class CopyPlan:
     def add(self, kind: CopyKind, src: int, dst: int) -> None:
         stages = self._stages
         stage = stages[-1] if stages else None
-        # Only device -> device copies read the space they write (read-after-write hazard).
-        if (
-            stage is None
-            or stage.kind is not kind
-            or dst in stage._written
-            or (kind is CopyKind.DEVICE_TO_DEVICE and src in stage._written)
-        ):
+        if stage is None or stage.kind is not kind or dst in stage._written:
             stage = CopyStage(kind)
             stages.append(stage)
         stage.src.append(src)

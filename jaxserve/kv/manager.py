@@ -18,7 +18,8 @@ may not. `can_admit`, `can_swap_in/out` peek.
 
 The manager is given its prefix cache (`prefix_cache.PrefixCache`: the radix cache, or one that
 caches nothing when prefix caching is off) and its link to a tier below the host tier
-(`tier_link.TierLink`, optional); `build.build_kv_manager` builds them all.
+(`tier_link.TierLink`, or `no_tier_link.NoTierLink` without one); `build.build_kv_manager` builds
+them all.
 
 Sessions and KV handed between workers keep cached blocks through `leases` (`leases.py`).
 With a lower tier (the disk tier), `match_prefix` also reports the blocks after the cache's match
@@ -42,13 +43,13 @@ import numpy as np
 from jaxserve.kv.accounting import KVUsage, check_integrity, kv_usage
 from jaxserve.kv.block_pool import BlockPool
 from jaxserve.kv.block_table import KVHandle
-from jaxserve.kv.content_keys import KEY_BYTES, ChainKeys
+from jaxserve.kv.content_keys import ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.leases import Leases
 from jaxserve.kv.prefix_cache import CacheStats, PrefixCache
 from jaxserve.kv.prefix_hit import PrefixHit
-from jaxserve.kv.tier_link import TierLink
+from jaxserve.kv.tier_link import LowerTierLink
 from jaxserve.kv.tier_loads import TierLoads
 
 
@@ -66,7 +67,7 @@ class KVCacheManager:
         watermark_blocks: int | None = None,
         pin_budget_blocks: int | None = None,
         max_pinned_blocks: int | None = None,
-        tier_link: TierLink | None = None,
+        tier_link: LowerTierLink,
     ) -> None:
         """
         prefix_cache, host, copies: the prefix cache over `pool`, the host tier and the copy plan
@@ -75,7 +76,8 @@ class KVCacheManager:
             sequences to grow into (default 1% of the pool).
         pin_budget_blocks: most blocks one owner may pin (default 1/8 of the pool).
         max_pinned_blocks: most blocks all pins together may pin (default half the pool).
-        tier_link: the link of the prefix cache to a tier below the host tier (the disk tier).
+        tier_link: the link of the prefix cache to a tier below the host tier (the disk tier), or
+            `NoTierLink` when there is none.
         """
         self.pool = pool
         self.block_size = pool.block_size
@@ -130,15 +132,12 @@ class KVCacheManager:
         """Content keys for one request's tokens, seeded as the lower tier's are (when there is
         one): pass the same chain to every `match_prefix` of that request, so its keys are
         computed once."""
-        link = self.tier_link
-        return link.new_chain() if link is not None else ChainKeys(bytes(KEY_BYTES), self.block_size)
+        return self.tier_link.new_chain()
 
     def match_prefix(self, token_ids: Sequence[int] | np.ndarray, chain: ChainKeys | None = None) -> PrefixHit:
         """Find the cached prefix of a prompt. Changes nothing a hit depends on."""
         match = self.prefix_cache.match(token_ids)
         link = self.tier_link
-        if link is None:
-            return PrefixHit(match, len(token_ids), self._epoch, None, token_ids)
         chain = chain if chain is not None else link.new_chain()
         limit = (len(token_ids) - 1) // self.block_size
         tier_tokens = link.blocks_stored(token_ids, chain, match.num_blocks, limit) * self.block_size
@@ -169,10 +168,9 @@ class KVCacheManager:
         self._epoch += 1
         cache = self.prefix_cache
         cache.lock(hit.path)
-        if self.tier_link is not None:
-            if load_key is not None:
-                self.tier_link.release(load_key, hit.num_tokens)
-            self.tier_link.count_hits(hit.chain, hit.token_ids, hit.device_blocks)
+        if load_key is not None:
+            self.tier_link.release(load_key, hit.num_tokens)
+        self.tier_link.count_hits(hit.chain, hit.token_ids, hit.device_blocks)
         path = list(hit.device_blocks)
         if hit.num_host_tokens:
             path += cache.load_to_device(hit.path)
@@ -188,7 +186,7 @@ class KVCacheManager:
         """At a clean shutdown: plan writes of the cached blocks the lower tier lacks, within its
         budget (see `TierLink.flush`); run the copies, then close the tier. Returns the blocks
         planned (0 without a lower tier)."""
-        return self.tier_link.flush() if self.tier_link is not None else 0
+        return self.tier_link.flush()
 
     # ------------------------------------------------------------------ growth
 
@@ -257,7 +255,7 @@ class KVCacheManager:
                 handle.renew_version()
             else:
                 adopted[i] = own
-        if adopted and self.tier_link is not None:
+        if adopted:
             if handle.chain is None:
                 handle.chain = self.tier_link.new_chain()
             self.tier_link.write_through(handle.chain, token_ids, adopted)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -41,6 +42,49 @@ class LoadStart(enum.Enum):
     STARTED = "started"  # the request waits for its blocks
     BUSY = "busy"  # loads in flight use the byte bound: try again next step
     NONE = "none"  # nothing to load (or no host room): recompute instead
+
+
+@runtime_checkable
+class LowerTierLink(Protocol):
+    """What the KV manager and `TierLoads` ask of the link to a tier below the host tier:
+    `TierLink`, or `no_tier_link.NoTierLink` when there is no such tier."""
+
+    block_size: int
+
+    def new_chain(self) -> ChainKeys: ...
+
+    def blocks_stored(self, tokens: Sequence[int] | np.ndarray, chain: ChainKeys, first: int, limit: int) -> int: ...
+
+    def write_through(self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray, blocks: dict[int, int]) -> None: ...
+
+    def count_hits(
+        self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray, device_blocks: Sequence[int]
+    ) -> None: ...
+
+    def flush(self) -> int: ...
+
+    def start_load(
+        self, req_id: Hashable, path: CachedPath, tokens: Sequence[int] | np.ndarray, chain: ChainKeys, num_blocks: int
+    ) -> LoadStart: ...
+
+    def submit(self) -> None: ...
+
+    def poll(self) -> bool: ...
+
+    def is_loading(self, req_id: Hashable) -> bool: ...
+
+    @property
+    def has_pending(self) -> bool: ...
+
+    def release(self, req_id: Hashable, admitted_tokens: int) -> None: ...
+
+    def locked_paths(self) -> list[CachedPath]: ...
+
+    def held_slots(self) -> list[int]: ...
+
+    def check_integrity(self) -> None: ...
+
+    def tier_stats(self) -> dict[str, Any]: ...
 
 
 @dataclass(eq=False)
@@ -268,3 +312,25 @@ class TierLink:
     def held_slots(self) -> list[int]:
         """Host slots that in-flight loads hold (not yet in the cache)."""
         return [slot for load in self._loads.values() if not load.done for slot in load.slots]
+
+    def check_integrity(self) -> None:
+        self.tier.check_integrity()
+
+    def tier_stats(self) -> dict[str, Any]:
+        """The tier's `TierStats` fields (`disk_*`: the disk tier is the one lower tier today)."""
+        s = self.tier.stats
+        return dict(
+            disk_hit_tokens=self.hit_tokens,
+            disk_evictions=s.evictions,
+            disk_loads=s.loads,
+            disk_loaded_blocks=s.loaded_blocks,
+            disk_load_seconds=s.load_seconds,
+            disk_load_seconds_counts=tuple(s.load_seconds_counts),
+            disk_bytes_read=s.bytes_read,
+            disk_bytes_written=s.bytes_written,
+            disk_written_blocks=s.written_blocks,
+            disk_write_seconds=s.write_seconds,
+            disk_damaged=s.damaged,
+            disk_files=self.tier.num_blocks,
+            disk_bytes=self.tier.num_bytes,
+        )

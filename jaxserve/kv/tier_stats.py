@@ -41,24 +41,7 @@ class TierStats:
             device_evictions=cache.device_evictions,
             host_evictions=cache.host_evictions,
         )
-        if kv.tier_link is not None:
-            disk = kv.tier_link.tier
-            s = disk.stats
-            fields.update(
-                disk_hit_tokens=kv.tier_link.hit_tokens,
-                disk_evictions=s.evictions,
-                disk_loads=s.loads,
-                disk_loaded_blocks=s.loaded_blocks,
-                disk_load_seconds=s.load_seconds,
-                disk_load_seconds_counts=tuple(s.load_seconds_counts),
-                disk_bytes_read=s.bytes_read,
-                disk_bytes_written=s.bytes_written,
-                disk_written_blocks=s.written_blocks,
-                disk_write_seconds=s.write_seconds,
-                disk_damaged=s.damaged,
-                disk_files=disk.num_blocks,
-                disk_bytes=disk.num_bytes,
-            )
+        fields.update(kv.tier_link.tier_stats())
         return cls(**fields)
 
     @classmethod

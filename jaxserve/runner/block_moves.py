@@ -1,5 +1,5 @@
-"""KV block moves planned by the KV manager: copy-on-write copies on the device, swap-out to and
-swap-in from the host tier; and reads and writes of KV handed between engines (disaggregation).
+"""KV block moves planned by the KV manager: swap-out to and swap-in from the host tier; and reads
+and writes of KV handed between engines (disaggregation).
 Each runs as a small jitted gather / scatter of BLOCK_MOVE_CHUNK blocks (padding moves block 0,
 which no sequence reads), one compiled shape each. Writes to the disk tier hand the blocks'
 arrays (device ones still copying to the host) to `disk_sink`."""
@@ -14,11 +14,7 @@ import numpy as np
 from jaxserve.kv import CopyKind
 from jaxserve.model import KVCache
 
-BLOCK_MOVE_CHUNK = 32  # block copies / swaps are padded to this many (block 0 -> block 0)
-
-
-def _copy(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return KVCache(cache.k.at[:, :, dst].set(cache.k[:, :, src]), cache.v.at[:, :, dst].set(cache.v[:, :, src]))
+BLOCK_MOVE_CHUNK = 32  # block moves are padded to this many (block 0 -> block 0)
 
 
 def _gather(cache: KVCache, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -41,23 +37,19 @@ class BlockMover:
         self.host_v = np.zeros(host_shape, self.dtype)
         self.cache_sharding = cache_sharding
         kv, rep = cache_sharding, replicated
-        self._copy = jax.jit(_copy, donate_argnums=(0,), in_shardings=(kv, rep, rep), out_shardings=kv)
         self._gather = jax.jit(_gather, in_shardings=(kv, rep), out_shardings=kv)
         self._scatter = jax.jit(_scatter, donate_argnums=(0,), in_shardings=(kv, rep, kv, kv), out_shardings=kv)
         # DiskTier.write(tickets, [k, v]) with block i on axis 2: set when the engine has a disk tier.
         self.disk_sink: Callable[[list[int], list], None] | None = None
 
     def warm_up(self, cache: KVCache) -> KVCache:
-        """Compile the three moves (one shape each) by running them on block 0."""
+        """Compile the two moves (one shape each) by running them on block 0."""
         zeros = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
-        cache = self._copy(cache, zeros, zeros)
         k, v = self._gather(cache, zeros)
         return self._scatter(cache, zeros, k, v)
 
     def move(self, cache: KVCache, kind: CopyKind, src: list[int], dst: list[int]) -> KVCache:
         """Move up to BLOCK_MOVE_CHUNK blocks; returns the cache (donated)."""
-        if kind is CopyKind.DEVICE_TO_DEVICE:
-            return self._copy(cache, _padded(src), _padded(dst))
         if kind is CopyKind.DEVICE_TO_DISK:
             k, v = self._gather(cache, _padded(src))
             k.copy_to_host_async()

@@ -15,7 +15,7 @@ again). A slot holds:
 - its block-table row and how much of it is valid, copied from the KV manager's table as its
   decodes are scheduled (`sync_tables`): whole at the first, then the new entries when the
   sequence gained blocks, and the whole row again only when the manager changed entries (its
-  table version moved: copy-on-write, a block swapped for the cache's copy, swap, released blocks).
+  table version moved: a block swapped for the cache's copy, swap, released blocks).
 
 A step's arrays are then gathers of slot rows by one index array, plus vectorized arithmetic,
 however the batch changed since the last step. The gathers make fresh arrays, so an array handed

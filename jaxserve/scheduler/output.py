@@ -16,7 +16,7 @@ class ScheduledChunk:
 
     The tokens are `request.all_token_ids[start:start + num_new_tokens]`; `block_table` covers
     every position below `start + num_new_tokens`, and `table_version` is the KV manager's
-    version of its entries (`KVCacheManager.table_version`; -1, unknown, for a chunk built by
+    version of its entries (`KVHandle.version`; -1, unknown, for a chunk built by
     hand: the runner copies the whole table). `sample` is true when this chunk reaches the
     request's last token, so the step must sample the next one.
     """
@@ -44,8 +44,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     """A step: prefill chunks (ragged step) and decodes (one token each), plus block moves.
 
-    The runner first executes `copy_stages` in order (copy-on-write, swap-out, swap-in and
-    prefix-cache spill/reload copies planned by the KV manager), then the model.
+    The runner first executes `copy_stages` in order (swap-out, swap-in, prefix-cache spill/reload
+    and disk-write copies planned by the KV manager), then the model.
     """
 
     prefills: list[ScheduledChunk] = dataclasses.field(default_factory=list)

@@ -3,7 +3,7 @@
 The "KV" of a token is its token id: a step writes each scheduled token's id into its slot, the
 planned copies move ids between device blocks and host slots exactly as the runner would move
 K/V (stage by stage, each stage one gather then one scatter). A request's block table then must
-read back as its token ids, whatever sharing, copy-on-write, eviction or swapping happened.
+read back as its token ids, whatever sharing, eviction or swapping happened.
 
 Operations are grouped in rounds like the engine's: scheduling calls plan copies and writes,
 `run_step()` executes the copies, then the writes, then caches the blocks that filled.
@@ -165,7 +165,6 @@ class FakeEngine:
         spaces = {
             CopyKind.DEVICE_TO_HOST: (self.device, self.host),
             CopyKind.HOST_TO_DEVICE: (self.host, self.device),
-            CopyKind.DEVICE_TO_DEVICE: (self.device, self.device),
         }
         to_disk = {CopyKind.DEVICE_TO_DISK: self.device, CopyKind.HOST_TO_DISK: self.host}
         for stage in self.mgr.take_copies() if stages is None else stages:

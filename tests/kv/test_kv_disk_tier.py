@@ -21,7 +21,19 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kv_sim import FakeEngine, as_block_arrays, new_host_array
 
-from jaxserve.kv import ChainKeys, DiskTier, HostBlockArrays, KVCacheManager, LoadStart, build_kv_manager, fingerprint
+from jaxserve.kv import (
+    ChainKeys,
+    CopyKind,
+    DiskTier,
+    HostBlockArrays,
+    KVCacheManager,
+    LoadStart,
+    LowerTierLink,
+    NoTierLink,
+    TierLink,
+    build_kv_manager,
+    fingerprint,
+)
 from jaxserve.kv.block_files import HEADER_BYTES, SUFFIX
 
 BS = 4
@@ -375,3 +387,22 @@ def test_bad_settings_are_refused(tmp_path) -> None:
         disk.close()
     with pytest.raises(ValueError, match="budget"):
         DiskTier(tmp_path, FP, BS, HostBlockArrays([as_block_arrays(host)]), 0)
+
+
+def test_without_a_disk_tier_the_link_below_the_host_tier_stores_and_loads_nothing(tmp_path: Path) -> None:
+    eng = make(tmp_path, 16, 4, 4)
+    assert isinstance(eng.mgr.tier_link, TierLink) and isinstance(eng.mgr.tier_link, LowerTierLink)
+    eng.mgr.tier_link.tier.close()
+    mgr = build_kv_manager(16, BS, num_host_slots=4)
+    assert isinstance(mgr.tier_link, NoTierLink) and isinstance(mgr.tier_link, LowerTierLink)
+    prompt = PROMPTS[0]
+    hit = mgr.match_prefix(prompt)
+    assert hit.num_disk_tokens == 0 and mgr.loads.start("r", hit) is LoadStart.NONE
+    assert not mgr.loads.pending and not mgr.loads.is_loading("r")
+    handle = mgr.admit(hit, len(prompt))
+    assert mgr.cache_full_blocks(handle, prompt) == len(prompt) // BS
+    assert not [s for s in mgr.take_copies() if s.kind in (CopyKind.DEVICE_TO_DISK, CopyKind.HOST_TO_DISK)]
+    assert mgr.flush_to_disk() == 0 and not mgr.take_copies()
+    mgr.free(handle)
+    mgr.check_integrity()
+    assert mgr.usage().used == 0

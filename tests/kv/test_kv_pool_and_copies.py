@@ -63,16 +63,18 @@ def test_copy_plan_splits_stages_at_hazards_only() -> None:
     plan.add(CopyKind.DEVICE_TO_HOST, 5, 0)
     plan.add(CopyKind.DEVICE_TO_HOST, 0, 1)  # reads device 0, writes host 1: no hazard
     plan.add(CopyKind.DEVICE_TO_HOST, 6, 1)  # host slot 1 written twice: new stage
-    plan.add(CopyKind.HOST_TO_DEVICE, 1, 7)
-    plan.add(CopyKind.DEVICE_TO_DEVICE, 7, 8)
-    plan.add(CopyKind.DEVICE_TO_DEVICE, 8, 9)  # reads what the stage wrote: new stage
+    plan.add(CopyKind.HOST_TO_DEVICE, 1, 7)  # another kind: new stage
+    plan.add(CopyKind.HOST_TO_DEVICE, 7, 8)  # reads host slot 7, not the device block 7 written: no hazard
+    plan.add(CopyKind.DEVICE_TO_DISK, 8, 0)  # another kind: new stage
+    plan.add(CopyKind.DEVICE_TO_DISK, 8, 1)  # one block to two tickets: no hazard
+    plan.add(CopyKind.HOST_TO_DISK, 8, 1)  # another kind: new stage
     stages = plan.take()
     assert [(s.kind, s.pairs) for s in stages] == [
         (CopyKind.DEVICE_TO_HOST, [(5, 0), (0, 1)]),
         (CopyKind.DEVICE_TO_HOST, [(6, 1)]),
-        (CopyKind.HOST_TO_DEVICE, [(1, 7)]),
-        (CopyKind.DEVICE_TO_DEVICE, [(7, 8)]),
-        (CopyKind.DEVICE_TO_DEVICE, [(8, 9)]),
+        (CopyKind.HOST_TO_DEVICE, [(1, 7), (7, 8)]),
+        (CopyKind.DEVICE_TO_DISK, [(8, 0), (8, 1)]),
+        (CopyKind.HOST_TO_DISK, [(8, 1)]),
     ]
     assert stages[0].as_array().tolist() == [[5, 0], [0, 1]]
     assert not plan and plan.take() == []
@@ -90,7 +92,6 @@ def test_staged_batched_copies_equal_one_by_one_copies(ops: list[tuple]) -> None
         return {
             CopyKind.DEVICE_TO_HOST: (device, host),
             CopyKind.HOST_TO_DEVICE: (host, device),
-            CopyKind.DEVICE_TO_DEVICE: (device, device),
             CopyKind.DEVICE_TO_DISK: (device, disk),
             CopyKind.HOST_TO_DISK: (host, disk),
         }
