@@ -126,11 +126,6 @@ class EngineConfig:
         _check_lora(self)
         _check_kv_tiers(self)
 
-    @property
-    def speculative(self) -> SpeculativeConfig | None:
-        """`speculative_config` (None: speculation off)."""
-        return self.speculative_config
-
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

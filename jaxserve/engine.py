@@ -113,7 +113,7 @@ class LLMEngine(EngineCoreOps):
                 loaded.config, ec.max_loras, ec.max_cpu_loras, ec.max_lora_rank, self.runner.write_lora_slot
             )
         )
-        self.proposer = build_proposer(ec.speculative, ec.max_model_len)  # speculative decoding (None: off)
+        self.proposer = build_proposer(ec.speculative_config, ec.max_model_len)  # speculative decoding (None: off)
         self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(

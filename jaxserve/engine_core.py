@@ -92,4 +92,4 @@ class EngineCore(ReplicaRequests, PlacementTarget, SessionPins, KVBlockIO, Repli
     model_config: Any
     model_name: str
     tokenizer: Any  # jaxserve.tokenizer.Tokenizer
-    stats: Any  # jaxserve.engine.StepStats
+    stats: Any  # jaxserve.output_processor.StepStats

@@ -73,8 +73,9 @@ class MessageReply:
         head = {**self._envelope(usage), "content": [], "stop_reason": None, "stop_sequence": None}
         return [{"type": "message_start", "message": head}, {"type": "ping"}]
 
-    def delta(self, delta: Delta) -> list[Event]:
-        """The events that show a delta (none while a tool call may be starting in the text)."""
+    def delta(self, delta: Delta, streaming: bool = True) -> list[Event]:
+        """The events that show a delta (none while a tool call may be starting in the text). Not
+        `streaming`, a reply with tools only gathers its text: `finish` parses it once."""
         text = delta.text
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
@@ -82,7 +83,7 @@ class MessageReply:
         self.text += text
         if self._calls is None:
             return self._text_delta(text) if text else []
-        return self._show(self._calls.update(self.text))
+        return self._show(self._calls.update(self.text)) if streaming else []
 
     def finish(self, usage: UsageCount) -> list[Event]:
         """The events that end the reply: the rest of its text and calls, the stop reason and usage."""
@@ -164,7 +165,7 @@ class MessageReply:
         events = self._close()
         self._open = block
         self.blocks.append(block)
-        start = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
+        start = dict(block)
         return events + [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": start}]
 
     def _close(self) -> list[Event]:

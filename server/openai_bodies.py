@@ -222,7 +222,6 @@ class ChatShapes:
         self._parsing = parsing
         self._streams: dict[int, ReplyStream] = {}  # per choice
         self._texts: dict[int, str] = {}  # per choice: its reply so far
-        self._call_ids: dict[tuple[int, int], str] = {}
         self.show_prompt_logprobs = show_prompt_logprobs  # vLLM's top-level `prompt_logprobs`
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -277,17 +276,16 @@ class ChatShapes:
         else:
             events, parts = stream.finish(text, delta.finish_reason)
             finish_reason = parts.finish_reason
-        return [self._piece(index, event) for event in events], finish_reason
+        return [self._piece(event) for event in events], finish_reason
 
-    def _piece(self, index: int, event: Event) -> dict[str, Any]:
+    def _piece(self, event: Event) -> dict[str, Any]:
         if isinstance(event, Reasoning):
             return {"reasoning_content": event.text}
         if isinstance(event, Content):
             return {"content": event.text}
         if isinstance(event, CallStart):
-            call_id = self._call_ids[index, event.index] = new_call_id()
-            function = {"name": event.name, "arguments": ""}
-            return {"tool_calls": [{"index": event.index, "id": call_id, "type": "function", "function": function}]}
+            call = {"index": event.index, "id": new_call_id(), "type": "function"}
+            return {"tool_calls": [{**call, "function": {"name": event.name, "arguments": ""}}]}
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
     def count_reasoning(self, choices: list[ChoiceOutput], usage: UsageCount) -> None:

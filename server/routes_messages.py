@@ -83,7 +83,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             return await _stream(request, generation, reply)
         async with aclosing(generation.deltas()) as deltas:
             async for _, delta in deltas:
-                reply.delta(delta)
+                reply.delta(delta, streaming=False)
         reply.finish(generation.usage)
         return web.json_response(reply.message(generation.usage))
 

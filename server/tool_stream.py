@@ -57,10 +57,6 @@ class ToolStream:
         self._shown = 0  # characters of the content sent
         self._arguments: list[str] = []  # per call started: its arguments sent
 
-    @property
-    def calls_started(self) -> int:
-        return len(self._arguments)
-
     def update(self, text: str) -> list[Event]:
         """The events that the content `text` (the whole content so far) adds."""
         if self._tools is None:

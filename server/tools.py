@@ -167,7 +167,6 @@ class ToolFormat:
             if marker in source:
                 self.kind = kind
                 break
-        self.llama3 = self.kind == "llama3"
         self.template_renders_tools = "tools" in source
         self._schemas: Schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools or []}
         self._markers = {"mistral": (MISTRAL_TAG,), "qwen3_coder": (HERMES_OPEN, XML_FUNCTION)}.get(

@@ -38,7 +38,7 @@ def test_config_takes_vllms_names_from_json_or_a_dict():
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}) == SpeculativeConfig("ngram", 2, 5, 5)
     assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse(None) is None
     assert SpeculativeConfig.parse(spec) is spec
-    assert EngineConfig(speculative_config=spec).speculative is spec
+    assert EngineConfig(speculative_config=spec).speculative_config is spec
 
 
 @pytest.mark.parametrize(
@@ -95,7 +95,7 @@ def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int =
         ),
     )
     kv = build_kv_manager(num_blocks, 4)
-    return Scheduler(config, kv, proposer=build_proposer(config.speculative, config.max_model_len)), kv
+    return Scheduler(config, kv, proposer=build_proposer(config.speculative_config, config.max_model_len)), kv
 
 
 def may_draft(sched: Scheduler) -> bool:

@@ -83,7 +83,7 @@ class ChainKeys:
         keys = self._keys
         done = len(keys)
         if num_blocks > done:
-            data = np.ascontiguousarray(np.asarray(tokens[done * bs : num_blocks * bs]), dtype=np.int32).tobytes()
+            data = token_bytes(tokens[done * bs : num_blocks * bs], (num_blocks - done) * bs)
             step = bs * 4
             previous = keys[-1] if keys else self.seed
             for i in range(num_blocks - done):

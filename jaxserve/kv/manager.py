@@ -240,11 +240,13 @@ class KVCacheManager:
         done = handle.cached_blocks
         if full <= done:
             return done
-        self._epoch += 1
         cache, table = self.prefix_cache, handle.table
         result = cache.insert(token_ids[done * bs : full * bs], table[done:full].tolist(), parent=handle.path)
         cache.unlock(handle.path)
         handle.path = result.path
+        if not result.blocks:  # nothing kept (prefix caching off): no hit made earlier goes stale
+            return done
+        self._epoch += 1
         adopted = {}
         for i, cached in enumerate(result.blocks, start=done):
             own = int(table[i])

@@ -56,6 +56,9 @@ class DeviceState:
     def with_sampler(self, sampler: SamplerState) -> DeviceState:
         return dataclasses.replace(self, sampler=sampler)
 
+    def with_counts(self, penalty_counts: Any) -> DeviceState:
+        return self.with_sampler(dataclasses.replace(self.sampler, penalty_counts=penalty_counts))
+
     def next_iteration(self) -> DeviceState:
         """The state an iteration starts from: the last iteration's sampled tokens become the
         ones its steps read, and their old buffer the one it writes."""

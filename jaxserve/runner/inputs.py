@@ -59,7 +59,7 @@ class StepInputs:
         self.decode_offset = self.sampler_rows(max(engine_config.prefill_seq_buckets))
         self.sampled_rows = self.decode_offset + self.sampler_rows(max(engine_config.decode_batch_buckets))
         self.pool_segments = max(engine_config.prefill_seq_buckets)  # chunks of a prefill program, at most
-        spec = engine_config.speculative
+        spec = engine_config.speculative_config
         self.verify_rows = 0 if spec is None else spec.num_speculative_tokens + 1  # rows per verified sequence
         self.verify_batches = engine_config.verify_batch_buckets
 

@@ -162,14 +162,13 @@ class StepFunctions:
         (cache, _, counts, _), outs = lax.scan(one_step, init, jnp.arange(loop_steps, dtype=jnp.int32))
         by_row = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch * loop_steps, *x.shape[2:])  # noqa: E731
         out = SamplerOutput(outs.tokens.T, by_row(outs.logprobs), by_row(outs.top_ids), by_row(outs.top_logprobs))
-        sampler = dataclasses.replace(state.sampler, penalty_counts=counts)
-        return state.with_cache(cache).with_sampler(sampler), out
+        return state.with_cache(cache).with_counts(counts), out
 
     @staticmethod
     def verify_drafts(state: DeviceState, logits, sampling, drafts: HostPack) -> tuple[DeviceState, VerifyOutput]:
         """`verify`, its drafts and their histories packed."""
         out, counts = verify(logits, sampling, state.sampler.penalty_counts, *drafts.unpack())
-        return state.with_sampler(dataclasses.replace(state.sampler, penalty_counts=counts)), out
+        return state.with_counts(counts), out
 
     @staticmethod
     def reset_penalty_rows(state: DeviceState, inputs: HostPack) -> tuple[DeviceState, None]:
@@ -180,7 +179,7 @@ class StepFunctions:
         pending = _pending_tokens(state.sampler.prev_sampled, history[rows, token_index], token_src)
         history = history.at[rows, token_index].set(pending)
         counts = set_penalty_rows(state.sampler.penalty_counts, slots, history, is_output)
-        return state.with_sampler(dataclasses.replace(state.sampler, penalty_counts=counts)), None
+        return state.with_counts(counts), None
 
     @staticmethod
     def write_lora_slot(state: DeviceState, slot, adapter) -> tuple[DeviceState, None]:
