@@ -125,6 +125,9 @@ class EngineInfo:
     max_num_seqs: int  # sequences all replicas (or workers) run at once
     block_size: int
     hidden_size: int  # the length of an embedding (a pooling request's `Delta.embedding`)
+    # An encoder-only embedding model's `checkpoints.encoders.EncoderConfig` (its pooling,
+    # normalisation, Matryoshka dimensions); None for a decoder LM.
+    encoder: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """Pooling, the plug-in that turns a prompt's final hidden states into one embedding (no JAX here).
 
-A `Pooler` says which prompt rows an embedding takes and whether the result is normalised; it is
-chosen from the model's config: a decoder LM's by `--embedding-pooling` (last token or mean,
-normalised), an encoder's by its sentence-transformers `1_Pooling/config.json` and `Normalize`
-module (or a GGUF's `pooling_type`). Both kinds of model use the same path: each step that
-computes prompt rows returns the sum of the rows the pooler takes (decoder: the runner's `pool`
-program over the flattened prefill; encoder: `jaxserve.model.encoder.pooled_sums` over a padded
-batch), a `PromptPooling` adds them up, and `embedding` finishes the vector.
+A `Pooler` says which prompt rows an embedding takes (their mean is the embedding); it is
+chosen from the model's config: a decoder LM's by `--embedding-pooling` (last token, mean or CLS),
+an encoder's by its sentence-transformers `1_Pooling/config.json` (or a GGUF's `pooling_type`).
+Both kinds of model use the same path: each step that computes prompt rows returns the sum of
+the rows the pooler takes (decoder: the runner's `pool` program over the flattened prefill;
+encoder: `jaxserve.model.encoder.pooled_sums` over a padded batch), and a `PromptPooling` adds
+them up (the server finishes the vector: `server.embedding_inputs.finish_embedding`).
 
 A decoder's prompt may be prefilled in chunks, recomputed after preemption, or partly taken from
 the prefix cache. Each prefill step that runs part of the prompt pools the rows no earlier
@@ -117,16 +117,3 @@ class PromptPooling:
         if self.total is None or self.rows == 0:
             raise ValueError("no prompt row was pooled")
         return (self.total / self.rows).astype(np.float32)
-
-
-def embedding(vector: np.ndarray, normalize: bool, dimensions: int | None = None) -> np.ndarray:
-    """A pooled vector as served: shortened to its first `dimensions` (Matryoshka: after a layer
-    norm without scale over the full vector, as nomic-embed's recipe has it), then at unit length
-    when the model's embeddings are normalised."""
-    vector = vector.astype(np.float64)
-    if dimensions is not None and dimensions < vector.shape[-1]:
-        vector = (vector - vector.mean()) / np.sqrt(vector.var() + 1e-5)
-        vector = vector[:dimensions]
-    if normalize:
-        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-    return vector.astype(np.float32)
