@@ -129,6 +129,15 @@ def test_models_says_embedding_and_generation_is_refused(minilm, client):
     assert "embedding model" in chat.value.body["message"] and chat.value.body["code"] == "model_not_generative"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi")
+    srv = minilm[0]
+    responses = send(srv, "POST", "/v1/responses", {"model": MODEL, "input": "hi"})
+    assert responses.status == 400 and responses.json["error"]["code"] == "model_not_generative"
+    messages = send(
+        srv, "POST", "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert messages.status == 400 and messages.json["type"] == "error"  # Anthropic's error shape
+    assert send(srv, "GET", "/health", key=None).json == {"status": "ok"}
+    assert send(srv, "GET", "/metrics", key=None).status == 200
 
 
 def test_truncate_prompt_tokens_keeps_the_start_and_sep(minilm, client):
