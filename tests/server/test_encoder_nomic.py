@@ -21,7 +21,12 @@ from server.config import ServerConfig
 pytestmark = pytest.mark.slow
 
 MODEL = "nomic-embed-text-v1.5"
-GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "nomic_golden.json").read_text(encoding="utf-8"))
+GOLDEN_FILE = Path(__file__).parent.parent / "data" / "nomic_golden.json"
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads(GOLDEN_FILE.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +43,12 @@ def nomic():
     async_engine.shutdown()
 
 
-def test_nomic_matches_llama_cpp(nomic):
+def test_nomic_matches_llama_cpp(nomic, golden):
     client = openai.OpenAI(base_url=nomic.base_url + "/v1", api_key=KEY_A, max_retries=0)
-    ids = [send(nomic, "POST", "/tokenize", {"prompt": t}).json["tokens"] for t in GOLDEN["texts"]]
-    assert ids == GOLDEN["token_ids"]  # the WordPiece rebuilt from the GGUF tokenizes as llama.cpp does
-    reply = client.embeddings.create(model=MODEL, input=GOLDEN["texts"])
-    for got, want, text in zip(reply.data, GOLDEN["vectors"], GOLDEN["texts"]):
+    ids = [send(nomic, "POST", "/tokenize", {"prompt": t}).json["tokens"] for t in golden["texts"]]
+    assert ids == golden["token_ids"]  # the WordPiece rebuilt from the GGUF tokenizes as llama.cpp does
+    reply = client.embeddings.create(model=MODEL, input=golden["texts"])
+    for got, want, text in zip(reply.data, golden["vectors"], golden["texts"]):
         got, want = np.asarray(got.embedding), np.asarray(want)
         assert got.shape == (768,)
         assert 1.0 - got @ want < 1e-4, text  # llama.cpp multiplies in f16; we widen the f16 weights to f32
@@ -51,11 +56,11 @@ def test_nomic_matches_llama_cpp(nomic):
     assert query @ relevant > query @ unrelated + 0.2
 
 
-def test_nomic_shortens_its_embeddings(nomic):
+def test_nomic_shortens_its_embeddings(nomic, golden):
     client = openai.OpenAI(base_url=nomic.base_url + "/v1", api_key=KEY_A, max_retries=0)
-    full = np.asarray(client.embeddings.create(model=MODEL, input=GOLDEN["texts"][0]).data[0].embedding)
+    full = np.asarray(client.embeddings.create(model=MODEL, input=golden["texts"][0]).data[0].embedding)
     short = np.asarray(
-        client.embeddings.create(model=MODEL, input=GOLDEN["texts"][0], dimensions=256).data[0].embedding
+        client.embeddings.create(model=MODEL, input=golden["texts"][0], dimensions=256).data[0].embedding
     )
     assert short.shape == (256,)
     np.testing.assert_allclose(np.linalg.norm(short), 1.0, rtol=1e-5)
