@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         timed = [asyncio.run(_embed_all(server.base_url, run, args.request_size, args.concurrency)) for run in ids]
     peer = run_offline_peer(peer_name, _peer_job(args, peer_name, runs, ids), args.peer_python)
     result = _result(args, server_args, peer_versions, ids, timed, peer)
-    result["peer"] = peer_name
     pooling = "the model's" if peer_name == "sentence-transformers" else args.pooling
+    result |= {"peer": peer_name, "pooling": pooling}
     print(
         f"{args.texts} texts of {result['mean_tokens_per_text']:.1f} tokens, {pooling} pooling, "
         f"median of {args.runs} runs:\n"
