@@ -11,8 +11,8 @@ them up (the server finishes the vector: `server.embedding_inputs.finish_embeddi
 A decoder's prompt may be prefilled in chunks, recomputed after preemption, or partly taken from
 the prefix cache. Each prefill step that runs part of the prompt pools the rows no earlier
 launched step pools (a recompute computes some rows again; they count once). Mean pooling needs
-every prompt row, so a prefix-cache hit may cover only the rows already pooled
-(`Request.num_cacheable_tokens`); last-token and CLS pooling need one row each.
+every prompt row and CLS pooling the first, so a prefix-cache hit may cover only the rows already
+pooled (`Request.num_cacheable_tokens`); last-token pooling needs the last row, always computed.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ class Pooler(Protocol):
         """The prompt positions among [start, stop) that this pooling takes."""
         ...
 
-    def needs_every_row(self) -> bool:
-        """Whether every prompt row must be computed (none may come from a prefix cache)."""
+    def must_compute(self) -> bool:
+        """Whether the rows it takes must be computed by the request's own steps rather than found
+        in a prefix cache (the last row always is computed, whatever the cache holds)."""
         ...
 
 
@@ -44,7 +45,7 @@ class MeanPooler:
     def rows(self, start: int, stop: int, num_prompt: int) -> range:
         return range(start, min(stop, num_prompt))
 
-    def needs_every_row(self) -> bool:
+    def must_compute(self) -> bool:
         return True
 
 
@@ -55,7 +56,7 @@ class LastTokenPooler:
     def rows(self, start: int, stop: int, num_prompt: int) -> range:
         return range(max(start, num_prompt - 1), min(stop, num_prompt))
 
-    def needs_every_row(self) -> bool:
+    def must_compute(self) -> bool:
         return False
 
 
@@ -68,8 +69,8 @@ class ClsPooler:
     def rows(self, start: int, stop: int, num_prompt: int) -> range:
         return range(start, min(stop, num_prompt, 1))
 
-    def needs_every_row(self) -> bool:
-        return False
+    def must_compute(self) -> bool:
+        return True
 
 
 POOLERS: dict[str, Pooler] = {p.name: p for p in (MeanPooler(), LastTokenPooler(), ClsPooler())}
@@ -100,8 +101,10 @@ class PromptPooling:
 
     def first_needed(self, num_prompt: int) -> int | None:
         """The first prompt position whose row a step must compute, not take from the prefix
-        cache: for mean pooling, the first not pooled yet; None when the cache may cover any."""
-        return self.launched if self.pooler.needs_every_row() and self.launched < num_prompt else None
+        cache: the first row the pooler takes that is not pooled yet; None when the cache may
+        cover any."""
+        rows = self.positions(0, num_prompt, num_prompt)
+        return rows.start if self.pooler.must_compute() and rows else None
 
     def on_launched(self, positions: range) -> None:
         self.launched = max(self.launched, positions.stop)

@@ -67,9 +67,9 @@ def test_poolers_are_one_protocol_and_pool_chunks_once():
         takes: Pooler = pooler  # each satisfies the declared interface
         assert takes.name == name and takes.rows(0, 0, 5) == range(0)
     cls = PromptPooling("cls")
-    assert cls.positions(0, 4, 10) == range(0, 1) and cls.first_needed(10) is None
+    assert cls.positions(0, 4, 10) == range(0, 1) and cls.first_needed(10) == 0  # row 0 must be computed
     cls.on_launched(range(0, 1))
-    assert not cls.positions(0, 4, 10) and not cls.positions(4, 4, 10)
+    assert not cls.positions(0, 4, 10) and not cls.positions(4, 4, 10) and cls.first_needed(10) is None
     with pytest.raises(ValueError, match="unknown pooling"):
         PromptPooling("max")
 
