@@ -22,6 +22,10 @@ class EncoderRequest:
     pooling: PromptPooling
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    @property
     def pooled_rows(self) -> int:
         """How many of its rows its pooler takes (all its rows run in one step)."""
         n = len(self.token_ids)

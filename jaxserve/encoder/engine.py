@@ -41,6 +41,9 @@ class EncoderEngine:
 
     def __init__(self, model: str, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
+        parallel = (config.tensor_parallel_size, config.data_parallel_size, config.pipeline_parallel_size)
+        if parallel != (1, 1, 1):
+            raise ValueError("an encoder embedding model runs on one device (no tensor, data or pipeline parallelism)")
         loaded = load_encoder(model)
         self.model_config: EncoderConfig = loaded.config
         self.model_name = model
@@ -72,7 +75,13 @@ class EncoderEngine:
             raise ValueError(f"an input has {len(ids)} tokens; this model takes at most {self.config.max_model_len}")
         return ids
 
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[EncoderRequest]:
+        """`jaxserve.LLM`'s entry: a text (or ids) to embed."""
+        return self.add_prompt_ids(request_id, self.encode_prompt(prompt), params)
+
     def add_prompt_ids(self, request_id: str, ids: list[int], params: SamplingParams) -> list[EncoderRequest]:
+        """Queue an input to embed. `params.pooling` says only that it is an embedding: the
+        model's own pooling (`EncoderConfig.pooling`) picks its rows."""
         if params.pooling is None:
             raise ValueError(f"{self.model_name} is an embedding model: it pools its inputs and generates no text")
         if self.is_active(request_id):
