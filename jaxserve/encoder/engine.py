@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+
 from checkpoints.encoders import EncoderConfig, load_encoder
 from jaxserve.config import EngineConfig
 from jaxserve.encoder.batcher import EncoderBatcher, EncoderBuckets, EncoderRequest
@@ -28,7 +30,7 @@ from jaxserve.tokenizer import Tokenizer
 NO_KV = "an encoder embedding model has no KV cache, sessions or LoRA adapters"
 
 
-def _final(request: EncoderRequest, reason: FinishReason, embedding=None) -> Delta:
+def _final(request: EncoderRequest, reason: FinishReason, embedding: np.ndarray | None = None) -> Delta:
     usage = Usage(len(request.token_ids), 0)
     return Delta(request.request_id, 0, "", [], None, reason.value, usage, embedding=embedding)
 
