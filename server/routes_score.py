@@ -50,7 +50,7 @@ async def _similarities(
     arrival = time.perf_counter()
     state.limiter.admit(request[OWNER_KEY])
     if state.info.encoder is None:
-        raise bad_request(f"{endpoint} scores with an embedding model; {state.info.name} generates text")
+        raise bad_request(f"/v1/{endpoint} needs an embedding model; {state.info.name} is a text-generation model")
     keep = truncation(body, state.info)
     ids = [text_ids(t, state.info, endpoint, keep) for t in (*queries, *docs)]
     vectors, prompt_tokens = await pooled_vectors(state, request, ids, endpoint, arrival)
