@@ -51,7 +51,8 @@ def test_nomic_matches_llama_cpp(nomic, golden):
     for got, want, text in zip(reply.data, golden["vectors"], golden["texts"]):
         got, want = np.asarray(got.embedding), np.asarray(want)
         assert got.shape == (768,)
-        assert 1.0 - got @ want < 1e-4, text  # llama.cpp multiplies in f16; we widen the f16 weights to f32
+        # llama.cpp multiplies in f16 (measured: cosine distance <= 5.1e-7, values within 1.4e-4)
+        assert 1.0 - got @ want < 1e-5, text
     query, relevant, unrelated = (np.asarray(d.embedding) for d in reply.data[:3])
     assert query @ relevant > query @ unrelated + 0.2
 
