@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import tokenizers
 from safetensors.numpy import save_file
 
-from checkpoints.encoders import EncoderConfig, is_encoder_spec
+from checkpoints.encoders import EncoderConfig, is_encoder_spec, load_encoder
 from checkpoints.encoders.load import encoder_config_from_dir, load_sentence_transformers_dir
 from checkpoints.encoders.weights import declare_encoder
 from checkpoints.params import checkpoint_names, iter_leaves
@@ -152,3 +153,46 @@ def test_sentence_transformers_directory_loads_its_weights_and_config(tmp_path):
 def test_decoder_specs_are_not_encoders():
     assert not is_encoder_spec("tiny-random") and not is_encoder_spec("/no/such/dir")
     assert is_encoder_spec("all-minilm-l6-v2") and is_encoder_spec("nomic-embed-text-v1.5")
+
+
+def _write_nomic_gguf(path, config: EncoderConfig, params: dict) -> None:
+    """A tiny random nomic-bert GGUF in llama.cpp's layout: tensor names from the declaration,
+    `[out, in]` kernels, a WordPiece vocabulary with llama.cpp's word-start marks."""
+    arch = "nomic-bert"
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in [("block_count", 2), ("context_length", 64), ("embedding_length", 32)]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_uint32(f"{arch}.feed_forward_length", 64)
+    writer.add_uint32(f"{arch}.attention.head_count", 4)
+    writer.add_float32(f"{arch}.attention.layer_norm_epsilon", 1e-12)
+    writer.add_float32(f"{arch}.rope.freq_base", 1000.0)
+    writer.add_uint32(f"{arch}.pooling_type", 2)  # CLS
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "\u2581hello", "\u2581world", "s"] + [
+        f"\u2581w{i}" for i in range(43)
+    ]
+    writer.add_string("tokenizer.ggml.model", "bert")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, 3] + [1] * (len(tokens) - 4))
+    for key, value in [("bos_token_id", 2), ("seperator_token_id", 3), ("unknown_token_id", 1)]:
+        writer.add_uint32(f"tokenizer.ggml.{key}", value)
+    for path_, weight in flat(declare_encoder(config)).items():
+        for name, index in checkpoint_names(weight, weight.gguf):
+            part = params[path_][index]
+            writer.add_tensor(name, np.ascontiguousarray(part.swapaxes(-1, -2) if weight.is_kernel else part))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_nomic_bert_gguf_loads_its_weights_config_and_wordpiece(tmp_path):
+    config = EncoderConfig("nomic_bert", **{**TINY, "max_len": 64}, max_position_embeddings=64)
+    params = dict(iter_leaves(random_tree(declare_encoder(config), 2, np.float32)))
+    _write_nomic_gguf(tmp_path / "tiny.gguf", config, params)
+    assert is_encoder_spec(str(tmp_path / "tiny.gguf"))
+    loaded = load_encoder(str(tmp_path / "tiny.gguf"))
+    assert (loaded.config.architecture, loaded.config.pooling, loaded.config.rope_theta) == ("nomic_bert", "cls", 1000)
+    for path, value in iter_leaves(loaded.params):
+        np.testing.assert_array_equal(value, params[path], err_msg=path)
+    # "hello worlds": word-start pieces lose their mark, the others become "##" continuations.
+    assert loaded.tokenizer_bundle.tokenizer.encode("Hello worlds").ids == [2, 4, 5, 6, 3]
