@@ -24,8 +24,8 @@ def build_kv_manager(
     spill_to_host: bool = True,
     pin_budget_blocks: int | None = None,
     max_pinned_blocks: int | None = None,
-    disk: KVTier | None = None,
-    disk_write_through_hits: int = 0,
+    lower_tier: KVTier | None = None,
+    write_through_hits: int = 0,
 ) -> KVCacheManager:
     """
     num_blocks, block_size: the device pool (block 0 reserved).
@@ -33,8 +33,8 @@ def build_kv_manager(
     enable_prefix_cache: a radix prefix cache, else one that caches nothing.
     num_host_slots: capacity of the host tier in blocks (0 = no swapping, no spilling).
     spill_to_host: blocks evicted from the device prefix cache move to the host tier.
-    disk: a tier under the host tier (the disk tier; needs the prefix cache and host slots).
-    disk_write_through_hits: 0 = write every cached block to it; N = once hit N times.
+    lower_tier: a tier under the host tier (the disk or the pool tier; needs the prefix cache and host slots).
+    write_through_hits: 0 = write every cached block to it; N = once hit N times.
     """
     pool = BlockPool(num_blocks, block_size)
     host = HostTier(num_host_slots)
@@ -42,10 +42,10 @@ def build_kv_manager(
     link: LowerTierLink = NoTierLink(block_size)
     if enable_prefix_cache:
         cache = RadixCache(pool, host, copies, spill_to_host=spill_to_host)
-        if disk is not None:
-            link = TierLink(disk, cache, host, copies, write_through_hits=disk_write_through_hits)
-    elif disk is not None:
-        raise ValueError("the disk tier needs the prefix cache")
+        if lower_tier is not None:
+            link = TierLink(lower_tier, cache, host, copies, write_through_hits=write_through_hits)
+    elif lower_tier is not None:
+        raise ValueError("a tier below the host tier (disk or pool) needs the prefix cache")
     else:
         cache = NoPrefixCache(pool, host)
     return KVCacheManager(
