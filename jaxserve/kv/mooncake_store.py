@@ -11,6 +11,7 @@ exchanged peer to peer (`P2PHANDSHAKE`) unless the URL names a metadata server
 from __future__ import annotations
 
 import ctypes.util
+import os
 import threading
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlsplit
@@ -63,6 +64,8 @@ class MooncakeBlockStore:
 
     def __init__(self, url: str, local_host: str, segment_bytes: int, buffer_bytes: int = 16 << 20) -> None:
         master, metadata = parse_pool_url(url)
+        # Mooncake's transfer listeners bind every interface unless told otherwise: only this one.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         self._store = _import_store()()
         rc = self._store.setup(local_host, metadata, segment_bytes, buffer_bytes, "tcp", "", master)
         if rc != 0:

@@ -1,6 +1,6 @@
-"""A real Mooncake Store master on loopback for the pool-tier tests (`mooncake_master`, from the
-`mooncake` extra, which the test extra installs). The tests that need it skip, saying why, where
-Mooncake cannot be imported (no x86-64 Linux wheel for the Python, or no libibverbs1)."""
+"""A Mooncake Store master (`mooncake_master`, from the `mooncake` extra) as a child process, the
+pool that `--kv-pool` names, for the benchmarks and the tests. (In a deployment it is started as
+docs/deployment.md shows.)"""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import socket
 import subprocess
 import time
 
-import pytest
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -18,38 +16,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def require_mooncake() -> None:
-    """Skip the calling test module unless Mooncake Store imports and its master can be started."""
+def mooncake_missing() -> str | None:
+    """Why a pool cannot run here (None: it can)."""
     try:
         import mooncake.store  # noqa: F401
     except ImportError as e:
-        pytest.skip(
-            f"Mooncake Store is not importable ({e}): pip install 'jaxserve[mooncake]', apt-get install libibverbs1",
-            allow_module_level=True,
-        )
+        return f"Mooncake Store is not importable ({e}): pip install 'jaxserve[mooncake]', apt-get install libibverbs1"
     if shutil.which("mooncake_master") is None:
-        pytest.skip("mooncake_master is not on PATH", allow_module_level=True)
+        return "mooncake_master is not on PATH"
+    return None
 
 
 class PoolMaster:
-    """One `mooncake_master` process on loopback ports; `kill` and `start` again to test faults."""
+    """One `mooncake_master` process (free ports on `host` unless given); `kill` and `start` again
+    to restart it (a restarted master holds nothing)."""
 
-    def __init__(self) -> None:
-        self.rpc_port = _free_port()
-        self.metrics_port = _free_port()
+    def __init__(self, host: str = "127.0.0.1", rpc_port: int | None = None, metrics_port: int | None = None) -> None:
+        self.host = host
+        self.rpc_port = rpc_port or _free_port()
+        self.metrics_port = metrics_port or _free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"mooncake://127.0.0.1:{self.rpc_port}"
+        return f"mooncake://{self.host}:{self.rpc_port}"
 
     def start(self) -> None:
         args = [
             "mooncake_master",
             f"--rpc_port={self.rpc_port}",
-            "--rpc_address=127.0.0.1",
+            f"--rpc_address={self.host}",
             f"--metrics_port={self.metrics_port}",
-            "--metrics_host=127.0.0.1",
+            f"--metrics_host={self.host}",
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
@@ -57,7 +55,7 @@ class PoolMaster:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
             try:
-                socket.create_connection(("127.0.0.1", self.rpc_port), 0.2).close()
+                socket.create_connection((self.host, self.rpc_port), 0.2).close()
                 return
             except OSError:
                 time.sleep(0.05)
