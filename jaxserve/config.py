@@ -51,6 +51,9 @@ class EngineConfig:
     kv_pool: str | None = None
     kv_pool_segment_bytes: int = 1 << 30  # memory this engine lends the pool
     kv_pool_local_host: str = "127.0.0.1"  # the address other pool clients reach this one at
+    # Record the prefix cache's changes (KV events) for a router to place requests by: `jaxserve worker` streams
+    # them over its gRPC service. Needs enable_prefix_caching (quietly off without it).
+    kv_events: bool = False
 
     # Scheduler
     max_num_seqs: int = 64

@@ -105,6 +105,7 @@ class LLMEngine(EngineCoreOps):
             num_host_slots=ec.num_host_slots,
             lower_tier=self.lower_tier,
             write_through_hits=ec.kv_disk_write_through_hits,
+            kv_events=ec.kv_events and ec.enable_prefix_caching,
         )
         self.lora = (
             None
