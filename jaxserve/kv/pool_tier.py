@@ -71,8 +71,9 @@ class PoolTier:
         self.probe_seconds = probe_seconds
         self.stats = KVTierStats()
         self._prefix = f"jaxserve/{fingerprint.hex()}/"
-        self._write_staging = np.zeros(staging_blocks * self.object_bytes, np.uint8)
-        self._load_staging = np.zeros(staging_blocks * self.object_bytes, np.uint8)
+        # Touched now (np.full): the first transfers would otherwise pay the page faults.
+        self._write_staging = np.full(staging_blocks * self.object_bytes, 0, np.uint8)
+        self._load_staging = np.full(staging_blocks * self.object_bytes, 0, np.uint8)
         store.register(self._write_staging)
         store.register(self._load_staging)
         self._lock = threading.Lock()
