@@ -4,6 +4,9 @@ master dead, requests go on (recomputed) and nothing fails."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -75,15 +78,37 @@ def test_a_second_engine_reads_the_prefix_from_the_pool(master, reference, asser
     close(b, assert_kv_all_free)
 
 
-def test_with_the_master_dead_requests_are_recomputed(reference, assert_kv_all_free):
+def test_a_master_killed_under_load_fails_no_request_and_a_restarted_one_is_used(reference, assert_kv_all_free):
     m = PoolMaster()
     m.start()
     try:
         llm = make(m.url)
-        m.kill()
+        tier = llm.engine.lower_tier
+        prompts = [np.random.default_rng(100 + i).integers(3, 250, 120).tolist() for i in range(12)]
+        with ThreadPoolExecutor(1) as pool:  # the master dies while these run
+            running = pool.submit(run, llm, prompts)
+            deadline = time.monotonic() + 60
+            while tier.stats.written_blocks == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            m.kill()
+            outputs = running.result(timeout=600)[0]
+        assert len(outputs) == len(prompts) and all(len(o) == GREEDY.max_tokens for o in outputs)
         tokens, cached = run(llm)
-        assert tokens == reference and cached == [0, 0]
-        assert not llm.engine.lower_tier.is_up and llm.engine.lower_tier.stats.outages == 1
+        assert tokens == reference and not tier.is_up and tier.stats.outages == 1
+        m.start()  # a new master, empty: the tier comes back and is written to again
+        deadline = time.monotonic() + 60
+        while not tier.is_up and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tier.is_up
+        written = tier.stats.written_blocks
+        deadline = time.monotonic() + 60
+        fresh = [np.random.default_rng(200 + i).integers(3, 250, 64).tolist() for i in range(2)]
+        while tier.stats.written_blocks == written and time.monotonic() < deadline:  # the client re-joins
+            run(llm, fresh)
+            llm.engine.step()
+            tier.flush()
+            fresh = [[t + 1 for t in p] for p in fresh]
+        assert tier.stats.written_blocks > written
         close(llm, assert_kv_all_free)
     finally:
         m.kill()

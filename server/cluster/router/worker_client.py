@@ -6,9 +6,9 @@ instance id has restarted: its cache picture is cleared and the router is told (
 so that sessions placed there are placed afresh and pin budgets sent again.
 
 A worker is a `jaxserve.placement.PlacementTarget`: its load is the sequences the router has running
-there; its cached prefixes what its KV events say it holds (`follow_kv_events`: a `KVIndex`), or,
-while the router has no event stream from it (a worker that does not record them, a stream not
-yet up, LoRA prefixes), the router's picture of what it sent there (`SentPrefixes`); its resident
+there; its cached prefixes what its KV events say it holds (`follow_kv_events`: a `KVIndex`) and
+the router's picture of what it sent there (`SentPrefixes`: prompts in flight, and all there is
+without an event stream: a worker that does not record them, LoRA prefixes); its resident
 adapters the router's picture.
 """
 
@@ -158,10 +158,11 @@ class WorkerClient:
         return self.in_flight
 
     def prefix_match_length(self, token_ids: Sequence[int], lora: str | None = None) -> int:
+        """What its KV events say it holds, or what the router sent it (a prompt sent a moment ago
+        is not computed, let alone reported, yet), whichever is longer."""
+        sent = self.sent.match(token_ids, lora)
         index = self.kv_index
-        if index is not None and lora is None:
-            return index.match(token_ids)
-        return self.sent.match(token_ids, lora)
+        return max(sent, index.match(token_ids)) if index is not None and lora is None else sent
 
     async def follow_kv_events(self) -> None:
         """Keep `kv_index` from the worker's KV events until the stream ends (the worker went

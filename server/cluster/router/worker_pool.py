@@ -90,7 +90,7 @@ class WorkerPool:
             *(self._send_adapters(w) for w in self.workers if w.up and not w.loaded_adapters.issuperset(self.adapters))
         )
         for worker, fresh in zip(self.everyone, restarted):
-            if worker in self.workers and worker.up:
+            if worker in self.workers and worker.up and self.policy.kv_events:
                 self._follow_kv_events(worker, fresh)
 
     def _follow_kv_events(self, worker: WorkerClient, restarted: bool) -> None:
