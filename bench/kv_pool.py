@@ -22,7 +22,7 @@ import numpy as np
 from bench.kv_tiers import ttft
 from checkpoints.registry import cache_dir
 from jaxserve import LLM
-from jaxserve.kv.mooncake_store import MooncakeBlockStore
+from jaxserve.mooncake_store import MooncakeBlockStore
 from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
 
 

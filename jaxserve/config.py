@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.kv.mooncake_store import parse_pool_url
+from jaxserve.mooncake_store import parse_pool_url
 from jaxserve.speculative.config import SpeculativeConfig
 
 QUANTIZATIONS = ("none", "int8", "q4", "gguf")  # --quantization (checkpoints/quantize.py)

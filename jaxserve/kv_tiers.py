@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxserve.kv import DiskTier, HostBlockArrays, KVTier, PoolTier, fingerprint
-from jaxserve.kv.mooncake_store import MooncakeBlockStore
+from jaxserve.mooncake_store import MooncakeBlockStore
 from jaxserve.runner.pipeline_placement import model_layers_config
 from kernels_pallas import kv_quant
 

@@ -1,7 +1,7 @@
 """The interface of a shared store of byte objects (`BlockStore`) that the pool tier keeps KV blocks in.
 
 A store moves objects by string key between itself and host memory the caller registered with it,
-in batches (one round trip to the store per batch). `mooncake_store.MooncakeBlockStore`
+in batches (one round trip to the store per batch). `jaxserve.mooncake_store.MooncakeBlockStore`
 implements it on Mooncake Store, whose pool spans the memory that every worker (or a
 `mooncake_client` process) lends it.
 

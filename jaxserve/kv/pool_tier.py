@@ -1,5 +1,5 @@
 """The pool tier: KV blocks in a store that every engine of a cluster shares (a `BlockStore`:
-Mooncake Store, `mooncake_store.py`), so a prefix one worker computed is read by the others.
+Mooncake Store, `jaxserve/mooncake_store.py`), so a prefix one worker computed is read by the others.
 
 One object per block, named by the fingerprint of the model and cache layout and the block's
 content key (`jaxserve/<fingerprint hex>/<key hex>`: the keys the prefix cache, the disk tier and
@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,10 +35,9 @@ import numpy as np
 from jaxserve.kv.block_files import HEADER_BYTES, DamagedBlockFile, block_header, check_block, file_bytes
 from jaxserve.kv.block_store import MISSING, UNAVAILABLE, BlockStore
 from jaxserve.kv.kv_tier import HostBlockArrays, KVTierStats, LoadJob, load_seconds_bucket
+from jaxserve.kv.pool_health import KnownKeys, PoolHealth
 
 logger = logging.getLogger(__name__)
-
-KNOWN_KEYS = 1 << 16  # keys remembered as stored in the pool (writes of those are skipped)
 
 
 class PoolTier:
@@ -77,21 +75,21 @@ class PoolTier:
         store.register(self._write_staging)
         store.register(self._load_staging)
         self._lock = threading.Lock()
-        self._known: OrderedDict[bytes, None] = OrderedDict()  # keys seen stored, oldest first
+        self._known = KnownKeys()
+        # a restarted master has lost every object: forget what was known when it answers again
+        self.health = PoolHealth(store, self._prefix + "probe", probe_seconds, self.stats, self._known.clear)
         self._writing: set[bytes] = set()
         self._tickets: dict[int, tuple[bytes, bytes]] = {}
         self._next_ticket = 0
         self._inflight = 0
         self._done: list[LoadJob] = []
         self._done_event = threading.Event()
-        self._down = threading.Event()  # set while the store cannot be reached
-        self._stop = threading.Event()
         self._writes: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._threads = [
             threading.Thread(target=self._write_loop, name="kv-pool-writer", daemon=True),
             threading.Thread(target=self._load_loop, name="kv-pool-loader", daemon=True),
-            threading.Thread(target=self._probe_loop, name="kv-pool-probe", daemon=True),
+            threading.Thread(target=self.health.probe_loop, name="kv-pool-probe", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -104,7 +102,7 @@ class PoolTier:
 
     @property
     def is_up(self) -> bool:
-        return not self._down.is_set()
+        return not self.health.down.is_set()
 
     @property
     def num_blocks(self) -> int:
@@ -120,26 +118,6 @@ class PoolTier:
         """Blocks that fit in the memory this engine lends the pool."""
         return self.capacity_bytes // self.object_bytes
 
-    def _remember(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self._known[key] = None
-                self._known.move_to_end(key)
-            while len(self._known) > KNOWN_KEYS:
-                self._known.popitem(last=False)
-
-    def _forget(self, key: bytes) -> None:
-        with self._lock:
-            self._known.pop(key, None)
-
-    def _check(self, results: Sequence[int]) -> None:
-        """Mark the tier down when the store could not be reached."""
-        if UNAVAILABLE in results and not self._down.is_set():
-            self._down.set()
-            with self._lock:
-                self.stats.outages += 1
-            logger.warning("the KV pool cannot be reached: recomputing instead until it answers again")
-
     # ------------------------------------------------------------------ lookups (engine thread)
 
     def contains(self, key: bytes) -> bool:
@@ -147,26 +125,24 @@ class PoolTier:
 
     def num_leading(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, the pool holds (one round trip)."""
-        if not keys or self._down.is_set():
+        if not keys or not self.is_up:
             return 0
         results = self.store.exists([self.name(k) for k in keys])
-        self._check(results)
+        self.health.check(results)
         n = 0
         while n < len(keys) and results[n] == 1:
             n += 1
-        self._remember(keys[:n])
+        self._known.add(keys[:n])
         return n
 
     def touch(self, key: bytes) -> None:
-        with self._lock:
-            if key in self._known:
-                self._known.move_to_end(key)
+        self._known.touch(key)
 
     # ------------------------------------------------------------------ writes
 
     def plan_write(self, key: bytes, tokens: bytes) -> int | None:
         with self._lock:
-            if self._down.is_set() or key in self._known or key in self._writing:
+            if not self.is_up or key in self._known or key in self._writing:
                 return None
             self._writing.add(key)
             ticket = self._next_ticket
@@ -200,43 +176,32 @@ class PoolTier:
     def _write_batch(self, jobs: list[tuple[bytes, bytes]], arrays: list[np.ndarray], first: int) -> None:
         """Put jobs[first : first + staging_blocks] that the pool lacks."""
         batch = range(first, min(first + self.staging_blocks, len(jobs)))
-        if self._down.is_set():
+        if not self.is_up:
             return
         stored = self.store.exists([self.name(jobs[i][0]) for i in batch])
-        self._check(stored)
-        self._remember([jobs[i][0] for i, s in zip(batch, stored) if s == 1])
+        self.health.check(stored)
+        self._known.add([jobs[i][0] for i, s in zip(batch, stored) if s == 1])
         missing = [i for i, s in zip(batch, stored) if s == 0]
         if not missing:
             return
         t0 = time.perf_counter()
-        addresses = []
-        for j, i in enumerate(missing):
-            addresses.append(self._stage(j, jobs[i], [a[:, :, i] for a in arrays]))
+        size = self.object_bytes
+        addresses = [
+            stage_block(
+                self._write_staging[j * size : (j + 1) * size], self.fingerprint, *jobs[i], [a[:, :, i] for a in arrays]
+            )
+            for j, i in enumerate(missing)
+        ]
         keys = [jobs[i][0] for i in missing]
         results = self.store.put([self.name(k) for k in keys], addresses, [self.object_bytes] * len(keys))
-        self._check(results)
+        self.health.check(results)
         written = [k for k, r in zip(keys, results) if r == 0]
-        self._remember(written)
+        self._known.add(written)
         with self._lock:
             self.stats.written_blocks += len(written)
             self.stats.bytes_written += len(written) * self.object_bytes
             self.stats.write_errors += sum(r not in (0, UNAVAILABLE) for r in results)
             self.stats.write_seconds += time.perf_counter() - t0
-
-    def _stage(self, j: int, job: tuple[bytes, bytes], parts: list[np.ndarray]) -> int:
-        """Lay out object j of the write array (header, tokens, payload); its address."""
-        key, tokens = job
-        start = j * self.object_bytes
-        obj = self._write_staging[start : start + self.object_bytes]
-        at = HEADER_BYTES + len(tokens)
-        obj[HEADER_BYTES:at] = np.frombuffer(tokens, np.uint8)
-        for part in parts:
-            n = part.nbytes
-            obj[at : at + n] = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
-            at += n
-        payload = memoryview(obj[HEADER_BYTES + len(tokens) :])
-        obj[:HEADER_BYTES] = np.frombuffer(block_header(self.fingerprint, key, tokens, [payload]), np.uint8)
-        return obj.ctypes.data
 
     def flush(self) -> None:
         """Wait until every queued write is done."""
@@ -284,11 +249,11 @@ class PoolTier:
         base = self._load_staging.ctypes.data
         names = [self.name(job.keys[i]) for i in batch]
         results = self.store.get(names, [base + j * size for j in range(len(batch))], [size] * len(batch))
-        self._check(results)
+        self.health.check(results)
         for j, (i, result) in enumerate(zip(batch, results)):
             key = job.keys[i]
             if result != size:
-                self._forget(key)
+                self._known.discard(key)
                 with self._lock:
                     self.stats.missing += result == MISSING
                 return False
@@ -297,7 +262,7 @@ class PoolTier:
                 payload = check_block(obj, self.fingerprint, key, job.tokens[i], self.payload_bytes)
             except DamagedBlockFile as e:
                 logger.warning("KV pool object %s is unusable (%s); the block is recomputed", self.name(key), e)
-                self._forget(key)
+                self._known.discard(key)
                 with self._lock:
                     self.stats.damaged += 1
                 return False
@@ -305,7 +270,7 @@ class PoolTier:
             job.loaded += 1
             with self._lock:
                 self.stats.bytes_read += size
-        self._remember([job.keys[i] for i in batch])
+        self._known.add([job.keys[i] for i in batch])
         return True
 
     def poll(self) -> list[LoadJob]:
@@ -319,15 +284,6 @@ class PoolTier:
 
     # ------------------------------------------------------------------ faults and lifetime
 
-    def _probe_loop(self) -> None:
-        probe = self._prefix + "probe"
-        while not self._stop.wait(self.probe_seconds):
-            if self._down.is_set() and all(r != UNAVAILABLE for r in self.store.exists([probe])):
-                with self._lock:
-                    self._known.clear()  # a restarted master has lost every object
-                self._down.clear()
-                logger.warning("the KV pool answers again")
-
     @property
     def closed(self) -> bool:
         return not any(t.is_alive() for t in self._threads)
@@ -338,7 +294,7 @@ class PoolTier:
             return
         self._writes.put(None)
         self._loads.put(None)
-        self._stop.set()
+        self.health.stop.set()
         for t in self._threads:
             t.join(60)
         self.store.close()
@@ -347,5 +303,19 @@ class PoolTier:
         with self._lock:
             if self._inflight < 0:
                 raise AssertionError("negative in-flight bytes")
-            if len(self._known) > KNOWN_KEYS:
-                raise AssertionError(f"{len(self._known)} keys remembered, the bound is {KNOWN_KEYS}")
+            if len(self._known) > self._known.limit:
+                raise AssertionError(f"{len(self._known)} keys remembered, the bound is {self._known.limit}")
+
+
+def stage_block(obj: np.ndarray, fingerprint: bytes, key: bytes, tokens: bytes, parts: list[np.ndarray]) -> int:
+    """Lay out one pool object in `obj` (a slice of a registered array): header, token ids, then
+    `parts` (the block's K and V); returns its address."""
+    at = HEADER_BYTES + len(tokens)
+    obj[HEADER_BYTES:at] = np.frombuffer(tokens, np.uint8)
+    for part in parts:
+        n = part.nbytes
+        obj[at : at + n] = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+        at += n
+    payload = memoryview(obj[HEADER_BYTES + len(tokens) :])
+    obj[:HEADER_BYTES] = np.frombuffer(block_header(fingerprint, key, tokens, [payload]), np.uint8)
+    return obj.ctypes.data

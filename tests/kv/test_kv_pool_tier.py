@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.kv import HostBlockArrays, PoolTier, fingerprint
 from jaxserve.kv.block_store import MISSING
-from jaxserve.kv.mooncake_store import MooncakeBlockStore, parse_pool_url
+from jaxserve.mooncake_store import MooncakeBlockStore, parse_pool_url
 from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
 
 if (why := mooncake_missing()) is not None:

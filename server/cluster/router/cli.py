@@ -53,6 +53,17 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="a decode worker (jaxserve worker --role decode; repeatable): pulls a prompt's KV blocks "
         "from the prefill worker and generates to the end",
     )
+    _add_placement_args(p.add_argument_group("placement"))
+    g.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker health checks")
+    g.add_argument(
+        "--worker-wait-timeout", type=float, default=600.0, help="seconds to wait at start for a worker to serve"
+    )
+    add_server_args(p.add_argument_group("server"))
+    p.set_defaults(func=run_router)
+    return p
+
+
+def _add_placement_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cache-threshold",
         type=float,
@@ -82,13 +93,6 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="place by the workers' KV events (what their prefix caches hold) as well as by what was sent to each; "
         "--no-kv-events: by what was sent alone",
     )
-    g.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker health checks")
-    g.add_argument(
-        "--worker-wait-timeout", type=float, default=600.0, help="seconds to wait at start for a worker to serve"
-    )
-    add_server_args(p.add_argument_group("server"))
-    p.set_defaults(func=run_router)
-    return p
 
 
 def run_router(args: argparse.Namespace) -> int:
