@@ -45,8 +45,8 @@ def wait_listening(procs: list[subprocess.Popen], logs: list[Path], timeout: flo
             time.sleep(0.5)
 
 
-def complete(base_url: str, prompt: list[int]) -> dict:
-    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+def complete(base_url: str, model: str, prompt: list[int]) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     request = urllib.request.Request(
         base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -62,7 +62,7 @@ def run_mode(routers: list[ManagedServer], args: argparse.Namespace, seed: int) 
         for turn in range(args.turns):
             prompts = [h + rng.integers(3, 250, args.turn_tokens).tolist() for h in history]
             urls = [routers[(c + turn) % len(routers)].base_url for c in range(args.conversations)]
-            for usage in pool.map(complete, urls, prompts):
+            for usage in pool.map(complete, urls, [args.model] * len(urls), prompts):
                 cached += usage["prompt_tokens_details"]["cached_tokens"]
                 total += usage["prompt_tokens"]
             history = prompts
