@@ -54,6 +54,7 @@ def add_worker_parser(
     g.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT"
     )
+    p.set_defaults(kv_events=True)  # a worker records them for its router (--no-kv-events: not)
     p.set_defaults(func=lambda args: run_worker(args, start_engine(args)))
     return p
 
