@@ -39,7 +39,7 @@ class EncoderEngine:
     """One replica serving an encoder (`checkpoints.encoders`). Not thread-safe: the engine
     thread calls it."""
 
-    disk_tier = None
+    lower_tier = None  # no KV, so no tier below it
 
     def __init__(self, model: str, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
@@ -154,6 +154,9 @@ class EncoderEngine:
 
     def lora_adapters(self) -> dict[str, str]:
         return {}
+
+    def kv_event_log(self) -> None:
+        return None  # no prefix cache, so no KV events
 
     def set_pin_budget(self, blocks_per_owner: int) -> None:
         """Nothing is pinned: an encoder keeps no KV."""
