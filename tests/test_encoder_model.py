@@ -155,10 +155,9 @@ def test_decoder_specs_are_not_encoders():
     assert is_encoder_spec("all-minilm-l6-v2") and is_encoder_spec("nomic-embed-text-v1.5")
 
 
-def _write_nomic_gguf(path, config: EncoderConfig, params: dict) -> None:
-    """A tiny random nomic-bert GGUF in llama.cpp's layout: tensor names from the declaration,
-    `[out, in]` kernels, a WordPiece vocabulary with llama.cpp's word-start marks."""
-    arch = "nomic-bert"
+def _write_gguf(path, arch: str, config: EncoderConfig, params: dict) -> None:
+    """A tiny random `bert` / `nomic-bert` GGUF in llama.cpp's layout: tensor names from the
+    declaration, `[out, in]` kernels, a WordPiece vocabulary with llama.cpp's word-start marks."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in [("block_count", 2), ("context_length", 64), ("embedding_length", 32)]:
         writer.add_uint32(f"{arch}.{key}", value)
@@ -185,13 +184,14 @@ def _write_nomic_gguf(path, config: EncoderConfig, params: dict) -> None:
     writer.close()
 
 
-def test_a_nomic_bert_gguf_loads_its_weights_config_and_wordpiece(tmp_path):
-    config = EncoderConfig("nomic_bert", **{**TINY, "max_len": 64}, max_position_embeddings=64)
+@pytest.mark.parametrize(("gguf_arch", "architecture"), [("nomic-bert", "nomic_bert"), ("bert", "bert")])
+def test_a_gguf_encoder_loads_its_weights_config_and_wordpiece(tmp_path, gguf_arch, architecture):
+    config = EncoderConfig(architecture, **{**TINY, "max_len": 64}, max_position_embeddings=64)
     params = dict(iter_leaves(random_tree(declare_encoder(config), 2, np.float32)))
-    _write_nomic_gguf(tmp_path / "tiny.gguf", config, params)
+    _write_gguf(tmp_path / "tiny.gguf", gguf_arch, config, params)
     assert is_encoder_spec(str(tmp_path / "tiny.gguf"))
     loaded = load_encoder(str(tmp_path / "tiny.gguf"))
-    assert (loaded.config.architecture, loaded.config.pooling, loaded.config.rope_theta) == ("nomic_bert", "cls", 1000)
+    assert (loaded.config.architecture, loaded.config.pooling, loaded.config.rope_theta) == (architecture, "cls", 1000)
     for path, value in iter_leaves(loaded.params):
         np.testing.assert_array_equal(value, params[path], err_msg=path)
     # "hello worlds": word-start pieces lose their mark, the others become "##" continuations.
