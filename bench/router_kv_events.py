@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.server_process import ManagedServer, free_port
 
-WORKER_FLAGS = ["--max-num-seqs", "8", "--max-model-len", "512", "--block-size", "8", "--num-blocks", "160"]
+WORKER_FLAGS = ["--max-num-seqs", "8", "--max-model-len", "512", "--block-size", "8", "--num-blocks", "480"]
 
 
 def start_worker(model: str, port: int, log: Path) -> subprocess.Popen:
