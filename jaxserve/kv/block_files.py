@@ -82,17 +82,24 @@ def _check_header(raw: bytes, size: int) -> tuple[bytes, bytes, int, int]:
     return fp, key, num_tokens, payload_bytes
 
 
-def read_block(path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int) -> memoryview:
-    """The payload of the block file at `path`, checked against everything expected of it.
+def read_block(
+    path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int, buffer: memoryview
+) -> memoryview:
+    """The payload of the block file at `path`, checked against everything expected of it, read
+    into `buffer` (one the reader keeps: a fresh allocation per block would pay its page faults on
+    every read). The payload is a view of `buffer`, valid until the next read into it.
 
     FileNotFoundError when there is no file (another engine evicted it); DamagedBlockFile when
     it is not exactly the block asked for, whole and unchanged."""
     with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
+        size = os.fstat(f.fileno()).st_size
+        if size > len(buffer):
+            raise DamagedBlockFile(f"{size} bytes, more than a block file of this model")
+        data = buffer[:size]
         n = f.readinto(data)
-    if n != len(data):
+    if n != size:
         raise DamagedBlockFile("the file changed while it was read")
-    return check_block(memoryview(data), fingerprint, key, tokens, payload_bytes)
+    return check_block(data, fingerprint, key, tokens, payload_bytes)
 
 
 def check_block(data: memoryview, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int) -> memoryview:
