@@ -3,13 +3,14 @@ the router's defaults, the worker wire format, and bad command lines."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 
 import pytest
 from child_process import jaxserve
 
-from jaxserve.engine_client import EngineDeadError
+from jaxserve.engine_client import EngineDeadError, EngineInfo
 from jaxserve.placement import PlacementPolicy, choose_target
 from jaxserve.placement.prefix_tree import ApproxPrefixTree
 from jaxserve.placement.sent_prefixes import SentPrefixes
@@ -156,3 +157,31 @@ def test_workers_serving_other_models_cannot_join():
 def test_bad_command_lines_get_clear_errors(args, message):
     result = subprocess.run(jaxserve(*args), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and message in result.stderr + result.stdout, result.stderr
+
+
+def test_a_burst_placed_before_any_worker_call_starts_is_spread_by_load():
+    """Requests that arrive together are placed before the first one's worker call starts: each
+    counts in its worker's load from placement, so the burst goes to both workers, and the loads
+    are back to zero once the requests end (here: their calls fail, nothing listens)."""
+
+    async def burst() -> tuple[list[int], list[int]]:
+        remote = RemoteEngine([WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")], ROUTER_POLICY)
+        remote.info = EngineInfo("m", None, 300, 64, 4, 8, 16)
+        for worker in remote.workers:
+            worker.up = True
+        params = SamplingParams(max_tokens=2)
+        streams = [remote.generate(f"r{i}", [3 + i, 4, 5], params) for i in range(4)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0)  # each generator placed its request; no worker call has run yet
+        placed = [remote._requests[f"r{i}"][0].worker for i in range(4)]
+        loads = [w.in_flight for w in remote.workers]
+        for first in firsts:
+            first.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        return [remote.workers.index(w) for w in placed], loads + [w.in_flight for w in remote.workers]
+
+    placed, loads = asyncio.run(burst())
+    assert placed == [0, 1, 0, 1]
+    assert loads == [2, 2, 0, 0]

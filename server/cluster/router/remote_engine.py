@@ -157,6 +157,9 @@ class RemoteEngine:
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
         worker = self.pool.place(ids, session_id, params.lora)
+        # Each choice counts in its worker's load from now to its end: the next request of a
+        # burst, placed before this one's worker calls start, sees it.
+        worker.in_flight += params.n
         # The engine's seeds: consecutive from the request's (or a drawn) seed, fixed here so that
         # a sequence resumed on another worker keeps its random stream.
         base = params.seed if params.seed is not None else random.getrandbits(31)
@@ -185,6 +188,8 @@ class RemoteEngine:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for choice in choices:
+                choice.placed.worker.in_flight -= 1
             del self._requests[request_id]
 
     def abort(self, request_id: str) -> None:

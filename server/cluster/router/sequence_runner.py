@@ -98,7 +98,8 @@ class SequenceRunner:
 
     async def run(self, choice: Choice) -> None:
         """Generate one choice to its end (split between a prefill and a decode worker when the
-        request splits and a prefill worker is up)."""
+        request splits and a prefill worker is up). The choice counts in its worker's load
+        (`RemoteEngine.generate`); a retry elsewhere moves it."""
         try:
             if self.pool.prefill_workers and splits(choice.params):
                 await self._run_split(choice)
@@ -161,6 +162,8 @@ class SequenceRunner:
                 request = choice.request(sequence)
             exclude = [w for w, instance in tried if w.instance_id == instance]
             placed.worker = self.pool.pick(choice.ids, exclude, lora=wanted.lora)
+            worker.in_flight -= 1  # the choice's load moves with it
+            placed.worker.in_flight += 1
             logger.warning(
                 "worker %s failed after streaming %d of %s's tokens (%s); %s on %s",
                 worker.address,

@@ -41,7 +41,6 @@ async def stream_once(
     def usage_of(cached: int) -> Usage:
         return sequence.stop_usage(cached_tokens if cached_tokens is not None else min(cached, sequence.num_prompt))
 
-    worker.in_flight += 1
     worker.routed += 1
     worker.sent.note(request.prompt_token_ids, lora, adapter_slots)
     call = worker.stub.Generate(request)
@@ -67,7 +66,6 @@ async def stream_once(
         return False
     finally:
         call.cancel()  # a no-op once the call is over; else the worker aborts the request
-        worker.in_flight -= 1
 
 
 async def end_on_worker(worker: WorkerClient, request_id: str, call: grpc.aio.UnaryStreamCall) -> int:
