@@ -164,9 +164,9 @@ def bench_decode_step(batch: int, context: int, steps: int, rng: np.random.Gener
         for tokens, handle in zip(token_lists, handles):
             position = len(tokens)
             tokens.append(position % 49152)  # the token sampled last step
-            mgr.allocate_slots(handle, 1)
+            mgr.allocate_kv_slots(handle, 1)
             _ = handle.block_table  # the property builds the table: part of what is timed
-            handle.slot_mapping(position, position + 1)
+            handle.kv_slots(position, position + 1)
         mgr.take_copies()
         for tokens, handle in zip(token_lists, handles):  # after the step: cache filled blocks
             mgr.cache_full_blocks(handle, tokens)

@@ -355,7 +355,7 @@ class LLMEngine(EngineCoreOps):
         self.runner.run_sampler(handle)
         for pooled in prepared.pooled:  # a recompute launched later does not pool these again
             pooled.request.pooling.on_launched(pooled.positions)
-        self.kv.loads.submit()  # after the launch: the copies that read their slots have run
+        self.kv.loads.submit()  # after the launch: the copies that read their host slots have run
         self.stats.count_launch(sched, prepared, self.runner.last_prepare_time + self.runner.last_launch_time)
         return handle
 

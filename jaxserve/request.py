@@ -64,12 +64,12 @@ class Request:
     # Content keys of its full blocks (`jaxserve.kv.content_keys`), computed as far as asked: the
     # prefix cache's disk tier and the scheduler's check for blocks another prefill computes.
     block_keys: ChainKeys | None = None
-    batch_slot: int | None = None  # its slot in the runner's persistent batch while it runs
+    batch_row: int | None = None  # its row of the runner's persistent batch while it runs
     # Its output as text: detokenized, stop strings found, cut into deltas (the engine's).
     text: TextStream | None = dataclasses.field(default=None, repr=False)
     pooling: PromptPooling | None = None  # an embedding request: its prompt's pooled rows so far
     adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
-    lora_slot: int = -1  # the device slot its adapter is pinned in while it runs (-1: none)
+    lora_slot: int = -1  # the LoRA slot its adapter is pinned in while it runs (-1: none)
 
     @property
     def all_token_ids(self) -> list[int]:

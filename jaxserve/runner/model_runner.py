@@ -139,10 +139,10 @@ class ModelRunner:
         tests read them)."""
         return self._call(program.key, *self.args.step(program), warming_up=warming_up).logits
 
-    def write_lora_slot(self, slot: int, weights: LoraWeights) -> None:
-        """Put an adapter into device slot `slot` (`LoraManager`'s writer). Steps launched before
-        read the slots as they were: the write runs after them on the devices."""
-        self._device("lora_write", slot, weights)
+    def write_lora_slot(self, lora_slot: int, weights: LoraWeights) -> None:
+        """Put an adapter into LoRA slot `lora_slot` (`LoraManager`'s writer). Steps launched before
+        read the LoRA slots as they were: the write runs after them on the devices."""
+        self._device("lora_write", lora_slot, weights)
 
     def warm_up(self) -> float:
         """Compile every variant of every declared program (`programs.declare_programs`) and the
@@ -255,8 +255,8 @@ class ModelRunner:
     def _move(self, kind: CopyKind, src: list[int], dst: list[int]) -> None:
         self.state = self.state.with_cache(self.blocks.move(self.state.cache, kind, src, dst))
 
-    def _write_lora(self, slot: int, weights: LoraWeights) -> None:
-        self._call(("lora_write",), *self.args.lora_write(slot, weights))
+    def _write_lora(self, lora_slot: int, weights: LoraWeights) -> None:
+        self._call(("lora_write",), *self.args.lora_write(lora_slot, weights))
 
 
 # The runner's device operations by name: what `ModelRunner._device` runs and mirrors.

@@ -28,10 +28,10 @@ class ScheduledChunk:
     sample: bool
     output_index: int = -1  # where its sampled token goes in request.output_token_ids (at launch)
     # Speculative decoding (decodes only): draft tokens verified after the last token; their
-    # slots are allocated, and the ones rejected are released when the step is read.
+    # KV slots are allocated, and the ones rejected are released when the step is read.
     draft: list[int] = dataclasses.field(default_factory=list)
     # Multi-step decode (decodes only): tokens this decode may sample in the step's device loop
-    # (its slots are allocated); it stops earlier at a stop token.
+    # (its KV slots are allocated); it stops earlier at a stop token.
     num_steps: int = 1
     table_version: int = -1
 

@@ -15,12 +15,12 @@ sequence cap (`max_num_seqs`):
    chunked at once; a request whose next block is being computed by another request in this
    very step waits one step and then hits the cache instead of computing it twice.
 
-With a `Proposer` (speculative decoding), each decode it drafts for gets slots for 1 + len(draft)
-tokens to verify; the slots of rejected drafts are released when the step is read (`accept_tokens`).
+With a `Proposer` (speculative decoding), each decode it drafts for gets KV slots for 1 + len(draft)
+tokens to verify; the KV slots of rejected drafts are released when the step is read (`accept_tokens`).
 How drafts are made, and when, is the proposer's alone.
 
 With `num_scheduler_steps` K > 1, an iteration with nothing but unconstrained decodes gives each
-decode slots for up to K tokens (fewer near its length limits or its `min_tokens`), which the
+decode KV slots for up to K tokens (fewer near its length limits or its `min_tokens`), which the
 device samples in one loop; a decode that stops early releases the rest when it finishes.
 
 No JAX here: the scheduler is host-side bookkeeping on the hot path.
@@ -58,7 +58,7 @@ class Scheduler:
     ):
         self.config = config
         self.kv = kv
-        self.adapters = adapters  # LoRA: a request is admitted once its adapter holds a device slot
+        self.adapters = adapters  # LoRA: a request is admitted once its adapter holds a LoRA slot
         self.proposer = proposer  # speculative decoding: drafts to verify (None: off)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -145,13 +145,13 @@ class Scheduler:
                 continue  # preempted to make room for a more important one
             looked_up |= req in drafts
             draft = drafts.get(req, [])
-            if draft and not self.kv.allocate_slots(req.kv, 1 + len(draft)):
+            if draft and not self.kv.allocate_kv_slots(req.kv, 1 + len(draft)):
                 draft = []  # no room for the tokens to verify: a plain decode
             num_steps = decode_loop_steps(req, cfg.num_scheduler_steps, cfg.max_model_len) if multi_step else 1
-            if num_steps > 1 and not self.kv.allocate_slots(req.kv, num_steps):
-                num_steps = 1  # no room for the loop's slots: one step
+            if num_steps > 1 and not self.kv.allocate_kv_slots(req.kv, num_steps):
+                num_steps = 1  # no room for the loop's KV slots: one step
             reserved = bool(draft) or num_steps > 1
-            while not reserved and not self.kv.allocate_slots(req.kv, 1):
+            while not reserved and not self.kv.allocate_kv_slots(req.kv, 1):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is req:
@@ -199,7 +199,7 @@ class Scheduler:
             others = self._others_could_start(budget, self._num_partial(out), len(out.prefills) + 1)
             budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, others), out, in_flight)
         num_partial = self._num_partial(out)
-        slot_wait = False  # LoRA: a request waits for an adapter slot
+        lora_slot_wait = False  # a request waits for a LoRA slot
         for req in waiting_in_policy_order(self.waiting, self.config.scheduling_policy, self._priority_key, self.kv):
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
@@ -227,13 +227,13 @@ class Scheduler:
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
                 n = self._partial_chunk_limit(budget, others)
             if req.adapter is not None:
-                # Behind a request waiting for a slot, adapter requests wait too (even of resident
-                # adapters), so the pins drain and it gets its slot: no adapter starves.
-                slot = None if slot_wait else self.adapters.acquire(req.adapter)
-                if slot is None:
-                    slot_wait = True
-                    continue  # every adapter slot is pinned by other adapters' requests: it waits
-                req.lora_slot = slot
+                # Behind a request waiting for a LoRA slot, adapter requests wait too (even of resident
+                # adapters), so the pins drain and it gets its LoRA slot: no adapter starves.
+                lora_slot = None if lora_slot_wait else self.adapters.acquire(req.adapter)
+                if lora_slot is None:
+                    lora_slot_wait = True
+                    continue  # every LoRA slot is pinned by other adapters' requests: it waits
+                req.lora_slot = lora_slot
             kv = self.kv.admit(hit, n, load_key=req)
             if kv is None:
                 self._release_adapter(req)
@@ -279,7 +279,7 @@ class Scheduler:
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: set[int]) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if not self.kv.allocate_slots(req.kv, n):
+        if not self.kv.allocate_kv_slots(req.kv, n):
             return 0
         return self._add_prefill(req, n, out, in_flight)
 
@@ -352,9 +352,9 @@ class Scheduler:
     def accept_tokens(self, req: Request, num_extra: int) -> None:
         """A verified or multi-step decode was read and kept `num_extra` tokens beyond its first
         (accepted drafts, or the loop's later tokens): their K/V are valid (the request's next
-        token follows them), the slots reserved past them are released."""
+        token follows them), the KV slots reserved past them are released."""
         req.launched(req.num_computed_tokens + num_extra, samples=False)
-        self.kv.release_slots(req.kv, req.num_computed_tokens)
+        self.kv.release_kv_slots(req.kv, req.num_computed_tokens)
 
     def on_token_read(self, req: Request, index: int) -> None:
         """Output tokens from `index` on were read from the device and the request goes on: cache

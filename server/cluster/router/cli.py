@@ -71,7 +71,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     g.add_argument(
         "--worker-max-loras",
         type=int,
-        default=DEFAULTS.adapter_slots,
+        default=DEFAULTS.lora_slots,
         help="the workers' --max-loras: a worker counts as holding the LoRA adapters of the last "
         "requests sent to it, this many distinct ones, and attracts their requests",
     )
