@@ -176,3 +176,21 @@ def test_lpm_prefers_cached_prefix_with_starvation_guard(monkeypatch):
     s.add_request(req("hit2", 0, prompt=shared + [8, 8]))
     out = s.schedule()
     assert out.prefills[0].request.request_id == "late"
+
+
+def test_a_requests_tokens_are_copied_by_range_and_salted_for_the_cache_only_in_the_copy():
+    from jaxserve.lora.manager import AdapterRef, salt_token
+
+    r = req("t", 0, prompt=[10, 11, 12])
+    r.output_token_ids += [20, 21]
+    assert r.copy_tokens() == [10, 11, 12, 20, 21]
+    assert (r.copy_tokens(1, 2), r.copy_tokens(2, 4), r.copy_tokens(3), r.copy_tokens(0, 0)) == (
+        [11],
+        [12, 20],
+        [20, 21],
+        [],
+    )
+    r.copy_tokens().append(99)  # a new list: the request's sequence is untouched
+    assert r.num_tokens == 5 and r.copy_tokens(4) == [21]
+    r.adapter = AdapterRef("sql", 3, None)
+    assert r.copy_cache_tokens(2) == [salt_token(3, 10), 11] and r.prompt_token_ids[0] == 10

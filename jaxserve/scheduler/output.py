@@ -14,7 +14,7 @@ from jaxserve.request import Request
 class ScheduledChunk:
     """One request's work this step: compute `num_new_tokens` tokens from `start`.
 
-    The tokens are `request.all_token_ids[start:start + num_new_tokens]`; `block_table` covers
+    The tokens are `request.copy_tokens(start, start + num_new_tokens)`; `block_table` covers
     every position below `start + num_new_tokens`, and `table_version` is the KV manager's
     version of its entries (`KVHandle.version`; -1, unknown, for a chunk built by
     hand: the runner copies the whole table). `sample` is true when this chunk reaches the
@@ -37,7 +37,7 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+        return self.request.copy_tokens(self.start, self.start + self.num_new_tokens)
 
 
 @dataclasses.dataclass

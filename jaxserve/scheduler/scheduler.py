@@ -209,7 +209,7 @@ class Scheduler:
                 continue  # preempted with its last token in flight
             if self.kv.loads.is_loading(req):
                 continue  # its prefix is being read from disk; others go meanwhile
-            cacheable = req.cache_token_ids[: req.num_cacheable_tokens]
+            cacheable = req.copy_cache_tokens(req.num_cacheable_tokens)
             hit = self.kv.match_prefix(cacheable, req.block_keys)
             if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
                 if self.kv.loads.start(req, hit) is not LoadStart.NONE:
@@ -289,7 +289,7 @@ class Scheduler:
             bs = self.config.block_size
             first, last = req.num_computed_tokens // bs, min(req.num_computed_tokens + n, req.num_prompt_tokens) // bs
             if last > first:
-                in_flight.update(req.block_keys.keys(req.cache_token_ids, last)[first:])
+                in_flight.update(req.block_keys.keys(req.copy_cache_tokens(last * bs), last)[first:])
         return n
 
     def _block_in_flight(self, req: Request, start: int, in_flight: set[bytes]) -> bool:
@@ -299,7 +299,7 @@ class Scheduler:
             return False
         i = start // self.config.block_size
         return (i + 1) * self.config.block_size <= req.num_prompt_tokens and req.block_keys.keys(
-            req.cache_token_ids, i + 1
+            req.copy_cache_tokens((i + 1) * self.config.block_size), i + 1
         )[i] in in_flight
 
     def _chunk(self, req: Request, n: int, draft: list[int] | None = None, num_steps: int = 1) -> ScheduledChunk:
@@ -373,4 +373,4 @@ class Scheduler:
         if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
             n = min(req.num_computed_tokens, req.num_known_tokens)
             if n // bs > cached:
-                self.kv.cache_full_blocks(req.kv, req.cache_token_ids[:n])
+                self.kv.cache_full_blocks(req.kv, req.copy_cache_tokens(n))
