@@ -64,7 +64,7 @@ class KVCacheManager:
         host: HostTier,
         copies: CopyPlan,
         *,
-        watermark_blocks: int | None = None,
+        watermark_blocks: int = 0,
         pin_budget_blocks: int | None = None,
         max_pinned_blocks: int | None = None,
         tier_link: LowerTierLink,
@@ -73,7 +73,8 @@ class KVCacheManager:
         prefix_cache, host, copies: the prefix cache over `pool`, the host tier and the copy plan
             they plan into (see `build.build_kv_manager`).
         watermark_blocks: free blocks that admissions and swap-ins must leave for running
-            sequences to grow into (default 1% of the pool).
+            sequences to grow into (an engine's: `ResolvedConfig.watermark_blocks`, 1% of the pool
+            unless asked, chosen by config resolution).
         pin_budget_blocks: most blocks one owner may pin (default 1/8 of the pool).
         max_pinned_blocks: most blocks all pins together may pin (default half the pool).
         tier_link: the link of the prefix cache to a tier below the host tier (the disk tier), or
@@ -82,8 +83,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size
         usable = pool.num_usable
-        self.watermark_blocks = usable // 100 if watermark_blocks is None else watermark_blocks
-        if not 0 <= self.watermark_blocks < usable:
+        self.watermark_blocks = watermark_blocks
+        if not 0 <= watermark_blocks < usable:
             raise ValueError(f"watermark_blocks must be in [0, {usable}), got {watermark_blocks}")
         self.copies = copies
         self.host = host

@@ -65,7 +65,7 @@ class AttentionMetadata:
     decode_rows [S - P]: a prefill step that runs decodes too (in one program): the row of
       each of the last S - P sequences' one new token (decodes), after the chunks' rows; a
       padding entry is T (out of range) and its sequence's length 0. None: no decodes.
-    lora_slots [T]: with LoRA on, each row's adapter slot (-1: the base model; see
+    lora_slots [T]: with LoRA on, each row's LoRA slot (-1: the base model; see
       jaxserve/model/lora.py). None: LoRA off.
     """
 

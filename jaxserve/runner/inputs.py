@@ -84,7 +84,7 @@ class StepInputs:
         if sched.prefills:
             chunks = sched.prefills
             # Plain decodes join the prefill chunks in one program; drafts are verified apart.
-            joined = not any(c.draft or c.num_steps > 1 for c in decodes)
+            joined = not any(c.samples_several for c in decodes)
             programs.append(
                 self.prefill(
                     chunks,
@@ -157,7 +157,7 @@ class StepInputs:
         (STOP_ID_WIDTH of them; a stop token beyond those, or a stop string, is caught on the host,
         which drops what follows). Its sampling row is the same at every step but for the
         position, so a row whose `min_tokens` ends inside the loop takes steps only up to there
-        (`jaxserve.scheduler.multi_step.decode_loop_steps`)."""
+        (`jaxserve.scheduler.multi_step.MultiStepDecode.loop_steps`)."""
         batch_rows = self.decode_batch_rows(chunks) if batch_rows is None else batch_rows
         index = self.padded(batch_rows, batch)
         tokens, token_src, positions = self._decode_inputs(index, chunks)

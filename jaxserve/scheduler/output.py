@@ -36,6 +36,12 @@ class ScheduledChunk:
     table_version: int = -1
 
     @property
+    def samples_several(self) -> bool:
+        """It may sample several tokens (drafts to verify, or a multi-step decode loop): how many
+        is known only once the step is read."""
+        return bool(self.draft) or self.num_steps > 1
+
+    @property
     def token_ids(self) -> list[int]:
         return self.request.copy_tokens(self.start, self.start + self.num_new_tokens)
 
@@ -65,5 +71,7 @@ class SchedulerOutput:
         return any(c.draft for c in self.decodes)
 
     @property
-    def is_multi_step(self) -> bool:
-        return any(c.num_steps > 1 for c in self.decodes)
+    def samples_several(self) -> bool:
+        """Some decode may sample several tokens (`ScheduledChunk.samples_several`): where the
+        next step of its request starts is known only once this step is read."""
+        return any(c.samples_several for c in self.decodes)
