@@ -213,4 +213,4 @@ def test_the_decode_loop_says_how_many_steps_each_decode_runs_and_the_scheduler_
     assert out.samples_several and all(c.samples_several for c in out.decodes)
     assert {r.request_id: r.kv.num_tokens - before[r.request_id] for r in (a, b)} == {"a": 4, "b": 2}
     # A prompt waiting to start: the loop would hold it back, so every decode takes one step.
-    assert s.decode_loop.steps_of([a, b], decodes_only=False)(a) == 1
+    assert s.decode_loop.steps_of([a, b], lambda: False)(a) == 1

@@ -26,17 +26,17 @@ def _one_step(req: Request) -> int:
 class DecodeLoop(Protocol):
     """How many decode steps each decode of an iteration runs in one device loop."""
 
-    def steps_of(self, decoding: Sequence[Request], decodes_only: bool) -> StepsOf:
+    def steps_of(self, decoding: Sequence[Request], decodes_only: Callable[[], bool]) -> StepsOf:
         """Each decode's steps this iteration (1: a plain decode step). `decoding`: the decodes to
-        schedule; `decodes_only`: the iteration can hold nothing else (no prompt waits or is being
-        chunked, nothing is swapped out or loading, no drafts)."""
+        schedule; `decodes_only()`: whether the iteration can hold nothing else (no prompt waits or
+        is being chunked, nothing is swapped out or loading, no drafts), asked only when needed."""
         ...
 
 
 class SingleStep:
     """One decode step per iteration (`num_scheduler_steps` = 1)."""
 
-    def steps_of(self, decoding: Sequence[Request], decodes_only: bool) -> StepsOf:
+    def steps_of(self, decoding: Sequence[Request], decodes_only: Callable[[], bool]) -> StepsOf:
         return _one_step
 
 
@@ -48,8 +48,8 @@ class MultiStepDecode:
         self.num_scheduler_steps = num_scheduler_steps
         self.max_model_len = max_model_len
 
-    def steps_of(self, decoding: Sequence[Request], decodes_only: bool) -> StepsOf:
-        if not decodes_only or not decoding or any(r.grammar is not None for r in decoding):
+    def steps_of(self, decoding: Sequence[Request], decodes_only: Callable[[], bool]) -> StepsOf:
+        if not decoding or any(r.grammar is not None for r in decoding) or not decodes_only():
             return _one_step
         return self.loop_steps
 

@@ -135,7 +135,7 @@ class Scheduler:
         # A request whose last token (maybe still in flight) ends it by length needs no step.
         decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)]
         drafts = self.proposer.propose(decoding, len(self.running)) if self.proposer is not None else None
-        steps_of = self.decode_loop.steps_of(decoding, drafts is None and self._decodes_only())
+        steps_of = self.decode_loop.steps_of(decoding, lambda: drafts is None and self._decodes_only())
         drafts = drafts or {}
         looked_up = False  # some scheduled request's tokens were searched for a draft
         for req in sorted(decoding, key=self._priority_key):
