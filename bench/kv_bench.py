@@ -131,7 +131,7 @@ def bench_tree(num_blocks: int, rng: np.random.Generator) -> None:
 
 
 def bench_spill(rng: np.random.Generator) -> None:
-    mgr = build_kv_manager(20_001, BS, num_host_slots=20_000)
+    mgr = build_kv_manager(20_001, BS, watermark_blocks=200, num_host_slots=20_000)  # a served engine's 1%
     cache = mgr.prefix_cache
     pool = mgr.pool
     for _ in range(70):
@@ -149,7 +149,8 @@ def bench_spill(rng: np.random.Generator) -> None:
 
 def bench_decode_step(batch: int, context: int, steps: int, rng: np.random.Generator) -> None:
     """The manager's share of one decode step for `batch` running requests."""
-    mgr = build_kv_manager(batch * (context + steps) // BS + 2 * batch + 1, BS)
+    num_blocks = batch * (context + steps) // BS + 2 * batch + 1
+    mgr = build_kv_manager(num_blocks, BS, watermark_blocks=(num_blocks - 1) // 100)  # a served engine's 1%
     token_lists, handles = [], []
     for _ in range(batch):
         prompt = rng.integers(0, 49152, context).tolist()
@@ -164,9 +165,9 @@ def bench_decode_step(batch: int, context: int, steps: int, rng: np.random.Gener
         for tokens, handle in zip(token_lists, handles):
             position = len(tokens)
             tokens.append(position % 49152)  # the token sampled last step
-            mgr.allocate_slots(handle, 1)
+            mgr.allocate_kv_slots(handle, 1)
             _ = handle.block_table  # the property builds the table: part of what is timed
-            handle.slot_mapping(position, position + 1)
+            handle.kv_slots(position, position + 1)
         mgr.take_copies()
         for tokens, handle in zip(token_lists, handles):  # after the step: cache filled blocks
             mgr.cache_full_blocks(handle, tokens)

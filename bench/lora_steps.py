@@ -4,12 +4,12 @@
 
 The default model's shape (SmolLM2-135M, 30 layers) with random weights in f32 (the GGUF is not
 needed; time does not depend on the values). Two runners in the same run: one without LoRA, and
-one with `--max-loras` device slots of rank `--rank` (adapters on all seven projections). For each
+one with `--max-loras` LoRA slots of rank `--rank` (adapters on all seven projections). For each
 batch size it times the compiled decode step (model and greedy sampling, no scheduler) over
 histories of 256 tokens: base rows on both runners, then the rows spread round-robin over 1, 4, 8
 adapters; each is printed with its ratio to the base rows on the runner without LoRA. Then an
-adapter's load time from disk (PEFT safetensors -> host arrays) and from host to a device slot, and
-its bytes on disk, on the host and per device slot.
+adapter's load time from disk (PEFT safetensors -> host arrays) and from host to a LoRA slot, and
+its bytes on disk, on the host and per LoRA slot.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def step_times(
     history: int = 256,
 ) -> tuple[list[tuple[str, float]], object, list]:
     """Best decode step seconds of `batch` rows: base rows on a runner without LoRA and on one with
-    `max_loras` slots of rank `rank` (random adapters on all seven projections written into every
-    slot), then rows spread round-robin over each of `adapter_counts` adapters; interleaved rounds.
+    `max_loras` LoRA slots of rank `rank` (random adapters on all seven projections written into every
+    LoRA slot), then rows spread round-robin over each of `adapter_counts` adapters; interleaved rounds.
     Returns the (label, seconds) rows, the LoRA runner and its host adapters."""
     block_size = 16
     width = -(-(history + 1) // block_size)
@@ -77,7 +77,7 @@ def step_times(
 
 
 def _runners(config, params, batch: int, width: int, block_size: int, max_loras: int, rank: int, dtype: str) -> tuple:
-    """(a runner without LoRA, one with `max_loras` slots of rank `rank`), each for decode steps of
+    """(a runner without LoRA, one with `max_loras` LoRA slots of rank `rank`), each for decode steps of
     `batch` rows over `width` blocks."""
     from jaxserve.config import EngineConfig
     from jaxserve.config_resolution import resolve
@@ -98,7 +98,7 @@ def _runners(config, params, batch: int, width: int, block_size: int, max_loras:
 
 
 def _random_adapters_in_every_slot(lora, config, max_loras: int, rank: int) -> list:
-    """A random adapter on all seven projections written into each of the runner's slots; the host adapters."""
+    """A random adapter on all seven projections written into each of the runner's LoRA slots; the host adapters."""
     import jax
     import numpy as np
 
@@ -106,7 +106,7 @@ def _random_adapters_in_every_slot(lora, config, max_loras: int, rank: int) -> l
 
     rng = np.random.default_rng(0)
     adapters = []
-    for slot in range(max_loras):
+    for lora_slot in range(max_loras):
         modules = {
             m: (
                 (rng.standard_normal((config.num_layers, fan_in, rank), np.float32) * 0.01),
@@ -114,8 +114,8 @@ def _random_adapters_in_every_slot(lora, config, max_loras: int, rank: int) -> l
             )
             for m, (fan_in, out) in module_shapes(config).items()
         }
-        adapters.append(LoraWeights(rank, modules, bytes([slot]) * 16))
-        lora.write_lora_slot(slot, adapters[-1])
+        adapters.append(LoraWeights(rank, modules, bytes([lora_slot]) * 16))
+        lora.write_lora_slot(lora_slot, adapters[-1])
     jax.block_until_ready(lora.state.adapters)
     return adapters
 
@@ -129,7 +129,7 @@ def _step_time(runner, batch: int, history: int, width: int, block_size: int, nu
     for i, chunk in enumerate(rows):
         chunk.request.lora_slot = i % num_adapters if num_adapters else -1
     best = timed(runner, runner.inputs.decode(rows, batch, width), 1)
-    runner.inputs.batch.release_finished()  # the bench's requests never run: their slots come back
+    runner.inputs.batch.release_finished()  # the bench's requests never run: their batch rows come back
     return best
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     params = random_params(config)
     print(
         f"{jax.devices()[0].platform}: SmolLM2-135M shape, f32, decode over 256-token histories; "
-        f"LoRA runner: {args.max_loras} slots of rank {args.rank} on all 7 projections"
+        f"LoRA runner: {args.max_loras} LoRA slots of rank {args.rank} on all 7 projections"
     )
     for batch in args.batches:
         rows, lora, _ = step_times(config, params, batch, args.adapters, args.max_loras, args.rank, args.reps)
@@ -169,15 +169,15 @@ def main() -> None:
         disk_s = (time.perf_counter() - t0) / len(paths)
         file_bytes = (paths[0] / "adapter_model.safetensors").stat().st_size
     t0 = time.perf_counter()
-    for slot, weights in enumerate(adapters):
-        lora.write_lora_slot(slot, weights)
+    for lora_slot, weights in enumerate(adapters):
+        lora.write_lora_slot(lora_slot, weights)
         jax.block_until_ready(lora.state.adapters)
     device_s = (time.perf_counter() - t0) / len(adapters)
-    print(f"adapter load, disk -> host: {disk_s * 1e3:.1f} ms; host -> device slot: {device_s * 1e3:.1f} ms")
+    print(f"adapter load, disk -> host: {disk_s * 1e3:.1f} ms; host -> LoRA slot: {device_s * 1e3:.1f} ms")
     print(
         f"memory per adapter (rank {args.rank}, 7 projections x {config.num_layers} layers): "
         f"file {file_bytes / 1e6:.1f} MB, host {adapters[0].nbytes / 1e6:.1f} MB, "
-        f"device slot {lora.lora_slots.bytes_per_slot / 1e6:.1f} MB"
+        f"LoRA slot {lora.lora_slots.bytes_per_lora_slot / 1e6:.1f} MB"
     )
 
 

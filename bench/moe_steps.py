@@ -103,7 +103,7 @@ def _best_step(runner, batch: int, history: int, width: int, block_size: int, re
         t0 = time.perf_counter()
         runner.step_logits(program, warming_up=True).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    runner.inputs.batch.release_finished()  # the bench's requests never run: their slots come back
+    runner.inputs.batch.release_finished()  # the bench's requests never run: their batch rows come back
     return best
 
 

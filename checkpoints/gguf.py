@@ -176,18 +176,20 @@ def _load_params(
         lambda w: w.gguf,
         {path: w for path, w in flat(declare(config)).items() if path not in kept},
     )
-    stored, slots = {}, {}
+    stored, kept_quantized = {}, {}
     for path, fmt in formats.items():
         parent = path.rsplit("/", 1)[0]
         weight = kernels[path][1]
         for name, (shape, array_dtype) in fmt.arrays(weight.kernel_shape).items():
             stored[f"{parent}/{name}"] = np.empty(shape, array_dtype)
-        slots.update({name: (path, index) for name, index in checkpoint_names(weight, weight.gguf)})
+        kept_quantized.update({name: (path, index) for name, index in checkpoint_names(weight, weight.gguf)})
     for tensor in reader.tensors:
         if tensor.name == ROPE_FACTORS:  # part of the config, not a parameter
             continue
-        if tensor.name in slots:  # a kernel kept quantized: its blocks' arrays, rows un-permuted as the weights'
-            path, index = slots.pop(tensor.name)
+        if (
+            tensor.name in kept_quantized
+        ):  # a kernel kept quantized: its blocks' arrays, rows un-permuted as the weights'
+            path, index = kept_quantized.pop(tensor.name)
             arrays = {
                 name: family.from_gguf_tensor(path, a, config)
                 for name, a in block_arrays(tensor.data, tensor.tensor_type).items()
@@ -196,16 +198,16 @@ def _load_params(
             for name, a in stored_arrays(arrays, formats[path]).items():
                 stored[f"{parent}/{name}"][index] = a
             continue
-        slot = filler.slot(tensor.name)
-        if slot is None:
+        place = filler.place(tensor.name)
+        if place is None:
             raise UnsupportedCheckpointError(
                 f"{source}: unexpected tensor {tensor.name!r} (or it does not fit the config)"
             )
-        path = slot[0]
+        path = place[0]
         array = family.from_gguf_tensor(path, _tensor_array(tensor, source), config)
         filler.put(tensor.name, array.swapaxes(-1, -2) if filler.weights[path].is_kernel else array)
-    if slots:
-        raise CheckpointError(f"{source}: missing tensors: {', '.join(sorted(slots)[:10])}")
+    if kept_quantized:
+        raise CheckpointError(f"{source}: missing tensors: {', '.join(sorted(kept_quantized)[:10])}")
     return nest({**dict(iter_leaves(filler.finish())), **stored})
 
 

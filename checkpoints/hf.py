@@ -86,12 +86,12 @@ def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedM
     filler = ParamFiller(config, resolve_dtype(dtype), str(directory), lambda w: w.hf)
     for file in _weight_files(directory):
         for name, array in _iter_tensors(file):
-            slot = filler.slot(name)
-            if slot is None:
+            place = filler.place(name)
+            if place is None:
                 if name.endswith(_IGNORED_SUFFIX) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
                 raise UnsupportedCheckpointError(f"{file}: unexpected weight {name!r} {array.shape}")
-            path = slot[0]
+            path = place[0]
             array = arch.from_hf_tensor(path, array)
             filler.put(name, array.swapaxes(-1, -2) if filler.weights[path].is_kernel else array)
     params = filler.finish()

@@ -82,7 +82,7 @@ _PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
 
 
 def checkpoint_names(weight: Weight, template: str) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Every concrete tensor name of a weight's name template, with the index of its slot in the
+    """Every concrete tensor name of a weight's name template, with the index of its place in the
     leaf: `{layer}` ranges over the leaf's axis 0, `{expert}` over axis 1."""
     kinds = _PLACEHOLDER.findall(template)
     ranges = [range(weight.shape[0 if kind == "layer" else 1]) for kind in kinds]
@@ -97,9 +97,9 @@ class ParamFiller:
     """A preallocated parameter tree that loaders fill one checkpoint tensor at a time.
 
     `names` picks a format's tensor names from each declared weight (`lambda w: w.hf`, say); a
-    tensor fills the slot its name picks (a whole leaf, one layer's part or one expert's). Writing
+    tensor fills the place its name picks (a whole leaf, one layer's part or one expert's). Writing
     into the final stacked arrays keeps peak memory at one copy of the weights plus one tensor;
-    `finish` names every slot no tensor filled. `declaration`: the weights to fill ({path: Weight};
+    `finish` names every place no tensor filled. `declaration`: the weights to fill ({path: Weight};
     by default every weight of `config`).
     """
 
@@ -116,21 +116,21 @@ class ParamFiller:
         self.weights = weights
         self.params = nest({path: np.empty(w.shape, w.dtype(dtype)) for path, w in weights.items()})
         self._leaves = dict(iter_leaves(self.params))
-        self._slots: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._places: dict[str, tuple[str, tuple[int, ...]]] = {}
         for path, w in weights.items():
             template = names(w)
             if template is None:
                 raise CheckpointError(f"{source}: this format has no tensor for {path} of {config.architecture}")
             for name, index in checkpoint_names(w, template):
-                self._slots[name] = (path, index)
-        self._empty = set(self._slots)
+                self._places[name] = (path, index)
+        self._empty = set(self._places)
 
-    def slot(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+    def place(self, name: str) -> tuple[str, tuple[int, ...]] | None:
         """(parameter path, index in the leaf) the tensor `name` fills, or None if none."""
-        return self._slots.get(name)
+        return self._places.get(name)
 
     def put(self, name: str, value: np.ndarray) -> None:
-        path, index = self._slots[name]
+        path, index = self._places[name]
         target = self._leaves[path][index]
         if value.shape != target.shape:
             raise CheckpointError(

@@ -9,7 +9,7 @@ GGUF checkpoints. Everything else derives from that declaration:
 - the shardings (`sharding.rules`, from the logical axes);
 - random weights, on the host (`random_tree`, the tiny test models) or on a device
   (`device_initializer`, the GPU check);
-- checkpoint loading (`checkpoints.hf`, `checkpoints.gguf`: the names and their slots).
+- checkpoint loading (`checkpoints.hf`, `checkpoints.gguf`: the names and their places).
 
 A declaration is a nested dict of `Weight`s with the nesting of the parameter tree: per-layer
 weights are stacked under `layers` (leading axis `"layers"`), mixture-of-experts weights carry an
@@ -57,7 +57,7 @@ class Weight:
 
     `hf` / `gguf`: the tensor's name in a Hugging Face / GGUF checkpoint, with `{layer}` and
     `{expert}` where the checkpoint holds one tensor per layer / expert (None: the format has no
-    such tensor). A checkpoint tensor fills the slot of the leaf its name's placeholders pick.
+    such tensor). A checkpoint tensor fills the place in the leaf its name's placeholders pick.
 
     `quantizable`: a kernel that `--quantization` may store as integer codes and scales
     (`quantized`): the layers' projections, the output head, and an embedding table tied to the

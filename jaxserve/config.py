@@ -105,8 +105,8 @@ class EngineConfig:
     # stop checks on the device, one read per loop). 1: off. Used for iterations with nothing
     # to prefill, no speculation and no structured output.
     num_scheduler_steps: int = 1
-    # LoRA adapters (docs/lora.md): served from `max_loras` fixed-shape device slots of rank
-    # `max_lora_rank` (every step pays for all slots), with up to `max_cpu_loras` host copies
+    # LoRA adapters (docs/lora.md): served from `max_loras` fixed-shape LoRA slots of rank
+    # `max_lora_rank` (every step pays for all LoRA slots), with up to `max_cpu_loras` host copies
     # (None: max_loras). The adapters themselves are named at run time (`--lora-modules`, routes).
     enable_lora: bool = False
     max_loras: int = 1
@@ -180,7 +180,7 @@ def _check_pipeline(c: EngineConfig) -> None:
         raise ValueError(f"pipeline_microbatches must be an integer >= 1, got {c.pipeline_microbatches!r}")
     if c.pipeline_parallel_size == 1:
         return
-    # Not yet through the pipeline's stages: each needs its arrays sliced by stage (adapter slots,
+    # Not yet through the pipeline's stages: each needs its arrays sliced by stage (LoRA slots,
     # quantization scales, the cache's scales) and a test.
     unstaged = [
         name

@@ -100,7 +100,7 @@ class DataParallelEngine:
     def route(self, prompt_ids: Sequence[int], session_id: Hashable | None = None, lora: str | None = None) -> int:
         """The index of the replica a prompt would go to now (sessions stick to their replica). A
         LoRA request (`lora`, its adapter's name) counts only its adapter's cached KV and prefers
-        a replica that holds the adapter in a device slot."""
+        a replica that holds the adapter in a LoRA slot."""
         return self.replicas.index(self.placement.choose(prompt_ids, session_id, lora))
 
     def end_session(self, session_id: Hashable, pin: Pin | None = None) -> None:

@@ -18,14 +18,14 @@ Three kinds of iteration change what the overlapped loop may overlap:
   in flight is read before scheduling, and one that verifies drafts is read at once. At such
   batch sizes the device step dwarfs the host work that overlap would hide. Greedy output is the
   same either way (tests/test_speculative.py).
-- Multi-step decode (`num_scheduler_steps` K > 1): an iteration of unconstrained decodes runs up
-  to K steps in one device program and is read at once: the host's work is paid once per K
-  tokens instead of overlapped.
+- Multi-step decode (`num_scheduler_steps` K > 1, the scheduler's `DecodeLoop`): an iteration
+  of unconstrained decodes runs up to K steps in one device program and is read at once, like a
+  verify step (`SchedulerOutput.samples_several`): the host's work is paid once per K tokens
+  instead of overlapped.
 - Structured output: a constrained request's next mask depends on its last token. The next
   iteration's model step is dispatched first, then the iteration in flight is read, then the
   masks are written and the sampler dispatched (`ModelRunner.run_sampler`; a multi-host leader
-  reads the iteration in flight before scheduling whenever a constrained request waits for its
-  token).
+  mirrors the two as separate device operations, so it does the same).
 
 Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own thread only.
 
@@ -55,7 +55,6 @@ from jaxserve.kv import CopyStage, DiskTier, build_kv_manager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_lower_tier
 from jaxserve.lora.manager import AdapterRef, LoraManager
-from jaxserve.lora.peft import LoraWeights
 from jaxserve.output_processor import OutputProcessor, StepStats
 from jaxserve.outputs import Delta, FinishReason
 from jaxserve.pooling import PromptPooling
@@ -179,30 +178,6 @@ class LLMEngine(EngineCoreOps):
         except KeyError:
             raise UnknownAdapterError(f"the model {name!r} does not exist") from None
 
-    # ----- LoRA adapters (see jaxserve/lora/manager.py) ----------------------------------------
-
-    def add_lora(self, name: str, path: str, weights: LoraWeights | None = None) -> None:
-        """Serve the PEFT adapter at `path` as model `name` (ValueError if it cannot be served),
-        with `weights` that `read_lora(path)` returned, or read now."""
-        self.require_lora().add(name, path, weights)
-
-    def require_lora(self) -> LoraManager:
-        """The LoRA manager (ValueError when LoRA is not enabled)."""
-        if self.lora is None:
-            raise ValueError("LoRA adapters are not enabled (start the engine with enable_lora)")
-        return self.lora
-
-    def remove_lora(self, name: str) -> None:
-        """Stop serving adapter `name` (UnknownAdapterError if it is not served); its running
-        requests finish."""
-        if self.lora is None or name not in self.lora.names():
-            raise UnknownAdapterError(f"no LoRA adapter named {name!r} is loaded")
-        self.lora.remove(name)
-
-    def lora_adapters(self) -> dict[str, str]:
-        """The adapters served: name -> directory."""
-        return {} if self.lora is None else self.lora.names()
-
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, or ValueError when it cannot be served (see `engine_client.encode_prompt`)."""
         return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.config.max_model_len)
@@ -321,15 +296,15 @@ class LLMEngine(EngineCoreOps):
         """Launch iteration N+1, then read iteration N (see the module docstring for when N is
         read first, and when N+1 is read at once)."""
         deltas: list[Delta] = []
-        masks_after_read = self.runner.mirror is None  # multi-host: masks go before the model step
-        if self._in_flight is not None and (
-            (self.proposer is not None and self.proposer.may_propose(len(self.scheduler.running)))
-            or (not masks_after_read and self.scheduler.awaits_tokens())
+        if (
+            self._in_flight is not None
+            and self.proposer is not None
+            and self.proposer.may_propose(len(self.scheduler.running))
         ):
             deltas += self._read(self._take_in_flight())
-        sched = self.scheduler.schedule(masks_after_read=masks_after_read)
+        sched = self.scheduler.schedule()
         handle = self._launch(sched, deltas)
-        if sched.is_speculative or sched.is_multi_step:  # its next iteration depends on what it kept
+        if sched.samples_several:  # its next iteration depends on what it kept
             for launched in (self._take_in_flight(), handle):
                 if launched is not None:
                     deltas += self._read(launched)
@@ -358,7 +333,7 @@ class LLMEngine(EngineCoreOps):
         self.runner.run_sampler(handle)
         for pooled in prepared.pooled:  # a recompute launched later does not pool these again
             pooled.request.pooling.on_launched(pooled.positions)
-        self.kv.loads.submit()  # after the launch: the copies that read their slots have run
+        self.kv.loads.submit()  # after the launch: the copies that read their host slots have run
         self.stats.count_launch(sched, prepared, self.runner.last_prepare_time + self.runner.last_launch_time)
         return handle
 

@@ -86,7 +86,7 @@ class ReplicaLora(Protocol):
 
 
 class EngineCore(ReplicaRequests, PlacementTarget, SessionPins, KVBlockIO, ReplicaLora, Protocol):
-    """One engine replica: requests and steps, its prefix cache and adapter slots as placement
+    """One engine replica: requests and steps, its prefix cache and LoRA slots as placement
     sees them, session pins, KV blocks in and out, LoRA adapters. Not thread-safe: one thread
     (the engine thread) calls it."""
 

@@ -80,7 +80,7 @@ class EngineSnapshot:
     # assignments since the start, and in the last model step read.
     expert_tokens: tuple[int, ...] = ()
     expert_load: tuple[int, ...] = ()
-    # LoRA: adapters in device slots now, adapters read from disk and written into slots since the
+    # LoRA: adapters in LoRA slots now, adapters read from disk and written into LoRA slots since the
     # start, and requests per adapter name (sorted by name).
     lora_resident: int = 0
     lora_disk_loads: int = 0

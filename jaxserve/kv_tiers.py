@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 def kv_fingerprint(runner: ModelRunner, model_name: str, model_layers: bool = False) -> bytes:
     """Everything that changes the bytes of a KV block: as this runner's cache holds them (the disk
     tier's files), or with `model_layers` as the KV handoff moves them, one row per model layer
-    (uneven pipeline stages' identity slots left out: `jaxserve.kv_transfer`)."""
+    (uneven pipeline stages' identity layers left out: `jaxserve.kv_transfer`)."""
     config, ec = runner.config, runner.engine_config
     if model_layers and runner.stages is not None:
         config = model_layers_config(config, runner.stages)

@@ -40,8 +40,8 @@ from sharding.pipeline import pad_layers
 
 def block_layout(runner: ModelRunner) -> BlockLayout:
     """A block as the handoff moves it: [model layers, kv heads, block size, head dim] (uneven
-    pipeline stages' identity slots are not sent)."""
-    host = runner.blocks.host_k  # [served layers, kv_heads, slots, block_size, head_dim]
+    pipeline stages' identity layers are not sent)."""
+    host = runner.blocks.host_k  # [served layers, kv_heads, host slots, block_size, head_dim]
     stages = runner.stages
     layers = host.shape[0] if stages is None else stages.num_layers
     return BlockLayout((layers, host.shape[1], *host.shape[3:]), host.dtype)
@@ -81,7 +81,7 @@ def write_blocks(
     and add them to the prefix cache; returns the hold of the longer path (it replaces `hold`).
     Fewer blocks are taken when the pool is short (the request recomputes the rest)."""
     stages = runner.stages
-    if stages is not None:  # into this engine's stage slots (identity slots: zeros, never read)
+    if stages is not None:  # into this engine's stage layers (identity layers: zeros, never read)
         k, v = pad_layers(k, stages), pad_layers(v, stages)
 
     def write(cache, blocks: list[int], first: int):
@@ -123,8 +123,8 @@ def write_staged_blocks(
 
 
 def check_device_layout(runner: ModelRunner) -> None:
-    """Staged arrays carry the cache's own layer slots: engines with uneven pipeline stages
-    (identity slots among them) hand blocks over as bytes only."""
+    """Staged arrays carry the cache's own layer positions: engines with uneven pipeline stages
+    (identity layers among them) hand blocks over as bytes only."""
     if runner.stages is not None and runner.stages.is_uneven:
         raise ValueError(f"uneven pipeline stages ({runner.stages.describe()}) move KV as bytes, not device to device")
 

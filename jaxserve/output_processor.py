@@ -112,7 +112,7 @@ class OutputProcessor:
         if chunk.draft:
             self.stats.draft_tokens += len(chunk.draft)
             self.stats.accepted_tokens += len(tokens) - 1
-        if reason is None and (chunk.draft or chunk.num_steps > 1):
+        if reason is None and chunk.samples_several:
             self.scheduler.accept_tokens(req, len(tokens) - 1)
         return reason
 

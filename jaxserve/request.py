@@ -38,7 +38,7 @@ class Request:
     """One sequence being generated. `n > 1` requests are expanded into n of these by the engine.
 
     `num_computed_tokens` counts the tokens whose K/V are in the cache (or are being written by a
-    launched step). The tokens to compute next are `all_token_ids[num_computed_tokens:]`: the
+    launched step). The tokens to compute next are `copy_tokens(num_computed_tokens)`: the
     rest of the prompt while prefilling, then the one token sampled last step, which may still
     be a PLACEHOLDER while that step runs.
     """
@@ -64,23 +64,31 @@ class Request:
     # Content keys of its full blocks (`jaxserve.kv.content_keys`), computed as far as asked: the
     # prefix cache's disk tier and the scheduler's check for blocks another prefill computes.
     block_keys: ChainKeys | None = None
-    batch_slot: int | None = None  # its slot in the runner's persistent batch while it runs
+    batch_row: int | None = None  # its row of the runner's persistent batch while it runs
     # Its output as text: detokenized, stop strings found, cut into deltas (the engine's).
     text: TextStream | None = dataclasses.field(default=None, repr=False)
     pooling: PromptPooling | None = None  # an embedding request: its prompt's pooled rows so far
     adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
-    lora_slot: int = -1  # the device slot its adapter is pinned in while it runs (-1: none)
+    lora_slot: int = -1  # the LoRA slot its adapter is pinned in while it runs (-1: none)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def copy_tokens(self, start: int = 0, stop: int | None = None) -> list[int]:
+        """A new list of the sequence's tokens [start, stop) (0 <= start <= stop <= num_tokens;
+        default: to the end), the prompt's then the output's. It copies that range only: a caller
+        that needs the length, the last token or a few tokens asks for just those."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        stop = self.num_tokens if stop is None else stop
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return prompt[start:] + self.output_token_ids[: stop - n]
 
-    @property
-    def cache_token_ids(self) -> list[int]:
-        """`all_token_ids` as the prefix cache keys them: a LoRA request's first token salted by
-        its adapter (`AdapterRef.salt`), so KV computed with different adapters is never shared."""
-        ids = self.all_token_ids
-        if self.adapter is not None:
+    def copy_cache_tokens(self, stop: int | None = None) -> list[int]:
+        """`copy_tokens(0, stop)` as the prefix cache keys them: a LoRA request's first token
+        salted by its adapter (`AdapterRef.salt`), so KV computed with different adapters is never
+        shared."""
+        ids = self.copy_tokens(0, stop)
+        if self.adapter is not None and ids:
             ids[0] = self.adapter.salt(ids[0])
         return ids
 

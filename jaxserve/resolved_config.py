@@ -133,12 +133,12 @@ def _max_model_len(config: EngineConfig, context: int, capacity: int) -> int:
 
 
 def _num_host_slots(config: EngineConfig, block_bytes: int, max_blocks_per_seq: int) -> int:
-    """Host-tier slots: the larger of swap_space_blocks and kv_host_bytes; with a disk or pool tier and neither
-    set, room for two requests of max_model_len (disk loads land there)."""
-    slots = max(config.swap_space_blocks, config.kv_host_bytes // block_bytes)
-    if (config.kv_disk_dir is not None or config.kv_pool is not None) and slots == 0:
-        slots = 2 * max_blocks_per_seq
-    return slots
+    """Host slots: the larger of swap_space_blocks and kv_host_bytes; with a disk or pool tier and
+    neither set, room for two requests of max_model_len (disk loads land there)."""
+    host_slots = max(config.swap_space_blocks, config.kv_host_bytes // block_bytes)
+    if (config.kv_disk_dir is not None or config.kv_pool is not None) and host_slots == 0:
+        host_slots = 2 * max_blocks_per_seq
+    return host_slots
 
 
 def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -155,7 +155,7 @@ def _buckets(config: EngineConfig, max_model_len: int, batched: int) -> dict[str
     """The shape buckets given (sorted, without repeats), and the ones left unset derived from the limits."""
     given = {name: tuple(sorted(set(getattr(config, name) or ()))) for name in BUCKETS}
     decode = given["decode_batch_buckets"] or _geometric(1, config.max_num_seqs, 2)
-    # One count: a prefill step's unused sequence slots cost a few empty attention tiles and logits rows,
+    # One count: a prefill step's unused sequence entries cost a few empty attention tiles and logits rows,
     # less than compiling a variant per count would.
     seqs = given["prefill_seq_buckets"] or (config.max_prefill_seqs,)
     rows = max(decode[-1], seqs[-1])

@@ -54,7 +54,7 @@ class SamplerOutput(NamedTuple):
 def sample(
     logits: jax.Array, t: SamplingTensors, counts: PenaltyCounts, num_top_logprobs: int = MAX_LOGPROBS
 ) -> tuple[SamplerOutput, PenaltyCounts]:
-    """Chooses one token per row of `logits` f32[B, V] and counts it in its row's penalty slot.
+    """Chooses one token per row of `logits` f32[B, V] and counts it in its PenaltyCounts row.
     `num_top_logprobs` is static."""
     raw = logits.astype(jnp.float32)
     biased = lax.cond(jnp.any(t.bias_ids >= 0), apply_logit_bias, lambda x, *_: x, raw, t)
@@ -74,13 +74,13 @@ def sample(
 
 
 def _count_tokens(counts: PenaltyCounts, t: SamplingTensors, tokens: jax.Array) -> PenaltyCounts:
-    """Add each penalised row's sampled token to its slot (the spare slot is left at zero)."""
-    counted = (t.penalty_slots != counts.spare_slot).astype(jnp.int32)
-    return dataclasses.replace(counts, output=counts.output.at[t.penalty_slots, tokens].add(counted))
+    """Add each penalised row's sampled token to its PenaltyCounts row (the spare row is left at zero)."""
+    counted = (t.penalty_rows != counts.spare_row).astype(jnp.int32)
+    return dataclasses.replace(counts, output=counts.output.at[t.penalty_rows, tokens].add(counted))
 
 
 def apply_logit_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Adds each row's biases to its tokens' logits (empty slots, id -1, are dropped)."""
+    """Adds each row's biases to its tokens' logits (empty entries, id -1, are dropped)."""
     vocab = logits.shape[1]
     rows = lax.broadcasted_iota(jnp.int32, t.bias_ids.shape, 0)
     ids = jnp.where(t.bias_ids < 0, vocab, t.bias_ids)
@@ -98,7 +98,7 @@ def apply_token_mask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors, counts: PenaltyCounts) -> jax.Array:
     """Repetition penalty over prompt + output tokens, then frequency and presence over output."""
-    return penalize(logits, t, counts.output[t.penalty_slots], counts.prompt[t.penalty_slots])
+    return penalize(logits, t, counts.output[t.penalty_rows], counts.prompt[t.penalty_rows])
 
 
 def penalize(logits: jax.Array, t: SamplingTensors, output_counts: jax.Array, in_prompt: jax.Array) -> jax.Array:

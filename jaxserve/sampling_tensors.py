@@ -1,7 +1,7 @@
 """The sampler's inputs: each row's sampling settings (`SamplingTensors`, built on the host from
 a request's `SamplingParams`, one int32 array of settings shipped per step), and the penalties'
-per-request token counts that live on the device (`PenaltyCounts`, one row per penalty slot: a
-row is set from the request's history once, when it gets its slot, by `set_penalty_rows`).
+per-request token counts that live on the device (`PenaltyCounts`, one row per batch row: a
+row is set from the request's history once, when it gets its batch row, by `set_penalty_rows`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from jax import lax
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_EOS_IDS = 8
-# Bias slots per row: the request's logit_bias, then the stop tokens banned before min_tokens.
-BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
+# Bias entries per row: the request's logit_bias, then the stop tokens banned before min_tokens.
+BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,25 +30,28 @@ class RowSampling:
     seed: int  # the request's seed, or the one drawn for it at creation
     position: int  # index (in the whole sequence) of the token being generated
     banned_ids: Sequence[int] = ()  # tokens that cannot be sampled now (stop tokens before min_tokens)
-    penalty_slot: int = -1  # its row of PenaltyCounts (requests with penalties only)
+    penalty_row: int = -1  # its row of PenaltyCounts (requests with penalties only)
     token_mask: np.ndarray | None = None  # int32[ceil(V / 32)] allowed tokens (structured output)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PenaltyCounts:
-    """Device state of the penalties: per slot, how often each token was generated, and which
-    tokens the prompt holds. The last row is the spare slot of rows without penalties (zeros)."""
+    """Device state of the penalties: per batch row, how often each token was generated, and which
+    tokens the prompt holds. The last row is the spare row of rows without penalties (zeros)."""
 
     output: jax.Array  # i32[S + 1, V]
     prompt: jax.Array  # bool[S + 1, V]
 
     @classmethod
-    def zeros(cls, num_slots: int, vocab_size: int) -> PenaltyCounts:
-        return cls(jnp.zeros((num_slots + 1, vocab_size), jnp.int32), jnp.zeros((num_slots + 1, vocab_size), jnp.bool_))
+    def zeros(cls, num_batch_rows: int, vocab_size: int) -> PenaltyCounts:
+        return cls(
+            jnp.zeros((num_batch_rows + 1, vocab_size), jnp.int32),
+            jnp.zeros((num_batch_rows + 1, vocab_size), jnp.bool_),
+        )
 
     @property
-    def spare_slot(self) -> int:
+    def spare_row(self) -> int:
         return self.output.shape[0] - 1
 
 
@@ -70,9 +73,9 @@ def penalty_history(
 
 
 def set_penalty_rows(
-    counts: PenaltyCounts, slots: jax.Array, history: jax.Array, is_output: jax.Array
+    counts: PenaltyCounts, batch_rows: jax.Array, history: jax.Array, is_output: jax.Array
 ) -> PenaltyCounts:
-    """Set rows `slots` [R] (-1 = none) from histories [R, L] (token ids, -1 = empty) whose
+    """Set rows `batch_rows` [R] (-1 = none) from histories [R, L] (token ids, -1 = empty) whose
     `is_output` [R, L] marks the generated tokens."""
     vocab = counts.output.shape[1]
     rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
@@ -80,7 +83,7 @@ def set_penalty_rows(
     output = jnp.zeros((history.shape[0], vocab), jnp.int32).at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
     prompt_ids = jnp.where(is_output, vocab, ids)
     prompt = jnp.zeros((history.shape[0], vocab), jnp.bool_).at[rows, prompt_ids].set(True, mode="drop")
-    target = jnp.where(slots < 0, counts.output.shape[0], slots)  # dropped too
+    target = jnp.where(batch_rows < 0, counts.output.shape[0], batch_rows)  # dropped too
     return PenaltyCounts(
         counts.output.at[target].set(output, mode="drop"), counts.prompt.at[target].set(prompt, mode="drop")
     )
@@ -126,8 +129,8 @@ class SamplingTensors:
     SETTING_WORDS: ClassVar[int] = 0  # columns of `settings` (counted as the settings are defined)
 
     settings: jax.Array  # i32[B, SETTING_WORDS]
-    bias_ids: jax.Array  # i32[B, BIAS_SLOTS]: tokens with a logit bias, -1 = empty
-    bias_values: jax.Array  # f32[B, BIAS_SLOTS]: their biases (-inf bans a token)
+    bias_ids: jax.Array  # i32[B, BIAS_WIDTH]: tokens with a logit bias, -1 = empty
+    bias_values: jax.Array  # f32[B, BIAS_WIDTH]: their biases (-inf bans a token)
     token_mask: jax.Array  # i32[B, W]: bit t % 32 of word t // 32 = token t allowed; -1 = all
 
     temperature = _Setting(np.float32)  # f32[B]; 0 = greedy
@@ -140,27 +143,27 @@ class SamplingTensors:
     seed = _Setting(np.uint32, 2)  # u32[B, 2]: threefry key data (high, low 32 bits of the 64-bit seed)
     positions = _Setting(np.int32)  # i32[B]: position of the token being generated
     num_logprobs = _Setting(np.int32)  # i32[B]: -1 = none, 0 = sampled token only, k = also top k
-    penalty_slots = _Setting(np.int32)  # i32[B]: each row's PenaltyCounts row (the spare one: no penalties)
+    penalty_rows = _Setting(np.int32)  # i32[B]: each row's PenaltyCounts row (the spare one: no penalties)
 
     @classmethod
     def build(
         cls,
         rows: Sequence[RowSampling | None],
         batch_size: int,
-        spare_slot: int,
+        spare_row: int,
         mask_words: int = 0,
     ) -> SamplingTensors:
         """Pads `rows` (None = padding row) to `batch_size` rows of numpy arrays. Rows without
-        penalties read PenaltyCounts row `spare_slot`; the token mask has `mask_words` =
-        ceil(V / 32) words per row. (The engine builds each request's rows once, in its slot of
+        penalties read PenaltyCounts row `spare_row`; the token mask has `mask_words` =
+        ceil(V / 32) words per row. (The engine builds each request's rows once, in its batch row of
         the persistent batch, `jaxserve/runner/input_batch.py`.)"""
         if len(rows) > batch_size:
             raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
         live = [i for i, row in enumerate(rows) if row is not None]
         t = cls(
             settings=np.zeros((batch_size, cls.SETTING_WORDS), np.int32),
-            bias_ids=np.full((batch_size, BIAS_SLOTS), -1, np.int32),
-            bias_values=np.zeros((batch_size, BIAS_SLOTS), np.float32),
+            bias_ids=np.full((batch_size, BIAS_WIDTH), -1, np.int32),
+            bias_values=np.zeros((batch_size, BIAS_WIDTH), np.float32),
             token_mask=np.full((batch_size, mask_words), -1, np.int32),
         )
         masked = [i for i in live if rows[i].token_mask is not None]
@@ -172,7 +175,7 @@ class SamplingTensors:
         t.top_p[:] = 1.0
         t.repetition_penalty[:] = 1.0
         t.num_logprobs[:] = -1
-        t.penalty_slots[:] = spare_slot
+        t.penalty_rows[:] = spare_row
         if live:
             # One float64 table for the per-row scalars (all exact in float64), then columns.
             table = np.array([_row_scalars(rows[i]) for i in live], np.float64)
@@ -194,11 +197,11 @@ class SamplingTensors:
             for i in live:
                 params = rows[i].params
                 if params.has_penalties:
-                    t.penalty_slots[i] = rows[i].penalty_slot
+                    t.penalty_rows[i] = rows[i].penalty_row
                 if params.logit_bias or rows[i].banned_ids:
                     biased = {**(params.logit_bias or {}), **dict.fromkeys(rows[i].banned_ids, -np.inf)}
-                    if len(biased) > BIAS_SLOTS:
-                        raise ValueError(f"{len(biased)} biased tokens exceed the {BIAS_SLOTS} bias slots")
+                    if len(biased) > BIAS_WIDTH:
+                        raise ValueError(f"{len(biased)} biased tokens exceed the {BIAS_WIDTH} bias entries")
                     t.bias_ids[i, : len(biased)] = list(biased)
                     t.bias_values[i, : len(biased)] = list(biased.values())
         return t

@@ -140,13 +140,13 @@ def _expert_metrics(s: EngineSnapshot) -> Iterator[Metric]:
 
 
 def _lora_metrics(s: EngineSnapshot) -> Iterator[Metric]:
-    """LoRA adapters: slots in use, loads, requests per adapter (summed over replicas)."""
-    yield GaugeMetricFamily(f"{PREFIX}_lora_resident_adapters", "LoRA adapters in device slots", value=s.lora_resident)
+    """LoRA adapters: LoRA slots in use, loads, requests per adapter (summed over replicas)."""
+    yield GaugeMetricFamily(f"{PREFIX}_lora_resident_adapters", "LoRA adapters in LoRA slots", value=s.lora_resident)
     yield CounterMetricFamily(
         f"{PREFIX}_lora_disk_loads", "LoRA adapters read from disk into host memory", value=s.lora_disk_loads
     )
     yield CounterMetricFamily(
-        f"{PREFIX}_lora_device_loads", "LoRA adapters written into a device slot", value=s.lora_device_loads
+        f"{PREFIX}_lora_device_loads", "LoRA adapters written into a LoRA slot", value=s.lora_device_loads
     )
     requests = CounterMetricFamily(f"{PREFIX}_lora_requests", "Requests run with each LoRA adapter", labels=["adapter"])
     for name, count in s.lora_requests:

@@ -2,12 +2,12 @@
 
 Stage s holds a contiguous range of layers (their weights and their part of the KV cache). The
 layers are stacked on a leading axis, and a stacked array split over `pp` gives each device the
-same number of layers, so the stacks are laid out with `layers_per_stage` = ceil(L / P) slots per
+same number of layers, so the stacks are laid out with `layers_per_stage` = ceil(L / P) positions per
 stage. When P does not divide L the stages are uneven: the first L % P stages hold one layer more
-than the others, and each shorter stage ends with one *identity* slot, a layer whose weights are
+than the others, and each shorter stage ends with one *identity* layer, a layer whose weights are
 all zero (with zero weights a pre-norm residual block adds nothing: its attention reads V = 0,
-its MLP's projections are 0). An identity slot costs the compute of a layer and its KV cache
-slice; it never changes a result. `padded_index` maps each slot to its model layer (-1: identity).
+its MLP's projections are 0). An identity layer costs the compute of a layer and its KV cache
+slice; it never changes a result. `padded_index` maps each position to its model layer (-1: identity).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class PipelinePlan:
 
     @property
     def padded_layers(self) -> int:
-        """Slots of the stacked layer axis: layers_per_stage x num_stages."""
+        """Positions of the stacked layer axis: layers_per_stage x num_stages."""
         return self.layers_per_stage * self.num_stages
 
     def stage_layers(self, stage: int) -> range:
@@ -43,7 +43,7 @@ class PipelinePlan:
 
     @property
     def padded_index(self) -> np.ndarray:
-        """[padded_layers] int32: the model layer in each slot of the stacked layer axis, -1 for an identity slot."""
+        """[padded_layers] int32: the model layer at each position of the stacked layer axis (-1: identity)."""
         index = np.full(self.padded_layers, -1, np.int32)
         for s in range(self.num_stages):
             layers = self.stage_layers(s)
@@ -57,7 +57,7 @@ class PipelinePlan:
     def describe(self) -> str:
         """The stages' layer ranges, e.g. `pp=3: layers 0-9 | 10-19 | 20-29`."""
         ranges = " | ".join(f"{r.start}-{r.stop - 1}" for r in map(self.stage_layers, range(self.num_stages)))
-        pad = f" ({self.padded_layers - self.num_layers} identity slots)" if self.is_uneven else ""
+        pad = f" ({self.padded_layers - self.num_layers} identity layers)" if self.is_uneven else ""
         return f"pp={self.num_stages}: layers {ranges}{pad}"
 
 
@@ -75,8 +75,8 @@ def plan_pipeline(num_layers: int, pipeline_parallel_size: int) -> PipelinePlan:
 
 
 def pad_layers(stacked: Any, plan: PipelinePlan) -> Any:
-    """A stacked [L, ...] array (numpy or jax) laid out in the plan's slots [padded_layers, ...]:
-    each stage's layers, then zeros in its identity slots. Unchanged when the stages are even."""
+    """A stacked [L, ...] array (numpy or jax) laid out in the plan's layer positions [padded_layers, ...]:
+    each stage's layers, then zeros in its identity layers. Unchanged when the stages are even."""
     if not plan.is_uneven:
         return stacked
     index = plan.padded_index

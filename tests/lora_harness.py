@@ -31,7 +31,7 @@ LORA_ENGINE = dict(
     max_lora_rank=16,
     max_cpu_loras=5,
 )
-# A fifth adapter: one more than the device slots.
+# A fifth adapter: one more than the LoRA slots.
 EXTRA = AdapterSpec("extra-r2", 2, 2.0, ("o_proj", "down_proj"), seed=5)
 ALL_ADAPTERS = (*TINY_ADAPTERS, EXTRA)
 

@@ -136,10 +136,10 @@ def test_a_penalty_row_set_while_its_last_token_is_in_flight_counts_that_token(m
     runner.state = runner.state.with_sampler(dataclasses.replace(runner.state.sampler, sampled=last))
     batch = runner.inputs.batch
     batch.join(req)
-    batch.launched(1, [(np.array([batch.slot(req)]), 3)])  # the launch sampling its next token, at row 3
+    batch.launched(1, [(np.array([batch.row_of(req)]), 3)])  # the launch sampling its next token, at row 3
     req.output_token_ids.append(PLACEHOLDER)
     runner.run_model(SchedulerOutput(), PreparedStep([runner.inputs.penalty_reset([req])], [req], [], []))
-    counts = np.asarray(runner.state.sampler.penalty_counts.output)[runner.inputs.batch.slot(req)]
+    counts = np.asarray(runner.state.sampler.penalty_counts.output)[runner.inputs.batch.row_of(req)]
     assert counts[9] == 1 and counts[23] == 1 and counts.sum() == 2
 
 

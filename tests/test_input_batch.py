@@ -1,7 +1,7 @@
-"""The persistent batch: a step's sampling tensors gathered from slot rows equal the ones built
+"""The persistent batch: a step's sampling tensors gathered from batch rows equal the ones built
 from each row's settings, whatever joined, left or changed state between steps; block-table rows
 follow the KV manager's tables incrementally (growth, a block swapped for the cache's copy, swap,
-released slots, a slot given to another request); positions and tokens follow launches and reads;
+released batch rows, a batch row given to another request); positions and tokens follow launches and reads;
 and the arrays of every program an engine runs (through the real scheduler and KV manager, the tiny
 model) equal the ones rebuilt from its scheduled chunks row by row."""
 
@@ -17,15 +17,15 @@ from jaxserve import LLM
 from jaxserve.kv import KVHandle, build_kv_manager
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request, RequestStatus
-from jaxserve.runner.input_batch import STOP_ID_SLOTS, InputBatch
+from jaxserve.runner.input_batch import STOP_ID_WIDTH, InputBatch
 from jaxserve.runner.inputs import StepInputs
 from jaxserve.runner.prepared_step import Program
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sampling_tensors import BIAS_SLOTS, RowSampling, SamplingTensors
+from jaxserve.sampling_tensors import BIAS_WIDTH, RowSampling, SamplingTensors
 from jaxserve.scheduler.output import ScheduledChunk
 from jaxserve.structured import GuidedDecoding
 
-SLOTS = 4
+BATCH_ROWS = 4
 WIDTH = 8  # block-table row width of the unit tests' batches
 
 
@@ -50,7 +50,7 @@ def built(batch: InputBatch, rows: list[tuple[int, Request, int]], num_rows: int
             req.seed,
             req.num_tokens + ahead,
             banned_ids=tuple(req.stop_token_ids) if banned else (),
-            penalty_slot=batch.slot(req) if req.params.has_penalties else -1,
+            penalty_row=batch.row_of(req) if req.params.has_penalties else -1,
             token_mask=np.full(batch.mask_words, -1, np.int32) if masked else None,
         )
     return SamplingTensors.build(settings, num_rows, batch.spare, mask_words=batch.mask_words)
@@ -59,7 +59,7 @@ def built(batch: InputBatch, rows: list[tuple[int, Request, int]], num_rows: int
 def gathered(batch: InputBatch, rows: list[tuple[int, Request, int]], num_rows: int, masked: bool) -> SamplingTensors:
     """The batch's sampling tensors of the same rows (its one index array per argument)."""
     index, requests, ahead = zip(*rows) if rows else ((), (), ())
-    return batch.sampling(np.array(index, np.intp), batch.slots(requests), np.array(ahead, np.intp), num_rows, masked)
+    return batch.sampling(np.array(index, np.intp), batch.rows_of(requests), np.array(ahead, np.intp), num_rows, masked)
 
 
 def assert_same(a: SamplingTensors, b: SamplingTensors) -> None:
@@ -76,26 +76,26 @@ MIXED = [
 
 
 def test_gathered_rows_equal_built_rows_as_requests_join_leave_and_pass_min_tokens():
-    batch = InputBatch(SLOTS, filled, mask_words=3, max_blocks=WIDTH)
+    batch = InputBatch(BATCH_ROWS, filled, mask_words=3, max_blocks=WIDTH)
     reqs = [running(f"r{i}", p, seed=100 + i, outputs=i) for i, p in enumerate(MIXED)]
     for step in range(5):
         for req in reqs:
             batch.join(req)
-        rows = [(j, req, 0) for j, req in enumerate(reversed(reqs))]  # any order, not slot order
+        rows = [(j, req, 0) for j, req in enumerate(reversed(reqs))]  # any order, not batch_row order
         for masked in (False, True):
             assert_same(gathered(batch, rows, 6, masked), built(batch, rows, 6, masked))
         for req in reqs:
             req.output_token_ids.append(1)  # r2 passes its min_tokens at the second step
-        batch.launched(step + 1, [(batch.slots(reqs), 0)])  # the step that sampled those
-        if step == 2:  # one leaves, a new one takes its slot
+        batch.launched(step + 1, [(batch.rows_of(reqs), 0)])  # the step that sampled those
+        if step == 2:  # one leaves, a new one takes its batch row
             reqs[1].status = RequestStatus.FINISHED
             batch.release_finished()
             reqs[1] = running("late", SamplingParams(temperature=0.3, logit_bias={9: -2.0}, min_tokens=9), seed=5)
-    assert len(batch) == SLOTS
+    assert len(batch) == BATCH_ROWS
 
 
 def test_draft_rows_sample_positions_ahead_with_their_own_stop_token_ban():
-    batch = InputBatch(SLOTS, filled, mask_words=0, max_blocks=WIDTH)
+    batch = InputBatch(BATCH_ROWS, filled, mask_words=0, max_blocks=WIDTH)
     req = running("v", SamplingParams(temperature=0.0, min_tokens=3), seed=0, outputs=1)
     batch.join(req)
     rows = [(j, req, j) for j in range(4)]  # banned at 0 and 1 drafts ahead, free from 2
@@ -105,22 +105,22 @@ def test_draft_rows_sample_positions_ahead_with_their_own_stop_token_ban():
     assert [bool((t.bias_ids[j] == 2).any()) for j in range(4)] == [True, True, False, False]
 
 
-def test_slots_are_reused_and_penalty_rows_start_unset():
+def test_batch_rows_are_reused_and_penalty_rows_start_unset():
     batch = InputBatch(2, filled, mask_words=0, max_blocks=WIDTH)
     a = running("a", SamplingParams(presence_penalty=1.0), 0)
     b = running("b", SamplingParams(), 1)
     batch.join(a), batch.join(b), batch.join(a)
-    assert {batch.slot(a), batch.slot(b)} == {0, 1} and batch.unset == {a}
+    assert {batch.row_of(a), batch.row_of(b)} == {0, 1} and batch.unset == {a}
     before = gathered(batch, [(0, a, 0)], 2, masked=False)
-    a.status = RequestStatus.PREEMPTED  # leaves; comes back with a fresh slot and an unset row
+    a.status = RequestStatus.PREEMPTED  # leaves; comes back with a fresh batch row and an unset row
     batch.release_finished()
     assert batch.unset == set() and len(batch) == 1
     c = running("c", SamplingParams(temperature=0.9, seed=3), 3)
     batch.join(c)
-    assert batch.slot(c) == 0
-    assert before.presence_penalty[0] == 1.0 and before.penalty_slots[0] == 0  # arrays handed out stay
+    assert batch.row_of(c) == 0
+    assert before.presence_penalty[0] == 1.0 and before.penalty_rows[0] == 0  # arrays handed out stay
     with pytest.raises(KeyError):
-        batch.slots([a])
+        batch.rows_of([a])
 
 
 def test_tables_no_row_uses_come_from_the_constant_arrays():
@@ -130,14 +130,14 @@ def test_tables_no_row_uses_come_from_the_constant_arrays():
         made.append(shape)
         return np.full(shape, fill, dtype)
 
-    batch = InputBatch(SLOTS, constant, mask_words=2, max_blocks=WIDTH)
+    batch = InputBatch(BATCH_ROWS, constant, mask_words=2, max_blocks=WIDTH)
     plain = running("p", SamplingParams(temperature=0.0), 0)
     biased = running("b", SamplingParams(logit_bias={3: 2.0}), 1)
     batch.join(plain), batch.join(biased)
     made.clear()
     t = gathered(batch, [(1, plain, 0)], 3, masked=False)
-    assert made == [(3, BIAS_SLOTS), (3, BIAS_SLOTS), (3, 2)]
-    assert list(t.penalty_slots) == [SLOTS] * 3 and list(t.temperature) == [0.0] * 3
+    assert made == [(3, BIAS_WIDTH), (3, BIAS_WIDTH), (3, 2)]
+    assert list(t.penalty_rows) == [BATCH_ROWS] * 3 and list(t.temperature) == [0.0] * 3
     made.clear()
     t = gathered(batch, [(0, plain, 0), (2, biased, 0)], 3, masked=True)
     assert made == []  # a biased row and a masked batch: host tables to write into
@@ -155,7 +155,7 @@ class Tables:
 
     def __init__(self, **kv):
         self.kv = build_kv_manager(64, BS, watermark_blocks=0, **kv)
-        self.batch = InputBatch(SLOTS, filled, mask_words=0, max_blocks=WIDTH)
+        self.batch = InputBatch(BATCH_ROWS, filled, mask_words=0, max_blocks=WIDTH)
         self.reqs: dict[str, Request] = {}
 
     def admit(self, rid: str, ids: list[int]) -> Request:
@@ -173,17 +173,17 @@ class Tables:
             ScheduledChunk(self.reqs[r], 0, 1, self.handle(r).block_table, True, table_version=self.handle(r).version)
             for r in rids
         ]
-        self.batch.sync_tables(self.batch.slots([c.request for c in chunks]), chunks)
+        self.batch.sync_tables(self.batch.rows_of([c.request for c in chunks]), chunks)
 
     def row(self, rid: str) -> list[int]:
-        return self.batch.tables[self.batch.slot(self.reqs[rid])].tolist()
+        return self.batch.tables[self.batch.row_of(self.reqs[rid])].tolist()
 
     def expected(self, rid: str) -> list[int]:
         table = self.handle(rid).block_table.tolist()
         return table + [0] * (WIDTH - len(table))
 
     def poison(self, rid: str, entry: int) -> None:
-        self.batch.tables[self.batch.slot(self.reqs[rid]), entry] = POISON
+        self.batch.tables[self.batch.row_of(self.reqs[rid]), entry] = POISON
 
 
 def test_a_table_row_gains_only_its_new_entries():
@@ -192,10 +192,10 @@ def test_a_table_row_gains_only_its_new_entries():
     t.sync("a")
     assert t.row("a") == t.expected("a") and t.row("a")[2:] == [0] * (WIDTH - 2)
     t.poison("a", 0)
-    assert t.kv.allocate_slots(t.handle("a"), 2)  # fills block 1: nothing new
+    assert t.kv.allocate_kv_slots(t.handle("a"), 2)  # fills block 1: nothing new
     t.sync("a")
     assert t.row("a")[0] == POISON
-    assert t.kv.allocate_slots(t.handle("a"), 2)  # a third block
+    assert t.kv.allocate_kv_slots(t.handle("a"), 2)  # a third block
     t.sync("a")
     assert t.row("a")[0] == POISON and t.row("a")[1:] == t.expected("a")[1:]  # only the new entry was written
 
@@ -209,9 +209,9 @@ def test_a_table_row_is_rewritten_after_swap_in_and_after_released_blocks_come_b
     t.sync("a")
     assert t.row("a") == t.expected("a")
     t.poison("a", 2)
-    assert t.kv.allocate_slots(t.handle("a"), 4)  # a fourth block, released (rejected drafts), then another
-    t.kv.release_slots(t.handle("a"), 9)
-    assert t.kv.allocate_slots(t.handle("a"), 4)
+    assert t.kv.allocate_kv_slots(t.handle("a"), 4)  # a fourth block, released (rejected drafts), then another
+    t.kv.release_kv_slots(t.handle("a"), 9)
+    assert t.kv.allocate_kv_slots(t.handle("a"), 4)
     t.sync("a")  # the same length as the last sync, other entries
     assert t.row("a") == t.expected("a")
 
@@ -227,16 +227,16 @@ def test_a_table_row_is_rewritten_when_a_block_is_swapped_for_the_caches_copy():
     assert t.row("b")[:2] == t.row("a")[:2] and t.row("b") == t.expected("b")
 
 
-def test_a_slot_given_to_another_request_gets_its_whole_row():
+def test_a_batch_row_given_to_another_request_gets_its_whole_row():
     t = Tables()
     a = t.admit("a", list(range(20)))
     t.sync("a")
-    slot = t.batch.slot(a)
+    batch_row = t.batch.row_of(a)
     a.status = RequestStatus.FINISHED
     t.kv.free(a.kv)
     t.batch.release_finished()
-    t.admit("b", list(range(50, 55)))  # shorter, in the same slot
-    assert t.batch.slot(t.reqs["b"]) == slot
+    t.admit("b", list(range(50, 55)))  # shorter, in the same batch row
+    assert t.batch.row_of(t.reqs["b"]) == batch_row
     t.sync("b")
     assert t.row("b") == t.expected("b") and t.row("b")[2:] == [0] * (WIDTH - 2)
 
@@ -244,9 +244,9 @@ def test_a_slot_given_to_another_request_gets_its_whole_row():
 def test_a_chunk_without_a_table_version_always_copies_its_table():
     t = Tables()
     req = t.admit("a", list(range(5)))
-    slot = np.array([t.batch.slot(req)])
+    batch_row = np.array([t.batch.row_of(req)])
     for table in ([7, 8], [9, 10]):  # hand-built chunks of the same length
-        t.batch.sync_tables(slot, [ScheduledChunk(req, 4, 1, np.array(table, np.int32), True)])
+        t.batch.sync_tables(batch_row, [ScheduledChunk(req, 4, 1, np.array(table, np.int32), True)])
         assert t.row("a") == table + [0] * (WIDTH - 2)
 
 
@@ -254,44 +254,48 @@ def test_a_chunk_without_a_table_version_always_copies_its_table():
 
 
 def test_positions_and_tokens_follow_launches_and_reads():
-    batch = InputBatch(SLOTS, filled, mask_words=0, max_blocks=WIDTH)
+    batch = InputBatch(BATCH_ROWS, filled, mask_words=0, max_blocks=WIDTH)
     a = running("a", SamplingParams(), 0, outputs=2)  # 5 tokens: the last, 11, at position 4
     b = running("b", SamplingParams(), 0)  # the prompt's last, 7, at position 2
     batch.join(a), batch.join(b)
-    slots = batch.slots([a, b])
+    batch_rows = batch.rows_of([a, b])
 
     def state() -> tuple[list[int], ...]:
-        return batch.positions[slots].tolist(), batch.tokens[slots].tolist(), batch.token_src[slots].tolist()
+        return (
+            batch.positions[batch_rows].tolist(),
+            batch.tokens[batch_rows].tolist(),
+            batch.token_src[batch_rows].tolist(),
+        )
 
     assert state() == ([4, 2], [11, 7], [-1, -1])
-    batch.launched(1, [(slots, 5)])  # both sampled: rows 5 and 6 of launch 1's tokens
+    batch.launched(1, [(batch_rows, 5)])  # both sampled: rows 5 and 6 of launch 1's tokens
     assert state() == ([5, 3], [PLACEHOLDER] * 2, [5, 6])
-    batch.launched(2, [(np.array([slots[0], batch.spare]), None)])  # a alone, in a multi-step loop
+    batch.launched(2, [(np.array([batch_rows[0], batch.spare]), None)])  # a alone, in a multi-step loop
     assert state() == ([6, 3], [PLACEHOLDER] * 2, [-1, -1])  # launch 1's tokens are gone
-    batch.read(1, slots, np.array([20, 21, 0, 0]))  # launch 1 read after launch 2
+    batch.read(1, batch_rows, np.array([20, 21, 0, 0]))  # launch 1 read after launch 2
     assert state() == ([6, 3], [PLACEHOLDER, 21], [-1, -1])  # a's last token is launch 2's
-    batch.read(2, np.array([slots[0], batch.spare]), np.array([[30, 31, 32, -1], [-1] * 4]))
+    batch.read(2, np.array([batch_rows[0], batch.spare]), np.array([[30, 31, 32, -1], [-1] * 4]))
     assert state() == ([8, 3], [32, 21], [-1, -1])  # two tokens beyond the first
-    batch.launched(3, [(slots[::-1], 0)])
+    batch.launched(3, [(batch_rows[::-1], 0)])
     assert state() == ([9, 4], [PLACEHOLDER] * 2, [1, 0])
-    b.status = RequestStatus.FINISHED  # b leaves before launch 3 is read; c takes its slot
+    b.status = RequestStatus.FINISHED  # b leaves before launch 3 is read; c takes its batch row
     batch.release_finished()
     c = running("c", SamplingParams(), 0, outputs=1)
     batch.join(c)
-    assert batch.slot(c) == slots[1]
-    batch.read(3, slots[::-1], np.array([40, 41]))
+    assert batch.row_of(c) == batch_rows[1]
+    batch.read(3, batch_rows[::-1], np.array([40, 41]))
     assert state() == ([9, 3], [41, 10], [-1, -1])  # c's row is its own
 
 
 def test_multi_step_stop_ids_start_with_min_tokens():
-    batch = InputBatch(SLOTS, filled, mask_words=0, max_blocks=WIDTH)
-    stops = list(range(40, 40 + STOP_ID_SLOTS + 2))
+    batch = InputBatch(BATCH_ROWS, filled, mask_words=0, max_blocks=WIDTH)
+    stops = list(range(40, 40 + STOP_ID_WIDTH + 2))
     req = running("s", SamplingParams(min_tokens=2, stop_token_ids=stops), 0, outputs=1)
     batch.join(req)
-    slot = np.array([batch.slot(req)])
-    assert (batch.stop_ids(slot) == -1).all()  # its next token is its second: stops banned
-    batch.launched(1, [(slot, None)])
-    assert batch.stop_ids(slot).tolist() == [sorted([2, *stops])[:STOP_ID_SLOTS]]
+    batch_row = np.array([batch.row_of(req)])
+    assert (batch.stop_ids(batch_row) == -1).all()  # its next token is its second: stops banned
+    batch.launched(1, [(batch_row, None)])
+    assert batch.stop_ids(batch_row).tolist() == [sorted([2, *stops])[:STOP_ID_WIDTH]]
 
 
 def test_a_decode_whose_token_is_neither_read_nor_in_flight_raises():
@@ -333,25 +337,25 @@ def pending(c: ScheduledChunk, prev_rows: dict[Request, int]) -> int:
 
 def rebuilt_decode(chunks, batch, width, prev_rows, bs) -> tuple:
     tokens, token_src = np.zeros(batch, np.int32), np.full(batch, -1, np.int32)
-    positions, slots, seq_lens = (np.zeros(batch, np.int32) for _ in range(3))
+    positions, kv_slots, seq_lens = (np.zeros(batch, np.int32) for _ in range(3))
     tables = rebuilt_tables(chunks, batch, width)
     for i, c in enumerate(chunks):
         tokens[i], token_src[i], positions[i] = c.request.last_token_id, pending(c, prev_rows), c.start
-        slots[i] = tables[i, c.start // bs] * bs + c.start % bs
+        kv_slots[i] = tables[i, c.start // bs] * bs + c.start % bs
         seq_lens[i] = c.start + 1
-    return tokens, positions, AttentionMetadata(slots, tables, seq_lens), np.arange(batch, dtype=np.int32), token_src
+    return tokens, positions, AttentionMetadata(kv_slots, tables, seq_lens), np.arange(batch, dtype=np.int32), token_src
 
 
 def rebuilt_multi_decode(chunks, batch, width, prev_rows) -> tuple:
     tokens, token_src = np.zeros(batch, np.int32), np.full(batch, -1, np.int32)
     positions, num_steps = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
-    stop_ids = np.full((batch, STOP_ID_SLOTS), -1, np.int32)
+    stop_ids = np.full((batch, STOP_ID_WIDTH), -1, np.int32)
     for i, c in enumerate(chunks):
         req = c.request
         tokens[i], token_src[i], positions[i] = req.last_token_id, pending(c, prev_rows), c.start
         num_steps[i] = c.num_steps
         if len(req.output_token_ids) >= req.params.min_tokens:
-            ids = sorted(req.stop_token_ids)[:STOP_ID_SLOTS]
+            ids = sorted(req.stop_token_ids)[:STOP_ID_WIDTH]
             stop_ids[i, : len(ids)] = ids
     return tokens, positions, rebuilt_tables(chunks, batch, width), num_steps, stop_ids, token_src
 
@@ -359,7 +363,7 @@ def rebuilt_multi_decode(chunks, batch, width, prev_rows) -> tuple:
 def rebuilt_prefill(inputs: StepInputs, chunks, decodes, num_tokens, num_seqs, width, prev_rows) -> tuple:
     bs, num_decodes = inputs.config.block_size, inputs.decode_rows(num_tokens)
     tokens, token_src = np.zeros(num_tokens, np.int32), np.full(num_tokens, -1, np.int32)
-    positions, slots = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+    positions, kv_slots = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
     seq_lens, query_start = np.zeros(num_seqs + num_decodes, np.int32), np.zeros(num_seqs + 1, np.int32)
     logits_indices = np.full(min(num_seqs + num_decodes, inputs.config.max_num_seqs), -1, np.int32)
     tables = np.concatenate([rebuilt_tables(chunks, num_seqs, width), rebuilt_tables(decodes, num_decodes, width)])
@@ -370,17 +374,17 @@ def rebuilt_prefill(inputs: StepInputs, chunks, decodes, num_tokens, num_seqs, w
         pos = np.arange(c.start, c.start + n)
         tokens[row : row + n], positions[row : row + n] = c.token_ids, pos
         token_src[row + n - 1] = pending(c, prev_rows)
-        slots[row : row + n] = tables[i, pos // bs] * bs + pos % bs
+        kv_slots[row : row + n] = tables[i, pos // bs] * bs + pos % bs
         seq_lens[i], query_start[i + 1], logits_indices[i] = c.start + n, row + n, row + n - 1
         row += n
     query_start[len(chunks) + 1 :] = row
     for j, c in enumerate(decodes):
         tokens[row], token_src[row], positions[row] = c.request.last_token_id, pending(c, prev_rows), c.start
-        slots[row] = tables[num_seqs + j, c.start // bs] * bs + c.start % bs
+        kv_slots[row] = tables[num_seqs + j, c.start // bs] * bs + c.start % bs
         seq_lens[num_seqs + j] = c.start + 1
         decode_rows[j] = logits_indices[len(chunks) + j] = row
         row += 1
-    meta = AttentionMetadata(slots, tables, seq_lens, query_start, decode_rows)
+    meta = AttentionMetadata(kv_slots, tables, seq_lens, query_start, decode_rows)
     return tokens, positions, meta, logits_indices, token_src
 
 

@@ -69,7 +69,7 @@ def test_swaps_keep_rows_and_scales():
 
 
 def test_disk_files_keep_rows_and_scales(tmp_path):
-    """Blocks of an int8 host tier written to the disk tier and read back into other slots come
+    """Blocks of an int8 host tier written to the disk tier and read back into other host slots come
     back byte for byte, scales included (what the engine's disk writes and loads do)."""
     rng = np.random.default_rng(1)
     host = [

@@ -43,7 +43,7 @@ def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
 def close(llm: LLM, assert_kv_all_free) -> None:
     engine = llm.engine
     assert_kv_all_free(engine)
-    assert not engine.kv.loads.pending and not engine.kv.tier_link.held_slots()
+    assert not engine.kv.loads.pending and not engine.kv.tier_link.held_host_slots()
     llm.close()  # writes what the disk lacks of the prefix cache, then waits for the writer
 
 

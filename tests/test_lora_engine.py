@@ -1,9 +1,9 @@
 """Multi-LoRA serving in the engine, on the tiny random Llama: every adapter's greedy tokens equal
 transformers + PEFT's (tests/data/lora_reference.json, made by tests/data/make_lora_reference.py
 from the same adapter bytes, tests/data/lora_adapters.py), alone and in one mixed batch with the
-base model; more adapters than device slots take turns (requests wait, none fails); the prefix
+base model; more adapters than LoRA slots take turns (requests wait, none fails); the prefix
 cache keeps adapters' KV apart; adapters come and go under load; no compilation after warm-up;
-the KV pool and the adapter slots are all free after each test.
+the KV pool and the LoRA slots are all free after each test.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def test_each_adapter_matches_peft_alone_and_in_one_mixed_batch(llm, assert_kv_a
     check_all_free(llm, assert_kv_all_free)
 
 
-def test_more_adapters_than_slots_wait_their_turn(llm, adapters, assert_kv_all_free):
-    """Five adapters on four slots, all at once: the fifth waits for a slot no running request pins."""
+def test_more_adapters_than_lora_slots_wait_their_turn(llm, adapters, assert_kv_all_free):
+    """Five adapters on four LoRA slots, all at once: the fifth waits for a LoRA slot no running request pins."""
     engine = llm.engine
     engine.add_lora(EXTRA.name, str(adapters[EXTRA.name]))
     try:
@@ -70,7 +70,7 @@ def test_more_adapters_than_slots_wait_their_turn(llm, adapters, assert_kv_all_f
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy(n, 8) for n in names], use_tqdm=False)
         assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
         assert [o.outputs[0].token_ids for o in outs[1:]] == [t[:8] for _, _, t in cases]
-        assert engine.lora.stats.device_loads > loads + 1  # slots were reused
+        assert engine.lora.stats.device_loads > loads + 1  # LoRA slots were reused
         assert engine.lora.num_resident == 4
         assert engine.num_compilations == compiled
     finally:

@@ -1,6 +1,6 @@
 """The host side of LoRA serving, without a device: PEFT adapters read into the runner's layout
 (transposed, scaled, rank-padded; refused when they cannot be served exactly), and `LoraManager`'s
-names, host copies and device slots (LRU reuse of unpinned slots, waiting when all are pinned)."""
+names, host copies and LoRA slots (LRU reuse of unpinned LoRA slots, waiting when all are pinned)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ def adapters(tmp_path_factory):
 
 
 def manager(writes: list, max_loras: int = 2, max_cpu_loras: int = 2) -> LoraManager:
-    return LoraManager(CONFIG, max_loras, max_cpu_loras, 16, lambda slot, weights: writes.append((slot, weights)))
+    return LoraManager(
+        CONFIG, max_loras, max_cpu_loras, 16, lambda lora_slot, weights: writes.append((lora_slot, weights))
+    )
 
 
 def test_peft_tensors_become_scaled_transposed_padded_stacks(adapters):
@@ -69,22 +71,22 @@ def test_regex_target_modules_select_their_projections(adapters, tmp_path):
     assert set(load_peft_adapter(str(tmp_path), CONFIG, max_rank=16).modules) == {"gate_proj", "up_proj", "down_proj"}
 
 
-def test_slots_are_reused_least_recently_used_first_and_never_while_pinned(adapters):
+def test_lora_slots_are_reused_least_recently_used_first_and_never_while_pinned(adapters):
     writes: list = []
     lora = manager(writes)
     for spec in TINY_ADAPTERS[:3]:
         lora.add(spec.name, str(adapters[spec.name]))
     a, b, c = (lora.resolve(s.name) for s in TINY_ADAPTERS[:3])
     assert lora.acquire(a) == 0 and lora.acquire(b) == 1
-    assert lora.acquire(c) is None  # both slots pinned: the request waits
+    assert lora.acquire(c) is None  # both LoRA slots pinned: the request waits
     lora.release(0)
-    assert lora.acquire(c) == 0 and [s for s, _ in writes] == [0, 1, 0]  # a's unpinned slot, written again
+    assert lora.acquire(c) == 0 and [s for s, _ in writes] == [0, 1, 0]  # a's unpinned LoRA slot, written again
     assert lora.acquire(b) == 1 and len(writes) == 3  # resident: no write
     lora.release(1)
     lora.release(1)
     lora.release(0)
     assert lora.num_pinned == 0 and lora.num_resident == 2
-    assert lora.acquire(a) == 0  # slot 0 was used longer ago than slot 1
+    assert lora.acquire(a) == 0  # LoRA slot 0 was used longer ago than LoRA slot 1
     lora.release(0)
     with pytest.raises(ValueError, match="not pinned"):
         lora.release(0)
@@ -120,8 +122,8 @@ def test_content_keys_of_an_adapter_differ_from_the_base_models_and_repeat_for_i
     assert base.salted(b"digest-of-adapter-b").keys(tokens, 3) != adapter.keys(tokens, 3)
 
 
-def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(adapters):
-    """One slot: adapter a runs; b waits for the slot; a later request of a (resident) waits
+def test_a_request_waiting_for_a_lora_slot_is_not_starved_by_a_resident_adapter(adapters):
+    """One LoRA slot: adapter a runs; b waits for the LoRA slot; a later request of a (resident) waits
     behind b instead of extending a's pin, and b runs as soon as a's first request ends."""
     from jaxserve.kv import build_kv_manager
     from jaxserve.outputs import FinishReason

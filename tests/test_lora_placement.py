@@ -1,5 +1,5 @@
 """LoRA across data-parallel replicas and off the engine thread, on the tiny random Llama: a
-request goes to a replica holding its adapter in a slot, and is credited only its adapter's cached
+request goes to a replica holding its adapter in a LoRA slot, and is credited only its adapter's cached
 prefix (never the base model's or another adapter's); adapters are read from disk in a worker
 thread (loads and requests whose host copy was dropped), and their tokens still equal
 transformers + PEFT's.
@@ -21,7 +21,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.placement import PlacementPolicy
 from jaxserve.sampling_params import SamplingParams
 
-ONE_SLOT = {**LORA_ENGINE, "max_loras": 1, "max_cpu_loras": 1}
+ONE_LORA_SLOT = {**LORA_ENGINE, "max_loras": 1, "max_cpu_loras": 1}
 FIRST, SECOND = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name
 
 
@@ -33,7 +33,7 @@ def adapters(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas():
     model = build_tiny_random()
-    config = EngineConfig(**ONE_SLOT)
+    config = EngineConfig(**ONE_LORA_SLOT)
     # Loads count as far apart from 16 sequences (SGLang's default is 64).
     policy = PlacementPolicy(match_fraction=0.5, balance_abs=16)
     return DataParallelEngine([LLMEngine(model, config), LLMEngine(model, config)], policy)
@@ -56,15 +56,15 @@ def test_replicas_holding_the_adapter_attract_its_requests_and_credit_only_its_k
     holder.add_prompt_ids("first-on-1", cached, greedy(FIRST))
     run_to_end(holder)
     assert replicas.loads() == [0, 0]  # ties would go to replica 0
-    assert replicas.route(cached, lora=FIRST) == 1  # its prefix and its slot
-    assert replicas.route(other, lora=FIRST) == 1  # its slot alone
+    assert replicas.route(cached, lora=FIRST) == 1  # its prefix and its LoRA slot
+    assert replicas.route(other, lora=FIRST) == 1  # its LoRA slot alone
     assert replicas.route(cached, lora=SECOND) == 0  # the first adapter's KV is not the second's
     assert replicas.route(cached) == 0  # nor the base model's
     replicas.add_request("second", cached, greedy(SECOND))
     assert replicas.replicas[0].is_active("second")
     run_to_end(replicas.replicas[0])
     assert replicas.route(other, lora=SECOND) == 0
-    # Loads far apart override the slot: the busy replica's adapter goes to the idle one.
+    # Loads far apart override the LoRA slot: the busy replica's adapter goes to the idle one.
     for i in range(20):
         holder.add_prompt_ids(f"busy-{i}", other, greedy(None, 1))
     assert replicas.route(other, lora=FIRST) == 0

@@ -51,10 +51,10 @@ def run_chunks(model, params, tokens, chunk_sizes, table):
     out, start = [], 0
     for n in chunk_sizes:
         pos = np.arange(start, start + n)
-        slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+        kv_slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
         # numpy inputs: building them with jnp would compile a small program per chunk size
         meta = AttentionMetadata(
-            slots.astype(np.int32),
+            kv_slots.astype(np.int32),
             table[None].astype(np.int32),
             np.array([start + n], np.int32),
             np.array([0, n], np.int32),
@@ -232,10 +232,10 @@ def meta_for(tables, starts, counts, decodes=None):
     """Host arrays of one step: ragged chunks (sequence i: `counts[i]` tokens from position
     `starts[i]` over block table `tables[i]`), then with `decodes` = [(table, position)] a
     mixed step's decode sequences, padded to `decode_rows` of them."""
-    slots, rows, query_start, seq_lens, all_tables = [], 0, [0], [], list(tables)
+    kv_slots, rows, query_start, seq_lens, all_tables = [], 0, [0], [], list(tables)
     for table, start, n in zip(tables, starts, counts):
         pos = np.arange(start, start + n)
-        slots += list(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+        kv_slots += list(table[pos // BLOCK] * BLOCK + pos % BLOCK)
         rows += n
         query_start.append(rows)
         seq_lens.append(start + n)
@@ -244,7 +244,7 @@ def meta_for(tables, starts, counts, decodes=None):
         table_rows, pad = decodes
         decode_rows = []
         for table, pos in table_rows:
-            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+            kv_slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
             decode_rows.append(rows)
             rows += 1
             all_tables.append(table)
@@ -253,10 +253,10 @@ def meta_for(tables, starts, counts, decodes=None):
         decode_rows += [rows + 3] * padding  # T: three padding token rows follow
         all_tables += [np.zeros_like(tables[0])] * padding
         seq_lens += [0] * padding
-        slots += [0] * 3
+        kv_slots += [0] * 3
         decode_rows = np.array(decode_rows, np.int32)
     return AttentionMetadata(
-        np.array(slots, np.int32),
+        np.array(kv_slots, np.int32),
         np.stack(all_tables).astype(np.int32),
         np.array(seq_lens, np.int32),
         np.array(query_start, np.int32),

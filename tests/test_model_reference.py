@@ -52,8 +52,8 @@ def test_last_position_logits_match_transformers(smollm2):
         n = len(ids)
         cache = KVCache.zeros(smollm2.config, 8, 16, jnp.float32)
         table = np.arange(1, 8, dtype=np.int32)
-        slots = table[np.arange(n) // 16] * 16 + np.arange(n) % 16
-        meta = AttentionMetadata(jnp.asarray(slots), jnp.asarray(table[None]), jnp.array([n]), jnp.array([0, n]))
+        kv_slots = table[np.arange(n) // 16] * 16 + np.arange(n) % 16
+        meta = AttentionMetadata(jnp.asarray(kv_slots), jnp.asarray(table[None]), jnp.array([n]), jnp.array([0, n]))
         logits, _ = step({"params": smollm2.params}, jnp.asarray(ids), jnp.arange(n), cache, meta, jnp.array([n - 1]))
         logits = np.asarray(logits[0])
         top = case["last_logits_top20"]

@@ -70,7 +70,7 @@ SETTINGS = (
     "seed",
     "positions",
     "num_logprobs",
-    "penalty_slots",
+    "penalty_rows",
 )
 
 
@@ -90,16 +90,16 @@ def test_sampling_settings_are_columns_of_one_array_with_the_same_bits_in_jit():
             ),
             seed=2**64 - 3,
             position=41,
-            penalty_slot=2,
+            penalty_row=2,
         ),
         None,
         RowSampling(SamplingParams(temperature=0.0), seed=2**63 + 5, position=7),
     ]
-    t = SamplingTensors.build(rows, 4, spare_slot=9)
+    t = SamplingTensors.build(rows, 4, spare_row=9)
     assert t.settings.shape == (4, SamplingTensors.SETTING_WORDS) and t.settings.dtype == np.int32
     np.testing.assert_array_equal(t.seed, [[0xFFFFFFFF, 0xFFFFFFFD], [0, 0], [0x80000000, 5], [0, 0]])
     np.testing.assert_array_equal(t.temperature, np.float32([0.7, 0, 0, 0]))
-    np.testing.assert_array_equal(t.penalty_slots, [2, 9, 9, 9])
+    np.testing.assert_array_equal(t.penalty_rows, [2, 9, 9, 9])
     t.positions[1] = 99  # a setting is a view: writing it writes the settings array
     assert t.settings[1, SamplingTensors.positions.start] == 99
     host = {name: getattr(t, name) for name in SETTINGS}
@@ -109,7 +109,7 @@ def test_sampling_settings_are_columns_of_one_array_with_the_same_bits_in_jit():
         "seed": np.uint32,
         "positions": np.int32,
         "num_logprobs": np.int32,
-        "penalty_slots": np.int32,
+        "penalty_rows": np.int32,
     }
     _assert_same_bits(jax.jit(lambda t: {name: getattr(t, name) for name in SETTINGS})(t), host)
     moved = jax.jit(lambda t: t.at_positions(t.positions + 1))(t)

@@ -33,21 +33,21 @@ def _row(params: SamplingParams, seed: int = 0, position: int = 0, prompt=(), ou
 
 
 def _tensors(rows, batch: int = B) -> SamplingTensors:
-    """Row i's penalty slot is i (rows without penalties read the spare slot, B)."""
-    sampling = [None if r is None else dataclasses.replace(r.sampling, penalty_slot=i) for i, r in enumerate(rows)]
-    return SamplingTensors.build(sampling, batch, spare_slot=batch)
+    """Row i's penalty row is i (rows without penalties read the spare row, B)."""
+    sampling = [None if r is None else dataclasses.replace(r.sampling, penalty_row=i) for i, r in enumerate(rows)]
+    return SamplingTensors.build(sampling, batch, spare_row=batch)
 
 
 def _counts(rows, batch: int = B, vocab: int = V) -> PenaltyCounts:
-    """Penalty counts with row i set from row i's history, as the runner sets a new slot."""
-    slots = np.full(batch, -1, np.int32)
+    """Penalty counts with row i set from row i's history, as the runner sets a new batch row's."""
+    batch_rows = np.full(batch, -1, np.int32)
     history = np.full((batch, HISTORY), -1, np.int32)
     is_output = np.zeros((batch, HISTORY), np.bool_)
     for i, r in enumerate(rows):
         if r is not None and r.sampling.params.has_penalties:
-            slots[i] = i
+            batch_rows[i] = i
             history[i], is_output[i] = penalty_history(r.prompt, r.output, r.sampling.params, HISTORY)
-    return _set_penalty_rows(PenaltyCounts.zeros(batch, vocab), slots, history, is_output)
+    return _set_penalty_rows(PenaltyCounts.zeros(batch, vocab), batch_rows, history, is_output)
 
 
 def _sample(logits, rows, batch: int = B, k: int = K):
@@ -324,10 +324,10 @@ def test_build_pads_and_encodes_rows() -> None:
     rows = [
         RowSampling(SamplingParams(temperature=0.5, top_k=-1, logprobs=3), seed=2**40 + 7, position=12),
         None,
-        RowSampling(SamplingParams(repetition_penalty=1.2), seed=-1, position=0, penalty_slot=3),
-        RowSampling(SamplingParams(presence_penalty=0.5), seed=0, position=0, penalty_slot=0),
+        RowSampling(SamplingParams(repetition_penalty=1.2), seed=-1, position=0, penalty_row=3),
+        RowSampling(SamplingParams(presence_penalty=0.5), seed=0, position=0, penalty_row=0),
     ]
-    t = SamplingTensors.build(rows, batch_size=6, spare_slot=9)
+    t = SamplingTensors.build(rows, batch_size=6, spare_row=9)
     np.testing.assert_array_equal(t.seed[0], [256, 7])
     np.testing.assert_array_equal(t.seed[2], [0xFFFFFFFF, 0xFFFFFFFF])  # seeds taken mod 2**64
     np.testing.assert_array_equal(t.temperature, [0.5, 0, 1, 1, 0, 0])  # padding is greedy
@@ -335,7 +335,7 @@ def test_build_pads_and_encodes_rows() -> None:
     np.testing.assert_array_equal(t.positions, [12, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(t.num_logprobs, [3, -1, -1, -1, -1, -1])
     np.testing.assert_allclose(t.repetition_penalty, [1, 1, 1.2, 1, 1, 1])
-    np.testing.assert_array_equal(t.penalty_slots, [9, 9, 3, 0, 9, 9])  # no penalties: the spare
+    np.testing.assert_array_equal(t.penalty_rows, [9, 9, 3, 0, 9, 9])  # no penalties: the spare
     assert (t.bias_ids == -1).all() and not t.bias_values.any()
     biased = SamplingTensors.build([None, RowSampling(SamplingParams(logit_bias={5: -2.5, 9: 1}), 0, 0)], 2, 2)
     np.testing.assert_array_equal(biased.bias_ids[:, :3], [[-1, -1, -1], [5, 9, -1]])
@@ -362,10 +362,10 @@ def test_penalty_rows_are_set_from_history_and_count_what_is_sampled() -> None:
     np.testing.assert_array_equal(np.flatnonzero(prompt[2]), [4, 5])
     np.testing.assert_array_equal(output[0, [6, 7]], [1, 1])
     assert not output[1].any() and not output[3].any() and not prompt[3].any()  # untouched, spare
-    # sample() counts each penalised row's token in its slot, and nothing in the spare row
-    rows = [RowSampling(SamplingParams(temperature=0, presence_penalty=0.5), 0, 0, penalty_slot=1), None]
+    # sample() counts each penalised row's token in its penalty row, and nothing in the spare row
+    rows = [RowSampling(SamplingParams(temperature=0, presence_penalty=0.5), 0, 0, penalty_row=1), None]
     logits = np.zeros((2, 10), np.float32)
     logits[:, 8] = 5.0
-    out, counts = _jit_sample(logits, SamplingTensors.build(rows, 2, spare_slot=3), counts, num_top_logprobs=0)
+    out, counts = _jit_sample(logits, SamplingTensors.build(rows, 2, spare_row=3), counts, num_top_logprobs=0)
     assert list(np.asarray(out.tokens)) == [8, 8]
     assert np.asarray(counts.output)[1, 8] == 1 and not np.asarray(counts.output)[3].any()

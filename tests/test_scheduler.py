@@ -176,3 +176,41 @@ def test_lpm_prefers_cached_prefix_with_starvation_guard(monkeypatch):
     s.add_request(req("hit2", 0, prompt=shared + [8, 8]))
     out = s.schedule()
     assert out.prefills[0].request.request_id == "late"
+
+
+def test_a_requests_tokens_are_copied_by_range_and_salted_for_the_cache_only_in_the_copy():
+    from jaxserve.lora.manager import AdapterRef, salt_token
+
+    r = req("t", 0, prompt=[10, 11, 12])
+    r.output_token_ids += [20, 21]
+    assert r.copy_tokens() == [10, 11, 12, 20, 21]
+    assert (r.copy_tokens(1, 2), r.copy_tokens(2, 4), r.copy_tokens(3), r.copy_tokens(0, 0)) == (
+        [11],
+        [12, 20],
+        [20, 21],
+        [],
+    )
+    r.copy_tokens().append(99)  # a new list: the request's sequence is untouched
+    assert r.num_tokens == 5 and r.copy_tokens(4) == [21]
+    r.adapter = AdapterRef("sql", 3, None)
+    assert r.copy_cache_tokens(2) == [salt_token(3, 10), 11] and r.prompt_token_ids[0] == 10
+
+
+def test_the_decode_loop_says_how_many_steps_each_decode_runs_and_the_scheduler_reserves_their_kv_slots():
+    from jaxserve.scheduler.multi_step import MultiStepDecode, SingleStep
+
+    assert isinstance(make().decode_loop, SingleStep)
+    s = make(num_scheduler_steps=4)
+    assert isinstance(s.decode_loop, MultiStepDecode)
+    a, b = req("a", 5, max_tokens=10), req("b", 5, max_tokens=3)
+    for r in (a, b):
+        s.add_request(r)
+    step(s)  # both prompts, each samples its first token
+    before = {r.request_id: r.kv.num_tokens for r in (a, b)}
+    out = s.schedule()
+    # b may sample 2 more tokens (max_tokens 3): its loop stops there.
+    assert {c.request.request_id: c.num_steps for c in out.decodes} == {"a": 4, "b": 2}
+    assert out.samples_several and all(c.samples_several for c in out.decodes)
+    assert {r.request_id: r.kv.num_tokens - before[r.request_id] for r in (a, b)} == {"a": 4, "b": 2}
+    # A prompt waiting to start: the loop would hold it back, so every decode takes one step.
+    assert s.decode_loop.steps_of([a, b], lambda: False)(a) == 1

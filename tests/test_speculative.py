@@ -57,8 +57,8 @@ _verify = jax.jit(verify, static_argnames="num_top_logprobs")
 
 def _rows(params: SamplingParams, n: int, slot: int = -1) -> SamplingTensors:
     """n sequences of one draft: rows 2i (tests the draft) and 2i + 1 (the bonus), seed i."""
-    rows = [RowSampling(params, seed=i, position=10 + j, penalty_slot=slot) for i in range(n) for j in range(2)]
-    return SamplingTensors.build(rows, 2 * n, spare_slot=1)
+    rows = [RowSampling(params, seed=i, position=10 + j, penalty_row=slot) for i in range(n) for j in range(2)]
+    return SamplingTensors.build(rows, 2 * n, spare_row=1)
 
 
 def test_sampled_verification_keeps_the_processed_distribution():
@@ -95,7 +95,7 @@ def test_greedy_verification_counts_the_drafts_in_the_penalties_of_the_rows_afte
     logits[0, draft] = 3.0  # row 0's argmax is the draft: accepted
     logits[1, draft], logits[1, second] = 2.0, 1.5  # row 1 would repeat it without its penalty
     params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
-    t = SamplingTensors.build([RowSampling(params, 0, 10 + j, penalty_slot=0) for j in range(2)], 2, spare_slot=1)
+    t = SamplingTensors.build([RowSampling(params, 0, 10 + j, penalty_row=0) for j in range(2)], 2, spare_row=1)
     drafts = np.array([draft, -1], np.int32)
     history = np.array([[-1], [draft]], np.int32)
     out, counts = _verify(logits, t, PenaltyCounts.zeros(1, V), drafts, history, num_top_logprobs=0)

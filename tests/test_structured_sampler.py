@@ -26,7 +26,7 @@ def packed(allowed: list[int]) -> np.ndarray:
 
 
 def run(rows: list[RowSampling | None], logits: np.ndarray) -> np.ndarray:
-    t = SamplingTensors.build(rows, B, spare_slot=B, mask_words=W)
+    t = SamplingTensors.build(rows, B, spare_row=B, mask_words=W)
     out, _ = _jit_sample(logits, t, PenaltyCounts.zeros(B, V), num_top_logprobs=0)
     return np.asarray(out.tokens)
 
@@ -87,4 +87,4 @@ def test_seeded_masked_draw_is_reproducible_and_batch_invariant():
 def test_mask_of_the_wrong_width_is_refused():
     row = RowSampling(SamplingParams(), 0, 0, token_mask=np.zeros(W - 1, np.int32))
     with pytest.raises(ValueError, match="token mask"):
-        SamplingTensors.build([row], B, spare_slot=B, mask_words=W)
+        SamplingTensors.build([row], B, spare_row=B, mask_words=W)

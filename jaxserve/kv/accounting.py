@@ -62,7 +62,7 @@ def kv_usage(mgr: KVCacheManager) -> KVUsage:
         cached=cache.num_device_blocks,
         cached_idle=cache.num_evictable_blocks,
         pinned=cache.num_device_blocks - cache.num_evictable_blocks - cached_used,
-        host_slots=host.num_slots,
+        host_slots=host.num_host_slots,
         host_swapped=swapped,
         host_cached=cache.num_host_blocks,
         host_free=host.num_free,
@@ -85,7 +85,7 @@ def check_integrity(mgr: KVCacheManager) -> None:
             holders.update(_check_on_device(handle, cache))
             locks[handle.path] += 1
     locks.update(mgr.tier_link.locked_paths())
-    host_held += mgr.tier_link.held_slots()
+    host_held += mgr.tier_link.held_host_slots()
     mgr.tier_link.check_integrity()
     del locks[cache.root]
     cache.check_integrity(locks)
@@ -97,7 +97,7 @@ def check_integrity(mgr: KVCacheManager) -> None:
 
 def _check_swapped(handle: KVHandle, block_size: int) -> None:
     if handle.num_blocks or len(handle.host_slots) != -(-handle.num_tokens // block_size):
-        raise AssertionError("a swapped sequence's slots do not cover its tokens")
+        raise AssertionError("a swapped sequence's host slots do not cover its tokens")
 
 
 def _check_on_device(handle: KVHandle, cache: PrefixCache) -> list[int]:

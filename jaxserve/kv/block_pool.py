@@ -21,7 +21,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """`num_blocks` blocks of `block_size` token slots; block 0 is reserved."""
+    """`num_blocks` blocks of `block_size` KV slots; block 0 is reserved."""
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks < 2:

@@ -2,8 +2,8 @@
 
 The request owns its handle (`Request.kv`); the KV manager makes it (`admit`) and edits it
 (growth, caching, swap, `free`); the runner reads its table. Vocabulary: the
-handle's *slots* are the token positions it has KV space for: tokens computed plus those being
-computed by the step being scheduled. The slot of position p is
+handle's *KV slots* are the token positions it has KV space for: tokens computed plus those
+being computed by the step being scheduled. The KV slot of position p is
 `table[p // block_size] * block_size + p % block_size`.
 """
 
@@ -66,12 +66,12 @@ class KVHandle:
         """Read-only int32 view of the sequence's blocks (empty while swapped out)."""
         return self._readonly[: self.num_blocks]
 
-    def slot_mapping(self, start: int, stop: int) -> np.ndarray:
-        """int32 cache slots of token positions [start, stop) (the handle must be on the device)."""
+    def kv_slots(self, start: int, stop: int) -> np.ndarray:
+        """int32 KV slots of token positions [start, stop) (the handle must be on the device)."""
         if self.host_slots is not None:
             raise ValueError("the sequence is swapped out; swap it in first")
         if not 0 <= start <= stop <= self.num_tokens:
-            raise ValueError(f"positions [{start}, {stop}) outside the sequence's {self.num_tokens} slots")
+            raise ValueError(f"positions [{start}, {stop}) outside the sequence's {self.num_tokens} KV slots")
         bs = self.block_size
         block = start // bs
         if start == stop:

@@ -21,7 +21,7 @@ def build_kv_manager(
     num_blocks: int,
     block_size: int = 16,
     *,
-    watermark_blocks: int | None = None,
+    watermark_blocks: int = 0,
     enable_prefix_cache: bool = True,
     num_host_slots: int = 0,
     spill_to_host: bool = True,

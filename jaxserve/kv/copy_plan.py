@@ -3,7 +3,7 @@
 The KV manager plans copies as it goes: swap-out and spill of evicted cached blocks (device ->
 host), swap-in and reload of cached blocks (host -> device), and writes of cached blocks to the
 disk tier (device or host -> disk: the block is read when its turn in the plan comes, before a
-later copy overwrites it). A block or slot freed by one operation may be handed out again by the
+later copy overwrites it). A block or host slot freed by one operation may be handed out again by the
 next one in the same scheduling round, so the order matters: the plan's meaning is "execute the
 copies one by one, in the order they were planned, then run the step".
 

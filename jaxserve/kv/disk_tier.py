@@ -10,13 +10,13 @@ Two background threads do the I/O, so the engine thread never waits for the disk
 - the writer takes blocks the runner copied off the device or the host tier (`write`), and
   writes each as a file (temp + rename), evicting the least recently used files to stay within
   `capacity_bytes` (bytes on disk plus bytes being written never exceed it);
-- the loader reads the files of a `LoadJob` into host-tier slots, checking each file's header,
+- the loader reads the files of a `LoadJob` into host slots, checking each file's header,
   length and checksum; the first block that is missing or damaged ends the job (a damaged file
   is deleted), and the caller recomputes from there. At most `max_inflight_bytes` are being
   read at once (one job larger than that may run alone).
 
 Thread safety: every method may be called from the engine thread while the threads run; the
-index and counters are guarded by one lock. A job's slots belong to the loader until the job
+index and counters are guarded by one lock. A job's host slots belong to the loader until the job
 is done (`poll`), also when it was cancelled.
 """
 
@@ -287,11 +287,11 @@ class DiskTier:
         nbytes = num_blocks * self.block_file_bytes
         return self._inflight == 0 or self._inflight + nbytes <= self.max_inflight_bytes
 
-    def start_load(self, keys: list[bytes], tokens: list[bytes], slots: list[int]) -> LoadJob:
+    def start_load(self, keys: list[bytes], tokens: list[bytes], host_slots: list[int]) -> LoadJob:
         """Read blocks into host slots in the background; `poll` returns the job once done."""
-        if not len(keys) == len(tokens) == len(slots) or not keys:
-            raise ValueError("a load needs as many keys, token blocks and slots, at least one")
-        job = LoadJob(keys, tokens, slots, len(keys) * self.block_file_bytes)
+        if not len(keys) == len(tokens) == len(host_slots) or not keys:
+            raise ValueError("a load needs as many keys, token blocks and host slots, at least one")
+        job = LoadJob(keys, tokens, host_slots, len(keys) * self.block_file_bytes)
         with self._lock:
             self._inflight += job.nbytes
         self._loads.put(job)
@@ -303,7 +303,7 @@ class DiskTier:
             if job is None:
                 return
             t0 = time.perf_counter()
-            for key, tokens, slot in zip(job.keys, job.tokens, job.slots):
+            for key, tokens, host_slot in zip(job.keys, job.tokens, job.host_slots):
                 if job.cancelled:
                     break
                 path = self.path(key)
@@ -321,7 +321,7 @@ class DiskTier:
                     with self._lock:
                         self.stats.damaged += 1
                     break
-                self.host.store(slot, payload)
+                self.host.store(host_slot, payload)
                 job.loaded += 1
                 with self._lock:
                     if key in self._index:
@@ -343,7 +343,7 @@ class DiskTier:
             self._done_event.set()
 
     def poll(self) -> list[LoadJob]:
-        """Jobs finished since the last call (their slots are the caller's again)."""
+        """Jobs finished since the last call (their host slots are the caller's again)."""
         with self._lock:
             done, self._done = self._done, []
             self._done_event.clear()

@@ -48,19 +48,19 @@ class KVTierStats:
 
 
 class HostBlockArrays:
-    """The host tier's storage as numpy arrays with the slot on axis 2 ([layers, heads, slot, ...]);
-    a block's payload is the bytes of `arrays[0][:, :, slot]`, then `arrays[1][:, :, slot]`, ..."""
+    """The host tier's storage as numpy arrays with the host slot on axis 2 ([layers, heads, host slot, ...]);
+    a block's payload is the bytes of `arrays[0][:, :, host slot]`, then `arrays[1][:, :, host slot]`, ..."""
 
     def __init__(self, arrays: Sequence[np.ndarray]) -> None:
         if not arrays or any(a.ndim < 3 for a in arrays):
-            raise ValueError("host block arrays need a slot axis (axis 2)")
+            raise ValueError("host block arrays need a host slot axis (axis 2)")
         self.arrays = list(arrays)
         self.payload_bytes = sum(a[:, :, 0].nbytes for a in self.arrays)
 
-    def store(self, slot: int, payload: memoryview) -> None:
+    def store(self, host_slot: int, payload: memoryview) -> None:
         offset = 0
         for a in self.arrays:
-            view = a[:, :, slot]
+            view = a[:, :, host_slot]
             n = view.nbytes
             view[...] = np.frombuffer(payload[offset : offset + n], dtype=a.dtype).reshape(view.shape)
             offset += n
@@ -77,7 +77,7 @@ class LoadJob:
 
     keys: list[bytes]
     tokens: list[bytes]
-    slots: list[int]
+    host_slots: list[int]
     nbytes: int
     loaded: int = 0
     done: bool = False
@@ -134,11 +134,11 @@ class KVTier(Protocol):
     def can_load(self, num_blocks: int) -> bool:
         """Whether a load of `num_blocks` may start now (in-flight bound)."""
 
-    def start_load(self, keys: list[bytes], tokens: list[bytes], slots: list[int]) -> LoadJob:
+    def start_load(self, keys: list[bytes], tokens: list[bytes], host_slots: list[int]) -> LoadJob:
         """Read blocks into host slots in the background; `poll` returns the job once done."""
 
     def poll(self) -> list[LoadJob]:
-        """Jobs finished since the last call (their slots are the caller's again)."""
+        """Jobs finished since the last call (their host slots are the caller's again)."""
 
     def wait(self, timeout: float) -> bool:
         """Block until a load finishes or `timeout` seconds pass; True if one finished."""

@@ -6,7 +6,7 @@ edits the handle it is given. How the scheduler uses it, every step:
 
     hit = mgr.match_prefix(prompt_ids, chain)  # cached prefix; valid until the next change
     req.kv = mgr.admit(hit, n)                 # None: it would eat into the watermark
-    ok = mgr.allocate_slots(req.kv, n)         # grow (decode: 1, a chunk: n); False: preempt, retry
+    ok = mgr.allocate_kv_slots(req.kv, n)         # grow (decode: 1, a chunk: n); False: preempt, retry
     stages = mgr.take_copies()                 # swap, spill and reload copies, before the step
     mgr.cache_full_blocks(req.kv, token_ids)   # after the step: filled blocks join the prefix cache
 
@@ -65,7 +65,7 @@ class KVCacheManager:
         host: HostTier,
         copies: CopyPlan,
         *,
-        watermark_blocks: int | None = None,
+        watermark_blocks: int = 0,
         pin_budget_blocks: int | None = None,
         max_pinned_blocks: int | None = None,
         tier_link: LowerTierLink,
@@ -75,7 +75,8 @@ class KVCacheManager:
         prefix_cache, host, copies: the prefix cache over `pool`, the host tier and the copy plan
             they plan into (see `build.build_kv_manager`).
         watermark_blocks: free blocks that admissions and swap-ins must leave for running
-            sequences to grow into (default 1% of the pool).
+            sequences to grow into (an engine's: `ResolvedConfig.watermark_blocks`, 1% of the pool
+            unless asked, chosen by config resolution).
         pin_budget_blocks: most blocks one owner may pin (default 1/8 of the pool).
         max_pinned_blocks: most blocks all pins together may pin (default half the pool).
         tier_link: the link of the prefix cache to a tier below the host tier (the disk tier), or
@@ -85,8 +86,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size
         usable = pool.num_usable
-        self.watermark_blocks = usable // 100 if watermark_blocks is None else watermark_blocks
-        if not 0 <= self.watermark_blocks < usable:
+        self.watermark_blocks = watermark_blocks
+        if not 0 <= watermark_blocks < usable:
             raise ValueError(f"watermark_blocks must be in [0, {usable}), got {watermark_blocks}")
         self.copies = copies
         self.host = host
@@ -162,7 +163,7 @@ class KVCacheManager:
         return available - need >= self.watermark_blocks
 
     def admit(self, hit: PrefixHit, num_new_tokens: int, load_key: Hashable | None = None) -> KVHandle | None:
-        """Start a sequence: reuse the hit's cached blocks, add slots for `num_new_tokens`. Its
+        """Start a sequence: reuse the hit's cached blocks, add KV slots for `num_new_tokens`. Its
         handle has `num_tokens == hit.num_tokens + num_new_tokens`. None, with nothing changed,
         when the blocks needed would eat into the watermark. `load_key`: the key the request's
         lower-tier load was started with, whose lock the admission takes over."""
@@ -194,8 +195,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ growth
 
-    def allocate_slots(self, handle: KVHandle, num_new_tokens: int) -> bool:
-        """Add `num_new_tokens` slots to a running sequence; False (nothing changed) if short."""
+    def allocate_kv_slots(self, handle: KVHandle, num_new_tokens: int) -> bool:
+        """Add `num_new_tokens` KV slots to a running sequence; False (nothing changed) if short."""
         self._on_device(handle)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -208,15 +209,15 @@ class KVCacheManager:
         handle.num_tokens += num_new_tokens
         return True
 
-    def release_slots(self, handle: KVHandle, num_tokens: int) -> None:
-        """Shrink a running sequence to its first `num_tokens` slots, freeing the blocks past them
-        (speculative decoding: the slots of rejected draft tokens). Cached blocks are kept: they
+    def release_kv_slots(self, handle: KVHandle, num_tokens: int) -> None:
+        """Shrink a running sequence to its first `num_tokens` KV slots, freeing the blocks past them
+        (speculative decoding: the KV slots of rejected draft tokens). Cached blocks are kept: they
         only ever hold computed tokens."""
         self._on_device(handle)
         bs = self.block_size
         if not handle.cached_blocks * bs <= num_tokens <= handle.num_tokens:
             raise ValueError(
-                f"cannot shrink a sequence from {handle.num_tokens} to {num_tokens} slots "
+                f"cannot shrink a sequence from {handle.num_tokens} to {num_tokens} KV slots "
                 f"({handle.cached_blocks} cached blocks)"
             )
         keep = -(-num_tokens // bs)
@@ -238,7 +239,7 @@ class KVCacheManager:
         """
         self._on_device(handle)
         if len(token_ids) > handle.num_tokens:
-            raise ValueError(f"{len(token_ids)} token ids but only {handle.num_tokens} slots")
+            raise ValueError(f"{len(token_ids)} token ids but only {handle.num_tokens} KV slots")
         bs = self.block_size
         full = len(token_ids) // bs
         done = handle.cached_blocks
@@ -303,14 +304,14 @@ class KVCacheManager:
         self._epoch += 1
         n = handle.num_blocks
         cache = self.prefix_cache
-        slots = cache.reserve_host(n)
+        host_slots = cache.reserve_host(n)
         blocks = handle.table[:n].tolist()
-        for block, slot in zip(blocks, slots):
-            self.copies.add(CopyKind.DEVICE_TO_HOST, block, slot)
+        for block, host_slot in zip(blocks, host_slots):
+            self.copies.add(CopyKind.DEVICE_TO_HOST, block, host_slot)
         self.pool.decref_all(blocks)
         cache.unlock(handle.path)
         handle.path = cache.root
-        handle.host_slots = slots
+        handle.host_slots = host_slots
         handle.num_blocks = 0
         handle.renew_version()
         handle.cached_blocks = 0
@@ -326,11 +327,11 @@ class KVCacheManager:
         if not self.can_swap_in(handle):
             return False
         self._epoch += 1
-        slots = handle.host_slots
-        blocks = self.prefix_cache.allocate(len(slots))
-        for slot, block in zip(slots, blocks):
-            self.copies.add(CopyKind.HOST_TO_DEVICE, slot, block)
-        self.host.free(slots)
+        host_slots = handle.host_slots
+        blocks = self.prefix_cache.allocate(len(host_slots))
+        for host_slot, block in zip(host_slots, blocks):
+            self.copies.add(CopyKind.HOST_TO_DEVICE, host_slot, block)
+        self.host.free(host_slots)
         handle.host_slots = None
         handle.append(blocks)
         handle.renew_version()

@@ -61,7 +61,7 @@ class NoTierLink:
     def locked_paths(self) -> list[CachedPath]:
         return []
 
-    def held_slots(self) -> list[int]:
+    def held_host_slots(self) -> list[int]:
         return []
 
     def check_integrity(self) -> None:

@@ -165,16 +165,16 @@ class SpillingPrefixCache(PrefixCache, Protocol):
 
     block_size: int
     # Called just before cached blocks leave the cache (dropped from the device without a host
-    # slot, or from the host): the lower tiers' write-back.
+    # host slot, or from the host): the lower tiers' write-back.
     on_drop: Callable[[DroppedBlocks], None] | None
 
     @property
     def num_evictable_host_blocks(self) -> int:
         """Host slots of idle cached blocks: what `reserve_host` may evict."""
 
-    def insert_host(self, parent: CachedPath, tokens: bytes, slots: list[int]) -> tuple[CachedPath, list[int]]:
+    def insert_host(self, parent: CachedPath, tokens: bytes, host_slots: list[int]) -> tuple[CachedPath, list[int]]:
         """Add blocks read into host slots after `parent` (locked by the caller); returns the
-        path (not locked) and the slots not taken (positions cached meanwhile)."""
+        path (not locked) and the host slots not taken (positions cached meanwhile)."""
 
     def runs_by_recency(self) -> Iterator[CachedRun]:
         """Every cached run, most recently used first, never before the run it continues."""

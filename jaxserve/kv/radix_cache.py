@@ -50,7 +50,7 @@ class RadixCache(RadixTree):
         self.pool = pool
         self.host = host if host is not None else HostTier(0)
         self.copies = copies if copies is not None else CopyPlan()
-        self.spill_to_host = spill_to_host and self.host.num_slots > 0
+        self.spill_to_host = spill_to_host and self.host.num_host_slots > 0
         super().__init__(pool.block_size)
         self._device_blocks = 0
         self._host_blocks = 0
@@ -193,8 +193,8 @@ class RadixCache(RadixTree):
         loaded: list[int] = []
         for host_node in reversed(chain):
             blocks = self.allocate(host_node.length)
-            for slot, block in zip(host_node.host_slots, blocks):
-                self.copies.add(CopyKind.HOST_TO_DEVICE, slot, block)
+            for host_slot, block in zip(host_node.host_slots, blocks):
+                self.copies.add(CopyKind.HOST_TO_DEVICE, host_slot, block)
             self.host.free(host_node.host_slots)
             host_node.host_slots = None
             host_node.blocks = blocks  # the tree's reference is the one allocate() gave
@@ -203,36 +203,36 @@ class RadixCache(RadixTree):
             loaded.extend(blocks)
         return loaded
 
-    def insert_host(self, parent: RadixNode, tokens: bytes, slots: list[int]) -> tuple[RadixNode, list[int]]:
+    def insert_host(self, parent: RadixNode, tokens: bytes, host_slots: list[int]) -> tuple[RadixNode, list[int]]:
         """Add blocks read into host slots (from the disk tier) below `parent` (locked by the caller).
 
         `tokens` are the blocks' token ids as int32 bytes, continuing `parent`'s path. Positions
-        the tree has already (computed meanwhile) keep the tree's storage; their slots are
+        the tree has already (computed meanwhile) keep the tree's storage; their host slots are
         returned for the caller to free. The rest becomes one new idle host node. Returns the
-        deepest node of the path (not locked) and the slots not taken.
+        deepest node of the path (not locked) and the host slots not taken.
         """
         kb = self._kb
-        n = len(slots)
+        n = len(host_slots)
         if len(tokens) != n * kb:
-            raise ValueError(f"{n} slots need {n * kb} token bytes, got {len(tokens)}")
+            raise ValueError(f"{n} host slots need {n * kb} token bytes, got {len(tokens)}")
         if parent is not self.root and parent.lock <= 0:
             raise ValueError("insert_host below a parent the caller has not locked")
         node, i = parent, 0
         while i < n:
             child = node.children.get(tokens[i * kb : (i + 1) * kb])
             if child is None:
-                new = RadixNode(node, tokens[i * kb :], node.end, n - i, None, slots[i:])
+                new = RadixNode(node, tokens[i * kb :], node.end, n - i, None, host_slots[i:])
                 node.children[new.key[:kb]] = new
                 self._host_blocks += n - i
                 self.idle.add(new)
                 self.idle.touch(node, self.root)
-                return new, slots[:i]
+                return new, host_slots[:i]
             m = self._common_blocks(child, tokens, i, n)
             if m < child.length:
                 child = self._split(child, m)
             node = child
             i += m
-        return node, slots
+        return node, host_slots
 
     # ------------------------------------------------------------------ eviction
 
@@ -263,18 +263,18 @@ class RadixCache(RadixTree):
         kb = self._kb
         tail = node.blocks[node.length - take :]
         whole = take == node.length
-        slots = self.reserve_host(take) if self.spill_to_host else None
-        if slots is not None:
-            for block, slot in zip(tail, slots):
-                self.copies.add(CopyKind.DEVICE_TO_HOST, block, slot)
+        host_slots = self.reserve_host(take) if self.spill_to_host else None
+        if host_slots is not None:
+            for block, host_slot in zip(tail, host_slots):
+                self.copies.add(CopyKind.DEVICE_TO_HOST, block, host_slot)
             if whole:
                 del self.idle.device[node]
                 self.idle.device_blocks -= take
                 node.blocks = None
-                node.host_slots = slots
+                node.host_slots = host_slots
                 self.idle.add(node)
             else:
-                spilled = RadixNode(node, node.key[-take * kb :], node.end - take, take, None, slots)
+                spilled = RadixNode(node, node.key[-take * kb :], node.end - take, take, None, host_slots)
                 spilled.children = node.children
                 for child in spilled.children.values():
                     child.parent = spilled
@@ -334,13 +334,13 @@ class RadixCache(RadixTree):
             self.evict_host(short)
         return self.host.allocate(n)
 
-    def evict_host(self, num_slots: int) -> int:
-        """Free up to `num_slots` host slots from idle host leaves, least recently used first."""
+    def evict_host(self, num_host_slots: int) -> int:
+        """Free up to `num_host_slots` host slots from idle host leaves, least recently used first."""
         freed = 0
         lru = self.idle.host
-        while freed < num_slots and lru:
+        while freed < num_host_slots and lru:
             node = next(iter(lru))
-            take = min(num_slots - freed, node.length)
+            take = min(num_host_slots - freed, node.length)
             if self.on_drop is not None:
                 self.on_drop(self.dropped(node, take))
             self.stats.host_evictions += take

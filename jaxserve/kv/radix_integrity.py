@@ -21,7 +21,7 @@ class _Recount:
     device_lru: dict[RadixNode, int]  # idle device node -> its position in the LRU
     host_lru: dict[RadixNode, int]
     blocks: set[int] = field(default_factory=set)
-    slots: set[int] = field(default_factory=set)
+    host_slots: set[int] = field(default_factory=set)
     device: int = 0
     host: int = 0
     idle_device: int = 0
@@ -110,11 +110,11 @@ def _count_device_node(cache: RadixCache, node: RadixNode, seen: _Recount) -> No
 def _count_host_node(cache: RadixCache, node: RadixNode, seen: _Recount) -> None:
     idle = node.lock == 0
     if len(node.host_slots) != node.length:
-        raise AssertionError("host node slot count mismatch")
-    for slot in node.host_slots:
-        if slot in seen.slots or not cache.host.is_in_use(slot):
-            raise AssertionError(f"host slot {slot} cached twice or not in use")
-        seen.slots.add(slot)
+        raise AssertionError("host node host slot count mismatch")
+    for host_slot in node.host_slots:
+        if host_slot in seen.host_slots or not cache.host.is_in_use(host_slot):
+            raise AssertionError(f"host slot {host_slot} cached twice or not in use")
+        seen.host_slots.add(host_slot)
     seen.host += node.length
     if idle:
         seen.idle_host += node.length

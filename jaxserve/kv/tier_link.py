@@ -13,8 +13,8 @@ the plan comes: after the copies that filled it, before any later one that reuse
 
 Loads. A prompt whose cache match ends where the tier continues it (its next blocks' keys are
 stored there) can start a load: host slots are reserved, the matched path is locked, and once
-the copies planned so far have run (`submit`: a slot freed this round may still be read by one of
-them, a host -> device copy or a write-back) the tier reads the blocks into the slots. When the job is
+the copies planned so far have run (`submit`: a host slot freed this round may still be read by one of
+them, a host -> device copy or a write-back) the tier reads the blocks into the host slots. When the job is
 done (`poll`), the blocks that read back whole join the cache as idle host blocks locked for the
 request, and the request's next match finds them on the host tier; admission copies them to the
 device as any host hit.
@@ -80,7 +80,7 @@ class LowerTierLink(Protocol):
 
     def locked_paths(self) -> list[CachedPath]: ...
 
-    def held_slots(self) -> list[int]: ...
+    def held_host_slots(self) -> list[int]: ...
 
     def check_integrity(self) -> None: ...
 
@@ -92,7 +92,7 @@ class _Load:
     job: LoadJob | None  # None until submitted
     path: CachedPath  # locked for the request: the matched path, then the loaded one
     tokens: bytes  # the loaded blocks' token ids (int32 bytes)
-    slots: list[int]  # host slots the load holds until it is done
+    host_slots: list[int]  # host slots the load holds until it is done
     done: bool = False
     cancelled: bool = False
     loaded: tuple[int, int] = (0, 0)  # token positions the load added to the cache
@@ -113,7 +113,7 @@ class TierLink:
         *,
         write_through_hits: int = 0,
     ) -> None:
-        if host.num_slots == 0:
+        if host.num_host_slots == 0:
             raise ValueError("the disk tier loads through the host tier: give it host slots")
         if write_through_hits < 0:
             raise ValueError(f"write_through_hits must be >= 0, got {write_through_hits}")
@@ -228,7 +228,7 @@ class TierLink:
         if earlier is not None and not earlier.done:
             raise ValueError(f"request {req_id!r} is loading already")
         cache = self.cache
-        cache.lock(path)  # before reserving slots: reserving may evict idle host blocks
+        cache.lock(path)  # before reserving host slots: reserving may evict idle host blocks
         n = min(num_blocks, self.host.num_free + cache.num_evictable_host_blocks)
         if n <= 0:
             cache.unlock(path)
@@ -236,13 +236,13 @@ class TierLink:
         if not self.tier.can_load(n):
             cache.unlock(path)
             return LoadStart.BUSY
-        slots = cache.reserve_host(n)
+        host_slots = cache.reserve_host(n)
         bs, first, kb = self.block_size, path.end, self.block_size * TOKEN_BYTES
         keys = chain.keys(tokens, first + n)[first:]
         data = token_bytes(tokens[first * bs : (first + n) * bs], n * bs)
         per_block = [data[i * kb : (i + 1) * kb] for i in range(n)]
-        self._unsubmitted.append((keys, per_block, slots, req_id))
-        self._loads[req_id] = _Load(None, path, data, slots=slots)
+        self._unsubmitted.append((keys, per_block, host_slots, req_id))
+        self._loads[req_id] = _Load(None, path, data, host_slots=host_slots)
         if earlier is not None:  # its blocks are on the path locked now
             cache.unlock(earlier.path)
             self._loads[req_id].loaded_from = earlier.loaded[0]
@@ -250,9 +250,9 @@ class TierLink:
 
     def submit(self) -> None:
         """Hand the loads started since the last call to the tier. Call once the copies planned
-        before them have run (their slots may have been read by those copies)."""
-        for keys, tokens, slots, req_id in self._unsubmitted:
-            job = self.tier.start_load(keys, tokens, slots)
+        before them have run (their host slots may have been read by those copies)."""
+        for keys, tokens, host_slots, req_id in self._unsubmitted:
+            job = self.tier.start_load(keys, tokens, host_slots)
             self._loads[req_id].job = job
             self._by_job[job] = req_id
         self._unsubmitted.clear()
@@ -266,12 +266,12 @@ class TierLink:
             load = self._loads[req_id]
             good = job.loaded
             if load.cancelled or good == 0:
-                self.host.free(job.slots)
+                self.host.free(job.host_slots)
                 cache.unlock(load.path)
                 del self._loads[req_id]
                 continue
-            path, unused = cache.insert_host(load.path, load.tokens[: good * bs * TOKEN_BYTES], job.slots[:good])
-            self.host.free(unused + job.slots[good:])
+            path, unused = cache.insert_host(load.path, load.tokens[: good * bs * TOKEN_BYTES], job.host_slots[:good])
+            self.host.free(unused + job.host_slots[good:])
             cache.lock(path)
             cache.unlock(load.path)
             load.path = path
@@ -297,7 +297,7 @@ class TierLink:
         if not load.done:
             load.cancelled = True
             if load.job is not None:
-                load.job.cancelled = True  # the slots are freed when the loader is done with them
+                load.job.cancelled = True  # the host slots are freed when the loader is done with them
             return
         del self._loads[req_id]
         self.cache.unlock(load.path)
@@ -309,9 +309,9 @@ class TierLink:
     def locked_paths(self) -> list[CachedPath]:
         return [load.path for load in self._loads.values()]
 
-    def held_slots(self) -> list[int]:
+    def held_host_slots(self) -> list[int]:
         """Host slots that in-flight loads hold (not yet in the cache)."""
-        return [slot for load in self._loads.values() if not load.done for slot in load.slots]
+        return [host_slot for load in self._loads.values() if not load.done for host_slot in load.host_slots]
 
     def check_integrity(self) -> None:
         self.tier.check_integrity()

@@ -1,1 +1,1 @@
-"""LoRA adapters: reading PEFT adapters (peft.py) and the slots an engine serves them from (manager.py)."""
+"""LoRA adapters: reading PEFT adapters (peft.py) and the LoRA slots an engine serves them from (manager.py)."""

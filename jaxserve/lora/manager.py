@@ -1,14 +1,14 @@
-"""The adapters one engine serves: their names, host copies and device slots.
+"""The adapters one engine serves: their names, host copies and LoRA slots.
 
 `LoraManager` owns all of it. Names map to PEFT directories (`add`, `remove`); an adapter is read
 from disk into a host copy (at most `max_cpu_loras` kept, least recently used dropped first) when
 a request names it; a request runs only while its adapter sits in one of the `max_loras` device
-slots, pinned there from admission until the request finishes or is preempted by recompute
-(`acquire`, `release`). A slot no running request pins is reused for another adapter, least
-recently used first; when every slot is pinned the request waits in the queue (it is not failed)
+LoRA slots, pinned there from admission until the request finishes or is preempted by recompute
+(`acquire`, `release`). A LoRA slot no running request pins is reused for another adapter, least
+recently used first; when every LoRA slot is pinned the request waits in the queue (it is not failed)
 while others go.
 
-The device copy is written through `write_slot(slot, weights)`, which the runner provides: this
+The device copy is written through `write_adapter(lora_slot, weights)`, which the runner provides: this
 module stays free of JAX (the scheduler calls it between steps).
 """
 
@@ -51,7 +51,7 @@ def salt_token(uid: int, token: int) -> int:
 @dataclasses.dataclass
 class LoraStats:
     disk_loads: int = 0  # adapters read from disk into host memory
-    device_loads: int = 0  # adapters written into a device slot
+    device_loads: int = 0  # adapters written into a LoRA slot
     disk_load_seconds: float = 0.0
     device_load_seconds: float = 0.0
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by adapter name
@@ -64,7 +64,7 @@ class LoraManager:
         max_loras: int,
         max_cpu_loras: int,
         max_rank: int,
-        write_slot: Callable[[int, LoraWeights], None],
+        write_adapter: Callable[[int, LoraWeights], None],
     ) -> None:
         if config.vocab_size > 1 << TOKEN_BITS:
             raise ValueError(
@@ -74,14 +74,14 @@ class LoraManager:
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
-        self._write_slot = write_slot
+        self._write_adapter = write_adapter
         self._paths: dict[str, str] = {}  # registered name -> directory
         self._host: collections.OrderedDict[str, LoraWeights] = collections.OrderedDict()  # LRU last
         self._uids: dict[bytes, int] = {}  # weights digest -> uid
-        self._slot_uid: list[int | None] = [None] * max_loras
+        self._lora_slot_uid: list[int | None] = [None] * max_loras
         self._pins = [0] * max_loras
-        # Slots in order of last use, least recent first.
-        self._slot_order: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(max_loras))
+        # LoRA slots in order of last use, least recent first.
+        self._lora_slot_order: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(max_loras))
         self.stats = LoraStats()
         self._stats_lock = threading.Lock()
 
@@ -161,10 +161,10 @@ class LoraManager:
         return [salt_token(uid, token_ids[0]), *token_ids[1:]]
 
     def is_resident(self, name: str) -> bool:
-        """Whether adapter `name`'s weights sit in a device slot now."""
+        """Whether adapter `name`'s weights sit in a LoRA slot now."""
         weights = self._host.get(name)
         uid = None if weights is None else self._uids.get(weights.digest)
-        return uid is not None and uid in self._slot_uid
+        return uid is not None and uid in self._lora_slot_uid
 
     def _host_copy(self, name: str) -> LoraWeights:
         weights = self._host.get(name)
@@ -174,38 +174,38 @@ class LoraManager:
         self._host.move_to_end(name)
         return weights
 
-    # ----- device slots ---------------------------------------------------------------------
+    # ----- LoRA slots ---------------------------------------------------------------------
 
     def acquire(self, adapter: AdapterRef) -> int | None:
-        """The device slot holding `adapter`, pinned for one more request (written there first if
-        it is not resident); None when every slot is pinned by other adapters' requests."""
-        if adapter.uid in self._slot_uid:
-            slot = self._slot_uid.index(adapter.uid)
+        """The LoRA slot holding `adapter`, pinned for one more request (written there first if
+        it is not resident); None when every LoRA slot is pinned by other adapters' requests."""
+        if adapter.uid in self._lora_slot_uid:
+            lora_slot = self._lora_slot_uid.index(adapter.uid)
         else:
-            free = [s for s in self._slot_order if self._pins[s] == 0]  # least recently used first
+            free = [s for s in self._lora_slot_order if self._pins[s] == 0]  # least recently used first
             if not free:
                 return None
-            slot = free[0]
+            lora_slot = free[0]
             t0 = time.perf_counter()
-            self._slot_uid[slot] = None  # a failed write leaves the slot empty, not stale
-            self._write_slot(slot, adapter.weights)
-            self._slot_uid[slot] = adapter.uid
+            self._lora_slot_uid[lora_slot] = None  # a failed write leaves the LoRA slot empty, not stale
+            self._write_adapter(lora_slot, adapter.weights)
+            self._lora_slot_uid[lora_slot] = adapter.uid
             self.stats.device_load_seconds += time.perf_counter() - t0
             self.stats.device_loads += 1
-        self._pins[slot] += 1
-        self._slot_order.move_to_end(slot)
-        return slot
+        self._pins[lora_slot] += 1
+        self._lora_slot_order.move_to_end(lora_slot)
+        return lora_slot
 
-    def release(self, slot: int) -> None:
-        """A request that pinned `slot` no longer runs there."""
-        if self._pins[slot] <= 0:
-            raise ValueError(f"LoRA slot {slot} is not pinned")
-        self._pins[slot] -= 1
+    def release(self, lora_slot: int) -> None:
+        """A request that pinned `lora_slot` no longer runs there."""
+        if self._pins[lora_slot] <= 0:
+            raise ValueError(f"LoRA slot {lora_slot} is not pinned")
+        self._pins[lora_slot] -= 1
 
     @property
     def num_resident(self) -> int:
-        """Adapters in device slots."""
-        return sum(uid is not None for uid in self._slot_uid)
+        """Adapters in LoRA slots."""
+        return sum(uid is not None for uid in self._lora_slot_uid)
 
     @property
     def num_pinned(self) -> int:

@@ -97,7 +97,7 @@ class PagedAttention:
         sliding = sliding_layers(cfg)
         is_sliding = jnp.asarray(sliding)[layer]
         q, k, v = self._project(scope, x, rope.select(is_sliding))
-        cache = cache.write(layer, meta.slot_mapping, k, v)
+        cache = cache.write(layer, meta.kv_slots, k, v)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         if jnp.dtype(self.param_dtype) == jnp.bfloat16:
             # A bf16 model's queries are bf16 (on CPU, where activations are f32, the matmuls round

@@ -3,7 +3,7 @@ head, for every family in `checkpoints/architectures/` (their differences are th
 switches and the declared weights; see `DecoderLayer`).
 
 One forward serves ragged prefill, decode and a mix of both: it takes a flat batch of new tokens
-with their positions and cache slots, writes their K/V into the paged cache, attends over each
+with their positions and KV slots, writes their K/V into the paged cache, attends over each
 sequence's paged history through an attention backend (kernels_pallas), and computes logits
 only at the rows asked for.
 
@@ -93,7 +93,7 @@ class DecoderModel(nn.Module):
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache).
         Indices of -1 are padding rows after the live ones (their logits are not used: zeros on
-        the C++ head, else the last row's). `lora`: the adapters' device slots
+        the C++ head, else the last row's). `lora`: the adapters' LoRA slots
         (jaxserve/model/lora.py), read at `meta.lora_slots`."""
         cfg, act = self.config, self.compute_dtype
         weights = flat(quantized(declare(cfg), dict(self.quantization)))

@@ -41,11 +41,11 @@ class KVCache:
         per_token = 2 * config.num_layers * config.num_kv_heads * kv_quant.row_width(config.head_dim, dtype)
         return per_token * block_size * jnp.dtype(dtype).itemsize
 
-    def write(self, layer: jax.Array, slot_mapping: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    def write(self, layer: jax.Array, kv_slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
         """The cache with layer `layer`'s K and V [T, num_kv_heads, head_dim] of a step's new tokens
-        stored (in the storage format) at their slots [T]: an in-place scatter where the cache is
+        stored (in the storage format) at their KV slots [T]: an in-place scatter where the cache is
         a scan's carry or donated."""
-        blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
+        blocks, offsets = kv_slots // self.block_size, kv_slots % self.block_size
         return KVCache(
             self.k.at[layer, :, blocks, offsets].set(kv_quant.quantize(k, self.k.dtype)),
             self.v.at[layer, :, blocks, offsets].set(kv_quant.quantize(v, self.v.dtype)),
@@ -57,7 +57,7 @@ class KVCache:
 class AttentionMetadata:
     """Where a step's new tokens go and what each sequence attends to.
 
-    slot_mapping [T]: cache slot (block * block_size + offset) of each new token; padding rows
+    kv_slots [T]: KV slot (block * block_size + offset) of each new token; padding rows
       point into block 0, which is never allocated.
     block_tables [S, W], seq_lens [S]: each sequence's blocks and its length after this step.
     query_start [P + 1]: row offsets of the new tokens of the first P sequences (ragged
@@ -65,11 +65,11 @@ class AttentionMetadata:
     decode_rows [S - P]: a prefill step that runs decodes too (in one program): the row of
       each of the last S - P sequences' one new token (decodes), after the chunks' rows; a
       padding entry is T (out of range) and its sequence's length 0. None: no decodes.
-    lora_slots [T]: with LoRA on, each row's adapter slot (-1: the base model; see
+    lora_slots [T]: with LoRA on, each row's LoRA slot (-1: the base model; see
       jaxserve/model/lora.py). None: LoRA off.
     """
 
-    slot_mapping: jax.Array
+    kv_slots: jax.Array
     block_tables: jax.Array
     seq_lens: jax.Array
     query_start: jax.Array | None = None
@@ -77,5 +77,5 @@ class AttentionMetadata:
     lora_slots: jax.Array | None = None
 
     def real_rows(self, block_size: int) -> jax.Array:
-        """[T] bool: the rows of live tokens (a padding row's slot is in block 0, never allocated)."""
-        return self.slot_mapping >= block_size
+        """[T] bool: the rows of live tokens (a padding row's KV slot is in block 0, never allocated)."""
+        return self.kv_slots >= block_size

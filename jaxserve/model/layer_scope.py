@@ -40,7 +40,7 @@ class LayerScope:
     submodules, so they are called inside the layer module's `__call__` (the parent they bind to).
 
     dtype: of activations; packed, cpu_matmul: how the layer kernels are stored (`Linear`);
-    lora, lora_slots: the adapters' device slots and each row's slot (None: LoRA off)."""
+    lora, lora_slots: the adapters' LoRA slots and each row's LoRA slot (None: LoRA off)."""
 
     weights: dict[str, Weight]
     layer: jax.Array

@@ -3,7 +3,7 @@
 
 A decode step's rows are its sequences (row b is sequence b's one new token), so its rows split
 into up to `microbatches` equal groups, each with its sequences' block tables and lengths; the
-rows that round a group up are padding (slot 0 in block 0, length 0), as a bucket's are. A
+rows that round a group up are padding (KV slot 0 in block 0, length 0), as a bucket's are. A
 prefill step's rows are cut into contiguous groups of tokens: each group attends with its own
 ragged metadata (each sequence's rows inside the group, its length up to the group's last row),
 which is causal because a stage runs the groups in order, so a group's earlier rows have written
@@ -67,7 +67,7 @@ def _split_tree(tree: Any, num: int, size: int) -> Any:
 
 
 def _prefill_groups(meta: AttentionMetadata, num: int, size: int) -> AttentionMetadata:
-    """Per group g of rows [g * size, (g + 1) * size) of a prefill step: its slots, and each
+    """Per group g of rows [g * size, (g + 1) * size) of a prefill step: its KV slots, and each
     sequence's rows in the group (query_start, re-based) and length after the group's last row.
     A decode row of a mixed step belongs to the group holding it; elsewhere it is padding (row
     out of range, length 0)."""
@@ -85,4 +85,4 @@ def _prefill_groups(meta: AttentionMetadata, num: int, size: int) -> AttentionMe
         decode_rows = jnp.where(inside, local, size)
         seq_lens = seq_lens.at[:, chunks:].set(jnp.where(inside, seq_lens[:, chunks:], 0))
     tables = jnp.broadcast_to(meta.block_tables, (num, *meta.block_tables.shape))
-    return AttentionMetadata(_split_rows(meta.slot_mapping, num, size), tables, seq_lens, qs - start, decode_rows)
+    return AttentionMetadata(_split_rows(meta.kv_slots, num, size), tables, seq_lens, qs - start, decode_rows)

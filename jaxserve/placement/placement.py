@@ -28,7 +28,7 @@ class PlacementTarget(Protocol):
         ...
 
     def adapter_resident(self, name: str) -> bool:
-        """The target holds adapter `name` in a device slot (a request of it waits for none)."""
+        """The target holds adapter `name` in a LoRA slot (a request of it waits for none)."""
         ...
 
 

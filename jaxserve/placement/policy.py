@@ -27,7 +27,7 @@ class PlacementPolicy:
     # A router over worker processes cannot see their LoRA slots: it takes the adapters of the
     # last requests it sent a worker, this many distinct ones (the workers' --max-loras), as
     # resident there. The in-process engine asks its replicas instead.
-    adapter_slots: int = 1
+    lora_slots: int = 1
     # A router follows its workers' KV events (what their prefix caches hold) besides its own picture
     # of what it sent them; False: its picture alone (SGLang's approximate tree).
     kv_events: bool = True
@@ -43,9 +43,9 @@ def choose_target(
     """Index of the target for a prompt of `prompt_len` tokens, given each target's cached
     prefix length (`matches`) and load. Ties go to the less loaded, then the lower index.
 
-    For a LoRA request, `resident` says which targets hold its adapter in a device slot: unless
+    For a LoRA request, `resident` says which targets hold its adapter in a LoRA slot: unless
     the loads are imbalanced, the choice is made among those (when any), so the request neither
-    waits for a slot nor evicts another adapter elsewhere. `matches` must then count the
+    waits for a LoRA slot nor evicts another adapter elsewhere. `matches` must then count the
     adapter's own cached KV, never the base model's or another adapter's."""
     hi, lo = max(loads), min(loads)
     imbalanced = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo

@@ -1,4 +1,4 @@
-"""What a placer sent one target, as its picture of that target's cache and adapter slots.
+"""What a placer sent one target, as its picture of that target's cache and LoRA slots.
 
 A LoRA request's prompt is keyed behind a negative token no prompt has (the adapter's number
 here), so a prefix sent with one adapter never matches another's or the base model's. An adapter
@@ -15,7 +15,7 @@ from jaxserve.placement.prefix_tree import ApproxPrefixTree
 
 
 class SentPrefixes:
-    """One target's approximate prefix cache and the adapters taken as resident in its slots (those
+    """One target's approximate prefix cache and the adapters taken as resident in its LoRA slots (those
     of the latest requests sent there, most recent last)."""
 
     def __init__(self, max_tokens: int = 1 << 20) -> None:
@@ -34,14 +34,14 @@ class SentPrefixes:
             self._next_number += 1
         return [-self._numbers[lora], *ids]
 
-    def note(self, token_ids: Sequence[int], lora: str | None, adapter_slots: int = 1) -> None:
+    def note(self, token_ids: Sequence[int], lora: str | None, lora_slots: int = 1) -> None:
         """A prompt was sent (with `lora`'s adapter, if any): it is in the picture, its adapter
-        among those taken as resident (the latest `adapter_slots`)."""
+        among those taken as resident (the latest `lora_slots`)."""
         self.tree.insert(self.key(token_ids, lora))
         if lora is not None:
             self.recent_adapters[lora] = None
             self.recent_adapters.move_to_end(lora)
-            while len(self.recent_adapters) > adapter_slots:
+            while len(self.recent_adapters) > lora_slots:
                 self.recent_adapters.popitem(last=False)
 
     def match(self, token_ids: Sequence[int], lora: str | None) -> int:

@@ -20,7 +20,7 @@ from jaxserve.sampling_tensors import PenaltyCounts
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerState:
-    """The sampler's device state: the penalty counts of each batch slot, and two buffers of
+    """The sampler's device state: the penalty counts of each batch row, and two buffers of
     sampled tokens at fixed rows (`StepInputs.sampled_rows`): the previous iteration's, whose
     tokens this iteration's steps read in place of their placeholders, and this iteration's,
     which its samplers write. An iteration's start swaps them (`next_iteration`): rows it does
@@ -34,7 +34,7 @@ class SamplerState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeviceState:
-    """The parameters, the LoRA adapters' device slots (None without LoRA; split like the
+    """The parameters, the LoRA adapters' LoRA slots (None without LoRA; split like the
     projections they update), the KV cache and the sampler's state."""
 
     params: Any

@@ -1,12 +1,12 @@
 """An iteration's programs in the order the runner dispatches them, over a `call(key, *inputs)`
 that runs one program variant on the runner's state and returns its outputs.
 
-The model phase (`run_model_steps`) runs the penalty resets of requests that just got a batch slot,
+The model phase (`run_model_steps`) runs the penalty resets of requests that just got a batch row,
 then each program's model step (a plain decode step samples its rows in the same program; a
 multi-step decode runs its whole loop) with its prompt scores and pooled rows. The sampler phase
 (`run_samplers`) samples the logits that the model phase left unsampled: a prefill step's, a decode
 step's with constrained rows (their grammar masks written in between, while the steps run), a
-verify step's drafts. The programs' rows and slots are disjoint, so each phase's order within
+verify step's drafts. The programs' rows and batch rows are disjoint, so each phase's order within
 itself is all that matters.
 """
 

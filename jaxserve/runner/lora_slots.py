@@ -1,6 +1,6 @@
-"""The runner's LoRA device slots: the stacked A and B arrays every step reads
+"""The runner's LoRA slots: the stacked A and B arrays every step reads
 (jaxserve/model/lora.py), where they lie on the mesh, and the arguments of the program that
-writes one adapter into one slot (`lora_write`, compiled once at warm-up: slots change without
+writes one adapter into one LoRA slot (`lora_write`, compiled once at warm-up: LoRA slots change without
 compiling anything).
 """
 
@@ -19,23 +19,23 @@ from jaxserve.lora.peft import LoraWeights, module_shapes
 from jaxserve.model.lora import LORA_MODULES, LoraStacks
 
 
-def write_slot(stacks: LoraStacks, slot: jax.Array, adapter: LoraStacks) -> LoraStacks:
-    """`stacks` with slot `slot` (a device scalar) holding `adapter` (per module a [L, in, r],
+def write_adapter(stacks: LoraStacks, lora_slot: jax.Array, adapter: LoraStacks) -> LoraStacks:
+    """`stacks` with LoRA slot `lora_slot` (a device scalar) holding `adapter` (per module a [L, in, r],
     b [L, r, out])."""
 
     def put(module: str) -> dict[str, jax.Array]:
         a, b = stacks[module]["a"], stacks[module]["b"]
         new_a, new_b = adapter[module]["a"][:, :, None], adapter[module]["b"][:, None]
         return {
-            "a": jax.lax.dynamic_update_slice(a, new_a.astype(a.dtype), (0, 0, slot, 0)),
-            "b": jax.lax.dynamic_update_slice(b, new_b.astype(b.dtype), (0, slot, 0, 0)),
+            "a": jax.lax.dynamic_update_slice(a, new_a.astype(a.dtype), (0, 0, lora_slot, 0)),
+            "b": jax.lax.dynamic_update_slice(b, new_b.astype(b.dtype), (0, lora_slot, 0, 0)),
         }
 
     return {module: put(module) for module in stacks}
 
 
 class LoraSlots:
-    """Shapes and shardings of a runner's adapter slots. `config` is the model as checkpointed (an
+    """Shapes and shardings of a runner's LoRA slots. `config` is the model as checkpointed (an
     adapter's k/v projections are repeated like the base ones where tensor parallelism serves
     `kv_replicas` copies of each kv head); `kernel_specs` are the stacked base kernels' partition
     specs [L, in, out] by module, which A (over `in`) and B (over `out`) follow."""
@@ -43,14 +43,14 @@ class LoraSlots:
     def __init__(
         self,
         config: ModelConfig,
-        num_slots: int,
+        num_lora_slots: int,
         rank: int,
         dtype: Any,
         mesh: Mesh,
         kernel_specs: dict[str, P],
         kv_replicas: int,
     ) -> None:
-        self.config, self.num_slots, self.rank, self.dtype = config, num_slots, rank, jnp.dtype(dtype)
+        self.config, self.num_lora_slots, self.rank, self.dtype = config, num_lora_slots, rank, jnp.dtype(dtype)
         self.kv_replicas = kv_replicas
         layers = config.num_layers
         self.shapes = {
@@ -59,7 +59,7 @@ class LoraSlots:
             if m in LORA_MODULES
         }
         self.stack_shapes = {
-            m: {"a": (layers, fan_in, num_slots, rank), "b": (layers, num_slots, rank, out)}
+            m: {"a": (layers, fan_in, num_lora_slots, rank), "b": (layers, num_lora_slots, rank, out)}
             for m, (fan_in, out) in self.shapes.items()
         }
 
@@ -83,14 +83,14 @@ class LoraSlots:
         }
 
     def zeros(self) -> LoraStacks:
-        """Empty slots, placed."""
+        """Empty LoRA slots, placed."""
         return {
             m: {k: jax.device_put(np.zeros(shape, self.dtype), self.shardings[m][k]) for k, shape in s.items()}
             for m, s in self.stack_shapes.items()
         }
 
     def adapter_arrays(self, weights: LoraWeights | None) -> LoraStacks:
-        """One adapter's A [L, in, r] and B [L, r, out] per module, as numpy in the slots' dtype
+        """One adapter's A [L, in, r] and B [L, r, out] per module, as numpy in the LoRA slots' dtype
         (zeros for the modules it does not target; None: all zeros)."""
         layers, out = self.config.num_layers, {}
         for m, (fan_in, features) in self.shapes.items():
@@ -105,8 +105,10 @@ class LoraSlots:
         return out
 
     @property
-    def bytes_per_slot(self) -> int:
+    def bytes_per_lora_slot(self) -> int:
         return (
-            sum(int(np.prod(s)) // self.num_slots for shapes in self.stack_shapes.values() for s in shapes.values())
+            sum(
+                int(np.prod(s)) // self.num_lora_slots for shapes in self.stack_shapes.values() for s in shapes.values()
+            )
             * self.dtype.itemsize
         )

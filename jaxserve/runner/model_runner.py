@@ -19,6 +19,7 @@ Multi-host: every device operation of serving goes through `_device`, which a gr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -94,7 +95,8 @@ class ModelRunner:
         # Multi-host: on process 0, called with every device operation of serving (see `_device`)
         # before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
-        self._unsampled: dict[int, ModelPhase] = {}  # launches between their model and sampler phases
+        # Launches between their model and sampler phases: the phase, and the programs it ran.
+        self._unsampled: dict[int, tuple[ModelPhase, list[Program]]] = {}
 
     def _sampler_state(self, rep: Any) -> SamplerState:
         ec, rows = self.engine_config, self.inputs.sampled_rows
@@ -139,10 +141,10 @@ class ModelRunner:
         tests read them)."""
         return self._call(program.key, *self.args.step(program), warming_up=warming_up).logits
 
-    def write_lora_slot(self, slot: int, weights: LoraWeights) -> None:
-        """Put an adapter into device slot `slot` (`LoraManager`'s writer). Steps launched before
-        read the slots as they were: the write runs after them on the devices."""
-        self._device("lora_write", slot, weights)
+    def write_lora_slot(self, lora_slot: int, weights: LoraWeights) -> None:
+        """Put an adapter into LoRA slot `lora_slot` (`LoraManager`'s writer). Steps launched before
+        read the LoRA slots as they were: the write runs after them on the devices."""
+        self._device("lora_write", lora_slot, weights)
 
     def warm_up(self) -> float:
         """Compile every variant of every declared program (`programs.declare_programs`) and the
@@ -203,8 +205,8 @@ class ModelRunner:
         """Write the grammar masks of an iteration's constrained rows, dispatch the samplers of the
         logits its model steps left, and start copying what the host reads of it."""
         t0 = time.perf_counter()
-        programs = [write_token_masks(p) if p.masks else p for p in handle.prepared.programs]
-        phase, outs = self._device("sample", handle.launch_index, programs)
+        masks = [write_token_masks(p).sampling.token_mask if p.masks else None for p in handle.prepared.programs]
+        phase, outs = self._device("sample", handle.launch_index, masks)
         start_reads(handle, self.inputs.batch, phase, outs, self.totals.counts_anything)
         self.last_launch_time += time.perf_counter() - t0
 
@@ -246,17 +248,24 @@ class ModelRunner:
 
     def _model_phase(self, launch_index: int, penalty_resets: list[tuple], programs: list[Program]) -> None:
         self.state = self.state.next_iteration()
-        self._unsampled[launch_index] = run_model_steps(self._call, self.args, penalty_resets, programs)
+        self._unsampled[launch_index] = run_model_steps(self._call, self.args, penalty_resets, programs), programs
 
-    def _sampler_phase(self, launch_index: int, programs: list[Program]) -> tuple[ModelPhase, list]:
-        phase = self._unsampled.pop(launch_index)
+    def _sampler_phase(self, launch_index: int, masks: list[np.ndarray | None]) -> tuple[ModelPhase, list]:
+        """The samplers of launch `launch_index`'s programs (kept from its model phase), with the
+        grammar masks written since (per program, its token mask table; None: none): the mirrored
+        operation carries the masks alone."""
+        phase, programs = self._unsampled.pop(launch_index)
+        programs = [
+            p if m is None else p._replace(sampling=dataclasses.replace(p.sampling, token_mask=m))
+            for p, m in zip(programs, masks)
+        ]
         return phase, run_samplers(self._call, self.args, phase, programs)
 
     def _move(self, kind: CopyKind, src: list[int], dst: list[int]) -> None:
         self.state = self.state.with_cache(self.blocks.move(self.state.cache, kind, src, dst))
 
-    def _write_lora(self, slot: int, weights: LoraWeights) -> None:
-        self._call(("lora_write",), *self.args.lora_write(slot, weights))
+    def _write_lora(self, lora_slot: int, weights: LoraWeights) -> None:
+        self._call(("lora_write",), *self.args.lora_write(lora_slot, weights))
 
 
 # The runner's device operations by name: what `ModelRunner._device` runs and mirrors.

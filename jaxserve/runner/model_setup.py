@@ -94,7 +94,7 @@ def serve_model(config: ModelConfig, params: Any, ec: ResolvedConfig, mesh: Mesh
 
 
 def _place_params(served: ServedModel, ec: ResolvedConfig, mesh: Mesh, lora_config: ModelConfig, replicas: int) -> None:
-    """Place the parameters on the mesh, and the LoRA adapters' empty device slots, split like the
+    """Place the parameters on the mesh, and the LoRA adapters' empty LoRA slots, split like the
     projections they update."""
     config, params = served.config, served.params
     shardings = param_shardings(params, mesh, config, served.quantization)

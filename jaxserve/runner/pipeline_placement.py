@@ -47,7 +47,7 @@ def model_layers_config(config: ModelConfig, plan: PipelinePlan) -> ModelConfig:
 
 
 def stage_params(params: dict[str, Any], plan: PipelinePlan) -> dict[str, Any]:
-    """The parameters with their stacked layers laid out in the plan's slots (`pad_layers`)."""
+    """The parameters with their stacked layers laid out in the plan's layer positions (`pad_layers`)."""
     return {**params, "layers": jax.tree.map(lambda leaf: pad_layers(leaf, plan), params["layers"])}
 
 

@@ -17,8 +17,8 @@ from jaxserve.structured import GrammarState
 class Program(NamedTuple):
     """One compiled step to run: its variant key, host arrays (tokens, positions, attention
     metadata, logits rows, token sources), sampling settings, where its sampled tokens go in
-    the iteration's sampled buffer, the persistent batch's slot of each of its chunks (the
-    batch's spare slot for a chunk that samples nothing), and the rows to score against given
+    the iteration's sampled buffer, the persistent batch's row of each of its chunks (the
+    batch's spare row for a chunk that samples nothing), and the rows to score against given
     next tokens (prompt log-probabilities: rows and targets, padded to the step's tokens; None
     when none are), for a verify program the drafts its sampler tests, and the constrained rows
     whose token masks are still to be written (`write_token_masks`)."""
@@ -27,7 +27,7 @@ class Program(NamedTuple):
     host_args: tuple
     sampling: SamplingTensors
     sample_offset: int
-    slots: np.ndarray
+    batch_rows: np.ndarray
     score: tuple[np.ndarray, np.ndarray] | None = None
     # A verify program (speculative decoding): each row's draft to test and the drafts before it.
     drafts: tuple[np.ndarray, np.ndarray] | None = None

@@ -78,5 +78,5 @@ class ProgramArgs:
     def pool(program: Program, hidden: Any) -> tuple:
         return (hidden, HostPack.of(program.pool))
 
-    def lora_write(self, slot: int, weights: LoraWeights | None) -> tuple:
-        return (self.constant((), np.int32, slot), self.lora_slots.adapter_arrays(weights))
+    def lora_write(self, lora_slot: int, weights: LoraWeights | None) -> tuple:
+        return (self.constant((), np.int32, lora_slot), self.lora_slots.adapter_arrays(weights))

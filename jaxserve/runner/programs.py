@@ -219,11 +219,13 @@ def _sampler_programs(s: ProgramSetting, v: _Variants) -> list[ProgramSpec]:
         # Embeddings: sums of a prefill step's pooled rows of hidden states, after the final
         # norm, by the step's token bucket too (only steps that pool run it).
         ProgramSpec("pool", f.pool, st, [hidden, host], outs, v.by_tokens(lambda rows: rows)),
-        # The penalty counts of requests that just got a slot, from their histories.
+        # The penalty counts of requests that just got a batch row, from their histories.
         ProgramSpec("penalty_reset", f.reset_penalty_rows, st, [host], outs, v.penalty_resets),
     ]
     if s.args.lora_slots is not None:
-        # LoRA: an adapter written into a device slot (one shape for every adapter and slot).
+        # LoRA: an adapter written into a LoRA slot (one shape for every adapter and LoRA slot).
         adapter = Arg("adapter", s.args.lora_slots.adapter_shardings)
-        specs.append(ProgramSpec("lora_write", f.write_lora_slot, st, [Arg("slot", rep), adapter], outs, v.lora_writes))
+        specs.append(
+            ProgramSpec("lora_write", f.write_lora_slot, st, [Arg("lora_slot", rep), adapter], outs, v.lora_writes)
+        )
     return specs

@@ -14,7 +14,7 @@ class RaggedRows:
     tokens: np.ndarray  # i32[num_tokens]
     token_src: np.ndarray  # i32[num_tokens]: a token still in flight, its row in the sampled buffer (-1: known)
     positions: np.ndarray  # i32[num_tokens]
-    kv_slots: np.ndarray  # i32[num_tokens]: the cache slot each row's K/V is written to
+    kv_slots: np.ndarray  # i32[num_tokens]: the KV slot each row's K/V is written to
     seq_lens: np.ndarray  # i32[num_seqs + num_decodes]
     query_start: np.ndarray  # i32[num_seqs + 1]: the chunks' first rows
     logits_indices: np.ndarray  # i32[sampled rows]

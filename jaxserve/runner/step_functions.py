@@ -20,7 +20,7 @@ from jaxserve.model import AttentionMetadata, DecoderModel
 from jaxserve.model.head import final_norm, head_logits
 from jaxserve.runner.device_state import DeviceState, SamplerState
 from jaxserve.runner.host_pack import HostPack
-from jaxserve.runner.lora_slots import write_slot
+from jaxserve.runner.lora_slots import write_adapter
 from jaxserve.runner.program_outputs import DecodeStepOutputs, ModelStepOutputs, PooledSums, PromptScoreOutputs
 from jaxserve.runner.step_counters import StepCounters
 from jaxserve.sampler import SamplerOutput, sample
@@ -174,14 +174,14 @@ class StepFunctions:
     def reset_penalty_rows(state: DeviceState, inputs: HostPack) -> tuple[DeviceState, None]:
         """set_penalty_rows, after the history token at `token_index` of each row whose
         `token_src` >= 0 (a placeholder on the host) is read from the previous iteration."""
-        slots, history, is_output, token_src, token_index = inputs.unpack()
+        batch_rows, history, is_output, token_src, token_index = inputs.unpack()
         rows = jnp.arange(history.shape[0])
         pending = _pending_tokens(state.sampler.prev_sampled, history[rows, token_index], token_src)
         history = history.at[rows, token_index].set(pending)
-        counts = set_penalty_rows(state.sampler.penalty_counts, slots, history, is_output)
+        counts = set_penalty_rows(state.sampler.penalty_counts, batch_rows, history, is_output)
         return state.with_counts(counts), None
 
     @staticmethod
-    def write_lora_slot(state: DeviceState, slot, adapter) -> tuple[DeviceState, None]:
-        """An adapter written into its device slot of the LoRA stacks."""
-        return dataclasses.replace(state, adapters=write_slot(state.adapters, slot, adapter)), None
+    def write_lora_slot(state: DeviceState, lora_slot, adapter) -> tuple[DeviceState, None]:
+        """An adapter written into its LoRA slot of the LoRA stacks."""
+        return dataclasses.replace(state, adapters=write_adapter(state.adapters, lora_slot, adapter)), None

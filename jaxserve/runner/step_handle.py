@@ -21,7 +21,7 @@ from jaxserve.scheduler.output import ScheduledChunk
 
 @dataclasses.dataclass
 class StepHandle:
-    """A launched iteration: for each of its programs, the chunks, their slots in the persistent
+    """A launched iteration: for each of its programs, the chunks, their batch rows in the persistent
     batch and the sampler outputs the host will read (tokens; log-probabilities only when a
     chunk asked for them). Between `ModelRunner.run_model` and `run_sampler` it holds its
     prepared step (`awaits_masks`: some rows wait for grammar masks)."""
@@ -54,7 +54,7 @@ def start_reads(
     # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
     batch.launched(
         handle.launch_index,
-        [(p.slots, p.sample_offset if p.drafts is None and p.num_steps == 1 else None) for p in prepared.programs],
+        [(p.batch_rows, p.sample_offset if p.drafts is None and p.num_steps == 1 else None) for p in prepared.programs],
     )
     for chunks, program, out in zip(prepared.parts, prepared.programs, outs):
         wanted = max(
@@ -64,7 +64,7 @@ def start_reads(
         fields = (out.tokens,) if wanted is None else (out.tokens, out.logprobs) if wanted == 0 else tuple(out)
         for field in fields:
             field.copy_to_host_async()
-        handle.parts.append((chunks, program.slots, fields))
+        handle.parts.append((chunks, program.batch_rows, fields))
     if phase.scores is not None:
         scores = phase.scores.fields()
         for field in scores:
@@ -84,9 +84,9 @@ def read_tokens(handle: StepHandle, batch: InputBatch) -> list[tuple[ScheduledCh
     each of its sampling chunks produced: one, or for a verified decode its accepted drafts
     and the token after them, or a multi-step decode's tokens."""
     results = []
-    for chunks, slots, fields in handle.parts:
+    for chunks, batch_rows, fields in handle.parts:
         tokens, *rest = (np.asarray(f) for f in fields)
-        batch.read(handle.launch_index, slots, tokens)
+        batch.read(handle.launch_index, batch_rows, tokens)
         width = tokens.shape[1] if tokens.ndim == 2 else 1  # [B, k + 1] or [B, K]: verify, multi-step
         token_rows = tokens.reshape(-1, width).tolist()
         # Other fields are by row (a verified chunk's rows follow each other). Python floats

@@ -19,25 +19,26 @@ if TYPE_CHECKING:
 
 
 def verify_program(
-    inputs: StepInputs, chunks: list[ScheduledChunk], batch: int, width: int, slots: np.ndarray | None = None
+    inputs: StepInputs, chunks: list[ScheduledChunk], batch: int, width: int, batch_rows: np.ndarray | None = None
 ) -> Program:
     """A verify program (speculative decoding): a ragged step of `verify_rows` = k + 1 rows per
     sequence (its last token, then its drafts; rows past a shorter draft are padding that
     writes into block 0) with logits at every row, and one sampling row per logits row.
     Every token of its chunks is known on the host: speculative steps are synchronous (see
-    `LLMEngine.step`). `slots`: the chunks' slots (`StepInputs.decode_slots`; looked up here when None)."""
+    `LLMEngine.step`). `batch_rows`: the chunks' batch rows (`StepInputs.decode_batch_rows`; looked up
+    here when None)."""
     bs, rows = inputs.config.block_size, inputs.verify_rows
-    slots = inputs.decode_slots(chunks) if slots is None else slots
+    batch_rows = inputs.decode_batch_rows(chunks) if batch_rows is None else batch_rows
     num_tokens = batch * rows
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     kv_slots = np.zeros(num_tokens, np.int32)
     seq_lens = np.zeros(batch, np.int32)
     query_start = np.zeros(batch + 1, np.int32)
-    tables = inputs.batch.tables[inputs.padded(slots, batch), :width]
+    tables = inputs.batch.tables[inputs.padded(batch_rows, batch), :width]
     drafts = np.full(num_tokens, -1, np.int32)
     history = np.full((num_tokens, rows - 1), -1, np.int32)
-    sampled = []  # (row, slot, drafts before it) of each row that samples
+    sampled = []  # (row, batch_row, drafts before it) of each row that samples
     for i, c in enumerate(chunks):
         req, row, n = c.request, i * rows, 1 + len(c.draft)
         if PLACEHOLDER in req.output_token_ids[-1:]:
@@ -52,7 +53,7 @@ def verify_program(
         for j in range(n):
             history[row + j, :j] = c.draft[:j]
             if c.sample:
-                sampled.append((row + j, slots[i], j))
+                sampled.append((row + j, batch_rows[i], j))
     query_start[len(chunks) + 1 :] = len(chunks) * rows
     meta = AttentionMetadata(
         kv_slots,
@@ -62,16 +63,16 @@ def verify_program(
         lora_slots=inputs.lora_rows(chunks, num_tokens, [rows] * len(chunks)),
     )
     host_args = (tokens, positions, meta, np.arange(num_tokens, dtype=np.int32), np.full(num_tokens, -1, np.int32))
-    masks = inputs.constrained_rows(chunks, slots, rows)
+    masks = inputs.constrained_rows(chunks, batch_rows, rows)
     inputs.check_sampling(chunks)
-    sampled_rows, sampled_slots, ahead = np.array(sampled, np.intp).reshape(-1, 3).T
-    sampling = inputs.batch.sampling(sampled_rows, sampled_slots, ahead, num_tokens, bool(masks))
+    sampled_rows, sampled_batch_rows, ahead = np.array(sampled, np.intp).reshape(-1, 3).T
+    sampling = inputs.batch.sampling(sampled_rows, sampled_batch_rows, ahead, num_tokens, bool(masks))
     return Program(
         ("verify", batch, width),
         host_args,
         sampling,
         0,
-        slots,
+        batch_rows,
         drafts=(drafts, history),
         masks=masks,
         constrained=bool(masks),

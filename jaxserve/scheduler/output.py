@@ -14,7 +14,7 @@ from jaxserve.request import Request
 class ScheduledChunk:
     """One request's work this step: compute `num_new_tokens` tokens from `start`.
 
-    The tokens are `request.all_token_ids[start:start + num_new_tokens]`; `block_table` covers
+    The tokens are `request.copy_tokens(start, start + num_new_tokens)`; `block_table` covers
     every position below `start + num_new_tokens`, and `table_version` is the KV manager's
     version of its entries (`KVHandle.version`; -1, unknown, for a chunk built by
     hand: the runner copies the whole table). `sample` is true when this chunk reaches the
@@ -28,16 +28,22 @@ class ScheduledChunk:
     sample: bool
     output_index: int = -1  # where its sampled token goes in request.output_token_ids (at launch)
     # Speculative decoding (decodes only): draft tokens verified after the last token; their
-    # slots are allocated, and the ones rejected are released when the step is read.
+    # KV slots are allocated, and the ones rejected are released when the step is read.
     draft: list[int] = dataclasses.field(default_factory=list)
     # Multi-step decode (decodes only): tokens this decode may sample in the step's device loop
-    # (its slots are allocated); it stops earlier at a stop token.
+    # (its KV slots are allocated); it stops earlier at a stop token.
     num_steps: int = 1
     table_version: int = -1
 
     @property
+    def samples_several(self) -> bool:
+        """It may sample several tokens (drafts to verify, or a multi-step decode loop): how many
+        is known only once the step is read."""
+        return bool(self.draft) or self.num_steps > 1
+
+    @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+        return self.request.copy_tokens(self.start, self.start + self.num_new_tokens)
 
 
 @dataclasses.dataclass
@@ -65,5 +71,7 @@ class SchedulerOutput:
         return any(c.draft for c in self.decodes)
 
     @property
-    def is_multi_step(self) -> bool:
-        return any(c.num_steps > 1 for c in self.decodes)
+    def samples_several(self) -> bool:
+        """Some decode may sample several tokens (`ScheduledChunk.samples_several`): where the
+        next step of its request starts is known only once this step is read."""
+        return any(c.samples_several for c in self.decodes)

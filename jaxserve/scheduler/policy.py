@@ -24,5 +24,5 @@ def waiting_in_policy_order(
     now = time.monotonic()
     starving = [r for r in waiting if now - r.arrival_time > LPM_STARVATION_SECONDS]
     rest = [r for r in waiting if now - r.arrival_time <= LPM_STARVATION_SECONDS]
-    rest.sort(key=lambda r: (-kv.match_prefix(r.cache_token_ids, r.block_keys).num_tokens, r.arrival_time))
+    rest.sort(key=lambda r: (-kv.match_prefix(r.copy_cache_tokens(), r.block_keys).num_tokens, r.arrival_time))
     return starving + rest

@@ -15,13 +15,13 @@ sequence cap (`max_num_seqs`):
    chunked at once; a request whose next block is being computed by another request in this
    very step waits one step and then hits the cache instead of computing it twice.
 
-With a `Proposer` (speculative decoding), each decode it drafts for gets slots for 1 + len(draft)
-tokens to verify; the slots of rejected drafts are released when the step is read (`accept_tokens`).
+With a `Proposer` (speculative decoding), each decode it drafts for gets KV slots for 1 + len(draft)
+tokens to verify; the KV slots of rejected drafts are released when the step is read (`accept_tokens`).
 How drafts are made, and when, is the proposer's alone.
 
-With `num_scheduler_steps` K > 1, an iteration with nothing but unconstrained decodes gives each
-decode slots for up to K tokens (fewer near its length limits or its `min_tokens`), which the
-device samples in one loop; a decode that stops early releases the rest when it finishes.
+With multi-step decode, the `DecodeLoop` (`jaxserve.scheduler.multi_step`) says how many steps
+each decode may run in one device loop; each gets KV slots for that many tokens (one step when they
+do not fit), and a decode that stops early releases the rest when the step is read.
 
 No JAX here: the scheduler is host-side bookkeeping on the hot path.
 """
@@ -37,7 +37,8 @@ from jaxserve.kv import KVCacheManager, LoadStart
 from jaxserve.outputs import FinishReason
 from jaxserve.request import Request, RequestStatus
 from jaxserve.resolved_config import ResolvedConfig
-from jaxserve.scheduler.multi_step import decode_loop_steps
+from jaxserve.scheduler.blocks_in_flight import BlocksInFlight
+from jaxserve.scheduler.multi_step import DecodeLoop, build_decode_loop
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.scheduler.policy import waiting_in_policy_order
 
@@ -55,11 +56,14 @@ class Scheduler:
         kv: KVCacheManager,
         adapters: LoraManager | None = None,
         proposer: Proposer | None = None,
+        decode_loop: DecodeLoop | None = None,
     ):
         self.config = config
         self.kv = kv
-        self.adapters = adapters  # LoRA: a request is admitted once its adapter holds a device slot
+        self.adapters = adapters  # LoRA: a request is admitted once its adapter holds a LoRA slot
         self.proposer = proposer  # speculative decoding: drafts to verify (None: off)
+        # Multi-step decode: each decode's steps in one device loop (the config's when not given).
+        self.decode_loop = decode_loop if decode_loop is not None else build_decode_loop(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -104,14 +108,14 @@ class Scheduler:
 
     # ----- one step -------------------------------------------------------------------------
 
-    def schedule(self, masks_after_read: bool = False) -> SchedulerOutput:
-        """The next step. `masks_after_read`: the step in flight is read before this one's grammar
-        masks are written (`LLMEngine.step`), so constrained decodes whose last token is still in
-        flight may run in it; otherwise they wait for that token."""
+    def schedule(self) -> SchedulerOutput:
+        """The next step. A constrained decode whose last token is still in flight runs in it too:
+        the engine reads the step in flight before this one's grammar masks are written
+        (`LLMEngine._launch`)."""
         out = SchedulerOutput()
         self.kv.loads.poll()
         budget = self.config.max_num_batched_tokens
-        budget -= self._schedule_decodes(out, masks_after_read)
+        budget -= self._schedule_decodes(out)
         self._schedule_swap_ins(out)
         self._schedule_prefills(out, budget)
         out.copy_stages = self.kv.take_copies()
@@ -121,23 +125,17 @@ class Scheduler:
             # (Requests done by length free their blocks once their last step's output is read;
             # constrained ones waiting for a token in flight run again once it is read.)
             self._preempt(self._pick_victim(), out, mode="recompute")
-            return self.schedule(masks_after_read)
+            return self.schedule()
         return out
 
     def _length_capped(self, req: Request) -> bool:
         return req.ends_by_length(len(req.output_token_ids), self.config.max_model_len)
 
-    def _schedule_decodes(self, out: SchedulerOutput, masks_after_read: bool) -> int:
-        # A request whose last token (maybe still in flight) ends it by length needs no step; a
-        # constrained one needs its token in flight before its next mask.
-        decoding = [
-            r
-            for r in self.running
-            if not r.is_prefilling and not self._length_capped(r) and (masks_after_read or not r.awaits_token)
-        ]
-        cfg = self.config
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        # A request whose last token (maybe still in flight) ends it by length needs no step.
+        decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)]
         drafts = self.proposer.propose(decoding, len(self.running)) if self.proposer is not None else None
-        multi_step = drafts is None and self._runs_multi_step(decoding)
+        steps_of = self.decode_loop.steps_of(decoding, lambda: drafts is None and self._decodes_only())
         drafts = drafts or {}
         looked_up = False  # some scheduled request's tokens were searched for a draft
         for req in sorted(decoding, key=self._priority_key):
@@ -145,13 +143,13 @@ class Scheduler:
                 continue  # preempted to make room for a more important one
             looked_up |= req in drafts
             draft = drafts.get(req, [])
-            if draft and not self.kv.allocate_slots(req.kv, 1 + len(draft)):
+            if draft and not self.kv.allocate_kv_slots(req.kv, 1 + len(draft)):
                 draft = []  # no room for the tokens to verify: a plain decode
-            num_steps = decode_loop_steps(req, cfg.num_scheduler_steps, cfg.max_model_len) if multi_step else 1
-            if num_steps > 1 and not self.kv.allocate_slots(req.kv, num_steps):
-                num_steps = 1  # no room for the loop's slots: one step
+            num_steps = steps_of(req)
+            if num_steps > 1 and not self.kv.allocate_kv_slots(req.kv, num_steps):
+                num_steps = 1  # no room for the loop's KV slots: one step
             reserved = bool(draft) or num_steps > 1
-            while not reserved and not self.kv.allocate_slots(req.kv, 1):
+            while not reserved and not self.kv.allocate_kv_slots(req.kv, 1):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is req:
@@ -162,22 +160,14 @@ class Scheduler:
             self.proposer.on_scheduled(looked_up, drafted=out.is_speculative)
         return sum(1 + len(c.draft) for c in out.decodes)
 
-    def awaits_tokens(self) -> bool:
-        """Whether a running constrained request waits for its last token, still in flight."""
-        return any(r.awaits_token for r in self.running)
-
-    def _runs_multi_step(self, decoding: list[Request]) -> bool:
-        """Multi-step decode this step: configured, and nothing but decodes to run (no prompt
-        waits or is being chunked, nothing is swapped out or loading), none constrained (each
-        of its masks depends on the token before)."""
+    def _decodes_only(self) -> bool:
+        """Nothing but decodes can run this step: no prompt waits or is being chunked, nothing is
+        swapped out or loading."""
         return (
-            self.config.num_scheduler_steps > 1
-            and bool(decoding)
-            and not self.waiting
+            not self.waiting
             and not self.swapped
             and not any(r.is_prefilling for r in self.running)
             and not self.kv.loads.pending
-            and all(r.grammar is None for r in decoding)
         )
 
     def _schedule_swap_ins(self, out: SchedulerOutput) -> None:
@@ -191,7 +181,7 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
-        in_flight: set[bytes] = set()  # content keys of prompt blocks this step's prefills compute
+        in_flight = BlocksInFlight(cfg.block_size)  # prompt blocks this step's prefills compute
         partial = [r for r in self.running if r.is_prefilling and not r.awaits_token]
         for req in partial:
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
@@ -199,7 +189,7 @@ class Scheduler:
             others = self._others_could_start(budget, self._num_partial(out), len(out.prefills) + 1)
             budget -= self._schedule_chunk(req, self._partial_chunk_limit(budget, others), out, in_flight)
         num_partial = self._num_partial(out)
-        slot_wait = False  # LoRA: a request waits for an adapter slot
+        lora_slot_wait = False  # a request waits for a LoRA slot
         for req in waiting_in_policy_order(self.waiting, self.config.scheduling_policy, self._priority_key, self.kv):
             if budget <= 0 or len(out.prefills) >= cfg.max_prefill_seqs:
                 break
@@ -209,7 +199,7 @@ class Scheduler:
                 continue  # preempted with its last token in flight
             if self.kv.loads.is_loading(req):
                 continue  # its prefix is being read from disk; others go meanwhile
-            cacheable = req.cache_token_ids[: req.num_cacheable_tokens]
+            cacheable = req.copy_cache_tokens(req.num_cacheable_tokens)
             hit = self.kv.match_prefix(cacheable, req.block_keys)
             if hit.num_disk_tokens >= max(cfg.kv_disk_min_load_tokens, 1):
                 if self.kv.loads.start(req, hit) is not LoadStart.NONE:
@@ -227,13 +217,13 @@ class Scheduler:
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
                 n = self._partial_chunk_limit(budget, others)
             if req.adapter is not None:
-                # Behind a request waiting for a slot, adapter requests wait too (even of resident
-                # adapters), so the pins drain and it gets its slot: no adapter starves.
-                slot = None if slot_wait else self.adapters.acquire(req.adapter)
-                if slot is None:
-                    slot_wait = True
-                    continue  # every adapter slot is pinned by other adapters' requests: it waits
-                req.lora_slot = slot
+                # Behind a request waiting for a LoRA slot, adapter requests wait too (even of resident
+                # adapters), so the pins drain and it gets its LoRA slot: no adapter starves.
+                lora_slot = None if lora_slot_wait else self.adapters.acquire(req.adapter)
+                if lora_slot is None:
+                    lora_slot_wait = True
+                    continue  # every LoRA slot is pinned by other adapters' requests: it waits
+                req.lora_slot = lora_slot
             kv = self.kv.admit(hit, n, load_key=req)
             if kv is None:
                 self._release_adapter(req)
@@ -276,31 +266,27 @@ class Scheduler:
             for r in self.waiting
         )
 
-    def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: set[int]) -> int:
+    def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: BlocksInFlight) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if not self.kv.allocate_slots(req.kv, n):
+        if not self.kv.allocate_kv_slots(req.kv, n):
             return 0
         return self._add_prefill(req, n, out, in_flight)
 
-    def _add_prefill(self, req: Request, n: int, out: SchedulerOutput, in_flight: set[bytes]) -> int:
+    def _add_prefill(self, req: Request, n: int, out: SchedulerOutput, in_flight: BlocksInFlight) -> int:
         out.prefills.append(self._chunk(req, n))
         if self.config.enable_prefix_caching:
             bs = self.config.block_size
             first, last = req.num_computed_tokens // bs, min(req.num_computed_tokens + n, req.num_prompt_tokens) // bs
             if last > first:
-                in_flight.update(req.block_keys.keys(req.cache_token_ids, last)[first:])
+                in_flight.add(req, first, last)
         return n
 
-    def _block_in_flight(self, req: Request, start: int, in_flight: set[bytes]) -> bool:
+    def _block_in_flight(self, req: Request, start: int, in_flight: BlocksInFlight) -> bool:
         """Whether the prompt's block at `start` (a block boundary) is being computed by another
         request's prefill in this step: the same content key (`Request.block_keys`)."""
-        if not in_flight:
-            return False
         i = start // self.config.block_size
-        return (i + 1) * self.config.block_size <= req.num_prompt_tokens and req.block_keys.keys(
-            req.cache_token_ids, i + 1
-        )[i] in in_flight
+        return bool(in_flight) and (i + 1) * self.config.block_size <= req.num_prompt_tokens and in_flight.holds(req, i)
 
     def _chunk(self, req: Request, n: int, draft: list[int] | None = None, num_steps: int = 1) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -352,9 +338,9 @@ class Scheduler:
     def accept_tokens(self, req: Request, num_extra: int) -> None:
         """A verified or multi-step decode was read and kept `num_extra` tokens beyond its first
         (accepted drafts, or the loop's later tokens): their K/V are valid (the request's next
-        token follows them), the slots reserved past them are released."""
+        token follows them), the KV slots reserved past them are released."""
         req.launched(req.num_computed_tokens + num_extra, samples=False)
-        self.kv.release_slots(req.kv, req.num_computed_tokens)
+        self.kv.release_kv_slots(req.kv, req.num_computed_tokens)
 
     def on_token_read(self, req: Request, index: int) -> None:
         """Output tokens from `index` on were read from the device and the request goes on: cache
@@ -373,4 +359,4 @@ class Scheduler:
         if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
             n = min(req.num_computed_tokens, req.num_known_tokens)
             if n // bs > cached:
-                self.kv.cache_full_blocks(req.kv, req.cache_token_ids[:n])
+                self.kv.cache_full_blocks(req.kv, req.copy_cache_tokens(n))

@@ -73,7 +73,7 @@ class NgramProposer:
         k = min(spec.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
         if k <= 0 or req.grammar is not None or PLACEHOLDER in req.output_token_ids[-1:]:
             return None
-        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return propose_ngram(req.copy_tokens(), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
         if looked_up:

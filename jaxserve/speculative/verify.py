@@ -76,7 +76,7 @@ def verify(
         drafted = (
             jnp.zeros((rows, vocab), jnp.int32).at[index, jnp.where(history < 0, vocab, history)].add(1, mode="drop")
         )
-        return penalize(x, t, counts.output[t.penalty_slots] + drafted, counts.prompt[t.penalty_slots])
+        return penalize(x, t, counts.output[t.penalty_rows] + drafted, counts.prompt[t.penalty_rows])
 
     penalized = lax.cond(_any_penalty(t), with_drafts_counted, lambda x: x, x)
     greedy = _argmax(penalized)
@@ -103,8 +103,8 @@ def verify(
     logprobs, top_ids, top_logprobs = _logprobs(raw, row_tokens, t.num_logprobs, num_top_logprobs)
 
     def count(counts: PenaltyCounts) -> PenaltyCounts:
-        counted = ((t.penalty_slots != counts.spare_slot) & emitted.reshape(-1)).astype(jnp.int32)
-        return dataclasses.replace(counts, output=counts.output.at[t.penalty_slots, row_tokens].add(counted))
+        counted = ((t.penalty_rows != counts.spare_row) & emitted.reshape(-1)).astype(jnp.int32)
+        return dataclasses.replace(counts, output=counts.output.at[t.penalty_rows, row_tokens].add(counted))
 
     counts = lax.cond(_any_penalty(t), count, lambda c: c, counts)
     return VerifyOutput(tokens, logprobs, top_ids, top_logprobs), counts

@@ -246,9 +246,9 @@ def test_default_model_matches_transformers_weights():
 
 
 @pytest.mark.parametrize("qtype", sorted(supported_tensor_types(), key=lambda t: t.name))
-def test_every_type_gguf_dequantizes_loads_into_its_slot(tmp_path, tiny, qtype):
+def test_every_type_gguf_dequantizes_loads_into_its_place(tmp_path, tiny, qtype):
     """Every tensor type of gguf.quants (Q5_0, Q5_1, Q2_K..Q5_K, the IQ types, ...) loads; the
-    values are gguf-py's dequantization of the file's blocks, in the tensor's slot."""
+    values are gguf-py's dequantization of the file's blocks, in the tensor's place."""
     expected = write_tiny_gguf(tmp_path / "m.gguf", tiny, types={"ffn_down.weight": qtype})
     got = hf_weights(load_gguf(tmp_path / "m.gguf"))
     for name in ("blk.0.ffn_down.weight", "blk.1.ffn_down.weight"):

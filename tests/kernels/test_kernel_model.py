@@ -62,7 +62,7 @@ def init_params(config):
     return jax.tree.map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape), s.dtype), shapes)
 
 
-def slots(table, positions):
+def kv_slots(table, positions):
     return np.asarray(table[positions // BLOCK] * BLOCK + positions % BLOCK, np.int32)
 
 
@@ -72,7 +72,7 @@ def generate(config, backend_name, params, prompts, tables, steps):
     cache = KVCache.zeros(config, NUM_BLOCKS, BLOCK, jnp.float32)
     a, b = prompts
     cut = len(b) - 4
-    rows = len(a) + cut  # both prefill steps use this token bucket and 2 sequence slots
+    rows = len(a) + cut  # both prefill steps use this token bucket and 2 sequences
     # Step 1: all of prompt a and the first chunk of prompt b.
     logits, cache = apply(
         params,
@@ -80,7 +80,7 @@ def generate(config, backend_name, params, prompts, tables, steps):
         jnp.asarray(np.concatenate([np.arange(len(a)), np.arange(cut)])),
         cache,
         AttentionMetadata(
-            jnp.asarray(np.concatenate([slots(tables[0], np.arange(len(a))), slots(tables[1], np.arange(cut))])),
+            jnp.asarray(np.concatenate([kv_slots(tables[0], np.arange(len(a))), kv_slots(tables[1], np.arange(cut))])),
             jnp.asarray(tables),
             jnp.array([len(a), cut], jnp.int32),
             jnp.array([0, len(a), rows], jnp.int32),
@@ -96,7 +96,7 @@ def generate(config, backend_name, params, prompts, tables, steps):
         jnp.asarray(np.pad(np.arange(cut, len(b)), (0, pad))),
         cache,
         AttentionMetadata(
-            jnp.asarray(np.pad(slots(tables[1], np.arange(cut, len(b))), (0, pad))),
+            jnp.asarray(np.pad(kv_slots(tables[1], np.arange(cut, len(b))), (0, pad))),
             jnp.asarray(np.stack([tables[1], np.zeros(WIDTH, np.int32)])),
             jnp.array([len(b), 0], jnp.int32),
             jnp.array([0, len(b) - cut, len(b) - cut], jnp.int32),
@@ -108,9 +108,9 @@ def generate(config, backend_name, params, prompts, tables, steps):
     lengths = np.array([len(a), len(b)])
     padded_tables = np.concatenate([tables, np.zeros((1, WIDTH), np.int32)])
     for _ in range(steps):
-        slot = np.array([slots(tables[0], lengths[:1])[0], slots(tables[1], lengths[1:])[0], 0], np.int32)
+        kv_slot = np.array([kv_slots(tables[0], lengths[:1])[0], kv_slots(tables[1], lengths[1:])[0], 0], np.int32)
         meta = AttentionMetadata(
-            jnp.asarray(slot), jnp.asarray(padded_tables), jnp.asarray(np.append(lengths + 1, 0), jnp.int32)
+            jnp.asarray(kv_slot), jnp.asarray(padded_tables), jnp.asarray(np.append(lengths + 1, 0), jnp.int32)
         )
         logits, cache = apply(
             params,

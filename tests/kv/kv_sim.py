@@ -1,6 +1,6 @@
 """A fake engine that drives a KVCacheManager the way the real one will, with fake KV content.
 
-The "KV" of a token is its token id: a step writes each scheduled token's id into its slot, the
+The "KV" of a token is its token id: a step writes each scheduled token's id into its KV slot, the
 planned copies move ids between device blocks and host slots exactly as the runner would move
 K/V (stage by stage, each stage one gather then one scatter). A request's block table then must
 read back as its token ids, whatever sharing, eviction or swapping happened.
@@ -20,12 +20,12 @@ from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, KVHandle, Pin, Radi
 EMPTY = -1
 
 
-def new_host_array(num_slots: int, block_size: int) -> np.ndarray:
-    return np.full((max(num_slots, 1), block_size), EMPTY, dtype=np.int64)
+def new_host_array(num_host_slots: int, block_size: int) -> np.ndarray:
+    return np.full((max(num_host_slots, 1), block_size), EMPTY, dtype=np.int64)
 
 
 def as_block_arrays(space: np.ndarray) -> np.ndarray:
-    """A [slots, block_size] space seen as the runner's layout, slot on axis 2 (a view)."""
+    """A [host slots, block_size] space seen as the runner's layout, host slot on axis 2 (a view)."""
     return space.reshape(1, 1, *space.shape)
 
 
@@ -58,7 +58,7 @@ class FakeEngine:
         self.bs = pool.block_size
         self.device = np.full((pool.num_blocks, self.bs), EMPTY, dtype=np.int64)
         if self.host is None:
-            self.host = new_host_array(self.mgr.host.num_slots, self.bs)
+            self.host = new_host_array(self.mgr.host.num_host_slots, self.bs)
 
     # ------------------------------------------------------------- scheduling calls
 
@@ -91,7 +91,7 @@ class FakeEngine:
         if decode:
             req.tokens.append(new_token)  # the token sampled by the previous step
         n = min(chunk, len(req.tokens) - req.computed)
-        ok = self.mgr.allocate_slots(req.kv, n)
+        ok = self.mgr.allocate_kv_slots(req.kv, n)
         if ok:
             self._schedule(rid, req.computed, req.computed + n)
             req.computed += n
@@ -151,8 +151,8 @@ class FakeEngine:
         self.execute_copies()
         for rid, start, stop in self.pending:
             if rid in self.reqs and not self.reqs[rid].swapped:
-                slots = self.reqs[rid].kv.slot_mapping(start, stop)
-                self.device.reshape(-1)[slots] = self.reqs[rid].tokens[start:stop]
+                kv_slots = self.reqs[rid].kv.kv_slots(start, stop)
+                self.device.reshape(-1)[kv_slots] = self.reqs[rid].tokens[start:stop]
         self.pending.clear()
         self.busy.clear()
         for rid in self.running() if cache else []:
@@ -175,7 +175,7 @@ class FakeEngine:
             assert len(set(stage.dst)) == len(stage.dst), "a stage writes one place twice"
             values = src[stage.src]  # one gather ...
             dst[stage.dst] = values  # ... then one scatter
-        self.mgr.loads.submit()  # disk reads into slots these copies may have read
+        self.mgr.loads.submit()  # disk reads into host slots these copies may have read
 
     # ------------------------------------------------------------- checks
 
@@ -238,6 +238,6 @@ class FakeEngine:
         self.check_bookkeeping()
         pool = self.mgr.pool
         assert pool.num_free == pool.num_usable, "blocks leaked"
-        assert self.mgr.host.num_free == self.mgr.host.num_slots, "host slots leaked"
+        assert self.mgr.host.num_free == self.mgr.host.num_host_slots, "host slots leaked"
         usage = self.mgr.usage()
         assert usage.free == usage.num_blocks and usage.used == usage.cached == 0

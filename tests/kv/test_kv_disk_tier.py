@@ -5,7 +5,7 @@ manager with a small host tier and a disk tier of a few blocks. After every call
 invariants (a block in one place per tier, host slots held by the tree, swapped requests or
 loads and nothing else, the disk within its byte budget); after every step every running
 request and every cached block (host blocks that came from disk included) reads back as its
-tokens. At the end every block and slot is free, the disk index equals the files on disk and
+tokens. At the end every block and host slot is free, the disk index equals the files on disk and
 every file holds exactly its tokens, also after the shutdown flush. Then: a restart on the same
 directory finds the blocks, a damaged file is dropped (never loaded), two managers on one directory
 share blocks, and the shutdown flush writes the most recently used cached blocks within the budget.

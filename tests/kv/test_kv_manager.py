@@ -170,16 +170,16 @@ def test_pins_respect_per_owner_budget_and_survive_clearing() -> None:
     eng.drain()
 
 
-def test_slot_mapping_and_block_table_views() -> None:
+def test_kv_slots_and_block_table_views() -> None:
     eng = engine()
     assert eng.admit("a", list(range(10)), chunk=10)
     handle = eng.reqs["a"].kv
     table = handle.block_table
     assert table.dtype == np.int32 and len(table) == 3 and not table.flags.writeable
     expected = [int(table[p // BS]) * BS + p % BS for p in range(3, 10)]
-    assert handle.slot_mapping(3, 10).tolist() == expected
+    assert handle.kv_slots(3, 10).tolist() == expected
     with pytest.raises(ValueError):
-        handle.slot_mapping(0, 11)
+        handle.kv_slots(0, 11)
     settle(eng)
     eng.drain()
 
@@ -189,7 +189,7 @@ def test_table_version_changes_when_entries_change_not_when_blocks_are_appended(
     prompt = list(range(6))
     a = mgr.admit(mgr.match_prefix(prompt), 6)  # [0 1 2 3] [4 5 . .]
     version = a.version
-    assert mgr.allocate_slots(a, 1) and mgr.allocate_slots(a, 4)  # fills block 1, appends block 2
+    assert mgr.allocate_kv_slots(a, 1) and mgr.allocate_kv_slots(a, 4)  # fills block 1, appends block 2
     assert len(a.block_table) == 3 and a.version == version
     changes = []
 
@@ -198,11 +198,11 @@ def test_table_version_changes_when_entries_change_not_when_blocks_are_appended(
         changes.append((what, a.version != version))
         version = a.version
 
-    assert mgr.allocate_slots(a, 1)  # into the last block
+    assert mgr.allocate_kv_slots(a, 1)  # into the last block
     changed("growth within the last block")
-    assert mgr.release_slots(a, 10) is None  # within the last block: nothing freed
+    assert mgr.release_kv_slots(a, 10) is None  # within the last block: nothing freed
     changed("a release within the last block")
-    assert mgr.release_slots(a, 8) is None  # frees block 2
+    assert mgr.release_kv_slots(a, 8) is None  # frees block 2
     changed("a release freeing a block")
     assert mgr.swap_out(a)
     changed("swap out")
@@ -241,18 +241,18 @@ def test_bad_calls_get_clear_errors() -> None:
     assert eng.admit("a", [1, 2, 3, 4, 5], chunk=5)
     a = eng.reqs["a"].kv
     with pytest.raises(ValueError):
-        mgr.allocate_slots(a, -1)
-    with pytest.raises(ValueError, match="slots"):
+        mgr.allocate_kv_slots(a, -1)
+    with pytest.raises(ValueError, match="KV slots"):
         mgr.cache_full_blocks(a, [1, 2, 3, 4, 5, 6])
     with pytest.raises(ValueError, match="not swapped"):
         mgr.swap_in(a)
     settle(eng)
     assert eng.swap_out("a")
     with pytest.raises(ValueError, match="swapped"):
-        mgr.allocate_slots(a, 1)
+        mgr.allocate_kv_slots(a, 1)
     eng.finish("a")
     with pytest.raises(ValueError, match="freed"):
-        mgr.allocate_slots(a, 1)
+        mgr.allocate_kv_slots(a, 1)
     with pytest.raises(ValueError, match="freed"):
         mgr.free(a)
     with pytest.raises(ValueError):

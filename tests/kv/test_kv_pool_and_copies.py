@@ -46,16 +46,16 @@ def test_pool_integrity_catches_wrong_counts() -> None:
 
 def test_host_tier_capacity_and_double_free() -> None:
     host = HostTier(3)
-    slots = host.allocate(3)
-    assert sorted(slots) == [0, 1, 2] and host.num_free == 0
+    host_slots = host.allocate(3)
+    assert sorted(host_slots) == [0, 1, 2] and host.num_free == 0
     with pytest.raises(NoFreeBlocksError):
         host.allocate(1)
-    host.free(slots[:1])
+    host.free(host_slots[:1])
     with pytest.raises(ValueError, match="twice"):
-        host.free(slots[:1])
-    host.check_integrity(slots[1:])
+        host.free(host_slots[:1])
+    host.check_integrity(host_slots[1:])
     with pytest.raises(AssertionError):
-        host.check_integrity(slots)
+        host.check_integrity(host_slots)
 
 
 def test_copy_plan_splits_stages_at_hazards_only() -> None:

@@ -177,14 +177,14 @@ def test_spill_to_host_and_reload_instead_of_recompute() -> None:
     assert cache.evict(2) == 2  # [2, 3] spill to the host
     stages = cache.copies.take()
     assert [(s.kind, s.src) for s in stages] == [(CopyKind.DEVICE_TO_HOST, blocks[1:])]
-    spilled_slots = stages[0].dst
+    spilled_host_slots = stages[0].dst
     match = cache.match(seq(1, 2, 3, 4))
     assert match.device_blocks == blocks[:1] and match.num_host_blocks == 2
     cache.lock(match.path)
     loaded = cache.load_to_device(match.path)
     (stage,) = cache.copies.take()
     assert stage.kind is CopyKind.HOST_TO_DEVICE
-    assert stage.pairs == list(zip(spilled_slots, loaded))
+    assert stage.pairs == list(zip(spilled_host_slots, loaded))
     assert cache.match(seq(1, 2, 3, 4)).device_blocks == blocks[:1] + loaded
     assert host.num_free == 4
     cache.check_integrity({match.path: 1})

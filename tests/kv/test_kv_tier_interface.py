@@ -74,13 +74,13 @@ class MemoryTier:
     def can_load(self, num_blocks: int) -> bool:
         return True
 
-    def start_load(self, keys: list[bytes], tokens: list[bytes], slots: list[int]) -> LoadJob:
-        job = LoadJob(keys, tokens, slots, 0)
-        for key, block_tokens, slot in zip(keys, tokens, slots):
+    def start_load(self, keys: list[bytes], tokens: list[bytes], host_slots: list[int]) -> LoadJob:
+        job = LoadJob(keys, tokens, host_slots, 0)
+        for key, block_tokens, host_slot in zip(keys, tokens, host_slots):
             stored = self.store.get(key)
             if stored is None or stored[0] != block_tokens:
                 break
-            self.host.store(slot, memoryview(stored[1]))
+            self.host.store(host_slot, memoryview(stored[1]))
             job.loaded += 1
         job.done = True
         self.stats.loads += 1

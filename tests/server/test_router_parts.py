@@ -74,7 +74,7 @@ def test_lora_requests_prefer_workers_holding_their_adapter_and_match_only_its_p
     assert sent.key([5, 6], "sql") == [-3, 5, 6]
     # The router's picture of its workers, fed as requests are sent (no process behind them).
     remote = RemoteEngine(
-        [WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")], dataclasses.replace(ROUTER_POLICY, adapter_slots=1)
+        [WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")], dataclasses.replace(ROUTER_POLICY, lora_slots=1)
     )
     a, b = remote.workers
     a.up = b.up = True
@@ -84,10 +84,10 @@ def test_lora_requests_prefer_workers_holding_their_adapter_and_match_only_its_p
     a.sent.note(prompt, "sql", 1)
     a.in_flight = 3
     assert pool.pick(prompt, lora="sql") is a  # holds sql and its prefix, though busier
-    assert pool.pick(list(range(100, 140)), lora="sql") is a  # holds sql: no slot to wait for
+    assert pool.pick(list(range(100, 140)), lora="sql") is a  # holds sql: no LoRA slot to wait for
     assert pool.pick(prompt, lora="chat") is b  # sql's prefix is not chat's KV
     assert pool.pick(prompt) is b  # nor the base model's
-    a.sent.note(prompt, "chat", 1)  # one slot: chat took sql's place
+    a.sent.note(prompt, "chat", 1)  # one LoRA slot: chat took sql's place
     assert list(a.sent.recent_adapters) == ["chat"]
     assert pool.pick(list(range(100, 140)), lora="sql") is b
     # Sessions stick to their worker while it is a candidate, then move.

@@ -3,7 +3,7 @@ with their parent; a request's `model` picks its adapter, and concurrent request
 and the base model give transformers + PEFT's greedy tokens; an unknown model is a 404;
 `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` change the served adapters under load
 (behind the API key, 400 for a bad path, 404 for an unknown name) without losing a request or
-compiling anything; the KV pool and the adapter slots are all free afterwards.
+compiling anything; the KV pool and the LoRA slots are all free afterwards.
 """
 
 from __future__ import annotations

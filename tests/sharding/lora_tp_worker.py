@@ -1,7 +1,7 @@
 """Run by test_lora_tensor_parallel.py in a subprocess with 4 simulated CPU devices: the tiny
 model's LoRA engine with --tensor-parallel-size 4 (its 2 kv heads served as 4: the adapters' k/v
 updates are repeated like the base projections), every reference case in one mixed batch. Prints
-one JSON line: the tokens, the reference's, compilations after warm-up, and the slots' shardings."""
+one JSON line: the tokens, the reference's, compilations after warm-up, and the LoRA slots' shardings."""
 
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def schedules(runner) -> dict:
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, t, True) for r, t in zip(requests, tables)]
     decode = runner.inputs.decode(chunks, TINY_ENGINE["decode_batch_buckets"][0], WIDTH)
     result = {"prefill": schedule_of(runner, prefill), "decode": schedule_of(runner, decode)}
-    runner.inputs.batch.release_finished()  # these requests never ran: their slots go back
+    runner.inputs.batch.release_finished()  # these requests never ran: their batch rows go back
     return result
 
 

@@ -116,11 +116,11 @@ def test_two_stages_two_micro_batches(slow_report, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tiny+handoff:1x2x1", "tiny+handoff:1x3x1"])
 def test_engines_of_other_stage_counts_hand_kv_to_each_other(slow_report, case):
-    """Even (2 stages of 2 layers) and uneven (3 stages: 2, 1, 1 layers and two identity slots)
+    """Even (2 stages of 2 layers) and uneven (3 stages: 2, 1, 1 layers and two identity layers)
     prefill engines hand a prompt's blocks to one device and back, one row per model layer."""
     r = slow_report[case]
     assert r["handoff_keys_match"]  # both sides key the handed blocks alike
-    assert r["disk_keys_match"] == (case.endswith("1x2x1"))  # files keep the cache's own slots
+    assert r["disk_keys_match"] == (case.endswith("1x2x1"))  # files keep the cache's own layer positions
     for direction in ("to_one", "from_one"):
         d = r[direction]
         assert d["handed_blocks"] == d["written_blocks"] == 8 and d["same_bytes"] and d["layers"] == 4

@@ -21,17 +21,17 @@ def test_even_stages_are_contiguous_ranges():
     assert plan.describe() == "pp=3: layers 0-9 | 10-19 | 20-29"
 
 
-def test_uneven_stages_end_in_identity_slots():
+def test_uneven_stages_end_in_identity_layers():
     plan = plan_pipeline(30, 4)  # 8 + 8 + 7 + 7
     assert [len(plan.stage_layers(s)) for s in range(4)] == [8, 8, 7, 7]
     assert plan.padded_layers == 32 and plan.layers_per_stage == 8
-    assert plan.describe() == "pp=4: layers 0-7 | 8-15 | 16-22 | 23-29 (2 identity slots)"
+    assert plan.describe() == "pp=4: layers 0-7 | 8-15 | 16-22 | 23-29 (2 identity layers)"
     index = plan.padded_index
     assert index[23] == -1 and index[31] == -1 and sorted(index[index >= 0]) == list(range(30))
     stacked = np.arange(30 * 2, dtype=np.float32).reshape(30, 2) + 1
     padded = pad_layers(stacked, plan)
     assert padded.shape == (32, 2) and not padded[23].any() and not padded[31].any()
-    np.testing.assert_array_equal(padded[index >= 0], stacked)  # the real slots hold the layers in order
+    np.testing.assert_array_equal(padded[index >= 0], stacked)  # the real positions hold the layers in order
 
 
 def test_every_stage_gets_a_layer_even_when_few_layers_are_left():
@@ -80,7 +80,7 @@ def test_what_stages_cannot_run_is_refused(family, settings, message):
         plan_stages(config, EngineConfig(**settings))
 
 
-def test_uniform_sliding_layers_keep_their_kind_in_identity_slots():
+def test_uniform_sliding_layers_keep_their_kind_in_identity_layers():
     config = dataclasses.replace(
         tiny_random_config(num_layers=3, sliding_window=8), layer_types=("sliding_attention",) * 3
     )

@@ -82,7 +82,7 @@ def _add_placement_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--worker-max-loras",
         type=int,
-        default=DEFAULTS.adapter_slots,
+        default=DEFAULTS.lora_slots,
         help="the workers' --max-loras: a worker counts as holding the LoRA adapters of the last "
         "requests sent to it, this many distinct ones, and attracts their requests",
     )

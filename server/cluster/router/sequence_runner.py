@@ -140,7 +140,7 @@ class SequenceRunner:
                     cached_tokens,
                     self._count,
                     wanted.lora,
-                    self.pool.policy.adapter_slots,
+                    self.pool.policy.lora_slots,
                 ):
                     return
                 error = "the stream ended without a final message"

@@ -29,7 +29,7 @@ async def stream_once(
     cached_tokens: int | None,
     on_transfer: Callable[[pb.KVTransfer], None],
     lora: str | None = None,
-    adapter_slots: int = 1,
+    lora_slots: int = 1,
 ) -> bool:
     """One try on one worker; True when the sequence has ended. Deltas go to `out`, the KV
     transfers the worker reports (a decode half's pull) to `on_transfer`; the prompt goes into the
@@ -42,7 +42,7 @@ async def stream_once(
         return sequence.stop_usage(cached_tokens if cached_tokens is not None else min(cached, sequence.num_prompt))
 
     worker.routed += 1
-    worker.sent.note(request.prompt_token_ids, lora, adapter_slots)
+    worker.sent.note(request.prompt_token_ids, lora, lora_slots)
     call = worker.stub.Generate(request)
     try:
         async for msg in call:
