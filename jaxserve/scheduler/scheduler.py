@@ -90,8 +90,14 @@ class Scheduler:
         if req.kv is not None:
             self.kv.free(req.kv)
         self._release_adapter(req)
+        self._release_draft(req)
         self.kv.loads.cancel(req)
         req.finish(reason)
+
+    def _release_draft(self, req: Request) -> None:
+        """What the proposer keeps for the request (a draft model's KV) goes with its own blocks."""
+        if self.proposer is not None:
+            self.proposer.release(req)
 
     def _release_adapter(self, req: Request) -> None:
         if req.lora_slot >= 0:
@@ -324,6 +330,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self.running.remove(req)
         self.num_preemptions += 1
+        self._release_draft(req)
         if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling and self.kv.swap_out(req.kv):
             req.preempt(swapped=True)
             self.swapped.append(req)

@@ -3,15 +3,18 @@
 Before each step the scheduler hands the proposer the decodes it may run (`Proposer.propose`) and gets
 back the draft tokens of those it drafts for; it then only reserves KV slots for 1 + len(draft) tokens to
 verify per decode (under its token budget), and releases the slots of rejected drafts when the step is read.
-How drafts are made (n-gram lookup today; a draft model, EAGLE-3 or MTP next) is the proposer's alone.
+How drafts are made (n-gram lookup, a draft model; EAGLE-3 or MTP next) is the proposer's alone. A proposer
+that keeps state per request (a draft model's KV cache) drops it when the scheduler `release`s the request
+(finished, aborted, failed or preempted).
 
-`NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`) is the one served today; `build_proposer`
-builds the configured one from `SpeculativeConfig` (None: speculation off).
+`NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`) and `DraftModelProposer`
+(`jaxserve.speculative.draft_model`, which imports JAX and is built by the engine) implement it;
+`build_proposer` builds the configured one from `SpeculativeConfig` (None: speculation off).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from jaxserve.request import PLACEHOLDER, Request
@@ -38,6 +41,20 @@ class Proposer(Protocol):
     def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
         """The step is scheduled: some scheduled decode was `looked_up`, and some carries a draft
         (`drafted`; a decode without room for its draft's slots runs without it)."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request left the running batch (finished, aborted, failed or preempted): drop what the
+        proposer keeps for it (a draft model's KV blocks)."""
+        ...
+
+    def warm_up(self) -> None:
+        """Compile what drafting runs on the device (nothing for a host-side proposer)."""
+        ...
+
+    @property
+    def num_compilations(self) -> int:
+        """Compilations of the proposer's own device programs so far."""
         ...
 
 
@@ -82,12 +99,27 @@ class NgramProposer:
         elif self._pause:
             self._pause -= 1
 
+    def release(self, request: Request) -> None:
+        """Nothing kept per request."""
 
-def build_proposer(spec: SpeculativeConfig | None, max_model_len: int) -> Proposer | None:
+    def warm_up(self) -> None:
+        """Nothing to compile: the lookup runs on the host."""
+
+    num_compilations = 0
+
+
+def build_proposer(
+    spec: SpeculativeConfig | None,
+    max_model_len: int,
+    load_draft: Callable[[SpeculativeConfig], Proposer] | None = None,
+) -> Proposer | None:
     """The configured proposer (None: speculation off). Methods not served are refused by
-    `SpeculativeConfig` itself, so only "ngram" reaches here."""
+    `SpeculativeConfig` itself. "draft_model" is built by `load_draft` (the engine's: it loads the
+    draft model next to the target, `jaxserve.speculative.draft_model.load_draft_proposer`)."""
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec, max_model_len)
+    if spec.method == "draft_model" and load_draft is not None:
+        return load_draft(spec)
     raise ValueError(f"no proposer for speculative method {spec.method!r}")
