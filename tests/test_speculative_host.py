@@ -236,6 +236,9 @@ class FixedProposer:
     def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
         self.scheduled.append((looked_up, drafted))
 
+    def draft_probs(self, request) -> None:
+        return None
+
     def release(self, request) -> None:
         pass
 

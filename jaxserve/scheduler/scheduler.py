@@ -90,14 +90,10 @@ class Scheduler:
         if req.kv is not None:
             self.kv.free(req.kv)
         self._release_adapter(req)
-        self._release_draft(req)
+        if self.proposer is not None:  # what it keeps for the request (a draft model's KV) goes too
+            self.proposer.release(req)
         self.kv.loads.cancel(req)
         req.finish(reason)
-
-    def _release_draft(self, req: Request) -> None:
-        """What the proposer keeps for the request (a draft model's KV) goes with its own blocks."""
-        if self.proposer is not None:
-            self.proposer.release(req)
 
     def _release_adapter(self, req: Request) -> None:
         if req.lora_slot >= 0:
@@ -164,6 +160,8 @@ class Scheduler:
                     break
             else:
                 out.decodes.append(self._chunk(req, 1, draft, num_steps))
+                if draft:
+                    out.decodes[-1].draft_probs = self.proposer.draft_probs(req)
         if self.proposer is not None:
             self.proposer.on_scheduled(looked_up, drafted=out.is_speculative)
         return sum(1 + len(c.draft) for c in out.decodes)
@@ -330,7 +328,8 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self.running.remove(req)
         self.num_preemptions += 1
-        self._release_draft(req)
+        if self.proposer is not None:  # a draft model's KV is recomputed when the request runs again
+            self.proposer.release(req)
         if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling and self.kv.swap_out(req.kv):
             req.preempt(swapped=True)
             self.swapped.append(req)

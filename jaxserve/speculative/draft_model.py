@@ -81,6 +81,10 @@ class DraftModelProposer:
     def num_compilations(self) -> int:
         return self.programs.num_compilations
 
+    @property
+    def draft_seconds(self) -> float:
+        return self.stats.seconds
+
     def warm_up(self) -> None:
         """Compile every variant of the draft program."""
         self.programs.compile_all(self.device.params, self.device.cache)
@@ -90,6 +94,9 @@ class DraftModelProposer:
 
     def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
         """Nothing to adapt: the draft model drafts whenever it may."""
+
+    def draft_probs(self, request: Request) -> np.ndarray | None:
+        return self.drafted_probs.get(request)
 
     def release(self, request: Request) -> None:
         self.kv.free(request)

@@ -14,8 +14,11 @@ that keeps state per request (a draft model's KV cache) drops it when the schedu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import numpy as np
 
 from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.speculative.config import SpeculativeConfig
@@ -43,6 +46,11 @@ class Proposer(Protocol):
         (`drafted`; a decode without room for its draft's slots runs without it)."""
         ...
 
+    def draft_probs(self, request: Request) -> np.ndarray | None:
+        """q [len(draft), V]: the distribution each token of the request's last draft was drawn from (a draft
+        model at temperature > 0), for rejection sampling; None: the draft is deterministic."""
+        ...
+
     def release(self, request: Request) -> None:
         """The request left the running batch (finished, aborted, failed or preempted): drop what the
         proposer keeps for it (a draft model's KV blocks)."""
@@ -57,6 +65,11 @@ class Proposer(Protocol):
         """Compilations of the proposer's own device programs so far."""
         ...
 
+    @property
+    def draft_seconds(self) -> float:
+        """Wall-clock seconds spent drafting so far (`propose`)."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup (`propose_ngram`) with the pause after draftless steps: a step that looked for drafts
@@ -68,6 +81,7 @@ class NgramProposer:
         self.max_model_len = max_model_len
         self._backoff = 0  # length of the last pause (0: the last step that looked up drafted)
         self._pause = 0  # steps left to schedule without drafting
+        self.draft_seconds = 0.0
 
     def may_propose(self, num_running: int) -> bool:
         """Drafting on, no pause after draftless steps, and at most `disable_by_batch_size` running."""
@@ -79,7 +93,9 @@ class NgramProposer:
         room = self.max_model_len - self.spec.num_speculative_tokens
         if not decodes or not self.may_propose(num_running) or any(r.num_tokens > room for r in decodes):
             return None
+        t0 = time.perf_counter()
         drafts = {req: self._draft(req) for req in decodes}
+        self.draft_seconds += time.perf_counter() - t0
         return {req: draft for req, draft in drafts.items() if draft is not None}
 
     def _draft(self, req: Request) -> list[int] | None:
@@ -98,6 +114,9 @@ class NgramProposer:
             self._pause = self._backoff
         elif self._pause:
             self._pause -= 1
+
+    def draft_probs(self, request: Request) -> None:
+        """None: a looked-up draft is deterministic."""
 
     def release(self, request: Request) -> None:
         """Nothing kept per request."""
