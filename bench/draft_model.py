@@ -9,7 +9,7 @@ identical.
 
     PYTHONPATH=. python -m bench.draft_model [--target qwen2.5-coder-1.5b-instruct]
         [--draft qwen2.5-coder-0.5b-instruct] [--concurrency 1 4] [--tokens 128] [--k 4]
-        [--dtype float32] [--quantization gguf]
+        [--dtype float32] [--quantization gguf] [--draft-quantization q4]
 
 Cost model (per verify step, concurrency 1): plain decoding emits 1 token per target step T; speculation emits
 1 + a tokens (a: mean accepted drafts) per D + V (D: drafting k tokens, V: the verify step), so the gain is
@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default="gguf")
+    parser.add_argument(
+        "--draft-quantization", default="q4", help="the draft's own (its GGUF's Q5_0 kernels are not kept as stored)"
+    )
     args = parser.parse_args(argv)
     batch = max(args.concurrency)
     engine = dict(
@@ -68,13 +71,21 @@ def main(argv: list[str] | None = None) -> None:
         prefill_token_buckets=(64, 256),
         block_table_buckets=(32,),
     )
-    spec = {"model": args.draft, "num_speculative_tokens": args.k, "disable_by_batch_size": batch}
+    spec = {
+        "model": args.draft,
+        "num_speculative_tokens": args.k,
+        "disable_by_batch_size": batch,
+        "quantization": args.draft_quantization,
+    }
     target = load_model(args.target, dtype=args.dtype, gguf_blocks=args.quantization == "gguf")
     llms = {"plain": LLM(target, **engine), "spec": LLM(target, speculative_config=spec, **engine)}
     tok = llms["plain"].get_tokenizer()
     chat = [[{"role": "user", "content": p}] for p in CODE_PROMPTS]
     prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in chat]
-    print(f"target {args.target}, draft {args.draft}, k {args.k}, {len(prompts)} code prompts, {args.tokens} tokens")
+    print(
+        f"target {args.target} ({args.quantization}), draft {args.draft} ({args.draft_quantization}), k {args.k}, "
+        f"{len(prompts)} code prompts, {args.tokens} tokens, greedy, one run"
+    )
     for c in args.concurrency:
         print(f"  concurrency {c}: " + _compare(llms, prompts, c, args.tokens))
 

@@ -48,7 +48,7 @@ def _prompt(request: BenchRequest) -> dict[str, Any] | str:
 
 
 def _engine_counters(llm) -> dict[str, float]:
-    stats = dataclasses.asdict(llm.engine.stats)
+    stats = {k: v for k, v in dataclasses.asdict(llm.engine.stats).items() if isinstance(v, int | float)}
     stats["num_compilations"] = llm.engine.num_compilations
     return stats
 

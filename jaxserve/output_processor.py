@@ -10,6 +10,7 @@ max_tokens of 1 keeps it from another step)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Any
 
@@ -58,6 +59,17 @@ class StepStats:
         for j in range(length):
             self.position_drafts[j] += 1
             self.position_accepted[j] += j < accepted
+
+    @classmethod
+    def total(cls, stats: list[StepStats]) -> StepStats:
+        """Several engines' statistics summed (the per-position counts position by position)."""
+
+        def summed(values: list) -> Any:
+            if isinstance(values[0], list):
+                return [sum(v) for v in itertools.zip_longest(*values, fillvalue=0)]
+            return sum(values)
+
+        return cls(*(summed([getattr(s, f.name) for s in stats]) for f in dataclasses.fields(cls)))
 
     def speculative_counts(self, spec: SpeculativeConfig | None, proposer: Proposer | None) -> dict[str, Any]:
         """`EngineSnapshot`'s speculative decoding fields: the per-position counts as long as the draft."""

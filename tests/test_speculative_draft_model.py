@@ -154,14 +154,16 @@ def test_greedy_output_is_the_same_with_the_draft_batched_and_alone(
     assert_kv_all_free(llm.engine)
 
 
-def test_a_draft_of_another_shape_keeps_greedy_output_and_long_prompts_catch_up_in_chunks(
+def test_a_quantized_draft_of_another_shape_keeps_greedy_output_and_long_prompts_catch_up_in_chunks(
     plain, target, drafts, assert_kv_all_free
 ):
-    """A one-layer random draft (its drafts mostly rejected); prompts longer than the largest token
-    bucket (64) are prefilled into the draft's cache in chunks."""
+    """A one-layer random draft (its drafts mostly rejected) quantized on its own (`quantization` int8, the
+    target unquantized); prompts longer than the largest token bucket (64) are prefilled into the draft's
+    cache in chunks."""
     prompts = random_prompts(3, seed=2) + [{"prompt_token_ids": list(range(3, 103))}]
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 4
-    llm = LLM(target, warm_up=False, speculative_config=spec(drafts["small"]), **SMALL)
+    llm = LLM(target, warm_up=False, speculative_config=spec(drafts["small"], quantization="int8"), **SMALL)
+    assert any(x.dtype == jnp.int8 for x in jax.tree.leaves(llm.engine.proposer.device.params))
     assert outputs(llm, prompts, params) == outputs(plain, prompts, params)
     assert llm.engine.stats.draft_tokens > 0
     assert llm.engine.proposer.stats.calls > llm.engine.proposer.stats.steps  # catch-up chunks ran

@@ -42,6 +42,8 @@ def test_config_takes_vllms_names_from_json_or_a_dict():
     assert SpeculativeConfig.parse({"method": "draft_model", "model": drafted.model, "num_speculative_tokens": 4}) == (
         drafted
     )
+    quantized = SpeculativeConfig.parse({"model": drafted.model, "num_speculative_tokens": 4, "quantization": "q4"})
+    assert quantized.quantization == "q4"  # the draft's own --quantization (vLLM's name)
     assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse(None) is None
     assert SpeculativeConfig.parse(spec) is spec
     assert EngineConfig(speculative_config=spec).speculative_config is spec
@@ -55,6 +57,7 @@ def test_config_takes_vllms_names_from_json_or_a_dict():
         ('{"method": "draft_model", "num_speculative_tokens": 2}', '"draft_model" needs "model"'),
         ('{"method": "draft_model", "model": " ", "num_speculative_tokens": 2}', '"draft_model" needs "model"'),
         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "'ngram' takes no model, got model='x'"),
+        ('{"num_speculative_tokens": 2, "quantization": "q4"}', "takes no model, got model=None, quantization='q4'"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1, got 0"),
         ('{"num_speculative_tokens": true}', "num_speculative_tokens must be an integer >= 1, got True"),
         ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "must not exceed"),

@@ -15,8 +15,9 @@ sequence cap (`max_num_seqs`):
    chunked at once; a request whose next block is being computed by another request in this
    very step waits one step and then hits the cache instead of computing it twice.
 
-With a `Proposer` (speculative decoding), each decode it drafts for gets slots for 1 + len(draft)
-tokens to verify; the slots of rejected drafts are released when the step is read (`accept_tokens`).
+With a `Proposer` (speculative decoding), the decodes scheduled are offered to it for drafts, and each it
+drafts for gets slots for its draft's tokens besides, if the pool has them (drafts never preempt anyone);
+the slots of rejected drafts are released when the step is read (`accept_tokens`).
 How drafts are made, and when, is the proposer's alone.
 
 With `num_scheduler_steps` K > 1, an iteration with nothing but unconstrained decodes gives each
@@ -138,32 +139,31 @@ class Scheduler:
             if not r.is_prefilling and not self._length_capped(r) and (masks_after_read or not r.awaits_token)
         ]
         cfg = self.config
-        drafts = self.proposer.propose(decoding, len(self.running)) if self.proposer is not None else None
-        multi_step = drafts is None and self._runs_multi_step(decoding)
-        drafts = drafts or {}
-        looked_up = False  # some scheduled request's tokens were searched for a draft
+        drafting = self.proposer is not None and self.proposer.may_propose(len(self.running))
+        multi_step = not drafting and self._runs_multi_step(decoding)
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for a more important one
-            looked_up |= req in drafts
-            draft = drafts.get(req, [])
-            if draft and not self.kv.allocate_slots(req.kv, 1 + len(draft)):
-                draft = []  # no room for the tokens to verify: a plain decode
             num_steps = decode_loop_steps(req, cfg.num_scheduler_steps, cfg.max_model_len) if multi_step else 1
             if num_steps > 1 and not self.kv.allocate_slots(req.kv, num_steps):
                 num_steps = 1  # no room for the loop's slots: one step
-            reserved = bool(draft) or num_steps > 1
-            while not reserved and not self.kv.allocate_slots(req.kv, 1):
+            while num_steps == 1 and not self.kv.allocate_slots(req.kv, 1):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.decodes.append(self._chunk(req, 1, draft, num_steps))
-                if draft:
-                    out.decodes[-1].draft_probs = self.proposer.draft_probs(req)
+                out.decodes.append(self._chunk(req, 1, num_steps=num_steps))
+        # Drafts only for the decodes scheduled (none for a preempted one), each verified if the pool has
+        # the slots of its draft tokens besides (else a plain decode): drafts never preempt anyone.
+        scheduled = [c.request for c in out.decodes] if drafting else []
+        drafts = (self.proposer.propose(scheduled, len(self.running)) if scheduled else None) or {}
+        for i, req in enumerate(scheduled):
+            if drafts.get(req) and self.kv.allocate_slots(req.kv, len(drafts[req])):
+                out.decodes[i] = self._chunk(req, 1, drafts[req])  # its table grew
+                out.decodes[i].draft_probs = self.proposer.draft_probs(req)
         if self.proposer is not None:
-            self.proposer.on_scheduled(looked_up, drafted=out.is_speculative)
+            self.proposer.on_scheduled(any(r in drafts for r in scheduled), drafted=out.is_speculative)
         return sum(1 + len(c.draft) for c in out.decodes)
 
     def awaits_tokens(self) -> bool:

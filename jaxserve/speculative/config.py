@@ -4,7 +4,8 @@ speculates (drafts pay where a step is bound by reading the weights, i.e. small 
 already uses the weights well and would only pay for the rejected rows).
 
 Methods: "ngram" (prompt lookup) and "draft_model" (a smaller model of the same tokenizer, `model`: a registry
-name or a path, loaded like the target). As in vLLM, a `model` given without a `method` means "draft_model".
+name or a path, loaded like the target, with `quantization` of its own if given). As in vLLM, a `model` given
+without a `method` means "draft_model".
 
 The command line's JSON text and `LLM(speculative_config={...})`'s dict are read by `SpeculativeConfig.parse`;
 `EngineConfig.speculative_config` holds the result (None: speculation off)."""
@@ -28,6 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP  # n-gram sizes looked up in a request's tokens
     prompt_lookup_max: int = DEFAULT_LOOKUP
     model: str | None = None  # the draft model of "draft_model" (a registry name or a path)
+    quantization: str | None = None  # the draft model's `--quantization` (None: the target's)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
@@ -37,8 +39,11 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model.strip()):
             raise ValueError('speculative method "draft_model" needs "model": a registry name or a path')
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f"speculative method {self.method!r} takes no model, got model={self.model!r}")
+        if self.method != "draft_model" and (self.model, self.quantization) != (None, None):
+            raise ValueError(
+                f"speculative method {self.method!r} takes no model, got model={self.model!r}"
+                + (f", quantization={self.quantization!r}" if self.quantization is not None else "")
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

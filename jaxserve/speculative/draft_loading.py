@@ -38,19 +38,24 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel, name: str) -> 
 def load_draft_proposer(
     spec: SpeculativeConfig, config: EngineConfig, ec: ResolvedConfig, target: LoadedModel, mesh: Any
 ) -> DraftModelProposer:
-    """The draft model `spec.model` loaded like the target (`config`: the user's flags; `ec`: the target's
-    resolved config) onto the target runner's `mesh`, with a KV cache of as many blocks as the target's (each
-    draft position is a target position, so it never needs more)."""
+    """The draft model `spec.model` loaded like the target (`config`: the user's flags, `spec.quantization` for
+    the draft's own; `ec`: the target's resolved config) onto the target runner's `mesh`, with a KV cache of as
+    many blocks as the target's (each draft position is a target position, so it never needs more)."""
+    draft_config = dataclasses.replace(
+        config,
+        quantization=spec.quantization or config.quantization,
+        speculative_config=None,
+        enable_lora=False,
+        num_blocks=ec.num_blocks,
+        max_model_len=ec.max_model_len,
+    )
     draft = load_model(
         spec.model,
-        dtype=load_dtype(config.quantization, ec.dtype),
-        shardings=checkpoint_shardings(config, mesh),
-        gguf_blocks=config.quantization == "gguf",
+        dtype=load_dtype(draft_config.quantization, ec.dtype),
+        shardings=checkpoint_shardings(draft_config, mesh),
+        gguf_blocks=draft_config.quantization == "gguf",
     )
     check_same_tokenizer(target, draft, spec.model)
-    draft_config = dataclasses.replace(
-        config, speculative_config=None, enable_lora=False, num_blocks=ec.num_blocks, max_model_len=ec.max_model_len
-    )
     dec = resolve(draft_config, draft.config, ec.dtype)
     if dec.max_model_len < ec.max_model_len:
         raise ValueError(

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 
 import openai
+import pytest
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve, small_engine_kwargs
 from draft_models import noisy_copy
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL_NAME, send
 
+from bench.serve import parse_counters
+from bench.spec_report import from_server_counters
 from checkpoints.orbax_io import save_orbax
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
@@ -50,7 +53,13 @@ def test_serve_with_a_draft_model_keeps_greedy_text(tmp_path):
             s.labels["position"]: s.value for s in found["jaxserve_spec_decode_position_accepted_tokens"].samples
         }
         assert list(accepted) == ["0", "1", "2"] and accepted["0"] > 0
-        assert found["jaxserve_spec_decode_num_drafts"].samples[0].value > 0
+        num_drafts = found["jaxserve_spec_decode_num_drafts"].samples[0].value
+        assert num_drafts > 0
+        # What `jaxserve bench serve` reports from two scrapes (here: from nothing to now).
+        summary = from_server_counters({}, parse_counters(metrics.text))
+        drafted = found["jaxserve_spec_decode_position_draft_tokens"].samples[0].value
+        assert summary["drafts"] == num_drafts and summary["acceptance_rate_position_0"] == accepted["0"] / drafted
+        assert summary["mean_accepted_tokens"] == pytest.approx(sum(accepted.values()) / num_drafts)
         child.terminate()
         assert child.finish(60) == 0
         assert "Traceback" not in child.output, child.output
