@@ -23,6 +23,7 @@ from bench.kv_tier_report import from_tier_stats
 from bench.model_files import gguf_path, special_token_ids
 from bench.peers.runner import run_offline_peer
 from bench.report import OURS, with_ratios
+from bench.spec_report import from_snapshots
 from bench.system_info import system_info
 from bench.workloads import BenchRequest, TokenizerLike, TokenSampler, Workload
 
@@ -47,7 +48,7 @@ def _prompt(request: BenchRequest) -> dict[str, Any] | str:
 
 
 def _engine_counters(llm) -> dict[str, float]:
-    stats = dataclasses.asdict(llm.engine.stats)
+    stats = {k: v for k, v in dataclasses.asdict(llm.engine.stats).items() if isinstance(v, int | float)}
     stats["num_compilations"] = llm.engine.num_compilations
     return stats
 
@@ -60,11 +61,11 @@ def measure_throughput(
     from jaxserve import SamplingParams
 
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=ignore_eos) for r in requests]
-    before, tiers_before = _engine_counters(llm), llm.engine.snapshot().tiers
+    before, snapshot_before = _engine_counters(llm), llm.engine.snapshot()
     t0 = time.perf_counter()
     outputs = llm.generate([_prompt(r) for r in requests], params, use_tqdm=show_progress)
     elapsed = time.perf_counter() - t0
-    after, tiers_after = _engine_counters(llm), llm.engine.snapshot().tiers
+    after, snapshot_after = _engine_counters(llm), llm.engine.snapshot()
     delta = {k: after[k] - before[k] for k in after}
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -82,7 +83,9 @@ def measure_throughput(
         "model_time_s": delta["model_time"],
         "host_time_s": delta["step_time"] - delta["model_time"],
         "compilations_during_run": int(delta["num_compilations"]),
-    }, from_tier_stats(tiers_before, tiers_after)
+        # speculative decoding (none without it)
+        **{f"spec_{k}": v for k, v in (from_snapshots(snapshot_before, snapshot_after) or {}).items()},
+    }, from_tier_stats(snapshot_before.tiers, snapshot_after.tiers)
 
 
 def _peer_throughput_results(

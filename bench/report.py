@@ -103,6 +103,8 @@ def print_result(result: Mapping[str, Any], keys: Iterable[str] | None = None) -
             print(table(f"{name}, group {group!r}", {name: metrics}, keys))
         if backend.get("kv_tiers"):
             print(table(f"{name}, KV tiers", {name: backend["kv_tiers"]}))
+        if backend.get("speculative"):
+            print(table(f"{name}, speculative decoding", {name: backend["speculative"]}))
 
 
 def with_ratios(result: dict[str, Any]) -> dict[str, Any]:

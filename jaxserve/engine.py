@@ -65,6 +65,7 @@ from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import SchedulerOutput
+from jaxserve.speculative.draft_loading import load_draft_proposer
 from jaxserve.speculative.proposer import build_proposer
 from jaxserve.structured import GrammarCompiler
 from jaxserve.text_stream import TextStream
@@ -113,7 +114,12 @@ class LLMEngine(EngineCoreOps):
                 loaded.config, ec.max_loras, ec.max_cpu_loras, ec.max_lora_rank, self.runner.write_lora_slot
             )
         )
-        self.proposer = build_proposer(ec.speculative_config, ec.max_model_len)  # speculative decoding (None: off)
+        # Speculative decoding (None: off); a draft model is loaded like the target, onto its mesh.
+        self.proposer = build_proposer(
+            ec.speculative_config,
+            ec.max_model_len,
+            lambda spec: load_draft_proposer(spec, config, ec, loaded, self.runner.mesh),
+        )
         self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(
@@ -127,10 +133,14 @@ class LLMEngine(EngineCoreOps):
 
     @property
     def num_compilations(self) -> int:
-        return self.runner.num_compilations
+        return self.runner.num_compilations + (self.proposer.num_compilations if self.proposer is not None else 0)
 
     def warm_up(self) -> float:
-        seconds = self.runner.warm_up()
+        t0 = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.warm_up()
+        self.runner.warm_up()
+        seconds = time.perf_counter() - t0
         logger.info("compiled %s in %.1f s", self.runner.bucket_summary(), seconds)
         return seconds
 
@@ -215,9 +225,7 @@ class LLMEngine(EngineCoreOps):
             generated_tokens=self.stats.generated_tokens,
             replicas=(ReplicaLoad(len(sched.running), len(sched.waiting), usage.used, usage.num_blocks),),
             tiers=TierStats.of(kv),
-            speculative_steps=self.stats.speculative_steps,
-            draft_tokens=self.stats.draft_tokens,
-            accepted_tokens=self.stats.accepted_tokens,
+            **self.stats.speculative_counts(self.config.speculative_config, self.proposer),
             expert_tokens=tuple(int(n) for n in self.runner.totals.expert_tokens),
             expert_load=tuple(int(n) for n in self.runner.totals.last_expert_load),
             **self._lora_counts(),

@@ -72,10 +72,16 @@ class EngineSnapshot:
     replicas: tuple[ReplicaLoad, ...]
     tiers: TierStats = TierStats()  # per-tier hits, bytes, load time, evictions
     kv_transfer: KVTransferStats = KVTransferStats()  # a disaggregating router's
-    # N-gram speculative decoding: steps that verified drafts, drafts verified, drafts accepted.
+    # Speculative decoding: steps that verified drafts, draft tokens verified and accepted, drafts verified
+    # (decodes that carried one), per draft position the drafts with a token there and those accepted, and
+    # the seconds spent drafting.
     speculative_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    num_drafts: int = 0
+    position_drafts: tuple[int, ...] = ()
+    position_accepted: tuple[int, ...] = ()
+    draft_seconds: float = 0.0
     # Mixture of experts, per expert (all layers; empty for a dense model): token-to-expert
     # assignments since the start, and in the last model step read.
     expert_tokens: tuple[int, ...] = ()
@@ -95,7 +101,13 @@ class EngineSnapshot:
     @classmethod
     def total(cls, snapshots: list[EngineSnapshot]) -> EngineSnapshot:
         """The replicas' snapshots summed (each keeps its load in `replicas`)."""
-        per_index = ("expert_tokens", "expert_load", "pipeline_stage_busy_ticks")  # per expert or stage
+        per_index = (  # per expert, stage or draft position
+            "expert_tokens",
+            "expert_load",
+            "pipeline_stage_busy_ticks",
+            "position_drafts",
+            "position_accepted",
+        )
         summed = {
             f.name: sum(getattr(s, f.name) for s in snapshots)
             for f in dataclasses.fields(cls)
@@ -117,6 +129,11 @@ class EngineSnapshot:
             replicas=tuple(r for s in snapshots for r in s.replicas),
             tiers=TierStats.total([s.tiers for s in snapshots]),
         )
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Draft tokens accepted per verified draft (vLLM's mean acceptance length is one more)."""
+        return self.accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

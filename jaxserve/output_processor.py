@@ -10,7 +10,9 @@ max_tokens of 1 keeps it from another step)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+from typing import Any
 
 from jaxserve import faults
 from jaxserve.outputs import Delta, FinishReason, SampledToken, Usage
@@ -19,6 +21,8 @@ from jaxserve.runner import StepHandle, read_pooled, read_prompt_scores
 from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from jaxserve.speculative.config import SpeculativeConfig
+from jaxserve.speculative.proposer import Proposer
 from jaxserve.text_stream import TextStream
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,45 @@ class StepStats:
     speculative_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    num_drafts: int = 0  # verified decodes that carried a draft
+    # Per draft position j (0: the first drafted token): drafts that had a token there, and those accepted.
+    position_drafts: list[int] = dataclasses.field(default_factory=list)
+    position_accepted: list[int] = dataclasses.field(default_factory=list)
+
+    def count_draft(self, length: int, accepted: int) -> None:
+        """A verified draft of `length` tokens, its first `accepted` accepted."""
+        self.draft_tokens += length
+        self.accepted_tokens += accepted
+        self.num_drafts += 1
+        for counts in (self.position_drafts, self.position_accepted):
+            counts.extend([0] * (length - len(counts)))
+        for j in range(length):
+            self.position_drafts[j] += 1
+            self.position_accepted[j] += j < accepted
+
+    @classmethod
+    def total(cls, stats: list[StepStats]) -> StepStats:
+        """Several engines' statistics summed (the per-position counts position by position)."""
+
+        def summed(values: list) -> Any:
+            if isinstance(values[0], list):
+                return [sum(v) for v in itertools.zip_longest(*values, fillvalue=0)]
+            return sum(values)
+
+        return cls(*(summed([getattr(s, f.name) for s in stats]) for f in dataclasses.fields(cls)))
+
+    def speculative_counts(self, spec: SpeculativeConfig | None, proposer: Proposer | None) -> dict[str, Any]:
+        """`EngineSnapshot`'s speculative decoding fields: the per-position counts as long as the draft."""
+        k = spec.num_speculative_tokens if spec is not None else 0
+        return dict(
+            speculative_steps=self.speculative_steps,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            num_drafts=self.num_drafts,
+            position_drafts=tuple((self.position_drafts + [0] * k)[:k]),
+            position_accepted=tuple((self.position_accepted + [0] * k)[:k]),
+            draft_seconds=proposer.draft_seconds if proposer is not None else 0.0,
+        )
 
     def count_launch(self, sched: SchedulerOutput, prepared: PreparedStep, model_time: float) -> None:
         """A launched iteration, and the runner's host time building and launching it."""
@@ -110,8 +153,7 @@ class OutputProcessor:
             if reason is not None:
                 break
         if chunk.draft:
-            self.stats.draft_tokens += len(chunk.draft)
-            self.stats.accepted_tokens += len(tokens) - 1
+            self.stats.count_draft(len(chunk.draft), len(tokens) - 1)
         if reason is None and chunk.samples_several:
             self.scheduler.accept_tokens(req, len(tokens) - 1)
         return reason

@@ -90,12 +90,45 @@ def _counter_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily(
         f"{PREFIX}_spec_decode_steps", "Engine steps that verified speculative drafts", value=s.speculative_steps
     )
+    yield from _speculative_metrics(s)
+
+
+def _speculative_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """Speculative decoding: drafts verified and accepted (in all and per draft position), tokens accepted
+    per draft, and the time spent drafting."""
     yield CounterMetricFamily(
-        f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (n-gram speculation)", value=s.draft_tokens
+        f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)", value=s.draft_tokens
     )
     yield CounterMetricFamily(
         f"{PREFIX}_spec_decode_accepted_tokens", "Draft tokens accepted by verification", value=s.accepted_tokens
     )
+    yield CounterMetricFamily(
+        f"{PREFIX}_spec_decode_num_drafts", "Drafts verified (decodes that carried one)", value=s.num_drafts
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_spec_decode_mean_accepted_tokens",
+        "Draft tokens accepted per verified draft, since the start",
+        value=s.mean_accepted_tokens,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_spec_decode_draft_seconds", "Seconds spent drafting (the proposer)", value=s.draft_seconds
+    )
+    drafted = CounterMetricFamily(
+        f"{PREFIX}_spec_decode_position_draft_tokens", "Drafts with a token at this position", labels=["position"]
+    )
+    accepted = CounterMetricFamily(
+        f"{PREFIX}_spec_decode_position_accepted_tokens", "Draft tokens accepted at this position", labels=["position"]
+    )
+    rate = GaugeMetricFamily(
+        f"{PREFIX}_spec_decode_position_acceptance_rate",
+        "Accepted / drafted tokens at this draft position, since the start",
+        labels=["position"],
+    )
+    for j, (n, a) in enumerate(zip(s.position_drafts, s.position_accepted)):
+        drafted.add_metric([str(j)], n)
+        accepted.add_metric([str(j)], a)
+        rate.add_metric([str(j)], a / n if n else 0.0)
+    yield from (drafted, accepted, rate)
 
 
 def _replica_metrics(s: EngineSnapshot) -> Iterator[Metric]:

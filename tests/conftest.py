@@ -29,6 +29,10 @@ def _assert_kv_all_free(engine) -> None:
     assert usage.used == 0 and usage.pinned == 0, f"KV blocks leaked: {usage}"
     assert usage.free + usage.cached_idle == usage.num_blocks, f"KV accounting off: {usage}"
     assert usage.host_swapped == 0, f"swapped blocks leaked: {usage}"
+    draft = getattr(engine.proposer, "kv", None)  # a draft model's own KV pool (speculative decoding)
+    if draft is not None:
+        draft.pool.check_integrity()
+        assert draft.num_used == 0 and not draft.sequences, f"draft KV leaked: {draft.num_used} blocks"
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
 
 def close(llm: LLM, assert_kv_all_free) -> None:
     assert_kv_all_free(llm.engine)
-    assert not llm.engine.kv.loads.pending and not llm.engine.kv.tier_link.held_slots()
+    assert not llm.engine.kv.loads.pending and not llm.engine.kv.tier_link.held_host_slots()
     llm.close()
 
 

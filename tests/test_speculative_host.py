@@ -36,6 +36,14 @@ def test_config_takes_vllms_names_from_json_or_a_dict():
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert spec == SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}) == SpeculativeConfig("ngram", 2, 5, 5)
+    # A draft model: vLLM's names, and a model without a method means one.
+    drafted = SpeculativeConfig("draft_model", 4, model="qwen2.5-coder-0.5b-instruct")
+    assert SpeculativeConfig.parse('{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}') == drafted
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": drafted.model, "num_speculative_tokens": 4}) == (
+        drafted
+    )
+    quantized = SpeculativeConfig.parse({"model": drafted.model, "num_speculative_tokens": 4, "quantization": "q4"})
+    assert quantized.quantization == "q4"  # the draft's own --quantization (vLLM's name)
     assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse(None) is None
     assert SpeculativeConfig.parse(spec) is spec
     assert EngineConfig(speculative_config=spec).speculative_config is spec
@@ -46,8 +54,10 @@ def test_config_takes_vllms_names_from_json_or_a_dict():
     [
         ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown speculative method 'eagle'; use one of ngram"),
         ('{"method": "eagle3", "num_speculative_tokens": 2}', "speculative method 'eagle3' is not supported yet"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2}', "'draft_model' is not supported yet"),
-        ('{"num_speculative_tokens": 2, "model": "smollm2-135m"}', "'ngram' takes no model, got model='smollm2-135m'"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', '"draft_model" needs "model"'),
+        ('{"method": "draft_model", "model": " ", "num_speculative_tokens": 2}', '"draft_model" needs "model"'),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "'ngram' takes no model, got model='x'"),
+        ('{"num_speculative_tokens": 2, "quantization": "q4"}', "takes no model, got model=None, quantization='q4'"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1, got 0"),
         ('{"num_speculative_tokens": true}', "num_speculative_tokens must be an integer >= 1, got True"),
         ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "must not exceed"),
@@ -228,6 +238,12 @@ class FixedProposer:
 
     def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
         self.scheduled.append((looked_up, drafted))
+
+    def draft_probs(self, request) -> None:
+        return None
+
+    def release(self, request) -> None:
+        pass
 
 
 def test_the_scheduler_reserves_slots_for_any_proposers_drafts_and_tells_it_what_it_scheduled():

@@ -30,7 +30,7 @@ class Program(NamedTuple):
     batch_rows: np.ndarray
     score: tuple[np.ndarray, np.ndarray] | None = None
     # A verify program (speculative decoding): each row's draft to test and the drafts before it.
-    drafts: tuple[np.ndarray, np.ndarray] | None = None
+    drafts: tuple[np.ndarray, ...] | None = None  # and a draft model's q per row (`verify_program`)
     # Structured output: (sampling row, grammar) of each constrained row. Their mask rows allow
     # every token until `write_token_masks` writes them, after the model step is dispatched.
     masks: tuple[tuple[int, GrammarState], ...] = ()

@@ -73,7 +73,18 @@ def verify_program(
         sampling,
         0,
         batch_rows,
-        drafts=(drafts, history),
+        drafts=(drafts, history, *([_draft_probs(inputs, chunks, num_tokens)] if inputs.verify_vocab else [])),
         masks=masks,
         constrained=bool(masks),
     )
+
+
+def _draft_probs(inputs: StepInputs, chunks: list[ScheduledChunk], num_tokens: int) -> np.ndarray:
+    """f32[num_tokens, V]: q of the draft token each row tests (a draft model's, for rejection sampling);
+    zeros where the draft is deterministic (greedy) or there is none."""
+    probs = np.zeros((num_tokens, inputs.verify_vocab), np.float32)
+    for i, c in enumerate(chunks):
+        if c.draft_probs is not None:
+            row = i * inputs.verify_rows
+            probs[row : row + len(c.draft)] = c.draft_probs
+    return probs

@@ -30,6 +30,9 @@ class ScheduledChunk:
     # Speculative decoding (decodes only): draft tokens verified after the last token; their
     # KV slots are allocated, and the ones rejected are released when the step is read.
     draft: list[int] = dataclasses.field(default_factory=list)
+    # With a draft model at temperature > 0: q, the distribution each draft token was drawn from [len(draft), V]
+    # (rejection sampling needs it); None: deterministic drafts.
+    draft_probs: np.ndarray | None = None
     # Multi-step decode (decodes only): tokens this decode may sample in the step's device loop
     # (its KV slots are allocated); it stops earlier at a stop token.
     num_steps: int = 1

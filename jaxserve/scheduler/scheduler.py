@@ -15,8 +15,9 @@ sequence cap (`max_num_seqs`):
    chunked at once; a request whose next block is being computed by another request in this
    very step waits one step and then hits the cache instead of computing it twice.
 
-With a `Proposer` (speculative decoding), each decode it drafts for gets KV slots for 1 + len(draft)
-tokens to verify; the KV slots of rejected drafts are released when the step is read (`accept_tokens`).
+With a `Proposer` (speculative decoding), the decodes scheduled are offered to it for drafts, and each it
+drafts for gets KV slots for its draft's tokens besides, if the pool has them (drafts never preempt anyone);
+the KV slots of rejected drafts are released when the step is read (`accept_tokens`).
 How drafts are made, and when, is the proposer's alone.
 
 With multi-step decode, the `DecodeLoop` (`jaxserve.scheduler.multi_step`) says how many steps
@@ -94,6 +95,8 @@ class Scheduler:
         if req.kv is not None:
             self.kv.free(req.kv)
         self._release_adapter(req)
+        if self.proposer is not None:  # what it keeps for the request (a draft model's KV) goes too
+            self.proposer.release(req)
         self.kv.loads.cancel(req)
         req.finish(reason)
 
@@ -134,30 +137,31 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         # A request whose last token (maybe still in flight) ends it by length needs no step.
         decoding = [r for r in self.running if not r.is_prefilling and not self._length_capped(r)]
-        drafts = self.proposer.propose(decoding, len(self.running)) if self.proposer is not None else None
-        steps_of = self.decode_loop.steps_of(decoding, lambda: drafts is None and self._decodes_only())
-        drafts = drafts or {}
-        looked_up = False  # some scheduled request's tokens were searched for a draft
+        drafting = self.proposer is not None and self.proposer.may_propose(len(self.running))
+        steps_of = self.decode_loop.steps_of(decoding, lambda: not drafting and self._decodes_only())
         for req in sorted(decoding, key=self._priority_key):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for a more important one
-            looked_up |= req in drafts
-            draft = drafts.get(req, [])
-            if draft and not self.kv.allocate_kv_slots(req.kv, 1 + len(draft)):
-                draft = []  # no room for the tokens to verify: a plain decode
             num_steps = steps_of(req)
             if num_steps > 1 and not self.kv.allocate_kv_slots(req.kv, num_steps):
                 num_steps = 1  # no room for the loop's KV slots: one step
-            reserved = bool(draft) or num_steps > 1
-            while not reserved and not self.kv.allocate_kv_slots(req.kv, 1):
+            while num_steps == 1 and not self.kv.allocate_kv_slots(req.kv, 1):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.decodes.append(self._chunk(req, 1, draft, num_steps))
+                out.decodes.append(self._chunk(req, 1, num_steps=num_steps))
+        # Drafts only for the decodes scheduled (none for a preempted one), each verified if the pool has
+        # the KV slots of its draft tokens besides (else a plain decode): drafts never preempt anyone.
+        scheduled = [c.request for c in out.decodes] if drafting else []
+        drafts = (self.proposer.propose(scheduled, len(self.running)) if scheduled else None) or {}
+        for i, req in enumerate(scheduled):
+            if drafts.get(req) and self.kv.allocate_kv_slots(req.kv, len(drafts[req])):
+                out.decodes[i] = self._chunk(req, 1, drafts[req])  # its table grew
+                out.decodes[i].draft_probs = self.proposer.draft_probs(req)
         if self.proposer is not None:
-            self.proposer.on_scheduled(looked_up, drafted=out.is_speculative)
+            self.proposer.on_scheduled(any(r in drafts for r in scheduled), drafted=out.is_speculative)
         return sum(1 + len(c.draft) for c in out.decodes)
 
     def _decodes_only(self) -> bool:
@@ -310,6 +314,8 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self.running.remove(req)
         self.num_preemptions += 1
+        if self.proposer is not None:  # a draft model's KV is recomputed when the request runs again
+            self.proposer.release(req)
         if (mode or self.config.preemption_mode) == "swap" and not req.is_prefilling and self.kv.swap_out(req.kv):
             req.preempt(swapped=True)
             self.swapped.append(req)

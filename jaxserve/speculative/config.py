@@ -1,7 +1,11 @@
 """`--speculative-config`: one type, with vLLM's names (`method`, `num_speculative_tokens`, `model`,
 `prompt_lookup_min`, `prompt_lookup_max`) plus `disable_by_batch_size`, the largest decode batch that still
-speculates (n-gram drafts pay where a step is bound by reading the weights, i.e. small batches; a large batch
+speculates (drafts pay where a step is bound by reading the weights, i.e. small batches; a large batch
 already uses the weights well and would only pay for the rejected rows).
+
+Methods: "ngram" (prompt lookup) and "draft_model" (a smaller model of the same tokenizer, `model`: a registry
+name or a path, loaded like the target, with `quantization` of its own if given). As in vLLM, a `model` given
+without a `method` means "draft_model".
 
 The command line's JSON text and `LLM(speculative_config={...})`'s dict are read by `SpeculativeConfig.parse`;
 `EngineConfig.speculative_config` holds the result (None: speculation off)."""
@@ -14,8 +18,8 @@ from typing import Any
 
 DEFAULT_LOOKUP = 5  # vLLM's default n-gram size when neither bound is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-METHODS = ("ngram",)  # served today
-PLANNED_METHODS = ("draft_model", "eagle3", "mtp")  # vLLM's names of the methods not served yet
+METHODS = ("ngram", "draft_model")  # served today
+PLANNED_METHODS = ("eagle3", "mtp")  # vLLM's names of the methods not served yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +28,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP  # n-gram sizes looked up in a request's tokens
     prompt_lookup_max: int = DEFAULT_LOOKUP
-    model: str | None = None  # the draft model (none of the served methods takes one)
+    model: str | None = None  # the draft model of "draft_model" (a registry name or a path)
+    quantization: str | None = None  # the draft model's `--quantization` (None: the target's)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
@@ -32,8 +37,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} is not supported yet (served: {', '.join(METHODS)})")
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; use one of {', '.join(METHODS)}")
-        if self.model is not None:
-            raise ValueError(f"speculative method {self.method!r} takes no model, got model={self.model!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model.strip()):
+            raise ValueError('speculative method "draft_model" needs "model": a registry name or a path')
+        if self.method != "draft_model" and (self.model, self.quantization) != (None, None):
+            raise ValueError(
+                f"speculative method {self.method!r} takes no model, got model={self.model!r}"
+                + (f", quantization={self.quantization!r}" if self.quantization is not None else "")
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -46,7 +56,8 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
-        """From vLLM's fields. `method` defaults to "ngram"; one n-gram bound given stands for both, as in vLLM."""
+        """From vLLM's fields. `method` defaults to "draft_model" when a `model` is given, else "ngram"; one
+        n-gram bound given stands for both, as in vLLM."""
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
@@ -54,7 +65,7 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative_config fields: {sorted(unknown)}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
-        fields = {"method": "ngram", **value}
+        fields = {"method": "draft_model" if value.get("model") is not None else "ngram", **value}
         lo, hi = fields.pop("prompt_lookup_min", None), fields.pop("prompt_lookup_max", None)
         if lo is not None or hi is not None:
             fields["prompt_lookup_min"] = hi if lo is None else lo

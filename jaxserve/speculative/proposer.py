@@ -3,16 +3,22 @@
 Before each step the scheduler hands the proposer the decodes it may run (`Proposer.propose`) and gets
 back the draft tokens of those it drafts for; it then only reserves KV slots for 1 + len(draft) tokens to
 verify per decode (under its token budget), and releases the slots of rejected drafts when the step is read.
-How drafts are made (n-gram lookup today; a draft model, EAGLE-3 or MTP next) is the proposer's alone.
+How drafts are made (n-gram lookup, a draft model; EAGLE-3 or MTP next) is the proposer's alone. A proposer
+that keeps state per request (a draft model's KV cache) drops it when the scheduler `release`s the request
+(finished, aborted, failed or preempted).
 
-`NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`) is the one served today; `build_proposer`
-builds the configured one from `SpeculativeConfig` (None: speculation off).
+`NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`) and `DraftModelProposer`
+(`jaxserve.speculative.draft_model`, which imports JAX and is built by the engine) implement it;
+`build_proposer` builds the configured one from `SpeculativeConfig` (None: speculation off).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import numpy as np
 
 from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.speculative.config import SpeculativeConfig
@@ -40,6 +46,30 @@ class Proposer(Protocol):
         (`drafted`; a decode without room for its draft's slots runs without it)."""
         ...
 
+    def draft_probs(self, request: Request) -> np.ndarray | None:
+        """q [len(draft), V]: the distribution each token of the request's last draft was drawn from (a draft
+        model at temperature > 0), for rejection sampling; None: the draft is deterministic."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request left the running batch (finished, aborted, failed or preempted): drop what the
+        proposer keeps for it (a draft model's KV blocks)."""
+        ...
+
+    def warm_up(self) -> None:
+        """Compile what drafting runs on the device (nothing for a host-side proposer)."""
+        ...
+
+    @property
+    def num_compilations(self) -> int:
+        """Compilations of the proposer's own device programs so far."""
+        ...
+
+    @property
+    def draft_seconds(self) -> float:
+        """Wall-clock seconds spent drafting so far (`propose`)."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup (`propose_ngram`) with the pause after draftless steps: a step that looked for drafts
@@ -51,6 +81,7 @@ class NgramProposer:
         self.max_model_len = max_model_len
         self._backoff = 0  # length of the last pause (0: the last step that looked up drafted)
         self._pause = 0  # steps left to schedule without drafting
+        self.draft_seconds = 0.0
 
     def may_propose(self, num_running: int) -> bool:
         """Drafting on, no pause after draftless steps, and at most `disable_by_batch_size` running."""
@@ -62,7 +93,9 @@ class NgramProposer:
         room = self.max_model_len - self.spec.num_speculative_tokens
         if not decodes or not self.may_propose(num_running) or any(r.num_tokens > room for r in decodes):
             return None
+        t0 = time.perf_counter()
         drafts = {req: self._draft(req) for req in decodes}
+        self.draft_seconds += time.perf_counter() - t0
         return {req: draft for req, draft in drafts.items() if draft is not None}
 
     def _draft(self, req: Request) -> list[int] | None:
@@ -82,12 +115,30 @@ class NgramProposer:
         elif self._pause:
             self._pause -= 1
 
+    def draft_probs(self, request: Request) -> None:
+        """None: a looked-up draft is deterministic."""
 
-def build_proposer(spec: SpeculativeConfig | None, max_model_len: int) -> Proposer | None:
+    def release(self, request: Request) -> None:
+        """Nothing kept per request."""
+
+    def warm_up(self) -> None:
+        """Nothing to compile: the lookup runs on the host."""
+
+    num_compilations = 0
+
+
+def build_proposer(
+    spec: SpeculativeConfig | None,
+    max_model_len: int,
+    load_draft: Callable[[SpeculativeConfig], Proposer] | None = None,
+) -> Proposer | None:
     """The configured proposer (None: speculation off). Methods not served are refused by
-    `SpeculativeConfig` itself, so only "ngram" reaches here."""
+    `SpeculativeConfig` itself. "draft_model" is built by `load_draft` (the engine's: it loads the
+    draft model next to the target, `jaxserve.speculative.draft_model.load_draft_proposer`)."""
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec, max_model_len)
+    if spec.method == "draft_model" and load_draft is not None:
+        return load_draft(spec)
     raise ValueError(f"no proposer for speculative method {spec.method!r}")

@@ -34,6 +34,21 @@ def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
     assert tiers["disk_loads"] == 0 and tiers["disk_bytes_written"] == 0  # no disk tier here
 
 
+def test_throughput_reports_speculative_decoding_with_a_draft_model(compile_cache):
+    """The target as its own draft: nearly every draft is accepted, and the report says so per position."""
+
+    def make(tokenizer, special):
+        return random_workload(TokenSampler(tokenizer, 0, special), 2, input_len=20, output_len=12)
+
+    spec = {"model": "tiny-random", "num_speculative_tokens": 2}
+    engine = {**SMALL_ENGINE, "compilation_cache_dir": compile_cache, "speculative_config": spec}
+    ours = run_throughput("tiny-random", engine, make, show_progress=False)["backends"]["jaxserve"]["results"]
+    assert ours["spec_drafts"] > 0 and ours["spec_draft_tokens"] <= 2 * ours["spec_drafts"]
+    assert ours["spec_acceptance_rate"] > 0.9 and ours["spec_acceptance_rate_position_1"] > 0.9
+    assert ours["spec_mean_accepted_tokens"] == ours["spec_accepted_tokens"] / ours["spec_drafts"]
+    assert ours["spec_draft_seconds"] > 0 and ours["compilations_during_run"] == 0
+
+
 def test_latency_reports_prefill_and_decode(compile_cache):
     # 31 decode steps after the first token, so the full run outlasts the one-token run by far more than
     # the noise of a loaded CI machine (with 5 steps, one stalled prefill once outlasted a full run).

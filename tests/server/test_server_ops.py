@@ -3,6 +3,7 @@ describes every route with the fields its handler accepts."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL_NAME, TEST_ENGINE, ServerThread, send, start_server
 
@@ -87,16 +88,31 @@ def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
             span = [first + 5, 17, 9, 33, 21, 8]
             body = {"model": MODEL_NAME, "prompt": span * 4, "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
             assert send(srv, "POST", "/v1/completions", body, key=None).status == 200
-        found = {
-            name: f.samples[0].value for name, f in families(srv).items() if name.startswith("jaxserve_spec_decode")
-        }
+        spec_families = {name: f for name, f in families(srv).items() if name.startswith("jaxserve_spec_decode")}
+        found = {name: f.samples[0].value for name, f in spec_families.items() if "position" not in name}
         stats = engine.stats
         assert found == {
             "jaxserve_spec_decode_steps": stats.speculative_steps,
             "jaxserve_spec_decode_draft_tokens": stats.draft_tokens,
             "jaxserve_spec_decode_accepted_tokens": stats.accepted_tokens,
+            "jaxserve_spec_decode_num_drafts": stats.num_drafts,
+            "jaxserve_spec_decode_mean_accepted_tokens": stats.accepted_tokens / stats.num_drafts,
+            "jaxserve_spec_decode_draft_seconds": pytest.approx(engine.proposer.draft_seconds),
         }
         assert stats.speculative_steps > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
+        # Per draft position (k = 3): drafts with a token there never grow with the position, and their sums
+        # are the totals.
+        per_position = {
+            name: {s.labels["position"]: s.value for s in samples}
+            for name, samples in (
+                (name, spec_families[f"jaxserve_spec_decode_position_{name}"].samples)
+                for name in ("draft_tokens", "accepted_tokens", "acceptance_rate")
+            )
+        }
+        drafted, accepted = per_position["draft_tokens"], per_position["accepted_tokens"]
+        assert list(drafted) == ["0", "1", "2"] and drafted["0"] >= drafted["1"] >= drafted["2"]
+        assert sum(drafted.values()) == stats.draft_tokens and sum(accepted.values()) == stats.accepted_tokens
+        assert per_position["acceptance_rate"] == {j: accepted[j] / drafted[j] if drafted[j] else 0.0 for j in drafted}
     finally:
         srv.stop()
         ae.shutdown()

@@ -1,0 +1,129 @@
+"""Draft-model speculative decoding against plain decoding, measured in the same run, with its cost model.
+
+Two engines serve one target: one with `--speculative-config '{"model": DRAFT, ...}'`, one without. For each
+concurrency c the same greedy code prompts run c at a time through each (offline `LLM.generate`), and the bench
+prints output tokens/s of each and their ratio, the acceptance rate (in all and per draft position), the mean
+accepted tokens per draft, and the cost model's terms: a drafting step's time (k draft tokens, catch-up
+included) and a verify step's time, each over a plain decode step's time. Greedy outputs are checked to be
+identical.
+
+    PYTHONPATH=. python -m bench.draft_model [--target qwen2.5-coder-1.5b-instruct]
+        [--draft qwen2.5-coder-0.5b-instruct] [--concurrency 1 4] [--tokens 128] [--k 4]
+        [--dtype float32] [--quantization gguf] [--draft-quantization q4]
+
+Cost model (per verify step, concurrency 1): plain decoding emits 1 token per target step T; speculation emits
+1 + a tokens (a: mean accepted drafts) per D + V (D: drafting k tokens, V: the verify step), so the gain is
+(1 + a) T / (D + V).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from checkpoints.registry import load_model
+from jaxserve import LLM, SamplingParams
+
+CODE_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python function is_prime(n) that checks whether n is a prime number.",
+    "Write a Python function that reverses a singly linked list, with the Node class.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python class Stack with push, pop, peek and is_empty methods.",
+    "Write a Python function that counts the words in a text file and returns a dict.",
+]
+
+
+def run(llm: LLM, prompts: list[list[int]], concurrency: int, tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds to generate every prompt, `concurrency` at a time, and the outputs."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    outputs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        group = [{"prompt_token_ids": p} for p in prompts[i : i + concurrency]]
+        outputs += [o.outputs[0].token_ids for o in llm.generate(group, params, use_tqdm=False)]
+    return time.perf_counter() - t0, outputs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="gguf")
+    parser.add_argument(
+        "--draft-quantization", default="q4", help="the draft's own (its GGUF's Q5_0 kernels are not kept as stored)"
+    )
+    args = parser.parse_args(argv)
+    batch = max(args.concurrency)
+    engine = dict(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_seqs=batch,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        block_size=16,
+        num_blocks=batch * 512 // 16 + 8,
+        decode_batch_buckets=tuple(sorted(set(args.concurrency))),
+        prefill_token_buckets=(64, 256),
+        block_table_buckets=(32,),
+    )
+    spec = {
+        "model": args.draft,
+        "num_speculative_tokens": args.k,
+        "disable_by_batch_size": batch,
+        "quantization": args.draft_quantization,
+    }
+    target = load_model(args.target, dtype=args.dtype, gguf_blocks=args.quantization == "gguf")
+    llms = {"plain": LLM(target, **engine), "spec": LLM(target, speculative_config=spec, **engine)}
+    tok = llms["plain"].get_tokenizer()
+    chat = [[{"role": "user", "content": p}] for p in CODE_PROMPTS]
+    prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in chat]
+    print(
+        f"target {args.target} ({args.quantization}), draft {args.draft} ({args.draft_quantization}), k {args.k}, "
+        f"{len(prompts)} code prompts, {args.tokens} tokens, greedy, one run"
+    )
+    for c in args.concurrency:
+        print(f"  concurrency {c}: " + _compare(llms, prompts, c, args.tokens))
+
+
+def _compare(llms: dict[str, LLM], prompts: list[list[int]], concurrency: int, tokens: int) -> str:
+    """One run of each engine on the prompts; a line of rates, acceptance and the cost model's terms."""
+    engine = llms["spec"].engine
+    before = engine.snapshot()
+    calls_before = engine.proposer.stats.steps
+    seconds, outputs = {}, {}
+    for key, llm in llms.items():
+        seconds[key], outputs[key] = run(llm, prompts, concurrency, tokens)
+    after = engine.snapshot()
+    generated = sum(len(o) for o in outputs["plain"])
+    rate = {k: generated / s for k, s in seconds.items()}
+    drafts = after.num_drafts - before.num_drafts
+    drafted, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
+    per_position = [
+        f"{(a1 - a0) / (n1 - n0):.2f}" if n1 > n0 else "n/a"
+        for n0, a0, n1, a1 in zip(
+            before.position_drafts, before.position_accepted, after.position_drafts, after.position_accepted
+        )
+    ]
+    steps = after.speculative_steps - before.speculative_steps
+    draft_s = after.draft_seconds - before.draft_seconds
+    drafting_steps = engine.proposer.stats.steps - calls_before
+    target_step = seconds["plain"] / (generated / concurrency)  # a plain decode step (prefill included)
+    verify_step = (seconds["spec"] - draft_s) / max(steps, 1)
+    draft_step = draft_s / max(drafting_steps, 1)
+    return (
+        f"plain {rate['plain']:.1f} tok/s, spec {rate['spec']:.1f} tok/s, ratio {rate['spec'] / rate['plain']:.2f}x; "
+        f"acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted}; by position {', '.join(per_position)}), "
+        f"mean accepted {accepted / max(drafts, 1):.2f} per draft; drafting step {draft_step:.3f} s "
+        f"= {draft_step / target_step:.2f} T, verify step {verify_step:.3f} s = "
+        f"{verify_step / target_step:.2f} T (T = plain step {target_step:.3f} s); "
+        f"greedy outputs {'identical' if outputs['plain'] == outputs['spec'] else 'DIFFER'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
