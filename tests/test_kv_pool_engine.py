@@ -102,12 +102,12 @@ def test_a_master_killed_under_load_fails_no_request_and_a_restarted_one_is_used
         assert tier.is_up
         written = tier.stats.written_blocks
         deadline = time.monotonic() + 60
-        fresh = [np.random.default_rng(200 + i).integers(3, 250, 64).tolist() for i in range(2)]
+        seed = 200
         while tier.stats.written_blocks == written and time.monotonic() < deadline:  # the client re-joins
-            run(llm, fresh)
+            run(llm, [np.random.default_rng(seed + i).integers(3, 250, 64).tolist() for i in range(2)])
             llm.engine.step()
             tier.flush()
-            fresh = [[t + 1 for t in p] for p in fresh]
+            seed += 2  # new prompts: new blocks to write
         assert tier.stats.written_blocks > written
         close(llm, assert_kv_all_free)
     finally:

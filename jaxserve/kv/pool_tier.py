@@ -213,10 +213,10 @@ class PoolTier:
         nbytes = num_blocks * self.object_bytes
         return self.is_up and (self._inflight == 0 or self._inflight + nbytes <= self.max_inflight_bytes)
 
-    def start_load(self, keys: list[bytes], tokens: list[bytes], slots: list[int]) -> LoadJob:
-        if not len(keys) == len(tokens) == len(slots) or not keys:
-            raise ValueError("a load needs as many keys, token blocks and slots, at least one")
-        job = LoadJob(keys, tokens, slots, len(keys) * self.object_bytes)
+    def start_load(self, keys: list[bytes], tokens: list[bytes], host_slots: list[int]) -> LoadJob:
+        if not len(keys) == len(tokens) == len(host_slots) or not keys:
+            raise ValueError("a load needs as many keys, token blocks and host slots, at least one")
+        job = LoadJob(keys, tokens, host_slots, len(keys) * self.object_bytes)
         with self._lock:
             self._inflight += job.nbytes
         self._loads.put(job)
@@ -231,6 +231,7 @@ class PoolTier:
                         break
             except Exception:  # noqa: BLE001 - a failed load costs a recompute, never the engine
                 logger.exception("reading KV blocks from the pool failed")
+                self._known.discard(job.keys[job.loaded])  # not offered again: recomputed from there
             with self._lock:
                 self._inflight -= job.nbytes
                 self.stats.loads += 1
@@ -266,7 +267,7 @@ class PoolTier:
                 with self._lock:
                     self.stats.damaged += 1
                 return False
-            self.host.store(job.slots[i], payload)
+            self.host.store(job.host_slots[i], payload)
             job.loaded += 1
             with self._lock:
                 self.stats.bytes_read += size
