@@ -16,7 +16,7 @@ from jaxserve.outputs import TokenLogprob
 from server.model_info import ModelInfo
 from server.openai_bodies import ChoiceOutput, UsageCount, chat_logprobs
 from server.reply_stream import ReplyParsing, ReplyParts
-from server.response_request import item_id
+from server.response_items import item_id
 from server.tools import ToolCall
 
 

@@ -32,22 +32,23 @@ from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request
 from server.generation import EngineRequest, Generation
 from server.openai_bodies import ChoiceOutput, UsageCount
-from server.prompts import encode_chat, prompt_ids_or_400, reply_token_ids
+from server.prompts import prompt_ids_or_400, reply_token_ids
 from server.protocol import Limits, build_sampling_params, check_fields, guided_setting, read_json_object
 from server.reply_setup import reply_parsing
 from server.response_events import ResponseEvents
+from server.response_items import item_page
+from server.response_prompt import PriorContext, context_messages, fitted_prompt, prior_context
 from server.response_request import RESPONSE_FIELDS, ResponseRequest, parse_request
 from server.response_shapes import ResponseShapes
 from server.response_store import ResponseStore, new_response_id
 from server.sessions import Message, Session
 from server.sse import EventStream
 from server.state import STATE, ServerState
-from server.tools import ToolCalling, ToolFormat, forced_constraint
+from server.tools import forced_constraint
 
 routes = web.RouteTableDef()
 
 CANCEL_WAIT_SECONDS = 30.0
-MAX_PAGE = 100
 
 
 @dataclasses.dataclass
@@ -56,8 +57,7 @@ class _Turn:
 
     request: ResponseRequest
     shapes: ResponseShapes
-    previous: Session | None
-    history: list[Message]  # the stored conversation it continues
+    context: PriorContext  # the stored response or conversation it continues
     chain: str  # the id of its chain's first response: where its KV lives
     prompt_ids: list[int]
     params: SamplingParams
@@ -91,24 +91,14 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
     shown, adapter = state.model_for(body)
     info = state.info
     req = parse_request(body)
-    previous = state.responses.previous(owner, req.previous_response_id) if req.previous_response_id else None
-    if previous is not None and previous.model != shown.name:
-        raise bad_request(
-            f"response {req.previous_response_id} was made by model {previous.model!r}; its chain "
-            f"cannot go on with {shown.name!r} (their KV differs)",
-            param="model",
-            code="model_mismatch",
-        )
-    history = previous.messages if previous is not None else []
-    if len(history) + len(req.messages) + 1 > state.config.max_session_messages:
+    context = prior_context(state.responses, owner, req, shown.name)
+    if len(context.history) + len(req.messages) + 1 > state.config.max_session_messages:
         raise bad_request(
             f"a chain of responses holds at most {state.config.max_session_messages} messages", param="input"
         )
-    instructions = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    tool_format = ToolFormat(info.template, req.tools)
-    shown_tools = req.tools if req.tool_choice.mode != "none" else []
-    messages, template_tools = tool_format.prompt([*instructions, *history, *req.messages], shown_tools)
-    ids = prompt_ids_or_400(encode_chat(info, messages, tools=template_tools), info, "input")
+    messages = context_messages(req.instructions, context.history, req.messages)
+    ids, tools = fitted_prompt(info, messages, req, _output_room(body))
+    ids = prompt_ids_or_400(ids, info, "input")
     params = build_sampling_params(
         req.sampling,
         max_tokens=_max_output_tokens(body, state.limits, len(ids)),
@@ -119,10 +109,16 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = new_response_id()
-    tools = ToolCalling(tool_format, req.tool_choice) if shown_tools else None
     parsing = reply_parsing(info, state.config.reasoning_parser, tools, ids, params)
-    chain = previous.placement_id if previous is not None else response_id
-    return _Turn(req, ResponseShapes(response_id, shown, req.echo, parsing), previous, history, chain, ids, params)
+    shapes = ResponseShapes(response_id, shown, req.echo, parsing)
+    chain = next((s.placement_id for s in (context.previous, context.conversation) if s is not None), response_id)
+    return _Turn(req, shapes, context, chain, ids, params)
+
+
+def _output_room(body: dict[str, Any]) -> int:
+    """The output tokens a prompt must leave room for: `max_output_tokens` (checked later), at least one."""
+    value = body.get("max_output_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def _constraint(req: ResponseRequest, strict: bool) -> Any:
@@ -179,17 +175,27 @@ async def _finish(
 
 
 async def _save(state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutput, body: dict[str, Any]) -> None:
-    """Store a finished response (with `store`) and pin its conversation's KV."""
+    """Store a finished response (with `store`), add its items to its conversation, and pin the
+    KV of its conversation, or of its chain of stored responses."""
+    ids = turn.prompt_ids + choice.token_ids
+    conversation = turn.context.conversation
+    if conversation is not None:
+        conversation.model = turn.shapes.info.name  # (its pin is of this model's KV)
+        items = [*conversation.response["items"], *turn.request.items, *body["output"]]
+        state.responses.change_conversation(conversation, items=items)
+        state.spawn(state.session_kv.pin_history(conversation, ids))
     if not turn.request.store:
         return
-    messages = [*turn.history, *turn.request.messages, _reply_message(state, turn, choice, body["output"])]
+    history = [*turn.context.history, *turn.request.messages]
+    messages = [*history, _reply_message(state, turn, choice, body["output"])]
     record = {"object": body, "input_items": turn.request.items, "chain": turn.chain}
-    session = state.sessions.find(owner, turn.shapes.id, responses=True)  # a background one is stored already
+    session = state.sessions.find(owner, turn.shapes.id, "response")  # a background one is stored already
     if session is None:
         session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages, record)
     else:
         state.sessions.commit(session, messages, record)
-    state.spawn(state.session_kv.pin_history(session, turn.prompt_ids + choice.token_ids, replacing=turn.previous))
+    if conversation is None:
+        state.spawn(state.session_kv.pin_history(session, ids, replacing=turn.context.previous))
 
 
 def _reply_message(state: ServerState, turn: _Turn, choice: ChoiceOutput, output: list[dict[str, Any]]) -> Message:
@@ -251,7 +257,7 @@ async def _start_in_background(
     """Store the response as in progress and generate it in the background (`hold` keeps its
     place in the server's queue until it ends)."""
     body = turn.shapes.body("in_progress", [], None)
-    messages = [*turn.history, *turn.request.messages]
+    messages = [*turn.context.history, *turn.request.messages]
     try:
         session = await state.responses.create(
             owner,
@@ -340,35 +346,4 @@ async def _stop(session: Session) -> None:
 @routes.get("/v1/responses/{response_id}/input_items")
 async def input_items(request: web.Request) -> web.Response:
     _, session = _response(request)
-    query = request.query
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_PAGE:
-        raise bad_request(f"limit must be an integer in [1, {MAX_PAGE}]", param="limit")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request('order must be "asc" or "desc"', param="order")
-    items = session.response["input_items"]
-    items = items if order == "asc" else items[::-1]
-    ids = [item["id"] for item in items]
-    start, end = 0, len(items)
-    for name in ("after", "before"):
-        if name in query:
-            if query[name] not in ids:
-                raise bad_request(f"{name}: the response has no input item {query[name]!r}", param=name)
-            if name == "after":
-                start = ids.index(query[name]) + 1
-            else:
-                end = ids.index(query[name])
-    page = items[start:end][:limit]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + len(page) < end,
-        }
-    )
+    return web.json_response(item_page(session.response["input_items"], request.query, "the response"))
