@@ -34,6 +34,7 @@ from server.session_files import CONVERSATION_PREFIX, RESPONSE_PREFIX, SESSION_I
 if TYPE_CHECKING:
     from jaxserve.engine_client import Pin
     from server.generation import Generation
+    from server.response_background import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Session:
     reply: Generation | None = None  # the reply being generated
     reply_done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     pin: Pin | None = None
+    events: EventLog | None = None  # a background response's stream (server.response_background)
 
     @property
     def kind(self) -> str:
