@@ -334,3 +334,16 @@ def test_truncation_auto_drops_the_oldest_items_and_keeps_the_instructions(clien
     with pytest.raises(openai.BadRequestError) as e:  # one message too long alone: still a 400
         client.responses.create(input="story " * 600, truncation="auto", **kw)
     assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_a_streamed_reply_is_parsed_once_at_its_end(client, monkeypatch):
+    from server.tools import ToolCalling
+
+    parsed = []
+    whole_parse = ToolCalling.reply
+    monkeypatch.setattr(ToolCalling, "reply", lambda self, *a: parsed.append(a) or whole_parse(self, *a))
+    kw = dict(input="Weather?", tools=[WEATHER], model=MODEL_NAME, temperature=0, max_output_tokens=30)
+    events = list(client.responses.create(stream=True, tool_choice="required", **kw))
+    assert len(parsed) == 1
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["function_call"] and done.output[0].name == "weather"
