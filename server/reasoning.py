@@ -88,6 +88,63 @@ class ReasoningParser:
         return low
 
 
+class ReasoningStream:
+    """`ReasoningParser.split` of a reply that grows, read once: `update(text)` (the whole reply
+    so far, the last call's grown) gives the reasoning it adds and, once the reasoning is over,
+    where the content starts in `text`. Only what is new is read: the `</think>` search goes on
+    from where it stopped, so a long reasoning costs each delta the delta."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self._parser = parser
+        self._body: int | None = None  # where the reasoning starts, once it is known there is one
+        self._sent = 0  # the end of the reasoning sent
+        self._searched = 0  # `</think>` is not before this
+        self.content_start: int | None = None  # the answer's start, once the reasoning is over
+
+    @property
+    def sent(self) -> int:
+        """How many characters of reasoning `update` gave."""
+        return 0 if self._body is None else max(0, self._sent - self._body)
+
+    def update(self, text: str) -> str:
+        """The reasoning that `text` adds (`content_start` is set once the reasoning ends)."""
+        if self.content_start is not None:
+            return self._skip_space(text) if self._body is not None else ""
+        if self._body is None and not self._decide(text):
+            return ""
+        end = text.find(THINK_CLOSE, self._searched)
+        if end >= 0:
+            self.content_start = end + len(THINK_CLOSE)
+            self._skip_space(text)
+        else:
+            self._searched = max(self._body, len(text) - len(THINK_CLOSE) + 1)
+            end = len(text) - min(_partial_tag(text, THINK_CLOSE), len(text) - self._body)
+        piece = text[max(self._sent, self._body) : end]
+        self._sent = max(self._sent, end)
+        return piece
+
+    def _decide(self, text: str) -> bool:
+        """Find where the reasoning starts (as `split` does); False while the start may still be `<think>`."""
+        stripped = text.lstrip()
+        if stripped.startswith(THINK_OPEN):
+            self._body = len(text) - len(stripped) + len(THINK_OPEN)
+        elif THINK_OPEN.startswith(stripped):
+            return False
+        elif self._parser.opened:
+            self._body = 0
+        else:
+            self.content_start = 0  # no reasoning: all of it is content, as written
+            return False
+        self._searched = self._body
+        return True
+
+    def _skip_space(self, text: str) -> str:
+        """Move the content's start past the whitespace that begins it (`split` drops it)."""
+        while self.content_start < len(text) and text[self.content_start].isspace():
+            self.content_start += 1
+        return ""
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """How many characters at the end of `text` are the start of `tag`."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):

@@ -188,6 +188,19 @@ class ToolFormat:
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + description}] + messages[1:], None
         return [{"role": "system", "content": description}] + messages, None
 
+    @property
+    def markers_anywhere(self) -> tuple[str, ...]:
+        """The texts that start a call wherever they come in a reply (Llama 3's and pythonic
+        calls start only at its start; so can Mistral's `[{`)."""
+        return () if self.kind in ("llama3", "pythonic") else self._markers
+
+    @property
+    def call_separator(self) -> str | None:
+        """The text that opens each call of a reply, where the calls after it parse alone
+        (`partial_calls` of the text from there gives those calls); None for formats whose calls
+        only parse from the first one."""
+        return {"hermes": HERMES_OPEN, "qwen3_coder": XML_FUNCTION}.get(self.kind)
+
     def call_start(self, text: str) -> int | None:
         """Where the first call starts in a reply's text, if one has."""
         stripped = text.lstrip()
