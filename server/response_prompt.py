@@ -51,6 +51,18 @@ def prior_context(responses: ResponseStore, owner: str, req: ResponseRequest, mo
     return PriorContext(previous, None, previous.messages)
 
 
+def within_message_limit(context: PriorContext, req: ResponseRequest, limit: int) -> PriorContext:
+    """The context, with the reply and the input, within `limit` messages (`--max-session-messages`):
+    a 400 beyond it, or with `truncation: "auto"` its oldest messages dropped as `fitted_prompt` drops them."""
+    excess = len(context.history) + len(req.messages) + 1 - limit
+    if excess <= 0:
+        return context
+    history = _without_oldest(context.history, excess) if req.truncation else context.history
+    if len(history) + len(req.messages) + 1 > limit:
+        raise bad_request(f"a chain of responses holds at most {limit} messages", param="input")
+    return dataclasses.replace(context, history=history)
+
+
 def fitted_prompt(
     info: ModelInfo, messages: list[Message], req: ResponseRequest, output_tokens: int
 ) -> tuple[list[int], ToolCalling | None]:

@@ -40,7 +40,7 @@ from server.reply_setup import reply_parsing
 from server.response_background import start_in_background, stream_events
 from server.response_events import ResponseEvents
 from server.response_items import item_page
-from server.response_prompt import context_messages, fitted_prompt, prior_context
+from server.response_prompt import context_messages, fitted_prompt, prior_context, within_message_limit
 from server.response_request import RESPONSE_FIELDS, ResponseRequest, parse_request
 from server.response_shapes import ResponseShapes
 from server.response_store import ResponseStore, new_response_id
@@ -87,10 +87,7 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn:
     info = state.info
     req = parse_request(body)
     context = prior_context(state.responses, owner, req, shown.name)
-    if len(context.history) + len(req.messages) + 1 > state.config.max_session_messages:
-        raise bad_request(
-            f"a chain of responses holds at most {state.config.max_session_messages} messages", param="input"
-        )
+    context = within_message_limit(context, req, state.config.max_session_messages)
     messages = context_messages(req.instructions, context.history, req.messages)
     ids, tools = fitted_prompt(info, messages, req, _output_room(body))
     ids = prompt_ids_or_400(ids, info, "input")

@@ -161,3 +161,23 @@ def test_a_conversation_survives_a_restart(async_engine, tmp_path):
         assert not list(tmp_path.glob("conv_*.json"))
     finally:
         srv.stop()
+
+
+def test_truncation_auto_keeps_a_long_conversation_within_the_message_limit(async_engine):
+    srv = start_server(async_engine, api_keys=(KEY_A,), max_session_messages=6)
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}."} for i in range(8)]
+        conv = client.conversations.create(items=turns)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(input="Next?", conversation=conv.id, **GREEDY)
+        assert e.value.body["param"] == "input"
+        kept = client.responses.create(input="Next?", conversation=conv.id, truncation="auto", **GREEDY)
+        newest = client.responses.create(
+            input=[*turns[-4:], {"role": "user", "content": "Next?"}], store=False, **GREEDY
+        )
+        assert kept.usage.input_tokens == newest.usage.input_tokens  # the newest 4 turns, the input and the reply: 6
+        assert len(client.conversations.items.list(conv.id, limit=100).data) == 8 + 1 + len(kept.output)
+        delete_stored_responses(srv)
+    finally:
+        srv.stop()
