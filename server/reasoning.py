@@ -30,8 +30,8 @@ PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read to see whether it leav
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningSplit:
-    reasoning: str  # the reasoning as far as it may be shown
-    content: str  # the answer as far as it may be shown
+    reasoning: str
+    content: str
     ended: bool  # the reasoning is over (the rest is content)
 
 
@@ -51,14 +51,11 @@ class ReasoningParser:
         prompt_opens = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
         return cls(name, name == "deepseek_r1" or prompt_opens)
 
-    def split(self, text: str, finished: bool) -> ReasoningSplit:
-        """The reasoning and content of a reply so far. An unfinished reply keeps back what may
-        still turn out to be a tag (the start of `</think>`, or of a leading `<think>`)."""
+    def split(self, text: str) -> ReasoningSplit:
+        """The reasoning and content of a finished reply (`ReasoningStream` reads one as it grows)."""
         stripped = text.lstrip()
         if stripped.startswith(THINK_OPEN):
             body = stripped[len(THINK_OPEN) :]
-        elif not finished and THINK_OPEN.startswith(stripped):
-            return ReasoningSplit("", "", False)  # may still become `<think>`
         elif self.opened:
             body = text
         else:
@@ -66,9 +63,7 @@ class ReasoningParser:
         end = body.find(THINK_CLOSE)
         if end >= 0:
             return ReasoningSplit(body[:end], body[end + len(THINK_CLOSE) :].lstrip(), True)
-        if finished:
-            return ReasoningSplit(body, "", False)
-        return ReasoningSplit(body[: len(body) - _partial_tag(body, THINK_CLOSE)], "", False)
+        return ReasoningSplit(body, "", False)
 
     def reasoning_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
         """Of a finished reply's tokens, how many are reasoning: those up to and including the
@@ -76,7 +71,7 @@ class ReasoningParser:
         text = tokenizer.decode(token_ids, skip_special_tokens=False)
         if not self.opened and not text.lstrip().startswith(THINK_OPEN):
             return 0
-        if not self.split(text, finished=True).ended:
+        if not self.split(text).ended:
             return len(token_ids)
         low, high = 1, len(token_ids)  # the shortest prefix whose text holds the closing tag
         while low < high:
@@ -89,7 +84,8 @@ class ReasoningParser:
 
 
 class ReasoningStream:
-    """`ReasoningParser.split` of a reply that grows, read once: `update(text)` (the whole reply
+    """`ReasoningParser.split` of a reply that grows, read once (what may still become a tag, the
+    start of `</think>` or of a leading `<think>`, is kept back): `update(text)` (the whole reply
     so far, the last call's grown) gives the reasoning it adds and, once the reasoning is over,
     where the content starts in `text`. Only what is new is read: the `</think>` search goes on
     from where it stopped, so a long reasoning costs each delta the delta."""

@@ -70,7 +70,7 @@ class ReplyStream:
         reasoning, content = None, text
         events: list[Event] = []
         if self._parser is not None:
-            split = self._parser.split(text, finished=True)
+            split = self._parser.split(text)
             sent = self._reasoning.sent
             events = [Reasoning(split.reasoning[sent:])] if len(split.reasoning) > sent else []
             reasoning, content = split.reasoning or None, split.content

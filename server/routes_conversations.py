@@ -55,7 +55,7 @@ async def create_conversation(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json_object(request)
     check_fields(body, CONVERSATION_FIELDS)
-    items = parse_items(body["items"], "items")[1] if body.get("items") is not None else []
+    items = parse_items(body["items"], "items")[1] if body.get("items") not in (None, []) else []
     metadata = parse_metadata(body.get("metadata") or {})
     session = await state.responses.create_conversation(request[OWNER_KEY], state.info.name, items, metadata)
     return web.json_response(session.response["object"])

@@ -2,8 +2,9 @@
 its arguments fragment by fragment, as OpenAI streams them.
 
 `ToolStream` reads one choice's content (the reply after any reasoning) each time it grows. It
-shows the text before the first call as content (`ToolCalling.shown`), and for each call whose
-name is complete, a `CallStart` and then `Arguments` fragments: the arguments rewritten by
+shows the text before the first call as content (less its trailing whitespace, which a reply with
+calls drops; nothing of a forced reply), and for each call whose name is complete, a `CallStart`
+and then `Arguments` fragments: the arguments rewritten by
 `StableJson` into the form the non-streamed reply gives, so the fragments join into exactly the
 `arguments` of the same reply not streamed. At the end, `finish` sends what is left of each call
 as the whole reply's parse has it (`ToolCalling.reply`).
@@ -113,7 +114,8 @@ class ToolStream:
         return [Content(piece)]
 
     def _content_end(self, text: str) -> int:
-        """How far the content may be shown (`ToolCalling.shown`); sets `_calls_at` when a call starts."""
+        """How far the content may be shown: everything before a call (or before what may still
+        become one), less its trailing whitespace; sets `_calls_at` when a call starts."""
         fmt = self._tools.format
         if self._open_start:  # the content is short until its start rules a call in or out
             content = text[self._base :]

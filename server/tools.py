@@ -340,16 +340,6 @@ class ToolCalling:
             finish_reason = "stop" if self.choice.mode == "function" else "tool_calls"
         return content, calls, finish_reason
 
-    def shown(self, text: str) -> int:
-        """How much of an unfinished reply may be streamed as content: everything before a call
-        (or before what may still become one), less its trailing whitespace (a reply with calls
-        drops it); nothing of a forced reply."""
-        if self.forced:
-            return 0
-        start = self.format.call_start(text)
-        end = len(text) - self.format.holdback(text) if start is None else start
-        return len(text[:end].rstrip())
-
     def partial_calls(self, text: str) -> list[PartialCall]:
         """The calls of an unfinished reply as far as they are written (a forced reply is all calls)."""
         if self.choice.mode == "function":
