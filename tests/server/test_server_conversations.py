@@ -6,6 +6,7 @@ isolation, and a conversation that survives a restart. The KV pool is all free a
 
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -179,5 +180,33 @@ def test_truncation_auto_keeps_a_long_conversation_within_the_message_limit(asyn
         assert kept.usage.input_tokens == newest.usage.input_tokens  # the newest 4 turns, the input and the reply: 6
         assert len(client.conversations.items.list(conv.id, limit=100).data) == 8 + 1 + len(kept.output)
         delete_stored_responses(srv)
+    finally:
+        srv.stop()
+
+
+def test_conversation_files_that_do_not_load_are_quarantined(async_engine, tmp_path):
+    from server.auth import owner_id
+
+    good_id, bad_id = "conv_" + "a" * 24, "conv_" + "b" * 24
+    conversation = {"id": good_id, "object": "conversation", "created_at": 1_700_000_000, "metadata": {}}
+    record = {
+        "id": good_id,
+        "owner": owner_id(KEY_A),
+        "model": MODEL_NAME,
+        "created_at": 1_700_000_000,
+        "last_used": time.time(),
+        "defaults": {},
+        "messages": [],
+        "response": {"object": conversation, "items": [], "chain": good_id},
+    }
+    (tmp_path / f"{good_id}.json").write_text(json.dumps(record))
+    bad = {**record, "id": bad_id, "response": {"object": conversation, "chain": bad_id}}  # no items
+    (tmp_path / f"{bad_id}.json").write_text(json.dumps(bad))
+    srv = start_server(async_engine, api_keys=(KEY_A,), session_dir=tmp_path)
+    try:
+        assert send(srv, "GET", f"/v1/conversations/{good_id}").json == conversation
+        assert send(srv, "GET", f"/v1/conversations/{bad_id}").status == 404
+        assert [p.stem for p in (tmp_path / "quarantine").iterdir()] == [bad_id]
+        assert send(srv, "GET", f"/v1/responses/{good_id}").status == 404  # not a response
     finally:
         srv.stop()
