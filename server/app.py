@@ -22,6 +22,7 @@ from aiohttp import web
 from jaxserve.engine_client import EngineClient
 from server import (
     openapi,
+    routes_conversations,
     routes_embeddings,
     routes_lora,
     routes_messages,
@@ -83,6 +84,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.add_routes(routes_embeddings.routes)
     app.add_routes(routes_score.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(routes_conversations.routes)
     app.add_routes(routes_messages.routes)
     app.add_routes(routes_sessions.routes)
     app.add_routes(routes_ops.routes)

@@ -3,13 +3,14 @@ come, and at the end the `message` object. A reply that is not streamed is built
 (its events dropped), so a stream always accumulates to the message that was not streamed.
 
 Events, in Anthropic's order: `message_start` (then a `ping`), per content block
-`content_block_start`, `content_block_delta`... (`text_delta`, or `input_json_delta` for a tool_use
-block), `content_block_stop`; then `message_delta` (stop_reason, stop_sequence, usage) and
-`message_stop`.
+`content_block_start`, `content_block_delta`... (`thinking_delta` for a thinking block,
+`text_delta`, or `input_json_delta` for a tool_use block), `content_block_stop`; then
+`message_delta` (stop_reason, stop_sequence, usage) and `message_stop`.
 
-With tools, `server.tool_stream.ToolStream` reads the reply as it grows: its text up to where a call
-starts becomes a text block, and each call a tool_use block once its name is complete, its input
-streamed fragment by fragment (in the form the finished reply's parse gives). A stop sequence
+With tools or a reasoning parser, `server.reply_stream.ReplyStream` reads the reply as it grows:
+its reasoning becomes a thinking block (as vLLM and SGLang give it: with an empty `signature`), its
+text up to where a call starts a text block, and each call a tool_use block once its name is
+complete, its input streamed fragment by fragment (in the form the finished reply's parse gives). A stop sequence
 reaches here at the end of the text (the engine keeps it: `include_stop_str_in_output`), which tells
 it from an end of turn; it is cut off and named in `stop_sequence`.
 """
@@ -22,10 +23,15 @@ from typing import Any
 
 from jaxserve.outputs import Delta
 from server.openai_bodies import UsageCount
-from server.tool_stream import Arguments, CallStart, Content, ToolStream
-from server.tools import ToolCalling
+from server.reply_stream import ReplyParsing
+from server.tool_stream import Arguments, CallStart, Content, Reasoning
+from server.tool_stream import Event as ReplyEvent
 
 Event = dict[str, Any]
+_EMPTY_BLOCKS = {
+    "text": lambda: {"type": "text", "text": ""},
+    "thinking": lambda: {"type": "thinking", "thinking": "", "signature": ""},
+}
 
 
 def new_message_id() -> str:
@@ -50,13 +56,13 @@ class MessageReply:
         self,
         message_id: str,
         model: str,
-        tools: ToolCalling | None,
+        parsing: ReplyParsing | None,
         stop_sequences: list[str],
         parallel: bool = True,
     ) -> None:
         self.id = message_id
         self.model = model
-        self._calls = ToolStream(tools) if tools is not None else None
+        self._parts = parsing.stream() if parsing is not None else None
         self._stops = stop_sequences
         self._parallel = parallel  # False: only the first call of a reply is kept
         self.blocks: list[dict[str, Any]] = []
@@ -74,22 +80,23 @@ class MessageReply:
         return [{"type": "message_start", "message": head}, {"type": "ping"}]
 
     def delta(self, delta: Delta, streaming: bool = True) -> list[Event]:
-        """The events that show a delta (none while a tool call may be starting in the text). Not
-        `streaming`, a reply with tools only gathers its text: `finish` parses it once."""
+        """The events that show a delta (none while a tool call or a tag may be starting in the
+        text). Not `streaming`, a reply with tools or reasoning only gathers its text: `finish`
+        parses it once."""
         text = delta.text
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             text = self._cut_stop_sequence(text)
         self.text += text
-        if self._calls is None:
-            return self._text_delta(text) if text else []
-        return self._show(self._calls.update(self.text)) if streaming else []
+        if self._parts is None:
+            return self._text_delta("text", text) if text else []
+        return self._show(self._parts.update(self.text)) if streaming else []
 
     def finish(self, usage: UsageCount) -> list[Event]:
         """The events that end the reply: the rest of its text and calls, the stop reason and usage."""
         events: list[Event] = []
-        if self._calls is not None:
-            more, _ = self._calls.finish(self.text, self.finish_reason)
+        if self._parts is not None:
+            more, _ = self._parts.finish(self.text, self.finish_reason)
             events += self._show(more)
         events += self._close()
         for index, arguments in self._inputs.items():
@@ -142,12 +149,13 @@ class MessageReply:
         self.stop_sequence = max(matched, key=len)
         return whole[: len(whole) - len(self.stop_sequence)][len(self.text) :]
 
-    def _show(self, events: list[Content | CallStart | Arguments]) -> list[Event]:
-        """Anthropic's events for the tool stream's: text, a call started, more of its input."""
+    def _show(self, events: list[ReplyEvent]) -> list[Event]:
+        """Anthropic's events for the reply stream's: thinking, text, a call started, more of its input."""
         out: list[Event] = []
         for event in events:
-            if isinstance(event, Content):
-                out += self._text_delta(event.text) if event.text else []
+            if isinstance(event, Reasoning | Content):
+                kind = "thinking" if isinstance(event, Reasoning) else "text"
+                out += self._text_delta(kind, event.text) if event.text else []
             elif isinstance(event, CallStart):
                 if self._parallel or event.index == 0:
                     block = {"type": "tool_use", "id": _tool_use_id(), "name": event.name, "input": {}}
@@ -174,9 +182,15 @@ class MessageReply:
         self._open = None
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
-    def _text_delta(self, text: str) -> list[Event]:
-        opened = self._open is not None and self._open["type"] == "text"
-        events = [] if opened else self._open_block({"type": "text", "text": ""})
-        self._open["text"] += text
-        delta = {"type": "text_delta", "text": text}
+    def _text_delta(self, kind: str, text: str) -> list[Event]:
+        """More text of a text block, or (`kind` "thinking") of a thinking block."""
+        opened = self._open is not None and self._open["type"] == kind
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
+        events = [] if opened else self._open_block(block)
+        self._open[kind] += text
+        delta = {"type": f"{kind}_delta", kind: text}
         return events + [{"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]

@@ -44,7 +44,13 @@ TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
 TOOL_RESULT_KEYS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
 TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"})
 MEDIA_BLOCKS = frozenset({"image", "document"})
-BLOCKS_BY_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+BLOCKS_BY_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+# An earlier reply's thinking, as clients send it back: accepted, not shown to the model (chat
+# templates drop the reasoning of earlier turns).
+THINKING_KEYS = {
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -58,6 +64,11 @@ class Conversation:
     tools: list[dict[str, Any]]
     choice: ToolChoice
     parallel: bool  # more than one tool call per reply (not `disable_parallel_tool_use`)
+    thinking: bool | None = None  # `thinking` enabled or disabled (None: not said), with a reasoning parser
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's `enable_thinking` (as Qwen3's templates read it), when `thinking` says."""
+        return None if self.thinking is None else {"enable_thinking": self.thinking}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +80,9 @@ class MessagesRequest:
     stream: bool
 
 
-def parse_messages_request(body: dict[str, Any]) -> MessagesRequest:
-    """A `POST /v1/messages` body (its fields already checked against MESSAGES_FIELDS)."""
+def parse_messages_request(body: dict[str, Any], reasoning: bool = False) -> MessagesRequest:
+    """A `POST /v1/messages` body (its fields already checked against MESSAGES_FIELDS); with
+    `reasoning` (a reasoning parser), `thinking` may be enabled."""
     if "max_tokens" not in body:
         raise bad_request("max_tokens: field required", param="max_tokens")
     max_tokens = body["max_tokens"]
@@ -88,17 +100,17 @@ def parse_messages_request(body: dict[str, Any]) -> MessagesRequest:
     sampling = {name: body[name] for name in ("temperature", "top_p", "top_k") if name in body}
     if stop:  # kept in the text so the reply can say which one ended it (`stop_sequence`), then cut
         sampling.update(stop=stop, include_stop_str_in_output=True)
-    return MessagesRequest(parse_conversation(body), max_tokens, stop, sampling, stream)
+    return MessagesRequest(parse_conversation(body, reasoning), max_tokens, stop, sampling, stream)
 
 
-def parse_conversation(body: dict[str, Any]) -> Conversation:
+def parse_conversation(body: dict[str, Any], reasoning: bool = False) -> Conversation:
     """`system`, `messages`, `tools`, `tool_choice` and `thinking` of a messages or count_tokens body."""
-    _check_thinking(body.get("thinking", {"type": "disabled"}))
+    thinking = _thinking(body.get("thinking"), reasoning)
     tools = _tools(body.get("tools", []))
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     system = _system(body.get("system"))
     messages, prefill = _messages(body.get("messages"))
-    return Conversation(system + messages, prefill, tools, choice, parallel)
+    return Conversation(system + messages, prefill, tools, choice, parallel, thinking)
 
 
 def _check_metadata(value: Any) -> None:
@@ -108,13 +120,30 @@ def _check_metadata(value: Any) -> None:
         raise bad_request("metadata.user_id must be a string", param="metadata")
 
 
-def _check_thinking(value: Any) -> None:
+def _thinking(value: Any, reasoning: bool) -> bool | None:
+    """Whether `thinking` asks for thinking (None when it is not given). Only a server with a
+    reasoning parser (`--reasoning-parser`) thinks; `budget_tokens` is checked, not enforced."""
+    if value is None:
+        return None
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "disabled":
-        return
-    if kind in ("enabled", "adaptive"):
-        raise bad_request("extended thinking is not supported by this server", param="thinking")
-    raise bad_request('thinking must be {"type": "disabled"} on this server', param="thinking")
+    if kind == "disabled" and set(value) == {"type"}:
+        return False
+    if kind in ("enabled", "adaptive") and not reasoning:
+        raise bad_request(
+            "extended thinking needs a reasoning parser (this server runs without --reasoning-parser)",
+            param="thinking",
+        )
+    budget = value.get("budget_tokens", 1024) if isinstance(value, dict) else None
+    if kind not in ("enabled", "adaptive") or set(value) - {"type", "budget_tokens"} or not _positive_int(budget):
+        raise bad_request(
+            'thinking must be {"type": "disabled"}, {"type": "enabled", "budget_tokens": ...} or {"type": "adaptive"}',
+            param="thinking",
+        )
+    return True
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _system(value: Any) -> list[dict[str, Any]]:
@@ -194,11 +223,13 @@ def _blocks(content: Any, where: str, role: str, allow_empty: bool) -> list[dict
                 f"{at}: a {role} message may hold {' and '.join(BLOCKS_BY_ROLE[role])} blocks, not {kind!r}",
                 param="messages",
             )
-        keys = {"text": TEXT_KEYS, "tool_use": TOOL_USE_KEYS, "tool_result": TOOL_RESULT_KEYS}[kind]
+        keys = {"text": TEXT_KEYS, "tool_use": TOOL_USE_KEYS, "tool_result": TOOL_RESULT_KEYS, **THINKING_KEYS}[kind]
         if set(block) - keys:
             raise bad_request(f"{at} has unsupported fields: {sorted(set(block) - keys)}", param="messages")
         if kind == "text":
             _text(block, at)
+        if kind in THINKING_KEYS and not isinstance(block.get("thinking", block.get("data")), str):
+            raise bad_request(f"{at}: a {kind} block holds its text as a string", param="messages")
         blocks.append(block)
     return blocks
 

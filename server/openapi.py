@@ -17,6 +17,7 @@ from aiohttp import web
 from server.messages_request import COUNT_TOKENS_FIELDS, MESSAGES_FIELDS
 from server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from server.response_request import RESPONSE_FIELDS
+from server.routes_conversations import CONVERSATION_FIELDS, ITEMS_FIELDS, METADATA_FIELDS
 from server.routes_embeddings import EMBEDDING_FIELDS
 from server.routes_lora import LOAD_FIELDS, UNLOAD_FIELDS
 from server.routes_score import RERANK_FIELDS, SCORE_FIELDS
@@ -106,6 +107,22 @@ OPERATIONS: dict[tuple[str, str], tuple[str, frozenset[str] | None, tuple[str, .
         None,
         (),
     ),
+    ("POST", "/v1/conversations"): ("Create a conversation (Conversations API)", CONVERSATION_FIELDS, ()),
+    ("GET", "/v1/conversations/{conversation_id}"): ("A conversation", None, ()),
+    ("POST", "/v1/conversations/{conversation_id}"): (
+        "Update a conversation's metadata",
+        METADATA_FIELDS,
+        ("metadata",),
+    ),
+    ("DELETE", "/v1/conversations/{conversation_id}"): ("Delete a conversation", None, ()),
+    ("GET", "/v1/conversations/{conversation_id}/items"): (
+        "A conversation's items (limit, order, after, before)",
+        None,
+        (),
+    ),
+    ("POST", "/v1/conversations/{conversation_id}/items"): ("Add items to a conversation", ITEMS_FIELDS, ("items",)),
+    ("GET", "/v1/conversations/{conversation_id}/items/{item_id}"): ("A conversation's item", None, ()),
+    ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}"): ("Delete a conversation's item", None, ()),
     ("POST", "/v1/embeddings"): ("Embeddings of texts or token ids", EMBEDDING_FIELDS, ("input",)),
     ("POST", "/v1/score"): ("Cosine scores of text pairs (embedding models)", SCORE_FIELDS, ("text_1", "text_2")),
     ("POST", "/score"): ("vLLM's name for /v1/score", SCORE_FIELDS, ("text_1", "text_2")),

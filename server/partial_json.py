@@ -15,6 +15,7 @@ import re
 
 _SPACE = " \t\r\n"
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: runs of plain characters
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # the rest of a string, its closing quote too
 # The part of a cut string whose escapes are whole.
 _COMPLETE_CHARACTERS = re.compile(r'[^"\\]*(?:(?:\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})[^"\\]*)*')
 _TOKEN_END = _SPACE + ",:}]"
@@ -24,62 +25,96 @@ def stable_json(raw: str) -> str:
     """The `json.dumps(..., ensure_ascii=False)` text of the JSON value that `raw` starts,
     as far as `raw` fixes it: every later, longer `raw` gives a text that starts with this one,
     and a complete value gives exactly `json.dumps(json.loads(value), ensure_ascii=False)`."""
-    out: list[str] = []
-    depth, at = 0, 0
-    while at < len(raw):
-        c = raw[at]
+    return StableJson().more(raw)
+
+
+class StableJson:
+    """`stable_json` of a text that grows, read once: each `more(raw)`, where `raw` is the whole
+    text so far (the last call's grown), returns what its stable form gained, reading only what
+    is new (a long string argument costs each delta the delta, not the string). Text that is not
+    JSON ends what is read (a raw control character in a string, a bad literal)."""
+
+    def __init__(self) -> None:
+        self._at = 0  # where reading goes on in `raw`
+        self._depth = 0
+        self._in_string = False  # `_at` is inside a string (after its opening quote)
+        self.done = False  # the value is complete, or cannot be read further
+
+    def move(self, offset: int) -> None:
+        """Read on from a text in which what was read so far starts at `offset` (the reply that
+        holds the value, rather than the value's own text)."""
+        self._at += offset
+
+    def more(self, raw: str) -> str:
+        out: list[str] = []
+        while not self.done and self._at < len(raw):
+            if self._in_string:
+                if not self._string(raw, out):
+                    break
+            elif not self._token(raw, out):
+                break
+        return "".join(out)
+
+    def _token(self, raw: str, out: list[str]) -> bool:
+        """Read the token at `_at`; False when it may still go on (a number or literal at the end)."""
+        c = raw[self._at]
         if c in _SPACE:
-            at += 1
-        elif c in "{[":
+            self._at += 1
+            return True
+        if c in "{[":
             out.append(c)
-            depth, at = depth + 1, at + 1
+            self._depth += 1
         elif c in "}]":
             out.append(c)
-            depth, at = depth - 1, at + 1
-            if depth <= 0:
-                break
+            self._depth -= 1
         elif c in ",:":
             out.append(c + " ")
-            at += 1
         elif c == '"':
-            end = _string_end(raw, at)
-            if end is None:
-                out.append(_partial_string(raw[at + 1 :]))
-                break
-            out.append(json.dumps(json.loads(raw[at:end]), ensure_ascii=False))
-            at = end
+            out.append(c)
+            self._at, self._in_string = self._at + 1, True
+            return True
         else:
-            end = at
+            end = self._at
             while end < len(raw) and raw[end] not in _TOKEN_END:
                 end += 1
             if end == len(raw):
-                break  # a number or literal that may go on
+                return False
             try:
-                out.append(json.dumps(json.loads(raw[at:end])))
+                out.append(json.dumps(json.loads(raw[self._at : end])))
             except json.JSONDecodeError:
-                break
-            at = end
-        if depth == 0 and out and c not in _SPACE:
-            break  # a top-level scalar: the value is complete
-    return "".join(out)
+                self.done = True
+                return False
+            self._at = end - 1
+        self._at += 1
+        self.done = self._depth <= 0  # a top-level scalar or a closed object is the whole value
+        return True
+
+    def _string(self, raw: str, out: list[str]) -> bool:
+        """Read the string `_at` is in as far as its characters are complete; True once it closed."""
+        whole = _STRING_REST.match(raw, self._at)
+        end = whole.end() - 1 if whole is not None else _COMPLETE_CHARACTERS.match(raw, self._at).end()
+        piece = raw[self._at : end]
+        try:
+            text = json.loads('"' + piece + '"')
+        except json.JSONDecodeError:
+            self.done = True
+            return False
+        if whole is None and text and "\ud800" <= text[-1] <= "\udbff":
+            text, end = text[:-1], end - 6  # half of a surrogate pair: the other half decides the character
+        out.append(json.dumps(text, ensure_ascii=False)[1:-1])
+        self._at = end
+        if whole is None:
+            return False
+        out.append('"')
+        self._at, self._in_string = end + 1, False
+        self.done = self._depth <= 0
+        return True
 
 
 def _string_end(raw: str, at: int) -> int | None:
     """The index after the string that opens at `at`, or None when it is cut."""
     match = _STRING.match(raw, at)
     return None if match is None else match.end()
-
-
-def _partial_string(body: str) -> str:
-    """An opening quote and the escaped text of a cut string's complete characters."""
-    cut = _COMPLETE_CHARACTERS.match(body).end()
-    try:
-        text = json.loads('"' + body[:cut] + '"')
-    except json.JSONDecodeError:
-        return '"'
-    if text and "\ud800" <= text[-1] <= "\udbff":
-        text = text[:-1]  # half of a surrogate pair: the other half decides the character
-    return '"' + json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def cut_objects(text: str, at: int, separators: str = " \t\r\n,") -> list[dict[str, str]]:

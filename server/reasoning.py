@@ -30,8 +30,8 @@ PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read to see whether it leav
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningSplit:
-    reasoning: str  # the reasoning as far as it may be shown
-    content: str  # the answer as far as it may be shown
+    reasoning: str
+    content: str
     ended: bool  # the reasoning is over (the rest is content)
 
 
@@ -51,14 +51,11 @@ class ReasoningParser:
         prompt_opens = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
         return cls(name, name == "deepseek_r1" or prompt_opens)
 
-    def split(self, text: str, finished: bool) -> ReasoningSplit:
-        """The reasoning and content of a reply so far. An unfinished reply keeps back what may
-        still turn out to be a tag (the start of `</think>`, or of a leading `<think>`)."""
+    def split(self, text: str) -> ReasoningSplit:
+        """The reasoning and content of a finished reply (`ReasoningStream` reads one as it grows)."""
         stripped = text.lstrip()
         if stripped.startswith(THINK_OPEN):
             body = stripped[len(THINK_OPEN) :]
-        elif not finished and THINK_OPEN.startswith(stripped):
-            return ReasoningSplit("", "", False)  # may still become `<think>`
         elif self.opened:
             body = text
         else:
@@ -66,9 +63,7 @@ class ReasoningParser:
         end = body.find(THINK_CLOSE)
         if end >= 0:
             return ReasoningSplit(body[:end], body[end + len(THINK_CLOSE) :].lstrip(), True)
-        if finished:
-            return ReasoningSplit(body, "", False)
-        return ReasoningSplit(body[: len(body) - _partial_tag(body, THINK_CLOSE)], "", False)
+        return ReasoningSplit(body, "", False)
 
     def reasoning_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
         """Of a finished reply's tokens, how many are reasoning: those up to and including the
@@ -76,7 +71,7 @@ class ReasoningParser:
         text = tokenizer.decode(token_ids, skip_special_tokens=False)
         if not self.opened and not text.lstrip().startswith(THINK_OPEN):
             return 0
-        if not self.split(text, finished=True).ended:
+        if not self.split(text).ended:
             return len(token_ids)
         low, high = 1, len(token_ids)  # the shortest prefix whose text holds the closing tag
         while low < high:
@@ -86,6 +81,64 @@ class ReasoningParser:
             else:
                 low = mid + 1
         return low
+
+
+class ReasoningStream:
+    """`ReasoningParser.split` of a reply that grows, read once (what may still become a tag, the
+    start of `</think>` or of a leading `<think>`, is kept back): `update(text)` (the whole reply
+    so far, the last call's grown) gives the reasoning it adds and, once the reasoning is over,
+    where the content starts in `text`. Only what is new is read: the `</think>` search goes on
+    from where it stopped, so a long reasoning costs each delta the delta."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self._parser = parser
+        self._body: int | None = None  # where the reasoning starts, once it is known there is one
+        self._sent = 0  # the end of the reasoning sent
+        self._searched = 0  # `</think>` is not before this
+        self.content_start: int | None = None  # the answer's start, once the reasoning is over
+
+    @property
+    def sent(self) -> int:
+        """How many characters of reasoning `update` gave."""
+        return 0 if self._body is None else max(0, self._sent - self._body)
+
+    def update(self, text: str) -> str:
+        """The reasoning that `text` adds (`content_start` is set once the reasoning ends)."""
+        if self.content_start is not None:
+            return self._skip_space(text) if self._body is not None else ""
+        if self._body is None and not self._decide(text):
+            return ""
+        end = text.find(THINK_CLOSE, self._searched)
+        if end >= 0:
+            self.content_start = end + len(THINK_CLOSE)
+            self._skip_space(text)
+        else:
+            self._searched = max(self._body, len(text) - len(THINK_CLOSE) + 1)
+            end = len(text) - min(_partial_tag(text, THINK_CLOSE), len(text) - self._body)
+        piece = text[max(self._sent, self._body) : end]
+        self._sent = max(self._sent, end)
+        return piece
+
+    def _decide(self, text: str) -> bool:
+        """Find where the reasoning starts (as `split` does); False while the start may still be `<think>`."""
+        stripped = text.lstrip()
+        if stripped.startswith(THINK_OPEN):
+            self._body = len(text) - len(stripped) + len(THINK_OPEN)
+        elif THINK_OPEN.startswith(stripped):
+            return False
+        elif self._parser.opened:
+            self._body = 0
+        else:
+            self.content_start = 0  # no reasoning: all of it is content, as written
+            return False
+        self._searched = self._body
+        return True
+
+    def _skip_space(self, text: str) -> str:
+        """Move the content's start past the whitespace that begins it (`split` drops it)."""
+        while self.content_start < len(text) and text[self.content_start].isspace():
+            self.content_start += 1
+        return ""
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -1,5 +1,6 @@
-"""A chat request's reply setup from its body and the server's settings: `chat_template_kwargs`,
-and the `ReplyParsing` (reasoning parser, tool calls) that its replies are read with."""
+"""A chat request's prompt and reply setup, shared by chat completions, Responses and Messages:
+its prompt's token ids with the tools shown, `chat_template_kwargs`, and the `ReplyParsing`
+(reasoning parser, tool calls) that its replies are read with."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 from jaxserve.sampling_params import SamplingParams
 from server.errors import bad_request
 from server.model_info import ModelInfo
+from server.prompts import encode_chat
 from server.reasoning import ReasoningParser
 from server.reply_stream import ReplyParsing
-from server.tools import ToolCalling
+from server.tools import ToolCalling, ToolChoice, ToolFormat
 
 # Variables the server itself gives the template; a request may not set them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "template"})
@@ -27,6 +29,23 @@ def template_kwargs_setting(body: dict[str, Any], name: str = "chat_template_kwa
     if reserved:
         raise bad_request(f"{name} may not set {reserved}: the server sets them", param=name)
     return value
+
+
+def chat_prompt_ids(
+    info: ModelInfo,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    choice: ToolChoice,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], ToolCalling | None]:
+    """The prompt's token ids (not checked against the model's limits) with `tools` shown in the
+    model's tool format (none with tool_choice "none"), and the tool calling its reply is read
+    with (None when no tools are shown)."""
+    tool_format = ToolFormat(info.template, tools)
+    shown_tools = tools if choice.mode != "none" else []
+    messages, template_tools = tool_format.prompt(messages, shown_tools)
+    ids = encode_chat(info, messages, tools=template_tools, template_kwargs=template_kwargs)
+    return ids, (ToolCalling(tool_format, choice) if shown_tools else None)
 
 
 def reply_parsing(

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from server.reasoning import ReasoningParser
+from server.reasoning import ReasoningParser, ReasoningStream
 from server.tool_stream import Event, Reasoning, ToolStream
 from server.tools import ToolCall, ToolCalling
 
@@ -46,34 +46,33 @@ class ReplyParsing:
 
 
 class ReplyStream:
-    """One choice's reply, turned into events as it grows."""
+    """One choice's reply, turned into events as it grows (each delta read once: `server.reasoning.
+    ReasoningStream`, `server.tool_stream.ToolStream`)."""
 
     def __init__(self, parsing: ReplyParsing) -> None:
-        self._reasoning = parsing.reasoning
-        self._reasoning_sent = 0
+        self._parser = parsing.reasoning
+        self._reasoning = ReasoningStream(parsing.reasoning) if parsing.reasoning is not None else None
         self.tools = ToolStream(parsing.tools)
 
     def update(self, text: str) -> list[Event]:
-        """The events that the reply so far (`text`, all of it) adds."""
+        """The events that the reply so far (`text`, all of it, grown from the last call) adds."""
         if self._reasoning is None:
             return self.tools.update(text)
-        split = self._reasoning.split(text, finished=False)
-        events = self._more_reasoning(split.reasoning)
-        return events + self.tools.update(split.content) if split.ended else events
+        piece = self._reasoning.update(text)
+        events: list[Event] = [Reasoning(piece)] if piece else []
+        start = self._reasoning.content_start
+        if start is not None and start < len(text):
+            events += self.tools.update(text, start)
+        return events
 
     def finish(self, text: str, finish_reason: str | None) -> tuple[list[Event], ReplyParts]:
         """The last events of the finished reply `text`, and its parts."""
         reasoning, content = None, text
         events: list[Event] = []
-        if self._reasoning is not None:
-            split = self._reasoning.split(text, finished=True)
-            events = self._more_reasoning(split.reasoning)
+        if self._parser is not None:
+            split = self._parser.split(text)
+            sent = self._reasoning.sent
+            events = [Reasoning(split.reasoning[sent:])] if len(split.reasoning) > sent else []
             reasoning, content = split.reasoning or None, split.content
         more, reply = self.tools.finish(content, finish_reason)
         return events + more, ReplyParts(reasoning, reply.content, reply.calls, reply.finish_reason)
-
-    def _more_reasoning(self, reasoning: str) -> list[Event]:
-        if len(reasoning) <= self._reasoning_sent:
-            return []
-        piece, self._reasoning_sent = reasoning[self._reasoning_sent :], len(reasoning)
-        return [Reasoning(piece)]

@@ -53,11 +53,11 @@ class ResponseEvents:
 
     def finish(self, choice: ChoiceOutput, usage: UsageCount) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The events that end the output items and the response, and the response's body."""
-        last, _ = self._stream.finish(choice.text, choice.finish_reason)
+        last, parts = self._stream.finish(choice.text, choice.finish_reason)
         events = [e for event in last for e in self._on(event, [])]
         self.shapes.count_reasoning(choice, usage)
         keep = {"keep_message": "message" in self._opened, "keep_reasoning": "reasoning" in self._opened}
-        status, output = self.shapes.reply(choice, **keep)
+        status, output = self.shapes.reply(choice, parts, **keep)  # the reply parsed once
         calls = 0
         for index, item in enumerate(output):
             key = item["type"]

@@ -2,21 +2,16 @@
 as chat messages, function tools and `tool_choice` in chat completions' form, the sampling fields,
 `text.format` as structured output, and the request's settings that the response echoes.
 
-`input` is a string (one user message) or a list of items: messages (roles user, system,
-developer, assistant; text content or `input_text` / `output_text` parts), `function_call` items
-(an earlier reply's calls), `function_call_output` items (their results) and `reasoning` items
-(an earlier reply's reasoning: kept, not shown to the model). Each item is kept, with an id, for
-`GET /v1/responses/{id}/input_items`. Anything else (images, files, item references, hosted
-tools) is a 400 that names it.
+`input` is a string (one user message) or a list of items (`server.response_items`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from typing import Any
 
 from server.errors import bad_request
+from server.response_items import parse_input
 from server.response_tools import chat_tool_choice, function_tools
 from server.tools import ToolChoice, parse_tool_choice, parse_tools
 
@@ -26,6 +21,7 @@ RESPONSE_FIELDS = frozenset(
         "input",
         "instructions",
         "previous_response_id",
+        "conversation",
         "store",
         "background",
         "stream",
@@ -62,26 +58,14 @@ RESPONSE_FIELDS = frozenset(
 )
 # Fields the server does not implement, with the values that mean "not used".
 NEUTRAL = {
-    "truncation": ("disabled",),
     "reasoning": ({}, {"effort": None}, {"effort": None, "summary": None}),
     "max_tool_calls": (),
 }
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 GUIDED = ("guided_regex", "guided_grammar", "guided_choice", "guided_json")  # with SAMPLING, to build_sampling_params
-MESSAGE_ROLES = ("user", "system", "developer", "assistant")
-MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
-PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
-TEXT_PARTS = ("input_text", "output_text")
-CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
-OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
-REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
 FORMAT_KEYS = frozenset({"type", "name", "schema", "strict", "description"})
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-
-def item_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
 
 
 @dataclasses.dataclass
@@ -92,6 +76,8 @@ class ResponseRequest:
     items: list[dict[str, Any]]  # the input items, with ids
     instructions: str | None
     previous_response_id: str | None
+    conversation: str | None  # the id of the conversation it continues and extends
+    truncation: bool  # "auto": the oldest input is dropped when it does not fit the context
     store: bool
     background: bool
     stream: bool
@@ -113,6 +99,16 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
     messages, items = parse_input(body["input"])
     instructions = _optional(body, "instructions", str)
     previous = _optional(body, "previous_response_id", str)
+    conversation = _conversation(body)
+    if previous is not None and conversation is not None:
+        raise bad_request(
+            "previous_response_id and conversation cannot be used together",
+            param="conversation",
+            code="mutually_exclusive",
+        )
+    truncation = body.get("truncation", "disabled")
+    if truncation not in ("auto", "disabled", None):
+        raise bad_request('truncation must be "auto" or "disabled"', param="truncation")
     store, background, stream = _delivery(body)
     tools = parse_tools({"tools": function_tools(body.get("tools", []))})
     choice = parse_tool_choice({"tool_choice": chat_tool_choice(body.get("tool_choice", "auto"))}, tools)
@@ -121,11 +117,15 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
     logprobs = _logprobs(body)
     sampling = {name: body[name] for name in SAMPLING + GUIDED if name in body}
     echo = _echo(body, instructions, previous, store, background, parallel, text, logprobs)
+    echo["conversation"] = {"id": conversation} if conversation is not None else None
+    echo["truncation"] = truncation or "disabled"
     return ResponseRequest(
         messages,
         items,
         instructions,
         previous,
+        conversation,
+        truncation == "auto",
         store,
         background,
         stream,
@@ -139,20 +139,24 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
     )
 
 
+def _conversation(body: dict[str, Any]) -> str | None:
+    """The id of `conversation`: given as the id, or as `{"id": ...}`."""
+    value = body.get("conversation")
+    if isinstance(value, dict) and set(value) == {"id"}:
+        value = value["id"]
+    if value is not None and not isinstance(value, str):
+        raise bad_request('conversation must be a conversation id or {"id": ...}', param="conversation")
+    return value
+
+
 def _delivery(body: dict[str, Any]) -> tuple[bool, bool, bool]:
-    """(store, background, stream): a background response is stored and not streamed; `stream_options` needs stream."""
+    """(store, background, stream): a background response is stored; `stream_options` needs stream."""
     store, background, stream = (
         _optional(body, name, bool, default)
         for name, default in (("store", True), ("background", False), ("stream", False))
     )
     if background and not store:
         raise bad_request("background responses must be stored (store: true)", param="background")
-    if background and stream:
-        raise bad_request(
-            "a background response cannot be streamed; retrieve it instead",
-            param="stream",
-            code="unsupported_parameter",
-        )
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
         raise bad_request(
@@ -175,7 +179,7 @@ def _echo(
     return {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": _metadata(body.get("metadata", {})),
+        "metadata": parse_metadata(body.get("metadata", {})),
         "parallel_tool_calls": parallel,
         "previous_response_id": previous,
         "store": store,
@@ -187,7 +191,6 @@ def _echo(
         "tools": body.get("tools", []),
         "top_logprobs": logprobs or 0,
         "user": body.get("user"),
-        "truncation": "disabled",
         "max_tool_calls": None,
         "reasoning": {"effort": None, "summary": None},
         "service_tier": "default",
@@ -199,140 +202,6 @@ def _optional(body: dict[str, Any], name: str, kind: type, default: Any = None) 
     if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
         raise bad_request(f"{name} must be a {kind.__name__}", param=name)
     return value
-
-
-def parse_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(chat messages, items with ids) of `input`."""
-    if isinstance(value, str):
-        value = [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise bad_request("input must be a string or a non-empty list of items", param="input")
-    messages: list[dict[str, Any]] = []
-    items = []
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", param="input")
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            items.append(_message_item(item, where, messages))
-        elif kind == "function_call":
-            items.append(_call_item(item, where, messages))
-        elif kind == "function_call_output":
-            items.append(_output_item(item, where, messages))
-        elif kind == "reasoning":
-            items.append(_reasoning_item(item, where))
-        else:
-            raise bad_request(
-                f"{where}: items of type {kind!r} are not supported (only messages, function_call, "
-                "function_call_output and reasoning)",
-                param="input",
-            )
-    return messages, items
-
-
-def _check_keys(item: dict[str, Any], allowed: frozenset[str], where: str) -> None:
-    unknown = set(item) - allowed
-    if unknown:
-        raise bad_request(f"{where} has unsupported fields: {sorted(unknown)}", param="input")
-
-
-def _message_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    _check_keys(item, MESSAGE_KEYS, where)
-    role = item.get("role")
-    if role not in MESSAGE_ROLES:
-        raise bad_request(f"{where}.role must be one of {list(MESSAGE_ROLES)}", param="input")
-    text = _text_of(item.get("content"), f"{where}.content")
-    messages.append({"role": "system" if role == "developer" else role, "content": text})
-    part = "output_text" if role == "assistant" else "input_text"
-    return {
-        "type": "message",
-        "id": _id(item, "msg"),
-        "role": role,
-        "status": "completed",
-        "content": [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}],
-    }
-
-
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of text parts", param="input")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise bad_request(
-                f"{where}[{j}]: only input_text and output_text parts are supported, not {kind!r}", param="input"
-            )
-        _check_keys(part, PART_KEYS, f"{where}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _id(item: dict[str, Any], prefix: str) -> str:
-    given = item.get("id")
-    if given is not None and not isinstance(given, str):
-        raise bad_request("an item's id must be a string", param="input")
-    return given or item_id(prefix)
-
-
-def _call_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    _check_keys(item, CALL_KEYS, where)
-    for name in ("call_id", "name", "arguments"):
-        if not isinstance(item.get(name), str):
-            raise bad_request(f"{where}.{name} must be a string", param="input")
-    call = {
-        "id": item["call_id"],
-        "type": "function",
-        "function": {"name": item["name"], "arguments": item["arguments"]},
-    }
-    if messages and messages[-1]["role"] == "assistant":  # calls of one reply share its message
-        messages[-1].setdefault("tool_calls", []).append(call)
-    else:
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    return {
-        "type": "function_call",
-        "id": _id(item, "fc"),
-        "call_id": item["call_id"],
-        "name": item["name"],
-        "arguments": item["arguments"],
-        "status": "completed",
-    }
-
-
-def _output_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    _check_keys(item, OUTPUT_KEYS, where)
-    if not isinstance(item.get("call_id"), str):
-        raise bad_request(f"{where}.call_id must be a string", param="input")
-    output = _text_of(item.get("output"), f"{where}.output")
-    messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-    return {
-        "type": "function_call_output",
-        "id": _id(item, "fco"),
-        "call_id": item["call_id"],
-        "output": output,
-        "status": "completed",
-    }
-
-
-def _reasoning_item(item: dict[str, Any], where: str) -> dict[str, Any]:
-    """An earlier reply's reasoning, as clients send it back: kept with the input, not shown to the
-    model (chat templates drop the reasoning of earlier turns)."""
-    _check_keys(item, REASONING_KEYS, where)
-    for name in ("summary", "content"):
-        parts = item.get(name, [])
-        if not isinstance(parts, list) or not all(
-            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
-        ):
-            raise bad_request(f"{where}.{name} must be a list of text parts", param="input")
-    return {
-        "type": "reasoning",
-        "id": _id(item, "rs"),
-        "summary": item.get("summary", []),
-        **({"content": item["content"]} if "content" in item else {}),
-    }
 
 
 def _text_format(text: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -371,7 +240,7 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if LOGPROBS_INCLUDE in include or top else None
 
 
-def _metadata(value: Any) -> dict[str, str]:
+def parse_metadata(value: Any) -> dict[str, str]:
     if (
         not isinstance(value, dict)
         or len(value) > MAX_METADATA

@@ -16,7 +16,7 @@ from jaxserve.outputs import TokenLogprob
 from server.model_info import ModelInfo
 from server.openai_bodies import ChoiceOutput, UsageCount, chat_logprobs
 from server.reply_stream import ReplyParsing, ReplyParts
-from server.response_request import item_id
+from server.response_items import item_id
 from server.tools import ToolCall
 
 
@@ -79,12 +79,16 @@ class ResponseShapes:
             usage.reasoning_tokens = self.parsing.reasoning_tokens(self.info.tokenizer, choice.token_ids)
 
     def reply(
-        self, choice: ChoiceOutput, keep_message: bool = False, keep_reasoning: bool = False
+        self,
+        choice: ChoiceOutput,
+        parts: ReplyParts | None = None,
+        keep_message: bool = False,
+        keep_reasoning: bool = False,
     ) -> tuple[str, list[dict[str, Any]]]:
-        """(status, output items) of a finished reply; the message item is left out when the
-        reply is only calls, the reasoning item when it has none (unless a stream has opened them:
-        `keep_message`, `keep_reasoning`)."""
-        parts = self.parts(choice)
+        """(status, output items) of a finished reply (its `parts`, when a stream has parsed them
+        already); the message item is left out when the reply is only calls, the reasoning item when
+        it has none (unless a stream has opened them: `keep_message`, `keep_reasoning`)."""
+        parts = parts if parts is not None else self.parts(choice)
         status = "incomplete" if parts.finish_reason == "length" else "completed"
         output = []
         if parts.reasoning or keep_reasoning:

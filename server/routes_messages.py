@@ -2,9 +2,11 @@
 `stream`) and `POST /v1/messages/count_tokens`.
 
 A request's prompt is what chat completions would make of the same conversation
-(`server.messages_request` turns it into chat messages): the model's chat template, tools shown
-and tool calls parsed as there (a forced call enforced with structured output), a final assistant
-message's text continued. Generation, limits and admission are the chat route's. Errors on these
+(`server.messages_request` turns it into chat messages; `server.reply_setup` makes the prompt of
+both): the model's chat template, tools shown and tool calls parsed as there (a forced call
+enforced with structured output), a final assistant message's text continued. With a reasoning
+parser (`--reasoning-parser`) the reply's reasoning is a `thinking` block, and `thinking` sets the
+template's `enable_thinking`. Generation, limits and admission are the chat route's. Errors on these
 paths have Anthropic's shape (`server.errors`); a key may come as `x-api-key` (`server.auth`).
 """
 
@@ -31,11 +33,12 @@ from server.messages_request import (
     parse_messages_request,
 )
 from server.model_info import ModelInfo
-from server.prompts import encode_chat, prompt_ids_or_400
+from server.prompts import prompt_ids_or_400
 from server.protocol import build_sampling_params, check_fields, max_tokens_setting, read_json_object
+from server.reply_setup import chat_prompt_ids, reply_parsing
 from server.sse import EventStream
 from server.state import STATE
-from server.tools import ToolCalling, ToolFormat, forced_constraint
+from server.tools import ToolCalling, forced_constraint
 
 routes = web.RouteTableDef()
 
@@ -43,14 +46,14 @@ PING_SECONDS = 10.0  # a stream with nothing else to send for this long sends a 
 
 
 def encode_conversation(info: ModelInfo, conversation: Conversation) -> tuple[list[int], ToolCalling | None]:
-    """The prompt's token ids, and the tool setup its reply is read with (None without tools)."""
-    tool_format = ToolFormat(info.template, conversation.tools)
-    shown_tools = conversation.tools if conversation.choice.mode != "none" else []
-    messages, template_tools = tool_format.prompt(conversation.messages, shown_tools)
-    ids = encode_chat(info, messages, tools=template_tools)
+    """The prompt's token ids (as chat completions make them, then the prefill), and the tool
+    setup its reply is read with (None without tools)."""
+    ids, tools = chat_prompt_ids(
+        info, conversation.messages, conversation.tools, conversation.choice, conversation.template_kwargs()
+    )
     if conversation.prefill:
         ids += info.tokenizer.encode(conversation.prefill)
-    return ids, (ToolCalling(tool_format, conversation.choice) if shown_tools else None)
+    return ids, tools
 
 
 @routes.post("/v1/messages")
@@ -61,7 +64,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     check_fields(body, MESSAGES_FIELDS)
     shown, adapter = state.model_for(body)
-    req = parse_messages_request(body)
+    req = parse_messages_request(body, reasoning=state.config.reasoning_parser is not None)
     conversation = req.conversation
     prompt, tools = encode_conversation(state.info, conversation)
     ids = prompt_ids_or_400(prompt, state.info, "messages")
@@ -76,7 +79,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         ),
     )
     params = dataclasses.replace(params, lora=adapter)
-    reply = MessageReply(new_message_id(), shown.name, tools, req.stop_sequences, conversation.parallel)
+    parsing = reply_parsing(state.info, state.config.reasoning_parser, tools, ids, params)
+    reply = MessageReply(new_message_id(), shown.name, parsing, req.stop_sequences, conversation.parallel)
     with state.admission.hold(1):
         generation = state.generation(request, [EngineRequest(reply.id, ids, params)], "messages", arrival)
         if req.stream:
@@ -94,7 +98,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     check_fields(body, COUNT_TOKENS_FIELDS)
     state.model_for(body)
-    ids, _ = encode_conversation(state.info, parse_conversation(body))
+    reasoning = state.config.reasoning_parser is not None
+    ids, _ = encode_conversation(state.info, parse_conversation(body, reasoning))
     return web.json_response({"input_tokens": len(ids)})
 
 

@@ -14,7 +14,7 @@ from server.generation import EngineRequest
 from server.http_reply import respond
 from server.model_info import ModelInfo
 from server.openai_bodies import ChatShapes, CompletionShapes
-from server.prompts import completion_prompts, encode_chat, parse_messages, prompt_ids_or_400
+from server.prompts import completion_prompts, parse_messages, prompt_ids_or_400
 from server.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -29,9 +29,9 @@ from server.protocol import (
     read_json_object,
     require_bool,
 )
-from server.reply_setup import reply_parsing, template_kwargs_setting
+from server.reply_setup import chat_prompt_ids, reply_parsing, template_kwargs_setting
 from server.state import STATE, ServerState
-from server.tools import ToolCalling, ToolFormat, forced_constraint, parse_tool_choice, parse_tools
+from server.tools import forced_constraint, parse_tool_choice, parse_tools
 
 routes = web.RouteTableDef()
 
@@ -88,11 +88,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = parse_messages(body["messages"], tools=True)
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
-    tool_format = ToolFormat(state.info.template, tools)
-    shown_tools = tools if choice.mode != "none" else []
-    messages, template_tools = tool_format.prompt(messages, shown_tools)
-    kwargs = template_kwargs_setting(body)
-    ids = encode_chat(state.info, messages, tools=template_tools, template_kwargs=kwargs)
+    ids, calling = chat_prompt_ids(state.info, messages, tools, choice, template_kwargs_setting(body))
     ids = prompt_ids_or_400(ids, state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
     strict = state.config.strict_schemas
@@ -108,7 +104,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    calling = ToolCalling(tool_format, choice) if shown_tools else None
     parsing = reply_parsing(state.info, state.config.reasoning_parser, calling, ids, params)
     shapes = ChatShapes(response_id, info, parsing, show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n):

@@ -1,19 +1,22 @@
 """`/v1/responses`: OpenAI's Responses API over the engine, with stored responses kept as sessions.
 
     POST   /v1/responses                      create: one JSON object, an SSE stream of events
-                                              (`stream`), or at once and in the background (`background`)
-    GET    /v1/responses/{id}                 a stored response
+                                              (`stream`), or in the background (`background`: at
+                                              once, or with `stream` its events as they come)
+    GET    /v1/responses/{id}                 a stored response; with `stream=true` (and
+                                              `starting_after`) a background response's events again
     DELETE /v1/responses/{id}
     POST   /v1/responses/{id}/cancel          stop a background response
     GET    /v1/responses/{id}/input_items     its input items (`limit`, `order`, `after`, `before`)
 
 A response's prompt is what chat completions would make of the same conversation: `instructions`
-as a system message, the stored conversation of `previous_response_id`, then `input`; tools and
+as a system message, the stored conversation of `previous_response_id` or the items of
+`conversation` (`server.response_prompt`, which also truncates), then `input`; tools and
 `tool_choice` work as there (a forced call is enforced with structured output), and `text.format`
 is structured output. With `store` (the default) the response is kept (`server.response_store`), so
 a later one can continue it: its prompt then starts with exactly the tokens of the stored one
 (the reply's own token ids), which the prefix cache (pinned, or on the KV disk tier after a
-restart) still holds.
+restart) still holds. Background responses: `server.response_background`.
 """
 
 from __future__ import annotations
@@ -27,40 +30,29 @@ from typing import Any
 
 from aiohttp import web
 
-from jaxserve.sampling_params import SamplingParams
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request
 from server.generation import EngineRequest, Generation
-from server.openai_bodies import ChoiceOutput, UsageCount
-from server.prompts import encode_chat, prompt_ids_or_400, reply_token_ids
+from server.openai_bodies import ChoiceOutput
+from server.prompts import prompt_ids_or_400
 from server.protocol import Limits, build_sampling_params, check_fields, guided_setting, read_json_object
 from server.reply_setup import reply_parsing
+from server.response_background import start_in_background, stream_events
 from server.response_events import ResponseEvents
+from server.response_items import item_page
+from server.response_prompt import context_messages, fitted_prompt, prior_context, within_message_limit
 from server.response_request import RESPONSE_FIELDS, ResponseRequest, parse_request
 from server.response_shapes import ResponseShapes
 from server.response_store import ResponseStore, new_response_id
-from server.sessions import Message, Session
+from server.response_turn import Turn, finish, save
+from server.sessions import Session
 from server.sse import EventStream
 from server.state import STATE, ServerState
-from server.tools import ToolCalling, ToolFormat, forced_constraint
+from server.tools import forced_constraint
 
 routes = web.RouteTableDef()
 
 CANCEL_WAIT_SECONDS = 30.0
-MAX_PAGE = 100
-
-
-@dataclasses.dataclass
-class _Turn:
-    """A response being made: its request, prompt and settings, and what it continues."""
-
-    request: ResponseRequest
-    shapes: ResponseShapes
-    previous: Session | None
-    history: list[Message]  # the stored conversation it continues
-    chain: str  # the id of its chain's first response: where its KV lives
-    prompt_ids: list[int]
-    params: SamplingParams
 
 
 @routes.post("/v1/responses")
@@ -78,37 +70,27 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         engine_request = EngineRequest(turn.shapes.id, turn.prompt_ids, turn.params, session_id=turn.chain)
         generation = state.new_generation(owner, [engine_request], "responses", arrival)
         if turn.request.background:
-            return await _start_in_background(state, owner, turn, generation, hold.pop_all())
+            session = await start_in_background(state, owner, turn, generation, hold.pop_all())
+            if turn.request.stream:
+                return await stream_events(request, session.events, -1)
+            return web.json_response(session.response["object"])
         if turn.request.stream:
             return await _stream(request, state, owner, turn, generation)
         choice = await _collect(generation)
-        return web.json_response(await _finish(state, owner, turn, choice, generation.usage))
+        return web.json_response(await finish(state, owner, turn, choice, generation.usage))
     finally:
         hold.close()
 
 
-def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
+def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn:
     shown, adapter = state.model_for(body)
     info = state.info
     req = parse_request(body)
-    previous = state.responses.previous(owner, req.previous_response_id) if req.previous_response_id else None
-    if previous is not None and previous.model != shown.name:
-        raise bad_request(
-            f"response {req.previous_response_id} was made by model {previous.model!r}; its chain "
-            f"cannot go on with {shown.name!r} (their KV differs)",
-            param="model",
-            code="model_mismatch",
-        )
-    history = previous.messages if previous is not None else []
-    if len(history) + len(req.messages) + 1 > state.config.max_session_messages:
-        raise bad_request(
-            f"a chain of responses holds at most {state.config.max_session_messages} messages", param="input"
-        )
-    instructions = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    tool_format = ToolFormat(info.template, req.tools)
-    shown_tools = req.tools if req.tool_choice.mode != "none" else []
-    messages, template_tools = tool_format.prompt([*instructions, *history, *req.messages], shown_tools)
-    ids = prompt_ids_or_400(encode_chat(info, messages, tools=template_tools), info, "input")
+    context = prior_context(state.responses, owner, req, shown.name)
+    context = within_message_limit(context, req, state.config.max_session_messages)
+    messages = context_messages(req.instructions, context.history, req.messages)
+    ids, tools = fitted_prompt(info, messages, req, _output_room(body))
+    ids = prompt_ids_or_400(ids, info, "input")
     params = build_sampling_params(
         req.sampling,
         max_tokens=_max_output_tokens(body, state.limits, len(ids)),
@@ -119,10 +101,16 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> _Turn:
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = new_response_id()
-    tools = ToolCalling(tool_format, req.tool_choice) if shown_tools else None
     parsing = reply_parsing(info, state.config.reasoning_parser, tools, ids, params)
-    chain = previous.placement_id if previous is not None else response_id
-    return _Turn(req, ResponseShapes(response_id, shown, req.echo, parsing), previous, history, chain, ids, params)
+    shapes = ResponseShapes(response_id, shown, req.echo, parsing)
+    chain = next((s.placement_id for s in (context.previous, context.conversation) if s is not None), response_id)
+    return Turn(req, shapes, context, chain, ids, params)
+
+
+def _output_room(body: dict[str, Any]) -> int:
+    """The output tokens a prompt must leave room for: `max_output_tokens` (checked later), at least one."""
+    value = body.get("max_output_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def _constraint(req: ResponseRequest, strict: bool) -> Any:
@@ -167,53 +155,8 @@ async def _collect(generation: Generation) -> ChoiceOutput:
     return choice
 
 
-async def _finish(
-    state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutput, usage: UsageCount
-) -> dict[str, Any]:
-    """The finished response's body, stored first when it is to be."""
-    turn.shapes.count_reasoning(choice, usage)
-    status, output = turn.shapes.reply(choice)
-    body = turn.shapes.body(status, output, usage)
-    await _save(state, owner, turn, choice, body)
-    return body
-
-
-async def _save(state: ServerState, owner: str, turn: _Turn, choice: ChoiceOutput, body: dict[str, Any]) -> None:
-    """Store a finished response (with `store`) and pin its conversation's KV."""
-    if not turn.request.store:
-        return
-    messages = [*turn.history, *turn.request.messages, _reply_message(state, turn, choice, body["output"])]
-    record = {"object": body, "input_items": turn.request.items, "chain": turn.chain}
-    session = state.sessions.find(owner, turn.shapes.id, responses=True)  # a background one is stored already
-    if session is None:
-        session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages, record)
-    else:
-        state.sessions.commit(session, messages, record)
-    state.spawn(state.session_kv.pin_history(session, turn.prompt_ids + choice.token_ids, replacing=turn.previous))
-
-
-def _reply_message(state: ServerState, turn: _Turn, choice: ChoiceOutput, output: list[dict[str, Any]]) -> Message:
-    """The reply as the stored conversation holds it: the model's token ids with its text, or its calls."""
-    calls = [item for item in output if item["type"] == "function_call"]
-    if calls:
-        text = next((item["content"][0]["text"] for item in output if item["type"] == "message"), "")
-        return {
-            "role": "assistant",
-            "content": text,
-            "tool_calls": [
-                {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for c in calls
-            ],
-        }
-    message: Message = {"role": "assistant", "content": choice.text}
-    ids = reply_token_ids(state.info, [], choice.token_ids, choice.text, turn.params.skip_special_tokens)
-    if ids is not None:
-        message["token_ids"] = ids
-    return message
-
-
 async def _stream(
-    request: web.Request, state: ServerState, owner: str, turn: _Turn, generation: Generation
+    request: web.Request, state: ServerState, owner: str, turn: Turn, generation: Generation
 ) -> web.StreamResponse:
     """Stream the response's events; an error before the first delta is an ordinary JSON error."""
     stream = EventStream(request)
@@ -233,7 +176,7 @@ async def _stream(
                     choice.add(delta)
                     await send(events.delta(delta))
             finished, body = events.finish(choice, generation.usage)
-            await _save(state, owner, turn, choice, body)  # before the client hears it is done
+            await save(state, owner, turn, choice, body)  # before the client hears it is done
             await send(finished)
         except APIError as e:
             if not stream.started:
@@ -245,68 +188,33 @@ async def _stream(
     return stream.response
 
 
-async def _start_in_background(
-    state: ServerState, owner: str, turn: _Turn, generation: Generation, hold: contextlib.ExitStack
-) -> web.Response:
-    """Store the response as in progress and generate it in the background (`hold` keeps its
-    place in the server's queue until it ends)."""
-    body = turn.shapes.body("in_progress", [], None)
-    messages = [*turn.history, *turn.request.messages]
-    try:
-        session = await state.responses.create(
-            owner,
-            turn.shapes.info.name,
-            turn.shapes.id,
-            messages,
-            {"object": body, "input_items": turn.request.items, "chain": turn.chain},
-        )
-    except BaseException:
-        hold.close()
-        raise
-    session.reply, session.reply_done = generation, asyncio.Event()
-    state.spawn(_run_in_background(state, owner, turn, generation, session, hold))
-    return web.json_response(body)
-
-
-async def _run_in_background(
-    state: ServerState, owner: str, turn: _Turn, generation: Generation, session: Session, hold: contextlib.ExitStack
-) -> None:
-    try:
-        try:
-            choice = await _collect(generation)
-        except APIError as e:
-            error = {"code": e.code or e.type, "message": e.message}
-            _commit(state, session, turn.shapes.body("failed", [], generation.usage, error=error))
-            return
-        if generation.outcome == "cancelled":
-            _, output = turn.shapes.reply(choice)
-            _commit(state, session, turn.shapes.body("cancelled", output, generation.usage))
-            return
-        await _finish(state, owner, turn, choice, generation.usage)
-    finally:
-        session.reply = None
-        session.reply_done.set()
-        hold.close()
-
-
-def _commit(state: ServerState, session: Session, body: dict[str, Any]) -> None:
-    with contextlib.suppress(APIError):  # not written (logged): it shows as failed after a restart
-        state.sessions.commit(session, session.messages, {**session.response, "object": body})
-
-
 def _response(request: web.Request) -> tuple[ServerState, Session]:
     state = request.app[STATE]
     return state, state.responses.get(request[OWNER_KEY], request.match_info["response_id"])
 
 
 @routes.get("/v1/responses/{response_id}")
-async def get_response(request: web.Request) -> web.Response:
-    if request.query.get("stream", "false") != "false":
-        raise bad_request(
-            "streaming a stored response again is not supported", param="stream", code="unsupported_parameter"
-        )
+async def get_response(request: web.Request) -> web.StreamResponse:
+    """The stored response, or with `stream=true` a background response's events (after
+    `starting_after`: a sequence number)."""
     _, session = _response(request)
-    return web.json_response(ResponseStore.public(session))
+    if request.query.get("stream", "false") == "false":
+        return web.json_response(ResponseStore.public(session))
+    if request.query["stream"] != "true":
+        raise bad_request("stream must be true or false", param="stream")
+    if session.events is None:
+        raise bad_request(
+            "only a background response can be streamed again, while this server holds its events",
+            param="stream",
+            code="unsupported_parameter",
+        )
+    try:
+        after = int(request.query.get("starting_after", "-1"))
+    except ValueError:
+        after = -2
+    if after < -1:
+        raise bad_request("starting_after must be a sequence number (an integer >= 0)", param="starting_after")
+    return await stream_events(request, session.events, after)
 
 
 @routes.delete("/v1/responses/{response_id}")
@@ -340,35 +248,4 @@ async def _stop(session: Session) -> None:
 @routes.get("/v1/responses/{response_id}/input_items")
 async def input_items(request: web.Request) -> web.Response:
     _, session = _response(request)
-    query = request.query
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_PAGE:
-        raise bad_request(f"limit must be an integer in [1, {MAX_PAGE}]", param="limit")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request('order must be "asc" or "desc"', param="order")
-    items = session.response["input_items"]
-    items = items if order == "asc" else items[::-1]
-    ids = [item["id"] for item in items]
-    start, end = 0, len(items)
-    for name in ("after", "before"):
-        if name in query:
-            if query[name] not in ids:
-                raise bad_request(f"{name}: the response has no input item {query[name]!r}", param=name)
-            if name == "after":
-                start = ids.index(query[name]) + 1
-            else:
-                end = ids.index(query[name])
-    page = items[start:end][:limit]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + len(page) < end,
-        }
-    )
+    return web.json_response(item_page(session.response["input_items"], request.query, "the response"))

@@ -23,8 +23,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SESSION_PREFIX, RESPONSE_PREFIX = "sess_", "resp_"  # a session's id, a stored response's
-SESSION_ID = re.compile(r"^(sess|resp)_[0-9a-f]{24}$")
+# a session's id, a stored response's, a conversation's (the Conversations API)
+SESSION_PREFIX, RESPONSE_PREFIX, CONVERSATION_PREFIX = "sess_", "resp_", "conv_"
+SESSION_ID = re.compile(r"^(sess|resp|conv)_[0-9a-f]{24}$")
 QUARANTINE = "quarantine"
 _TEMP_PREFIX, _TEMP_SUFFIX = ".write-", ".tmp"
 

@@ -32,7 +32,7 @@ class SessionKV:
         holder_of_old = session if replacing is None else replacing
         others = [
             s
-            for s in self.store.owned_by(session.owner, responses=None)
+            for s in self.store.owned_by(session.owner, kind=None)
             if s is not session and s is not holder_of_old and s.pin is not None
         ]
         others.sort(key=lambda s: s.last_used)

@@ -6,9 +6,10 @@ not persisted; messages (assistant ones with the token ids the model generated, 
 `server.prompts.encode_chat`) and sampling defaults are.
 
 A stored response of the Responses API is a session too (`Session.response` holds what the API
-shows of it, and its messages are the conversation it ends): it is kept, written, quarantined,
-expired and pinned as sessions are, but listed, counted and looked up apart from them
-(`server.response_store`).
+shows of it, and its messages are the conversation it ends), and so is a conversation of the
+Conversations API (`Session.response` holds the conversation and its items): they are kept,
+written, quarantined, expired and pinned as sessions are, but listed, counted and looked up apart
+from them, each kind by its id's prefix (`Session.kind`, `server.response_store`).
 
 With files, every change is written before it becomes visible: `create`, `commit` and `remove`
 write (or delete) the file first and change memory only once that succeeded, so a failed write
@@ -28,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.sampling_params import INT32_MAX, encodes_as_utf8
 from server.errors import APIError, not_found
-from server.session_files import RESPONSE_PREFIX, SESSION_ID, SESSION_PREFIX, SessionFiles
+from server.session_files import CONVERSATION_PREFIX, RESPONSE_PREFIX, SESSION_ID, SESSION_PREFIX, SessionFiles
 
 if TYPE_CHECKING:
     from jaxserve.engine_client import Pin
     from server.generation import Generation
+    from server.response_background import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,10 @@ logger = logging.getLogger(__name__)
 # response may hold "tool_calls", and "tool" messages their "tool_call_id".
 Message = dict[str, Any]
 STORED_ROLES = frozenset({"system", "user", "assistant", "tool"})
+KINDS = {SESSION_PREFIX: "session", RESPONSE_PREFIX: "response", CONVERSATION_PREFIX: "conversation"}
+# What the `response` record of a stored response and of a conversation holds besides its
+# "object" (what the API shows) and "chain" (where its KV lives): its items.
+RECORD_ITEMS = {"response": "input_items", "conversation": "items"}
 
 
 def _write_failed(error: OSError) -> APIError:
@@ -55,7 +61,8 @@ class Session:
     messages: list[Message]
     defaults: dict[str, Any]  # sampling parameters with chat-completion names
     # A stored response: {"object": the response as the API shows it, "input_items": its input
-    # items, "chain": the id of the first response of its chain}; None for a session.
+    # items, "chain": the id of the first response of its chain}; a conversation: {"object",
+    # "items", "chain": its own id}; None for a session.
     response: dict[str, Any] | None = None
     created_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
     last_used: float = dataclasses.field(default_factory=time.time)
@@ -63,6 +70,12 @@ class Session:
     reply: Generation | None = None  # the reply being generated
     reply_done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     pin: Pin | None = None
+    events: EventLog | None = None  # a background response's stream (server.response_background)
+
+    @property
+    def kind(self) -> str:
+        """ "session", "response" (a stored response) or "conversation", by the id's prefix."""
+        return KINDS[self.id[: len(SESSION_PREFIX)]]
 
     @property
     def busy(self) -> bool:
@@ -70,7 +83,8 @@ class Session:
 
     @property
     def placement_id(self) -> str:
-        """What the engine keeps on one replica or worker: a session, or a chain of responses."""
+        """What the engine keeps on one replica or worker: a session, a chain of responses, or a
+        conversation (and the responses made in it)."""
         return self.id if self.response is None else self.response["chain"]
 
     def public(self) -> dict[str, Any]:
@@ -130,15 +144,16 @@ class Session:
         if not all(isinstance(k, str) for k in r["defaults"]):
             raise ValueError("defaults has keys that are not strings")
         response = r.get("response")
-        if (response is not None) != r["id"].startswith(RESPONSE_PREFIX):
-            raise ValueError("a response record needs a resp_ id and a response, a session neither")
+        items = RECORD_ITEMS.get(KINDS[r["id"][: len(SESSION_PREFIX)]])
+        if (response is not None) != (items is not None):
+            raise ValueError("a response or conversation record needs a response, a session none")
         if response is not None and not (
             isinstance(response, dict)
             and isinstance(response.get("object"), dict)
-            and isinstance(response.get("input_items"), list)
+            and isinstance(response.get(items), list)
             and isinstance(response.get("chain"), str)
         ):
-            raise ValueError("response must be an object with object, input_items and chain")
+            raise ValueError(f"response must be an object with object, {items} and chain")
         return cls(
             id=r["id"],
             owner=r["owner"],
@@ -242,7 +257,8 @@ class SessionStore:
         session_id: str | None = None,
     ) -> Session:
         """A new session (written first when there are files), or with `response` a stored
-        response (of id `session_id`; `server.response_store` keeps their count per key)."""
+        response or conversation (of id `session_id`; `server.response_store` keeps their count
+        per key)."""
         if response is None and len(self.owned_by(owner)) >= self.max_per_owner:
             raise APIError(
                 429,
@@ -263,29 +279,25 @@ class SessionStore:
 
     def get(self, owner: str, session_id: str) -> Session:
         """The owner's session (not a stored response), or 404."""
-        session = self.find(owner, session_id, responses=False)
+        session = self.find(owner, session_id, "session")
         if session is None:
             raise not_found(f"no session {session_id!r}", code="session_not_found")
         return session
 
-    def find(self, owner: str, session_id: str, responses: bool) -> Session | None:
-        """The owner's session, or with `responses` stored response, of that id; None if none."""
+    def find(self, owner: str, session_id: str, kind: str) -> Session | None:
+        """The owner's session, stored response or conversation (`kind`) of that id; None if none."""
         session = self._sessions.get(session_id)
-        if session is None or session.owner != owner or (session.response is not None) != responses:
+        if session is None or session.owner != owner or session.kind != kind:
             return None
         return session
 
     def all(self) -> list[Session]:
         return list(self._sessions.values())
 
-    def owned_by(self, owner: str, responses: bool | None = False) -> list[Session]:
-        """The owner's sessions, stored responses (`responses`), or both (None), oldest first."""
+    def owned_by(self, owner: str, kind: str | None = "session") -> list[Session]:
+        """The owner's sessions, stored responses or conversations (`kind`), or all (None), oldest first."""
         return sorted(
-            (
-                s
-                for s in self._sessions.values()
-                if s.owner == owner and (responses is None or (s.response is not None) == responses)
-            ),
+            (s for s in self._sessions.values() if s.owner == owner and (kind is None or s.kind == kind)),
             key=lambda s: s.created_at,
         )
 

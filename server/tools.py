@@ -188,6 +188,19 @@ class ToolFormat:
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + description}] + messages[1:], None
         return [{"role": "system", "content": description}] + messages, None
 
+    @property
+    def markers_anywhere(self) -> tuple[str, ...]:
+        """The texts that start a call wherever they come in a reply (Llama 3's and pythonic
+        calls start only at its start; so can Mistral's `[{`)."""
+        return () if self.kind in ("llama3", "pythonic") else self._markers
+
+    @property
+    def call_separator(self) -> str | None:
+        """The text that opens each call of a reply, where the calls after it parse alone
+        (`partial_calls` of the text from there gives those calls); None for formats whose calls
+        only parse from the first one."""
+        return {"hermes": HERMES_OPEN, "qwen3_coder": XML_FUNCTION}.get(self.kind)
+
     def call_start(self, text: str) -> int | None:
         """Where the first call starts in a reply's text, if one has."""
         stripped = text.lstrip()
@@ -326,16 +339,6 @@ class ToolCalling:
         if calls and finish_reason == "stop":
             finish_reason = "stop" if self.choice.mode == "function" else "tool_calls"
         return content, calls, finish_reason
-
-    def shown(self, text: str) -> int:
-        """How much of an unfinished reply may be streamed as content: everything before a call
-        (or before what may still become one), less its trailing whitespace (a reply with calls
-        drops it); nothing of a forced reply."""
-        if self.forced:
-            return 0
-        start = self.format.call_start(text)
-        end = len(text) - self.format.holdback(text) if start is None else start
-        return len(text[:end].rstrip())
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         """The calls of an unfinished reply as far as they are written (a forced reply is all calls)."""

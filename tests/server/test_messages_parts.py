@@ -20,6 +20,8 @@ from server.errors import APIError
 from server.messages_reply import MessageReply
 from server.messages_request import parse_conversation, parse_messages_request
 from server.openai_bodies import UsageCount
+from server.reasoning import ReasoningParser
+from server.reply_stream import ReplyParsing
 from server.tools import ToolCalling, ToolChoice, ToolFormat
 
 WEATHER = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -51,8 +53,9 @@ def _accumulate(events: list[dict]) -> dict:
             message["content"].append(dict(event["content_block"]))
         elif kind == "content_block_delta":
             block, delta = message["content"][event["index"]], event["delta"]
-            if delta["type"] == "text_delta":
-                block["text"] += delta["text"]
+            if delta["type"] in ("text_delta", "thinking_delta"):
+                kind = delta["type"].removesuffix("_delta")
+                block[kind] += delta[kind]
             else:
                 inputs[event["index"]] = inputs.get(event["index"], "") + delta["partial_json"]
         elif kind == "content_block_stop" and event["index"] in inputs:
@@ -63,8 +66,8 @@ def _accumulate(events: list[dict]) -> dict:
     return message
 
 
-def _auto(template: str | None = None) -> ToolCalling:
-    return ToolCalling(ToolFormat(template), ToolChoice("auto"))
+def _auto(template: str | None = None) -> ReplyParsing:
+    return ReplyParsing(ToolCalling(ToolFormat(template), ToolChoice("auto")))
 
 
 def _same(streamed: dict, message: dict) -> None:
@@ -99,7 +102,7 @@ def test_auto_tools_without_a_call_show_all_the_text():
 
 
 def test_a_call_forced_by_name_streams_its_input():
-    forced = ToolCalling(ToolFormat(None), ToolChoice("function", "get_weather"))
+    forced = ReplyParsing(ToolCalling(ToolFormat(None), ToolChoice("function", "get_weather")))
     events, message = _run(MessageReply("msg_1", "m", forced, []), ['{"ci', 'ty": "Pa', 'ris"}'])
     parts = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
     assert parts == ['{"ci', 'ty": "Pa', 'ris"}']
@@ -108,7 +111,7 @@ def test_a_call_forced_by_name_streams_its_input():
 
 
 def test_calls_forced_to_any_tool_arrive_whole_and_disable_parallel_keeps_one():
-    forced = ToolCalling(ToolFormat(None), ToolChoice("required"))
+    forced = ReplyParsing(ToolCalling(ToolFormat(None), ToolChoice("required")))
     calls = '[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", "parameters": {}}]'
     for parallel, count in ((True, 2), (False, 1)):
         events, message = _run(MessageReply("msg_1", "m", forced, [], parallel), [calls[:20], calls[20:]])
@@ -116,6 +119,33 @@ def test_calls_forced_to_any_tool_arrive_whole_and_disable_parallel_keeps_one():
         assert message["content"][0]["input"] == {"city": "Rome"} and message["stop_reason"] == "tool_use"
         assert events[2]["type"] == "content_block_start"  # nothing was shown before the end
         _same(_accumulate(events), message)
+
+
+def test_reasoning_is_a_thinking_block_before_the_text_and_the_call():
+    parsing = ReplyParsing(_auto().tools, ReasoningParser("qwen3", opened=False))
+    pieces = [
+        "<thi",
+        "nk>Paris is ",
+        "in France.</th",
+        "ink>\n\nLet me check.",
+        "<tool_call>\n",
+        '{"name": "get_',
+        'weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    ]
+    events, message = _run(MessageReply("msg_1", "m", parsing, []), pieces)
+    assert message["content"][:2] == [
+        {"type": "thinking", "thinking": "Paris is in France.", "signature": ""},
+        {"type": "text", "text": "Let me check."},
+    ]
+    assert message["content"][2]["input"] == {"city": "Paris"} and message["stop_reason"] == "tool_use"
+    thinking = [e["delta"]["thinking"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0]
+    assert len(thinking) > 1 and "".join(thinking) == "Paris is in France."  # streamed as it came
+    _same(_accumulate(events), message)
+    not_streamed = MessageReply("msg_2", "m", parsing, [])
+    for delta in _deltas(pieces, "stop"):
+        not_streamed.delta(delta, streaming=False)
+    not_streamed.finish(UsageCount())
+    _same(not_streamed.message(UsageCount()), message)
 
 
 def test_a_stop_sequence_is_cut_and_named():

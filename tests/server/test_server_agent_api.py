@@ -110,3 +110,33 @@ def test_responses_take_reasoning_items_back_and_refuse_malformed_ones(thinking)
     assert reply.status == 200 and [item["type"] for item in reply.json["output"]] == ["reasoning", "message"]
     bad = send(thinking, "POST", "/v1/responses", {**body, "input": [{**reasoning, "summary": "x"}]})
     assert bad.status == 400 and bad.json["error"]["param"] == "input" and "summary" in bad.json["error"]["message"]
+
+
+def test_messages_api_reasoning_is_a_thinking_block_streamed_and_not(thinking):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=thinking.base_url, api_key=KEY_A, max_retries=0, timeout=60)
+    thought = {"type": "enabled", "budget_tokens": 1024}
+    kw = dict(model=MODEL_NAME, max_tokens=16, thinking=thought, extra_body={"top_k": 1})  # (the SDK sends no top_k)
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Greet.", "signature": ""},
+                {"type": "text", "text": "Hello!"},
+            ],
+        },
+        {"role": "user", "content": "Tell me more."},
+    ]
+    whole = client.messages.create(messages=history, **kw)
+    # deepseek_r1: the reply starts inside the think block, and the tiny model never closes it
+    assert [b.type for b in whole.content] == ["thinking"] and whole.content[0].thinking
+    with client.messages.stream(messages=history, **kw) as stream:
+        deltas = [
+            e.delta.thinking for e in stream if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+        ]
+        streamed = stream.get_final_message()
+    assert "".join(deltas) == whole.content[0].thinking and len(deltas) > 1
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    assert client.messages.count_tokens(model=MODEL_NAME, messages=history, thinking=thought).input_tokens > 0

@@ -243,12 +243,11 @@ def test_background_response_completes_and_one_can_be_cancelled(client):
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "t", "schema": {"type": "nope"}}}}, "text"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
-        ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "background": True, "store": False}, "background"),
-        ({"input": "x", "background": True, "stream": True}, "stream"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
+        ({"input": "x", "truncation": "sometimes"}, "truncation"),
+        ({"input": "x", "conversation": 7}, "conversation"),
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
-        ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "temperature": -1}, "temperature"),
     ],
 )
@@ -303,3 +302,48 @@ def _requests(srv) -> float:
         if line.startswith("jaxserve_requests_total{") and 'endpoint="responses"' in line and '"ok"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_truncation_auto_drops_the_oldest_items_and_keeps_the_instructions(client):
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "story " * 20} for i in range(9)
+    ]
+    kw = dict(instructions="Be brief.", store=False, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input=turns, **kw)  # truncation "disabled", the default
+    assert e.value.body["code"] == "context_length_exceeded"
+    fitting = []  # the newest turns that fit, with the instructions, as a plain request
+    for k in range(1, len(turns) + 1):
+        try:
+            fitting.append(client.responses.create(input=turns[-k:], **kw))
+        except openai.BadRequestError:
+            break
+    assert 2 <= len(fitting) < len(turns), len(fitting)
+    truncated = client.responses.create(input=turns, truncation="auto", **kw)
+    assert truncated.truncation == "auto"
+    assert truncated.usage.input_tokens == fitting[-1].usage.input_tokens
+    assert truncated.output_text == fitting[-1].output_text
+    assert truncated.usage.input_tokens + GREEDY["max_output_tokens"] <= 512
+    # The same through a conversation's items as the prior context.
+    conv = client.conversations.create(items=turns[:-1])
+    in_conv = client.responses.create(input=[turns[-1]], conversation=conv.id, truncation="auto", **kw)
+    assert in_conv.usage.input_tokens == fitting[-1].usage.input_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(input=[turns[-1]], conversation=conv.id, **kw)
+    client.conversations.delete(conv.id)
+    with pytest.raises(openai.BadRequestError) as e:  # one message too long alone: still a 400
+        client.responses.create(input="story " * 600, truncation="auto", **kw)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_a_streamed_reply_is_parsed_once_at_its_end(client, monkeypatch):
+    from server.tools import ToolCalling
+
+    parsed = []
+    whole_parse = ToolCalling.reply
+    monkeypatch.setattr(ToolCalling, "reply", lambda self, *a: parsed.append(a) or whole_parse(self, *a))
+    kw = dict(input="Weather?", tools=[WEATHER], model=MODEL_NAME, temperature=0, max_output_tokens=30)
+    events = list(client.responses.create(stream=True, tool_choice="required", **kw))
+    assert len(parsed) == 1
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["function_call"] and done.output[0].name == "weather"

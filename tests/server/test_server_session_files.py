@@ -121,7 +121,7 @@ def test_stored_responses_load_from_their_files_and_bad_ones_are_quarantined(asy
         assert send(srv, "GET", f"/v1/sessions/{rid}").status == 404
         assert sorted(p.stem for p in (tmp_path / "quarantine").iterdir()) == sorted(bad)
         state = srv.app[STATE]
-        assert state.sessions.find(state.sessions.all()[0].owner, rid, responses=True).messages == good["messages"]
+        assert state.sessions.find(state.sessions.all()[0].owner, rid, "response").messages == good["messages"]
         srv.run(state.responses.remove(state.sessions.all()[0]))
         assert not (tmp_path / f"{rid}.json").exists()
     finally:

@@ -7,10 +7,12 @@ fragments that join into the non-streamed call, for parallel calls too; reasonin
 from __future__ import annotations
 
 import json
+import random
+import time
 
 import pytest
 
-from server.partial_json import stable_json
+from server.partial_json import StableJson, stable_json
 from server.reasoning import ReasoningParser
 from server.reply_stream import ReplyParsing
 from server.tool_stream import Arguments, CallStart, Content, Reasoning
@@ -212,3 +214,48 @@ def test_tool_calls_after_reasoning_are_calls_and_inside_it_are_reasoning():
     assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [("get_time", {"zone": "UTC"})]
     reasoning, content, calls = joined(events)
     assert reasoning == whole.reasoning and calls == [("get_time", whole.calls[0].arguments)]
+
+
+@pytest.mark.parametrize("raw", DOCUMENTS + ['"top \\ud83d\\ude00 level"', '[1, "a\\\\b", {"q": "\\ud83d"}]'])
+def test_stable_json_read_piece_by_piece_is_stable_json_of_each_prefix(raw):
+    rng = random.Random(raw)
+    for _ in range(20):
+        form, shown, end = StableJson(), "", 0
+        while end < len(raw):
+            end = min(len(raw), end + rng.randint(1, 7))
+            shown += form.more(raw[:end])
+            assert shown == stable_json(raw[:end]), raw[:end]
+
+
+def test_a_raw_control_character_in_a_string_ends_what_is_stable_instead_of_failing():
+    assert stable_json('{"code": "a\nb"}') == '{"code": "'
+
+
+def test_a_delta_costs_the_same_at_the_end_of_a_long_reply_as_near_its_start():
+    """Each delta is read once: at 40 times the length, a delta costs about the same (before, the
+    whole reply was parsed again at every delta: 30-100 times more)."""
+    word = "lorem ipsum dolor "
+    cases = {
+        "reasoning": (ReplyParsing(None, ReasoningParser("qwen3", opened=True)), ""),
+        "text, tools offered": (ReplyParsing(ToolCalling(HERMES, ToolChoice("auto"))), ""),
+        "forced call": (ReplyParsing(ToolCalling(HERMES, ToolChoice("function", "get_weather"))), '{"city": "'),
+        "hermes call": (
+            ReplyParsing(ToolCalling(HERMES, ToolChoice("auto"))),
+            '<tool_call>\n{"name": "f", "arguments": {"a": "',
+        ),
+    }
+
+    def per_delta(parsing: ReplyParsing, text: str) -> float:
+        stream, ends = parsing.stream(), range(4, len(text), 4)
+        for end in ends[:-100]:
+            stream.update(text[:end])
+        prefixes = [text[:end] for end in ends[-100:]]
+        start = time.perf_counter()
+        for prefix in prefixes:
+            stream.update(prefix)
+        return time.perf_counter() - start
+
+    for name, (parsing, head) in cases.items():
+        short = min(per_delta(parsing, head + word * 150) for _ in range(3))
+        long = min(per_delta(parsing, head + word * 6000) for _ in range(3))
+        assert long < 4 * short + 0.002, (name, short, long)
