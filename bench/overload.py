@@ -1,14 +1,15 @@
 """Admission under overload: offer a server k times the load it can serve, and see what happens.
 
 First a closed loop of `--concurrency` clients measures the server's capacity (completed requests
-per second at saturation). Then, for each factor (2x and 4x by default), requests arrive as a
-Poisson process at factor x capacity for `--duration` seconds. Every request gets one answer:
-served (its latency counts), refused with 503 (its Retry-After and error code are kept), or lost
-(no answer, a connection error or another status: a server bug). The server is meant to run with
-a queue deadline, e.g.
+per second at saturation: give more clients than --max-num-seqs, so that a full batch always runs,
+and no more than --max-num-seqs + --max-waiting-seqs). Then, for each factor (2x and 4x by
+default), requests arrive as a Poisson process at factor x capacity for `--duration` seconds.
+Every request gets one answer: served (its latency counts), refused with 503 (its Retry-After and
+error code are kept), or lost (no answer, a connection error or another status: a server bug).
+The server is meant to run with a queue deadline, e.g.
 
-    jaxserve serve --model tiny-random --max-num-seqs 8 --max-waiting-seqs 8 --max-queue-wait 1 --port 8000
-    python -m bench.overload --base-url http://127.0.0.1:8000 --concurrency 8
+    jaxserve serve --model tiny-random --max-num-seqs 8 --max-waiting-seqs 32 --max-queue-wait 1 --port 8000
+    python -m bench.overload --base-url http://127.0.0.1:8000 --concurrency 16
 
 (a router behind its workers works the same way).
 """
@@ -76,7 +77,8 @@ def _session(work: Workload) -> aiohttp.ClientSession:
 
 
 async def measure_capacity(work: Workload, concurrency: int, duration: float) -> float:
-    """Completed requests per second with `concurrency` clients sending back to back."""
+    """Completed requests per second with `concurrency` clients sending back to back (one refused
+    by the queue deadline tries again a moment later)."""
     deadline = time.perf_counter() + duration
     done = 0
 
@@ -84,9 +86,12 @@ async def measure_capacity(work: Workload, concurrency: int, duration: float) ->
         nonlocal done
         while time.perf_counter() < deadline:
             answer = await send_one(http, work)
-            if answer.status != 200:
+            if answer.status == 503:  # queued past the deadline: the server is full, which is the point
+                await asyncio.sleep(0.05)
+            elif answer.status != 200:
                 raise RuntimeError(f"capacity run: a request got {answer.status} ({answer.code})")
-            done += 1
+            else:
+                done += 1
 
     start = time.perf_counter()
     async with _session(work) as http:
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", required=True)
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=int, required=True, help="clients of the capacity run (the --max-num-seqs)")
+    p.add_argument("--concurrency", type=int, required=True, help="clients of the capacity run (> --max-num-seqs)")
     p.add_argument("--factors", type=float, nargs="+", default=[2.0, 4.0], help="offered load / capacity")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of each run")
     p.add_argument("--max-tokens", type=int, default=32)

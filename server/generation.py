@@ -102,7 +102,6 @@ class Generation:
             return
         priority = min(r.params.priority for r in self.requests)
         self._ticket = self._slots.take(self.num_choices, priority)
-        queued_at = time.perf_counter()
         try:
             if self._shut_down:
                 self._slots.withdraw(self._ticket, _shutting_down())
@@ -112,7 +111,8 @@ class Generation:
             self._metrics.requests.labels(self._endpoint, self.outcome).inc()
             self.done = True
             raise
-        self._metrics.queue_wait.observe(time.perf_counter() - queued_at)
+        if self._ticket.holding:  # (not when cancelled while it waited)
+            self._metrics.queue_wait.observe(self._ticket.waited)
 
     async def _merged_deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         queue = self._queue

@@ -5,8 +5,9 @@ With a queue deadline, the server hands the engine only that many: each admitted
 running slots for its sequences before it reaches the engine, or waits here for them, in
 priority order (the request's `priority`, lower first, as vLLM orders it) and then arrival order.
 A request still waiting after `max_wait` seconds is refused with 503 and Retry-After instead of
-running late: it never reached the engine, so it holds no KV. A large request at the head of the
-queue is not overtaken by smaller ones behind it (no starvation).
+running late: it never reached the engine, so it holds no KV. Slots are never granted past a
+ticket's deadline (a late timer cannot let one through). A large request at the head of the queue
+is not overtaken by smaller ones behind it (no starvation).
 
 Without a deadline the server does not queue: requests go to the engine, which queues them.
 """
@@ -24,11 +25,15 @@ from server.errors import APIError
 class Ticket:
     """One request's claim on `seqs` running slots: granted at once, or waiting in the queue."""
 
-    def __init__(self, seqs: int, priority: int, order: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, seqs: int, priority: int, order: int, max_wait: float) -> None:
+        loop = asyncio.get_running_loop()
         self.seqs = seqs
         self.priority = priority
         self.order = order
         self.granted: asyncio.Future[None] = loop.create_future()
+        self.queued_at = loop.time()
+        self.deadline = self.queued_at + max_wait
+        self.waited = 0.0  # seconds from the request's arrival in the queue to its slots
         self.holding = False  # granted and not yet released
 
     def __lt__(self, other: Ticket) -> bool:
@@ -58,7 +63,7 @@ class RunSlots:
         """A ticket for `seqs` slots: granted now when they are free and nobody waits, else queued.
         A request with more sequences than there are slots claims them all (the engine runs its
         sequences a part at a time)."""
-        ticket = Ticket(min(seqs, self.slots), priority, next(self._order), asyncio.get_running_loop())
+        ticket = Ticket(min(seqs, self.slots), priority, next(self._order), self.max_wait)
         heapq.heappush(self._queue, ticket)
         self._grant()
         return ticket
@@ -69,15 +74,9 @@ class RunSlots:
         try:
             await asyncio.wait_for(asyncio.shield(ticket.granted), self.max_wait)
         except TimeoutError:
-            if not self._leave(ticket):
-                return  # granted just as the deadline passed: it runs
-            raise APIError(
-                503,
-                f"the server is overloaded: the request waited {self.max_wait:g} s in the queue without "
-                "starting; retry later",
-                code="queue_timeout",
-                headers={"Retry-After": str(max(1, math.ceil(self.max_wait)))},
-            ) from None
+            if self._leave(ticket):
+                raise self._timed_out() from None
+            ticket.granted.result()  # decided as the timer fired: granted (returns) or refused (raises)
         except asyncio.CancelledError:
             self._leave(ticket)
             raise
@@ -112,8 +111,22 @@ class RunSlots:
         return True
 
     def _grant(self) -> None:
+        now = asyncio.get_running_loop().time()
         while self._queue and self.used + self._queue[0].seqs <= self.slots:
             ticket = heapq.heappop(self._queue)
+            if now > ticket.deadline:  # its timer is late (a busy loop): refused all the same
+                ticket.granted.set_exception(self._timed_out())
+                continue
             self.used += ticket.seqs
             ticket.holding = True
+            ticket.waited = now - ticket.queued_at
             ticket.granted.set_result(None)
+
+    def _timed_out(self) -> APIError:
+        return APIError(
+            503,
+            f"the server is overloaded: the request waited {self.max_wait:g} s in the queue without "
+            "starting; retry later",
+            code="queue_timeout",
+            headers={"Retry-After": str(max(1, math.ceil(self.max_wait)))},
+        )

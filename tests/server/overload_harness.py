@@ -23,7 +23,8 @@ def metric(srv: Any, name: str, labels: str = "") -> float:
 def check_four_times_capacity(srv: Any, model: str, slots: int, n: int, max_tokens: int, deadline: float) -> None:
     """Measure the capacity with `slots // n` clients, offer 4x it; every request gets one answer,
     served ones within the deadline, refused ones 503 + Retry-After, and never run. The server's
-    waiting queue should hold several times `slots`, so that its back waits past the deadline."""
+    waiting queue should be too long to fill in the run: then the backlog grows until requests
+    wait past the deadline, however fast the machine, and the deadline is what refuses them."""
     work = Workload(srv.base_url, model, KEY_A, max_tokens=max_tokens, n=n)
     clients = slots // n
     capacity = asyncio.run(measure_capacity(work, concurrency=clients, duration=3.0))
@@ -42,9 +43,9 @@ def check_four_times_capacity(srv: Any, model: str, slots: int, n: int, max_toke
     assert summary["refused_by_code"].get("queue_timeout", 0) > 0, summary  # the deadline did refuse some
     # (The clients share the CPU with the server here: a request's service time grows under the flood.)
     assert summary["served_p50_s"] <= deadline + 3 * service_time, (summary, service_time)
-    # Served ones waited at most the deadline (and a loop turn) for their slots.
+    # Served ones waited at most the deadline for their slots (`deadline` is a histogram bucket).
     waits = metric(srv, "jaxserve_queue_wait_seconds_count")
-    assert metric(srv, "jaxserve_queue_wait_seconds_bucket", f'{{le="{deadline + 0.5:.1f}"}}') == waits
+    assert metric(srv, "jaxserve_queue_wait_seconds_bucket", f'{{le="{deadline}"}}') == waits
     assert waits == metric(srv, "jaxserve_requests_total", '{endpoint="completions",outcome="ok"}')
     # Refused requests never ran: the tokens generated are the served ones'.
     assert metric(srv, "jaxserve_generation_tokens_total") - tokens_before == summary["served"] * n * max_tokens

@@ -36,7 +36,7 @@ def _router(worker_port: int, *flags: str):
 
 
 def test_four_times_capacity_through_the_router(worker):
-    proc, router = _router(worker, "--max-waiting-seqs", str(8 * SLOTS), "--max-queue-wait", "0.5")
+    proc, router = _router(worker, "--max-waiting-seqs", "1000", "--max-queue-wait", "0.5")
     with proc:
         check_four_times_capacity(router, MODEL, SLOTS, 1, max_tokens=32, deadline=0.5)
         snap = wait_idle(worker)

@@ -5,6 +5,7 @@ back nothing it did not hold."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -52,6 +53,24 @@ def test_a_request_waiting_past_the_deadline_is_refused_with_retry_after_and_hol
         assert slots.used == 1
         slots.release(holder)
         assert slots.used == 0
+
+    asyncio.run(run())
+
+
+def test_slots_freed_after_a_deadline_passed_are_not_granted_even_when_its_timer_is_late():
+    async def run() -> None:
+        slots = RunSlots(1, max_wait=0.05)
+        holder = slots.take(1, 0)
+        late = slots.take(1, 0)
+        time.sleep(0.1)  # the loop is busy: the waiter's timer cannot fire
+        slots.release(holder)
+        assert not late.holding and slots.used == 0
+        with pytest.raises(APIError) as refused:
+            await slots.wait(late)
+        assert refused.value.code == "queue_timeout"
+        on_time = slots.take(1, 0)
+        await slots.wait(on_time)
+        assert on_time.holding and on_time.waited < 0.01
 
     asyncio.run(run())
 

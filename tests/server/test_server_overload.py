@@ -19,7 +19,7 @@ N = 8  # sequences per request: 8 requests fill the running slots
 
 
 def test_four_times_capacity_is_served_within_the_deadline_or_refused(async_engine):
-    srv = start_server(async_engine, api_keys=(KEY_A,), max_waiting_seqs=8 * SLOTS, max_queue_wait=0.5)
+    srv = start_server(async_engine, api_keys=(KEY_A,), max_waiting_seqs=4096, max_queue_wait=0.5)
     try:
         check_four_times_capacity(srv, MODEL_NAME, SLOTS, N, max_tokens=128, deadline=0.5)
         snap = wait_until_idle(srv, async_engine)
