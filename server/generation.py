@@ -98,7 +98,7 @@ class Generation:
     async def _wait_for_slots(self) -> None:
         """Take running slots from the server's queue (when it has one); a refusal or the client
         leaving while it waits is accounted here, since the engine never sees the call."""
-        if self._slots is None:
+        if self._slots is None or self._cancelled:
             return
         priority = min(r.params.priority for r in self.requests)
         self._ticket = self._slots.take(self.num_choices, priority)

@@ -72,16 +72,16 @@ async def priority_order(srv: Any, model: str, slots: int, n: int, fill_tokens: 
             assert resp.status == 200, await resp.text()
             await resp.content.readline()  # running: the slots are taken
         low = [asyncio.create_task(queued(http, f"low{i}", 5)) for i in range(each)]
-        await _until(lambda: metric(srv, "jaxserve_queue_depth") == slots)
+        await until(lambda: metric(srv, "jaxserve_queue_depth") == slots)
         high = [asyncio.create_task(queued(http, f"high{i}", -5)) for i in range(each)]
-        await _until(lambda: metric(srv, "jaxserve_queue_depth") == 2 * slots)
+        await until(lambda: metric(srv, "jaxserve_queue_depth") == 2 * slots)
         for resp in streams:
             resp.close()  # the client leaves: the stream is aborted and its slots freed
         await asyncio.gather(*low, *high)
     return finished
 
 
-async def _until(condition: Any, timeout: float = 10.0) -> None:
+async def until(condition: Any, timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not await loop.run_in_executor(None, condition):
