@@ -7,8 +7,12 @@ the routers' and the HTTPS server's; a second CA signs a rogue certificate.
 
 from __future__ import annotations
 
+import json
+import re
 import ssl
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -117,6 +121,57 @@ def test_router_with_the_cluster_cert_serves_over_https(cluster, pki):
     with channel:
         snapshot = snapshot_from_json(WorkerStub(channel).Load(pb.LoadRequest(), timeout=30).snapshot_json)
     assert not snapshot.has_unfinished and snapshot.kv.used == 0
+
+
+@pytest.fixture(scope="module")
+def disaggregated(pki, cluster):
+    """A prefill and a decode worker on mutual TLS, behind a router (HTTPS) with the cluster certificate:
+    the decode worker pulls the prompt's KV blocks from the prefill worker over mutual TLS."""
+    cache_dir = jax.config.jax_compilation_cache_dir
+    ports = {"prefill": free_port(), "decode": free_port()}
+    workers = [
+        start_worker(ports[role], [*SMALL_ENGINE, "--role", role, *_cluster_flags(pki, "worker")], cache_dir)
+        for role in ("prefill", "decode")
+    ]
+    router_port = free_port()
+    flags = ["--prefill-worker", f"127.0.0.1:{ports['prefill']}", "--decode-worker", f"127.0.0.1:{ports['decode']}"]
+    router = ChildProcess(
+        jaxserve("router", "--port", str(router_port), *flags, *_cluster_flags(pki, "router"), *_https_flags(pki))
+    )
+    try:
+        for proc in workers:
+            proc.wait_for("worker listening", timeout=600)
+        router.wait_for("Running on", timeout=120)
+        deadline = time.monotonic() + 60  # the router serves once the decode worker is up
+        while json.loads(_https_get(pki, router_port, "/health"))["prefill_workers"][0]["status"] != "up":
+            assert time.monotonic() < deadline, "the prefill worker did not come up"
+            time.sleep(0.2)
+        yield router_port
+    finally:
+        for proc in [router, *workers]:
+            proc.terminate()
+        for proc in [router, *workers]:
+            assert proc.finish() == 0, proc.output
+
+
+def _https_get(pki, port: int, path: str) -> str:
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}{path}", context=context) as reply:
+        return reply.read().decode()
+
+
+def test_kv_handoff_between_workers_runs_over_mutual_tls(disaggregated, cluster, pki):
+    prompt = list(range(5, 45))  # 40 tokens: 5 full blocks to hand over
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    split = _https_client(pki, disaggregated)
+    colocated = _https_client(pki, cluster["https_port"])
+    model = split.models.list().data[0].id
+    split_text = split.completions.create(model=model, **body).choices[0].text
+    assert split_text == colocated.completions.create(model=model, **body).choices[0].text
+    text = _https_get(pki, disaggregated, "/metrics")
+    assert re.search(r"^jaxserve_kv_transfers_total 1\.0$", text, re.MULTILINE), text
+    pulled = re.search(r'^jaxserve_kv_transfer_blocks_total\{kind="pulled"\} (\S+)$', text, re.MULTILINE)
+    assert pulled and float(pulled.group(1)) >= 4, text
 
 
 def test_https_client_that_does_not_trust_the_ca_is_refused(cluster):
