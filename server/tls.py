@@ -8,8 +8,8 @@ the address it dialled (gRPC checks the server's subject alternative names again
 One certificate per process serves both ends, so it must allow server and client authentication.
 
 The public server (`jaxserve serve`, `jaxserve router`) serves HTTPS with `--ssl-certfile` and
-`--ssl-keyfile` (vLLM's names); with `--ssl-ca-certs` it also requires client certificates signed
-by those CAs.
+`--ssl-keyfile` (vLLM's names), and its gRPC API (`--grpc-port`) TLS with the same files; with
+`--ssl-ca-certs` both also require client certificates signed by those CAs.
 
 Files are read and checked once at start, so that a missing file, one that is not PEM, or a key
 that does not belong to its certificate stops the command with a message naming the flag.
@@ -136,6 +136,19 @@ def add_https_args(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="require client certificates signed by these CAs (PEM) on the HTTPS server",
     )
+
+
+def public_grpc_credentials(
+    certfile: str | None, keyfile: str | None, ca_certs: str | None
+) -> grpc.ServerCredentials | None:
+    """The public gRPC API's TLS, from the same files as HTTPS (checked by `https_context` at
+    start); None (plaintext) without a certificate."""
+    if certfile is None or keyfile is None:
+        return None
+    pair = [(Path(keyfile).read_bytes(), Path(certfile).read_bytes())]
+    if ca_certs is None:
+        return grpc.ssl_server_credentials(pair)
+    return grpc.ssl_server_credentials(pair, root_certificates=Path(ca_certs).read_bytes(), require_client_auth=True)
 
 
 def https_context(certfile: str | None, keyfile: str | None, ca_certs: str | None) -> ssl.SSLContext | None:

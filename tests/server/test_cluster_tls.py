@@ -26,6 +26,8 @@ from tls_certs import issue, make_ca
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import snapshot_from_json
 from server.cluster.worker.worker_pb2_grpc import WorkerStub
+from server.grpc_api import jaxserve_pb2 as api_pb
+from server.grpc_api import jaxserve_pb2_grpc as api_grpc
 from server.tls import ClusterTLS, TLSConfigError, https_context
 
 
@@ -54,21 +56,27 @@ def _https_flags(pki) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(pki, _compilation_cache):
-    """A worker serving mutual TLS only; router A (HTTPS) and router B (HTTPS that requires client
-    certificates), both presenting the cluster certificate to the worker."""
+    """A worker serving mutual TLS only; router A (HTTPS, and its gRPC API on TLS) and router B
+    (HTTPS that requires client certificates), both presenting the cluster certificate to the worker."""
     worker_port = free_port()
     cache_dir = jax.config.jax_compilation_cache_dir
     worker = start_worker(worker_port, [*SMALL_ENGINE, *_cluster_flags(pki, "worker")], cache_dir)
     routers = []
+    grpc_port = free_port()
     try:
         worker.wait_for("worker listening", timeout=600)
-        for extra in ([], ["--ssl-ca-certs", str(pki["ca"])]):
+        for extra in (["--grpc-port", str(grpc_port)], ["--ssl-ca-certs", str(pki["ca"])]):
             port = free_port()
             flags = ["--worker", f"127.0.0.1:{worker_port}", *_cluster_flags(pki, "router"), *_https_flags(pki)]
             routers.append((ChildProcess(jaxserve("router", "--port", str(port), *flags, *extra)), port))
         for proc, _ in routers:
             proc.wait_for("Running on", timeout=120)
-        yield {"worker_port": worker_port, "https_port": routers[0][1], "mtls_https_port": routers[1][1]}
+        yield {
+            "worker_port": worker_port,
+            "https_port": routers[0][1],
+            "grpc_port": grpc_port,
+            "mtls_https_port": routers[1][1],
+        }
     finally:
         for proc, _ in routers:
             proc.terminate()
@@ -184,6 +192,21 @@ def test_https_with_client_certificates_required(cluster, pki):
     assert _complete(_https_client(pki, cluster["mtls_https_port"], client_cert=True)).usage.completion_tokens == 6
     with pytest.raises(openai.APIConnectionError):  # no client certificate: the handshake fails
         _https_client(pki, cluster["mtls_https_port"]).models.list()
+
+
+def test_public_grpc_api_serves_tls_with_the_https_files(cluster, pki):
+    address = f"127.0.0.1:{cluster['grpc_port']}"
+    with grpc.secure_channel(address, _channel_credentials(pki, None)) as channel:
+        stub = api_grpc.JaxServeStub(channel)
+        model = stub.ListModels(api_pb.ListModelsRequest(), timeout=30).models[0].id
+        request = api_pb.GenerateRequest(
+            model=model, text="hello", sampling_params=api_pb.SamplingParams(max_tokens=4, ignore_eos=True)
+        )
+        replies = list(stub.Generate(request, timeout=60))
+    assert replies[-1].usage.completion_tokens == 4
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+        api_grpc.JaxServeStub(channel).ListModels(api_pb.ListModelsRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_worker_accepts_a_client_with_a_ca_signed_cert(cluster, pki):
