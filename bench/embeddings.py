@@ -1,15 +1,17 @@
-"""Embeddings per second: `/v1/embeddings` of a `jaxserve serve` it starts, against Hugging Face
-transformers on the same GGUF weights and the same token ids, in the same run (one after the
-other: the CPU is shared).
+"""Embeddings per second: `/v1/embeddings` of a `jaxserve serve` it starts, against a peer in the
+same run (one after the other: the CPU is shared): for a decoder LM, Hugging Face transformers on
+the same GGUF weights and the same token ids; for an encoder embedding model
+(`all-minilm-l6-v2`), sentence-transformers on the same directory and the same texts.
 
-    python3 -m bench.embeddings [--texts 256] [--request-size 32] [--concurrency 8] \\
+    python3 -m bench.embeddings [--model M] [--texts 256] [--request-size 32] [--concurrency 8] \\
         [--peer-python /work/refvenv/bin/python] [--server-arg=--max-prefill-seqs=32 ...]
 
 Each run embeds `--texts` short texts (8-16 words, different in every run so the prefix cache
 holds none of them); the first run of each backend warms up and is not timed, `--runs` more are.
 jaxserve's texts go as requests of `--request-size` inputs, `--concurrency` at a time; the peer
 embeds batches of `--peer-batch-size`. Reported: texts per second (median run) of each, their
-ratio, and the largest difference between the two backends' unit vectors.
+ratio, and the largest difference between the two backends' unit vectors (an encoder's pooling is
+its own: `--pooling` is for decoder LMs).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.model_files import gguf_path
+from bench.model_files import encoder_dir, gguf_path
 from bench.peers.runner import PeerUnavailable, check_peer, run_offline_peer
 from bench.server_process import ManagedServer, free_port, jaxserve_argv
 from bench.system_info import system_info
+from checkpoints.encoders import is_encoder_spec
 
 WORDS = (
     "river mountain quiet engine letter garden window silver morning planet story music market winter "
@@ -90,39 +93,47 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    peer_name = "sentence-transformers" if is_encoder_spec(args.model) else "transformers-embed"
     try:
-        peer_versions = check_peer("transformers-embed", args.peer_python)
+        peer_versions = check_peer(peer_name, args.peer_python)
     except PeerUnavailable as e:
         print(e)
         return 2
     runs = [texts(args.texts, seed) for seed in range(args.runs + 1)]
     port = free_port()
-    server_args = ["--embedding-pooling", args.pooling, *args.server_arg]
+    server_args = [
+        *(() if peer_name == "sentence-transformers" else ("--embedding-pooling", args.pooling)),
+        *args.server_arg,
+    ]
     with ManagedServer(jaxserve_argv(args.model, port, server_args), port, name="jaxserve") as server:
         ids = [asyncio.run(_tokenize(server.base_url, batch)) for batch in runs]
         timed = [asyncio.run(_embed_all(server.base_url, run, args.request_size, args.concurrency)) for run in ids]
-    peer_job = {
-        "gguf": str(gguf_path(args.model)),
-        "threads": os.cpu_count(),
-        "batch_size": args.peer_batch_size,
-        "pooling": args.pooling,
-        "runs": ids,
-    }
-    peer = run_offline_peer("transformers-embed", peer_job, args.peer_python)
+    peer = run_offline_peer(peer_name, _peer_job(args, peer_name, runs, ids), args.peer_python)
     result = _result(args, server_args, peer_versions, ids, timed, peer)
+    pooling = "the model's" if peer_name == "sentence-transformers" else args.pooling
+    result |= {"peer": peer_name, "pooling": pooling}
     print(
-        f"{args.texts} texts of {result['mean_tokens_per_text']:.1f} tokens, {args.pooling} pooling, "
+        f"{args.texts} texts of {result['mean_tokens_per_text']:.1f} tokens, {pooling} pooling, "
         f"median of {args.runs} runs:\n"
         f"  jaxserve      {result['jaxserve_texts_per_s']:8.1f} texts/s  (requests of {args.request_size}, "
         f"{args.concurrency} at a time)\n"
-        f"  transformers  {result['transformers_texts_per_s']:8.1f} texts/s  (batches of {args.peer_batch_size})\n"
-        f"  jaxserve / transformers = {result['ratio_jaxserve_over_transformers']:.2f}; largest difference of the "
+        f"  {peer_name:<12}  {result['transformers_texts_per_s']:8.1f} texts/s  (batches of {args.peer_batch_size})\n"
+        f"  jaxserve / {peer_name} = {result['ratio_jaxserve_over_transformers']:.2f}; largest difference of the "
         f"unit vectors {result['max_abs_diff']:.1e}"
     )
     if args.result_file is not None:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
         args.result_file.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _peer_job(args: argparse.Namespace, peer: str, runs: list[list[str]], ids: list[list[list[int]]]) -> dict:
+    """What the peer embeds: the same texts (sentence-transformers tokenizes them itself), or the
+    same token ids on the same GGUF weights (transformers)."""
+    common = {"threads": os.cpu_count(), "batch_size": args.peer_batch_size}
+    if peer == "sentence-transformers":
+        return {**common, "model_dir": str(encoder_dir(args.model)), "runs": runs}
+    return {**common, "gguf": str(gguf_path(args.model)), "pooling": args.pooling, "runs": ids}
 
 
 def _result(

@@ -79,7 +79,7 @@ def drop_from_page_cache(paths: list[Path]) -> None:
 
 def block_paths(llm: LLM, prompt: list[int]) -> list[Path]:
     """The disk tier's files of the full blocks of `prompt`."""
-    disk = llm.engine.disk_tier
+    disk = llm.engine.lower_tier
     keys = chain_keys(disk.fingerprint, prompt, len(prompt) // disk.block_size, disk.block_size)
     return [disk.path(key) for key in keys if disk.path(key).exists()]
 
@@ -222,7 +222,7 @@ def _before_restart(first: LLM, prompts: dict[str, Any], runs: dict[str, Any]) -
     conversation = prompts["conversation"]
     runs["recompute_cold"] = ttft(first, conversation, "recompute (cold)")  # written through to disk
     first.engine.step()  # runs the write-through copies the cold run planned ...
-    first.engine.disk_tier.flush()  # ... and waits for the files, so the next TTFT does not share the CPU
+    first.engine.lower_tier.flush()  # ... and waits for the files, so the next TTFT does not share the CPU
     runs["device_hit"] = ttft(first, conversation, "device hit")
     kv = first.engine.kv
     kv.prefix_cache.evict(kv.prefix_cache.num_evictable_blocks)  # spill everything to the host
@@ -239,7 +239,7 @@ def _after_restart(second: LLM, prompts: dict[str, Any], runs: dict[str, Any]) -
     recompute, and short prompts' hits against their recompute."""
     drop_from_page_cache(block_paths(second, prompts["conversation"]) + block_paths(second, prompts["loaded"]))
     runs["recompute_after_restart"] = ttft(second, prompts["fresh"], "recompute (after the restart)")
-    second.engine.disk_tier.flush()
+    second.engine.lower_tier.flush()
     os.sync()  # the recompute's files reach the disk now, not in the kernel's writeback during the next read
     runs["disk_hit_from_disk"] = ttft(second, prompts["conversation"], "disk hit, files read from the disk")
     for path in block_paths(second, prompts["warm"]):

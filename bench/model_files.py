@@ -25,3 +25,13 @@ def gguf_path(spec: str) -> Path:
     if path.suffix == ".gguf" and path.is_file():
         return path
     raise ValueError(f"peers load GGUF files: {spec!r} is neither a registered GGUF model nor a .gguf file")
+
+
+def encoder_dir(spec: str) -> Path:
+    """The sentence-transformers directory of an encoder embedding model (a registered name or a path)."""
+    from checkpoints.encoders.fetch import ENCODER_MODELS, fetch_encoder
+
+    path = fetch_encoder(spec) if spec in ENCODER_MODELS else Path(spec).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"the sentence-transformers peer loads a directory: {spec!r} is not one")
+    return path

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from checkpoints.encoders.config import EncoderConfig
 from jaxserve import kv_transfer
 from jaxserve.async_kv_transfer import AsyncKVTransfer
 from jaxserve.data_parallel import DataParallelEngine
@@ -81,6 +82,7 @@ class AsyncEngine(AsyncKVTransfer):
             max_num_seqs=e.max_num_seqs,
             block_size=e.config.block_size,
             hidden_size=e.model_config.hidden_size,
+            encoder=e.model_config if isinstance(e.model_config, EncoderConfig) else None,
         )
         self._inbox: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}

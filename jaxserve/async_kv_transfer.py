@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve import kv_transfer
-from jaxserve.engine_client import BlockLayout, EngineInfo, KVHold, StagedKV, TransferError
+from jaxserve.engine_client import BlockLayout, EngineInfo, KVEventSource, KVHold, StagedKV, TransferError
 from jaxserve.engine_core import EngineCore
 
 if TYPE_CHECKING:
@@ -54,6 +54,9 @@ class AsyncKVTransfer:
     @property
     def transfer_address(self) -> str | None:
         return self._transfer.address if self._transfer is not None else None
+
+    def kv_events(self) -> KVEventSource | None:
+        return self._replica.kv_event_log()
 
     async def hold_kv(self, token_ids: Sequence[int], max_blocks: int | None = None) -> KVHold | None:
         return await self._on_replica_thread(lambda r: r.hold_prefix(token_ids, max_blocks))

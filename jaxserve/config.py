@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.mooncake_store import parse_pool_url
 from jaxserve.speculative.config import SpeculativeConfig
 
 QUANTIZATIONS = ("none", "int8", "q4", "gguf")  # --quantization (checkpoints/quantize.py)
@@ -43,6 +44,16 @@ class EngineConfig:
     kv_disk_write_through_hits: int = 0  # 0: write each block when cached; N: once it was hit N times
     kv_disk_min_load_tokens: int = 64  # shorter disk hits are recomputed instead of loaded
     kv_disk_max_inflight_bytes: int = 256 << 20  # bytes being read from disk at once
+    # Pool tier (off without a URL): blocks keyed by content in a store every engine of a cluster shares,
+    # mooncake://HOST:PORT (a Mooncake Store master). It takes the disk tier's place below the host tier and
+    # its kv_disk_write_through_hits, kv_disk_min_load_tokens and kv_disk_max_inflight_bytes. See
+    # jaxserve/kv/pool_tier.py.
+    kv_pool: str | None = None
+    kv_pool_segment_bytes: int = 1 << 30  # memory this engine lends the pool
+    kv_pool_local_host: str = "127.0.0.1"  # the address other pool clients reach this one at
+    # Record the prefix cache's changes (KV events) for a router to place requests by: `jaxserve worker` streams
+    # them over its gRPC service. Needs enable_prefix_caching (quietly off without it).
+    kv_events: bool = False
 
     # Scheduler
     max_num_seqs: int = 64
@@ -196,6 +207,15 @@ def _check_lora(c: EngineConfig) -> None:
 
 
 def _check_kv_tiers(c: EngineConfig) -> None:
+    if c.kv_pool is not None:
+        if c.kv_disk_dir is not None:
+            raise ValueError("kv_pool and kv_disk_dir: one tier below the host tier for now, choose one")
+        if not c.enable_prefix_caching:
+            raise ValueError("the pool tier (kv_pool) needs enable_prefix_caching")
+        if c.kv_pool_segment_bytes < 16 << 20:
+            raise ValueError("kv_pool_segment_bytes must be at least 16 MiB")
+        parse_pool_url(c.kv_pool)
+        return
     if c.kv_disk_dir is None:
         return
     if not c.kv_disk_dir:

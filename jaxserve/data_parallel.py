@@ -19,10 +19,12 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from checkpoints.encoders import is_encoder_spec
 from checkpoints.loaded import LoadedModel
 from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.dtype_choice import load_dtype, weights_dtype
+from jaxserve.encoder import EncoderEngine
 from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_client import DuplicateRequestError, Pin
 from jaxserve.engine_core import EngineCore
@@ -204,6 +206,8 @@ def make_engine(
 ) -> LLMEngine | DataParallelEngine:
     """One engine, or a data-parallel engine over `config.data_parallel_size` replicas, over the
     first of `devices` (default: every device of the job)."""
+    if isinstance(model, str) and is_encoder_spec(model):
+        return EncoderEngine(model, config)  # one replica, its own compiled steps (no KV cache)
     if config.data_parallel_size > 1:
         return DataParallelEngine.build(model, config, devices)
     mesh = (

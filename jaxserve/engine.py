@@ -51,9 +51,9 @@ from jaxserve.dtype_choice import load_dtype, weights_dtype
 from jaxserve.engine_client import DuplicateRequestError, UnknownAdapterError, encode_prompt
 from jaxserve.engine_core_ops import EngineCoreOps
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
-from jaxserve.kv import CopyStage, build_kv_manager
+from jaxserve.kv import CopyStage, DiskTier, build_kv_manager
 from jaxserve.kv.tier_stats import TierStats
-from jaxserve.kv_tiers import build_disk_tier
+from jaxserve.kv_tiers import build_lower_tier
 from jaxserve.lora.manager import AdapterRef, LoraManager
 from jaxserve.lora.peft import LoraWeights
 from jaxserve.output_processor import OutputProcessor, StepStats
@@ -96,15 +96,16 @@ class LLMEngine(EngineCoreOps):
         # Everything derived (context, KV blocks, buckets, ...) once, before anything is built.
         self.config = ec = resolve(config, loaded.config, dtype)
         self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh)
-        self.disk_tier = build_disk_tier(self.runner, self.model_name)  # None without --kv-disk-dir
+        self.lower_tier = build_lower_tier(self.runner, self.model_name)  # disk, pool or None
         self.kv = build_kv_manager(
             ec.num_blocks,
             ec.block_size,
             watermark_blocks=ec.watermark_blocks,
             enable_prefix_cache=ec.enable_prefix_caching,
             num_host_slots=ec.num_host_slots,
-            disk=self.disk_tier,
-            disk_write_through_hits=ec.kv_disk_write_through_hits,
+            lower_tier=self.lower_tier,
+            write_through_hits=ec.kv_disk_write_through_hits,
+            kv_events=ec.kv_events and ec.enable_prefix_caching,
         )
         self.lora = (
             None
@@ -269,12 +270,13 @@ class LLMEngine(EngineCoreOps):
         return request_id in self._groups
 
     def close(self) -> None:
-        """A clean shutdown's disk work, so the next engine on the directory finds the prefix cache:
-        read the iteration in flight (its full blocks enter the cache), write the cached blocks
-        (device and host tier) the disk lacks, most recently used first within the disk budget,
-        wait for the writes and stop the disk tier's threads. Requests still unfinished are not run
-        further; their cached blocks are written too. Idempotent; nothing to do without a disk tier."""
-        if self.disk_tier is None or self.disk_tier.closed:
+        """A clean shutdown's work for the tier below the host tier (disk or pool), so the next engine
+        on the directory or pool finds the prefix cache: read the iteration in flight (its full blocks
+        enter the cache), write the cached blocks (device and host tier) the tier lacks, most recently
+        used first within its budget, wait for the writes and stop the tier's threads. Requests still
+        unfinished are not run further; their cached blocks are written too. Idempotent; nothing to do
+        without such a tier."""
+        if self.lower_tier is None or self.lower_tier.closed:
             return
         flushed = 0
         try:
@@ -287,15 +289,16 @@ class LLMEngine(EngineCoreOps):
                 for i in range(0, len(stage), BLOCK_MOVE_CHUNK):
                     part = slice(i, i + BLOCK_MOVE_CHUNK)
                     self.runner.move_blocks([CopyStage(stage.kind, stage.src[part], stage.dst[part])])
-                    self.disk_tier.flush()
+                    self.lower_tier.flush()
         except Exception:  # noqa: BLE001 - e.g. a failed device: keep what is on disk, stop cleanly
-            logger.exception("writing the prefix cache to the KV disk tier at shutdown failed")
-        self.disk_tier.close()
+            logger.exception("writing the prefix cache to the KV tier below the host at shutdown failed")
+        self.lower_tier.close()
         logger.info(
-            "KV disk tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) on disk",
+            "KV %s tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) stored",
+            "disk" if isinstance(self.lower_tier, DiskTier) else "pool",
             flushed,
-            self.disk_tier.num_blocks,
-            self.disk_tier.num_bytes / 1e6,
+            self.lower_tier.num_blocks,
+            self.lower_tier.num_bytes / 1e6,
         )
 
     # ----- the loop -------------------------------------------------------------------------
@@ -342,7 +345,7 @@ class LLMEngine(EngineCoreOps):
         if sched.is_empty:
             if self._in_flight is None and self.kv.loads.pending:
                 self.kv.loads.submit()
-                self.disk_tier.wait(0.01)  # only requests loading from disk: do not spin meanwhile
+                self.lower_tier.wait(0.01)  # only requests loading from disk or pool: do not spin
             self.kv.loads.submit()
             return None
         prepared = self._prepare(sched, deltas)

@@ -125,6 +125,9 @@ class EngineInfo:
     max_num_seqs: int  # sequences all replicas (or workers) run at once
     block_size: int
     hidden_size: int  # the length of an embedding (a pooling request's `Delta.embedding`)
+    # An encoder-only embedding model's `checkpoints.encoders.EncoderConfig` (its pooling,
+    # normalisation, Matryoshka dimensions); None for a decoder LM.
+    encoder: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +244,20 @@ class EngineClient(Protocol):
         """KV blocks one owner's sessions may pin."""
 
 
+class KVEventSource(Protocol):
+    """A replica's KV events (`jaxserve.kv.kv_events.KVEventLog`), read from any thread: the content
+    keys (chained from `seed`) of the blocks its prefix cache holds, and their changes numbered."""
+
+    seed: bytes
+
+    def snapshot(self) -> tuple[int, frozenset[bytes]]:
+        """(sequence number, the keys cached as of it)."""
+
+    def since(self, seq: int) -> list[Any] | None:
+        """Batches (`seq`, `stored`, `removed`, `cleared`) after `seq`; None when some are no
+        longer kept (take a snapshot)."""
+
+
 class KVTransferEngine(EngineClient, Protocol):
     """An engine that exports and imports KV blocks (a worker of prefill/decode disaggregation).
 
@@ -260,6 +277,9 @@ class KVTransferEngine(EngineClient, Protocol):
     @property
     def transfer_address(self) -> str | None:
         """Where this engine's device transfer server listens (None: bytes only)."""
+
+    def kv_events(self) -> KVEventSource | None:
+        """The prefix cache's changes (KV events) of its one replica, for a router (None: not recorded)."""
 
     async def hold_kv(self, token_ids: Sequence[int], max_blocks: int | None = None) -> KVHold | None:
         """Hold the cached device blocks of the prompt's longest cached prefix."""

@@ -26,6 +26,7 @@ from jaxserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import jax
 
+    from jaxserve.kv.kv_events import KVEventLog
     from jaxserve.kv_transfer import DeviceTransfer
 
 
@@ -70,6 +71,7 @@ class KVBlockIO(Protocol):
         self, hold: KVHold, token_ids: Sequence[int], arrays: list[jax.Array], num_blocks: int
     ) -> KVHold: ...
     def start_device_transfer(self, host: str) -> DeviceTransfer: ...
+    def kv_event_log(self) -> KVEventLog | None: ...
 
 
 class ReplicaLora(Protocol):

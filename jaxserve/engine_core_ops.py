@@ -17,6 +17,7 @@ from jaxserve.lora.peft import LoraWeights
 
 if TYPE_CHECKING:
     from jaxserve.kv import KVCacheManager
+    from jaxserve.kv.kv_events import KVEventLog
     from jaxserve.lora.manager import LoraManager
     from jaxserve.runner import ModelRunner
     from jaxserve.scheduler import Scheduler
@@ -116,6 +117,10 @@ class EngineCoreOps:
         stages: they hand KV over as bytes)."""
         kv_transfer.check_device_layout(self.runner)
         return kv_transfer.DeviceTransfer(self.runner, host)
+
+    def kv_event_log(self) -> KVEventLog | None:
+        """The prefix cache's changes for a router (None: not recorded, --no-kv-events)."""
+        return self.kv.events
 
     # ----- LoRA host copies (read off the engine thread) -----------------------------------
 

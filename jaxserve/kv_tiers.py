@@ -1,5 +1,6 @@
-"""Builds an engine's disk tier: the fingerprint of what its KV bytes depend on, and the tier on
-the runner's host-tier arrays. (Here, not in jaxserve/kv, because it reads the model's arrays.)"""
+"""Builds an engine's tier below the host tier (the disk tier or the pool tier): the fingerprint of
+what its KV bytes depend on, and the tier on the runner's host-tier arrays. (Here, not in
+jaxserve/kv, because it reads the model's arrays.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxserve.kv import DiskTier, HostBlockArrays, fingerprint
+from jaxserve.kv import DiskTier, HostBlockArrays, KVTier, PoolTier, fingerprint
+from jaxserve.mooncake_store import MooncakeBlockStore
 from jaxserve.runner.pipeline_placement import model_layers_config
 from kernels_pallas import kv_quant
 
@@ -42,10 +44,37 @@ def kv_fingerprint(runner: ModelRunner, model_name: str, model_layers: bool = Fa
     )
 
 
-def build_disk_tier(runner: ModelRunner, model_name: str) -> DiskTier | None:
+def build_lower_tier(runner: ModelRunner, model_name: str) -> KVTier | None:
+    """The disk tier (--kv-disk-dir), the pool tier (--kv-pool) or None."""
     ec = runner.engine_config
+    if ec.kv_pool is not None:
+        return build_pool_tier(runner, model_name)
     if ec.kv_disk_dir is None:
         return None
+    return build_disk_tier(runner, model_name)
+
+
+def build_pool_tier(runner: ModelRunner, model_name: str) -> PoolTier:
+    ec = runner.engine_config
+    if jax.process_count() > 1:
+        raise ValueError("the pool tier (--kv-pool) runs in one process per engine, not across hosts")
+    store = MooncakeBlockStore(ec.kv_pool, ec.kv_pool_local_host, ec.kv_pool_segment_bytes)
+    host = HostBlockArrays([runner.blocks.host_k, runner.blocks.host_v])
+    tier = PoolTier(
+        store,
+        kv_fingerprint(runner, model_name),
+        ec.block_size,
+        host,
+        ec.kv_pool_segment_bytes,
+        max_inflight_bytes=ec.kv_disk_max_inflight_bytes,
+    )
+    runner.blocks.disk_sink = tier.write
+    logger.info("KV pool tier at %s: lending it %.1f GB", ec.kv_pool, ec.kv_pool_segment_bytes / 1e9)
+    return tier
+
+
+def build_disk_tier(runner: ModelRunner, model_name: str) -> DiskTier:
+    ec = runner.engine_config
     if jax.process_count() > 1:
         raise ValueError("the disk tier (--kv-disk-dir) runs in one process only, not across hosts")
     host = HostBlockArrays([runner.blocks.host_k, runner.blocks.host_v])

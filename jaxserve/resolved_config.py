@@ -133,10 +133,10 @@ def _max_model_len(config: EngineConfig, context: int, capacity: int) -> int:
 
 
 def _num_host_slots(config: EngineConfig, block_bytes: int, max_blocks_per_seq: int) -> int:
-    """Host-tier slots: the larger of swap_space_blocks and kv_host_bytes; with a disk tier and neither
+    """Host-tier slots: the larger of swap_space_blocks and kv_host_bytes; with a disk or pool tier and neither
     set, room for two requests of max_model_len (disk loads land there)."""
     slots = max(config.swap_space_blocks, config.kv_host_bytes // block_bytes)
-    if config.kv_disk_dir is not None and slots == 0:
+    if (config.kv_disk_dir is not None or config.kv_pool is not None) and slots == 0:
         slots = 2 * max_blocks_per_seq
     return slots
 

@@ -29,7 +29,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 1e-2  # vLLM's floor: lower non-zero temperatures overflow float32 logits; raised to it
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)  # logits are divided by it in float32
 SEED_RANGE = (-(2**63), 2**64)  # a seed fits in 64 bits, signed or not
-POOLING_KINDS = ("last", "mean")  # `SamplingParams.pooling`: the last prompt row's hidden state, or their mean
+POOLING_KINDS = ("last", "mean", "cls")  # `SamplingParams.pooling`: `jaxserve.pooling.POOLERS`
 
 
 def encodes_as_utf8(text: str) -> bool:

@@ -18,6 +18,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine, make_engine
 from jaxserve.engine import LLMEngine
+from jaxserve.kv import DiskTier
 from sharding import multihost
 from sharding.process_layout import ProcessLayout
 
@@ -64,7 +65,7 @@ def _load_and_warm_up(
     print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", flush=True)
     replicas = getattr(engine, "replicas", [engine])
     _add_lora_modules(replicas, lora_modules or {})
-    for disk in {id(e.disk_tier): e.disk_tier for e in replicas if e.disk_tier is not None}.values():
+    for disk in {id(e.lower_tier): e.lower_tier for e in replicas if isinstance(e.lower_tier, DiskTier)}.values():
         found = f"{disk.num_blocks} blocks found ({disk.num_bytes / 1e6:.1f} MB)"
         print(f"KV disk tier in {disk.root}: {found}", flush=True)
     on_each = f" on each of {len(replicas)} replicas" if len(replicas) > 1 else ""

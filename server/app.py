@@ -28,6 +28,7 @@ from server import (
     routes_openai,
     routes_ops,
     routes_responses,
+    routes_score,
     routes_sessions,
     routes_tokenize,
 )
@@ -83,6 +84,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.add_routes(routes_openai.routes)
     app.add_routes(routes_lora.routes)
     app.add_routes(routes_embeddings.routes)
+    app.add_routes(routes_score.routes)
     app.add_routes(routes_responses.routes)
     app.add_routes(routes_messages.routes)
     app.add_routes(routes_sessions.routes)

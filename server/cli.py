@@ -148,8 +148,9 @@ def _add_reply_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
         "--embedding-pooling",
         choices=POOLING_KINDS,
         default=defaults.embedding_pooling,
-        help="the served model's embeddings (/v1/embeddings): the last prompt token's final hidden "
-        "state, or the mean of every token's; normalized",
+        help="a decoder LM's embeddings (/v1/embeddings): the last prompt token's final hidden "
+        "state, the mean of every token's, or the first token's; normalized (an encoder embedding "
+        "model pools as its own config says)",
     )
     g.add_argument(
         "--no-strict-schemas",

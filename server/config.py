@@ -46,7 +46,8 @@ class ServerConfig:
     response_ttl: float = 30 * 24 * 3600.0  # idle seconds before a stored response expires (OpenAI keeps 30 days)
     max_stored_responses_per_key: int = 1000  # beyond it, a key's least recently used idle ones are deleted
 
-    # Embeddings: which final hidden states of a prompt /v1/embeddings pools ("last" or "mean").
+    # Embeddings: which final hidden states of a decoder LM's prompt /v1/embeddings pools
+    # ("last", "mean" or "cls": `jaxserve.pooling.POOLERS`); an encoder pools as its config says.
     embedding_pooling: str = "last"
 
     # The agent-facing API (server.tools, server.reasoning).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from jaxserve.engine_client import EngineInfo
 from jaxserve.tokenizer import Tokenizer
@@ -24,6 +25,7 @@ class ModelInfo:
     hidden_size: int
     created: int
     chat_template: str | None = None  # the server's --chat-template, used instead of the model's
+    encoder: Any = None  # an encoder-only embedding model's EncoderConfig (`EngineInfo.encoder`)
 
     @property
     def template(self) -> str | None:
@@ -42,6 +44,7 @@ class ModelInfo:
             hidden_size=info.hidden_size,
             created=int(time.time()),
             chat_template=chat_template,
+            encoder=info.encoder,
         )
 
     def token_text(self, token_id: int) -> str:

@@ -19,6 +19,7 @@ from server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from server.response_request import RESPONSE_FIELDS
 from server.routes_embeddings import EMBEDDING_FIELDS
 from server.routes_lora import LOAD_FIELDS, UNLOAD_FIELDS
+from server.routes_score import RERANK_FIELDS, SCORE_FIELDS
 from server.routes_sessions import CREATE_FIELDS, MESSAGE_FIELDS, REPLY_FIELDS
 from server.routes_tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
@@ -106,6 +107,15 @@ OPERATIONS: dict[tuple[str, str], tuple[str, frozenset[str] | None, tuple[str, .
         (),
     ),
     ("POST", "/v1/embeddings"): ("Embeddings of texts or token ids", EMBEDDING_FIELDS, ("input",)),
+    ("POST", "/v1/score"): ("Cosine scores of text pairs (embedding models)", SCORE_FIELDS, ("text_1", "text_2")),
+    ("POST", "/score"): ("vLLM's name for /v1/score", SCORE_FIELDS, ("text_1", "text_2")),
+    ("POST", "/v1/rerank"): (
+        "Documents ranked by a query (embedding models)",
+        RERANK_FIELDS,
+        ("query", "documents"),
+    ),
+    ("POST", "/rerank"): ("vLLM's name for /v1/rerank", RERANK_FIELDS, ("query", "documents")),
+    ("POST", "/v2/rerank"): ("vLLM's name for /v1/rerank", RERANK_FIELDS, ("query", "documents")),
     ("GET", "/v1/models"): ("The served model and its LoRA adapters", None, ()),
     ("POST", "/v1/load_lora_adapter"): (
         "Serve a LoRA adapter (a PEFT directory) as a model",

@@ -123,6 +123,8 @@ def _model_card(info: ModelInfo) -> dict[str, object]:
         "created": info.created,
         "owned_by": "jaxserve",
         "max_model_len": info.max_model_len,
+        # What it serves: "generate" (and embeddings of its hidden states) or "embed" (an encoder).
+        "task": "generate" if info.encoder is None else "embed",
     }
 
 

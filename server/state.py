@@ -65,6 +65,13 @@ class ServerState:
         """The model a generation request names (404 if none such): its info as responses show
         it, and the LoRA adapter to run (None: the base model)."""
         model = check_model(body, self.info.name, self.adapters)
+        if self.info.encoder is not None:
+            raise APIError(
+                400,
+                f"{model} is an embedding model (encoder-only): it serves /v1/embeddings, /v1/score and "
+                "/v1/rerank, and generates no text",
+                code="model_not_generative",
+            )
         if model == self.info.name:
             return self.info, None
         return dataclasses.replace(self.info, name=model), model

@@ -42,7 +42,7 @@ def pool_is_free_after(request, assert_kv_all_free):
 
 
 def reference(llm: LLM, ids: list[int], kind: str) -> np.ndarray:
-    """The last row's, or the mean of every row's, final hidden state (after the final norm) of one
+    """The last row's, the first's, or the mean of every row's, final hidden state (after the final norm) of one
     prefill of the whole prompt."""
     runner = llm.engine.runner
     n, bs = len(ids), SMALL["block_size"]
@@ -65,7 +65,7 @@ def reference(llm: LLM, ids: list[int], kind: str) -> np.ndarray:
     rows = np.asarray(
         jax.jit(hidden)(runner.params, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32)), np.float64
     )
-    return rows[-1] if kind == "last" else rows.mean(axis=0)
+    return {"last": rows[-1], "cls": rows[0], "mean": rows.mean(axis=0)}[kind]
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -105,6 +105,14 @@ def test_last_pooling_uses_the_prefix_cache_and_mean_pooling_computes_every_row(
     llm.embed([{"prompt_token_ids": embedded}], pooling="mean", use_tqdm=False)
     after = llm.generate([{"prompt_token_ids": embedded}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert after.num_cached_tokens == 56  # an embedding's blocks serve later prompts
+
+
+def test_cls_pooling_computes_its_first_row_even_when_the_prompt_is_cached(llm):
+    ids = prompts(3, [70])[0]
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2), use_tqdm=False)
+    cls = llm.generate([{"prompt_token_ids": ids}], SamplingParams.for_pooling("cls"), use_tqdm=False)[0]
+    assert cls.num_cached_tokens == 0  # row 0 is pooled, so it is computed, not taken from the cache
+    np.testing.assert_allclose(cls.embedding, reference(llm, ids, "cls"), atol=2e-5, rtol=1e-5)
 
 
 def test_a_preempted_embedding_is_recomputed_and_pools_each_row_once():

@@ -111,7 +111,7 @@ def test_a_second_engine_on_the_directory_hits_what_the_first_computed(tmp_path,
     a, b = make(tmp_path), make(tmp_path)  # both started before anything was written
     run(a, PROMPTS[:1])
     a.engine.step()  # the last planned writes
-    a.engine.disk_tier.flush()
+    a.engine.lower_tier.flush()
     tokens, cached = run(b, PROMPTS[:1])
     assert tokens == reference[:1] and cached == [144]
     close(a, assert_kv_all_free)

@@ -12,6 +12,7 @@ from typing import Any
 PEER_SCRIPTS = {
     "transformers": "hf_generate.py",
     "transformers-embed": "hf_embed.py",
+    "sentence-transformers": "st_embed.py",
     "llama-cpp": "llamacpp_generate.py",
     "gguf-to-hf": "gguf_to_hf.py",
 }
@@ -44,6 +45,7 @@ def run_offline_peer(
 PEER_MODULES = {
     "transformers": ("torch", "transformers", "accelerate", "gguf"),
     "transformers-embed": ("torch", "transformers", "accelerate", "gguf"),
+    "sentence-transformers": ("torch", "sentence_transformers"),
     "llama-cpp": ("llama_cpp",),
     "llama-cpp-server": ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "pydantic_settings"),
     "vllm": ("vllm", "torch"),

@@ -10,6 +10,7 @@ no_tier_link.NoTierLink; the cache's link to that tier).
 
 from jaxserve.kv.accounting import KVUsage
 from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool, NoFreeBlocksError
+from jaxserve.kv.block_store import BlockStore
 from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.build import build_kv_manager
 from jaxserve.kv.content_keys import ChainKeys, fingerprint
@@ -21,6 +22,7 @@ from jaxserve.kv.leases import Hold, Leases, Pin
 from jaxserve.kv.manager import KVCacheManager
 from jaxserve.kv.no_prefix_cache import NoPrefixCache
 from jaxserve.kv.no_tier_link import NoTierLink
+from jaxserve.kv.pool_tier import PoolTier
 from jaxserve.kv.prefix_cache import CachedPath, CacheStats, PrefixCache, PrefixMatch, SpillingPrefixCache
 from jaxserve.kv.prefix_hit import PrefixHit
 from jaxserve.kv.radix_cache import RadixCache
@@ -30,6 +32,7 @@ __all__ = [
     "RESERVED_BLOCK",
     "BlockPool",
     "NoFreeBlocksError",
+    "BlockStore",
     "build_kv_manager",
     "ChainKeys",
     "fingerprint",
@@ -53,6 +56,7 @@ __all__ = [
     "CachedPath",
     "NoPrefixCache",
     "NoTierLink",
+    "PoolTier",
     "LowerTierLink",
     "PrefixCache",
     "PrefixMatch",

@@ -1,4 +1,5 @@
-"""One KV block per file: a fixed header, the block's token ids, then its K and V bytes.
+"""One KV block per file (or per pool object, `pool_tier`): a fixed header, the block's token ids,
+then its K and V bytes.
 
     magic "JXKVBLK1" | fingerprint 16 B | key 16 B | num_tokens u32 | payload_bytes u64 |
     crc32 u32 of (token ids + payload) | token ids (int32 x num_tokens) | payload
@@ -35,13 +36,18 @@ def file_bytes(block_size: int, payload_bytes: int) -> int:
     return HEADER_BYTES + 4 * block_size + payload_bytes
 
 
-def write_block(path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payload: list[memoryview]) -> int:
-    """Write a block file atomically (temp file + rename); returns the bytes written."""
+def block_header(fingerprint: bytes, key: bytes, tokens: bytes, payload: list[memoryview]) -> bytes:
+    """The header of a block (file or pool object) holding `tokens` and `payload`."""
     size = sum(part.nbytes for part in payload)
     crc = zlib.crc32(tokens)
     for part in payload:
         crc = zlib.crc32(part, crc)
-    header = _HEADER.pack(MAGIC, fingerprint, key, len(tokens) // 4, size, crc)
+    return _HEADER.pack(MAGIC, fingerprint, key, len(tokens) // 4, size, crc)
+
+
+def write_block(path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payload: list[memoryview]) -> int:
+    """Write a block file atomically (temp file + rename); returns the bytes written."""
+    header = block_header(fingerprint, key, tokens, payload)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -53,7 +59,7 @@ def write_block(path: Path, fingerprint: bytes, key: bytes, tokens: bytes, paylo
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return HEADER_BYTES + len(tokens) + size
+    return HEADER_BYTES + len(tokens) + sum(part.nbytes for part in payload)
 
 
 def read_header(path: Path) -> tuple[bytes, bytes, int, int]:
@@ -76,22 +82,36 @@ def _check_header(raw: bytes, size: int) -> tuple[bytes, bytes, int, int]:
     return fp, key, num_tokens, payload_bytes
 
 
-def read_block(path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int) -> memoryview:
-    """The payload of the block file at `path`, checked against everything expected of it.
+def read_block(
+    path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int, buffer: memoryview
+) -> memoryview:
+    """The payload of the block file at `path`, checked against everything expected of it, read
+    into `buffer` (one the reader keeps: a fresh allocation per block would pay its page faults on
+    every read). The payload is a view of `buffer`, valid until the next read into it.
 
     FileNotFoundError when there is no file (another engine evicted it); DamagedBlockFile when
     it is not exactly the block asked for, whole and unchanged."""
     with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
+        size = os.fstat(f.fileno()).st_size
+        if size > len(buffer):
+            raise DamagedBlockFile(f"{size} bytes, more than a block file of this model")
+        data = buffer[:size]
         n = f.readinto(data)
-    if n != len(data):
+    if n != size:
         raise DamagedBlockFile("the file changed while it was read")
-    fp, file_key, num_tokens, size = _check_header(bytes(data[:HEADER_BYTES]), len(data))
-    if fp != fingerprint or file_key != key:
+    return check_block(data, fingerprint, key, tokens, payload_bytes)
+
+
+def check_block(data: memoryview, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int) -> memoryview:
+    """The payload of a whole block's bytes (header, tokens, payload: a file's or a pool object's),
+    checked against everything expected of it; DamagedBlockFile when it is not exactly the block
+    asked for, whole and unchanged."""
+    fp, found_key, num_tokens, size = _check_header(bytes(data[:HEADER_BYTES]), len(data))
+    if fp != fingerprint or found_key != key:
         raise DamagedBlockFile("the header names another block or model")
     if size != payload_bytes or num_tokens * 4 != len(tokens):
         raise DamagedBlockFile("the block has another shape")
-    body = memoryview(data)[HEADER_BYTES:]
+    body = data[HEADER_BYTES:]
     crc = _HEADER.unpack(bytes(data[:HEADER_BYTES]))[5]
     if zlib.crc32(body) != crc:
         raise DamagedBlockFile("checksum mismatch")

@@ -4,12 +4,15 @@ none when prefix caching is off) and the link to a tier below the host tier."""
 from __future__ import annotations
 
 from jaxserve.kv.block_pool import BlockPool
+from jaxserve.kv.content_keys import chain_keys
 from jaxserve.kv.copy_plan import CopyPlan
 from jaxserve.kv.host_tier import HostTier
+from jaxserve.kv.kv_events import KVEventLog
 from jaxserve.kv.kv_tier import KVTier
 from jaxserve.kv.manager import KVCacheManager
 from jaxserve.kv.no_prefix_cache import NoPrefixCache
 from jaxserve.kv.no_tier_link import NoTierLink
+from jaxserve.kv.prefix_cache import DroppedBlocks
 from jaxserve.kv.radix_cache import RadixCache
 from jaxserve.kv.tier_link import LowerTierLink, TierLink
 
@@ -24,8 +27,9 @@ def build_kv_manager(
     spill_to_host: bool = True,
     pin_budget_blocks: int | None = None,
     max_pinned_blocks: int | None = None,
-    disk: KVTier | None = None,
-    disk_write_through_hits: int = 0,
+    lower_tier: KVTier | None = None,
+    write_through_hits: int = 0,
+    kv_events: bool = False,
 ) -> KVCacheManager:
     """
     num_blocks, block_size: the device pool (block 0 reserved).
@@ -33,8 +37,9 @@ def build_kv_manager(
     enable_prefix_cache: a radix prefix cache, else one that caches nothing.
     num_host_slots: capacity of the host tier in blocks (0 = no swapping, no spilling).
     spill_to_host: blocks evicted from the device prefix cache move to the host tier.
-    disk: a tier under the host tier (the disk tier; needs the prefix cache and host slots).
-    disk_write_through_hits: 0 = write every cached block to it; N = once hit N times.
+    lower_tier: a tier under the host tier (the disk or the pool tier; needs the prefix cache and host slots).
+    write_through_hits: 0 = write every cached block to it; N = once hit N times.
+    kv_events: record the prefix cache's changes for a router (`manager.events`; needs the prefix cache).
     """
     pool = BlockPool(num_blocks, block_size)
     host = HostTier(num_host_slots)
@@ -42,19 +47,39 @@ def build_kv_manager(
     link: LowerTierLink = NoTierLink(block_size)
     if enable_prefix_cache:
         cache = RadixCache(pool, host, copies, spill_to_host=spill_to_host)
-        if disk is not None:
-            link = TierLink(disk, cache, host, copies, write_through_hits=disk_write_through_hits)
-    elif disk is not None:
-        raise ValueError("the disk tier needs the prefix cache")
+        if lower_tier is not None:
+            link = TierLink(lower_tier, cache, host, copies, write_through_hits=write_through_hits)
+    elif lower_tier is not None:
+        raise ValueError("a tier below the host tier (disk or pool) needs the prefix cache")
     else:
         cache = NoPrefixCache(pool, host)
+    events = None
+    if kv_events:
+        if not isinstance(cache, RadixCache):
+            raise ValueError("KV events need the prefix cache")
+        events = KVEventLog(link.new_chain().seed)
+        _record_drops(cache, events, block_size)
     return KVCacheManager(
         pool,
         cache,
         host,
         copies,
+        events=events,
         watermark_blocks=watermark_blocks,
         pin_budget_blocks=pin_budget_blocks,
         max_pinned_blocks=max_pinned_blocks,
         tier_link=link,
     )
+
+
+def _record_drops(cache: RadixCache, events: KVEventLog, block_size: int) -> None:
+    """Blocks leaving the cache for good are recorded as removed (after the tier link's write-back)."""
+    write_back = cache.on_drop
+
+    def on_drop(dropped: DroppedBlocks) -> None:
+        if write_back is not None:
+            write_back(dropped)
+        end = dropped.first + len(dropped.locations)
+        events.removed(chain_keys(events.seed, dropped.tokens, end, block_size)[dropped.first :])
+
+    cache.on_drop = on_drop

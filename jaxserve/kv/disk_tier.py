@@ -86,6 +86,8 @@ class DiskTier:
         self._done_event = threading.Event()
         self._writes: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
+        # the loader's one block buffer, its pages touched now (np.full): see read_block
+        self._read_buffer = memoryview(np.full(self.block_file_bytes, 0, np.uint8))
         self._scan()
         self._threads = [
             threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True),
@@ -306,7 +308,7 @@ class DiskTier:
                     break
                 path = self.path(key)
                 try:
-                    payload = read_block(path, self.fingerprint, key, tokens, self.payload_bytes)
+                    payload = read_block(path, self.fingerprint, key, tokens, self.payload_bytes, self._read_buffer)
                 except FileNotFoundError:
                     self._forget(key)
                     with self._lock:

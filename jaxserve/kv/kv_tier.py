@@ -8,10 +8,10 @@ takes a block the runner copied off the device or the host tier. The prefix cach
 through `tier_link.TierLink` only: lookups after a tree match, write-through and write-back
 planned into the copy plan, background loads into host slots.
 
-`DiskTier` (disk_tier.py: one file per block under a byte budget) implements it. A shared pool
-(e.g. one on Mooncake Store, issue 56) implements the same methods: `contains`/`num_leading` as
-existence checks, `plan_write`/`write` as puts of missing blocks, `start_load`/`poll` as gets
-straight into the registered host arrays.
+`DiskTier` (disk_tier.py: one file per block under a byte budget) implements it, and so does
+`PoolTier` (pool_tier.py: one object per block in a store every engine of a cluster shares, on
+Mooncake Store): `contains`/`num_leading` as existence checks, `plan_write`/`write` as puts of
+missing blocks, `start_load`/`poll` as gets through a registered array into the host slots.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class KVTierStats:
     damaged: int = 0  # blocks found damaged (at scan or read) and deleted
     missing: int = 0  # blocks indexed but gone when read (another engine evicted them)
     write_errors: int = 0
+    outages: int = 0  # times the tier could not be reached and stopped being asked (the pool tier)
 
 
 class HostBlockArrays:

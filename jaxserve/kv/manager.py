@@ -46,6 +46,7 @@ from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.content_keys import ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
 from jaxserve.kv.host_tier import HostTier
+from jaxserve.kv.kv_events import KVEventLog
 from jaxserve.kv.leases import Leases
 from jaxserve.kv.prefix_cache import CacheStats, PrefixCache
 from jaxserve.kv.prefix_hit import PrefixHit
@@ -68,6 +69,7 @@ class KVCacheManager:
         pin_budget_blocks: int | None = None,
         max_pinned_blocks: int | None = None,
         tier_link: LowerTierLink,
+        events: KVEventLog | None = None,
     ) -> None:
         """
         prefix_cache, host, copies: the prefix cache over `pool`, the host tier and the copy plan
@@ -78,6 +80,7 @@ class KVCacheManager:
         max_pinned_blocks: most blocks all pins together may pin (default half the pool).
         tier_link: the link of the prefix cache to a tier below the host tier (the disk tier), or
             `NoTierLink` when there is none.
+        events: where the prefix cache's changes are recorded for a router (`kv_events`), or None.
         """
         self.pool = pool
         self.block_size = pool.block_size
@@ -99,6 +102,7 @@ class KVCacheManager:
         self._epoch = 0  # moves on every change a PrefixHit depends on
         self.tier_link = tier_link
         self.loads = TierLoads(tier_link, lambda: self._epoch, self._changed)
+        self.events = events
 
     def _changed(self) -> None:
         self._epoch += 1
@@ -261,6 +265,8 @@ class KVCacheManager:
             if handle.chain is None:
                 handle.chain = self.tier_link.new_chain()
             self.tier_link.write_through(handle.chain, token_ids, adopted)
+            if self.events is not None and handle.chain.seed == self.events.seed:  # not a LoRA chain
+                self.events.stored(handle.chain.keys(token_ids, max(adopted) + 1)[min(adopted) :])
         handle.cached_blocks = done + len(result.blocks)
         return handle.cached_blocks
 

@@ -28,6 +28,9 @@ class PlacementPolicy:
     # last requests it sent a worker, this many distinct ones (the workers' --max-loras), as
     # resident there. The in-process engine asks its replicas instead.
     adapter_slots: int = 1
+    # A router follows its workers' KV events (what their prefix caches hold) besides its own picture
+    # of what it sent them; False: its picture alone (SGLang's approximate tree).
+    kv_events: bool = True
 
 
 def choose_target(

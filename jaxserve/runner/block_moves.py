@@ -33,8 +33,10 @@ class BlockMover:
         layers, kv_heads, _, block_size, head_dim = cache.k.shape
         host_shape = (layers, kv_heads, max(num_host_blocks, 1), block_size, head_dim)
         self.dtype = cache.k.dtype
-        self.host_k = np.zeros(host_shape, self.dtype)
-        self.host_v = np.zeros(host_shape, self.dtype)
+        # Written through now (np.full, not np.zeros' untouched pages): the first swap or tier load
+        # into them would otherwise pay the page faults, on the request it exists for.
+        self.host_k = np.full(host_shape, 0, self.dtype)
+        self.host_v = np.full(host_shape, 0, self.dtype)
         self.cache_sharding = cache_sharding
         kv, rep = cache_sharding, replicated
         self._gather = jax.jit(_gather, in_shardings=(kv, rep), out_shardings=kv)

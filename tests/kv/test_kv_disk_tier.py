@@ -48,7 +48,7 @@ def make(
     host = new_host_array(host_slots, BS)
     disk = DiskTier(tmp, FP, BS, HostBlockArrays([as_block_arrays(host)]), disk_blocks * FILE)
     mgr = build_kv_manager(
-        num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots, disk=disk, disk_write_through_hits=hits
+        num_blocks, BS, watermark_blocks=watermark, num_host_slots=host_slots, lower_tier=disk, write_through_hits=hits
     )
     return FakeEngine(mgr, host=host)
 
@@ -378,11 +378,11 @@ def test_bad_settings_are_refused(tmp_path) -> None:
     disk = DiskTier(tmp_path, FP, BS, HostBlockArrays([as_block_arrays(host)]), 10 * FILE)
     try:
         with pytest.raises(ValueError, match="host"):
-            build_kv_manager(16, BS, num_host_slots=0, disk=disk)
+            build_kv_manager(16, BS, num_host_slots=0, lower_tier=disk)
         with pytest.raises(ValueError, match="prefix cache"):
-            build_kv_manager(16, BS, num_host_slots=4, enable_prefix_cache=False, disk=disk)
+            build_kv_manager(16, BS, num_host_slots=4, enable_prefix_cache=False, lower_tier=disk)
         with pytest.raises(ValueError, match="write_through_hits"):
-            build_kv_manager(16, BS, num_host_slots=4, disk=disk, disk_write_through_hits=-1)
+            build_kv_manager(16, BS, num_host_slots=4, lower_tier=disk, write_through_hits=-1)
     finally:
         disk.close()
     with pytest.raises(ValueError, match="budget"):

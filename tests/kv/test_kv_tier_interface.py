@@ -107,7 +107,7 @@ def worker(store: OrderedDict[bytes, tuple[bytes, bytes]]) -> FakeEngine:
     host = new_host_array(8, BS)
     tier = MemoryTier(store, HostBlockArrays([as_block_arrays(host)]), capacity=16)
     assert isinstance(tier, KVTier)
-    return FakeEngine(build_kv_manager(24, BS, watermark_blocks=0, num_host_slots=8, disk=tier), host=host)
+    return FakeEngine(build_kv_manager(24, BS, watermark_blocks=0, num_host_slots=8, lower_tier=tier), host=host)
 
 
 def test_a_prompt_computed_by_one_manager_is_loaded_by_another_from_a_shared_tier() -> None:

@@ -30,6 +30,7 @@ from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from router_cluster import Endpoint, wait_worker_status, workers
 from server_harness import send
 
+from server.cluster.launch.mooncake_master import mooncake_missing
 from server.cluster.launch.ray_cluster import ClusterNotFoundError, RayTarget, check_reachable, choose_cluster
 from server.cluster.launch.topology import TopologyError, parse_topology
 
@@ -55,6 +56,9 @@ def _topology(**overrides: object) -> dict:
         ({"workers": [{"count": 2, "ports": [9000]}]}, "workers[0].ports: a list of 2 ports"),
         ({"workers": [{"args": ["--port=9"]}]}, "workers[0].args: --port is set by the launcher"),
         ({"workers": [{"args": [True]}]}, "workers[0].args: a list of command-line words"),
+        ({"kv_pool": {"port": -1}}, "kv_pool.port: a port"),
+        ({"kv_pool": {"host": "h"}}, "kv_pool: unknown key 'host'"),
+        ({"workers": [{"args": ["--kv-pool", "mooncake://h:1"]}]}, "--kv-pool is set by the launcher"),
     ],
 )
 def test_a_bad_topology_is_refused_with_the_key_it_names(overrides, message):
@@ -229,6 +233,7 @@ def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(t
             _topology(
                 router={"host": "127.0.0.1", "port": router_port, "args": ["--health-check-interval", "0.5"]},
                 workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}],
+                **({} if mooncake_missing() else {"kv_pool": {"port": 0}}),  # the workers share a KV pool
             )
         )
     )
@@ -271,6 +276,7 @@ def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(t
                 )
             ) as launch:
                 launch.wait_for("[launch] router on", timeout=600)
+                assert mooncake_missing() or "[launch] KV pool master on mooncake://" in launch.output
                 router = Endpoint(router_port)
                 placed = workers(router)
                 assert [w["status"] for w in placed] == ["up", "up"], placed
@@ -295,6 +301,10 @@ def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(t
                 assert launch.finish(timeout=120) == 0, launch.output
             assert "[launch] stopped" in launch.output
             assert all(_refuses_connections(p) for p in [router_port, *worker_ports])
+            if not mooncake_missing():  # the pool's master (on the node's address) stopped with the launch
+                host, port = next(w for w in launch.output.split() if w.startswith("mooncake://"))[11:].split(":")
+                with socket.socket() as s:
+                    assert s.connect_ex((host, int(port))) != 0
             ray.init(address=f"127.0.0.1:{gcs_port}", log_to_driver=False)
             try:
                 assert ray.available_resources().get("CPU") == 2.0  # the placement group is gone

@@ -108,3 +108,12 @@ def test_embeddings_are_counted_in_the_metrics(server):
     before = count()
     ok(send(server, "POST", "/v1/embeddings", {"model": MODEL_NAME, "input": TEXTS}))
     assert count() == before + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/score", {"text_1": "a", "text_2": ["b"]}), ("/v1/rerank", {"query": "a", "documents": ["b"]})],
+)
+def test_score_and_rerank_want_an_embedding_model(server, path, body):
+    reply = send(server, "POST", path, {"model": MODEL_NAME, **body})
+    assert reply.status == 400 and "needs an embedding model" in reply.json["error"]["message"]

@@ -20,6 +20,7 @@ import contextlib
 import signal
 import threading
 
+from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
 from server.cluster.launch.ray_cluster import ClusterNotFoundError, LocalCluster, check_reachable, choose_cluster
 from server.cluster.launch.topology import ROUTER_FLAG_OF_ROLE, Topology, TopologyError, WorkerSpec, load_topology
 
@@ -130,6 +131,7 @@ class Launch:
         self.router = None
         self.router_url = ""
         self.local_host: str | None = None  # the launch's own one-node cluster: where workers listen
+        self.pool_master: PoolMaster | None = None  # the KV pool's master (topology kv_pool), on this node
 
     def start(self) -> None:
         import ray
@@ -162,15 +164,17 @@ class Launch:
         if self.local_host is not None:  # (Ray reports the node's outward address even then)
             places = [(self.local_host, port) for _, port in places]
         hosts = [host for host, _ in places]
+        pool_flags = self._start_pool()
         print(f"[launch] placing {len(specs)} workers of {self.topology.model} on {', '.join(hosts)}", flush=True)
         for spec, strategy, res, (host, port) in zip(specs, strategies, resources, places):
+            argv = _worker_argv(spec, host, port) + ([*pool_flags, "--kv-pool-local-host", host] if pool_flags else [])
             self.workers.append(
                 actor.options(
                     name=None,
                     scheduling_strategy=strategy,
                     max_restarts=self.args.worker_restarts,
                     **res,
-                ).remote(spec.name, _worker_argv(spec, host, port), WORKER_READY, exit_with_child=True)
+                ).remote(spec.name, argv, WORKER_READY, exit_with_child=True)
             )
         addresses = self._wait_all([w.wait_ready.remote(self.args.ready_timeout) for w in self.workers])
         self.pids = ray.get([w.pid.remote() for w in self.workers])
@@ -188,6 +192,20 @@ class Launch:
             + ", ".join(f"{s.name} ({s.role}) {a}" for s, a in zip(specs, addresses)),
             flush=True,
         )
+
+    def _start_pool(self) -> list[str]:
+        """The KV pool's master on this node when the topology asks for one; the workers' flags for it."""
+        if self.topology.kv_pool is None:
+            return []
+        import ray
+
+        if (why := mooncake_missing()) is not None:
+            raise SystemExit(f"jaxserve launch: the topology's kv_pool needs Mooncake Store: {why}")
+        host = self.local_host or ray.util.get_node_ip_address()
+        self.pool_master = PoolMaster(host, self.topology.kv_pool.port or None)
+        self.pool_master.start()
+        print(f"[launch] KV pool master on {self.pool_master.url}", flush=True)
+        return ["--kv-pool", self.pool_master.url]
 
     def _wait_all(self, refs: list) -> list[str]:
         import ray
@@ -254,6 +272,8 @@ class Launch:
                 ray.kill(p)
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+        if self.pool_master is not None:
+            self.pool_master.kill()
         print("[launch] stopped", flush=True)
 
 

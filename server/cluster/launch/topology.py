@@ -4,6 +4,7 @@
 model: tiny-random                 # every worker's --model
 placement: PACK                    # Ray placement group strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)
 router: {host: 127.0.0.1, port: 8000, args: ["--health-check-interval", "1"]}
+kv_pool: {port: 50051}             # optional: a Mooncake Store master beside the router, every worker on it
 workers:
   - {role: both, count: 2, tp: 1, cpus: 1, gpus: 0, args: ["--max-num-seqs", "8"]}
   - {role: prefill, count: 1, tp: 2, gpus: 2, ports: [9000]}
@@ -25,7 +26,15 @@ from server.cluster.worker.cli import ROLES
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Flags the launcher writes itself, from the topology's own keys and the placement.
-WORKER_OWN_FLAGS = ("--model", "--host", "--port", "--role", "--tensor-parallel-size")
+WORKER_OWN_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--role",
+    "--tensor-parallel-size",
+    "--kv-pool",
+    "--kv-pool-local-host",
+)
 ROUTER_OWN_FLAGS = ("--host", "--port", "--worker", "--prefill-worker", "--decode-worker")
 ROUTER_FLAG_OF_ROLE = {"both": "--worker", "prefill": "--prefill-worker", "decode": "--decode-worker"}
 
@@ -39,6 +48,13 @@ class RouterSpec:
     host: str = "127.0.0.1"
     port: int = 8000
     args: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """The shared KV pool's master (`mooncake_master`), started on the launcher's node; 0: a free port."""
+
+    port: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +89,7 @@ class Topology:
     router: RouterSpec
     workers: tuple[WorkerGroup, ...]
     placement: str = "PACK"
+    kv_pool: PoolSpec | None = None
 
     def worker_specs(self) -> list[WorkerSpec]:
         specs = []
@@ -108,7 +125,7 @@ def load_topology(path: str | Path) -> Topology:
 
 
 def parse_topology(data: Any) -> Topology:
-    top = _mapping(data, "the topology", ("model", "placement", "router", "workers"))
+    top = _mapping(data, "the topology", ("model", "placement", "router", "workers", "kv_pool"))
     model = top.get("model")
     if not isinstance(model, str) or not model:
         raise TopologyError("model: a model name or path is required (what `jaxserve worker --model` takes)")
@@ -125,7 +142,14 @@ def parse_topology(data: Any) -> Topology:
         raise TopologyError("workers: at least one worker of role both or decode is needed (they generate)")
     if "prefill" in roles and "decode" not in roles:
         raise TopologyError("workers: role prefill needs workers of role decode to hand its requests to")
-    return Topology(model, router, workers, placement)
+    pool = None
+    if "kv_pool" in top:
+        raw = _mapping(top["kv_pool"] if top["kv_pool"] is not None else {}, "kv_pool", ("port",))
+        port = raw.get("port", 0)
+        if not _is_int(port) or not 0 <= port < 65536:
+            raise TopologyError(f"kv_pool.port: a port in [0, 65535] (0: a free one), got {port!r}")
+        pool = PoolSpec(port)
+    return Topology(model, router, workers, placement, pool)
 
 
 def _router(data: Any) -> RouterSpec:

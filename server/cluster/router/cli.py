@@ -54,6 +54,18 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="a decode worker (jaxserve worker --role decode; repeatable): pulls a prompt's KV blocks "
         "from the prefill worker and generates to the end",
     )
+    _add_placement_args(p.add_argument_group("placement"))
+    g.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker health checks")
+    g.add_argument(
+        "--worker-wait-timeout", type=float, default=600.0, help="seconds to wait at start for a worker to serve"
+    )
+    add_cluster_tls_args(g)
+    add_server_args(p.add_argument_group("server"))
+    p.set_defaults(func=run_router)
+    return p
+
+
+def _add_placement_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cache-threshold",
         type=float,
@@ -76,14 +88,13 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="the workers' --max-loras: a worker counts as holding the LoRA adapters of the last "
         "requests sent to it, this many distinct ones, and attracts their requests",
     )
-    g.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker health checks")
     g.add_argument(
-        "--worker-wait-timeout", type=float, default=600.0, help="seconds to wait at start for a worker to serve"
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.kv_events,
+        help="place by the workers' KV events (what their prefix caches hold) as well as by what was sent to each; "
+        "--no-kv-events: by what was sent alone",
     )
-    add_cluster_tls_args(g)
-    add_server_args(p.add_argument_group("server"))
-    p.set_defaults(func=run_router)
-    return p
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -105,7 +116,11 @@ def run_router(args: argparse.Namespace) -> int:
     if args.health_check_interval <= 0:
         raise SystemExit("--health-check-interval must be positive")
     policy = PlacementPolicy(
-        args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold, args.worker_max_loras
+        args.cache_threshold,
+        args.balance_abs_threshold,
+        args.balance_rel_threshold,
+        args.worker_max_loras,
+        kv_events=args.kv_events,
     )
     tls = cluster_tls_from_args(args)
     front_config = server_config_from_args(args, "router")  # its host and port (the app's names the model)

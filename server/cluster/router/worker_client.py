@@ -6,8 +6,10 @@ instance id has restarted: its cache picture is cleared and the router is told (
 so that sessions placed there are placed afresh and pin budgets sent again.
 
 A worker is a `jaxserve.placement.PlacementTarget`: its load is the sequences the router has running
-there, its cached prefixes and resident adapters the router's picture of what it sent there
-(`SentPrefixes`), since the router never asks a worker what it holds.
+there; its cached prefixes what its KV events say it holds (`follow_kv_events`: a `KVIndex`) and
+the router's picture of what it sent there (`SentPrefixes`: prompts in flight, and all there is
+without an event stream: a worker that does not record them, LoRA prefixes); its resident
+adapters the router's picture.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tokenizers
 
 from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.engine_client import EngineInfo, Pin
+from jaxserve.placement.kv_index import KVIndex
 from jaxserve.placement.sent_prefixes import SentPrefixes
 from jaxserve.tokenizer import Tokenizer
 from server.cluster.worker import worker_pb2 as pb
@@ -102,6 +105,8 @@ class WorkerClient:
         self.routed = 0  # sequences the router has sent there since it started
         self.sent = SentPrefixes()  # what the router sent here: its cache picture
         self.loaded_adapters: set[str] = set()  # LoRA adapters the router loaded here (run-time loads)
+        self.kv_index: KVIndex | None = None  # what its KV events say it holds (None: no stream)
+        self.kv_events_refused = False  # the worker does not record KV events: do not ask again
         self._channel: grpc.aio.Channel | None = None
         self._stub: WorkerStub | None = None
 
@@ -155,7 +160,28 @@ class WorkerClient:
         return self.in_flight
 
     def prefix_match_length(self, token_ids: Sequence[int], lora: str | None = None) -> int:
-        return self.sent.match(token_ids, lora)
+        """What its KV events say it holds, or what the router sent it (a prompt sent a moment ago
+        is not computed, let alone reported, yet), whichever is longer."""
+        sent = self.sent.match(token_ids, lora)
+        index = self.kv_index
+        return max(sent, index.match(token_ids)) if index is not None and lora is None else sent
+
+    async def follow_kv_events(self) -> None:
+        """Keep `kv_index` from the worker's KV events until the stream ends (the worker went
+        down or restarted: the next health check that finds it up follows it again)."""
+        try:
+            async for batch in self.stub.KVEvents(pb.KVEventsRequest()):
+                if batch.snapshot:
+                    self.kv_index = KVIndex(batch.seed, batch.block_size, batch.stored)
+                elif self.kv_index is not None:
+                    self.kv_index.apply(batch.stored, batch.removed, batch.cleared)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                self.kv_events_refused = True
+                why = e.details()
+                logger.info("worker %s sends no KV events (%s): placing by what was sent there", self.address, why)
+        finally:
+            self.kv_index = None
 
     def adapter_resident(self, name: str) -> bool:
         return name in self.sent.recent_adapters

@@ -33,6 +33,7 @@ class WorkerPool:
         self.adapters: dict[str, str] = {}  # LoRA adapters loaded through the router: name -> directory
         self.pin_budget: int | None = None
         self._background: set[asyncio.Task] = set()
+        self._kv_events: dict[WorkerClient, asyncio.Task] = {}  # each generating worker's event stream
 
     @property
     def everyone(self) -> list[WorkerClient]:
@@ -88,6 +89,19 @@ class WorkerPool:
         await asyncio.gather(
             *(self._send_adapters(w) for w in self.workers if w.up and not w.loaded_adapters.issuperset(self.adapters))
         )
+        for worker, fresh in zip(self.everyone, restarted):
+            if worker in self.workers and worker.up and self.policy.kv_events:
+                self._follow_kv_events(worker, fresh)
+
+    def _follow_kv_events(self, worker: WorkerClient, restarted: bool) -> None:
+        """Follow a worker's KV events (again, once it restarted or its stream ended)."""
+        task = self._kv_events.get(worker)
+        if restarted and task is not None:
+            task.cancel()  # the old process's stream
+            worker.kv_events_refused = False
+        elif worker.kv_events_refused or (task is not None and not task.done()):
+            return
+        self._kv_events[worker] = asyncio.get_running_loop().create_task(worker.follow_kv_events())
 
     async def health_loop(self, interval: float) -> None:
         while True:
@@ -165,8 +179,9 @@ class WorkerPool:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
-        for task in list(self._background):
+        tasks = [*self._background, *self._kv_events.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for worker in self.everyone:
             await worker.close()

@@ -56,6 +56,7 @@ def add_worker_parser(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT"
     )
     add_cluster_tls_args(p.add_argument_group("cluster TLS (the router's and other workers' calls)"))
+    p.set_defaults(kv_events=True)  # a worker records them for its router (--no-kv-events: not)
     p.set_defaults(func=lambda args: run_worker(args, start_engine(args)))
     return p
 

@@ -8,6 +8,7 @@ leases, pulls) is `kv_handoff`'s.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import uuid
@@ -24,6 +25,8 @@ from server.cluster.worker.wire import PROTOCOL_VERSION, delta_to_message, param
 from server.routes_ops import engine_problem
 
 logger = logging.getLogger(__name__)
+
+KV_EVENTS_POLL_SECONDS = 0.02  # how often a KVEvents stream looks for new changes
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -145,6 +148,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> pb.ReleaseLeaseResponse:
         released = self._handoff is not None and await self._handoff.release_lease(request.lease_id)
         return pb.ReleaseLeaseResponse(released=released)
+
+    async def KVEvents(
+        self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEventBatch]:
+        try:
+            source = self._engine.kv_events()
+        except ValueError as e:  # several engine replicas in this process
+            source, why = None, str(e)
+        else:
+            why = "this worker does not record KV events (prefix caching off, or --no-kv-events)"
+        if source is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        block_size = self._engine.info.block_size
+        seq = -1
+        while True:
+            batches = None if seq < 0 else source.since(seq)
+            if batches is None:  # the first message, or this reader fell behind what the log keeps
+                seq, keys = source.snapshot()
+                yield pb.KVEventBatch(seq=seq, snapshot=True, stored=keys, seed=source.seed, block_size=block_size)
+                continue
+            for b in batches:
+                yield pb.KVEventBatch(seq=b.seq, stored=b.stored, removed=b.removed, cleared=b.cleared)
+                seq = b.seq
+            if not batches:
+                await asyncio.sleep(KV_EVENTS_POLL_SECONDS)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         problem = engine_problem(self._engine)

@@ -109,6 +109,11 @@ class WorkerStub:
                 request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.KVEvents = channel.unary_stream(
+                '/jaxserve.worker.v1.Worker/KVEvents',
+                request_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -218,6 +223,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVEvents(self, request, context):
+        """KV events: the content keys of the blocks the worker's prefix cache holds (the first message, a
+        snapshot), then each change as it happens (and a new snapshot when the reader fell behind), for
+        the router to place requests by what the worker holds. FAILED_PRECONDITION when the worker does
+        not record them (prefix caching off, or several engine replicas in the process).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -295,6 +310,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'KVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVEvents,
+                    request_deserializer=server_dot_cluster_dot_worker_dot_worker__pb2.KVEventsRequest.FromString,
+                    response_serializer=server_dot_cluster_dot_worker_dot_worker__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -702,6 +722,33 @@ class Worker:
             '/jaxserve.worker.v1.Worker/ListLoraAdapters',
             server_dot_cluster_dot_worker_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
             server_dot_cluster_dot_worker_dot_worker__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jaxserve.worker.v1.Worker/KVEvents',
+            server_dot_cluster_dot_worker_dot_worker__pb2.KVEventsRequest.SerializeToString,
+            server_dot_cluster_dot_worker_dot_worker__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,198 @@
+"""The encoder's forward pass, pooling plug-ins and loaders on tiny random BERT and nomic-bert
+models (weights drawn from the declaration), and the MiniLM directory's configuration."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+from safetensors.numpy import save_file
+
+from checkpoints.encoders import EncoderConfig, is_encoder_spec, load_encoder
+from checkpoints.encoders.load import encoder_config_from_dir, load_sentence_transformers_dir
+from checkpoints.encoders.weights import declare_encoder
+from checkpoints.params import checkpoint_names, iter_leaves
+from checkpoints.weights import flat, random_tree
+from jaxserve.encoder.batcher import EncoderBatcher, EncoderBuckets, EncoderRequest
+from jaxserve.model.encoder import encode, pooled_sums
+from jaxserve.pooling import POOLERS, ClsPooler, LastTokenPooler, MeanPooler, Pooler, PromptPooling
+from server.embedding_inputs import finish_embedding
+
+TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, max_len=64)
+
+
+def _model(architecture: str):
+    config = EncoderConfig(architecture, **TINY, max_position_embeddings=64)
+    params = jax.tree.map(jnp.asarray, random_tree(declare_encoder(config), 0, np.float32))
+    return config, params
+
+
+@pytest.mark.parametrize("architecture", ["bert", "nomic_bert"])
+def test_attention_is_bidirectional_and_padding_is_invisible(architecture):
+    config, params = _model(architecture)
+    ids = np.array([[1, 5, 7, 9, 2, 0, 0, 0]], np.int32)
+    h = np.asarray(encode(config, params, ids, np.array([5], np.int32)))
+    changed_last = ids.copy()
+    changed_last[0, 3] = 11
+    h2 = np.asarray(encode(config, params, changed_last, np.array([5], np.int32)))
+    assert np.abs(h[0, 0] - h2[0, 0]).max() > 1e-3  # the first token sees a later one: no causal mask
+    padded = np.zeros((2, 16), np.int32)
+    padded[0, :5] = ids[0, :5]
+    padded[1, :8] = 3  # another row does not leak into this one
+    padded[0, 5:] = 42  # nor do padding tokens, whatever they are
+    h3 = np.asarray(encode(config, params, padded, np.array([5, 8], np.int32)))
+    np.testing.assert_allclose(h3[0, :5], h[0, :5], atol=1e-5)
+
+
+@pytest.mark.parametrize("architecture", ["bert", "nomic_bert"])
+def test_pooled_sums_take_the_rows_the_pooler_takes(architecture):
+    config, params = _model(architecture)
+    ids = np.array([[1, 5, 7, 9, 2, 0]], np.int32)
+    lengths = np.array([5], np.int32)
+    h = np.asarray(encode(config, params, ids, lengths))[0]
+    for pooler, want in [(MeanPooler(), h[:5].mean(0)), (ClsPooler(), h[0]), (LastTokenPooler(), h[4])]:
+        rows = pooler.rows(0, 5, 5)
+        weights = np.zeros((1, 6), np.float32)
+        weights[0, rows.start : rows.stop] = 1
+        got = np.asarray(pooled_sums(config, params, ids, lengths, weights))[0] / len(rows)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_poolers_are_one_protocol_and_pool_chunks_once():
+    for name, pooler in POOLERS.items():
+        takes: Pooler = pooler  # each satisfies the declared interface
+        assert takes.name == name and takes.rows(0, 0, 5) == range(0)
+    cls = PromptPooling("cls")
+    assert cls.positions(0, 4, 10) == range(0, 1) and cls.first_needed(10) == 0  # row 0 must be computed
+    cls.on_launched(range(0, 1))
+    assert not cls.positions(0, 4, 10) and not cls.positions(4, 4, 10) and cls.first_needed(10) is None
+    with pytest.raises(ValueError, match="unknown pooling"):
+        PromptPooling("max")
+
+
+def test_matryoshka_shortening_and_normalisation():
+    v = np.arange(1.0, 9.0, dtype=np.float32)
+    full = finish_embedding(v, normalize=True)
+    np.testing.assert_allclose(np.linalg.norm(full), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(finish_embedding(v, normalize=False), v)
+    short = finish_embedding(v, normalize=True, dimensions=3)
+    standardised = (v - v.mean()) / np.sqrt(v.var() + 1e-5)
+    np.testing.assert_allclose(short, standardised[:3] / np.linalg.norm(standardised[:3]), rtol=1e-6)
+
+
+def test_batcher_packs_arrival_order_within_the_budget():
+    buckets = EncoderBuckets(max_len=64, max_rows=8, token_budget=128)
+    assert (8, 16) in buckets.all() and (2, 64) in buckets.all() and (4, 64) not in buckets.all()
+    batcher = EncoderBatcher(buckets)
+    for i, n in enumerate([10, 12, 40, 60, 5]):
+        batcher.add(EncoderRequest(str(i), [1] * n, PromptPooling("mean")))
+    batch, shape = batcher.next_batch()
+    assert [r.request_id for r in batch] == ["0", "1"] and shape == (2, 16)  # with "2" it would be 4 x 64
+    batch, shape = batcher.next_batch()
+    assert [r.request_id for r in batch] == ["2", "3"] and shape == (2, 64)
+    batch, shape = batcher.next_batch()
+    assert [r.request_id for r in batch] == ["4"] and shape == (1, 16) and not batcher.waiting
+    with pytest.raises(ValueError, match="1 to 64"):
+        batcher.add(EncoderRequest("x", [1] * 65, PromptPooling("mean")))
+
+
+def _write_st_dir(tmp_path, pooling: dict, normalize: bool):
+    """A sentence-transformers directory of a tiny random BERT, in Hugging Face's names."""
+    config = EncoderConfig("bert", **TINY, max_position_embeddings=64)
+    params = dict(iter_leaves(random_tree(declare_encoder(config), 1, np.float32)))
+    tensors = {}
+    for path, weight in flat(declare_encoder(config)).items():
+        for name, index in checkpoint_names(weight, weight.hf):
+            part = params[path][index]
+            tensors[name] = np.ascontiguousarray(part.swapaxes(-1, -2) if weight.is_kernel else part)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf = {"model_type": "bert", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64}
+    hf |= {"num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, "hidden_act": "gelu"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"}]
+    modules.append({"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
+    if normalize:
+        modules.append({"path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
+    return params
+
+
+def _write_wordpiece(tmp_path) -> None:
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "world", "##s"])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer.enable_padding(length=16)  # as sentence-transformers' exports often are: the loader turns it off
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+
+
+def test_sentence_transformers_directory_loads_its_weights_and_config(tmp_path):
+    params = _write_st_dir(tmp_path, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, False)
+    _write_wordpiece(tmp_path)
+    assert is_encoder_spec(str(tmp_path))
+    loaded = load_sentence_transformers_dir(tmp_path)
+    assert (loaded.config.pooling, loaded.config.normalize, loaded.config.max_len) == ("cls", False, 32)
+    for path, value in iter_leaves(loaded.params):
+        np.testing.assert_array_equal(value, params[path], err_msg=path)
+    assert loaded.tokenizer_bundle.tokenizer.encode("hello worlds").ids == [2, 4, 5, 6, 3]  # not padded
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(Exception, match="CLS, mean or last token"):
+        encoder_config_from_dir(tmp_path)
+
+
+def test_decoder_specs_are_not_encoders():
+    assert not is_encoder_spec("tiny-random") and not is_encoder_spec("/no/such/dir")
+    assert is_encoder_spec("all-minilm-l6-v2") and is_encoder_spec("nomic-embed-text-v1.5")
+
+
+def _write_gguf(path, arch: str, config: EncoderConfig, params: dict) -> None:
+    """A tiny random `bert` / `nomic-bert` GGUF in llama.cpp's layout: tensor names from the
+    declaration, `[out, in]` kernels, a WordPiece vocabulary with llama.cpp's word-start marks."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in [("block_count", 2), ("context_length", 64), ("embedding_length", 32)]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_uint32(f"{arch}.feed_forward_length", 64)
+    writer.add_uint32(f"{arch}.attention.head_count", 4)
+    writer.add_float32(f"{arch}.attention.layer_norm_epsilon", 1e-12)
+    writer.add_float32(f"{arch}.rope.freq_base", 1000.0)
+    writer.add_uint32(f"{arch}.pooling_type", 2)  # CLS
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "\u2581hello", "\u2581world", "s"] + [
+        f"\u2581w{i}" for i in range(43)
+    ]
+    writer.add_string("tokenizer.ggml.model", "bert")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, 3] + [1] * (len(tokens) - 4))
+    for key, value in [("bos_token_id", 2), ("seperator_token_id", 3), ("unknown_token_id", 1)]:
+        writer.add_uint32(f"tokenizer.ggml.{key}", value)
+    for path_, weight in flat(declare_encoder(config)).items():
+        for name, index in checkpoint_names(weight, weight.gguf):
+            part = params[path_][index]
+            writer.add_tensor(name, np.ascontiguousarray(part.swapaxes(-1, -2) if weight.is_kernel else part))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("gguf_arch", "architecture"), [("nomic-bert", "nomic_bert"), ("bert", "bert")])
+def test_a_gguf_encoder_loads_its_weights_config_and_wordpiece(tmp_path, gguf_arch, architecture):
+    config = EncoderConfig(architecture, **{**TINY, "max_len": 64}, max_position_embeddings=64)
+    params = dict(iter_leaves(random_tree(declare_encoder(config), 2, np.float32)))
+    _write_gguf(tmp_path / "tiny.gguf", gguf_arch, config, params)
+    assert is_encoder_spec(str(tmp_path / "tiny.gguf"))
+    loaded = load_encoder(str(tmp_path / "tiny.gguf"))
+    assert (loaded.config.architecture, loaded.config.pooling, loaded.config.rope_theta) == (architecture, "cls", 1000)
+    for path, value in iter_leaves(loaded.params):
+        np.testing.assert_array_equal(value, params[path], err_msg=path)
+    # "hello worlds": word-start pieces lose their mark, the others become "##" continuations.
+    assert loaded.tokenizer_bundle.tokenizer.encode("Hello worlds").ids == [2, 4, 5, 6, 3]

@@ -1,0 +1,121 @@
+"""The pool tier in the engine (tiny random model, a real Mooncake Store master on loopback): a
+second engine reads from the pool what the first computed and answers the same tokens; with the
+master dead, requests go on (recomputed) and nothing fails."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from checkpoints.tiny_random import build_tiny_random
+from jaxserve import LLM, SamplingParams
+from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
+
+if (why := mooncake_missing()) is not None:
+    pytest.skip(why, allow_module_level=True)
+
+CONFIG = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=8,
+    num_blocks=96,
+    decode_batch_buckets=(4,),
+    block_table_buckets=(32,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    kv_disk_min_load_tokens=16,
+    kv_pool_segment_bytes=32 << 20,
+)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97))]
+
+
+@pytest.fixture(scope="module")
+def master():
+    m = PoolMaster()
+    m.start()
+    yield m
+    m.kill()
+
+
+def make(pool: str | None) -> LLM:
+    return LLM(build_tiny_random(), warm_up=False, **CONFIG, **({"kv_pool": pool} if pool else {}))
+
+
+def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def close(llm: LLM, assert_kv_all_free) -> None:
+    assert_kv_all_free(llm.engine)
+    assert not llm.engine.kv.loads.pending and not llm.engine.kv.tier_link.held_slots()
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(make(None))[0]
+
+
+def test_a_second_engine_reads_the_prefix_from_the_pool(master, reference, assert_kv_all_free):
+    a, b = make(master.url), make(master.url)
+    assert run(a)[0] == reference
+    a.engine.step()  # the last planned writes
+    a.engine.lower_tier.flush()
+    assert a.engine.snapshot().tiers.disk_written_blocks >= (150 + 97) // 8
+    tokens, cached = run(b)
+    assert tokens == reference
+    assert cached == [144, 96]  # full blocks from the pool, the last prompt token computed
+    tiers = b.engine.snapshot().tiers
+    assert tiers.disk_hit_tokens >= 144 + 96 and tiers.disk_loads >= 1
+    assert b.engine.stats.prompt_tokens_computed < 150 + 97 - 200
+    close(a, assert_kv_all_free)
+    close(b, assert_kv_all_free)
+
+
+def test_a_master_killed_under_load_fails_no_request_and_a_restarted_one_is_used(reference, assert_kv_all_free):
+    m = PoolMaster()
+    m.start()
+    try:
+        llm = make(m.url)
+        tier = llm.engine.lower_tier
+        prompts = [np.random.default_rng(100 + i).integers(3, 250, 120).tolist() for i in range(12)]
+        with ThreadPoolExecutor(1) as pool:  # the master dies while these run
+            running = pool.submit(run, llm, prompts)
+            deadline = time.monotonic() + 60
+            while tier.stats.written_blocks == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            m.kill()
+            outputs = running.result(timeout=600)[0]
+        assert len(outputs) == len(prompts) and all(len(o) == GREEDY.max_tokens for o in outputs)
+        tokens, cached = run(llm)
+        assert tokens == reference and not tier.is_up and tier.stats.outages == 1
+        m.start()  # a new master, empty: the tier comes back and is written to again
+        deadline = time.monotonic() + 60
+        while not tier.is_up and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tier.is_up
+        written = tier.stats.written_blocks
+        deadline = time.monotonic() + 60
+        fresh = [np.random.default_rng(200 + i).integers(3, 250, 64).tolist() for i in range(2)]
+        while tier.stats.written_blocks == written and time.monotonic() < deadline:  # the client re-joins
+            run(llm, fresh)
+            llm.engine.step()
+            tier.flush()
+            fresh = [[t + 1 for t in p] for p in fresh]
+        assert tier.stats.written_blocks > written
+        close(llm, assert_kv_all_free)
+    finally:
+        m.kill()
+
+
+def test_a_bad_pool_url_is_refused():
+    with pytest.raises(ValueError, match="mooncake://HOST:PORT"):
+        make("mooncake://nohost")
+    with pytest.raises(ValueError, match="choose one"):
+        LLM(build_tiny_random(), warm_up=False, **CONFIG, kv_pool="mooncake://127.0.0.1:1", kv_disk_dir="/tmp/x")
