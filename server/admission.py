@@ -6,6 +6,9 @@ seen finish, and refuses a request whose sequences would push the waiting part p
 A request with more sequences (n x prompts) than the whole bound could never pass, however long
 the client retried: that is a 400 naming the limit, not a 503. (Each sequence's own length is
 bounded by the context, which the engine already keeps within its KV capacity.)
+
+With a queue deadline (`max_queue_wait`), admitted sequences past the running ones wait in the
+server's own queue (`server.run_slots`), each at most that long.
 """
 
 from __future__ import annotations
@@ -14,12 +17,22 @@ import contextlib
 from collections.abc import Iterator
 
 from server.errors import APIError
+from server.run_slots import RunSlots
 
 
 class Admission:
-    def __init__(self, max_running_seqs: int, max_waiting_seqs: int) -> None:
+    def __init__(self, max_running_seqs: int, max_waiting_seqs: int, max_queue_wait: float = 0.0) -> None:
+        self.max_running = max_running_seqs
         self.capacity = max_running_seqs + max_waiting_seqs
         self.in_flight = 0
+        self.slots = RunSlots(max_running_seqs, max_queue_wait) if max_queue_wait > 0 else None
+
+    def queue_depth(self) -> int:
+        """Admitted sequences waiting for a running slot: in the server's queue when it has one,
+        else those admitted past the running slots (they wait in the engine's queue)."""
+        if self.slots is not None:
+            return self.slots.waiting_seqs
+        return max(0, self.in_flight - self.max_running)
 
     @contextlib.contextmanager
     def hold(self, num_seqs: int) -> Iterator[None]:

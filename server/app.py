@@ -60,14 +60,17 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
     sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files, config.response_ttl)
     session_kv = SessionKV(engine, sessions, info.name)
+    admission = Admission(info.max_num_seqs, config.max_waiting_seqs, config.max_queue_wait)
+    metrics = ServerMetrics()
+    metrics.queue_depth.set_function(admission.queue_depth)
     state = ServerState(
         engine=engine,
         config=config,
         info=info,
         keys=keys,
         limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm),
-        admission=Admission(info.max_num_seqs, config.max_waiting_seqs),
-        metrics=ServerMetrics(),
+        admission=admission,
+        metrics=metrics,
         sessions=sessions,
         session_kv=session_kv,
         responses=ResponseStore(sessions, session_kv, config.max_stored_responses_per_key),

@@ -16,6 +16,7 @@ from jaxserve.engine_client import EngineClient
 from jaxserve.sampling_params import POOLING_KINDS
 from server.config import ServerConfig
 from server.reasoning import REASONING_PARSERS
+from server.tls import TLSConfigError, add_https_args, https_context
 from sharding.multihost import add_distributed_arguments
 
 # Starts the engine that the command's flags describe: None in a multi-process job's followers,
@@ -71,6 +72,7 @@ def _add_listen_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None
         help="seconds in-flight requests get to finish on SIGTERM/SIGINT; then their streams end "
         "with an error event and [DONE]",
     )
+    add_https_args(g)
 
 
 def _add_limit_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
@@ -86,6 +88,14 @@ def _add_limit_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
         type=int,
         default=defaults.max_waiting_seqs,
         help="sequences that may wait beyond --max-num-seqs before requests get 503",
+    )
+    g.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=defaults.max_queue_wait,
+        help="seconds a request may wait for one of the --max-num-seqs running slots (in priority order, then "
+        "arrival) before it gets 503 with Retry-After instead of running late; 0 = off (requests wait in the "
+        "engine's queue without a deadline)",
     )
     g.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     g.add_argument("--max-n", type=int, default=defaults.max_n)
@@ -168,7 +178,7 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
     keys = list(args.api_key)
     if args.api_key_file:
         keys += read_key_file(args.api_key_file)
-    return ServerConfig(
+    config = ServerConfig(
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
@@ -177,6 +187,7 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
         rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm,
         max_waiting_seqs=args.max_waiting_seqs,
+        max_queue_wait=args.max_queue_wait,
         max_body_bytes=args.max_body_bytes,
         max_n=args.max_n,
         max_tokens_limit=args.max_tokens_limit,
@@ -196,7 +207,20 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
         strict_schemas=args.strict_schemas,
         reasoning_parser=args.reasoning_parser,
         chat_template=_chat_template(args.chat_template),
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
     )
+    _https_context(config)  # a wrong file stops the command now, before the model loads
+    return config
+
+
+def _https_context(config: ServerConfig) -> Any:
+    """The `ssl.SSLContext` of --ssl-*, None for plain HTTP; SystemExit naming a wrong file."""
+    try:
+        return https_context(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+    except TLSConfigError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -252,6 +276,7 @@ def run_app(app: Any, config: ServerConfig) -> None:
         app,
         host=config.host,
         port=config.port,
+        ssl_context=_https_context(config),
         shutdown_timeout=FINAL_WRITE_SECONDS,  # the app's drain already waited --shutdown-timeout
         keepalive_timeout=config.keepalive_timeout,
         lingering_time=config.body_timeout,  # how long an unread body is drained after a refusal

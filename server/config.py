@@ -17,12 +17,16 @@ class ServerConfig:
     served_model_name: str = "smollm2-135m-instruct"
 
     # Security. No keys = an open server (a warning is printed at start).
+    ssl_certfile: str | None = None  # serve HTTPS with this certificate and ssl_keyfile (PEM files)
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # and require client certificates signed by these CAs
     api_keys: tuple[str, ...] = ()
     rate_limit_rpm: int = 0  # requests per minute per key; 0 = unlimited
     rate_limit_tpm: int = 0  # generated tokens per minute per key; 0 = unlimited
 
     # Admission and input limits.
     max_waiting_seqs: int = 256  # sequences queued beyond the engine's max_num_seqs -> 503
+    max_queue_wait: float = 0.0  # seconds a request may wait for a running slot, then 503; 0 = no server queue
     max_body_bytes: int = 1 << 20
     max_n: int = 8
     max_tokens_limit: int | None = None  # None: the model's context length
@@ -68,6 +72,8 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_queue_wait < 0:
+            raise ValueError("max_queue_wait must be >= 0")
         if self.request_timeout < 0 or self.session_ttl <= 0 or self.response_ttl <= 0 or self.shutdown_timeout < 0:
             raise ValueError("request_timeout and shutdown_timeout must be >= 0, session_ttl and response_ttl > 0")
         if self.body_timeout <= 0 or self.keepalive_timeout <= 0:

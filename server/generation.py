@@ -23,6 +23,7 @@ from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.openai_bodies import UsageCount
 from server.rate_limit import RateLimiter
+from server.run_slots import RunSlots, Ticket
 
 _DONE = object()
 _SHUT_DOWN = object()
@@ -56,8 +57,12 @@ class Generation:
         limiter: RateLimiter,
         timeout: float | None,
         arrival: float | None = None,
+        slots: RunSlots | None = None,
     ) -> None:
         self._engine = engine
+        self._slots = slots  # the server's queue with a deadline (None: straight to the engine)
+        self._ticket: Ticket | None = None
+        self._shut_down = False
         self.requests = requests
         self._owner = owner
         self._endpoint = endpoint
@@ -79,7 +84,37 @@ class Generation:
         return sum(r.params.n for r in self.requests)
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """(choice index, delta) in arrival order. Use under `contextlib.aclosing`."""
+        """(choice index, delta) in arrival order, once the call has running slots (an APIError 503
+        when it waited for them past the queue's deadline). Use under `contextlib.aclosing`."""
+        await self._wait_for_slots()
+        try:
+            async with aclosing(self._merged_deltas()) as deltas:
+                async for item in deltas:
+                    yield item
+        finally:
+            if self._ticket is not None:
+                self._slots.release(self._ticket)
+
+    async def _wait_for_slots(self) -> None:
+        """Take running slots from the server's queue (when it has one); a refusal or the client
+        leaving while it waits is accounted here, since the engine never sees the call."""
+        if self._slots is None or self._cancelled:
+            return
+        priority = min(r.params.priority for r in self.requests)
+        self._ticket = self._slots.take(self.num_choices, priority)
+        try:
+            if self._shut_down:
+                self._slots.withdraw(self._ticket, _shutting_down())
+            await self._slots.wait(self._ticket)
+        except BaseException as e:  # counted as a request; it generated nothing
+            self.outcome = "refused" if isinstance(e, APIError) else "cancelled"
+            self._metrics.requests.labels(self._endpoint, self.outcome).inc()
+            self.done = True
+            raise
+        if self._ticket.holding:  # (not when cancelled while it waited)
+            self._metrics.queue_wait.observe(self._ticket.waited)
+
+    async def _merged_deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         queue = self._queue
         tasks = [asyncio.create_task(self._pump(r, queue)) for r in self.requests]
         pending = len(tasks)
@@ -102,9 +137,7 @@ class Generation:
                     continue
                 if item is _SHUT_DOWN:
                     self.outcome = "error"
-                    raise APIError(
-                        503, "the server is shutting down; the request was stopped", code="server_shutting_down"
-                    )
+                    raise _shutting_down()
                 if isinstance(item, BaseException):
                     self.outcome = "error"
                     raise _api_error(item)
@@ -124,12 +157,17 @@ class Generation:
 
     def shut_down(self) -> None:
         """End the iteration now with a 503 (the server is stopping); the requests are aborted."""
+        self._shut_down = True
+        if self._ticket is not None:
+            self._slots.withdraw(self._ticket, _shutting_down())
         self._queue.put_nowait(_SHUT_DOWN)
 
     def cancel(self) -> None:
         """Abort every request of the call: each choice ends with finish_reason "abort" and
         keeps what it generated so far."""
         self._cancelled = True
+        if self._ticket is not None:  # still queued: it ends now, without running
+            self._slots.withdraw(self._ticket, None)
         for req in self.requests:
             self._engine.abort(req.request_id)
 
@@ -178,6 +216,10 @@ class Generation:
             if timing.tokens > 1:
                 m.tpot.observe((timing.last - timing.first) / (timing.tokens - 1))
         self._limiter.charge_tokens(self._owner, self.usage.completion_tokens)
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; the request was stopped", code="server_shutting_down")
 
 
 def _api_error(error: BaseException) -> APIError:

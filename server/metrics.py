@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -320,6 +320,17 @@ class ServerMetrics:
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter(
             f"{PREFIX}_requests", "Generation requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.queue_depth = Gauge(
+            f"{PREFIX}_queue_depth",
+            "Admitted sequences waiting for one of the running slots (--max-num-seqs)",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            f"{PREFIX}_queue_wait_seconds",
+            "Time a request waited in the server's queue for running slots (--max-queue-wait), until it got them",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
 
     def observe_step(self, seconds: float) -> None:

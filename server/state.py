@@ -96,6 +96,7 @@ class ServerState:
             limiter=self.limiter,
             timeout=self.config.request_timeout,
             arrival=arrival if arrival is not None else time.perf_counter(),
+            slots=self.admission.slots,
         )
         self.generations.add(generation)
         return generation

@@ -20,6 +20,7 @@ from server.grpc_api.jaxserve_pb2_grpc import add_JaxServeServicer_to_server
 from server.grpc_api.malformed import MalformedRequestInterceptor
 from server.grpc_api.service import JaxServeServicer
 from server.state import STATE
+from server.tls import public_grpc_credentials
 
 
 class GrpcServer:
@@ -42,7 +43,12 @@ class GrpcServer:
             interceptors=[MalformedRequestInterceptor()],
         )
         add_JaxServeServicer_to_server(JaxServeServicer(state), server)
-        self.port = server.add_insecure_port(self.address)
+        config = state.config
+        credentials = public_grpc_credentials(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+        if credentials is None:
+            self.port = server.add_insecure_port(self.address)
+        else:  # TLS, as the HTTP side serves HTTPS
+            self.port = server.add_secure_port(self.address, credentials)
         await server.start()
         self._server = server
         # Printed, as aiohttp prints "Running on ...": the start-up lines `jaxserve serve` shows.

@@ -13,6 +13,7 @@ import argparse
 
 from jaxserve.placement import PlacementPolicy
 from server.cli import add_server_args, run_app, server_config_from_args
+from server.tls import add_cluster_tls_args, cluster_tls_from_args
 
 DEFAULTS = PlacementPolicy()  # SGLang's router's
 
@@ -58,6 +59,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     g.add_argument(
         "--worker-wait-timeout", type=float, default=600.0, help="seconds to wait at start for a worker to serve"
     )
+    add_cluster_tls_args(g)
     add_server_args(p.add_argument_group("server"))
     p.set_defaults(func=run_router)
     return p
@@ -120,6 +122,8 @@ def run_router(args: argparse.Namespace) -> int:
         args.worker_max_loras,
         kv_events=args.kv_events,
     )
+    tls = cluster_tls_from_args(args)
+    front_config = server_config_from_args(args, "router")  # its host and port (the app's names the model)
 
     async def make_app() -> web.Application:
         everyone = args.worker + args.decode_worker + args.prefill_worker
@@ -131,6 +135,7 @@ def run_router(args: argparse.Namespace) -> int:
             args.worker_wait_timeout,
             args.decode_worker,
             args.prefill_worker,
+            tls,
         )
         up = sum(w.up for w in remote.workers + remote.prefill_workers)
         print(f"{up} of {len(everyone)} workers serve {remote.info.model_name}", flush=True)
@@ -147,8 +152,6 @@ def run_router(args: argparse.Namespace) -> int:
         app.on_cleanup.append(close)
         return app
 
-    run_app(
-        make_app(), server_config_from_args(args, "router")
-    )  # (its host and port: the app's config names the model)
+    run_app(make_app(), front_config)
     print("router stopped", flush=True)
     return 0

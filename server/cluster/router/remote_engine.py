@@ -59,6 +59,7 @@ from server.cluster.router.worker_client import RemotePin, WorkerClient, engine_
 from server.cluster.router.worker_pool import WorkerPool
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import snapshot_from_json
+from server.tls import ClusterTLS
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +92,14 @@ class RemoteEngine:
         timeout: float = 300.0,
         decode_addresses: Sequence[str] = (),
         prefill_addresses: Sequence[str] = (),
+        tls: ClusterTLS | None = None,
     ) -> RemoteEngine:
         """Wait (up to `timeout` s) until a worker that generates serves, then keep checking them
         all. `addresses` are colocated workers (--role both), `decode_addresses` decode workers;
-        until a prefill worker is up, decode workers run requests whole."""
-        workers = [WorkerClient(a) for a in addresses] + [WorkerClient(a, ("decode", "both")) for a in decode_addresses]
-        prefill = [WorkerClient(a, ("prefill", "both")) for a in prefill_addresses]
+        until a prefill worker is up, decode workers run requests whole. `tls`: mutual TLS to every worker."""
+        workers = [WorkerClient(a, tls=tls) for a in addresses]
+        workers += [WorkerClient(a, ("decode", "both"), tls) for a in decode_addresses]
+        prefill = [WorkerClient(a, ("prefill", "both"), tls) for a in prefill_addresses]
         remote = cls(workers, policy, health_interval, prefill)
         pool = remote.pool
         deadline = time.monotonic() + timeout

@@ -29,6 +29,7 @@ from jaxserve.tokenizer import Tokenizer
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import PROTOCOL_VERSION
 from server.cluster.worker.worker_pb2_grpc import WorkerStub
+from server.tls import ClusterTLS, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,9 @@ class WorkerInfo:
 
 
 class WorkerClient:
-    def __init__(self, address: str, roles: tuple[str, ...] = ("both",)) -> None:
+    def __init__(self, address: str, roles: tuple[str, ...] = ("both",), tls: ClusterTLS | None = None) -> None:
         self.address = address
+        self._tls = tls  # mutual TLS to the worker, else plaintext
         self.roles = roles  # the --role values a worker at this address may have
         self.up = False
         self.detail = "not checked yet"
@@ -112,8 +114,8 @@ class WorkerClient:
     def stub(self) -> WorkerStub:
         """The stub, on a channel made on first use (inside the router's event loop)."""
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT]
+            self._channel = open_channel(
+                self.address, self._tls, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT]
             )
             self._stub = WorkerStub(self._channel)
         return self._stub

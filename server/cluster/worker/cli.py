@@ -15,6 +15,7 @@ import argparse
 from collections.abc import Callable
 
 from server.cli import StartEngine
+from server.tls import add_cluster_tls_args, cluster_tls_from_args
 
 ROLES = ("both", "prefill", "decode")
 TRANSPORTS = ("grpc", "device")
@@ -54,6 +55,7 @@ def add_worker_parser(
     g.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT"
     )
+    add_cluster_tls_args(p.add_argument_group("cluster TLS (the router's and other workers' calls)"))
     p.set_defaults(kv_events=True)  # a worker records them for its router (--no-kv-events: not)
     p.set_defaults(func=lambda args: run_worker(args, start_engine(args)))
     return p
@@ -75,13 +77,14 @@ def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
         )
     if args.kv_transport == "device" and not one_replica:
         raise SystemExit("--kv-transport device runs one engine replica in one process")
+    tls = cluster_tls_from_args(args)  # before the model loads: a wrong file stops us now
     engine = start_engine(kv_transfer_host=args.host if args.kv_transport == "device" else None)
     if engine is None:
         return 0
-    handoff = KVHandoff(engine, args.kv_lease_timeout) if one_replica else None
+    handoff = KVHandoff(engine, args.kv_lease_timeout, tls) if one_replica else None
 
     async def serve() -> None:
-        listener = WorkerListener(engine, args.host, args.port, args.role, handoff)
+        listener = WorkerListener(engine, args.host, args.port, args.role, handoff, tls)
         await listener.start()
         print(f"worker listening on {listener.address}", flush=True)
         stop = asyncio.Event()

@@ -36,6 +36,7 @@ import numpy as np
 from jaxserve.engine_client import KVHold, KVTransferEngine, StagedKV, TransferError
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.worker_pb2_grpc import WorkerStub
+from server.tls import ClusterTLS, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +104,12 @@ class LeaseTable:
 
 
 class KVHandoff:
-    def __init__(self, engine: KVTransferEngine, lease_timeout: float) -> None:
+    def __init__(self, engine: KVTransferEngine, lease_timeout: float, tls: ClusterTLS | None = None) -> None:
         """Blocks move device to device where this engine has a transfer server
-        (`engine.transfer_address`) and the other side has one too; else as bytes."""
+        (`engine.transfer_address`) and the other side has one too; else as bytes. `tls`: the
+        channels to prefill workers use mutual TLS."""
         self._engine = engine
+        self._tls = tls
         self.layout = engine.kv_layout
         self.block_size = engine.info.block_size
         self.leases = LeaseTable(lease_timeout)
@@ -313,7 +316,7 @@ class KVHandoff:
 
     def _peer(self, address: str) -> WorkerStub:
         if address not in self._peers:
-            channel = grpc.aio.insecure_channel(address, options=PEER_OPTIONS)
+            channel = open_channel(address, self._tls, PEER_OPTIONS)
             self._peers[address] = (channel, WorkerStub(channel))
         return self._peers[address][1]
 

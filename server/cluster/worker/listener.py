@@ -9,16 +9,25 @@ from jaxserve.engine_client import KVTransferEngine
 from server.cluster.worker.kv_handoff import MAX_MESSAGE_BYTES, KVHandoff
 from server.cluster.worker.service import WorkerServicer
 from server.cluster.worker.worker_pb2_grpc import add_WorkerServicer_to_server
+from server.tls import ClusterTLS, add_listening_port
 
 
 class WorkerListener:
     """Serves `engine` as a worker on `host`:`port` (0: a free port, read `port` after `start`).
-    `handoff` (prefill/decode disaggregation) is started and closed with the service."""
+    `handoff` (prefill/decode disaggregation) is started and closed with the service. With `tls`
+    it serves mutual TLS only: a client without a certificate signed by its CA is refused."""
 
     def __init__(
-        self, engine: KVTransferEngine, host: str, port: int, role: str = "both", handoff: KVHandoff | None = None
+        self,
+        engine: KVTransferEngine,
+        host: str,
+        port: int,
+        role: str = "both",
+        handoff: KVHandoff | None = None,
+        tls: ClusterTLS | None = None,
     ) -> None:
         self.engine = engine
+        self._tls = tls
         self._role = role
         self._handoff = handoff
         self.host = host
@@ -37,7 +46,7 @@ class WorkerListener:
             self._handoff.start()
         add_WorkerServicer_to_server(WorkerServicer(self.engine, self._role, self._handoff), self._server)
         bind = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-        self.port = self._server.add_insecure_port(bind)
+        self.port = add_listening_port(self._server, bind, self._tls)
         await self._server.start()
 
     async def stop(self, grace_s: float) -> None:
