@@ -125,13 +125,13 @@ def load_sentence_transformers_dir(directory: str | os.PathLike[str], dtype: Any
     for file in files:
         with safe_open(str(file), framework="np") as f:
             for name in f.keys():
-                slot = filler.slot(name.removeprefix("bert."))
-                if slot is None:
+                place = filler.place(name.removeprefix("bert."))
+                if place is None:
                     if name.startswith(_UNUSED_HF):
                         continue
                     raise UnsupportedCheckpointError(f"{file}: unexpected weight {name!r}")
                 array = f.get_tensor(name)
-                filler.put(name.removeprefix("bert."), array.swapaxes(-1, -2) if weights[slot[0]].is_kernel else array)
+                filler.put(name.removeprefix("bert."), array.swapaxes(-1, -2) if weights[place[0]].is_kernel else array)
     return LoadedModel(config=config, params=filler.finish(), tokenizer_bundle=bundle_from_file(directory))
 
 
@@ -174,11 +174,11 @@ def load_encoder_gguf(path: str | os.PathLike[str], dtype: Any = "float32") -> L
     weights = flat(declare_encoder(config))
     filler = ParamFiller(config, resolve_dtype(dtype), str(path), lambda w: w.gguf, weights)
     for tensor in reader.tensors:
-        slot = filler.slot(tensor.name)
-        if slot is None:
+        place = filler.place(tensor.name)
+        if place is None:
             raise UnsupportedCheckpointError(f"{path}: unexpected tensor {tensor.name!r}")
         if tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             raise UnsupportedCheckpointError(f"{path}: {tensor.name} is {tensor.tensor_type.name}; F32/F16 are loaded")
         array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
-        filler.put(tensor.name, array.swapaxes(-1, -2) if weights[slot[0]].is_kernel else array)
+        filler.put(tensor.name, array.swapaxes(-1, -2) if weights[place[0]].is_kernel else array)
     return LoadedModel(config=config, params=filler.finish(), tokenizer_bundle=wordpiece_from_gguf(meta, str(path)))
