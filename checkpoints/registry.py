@@ -98,6 +98,9 @@ REGISTERED_GGUF = {
     ),
 }
 MODEL_NAMES = (*REGISTERED_GGUF, TINY_RANDOM)
+# Encoder embedding models, fetched and loaded by `checkpoints.encoders` (named here so that an
+# unknown name's error lists every name a user can give).
+ENCODER_MODELS = ("all-minilm-l6-v2", "nomic-embed-text-v1.5")
 
 
 def cache_dir() -> Path:
@@ -219,7 +222,8 @@ def load_model(
         return _on_shardings(load_hf_dir(path, dtype), shardings)
     if not path.exists():
         raise FileNotFoundError(
-            f"unknown model {spec!r}: not a registered name ({', '.join(MODEL_NAMES)}) and no such file or directory"
+            f"unknown model {spec!r}: not a registered name (language models: {', '.join(MODEL_NAMES)}; "
+            f"embedding encoders: {', '.join(ENCODER_MODELS)}) and no such file or directory"
         )
     raise CheckpointError(f"{spec}: not a .gguf file, a Hugging Face directory (config.json) or a converted checkpoint")
 

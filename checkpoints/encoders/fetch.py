@@ -21,11 +21,9 @@ import zlib
 from pathlib import Path
 
 from checkpoints.errors import ModelFetchError
-from checkpoints.registry import cache_dir
+from checkpoints.registry import ENCODER_MODELS, cache_dir
 
-MINILM = "all-minilm-l6-v2"
-NOMIC = "nomic-embed-text-v1.5"
-ENCODER_MODELS = (MINILM, NOMIC)
+MINILM, NOMIC = ENCODER_MODELS
 
 _NOMIC_PART_BYTES = 94_371_840  # every part but the last
 _NOMIC_FIRST_PART = 9

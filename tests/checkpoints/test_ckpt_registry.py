@@ -83,7 +83,8 @@ def test_paths_of_every_kind(tmp_path):
 
 def test_unknown_spec(tmp_path):
     names = "smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, gemma-3-270m, tiny-random"
-    with pytest.raises(FileNotFoundError, match=f"unknown model 'no-such-model'.*{names}"):
+    encoders = "all-minilm-l6-v2, nomic-embed-text-v1.5"
+    with pytest.raises(FileNotFoundError, match=f"unknown model 'no-such-model'.*{names}.*{encoders}"):
         load_model("no-such-model")
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="not a .gguf file, a Hugging Face directory"):
