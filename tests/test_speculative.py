@@ -6,7 +6,6 @@ verify program (tiny random model, small buckets)."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampling_stats import assert_distributed_as, assert_same_distribution, seeded_first_tokens
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
@@ -44,11 +44,6 @@ SPEC = {
 }
 
 
-def chi2_quantile(df: int, z: float = 3.72) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile at normal quantile z (3.72: 1e-4)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 # ----- the verify rule against the exact distribution -------------------------------------------
 
 V = 40
@@ -74,13 +69,6 @@ def test_sampled_verification_keeps_the_processed_distribution():
     out, _ = _verify(tiled, t, PenaltyCounts.zeros(1, V), drafts, history, num_top_logprobs=0)
     tokens = np.asarray(out.tokens)
     probs = np.asarray(jax.nn.softmax(sampling_logits(jnp.asarray(logits), _rows(params, 1)), axis=-1))
-
-    def assert_distributed_as(samples: np.ndarray, p: np.ndarray) -> None:
-        counts = np.bincount(samples, minlength=V)
-        assert counts[p == 0].sum() == 0, "a token outside top-k / top-p"
-        expected = p[p > 0] * len(samples)
-        stat = float(((counts[p > 0] - expected) ** 2 / expected).sum())
-        assert stat < chi2_quantile(int((p > 0).sum()) - 1), stat
 
     assert_distributed_as(tokens[:, 0], probs[0])
     accepted = tokens[:, 0] == draft
@@ -212,24 +200,15 @@ def test_seeded_sampling_keeps_its_distribution(plain, speculative, assert_kv_al
     prompt = {"prompt_token_ids": start + greedy[:cut]}
     n = 320
 
-    def histogram(llm: LLM, base_seed: int) -> collections.Counter:
-        found = collections.Counter()
-        for group in range(0, n, 4):  # 4 at a time: at the speculation threshold
-            params = [
-                SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=base_seed + i, ignore_eos=True)
-                for i in range(group, group + 4)
-            ]
-            found.update(tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * 4, params, use_tqdm=False))
-        return found
-
     before = dataclasses.replace(speculative.engine.stats)
-    with_spec, without = histogram(speculative, 0), histogram(plain, 10_000)
+    with_spec, without = (
+        seeded_first_tokens(speculative, prompt, n, 2, 0),
+        seeded_first_tokens(plain, prompt, n, 2, 10_000),
+    )
     drafted = speculative.engine.stats.draft_tokens - before.draft_tokens
     accepted = speculative.engine.stats.accepted_tokens - before.accepted_tokens
     assert 0 < accepted < drafted
-    outcomes = set(with_spec) | set(without)
-    stat = sum((with_spec[o] - without[o]) ** 2 / (with_spec[o] + without[o]) for o in outcomes)
-    assert stat < chi2_quantile(len(outcomes) - 1), (stat, with_spec, without)
+    assert_same_distribution(with_spec, without)
     assert_kv_all_free(speculative.engine)
 
 

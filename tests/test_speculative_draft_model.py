@@ -6,7 +6,6 @@ KV, warm-up compiles every draft and verify program, and a draft of another toke
 
 from __future__ import annotations
 
-import collections
 import math
 
 import jax
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from draft_models import noisy_copy
+from sampling_stats import assert_distributed_as, assert_same_distribution, seeded_first_tokens
 from tokenizers import Tokenizer
 
 from checkpoints.loaded import LoadedModel
@@ -37,11 +37,6 @@ SMALL = dict(
     prefill_seq_buckets=(4,),
 )
 K = 3
-
-
-def chi2_quantile(df: int, z: float = 3.72) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile at normal quantile z (3.72: 1e-4)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +113,6 @@ def test_rejection_sampling_against_q_keeps_the_target_distribution():
     out, _ = _verify(tiled, t, PenaltyCounts.zeros(1, V), drafts, history, probs, num_top_logprobs=0)
     tokens = np.asarray(out.tokens)
 
-    def assert_distributed_as(samples: np.ndarray, p: np.ndarray) -> None:
-        counts = np.bincount(samples, minlength=V)
-        assert counts[p == 0].sum() == 0, "a token outside top-k"
-        expected = p[p > 0] * len(samples)
-        stat = float(((counts[p > 0] - expected) ** 2 / expected).sum())
-        assert stat < chi2_quantile(int((p > 0).sum()) - 1), stat
-
     assert_distributed_as(tokens[:, 0], p[0])
     accepted = tokens[:, 0] == draws
     rate = np.minimum(p[0], q).sum()
@@ -194,24 +182,15 @@ def test_seeded_sampling_keeps_its_distribution(plain, speculative, assert_kv_al
     prompt = random_prompts(1, seed=4)[0]
     n = 320
 
-    def histogram(llm: LLM, base_seed: int) -> collections.Counter:
-        found = collections.Counter()
-        for group in range(0, n, 4):  # 4 at a time: at the speculation threshold
-            params = [
-                SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=base_seed + i, ignore_eos=True)
-                for i in range(group, group + 4)
-            ]
-            found.update(tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * 4, params, use_tqdm=False))
-        return found
-
     stats = speculative.engine.stats
     drafted, accepted = stats.draft_tokens, stats.accepted_tokens
-    with_draft, without = histogram(speculative, 0), histogram(plain, 10_000)
+    with_draft, without = (
+        seeded_first_tokens(speculative, prompt, n, 3, 0),
+        seeded_first_tokens(plain, prompt, n, 3, 10_000),
+    )
     drafted, accepted = stats.draft_tokens - drafted, stats.accepted_tokens - accepted
     assert 0 < accepted < drafted
-    outcomes = set(with_draft) | set(without)
-    stat = sum((with_draft[o] - without[o]) ** 2 / (with_draft[o] + without[o]) for o in outcomes)
-    assert stat < chi2_quantile(len(outcomes) - 1), (stat, with_draft, without)
+    assert_same_distribution(with_draft, without)
     assert_kv_all_free(speculative.engine)
 
 

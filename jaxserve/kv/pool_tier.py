@@ -231,7 +231,8 @@ class PoolTier:
                         break
             except Exception:  # noqa: BLE001 - a failed load costs a recompute, never the engine
                 logger.exception("reading KV blocks from the pool failed")
-                self._known.discard(job.keys[job.loaded])  # not offered again: recomputed from there
+                if job.loaded < len(job.keys):  # not offered again: recomputed from there
+                    self._known.discard(job.keys[job.loaded])
             with self._lock:
                 self._inflight -= job.nbytes
                 self.stats.loads += 1

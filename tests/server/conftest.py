@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import openai
 import pytest
-from server_harness import KEY_A, KEY_B, TEST_ENGINE, start_server
+from server_harness import KEY_A, KEY_B, TEST_ENGINE, delete_stored_responses, start_server, wait_until_idle
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.async_engine import AsyncEngine
@@ -44,3 +45,18 @@ def server(async_engine):
     srv = start_server(async_engine, api_keys=(KEY_A, KEY_B))
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    """The official `openai` client on the main server, with key A."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def stored_responses_cleared(server, async_engine, assert_kv_all_free):
+    """After the test: its stored responses deleted (they pin KV), the engine idle, every KV block free."""
+    yield
+    delete_stored_responses(server)
+    wait_until_idle(server, async_engine)
+    server.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])

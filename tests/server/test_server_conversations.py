@@ -17,18 +17,7 @@ from server.state import STATE
 
 GREEDY = dict(model=MODEL_NAME, temperature=0, max_output_tokens=8)
 
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_after(server, async_engine, assert_kv_all_free):
-    yield
-    delete_stored_responses(server)
-    wait_until_idle(server, async_engine)
-    server.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
+pytestmark = pytest.mark.usefixtures("stored_responses_cleared")
 
 
 def _texts(items) -> list[tuple[str, str, str]]:

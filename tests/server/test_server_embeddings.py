@@ -7,18 +7,12 @@ from __future__ import annotations
 import base64
 
 import numpy as np
-import openai
 import pytest
-from server_harness import KEY_A, MODEL_NAME, send, wait_until_idle
+from server_harness import MODEL_NAME, send, wait_until_idle
 
 from server.state import STATE
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "Hello world!"]
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
 
 
 @pytest.fixture(autouse=True)

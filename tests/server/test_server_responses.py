@@ -18,10 +18,8 @@ from server_harness import (
     KEY_A,
     KEY_B,
     MODEL_NAME,
-    delete_stored_responses,
     send,
     start_server,
-    wait_until_idle,
 )
 
 from jaxserve import faults
@@ -45,18 +43,7 @@ SCHEMA = {
 }
 GREEDY = dict(model=MODEL_NAME, temperature=0, max_output_tokens=8)
 
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_after(server, async_engine, assert_kv_all_free):
-    yield
-    delete_stored_responses(server)
-    wait_until_idle(server, async_engine)
-    server.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
+pytestmark = pytest.mark.usefixtures("stored_responses_cleared")
 
 
 def test_create_retrieve_input_items_and_delete(client):

@@ -14,27 +14,14 @@ import pytest
 from server_harness import (
     KEY_A,
     MODEL_NAME,
-    delete_stored_responses,
     send,
     stream_events,
-    wait_until_idle,
 )
 
 LONG = dict(model=MODEL_NAME, max_output_tokens=120, extra_body={"top_k": 1})
 HEADERS = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
 
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_after(server, async_engine, assert_kv_all_free):
-    yield
-    delete_stored_responses(server)
-    wait_until_idle(server, async_engine)
-    server.engine_call(async_engine, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
+pytestmark = pytest.mark.usefixtures("stored_responses_cleared")
 
 
 def _text(events) -> str:
