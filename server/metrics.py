@@ -215,37 +215,46 @@ def _pipeline_metrics(s: EngineSnapshot) -> Iterator[Metric]:
 
 
 def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
-    """Per-tier counters of the KV cache (device, host, disk)."""
+    """Per-tier counters of the KV cache: device, host and the lower tier, named by its kind (disk or pool)."""
     t = s.tiers
+    lower = t.lower_tier_name
     hits = CounterMetricFamily(
         f"{PREFIX}_kv_tier_hit_tokens",
-        "Prompt tokens served from each KV tier (host includes what the disk loaded)",
+        "Prompt tokens served from each KV tier (host includes what the lower tier loaded)",
         labels=["tier"],
     )
-    for tier, value in (("device", t.device_hit_tokens), ("host", t.host_hit_tokens), ("disk", t.disk_hit_tokens)):
+    for tier, value in (("device", t.device_hit_tokens), ("host", t.host_hit_tokens), (lower, t.disk_hit_tokens)):
         hits.add_metric([tier], value)
     yield hits
     evictions = CounterMetricFamily(f"{PREFIX}_kv_tier_evictions", "Blocks evicted from each KV tier", labels=["tier"])
-    for tier, value in (("device", t.device_evictions), ("host", t.host_evictions), ("disk", t.disk_evictions)):
+    for tier, value in (("device", t.device_evictions), ("host", t.host_evictions), (lower, t.disk_evictions)):
         evictions.add_metric([tier], value)
     yield evictions
-    disk_bytes = CounterMetricFamily(f"{PREFIX}_kv_disk_io_bytes", "Bytes of KV block files", labels=["direction"])
+    disk_bytes = CounterMetricFamily(
+        f"{PREFIX}_kv_{lower}_io_bytes", f"Bytes of KV blocks the {lower} tier read and wrote", labels=["direction"]
+    )
     disk_bytes.add_metric(["read"], t.disk_bytes_read)
     disk_bytes.add_metric(["written"], t.disk_bytes_written)
     yield disk_bytes
     yield _load_histogram(
-        f"{PREFIX}_kv_disk_load_duration_seconds",
-        "Wall time of each background load from the disk tier",
+        f"{PREFIX}_kv_{lower}_load_duration_seconds",
+        f"Wall time of each background load from the {lower} tier",
         t.disk_load_seconds_counts,
         t.disk_load_seconds,
     )
     yield CounterMetricFamily(
-        f"{PREFIX}_kv_disk_write_seconds", "Summed wall time of block file writes", value=t.disk_write_seconds
+        f"{PREFIX}_kv_{lower}_write_seconds",
+        f"Summed wall time of block writes to the {lower} tier",
+        value=t.disk_write_seconds,
     )
     yield CounterMetricFamily(
-        f"{PREFIX}_kv_disk_damaged_files", "Damaged block files found and deleted", value=t.disk_damaged
+        f"{PREFIX}_kv_{lower}_damaged_files",
+        f"Damaged blocks (files, pool objects) the {lower} tier found and deleted",
+        value=t.disk_damaged,
     )
-    yield GaugeMetricFamily(f"{PREFIX}_kv_disk_bytes", "Bytes of block files the disk tier holds", value=t.disk_bytes)
+    yield GaugeMetricFamily(
+        f"{PREFIX}_kv_{lower}_bytes", f"Bytes of KV blocks the {lower} tier holds", value=t.disk_bytes
+    )
 
 
 def _load_histogram(name: str, documentation: str, counts: tuple[int, ...], total_seconds: float) -> Metric:

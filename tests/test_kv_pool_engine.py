@@ -13,6 +13,7 @@ import pytest
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
+from server.metrics import ServerMetrics
 
 if (why := mooncake_missing()) is not None:
     pytest.skip(why, allow_module_level=True)
@@ -71,9 +72,15 @@ def test_a_second_engine_reads_the_prefix_from_the_pool(master, reference, asser
     tokens, cached = run(b)
     assert tokens == reference
     assert cached == [144, 96]  # full blocks from the pool, the last prompt token computed
-    tiers = b.engine.snapshot().tiers
-    assert tiers.disk_hit_tokens >= 144 + 96 and tiers.disk_loads >= 1
+    snapshot = b.engine.snapshot()
+    tiers = snapshot.tiers
+    assert tiers.disk_hit_tokens >= 144 + 96 and tiers.disk_loads >= 1 and tiers.lower_tier == "pool"
     assert b.engine.stats.prompt_tokens_computed < 150 + 97 - 200
+    # /metrics names the pool's counters as the pool's, not the disk tier's
+    text = ServerMetrics().render(snapshot, True).decode()
+    assert f'jaxserve_kv_tier_hit_tokens_total{{tier="pool"}} {float(tiers.disk_hit_tokens)}' in text
+    assert f'jaxserve_kv_pool_io_bytes_total{{direction="read"}} {float(tiers.disk_bytes_read)}' in text
+    assert "jaxserve_kv_pool_load_duration_seconds_count" in text and "jaxserve_kv_disk_" not in text
     close(a, assert_kv_all_free)
     close(b, assert_kv_all_free)
 

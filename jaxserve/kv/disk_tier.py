@@ -53,6 +53,8 @@ STALE_TEMP_SECONDS = 600.0  # a temporary file this old was left by a writer tha
 class DiskTier:
     """A `KVTier` (kv_tier.py) of block files in one directory."""
 
+    kind = "disk"
+
     def __init__(
         self,
         directory: str | os.PathLike,

@@ -91,6 +91,7 @@ def load_seconds_bucket(seconds: float) -> int:
 
 @runtime_checkable
 class KVTier(Protocol):
+    kind: str  # "disk" or "pool": the name its counters go by (`TierStats.lower_tier`, /metrics)
     fingerprint: bytes  # the seed of the content keys it stores blocks under
     stats: KVTierStats
 

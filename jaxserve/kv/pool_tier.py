@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 class PoolTier:
     """A `KVTier` (kv_tier.py) on a shared `BlockStore`."""
 
+    kind = "pool"
+
     def __init__(
         self,
         store: BlockStore,

@@ -317,9 +317,10 @@ class TierLink:
         self.tier.check_integrity()
 
     def tier_stats(self) -> dict[str, Any]:
-        """The tier's `TierStats` fields (`disk_*`: the disk tier is the one lower tier today)."""
+        """The tier's `TierStats` fields: `disk_*` count the one lower tier, disk or pool (`lower_tier`)."""
         s = self.tier.stats
         return dict(
+            lower_tier=self.tier.kind,
             disk_hit_tokens=self.hit_tokens,
             disk_evictions=s.evictions,
             disk_loads=s.loads,

@@ -1,4 +1,6 @@
-"""Per-tier counters of the KV cache (device, host, disk), for snapshots, `/metrics` and `bench`."""
+"""Per-tier counters of the KV cache (device, host, and the lower tier: disk or pool), for snapshots,
+`/metrics` and `bench`. The `disk_*` fields count the lower tier whichever it is (`lower_tier` names it;
+/metrics publishes them as `kv_disk_*` or `kv_pool_*`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from jaxserve.kv.manager import KVCacheManager
 class TierStats:
     device_hit_tokens: int = 0  # prompt tokens served from device blocks
     host_hit_tokens: int = 0  # ... copied back from the host tier (disk loads included)
-    disk_hit_tokens: int = 0  # ... of which the disk tier loaded
+    disk_hit_tokens: int = 0  # ... of which the lower tier (disk or pool) loaded
     device_evictions: int = 0  # blocks evicted from the device (spilled or dropped)
     host_evictions: int = 0  # blocks dropped from the host tier
     disk_evictions: int = 0  # files deleted to stay within the disk budget
@@ -28,6 +30,7 @@ class TierStats:
     disk_damaged: int = 0  # damaged files found and deleted (recomputed, never served)
     disk_files: int = 0
     disk_bytes: int = 0
+    lower_tier: str = ""  # the kind of the tier the disk_* fields count: "disk", "pool" or "" (none)
 
     def __post_init__(self) -> None:  # a list when read back from JSON (a remote worker's snapshot)
         object.__setattr__(self, "disk_load_seconds_counts", tuple(self.disk_load_seconds_counts))
@@ -48,6 +51,11 @@ class TierStats:
     def total(cls, stats: list[TierStats]) -> TierStats:
         return cls(*(_combine([getattr(s, f.name) for s in stats], 1) for f in dataclasses.fields(cls)))
 
+    @property
+    def lower_tier_name(self) -> str:
+        """What /metrics calls the lower tier: its kind, "disk" when there is none (all its counters 0)."""
+        return self.lower_tier or "disk"
+
     def minus(self, before: TierStats) -> TierStats:
         """What the counters gained since `before` (gauges such as disk_files are differenced too)."""
         return TierStats(
@@ -56,7 +64,10 @@ class TierStats:
 
 
 def _combine(values: list, sign: int):
-    """The first value plus (sign 1) or minus (sign -1) the others; tuples element by element."""
+    """The first value plus (sign 1) or minus (sign -1) the others; tuples element by element; for a
+    name (the lower tier's kind), the first one given (replicas of one engine share their settings)."""
+    if isinstance(values[0], str):
+        return next((v for v in values if v), "")
     if isinstance(values[0], tuple):
         return tuple(_combine(list(column), sign) for column in zip(*values))
     return values[0] + sign * sum(values[1:])

@@ -22,6 +22,7 @@ class MemoryTier:
     """One manager's view of a shared store: key -> (token bytes, payload), least recently used first."""
 
     def __init__(self, store: OrderedDict[bytes, tuple[bytes, bytes]], host: HostBlockArrays, capacity: int) -> None:
+        self.kind = "memory"
         self.fingerprint = FP
         self.stats = KVTierStats()
         self.store = store
