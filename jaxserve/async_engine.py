@@ -167,6 +167,9 @@ class AsyncEngine(AsyncKVTransfer):
         """What `/health` adds to its status: nothing for one process (a router lists its workers)."""
         return {}
 
+    def running_capacity(self) -> int:
+        return self.info.max_num_seqs
+
     # ----- the engine API, on the engine thread between steps (None once the loop has stopped) -
 
     async def snapshot(self) -> EngineSnapshot | None:

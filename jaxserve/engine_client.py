@@ -188,6 +188,10 @@ class EngineClient(Protocol):
     def health_details(self) -> dict[str, Any]:
         """What `/health` adds to its status (a router lists its workers)."""
 
+    def running_capacity(self) -> int:
+        """Sequences it can run at once now: `info.max_num_seqs` for one engine; for a router, the sum of
+        the workers that are up (what the server admits against)."""
+
     def generate(
         self,
         request_id: str,

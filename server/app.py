@@ -60,7 +60,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
     sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files, config.response_ttl)
     session_kv = SessionKV(engine, sessions, info.name)
-    admission = Admission(info.max_num_seqs, config.max_waiting_seqs, config.max_queue_wait)
+    admission = Admission(info.max_num_seqs, config.max_waiting_seqs, config.max_queue_wait, engine.running_capacity)
     metrics = ServerMetrics()
     metrics.queue_depth.set_function(admission.queue_depth)
     state = ServerState(

@@ -1,13 +1,15 @@
 """The server's own queue in front of the engine, with a deadline (`--max-queue-wait`).
 
-The engine runs at most `max_num_seqs` sequences at once (a router: the sum of its workers').
-With a queue deadline, the server hands the engine only that many: each admitted request takes
-running slots for its sequences before it reaches the engine, or waits here for them, in
-priority order (the request's `priority`, lower first, as vLLM orders it) and then arrival order.
-A request still waiting after `max_wait` seconds is refused with 503 and Retry-After instead of
-running late: it never reached the engine, so it holds no KV. Slots are never granted past a
-ticket's deadline (a late timer cannot let one through). A large request at the head of the queue
-is not overtaken by smaller ones behind it (no starvation).
+The engine runs at most `max_num_seqs` sequences at once (a router: the sum of its workers' that
+are up, `capacity`, read again as the queue is served and every GRANT_POLL seconds while requests
+wait, so the slots of a worker that comes back are used). With a queue deadline, the server hands
+the engine only that many: each admitted request takes running slots for its sequences before it
+reaches the engine, or waits here for them, in priority order (the request's `priority`, lower
+first, as vLLM orders it) and then arrival order. A request still waiting after `max_wait` seconds
+is refused with 503 and Retry-After instead of running late: it never reached the engine, so it
+holds no KV. Slots are never granted past a ticket's deadline (a late timer cannot let one
+through). A large request at the head of the queue is not overtaken by smaller ones behind it (no
+starvation).
 
 Without a deadline the server does not queue: requests go to the engine, which queues them.
 """
@@ -18,8 +20,11 @@ import asyncio
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 
 from server.errors import APIError
+
+GRANT_POLL = 0.5  # seconds between looks at the engine's capacity while requests wait
 
 
 class Ticket:
@@ -41,10 +46,13 @@ class Ticket:
 
 
 class RunSlots:
-    def __init__(self, slots: int, max_wait: float) -> None:
+    """`slots`: the most the engine ever runs at once; `capacity`: what it runs now (default: `slots`)."""
+
+    def __init__(self, slots: int, max_wait: float, capacity: Callable[[], int] | None = None) -> None:
         if slots < 1 or max_wait <= 0:
             raise ValueError("RunSlots needs slots >= 1 and max_wait > 0")
         self.slots = slots
+        self.capacity = capacity or (lambda: slots)
         self.max_wait = max_wait
         self.used = 0  # slots held by requests handed to the engine
         self._queue: list[Ticket] = []  # a heap: the next request to run first
@@ -72,7 +80,7 @@ class RunSlots:
         """Until `ticket` is granted; APIError 503 (and out of the queue) after `max_wait` seconds.
         Cancelled while waiting (the client went away), it leaves the queue too."""
         try:
-            await asyncio.wait_for(asyncio.shield(ticket.granted), self.max_wait)
+            await self._wait_granted(ticket)
         except TimeoutError:
             if self._leave(ticket):
                 raise self._timed_out() from None
@@ -80,6 +88,20 @@ class RunSlots:
         except asyncio.CancelledError:
             self._leave(ticket)
             raise
+
+    async def _wait_granted(self, ticket: Ticket) -> None:
+        """Until `ticket` is granted, granting what the capacity allows every GRANT_POLL seconds (a worker
+        that came back); TimeoutError at its deadline."""
+        loop = asyncio.get_running_loop()
+        while not ticket.granted.done():
+            left = ticket.deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                await asyncio.wait_for(asyncio.shield(ticket.granted), min(left, GRANT_POLL))
+            except TimeoutError:
+                self._grant()
+        ticket.granted.result()
 
     def withdraw(self, ticket: Ticket, error: APIError | None) -> None:
         """End a waiting ticket's wait without slots: with `error` raised (the server is stopping),
@@ -112,7 +134,8 @@ class RunSlots:
 
     def _grant(self) -> None:
         now = asyncio.get_running_loop().time()
-        while self._queue and self.used + self._queue[0].seqs <= self.slots:
+        capacity = self.capacity()
+        while self._queue and self.used + self._queue[0].seqs <= capacity:
             ticket = heapq.heappop(self._queue)
             if now > ticket.deadline:  # its timer is late (a busy loop): refused all the same
                 ticket.granted.set_exception(self._timed_out())

@@ -185,3 +185,16 @@ def test_a_burst_placed_before_any_worker_call_starts_is_spread_by_load():
     placed, loads = asyncio.run(burst())
     assert placed == [0, 1, 0, 1]
     assert loads == [2, 2, 0, 0]
+
+
+def test_the_routers_running_capacity_is_the_sum_of_the_workers_that_are_up():
+    """What the router's server admits against (`Admission`): each worker's own `max_num_seqs`, as its
+    `Info` reported it, for the workers up now; a worker marked down takes its slots with it."""
+    remote = RemoteEngine([WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")], ROUTER_POLICY)
+    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,), 64)
+    assert remote.running_capacity() == 0  # nothing checked yet
+    for worker, seqs in zip(remote.workers, (4, 6)):
+        worker.up, worker.info = True, dataclasses.replace(info, max_num_seqs=seqs)
+    assert remote.running_capacity() == 10
+    remote.workers[1].mark_down("health check failed")
+    assert remote.running_capacity() == 4

@@ -121,3 +121,22 @@ def test_withdrawn_waiters_end_with_the_error_or_without_slots():
         assert not cancelled.holding and slots.used == 1 and slots.waiting_requests == 0
 
     asyncio.run(run())
+
+
+def test_slots_follow_the_engines_capacity_now_and_waiters_get_the_slots_of_a_worker_that_comes_back():
+    async def run() -> None:
+        capacity = [1]  # a router with one of its two one-slot workers down
+        slots = RunSlots(2, max_wait=10, capacity=lambda: capacity[0])
+        first, second = slots.take(1, 0), slots.take(1, 0)
+        assert first.granted.done() and not second.granted.done() and slots.used == 1
+        waiting = asyncio.create_task(slots.wait(second))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # nothing was released: only the capacity can let it through
+        capacity[0] = 2  # the worker is back: granted at the next look, with no release
+        await asyncio.wait_for(waiting, 2)
+        assert slots.used == 2 and slots.waiting_requests == 0
+        slots.release(first)
+        slots.release(second)
+        assert slots.used == 0
+
+    asyncio.run(run())

@@ -66,6 +66,29 @@ def test_admission_counts_sequences_and_refuses_past_the_bound():
         assert admission.in_flight == 6
 
 
+def test_admission_admits_against_the_capacity_now_but_sizes_requests_against_the_most():
+    capacity = [2]  # a router whose workers hold 4 running slots in all, 2 of them up
+    admission = Admission(max_running_seqs=4, max_waiting_seqs=2, running_capacity=lambda: capacity[0])
+    with admission.hold(4):  # 2 running + 2 waiting: full now
+        assert admission.queue_depth() == 2
+        with pytest.raises(APIError) as refused:
+            with admission.hold(1):
+                pass
+        assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
+        capacity[0] = 4  # the other worker is back
+        with admission.hold(2):
+            assert admission.in_flight == 6
+    capacity[0] = 0  # every worker down: only the waiting bound is admitted
+    with pytest.raises(APIError) as refused:
+        with admission.hold(3):
+            pass
+    assert refused.value.status == 503
+    with pytest.raises(APIError) as too_large:  # larger than the whole cluster: 400, whatever is up
+        with admission.hold(7):
+            pass
+    assert too_large.value.status == 400 and admission.in_flight == 0
+
+
 def test_api_keys(tmp_path):
     keys = ApiKeys(["k1", "k2"])
     assert keys.authenticate("Bearer k2") == owner_id("k2") != owner_id("k1")

@@ -134,6 +134,10 @@ class RemoteEngine:
     def last_step_at(self) -> float:
         return time.monotonic()  # no loop of its own that could be stuck; workers report theirs
 
+    def running_capacity(self) -> int:
+        """The running slots of the generating workers that are up, as each reported them (`Info`)."""
+        return sum(w.info.max_num_seqs for w in self.pool.workers if w.up and w.info is not None)
+
     def health_details(self) -> dict[str, object]:
         details: dict[str, object] = {"workers": [w.status() for w in self.pool.workers]}
         if self.pool.prefill_workers:
