@@ -58,6 +58,9 @@ class AsyncKVTransfer:
     def kv_events(self) -> KVEventSource | None:
         return self._replica.kv_event_log()
 
+    def lora_adapter_digests(self) -> dict[str, bytes]:
+        return self._replica.lora_adapter_digests()
+
     async def hold_kv(self, token_ids: Sequence[int], max_blocks: int | None = None) -> KVHold | None:
         return await self._on_replica_thread(lambda r: r.hold_prefix(token_ids, max_blocks))
 

@@ -285,6 +285,10 @@ class KVTransferEngine(EngineClient, Protocol):
     def kv_events(self) -> KVEventSource | None:
         """The prefix cache's changes (KV events) of its one replica, for a router (None: not recorded)."""
 
+    def lora_adapter_digests(self) -> dict[str, bytes]:
+        """The adapters served: name -> weights digest, the salt of the content keys of their requests'
+        blocks in the KV events (`ChainKeys.salted`)."""
+
     async def hold_kv(self, token_ids: Sequence[int], max_blocks: int | None = None) -> KVHold | None:
         """Hold the cached device blocks of the prompt's longest cached prefix."""
 

@@ -90,6 +90,17 @@ def test_the_prefix_cache_keeps_adapters_apart(llm, assert_kv_all_free):
     check_all_free(llm, assert_kv_all_free)
 
 
+def test_each_adapter_lists_the_digest_its_requests_kv_keys_are_salted_with(llm, adapters):
+    """What a worker tells a router (`LoraAdaptersResponse.digests`) to match an adapter's blocks in its
+    KV events: the digest of the weights each served name runs with, one per distinct adapter."""
+    engine = llm.engine
+    digests = engine.lora_adapter_digests()
+    served = engine.lora_adapters()
+    assert set(digests) == set(served) and len(set(digests.values())) == len(digests)
+    for name, path in served.items():
+        assert digests[name] == engine.read_lora(path).digest
+
+
 def test_unknown_and_bad_adapters_are_refused(llm, adapters, tmp_path):
     engine = llm.engine
     with pytest.raises(UnknownAdapterError, match="no-such"):

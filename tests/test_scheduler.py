@@ -179,7 +179,8 @@ def test_lpm_prefers_cached_prefix_with_starvation_guard(monkeypatch):
 
 
 def test_a_requests_tokens_are_copied_by_range_and_salted_for_the_cache_only_in_the_copy():
-    from jaxserve.lora.manager import AdapterRef, salt_token
+    from jaxserve.kv.content_keys import salt_token
+    from jaxserve.lora.manager import AdapterRef
 
     r = req("t", 0, prompt=[10, 11, 12])
     r.output_token_ids += [20, 21]

@@ -155,6 +155,9 @@ class EncoderEngine:
     def lora_adapters(self) -> dict[str, str]:
         return {}
 
+    def lora_adapter_digests(self) -> dict[str, bytes]:
+        return {}
+
     def kv_event_log(self) -> None:
         return None  # no prefix cache, so no KV events
 

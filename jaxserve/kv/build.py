@@ -80,6 +80,8 @@ def _record_drops(cache: RadixCache, events: KVEventLog, block_size: int) -> Non
         if write_back is not None:
             write_back(dropped)
         end = dropped.first + len(dropped.locations)
-        events.removed(chain_keys(events.seed, dropped.tokens, end, block_size)[dropped.first :])
+        seed = events.chain_seed(dropped.tokens)
+        if seed is not None:
+            events.removed(chain_keys(seed, dropped.tokens, end, block_size)[dropped.first :])
 
     cache.on_drop = on_drop

@@ -10,6 +10,11 @@ they would have computed the same bytes:
 
 `ChainKeys` memoizes the chain of one growing token sequence (a request's tokens only ever get
 longer), so matching a waiting request again every step costs nothing after the first time.
+
+LoRA: the prefix cache (keyed by tokens) keeps adapters apart by a request's first token, salted
+with this process's number for its adapter (`salt_token`). That number is the engine's own, so
+content keys hash the token unsalted (`content_token_bytes`) and salt the chain's seed with the adapter's
+weights digest instead (`ChainKeys.salted`): every engine, restart and router agrees on them.
 """
 
 from __future__ import annotations
@@ -23,13 +28,28 @@ import numpy as np
 KEY_BYTES = 16
 TOKEN_BYTES = 4  # token ids are keyed as int32
 assert array("i").itemsize == TOKEN_BYTES
+TOKEN_BITS = 20  # a salted token keeps its id in these bits: vocabularies up to 2**20
+_TOKEN_MASK = (1 << TOKEN_BITS) - 1
+
+
+def salt_token(uid: int, token: int) -> int:
+    """`token` salted by the adapter this process numbers `uid`: a negative id (see the module docstring)."""
+    return -1 - ((uid << TOKEN_BITS) | token)
 
 
 def token_bytes(tokens: Sequence[int] | np.ndarray, num_tokens: int) -> bytes:
-    """The first `num_tokens` token ids as int32 bytes: the key format of the prefix cache and the tiers."""
+    """The first `num_tokens` token ids as int32 bytes, salted ones as they are: the radix tree's keys."""
     if isinstance(tokens, np.ndarray):
         return np.ascontiguousarray(tokens[:num_tokens], dtype=np.int32).tobytes()
     return array("i", tokens[:num_tokens]).tobytes()
+
+
+def content_token_bytes(tokens: Sequence[int] | np.ndarray, num_tokens: int) -> bytes:
+    """`token_bytes` with a salted first token unsalted: what content keys hash and the tiers store
+    with a block (a salted token is only ever a request's first)."""
+    if len(tokens) and num_tokens and tokens[0] < 0:
+        tokens = [(-1 - int(tokens[0])) & _TOKEN_MASK, *tokens[1:num_tokens]]
+    return token_bytes(tokens, num_tokens)
 
 
 def fingerprint(fields: Mapping[str, object]) -> bytes:
@@ -83,7 +103,7 @@ class ChainKeys:
         keys = self._keys
         done = len(keys)
         if num_blocks > done:
-            data = token_bytes(tokens[done * bs : num_blocks * bs], (num_blocks - done) * bs)
+            data = content_token_bytes(tokens[done * bs : num_blocks * bs], (num_blocks - done) * bs)
             step = bs * 4
             previous = keys[-1] if keys else self.seed
             for i in range(num_blocks - done):

@@ -266,8 +266,8 @@ class KVCacheManager:
             if handle.chain is None:
                 handle.chain = self.tier_link.new_chain()
             self.tier_link.write_through(handle.chain, token_ids, adopted)
-            if self.events is not None and handle.chain.seed == self.events.seed:  # not a LoRA chain
-                self.events.stored(handle.chain.keys(token_ids, max(adopted) + 1)[min(adopted) :])
+            if self.events is not None:
+                self.events.stored_path(handle.chain, token_ids, min(adopted), max(adopted) + 1)
         handle.cached_blocks = done + len(result.blocks)
         return handle.cached_blocks
 

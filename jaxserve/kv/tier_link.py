@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from jaxserve.kv.content_keys import TOKEN_BYTES, ChainKeys, chain_keys, next_key, token_bytes
+from jaxserve.kv.content_keys import TOKEN_BYTES, ChainKeys, chain_keys, content_token_bytes, next_key
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.kv_tier import KVTier, LoadJob
@@ -159,7 +159,7 @@ class TierLink:
         bs = self.block_size
         keys = chain.keys(tokens, max(blocks) + 1)
         for i, block in blocks.items():
-            self._plan(CopyKind.DEVICE_TO_DISK, block, keys[i], token_bytes(tokens[i * bs : (i + 1) * bs], bs))
+            self._plan(CopyKind.DEVICE_TO_DISK, block, keys[i], content_token_bytes(tokens[i * bs : (i + 1) * bs], bs))
 
     def count_hits(self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray, device_blocks: Sequence[int]) -> None:
         """An admission reused `device_blocks` (the first blocks of `tokens`): selective write-through."""
@@ -173,7 +173,7 @@ class TierLink:
             count = self._hits.get(key, 0) + 1
             if count >= n:
                 self._hits.pop(key, None)
-                self._plan(CopyKind.DEVICE_TO_DISK, block, key, token_bytes(tokens[i * bs : (i + 1) * bs], bs))
+                self._plan(CopyKind.DEVICE_TO_DISK, block, key, content_token_bytes(tokens[i * bs : (i + 1) * bs], bs))
             else:
                 self._hits[key] = count
 
@@ -239,7 +239,7 @@ class TierLink:
         host_slots = cache.reserve_host(n)
         bs, first, kb = self.block_size, path.end, self.block_size * TOKEN_BYTES
         keys = chain.keys(tokens, first + n)[first:]
-        data = token_bytes(tokens[first * bs : (first + n) * bs], n * bs)
+        data = content_token_bytes(tokens[first * bs : (first + n) * bs], n * bs)
         per_block = [data[i * kb : (i + 1) * kb] for i in range(n)]
         self._unsubmitted.append((keys, per_block, host_slots, req_id))
         self._loads[req_id] = _Load(None, path, data, host_slots=host_slots)

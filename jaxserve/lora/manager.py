@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 
 from checkpoints.config import ModelConfig
+from jaxserve.kv.content_keys import TOKEN_BITS, salt_token
 from jaxserve.lora.peft import LoraWeights, load_peft_adapter
 
-TOKEN_BITS = 20  # a salted token keeps its id in these bits: vocabularies up to 2**20
 MAX_ADAPTER_UIDS = (1 << (31 - TOKEN_BITS)) - 1
 
 
@@ -41,11 +41,6 @@ class AdapterRef:
         """A prompt's first token as the prefix cache keys it for this adapter: a negative id that
         no other adapter (nor the base model) gives, so their KV never shares a prefix."""
         return salt_token(self.uid, token)
-
-
-def salt_token(uid: int, token: int) -> int:
-    """`token` salted by the adapter numbered `uid` (see `AdapterRef.salt`)."""
-    return -1 - ((uid << TOKEN_BITS) | token)
 
 
 @dataclasses.dataclass
@@ -76,6 +71,7 @@ class LoraManager:
         self.max_cpu_loras = max_cpu_loras
         self._write_adapter = write_adapter
         self._paths: dict[str, str] = {}  # registered name -> directory
+        self._digests: dict[str, bytes] = {}  # registered name -> its weights' digest (`LoraWeights.digest`)
         self._host: collections.OrderedDict[str, LoraWeights] = collections.OrderedDict()  # LRU last
         self._uids: dict[bytes, int] = {}  # weights digest -> uid
         self._lora_slot_uid: list[int | None] = [None] * max_loras
@@ -111,6 +107,7 @@ class LoraManager:
         if weights is None:
             weights = self.read(path)
         self._paths[name] = path
+        self._digests[name] = weights.digest
         self.keep(name, path, weights)
 
     def keep(self, name: str, path: str, weights: LoraWeights) -> None:
@@ -131,11 +128,18 @@ class LoraManager:
     def remove(self, name: str) -> None:
         """Stop serving `name` (KeyError if unknown). Requests already queued with it finish."""
         del self._paths[name]
+        del self._digests[name]
         self._host.pop(name, None)
 
     def names(self) -> dict[str, str]:
         """Served adapter names and their directories."""
         return dict(self._paths)
+
+    def digests(self) -> dict[str, bytes]:
+        """Served adapter names and their weights' digests: the salt of their requests' KV content keys
+        (`ChainKeys.salted`), which a router needs to follow their blocks in the KV events. A plain
+        dict copy: safe off the engine thread, at worst a stale answer."""
+        return dict(self._digests)
 
     def resolve(self, name: str) -> AdapterRef:
         """The adapter a new request named `name` runs with (KeyError if no adapter has that name)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from jaxserve.kv.content_keys import next_key, token_bytes
+from jaxserve.kv.content_keys import content_token_bytes, next_key
 
 
 class KVIndex:
@@ -25,11 +25,14 @@ class KVIndex:
         self.keys.update(stored)
         self.keys.difference_update(removed)
 
-    def match(self, token_ids: Sequence[int]) -> int:
-        """Tokens of `token_ids` from the start whose blocks the target holds (whole blocks)."""
-        bs, key, n = self.block_size, self.seed, 0
+    def match(self, token_ids: Sequence[int], salt: bytes | None = None) -> int:
+        """Tokens of `token_ids` from the start whose blocks the target holds (whole blocks); `salt`:
+        a LoRA adapter's weights digest, whose requests' keys chain from the seed salted by it
+        (`ChainKeys.salted`)."""
+        bs, n = self.block_size, 0
+        key = self.seed if salt is None else next_key(self.seed, salt)
         while (n + 1) * bs <= len(token_ids):
-            key = next_key(key, token_bytes(token_ids[n * bs : (n + 1) * bs], bs))
+            key = next_key(key, content_token_bytes(token_ids[n * bs : (n + 1) * bs], bs))
             if key not in self.keys:
                 break
             n += 1

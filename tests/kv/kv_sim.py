@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxserve.kv import CopyKind, CopyStage, KVCacheManager, KVHandle, Pin, RadixCache
+from jaxserve.kv.content_keys import ChainKeys
 
 EMPTY = -1
 
@@ -69,11 +70,14 @@ class FakeEngine:
         """Running requests not scheduled this round (the ones a scheduler may preempt)."""
         return [r for r in self.running() if r not in self.busy]
 
-    def admit(self, rid: str, tokens: list[int], chunk: int, total: int | None = None) -> bool:
+    def admit(
+        self, rid: str, tokens: list[int], chunk: int, total: int | None = None, chain: ChainKeys | None = None
+    ) -> bool:
         """Admit with a prefill chunk of `chunk` tokens after the cached prefix, or so that
-        `total` tokens are computed after this round (to keep two engines in step)."""
+        `total` tokens are computed after this round (to keep two engines in step); `chain`: the
+        request's content keys (a LoRA request's are salted), else the manager's."""
         mgr = self.mgr
-        hit = mgr.match_prefix(tokens)
+        hit = mgr.match_prefix(tokens, chain)
         assert hit.num_tokens % self.bs == 0 and hit.num_tokens <= max(len(tokens) - 1, 0)
         n = min(len(tokens) - hit.num_tokens, chunk) if total is None else total - hit.num_tokens
         can = mgr.can_admit(hit, n)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kv_sim import FakeEngine
 
 from jaxserve.kv import build_kv_manager
-from jaxserve.kv.content_keys import chain_keys
+from jaxserve.kv.content_keys import ChainKeys, chain_keys, salt_token, token_bytes
 from jaxserve.kv.kv_events import KVEventLog
 from jaxserve.placement.kv_index import KVIndex
 
@@ -64,3 +64,38 @@ def test_a_reader_behind_the_log_takes_a_snapshot():
     log.removed([bytes([0]) * 16])
     seq, keys = log.snapshot()
     assert seq == 5 and keys == {bytes([i]) * 16 for i in (1, 2, 3)}
+
+
+def test_lora_content_keys_do_not_depend_on_the_engines_own_adapter_number():
+    """A LoRA request's cache tokens carry this engine's number for its adapter in their first token
+    (the radix tree keeps adapters apart by it); its content keys, which the tiers, the pool and a
+    router share, hash the token unsalted from a seed salted by the adapter's weights digest."""
+    seed, digest = bytes(range(16)), b"weights digest"
+    prompt = list(range(10, 22))  # 3 blocks
+    here, there = ([salt_token(uid, prompt[0]), *prompt[1:]] for uid in (3, 7))
+    keys = ChainKeys(seed, BS).salted(digest).keys(here, 3)
+    assert keys == ChainKeys(seed, BS).salted(digest).keys(there, 3)  # another engine numbers it 7
+    assert keys != chain_keys(seed, prompt, 3, BS)  # not the base model's
+    assert keys != ChainKeys(seed, BS).salted(b"other weights").keys(here, 3)
+    assert KVIndex(seed, BS, keys).match(prompt, digest) == 12 and KVIndex(seed, BS, keys).match(prompt) == 0
+    assert token_bytes(here, 4) != token_bytes(there, 4) != token_bytes(prompt, 4)  # the radix tree's keys
+
+
+def test_a_lora_prompts_blocks_are_stored_and_removed_under_its_salted_keys():
+    """A LoRA request's blocks (cache tokens with a salted first token, content keys from the seed
+    salted by its adapter's digest) enter the events under those keys, which a router matches with the
+    digest, and leave them under the same keys when they are evicted."""
+    eng = engine(num_blocks=5)  # 4 usable blocks
+    log, digest = eng.mgr.events, b"weights digest"
+    prompt = list(range(10, 26))  # 4 blocks
+    assert eng.admit("a", [salt_token(2, prompt[0]), *prompt[1:]], chunk=16, chain=eng.mgr.new_chain().salted(digest))
+    eng.run_step()
+    eng.finish("a")
+    index, seq = follow(log)
+    assert index.match(prompt, digest) == 16 and index.match(prompt) == 0
+    assert eng.admit("b", list(range(50, 66)), chunk=16)  # evicts a's blocks
+    eng.run_step()
+    for b in log.since(seq):
+        index.apply(b.stored, b.removed, b.cleared)
+    assert index.match(prompt, digest) == 0 and index.match(list(range(50, 66))) == 16
+    assert index.keys == set(follow(log)[0].keys)  # what the events said is what the log holds

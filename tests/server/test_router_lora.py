@@ -175,3 +175,36 @@ def test_an_adapter_sticks_to_its_worker_restarts_get_run_time_loads_and_session
     for port in cluster["ports"]:
         snap = wait_idle(port)
         assert snap.kv.used == 0 and snap.kv_requests == 0
+
+
+def test_a_router_that_never_saw_a_lora_prompt_places_its_prefix_by_the_workers_kv_events(cluster):
+    """Router A over worker 1 alone computes a LoRA prompt there; router B over both workers, which never
+    saw it, sends a prompt sharing its prefix to worker 1 from worker 1's KV events: the adapter's blocks
+    are keyed under its weights digest, which each worker lists with its adapters."""
+    ports = cluster["ports"]
+    with grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as channel:
+        listed = WorkerStub(channel).ListLoraAdapters(pb.ListLoraAdaptersRequest(), timeout=30)
+    assert set(listed.digests) == set(listed.adapters) and len(set(listed.digests.values())) == len(listed.digests)
+    flags = ("--api-key", KEY_A, "--served-model-name", "tiny-random", "--health-check-interval", "0.3")
+    routers = [start_router([ports[1]], *flags), start_router(ports, *flags)]
+    try:
+        for proc, _ in routers:
+            proc.wait_for("Running on", timeout=120)
+        (_, a), (_, b) = routers
+        name = TINY_ADAPTERS[1].name
+        prompt = [(7 * i) % 200 + 3 for i in range(64)]
+        body = {"model": name, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        assert send(a, "POST", "/v1/completions", {**body, "prompt": prompt}).status == 200
+        time.sleep(1.0)  # the events reach router B
+        reply = send(b, "POST", "/v1/completions", {**body, "prompt": [*prompt[:48], 5, 6, 7, 8]})
+        assert reply.status == 200, reply.text
+        assert routed(b) == [0, 1]
+        assert json.loads(reply.text)["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    finally:
+        for proc, _ in routers:
+            proc.terminate()
+        for proc, _ in routers:
+            proc.finish(60)
+    for port in ports:
+        snap = wait_idle(port)
+        assert snap.kv.used == 0 and snap.kv_requests == 0

@@ -11,7 +11,9 @@ import pytest
 from child_process import jaxserve
 
 from jaxserve.engine_client import EngineDeadError, EngineInfo
+from jaxserve.kv.content_keys import ChainKeys
 from jaxserve.placement import PlacementPolicy, choose_target
+from jaxserve.placement.kv_index import KVIndex
 from jaxserve.placement.prefix_tree import ApproxPrefixTree
 from jaxserve.placement.sent_prefixes import SentPrefixes
 from jaxserve.sampling_params import SamplingParams
@@ -19,6 +21,7 @@ from jaxserve.structured import GuidedDecoding
 from server.cluster.router.remote_engine import RemoteEngine
 from server.cluster.router.sequence import worker_params
 from server.cluster.router.worker_client import WorkerClient, WorkerInfo
+from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import params_from_json, params_to_json
 
 
@@ -198,3 +201,20 @@ def test_the_routers_running_capacity_is_the_sum_of_the_workers_that_are_up():
     assert remote.running_capacity() == 10
     remote.workers[1].mark_down("health check failed")
     assert remote.running_capacity() == 4
+
+
+def test_a_lora_prompts_blocks_in_the_kv_events_match_once_the_worker_listed_the_adapters_digest():
+    """A worker keys a LoRA request's blocks from its seed salted by the adapter's weights digest
+    (`ChainKeys.salted`, as its scheduler does); the router matches them with the digest the worker
+    lists for the adapter's name (`LoraAdaptersResponse.digests`), and not for the base model."""
+    seed, bs, digest = bytes(range(16)), 4, b"adapter weights digest"
+    prompt = list(range(3, 23))  # 5 blocks of 4
+    worker = WorkerClient("127.0.0.1:1")
+    worker.kv_index = KVIndex(seed, bs, ChainKeys(seed, bs).salted(digest).keys(prompt, 4))
+    assert worker.prefix_match_length(prompt, "sql") == 0  # its digest not listed yet: not matched
+    assert worker.prefix_match_length(prompt) == 0  # the base model's keys differ
+    worker.note_adapters(pb.LoraAdaptersResponse(adapters={"sql": "/a"}, digests={"sql": digest}))
+    assert worker.prefix_match_length(prompt, "sql") == 16
+    assert worker.prefix_match_length([*prompt[:9], 0, 0, 0], "sql") == 8
+    worker.note_adapters(pb.LoraAdaptersResponse(adapters={"sql": "/b"}, digests={"sql": b"other weights"}))
+    assert worker.prefix_match_length(prompt, "sql") == 0  # the name now runs other weights

@@ -324,6 +324,7 @@ class RemoteEngine:
             except grpc.aio.AioRpcError as e:
                 logger.warning("listing the LoRA adapters of worker %s failed: %s", worker.address, e.code().name)
                 continue
+            worker.note_adapters(reply)
             return dict(reply.adapters)
         return None
 

@@ -105,6 +105,8 @@ class WorkerClient:
         self.routed = 0  # sequences the router has sent there since it started
         self.sent = SentPrefixes()  # what the router sent here: its cache picture
         self.loaded_adapters: set[str] = set()  # LoRA adapters the router loaded here (run-time loads)
+        # every adapter it serves -> its weights' digest, the salt of its KV content keys (`kv_index`)
+        self.adapter_digests: dict[str, bytes] = {}
         self.kv_index: KVIndex | None = None  # what its KV events say it holds (None: no stream)
         self.kv_events_refused = False  # the worker does not record KV events: do not ask again
         self._channel: grpc.aio.Channel | None = None
@@ -145,6 +147,8 @@ class WorkerClient:
                 self.info, self.instance_id = info, info_msg.instance_id
                 self.sent.clear()
                 self.loaded_adapters.clear()
+                listed = await self.stub.ListLoraAdapters(pb.ListLoraAdaptersRequest(), timeout=HEALTH_TIMEOUT)
+                self.note_adapters(listed)
         except grpc.aio.AioRpcError as e:
             self.mark_down(f"{e.code().name}: {e.details()}")
             return False
@@ -159,12 +163,19 @@ class WorkerClient:
     def load(self) -> int:
         return self.in_flight
 
+    def note_adapters(self, reply: pb.LoraAdaptersResponse) -> None:
+        """The adapters it serves, as a reply to a LoRA call lists them (their digests, for `kv_index`)."""
+        self.adapter_digests = dict(reply.digests)
+
     def prefix_match_length(self, token_ids: Sequence[int], lora: str | None = None) -> int:
         """What its KV events say it holds, or what the router sent it (a prompt sent a moment ago
-        is not computed, let alone reported, yet), whichever is longer."""
+        is not computed, let alone reported, yet), whichever is longer. An adapter's blocks are
+        keyed under its digest: matched in the events once the worker has said which it is."""
         sent = self.sent.match(token_ids, lora)
         index = self.kv_index
-        return max(sent, index.match(token_ids)) if index is not None and lora is None else sent
+        if index is None or (lora is not None and lora not in self.adapter_digests):
+            return sent
+        return max(sent, index.match(token_ids, None if lora is None else self.adapter_digests[lora]))
 
     async def follow_kv_events(self) -> None:
         """Keep `kv_index` from the worker's KV events until the stream ends (the worker went

@@ -118,7 +118,9 @@ class WorkerPool:
             if name in worker.loaded_adapters:
                 continue
             try:
-                await worker.stub.LoadLoraAdapter(pb.LoraAdapterRequest(name=name, path=path), timeout=CALL_TIMEOUT)
+                reply = await worker.stub.LoadLoraAdapter(
+                    pb.LoraAdapterRequest(name=name, path=path), timeout=CALL_TIMEOUT
+                )
             except grpc.aio.AioRpcError as e:
                 logger.warning(
                     "loading LoRA adapter %s on worker %s failed: %s: %s",
@@ -128,6 +130,7 @@ class WorkerPool:
                     e.details(),
                 )
                 continue
+            worker.note_adapters(reply)
             if self.adapters.get(name) == path:  # not unloaded meanwhile
                 worker.loaded_adapters.add(name)
 
@@ -155,6 +158,8 @@ class WorkerPool:
                 raise EngineDeadError(f"worker {worker.address}: {result.code().name}: {result.details()}")
             if isinstance(result, BaseException):
                 raise result
+        for worker, reply in zip(up, results):
+            worker.note_adapters(reply)
         return up
 
     @staticmethod

@@ -252,7 +252,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         adapters = await self._engine.lora_adapters()
         if adapters is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
-        return pb.LoraAdaptersResponse(adapters=adapters)
+        return pb.LoraAdaptersResponse(adapters=adapters, digests=self._engine.lora_adapter_digests())
 
     async def SetPinBudget(
         self, request: pb.SetPinBudgetRequest, context: grpc.aio.ServicerContext
