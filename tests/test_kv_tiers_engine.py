@@ -171,3 +171,38 @@ def test_bad_disk_settings_are_refused(tmp_path):
         make(tmp_path, kv_disk_bytes=0)
     with pytest.raises(ValueError, match="kv_disk_min_load_tokens"):
         make(tmp_path, kv_disk_min_load_tokens=-1)
+
+
+def test_an_adapters_prefix_is_a_disk_hit_after_a_restart_that_numbers_its_adapters_otherwise(
+    tmp_path, assert_kv_all_free
+):
+    """Each engine numbers its adapters in the order their first requests come (the prefix cache
+    salts a LoRA prompt's first token with that number); the disk tier keys an adapter's blocks by
+    its weights instead, so a restart that meets the adapters in the other order still hits."""
+    from lora_harness import LORA_ENGINE, TINY_ADAPTERS, write_tiny_adapters
+
+    adapters = write_tiny_adapters(tmp_path / "adapters")
+    first_name, second_name = TINY_ADAPTERS[0].name, TINY_ADAPTERS[1].name
+    lora = {k: v for k, v in LORA_ENGINE.items() if k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")}
+
+    def engine() -> LLM:
+        llm = make(tmp_path / "kv", **lora)
+        for spec in TINY_ADAPTERS[:2]:
+            llm.engine.add_lora(spec.name, str(adapters[spec.name]))
+        return llm
+
+    def complete(llm: LLM, name: str | None, prompt: list[int]):
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora=name)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    before = engine()
+    want, cached = complete(before, first_name, PROMPTS[1])  # the adapter numbered 1 here
+    assert cached == 0
+    close(before, assert_kv_all_free)
+    after = engine()
+    complete(after, second_name, PROMPTS[2])  # the other adapter takes number 1 after the restart
+    assert complete(after, None, PROMPTS[1])[1] == 0  # the base model never reads the adapter's KV
+    assert complete(after, first_name, PROMPTS[1]) == (want, 96)
+    assert after.engine.snapshot().tiers.disk_hit_tokens >= 96
+    close(after, assert_kv_all_free)

@@ -4,7 +4,7 @@ none when prefix caching is off) and the link to a tier below the host tier."""
 from __future__ import annotations
 
 from jaxserve.kv.block_pool import BlockPool
-from jaxserve.kv.content_keys import chain_keys
+from jaxserve.kv.content_keys import PathSeeds, chain_keys
 from jaxserve.kv.copy_plan import CopyPlan
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.kv_events import KVEventLog
@@ -58,7 +58,7 @@ def build_kv_manager(
         if not isinstance(cache, RadixCache):
             raise ValueError("KV events need the prefix cache")
         events = KVEventLog(link.new_chain().seed)
-        _record_drops(cache, events, block_size)
+        _record_drops(cache, events, link.seeds, block_size)
     return KVCacheManager(
         pool,
         cache,
@@ -72,7 +72,7 @@ def build_kv_manager(
     )
 
 
-def _record_drops(cache: RadixCache, events: KVEventLog, block_size: int) -> None:
+def _record_drops(cache: RadixCache, events: KVEventLog, seeds: PathSeeds, block_size: int) -> None:
     """Blocks leaving the cache for good are recorded as removed (after the tier link's write-back)."""
     write_back = cache.on_drop
 
@@ -80,8 +80,8 @@ def _record_drops(cache: RadixCache, events: KVEventLog, block_size: int) -> Non
         if write_back is not None:
             write_back(dropped)
         end = dropped.first + len(dropped.locations)
-        seed = events.chain_seed(dropped.tokens)
-        if seed is not None:
+        seed = seeds.of(dropped.tokens)
+        if seed is not None:  # else a LoRA path no request keyed: never recorded
             events.removed(chain_keys(seed, dropped.tokens, end, block_size)[dropped.first :])
 
     cache.on_drop = on_drop

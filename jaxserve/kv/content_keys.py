@@ -110,3 +110,25 @@ class ChainKeys:
                 previous = next_key(previous, data[i * step : (i + 1) * step])
                 keys.append(previous)
         return keys[:num_blocks]
+
+
+class PathSeeds:
+    """The seed of a cached path's content keys, told by the path's first token: the engine's seed, or
+    for a LoRA request's path (its first token salted) the seed salted by the adapter's weights digest,
+    noted when a request of that adapter met the cache (`note`). A salted first token names one
+    adapter's weights for the engine's life (its numbers for adapters are never reused)."""
+
+    def __init__(self, seed: bytes) -> None:
+        self.seed = seed
+        self._salted: dict[int, bytes] = {}  # salted first token -> the seed of its requests' chains
+
+    def note(self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray) -> None:
+        """A request with content keys `chain` and cache tokens `tokens` meets the cache."""
+        if len(tokens) and tokens[0] < 0:
+            self._salted[int(tokens[0])] = chain.seed
+
+    def of(self, tokens: Sequence[int] | np.ndarray) -> bytes | None:
+        """The seed of the keys of a path of `tokens` (None: a LoRA path no request noted)."""
+        if len(tokens) and tokens[0] < 0:
+            return self._salted.get(int(tokens[0]))
+        return self.seed

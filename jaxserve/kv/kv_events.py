@@ -19,11 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
-
-import numpy as np
-
-from jaxserve.kv.content_keys import ChainKeys
+from collections.abc import Iterable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +35,6 @@ class KVEventBatch:
 class KVEventLog:
     def __init__(self, seed: bytes, max_events: int = 4096) -> None:
         self.seed = seed  # the chain seed of the keys (base model)
-        # A LoRA request's path starts with its salted first token (`content_keys.salt_token`): the
-        # salted seed its blocks were stored under, to key them again when they leave the cache.
-        self._lora_seeds: dict[int, bytes] = {}
         self._lock = threading.Lock()
         self._events: collections.deque[KVEventBatch] = collections.deque(maxlen=max_events)
         self._cached: set[bytes] = set()
@@ -50,20 +43,6 @@ class KVEventLog:
     @property
     def seq(self) -> int:
         return self._seq
-
-    def chain_seed(self, tokens: Sequence[int] | np.ndarray) -> bytes | None:
-        """The seed of the keys of a cached path of `tokens`: the base seed, or a LoRA path's salted one
-        (None: no block of that path was recorded)."""
-        if len(tokens) and tokens[0] < 0:
-            return self._lora_seeds.get(int(tokens[0]))
-        return self.seed
-
-    def stored_path(self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray, first: int, end: int) -> None:
-        """Blocks [first, end) of a path of `tokens` entered the cache, keyed by `chain` (a LoRA
-        request's chain is salted: remembered for the path's first token)."""
-        if chain.seed != self.seed and len(tokens):
-            self._lora_seeds[int(tokens[0])] = chain.seed
-        self.stored(chain.keys(tokens, end)[first:])
 
     def stored(self, keys: Iterable[bytes]) -> None:
         with self._lock:

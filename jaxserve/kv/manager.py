@@ -265,9 +265,10 @@ class KVCacheManager:
         if adopted:
             if handle.chain is None:
                 handle.chain = self.tier_link.new_chain()
+            self.tier_link.seeds.note(handle.chain, token_ids)
             self.tier_link.write_through(handle.chain, token_ids, adopted)
             if self.events is not None:
-                self.events.stored_path(handle.chain, token_ids, min(adopted), max(adopted) + 1)
+                self.events.stored(handle.chain.keys(token_ids, max(adopted) + 1)[min(adopted) :])
         handle.cached_blocks = done + len(result.blocks)
         return handle.cached_blocks
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.kv.content_keys import KEY_BYTES, ChainKeys
+from jaxserve.kv.content_keys import KEY_BYTES, ChainKeys, PathSeeds
 from jaxserve.kv.prefix_cache import CachedPath
 from jaxserve.kv.tier_link import LoadStart
 
@@ -20,10 +20,11 @@ class NoTierLink:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self.seeds = PathSeeds(bytes(KEY_BYTES))
 
     def new_chain(self) -> ChainKeys:
         """Keys with a zero seed: no tier's weights fingerprint to seed them with."""
-        return ChainKeys(bytes(KEY_BYTES), self.block_size)
+        return ChainKeys(self.seeds.seed, self.block_size)
 
     def blocks_stored(self, tokens: Sequence[int] | np.ndarray, chain: ChainKeys, first: int, limit: int) -> int:
         return 0

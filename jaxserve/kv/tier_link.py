@@ -29,7 +29,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from jaxserve.kv.content_keys import TOKEN_BYTES, ChainKeys, chain_keys, content_token_bytes, next_key
+from jaxserve.kv.content_keys import (
+    TOKEN_BYTES,
+    ChainKeys,
+    PathSeeds,
+    chain_keys,
+    content_token_bytes,
+    next_key,
+    token_bytes,
+)
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan
 from jaxserve.kv.host_tier import HostTier
 from jaxserve.kv.kv_tier import KVTier, LoadJob
@@ -50,6 +58,7 @@ class LowerTierLink(Protocol):
     `TierLink`, or `no_tier_link.NoTierLink` when there is no such tier."""
 
     block_size: int
+    seeds: PathSeeds  # the seed of each cached path's keys (LoRA paths' salted ones)
 
     def new_chain(self) -> ChainKeys: ...
 
@@ -91,7 +100,7 @@ class LowerTierLink(Protocol):
 class _Load:
     job: LoadJob | None  # None until submitted
     path: CachedPath  # locked for the request: the matched path, then the loaded one
-    tokens: bytes  # the loaded blocks' token ids (int32 bytes)
+    tokens: bytes  # the loaded blocks' cache tokens (int32 bytes; a LoRA path's first one salted)
     host_slots: list[int]  # host slots the load holds until it is done
     done: bool = False
     cancelled: bool = False
@@ -128,10 +137,11 @@ class TierLink:
         self._by_job: dict[LoadJob, Hashable] = {}
         self._unsubmitted: list[tuple[list[bytes], list[bytes], list[int], Hashable]] = []
         self._hits: dict[bytes, int] = {}
+        self.seeds = PathSeeds(tier.fingerprint)
         cache.on_drop = self._write_back
 
     def new_chain(self) -> ChainKeys:
-        return ChainKeys(self.tier.fingerprint, self.block_size)
+        return ChainKeys(self.seeds.seed, self.block_size)
 
     # ------------------------------------------------------------------ lookups
 
@@ -180,10 +190,13 @@ class TierLink:
     def _write_back(self, dropped: DroppedBlocks) -> None:
         """The cache drops blocks: write those the tier lacks."""
         tokens, first, bs = dropped.tokens, dropped.first, self.block_size
-        keys = chain_keys(self.tier.fingerprint, tokens, first + len(dropped.locations), bs)
+        seed = self.seeds.of(tokens)
+        if seed is None:  # a LoRA path no request keyed (cannot happen: they enter through requests)
+            return
+        keys = chain_keys(seed, tokens, first + len(dropped.locations), bs)
         kind = CopyKind.DEVICE_TO_DISK if dropped.on_device else CopyKind.HOST_TO_DISK
         for i, location in enumerate(dropped.locations, start=first):
-            self._plan(kind, location, keys[i], tokens[i * bs : (i + 1) * bs].tobytes())
+            self._plan(kind, location, keys[i], content_token_bytes(tokens[i * bs : (i + 1) * bs], bs))
 
     def flush(self) -> int:
         """At a clean shutdown: plan writes of the cached blocks (device and host tier) the tier
@@ -194,15 +207,19 @@ class TierLink:
         Returns the blocks planned for writing."""
         tier, kb = self.tier, self.block_size * TOKEN_BYTES
         room = tier.capacity_blocks
-        keys: dict[CachedPath, bytes] = {self.cache.root: tier.fingerprint}  # last key of each run's path
+        keys: dict[CachedPath, bytes] = {}  # last key of each run's path
         chosen: list[tuple[bytes, CopyKind, int, bytes]] = []
         for run in self.cache.runs_by_recency():
             if len(chosen) == room:
                 break
-            key = keys[run.parent]
+            ids = np.frombuffer(run.tokens, dtype=np.int32)
+            key = self.seeds.of(ids) if run.parent is self.cache.root else keys.get(run.parent)
+            if key is None:  # under a LoRA path no request keyed
+                continue
+            data = content_token_bytes(ids, len(ids))  # a root run's salted first token unsalted
             kind = CopyKind.DEVICE_TO_DISK if run.on_device else CopyKind.HOST_TO_DISK
             for j in range(min(len(run.locations), room - len(chosen))):
-                block_tokens = run.tokens[j * kb : (j + 1) * kb]
+                block_tokens = data[j * kb : (j + 1) * kb]
                 key = next_key(key, block_tokens)
                 chosen.append((key, kind, run.locations[j], block_tokens))
             keys[run.path] = key
@@ -237,12 +254,14 @@ class TierLink:
             cache.unlock(path)
             return LoadStart.BUSY
         host_slots = cache.reserve_host(n)
+        self.seeds.note(chain, tokens)
         bs, first, kb = self.block_size, path.end, self.block_size * TOKEN_BYTES
         keys = chain.keys(tokens, first + n)[first:]
-        data = content_token_bytes(tokens[first * bs : (first + n) * bs], n * bs)
+        data = content_token_bytes(tokens[first * bs : (first + n) * bs], n * bs)  # as the tier stores them
         per_block = [data[i * kb : (i + 1) * kb] for i in range(n)]
         self._unsubmitted.append((keys, per_block, host_slots, req_id))
-        self._loads[req_id] = _Load(None, path, data, host_slots=host_slots)
+        cache_tokens = token_bytes(tokens[first * bs : (first + n) * bs], n * bs)  # the path's, salted
+        self._loads[req_id] = _Load(None, path, cache_tokens, host_slots=host_slots)
         if earlier is not None:  # its blocks are on the path locked now
             cache.unlock(earlier.path)
             self._loads[req_id].loaded_from = earlier.loaded[0]
