@@ -81,8 +81,8 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} of {self.num_experts} experts")
-        if self.kv_lora_rank and (self.kv_lora_rank + self.qk_rope_head_dim) % 2:
-            raise ValueError("kv_lora_rank + qk_rope_head_dim must be even (the latent is cached in two halves)")
+        if self.kv_lora_rank % 2 or self.qk_rope_head_dim % 2:
+            raise ValueError("kv_lora_rank and qk_rope_head_dim must be even (the latent is cached in two halves)")
         if self.num_experts and self.num_experts % self.n_group:
             raise ValueError(f"{self.num_experts} experts do not split into n_group {self.n_group} groups")
 

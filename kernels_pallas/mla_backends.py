@@ -2,9 +2,11 @@
 model runs (its layers' attention reads the latent cache in the absorbed form:
 `mla_reference`'s signatures), by the name of the attention backend the engine was given.
 
-Every backend name maps to an MLA pair; those without an MLA kernel of their own run the pure-JAX
-one (`mla_reference`). Under a mesh, `shard_latent_attention` splits the query heads over the
-tensor-parallel axis and reads the latent cache replicated (it has no heads to split).
+Every backend name maps to an MLA pair: the GPU backends' decode is the Pallas kernel
+(`mla_decode`), the rest runs the pure-JAX absorbed form (`mla_reference`: on CPU too, where no
+C++ MLA kernel exists yet; its prefill scores every row against every sequence of the step).
+Under a mesh, `shard_latent_attention` splits the query heads over the tensor-parallel axis and
+reads the latent cache replicated (it has no heads to split).
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import functools
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas import mla_reference
+from kernels_pallas import mla_decode, mla_reference
 from kernels_pallas.backends import BACKENDS, AttentionBackend
 from kernels_pallas.sharded import _shard_map
 
 
 def get_mla_backend(name: str) -> AttentionBackend:
-    """The MLA attention of backend `name` (one of `BACKENDS`)."""
+    """The MLA attention of backend `name` (one of `BACKENDS`): the Pallas (Triton) decode kernel
+    for the GPU backends (`pallas`, `triton`, `mosaic`), the pure-JAX one for the others; prefill
+    is pure JAX everywhere."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from: {', '.join(BACKENDS)}")
-    return AttentionBackend(f"mla-{name}", mla_reference.mla_decode_attention, mla_reference.mla_prefill_attention)
+    gpu = name in ("pallas", "triton", "mosaic")
+    decode = mla_decode.mla_decode_attention if gpu else mla_reference.mla_decode_attention
+    return AttentionBackend(f"mla-{name}", decode, mla_reference.mla_prefill_attention)
 
 
 def shard_latent_attention(backend: AttentionBackend, mesh: Mesh, axis: str = "tp") -> AttentionBackend:

@@ -1,11 +1,13 @@
 """DeepSeek-V3 (tiny random model) beyond the tokens of tests/test_model_families.py: its latent
 cache's bytes and the settings refused with it, its multi-token prediction weights loaded but
-not run, and its latent blocks moved through swap preemption and the disk tier with the same
-tokens after."""
+not run, its latent blocks moved through swap preemption and the disk tier with the same
+tokens after, and the engine on its Pallas decode kernel."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,7 @@ ENGINE = dict(
 )
 PROMPTS = [np.random.default_rng(i).integers(3, 299, n).tolist() for i, n in enumerate((90, 61, 40, 77, 23, 50))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+REFERENCE = json.loads((Path(__file__).parent / "data" / "family_reference.json").read_text())["tiny"]["deepseek_v3"]
 
 
 def tokens(llm: LLM) -> list[list[int]]:
@@ -121,3 +124,13 @@ def test_latent_blocks_read_back_from_the_disk_tier_give_the_same_tokens(model, 
     assert tokens(second) == reference
     assert second.engine.snapshot().tiers.disk_hit_tokens >= sum(len(p) // 8 * 8 - 8 for p in PROMPTS)
     second.close()
+
+
+def test_the_pallas_decode_kernel_gives_transformers_tokens(model):
+    """The engine on the `triton` backend (its MLA decode kernel, in interpret mode here) answers
+    the reference's tokens."""
+    case = REFERENCE["cases"][1]
+    llm = LLM(model, warm_up=False, num_blocks=64, attention_backend="triton", **ENGINE)
+    few = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], few, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == case["new_ids"][:8]

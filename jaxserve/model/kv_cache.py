@@ -15,8 +15,9 @@ from kernels_pallas import kv_quant
 def cache_heads(config: ModelConfig) -> tuple[int, int]:
     """(heads, values per row) of each of K and V. Multi-head latent attention caches one latent
     per token, [c_kv | k_pe] (kv_lora_rank + qk_rope_head_dim values, no heads), stored as one head
-    whose first half is in K and second half in V: blocks keep the one K/V shape that every block
-    move (tiers, swap, handoff, pool) is written for, and count the latent's real bytes."""
+    in two halves, K and V (`kernels_pallas.mla_reference.split_latent`): blocks keep the one K/V
+    shape that every block move (tiers, swap, handoff, pool) is written for, and count the
+    latent's real bytes."""
     if config.is_mla:
         return 1, (config.kv_lora_rank + config.qk_rope_head_dim) // 2
     return config.num_kv_heads, config.head_dim

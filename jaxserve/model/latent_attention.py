@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek-V3's MLA) over a paged cache of one latent per token.
 
 Per token the cache holds [c_kv | k_pe]: the normed latent (`kv_lora_rank` values) and the rotated
-key shared by all heads (`qk_rope_head_dim`), halves in K and V (`kv_cache.cache_heads`). Every
+key shared by all heads (`qk_rope_head_dim`), in halves in K and V (`kv_cache.cache_heads`). Every
 step attends in the absorbed form: `kv_b_proj` [r, H x (nope + v)] is split per head into W_uk
 [r, nope] and W_uv [r, v]; a head's query q_nope is taken into latent space (q_nope W_uk^T), its
 score against a token is q_latent . c_kv + q_pe . k_pe (equal to q . k of the decompressed key),
@@ -30,6 +30,7 @@ from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.layer_scope import LayerScope
 from jaxserve.model.rope import RopeTables, apply_rope
 from kernels_pallas import AttentionBackend
+from kernels_pallas.mla_reference import split_latent
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -66,8 +67,8 @@ class LatentAttention:
         cfg, layer, t = self.config, scope.layer, x.shape[0]
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_nope, q_pe, latent = self._project(scope, x, rope)
-        half = latent.shape[-1] // 2
-        cache = cache.write(layer, meta.kv_slots, latent[:, None, :half], latent[:, None, half:])
+        k_half, v_half = split_latent(latent[:, None], r)
+        cache = cache.write(layer, meta.kv_slots, k_half, v_half)
         w_kv = scope.stack("kv_b_proj", "weight")
         if scope.weights["kv_b_proj/weight"].axes[0] == LAYERS:
             w_kv = w_kv[layer]
