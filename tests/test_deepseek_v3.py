@@ -134,3 +134,15 @@ def test_the_pallas_decode_kernel_gives_transformers_tokens(model):
     few = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], few, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == case["new_ids"][:8]
+
+
+@pytest.mark.parametrize("variant", [{"dtype": "bfloat16"}, {"quantization": "int8"}])
+def test_bf16_weights_and_int8_kernels_run_it(variant):
+    """bf16 weights (packed kernels on CPU, a bf16 latent cache) and int8 weight-only kernels give
+    the f32 reference's first tokens (those whose top-2 logit margin is 0.09 or more)."""
+    case = REFERENCE["cases"][1]
+    model = build_tiny_random(family="deepseek_v3", dtype=variant.get("dtype", "float32"))
+    llm = LLM(model, warm_up=False, num_blocks=64, **ENGINE, **variant)
+    few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], few, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == case["new_ids"][:4]
