@@ -119,7 +119,9 @@ def build_cache(config: ModelConfig, ec: ResolvedConfig, mesh: Mesh, kv_dtype: A
     """The zeroed KV cache of the resolved number of blocks (`ResolvedConfig.num_blocks`: from
     `num_blocks`, or the blocks `kv_cache_memory` per device holds)."""
     bs, num_blocks, block_bytes = ec.block_size, ec.num_blocks, ec.kv_block_bytes
-    cache = jax.jit(lambda: KVCache.zeros(config, num_blocks, bs, kv_dtype), out_shardings=cache_sharding(mesh))()
+    cache = jax.jit(
+        lambda: KVCache.zeros(config, num_blocks, bs, kv_dtype), out_shardings=cache_sharding(mesh, config.is_mla)
+    )()
     logger.info(
         "KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
         kv_quant.format_name(kv_dtype),
