@@ -1,7 +1,7 @@
 """DeepSeek-V3 (tiny random model) beyond the tokens of tests/test_model_families.py: its latent
 cache's bytes and the settings refused with it, its multi-token prediction weights loaded but
 not run, its latent blocks moved through swap preemption and the disk tier with the same
-tokens after, and the engine on its Pallas decode kernel."""
+tokens after, the engine on its Pallas decode kernel, and the other ways a step runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from checkpoints.errors import UnsupportedCheckpointError
 from checkpoints.hf import load_hf_dir, save_hf_dir
 from checkpoints.params import iter_leaves
 from checkpoints.tiny_random import build_tiny_random
@@ -76,6 +77,15 @@ def test_a_block_holds_one_latent_per_token_and_layer(model):
 def test_settings_it_is_not_served_with_are_refused_by_name(model, setting, named):
     with pytest.raises(ValueError, match=f"deepseek_v3 \\(multi-head latent attention\\) is not served with {named}"):
         resolve(EngineConfig(**setting), model.config)
+
+
+def test_a_checkpoint_quantized_as_published_is_refused_with_a_clear_error(model, tmp_path):
+    save_hf_dir(model.params, model.config, model.tokenizer_bundle, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedCheckpointError, match="DeepSeek-V3 quantized as 'fp8' is not supported"):
+        load_hf_dir(tmp_path)
 
 
 def test_multi_token_prediction_weights_are_loaded_and_not_run(model, tmp_path):
@@ -146,3 +156,24 @@ def test_bf16_weights_and_int8_kernels_run_it(variant):
     few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], few, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == case["new_ids"][:4]
+
+
+def test_synchronous_multi_step_and_speculative_engines_give_the_same_tokens(model, reference):
+    """The other ways a step is run read and write the latent cache alike: the synchronous loop,
+    four decode steps per device loop, and n-gram drafts verified in one step."""
+    repeating = [PROMPTS[0][:10] * 4, PROMPTS[1]]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(**options) -> tuple[list[list[int]], LLM]:
+        llm = LLM(model, warm_up=False, num_blocks=128, **ENGINE, **options)
+        outs = llm.generate([{"prompt_token_ids": p} for p in repeating], greedy, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    want = run()[0]
+    assert run(async_scheduling=False)[0] == want
+    assert run(num_scheduler_steps=4)[0] == want
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    tokens, llm = run(async_scheduling=False, speculative_config=ngram)
+    assert tokens == want
+    stats = llm.engine.stats
+    assert stats.speculative_steps > 0 and stats.draft_tokens > 0

@@ -159,6 +159,9 @@ def weights(config: ModelConfig) -> Declaration:
 
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("quantization_config"):  # the published checkpoint: fp8 blocks with `weight_scale_inv`
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"DeepSeek-V3 quantized as {method!r} is not supported: dequantize it to bf16 first")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"DeepSeek-V3 with hidden_act {hf['hidden_act']!r} is not supported")
     if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
