@@ -10,7 +10,8 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder of one of the architectures in `checkpoints/architectures/`
-    (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE).
+    (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE,
+    DeepSeek-V3).
 
     Field names follow Hugging Face's configs where one exists, so `config.json` maps onto this
     class with few renames (see `from_hf_dict`). The fields after `architecture` switch the
@@ -50,6 +51,26 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    # DeepSeek-V3 (Hugging Face's names). Multi-head latent attention when kv_lora_rank > 0: queries
+    # through a low-rank q_a/q_b pair (q_lora_rank; None: one q_proj), keys and values decompressed
+    # per head from a cached latent of kv_lora_rank values plus one rotated key of qk_rope_head_dim
+    # shared by all heads (`head_dim` is then qk_rope_head_dim, the RoPE's width, as in transformers).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE over interleaved pairs (x0, x1), (x2, x3), ...
+    # Its mixture of experts: "sigmoid" scores plus a learned bias choose (`e_score_correction_bias`)
+    # within the top `topk_group` of `n_group` expert groups; weights times routed_scaling_factor;
+    # `n_shared_experts` always-on experts; the first `first_k_dense_replace` layers dense.
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    num_nextn_predict_layers: int = 0  # multi-token prediction layers: loaded, not run
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -60,6 +81,20 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} of {self.num_experts} experts")
+        if self.kv_lora_rank % 2 or self.qk_rope_head_dim % 2:
+            raise ValueError("kv_lora_rank and qk_rope_head_dim must be even (the latent is cached in two halves)")
+        if self.num_experts and self.num_experts % self.n_group:
+            raise ValueError(f"{self.num_experts} experts do not split into n_group {self.n_group} groups")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3): a latent per token cached, not K and V."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers with a mixture of experts (after the first dense ones)."""
+        return self.num_layers - self.first_k_dense_replace if self.num_experts else 0
 
     @property
     def q_per_kv(self) -> int:

@@ -57,7 +57,9 @@ class Weight:
 
     `hf` / `gguf`: the tensor's name in a Hugging Face / GGUF checkpoint, with `{layer}` and
     `{expert}` where the checkpoint holds one tensor per layer / expert (None: the format has no
-    such tensor). A checkpoint tensor fills the place in the leaf its name's placeholders pick.
+    such tensor). A checkpoint tensor fills the place in the leaf its name's placeholders pick;
+    `{layer}` numbers a stack's layers from `first_layer` (DeepSeek-V3's mixture-of-experts layers
+    follow its dense ones: a stack of their own, named from layer `first_k_dense_replace` on).
 
     `quantizable`: a kernel that `--quantization` may store as integer codes and scales
     (`quantized`): the layers' projections, the output head, and an embedding table tied to the
@@ -75,6 +77,7 @@ class Weight:
     quantizable: bool = False
     storage: str | None = None
     quant: QuantFormat | None = None
+    first_layer: int = 0
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):

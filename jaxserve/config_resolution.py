@@ -29,18 +29,39 @@ def resolve(config: EngineConfig, model: ModelConfig, dtype: str | None = None) 
     return resolve_limits(config, served_model(config, model, dtype or weights_dtype(config)))
 
 
+def check_latent_attention(config: EngineConfig, model: ModelConfig) -> None:
+    """ValueError naming the settings a multi-head latent attention model (DeepSeek-V3) is not
+    served with: its dense and expert layers are stacks of their own (no pipeline stages, no
+    unrolled layers), its projections take no LoRA, and its latent cache is stored unscaled."""
+    if not model.is_mla:
+        return
+    refused = {
+        f"pipeline_parallel_size={config.pipeline_parallel_size}": config.pipeline_parallel_size > 1,
+        "unroll_layers=True": config.unroll_layers,
+        "enable_lora=True": config.enable_lora,
+        f"kv_cache_dtype={config.kv_cache_dtype}": config.kv_cache_dtype in ("fp8", "fp8_e4m3", "int8"),
+    }
+    settings = [name for name, on in refused.items() if on]
+    if settings:
+        raise ValueError(f"{model.architecture} (multi-head latent attention) is not served with {', '.join(settings)}")
+
+
 def served_model(config: EngineConfig, model: ModelConfig, dtype: str) -> ServedModel:
-    """The facts of `model` served with `config` and weights of `dtype` that resolution needs."""
+    """The facts of `model` served with `config` and weights of `dtype` that resolution needs. A
+    latent cache (multi-head latent attention) has no heads to split: every tensor-parallel device
+    holds all of it, so a block's bytes over the devices count it once per device."""
+    check_latent_attention(config, model)
     served = dataclasses.replace(model, num_kv_heads=plan_parallelism(model, config).served_kv_heads)
     stages = plan_stages(served, config)
     if stages is not None:
         served = stage_model_config(served, stages)
     kv_dtype = kv_quant.storage_dtype(config.kv_cache_dtype, jnp.dtype(dtype), jax.default_backend())
+    latent_copies = config.tensor_parallel_size if model.is_mla else 1
     return ServedModel(
         context=model.max_position_embeddings,
         dtype=dtype,
         attention_backend=config.attention_backend or default_attention_backend(),
         kv_storage_dtype=kv_dtype.name,
-        kv_block_bytes=KVCache.bytes_per_block(served, config.block_size, kv_dtype),
+        kv_block_bytes=KVCache.bytes_per_block(served, config.block_size, kv_dtype) * latent_copies,
         kv_devices=config.tensor_parallel_size * config.pipeline_parallel_size,
     )

@@ -114,8 +114,11 @@ def layer_sharding(stacked: NamedSharding, layer: int) -> NamedSharding:
     return NamedSharding(stacked.mesh, P(*stacked.spec[1:]))
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of each of the KV cache's K and V arrays [L, KVH, NB, BS, D]."""
+def cache_sharding(mesh: Mesh, latent: bool = False) -> NamedSharding:
+    """Sharding of each of the KV cache's K and V arrays [L, KVH, NB, BS, D]; a `latent` cache
+    (multi-head latent attention: one latent per token, no heads) is replicated."""
+    if latent:
+        return NamedSharding(mesh, P())
     if dict(mesh.shape).get(PP, 1) > 1:
         return NamedSharding(mesh, P(PP, *KV_CACHE_SPEC[1:]))
     return NamedSharding(mesh, KV_CACHE_SPEC)

@@ -1,6 +1,7 @@
 """The pool tier in the engine (tiny random model, a real Mooncake Store master on loopback): a
 second engine reads from the pool what the first computed and answers the same tokens; with the
-master dead, requests go on (recomputed) and nothing fails."""
+master dead, requests go on (recomputed) and nothing fails; DeepSeek-V3's latent blocks go
+through the pool as K/V blocks do."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def master():
     m.kill()
 
 
-def make(pool: str | None) -> LLM:
-    return LLM(build_tiny_random(), warm_up=False, **CONFIG, **({"kv_pool": pool} if pool else {}))
+def make(pool: str | None, family: str = "llama") -> LLM:
+    return LLM(build_tiny_random(family=family), warm_up=False, **CONFIG, **({"kv_pool": pool} if pool else {}))
 
 
 def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
@@ -81,6 +82,19 @@ def test_a_second_engine_reads_the_prefix_from_the_pool(master, reference, asser
     assert f'jaxserve_kv_tier_hit_tokens_total{{tier="pool"}} {float(tiers.disk_hit_tokens)}' in text
     assert f'jaxserve_kv_pool_io_bytes_total{{direction="read"}} {float(tiers.disk_bytes_read)}' in text
     assert "jaxserve_kv_pool_load_duration_seconds_count" in text and "jaxserve_kv_disk_" not in text
+    close(a, assert_kv_all_free)
+    close(b, assert_kv_all_free)
+
+
+def test_latent_blocks_of_deepseek_v3_go_through_the_pool(master, assert_kv_all_free):
+    """A latent cache (one latent per token, no heads) is written to and read from the pool too."""
+    want = run(make(None, "deepseek_v3"))[0]
+    a, b = make(master.url, "deepseek_v3"), make(master.url, "deepseek_v3")
+    assert run(a)[0] == want
+    a.engine.step()
+    a.engine.lower_tier.flush()
+    tokens, cached = run(b)
+    assert tokens == want and cached == [144, 96]
     close(a, assert_kv_all_free)
     close(b, assert_kv_all_free)
 

@@ -1,7 +1,8 @@
 """KV blocks handed from one engine to another (prefill/decode disaggregation), engine side:
 as host bytes and device to device through `jax.experimental.transfer` (here between two
 transfer servers of one CPU process), a prompt of two staged chunks. The written blocks hold
-the source's bytes, and the receiving engine generates the source's tokens from them."""
+the source's bytes, and the receiving engine generates the source's tokens from them; for a
+model with K/V heads and for one with a latent cache (DeepSeek-V3)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ NUM_BLOCKS = BLOCK_MOVE_CHUNK + 8  # two chunks
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engines():
-    model = build_tiny_random()
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def engines(request):
+    """Two engines of a family: Llama's K/V heads, and DeepSeek-V3's latent cache (one latent
+    per token, in two halves)."""
+    model = build_tiny_random(family=request.param)
     return LLM(model, **ENGINE).engine, LLM(model, **ENGINE).engine
 
 

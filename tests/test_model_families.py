@@ -5,7 +5,9 @@ mixture-of-experts engines report their expert load (per step and in total) in `
 Tiny random models of each family (`checkpoints.tiny_random.TINY_FAMILIES`): Llama, Qwen2 (q/k/v
 biases), Qwen3 (q/k norms), Mistral (a sliding window of 8 tokens, shorter than the prompts),
 Gemma 3 (interleaved local and global layers, GeGLU, four norms, scaled embeddings), Mixtral and
-Qwen3-MoE (mixture of experts, top-2 of 4 renormalised / of 8 not). Their weights are drawn from
+Qwen3-MoE (mixture of experts, top-2 of 4 renormalised / of 8 not), DeepSeek-V3 (multi-head latent
+attention with YaRN and interleaved RoPE, a dense layer then shared and group-limited routed
+experts). Their weights are drawn from
 the declaration with seed 0 and written as a Hugging Face directory, which the engine loads;
 transformers loaded the same directory for tests/data/family_reference.json
 (tests/data/make_family_reference.py), so no weights are committed.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoints.architectures import config_from_hf
 from checkpoints.hf import save_hf_dir
 from checkpoints.registry import load_model
 from checkpoints.tiny_random import build_tiny_random
@@ -73,7 +76,7 @@ def check_expert_load(llm: LLM, cases: list[dict]) -> None:
     if not config.num_experts:
         assert snapshot.expert_tokens == () and "moe_expert" not in ServerMetrics().render(snapshot, True).decode()
         return
-    per_token = config.num_experts_per_tok * config.num_layers
+    per_token = config.num_experts_per_tok * config.moe_layers  # DeepSeek-V3's first layers are dense
     computed = sum(len(c["prompt_ids"]) + len(c["new_ids"]) - 1 for c in cases)  # the last token is never fed
     assert len(snapshot.expert_tokens) == config.num_experts
     assert sum(snapshot.expert_tokens) == computed * per_token
@@ -83,3 +86,31 @@ def check_expert_load(llm: LLM, cases: list[dict]) -> None:
     for expert, count in enumerate(snapshot.expert_tokens):
         assert f'jaxserve_moe_expert_tokens_total{{expert="{expert}"}} {float(count)}' in text
         assert f'jaxserve_moe_expert_load{{expert="{expert}"}} {float(snapshot.expert_load[expert])}' in text
+
+
+# Prompts of up to 45 tokens in chunks of 16: every prompt but the shortest takes several steps.
+CHUNKED = {**ENGINE, "max_num_batched_tokens": 16, "prefill_token_buckets": (16,)}
+
+
+def test_chunked_prompts_and_a_cached_prefix_match_transformers(family_dir, assert_kv_all_free):
+    """Chunked prefill, then a prompt sharing its first 40 tokens with the longest one: its
+    cached blocks are read (cached tokens > 0) and the tokens still equal transformers'."""
+    family, directory = family_dir
+    reference = REFERENCE[family]
+    if "shared_prefix_case" not in reference:
+        pytest.skip(f"{family}'s reference predates the shared-prefix case (make_family_reference.py --only {family})")
+    llm = LLM(load_model(str(directory)), **CHUNKED)
+    longest, shared = reference["cases"][-1], reference["shared_prefix_case"]
+    params = SamplingParams(max_tokens=len(longest["new_ids"]), temperature=0.0, ignore_eos=True)
+    for case, cached in ((longest, False), (shared, True)):
+        out = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == case["new_ids"], f"{family} {case['name']}"
+        assert (out.num_cached_tokens > 0) == cached, out.num_cached_tokens
+    assert_kv_all_free(llm.engine)
+
+
+def test_config_written_by_transformers_loads_to_the_same_config(family_dir):
+    family, _ = family_dir
+    if "hf_config" not in REFERENCE[family]:
+        pytest.skip(f"{family}'s reference predates the recorded config.json")
+    assert config_from_hf(REFERENCE[family]["hf_config"]) == build_tiny_random(family=family).config

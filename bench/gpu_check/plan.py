@@ -167,7 +167,7 @@ class Stage:
     """One stage, run in its own process under `limit_s` seconds."""
 
     name: str
-    kind: str  # env | correctness | decode_kernels | prefill_kernels | models | engine | quantized_matmul | lora
+    kind: str  # a key of bench.gpu_check.stage.RUNNERS: env | correctness | decode_kernels | engine | ...
     limit_s: float
     model: str | None = None  # engine stages: a key of Plan.models
     overlap: bool = True  # engine stages: async (overlap) scheduling
@@ -209,7 +209,7 @@ class Plan:
         for s in self.stages:
             if s.name == name:
                 return s
-        raise KeyError(f"no stage {name!r} in the plan; stages: {', '.join(s.name for s in self.stages)}")
+        raise KeyError(f"stages: {', '.join(s.name for s in self.stages)}; no stage {name!r} in the plan")
 
 
 def _stages(
@@ -232,6 +232,9 @@ def _stages(
     stages.append(Stage("models", "models", limits["models"]))
     # LoRA: a decode step of rows over 8 adapters against base rows (bench/gpu_check/lora_stage.py).
     stages.append(Stage("lora", "lora", limits["lora"], models[0], optional=families_optional))
+    stages.append(
+        Stage("mla_decode_kernel", "mla_decode_kernel", limits["mla_decode_kernel"], optional=families_optional)
+    )
     for model in (MOE_MODEL, WINDOW_MODEL):
         stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, optional=families_optional))
     return tuple(stages)
@@ -311,6 +314,7 @@ def _dry_run_plan() -> Plan:
         f"engine_{WINDOW_MODEL}": 300,
         "quantized_matmul": 150,
         "lora": 300,
+        "mla_decode_kernel": 200,
     }
     return Plan(
         dry_run=True,
@@ -360,6 +364,7 @@ def _gpu_plan(command_buffer_variant: bool) -> Plan:
         f"engine_{WINDOW_MODEL}": 70,
         "quantized_matmul": 40,
         "lora": 60,
+        "mla_decode_kernel": 40,
     }
     return Plan(
         dry_run=False,

@@ -120,6 +120,19 @@ def _decode_section(stage: dict, dry_run: bool) -> list[str]:
     return out
 
 
+def _mla_section(stage: dict) -> list[str]:
+    info = stage["info"]
+    head = (
+        f"{info['heads']} heads, latent {info['latent_dim']} + {info['rope_dim']}, {info['dtype']}; GB/s: latent bytes"
+    )
+    rows = [
+        [r["case"], _ms(r.get("kernel_s")), _ms(r.get("reference_s")), _f(r.get("latent_gbps")), _f(r.get("pct_copy"))]
+        + [r.get("error", f"{r['err']:.2g}" if "err" in r else "")]
+        for r in stage["rows"]
+    ]
+    return [head] + _grid(["case", "kernel ms", "ref ms", "GB/s", "%copy", "err"], rows)
+
+
 def _models_section(stage: dict) -> list[str]:
     rows = [
         [
@@ -286,6 +299,8 @@ def render(summary: dict, plan: Plan) -> str:
             "weight-only quantized layer matmuls (dequantize fused into a bf16 dot) vs bf16, 8B shapes; "
             "% copy: weight bytes per second over the device copy's",
         ] + _quant_section(stages["quantized_matmul"])
+    if stages.get("mla_decode_kernel", {}).get("rows"):
+        out += ["", "MLA decode kernel vs the pure-JAX absorbed form"] + _mla_section(stages["mla_decode_kernel"])
     engine_rows = _engine_rows(summary["stages"])
     if engine_rows:
         out += ["", "engine decode (LLMEngine, pallas attention, random weights; ctx = mean tokens per sequence)"]

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 from checkpoints.config import ModelConfig
 from jaxserve.model.attention import AttentionBlock, PagedAttention
 from jaxserve.model.kv_cache import AttentionMetadata
+from jaxserve.model.latent_attention import LatentAttention
 from jaxserve.model.layer_scope import LayerScope, Quantization, layer_weights
 from jaxserve.model.lora import LoraStacks
-from jaxserve.model.mlp import gated_mlp, mixture_of_experts
+from jaxserve.model.mlp import dense_then_shared_experts, gated_mlp, mixture_of_experts
 from jaxserve.model.rope import RopeTables
 from kernels_pallas import AttentionBackend
 from kernels_pallas.cpu_matmul import CpuMatmul
@@ -32,7 +33,8 @@ class DecoderLayer(nn.Module):
     layer group's cache); returns the new carry and the layer's expert load ([X], or [0]).
 
     `attention` makes the layer's attention block from the config: `PagedAttention` for every
-    family served today; another kind of layer (another cache) is another `AttentionKind` given
+    family served today but DeepSeek-V3 (multi-head latent attention: `LatentAttention`, its own
+    cache layout); another kind of layer (another cache) is another `AttentionKind` given
     to its layers (docs/models.md: where a new layer kind plugs in)."""
 
     config: ModelConfig
@@ -68,11 +70,15 @@ class DecoderLayer(nn.Module):
             lora,
             meta.lora_slots,
         )
-        attention = self.attention(cfg, self.backend, self.param_dtype)
+        kind = LatentAttention if cfg.is_mla else self.attention
+        attention = kind(cfg, self.backend, self.param_dtype)
         out, cache = attention(scope, scope.norm("attn_norm", h), cache, rope, meta)
         h = h + (scope.norm("post_attn_norm", out) if cfg.post_norms else out)
         x = scope.norm("mlp_norm", h)
-        if cfg.num_experts:
+        if cfg.scoring_func == "sigmoid":  # DeepSeek-V3's: dense layers first, then shared and routed experts
+            real = meta.real_rows(cache.block_size)
+            out, load = dense_then_shared_experts(cfg, scope, x, real, self.experts)
+        elif cfg.num_experts:
             real = meta.real_rows(cache.block_size)
             out, load = mixture_of_experts(cfg, scope, x, real, self.experts, self.stacked)
         else:

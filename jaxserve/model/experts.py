@@ -48,6 +48,29 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     return weights, ids.astype(jnp.int32)
 
 
+def route_grouped(
+    logits: jax.Array, correction: jax.Array, k: int, groups: int, top_groups: int, normalize: bool, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's routing: weights [T, k] (f32) and expert ids [T, k] from router logits [T, X].
+
+    Sigmoid scores; the choice adds the learned `correction` [X] to them and keeps the experts of
+    the `top_groups` best of `groups` contiguous groups (a group scores the sum of its two best);
+    the weights are the chosen experts' uncorrected scores, renormalised when `normalize`, times
+    `scale` (routed_scaling_factor)."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + correction.astype(jnp.float32)
+    t, x = choice.shape
+    per_group = choice.reshape(t, groups, x // groups)
+    group_scores = jnp.sum(lax.top_k(per_group, 2)[0], axis=-1)  # [T, G]
+    kept = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], lax.top_k(group_scores, top_groups)[1]].set(True)
+    choice = jnp.where(jnp.repeat(kept, x // groups, axis=1), choice, -jnp.inf)
+    ids = lax.top_k(choice, k)[1]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scale, ids.astype(jnp.int32)
+
+
 def expert_load(ids: jax.Array, real: jax.Array, num_experts: int) -> jax.Array:
     """Assignments per expert [X] int32 of the real rows (`real` [T]) of a step."""
     return jnp.zeros(num_experts, jnp.int32).at[ids].add(real[:, None].astype(jnp.int32))

@@ -12,11 +12,23 @@ from checkpoints.config import ModelConfig
 from kernels_pallas import kv_quant
 
 
+def cache_heads(config: ModelConfig) -> tuple[int, int]:
+    """(heads, values per row) of each of K and V. Multi-head latent attention caches one latent
+    per token, [c_kv | k_pe] (kv_lora_rank + qk_rope_head_dim values, no heads), stored as one head
+    in two halves, K and V (`kernels_pallas.mla_reference.split_latent`): blocks keep the one K/V
+    shape that every block move (tiers, swap, handoff, pool) is written for, and count the
+    latent's real bytes."""
+    if config.is_mla:
+        return 1, (config.kv_lora_rank + config.qk_rope_head_dim) // 2
+    return config.num_kv_heads, config.head_dim
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
     """Stacked paged cache: k and v are [num_layers, num_kv_heads, num_blocks, block_size, row], a
-    row being head_dim values of the storage dtype, and a scale for int8 / fp8 (`kernels_pallas.kv_quant`)."""
+    row being head_dim values of the storage dtype, and a scale for int8 / fp8 (`kernels_pallas.kv_quant`);
+    for multi-head latent attention, one head of half a latent each (`cache_heads`)."""
 
     k: jax.Array
     v: jax.Array
@@ -31,14 +43,15 @@ class KVCache:
 
     @classmethod
     def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
-        row = kv_quant.row_width(config.head_dim, dtype)
-        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, row)
+        heads, width = cache_heads(config)
+        shape = (config.num_layers, heads, num_blocks, block_size, kv_quant.row_width(width, dtype))
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
         """Bytes of K and V of one block in a cache of storage dtype `dtype`, scales included."""
-        per_token = 2 * config.num_layers * config.num_kv_heads * kv_quant.row_width(config.head_dim, dtype)
+        heads, width = cache_heads(config)
+        per_token = 2 * config.num_layers * heads * kv_quant.row_width(width, dtype)
         return per_token * block_size * jnp.dtype(dtype).itemsize
 
     def write(self, layer: jax.Array, kv_slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:

@@ -66,6 +66,6 @@ class LayerScope:
         """x through the RMS norm `name` (`<name>/scale`), in `dtype`."""
         return RMSNorm(self.weights[f"{name}/scale"], self.eps, self.dtype, name=name)(x, self.layer)
 
-    def stack(self, name: str) -> jax.Array:
-        """The declared parameter `<name>/kernel` whole (a stack the block indexes itself)."""
-        return DeclaredParam(self.weights[f"{name}/kernel"], self.param_dtype, name=name)()
+    def stack(self, name: str, leaf: str = "kernel") -> jax.Array:
+        """The declared parameter `<name>/<leaf>` whole (a stack the block indexes itself)."""
+        return DeclaredParam(self.weights[f"{name}/{leaf}"], self.param_dtype, leaf, name=name)()

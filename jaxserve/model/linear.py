@@ -69,11 +69,12 @@ class Linear(nn.Module):
 
 class DeclaredParam(nn.Module):
     """A declared parameter read whole (the stacked expert weights, which the experts' grouped
-    matmuls index by layer and expert themselves); its path is `<name>/kernel`."""
+    matmuls index by layer and expert themselves); its path is `<name>/<leaf>`."""
 
     weight: Weight
     param_dtype: Any
+    leaf: str = "kernel"
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param("kernel", self.weight.flax_init(), self.weight.shape, self.param_dtype)
+        return self.param(self.leaf, self.weight.flax_init(), self.weight.shape, self.param_dtype)

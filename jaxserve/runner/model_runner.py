@@ -73,7 +73,7 @@ class ModelRunner:
         cache = build_cache(self.config, ec, self.mesh, self.kv_dtype)
         self.num_blocks = cache.num_blocks
         self.num_host_slots = ec.num_host_slots
-        rep, kv = replicated(self.mesh), cache_sharding(self.mesh)
+        rep, kv = replicated(self.mesh), cache_sharding(self.mesh, self.config.is_mla)
         self.blocks = BlockMover(cache, kv, rep, self.num_host_slots)
         constant = DeviceConstants(rep)
         self.inputs = StepInputs(ec, constant, self.config.vocab_size)

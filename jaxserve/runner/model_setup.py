@@ -24,6 +24,7 @@ from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.pipeline_placement import pipeline_layers, plan_stages, stage_model_config, stage_params
 from jaxserve.runner.placement import cast_params, plan_parallelism
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, kv_quant, shard_attention
+from kernels_pallas.mla_backends import get_mla_backend, shard_latent_attention
 from sharding.kv_heads import replicate_kv_heads
 from sharding.rules import cache_sharding, layer_sharding, param_shardings
 
@@ -60,7 +61,10 @@ def serve_model(config: ModelConfig, params: Any, ec: ResolvedConfig, mesh: Mesh
         config = stage_model_config(config, stages)
     dtype = jnp.dtype(ec.dtype)
     backend = ec.attention_backend or default_attention_backend()
-    attention = shard_attention(get_attention_backend(backend), mesh, "tp")
+    if config.is_mla:  # multi-head latent attention reads its latent cache with backends of its own
+        attention = shard_latent_attention(get_mla_backend(backend), mesh, "tp")
+    else:
+        attention = shard_attention(get_attention_backend(backend), mesh, "tp")
     # One CPU device with f32 or bf16 weights, the cpu backend and scanned layers: the layers'
     # matmuls read their layer of the stacked weights, stored in panels, in place, and the tied
     # head is a C++ kernel too (kernels_pallas/cpu_matmul.py).
@@ -115,7 +119,9 @@ def build_cache(config: ModelConfig, ec: ResolvedConfig, mesh: Mesh, kv_dtype: A
     """The zeroed KV cache of the resolved number of blocks (`ResolvedConfig.num_blocks`: from
     `num_blocks`, or the blocks `kv_cache_memory` per device holds)."""
     bs, num_blocks, block_bytes = ec.block_size, ec.num_blocks, ec.kv_block_bytes
-    cache = jax.jit(lambda: KVCache.zeros(config, num_blocks, bs, kv_dtype), out_shardings=cache_sharding(mesh))()
+    cache = jax.jit(
+        lambda: KVCache.zeros(config, num_blocks, bs, kv_dtype), out_shardings=cache_sharding(mesh, config.is_mla)
+    )()
     logger.info(
         "KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
         kv_quant.format_name(kv_dtype),

@@ -111,6 +111,15 @@ def test_kernel_stages_measure_every_case_against_their_peers(dry_run):
 
 
 @pytest.mark.slow
+def test_mla_decode_stage_measures_the_kernel_against_the_reference(dry_run):
+    mla = stage(dry_run[1], "mla_decode_kernel")
+    assert mla["status"] == "ok" and mla["info"]["copy_bps"] > 0 and mla["rows"]
+    for r in mla["rows"]:
+        assert r["err"] <= 2e-2 and r["kernel_s"] > 0 and r["reference_s"] > 0 and r["pct_copy"] > 0  # bf16
+    assert "MLA decode kernel vs the pure-JAX absorbed form" in dry_run[2]
+
+
+@pytest.mark.slow
 def test_engine_stages_compile_nothing_after_warm_up(dry_run):
     summary = dry_run[1]
     for model in PLAN.models:

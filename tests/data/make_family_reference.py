@@ -7,7 +7,8 @@ Run with the reference venv (torch + transformers + gguf; not jaxserve dependenc
 Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not stopped at eos):
 
 - Tiny random models of each family (`checkpoints.tiny_random.TINY_FAMILIES`: Qwen2, Qwen3,
-  Mistral with a window shorter than the prompts, Gemma 3, Mixtral, Qwen3-MoE, Llama). jaxserve's
+  Mistral with a window shorter than the prompts, Gemma 3, Mixtral, Qwen3-MoE, Llama,
+  DeepSeek-V3). jaxserve's
   interpreter (`--jaxserve-python`) draws their weights from the architecture's declaration (seed 0)
   and writes them as Hugging Face directories (`save_hf_dir`); transformers loads those directories
   (every weight must load: missing or unexpected keys stop the script). The tests draw the same
@@ -24,6 +25,9 @@ JSON format:
   "tiny": {family: {"seed": 0, "weights_sha256": of the safetensors file, "cases": [CASE]}},
   "real": {name: {"gguf", "gguf_sha256", "tokenizer_samples": [{"text", "ids"}], "cases": [CASE]}}
 }
+Tiny families also have "shared_prefix_case" (a CASE whose prompt starts with the first 40 tokens
+of the longest case's, for runs after it that hit the prefix cache) and "hf_config" (the
+`config.json` transformers itself writes for the model, `save_pretrained`).
 CASE = {"name", "text" (real models; ids with add_special_tokens as `special`), "special",
         "messages" (chats: the conversation `text` renders), "prompt_ids", "new_ids",
         "new_margins" (top-1 minus top-2 logit per step)}
@@ -50,7 +54,8 @@ OUT = Path(__file__).with_name("family_reference.json")
 TINY_NEW_TOKENS = 24
 REAL_NEW_TOKENS = 32
 TINY_PROMPT_LENGTHS = (6, 21, 45)
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "deepseek_v3")
+SHARED_PREFIX = 40  # the shared-prefix case: the longest prompt's first tokens, then new ones
 
 WRITE_TINY = """
 import sys
@@ -138,7 +143,18 @@ def tiny_cases(jaxserve_python: str, families: list[str]) -> dict:
                 prompt = [int(i) for i in rng.integers(3, vocab, n)]
                 new_ids, margins = greedy(model, prompt, TINY_NEW_TOKENS)
                 cases.append({"name": f"random_{n}", "prompt_ids": prompt, "new_ids": new_ids, "new_margins": margins})
-            out[family] = {"seed": 0, "weights_sha256": sha256(directory / "model.safetensors"), "cases": cases}
+            prompt = cases[-1]["prompt_ids"][:SHARED_PREFIX] + [int(i) for i in rng.integers(3, vocab, 9)]
+            new_ids, margins = greedy(model, prompt, TINY_NEW_TOKENS)
+            shared = {"name": "shared_prefix", "prompt_ids": prompt, "new_ids": new_ids, "new_margins": margins}
+            model.save_pretrained(Path(tmp) / f"{family}-saved")
+            hf_config = json.loads((Path(tmp) / f"{family}-saved" / "config.json").read_text())
+            out[family] = {
+                "seed": 0,
+                "weights_sha256": sha256(directory / "model.safetensors"),
+                "cases": cases,
+                "shared_prefix_case": shared,
+                "hf_config": hf_config,
+            }
             print(f"{family}: {[c['new_ids'][:8] for c in cases]}", flush=True)
     return out
 

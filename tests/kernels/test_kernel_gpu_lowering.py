@@ -8,7 +8,8 @@ dot operand types, primitives without a Triton rule; for Mosaic GPU TMA boxes, W
 layouts and swizzles, register layouts of the softmax, barrier use. From jax 0.11 the Triton
 lowering asks for the target GPU, so every lowering here runs under an abstract mesh naming
 one (Hopper, whose compute capability both kernels target; Triton also for Ampere). PTX
-compilation and running are not covered: that needs a GPU (bench.gpu_check).
+compilation and running are not covered: that needs a GPU (bench.gpu_check). The MLA decode
+kernel lowers at DeepSeek-V3's latent (512 + 64 values, in halves of 256 + 32) and a smaller one.
 """
 
 import contextlib
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels_pallas import decode, decode_mosaic, kv_quant, prefill
+from kernels_pallas import decode, decode_mosaic, kv_quant, mla_decode, prefill
 
 S = jax.ShapeDtypeStruct
 LAYERS, KV_HEADS, BLOCKS, BLOCK, DIM = 2, 2, 64, 16, 64
@@ -139,3 +140,25 @@ def test_unsupported_head_dim_is_a_clear_error_not_a_lowering_crash():
             ),
             *decode_args(1, 2, jnp.bfloat16, head_dim=72),
         )
+
+
+# DeepSeek-V3's 128 heads over a latent of 512 + 64 in bf16, and a smaller one in f32 with splits.
+@pytest.mark.parametrize(
+    "heads,latent_dim,rope_dim,dtype,options,device_kind",
+    [
+        (128, 512, 64, jnp.bfloat16, {}, HOPPER),
+        (16, 128, 32, jnp.float32, {"num_splits": 2, "pages_per_step": 1}, AMPERE),
+    ],
+)
+def test_triton_mla_decode_lowers(heads, latent_dim, rope_dim, dtype, options, device_kind):
+    def fn(q, k, v, layer, tables, lengths):
+        return mla_decode.mla_decode_attention(
+            q, k, v, layer, tables, lengths, scale=0.1, latent_dim=latent_dim, interpret=False, **options
+        )
+
+    half = S((LAYERS, 1, BLOCKS, BLOCK, (latent_dim + rope_dim) // 2), dtype)
+    q = S((4, heads, latent_dim + rope_dim), dtype)
+    text = lowered_text(
+        fn, q, half, half, S((), jnp.int32), S((4, 8), jnp.int32), S((4,), jnp.int32), device_kind=device_kind
+    )
+    assert TRITON_CALL in text
