@@ -106,6 +106,11 @@ def test_a_text_model_refuses_images(llm):
         text_only.generate(prompt_of(llm, CASES["one_image"]), greedy(2), use_tqdm=False)
 
 
+def test_a_step_must_hold_an_image():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(12\) must hold an image's 16 tokens"):
+        LLM(build_tiny_vlm(), **{**ENGINE, "max_num_batched_tokens": 12, "prefill_token_buckets": (16,)})
+
+
 def test_a_chunk_never_ends_inside_an_image():
     [image] = expand_images("<s>", [load_image(image_png("red"), 32, 10**6)], _Tok(), _Vision()).images
     assert (image.start, image.end) == (3, 19)  # after "\n\n<s>"

@@ -86,7 +86,8 @@ class ModelRunner:
         self.blocks = BlockMover(cache, kv, rep, self.num_host_slots)
         constant = DeviceConstants(rep)
         # A vision-language model's encoder program and cache (None: text only).
-        self.vision = None if vision is None else VisionEncoder(vision, self.dtype, self.mesh)
+        step_tokens = ec.max_num_batched_tokens
+        self.vision = None if vision is None else VisionEncoder(vision, self.dtype, self.mesh, step_tokens)
         self.inputs = StepInputs(ec, constant, self.config.vocab_size, self.vision and self.vision.cache)
         self.args = ProgramArgs(constant, self.lora_slots)
         self.state = DeviceState(served.params, served.adapters, cache, self._sampler_state(rep))

@@ -36,9 +36,16 @@ ENCODER_CACHE_IMAGES = 256
 class VisionEncoder:
     """The vision tower on the runner's (one-device) mesh, its compiled program and its cache."""
 
-    def __init__(self, tower: VisionTower, dtype: Any, mesh: Mesh, capacity: int = ENCODER_CACHE_IMAGES) -> None:
+    def __init__(
+        self, tower: VisionTower, dtype: Any, mesh: Mesh, step_tokens: int, capacity: int = ENCODER_CACHE_IMAGES
+    ) -> None:
         if mesh.size > 1:
             raise ValueError("images are served on one device only (no tensor, pipeline or expert parallelism)")
+        if step_tokens < tower.config.mm_tokens_per_image:  # an image is prefilled in one step
+            raise ValueError(
+                f"max_num_batched_tokens ({step_tokens}) must hold an image's "
+                f"{tower.config.mm_tokens_per_image} tokens: a prefill chunk never splits an image"
+            )
         self.config = tower.config
         self.params = jax.device_put(cast_params(tower.params, jnp.dtype(dtype)), replicated(mesh))
         self.cache = EncoderCache(capacity, tower.config.text_hidden_size)
