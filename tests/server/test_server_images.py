@@ -162,3 +162,20 @@ def test_a_text_model_refuses_image_parts(vlm):
     with pytest.raises(APIError, match="this model takes no images") as raised:
         parse_messages([{"role": "user", "content": parts}], images=ImageParts(info, ImageLimits()))
     assert raised.value.status == 400
+
+
+def test_a_conversation_about_one_image_reuses_its_encoding_and_blocks(client, vlm):
+    """The second turn resends the image (chat is stateless): the prefix cache holds the first
+    turn's blocks, the image's rows included, so the image is not encoded again."""
+    case, cache = REFERENCE["image_late"], vlm[2].runner.vision.cache
+    messages = user_message(case)
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0.0)
+    misses = cache.misses
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    second = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0.0)
+    assert cache.misses == misses  # not encoded again
+    image_end = len(case["prompt_ids"]) - case["prompt_ids"][::-1].index(vlm[2].vision.image_token_id)
+    assert second.usage.prompt_tokens_details.cached_tokens >= image_end
