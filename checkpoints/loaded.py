@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from checkpoints.architectures.gemma3_vision import VisionConfig
 from checkpoints.config import ModelConfig
 from checkpoints.params import ParamTree
 from checkpoints.tokenizer_bundle import TokenizerBundle
+
+
+@dataclasses.dataclass
+class VisionTower:
+    """A vision-language model's image encoder and projector (`checkpoints.architectures.gemma3_vision`)."""
+
+    config: VisionConfig
+    params: ParamTree  # the declaration's tree (`gemma3_vision.weights`), numpy arrays
 
 
 @dataclasses.dataclass
@@ -15,3 +24,4 @@ class LoadedModel:
     # Nested dicts of numpy arrays (see checkpoints.params); jax.Arrays when restored into shardings.
     params: ParamTree
     tokenizer_bundle: TokenizerBundle
+    vision: VisionTower | None = None  # a vision-language model's vision tower (None: text only)

@@ -240,6 +240,8 @@ def convert(src: str, dst: str | os.PathLike[str], log: Callable[[str], None] = 
         raise FileExistsError(f"{dst} already exists")
     start = time.perf_counter()
     model = load_model(src)
+    if model.vision is not None:
+        raise CheckpointError(f"{src}: a converted checkpoint holds no vision tower; serve the Hugging Face directory")
     source_load_s = time.perf_counter() - start
     _save_atomically(model, Path(dst))
     start = time.perf_counter()

@@ -83,6 +83,7 @@ class AsyncEngine(AsyncKVTransfer):
             block_size=e.config.block_size,
             hidden_size=e.model_config.hidden_size,
             encoder=e.model_config if isinstance(e.model_config, EncoderConfig) else None,
+            vision=e.vision,
         )
         self._inbox: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[Delta | BaseException], None]] = {}

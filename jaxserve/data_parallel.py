@@ -29,6 +29,7 @@ from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_client import DuplicateRequestError, Pin
 from jaxserve.engine_core import EngineCore
 from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.image_prompt import MultimodalPrompt
 from jaxserve.outputs import Delta
 from jaxserve.placement import Placement, PlacementPolicy
 from jaxserve.replica_adapters import ReplicaAdapters
@@ -50,6 +51,7 @@ class DataParallelEngine:
         self.model_config = first.model_config
         self.model_name = first.model_name
         self.tokenizer = first.tokenizer
+        self.vision = getattr(first, "vision", None)  # a vision-language model's tower config (None: text only)
         self._pool = None
         if len(self.replicas) > 1:
             self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="dp-replica")
@@ -144,17 +146,22 @@ class DataParallelEngine:
     # ----- the engine interface -----------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: Hashable | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int] | MultimodalPrompt,
+        params: SamplingParams,
+        session_id: Hashable | None = None,
     ) -> list[Request]:
         if self.is_active(request_id):
             raise DuplicateRequestError(request_id)
         ids = self.encode_prompt(prompt)
         replica = self.placement.choose(ids, session_id, params.lora)
-        group = replica.add_prompt_ids(request_id, ids, params)
+        images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
+        group = replica.add_prompt_ids(request_id, ids, params, images)
         self.placement.stick(session_id, replica)
         return group
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | MultimodalPrompt) -> list[int]:
         return self.replicas[0].encode_prompt(prompt)
 
     def step(self) -> list[Delta]:

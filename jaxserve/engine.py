@@ -51,6 +51,7 @@ from jaxserve.dtype_choice import load_dtype, weights_dtype
 from jaxserve.engine_client import DuplicateRequestError, UnknownAdapterError, encode_prompt
 from jaxserve.engine_core_ops import EngineCoreOps
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
+from jaxserve.image_prompt import MultimodalPrompt, PromptImage
 from jaxserve.kv import CopyStage, DiskTier, build_kv_manager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_lower_tier
@@ -95,7 +96,8 @@ class LLMEngine(EngineCoreOps):
         self.tokenizer = Tokenizer(loaded.tokenizer_bundle)
         # Everything derived (context, KV blocks, buckets, ...) once, before anything is built.
         self.config = ec = resolve(config, loaded.config, dtype)
-        self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh)
+        self.vision = loaded.vision and loaded.vision.config  # a vision-language model's (None: text only)
+        self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh, loaded.vision)
         self.lower_tier = build_lower_tier(self.runner, self.model_name)  # disk, pool or None
         self.kv = build_kv_manager(
             ec.num_blocks,
@@ -146,14 +148,22 @@ class LLMEngine(EngineCoreOps):
 
     # ----- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams
+    ) -> list[Request]:
         """Queue a request; `n > 1` becomes n sequences sharing the prompt's blocks."""
-        return self.add_prompt_ids(request_id, self.encode_prompt(prompt), params)
+        images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
+        return self.add_prompt_ids(request_id, self.encode_prompt(prompt), params, images)
 
-    def add_prompt_ids(self, request_id: str, ids: list[int], params: SamplingParams) -> list[Request]:
-        """`add_request` for token ids that `encode_prompt` returned (they are not checked again)."""
+    def add_prompt_ids(
+        self, request_id: str, ids: list[int], params: SamplingParams, images: tuple[PromptImage, ...] = ()
+    ) -> list[Request]:
+        """`add_request` for token ids that `encode_prompt` returned (they are not checked again),
+        and the rows of their images (`jaxserve.image_prompt`)."""
         if request_id in self._groups:
             raise DuplicateRequestError(request_id)
+        if images and self.vision is None:
+            raise ValueError("this model takes no images (it has no vision tower)")
         params.check_vocabulary(self.model_config.vocab_size)
         adapter = self._adapter(params.lora)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -170,6 +180,7 @@ class LLMEngine(EngineCoreOps):
                 text=TextStream(request_id, i, params, ids, self.tokenizer),
                 pooling=PromptPooling(params.pooling) if params.pooling is not None else None,
                 adapter=adapter,
+                images=images,
             )
             for i in range(params.n)
         ]
@@ -188,7 +199,7 @@ class LLMEngine(EngineCoreOps):
         except KeyError:
             raise UnknownAdapterError(f"the model {name!r} does not exist") from None
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | MultimodalPrompt) -> list[int]:
         """Token ids of a prompt, or ValueError when it cannot be served (see `engine_client.encode_prompt`)."""
         return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.config.max_model_len)
 

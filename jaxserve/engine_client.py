@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.image_prompt import MultimodalPrompt
 from jaxserve.kv.leases import Hold as KVHold
 from jaxserve.kv.leases import Pin
 from jaxserve.outputs import Delta
@@ -89,10 +90,15 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) ->
     return list(ids)
 
 
-def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+def encode_prompt(
+    prompt: str | list[int] | MultimodalPrompt, tokenizer: Tokenizer, vocab_size: int, max_model_len: int
+) -> list[int]:
     """Token ids of a prompt, or ValueError when it cannot be served (the engine's and the
     router's). Text is a completion prompt: it gets what the tokenizer adds (a BOS for Llama 2 /
-    Mistral), as in vLLM; a rendered chat, whose template writes its own BOS, comes as ids."""
+    Mistral), as in vLLM; a rendered chat, whose template writes its own BOS, comes as ids (with
+    its images' rows: `MultimodalPrompt`)."""
+    if isinstance(prompt, MultimodalPrompt):
+        prompt = prompt.token_ids
     if isinstance(prompt, str):
         if not encodes_as_utf8(prompt):
             raise ValueError("the prompt must be valid Unicode (no lone surrogates)")
@@ -128,6 +134,9 @@ class EngineInfo:
     # An encoder-only embedding model's `checkpoints.encoders.EncoderConfig` (its pooling,
     # normalisation, Matryoshka dimensions); None for a decoder LM.
     encoder: Any = None
+    # A vision-language model's vision tower (`checkpoints.architectures.gemma3_vision.VisionConfig`:
+    # its image size and image tokens); None: the model takes no images.
+    vision: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +204,7 @@ class EngineClient(Protocol):
     def generate(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | MultimodalPrompt,
         params: SamplingParams,
         session_id: str | None = None,
         hold_kv: bool = False,

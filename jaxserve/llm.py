@@ -14,11 +14,12 @@ from tqdm import tqdm
 from checkpoints.registry import DEFAULT_MODEL
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import make_engine
+from jaxserve.image_prompt import MultimodalPrompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.speculative.config import SpeculativeConfig
 
-PromptType = str | list[int] | dict[str, Any]
+PromptType = str | list[int] | dict[str, Any] | MultimodalPrompt  # a chat with images: `jaxserve.image_prompt`
 
 
 class LLM:
@@ -77,7 +78,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> tuple[list[PromptType], list[SamplingParams]]:
         """Prompts as a list, and one SamplingParams per prompt."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        one = isinstance(prompts, (str, dict, MultimodalPrompt))
+        if one or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
@@ -114,7 +116,7 @@ class LLM:
         return self._finished([_as_prompt(p) for p in prompts], params_list, use_tqdm)
 
     def _finished(
-        self, prompts: list[str | list[int]], params_list: list[SamplingParams], use_tqdm: bool
+        self, prompts: list[str | list[int] | MultimodalPrompt], params_list: list[SamplingParams], use_tqdm: bool
     ) -> Iterator[tuple[int, RequestOutput]]:
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
@@ -162,7 +164,9 @@ class LLM:
             bar.close()
 
 
-def _as_prompt(p: PromptType) -> str | list[int]:
+def _as_prompt(p: PromptType) -> str | list[int] | MultimodalPrompt:
+    if isinstance(p, MultimodalPrompt):
+        return p
     if isinstance(p, dict):
         if "prompt_token_ids" in p:
             return list(p["prompt_token_ids"])

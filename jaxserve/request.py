@@ -8,6 +8,7 @@ import functools
 import time
 from typing import TYPE_CHECKING
 
+from jaxserve.image_prompt import PromptImage, chunk_end, salt_cache_tokens
 from jaxserve.outputs import FinishReason, TokenLogprob
 from jaxserve.pooling import PromptPooling
 from jaxserve.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class Request:
     pooling: PromptPooling | None = None  # an embedding request: its prompt's pooled rows so far
     adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
     lora_slot: int = -1  # the LoRA slot its adapter is pinned in while it runs (-1: none)
+    images: tuple[PromptImage, ...] = ()  # its prompt's images (a vision-language model's)
 
     def copy_tokens(self, start: int = 0, stop: int | None = None) -> list[int]:
         """A new list of the sequence's tokens [start, stop) (0 <= start <= stop <= num_tokens;
@@ -86,11 +88,18 @@ class Request:
     def copy_cache_tokens(self, stop: int | None = None) -> list[int]:
         """`copy_tokens(0, stop)` as the prefix cache keys them: a LoRA request's first token
         salted by its adapter (`AdapterRef.salt`), so KV computed with different adapters is never
-        shared."""
+        shared; an image's soft tokens salted by its digest (`salt_cache_tokens`)."""
         ids = self.copy_tokens(0, stop)
         if self.adapter is not None and ids:
             ids[0] = self.adapter.salt(ids[0])
+        if self.images:
+            salt_cache_tokens(ids, self.images)
         return ids
+
+    def prefill_chunk(self, start: int, n: int) -> int:
+        """Tokens a prefill chunk from `start` may take, at most `n`: it never ends inside an
+        image (`chunk_end`; 0: it must wait for a step with room for the whole image)."""
+        return chunk_end(self.images, start, n) if self.images else n
 
     @property
     def last_token_id(self) -> int:

@@ -101,8 +101,11 @@ def prefill_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    visible_until: jax.Array | None = None,
 ) -> jax.Array:
-    """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's history.
+    """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's history;
+    with `visible_until` [T], row t attends to positions up to `visible_until[t]` instead of its
+    own (the rows of an image attend to each other both ways; the window still ends at its own).
 
     Every row is scored against the history of every sequence of the batch and masked to its
     own: S-fold redundant work, which stays small because the scheduler caps the sequences of a
@@ -118,7 +121,8 @@ def prefill_attention(
     row_seq, row_pos, row_real = token_layout(query_start, seq_lens, t)
     key_seq = jnp.repeat(jnp.arange(s), c)
     key_pos = jnp.tile(jnp.arange(c), s)
-    valid = (key_seq[None, :] == row_seq[:, None]) & (key_pos[None, :] <= row_pos[:, None])
+    last = row_pos if visible_until is None else visible_until
+    valid = (key_seq[None, :] == row_seq[:, None]) & (key_pos[None, :] <= last[:, None])
     if sliding_window is not None:
         valid &= key_pos[None, :] > row_pos[:, None] - sliding_window
     valid &= row_real[:, None]

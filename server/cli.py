@@ -101,6 +101,15 @@ def _add_limit_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     g.add_argument("--max-n", type=int, default=defaults.max_n)
     g.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)")
     g.add_argument("--max-prompts", type=int, default=defaults.max_prompts)
+    g.add_argument("--max-images-per-request", type=int, default=defaults.max_images_per_request)
+    g.add_argument("--max-image-bytes", type=int, default=defaults.max_image_bytes)
+    g.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels)
+    g.add_argument(
+        "--allowed-local-media-path",
+        type=Path,
+        default=None,
+        help="a directory whose files chat images may name as file:// URLs (default: none; remote URLs never)",
+    )
     g.add_argument("--request-timeout", type=float, default=defaults.request_timeout, help="seconds, 0 = none")
     g.add_argument(
         "--body-timeout",
@@ -192,6 +201,10 @@ def server_config_from_args(args: argparse.Namespace, model_name: str | None = N
         max_n=args.max_n,
         max_tokens_limit=args.max_tokens_limit,
         max_prompts=args.max_prompts,
+        max_images_per_request=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allowed_local_media_path=args.allowed_local_media_path,
         request_timeout=args.request_timeout,
         body_timeout=args.body_timeout,
         keepalive_timeout=args.keepalive_timeout,

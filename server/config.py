@@ -31,6 +31,11 @@ class ServerConfig:
     max_n: int = 8
     max_tokens_limit: int | None = None  # None: the model's context length
     max_prompts: int = 64  # prompts in one /v1/completions request
+    # Images of a vision-language model's chats (server/image_parts.py); each limit is a 400.
+    max_images_per_request: int = 8
+    max_image_bytes: int = 10 << 20  # of one image, encoded (a data: URL also counts in max_body_bytes)
+    max_image_pixels: int = 4096 * 4096  # of one image, decoded
+    allowed_local_media_path: Path | None = None  # file:// image URLs are read inside it only (None: refused)
     request_timeout: float = 600.0  # seconds from arrival to the last token; 0 = none
     body_timeout: float = 30.0  # seconds a client may take to send a request body (then 408)
     keepalive_timeout: float = 75.0  # seconds an idle keep-alive connection stays open
@@ -66,6 +71,9 @@ class ServerConfig:
             "max_body_bytes",
             "max_n",
             "max_prompts",
+            "max_images_per_request",
+            "max_image_bytes",
+            "max_image_pixels",
             "max_sessions_per_key",
             "max_session_messages",
             "max_stored_responses_per_key",

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from jaxserve.engine_client import EngineClient, EngineDeadError, RequestFailedError, UnknownAdapterError
+from jaxserve.image_prompt import MultimodalPrompt, PromptImage
 from jaxserve.outputs import Delta, Usage
 from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
@@ -36,6 +37,7 @@ class EngineRequest:
     params: SamplingParams
     first_choice: int = 0
     session_id: str | None = None  # keeps a session's turns on the replica holding its KV
+    images: tuple[PromptImage, ...] = ()  # the rows of its images among `prompt_ids`
 
 
 @dataclasses.dataclass
@@ -179,7 +181,8 @@ class Generation:
             queue.put_nowait(_DONE)
             return
         try:
-            stream = self._engine.generate(req.request_id, req.prompt_ids, req.params, req.session_id)
+            prompt = MultimodalPrompt(req.prompt_ids, req.images) if req.images else req.prompt_ids
+            stream = self._engine.generate(req.request_id, prompt, req.params, req.session_id)
             async with aclosing(stream):
                 async for delta in stream:
                     queue.put_nowait((req.first_choice + delta.index, delta))

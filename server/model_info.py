@@ -26,6 +26,7 @@ class ModelInfo:
     created: int
     chat_template: str | None = None  # the server's --chat-template, used instead of the model's
     encoder: Any = None  # an encoder-only embedding model's EncoderConfig (`EngineInfo.encoder`)
+    vision: Any = None  # a vision-language model's vision tower config (`EngineInfo.vision`)
 
     @property
     def template(self) -> str | None:
@@ -45,6 +46,7 @@ class ModelInfo:
             created=int(time.time()),
             chat_template=chat_template,
             encoder=info.encoder,
+            vision=info.vision,
         )
 
     def token_text(self, token_id: int) -> str:

@@ -13,6 +13,7 @@ import jinja2
 from jaxserve.engine_client import PromptTooLongError
 from jaxserve.engine_client import check_prompt_ids as check_engine_prompt_ids
 from server.errors import bad_request
+from server.image_parts import IMAGE_PART_TYPES, ImageParts
 from server.model_info import ModelInfo
 
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
@@ -67,23 +68,32 @@ def completion_prompts(body: dict[str, Any], info: ModelInfo, max_prompts: int) 
     return out
 
 
-def _content_text(content: Any, index: int) -> str:
+def _content_text(content: Any, index: int, images: ImageParts | None = None) -> str:
+    """A message's content as text; its image parts (with `images`) as the model's placeholder."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content: only text parts are supported", param="messages")
+            kind = part.get("type") if isinstance(part, dict) else None
+            if images is not None and kind in IMAGE_PART_TYPES:
+                parts.append(images.take(part, f"messages[{index}].content"))
+                continue
+            if kind != "text" or not isinstance(part.get("text"), str):
+                what = "text and image parts are" if images is not None else "only text parts are"
+                raise bad_request(f"messages[{index}].content: {what} supported", param="messages")
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def parse_messages(value: Any, param: str = "messages", tools: bool = False) -> list[dict[str, Any]]:
+def parse_messages(
+    value: Any, param: str = "messages", tools: bool = False, images: ImageParts | None = None
+) -> list[dict[str, Any]]:
     """Chat messages as plain {"role", "content"} dicts (developer -> system). With `tools` (chat
     completions), also "tool" messages (with their `tool_call_id`) and assistant messages with
-    `tool_calls` (kept under that key, with content "" when they have none)."""
+    `tool_calls` (kept under that key, with content "" when they have none). With `images`, image
+    parts are collected there and shown in the content as the model's image placeholder."""
     if not isinstance(value, list) or not value:
         raise bad_request(f"{param} must be a non-empty list of messages", param=param)
     messages = []
@@ -116,7 +126,7 @@ def parse_messages(value: Any, param: str = "messages", tools: bool = False) -> 
         content = message.get("content")
         if content is None and role != "assistant":
             raise bad_request(f"{param}[{i}].content is required", param=param)
-        text = "" if content is None else _content_text(content, i)
+        text = "" if content is None else _content_text(content, i, images)
         parsed = {"role": "system" if role == "developer" else role, "content": text}
         if role == "tool":
             if not isinstance(message.get("tool_call_id"), str):

@@ -9,8 +9,9 @@ from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
 from server.errors import bad_request
+from server.image_parts import ImageParts
 from server.model_info import ModelInfo
-from server.prompts import encode_chat
+from server.prompts import encode_chat, render_chat
 from server.reasoning import ReasoningParser
 from server.reply_stream import ReplyParsing
 from server.tools import ToolCalling, ToolChoice, ToolFormat
@@ -37,14 +38,19 @@ def chat_prompt_ids(
     tools: list[dict[str, Any]],
     choice: ToolChoice,
     template_kwargs: dict[str, Any] | None = None,
+    images: ImageParts | None = None,
 ) -> tuple[list[int], ToolCalling | None]:
     """The prompt's token ids (not checked against the model's limits) with `tools` shown in the
     model's tool format (none with tool_choice "none"), and the tool calling its reply is read
-    with (None when no tools are shown)."""
+    with (None when no tools are shown). With loaded `images`, their rows are placed in it
+    (`ImageParts.encode`)."""
     tool_format = ToolFormat(info.template, tools)
     shown_tools = tools if choice.mode != "none" else []
     messages, template_tools = tool_format.prompt(messages, shown_tools)
-    ids = encode_chat(info, messages, tools=template_tools, template_kwargs=template_kwargs)
+    if images:
+        ids = images.encode(render_chat(info, messages, tools=template_tools, template_kwargs=template_kwargs))
+    else:
+        ids = encode_chat(info, messages, tools=template_tools, template_kwargs=template_kwargs)
     return ids, (ToolCalling(tool_format, choice) if shown_tools else None)
 
 

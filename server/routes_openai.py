@@ -12,6 +12,7 @@ from server.auth import OWNER_KEY
 from server.errors import bad_request, not_found
 from server.generation import EngineRequest
 from server.http_reply import respond
+from server.image_parts import ImageLimits, ImageParts
 from server.model_info import ModelInfo
 from server.openai_bodies import ChatShapes, CompletionShapes
 from server.prompts import completion_prompts, parse_messages, prompt_ids_or_400
@@ -85,10 +86,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = parse_stream(body)
     if "messages" not in body:
         raise bad_request("messages is required", param="messages")
-    messages = parse_messages(body["messages"], tools=True)
+    images = ImageParts(state.info, ImageLimits.of(state.config))
+    messages = parse_messages(body["messages"], tools=True, images=images)
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
-    ids, calling = chat_prompt_ids(state.info, messages, tools, choice, template_kwargs_setting(body))
+    await images.load()
+    ids, calling = chat_prompt_ids(state.info, messages, tools, choice, template_kwargs_setting(body), images)
     ids = prompt_ids_or_400(ids, state.info, "messages")
     max_tokens = max_tokens_setting(body, state.limits, len(ids), None)
     strict = state.config.strict_schemas
@@ -107,7 +110,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parsing = reply_parsing(state.info, state.config.reasoning_parser, calling, ids, params)
     shapes = ChatShapes(response_id, info, parsing, show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n):
-        generation = state.generation(request, [EngineRequest(response_id, ids, params)], "chat", arrival)
+        engine_request = EngineRequest(response_id, ids, params, images=images.rows)
+        generation = state.generation(request, [engine_request], "chat", arrival)
         return await respond(request, generation, shapes, stream)
 
 

@@ -12,6 +12,7 @@ for its layers by `DecoderLayer.attention`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -22,7 +23,7 @@ from checkpoints.config import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.layer_scope import LayerScope
 from jaxserve.model.rope import RopeTables, apply_rope
-from kernels_pallas import AttentionBackend
+from kernels_pallas import AttentionBackend, reference
 
 
 class AttentionBlock(Protocol):
@@ -61,7 +62,10 @@ def paged_attention(
     if meta.query_start is None:
         return backend.decode(q, k_cache, v_cache, layer, meta.block_tables, meta.seq_lens, **options)
     p = meta.query_start.shape[0] - 1
-    out = backend.prefill(
+    prefill = backend.prefill
+    if meta.visible_until is not None:  # images: only the reference takes a mask beyond causal
+        prefill = functools.partial(reference.prefill_attention, visible_until=meta.visible_until)
+    out = prefill(
         q, k_cache, v_cache, layer, meta.block_tables[:p], meta.seq_lens[:p], meta.query_start, **options
     )  # zeros at rows past the chunks'
     if meta.decode_rows is None:

@@ -40,6 +40,7 @@ from checkpoints.weights import flat, quantized
 from jaxserve.model.decoder_layer import Carry
 from jaxserve.model.experts import expert_backend
 from jaxserve.model.head import embedding, output_head
+from jaxserve.model.image_rows import ImageRows
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.layer_scope import Quantization
 from jaxserve.model.layer_stack import LayerStack
@@ -90,17 +91,21 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: jax.Array,
         lora: LoraStacks | None = None,
+        images: ImageRows | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache).
         Indices of -1 are padding rows after the live ones (their logits are not used: zeros on
         the C++ head, else the last row's). `lora`: the adapters' LoRA slots
-        (jaxserve/model/lora.py), read at `meta.lora_slots`."""
+        (jaxserve/model/lora.py), read at `meta.lora_slots`. `images`: rows whose input is an
+        image's soft-token embedding rather than their token's."""
         cfg, act = self.config, self.compute_dtype
         weights = flat(quantized(declare(cfg), dict(self.quantization)))
         embed = embedding(cfg, weights, act, self.dtype, self.cpu_matmul)
         h = embed(tokens)
         if cfg.scale_embeddings:  # by sqrt(hidden) rounded to the weights' dtype, as Gemma does
             h = h * jnp.asarray(cfg.hidden_size**0.5, self.dtype).astype(act)
+        if images is not None:
+            h = images.merge(h)
         (h, cache), load = self._layers((h, cache), rope_tables(cfg, positions), meta, lora)
         # Every row's last hidden state, for a caller that scores more rows than it samples
         # (`head_logits`), and each layer's assignments per expert [L, X] (mixture of experts);

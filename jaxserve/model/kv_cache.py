@@ -80,6 +80,9 @@ class AttentionMetadata:
       padding entry is T (out of range) and its sequence's length 0. None: no decodes.
     lora_slots [T]: with LoRA on, each row's LoRA slot (-1: the base model; see
       jaxserve/model/lora.py). None: LoRA off.
+    visible_until [T]: a vision-language model's prefill step, the last position each row
+      attends to: its own for text, its image's last for an image's soft tokens (Gemma 3 attends
+      both ways within an image). None: causal.
     """
 
     kv_slots: jax.Array
@@ -88,6 +91,7 @@ class AttentionMetadata:
     query_start: jax.Array | None = None
     decode_rows: jax.Array | None = None
     lora_slots: jax.Array | None = None
+    visible_until: jax.Array | None = None
 
     def real_rows(self, block_size: int) -> jax.Array:
         """[T] bool: the rows of live tokens (a padding row's KV slot is in block 0, never allocated)."""

@@ -2,19 +2,17 @@
 
 A decode program is keyed by (batch, block-table width), a ragged prefill program by (tokens,
 sequences, width): it runs an iteration's prefill chunks and its plain decodes (if any) in one
-model step, the decodes counted in its tokens; a program's logits are padded to a sampler row
-bucket. A token that the previous iteration sampled and the host has not read yet (a
-PLACEHOLDER) is given as the row of that iteration's sampled buffer to read it from
-(`token_src`), so it never has to be read here.
+model step, the decodes counted in its tokens (a vision-language model's carries image rows: `image_inputs.py`);
+its logits are padded to a sampler row bucket. A token the previous iteration sampled that the host has not read
+(a PLACEHOLDER) is given as its row in that iteration's sampled buffer (`token_src`), never read here.
 
-Decode rows (of decode, multi-step decode and prefill programs) are gathers of the persistent
-batch's rows (`InputBatch`) by one index array: tokens, token sources, positions and block
-tables, and the sampling settings; prefill chunk rows are built per chunk (each is many tokens).
-A verify program gathers its tables and sampling rows, its tokens (the drafts) are per chunk.
+Decode rows (of decode, multi-step decode and prefill programs) are gathers of the persistent batch's rows
+(`InputBatch`) by one index array: tokens, token sources, positions and block tables, and the sampling
+settings; prefill chunk rows are built per chunk (each is many tokens). A verify program gathers its
+tables and sampling rows, its tokens (the drafts) are per chunk.
 
-What it builds (`Program`, `PreparedStep`) is declared in prepared_step.py. The runner ships a
-program's arrays to its compiled calls packed into one buffer (`HostPack`,
-host_pack.py; the sampling settings are one array already, `SamplingTensors.settings`).
+What it builds (`Program`, `PreparedStep`) is declared in prepared_step.py. The runner ships a program's
+arrays packed into one buffer (`HostPack`; the sampling settings are one array, `SamplingTensors.settings`).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from jaxserve.config import bucket_for
 from jaxserve.model import AttentionMetadata
 from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.resolved_config import ResolvedConfig
+from jaxserve.runner.image_inputs import EncoderCache, with_image_rows
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores
 from jaxserve.runner.prompt_rows import pool_rows, score_rows
@@ -49,8 +48,9 @@ class StepInputs:
         engine_config: ResolvedConfig,
         constant: Callable[[tuple[int, ...], np.dtype, object], Any],
         vocab_size: int,
+        images: EncoderCache | None = None,  # a vision-language model's: its prefills carry image rows
     ):
-        self.config = engine_config
+        self.config, self.images = engine_config, images
         self.batch = InputBatch(
             engine_config.max_num_seqs, constant, mask_words(vocab_size), max(engine_config.block_table_buckets)
         )
@@ -227,7 +227,7 @@ class StepInputs:
         rows_per_chunk = [c.num_new_tokens for c in chunks] + [1] * len(decodes)
         lora = self.lora_rows(chunks + decodes, num_tokens, rows_per_chunk)
         meta = AttentionMetadata(r.kv_slots, r.tables, r.seq_lens, r.query_start, decode_rows, lora)
-        host_args = (r.tokens, r.positions, meta, r.logits_indices, r.token_src)
+        host_args = with_image_rows((r.tokens, r.positions, meta, r.logits_indices, r.token_src), chunks, self.images)
         batch_rows = np.concatenate([chunk_batch_rows, decode_batch_rows])
         sampling, masks = self._sampling(chunks + decodes, batch_rows, self.sampler_rows(num_logits))
         return Program(

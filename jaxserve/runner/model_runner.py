@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
 from checkpoints.digest import weights_digest
+from checkpoints.loaded import VisionTower
 from jaxserve.kv import CopyKind, CopyStage
 from jaxserve.lora.peft import LoraWeights
 from jaxserve.model import KVCache
@@ -49,13 +50,21 @@ from jaxserve.runner.programs import ProgramSetting, declare_programs
 from jaxserve.runner.step_counters import StepTotals
 from jaxserve.runner.step_functions import StepFunctions
 from jaxserve.runner.step_handle import StepHandle, read_tokens, start_reads
+from jaxserve.runner.vision_encoder import VisionEncoder
 from jaxserve.sampling_tensors import PenaltyCounts
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from sharding.rules import cache_sharding, replicated
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, params: Any, engine_config: ResolvedConfig, mesh: Mesh | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Any,
+        engine_config: ResolvedConfig,
+        mesh: Mesh | None = None,
+        vision: VisionTower | None = None,
+    ):
         if not isinstance(engine_config, ResolvedConfig):
             raise TypeError("ModelRunner takes a ResolvedConfig: jaxserve.config_resolution.resolve(config, model)")
         self.engine_config = ec = engine_config
@@ -76,7 +85,10 @@ class ModelRunner:
         rep, kv = replicated(self.mesh), cache_sharding(self.mesh, self.config.is_mla)
         self.blocks = BlockMover(cache, kv, rep, self.num_host_slots)
         constant = DeviceConstants(rep)
-        self.inputs = StepInputs(ec, constant, self.config.vocab_size)
+        # A vision-language model's encoder program and cache (None: text only).
+        step_tokens = ec.max_num_batched_tokens
+        self.vision = None if vision is None else VisionEncoder(vision, self.dtype, self.mesh, step_tokens)
+        self.inputs = StepInputs(ec, constant, self.config.vocab_size, self.vision and self.vision.cache)
         self.args = ProgramArgs(constant, self.lora_slots)
         self.state = DeviceState(served.params, served.adapters, cache, self._sampler_state(rep))
         functions = StepFunctions(
@@ -122,7 +134,7 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        return self.executables.num_compilations
+        return self.executables.num_compilations + (self.vision.num_compilations if self.vision else 0)
 
     # ----- programs and compilation ---------------------------------------------------------
 
@@ -151,6 +163,8 @@ class ModelRunner:
         block moves; return the seconds it took."""
         t0 = time.perf_counter()
         self.executables.compile_all()
+        if self.vision is not None:
+            self.vision.warm_up()
         # The block moves have one shape each; compiling them here keeps serving free of it.
         self.state = self.state.with_cache(self.blocks.warm_up(self.state.cache))
         return time.perf_counter() - t0
@@ -183,6 +197,8 @@ class ModelRunner:
         """An iteration's host arrays (see `StepInputs.prepare`). Host work only: it raises for a
         request whose inputs cannot be built before anything reaches the device."""
         t0 = time.perf_counter()
+        if self.vision is not None:  # the prefill chunks' images encoded (or found in its cache) first
+            self.vision.step_embeddings(sched.prefills)
         prepared = self.inputs.prepare(sched)
         self.last_prepare_time = time.perf_counter() - t0
         return prepared

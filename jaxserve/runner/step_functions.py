@@ -65,7 +65,7 @@ class StepFunctions:
         """Logits at `logits_indices` (padded to the sampler's row bucket unless `pad_logits` is
         off; padding rows are zeros), every row's last hidden state (for `score` and `pool`), and
         the step's `StepCounters` (expert load, pipeline schedule); the K/V written."""
-        tokens, positions, meta, logits_indices, token_src = inputs.unpack()
+        tokens, positions, meta, logits_indices, token_src, *images = inputs.unpack()  # images: a VLM's prefill
         tokens = _pending_tokens(state.sampler.prev_sampled, tokens, token_src)
         params = state.params
         (logits, cache), variables = self.model.apply(
@@ -76,6 +76,7 @@ class StepFunctions:
             meta,
             logits_indices,
             state.adapters,
+            images[0] if images else None,
             mutable=["intermediates"],
         )
         rows = logits.shape[0]

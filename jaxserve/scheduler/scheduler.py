@@ -219,7 +219,9 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     continue
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
-                n = self._partial_chunk_limit(budget, others)
+                n = req.prefill_chunk(hit.num_tokens, self._partial_chunk_limit(budget, others))
+                if n == 0:
+                    continue  # it would split an image: it waits for a step with room for it
             if req.adapter is not None:
                 # Behind a request waiting for a LoRA slot, adapter requests wait too (even of resident
                 # adapters), so the pins drain and it gets its LoRA slot: no adapter starves.
@@ -272,8 +274,8 @@ class Scheduler:
 
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: BlocksInFlight) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if not self.kv.allocate_kv_slots(req.kv, n):
+        n = req.prefill_chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+        if n == 0 or not self.kv.allocate_kv_slots(req.kv, n):
             return 0
         return self._add_prefill(req, n, out, in_flight)
 

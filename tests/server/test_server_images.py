@@ -1,0 +1,181 @@
+"""Images in chat through the real server (aiohttp on a loopback port) with the official `openai`
+client, served by the tiny Gemma 3 vision-language model: the reply's text is transformers' greedy
+tokens (tests/data/vlm_reference.json) for 1 and 2 images, streamed or not; file URLs only under
+--allowed-local-media-path; bad images (not an image, truncated base64, too large, too many, a
+remote URL) are clear 400s that leak nothing; no compilation after warm-up."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from server_harness import KEY_A, MODEL_NAME, send, start_server, wait_until_idle
+
+from checkpoints.tiny_vlm import build_tiny_vlm
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from server.errors import APIError
+from server.image_parts import ImageLimits, ImageParts
+from server.model_info import ModelInfo
+from server.prompts import parse_messages
+from tests.data.vlm_images import image_png
+
+REFERENCE = {
+    c["name"]: c for c in json.loads((Path(__file__).parents[1] / "data" / "vlm_reference.json").read_text())["cases"]
+}
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=192,
+    block_size=8,
+    num_blocks=128,
+    decode_batch_buckets=(4,),
+    sampler_row_buckets=(4,),
+    prefill_token_buckets=(64,),
+    prefill_seq_buckets=(4,),
+    block_table_buckets=(24,),
+)
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    engine = LLMEngine(build_tiny_vlm(), EngineConfig(**ENGINE))
+    engine.warm_up()
+    compiled = engine.num_compilations
+    ae = AsyncEngine(engine)
+    ae.start()
+    media = tmp_path_factory.mktemp("media")
+    (media / "red.png").write_bytes(image_png("red"))
+    srv = start_server(
+        ae, api_keys=(KEY_A,), max_image_bytes=20_000, max_images_per_request=2, allowed_local_media_path=media
+    )
+    yield srv, ae, engine, compiled, media
+    srv.stop()
+    ae.shutdown()
+
+
+@pytest.fixture
+def client(vlm):
+    return openai.OpenAI(base_url=vlm[0].base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def kv_free_after(vlm, assert_kv_all_free):
+    yield
+    srv, ae, engine, compiled, _ = vlm
+    wait_until_idle(srv, ae)
+    srv.engine_call(ae, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
+    assert engine.num_compilations == compiled
+
+
+def user_message(case: dict, url_of=lambda name: data_url(image_png(name))) -> list[dict]:
+    """The case's user text as content parts: each <start_of_image> an image part, in order."""
+    pieces = case["messages"][0]["content"].split("<start_of_image>")
+    parts: list[dict] = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for name, text in zip(case["images"], pieces[1:]):
+        parts.append({"type": "image_url", "image_url": {"url": url_of(name)}})
+        parts += [{"type": "text", "text": text}] if text else []
+    return [{"role": "user", "content": parts}]
+
+
+def expected_text(engine: LLMEngine, case: dict) -> str:
+    return engine.tokenizer.decode(case["new_ids"])
+
+
+@pytest.mark.parametrize("name", ["one_image", "two_images"])
+def test_chat_with_images_replies_transformers_tokens(client, vlm, name):
+    case = REFERENCE[name]
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=user_message(case), max_tokens=len(case["new_ids"]), temperature=0.0
+    )
+    assert out.choices[0].message.content == expected_text(vlm[2], case)
+    assert out.usage.prompt_tokens == len(case["prompt_ids"])
+
+
+def test_streamed_chat_with_an_image(client, vlm):
+    case = REFERENCE["other_image"]
+    chunks = client.chat.completions.create(
+        model=MODEL_NAME, messages=user_message(case), max_tokens=len(case["new_ids"]), temperature=0.0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_text(vlm[2], case)
+
+
+def test_a_file_url_is_read_only_inside_the_allowed_path(client, vlm):
+    case, media = REFERENCE["one_image"], vlm[4]
+    messages = user_message(case, lambda name: (media / f"{name}.png").as_uri())
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0.0)
+    assert out.choices[0].message.content == vlm[2].tokenizer.decode(case["new_ids"][:4])
+    outside = user_message(case, lambda name: Path(__file__).resolve().as_uri())
+    with pytest.raises(openai.BadRequestError, match="no such file under the allowed local media path"):
+        client.chat.completions.create(model=MODEL_NAME, messages=outside, max_tokens=4)
+
+
+def noise_png(side: int) -> bytes:
+    out = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    Image.fromarray(pixels, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("data:image/png;base64," + base64.b64encode(b"plain text, not a picture").decode(), "not a readable image"),
+        (data_url(image_png("blue"))[:-9], "base64 data is invalid or truncated"),
+        (data_url(noise_png(64)[:2000]), "not a readable image"),  # a truncated file
+        (data_url(noise_png(100)), "at most 20000"),
+        ("https://example.com/cat.png", "remote image URLs are not fetched"),
+        ("ftp://example.com/cat.png", "unsupported image URL scheme"),
+    ],
+)
+def test_bad_images_are_clear_400s(vlm, url, message):
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]
+    messages = [{"role": "user", "content": parts}]
+    reply = send(vlm[0], "POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": messages, "max_tokens": 2})
+    assert reply.status == 400, reply.text
+    error = reply.json["error"]
+    assert message in error["message"] and error["param"] == "messages"
+
+
+def test_too_many_images_are_a_400(vlm):
+    part = {"type": "image_url", "image_url": {"url": data_url(image_png("red"))}}
+    messages = [{"role": "user", "content": [part, part, part]}]
+    reply = send(vlm[0], "POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": messages, "max_tokens": 2})
+    assert reply.status == 400 and "at most 2 images per request" in reply.json["error"]["message"]
+
+
+def test_a_text_model_refuses_image_parts(vlm):
+    engine = vlm[2]
+    info = ModelInfo("text", engine.tokenizer, 320, 192, 4, 8, 64, 0)  # no vision tower
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image_png("red"))}}]
+    with pytest.raises(APIError, match="this model takes no images") as raised:
+        parse_messages([{"role": "user", "content": parts}], images=ImageParts(info, ImageLimits()))
+    assert raised.value.status == 400
+
+
+def test_a_conversation_about_one_image_reuses_its_encoding_and_blocks(client, vlm):
+    """The second turn resends the image (chat is stateless): the prefix cache holds the first
+    turn's blocks, the image's rows included, so the image is not encoded again."""
+    case, cache = REFERENCE["image_late"], vlm[2].runner.vision.cache
+    messages = user_message(case)
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0.0)
+    misses = cache.misses
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    second = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0.0)
+    assert cache.misses == misses  # not encoded again
+    image_end = len(case["prompt_ids"]) - case["prompt_ids"][::-1].index(vlm[2].vision.image_token_id)
+    assert second.usage.prompt_tokens_details.cached_tokens >= image_end
