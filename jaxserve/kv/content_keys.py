@@ -44,12 +44,13 @@ def token_bytes(tokens: Sequence[int] | np.ndarray, num_tokens: int) -> bytes:
     return array("i", tokens[:num_tokens]).tobytes()
 
 
-def content_token_bytes(tokens: Sequence[int] | np.ndarray, num_tokens: int) -> bytes:
-    """`token_bytes` with a salted first token unsalted: what content keys hash and the tiers store
-    with a block (a salted token is only ever a request's first)."""
-    if len(tokens) and num_tokens and tokens[0] < 0:
-        tokens = [(-1 - int(tokens[0])) & _TOKEN_MASK, *tokens[1:num_tokens]]
-    return token_bytes(tokens, num_tokens)
+def content_token_bytes(tokens: Sequence[int] | np.ndarray, start: int, stop: int) -> bytes:
+    """`token_bytes` of a sequence's cache tokens [start, stop) as content keys hash them and the tiers
+    store them with a block: the sequence's first token unsalted (a LoRA request's; other salted ids,
+    an image's soft tokens, are content and stay)."""
+    if start == 0 and stop > 0 and tokens[0] < 0:
+        return token_bytes([(-1 - int(tokens[0])) & _TOKEN_MASK, *tokens[1:stop]], stop)
+    return token_bytes(tokens[start:stop], stop - start)
 
 
 def fingerprint(fields: Mapping[str, object]) -> bytes:
@@ -103,7 +104,7 @@ class ChainKeys:
         keys = self._keys
         done = len(keys)
         if num_blocks > done:
-            data = content_token_bytes(tokens[done * bs : num_blocks * bs], (num_blocks - done) * bs)
+            data = content_token_bytes(tokens, done * bs, num_blocks * bs)
             step = bs * 4
             previous = keys[-1] if keys else self.seed
             for i in range(num_blocks - done):

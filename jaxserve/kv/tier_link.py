@@ -169,7 +169,7 @@ class TierLink:
         bs = self.block_size
         keys = chain.keys(tokens, max(blocks) + 1)
         for i, block in blocks.items():
-            self._plan(CopyKind.DEVICE_TO_DISK, block, keys[i], content_token_bytes(tokens[i * bs : (i + 1) * bs], bs))
+            self._plan(CopyKind.DEVICE_TO_DISK, block, keys[i], content_token_bytes(tokens, i * bs, (i + 1) * bs))
 
     def count_hits(self, chain: ChainKeys, tokens: Sequence[int] | np.ndarray, device_blocks: Sequence[int]) -> None:
         """An admission reused `device_blocks` (the first blocks of `tokens`): selective write-through."""
@@ -183,7 +183,7 @@ class TierLink:
             count = self._hits.get(key, 0) + 1
             if count >= n:
                 self._hits.pop(key, None)
-                self._plan(CopyKind.DEVICE_TO_DISK, block, key, content_token_bytes(tokens[i * bs : (i + 1) * bs], bs))
+                self._plan(CopyKind.DEVICE_TO_DISK, block, key, content_token_bytes(tokens, i * bs, (i + 1) * bs))
             else:
                 self._hits[key] = count
 
@@ -196,7 +196,7 @@ class TierLink:
         keys = chain_keys(seed, tokens, first + len(dropped.locations), bs)
         kind = CopyKind.DEVICE_TO_DISK if dropped.on_device else CopyKind.HOST_TO_DISK
         for i, location in enumerate(dropped.locations, start=first):
-            self._plan(kind, location, keys[i], content_token_bytes(tokens[i * bs : (i + 1) * bs], bs))
+            self._plan(kind, location, keys[i], content_token_bytes(tokens, i * bs, (i + 1) * bs))
 
     def flush(self) -> int:
         """At a clean shutdown: plan writes of the cached blocks (device and host tier) the tier
@@ -213,10 +213,11 @@ class TierLink:
             if len(chosen) == room:
                 break
             ids = np.frombuffer(run.tokens, dtype=np.int32)
-            key = self.seeds.of(ids) if run.parent is self.cache.root else keys.get(run.parent)
+            at_root = run.parent is self.cache.root
+            key = self.seeds.of(ids) if at_root else keys.get(run.parent)
             if key is None:  # under a LoRA path no request keyed
                 continue
-            data = content_token_bytes(ids, len(ids))  # a root run's salted first token unsalted
+            data = content_token_bytes(ids, 0, len(ids)) if at_root else run.tokens
             kind = CopyKind.DEVICE_TO_DISK if run.on_device else CopyKind.HOST_TO_DISK
             for j in range(min(len(run.locations), room - len(chosen))):
                 block_tokens = data[j * kb : (j + 1) * kb]
@@ -257,7 +258,7 @@ class TierLink:
         self.seeds.note(chain, tokens)
         bs, first, kb = self.block_size, path.end, self.block_size * TOKEN_BYTES
         keys = chain.keys(tokens, first + n)[first:]
-        data = content_token_bytes(tokens[first * bs : (first + n) * bs], n * bs)  # as the tier stores them
+        data = content_token_bytes(tokens, first * bs, (first + n) * bs)  # as the tier stores them
         per_block = [data[i * kb : (i + 1) * kb] for i in range(n)]
         self._unsubmitted.append((keys, per_block, host_slots, req_id))
         cache_tokens = token_bytes(tokens[first * bs : (first + n) * bs], n * bs)  # the path's, salted

@@ -32,7 +32,7 @@ class KVIndex:
         bs, n = self.block_size, 0
         key = self.seed if salt is None else next_key(self.seed, salt)
         while (n + 1) * bs <= len(token_ids):
-            key = next_key(key, content_token_bytes(token_ids[n * bs : (n + 1) * bs], bs))
+            key = next_key(key, content_token_bytes(token_ids, n * bs, (n + 1) * bs))
             if key not in self.keys:
                 break
             n += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kv_sim import FakeEngine
 
 from jaxserve.kv import build_kv_manager
-from jaxserve.kv.content_keys import ChainKeys, chain_keys, salt_token, token_bytes
+from jaxserve.kv.content_keys import ChainKeys, chain_keys, content_token_bytes, salt_token, token_bytes
 from jaxserve.kv.kv_events import KVEventLog
 from jaxserve.placement.kv_index import KVIndex
 
@@ -79,6 +79,10 @@ def test_lora_content_keys_do_not_depend_on_the_engines_own_adapter_number():
     assert keys != ChainKeys(seed, BS).salted(b"other weights").keys(here, 3)
     assert KVIndex(seed, BS, keys).match(prompt, digest) == 12 and KVIndex(seed, BS, keys).match(prompt) == 0
     assert token_bytes(here, 4) != token_bytes(there, 4) != token_bytes(prompt, 4)  # the radix tree's keys
+    # only a sequence's first token is a LoRA salt: salted ids later on (an image's soft tokens) are content
+    image = [*prompt[:4], -5, -6, -7, -8]
+    assert content_token_bytes(image, 4, 8) == token_bytes(image[4:], 4)
+    assert content_token_bytes(here, 0, 4) == token_bytes(prompt, 4)
 
 
 def test_a_lora_prompts_blocks_are_stored_and_removed_under_its_salted_keys():
