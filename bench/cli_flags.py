@@ -37,6 +37,7 @@ def add_workload_args(p: argparse.ArgumentParser, default_prompt_format: str, ad
     g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
     g.add_argument("--user-len", type=int, default=32, help="multi-turn: tokens per user message")
     g.add_argument("--system-len", type=int, default=0, help="multi-turn: tokens of the system prompt")
+    g.add_argument("--max-images", type=int, default=4, help="images: 1 .. this many images per request")
     g.add_argument("--prompt-format", choices=("ids", "text"), default=default_prompt_format,
                    help="send prompts as token ids or as text (peers' servers take text)")  # fmt: skip
     if add_seed:
@@ -64,6 +65,10 @@ def workload_factory(args: argparse.Namespace) -> Callable[[TokenizerLike, set[i
         if args.workload == "multi-turn":
             return w.multi_turn_workload(sampler, args.num_sessions, args.turns, args.user_len, args.output_len,
                                          args.system_len)  # fmt: skip
+        if args.workload == "images":
+            from bench.image_workload import image_workload
+
+            return image_workload(sampler, args.num_prompts, args.input_len, args.output_len, args.max_images)
         if not args.workload_file:
             raise SystemExit("--workload jsonl needs --workload-file")
         return w.jsonl_workload(args.workload_file, tokenizer, args.output_len)

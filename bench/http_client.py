@@ -120,7 +120,7 @@ async def completion(session: aiohttp.ClientSession, endpoint: Endpoint, prompt:
     return await _stream(session, f"{endpoint.base_url}/v1/completions", body, endpoint, prompt_tokens, group)
 
 
-async def chat(session: aiohttp.ClientSession, endpoint: Endpoint, messages: list[dict[str, str]], max_tokens: int,
+async def chat(session: aiohttp.ClientSession, endpoint: Endpoint, messages: list[dict[str, Any]], max_tokens: int,
                prompt_tokens: int, group: str = "") -> RequestRecord:  # fmt: skip
     body = {"model": endpoint.model, "messages": messages, **_sampling(max_tokens)}
     return await _stream(session, f"{endpoint.base_url}/v1/chat/completions", body, endpoint, prompt_tokens, group)

@@ -9,6 +9,7 @@ A conversation is one item: its turns go one after another, each after the previ
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import math
 import time
@@ -67,11 +68,19 @@ def num_requests(workload: Workload) -> int:
 
 async def _send_request(http: aiohttp.ClientSession, endpoint: Endpoint, item: BenchRequest, spec: LoadSpec,
                         tokenizer: TokenizerLike) -> RequestRecord:  # fmt: skip
-    if spec.api == "completions":
+    if spec.api == "completions" and not item.images:
         return await http_client.completion(http, endpoint, item.prompt, item.max_tokens, item.prompt_len, item.group)
     text = item.prompt if isinstance(item.prompt, str) else tokenizer.decode(item.prompt)
-    messages = [{"role": "user", "content": text}]
+    messages = [{"role": "user", "content": _content(text, item.images)}]
     return await http_client.chat(http, endpoint, messages, item.max_tokens, item.prompt_len, item.group)
+
+
+def _content(text: str, images: tuple[bytes, ...]) -> str | list[dict[str, Any]]:
+    """A user message's content: the text, after its images as data URLs (chat completions' parts)."""
+    if not images:
+        return text
+    urls = ("data:image/png;base64," + base64.b64encode(png).decode() for png in images)
+    return [*({"type": "image_url", "image_url": {"url": url}} for url in urls), {"type": "text", "text": text}]
 
 
 def _turn_group(conversation: Conversation, turn: int) -> str:

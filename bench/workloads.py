@@ -39,8 +39,9 @@ class TokenizerLike(Protocol):
 class BenchRequest:
     prompt: str | list[int]  # token ids, or text
     max_tokens: int
-    prompt_len: int
+    prompt_len: int  # of its text (an image's tokens are the model's to count)
     group: str = ""
+    images: tuple[bytes, ...] = ()  # encoded images sent before the text (bench/image_workload.py)
 
     def token_ids(self, tokenizer: TokenizerLike) -> list[int]:
         return self.prompt if isinstance(self.prompt, list) else tokenizer.encode(self.prompt)
@@ -211,4 +212,4 @@ def _jsonl_item(obj: Any, tokenizer: TokenizerLike, default_max_tokens: int) -> 
     raise ValueError("'prompt' must be a string or a non-empty list of token ids")
 
 
-WORKLOAD_NAMES = ("random", "facts32", "shared-prefix", "long-prompt", "multi-turn", "jsonl")
+WORKLOAD_NAMES = ("random", "facts32", "shared-prefix", "long-prompt", "multi-turn", "images", "jsonl")

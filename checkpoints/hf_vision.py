@@ -19,6 +19,22 @@ from checkpoints.weights import flat
 
 MULTIMODAL_CLASS = "Gemma3ForConditionalGeneration"
 MULTIMODAL_TYPE = "gemma3"  # its `model_type` (a text-only Gemma 3 is `gemma3_text`)
+# transformers' `Gemma3TextConfig` defaults, which the Hub's multimodal configs leave out of `text_config`.
+TEXT_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "max_position_embeddings": 131072,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
 
 
 def is_multimodal(hf: dict[str, Any]) -> bool:
@@ -26,12 +42,11 @@ def is_multimodal(hf: dict[str, Any]) -> bool:
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """The language model's `config.json` fields of a multimodal one (ids and tying from the top level)."""
-    text = {"model_type": "gemma3_text", **hf["text_config"]}
-    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
-        if key in hf and key not in hf["text_config"]:
-            text[key] = hf[key]
-    return text
+    """The language model's `config.json` fields of a multimodal one: its `text_config`, then the
+    top level's ids and tying, then transformers' defaults."""
+    text = {"model_type": "gemma3_text", **TEXT_DEFAULTS}
+    text.update({k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf})
+    return {**text, **hf["text_config"]}
 
 
 def multimodal_config(text: dict[str, Any], vision: gemma3_vision.VisionConfig) -> dict[str, Any]:

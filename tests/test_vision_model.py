@@ -10,7 +10,11 @@ import jax
 import numpy as np
 import pytest
 
+from checkpoints.architectures import config_from_hf
+from checkpoints.architectures.gemma3_vision import canonical_name
+from checkpoints.architectures.gemma3_vision import from_hf as vision_from_hf
 from checkpoints.hf import load_hf_dir, save_hf_dir
+from checkpoints.hf_vision import text_config
 from checkpoints.tiny_vlm import build_tiny_vlm
 from jaxserve.images import ImageError, load_image
 from jaxserve.model.vision import image_embeddings
@@ -72,3 +76,47 @@ def test_multimodal_directory_round_trip(model, tmp_path):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(model.params)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_hub_config_of_gemma_3_4b_reads_with_transformers_defaults():
+    hub = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "model_type": "siglip_vision_model",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+    }
+    text = config_from_hf(text_config(hub))
+    assert (text.num_heads, text.num_kv_heads, text.head_dim, text.vocab_size) == (8, 4, 256, 262208)
+    assert text.eos_token_ids == (1, 106) and text.tie_word_embeddings and text.rope_theta == 1e6
+    vision = vision_from_hf(hub, text.hidden_size)
+    assert (vision.patches_per_side, vision.pool_kernel, vision.image_token_id) == (64, 4, 262144)
+
+
+def test_hub_tensor_names_are_read_as_transformers_5_names():
+    assert canonical_name("vision_tower.vision_model.encoder.layers.3.mlp.fc1.weight") == (
+        "model.vision_tower.encoder.layers.3.mlp.fc1.weight"
+    )
+    assert canonical_name("language_model.model.layers.0.mlp.up_proj.weight") == (
+        "model.language_model.layers.0.mlp.up_proj.weight"
+    )
+    assert canonical_name("multi_modal_projector.mm_soft_emb_norm.weight") == (
+        "model.multi_modal_projector.mm_soft_emb_norm.weight"
+    )
+    assert canonical_name("model.vision_tower.post_layernorm.bias") == "model.vision_tower.post_layernorm.bias"

@@ -1,6 +1,6 @@
 """The image rows of a vision-language model's prefill programs (host side): which rows take an
 image's soft-token embedding, and how far each row attends (`AttentionMetadata.visible_until`),
-from the encoder cache that `VisionEncoder.step_embeddings` filled for the step."""
+from the encoder cache that `VisionEncoder.encode_step` filled for the step."""
 
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ class ModelRunner:
         request whose inputs cannot be built before anything reaches the device."""
         t0 = time.perf_counter()
         if self.vision is not None:  # the prefill chunks' images encoded (or found in its cache) first
-            self.vision.step_embeddings(sched.prefills)
+            self.vision.encode_step(sched.prefills)
         prepared = self.inputs.prepare(sched)
         self.last_prepare_time = time.perf_counter() - t0
         return prepared

@@ -2,7 +2,7 @@
 image-count bucket at warm-up, and the encoder cache.
 
 An iteration's prefill chunks that hold rows of an image need its soft-token embeddings before
-their inputs are built (`step_embeddings`): an image already in the encoder cache (by its pixels'
+their inputs are built (`encode_step`): an image already in the encoder cache (by its pixels'
 digest) is not encoded again; the others are encoded together, padded to an image-count bucket,
 and read back to the host, where `StepInputs` places them at their rows. The cache keeps the
 embeddings of the `capacity` images used last (least recently used out first).
@@ -52,7 +52,6 @@ class VisionEncoder:
         self._jitted = jax.jit(image_embeddings, static_argnums=0)
         self._compiled: dict[int, Any] = {}
         self.num_compilations = 0
-        self.num_encoded = 0  # images run through the encoder
 
     def _pixels(self, count: int) -> jax.ShapeDtypeStruct:
         size = self.config.image_size
@@ -71,8 +70,9 @@ class VisionEncoder:
         for bucket in IMAGE_BUCKETS:
             self._program(bucket, warming_up=True)
 
-    def step_embeddings(self, prefills: list[ScheduledChunk]) -> dict[bytes, np.ndarray]:
-        """The soft-token embeddings of every image some rows of these prefill chunks hold, by digest."""
+    def encode_step(self, prefills: list[ScheduledChunk]) -> None:
+        """Put in the encoder cache the soft-token embeddings of every image some rows of these
+        prefill chunks hold (encoding those it lacks), for `StepInputs` to read."""
         wanted = {}
         for c in prefills:
             for image in c.request.images:
@@ -80,22 +80,13 @@ class VisionEncoder:
                     wanted[image.image.digest] = image.image
         if len(wanted) > self.cache.capacity:
             raise ValueError(f"a step holds {len(wanted)} images; the encoder cache keeps {self.cache.capacity}")
-        found = {}
-        missing = []
-        for digest, image in wanted.items():
-            cached = self.cache.get(digest)
-            if cached is None:
-                missing.append(image)
-            else:
-                found[digest] = cached
-        self.cache.hits += len(found)
+        missing = [image for digest, image in wanted.items() if self.cache.get(digest) is None]
+        self.cache.hits += len(wanted) - len(missing)
         self.cache.misses += len(missing)
         most = IMAGE_BUCKETS[-1]
         for batch in (missing[i : i + most] for i in range(0, len(missing), most)):
             for image, embeddings in zip(batch, self.encode(batch)):
                 self.cache.put(image.digest, embeddings)
-                found[image.digest] = embeddings
-        return found
 
     def encode(self, images: list[ImageInput]) -> np.ndarray:
         """Soft-token embeddings [len(images), mm_tokens_per_image, E] of at most IMAGE_BUCKETS[-1] images."""
@@ -103,5 +94,4 @@ class VisionEncoder:
         pixels = np.zeros(self._pixels(bucket).shape, np.float32)
         for i, image in enumerate(images):
             pixels[i] = image.pixels
-        self.num_encoded += len(images)
         return np.asarray(self._program(bucket)(self.params, pixels))[: len(images)]

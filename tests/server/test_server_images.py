@@ -6,6 +6,7 @@ remote URL) are clear 400s that leak nothing; no compilation after warm-up."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -17,6 +18,10 @@ import pytest
 from PIL import Image
 from server_harness import KEY_A, MODEL_NAME, send, start_server, wait_until_idle
 
+from bench.http_client import Endpoint
+from bench.image_workload import image_workload
+from bench.load import LoadSpec, run_load
+from bench.workloads import TokenSampler
 from checkpoints.tiny_vlm import build_tiny_vlm
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
@@ -179,3 +184,15 @@ def test_a_conversation_about_one_image_reuses_its_encoding_and_blocks(client, v
     assert cache.misses == misses  # not encoded again
     image_end = len(case["prompt_ids"]) - case["prompt_ids"][::-1].index(vlm[2].vision.image_token_id)
     assert second.usage.prompt_tokens_details.cached_tokens >= image_end
+
+
+def test_the_bench_image_workload_runs_against_the_server(vlm):
+    """`jaxserve bench serve --workload images`'s requests (1 and 2 images each here) all succeed."""
+    srv, _, engine, _, _ = vlm
+    special = {0, 1, 2, *range(300, 320)}  # the tiny tokenizer's special, turn and image tokens
+    workload = image_workload(TokenSampler(engine.tokenizer, 0, special), 4, 8, 3, max_images=2, image_side=48)
+    endpoint = Endpoint(srv.base_url, MODEL_NAME, api_key=KEY_A)
+    records, _ = asyncio.run(run_load(endpoint, workload, LoadSpec(), engine.tokenizer, show_progress=False))
+    assert all(r.success for r in records), [r.error for r in records]
+    assert sorted(r.group for r in records) == ["1-images", "1-images", "2-images", "2-images"]
+    assert all(r.prompt_tokens >= 22 * int(r.group[0]) and r.output_tokens == 3 for r in records)
