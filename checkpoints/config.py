@@ -10,7 +10,7 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder of one of the architectures in `checkpoints/architectures/`
-    (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE).
+    (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss).
 
     Field names follow Hugging Face's configs where one exists, so `config.json` maps onto this
     class with few renames (see `from_hf_dict`). The fields after `architecture` switch the
@@ -50,6 +50,13 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    # gpt-oss (issue 52): a learned logit per query head in each attention softmax's denominator
+    # (`layers/sinks`), a bias on o_proj too, and experts with biases whose gate and up units are
+    # interleaved in one kernel, under a clamped SwiGLU (set `swiglu_limit`: `model/experts.py`).
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

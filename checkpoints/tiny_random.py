@@ -114,6 +114,30 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "rms_norm_eps": 1e-6,
     },
+    # gpt-oss's blocks at the real model's RoPE; a SwiGLU limit of 1 so the clamps bite.
+    "gpt_oss": {
+        "architecture": "gpt_oss",
+        "attention_bias": True,
+        "attention_out_bias": True,
+        "attention_sinks": True,
+        "sliding_window": 8,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "rope_theta": 150_000.0,
+        "max_position_embeddings": 131_072,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 32,
+        "swiglu_limit": 1.0,
+    },
 }
 
 
