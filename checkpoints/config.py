@@ -57,6 +57,7 @@ class ModelConfig:
     attention_out_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    experts_mxfp4: bool = False  # the experts' kernels stored as MXFP4 blocks and scales (`checkpoints/mxfp4.py`)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

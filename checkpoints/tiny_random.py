@@ -9,11 +9,12 @@ by ties. Overrides make tiny models of the other families (`architecture="qwen3"
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from checkpoints.architectures import declare
+from checkpoints.architectures import declare, gpt_oss
 from checkpoints.config import ModelConfig
 from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamTree, resolve_dtype
@@ -139,10 +140,16 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "swiglu_limit": 1.0,
     },
 }
+# The same gpt-oss with its experts stored as real checkpoints store them: MXFP4 blocks and scales.
+TINY_FAMILIES["gpt_oss_mxfp4"] = {**TINY_FAMILIES["gpt_oss"], "experts_mxfp4": True}
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype: Any = "float32") -> ParamTree:
-    """Random parameters for `config`, drawn as its declaration says. Same seed, same arrays."""
+    """Random parameters for `config`, drawn as its declaration says. Same seed, same arrays.
+    MXFP4 experts (gpt-oss) are the float model's, quantized."""
+    if config.experts_mxfp4:
+        float_config = dataclasses.replace(config, experts_mxfp4=False)
+        return gpt_oss.with_mxfp4_experts(random_params(float_config, seed, dtype))
     return random_tree(declare(config), seed, resolve_dtype(dtype))
 
 

@@ -29,14 +29,22 @@ GATED_STACKS = (GATE_UP, GATE_UP, DOWN)  # w_gate, w_up, w_down
 # gpt-oss: w_gate_up [L, X, E, 2F] (gate and up interleaved, so a contiguous split of 2F keeps each
 # unit's pair together), its bias [L, X, 2F], w_down.
 CLAMPED_STACKS = (GATE_UP, P(None, EP, TP), DOWN)
+# The same with the kernels as MXFP4 blocks [L, X, out, in / 32, 16] and scales [L, X, out, in / 32].
+MXFP4_CLAMPED_STACKS = (
+    {"blocks": P(None, EP, TP, None, None), "scales": P(None, EP, TP, None)},
+    P(None, EP, TP),
+    {"blocks": P(None, EP, None, TP, None), "scales": P(None, EP, None, TP)},
+)
 
 
-def plan_expert_parallel(num_experts: int, expert_hidden: int, ep: int, tp: int) -> None:
-    """Raise ValueError unless `ep` divides the experts and `tp` each expert's hidden units."""
+def plan_expert_parallel(num_experts: int, expert_hidden: int, ep: int, tp: int, hidden_block: int = 1) -> None:
+    """Raise ValueError unless `ep` divides the experts and `tp` each expert's hidden units, which
+    are stored in blocks of `hidden_block` (32 for MXFP4 experts: a block is never split)."""
     if num_experts % ep:
         raise ValueError(f"expert_parallel_size={ep} does not divide the model's {num_experts} experts")
-    if expert_hidden % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' {expert_hidden} hidden units")
+    if expert_hidden % (tp * hidden_block):
+        blocks = f" (MXFP4 blocks of {hidden_block})" if hidden_block > 1 else ""
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' {expert_hidden} hidden units{blocks}")
 
 
 def shard_experts(fn: ExpertFn, mesh: Mesh, stacks: tuple[P, ...] = GATED_STACKS) -> Callable[..., jax.Array]:
@@ -48,7 +56,7 @@ def shard_experts(fn: ExpertFn, mesh: Mesh, stacks: tuple[P, ...] = GATED_STACKS
 
     def local(x, ids, weights, real, *args):
         *weight_stacks, layer = args
-        first = lax.axis_index(EP) * weight_stacks[0].shape[1]
+        first = lax.axis_index(EP) * jax.tree.leaves(weight_stacks[0])[0].shape[1]
         partial = fn(x, ids, weights, real, *weight_stacks, layer, first)
         return lax.psum(partial, (EP, TP))
 

@@ -12,7 +12,9 @@ On the Llama layer it adds:
   weight), under a clamped SwiGLU (`jaxserve.model.experts.clamped_swiglu`).
 
 Real checkpoints store the experts' kernels as MXFP4 blocks and scales (`quantization_config`
-with `quant_method: mxfp4`).
+with `quant_method: mxfp4`); those are declared and loaded as stored (`experts_mxfp4`:
+`expert_gate_up/blocks` [L, X, 2F, E / 32, 16] and `/scales` [L, X, 2F, E / 32], `expert_down/...`
+likewise, out-major as in the file) and dequantized an expert at a time in the experts' matmuls.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from checkpoints import mxfp4
 from checkpoints.architectures import blocks
 from checkpoints.architectures.base import Architecture
 from checkpoints.architectures.hf_config import common_fields, common_hf, rope
@@ -53,11 +56,38 @@ DEFAULT_ROPE = {
 }
 # The experts' kernels, which checkpoints store [in, out].
 IN_OUT_KERNELS = ("layers/expert_gate_up/kernel", "layers/expert_down/kernel")
+# transformers' own list of what its MXFP4 checkpoints leave unquantized.
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 
 
 def _weight(config: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...], init: str, hf: str) -> Weight:
     """A per-layer weight stacked over the layers, named `hf` under a layer's prefix."""
     return Weight((config.num_layers, *shape), (LAYERS, *axes), init, hf=blocks.HF_LAYER + hf)
+
+
+def expert_kernel(
+    config: ModelConfig, shape: tuple[int, int, int], axes: tuple[str, str, str], hf: str
+) -> dict[str, Weight]:
+    """An expert kernel [X, in, out] named `hf`: as floats, or (`experts_mxfp4`) as its MXFP4
+    blocks and scales, uint8 and out-major as stored (`hf`_blocks, `hf`_scales)."""
+    if not config.experts_mxfp4:
+        return {"kernel": _weight(config, shape, axes, KERNEL, hf)}
+    experts, fan_in, fan_out = axes
+    leaf_axes = {mxfp4.BLOCKS: (experts, fan_out, fan_in, None), mxfp4.SCALES: (experts, fan_out, fan_in)}
+    return {
+        leaf: dataclasses.replace(
+            _weight(config, leaf_shape, leaf_axes[leaf], BIAS, f"{hf}_{leaf}"), storage="uint8"
+        )  # random codes and scales are zeros
+        for leaf, leaf_shape in mxfp4.shapes(shape).items()
+    }
 
 
 def moe(config: ModelConfig) -> Declaration:
@@ -69,11 +99,11 @@ def moe(config: ModelConfig) -> Declaration:
             "bias": _weight(config, (x,), (ROUTER,), BIAS, "mlp.router.bias"),
         },
         "expert_gate_up": {
-            "kernel": _weight(config, (x, e, 2 * f), (EXPERTS, EMBED, EXPERT_FFW), KERNEL, "mlp.experts.gate_up_proj"),
+            **expert_kernel(config, (x, e, 2 * f), (EXPERTS, EMBED, EXPERT_FFW), "mlp.experts.gate_up_proj"),
             "bias": _weight(config, (x, 2 * f), (EXPERTS, EXPERT_FFW), BIAS, "mlp.experts.gate_up_proj_bias"),
         },
         "expert_down": {
-            "kernel": _weight(config, (x, f, e), (EXPERTS, EXPERT_FFW, EMBED), KERNEL, "mlp.experts.down_proj"),
+            **expert_kernel(config, (x, f, e), (EXPERTS, EXPERT_FFW, EMBED), "mlp.experts.down_proj"),
             "bias": _weight(config, (x, e), (EXPERTS, EMBED), BIAS, "mlp.experts.down_proj_bias"),
         },
     }
@@ -99,8 +129,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     quantization = (hf.get("quantization_config") or {}).get("quant_method")
-    if quantization is not None:
-        raise ValueError(f"gpt-oss with quantization_config quant_method={quantization!r} is not supported")
+    if quantization not in (None, "mxfp4"):
+        raise ValueError(f"gpt-oss with quantization_config quant_method={quantization!r} is not supported (mxfp4 is)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"gpt-oss with hidden_act {hf['hidden_act']!r} is not supported")
     theta, scaling = _rope(hf)
@@ -123,6 +153,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": True,
         "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
         "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+        "experts_mxfp4": quantization == "mxfp4",
     }
 
 
@@ -141,7 +172,19 @@ def to_hf(config: ModelConfig) -> dict[str, Any]:
         "layer_types": list(config.layer_types or ()),
         "swiglu_limit": config.swiglu_limit,
         "swiglu_alpha": config.swiglu_alpha,
+        **({"quantization_config": MXFP4_CONFIG} if config.experts_mxfp4 else {}),
     }
+
+
+def with_mxfp4_experts(params: dict[str, Any]) -> dict[str, Any]:
+    """Parameters of a float model with its experts' kernels replaced by their MXFP4 blocks and
+    scales (`mxfp4.quantize`): those of the same config with `experts_mxfp4`."""
+    layers = dict(params["layers"])
+    for name in ("expert_gate_up", "expert_down"):
+        leaves = dict(layers[name])
+        leaves.update(mxfp4.quantize(leaves.pop("kernel")))
+        layers[name] = leaves
+    return {**params, "layers": layers}
 
 
 def swap_in_out_kernels(path: str, array: np.ndarray) -> np.ndarray:

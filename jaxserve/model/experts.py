@@ -30,7 +30,8 @@ from jax import lax
 from jax.sharding import Mesh
 
 from checkpoints.config import ModelConfig
-from sharding.experts import CLAMPED_STACKS, GATED_STACKS, shard_experts
+from jaxserve.model.expert_kernels import ExpertStack, expert_kernel, layer_kernels, num_experts, out_features
+from sharding.experts import CLAMPED_STACKS, GATED_STACKS, MXFP4_CLAMPED_STACKS, shard_experts
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -78,16 +79,16 @@ def tile_rows(rows: int, groups: int) -> int:
     return int(min(128, max(8, 1 << (mean - 1).bit_length())))
 
 
-def grouped_matmul_tiles(xs: jax.Array, w: jax.Array, layer: jax.Array, sizes: jax.Array) -> jax.Array:
+def grouped_matmul_tiles(xs: jax.Array, w: ExpertStack, layer: jax.Array, sizes: jax.Array) -> jax.Array:
     """xs [M, K] (rows sorted by group; group g holds `sizes[g]` rows) times layer `layer` of the
-    stacked group weights w [L, G, K, N] -> [M, N] f32; rows past sum(sizes) are zeros.
+    stacked group weights w [L, G, K, N] (or their MXFP4 storage: `expert_kernels`) -> [M, N]
+    f32; rows past sum(sizes) are zeros.
 
     Each group's rows are cut into tiles of `tile_rows` rows; tile t multiplies its rows by its
-    group's weights (read in place from the stack) and writes only the rows of its group. There
-    are at most ceil(M / tile) + min(G, M) tiles (a static bound); a loop runs them and skips
-    those past the last group's."""
-    w = jnp.asarray(w)
-    m, n = xs.shape[0], w.shape[-1]
+    group's weights (read in place from the stack, or dequantized from MXFP4) and writes only the
+    rows of its group. There are at most ceil(M / tile) + min(G, M) tiles (a static bound); a loop
+    runs them and skips those past the last group's."""
+    m, n = xs.shape[0], out_features(w)
     g = sizes.shape[0]
     tile = tile_rows(m, g)
     num_tiles = -(-m // tile) + min(g, m)
@@ -103,7 +104,7 @@ def grouped_matmul_tiles(xs: jax.Array, w: jax.Array, layer: jax.Array, sizes: j
 
     def body(i, out):
         def compute(out):
-            y = _dot(lax.dynamic_slice_in_dim(xs, row0[i], tile), w[layer, group[i]])
+            y = _dot(lax.dynamic_slice_in_dim(xs, row0[i], tile), expert_kernel(w, layer, group[i], xs.dtype))
             current = lax.dynamic_slice_in_dim(out, row0[i], tile)
             mine = (jnp.arange(tile) < valid[i])[:, None]
             return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, current), row0[i], 0)
@@ -113,9 +114,10 @@ def grouped_matmul_tiles(xs: jax.Array, w: jax.Array, layer: jax.Array, sizes: j
     return lax.fori_loop(0, num_tiles, body, out)[:m]
 
 
-def grouped_matmul_ragged(xs: jax.Array, w: jax.Array, layer: jax.Array, sizes: jax.Array) -> jax.Array:
+def grouped_matmul_ragged(xs: jax.Array, w: ExpertStack, layer: jax.Array, sizes: jax.Array) -> jax.Array:
     """`grouped_matmul_tiles` through `jax.lax.ragged_dot` (grouped on GPU and TPU)."""
-    out = lax.ragged_dot(xs.astype(w.dtype), w[layer], sizes, preferred_element_type=jnp.float32)
+    kernels = layer_kernels(w, layer, xs.dtype)
+    out = lax.ragged_dot(xs.astype(kernels.dtype), kernels, sizes, preferred_element_type=jnp.float32)
     return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(sizes))[:, None], out, 0.0)
 
 
@@ -185,9 +187,9 @@ def clamped_expert_mlp(
     ids: jax.Array,
     weights: jax.Array,
     real: jax.Array,
-    w_gate_up: jax.Array,
+    w_gate_up: ExpertStack,
     b_gate_up: jax.Array,
-    w_down: jax.Array,
+    w_down: ExpertStack,
     layer: jax.Array,
     first_expert: jax.Array | int = 0,
     *,
@@ -197,8 +199,8 @@ def clamped_expert_mlp(
 ) -> jax.Array:
     """`expert_mlp` of gpt-oss's experts, without the down projection's bias: w_gate_up
     [L, X, E, 2F] holds gate and up interleaved (gate in the even columns) with its bias
-    b_gate_up [L, X, 2F], under `clamped_swiglu`."""
-    assigned = sort_assignments(ids, weights, real, w_gate_up.shape[1], first_expert)
+    b_gate_up [L, X, 2F], under `clamped_swiglu`; the kernels may be MXFP4 (`expert_kernels`)."""
+    assigned = sort_assignments(ids, weights, real, num_experts(w_gate_up), first_expert)
     sizes = assigned.sizes
     gate_up = grouped_matmul(x[assigned.rows], w_gate_up, layer, sizes) + b_gate_up[layer][assigned.experts]
     hidden = clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], limit, alpha)
@@ -219,5 +221,5 @@ def expert_backend(config: ModelConfig, mesh: Mesh | None = None) -> Callable[..
         fn = functools.partial(
             clamped_expert_mlp, limit=config.swiglu_limit, alpha=config.swiglu_alpha, grouped_matmul=grouped
         )
-        stacks = CLAMPED_STACKS
+        stacks = MXFP4_CLAMPED_STACKS if config.experts_mxfp4 else CLAMPED_STACKS
     return fn if mesh is None else shard_experts(fn, mesh, stacks)

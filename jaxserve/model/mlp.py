@@ -9,7 +9,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from checkpoints import mxfp4
 from checkpoints.config import ModelConfig
+from jaxserve.model.expert_kernels import ExpertStack
 from jaxserve.model.experts import activation, expert_load, route
 from jaxserve.model.layer_scope import LayerScope
 
@@ -18,6 +20,11 @@ def gated_mlp(config: ModelConfig, scope: LayerScope, x: jax.Array) -> jax.Array
     """down(act(gate(x)) * up(x)), in `scope.dtype`."""
     act = activation(config.hidden_act)
     return scope.dense("down_proj", (act(scope.dense("gate_proj", x)) * scope.dense("up_proj", x)).astype(scope.dtype))
+
+
+def _kernels(params: dict[str, jax.Array]) -> ExpertStack:
+    """The kernels among an expert projection's parameters: `kernel`, or its MXFP4 blocks and scales."""
+    return params["kernel"] if "kernel" in params else {leaf: params[leaf] for leaf in (mxfp4.BLOCKS, mxfp4.SCALES)}
 
 
 def mixture_of_experts(
@@ -41,10 +48,10 @@ def mixture_of_experts(
         stacks = [scope.stack("expert_gate"), scope.stack("expert_up"), down["kernel"]]
     else:
         gate_up = scope.params("expert_gate_up")
-        stacks = [gate_up["kernel"], gate_up["bias"], down["kernel"]]
+        stacks = [_kernels(gate_up), gate_up["bias"], _kernels(down)]
     layer = scope.layer
     if not stacked:
-        stacks, layer = [s[None] for s in stacks], jnp.int32(0)
+        stacks, layer = [jax.tree.map(lambda a: a[None], s) for s in stacks], jnp.int32(0)
     out = experts(x, ids, weights, real, *stacks, layer)
     if config.swiglu_limit is not None:
         routed = jnp.where(real[:, None], weights, 0.0)  # [T, k]

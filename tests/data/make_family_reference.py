@@ -15,7 +15,9 @@ Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not
   prompt longer than a prefill chunk of the tests (64 tokens) and one that shares the first 40
   tokens of it (`shared_prefix`: the tests run it after the others, from the prefix cache), and
   its entry records the `config.json` transformers itself writes (`hf_config`, from
-  `save_pretrained`), which the tests parse.
+  `save_pretrained`), which the tests parse. `gpt_oss_mxfp4` is that model with its experts
+  stored as MXFP4 blocks and scales, which transformers dequantizes on load
+  (`Mxfp4Config(dequantize=True)`).
 - The two real GGUF models of the registry, `qwen2.5-coder-0.5b-instruct` and `gemma-3-270m`
   (fetch them first: `python3 -c "from checkpoints.registry import fetch_gguf; fetch_gguf(NAME)"`),
   loaded by transformers with `gguf_file=`. Qwen's prompts are chats rendered with its template;
@@ -49,14 +51,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).with_name("family_reference.json")
 TINY_NEW_TOKENS = 24
 REAL_NEW_TOKENS = 32
 TINY_PROMPT_LENGTHS = (6, 21, 45)
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "gpt_oss")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4")
 # Per family, prompts beyond TINY_PROMPT_LENGTHS: (length, and for a shared prefix: the case and
 # how many of its first tokens).
 EXTRA_PROMPTS = {"gpt_oss": [(90, None), (50, ("random_90", 40))]}
@@ -139,7 +141,9 @@ def tiny_cases(jaxserve_python: str, families: list[str]) -> dict:
         subprocess.run([jaxserve_python, "-c", WRITE_TINY, tmp, *families], check=True, env=env, cwd=ROOT)
         for family in families:
             directory = Path(tmp) / family
-            model = load_checked(pretrained_model_name_or_path=str(directory))
+            quantized = "quantization_config" in json.loads((directory / "config.json").read_text())
+            extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}
+            model = load_checked(pretrained_model_name_or_path=str(directory), **extra)
             vocab = model.config.vocab_size
             cases = [
                 {**case, "new_ids": new_ids, "new_margins": margins}

@@ -3,7 +3,8 @@ parallelism), composed with tensor and data parallelism, equal one device.
 
 One subprocess (ep_worker.py) builds every layout of the tiny Mixtral (4 experts, top-2,
 renormalised), Qwen3-MoE (8 experts, top-2, not renormalised) and gpt-oss (4 experts with biases,
-gate and up interleaved; attention sinks split with the heads over tp) models and reports tokens,
+gate and up interleaved; attention sinks split with the heads over tp; its experts also as MXFP4
+blocks and scales, split over ep) models and reports tokens,
 logits, compilation counts and the shardings read from the arrays; the tests assert on that.
 """
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from mesh_cases import run_worker
 
-BASELINES = ["mixtral:1x1x1", "qwen3_moe:1x1x1", "gpt_oss:1x1x1"]
+BASELINES = ["mixtral:1x1x1", "qwen3_moe:1x1x1", "gpt_oss:1x1x1", "gpt_oss_mxfp4:1x1x1"]
 # FAMILY:DPxEPxTP. Each layout costs a warm-up: ep 2 and 4 alone, ep x tp, dp x ep, and tp alone.
 LAYOUTS = [
     "mixtral:1x2x1",
@@ -23,6 +24,7 @@ LAYOUTS = [
     "qwen3_moe:2x2x1",
     "gpt_oss:1x2x2",
     "gpt_oss:1x1x2",
+    "gpt_oss_mxfp4:1x2x1",
 ]
 pytestmark = pytest.mark.timeout(1800)
 
@@ -60,6 +62,12 @@ def test_experts_are_split_over_ep_and_their_hidden_units_over_tp(report, case):
     dp, ep, tp = map(int, case.split(":")[1].split("x"))
     for mesh, arrays in zip(report[case]["mesh"], report[case]["shardings"]):
         assert mesh == {"dp": 1, "pp": 1, "ep": ep, "tp": tp}
+        if "layers/expert_gate_up/blocks" in arrays:  # MXFP4 [L, X, out, in / 32, 16]: whole experts over ep
+            blocks = arrays["layers/expert_gate_up/blocks"]
+            assert blocks["spec"] == str((None, "ep", "tp", None, None)) and tp == 1
+            layers, experts, *rest = blocks["shape"]
+            assert blocks["shard_shapes"] == [[layers, experts // ep, *rest]]
+            continue
         gate = arrays.get("layers/expert_gate/kernel") or arrays["layers/expert_gate_up/kernel"]  # gpt-oss: fused
         down = arrays["layers/expert_down/kernel"]
         layers, experts, hidden, ffw = gate["shape"]
