@@ -14,6 +14,8 @@ from safetensors.numpy import load_file
 
 from checkpoints import mxfp4
 from checkpoints.hf import load_hf_dir, save_hf_dir
+from checkpoints.orbax_io import load_orbax, save_orbax
+from checkpoints.params import iter_leaves
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.model import experts
@@ -109,3 +111,13 @@ def test_tensor_parallelism_that_would_split_an_mxfp4_block_is_refused_at_start(
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .* 32 hidden units \(MXFP4 blocks of 32\)"):
         plan_parallelism(config, EngineConfig(tensor_parallel_size=2))
     plan_parallelism(config, EngineConfig(expert_parallel_size=2))
+
+
+def test_a_converted_checkpoint_keeps_the_blocks_and_scales(mxfp4_dir, tmp_path):
+    """`jaxserve convert`'s Orbax checkpoint restores uint8 blocks and scales, not floats."""
+    model, _ = mxfp4_dir
+    save_orbax(model, tmp_path / "orbax")
+    restored = dict(iter_leaves(load_orbax(tmp_path / "orbax").params))
+    for path, leaf in iter_leaves(model.params):
+        assert restored[path].dtype == leaf.dtype, path
+        np.testing.assert_array_equal(restored[path], leaf)
