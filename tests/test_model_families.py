@@ -20,6 +20,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from checkpoints.architectures import config_from_hf
@@ -74,6 +75,10 @@ def test_greedy_tokens_match_transformers_with_no_compilation_after_warm_up(fami
     assert llm.engine.num_compilations == compiled
     assert_kv_all_free(llm.engine)
     check_expert_load(llm, cases, cached)
+    if llm.engine.model_config.experts_mxfp4:  # served as stored: no float expert kernels on the device
+        layers = llm.engine.runner.params["layers"]
+        for name in ("expert_gate_up", "expert_down"):
+            assert set(layers[name]) == {"blocks", "scales", "bias"} and layers[name]["blocks"].dtype == jnp.uint8
 
 
 def check_expert_load(llm: LLM, cases: list[dict], cached: int) -> None:
