@@ -11,7 +11,7 @@ from typing import Any
 class ModelConfig:
     """Hyper-parameters of a decoder of one of the architectures in `checkpoints/architectures/`
     (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE,
-    DeepSeek-V3).
+    DeepSeek-V3, gpt-oss).
 
     Field names follow Hugging Face's configs where one exists, so `config.json` maps onto this
     class with few renames (see `from_hf_dict`). The fields after `architecture` switch the
@@ -71,6 +71,14 @@ class ModelConfig:
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
     num_nextn_predict_layers: int = 0  # multi-token prediction layers: loaded, not run
+    # gpt-oss (issue 52): a learned logit per query head in each attention softmax's denominator
+    # (`layers/sinks`), a bias on o_proj too, and experts with biases whose gate and up units are
+    # interleaved in one kernel, under a clamped SwiGLU (set `swiglu_limit`: `model/experts.py`).
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    experts_mxfp4: bool = False  # the experts' kernels stored as MXFP4 blocks and scales (`checkpoints/mxfp4.py`)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

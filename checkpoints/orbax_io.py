@@ -23,11 +23,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError
 from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamTree, param_shapes, resolve_dtype, validate_params
 from checkpoints.tokenizer_bundle import load_tokenizer_files, save_tokenizer_files
+from checkpoints.weights import flat, nest
 
 MANIFEST = "jaxserve_model.json"
 FORMAT = "jaxserve-orbax"
@@ -82,13 +84,24 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
 
 
 def _restore_args(config: ModelConfig, dtype: np.dtype, shardings: Any) -> ParamTree:
+    """Each leaf restored as `dtype`, but arrays declared with a storage of their own (codes, such
+    as gpt-oss's MXFP4 blocks and scales) as stored."""
     shapes = param_shapes(config)
+    dtypes = nest({path: np.dtype(w.storage or dtype) for path, w in flat(declare(config)).items()})
     is_shape = lambda x: isinstance(x, tuple)  # noqa: E731 - shapes are the leaves here
     if shardings is None:
-        return jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), shapes, is_leaf=is_shape)
+        return jax.tree.map(
+            lambda _, leaf_dtype: ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf_dtype),
+            shapes,
+            dtypes,
+            is_leaf=is_shape,
+        )
     return jax.tree.map(
-        lambda shape, sharding: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype),
+        lambda shape, leaf_dtype, sharding: ocp.ArrayRestoreArgs(
+            sharding=sharding, global_shape=shape, dtype=leaf_dtype
+        ),
         shapes,
+        dtypes,
         shardings,
         is_leaf=is_shape,
     )

@@ -9,11 +9,12 @@ by ties. Overrides make tiny models of the other families (`architecture="qwen3"
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from checkpoints.architectures import declare
+from checkpoints.architectures import declare, gpt_oss
 from checkpoints.config import ModelConfig
 from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamTree, resolve_dtype
@@ -145,11 +146,41 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "rms_norm_eps": 1e-6,
     },
+    # gpt-oss's blocks at the real model's RoPE; a SwiGLU limit of 1 so the clamps bite.
+    "gpt_oss": {
+        "architecture": "gpt_oss",
+        "attention_bias": True,
+        "attention_out_bias": True,
+        "attention_sinks": True,
+        "sliding_window": 8,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "rope_theta": 150_000.0,
+        "max_position_embeddings": 131_072,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 32,
+        "swiglu_limit": 1.0,
+    },
 }
+# The same gpt-oss with its experts stored as real checkpoints store them: MXFP4 blocks and scales.
+TINY_FAMILIES["gpt_oss_mxfp4"] = {**TINY_FAMILIES["gpt_oss"], "experts_mxfp4": True}
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype: Any = "float32") -> ParamTree:
-    """Random parameters for `config`, drawn as its declaration says. Same seed, same arrays."""
+    """Random parameters for `config`, drawn as its declaration says. Same seed, same arrays.
+    MXFP4 experts (gpt-oss) are the float model's, quantized."""
+    if config.experts_mxfp4:
+        float_config = dataclasses.replace(config, experts_mxfp4=False)
+        return gpt_oss.with_mxfp4_experts(random_params(float_config, seed, dtype))
     return random_tree(declare(config), seed, resolve_dtype(dtype))
 
 

@@ -143,20 +143,43 @@ class SoftmaxState(NamedTuple):
             jnp.zeros((rows, head_dim), jnp.float32),
         )
 
+    @classmethod
+    def start(cls, rows: int, head_dim: int, sinks: jax.Array | None) -> SoftmaxState:
+        """The state before the first key: empty, or with each row's attention sink folded in
+        (sinks [..., rows]: a logit in the denominator that has no value, so a key of value zero;
+        a row that then sees no key comes out as zeros)."""
+        if sinks is None:
+            return cls.empty(rows, head_dim)
+        m = sinks.astype(jnp.float32)  # [..., rows]
+        return cls(m, jnp.ones_like(m), jnp.zeros((*m.shape, head_dim), jnp.float32))
+
     def normalized(self) -> jax.Array:
         """acc / l, with rows that saw no key (l == 0) coming out as zeros."""
         return self.acc / jnp.where(self.l == 0.0, 1.0, self.l)[..., None]
 
 
-def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """Log-sum-exp merge of flash-decoding partials over the leading split axis: acc [S, ..., D]
-    unnormalized outputs, m [S, ...] running maxima, l [S, ...] denominators. Sequences that
-    saw no key (every l == 0) give zeros."""
+    unnormalized outputs, m [S, ...] running maxima, l [S, ...] denominators; `sinks` [...]
+    (optional, broadcast against m[0]): each row's attention sink, one more partial of m = sink,
+    l = 1 and no value.
+    Sequences that saw no key (every l == 0) give zeros."""
+    if sinks is not None:
+        m = jnp.concatenate([m, jnp.broadcast_to(sinks.astype(jnp.float32), m.shape[1:])[None]])
+        l = jnp.concatenate([l, jnp.ones_like(l[:1])])
+        acc = jnp.concatenate([acc, jnp.zeros_like(acc[:1])])
     m_max = jnp.max(m, axis=0)
     weight = jnp.exp(m - m_max[None])
     denom = jnp.sum(l * weight, axis=0)
     out = jnp.sum(acc * weight[..., None], axis=0)
     return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+def grouped_sinks(sinks: jax.Array, num_kv_heads: int, padded_group: int) -> jax.Array:
+    """Sinks [H] -> [KVH, Gp] f32, as `group_queries` lays out the heads (padding heads MASKED)."""
+    g = sinks.shape[0] // num_kv_heads
+    grouped = sinks.astype(jnp.float32).reshape(num_kv_heads, g)
+    return jnp.pad(grouped, ((0, 0), (0, padded_group - g)), constant_values=MASKED)
 
 
 def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:

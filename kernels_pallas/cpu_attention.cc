@@ -11,6 +11,10 @@
 //
 // Vectors are the machine's registers (cpu_vector.h).
 //
+// Attention sinks (gpt-oss): sinks [H] holds a logit per query head that joins each softmax's
+// denominator and has no value; a head without one has kMasked there (e^(kMasked - m) is 0, so
+// the results are those of plain attention).
+//
 // Prefill of bf16 queries (bf16 activations) takes its products in bf16 pairs (cpu_bf16.h; one
 // AVX512-BF16 dot product per two multiply-adds where the CPU has it): Q^T and each key block as
 // pairs along the head dimension, the softmax weights P^T and each value block as pairs along the
@@ -43,6 +47,7 @@ struct Problem {
   const void* v;
   const int32_t* tables;
   const int32_t* lengths;
+  const float* sinks;  // [H]
   float* out;
   int64_t batch, heads, dim, kv_heads, pages, block_size, width, layer;
   float scale, soft_cap;
@@ -66,9 +71,9 @@ inline void finish_scores(const Problem& p, Vec s, IVec real, Vec& best, float* 
 }
 
 // One query head's scores [stride] -> their softmax numerators e^(s - max), in place (masked
-// keys 0); returns 1 / their sum.
-inline float exp_scores(float* scores, int64_t stride, Vec best) {
-  const float m = max_lane(best);
+// keys 0); returns 1 / (their sum + the head's sink's e^(sink - max)), the max counting the sink.
+inline float exp_scores(float* scores, int64_t stride, Vec best, float sink) {
+  const float m = std::max(max_lane(best), sink);
   Vec total = Vec{};
   for (int64_t i = 0; i < stride; i += kLanes) {
     const Vec s = load(scores + i);
@@ -76,7 +81,7 @@ inline float exp_scores(float* scores, int64_t stride, Vec best) {
     total += e;
     store(scores + i, e);
   }
-  return 1.0f / sum_lanes(total);
+  return 1.0f / (sum_lanes(total) + std::exp(sink - m));
 }
 
 // A decode pass's share of its (sequence b, kv head h) item: query heads [g0, g0 + G) of head_dim
@@ -153,7 +158,8 @@ void attend(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScratch& s
     }
   }
   float inv_total[G];
-  for (int64_t g = 0; g < G; ++g) inv_total[g] = exp_scores(scores.data() + g * stride, stride, best[g]);
+  const float* sinks = p.sinks + h * (p.heads / p.kv_heads) + g0;
+  for (int64_t g = 0; g < G; ++g) inv_total[g] = exp_scores(scores.data() + g * stride, stride, best[g], sinks[g]);
   // Weighted values, kValueBlock keys at a time: the block's rows are read from memory by its
   // first pass over two vectors of the head dimension (G x 2 accumulators), from L1 by the next.
   constexpr int64_t kValueBlock = 32;
@@ -236,7 +242,7 @@ void attend_pairs(const Problem& p, int64_t b, int64_t h, int64_t g0, DecodeScra
   }
   float inv_total[G];
   for (int64_t g = 0; g < G; ++g) {
-    inv_total[g] = exp_scores(scores.data() + g * stride, stride, best[g]);
+    inv_total[g] = exp_scores(scores.data() + g * stride, stride, best[g], p.sinks[h * (p.heads / p.kv_heads) + g0 + g]);
     pairs_in_order(scores.data() + g * stride, stride / 2, scratch.weights.data() + g * stride / 2);  // zeros past n
   }
   // Weighted values, kValueBlock keys by 32 dimensions at a time (G x 2 accumulators): a pair of
@@ -306,7 +312,8 @@ void attend_item(const Problem& p, int64_t b, int64_t h, DecodeScratch& scratch)
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
-                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths, float scale,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths,
+                           ffi::Buffer<ffi::F32> sinks, float scale,
                            float soft_cap, int32_t window, int32_t bf16_products, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto cd = k_cache.dimensions();
@@ -316,11 +323,12 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     return ffi::Error::InvalidArgument("paged decode: unsupported cache dtype");
   }
   if (qd.size() != 3 || td.size() != 2 || td[0] != qd[0] || !caches_match(k_cache, v_cache, qd[2], row_extra) ||
-      qd[1] % cd[1] != 0 || lengths.element_count() != static_cast<size_t>(qd[0])) {
+      qd[1] % cd[1] != 0 || lengths.element_count() != static_cast<size_t>(qd[0]) ||
+      sinks.element_count() != static_cast<size_t>(qd[1])) {
     return ffi::Error::InvalidArgument("paged decode: inconsistent shapes");
   }
   Problem p{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), block_tables.typed_data(),
-            lengths.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], td[1],
+            lengths.typed_data(), sinks.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], td[1],
             static_cast<int64_t>(layer.typed_data()[0]), scale, soft_cap, window};
   if (p.layer < 0 || p.layer >= cd[0]) return ffi::Error::InvalidArgument("paged decode: layer out of range");
   int64_t rows = 0;  // K/V rows the call reads, per kv head
@@ -369,6 +377,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("window")
@@ -399,6 +408,7 @@ struct Ragged {
   const int32_t* tables;
   const int32_t* seq_lens;
   const int32_t* query_start;
+  const float* sinks;  // [H]
   float* out;
   int64_t heads, dim, kv_heads, pages, block_size, width, layer;
   float scale, soft_cap;
@@ -467,8 +477,13 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
   const int64_t slice = (p.layer * p.kv_heads + h) * p.pages * p.block_size * R;
   const T* keys = static_cast<const T*>(p.k) + slice;
   const T* values = static_cast<const T*>(p.v) + slice;
+  // The online softmax starts from each query's sink: a key of logit sink and value zero.
   Vec m[kTileVecs], l[kTileVecs];
-  for (int64_t i = 0; i < kTileVecs; ++i) m[i] = Vec{} + kMasked, l[i] = Vec{};
+  for (int64_t u = 0; u < kTileQueries; ++u) {
+    const float sink = p.sinks[h * group + (tile.first_query + u) % group];
+    m[u / kLanes][u % kLanes] = sink;
+    l[u / kLanes][u % kLanes] = sink > kMasked ? 1.0f : 0.0f;
+  }
   for (int64_t kb = key_lo; kb <= last_key; kb += kKeyBlock) {
     const int64_t nb = std::min<int64_t>(kKeyBlock, last_key + 1 - kb);
     const float* krow[kKeyBlock];
@@ -609,7 +624,8 @@ void prefill_tile(const Ragged& p, const Tile& tile, int64_t h, PrefillScratch& 
 ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                             ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                            ffi::Buffer<ffi::S32> query_start, float scale, float soft_cap, int32_t window,
+                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::F32> sinks, float scale,
+                            float soft_cap, int32_t window,
                             int32_t bf16_products, ffi::ResultBuffer<ffi::F32> out) {
   // bf16 pairs only where the CPU multiplies them in one instruction (elsewhere they cost more than f32).
   const bool pairs = bf16_products != 0 && JAXSERVE_DPBF16;
@@ -623,11 +639,12 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   }
   if (qd.size() != 3 || td.size() != 2 || !caches_match(k_cache, v_cache, qd[2], row_extra) || qd[1] % cd[1] != 0 ||
       seq_lens.element_count() != static_cast<size_t>(num_seqs) ||
-      query_start.element_count() != static_cast<size_t>(num_seqs + 1)) {
+      query_start.element_count() != static_cast<size_t>(num_seqs + 1) ||
+      sinks.element_count() != static_cast<size_t>(qd[1])) {
     return ffi::Error::InvalidArgument("paged prefill: inconsistent shapes");
   }
   Ragged p{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), block_tables.typed_data(),
-           seq_lens.typed_data(), query_start.typed_data(), out->typed_data(), qd[1], qd[2], cd[1], cd[2], cd[3],
+           seq_lens.typed_data(), query_start.typed_data(), sinks.typed_data(), out->typed_data(), qd[1], qd[2], cd[1], cd[2], cd[3],
            td[1], static_cast<int64_t>(layer.typed_data()[0]), scale, soft_cap, window};
   if (p.layer < 0 || p.layer >= cd[0]) return ffi::Error::InvalidArgument("paged prefill: layer out of range");
   std::vector<Tile> tiles;
@@ -689,6 +706,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefill, PagedPrefillImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("window")

@@ -14,7 +14,8 @@ O^T += V^T P^T). Vectors are the machine's register width.
 They read a cache of every format of `kv_quant` (f32, bf16 bits, int8 or fp8 rows with their
 scales; `cpu_kv_rows.h`) in place, widening each row to f32 in registers (prefill of bf16 queries:
 products of bf16 pairs, AVX512-BF16's dot products), and take a head_dim that is a multiple of 16
-up to 256. `cpu_build` compiles the source on first use.
+up to 256. `cpu_build` compiles the source on first use. Attention sinks (gpt-oss) go in as a
+logit per query head; without them every head's is -1e30, whose term in the denominator is 0.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import cpu_build
+from kernels_pallas import common, cpu_build
 
 DECODE_TARGET, PREFILL_TARGET = "jaxserve_paged_decode", "jaxserve_paged_prefill"
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
@@ -46,15 +47,19 @@ def _call(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    sinks: jax.Array | None,
     **attributes: np.int32,
 ) -> jax.Array:
-    """One kernel call: f32 q and out (q cast back to its dtype), the caches as stored, `int_args` as int32."""
+    """One kernel call: f32 q and out (q cast back to its dtype), the caches as stored, `int_args`
+    as int32, then the sinks [H] f32 (`common.MASKED` where none)."""
     if q.shape[-1] % 16 or q.shape[-1] > 256:
         raise ValueError(
             f"the cpu attention kernels need a head_dim that is a multiple of 16, at most 256, "
             f"not {q.shape[-1]} (use --attention-backend jax)"
         )
     register()
+    if sinks is None:
+        sinks = jnp.full(q.shape[1:2], common.MASKED, jnp.float32)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
         q.astype(jnp.float32),
@@ -62,6 +67,7 @@ def _call(
         v_cache,
         jnp.asarray(layer, jnp.int32).reshape(()),
         *(a.astype(jnp.int32) for a in int_args),
+        sinks.astype(jnp.float32),
         scale=np.float32(scale),
         soft_cap=np.float32(soft_cap or 0.0),
         window=np.int32(sliding_window or 0),
@@ -81,6 +87,7 @@ def decode_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [B, H, D] -> [B, H, D]; sequence b attends to its first `lengths[b]` cached tokens
     (the contract of `reference.decode_attention`). bf16 queries on a bf16 cache (a bf16 model's)
@@ -96,6 +103,7 @@ def decode_attention(
         scale,
         soft_cap,
         sliding_window,
+        sinks,
         bf16_products=np.int32(q.dtype == jnp.bfloat16),
     )
 
@@ -112,6 +120,7 @@ def prefill_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's
     history (the contract of `reference.prefill_attention`); zeros at rows past the last chunk.
@@ -127,5 +136,6 @@ def prefill_attention(
         scale,
         soft_cap,
         sliding_window,
+        sinks,
         bf16_products=np.int32(q.dtype == jnp.bfloat16),
     )

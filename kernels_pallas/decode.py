@@ -10,7 +10,8 @@ pages at a time, gathering those pages by block id, with an online softmax in f3
 When batch x kv_heads is too small to fill the GPU, the block table is cut into
 `num_splits` contiguous ranges handled by separate programs (flash-decoding); each writes
 its unnormalized output with its running max and denominator, and a log-sum-exp merge in
-plain JAX combines them (a few KB per sequence, cheap next to the K/V stream).
+plain JAX combines them (a few KB per sequence, cheap next to the K/V stream). Attention sinks
+(gpt-oss) join in that merge, so with sinks even one split writes its partials.
 
 The floor. Decode attention is memory-bound: every program streams its K and V pages once
 and does ~4 * group flops per byte. So
@@ -68,6 +69,12 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     interpret: bool
+    sinks: bool = False  # attention sinks are given: they join the partials' merge
+
+    @property
+    def partials(self) -> bool:
+        """Whether programs write unnormalized partials (acc, m, l) for `common.merge_splits`."""
+        return self.num_splits > 1 or self.sinks
 
 
 def _decode_kernel(
@@ -113,7 +120,7 @@ def _decode_kernel(
         return common.attend_step(state, q, k, v, valid, scale=cfg.scale, soft_cap=cfg.soft_cap)
 
     state = jax.lax.fori_loop(step_lo, step_hi, body, common.SoftmaxState.empty(rows, head_dim))
-    if cfg.num_splits == 1:
+    if not cfg.partials:
         (o_ref,) = out_refs
         o_ref[b, h] = state.normalized().astype(o_ref.dtype)
     else:
@@ -124,7 +131,7 @@ def _decode_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: DecodeConfig):
+def _decode(q, k_cache, v_cache, layer, block_tables, lengths, sinks, cfg: DecodeConfig):
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -137,7 +144,7 @@ def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: DecodeConfig
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
     grid_shape = (batch, num_kv_heads, rows)
-    if cfg.num_splits == 1:
+    if not cfg.partials:
         out_shape = jax.ShapeDtypeStruct((*grid_shape, head_dim), q.dtype)
     else:
         parts = (cfg.num_splits, *grid_shape)
@@ -155,8 +162,8 @@ def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: DecodeConfig
         compiler_params=common.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages),
         name=f"paged_decode_g{group}_bs{block_size}_p{cfg.pages_per_step}_s{cfg.num_splits}",
     )(layer, lengths.astype(jnp.int32), tables, qg, k_cache, v_cache)
-    if cfg.num_splits > 1:
-        out = common.merge_splits(*out)
+    if cfg.partials:
+        out = common.merge_splits(*out, None if sinks is None else common.grouped_sinks(sinks, num_kv_heads, rows))
     return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
@@ -171,6 +178,7 @@ def decode_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool | None = None,
     pages_per_step: int | None = None,
     num_splits: int | None = None,
@@ -208,5 +216,6 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
+        sinks=sinks is not None,
     )
-    return _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg)
+    return _decode(q, k_cache, v_cache, layer, block_tables, lengths, sinks, cfg)

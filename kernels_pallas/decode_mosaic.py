@@ -27,7 +27,8 @@ zero accumulator and is added to the rescaled output in registers, for the same 
 
 When batch x kv_heads is too small to fill the GPU, the block table is cut into `num_splits`
 contiguous ranges (flash-decoding): each CTA writes its unnormalized f32 output with its running
-max and denominator, and `common.merge_splits` combines them (log-sum-exp).
+max and denominator, and `common.merge_splits` combines them (log-sum-exp). Attention sinks
+(gpt-oss) join in that merge: with sinks the kernel always runs at least two splits.
 
 Limits, each a clear error (`unsupported_reason`): a bf16 or f16 cache (WGMMA has no IEEE f32),
 at most 64 query heads per kv head, head_dim a multiple of 16 up to 256, block_size a multiple
@@ -283,7 +284,7 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: MosaicDecodeConfig):
+def _decode(q, k_cache, v_cache, layer, block_tables, lengths, sinks, cfg: MosaicDecodeConfig):
     batch, num_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -349,7 +350,8 @@ def _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg: MosaicDecode
     out = call(layer, lengths.astype(jnp.int32), tables, qg, k_pages, v_pages)
     if cfg.num_splits > 1:
         acc, m, l = out
-        out = common.merge_splits(acc, m[..., :q_rows], l[..., :q_rows])
+        grouped = None if sinks is None else common.grouped_sinks(sinks, num_kv_heads, q_rows)
+        out = common.merge_splits(acc, m[..., :q_rows], l[..., :q_rows], grouped)
     return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
@@ -364,6 +366,7 @@ def decode_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool | None = None,
     pages_per_step: int | None = None,
     num_splits: int | None = None,
@@ -394,7 +397,7 @@ def decode_attention(
     if num_splits is None:
         steps = common.cdiv(width, pages_per_step or default_pages_per_step(block_size, width))
         num_splits = default_num_splits(batch, num_kv_heads, steps)
-    num_splits = max(1, int(num_splits))
+    num_splits = max(1 if sinks is None else 2, int(num_splits))  # sinks join the merge of splits
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     pages_per_step, num_stages = fit_to_smem(
         pages_per_step, block_size, width, head_dim, itemsize, num_splits, num_stages
@@ -420,4 +423,4 @@ def decode_attention(
         num_stages=int(num_stages),
         interpret=interpret,
     )
-    return _decode(q, k_cache, v_cache, layer, block_tables, lengths, cfg)
+    return _decode(q, k_cache, v_cache, layer, block_tables, lengths, sinks, cfg)

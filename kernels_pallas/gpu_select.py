@@ -60,6 +60,7 @@ def decode_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The `pallas` backend's decode: this GPU generation's kernel (see the module docstring)."""
     kernel = decode.decode_attention
@@ -68,6 +69,5 @@ def decode_attention(
         num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
         if decode_mosaic.unsupported_reason(num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype) is None:
             kernel = decode_mosaic.decode_attention
-    return kernel(
-        q, k_cache, v_cache, layer, block_tables, lengths, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window
-    )
+    options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, sinks=sinks)
+    return kernel(q, k_cache, v_cache, layer, block_tables, lengths, **options)

@@ -58,12 +58,14 @@ def attend_tiles(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of query tiles over their sequences' pages.
 
     q [N, Q, KVH, G, D]: tile n's row i sits at position `first_pos[n] + i` of the sequence
-    whose pages are `tables[n]` [W], and is real for i < `num_rows[n]`. Returns f32
-    [N, Q, KVH, G, D], zeros for rows that are not real.
+    whose pages are `tables[n]` [W], and is real for i < `num_rows[n]`; sinks [H] (optional):
+    each query head's attention sink. Returns f32 [N, Q, KVH, G, D], zeros for rows that are
+    not real.
 
     Tiles go in groups of `group_tiles`; each group walks the pages from its first key in its
     window to its own last key, `tokens_per_step` keys at a time, so groups after the last real
@@ -93,7 +95,11 @@ def attend_tiles(
     attend = jax.vmap(
         jax.vmap(functools.partial(common.attend_step, scale=scale, soft_cap=soft_cap), in_axes=(0, 0, 0, 0, None))
     )
-    empty = jax.vmap(jax.vmap(lambda _: common.SoftmaxState.empty(rows, d)))(jnp.zeros((group, kvh)))
+    if sinks is None:
+        start = jax.vmap(jax.vmap(lambda _: common.SoftmaxState.empty(rows, d)))(jnp.zeros((group, kvh)))
+    else:  # the rows of a (tile, kv head) are (row, query head) pairs: the group's sinks per row
+        row_sinks = jnp.tile(sinks.astype(jnp.float32).reshape(kvh, g), (1, bq))
+        start = common.SoftmaxState.start(rows, d, jnp.broadcast_to(row_sinks, (group, kvh, rows)))
 
     def group_body(gi, out):
         take = lambda x: lax.dynamic_slice_in_dim(x, gi * group, group, axis=0)  # noqa: E731
@@ -116,7 +122,7 @@ def attend_tiles(
                 valid &= key > pos_g - sliding_window
             return attend(state, q_g, k, v, valid)
 
-        state = lax.fori_loop(step_lo, step_hi, body, empty)
+        state = lax.fori_loop(step_lo, step_hi, body, start)
         return lax.dynamic_update_slice_in_dim(out, state.normalized(), gi * group, axis=0)
 
     last_real = jnp.max(jnp.where(num_rows > 0, jnp.arange(n + pad), -1))
@@ -135,6 +141,7 @@ def decode_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [B, H, D] -> [B, H, D]; sequence b attends to its first `lengths[b]` cached tokens."""
     b, h, d = q.shape
@@ -153,6 +160,7 @@ def decode_attention(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
     )
     return out.reshape(b, h, d).astype(q.dtype)
 
@@ -169,6 +177,7 @@ def prefill_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's history."""
     t, h, d = q.shape
@@ -192,6 +201,7 @@ def prefill_attention(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
     )
     tile, offset, real = common.row_to_tile(query_start, t, block_q)
     out = jnp.where(real[:, None, None, None], out[tile, offset], 0.0)  # [T, KVH, G, D]

@@ -11,7 +11,8 @@ has no scalar prefetch, so the kernel reads it from an int32 ref). The grid is
 matmul's rows, walks the block table `pages_per_step` pages at a time up to the tile's last
 position (so causal masking skips the future instead of computing it), and keeps an f32
 online softmax. Tiles write a padded [tile, kv_head, block_q * group, D] buffer, from which
-each real row is gathered back into [T, H, D]; padding rows come back as zeros.
+each real row is gathered back into [T, H, D]; padding rows come back as zeros. Attention
+sinks (gpt-oss) start each row's online softmax (`common.SoftmaxState.start`).
 
 The floor. Prefill is compute-bound once chunks are long: ~4 * T * ctx * H * D flops
 (QK^T and PV, halved by causality within the chunk) against ~990 TFLOP/s dense bf16 on an
@@ -45,6 +46,7 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     interpret: bool
+    sinks: bool = False  # a sinks input [KVH, block_q * Gp] follows v (each row's head's)
 
 
 def default_block_q(num_tokens: int, padded_group: int) -> int:
@@ -67,11 +69,11 @@ def _prefill_kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    *,
+    *refs,
     cfg: PrefillConfig,
     block_size: int,
 ):
+    sinks_ref, o_ref = refs if cfg.sinks else (None, *refs)
     tile, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     seq = tiles_ref[tile, 0]
@@ -107,12 +109,13 @@ def _prefill_kernel(
             valid &= key[None, :] > pos[:, None] - cfg.sliding_window
         return common.attend_step(state, q, k, v, valid, scale=cfg.scale, soft_cap=cfg.soft_cap)
 
-    state = jax.lax.fori_loop(step_lo, step_hi, body, common.SoftmaxState.empty(rows, head_dim))
+    sinks = None if sinks_ref is None else sinks_ref[h]  # [rows]
+    state = jax.lax.fori_loop(step_lo, step_hi, body, common.SoftmaxState.start(rows, head_dim, sinks))
     o_ref[tile, h] = state.normalized().astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cfg: PrefillConfig):
+def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, sinks, cfg: PrefillConfig):
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -127,6 +130,8 @@ def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cf
     qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, 0), (0, 0)))  # a tile may start near the end
     tiles = common.tile_layout(query_start, seq_lens, num_tiles, block_q)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    # A tile's rows are (row, query head) pairs: its kv head's sinks, once per row.
+    extra = () if sinks is None else (jnp.tile(common.grouped_sinks(sinks, num_kv_heads, padded_group), (1, block_q)),)
 
     kernel = common.fresh_kernel(_prefill_kernel, cfg=cfg, block_size=block_size)
     out = pl.pallas_call(
@@ -136,7 +141,7 @@ def _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cf
         interpret=cfg.interpret,
         compiler_params=common.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages),
         name=f"paged_prefill_g{group}_bs{block_size}_q{block_q}_p{cfg.pages_per_step}",
-    )(layer, tiles, tables, qg, k_cache, v_cache)
+    )(layer, tiles, tables, qg, k_cache, v_cache, *extra)
 
     out = out.reshape(num_tiles, num_kv_heads, block_q, padded_group, head_dim)
     tile, offset, real = common.row_to_tile(query_start, num_tokens, block_q)
@@ -157,6 +162,7 @@ def prefill_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool | None = None,
     block_q: int | None = None,
     pages_per_step: int | None = None,
@@ -193,5 +199,6 @@ def prefill_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
+        sinks=sinks is not None,
     )
-    return _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, cfg)
+    return _prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, sinks, cfg)

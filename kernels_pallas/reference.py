@@ -11,6 +11,10 @@ read as `kv_quant.dequantize` gives them.
 Both functions expect the new tokens' K/V to be in the cache already (the model writes, then
 attends), and neither applies anything but `scale` to the scores: no implicit 1/sqrt(d).
 
+`sinks` [H] (optional, gpt-oss): a learned logit per query head that joins each softmax's
+denominator and has no value, so a row's weights sum to less than one; without keys its row
+is zeros, as without sinks.
+
 Decode: one query token per sequence; `lengths[b]` counts the cached tokens including it.
 Prefill (ragged): the flattened new tokens of several sequences. Sequence `s` owns query rows
 `query_start[s]:query_start[s+1]`; its last new token sits at position `seq_lens[s] - 1`, so a
@@ -36,6 +40,15 @@ def _softcap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
     return soft_cap * jnp.tanh(scores / soft_cap)
 
 
+def _softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis; with `sinks` (broadcast against scores[..., :1]) a column of
+    them joins the denominator and is dropped after."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    column = jnp.broadcast_to(sinks.astype(scores.dtype), (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
+
+
 def _gather_pages(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
     """[L, KVH, NB, BS, row] x [S, W] -> [KVH, S, W * BS, D] (the sequences' history, in order,
     its values as `kv_quant.dequantize` gives them)."""
@@ -55,6 +68,7 @@ def decode_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [B, H, D] -> [B, H, D]; sequence b attends to its first `lengths[b]` cached tokens."""
     b, h, d = q.shape
@@ -69,7 +83,7 @@ def decode_attention(
     if sliding_window is not None:
         valid &= pos >= lengths[:, None] - sliding_window
     scores = jnp.where(valid[:, None, None, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = _softmax(scores, None if sinks is None else sinks.reshape(1, kvh, h // kvh, 1))
     out = jnp.einsum(
         "bkgc,kbcd->bkgd", probs.astype(v.dtype), v, precision=_HIGHEST, preferred_element_type=jnp.float32
     )
@@ -102,6 +116,7 @@ def prefill_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     visible_until: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, H, D] (ragged rows of S sequences) -> [T, H, D], causal over each sequence's history;
     with `visible_until` [T], row t attends to positions up to `visible_until[t]` instead of its
@@ -131,7 +146,7 @@ def prefill_attention(
     scores = jnp.einsum("tkgd,kcd->ktgc", qg, k, precision=_HIGHEST, preferred_element_type=jnp.float32) * scale
     scores = _softcap(scores, soft_cap)
     scores = jnp.where(valid[None, :, None, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = _softmax(scores, None if sinks is None else sinks.reshape(kvh, 1, h // kvh, 1))
     out = jnp.einsum("ktgc,kcd->ktgd", probs.astype(v.dtype), v, precision=_HIGHEST, preferred_element_type=jnp.float32)
     out = out.transpose(1, 0, 2, 3)
     out = jnp.where(row_real[:, None, None, None], out, 0.0)

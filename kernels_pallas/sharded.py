@@ -4,7 +4,8 @@ Attention is independent per kv head, so with the query heads and the cache's kv
 split over the tensor-parallel axis each device runs the unmodified kernel on its own heads:
 no communication. The query heads of one kv head are contiguous ([H] = [KVH, group]), so a
 contiguous split of H lines up with a contiguous split of KVH. Block tables, lengths and
-the layer index are replicated.
+the layer index are replicated; attention sinks [H] (an array option) are split with the
+query heads.
 
 `check_vma=False`: a `pallas_call` inside `shard_map` fails the varying-manual-axes check
 ("manual_axis_type ... must not be None") on the jax versions we run.
@@ -44,18 +45,21 @@ def shard_attention(backend: AttentionBackend, mesh: Mesh, axis: str = "tp") -> 
         if k_cache.shape[1] % ways or q.shape[1] % ways:
             raise ValueError(f"{q.shape[1]} query heads / {k_cache.shape[1]} kv heads do not split {ways} ways")
 
-    def decode(q, k_cache, v_cache, layer, block_tables, lengths, **options):
+    def run(kernel, q, k_cache, v_cache, *replicated, sinks=None, **options):
+        """kernel(q, k_cache, v_cache, *replicated, sinks=..., **options) on each device's heads."""
         check(q, k_cache)
-        fn = _shard_map(
-            functools.partial(backend.decode, **options), mesh, axis, (heads, cache, cache, P(), P(), P()), heads
-        )
-        return fn(q, k_cache, v_cache, layer, block_tables, lengths)
+        specs = (heads, cache, cache, *(P() for _ in replicated))
+        if sinks is None:
+            fn = _shard_map(functools.partial(kernel, **options), mesh, axis, specs, heads)
+            return fn(q, k_cache, v_cache, *replicated)
+        with_sinks = lambda s, *args: kernel(*args, sinks=s, **options)  # noqa: E731
+        fn = _shard_map(with_sinks, mesh, axis, (P(axis), *specs), heads)
+        return fn(sinks, q, k_cache, v_cache, *replicated)
+
+    def decode(q, k_cache, v_cache, layer, block_tables, lengths, **options):
+        return run(backend.decode, q, k_cache, v_cache, layer, block_tables, lengths, **options)
 
     def prefill(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, **options):
-        check(q, k_cache)
-        fn = _shard_map(
-            functools.partial(backend.prefill, **options), mesh, axis, (heads, cache, cache, P(), P(), P(), P()), heads
-        )
-        return fn(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start)
+        return run(backend.prefill, q, k_cache, v_cache, layer, block_tables, seq_lens, query_start, **options)
 
     return AttentionBackend(f"{backend.name}[{axis}]", decode, prefill)

@@ -7,10 +7,13 @@ biases), Qwen3 (q/k norms), Mistral (a sliding window of 8 tokens, shorter than 
 Gemma 3 (interleaved local and global layers, GeGLU, four norms, scaled embeddings), Mixtral and
 Qwen3-MoE (mixture of experts, top-2 of 4 renormalised / of 8 not), DeepSeek-V3 (multi-head latent
 attention with YaRN and interleaved RoPE, a dense layer then shared and group-limited routed
-experts). Their weights are drawn from
+experts), gpt-oss (attention sinks, alternating sliding / full layers, YaRN, biased experts under a
+clamped SwiGLU, and the same with MXFP4 experts; a prompt longer than a prefill chunk, and one that
+shares 40 tokens with it, run after the others from the prefix cache). Their weights are drawn from
 the declaration with seed 0 and written as a Hugging Face directory, which the engine loads;
 transformers loaded the same directory for tests/data/family_reference.json
-(tests/data/make_family_reference.py), so no weights are committed.
+(tests/data/make_family_reference.py), so no weights are committed. The `config.json` transformers
+itself writes reads back to the same config.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from checkpoints.architectures import config_from_hf
 from checkpoints.hf import save_hf_dir
 from checkpoints.registry import load_model
-from checkpoints.tiny_random import build_tiny_random
+from checkpoints.tiny_random import TINY_FAMILIES, build_tiny_random
 from jaxserve import LLM, SamplingParams
 from server.metrics import ServerMetrics
 
@@ -57,27 +61,39 @@ def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
 def test_greedy_tokens_match_transformers_with_no_compilation_after_warm_up(family_dir, assert_kv_all_free):
     family, directory = family_dir
     llm = LLM(load_model(str(directory)), **ENGINE)
-    assert llm.engine.model_config.architecture == family
+    assert llm.engine.model_config.architecture == TINY_FAMILIES[family].get("architecture", "llama")
     compiled = llm.engine.num_compilations
     cases = REFERENCE[family]["cases"]
     params = SamplingParams(max_tokens=len(cases[0]["new_ids"]), temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
-    for case, out in zip(cases, outs):
-        assert out.outputs[0].token_ids == case["new_ids"], f"{family} {case['name']}"
+    first = [c for c in cases if "shared_prefix" not in c]
+    later = [c for c in cases if "shared_prefix" in c]  # after the prompts whose blocks they share
+    cached = 0
+    for batch in (first, later):
+        outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in batch], params, use_tqdm=False)
+        for case, out in zip(batch, outs):
+            assert out.outputs[0].token_ids == case["new_ids"], f"{family} {case['name']}"
+            assert out.num_cached_tokens > 0 or batch is first, f"{family} {case['name']}: no prefix-cache hit"
+            cached += out.num_cached_tokens
     assert llm.engine.num_compilations == compiled
     assert_kv_all_free(llm.engine)
-    check_expert_load(llm, cases)
+    check_expert_load(llm, cases, cached)
+    if llm.engine.model_config.experts_mxfp4:  # served as stored: no float expert kernels on the device
+        layers = llm.engine.runner.params["layers"]
+        for name in ("expert_gate_up", "expert_down"):
+            assert set(layers[name]) == {"blocks", "scales", "bias"} and layers[name]["blocks"].dtype == jnp.uint8
 
 
-def check_expert_load(llm: LLM, cases: list[dict]) -> None:
+def check_expert_load(llm: LLM, cases: list[dict], cached: int) -> None:
     """A mixture-of-experts engine counts every real token's assignments (k per layer; padding rows
-    none) and `/metrics` shows them per expert; a dense one reports no experts."""
+    and the `cached` prompt tokens read from the prefix cache none) and `/metrics` shows them per
+    expert; a dense one reports no experts."""
     config, snapshot = llm.engine.model_config, llm.engine.snapshot()
     if not config.num_experts:
         assert snapshot.expert_tokens == () and "moe_expert" not in ServerMetrics().render(snapshot, True).decode()
         return
     per_token = config.num_experts_per_tok * config.moe_layers  # DeepSeek-V3's first layers are dense
     computed = sum(len(c["prompt_ids"]) + len(c["new_ids"]) - 1 for c in cases)  # the last token is never fed
+    computed -= cached  # prefix-cache hits are not computed again
     assert len(snapshot.expert_tokens) == config.num_experts
     assert sum(snapshot.expert_tokens) == computed * per_token
     last = sum(snapshot.expert_load)  # the last step read: at most one token per sequence

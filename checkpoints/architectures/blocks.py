@@ -7,7 +7,7 @@ Parameter paths (the tree every loader fills; `[L, ...]` = stacked over layers):
     layers/attn_norm/scale [L, E]
     layers/{q,k,v}_proj/kernel [L, E, heads*D]   (+ /bias [L, heads*D])
     layers/{q,k}_norm/scale [L, D]               (q/k norms)
-    layers/o_proj/kernel [L, H*D, E]
+    layers/o_proj/kernel [L, H*D, E]             (+ /bias [L, E])
     layers/post_attn_norm/scale [L, E]           (post norms)
     layers/mlp_norm/scale [L, E]
     layers/{gate,up}_proj/kernel [L, E, F], layers/down_proj/kernel [L, F, E]          (dense MLP)
@@ -128,7 +128,8 @@ def embedding_and_head(config: ModelConfig) -> Declaration:
 
 
 def attention(config: ModelConfig) -> Declaration:
-    """q/k/v/o projections (with q/k/v biases when `attention_bias`), and the q/k norms when `qk_norm`."""
+    """q/k/v/o projections (with q/k/v biases when `attention_bias`, an o bias when
+    `attention_out_bias`), and the q/k norms when `qk_norm`."""
     e, d = config.hidden_size, config.head_dim
     q, kv = config.num_heads * d, config.num_kv_heads * d
     bias = config.attention_bias
@@ -136,7 +137,7 @@ def attention(config: ModelConfig) -> Declaration:
         "q_proj": linear(config, e, q, (EMBED, Q_HEADS), "self_attn.q_proj", "attn_q", bias),
         "k_proj": linear(config, e, kv, (EMBED, KV_HEADS), "self_attn.k_proj", "attn_k", bias),
         "v_proj": linear(config, e, kv, (EMBED, KV_HEADS), "self_attn.v_proj", "attn_v", bias),
-        "o_proj": linear(config, q, e, (Q_HEADS, EMBED), "self_attn.o_proj", "attn_output"),
+        "o_proj": linear(config, q, e, (Q_HEADS, EMBED), "self_attn.o_proj", "attn_output", config.attention_out_bias),
     }
     if config.qk_norm:
         out["q_norm"] = norm(config, "self_attn.q_norm", "attn_q_norm", d)

@@ -87,8 +87,9 @@ def paged_attention(
 class PagedAttention:
     """Multi-head attention with grouped K/V heads over the paged `KVCache`, with the blocks a
     family declares in its config: q/k/v biases (declared weights), q/k norms, RoPE (a base of
-    its own for sliding layers), a query scale, and sliding-window layers, all of them or
-    interleaved with full ones (each kind's kernels then run under a `lax.cond` on the layer)."""
+    its own for sliding layers), a query scale, sliding-window layers, all of them or
+    interleaved with full ones (each kind's kernels then run under a `lax.cond` on the layer),
+    and attention sinks (gpt-oss: `layers/sinks/logits`, one per query head)."""
 
     config: ModelConfig
     backend: AttentionBackend
@@ -102,7 +103,9 @@ class PagedAttention:
         is_sliding = jnp.asarray(sliding)[layer]
         q, k, v = self._project(scope, x, rope.select(is_sliding))
         cache = cache.write(layer, meta.kv_slots, k, v)
-        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        options: dict[str, Any] = {"scale": (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5}
+        if cfg.attention_sinks:
+            options["sinks"] = scope.of_layer(scope.params("sinks")["logits"])
         if jnp.dtype(self.param_dtype) == jnp.bfloat16:
             # A bf16 model's queries are bf16 (on CPU, where activations are f32, the matmuls round
             # them to bf16 pairs anyway): its prefill attention then multiplies bf16 pairs too.
@@ -110,7 +113,7 @@ class PagedAttention:
 
         def attend(window: int | None):
             return lambda: paged_attention(
-                self.backend, q, cache.k, cache.v, layer, meta, scale=scale, sliding_window=window
+                self.backend, q, cache.k, cache.v, layer, meta, sliding_window=window, **options
             )
 
         if all(sliding) or not any(sliding):

@@ -13,8 +13,8 @@ import jax
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.quant_format import QuantFormat
-from checkpoints.weights import Weight, flat, quantized
-from jaxserve.model.linear import DeclaredParam, Linear
+from checkpoints.weights import LAYERS, Weight, flat, quantized
+from jaxserve.model.linear import DeclaredParams, Linear
 from jaxserve.model.lora import LoraStacks, lora_delta
 from jaxserve.model.norm import RMSNorm
 from kernels_pallas.cpu_matmul import CpuMatmul
@@ -66,6 +66,22 @@ class LayerScope:
         """x through the RMS norm `name` (`<name>/scale`), in `dtype`."""
         return RMSNorm(self.weights[f"{name}/scale"], self.eps, self.dtype, name=name)(x, self.layer)
 
+    def params(self, name: str) -> dict[str, jax.Array]:
+        """The declared parameters `<name>/<leaf>` whole (stacks the block indexes itself), by leaf."""
+        prefix = f"{name}/"
+        leaves = tuple((path[len(prefix) :], w) for path, w in self.weights.items() if path.startswith(prefix))
+        return DeclaredParams(leaves, self.param_dtype, name=name)()
+
     def stack(self, name: str, leaf: str = "kernel") -> jax.Array:
-        """The declared parameter `<name>/<leaf>` whole (a stack the block indexes itself)."""
-        return DeclaredParam(self.weights[f"{name}/{leaf}"], self.param_dtype, leaf, name=name)()
+        """The declared parameter `<name>/<leaf>` whole."""
+        return self.params(name)[leaf]
+
+    def of_layer(self, array: jax.Array) -> jax.Array:
+        """This layer's part of a parameter from `params`: a stack's slice, or all of a layer's
+        own (`unroll_layers`)."""
+        return array[self.layer] if self.stacked else array
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the layer's weights are stacks over the layers (the scan)."""
+        return next(iter(self.weights.values())).axes[0] == LAYERS

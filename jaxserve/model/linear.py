@@ -1,6 +1,6 @@
 """The model's matmuls: `matmul` (in the weights' dtype, f32 accumulation), `Linear` on a declared
 kernel however it is stored (plain, packed pairs, the cpu matmul's panels, quantized), and
-`DeclaredParam` for a declared stack read whole."""
+`DeclaredParams` for declared stacks read whole."""
 
 from __future__ import annotations
 
@@ -67,14 +67,15 @@ class Linear(nn.Module):
         return y.astype(self.dtype)
 
 
-class DeclaredParam(nn.Module):
-    """A declared parameter read whole (the stacked expert weights, which the experts' grouped
-    matmuls index by layer and expert themselves); its path is `<name>/<leaf>`."""
+class DeclaredParams(nn.Module):
+    """Declared parameters read whole (the stacked expert weights, which the experts' grouped
+    matmuls index by layer and expert themselves): `<name>/<leaf>` for each (leaf, weight), in
+    the weights' dtype (f32 where declared so); returned by leaf."""
 
-    weight: Weight
+    leaves: tuple[tuple[str, Weight], ...]
     param_dtype: Any
     leaf: str = "kernel"
 
     @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param(self.leaf, self.weight.flax_init(), self.weight.shape, self.param_dtype)
+    def __call__(self) -> dict[str, jax.Array]:
+        return {leaf: self.param(leaf, w.flax_init(), w.shape, w.dtype(self.param_dtype)) for leaf, w in self.leaves}

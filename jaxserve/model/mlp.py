@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from checkpoints import mxfp4
 from checkpoints.config import ModelConfig
+from jaxserve.model.expert_kernels import ExpertStack
 from jaxserve.model.experts import activation, expert_load, route, route_grouped
 from jaxserve.model.layer_scope import LayerScope
 
@@ -22,6 +24,11 @@ def gated_mlp(config: ModelConfig, scope: LayerScope, x: jax.Array, prefix: str 
     act = activation(config.hidden_act)
     hidden = act(scope.dense(f"{prefix}gate_proj", x)) * scope.dense(f"{prefix}up_proj", x)
     return scope.dense(f"{prefix}down_proj", hidden.astype(scope.dtype))
+
+
+def _kernels(params: dict[str, jax.Array]) -> ExpertStack:
+    """The kernels among an expert projection's parameters: `kernel`, or its MXFP4 blocks and scales."""
+    return params["kernel"] if "kernel" in params else {leaf: params[leaf] for leaf in (mxfp4.BLOCKS, mxfp4.SCALES)}
 
 
 def mixture_of_experts(
@@ -35,13 +42,24 @@ def mixture_of_experts(
     """The mixture-of-experts MLP of `x` through `experts` (its computation over the stacked
     expert weights), and the layer's load [X] (assignments per expert). Padding rows (`real`
     false) are routed nowhere and not counted. `stacked`: the weights are stacks over the layers
-    (the scan); else the layer's own, given to `experts` as a stack of one."""
+    (the scan); else the layer's own, given to `experts` as a stack of one.
+
+    gpt-oss (`swiglu_limit` set): the experts take (gate_up, its bias, down), and the down
+    projection's bias, weighted by each token's routing weights, is added here."""
     weights, ids = route(scope.dense("router", x), config.num_experts_per_tok, config.norm_topk_prob)
-    gate, up, down = scope.stack("expert_gate"), scope.stack("expert_up"), scope.stack("expert_down")
+    down = scope.params("expert_down")
+    if config.swiglu_limit is None:
+        stacks = [scope.stack("expert_gate"), scope.stack("expert_up"), down["kernel"]]
+    else:
+        gate_up = scope.params("expert_gate_up")
+        stacks = [_kernels(gate_up), gate_up["bias"], _kernels(down)]
     layer = scope.layer
     if not stacked:
-        gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
-    out = experts(x, ids, weights, real, gate, up, down, layer)
+        stacks, layer = [jax.tree.map(lambda a: a[None], s) for s in stacks], jnp.int32(0)
+    out = experts(x, ids, weights, real, *stacks, layer)
+    if config.swiglu_limit is not None:
+        routed = jnp.where(real[:, None], weights, 0.0)  # [T, k]
+        out = out + jnp.einsum("tk,tke->te", routed, scope.of_layer(down["bias"])[ids].astype(jnp.float32))
     return out.astype(scope.dtype), expert_load(ids, real, config.num_experts)
 
 

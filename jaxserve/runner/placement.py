@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from checkpoints import mxfp4
 from checkpoints.config import ModelConfig
 from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
@@ -67,7 +68,8 @@ def plan_parallelism(config: ModelConfig, engine_config: EngineConfig) -> Tensor
     plan_stages(config, engine_config)
     tp, ep = engine_config.tensor_parallel_size, engine_config.expert_parallel_size
     if config.num_experts:
-        plan_expert_parallel(config.num_experts, config.moe_intermediate_size, ep, tp)
+        block = mxfp4.BLOCK if config.experts_mxfp4 else 1
+        plan_expert_parallel(config.num_experts, config.moe_intermediate_size, ep, tp, block)
     elif ep > 1:
         raise ValueError(
             f"expert_parallel_size={ep} needs a mixture-of-experts model; {config.architecture} has no experts"

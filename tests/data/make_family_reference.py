@@ -7,12 +7,18 @@ Run with the reference venv (torch + transformers + gguf; not jaxserve dependenc
 Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not stopped at eos):
 
 - Tiny random models of each family (`checkpoints.tiny_random.TINY_FAMILIES`: Qwen2, Qwen3,
-  Mistral with a window shorter than the prompts, Gemma 3, Mixtral, Qwen3-MoE, Llama,
-  DeepSeek-V3). jaxserve's
+  Mistral with a window shorter than the prompts, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss,
+  Llama). jaxserve's
   interpreter (`--jaxserve-python`) draws their weights from the architecture's declaration (seed 0)
   and writes them as Hugging Face directories (`save_hf_dir`); transformers loads those directories
   (every weight must load: missing or unexpected keys stop the script). The tests draw the same
-  weights again, so no weights are committed. Prompts are random token ids.
+  weights again, so no weights are committed. Prompts are random token ids. gpt-oss also gets a
+  prompt longer than a prefill chunk of the tests (64 tokens) and one that shares the first 40
+  tokens of it (`shared_prefix`: the tests run it after the others, from the prefix cache), and
+  its entry records the `config.json` transformers itself writes (`hf_config`, from
+  `save_pretrained`), which the tests parse. `gpt_oss_mxfp4` is that model with its experts
+  stored as MXFP4 blocks and scales, which transformers dequantizes on load
+  (`Mxfp4Config(dequantize=True)`).
 - The two real GGUF models of the registry, `qwen2.5-coder-0.5b-instruct` and `gemma-3-270m`
   (fetch them first: `python3 -c "from checkpoints.registry import fetch_gguf; fetch_gguf(NAME)"`),
   loaded by transformers with `gguf_file=`. Qwen's prompts are chats rendered with its template;
@@ -22,13 +28,15 @@ Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not
 JSON format:
 {
   "source": {"transformers", "torch", "dtype": "float32"},
-  "tiny": {family: {"seed": 0, "weights_sha256": of the safetensors file, "cases": [CASE]}},
+  "tiny": {family: {"seed": 0, "weights_sha256": of the safetensors file, "cases": [CASE],
+           "hf_config" (gpt-oss only)}},
   "real": {name: {"gguf", "gguf_sha256", "tokenizer_samples": [{"text", "ids"}], "cases": [CASE]}}
 }
 Tiny families also have "shared_prefix_case" (a CASE whose prompt starts with the first 40 tokens
 of the longest case's, for runs after it that hit the prefix cache) and "hf_config" (the
 `config.json` transformers itself writes for the model, `save_pretrained`).
 CASE = {"name", "text" (real models; ids with add_special_tokens as `special`), "special",
+        "shared_prefix" (the case whose first tokens it repeats),
         "messages" (chats: the conversation `text` renders), "prompt_ids", "new_ids",
         "new_margins" (top-1 minus top-2 logit per step)}
 """
@@ -47,15 +55,29 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).with_name("family_reference.json")
 TINY_NEW_TOKENS = 24
 REAL_NEW_TOKENS = 32
 TINY_PROMPT_LENGTHS = (6, 21, 45)
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "deepseek_v3")
-SHARED_PREFIX = 40  # the shared-prefix case: the longest prompt's first tokens, then new ones
+TINY_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
+)
+SHARED_PREFIX = 40  # the generic shared-prefix case: the longest prompt's first tokens, then new ones
+# Per family, prompts beyond TINY_PROMPT_LENGTHS: (length, and for a shared prefix: the case and
+# how many of its first tokens).
+EXTRA_PROMPTS = {"gpt_oss": [(90, None), (50, ("random_90", 40))]}
 
 WRITE_TINY = """
 import sys
@@ -135,28 +157,55 @@ def tiny_cases(jaxserve_python: str, families: list[str]) -> dict:
         subprocess.run([jaxserve_python, "-c", WRITE_TINY, tmp, *families], check=True, env=env, cwd=ROOT)
         for family in families:
             directory = Path(tmp) / family
-            model = load_checked(pretrained_model_name_or_path=str(directory))
+            quantized = "quantization_config" in json.loads((directory / "config.json").read_text())
+            extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}
+            model = load_checked(pretrained_model_name_or_path=str(directory), **extra)
             vocab = model.config.vocab_size
-            rng = np.random.default_rng(1)
-            cases = []
-            for n in TINY_PROMPT_LENGTHS:
-                prompt = [int(i) for i in rng.integers(3, vocab, n)]
+            cases = [
+                {**case, "new_ids": new_ids, "new_margins": margins}
+                for case in tiny_prompts(family, vocab)
+                for new_ids, margins in [greedy(model, case["prompt_ids"], TINY_NEW_TOKENS)]
+            ]
+            out[family] = {"seed": 0, "weights_sha256": sha256(directory / "model.safetensors"), "cases": cases}
+            if family not in EXTRA_PROMPTS:  # a family with extra prompts has its shared prefix among them
+                prompt = shared_prefix_prompt(vocab, cases[len(TINY_PROMPT_LENGTHS) - 1]["prompt_ids"])
                 new_ids, margins = greedy(model, prompt, TINY_NEW_TOKENS)
-                cases.append({"name": f"random_{n}", "prompt_ids": prompt, "new_ids": new_ids, "new_margins": margins})
-            prompt = cases[-1]["prompt_ids"][:SHARED_PREFIX] + [int(i) for i in rng.integers(3, vocab, 9)]
-            new_ids, margins = greedy(model, prompt, TINY_NEW_TOKENS)
-            shared = {"name": "shared_prefix", "prompt_ids": prompt, "new_ids": new_ids, "new_margins": margins}
+                out[family]["shared_prefix_case"] = {
+                    "name": "shared_prefix",
+                    "prompt_ids": prompt,
+                    "new_ids": new_ids,
+                    "new_margins": margins,
+                }
             model.save_pretrained(Path(tmp) / f"{family}-saved")
-            hf_config = json.loads((Path(tmp) / f"{family}-saved" / "config.json").read_text())
-            out[family] = {
-                "seed": 0,
-                "weights_sha256": sha256(directory / "model.safetensors"),
-                "cases": cases,
-                "shared_prefix_case": shared,
-                "hf_config": hf_config,
-            }
+            out[family]["hf_config"] = json.loads((Path(tmp) / f"{family}-saved" / "config.json").read_text())
             print(f"{family}: {[c['new_ids'][:8] for c in cases]}", flush=True)
     return out
+
+
+def tiny_prompts(family: str, vocab: int) -> list[dict]:
+    """The random prompts of a tiny family: {"name", "prompt_ids"} (and "shared_prefix")."""
+    rng = np.random.default_rng(1)
+    cases = [
+        {"name": f"random_{n}", "prompt_ids": [int(i) for i in rng.integers(3, vocab, n)]} for n in TINY_PROMPT_LENGTHS
+    ]
+    for n, shared in EXTRA_PROMPTS.get(family, []):
+        case = {"name": f"random_{n}", "prompt_ids": [int(i) for i in rng.integers(3, vocab, n)]}
+        if shared is not None:
+            source, length = shared
+            prefix = next(c["prompt_ids"] for c in cases if c["name"] == source)[:length]
+            prompt = prefix + case["prompt_ids"][length:]
+            case = {"name": "shared_prefix", "shared_prefix": source, "prompt_ids": prompt}
+        cases.append(case)
+    return cases
+
+
+def shared_prefix_prompt(vocab: int, longest: list[int]) -> list[int]:
+    """The generic shared-prefix case: the longest prompt's first SHARED_PREFIX tokens, then 9 drawn
+    after the prompts (`tiny_prompts`'s generator, continued)."""
+    rng = np.random.default_rng(1)
+    for n in TINY_PROMPT_LENGTHS:
+        rng.integers(3, vocab, n)
+    return longest[:SHARED_PREFIX] + [int(i) for i in rng.integers(3, vocab, 9)]
 
 
 def real_cases(name: str, gguf: Path) -> dict:

@@ -1,7 +1,8 @@
 """Run in a subprocess by test_kernel_sharded.py, with 4 simulated CPU devices.
 
 Exits non-zero (an AssertionError) unless every backend, wrapped by `shard_attention` and fed
-head-sharded arrays, matches the unsharded reference and returns head-sharded output.
+head-sharded arrays, matches the unsharded reference and returns head-sharded output; and with
+attention sinks (an [H] option the wrapper splits with the heads), the `jax` backend too.
 """
 
 import os
@@ -66,6 +67,19 @@ def main(dp: int, tp: int) -> None:
         got = prefill(jax.device_put(pq, heads), k, v, layer, ptables, seq_lens, query_start)
         assert_close(got, want_prefill, TOLERANCE[jnp.float32])
         print(f"{name} on a {dp}x{tp} mesh: ok")
+
+    sinks = jnp.asarray(rng.normal(0.0, 2.0, NUM_KV_HEADS * GROUP), jnp.float32)
+    backend = shard_attention(get_attention_backend("jax"), mesh, "tp")
+    got = jax.jit(lambda *a: backend.decode(*a[:-1], scale=SCALE, sinks=a[-1]))(
+        jax.device_put(q, heads), k, v, layer, tables, lengths, sinks
+    )
+    assert_close(got, reference_decode(q, cache.k, cache.v, layer, tables, lengths, scale=SCALE, sinks=sinks), 1e-5)
+    got = jax.jit(lambda *a: backend.prefill(*a[:-1], scale=SCALE, sinks=a[-1]))(
+        jax.device_put(pq, heads), k, v, layer, ptables, seq_lens, query_start, sinks
+    )
+    want = reference_prefill(pq, cache.k, cache.v, layer, ptables, seq_lens, query_start, scale=SCALE, sinks=sinks)
+    assert_close(got, want, 1e-5)
+    print(f"jax with sinks on a {dp}x{tp} mesh: ok")
 
 
 if __name__ == "__main__":

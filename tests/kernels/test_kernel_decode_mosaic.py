@@ -42,7 +42,7 @@ def run_both(group, block_size, dtype=jnp.bfloat16, seed=0, width=WIDTH, **optio
     tables = block_tables(rng, lengths, width, cache.num_blocks)
     q = queries(rng, len(lengths), NUM_KV_HEADS * group, dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
-    masking = {k: options[k] for k in ("soft_cap", "sliding_window") if k in options}
+    masking = {k: options[k] for k in ("soft_cap", "sliding_window", "sinks") if k in options}
     want = reference_decode(q, cache.k, cache.v, jnp.int32(LAYER), tables, lengths, scale=SCALE, **masking)
     got = decode_mosaic.decode_attention(
         q, cache.k, cache.v, jnp.int32(LAYER), tables, lengths, scale=SCALE, interpret=interpret(), **options
@@ -92,6 +92,16 @@ def test_soft_cap_and_sliding_window(num_splits):
         4, 8, seed=3, width=12, soft_cap=2.0, sliding_window=21, num_splits=num_splits, pages_per_step=2, num_stages=2
     )
     assert_close(got, want, TOLERANCE[jnp.bfloat16])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_sinks(num_splits):
+    """gpt-oss's sinks join the splits' merge (with sinks the kernel runs at least two splits)."""
+    sinks = jnp.asarray(np.random.default_rng(5).normal(0.0, 2.0, NUM_KV_HEADS * 4), jnp.float32)
+    got, want = run_both(4, 8, seed=5, sinks=sinks, num_splits=num_splits, pages_per_step=2, num_stages=2)
+    assert_close(got, want, TOLERANCE[jnp.bfloat16])
+    assert not np.asarray(got[-1]).any(), "a padded entry (length 0) must give zeros"
 
 
 @needs_interpreter

@@ -127,6 +127,44 @@ def test_triton_prefill_lowers(group, dtype, options, cache_dtype):
     assert TRITON_CALL in text
 
 
+# Attention sinks (gpt-oss): an [H] input of every kernel; Triton decode with one split (its
+# partials merged with the sinks) and with three, Mosaic (at least two splits), Triton prefill.
+@pytest.mark.parametrize("kernel,options", [("triton", {}), ("triton", {"num_splits": 3}), ("mosaic", {})])
+def test_decode_with_sinks_lowers(kernel, options):
+    group = 4
+    decode_fn = decode.decode_attention if kernel == "triton" else decode_mosaic.decode_attention
+
+    def fn(q, k, v, layer, tables, lengths, sinks):
+        return decode_fn(q, k, v, layer, tables, lengths, scale=0.1, sinks=sinks, interpret=False, **options)
+
+    args = (*decode_args(4, group, jnp.bfloat16, width=16), S((KV_HEADS * group,), jnp.float32))
+    assert (TRITON_CALL if kernel == "triton" else MOSAIC_CALL) in lowered_text(fn, *args)
+
+
+@pytest.mark.parametrize("group,options", [(8, {}), (3, {"sliding_window": 20})])
+def test_prefill_with_sinks_lowers(group, options):
+    tokens, seqs, width = 40, 3, 8
+
+    def fn(q, k, v, layer, tables, seq_lens, query_start, sinks):
+        return prefill.prefill_attention(
+            q, k, v, layer, tables, seq_lens, query_start, scale=0.1, sinks=sinks, interpret=False, **options
+        )
+
+    kv = cache(jnp.bfloat16)
+    text = lowered_text(
+        fn,
+        S((tokens, KV_HEADS * group, DIM), jnp.bfloat16),
+        kv,
+        kv,
+        S((), jnp.int32),
+        S((seqs, width), jnp.int32),
+        S((seqs,), jnp.int32),
+        S((seqs + 1,), jnp.int32),
+        S((KV_HEADS * group,), jnp.float32),
+    )
+    assert TRITON_CALL in text
+
+
 def test_unsupported_head_dim_is_a_clear_error_not_a_lowering_crash():
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         lowered_text(

@@ -1,6 +1,7 @@
 """A small random Llama generates the same greedy tokens with the serving backends (pallas, jax
 and cpu) as with the reference backend; so do a Mistral whose sliding window (8 tokens) is
-shorter than its prompts and a Gemma 3 whose local (windowed) and global layers interleave.
+shorter than its prompts, a Gemma 3 whose local (windowed) and global layers interleave, and a
+gpt-oss (attention sinks, alternating windows, biased experts).
 
 Two sequences are prefilled together (ragged, the second in two chunks), then decoded in one
 batch with a padded entry; the pallas kernels run interpreted on CPU.
@@ -43,6 +44,21 @@ CONFIGS = {
         layer_types=("sliding_attention", "full_attention"),
         rope_theta=1_000_000.0,
         rope_local_theta=10_000.0,
+    ),
+    # attention sinks in every backend's kernels, alternating windows, biased experts
+    "gpt_oss": dataclasses.replace(
+        LLAMA,
+        architecture="gpt_oss",
+        tie_word_embeddings=False,
+        attention_bias=True,
+        attention_out_bias=True,
+        attention_sinks=True,
+        sliding_window=8,
+        layer_types=("sliding_attention", "full_attention"),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        swiglu_limit=7.0,
     ),
 }
 BACKENDS = ["pallas", "jax"] + (["cpu"] if cpu_build.available() else [])

@@ -1,6 +1,6 @@
 """Run by test_expert_parallel.py in a subprocess with 8 simulated CPU devices.
 
-For each layout (dp x ep x tp) of the tiny Mixtral and Qwen3-MoE models it builds the engine (a
+For each layout (dp x ep x tp) of a tiny MoE model (`FAMILY:DPxEPxTP`) it builds the engine (a
 data-parallel engine for dp > 1), warms it up, computes the prefill and decode logits of the runner's own
 bucketed steps, generates greedily, and reports one JSON line: tokens, logits, compilation
 counts, the shardings read back from the parameter arrays and each step's expert load. The test

@@ -2,7 +2,9 @@
 parallelism), composed with tensor and data parallelism, equal one device.
 
 One subprocess (ep_worker.py) builds every layout of the tiny Mixtral (4 experts, top-2,
-renormalised) and Qwen3-MoE (8 experts, top-2, not renormalised) models and reports tokens,
+renormalised), Qwen3-MoE (8 experts, top-2, not renormalised) and gpt-oss (4 experts with biases,
+gate and up interleaved; attention sinks split with the heads over tp; its experts also as MXFP4
+blocks and scales, split over ep) models and reports tokens,
 logits, compilation counts and the shardings read from the arrays; the tests assert on that.
 """
 
@@ -12,9 +14,18 @@ import numpy as np
 import pytest
 from mesh_cases import run_worker
 
-BASELINES = ["mixtral:1x1x1", "qwen3_moe:1x1x1"]
-# FAMILY:DPxEPxTP. Each layout costs a warm-up: ep 2 and 4 alone, ep x tp, and dp x ep.
-LAYOUTS = ["mixtral:1x2x1", "mixtral:1x4x1", "qwen3_moe:1x4x1", "qwen3_moe:1x2x2", "qwen3_moe:2x2x1"]
+BASELINES = ["mixtral:1x1x1", "qwen3_moe:1x1x1", "gpt_oss:1x1x1", "gpt_oss_mxfp4:1x1x1"]
+# FAMILY:DPxEPxTP. Each layout costs a warm-up: ep 2 and 4 alone, ep x tp, dp x ep, and tp alone.
+LAYOUTS = [
+    "mixtral:1x2x1",
+    "mixtral:1x4x1",
+    "qwen3_moe:1x4x1",
+    "qwen3_moe:1x2x2",
+    "qwen3_moe:2x2x1",
+    "gpt_oss:1x2x2",
+    "gpt_oss:1x1x2",
+    "gpt_oss_mxfp4:1x2x1",
+]
 pytestmark = pytest.mark.timeout(1800)
 
 
@@ -51,13 +62,23 @@ def test_experts_are_split_over_ep_and_their_hidden_units_over_tp(report, case):
     dp, ep, tp = map(int, case.split(":")[1].split("x"))
     for mesh, arrays in zip(report[case]["mesh"], report[case]["shardings"]):
         assert mesh == {"dp": 1, "pp": 1, "ep": ep, "tp": tp}
-        gate, down = arrays["layers/expert_gate/kernel"], arrays["layers/expert_down/kernel"]
+        if "layers/expert_gate_up/blocks" in arrays:  # MXFP4 [L, X, out, in / 32, 16]: whole experts over ep
+            blocks = arrays["layers/expert_gate_up/blocks"]
+            assert blocks["spec"] == str((None, "ep", "tp", None, None)) and tp == 1
+            layers, experts, *rest = blocks["shape"]
+            assert blocks["shard_shapes"] == [[layers, experts // ep, *rest]]
+            continue
+        gate = arrays.get("layers/expert_gate/kernel") or arrays["layers/expert_gate_up/kernel"]  # gpt-oss: fused
+        down = arrays["layers/expert_down/kernel"]
         layers, experts, hidden, ffw = gate["shape"]
         assert gate["spec"] == str((None, "ep", None, "tp"))
         assert gate["shard_shapes"] == [[layers, experts // ep, hidden, ffw // tp]]
-        assert down["shard_shapes"] == [[layers, experts // ep, ffw // tp, hidden]]
+        assert down["shard_shapes"] == [[layers, experts // ep, down["shape"][2] // tp, hidden]]
         assert len(gate["devices"]) == ep * tp
         # The router is replicated; attention is split over tp only (replicated over ep).
         assert arrays["layers/router/kernel"]["spec"] == "()"
         q = arrays["layers/q_proj/kernel"]
         assert q["shard_shapes"] == [[q["shape"][0], q["shape"][1], q["shape"][2] // tp]]
+        if "layers/sinks/logits" in arrays:  # gpt-oss: one sink per query head, split with them
+            sinks = arrays["layers/sinks/logits"]
+            assert sinks["shard_shapes"] == [[sinks["shape"][0], sinks["shape"][1] // tp]]
