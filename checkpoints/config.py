@@ -93,6 +93,13 @@ class ModelConfig:
             raise ValueError("kv_lora_rank and qk_rope_head_dim must be even (the latent is cached in two halves)")
         if self.num_experts and self.num_experts % self.n_group:
             raise ValueError(f"{self.num_experts} experts do not split into n_group {self.n_group} groups")
+        if self.scoring_func == "sigmoid" and not (
+            self.topk_group <= self.n_group and self.num_experts >= 2 * self.n_group
+        ):  # a group scores the sum of its two best experts
+            raise ValueError(
+                f"topk_group {self.topk_group} of n_group {self.n_group} groups of {self.num_experts} experts: "
+                "at most n_group groups of at least 2 experts each"
+            )
 
     @property
     def is_mla(self) -> bool:

@@ -79,6 +79,14 @@ def test_settings_it_is_not_served_with_are_refused_by_name(model, setting, name
         resolve(EngineConfig(**setting), model.config)
 
 
+@pytest.mark.parametrize("groups", [{"n_group": 3}, {"n_group": 8}, {"topk_group": 3}])
+def test_expert_groups_that_cannot_route_are_refused(groups):
+    """8 experts: not in 3 groups, not in 8 groups of one (a group scores its two best), not the
+    best 3 of 2 groups."""
+    with pytest.raises(ValueError, match="n_group"):
+        build_tiny_random(family="deepseek_v3", **groups)
+
+
 def test_a_checkpoint_quantized_as_published_is_refused_with_a_clear_error(model, tmp_path):
     save_hf_dir(model.params, model.config, model.tokenizer_bundle, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

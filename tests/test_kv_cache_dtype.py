@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from checkpoints.tiny_random import build_tiny_random
+from checkpoints.tiny_random import build_tiny_random, tiny_random_config
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.kv import CopyKind, DiskTier, HostBlockArrays, fingerprint
@@ -45,7 +45,7 @@ def run(llm: LLM) -> tuple[list[list[int]], list[int]]:
 def test_block_bytes_follow_the_dtype_and_scales():
     """Bytes per block (what num_blocks from --kv-cache-memory divides by) of the default model's
     shapes: bf16 half of f32; int8 and fp8 a quarter plus 4 scale bytes per 64-value row."""
-    config = types.SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    config = tiny_random_config(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
     sizes = {
         name: KVCache.bytes_per_block(config, 16, kv_quant.storage_dtype(name, jnp.float32, "cpu"))
         for name in ("auto", "bfloat16", "int8", "fp8")

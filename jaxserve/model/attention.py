@@ -3,10 +3,10 @@ backend's dispatch for a step (decode, ragged prefill, or both in one program).
 
 Every layer's attention goes through an `AttentionBlock`: it takes the layer's normed input and
 its group's cache, and returns the block's output (before the residual add) and the cache with
-the step's tokens written. `PagedAttention` is the one kind served today (multi-head / grouped
-query attention over the paged K/V of `KVCache`); a kind with another cache (a latent per token,
-a recurrent state per sequence) is another `AttentionBlock` over its own cache pytree, chosen
-for its layers by `DecoderLayer.attention`.
+the step's tokens written. `PagedAttention` is multi-head / grouped query attention over the paged
+K/V of `KVCache`; `latent_attention.LatentAttention` (DeepSeek-V3) reads a latent per token in the
+same blocks; a kind with another cache (a recurrent state per sequence) is another
+`AttentionBlock` over its own cache pytree, chosen for its layers by `DecoderLayer.attention`.
 """
 
 from __future__ import annotations

@@ -32,8 +32,6 @@ from jaxserve.model.rope import RopeTables, apply_rope
 from kernels_pallas import AttentionBackend
 from kernels_pallas.mla_reference import split_latent
 
-_HIGHEST = jax.lax.Precision.HIGHEST
-
 
 def softmax_scale(config: ModelConfig) -> float:
     """(qk_nope_head_dim + qk_rope_head_dim)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
@@ -51,6 +49,12 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> 
     if interleaved:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     return apply_rope(x, cos, sin)
+
+
+def _per_head(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """Each head's x times its slice of `kv_b_proj`, in the weights' dtype with f32 accumulation
+    (as every matmul of the model: the weights are never converted)."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +76,11 @@ class LatentAttention:
         w_kv = scope.stack("kv_b_proj", "weight")
         if scope.weights["kv_b_proj/weight"].axes[0] == LAYERS:
             w_kv = w_kv[layer]
-        w_kv = w_kv.reshape(r, cfg.num_heads, nope + cfg.v_head_dim).astype(jnp.float32)
-        q_latent = jnp.einsum("thn,rhn->thr", q_nope.astype(jnp.float32), w_kv[..., :nope], precision=_HIGHEST)
+        w_kv = w_kv.reshape(r, cfg.num_heads, nope + cfg.v_head_dim)  # per head: W_uk, then W_uv
+        q_latent = _per_head(q_nope, w_kv[..., :nope], "thn,rhn->thr")
         q = jnp.concatenate([q_latent, q_pe.astype(jnp.float32)], axis=-1)
         out = paged_attention(self.backend, q, cache.k, cache.v, layer, meta, scale=softmax_scale(cfg), latent_dim=r)
-        out = jnp.einsum("thr,rhv->thv", out.astype(jnp.float32), w_kv[..., nope:], precision=_HIGHEST)
+        out = _per_head(out, w_kv[..., nope:], "thr,rhv->thv")
         return scope.dense("o_proj", out.reshape(t, -1).astype(scope.dtype)), cache
 
     def _project(self, scope: LayerScope, x: jax.Array, rope: RopeTables) -> tuple[jax.Array, jax.Array, jax.Array]:
