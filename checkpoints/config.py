@@ -50,6 +50,17 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    # Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): `layer_types` entries "linear_attention" are
+    # Gated DeltaNet layers (a conv and recurrent state per sequence), "full_attention" ones gated
+    # attention (q_proj doubled: a sigmoid gate on each query feature's output) with RoPE on the first
+    # head_dim * partial_rotary_factor features of each head. Hugging Face's names.
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -114,6 +114,20 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "rms_norm_eps": 1e-6,
     },
+    "qwen3_5": {  # three Gated DeltaNet layers, then gated full attention
+        "architecture": "qwen3_5",
+        "num_layers": 4,
+        "layer_types": ("linear_attention",) * 3 + ("full_attention",),
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-6,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
 }
 
 

@@ -46,7 +46,8 @@ EMBEDDING = "embedding"  # N(0, 1)
 SCALE = "scale"  # 1 + N(0, 0.1^2): norm scales
 BIAS = "bias"  # N(0, 0.1^2)
 ROUTER_KERNEL = "router_kernel"  # N(0, 4 / fan_in): router logits spread wide, so top-k is never a near tie
-INITIALIZERS = (KERNEL, EMBEDDING, SCALE, BIAS, ROUTER_KERNEL)
+CONV = "conv"  # N(0, 1 / width): a depthwise convolution's taps [.., channels, width], stored as checkpoints do
+INITIALIZERS = (KERNEL, EMBEDDING, SCALE, BIAS, ROUTER_KERNEL, CONV)
 
 Declaration = dict[str, Any]  # nested dicts of Weight
 
@@ -75,6 +76,9 @@ class Weight:
     quantizable: bool = False
     storage: str | None = None
     quant: QuantFormat | None = None
+    # The checkpoint's layer number of each entry of a stack (a layer group's: `{layer}` of its names);
+    # None: the stack's own index.
+    layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -113,13 +117,15 @@ class Weight:
             return 1.0 + 0.1 * noise
         if self.init == BIAS:
             return 0.1 * noise
+        if self.init == CONV:
+            return noise / np.sqrt(self.shape[-1])
         return noise
 
     def unstacked(self) -> Weight:
         """One layer's weight: the declaration without its leading `layers` axis."""
         if not self.axes or self.axes[0] != LAYERS:
             return self
-        return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
+        return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:], layer_ids=None)
 
     def flax_init(self) -> Callable[[Any, tuple[int, ...], Any], Any]:
         """A Flax initializer drawing this weight as `scaled` says."""

@@ -106,6 +106,7 @@ class LLMEngine(EngineCoreOps):
             lower_tier=self.lower_tier,
             write_through_hits=ec.kv_disk_write_through_hits,
             kv_events=ec.kv_events and ec.enable_prefix_caching,
+            num_state_slots=ec.num_state_slots,
         )
         self.lora = (
             None

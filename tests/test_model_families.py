@@ -5,7 +5,9 @@ mixture-of-experts engines report their expert load (per step and in total) in `
 Tiny random models of each family (`checkpoints.tiny_random.TINY_FAMILIES`): Llama, Qwen2 (q/k/v
 biases), Qwen3 (q/k norms), Mistral (a sliding window of 8 tokens, shorter than the prompts),
 Gemma 3 (interleaved local and global layers, GeGLU, four norms, scaled embeddings), Mixtral and
-Qwen3-MoE (mixture of experts, top-2 of 4 renormalised / of 8 not). Their weights are drawn from
+Qwen3-MoE (mixture of experts, top-2 of 4 renormalised / of 8 not), Qwen3.5 (Gated DeltaNet
+layers and gated full attention, a prompt longer than a prefill chunk: its state carried across
+chunks in a state slot). Their weights are drawn from
 the declaration with seed 0 and written as a Hugging Face directory, which the engine loads;
 transformers loaded the same directory for tests/data/family_reference.json
 (tests/data/make_family_reference.py), so no weights are committed.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoints.architectures import config_from_hf
 from checkpoints.hf import save_hf_dir
 from checkpoints.registry import load_model
 from checkpoints.tiny_random import build_tiny_random
@@ -83,3 +86,10 @@ def check_expert_load(llm: LLM, cases: list[dict]) -> None:
     for expert, count in enumerate(snapshot.expert_tokens):
         assert f'jaxserve_moe_expert_tokens_total{{expert="{expert}"}} {float(count)}' in text
         assert f'jaxserve_moe_expert_load{{expert="{expert}"}} {float(snapshot.expert_load[expert])}' in text
+
+
+@pytest.mark.parametrize("family", [f for f in sorted(REFERENCE) if "transformers_config" in REFERENCE[f]])
+def test_loader_reads_the_config_transformers_writes(family):
+    """The config.json transformers itself writes (`save_pretrained`, recorded in the reference)
+    reads to the config of the model it was written for."""
+    assert config_from_hf(REFERENCE[family]["transformers_config"]) == build_tiny_random(family=family).config

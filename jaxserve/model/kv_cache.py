@@ -67,6 +67,8 @@ class AttentionMetadata:
       padding entry is T (out of range) and its sequence's length 0. None: no decodes.
     lora_slots [T]: with LoRA on, each row's LoRA slot (-1: the base model; see
       jaxserve/model/lora.py). None: LoRA off.
+    state_slots [S]: a hybrid's (Gated DeltaNet layers), each sequence's state slot
+      (`jaxserve.model.state_cache`; 0 for padding). None: no linear-attention layers.
     """
 
     kv_slots: jax.Array
@@ -75,6 +77,7 @@ class AttentionMetadata:
     query_start: jax.Array | None = None
     decode_rows: jax.Array | None = None
     lora_slots: jax.Array | None = None
+    state_slots: jax.Array | None = None
 
     def real_rows(self, block_size: int) -> jax.Array:
         """[T] bool: the rows of live tokens (a padding row's KV slot is in block 0, never allocated)."""

@@ -7,7 +7,8 @@ Run with the reference venv (torch + transformers + gguf; not jaxserve dependenc
 Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not stopped at eos):
 
 - Tiny random models of each family (`checkpoints.tiny_random.TINY_FAMILIES`: Qwen2, Qwen3,
-  Mistral with a window shorter than the prompts, Gemma 3, Mixtral, Qwen3-MoE, Llama). jaxserve's
+  Mistral with a window shorter than the prompts, Gemma 3, Mixtral, Qwen3-MoE, Llama, the Qwen3.5
+  Gated DeltaNet hybrid with a prompt longer than the tests' prefill chunk). jaxserve's
   interpreter (`--jaxserve-python`) draws their weights from the architecture's declaration (seed 0)
   and writes them as Hugging Face directories (`save_hf_dir`); transformers loads those directories
   (every weight must load: missing or unexpected keys stop the script). The tests draw the same
@@ -21,7 +22,8 @@ Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not
 JSON format:
 {
   "source": {"transformers", "torch", "dtype": "float32"},
-  "tiny": {family: {"seed": 0, "weights_sha256": of the safetensors file, "cases": [CASE]}},
+  "tiny": {family: {"seed": 0, "weights_sha256": of the safetensors file, "cases": [CASE],
+           "transformers_config": the config.json transformers writes (hybrids only)}},
   "real": {name: {"gguf", "gguf_sha256", "tokenizer_samples": [{"text", "ids"}], "cases": [CASE]}}
 }
 CASE = {"name", "text" (real models; ids with add_special_tokens as `special`), "special",
@@ -50,7 +52,11 @@ OUT = Path(__file__).with_name("family_reference.json")
 TINY_NEW_TOKENS = 24
 REAL_NEW_TOKENS = 32
 TINY_PROMPT_LENGTHS = (6, 21, 45)
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "qwen3_5")
+# Hybrids (per-sequence state) also get a prompt longer than the tests' prefill chunk (64 tokens), and
+# record the config.json transformers itself writes (`save_pretrained`), which the loader must read.
+HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_PROMPT_LENGTHS = (*TINY_PROMPT_LENGTHS, 100)
 
 WRITE_TINY = """
 import sys
@@ -134,11 +140,16 @@ def tiny_cases(jaxserve_python: str, families: list[str]) -> dict:
             vocab = model.config.vocab_size
             rng = np.random.default_rng(1)
             cases = []
-            for n in TINY_PROMPT_LENGTHS:
+            for n in HYBRID_PROMPT_LENGTHS if family in HYBRID_FAMILIES else TINY_PROMPT_LENGTHS:
                 prompt = [int(i) for i in rng.integers(3, vocab, n)]
                 new_ids, margins = greedy(model, prompt, TINY_NEW_TOKENS)
                 cases.append({"name": f"random_{n}", "prompt_ids": prompt, "new_ids": new_ids, "new_margins": margins})
             out[family] = {"seed": 0, "weights_sha256": sha256(directory / "model.safetensors"), "cases": cases}
+            if family in HYBRID_FAMILIES:
+                model.save_pretrained(Path(tmp) / f"{family}-saved")
+                out[family]["transformers_config"] = json.loads(
+                    (Path(tmp) / f"{family}-saved" / "config.json").read_text()
+                )
             print(f"{family}: {[c['new_ids'][:8] for c in cases]}", flush=True)
     return out
 
