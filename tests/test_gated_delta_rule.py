@@ -49,3 +49,13 @@ def test_state_carries_across_calls():
     second, end = chunked_gated_delta(q[16:], k[16:], v[16:], g[16:], beta[16:], mid, 16)
     np.testing.assert_allclose(jnp.concatenate([first, second]), whole, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(end, whole_state, atol=2e-5, rtol=2e-5)
+
+
+def test_both_forms_lower_for_cuda():
+    """The GPU path is these same functions (a scan over chunks, XLA's triangular solve): they lower
+    for CUDA without a GPU (as tests/kernels/ lowers the Pallas kernels)."""
+    q, k, v, g, beta, state = random_inputs(64)
+    chunked = jax.jit(chunked_gated_delta, static_argnums=6).trace(q, k, v, g, beta, state, 16)
+    assert "triangular_solve" in chunked.lower(lowering_platforms=("cuda",)).as_text()
+    one = jax.jit(recurrent_gated_delta).trace(q[:2], k[:2], v[:2], g[:2], beta[:2], jnp.stack([state, state]))
+    assert one.lower(lowering_platforms=("cuda",)).as_text()
