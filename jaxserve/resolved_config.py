@@ -58,6 +58,7 @@ class ResolvedConfig(EngineConfig):
     kv_block_bytes: int  # bytes of one KV block over all devices, scales included
     num_host_slots: int  # host-tier blocks (0: no host tier)
     num_state_slots: int = 0  # a hybrid's state slots, slot 0 reserved (jaxserve/kv/state_slots.py); 0: none
+    num_state_snapshots: int = 0  # of those, kept as snapshots for prefix hits at most (jaxserve/kv/state_snapshots.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,7 +79,7 @@ class ResolvedConfig(EngineConfig):
 def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
     """`config` served for `served`: the KV blocks, the context, the budgets and buckets, the host slots."""
     bs = config.block_size
-    config, state_slots = hybrid_settings(config, served)
+    config, state_slots, snapshots = hybrid_settings(config, served)
     # One budget for every layer group: the state slots' bytes first, the paged blocks in the rest.
     budget = config.kv_cache_memory * served.kv_devices - state_slots * served.state_slot_bytes
     num_blocks = config.num_blocks or max(2, budget // served.kv_block_bytes)
@@ -105,6 +106,7 @@ def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
         kv_block_bytes=served.kv_block_bytes,
         num_host_slots=_num_host_slots(config, served.kv_block_bytes, max_model_len // bs),
         num_state_slots=state_slots,
+        num_state_snapshots=snapshots,
         **buckets,
         verify_batch_buckets=_verify_batches(config, buckets["decode_batch_buckets"]),
     )
@@ -112,12 +114,12 @@ def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
     return ResolvedConfig(**{**asked, **derived})
 
 
-def hybrid_settings(config: EngineConfig, served: ServedModel) -> tuple[EngineConfig, int]:
-    """`config` as a hybrid model (per-sequence state) runs it, and its state slots (0: not a hybrid).
-    ValueError naming the settings that do not run with a hybrid yet; prefix caching is turned off, as its
-    hits would need the state at the hit's end (snapshots, not kept yet): no hits reported that cannot be used."""
+def hybrid_settings(config: EngineConfig, served: ServedModel) -> tuple[EngineConfig, int, int]:
+    """`config` as a hybrid model (per-sequence state) runs it, its state slots (0: not a hybrid) and how many
+    of them may keep snapshots of the state for prefix hits: one per sequence with prefix caching, else none.
+    ValueError naming the settings that do not run with a hybrid yet."""
     if not served.state_slot_bytes:
-        return config, 0
+        return config, 0, 0
     refused = [
         name
         for name, on in (
@@ -134,10 +136,8 @@ def hybrid_settings(config: EngineConfig, served: ServedModel) -> tuple[EngineCo
     ]
     if refused:
         raise ValueError(f"a Gated DeltaNet hybrid model does not run with {', '.join(refused)} yet")
-    if config.enable_prefix_caching:
-        logger.info("prefix caching is off for this hybrid model (no snapshots of its linear-attention state)")
-        config = dataclasses.replace(config, enable_prefix_caching=False, kv_events=False)
-    return config, config.max_num_seqs + 1
+    snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+    return dataclasses.replace(config, kv_events=False), config.max_num_seqs + 1 + snapshots, snapshots
 
 
 def _max_model_len(config: EngineConfig, context: int, capacity: int) -> int:

@@ -149,17 +149,20 @@ def test_host_only_tests_resolve_without_a_model():
 
 
 def test_a_hybrid_budget_counts_its_state_slots_and_refuses_what_it_cannot_run_yet():
-    """A Gated DeltaNet hybrid: one state slot per sequence (max_num_seqs, plus the reserved slot 0),
-    whose bytes come out of kv_cache_memory before the paged blocks; prefix caching off (no snapshots
-    of the state: no hits it could not use); the settings it does not run with yet refused by name."""
+    """A Gated DeltaNet hybrid: one state slot per sequence (max_num_seqs, plus the reserved slot 0) and, with
+    prefix caching, one per snapshot of the state (max_num_seqs more), whose bytes come out of kv_cache_memory
+    before the paged blocks; the settings it does not run with yet refused by name."""
     hybrid = tiny_random_config(**TINY_FAMILIES["qwen3_5"])
     budget = 1 << 20
     ec = resolve(EngineConfig(kv_cache_memory=budget, max_num_seqs=8), hybrid)
     slot_bytes = LinearStateCache.bytes_per_slot(hybrid)
     # per slot: 3 layers x (conv 3 x 128 + recurrent 4 x 16 x 16) f32
     assert slot_bytes == 3 * (3 * 128 + 4 * 16 * 16) * 4
-    assert ec.num_state_slots == 9 and not ec.enable_prefix_caching
-    assert ec.num_blocks == (budget - 9 * slot_bytes) // ec.kv_block_bytes
+    assert (ec.num_state_slots, ec.num_state_snapshots, ec.enable_prefix_caching) == (17, 8, True)
+    assert ec.num_blocks == (budget - 17 * slot_bytes) // ec.kv_block_bytes
+    off = resolve(EngineConfig(kv_cache_memory=budget, max_num_seqs=8, enable_prefix_caching=False), hybrid)
+    assert (off.num_state_slots, off.num_state_snapshots) == (9, 0)
+    assert off.num_blocks == (budget - 9 * slot_bytes) // ec.kv_block_bytes
     assert ec.kv_block_bytes == KVCache.bytes_per_block(hybrid, 16, "float32") // 4  # 1 of 4 layers is paged
     for settings, name in (
         (dict(tensor_parallel_size=2), "tensor_parallel_size > 1"),

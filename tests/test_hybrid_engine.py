@@ -50,3 +50,19 @@ def test_preempted_requests_still_match_transformers(model_dir, mode, assert_kv_
     for case, out in zip(cases, outs):
         assert out.outputs[0].token_ids == case["new_ids"], case["name"]
     assert_kv_all_free(llm.engine)
+
+
+def test_a_prefix_hit_restores_the_state_snapshot(model_dir, assert_kv_all_free):
+    """A prompt sharing 72 tokens with an earlier one of 75 hits the earlier prompt's last block
+    boundary (72 tokens, where its state was kept), computes only the rest, and still gives
+    transformers' tokens; with prefix caching off nothing is reported cached."""
+    case = next(c for c in REFERENCE["cases"] if len(c["prompt_ids"]) == 100)
+    earlier = case["prompt_ids"][:72] + [5, 6, 7]
+    params = SamplingParams(max_tokens=len(case["new_ids"]), temperature=0.0, ignore_eos=True)
+    for caching, cached in ((True, 72), (False, 0)):
+        llm = LLM(load_model(str(model_dir)), **{**ENGINE, "num_blocks": 64}, enable_prefix_caching=caching)
+        llm.generate([{"prompt_token_ids": earlier}], SamplingParams(max_tokens=4), use_tqdm=False)
+        [out] = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], params, use_tqdm=False)
+        assert out.num_cached_tokens == cached
+        assert out.outputs[0].token_ids == case["new_ids"]
+        assert_kv_all_free(llm.engine)

@@ -234,6 +234,8 @@ def _stages(
     stages.append(Stage("lora", "lora", limits["lora"], models[0], optional=families_optional))
     for model in (MOE_MODEL, WINDOW_MODEL):
         stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, optional=families_optional))
+    # Hybrids: the Gated DeltaNet delta rule, chunked against token by token (bench/gpu_check/hybrid_stage.py).
+    stages.append(Stage("hybrid", "hybrid", limits["hybrid"], optional=families_optional))
     return tuple(stages)
 
 
@@ -311,6 +313,7 @@ def _dry_run_plan() -> Plan:
         f"engine_{WINDOW_MODEL}": 300,
         "quantized_matmul": 150,
         "lora": 300,
+        "hybrid": 150,
     }
     return Plan(
         dry_run=True,
@@ -360,6 +363,7 @@ def _gpu_plan(command_buffer_variant: bool) -> Plan:
         f"engine_{WINDOW_MODEL}": 70,
         "quantized_matmul": 40,
         "lora": 60,
+        "hybrid": 40,
     }
     return Plan(
         dry_run=False,

@@ -27,6 +27,7 @@ RUNNERS = {
     "models": ("bench.gpu_check.model_stage", "run"),
     "quantized_matmul": ("bench.gpu_check.quant_stage", "run"),
     "lora": ("bench.gpu_check.lora_stage", "run"),
+    "hybrid": ("bench.gpu_check.hybrid_stage", "run"),
 }
 
 

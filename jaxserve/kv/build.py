@@ -32,6 +32,7 @@ def build_kv_manager(
     write_through_hits: int = 0,
     kv_events: bool = False,
     num_state_slots: int = 0,
+    num_state_snapshots: int = 0,
 ) -> KVCacheManager:
     """
     num_blocks, block_size: the device pool (block 0 reserved).
@@ -43,6 +44,7 @@ def build_kv_manager(
     write_through_hits: 0 = write every cached block to it; N = once hit N times.
     kv_events: record the prefix cache's changes for a router (`manager.events`; needs the prefix cache).
     num_state_slots: a hybrid model's per-sequence state slots, slot 0 reserved (`state_slots.py`; 0: none).
+    num_state_snapshots: of those, how many may keep snapshots for prefix hits (`state_snapshots.py`).
     """
     pool = BlockPool(num_blocks, block_size)
     host = HostTier(num_host_slots)
@@ -73,6 +75,7 @@ def build_kv_manager(
         max_pinned_blocks=max_pinned_blocks,
         tier_link=link,
         state_slots=StateSlots(num_state_slots),
+        num_snapshots=num_state_snapshots,
     )
 
 

@@ -77,3 +77,13 @@ def paged_of(cache: KVCache | ModelCaches) -> KVCache:
 def with_paged(cache: KVCache | ModelCaches, paged: KVCache) -> Any:
     """The model's caches with their paged KV cache replaced."""
     return dataclasses.replace(cache, paged=paged) if isinstance(cache, ModelCaches) else paged
+
+
+def copy_states(caches: ModelCaches, src: jax.Array, dst: jax.Array) -> ModelCaches:
+    """The caches with the states of state slots `dst[i]` set to those of `src[i]` (every Gated
+    DeltaNet layer; a snapshot taken or restored). Padding moves slot 0 onto itself."""
+    state = caches.state
+    copied = LinearStateCache(
+        state.conv.at[:, dst].set(state.conv[:, src]), state.recurrent.at[:, dst].set(state.recurrent[:, src])
+    )
+    return dataclasses.replace(caches, state=copied)

@@ -33,10 +33,10 @@ from checkpoints.digest import weights_digest
 from jaxserve.kv import CopyKind, CopyStage
 from jaxserve.lora.peft import LoraWeights
 from jaxserve.model import KVCache
-from jaxserve.model.state_cache import paged_of, with_paged
+from jaxserve.model.state_cache import ModelCaches, copy_states, paged_of, with_paged
 from jaxserve.outputs import SampledToken
 from jaxserve.resolved_config import ResolvedConfig
-from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
+from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover, padded_moves
 from jaxserve.runner.device_state import DeviceState, SamplerState, state_shardings
 from jaxserve.runner.executables import Executables
 from jaxserve.runner.host_heap import keep_freed_blocks
@@ -77,6 +77,7 @@ class ModelRunner:
         rep = replicated(self.mesh)
         self.blocks = BlockMover(paged_of(cache), cache_sharding(self.mesh), rep, self.num_host_slots)
         kv = caches_sharding(self.config, self.mesh)
+        self._copy_states = jax.jit(copy_states, donate_argnums=(0,), out_shardings=kv)
         constant = DeviceConstants(rep)
         self.inputs = StepInputs(ec, constant, self.config.vocab_size)
         self.args = ProgramArgs(constant, self.lora_slots)
@@ -156,6 +157,8 @@ class ModelRunner:
         self.executables.compile_all()
         # The block moves have one shape each; compiling them here keeps serving free of it.
         self._update_paged(self.blocks.warm_up)
+        if isinstance(self.state.cache, ModelCaches):
+            self._move(CopyKind.STATE, [0], [0])
         return time.perf_counter() - t0
 
     def bucket_summary(self) -> str:
@@ -265,6 +268,9 @@ class ModelRunner:
         return phase, run_samplers(self._call, self.args, phase, programs)
 
     def _move(self, kind: CopyKind, src: list[int], dst: list[int]) -> None:
+        if kind is CopyKind.STATE:  # a hybrid's state snapshot taken or restored (jaxserve/kv/state_snapshots.py)
+            self.state = self.state.with_cache(self._copy_states(self.state.cache, *padded_moves(src, dst)))
+            return
         self._update_paged(lambda paged: self.blocks.move(paged, kind, src, dst))
 
     def _update_paged(self, update: Callable[[KVCache], KVCache]) -> None:
