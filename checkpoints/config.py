@@ -61,6 +61,7 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen3-Next: a shared expert beside the routed ones, sigmoid-gated
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

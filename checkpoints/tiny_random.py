@@ -129,6 +129,15 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "linear_num_value_heads": 4,
     },
 }
+# Qwen3-Next: Qwen3.5's layers with a mixture of experts and a shared expert in each.
+TINY_FAMILIES["qwen3_next"] = {
+    **TINY_FAMILIES["qwen3_5"],
+    "architecture": "qwen3_next",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype: Any = "float32") -> ParamTree:

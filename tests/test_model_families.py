@@ -7,7 +7,8 @@ biases), Qwen3 (q/k norms), Mistral (a sliding window of 8 tokens, shorter than 
 Gemma 3 (interleaved local and global layers, GeGLU, four norms, scaled embeddings), Mixtral and
 Qwen3-MoE (mixture of experts, top-2 of 4 renormalised / of 8 not), Qwen3.5 (Gated DeltaNet
 layers and gated full attention, a prompt longer than a prefill chunk: its state carried across
-chunks in a state slot). Their weights are drawn from
+chunks in a state slot), Qwen3-Next (the same layers with experts and a sigmoid-gated shared expert,
+Gated DeltaNet projections fused by key head). Their weights are drawn from
 the declaration with seed 0 and written as a Hugging Face directory, which the engine loads;
 transformers loaded the same directory for tests/data/family_reference.json
 (tests/data/make_family_reference.py), so no weights are committed.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from checkpoints.architectures import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_moe
+from checkpoints.architectures import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from checkpoints.architectures.base import Architecture
 from checkpoints.config import ModelConfig
 from checkpoints.weights import Declaration
@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         mixtral.ARCHITECTURE,
         qwen3_moe.ARCHITECTURE,
         qwen3_5.ARCHITECTURE,
+        qwen3_next.ARCHITECTURE,
     )
 }
 

@@ -83,19 +83,20 @@ def gated_deltanet(config: ModelConfig) -> Declaration:
     }
 
 
-def group_weights(config: ModelConfig, group: LayerGroup, mlp: Declaration) -> Declaration:
+def group_weights(config: ModelConfig, group: LayerGroup, mlp: Any, deltanet: Any) -> Declaration:
     """The stacked weights of one layer group, named by the model's layer numbers."""
     sub = group_config(config, group)
-    block = gated_deltanet(sub) if group.kind == LINEAR_ATTENTION else gated_attention(sub)
+    block = deltanet(sub) if group.kind == LINEAR_ATTENTION else gated_attention(sub)
     declared = {**block, **blocks.llama_norms(sub), **mlp(sub)}
     return nest({path: dataclasses.replace(w, layer_ids=group.layers) for path, w in flat(declared).items()})
 
 
-def hybrid_weights(config: ModelConfig, mlp: Any = blocks.dense_mlp) -> Declaration:
-    """Embedding, head and each layer group's stacks (`mlp(group config)`: the MLP's weights)."""
+def hybrid_weights(config: ModelConfig, mlp: Any = blocks.dense_mlp, deltanet: Any = gated_deltanet) -> Declaration:
+    """Embedding, head and each layer group's stacks (`mlp(group config)`: the MLP's weights;
+    `deltanet(group config)`: the Gated DeltaNet block's)."""
     return {
         **blocks.embedding_and_head(config),
-        **{group.name: group_weights(config, group, mlp) for group in layer_groups(config)},
+        **{group.name: group_weights(config, group, mlp, deltanet) for group in layer_groups(config)},
     }
 
 

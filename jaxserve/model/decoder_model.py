@@ -125,8 +125,7 @@ class DecoderModel(nn.Module):
             cfg, self.compute_dtype, self.dtype, self.packed, self.backend, self.cpu_matmul, experts, self.quantization
         )
         if is_hybrid(cfg):  # layer groups of several kinds, each with its stacks and cache
-            carry = HybridLayers(stack)(self.variables["params"], carry, rope, meta)
-            return carry, jnp.zeros((cfg.num_layers, 0), jnp.int32)
+            return HybridLayers(stack)(self.variables["params"], carry, rope, meta)
         if self.unroll_layers:
             return stack.unrolled(carry, rope, meta, lora)
         if self.pipeline is not None and not self.is_initializing():

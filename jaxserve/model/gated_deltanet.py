@@ -79,21 +79,38 @@ class GatedDeltaNet:
             out, conv, recurrent = self._decodes(inputs, jnp.arange(x.shape[0]), weight, conv, recurrent)
         else:
             out, conv, recurrent = self._prefill(inputs, meta, weight, conv, recurrent)
-        cache = LinearStateCache(
-            cache.conv.at[layer, slots].set(conv.astype(STATE_DTYPE)),
-            cache.recurrent.at[layer, slots].set(recurrent.astype(STATE_DTYPE)),
+        cache = dataclasses.replace(
+            cache,
+            conv=cache.conv.at[layer, slots].set(conv.astype(STATE_DTYPE)),
+            recurrent=cache.recurrent.at[layer, slots].set(recurrent.astype(STATE_DTYPE)),
         )
         normed = scope.norm("linear_norm", out) * jax.nn.silu(inputs.z)
         return scope.dense("out_proj", normed.reshape(x.shape[0], -1).astype(scope.dtype)), cache
 
     def _inputs(self, scope: LayerScope, x: jax.Array, params: dict[str, jax.Array]) -> Inputs:
         cfg, t = self.config, x.shape[0]
-        heads = cfg.linear_num_value_heads
-        z = scope.dense("in_proj_z", x).reshape(t, heads, cfg.linear_value_head_dim).astype(jnp.float32)
-        beta = jax.nn.sigmoid(scope.dense("in_proj_b", x).astype(jnp.float32))
-        a = scope.dense("in_proj_a", x).astype(jnp.float32)
-        g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + params["dt_bias"])
-        return Inputs(scope.dense("in_proj_qkv", x).astype(jnp.float32), z, g, beta)
+        qkv, z, b, a = self._projections(scope, x)
+        z = z.reshape(t, cfg.linear_num_value_heads, cfg.linear_value_head_dim).astype(jnp.float32)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + params["dt_bias"])
+        return Inputs(qkv.astype(jnp.float32), z, g, beta)
+
+    def _projections(self, scope: LayerScope, x: jax.Array) -> tuple[jax.Array, ...]:
+        """qkv [T, C] (queries, keys, values: the conv's channels), z [T, H_v d_v], b, a [T, H_v]: from
+        Qwen3.5's four projections, or Qwen3-Next's two fused by key head (`in_proj_qkvz`, `in_proj_ba`)."""
+        if "in_proj_qkvz/kernel" not in scope.weights:
+            return tuple(scope.dense(f"in_proj_{name}", x) for name in ("qkv", "z", "b", "a"))
+        cfg, t = self.config, x.shape[0]
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        per_key = cfg.linear_num_value_heads // hk
+        width = per_key * cfg.linear_value_head_dim
+        qkvz = scope.dense("in_proj_qkvz", x).reshape(t, hk, -1)
+        q, k, v, z = (
+            qkvz[..., i:j] for i, j in ((0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + width), (2 * dk + width, None))
+        )
+        ba = scope.dense("in_proj_ba", x).reshape(t, hk, 2 * per_key)
+        qkv = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+        return qkv, z.reshape(t, -1), ba[..., :per_key].reshape(t, -1), ba[..., per_key:].reshape(t, -1)
 
     def _split(self, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Conv outputs [..., C] -> q, k [..., H_v, d_k] (normed) and v [..., H_v, d_v]."""

@@ -42,8 +42,9 @@ class HybridLayers:
 
     stack: LayerStack
 
-    def __call__(self, params: Any, carry: Carry, rope: RopeTables, meta: AttentionMetadata) -> Carry:
-        """The carry (h, ModelCaches) after every layer; `params`: the model's (every group's stacks)."""
+    def __call__(self, params: Any, carry: Carry, rope: RopeTables, meta: AttentionMetadata) -> tuple[Carry, jax.Array]:
+        """The carry (h, ModelCaches) after every layer, and the layers' expert loads [L, X] (X = 0
+        without experts); `params`: the model's (every group's stacks)."""
         cfg = self.stack.config
         groups = {g.kind: g for g in layer_groups(cfg)}
         period = layer_period(cfg)
@@ -53,17 +54,19 @@ class HybridLayers:
             for kind, g in groups.items()
         }
 
-        def one_period(carry: Carry, index: jax.Array) -> tuple[Carry, None]:
+        def one_period(carry: Carry, index: jax.Array) -> tuple[Carry, jax.Array]:
             h, caches = carry
+            loads = []
             for position, kind in enumerate(pattern):
                 # the layer's index in its group: earlier periods' layers of its kind, then this one's
                 in_group = index * pattern.count(kind) + pattern[:position].count(kind)
                 layer = layers[kind]
-                (h, cache), _ = layer.apply(
+                (h, cache), load = layer.apply(
                     {"params": params[groups[kind].name]}, (h, _group_cache(caches, kind)), in_group, rope, meta
                 )
                 caches = _with_group_cache(caches, kind, cache)
-            return (h, caches), None
+                loads.append(load)
+            return (h, caches), jnp.stack(loads)
 
-        carry, _ = lax.scan(one_period, carry, jnp.arange(cfg.num_layers // period, dtype=jnp.int32))
-        return carry
+        carry, loads = lax.scan(one_period, carry, jnp.arange(cfg.num_layers // period, dtype=jnp.int32))
+        return carry, loads.reshape(cfg.num_layers, -1)

@@ -38,4 +38,9 @@ def mixture_of_experts(
     if not stacked:
         gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
     out = experts(x, ids, weights, real, gate, up, down, layer)
+    if config.shared_expert_intermediate_size:  # Qwen3-Next: plus a shared expert, scaled by its sigmoid gate
+        act = activation(config.hidden_act)
+        shared = act(scope.dense("shared_gate_proj", x)) * scope.dense("shared_up_proj", x)
+        shared = scope.dense("shared_down_proj", shared.astype(scope.dtype))
+        out = out + jax.nn.sigmoid(scope.dense("shared_expert_gate", x).astype(jnp.float32)) * shared
     return out.astype(scope.dtype), expert_load(ids, real, config.num_experts)

@@ -31,18 +31,20 @@ def conv_channels(config: ModelConfig) -> int:
 @dataclasses.dataclass
 class LinearStateCache:
     """conv [L, slots, K - 1, C]: each sequence's last K - 1 conv inputs; recurrent
-    [L, slots, H_v, d_k, d_v]: its delta-rule state; L = the Gated DeltaNet layers."""
+    [L, slots, H_v, d_k, d_v]: its delta-rule state; L = the Gated DeltaNet layers. `block_size`: the
+    paged cache's (a padding row's KV slot is below it: `AttentionMetadata.real_rows`)."""
 
     conv: jax.Array
     recurrent: jax.Array
+    block_size: int = dataclasses.field(default=16, metadata=dict(static=True))
 
     @classmethod
-    def zeros(cls, config: ModelConfig, num_slots: int) -> LinearStateCache:
+    def zeros(cls, config: ModelConfig, num_slots: int, block_size: int = 16) -> LinearStateCache:
         layers = sum(len(g.layers) for g in layer_groups(config) if g.name == "linear_layers")
         conv = (layers, num_slots, config.linear_conv_kernel_dim - 1, conv_channels(config))
         heads = config.linear_num_value_heads
         recurrent = (layers, num_slots, heads, config.linear_key_head_dim, config.linear_value_head_dim)
-        return cls(jnp.zeros(conv, STATE_DTYPE), jnp.zeros(recurrent, STATE_DTYPE))
+        return cls(jnp.zeros(conv, STATE_DTYPE), jnp.zeros(recurrent, STATE_DTYPE), block_size)
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig) -> int:
@@ -83,7 +85,9 @@ def copy_states(caches: ModelCaches, src: jax.Array, dst: jax.Array) -> ModelCac
     """The caches with the states of state slots `dst[i]` set to those of `src[i]` (every Gated
     DeltaNet layer; a snapshot taken or restored). Padding moves slot 0 onto itself."""
     state = caches.state
-    copied = LinearStateCache(
-        state.conv.at[:, dst].set(state.conv[:, src]), state.recurrent.at[:, dst].set(state.recurrent[:, src])
+    copied = dataclasses.replace(
+        state,
+        conv=state.conv.at[:, dst].set(state.conv[:, src]),
+        recurrent=state.recurrent.at[:, dst].set(state.recurrent[:, src]),
     )
     return dataclasses.replace(caches, state=copied)

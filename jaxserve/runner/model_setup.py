@@ -128,7 +128,9 @@ def build_cache(config: ModelConfig, ec: ResolvedConfig, mesh: Mesh, kv_dtype: A
 
     def zeros() -> KVCache | ModelCaches:
         paged = KVCache.zeros(paged_config(config), num_blocks, bs, kv_dtype)
-        return ModelCaches(paged, LinearStateCache.zeros(config, ec.num_state_slots)) if is_hybrid(config) else paged
+        return (
+            ModelCaches(paged, LinearStateCache.zeros(config, ec.num_state_slots, bs)) if is_hybrid(config) else paged
+        )
 
     cache = jax.jit(zeros, out_shardings=caches_sharding(config, mesh))()
     logger.info(

@@ -52,10 +52,10 @@ OUT = Path(__file__).with_name("family_reference.json")
 TINY_NEW_TOKENS = 24
 REAL_NEW_TOKENS = 32
 TINY_PROMPT_LENGTHS = (6, 21, 45)
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "qwen3_5")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "qwen3_5", "qwen3_next")
 # Hybrids (per-sequence state) also get a prompt longer than the tests' prefill chunk (64 tokens), and
 # record the config.json transformers itself writes (`save_pretrained`), which the loader must read.
-HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next")
 HYBRID_PROMPT_LENGTHS = (*TINY_PROMPT_LENGTHS, 100)
 
 WRITE_TINY = """
