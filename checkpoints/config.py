@@ -79,6 +79,18 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     experts_mxfp4: bool = False  # the experts' kernels stored as MXFP4 blocks and scales (`checkpoints/mxfp4.py`)
+    # Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): `layer_types` entries "linear_attention" are
+    # Gated DeltaNet layers (a conv and recurrent state per sequence), "full_attention" ones gated
+    # attention (q_proj doubled: a sigmoid gate on each query feature's output) with RoPE on the first
+    # head_dim * partial_rotary_factor features of each head. Hugging Face's names.
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen3-Next: a shared expert beside the routed ones, sigmoid-gated
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -83,15 +83,16 @@ _PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
 
 def checkpoint_names(weight: Weight, template: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Every concrete tensor name of a weight's name template, with the index of its place in the
-    leaf: `{layer}` ranges over the leaf's axis 0 (named from `weight.first_layer`), `{expert}` over axis 1."""
+    leaf: `{layer}` ranges over the leaf's axis 0 (named by `Weight.layer_ids` where given), `{expert}`
+    over axis 1."""
     kinds = _PLACEHOLDER.findall(template)
     ranges = [range(weight.shape[0 if kind == "layer" else 1]) for kind in kinds]
     if not kinds:
         yield template, ()
         return
-    offsets = [weight.first_layer if kind == "layer" else 0 for kind in kinds]
+    layer_ids = weight.layer_ids or range(weight.shape[0])
     for index in np.ndindex(*(len(r) for r in ranges)):
-        names = {kind: i + offset for kind, i, offset in zip(kinds, index, offsets)}
+        names = {kind: layer_ids[i] if kind == "layer" else i for kind, i in zip(kinds, index)}
         yield template.format(**names), tuple(int(i) for i in index)
 
 

@@ -170,6 +170,29 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "swiglu_limit": 1.0,
     },
+    "qwen3_5": {  # three Gated DeltaNet layers, then gated full attention
+        "architecture": "qwen3_5",
+        "num_layers": 4,
+        "layer_types": ("linear_attention",) * 3 + ("full_attention",),
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-6,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
+}
+# Qwen3-Next: Qwen3.5's layers with a mixture of experts and a shared expert in each.
+TINY_FAMILIES["qwen3_next"] = {
+    **TINY_FAMILIES["qwen3_5"],
+    "architecture": "qwen3_next",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
 }
 # The same gpt-oss with its experts stored as real checkpoints store them: MXFP4 blocks and scales.
 TINY_FAMILIES["gpt_oss_mxfp4"] = {**TINY_FAMILIES["gpt_oss"], "experts_mxfp4": True}

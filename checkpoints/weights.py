@@ -46,7 +46,8 @@ EMBEDDING = "embedding"  # N(0, 1)
 SCALE = "scale"  # 1 + N(0, 0.1^2): norm scales
 BIAS = "bias"  # N(0, 0.1^2)
 ROUTER_KERNEL = "router_kernel"  # N(0, 4 / fan_in): router logits spread wide, so top-k is never a near tie
-INITIALIZERS = (KERNEL, EMBEDDING, SCALE, BIAS, ROUTER_KERNEL)
+CONV = "conv"  # N(0, 1 / width): a depthwise convolution's taps [.., channels, width], stored as checkpoints do
+INITIALIZERS = (KERNEL, EMBEDDING, SCALE, BIAS, ROUTER_KERNEL, CONV)
 
 Declaration = dict[str, Any]  # nested dicts of Weight
 
@@ -58,8 +59,8 @@ class Weight:
     `hf` / `gguf`: the tensor's name in a Hugging Face / GGUF checkpoint, with `{layer}` and
     `{expert}` where the checkpoint holds one tensor per layer / expert (None: the format has no
     such tensor). A checkpoint tensor fills the place in the leaf its name's placeholders pick;
-    `{layer}` numbers a stack's layers from `first_layer` (DeepSeek-V3's mixture-of-experts layers
-    follow its dense ones: a stack of their own, named from layer `first_k_dense_replace` on).
+    `{layer}` numbers a stack's layers by `layer_ids` where given (a hybrid's layer groups; DeepSeek-V3's
+    mixture-of-experts layers, a stack of their own named from layer `first_k_dense_replace` on).
 
     `quantizable`: a kernel that `--quantization` may store as integer codes and scales
     (`quantized`): the layers' projections, the output head, and an embedding table tied to the
@@ -77,7 +78,9 @@ class Weight:
     quantizable: bool = False
     storage: str | None = None
     quant: QuantFormat | None = None
-    first_layer: int = 0
+    # The checkpoint's layer number of each entry of a stack (a layer group's: `{layer}` of its names);
+    # None: the stack's own index.
+    layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -116,13 +119,15 @@ class Weight:
             return 1.0 + 0.1 * noise
         if self.init == BIAS:
             return 0.1 * noise
+        if self.init == CONV:
+            return noise / np.sqrt(self.shape[-1])
         return noise
 
     def unstacked(self) -> Weight:
         """One layer's weight: the declaration without its leading `layers` axis."""
         if not self.axes or self.axes[0] != LAYERS:
             return self
-        return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
+        return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:], layer_ids=None)
 
     def flax_init(self) -> Callable[[Any, tuple[int, ...], Any], Any]:
         """A Flax initializer drawing this weight as `scaled` says."""

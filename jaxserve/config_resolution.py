@@ -13,10 +13,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from checkpoints.architectures.layer_groups import is_hybrid, paged_config
 from checkpoints.config import ModelConfig
 from jaxserve.config import EngineConfig
 from jaxserve.dtype_choice import weights_dtype
 from jaxserve.model import KVCache
+from jaxserve.model.state_cache import LinearStateCache
 from jaxserve.resolved_config import ResolvedConfig, ServedModel, resolve_limits
 from jaxserve.runner.pipeline_placement import plan_stages, stage_model_config
 from jaxserve.runner.placement import plan_parallelism
@@ -62,6 +64,7 @@ def served_model(config: EngineConfig, model: ModelConfig, dtype: str) -> Served
         dtype=dtype,
         attention_backend=config.attention_backend or default_attention_backend(),
         kv_storage_dtype=kv_dtype.name,
-        kv_block_bytes=KVCache.bytes_per_block(served, config.block_size, kv_dtype) * latent_copies,
+        kv_block_bytes=KVCache.bytes_per_block(paged_config(served), config.block_size, kv_dtype) * latent_copies,
         kv_devices=config.tensor_parallel_size * config.pipeline_parallel_size,
+        state_slot_bytes=LinearStateCache.bytes_per_slot(served) if is_hybrid(served) else 0,
     )

@@ -108,6 +108,8 @@ class LLMEngine(EngineCoreOps):
             lower_tier=self.lower_tier,
             write_through_hits=ec.kv_disk_write_through_hits,
             kv_events=ec.kv_events and ec.enable_prefix_caching,
+            num_state_slots=ec.num_state_slots,
+            num_state_snapshots=ec.num_state_snapshots,
         )
         self.lora = (
             None

@@ -40,7 +40,10 @@ from sharding.pipeline import pad_layers
 
 def block_layout(runner: ModelRunner) -> BlockLayout:
     """A block as the handoff moves it: [model layers, kv heads, block size, head dim] (uneven
-    pipeline stages' identity layers are not sent)."""
+    pipeline stages' identity layers are not sent). A hybrid's is refused: its linear-attention
+    state (`ModelCaches.state`) is not handed off yet."""
+    if runner.engine_config.num_state_slots:
+        raise ValueError("KV handoff of a Gated DeltaNet hybrid model (its per-sequence state) is not supported yet")
     host = runner.blocks.host_k  # [served layers, kv_heads, host slots, block_size, head_dim]
     stages = runner.stages
     layers = host.shape[0] if stages is None else stages.num_layers

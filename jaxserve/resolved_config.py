@@ -26,6 +26,9 @@ class ServedModel:
     kv_storage_dtype: str  # numpy name of the KV cache's storage dtype (kernels_pallas/kv_quant.py)
     kv_block_bytes: int  # K and V of one block, all layers and kv heads as served (all devices), scales included
     kv_devices: int  # devices a block's bytes are split over (tp x pp): kv_cache_memory is per device
+    # A hybrid's (Gated DeltaNet layers): bytes of one sequence's linear-attention state (its state slot), all
+    # devices; 0: the model keeps no per-sequence state.
+    state_slot_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +57,8 @@ class ResolvedConfig(EngineConfig):
     kv_storage_dtype: str  # numpy name of the KV cache's storage dtype
     kv_block_bytes: int  # bytes of one KV block over all devices, scales included
     num_host_slots: int  # host-tier blocks (0: no host tier)
+    num_state_slots: int = 0  # a hybrid's state slots, slot 0 reserved (jaxserve/kv/state_slots.py); 0: none
+    num_state_snapshots: int = 0  # of those, kept as snapshots for prefix hits at most (jaxserve/kv/state_snapshots.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,7 +79,10 @@ class ResolvedConfig(EngineConfig):
 def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
     """`config` served for `served`: the KV blocks, the context, the budgets and buckets, the host slots."""
     bs = config.block_size
-    num_blocks = config.num_blocks or max(2, config.kv_cache_memory * served.kv_devices // served.kv_block_bytes)
+    config, state_slots, snapshots = hybrid_settings(config, served)
+    # One budget for every layer group: the state slots' bytes first, the paged blocks in the rest.
+    budget = config.kv_cache_memory * served.kv_devices - state_slots * served.state_slot_bytes
+    num_blocks = config.num_blocks or max(2, budget // served.kv_block_bytes)
     usable = num_blocks - 1  # block 0 is reserved (jaxserve/kv/block_pool.py)
     watermark = usable // 100 if config.watermark_blocks is None else config.watermark_blocks
     if not 0 <= watermark < usable:
@@ -97,11 +105,39 @@ def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
         kv_storage_dtype=served.kv_storage_dtype,
         kv_block_bytes=served.kv_block_bytes,
         num_host_slots=_num_host_slots(config, served.kv_block_bytes, max_model_len // bs),
+        num_state_slots=state_slots,
+        num_state_snapshots=snapshots,
         **buckets,
         verify_batch_buckets=_verify_batches(config, buckets["decode_batch_buckets"]),
     )
     asked = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
     return ResolvedConfig(**{**asked, **derived})
+
+
+def hybrid_settings(config: EngineConfig, served: ServedModel) -> tuple[EngineConfig, int, int]:
+    """`config` as a hybrid model (per-sequence state) runs it, its state slots (0: not a hybrid) and how many
+    of them may keep snapshots of the state for prefix hits: one per sequence with prefix caching, else none.
+    ValueError naming the settings that do not run with a hybrid yet."""
+    if not served.state_slot_bytes:
+        return config, 0, 0
+    refused = [
+        name
+        for name, on in (
+            ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
+            ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+            ("enable_lora", config.enable_lora),
+            ("speculative_config", config.speculative_config is not None),
+            ("num_scheduler_steps > 1", config.num_scheduler_steps > 1),
+            ("unroll_layers", config.unroll_layers),
+            ("kv_disk_dir", config.kv_disk_dir is not None),
+            ("kv_pool", config.kv_pool is not None),
+        )
+        if on
+    ]
+    if refused:
+        raise ValueError(f"a Gated DeltaNet hybrid model does not run with {', '.join(refused)} yet")
+    snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+    return dataclasses.replace(config, kv_events=False), config.max_num_seqs + 1 + snapshots, snapshots
 
 
 def _max_model_len(config: EngineConfig, context: int, capacity: int) -> int:

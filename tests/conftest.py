@@ -29,6 +29,11 @@ def _assert_kv_all_free(engine) -> None:
     assert usage.used == 0 and usage.pinned == 0, f"KV blocks leaked: {usage}"
     assert usage.free + usage.cached_idle == usage.num_blocks, f"KV accounting off: {usage}"
     assert usage.host_swapped == 0, f"swapped blocks leaked: {usage}"
+    # A hybrid model's state slots: each free or keeping a snapshot (reclaimable, as idle cached blocks are).
+    slots, kept = kv.state_slots, kv.snapshots.num_held
+    assert slots.num_free + kept == max(slots.num_slots - 1, 0), (
+        f"state slots leaked: {slots.num_free} free, {kept} kept"
+    )
     draft = getattr(engine.proposer, "kv", None)  # a draft model's own KV pool (speculative decoding)
     if draft is not None:
         draft.pool.check_integrity()

@@ -9,9 +9,11 @@ import logging
 import pytest
 from config_harness import resolved
 
-from checkpoints.tiny_random import tiny_random_config
+from checkpoints.tiny_random import TINY_FAMILIES, tiny_random_config
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
+from jaxserve.model import KVCache
+from jaxserve.model.state_cache import LinearStateCache
 from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.speculative.config import SpeculativeConfig
 
@@ -144,3 +146,30 @@ def test_the_runner_takes_only_a_resolved_config():
 def test_host_only_tests_resolve_without_a_model():
     config = resolved(max_model_len=64, block_size=4, max_num_seqs=8)
     assert (config.max_model_len, config.block_table_buckets, config.decode_batch_buckets) == (64, (16,), (1, 2, 4, 8))
+
+
+def test_a_hybrid_budget_counts_its_state_slots_and_refuses_what_it_cannot_run_yet():
+    """A Gated DeltaNet hybrid: one state slot per sequence (max_num_seqs, plus the reserved slot 0) and, with
+    prefix caching, one per snapshot of the state (max_num_seqs more), whose bytes come out of kv_cache_memory
+    before the paged blocks; the settings it does not run with yet refused by name."""
+    hybrid = tiny_random_config(**TINY_FAMILIES["qwen3_5"])
+    budget = 1 << 20
+    ec = resolve(EngineConfig(kv_cache_memory=budget, max_num_seqs=8), hybrid)
+    slot_bytes = LinearStateCache.bytes_per_slot(hybrid)
+    # per slot: 3 layers x (conv 3 x 128 + recurrent 4 x 16 x 16) f32
+    assert slot_bytes == 3 * (3 * 128 + 4 * 16 * 16) * 4
+    assert (ec.num_state_slots, ec.num_state_snapshots, ec.enable_prefix_caching) == (17, 8, True)
+    assert ec.num_blocks == (budget - 17 * slot_bytes) // ec.kv_block_bytes
+    off = resolve(EngineConfig(kv_cache_memory=budget, max_num_seqs=8, enable_prefix_caching=False), hybrid)
+    assert (off.num_state_slots, off.num_state_snapshots) == (9, 0)
+    assert off.num_blocks == (budget - 9 * slot_bytes) // ec.kv_block_bytes
+    assert ec.kv_block_bytes == KVCache.bytes_per_block(hybrid, 16, "float32") // 4  # 1 of 4 layers is paged
+    for settings, name in (
+        (dict(tensor_parallel_size=2), "tensor_parallel_size > 1"),
+        (dict(enable_lora=True), "enable_lora"),
+        (dict(num_scheduler_steps=4), "num_scheduler_steps > 1"),
+        (dict(speculative_config=SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})), "spec"),
+    ):
+        with pytest.raises(ValueError, match=f"hybrid model does not run with {name}"):
+            resolve(EngineConfig(**settings), hybrid)
+    assert resolve(EngineConfig(), MODEL).num_state_slots == 0

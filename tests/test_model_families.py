@@ -9,7 +9,10 @@ Qwen3-MoE (mixture of experts, top-2 of 4 renormalised / of 8 not), DeepSeek-V3 
 attention with YaRN and interleaved RoPE, a dense layer then shared and group-limited routed
 experts), gpt-oss (attention sinks, alternating sliding / full layers, YaRN, biased experts under a
 clamped SwiGLU, and the same with MXFP4 experts; a prompt longer than a prefill chunk, and one that
-shares 40 tokens with it, run after the others from the prefix cache). Their weights are drawn from
+shares 40 tokens with it, run after the others from the prefix cache), Qwen3.5 (Gated DeltaNet
+layers and gated full attention, a prompt longer than a prefill chunk: its state carried across
+chunks in a state slot), Qwen3-Next (the same layers with experts and a sigmoid-gated shared expert,
+Gated DeltaNet projections fused by key head). Their weights are drawn from
 the declaration with seed 0 and written as a Hugging Face directory, which the engine loads;
 transformers loaded the same directory for tests/data/family_reference.json
 (tests/data/make_family_reference.py), so no weights are committed. The `config.json` transformers

@@ -232,11 +232,10 @@ def _stages(
     stages.append(Stage("models", "models", limits["models"]))
     # LoRA: a decode step of rows over 8 adapters against base rows (bench/gpu_check/lora_stage.py).
     stages.append(Stage("lora", "lora", limits["lora"], models[0], optional=families_optional))
-    stages.append(
-        Stage("mla_decode_kernel", "mla_decode_kernel", limits["mla_decode_kernel"], optional=families_optional)
-    )
     for model in (MOE_MODEL, WINDOW_MODEL):
         stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, optional=families_optional))
+    # The 2026 families' kernels: MLA decode (mla_stage.py), the Gated DeltaNet delta rule (hybrid_stage.py).
+    stages += [Stage(name, name, limits[name], optional=families_optional) for name in ("mla_decode_kernel", "hybrid")]
     return tuple(stages)
 
 
@@ -315,6 +314,7 @@ def _dry_run_plan() -> Plan:
         "quantized_matmul": 150,
         "lora": 300,
         "mla_decode_kernel": 200,
+        "hybrid": 150,
     }
     return Plan(
         dry_run=True,
@@ -365,6 +365,7 @@ def _gpu_plan(command_buffer_variant: bool) -> Plan:
         "quantized_matmul": 40,
         "lora": 60,
         "mla_decode_kernel": 40,
+        "hybrid": 40,
     }
     return Plan(
         dry_run=False,

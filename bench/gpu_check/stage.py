@@ -28,6 +28,7 @@ RUNNERS = {
     "quantized_matmul": ("bench.gpu_check.quant_stage", "run"),
     "lora": ("bench.gpu_check.lora_stage", "run"),
     "mla_decode_kernel": ("bench.gpu_check.mla_stage", "run"),
+    "hybrid": ("bench.gpu_check.hybrid_stage", "run"),
 }
 
 

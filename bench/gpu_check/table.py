@@ -280,6 +280,9 @@ def render(summary: dict, plan: Plan) -> str:
             "model families' blocks (grouped expert matmuls vs every expert on every row; sliding-window "
             "kernels vs the reference)",
         ] + _models_section(stages["models"])
+    if stages.get("hybrid", {}).get("rows"):
+        out += ["", "Gated DeltaNet delta rule (chunked vs token by token; decode step)"]
+        out += _models_section(stages["hybrid"])
     for name, title in (("decode_kernels", "decode kernels"), ("prefill_kernels", "prefill kernel")):
         stage = stages.get(name)
         if not stage or not stage["rows"]:

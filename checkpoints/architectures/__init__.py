@@ -9,7 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from checkpoints.architectures import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from checkpoints.architectures import (
+    deepseek_v3,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+)
 from checkpoints.architectures.base import Architecture
 from checkpoints.config import ModelConfig
 from checkpoints.weights import Declaration
@@ -26,6 +38,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         qwen3_moe.ARCHITECTURE,
         deepseek_v3.ARCHITECTURE,
         gpt_oss.ARCHITECTURE,
+        qwen3_5.ARCHITECTURE,
+        qwen3_next.ARCHITECTURE,
     )
 }
 

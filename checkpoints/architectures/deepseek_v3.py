@@ -12,7 +12,7 @@ that `Linear` reads.
 Layer weights: attention and norms stacked over all layers; the dense MLP (`gate_proj`, ...)
 stacked over the first `first_k_dense_replace` layers; the router, its score correction bias,
 the routed experts and the shared experts (`shared_{gate,up,down}_proj`) stacked over the rest
-(their Hugging Face names numbered from `first_k_dense_replace`, `Weight.first_layer`).
+(their Hugging Face names numbered from `first_k_dense_replace`, `Weight.layer_ids`).
 
 The multi-token prediction layers (`num_nextn_predict_layers`, stored as `model.layers.{L}`,
 ... after the last layer) are declared under `mtp/` and loaded; the forward pass ignores them.
@@ -59,7 +59,7 @@ class _Stack:
             float32=init == SCALE,
             hf=HF_LAYER + hf,
             quantizable=quantizable,
-            first_layer=self.first,
+            layer_ids=tuple(range(self.first, self.first + self.count)),
         )
 
     def linear(self, fan_in: int, fan_out: int, axes: tuple, hf: str, bias: bool = False) -> dict[str, Weight]:

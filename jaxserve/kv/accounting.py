@@ -93,6 +93,8 @@ def check_integrity(mgr: KVCacheManager) -> None:
     pool.check_integrity([holders.get(block, 0) for block in range(pool.num_blocks)])
     mgr.host.check_integrity(host_held)
     mgr.leases.check_integrity()
+    held = [h.state_slot for h in mgr.live_handles() if h.state_slot is not None]
+    mgr.state_slots.check_integrity(held + mgr.snapshots.held_slots())
 
 
 def _check_swapped(handle: KVHandle, block_size: int) -> None:

@@ -37,6 +37,7 @@ class KVHandle:
         "host_slots",
         "chain",
         "is_live",
+        "state_slot",
     )
 
     def __init__(
@@ -60,6 +61,7 @@ class KVHandle:
         self.host_slots: list[int] | None = None  # set while swapped out
         self.chain = chain  # content keys of its blocks (the disk tier's write-through)
         self.is_live = True  # until `KVCacheManager.free`
+        self.state_slot: int | None = None  # a hybrid model's (`state_slots.py`), from admission to `free`
 
     @property
     def block_table(self) -> np.ndarray:

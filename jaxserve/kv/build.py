@@ -14,6 +14,7 @@ from jaxserve.kv.no_prefix_cache import NoPrefixCache
 from jaxserve.kv.no_tier_link import NoTierLink
 from jaxserve.kv.prefix_cache import DroppedBlocks
 from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.kv.state_slots import StateSlots
 from jaxserve.kv.tier_link import LowerTierLink, TierLink
 
 
@@ -30,6 +31,8 @@ def build_kv_manager(
     lower_tier: KVTier | None = None,
     write_through_hits: int = 0,
     kv_events: bool = False,
+    num_state_slots: int = 0,
+    num_state_snapshots: int = 0,
 ) -> KVCacheManager:
     """
     num_blocks, block_size: the device pool (block 0 reserved).
@@ -40,6 +43,8 @@ def build_kv_manager(
     lower_tier: a tier under the host tier (the disk or the pool tier; needs the prefix cache and host slots).
     write_through_hits: 0 = write every cached block to it; N = once hit N times.
     kv_events: record the prefix cache's changes for a router (`manager.events`; needs the prefix cache).
+    num_state_slots: a hybrid model's per-sequence state slots, slot 0 reserved (`state_slots.py`; 0: none).
+    num_state_snapshots: of those, how many may keep snapshots for prefix hits (`state_snapshots.py`).
     """
     pool = BlockPool(num_blocks, block_size)
     host = HostTier(num_host_slots)
@@ -69,6 +74,8 @@ def build_kv_manager(
         pin_budget_blocks=pin_budget_blocks,
         max_pinned_blocks=max_pinned_blocks,
         tier_link=link,
+        state_slots=StateSlots(num_state_slots),
+        num_snapshots=num_state_snapshots,
     )
 
 

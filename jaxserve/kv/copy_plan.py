@@ -8,9 +8,10 @@ next one in the same scheduling round, so the order matters: the plan's meaning 
 copies one by one, in the order they were planned, then run the step".
 
 To let the runner batch them, consecutive copies are grouped into stages. Within a stage every
-copy has the same kind and no two copies write the same location; no kind reads the space it
-writes, so no copy reads what another copy of its stage writes, and a stage can run as one gather
-followed by one scatter (`dst[...] = src[...]` with fancy indexing). Stages must run in order.
+copy has the same kind, no two copies write the same location, and no copy reads what another copy
+of its stage writes (only STATE copies read the space they write: a stage ends before one that
+would), so a stage can run as one gather followed by one scatter (`dst[...] = src[...]` with fancy
+indexing). Stages must run in order.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class CopyKind(enum.Enum):
     # Writes to the disk tier: `dst` is a ticket of `DiskTier.plan_write`, not a location.
     DEVICE_TO_DISK = "device_to_disk"
     HOST_TO_DISK = "host_to_disk"
+    # A hybrid's per-sequence state, state slot to state slot (a snapshot taken or restored: state_snapshots.py).
+    STATE = "state"
 
 
 @dataclass
@@ -59,7 +62,8 @@ class CopyPlan:
     def add(self, kind: CopyKind, src: int, dst: int) -> None:
         stages = self._stages
         stage = stages[-1] if stages else None
-        if stage is None or stage.kind is not kind or dst in stage._written:
+        reads_written = kind is CopyKind.STATE and stage is not None and src in stage._written
+        if stage is None or stage.kind is not kind or dst in stage._written or reads_written:
             stage = CopyStage(kind)
             stages.append(stage)
         stage.src.append(src)

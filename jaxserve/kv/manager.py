@@ -50,6 +50,8 @@ from jaxserve.kv.kv_events import KVEventLog
 from jaxserve.kv.leases import Leases
 from jaxserve.kv.prefix_cache import CacheStats, PrefixCache
 from jaxserve.kv.prefix_hit import PrefixHit
+from jaxserve.kv.state_slots import StateSlots
+from jaxserve.kv.state_snapshots import StateSnapshots, cut_to_snapshot
 from jaxserve.kv.tier_link import LowerTierLink
 from jaxserve.kv.tier_loads import TierLoads
 
@@ -70,6 +72,8 @@ class KVCacheManager:
         max_pinned_blocks: int | None = None,
         tier_link: LowerTierLink,
         events: KVEventLog | None = None,
+        state_slots: StateSlots | None = None,
+        num_snapshots: int = 0,
     ) -> None:
         """
         prefix_cache, host, copies: the prefix cache over `pool`, the host tier and the copy plan
@@ -82,6 +86,9 @@ class KVCacheManager:
         tier_link: the link of the prefix cache to a tier below the host tier (the disk tier), or
             `NoTierLink` when there is none.
         events: where the prefix cache's changes are recorded for a router (`kv_events`), or None.
+        state_slots: a hybrid model's per-sequence state slots (`state_slots.py`): every admitted
+            sequence holds one until it is freed; None: none (a model of attention layers only).
+        num_snapshots: a hybrid's state snapshots kept for prefix hits, at most (`state_snapshots.py`).
         """
         self.pool = pool
         self.block_size = pool.block_size
@@ -104,6 +111,8 @@ class KVCacheManager:
         self.tier_link = tier_link
         self.loads = TierLoads(tier_link, lambda: self._epoch, self._changed)
         self.events = events
+        self.state_slots = state_slots or StateSlots(0)
+        self.snapshots = StateSnapshots(self.state_slots, num_snapshots, copies, self._changed)
 
     def _changed(self) -> None:
         self._epoch += 1
@@ -144,6 +153,8 @@ class KVCacheManager:
         match = self.prefix_cache.match(token_ids)
         link = self.tier_link
         chain = chain if chain is not None else link.new_chain()
+        if self.state_slots.enabled:  # a hybrid resumes only where a snapshot of its state is
+            match = cut_to_snapshot(self.snapshots, self.prefix_cache, match, token_ids, chain)
         limit = (len(token_ids) - 1) // self.block_size
         tier_tokens = link.blocks_stored(token_ids, chain, match.num_blocks, limit) * self.block_size
         return PrefixHit(match, len(token_ids), self._epoch, chain, token_ids, tier_tokens)
@@ -160,7 +171,8 @@ class KVCacheManager:
         """Would `admit` succeed (leaving the watermark free for running sequences)?"""
         need = self._admit_need(hit, num_new_tokens)
         available = self.num_available_blocks - hit.match.idle_device_blocks
-        return available - need >= self.watermark_blocks
+        no_slot = self.state_slots.enabled and not self.state_slots.num_free and not self.snapshots.num_held
+        return available - need >= self.watermark_blocks and not no_slot
 
     def admit(self, hit: PrefixHit, num_new_tokens: int, load_key: Hashable | None = None) -> KVHandle | None:
         """Start a sequence: reuse the hit's cached blocks, add KV slots for `num_new_tokens`. Its
@@ -184,6 +196,8 @@ class KVCacheManager:
             self.pool.incref(block)
         new = cache.allocate(need - hit.num_host_tokens // self.block_size)
         handle = KVHandle(self.block_size, path + new, hit.num_tokens + num_new_tokens, hit.path, len(path), hit.chain)
+        if self.state_slots.enabled:
+            self.snapshots.take_slot(handle, hit)
         self._handles.add(handle)
         return handle
 
@@ -281,6 +295,9 @@ class KVCacheManager:
         self._epoch += 1
         self._handles.remove(handle)
         handle.is_live = False
+        if handle.state_slot is not None:
+            self.state_slots.free(handle.state_slot)
+            handle.state_slot = None
         if handle.host_slots is not None:
             self.host.free(handle.host_slots)
             handle.host_slots = None

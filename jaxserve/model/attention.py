@@ -101,7 +101,7 @@ class PagedAttention:
         cfg, layer = self.config, scope.layer
         sliding = sliding_layers(cfg)
         is_sliding = jnp.asarray(sliding)[layer]
-        q, k, v = self._project(scope, x, rope.select(is_sliding))
+        q, k, v, gate = self._project(scope, x, rope.select(is_sliding))
         cache = cache.write(layer, meta.kv_slots, k, v)
         options: dict[str, Any] = {"scale": (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5}
         if cfg.attention_sinks:
@@ -120,17 +120,24 @@ class PagedAttention:
             attn = attend(cfg.sliding_window if all(sliding) else None)()
         else:  # interleaved local and global layers: each kind's kernels, the layer's taken
             attn = lax.cond(is_sliding, attend(cfg.sliding_window), attend(None))
-        return scope.dense("o_proj", attn.reshape(x.shape[0], -1).astype(scope.dtype)), cache
+        attn = attn.reshape(x.shape[0], -1)
+        if gate is not None:  # gated attention (Qwen3.5): each output feature times sigmoid(its gate)
+            attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return scope.dense("o_proj", attn.astype(scope.dtype)), cache
 
     def _project(
         self, scope: LayerScope, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array]
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries, keys and values [T, heads, head_dim] of x, normed (q/k norms) and rotated."""
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """Queries, keys and values [T, heads, head_dim] of x, normed (q/k norms) and rotated, and
+        with `attn_output_gate` the output gate [T, heads * head_dim] (q_proj's second half of each
+        head's features), else None."""
         cfg, t = self.config, x.shape[0]
-        q = scope.dense("q_proj", x).reshape(t, cfg.num_heads, cfg.head_dim)
+        q = scope.dense("q_proj", x).reshape(t, cfg.num_heads, -1)
+        gate = q[..., cfg.head_dim :].reshape(t, -1) if cfg.attn_output_gate else None
+        q = q[..., : cfg.head_dim]
         k = scope.dense("k_proj", x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = scope.dense("v_proj", x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = scope.norm("q_norm", q), scope.norm("k_norm", k)
         cos, sin = cos_sin
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate

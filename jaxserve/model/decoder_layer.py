@@ -47,6 +47,7 @@ class DecoderLayer(nn.Module):
     experts: Callable[..., jax.Array] | None = None  # the mixture-of-experts backend (`DecoderModel.experts`)
     quantization: Quantization = ()
     attention: AttentionKind = PagedAttention
+    group: str = "layers"  # its layer group's parameters (`layer_groups`: a hybrid's `linear_layers` too)
 
     @nn.compact
     def __call__(
@@ -60,7 +61,7 @@ class DecoderLayer(nn.Module):
         h, cache = carry
         cfg = self.config
         scope = LayerScope(
-            layer_weights(cfg, self.stacked, self.quantization),
+            layer_weights(cfg, self.stacked, self.quantization, self.group),
             layer,
             cfg.rms_norm_eps,
             self.dtype,

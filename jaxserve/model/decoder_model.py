@@ -35,12 +35,14 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints.architectures import declare
+from checkpoints.architectures.layer_groups import is_hybrid
 from checkpoints.config import ModelConfig
 from checkpoints.weights import flat, quantized
 from jaxserve.model.decoder_layer import Carry
 from jaxserve.model.experts import expert_backend
 from jaxserve.model.head import embedding, output_head
 from jaxserve.model.image_rows import ImageRows
+from jaxserve.model.hybrid_layers import HybridLayers
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.layer_scope import Quantization
 from jaxserve.model.layer_stack import LayerStack
@@ -48,6 +50,7 @@ from jaxserve.model.layout import compute_dtype, packs_kernels
 from jaxserve.model.lora import LoraStacks
 from jaxserve.model.norm import RMSNorm
 from jaxserve.model.rope import RopeTables, rope_tables
+from jaxserve.model.state_cache import ModelCaches
 from kernels_pallas import AttentionBackend
 from kernels_pallas.cpu_matmul import CpuMatmul
 
@@ -87,13 +90,14 @@ class DecoderModel(nn.Module):
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        cache: KVCache,
+        cache: KVCache | ModelCaches,
         meta: AttentionMetadata,
         logits_indices: jax.Array,
         lora: LoraStacks | None = None,
         images: ImageRows | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, KVCache | ModelCaches]:
         """tokens, positions [T] -> (f32 logits [N, vocab] at rows logits_indices [N], new cache).
+        `cache`: the paged KV cache, or a hybrid's caches of its layer groups (`ModelCaches`).
         Indices of -1 are padding rows after the live ones (their logits are not used: zeros on
         the C++ head, else the last row's). `lora`: the adapters' LoRA slots
         (jaxserve/model/lora.py), read at `meta.lora_slots`. `images`: rows whose input is an
@@ -125,6 +129,8 @@ class DecoderModel(nn.Module):
         stack = LayerStack(
             cfg, self.compute_dtype, self.dtype, self.packed, self.backend, self.cpu_matmul, experts, self.quantization
         )
+        if is_hybrid(cfg):  # layer groups of several kinds, each with its stacks and cache
+            return HybridLayers(stack)(self.variables["params"], carry, rope, meta)
         if self.unroll_layers:
             return stack.unrolled(carry, rope, meta, lora)
         if self.pipeline is not None and not self.is_initializing():

@@ -83,6 +83,8 @@ class AttentionMetadata:
     visible_until [T]: a vision-language model's prefill step, the last position each row
       attends to: its own for text, its image's last for an image's soft tokens (Gemma 3 attends
       both ways within an image). None: causal.
+    state_slots [S]: a hybrid's (Gated DeltaNet layers), each sequence's state slot
+      (`jaxserve.model.state_cache`; 0 for padding). None: no linear-attention layers.
     """
 
     kv_slots: jax.Array
@@ -92,6 +94,7 @@ class AttentionMetadata:
     decode_rows: jax.Array | None = None
     lora_slots: jax.Array | None = None
     visible_until: jax.Array | None = None
+    state_slots: jax.Array | None = None
 
     def real_rows(self, block_size: int) -> jax.Array:
         """[T] bool: the rows of live tokens (a padding row's KV slot is in block 0, never allocated)."""

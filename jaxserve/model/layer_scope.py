@@ -22,15 +22,19 @@ from kernels_pallas.cpu_matmul import CpuMatmul
 Quantization = tuple[tuple[str, QuantFormat], ...]  # (kernel path, storage) of each quantized kernel
 
 
-def layer_weights(config: ModelConfig, stacked: bool, quantization: Quantization = ()) -> dict[str, Weight]:
-    """The declared weights of a layer by name under `layers/` (`q_proj/kernel`, ...): stacked
-    over the layers (the scan), or one layer's own (`unroll_layers`); quantized kernels as the
-    arrays that store them (`checkpoints.weights.quantized`)."""
+def layer_weights(
+    config: ModelConfig, stacked: bool, quantization: Quantization = (), group: str = "layers"
+) -> dict[str, Weight]:
+    """The declared weights of a layer by name under its layer group (`layers/`, a hybrid's
+    `linear_layers/` too: `checkpoints.architectures.layer_groups`), as `q_proj/kernel`, ...:
+    stacked over the group's layers (the scan), or one layer's own (`unroll_layers`); quantized
+    kernels as the arrays that store them (`checkpoints.weights.quantized`)."""
     declared = quantized(declare(config), dict(quantization))
+    prefix = f"{group}/"
     return {
-        path[len("layers/") :]: w if stacked else w.unstacked()
+        path[len(prefix) :]: w if stacked else w.unstacked()
         for path, w in flat(declared).items()
-        if path.startswith("layers/")
+        if path.startswith(prefix)
     }
 
 

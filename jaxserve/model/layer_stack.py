@@ -4,8 +4,8 @@ weights (`nn.scan`: compile time independent of depth), unrolled over per-layer 
 
 The cache rides in the carry (h, cache) and each layer writes its tokens with an in-place scatter
 before it reads them; scanning it as an input would make XLA copy it per step. Every layer is one
-`DecoderLayer` kind over one cache (one layer group); docs/models.md says where a model with
-layers of several kinds (caches of several kinds) would give each group its own stack.
+`DecoderLayer` kind over one cache (one layer group); a hybrid, with layers of several kinds, runs
+each group's layers over its own stacks and cache (`jaxserve.model.hybrid_layers`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,23 @@ class LayerStack:
             self.cpu_matmul,
             self.experts,
             self.quantization,
+            **module,
+        )
+
+    def layer(self, **module: Any) -> DecoderLayer:
+        """One layer module with stacked weights, unbound (applied to its group's parameters:
+        `jaxserve.model.hybrid_layers`); `module`: its other fields (group, attention)."""
+        return DecoderLayer(
+            self.config,
+            self.dtype,
+            self.param_dtype,
+            self.packed,
+            self.backend,
+            True,
+            self.cpu_matmul,
+            self.experts,
+            self.quantization,
+            parent=None,
             **module,
         )
 

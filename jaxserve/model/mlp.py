@@ -60,6 +60,9 @@ def mixture_of_experts(
     if config.swiglu_limit is not None:
         routed = jnp.where(real[:, None], weights, 0.0)  # [T, k]
         out = out + jnp.einsum("tk,tke->te", routed, scope.of_layer(down["bias"])[ids].astype(jnp.float32))
+    if config.shared_expert_intermediate_size:  # Qwen3-Next: plus a shared expert, scaled by its sigmoid gate
+        shared = gated_mlp(config, scope, x, "shared_")
+        out = out + jax.nn.sigmoid(scope.dense("shared_expert_gate", x).astype(jnp.float32)) * shared
     return out.astype(scope.dtype), expert_load(ids, real, config.num_experts)
 
 

@@ -18,12 +18,13 @@ from checkpoints.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies [head_dim // 2], with llama3 / linear scaling applied.
+    """Per-pair inverse frequencies [rotary_dim // 2] (rotary_dim = head_dim * partial_rotary_factor),
+    with llama3 / linear scaling applied.
 
     `frequency_factors` is how GGUF files carry llama3 scaling: llama.cpp's converter stores
     each frequency's divisor (`rope_freqs`) instead of the parameters that produce it.
     """
-    d = config.head_dim
+    d = int(config.head_dim * config.partial_rotary_factor)  # the rotated features of each head
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     scaling = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -93,12 +94,14 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, head_dim] rotated by position; computed in f32, returned in x's dtype."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
+    """x [T, heads, head_dim] rotated by position; computed in f32, returned in x's dtype. Tables
+    narrower than the head (partial rotary) rotate its first features and pass the rest."""
+    width = cos.shape[-1]
+    xf = x[..., :width].astype(jnp.float32)
+    half = width // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    out = xf * cos[:, None, :] + rotated * sin[:, None, :]
-    return out.astype(x.dtype)
+    out = (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+    return out if width == x.shape[-1] else jnp.concatenate([out, x[..., width:]], axis=-1)
 
 
 @jax.tree_util.register_dataclass

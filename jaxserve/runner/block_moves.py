@@ -97,6 +97,11 @@ class BlockMover:
         return self.scatter(cache, blocks, *arrays)
 
 
+def padded_moves(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Up to BLOCK_MOVE_CHUNK moves `dst[i] <- src[i]` padded with 0 -> 0 (one compiled shape)."""
+    return _padded(src), _padded(dst)
+
+
 def _padded(ids: list[int]) -> np.ndarray:
     out = np.zeros(BLOCK_MOVE_CHUNK, np.int32)
     out[: len(ids)] = ids

@@ -32,6 +32,7 @@ from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores
 from jaxserve.runner.prompt_rows import pool_rows, score_rows
 from jaxserve.runner.ragged_rows import RaggedRows
+from jaxserve.runner.state_rows import state_slot_rows
 from jaxserve.runner.verify_inputs import verify_program
 from jaxserve.sampling_tensors import SamplingTensors, penalty_history
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -133,10 +134,11 @@ class StepInputs:
         batch_rows = self.decode_batch_rows(chunks) if batch_rows is None else batch_rows
         index = self.padded(batch_rows, batch)
         tokens, token_src, positions = self._decode_inputs(index, chunks)
-        tables = self.batch.tables[index, :width]
+        tables, lora = self.batch.tables[index, :width], self.lora_rows(chunks, batch)
         seq_lens = (positions + 1) * (index != self.batch.spare)  # padding rows: 0
+        states = state_slot_rows(chunks, [], batch, batch, self.config.num_state_slots > 0)
         meta = AttentionMetadata(
-            self._kv_slots(tables, positions), tables, seq_lens, lora_slots=self.lora_rows(chunks, batch)
+            self._kv_slots(tables, positions), tables, seq_lens, lora_slots=lora, state_slots=states
         )
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, batch_rows, self.sampler_rows(batch))
@@ -226,7 +228,8 @@ class StepInputs:
         decode_rows = self._joined_decode_rows(decodes, decode_batch_rows, r, len(chunks), num_seqs)
         rows_per_chunk = [c.num_new_tokens for c in chunks] + [1] * len(decodes)
         lora = self.lora_rows(chunks + decodes, num_tokens, rows_per_chunk)
-        meta = AttentionMetadata(r.kv_slots, r.tables, r.seq_lens, r.query_start, decode_rows, lora)
+        states = state_slot_rows(chunks, decodes, num_seqs, num_seqs + num_decodes, self.config.num_state_slots > 0)
+        meta = AttentionMetadata(r.kv_slots, r.tables, r.seq_lens, r.query_start, decode_rows, lora, state_slots=states)
         host_args = with_image_rows((r.tokens, r.positions, meta, r.logits_indices, r.token_src), chunks, self.images)
         batch_rows = np.concatenate([chunk_batch_rows, decode_batch_rows])
         sampling, masks = self._sampling(chunks + decodes, batch_rows, self.sampler_rows(num_logits))

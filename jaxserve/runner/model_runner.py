@@ -34,15 +34,16 @@ from checkpoints.loaded import VisionTower
 from jaxserve.kv import CopyKind, CopyStage
 from jaxserve.lora.peft import LoraWeights
 from jaxserve.model import KVCache
+from jaxserve.model.state_cache import ModelCaches, copy_states, paged_of, with_paged
 from jaxserve.outputs import SampledToken
 from jaxserve.resolved_config import ResolvedConfig
-from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover
+from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK, BlockMover, padded_moves
 from jaxserve.runner.device_state import DeviceState, SamplerState, state_shardings
 from jaxserve.runner.executables import Executables
 from jaxserve.runner.host_heap import keep_freed_blocks
 from jaxserve.runner.inputs import StepInputs
 from jaxserve.runner.iteration import ModelPhase, run_model_steps, run_samplers
-from jaxserve.runner.model_setup import build_cache, serve_model
+from jaxserve.runner.model_setup import build_cache, caches_sharding, serve_model
 from jaxserve.runner.placement import enable_persistent_compilation_cache, runner_mesh
 from jaxserve.runner.prepared_step import PreparedStep, Program, write_token_masks
 from jaxserve.runner.program_args import DeviceConstants, ProgramArgs
@@ -82,8 +83,12 @@ class ModelRunner:
         cache = build_cache(self.config, ec, self.mesh, self.kv_dtype)
         self.num_blocks = cache.num_blocks
         self.num_host_slots = ec.num_host_slots
-        rep, kv = replicated(self.mesh), cache_sharding(self.mesh, self.config.is_mla)
-        self.blocks = BlockMover(cache, kv, rep, self.num_host_slots)
+        rep = replicated(self.mesh)
+        self.blocks = BlockMover(
+            paged_of(cache), cache_sharding(self.mesh, self.config.is_mla), rep, self.num_host_slots
+        )
+        kv = caches_sharding(self.config, self.mesh)
+        self._copy_states = jax.jit(copy_states, donate_argnums=(0,), out_shardings=kv)
         constant = DeviceConstants(rep)
         # A vision-language model's encoder program and cache (None: text only).
         step_tokens = ec.max_num_batched_tokens
@@ -124,7 +129,8 @@ class ModelRunner:
 
     @property
     def cache(self) -> KVCache:
-        return self.state.cache
+        """The paged KV cache (a hybrid's full-attention layers'; its states are in `state.cache`)."""
+        return paged_of(self.state.cache)
 
     @property
     def weight_bytes(self) -> int:
@@ -166,7 +172,9 @@ class ModelRunner:
         if self.vision is not None:
             self.vision.warm_up()
         # The block moves have one shape each; compiling them here keeps serving free of it.
-        self.state = self.state.with_cache(self.blocks.warm_up(self.state.cache))
+        self._update_paged(self.blocks.warm_up)
+        if isinstance(self.state.cache, ModelCaches):
+            self._move(CopyKind.STATE, [0], [0])
         return time.perf_counter() - t0
 
     def bucket_summary(self) -> str:
@@ -245,7 +253,7 @@ class ModelRunner:
     def write_blocks(self, write: Callable[..., KVCache], *args: Any) -> None:
         """Update the KV cache to `write(cache, *args)`, which takes it over (KV handed in by another
         engine: `kv_transfer`). Not mirrored: a multi-host group takes no KV handoffs."""
-        self.state = self.state.with_cache(write(self.state.cache, *args))
+        self._update_paged(lambda paged: write(paged, *args))
 
     # ----- device operations (mirrored to a multi-host group's other processes) --------------
 
@@ -278,7 +286,15 @@ class ModelRunner:
         return phase, run_samplers(self._call, self.args, phase, programs)
 
     def _move(self, kind: CopyKind, src: list[int], dst: list[int]) -> None:
-        self.state = self.state.with_cache(self.blocks.move(self.state.cache, kind, src, dst))
+        if kind is CopyKind.STATE:  # a hybrid's state snapshot taken or restored (jaxserve/kv/state_snapshots.py)
+            self.state = self.state.with_cache(self._copy_states(self.state.cache, *padded_moves(src, dst)))
+            return
+        self._update_paged(lambda paged: self.blocks.move(paged, kind, src, dst))
+
+    def _update_paged(self, update: Callable[[KVCache], KVCache]) -> None:
+        """Replace the paged KV cache by `update(paged cache)` (which takes it over)."""
+        caches = self.state.cache
+        self.state = self.state.with_cache(with_paged(caches, update(paged_of(caches))))
 
     def _write_lora(self, lora_slot: int, weights: LoraWeights) -> None:
         self._call(("lora_write",), *self.args.lora_write(lora_slot, weights))

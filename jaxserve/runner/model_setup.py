@@ -13,12 +13,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from checkpoints.architectures.layer_groups import is_hybrid, paged_config
 from checkpoints.config import ModelConfig
 from checkpoints.quantize import GGUF, INT8, Q4, formats_of, quantize_head, quantize_params
 from jaxserve.model import DecoderModel, KVCache
 from jaxserve.model.experts import expert_backend
 from jaxserve.model.layout import pack_kernels, panel_kernels, unstack_layers
 from jaxserve.model.lora import LORA_MODULES
+from jaxserve.model.state_cache import LinearStateCache, ModelCaches
 from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.pipeline_placement import pipeline_layers, plan_stages, stage_model_config, stage_params
@@ -26,7 +28,7 @@ from jaxserve.runner.placement import cast_params, plan_parallelism
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, kv_quant, shard_attention
 from kernels_pallas.mla_backends import get_mla_backend, shard_latent_attention
 from sharding.kv_heads import replicate_kv_heads
-from sharding.rules import cache_sharding, layer_sharding, param_shardings
+from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +117,27 @@ def _place_params(served: ServedModel, ec: ResolvedConfig, mesh: Mesh, lora_conf
         served.adapters = served.lora_slots.zeros()
 
 
-def build_cache(config: ModelConfig, ec: ResolvedConfig, mesh: Mesh, kv_dtype: Any) -> KVCache:
+def caches_sharding(config: ModelConfig, mesh: Mesh) -> Any:
+    """Where the model's caches lie: the paged cache split over kv heads (a latent cache replicated); a
+    hybrid's states replicated."""
+    if not is_hybrid(config):
+        return cache_sharding(mesh, config.is_mla)
+    return ModelCaches(cache_sharding(mesh), replicated(mesh))
+
+
+def build_cache(config: ModelConfig, ec: ResolvedConfig, mesh: Mesh, kv_dtype: Any) -> KVCache | ModelCaches:
     """The zeroed KV cache of the resolved number of blocks (`ResolvedConfig.num_blocks`: from
-    `num_blocks`, or the blocks `kv_cache_memory` per device holds)."""
+    `num_blocks`, or the blocks `kv_cache_memory` per device holds); a hybrid's with its layer
+    groups' other caches (`ModelCaches`: the state slots `ResolvedConfig.num_state_slots`)."""
     bs, num_blocks, block_bytes = ec.block_size, ec.num_blocks, ec.kv_block_bytes
-    cache = jax.jit(
-        lambda: KVCache.zeros(config, num_blocks, bs, kv_dtype), out_shardings=cache_sharding(mesh, config.is_mla)
-    )()
+
+    def zeros() -> KVCache | ModelCaches:
+        paged = KVCache.zeros(paged_config(config), num_blocks, bs, kv_dtype)
+        return (
+            ModelCaches(paged, LinearStateCache.zeros(config, ec.num_state_slots, bs)) if is_hybrid(config) else paged
+        )
+
+    cache = jax.jit(zeros, out_shardings=caches_sharding(config, mesh))()
     logger.info(
         "KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
         kv_quant.format_name(kv_dtype),

@@ -222,6 +222,7 @@ class Scheduler:
                 n = req.prefill_chunk(hit.num_tokens, self._partial_chunk_limit(budget, others))
                 if n == 0:
                     continue  # it would split an image: it waits for a step with room for it
+            n = self._to_snapshot(req, hit.num_tokens, n)
             if req.adapter is not None:
                 # Behind a request waiting for a LoRA slot, adapter requests wait too (even of resident
                 # adapters), so the pins drain and it gets its LoRA slot: no adapter starves.
@@ -275,9 +276,17 @@ class Scheduler:
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: BlocksInFlight) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
         n = req.prefill_chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+        n = self._to_snapshot(req, req.num_computed_tokens, n)
         if n == 0 or not self.kv.allocate_kv_slots(req.kv, n):
             return 0
         return self._add_prefill(req, n, out, in_flight)
+
+    def _to_snapshot(self, req: Request, start: int, n: int) -> int:
+        """A hybrid's prompt chunk ends at the prompt's last block boundary if it would cross it: its state
+        there is kept for prefix hits (`on_step_launched`, jaxserve/kv/state_snapshots.py)."""
+        boundary = req.num_prompt_tokens // self.config.block_size * self.config.block_size
+        cut = self.kv.snapshots.enabled and self.config.enable_chunked_prefill and start < boundary < start + n
+        return boundary - start if cut else n
 
     def _add_prefill(self, req: Request, n: int, out: SchedulerOutput, in_flight: BlocksInFlight) -> int:
         out.prefills.append(self._chunk(req, n))
@@ -336,12 +345,16 @@ class Scheduler:
         PLACEHOLDER for its new token (`chunk.output_index` says where), and full blocks whose
         tokens are all known join the prefix cache (the device writes them before any later
         step reads them)."""
+        bs = self.config.block_size
         for chunk in out.prefills + out.decodes:
             req = chunk.request
-            index = req.launched(chunk.start + chunk.num_new_tokens, chunk.sample)
+            end = chunk.start + chunk.num_new_tokens
+            index = req.launched(end, chunk.sample)
             if index is not None:
                 chunk.output_index = index
             self.cache_known_blocks(req)
+            if self.kv.snapshots.enabled and end == req.num_prompt_tokens // bs * bs > chunk.start:
+                self.kv.snapshots.save(req.kv, req.prompt_token_ids, end // bs)
 
     def accept_tokens(self, req: Request, num_extra: int) -> None:
         """A verified or multi-step decode was read and kept `num_extra` tokens beyond its first

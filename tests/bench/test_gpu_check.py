@@ -237,3 +237,15 @@ def test_lora_stage_times_adapter_rows_against_base_rows(dry_run):
     ]
     assert all(r["ms"] > 0 for r in lora["rows"]) and not lora["problems"]
     assert lora["info"]["adapters"] == 8 and lora["info"]["ratio_8_adapters"] > 0
+
+
+def test_hybrid_stage_checks_the_chunked_delta_rule_against_token_by_token(tmp_path):
+    """Stage `hybrid` on its own (the dry run runs it too): the chunked form within its bound of the
+    token-by-token reference, both timed, and a decode step timed."""
+    result = run_stage(
+        PLAN.stage("hybrid"), tmp_path, True, limit_s=PLAN.stage("hybrid").limit_s, command_buffers=False
+    )
+    assert result["status"] == "ok", result
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert set(rows) == {"chunked", "token by token", "recurrent (decode step)"}
+    assert rows["chunked"]["max_err"] <= rows["chunked"]["bound"] and all(r["ms"] > 0 for r in rows.values())

@@ -8,7 +8,7 @@ Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not
 
 - Tiny random models of each family (`checkpoints.tiny_random.TINY_FAMILIES`: Qwen2, Qwen3,
   Mistral with a window shorter than the prompts, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss,
-  Llama). jaxserve's
+  Llama, the Qwen3.5 and Qwen3-Next Gated DeltaNet hybrids). jaxserve's
   interpreter (`--jaxserve-python`) draws their weights from the architecture's declaration (seed 0)
   and writes them as Hugging Face directories (`save_hf_dir`); transformers loads those directories
   (every weight must load: missing or unexpected keys stop the script). The tests draw the same
@@ -28,12 +28,12 @@ Two kinds of models, each run by transformers in f32 on CPU, greedy (argmax, not
 JSON format:
 {
   "source": {"transformers", "torch", "dtype": "float32"},
-  "tiny": {family: {"seed": 0, "weights_sha256": of the safetensors file, "cases": [CASE],
-           "hf_config" (gpt-oss only)}},
+  "tiny": {family: {"seed": 0, "weights_sha256": of the safetensors file, "cases": [CASE]}},
   "real": {name: {"gguf", "gguf_sha256", "tokenizer_samples": [{"text", "ids"}], "cases": [CASE]}}
 }
-Tiny families also have "shared_prefix_case" (a CASE whose prompt starts with the first 40 tokens
-of the longest case's, for runs after it that hit the prefix cache) and "hf_config" (the
+Tiny families also have "shared_prefix_case" unless a case of theirs shares a prefix (a CASE whose
+prompt starts with the first 40 tokens of the longest case's, for runs after it that hit the prefix
+cache) and "hf_config" (the
 `config.json` transformers itself writes for the model, `save_pretrained`).
 CASE = {"name", "text" (real models; ids with add_special_tokens as `special`), "special",
         "shared_prefix" (the case whose first tokens it repeats),
@@ -73,11 +73,18 @@ TINY_FAMILIES = (
     "deepseek_v3",
     "gpt_oss",
     "gpt_oss_mxfp4",
+    "qwen3_5",
+    "qwen3_next",
 )
 SHARED_PREFIX = 40  # the generic shared-prefix case: the longest prompt's first tokens, then new ones
 # Per family, prompts beyond TINY_PROMPT_LENGTHS: (length, and for a shared prefix: the case and
-# how many of its first tokens).
-EXTRA_PROMPTS = {"gpt_oss": [(90, None), (50, ("random_90", 40))]}
+# how many of its first tokens). Hybrids (per-sequence state) get one longer than the tests' prefill
+# chunk (64 tokens).
+EXTRA_PROMPTS = {
+    "gpt_oss": [(90, None), (50, ("random_90", 40))],
+    "qwen3_5": [(100, None)],
+    "qwen3_next": [(100, None)],
+}
 
 WRITE_TINY = """
 import sys
@@ -167,7 +174,7 @@ def tiny_cases(jaxserve_python: str, families: list[str]) -> dict:
                 for new_ids, margins in [greedy(model, case["prompt_ids"], TINY_NEW_TOKENS)]
             ]
             out[family] = {"seed": 0, "weights_sha256": sha256(directory / "model.safetensors"), "cases": cases}
-            if family not in EXTRA_PROMPTS:  # a family with extra prompts has its shared prefix among them
+            if not any("shared_prefix" in case for case in cases):  # else it has one of its own
                 prompt = shared_prefix_prompt(vocab, cases[len(TINY_PROMPT_LENGTHS) - 1]["prompt_ids"])
                 new_ids, margins = greedy(model, prompt, TINY_NEW_TOKENS)
                 out[family]["shared_prefix_case"] = {

@@ -68,6 +68,8 @@ def test_copy_plan_splits_stages_at_hazards_only() -> None:
     plan.add(CopyKind.DEVICE_TO_DISK, 8, 0)  # another kind: new stage
     plan.add(CopyKind.DEVICE_TO_DISK, 8, 1)  # one block to two tickets: no hazard
     plan.add(CopyKind.HOST_TO_DISK, 8, 1)  # another kind: new stage
+    plan.add(CopyKind.STATE, 3, 4)  # another kind: new stage
+    plan.add(CopyKind.STATE, 4, 5)  # reads state slot 4, which this stage writes: new stage
     stages = plan.take()
     assert [(s.kind, s.pairs) for s in stages] == [
         (CopyKind.DEVICE_TO_HOST, [(5, 0), (0, 1)]),
@@ -75,6 +77,8 @@ def test_copy_plan_splits_stages_at_hazards_only() -> None:
         (CopyKind.HOST_TO_DEVICE, [(1, 7), (7, 8)]),
         (CopyKind.DEVICE_TO_DISK, [(8, 0), (8, 1)]),
         (CopyKind.HOST_TO_DISK, [(8, 1)]),
+        (CopyKind.STATE, [(3, 4)]),
+        (CopyKind.STATE, [(4, 5)]),
     ]
     assert stages[0].as_array().tolist() == [[5, 0], [0, 1]]
     assert not plan and plan.take() == []
@@ -88,22 +92,23 @@ def test_staged_batched_copies_equal_one_by_one_copies(ops: list[tuple]) -> None
     """Running each stage as one gather + one scatter gives what running copies in order gives
     (writes to the disk tier included: their destination is a ticket, modelled as a third space)."""
 
-    def spaces(device, host, disk):
+    def spaces(device, host, disk, state):
         return {
             CopyKind.DEVICE_TO_HOST: (device, host),
             CopyKind.HOST_TO_DEVICE: (host, device),
             CopyKind.DEVICE_TO_DISK: (device, disk),
             CopyKind.HOST_TO_DISK: (host, disk),
+            CopyKind.STATE: (state, state),  # a hybrid's state slots: read and written in one space
         }
 
-    seq = np.arange(6), np.arange(100, 106), np.full(6, -1)
+    seq = np.arange(6), np.arange(100, 106), np.full(6, -1), np.arange(200, 206)
     for kind, src, dst in ops:
         a, b = spaces(*seq)[kind]
         b[dst] = a[src]
     plan = CopyPlan()
     for kind, src, dst in ops:
         plan.add(kind, src, dst)
-    staged = np.arange(6), np.arange(100, 106), np.full(6, -1)
+    staged = np.arange(6), np.arange(100, 106), np.full(6, -1), np.arange(200, 206)
     for stage in plan.take():
         a, b = spaces(*staged)[stage.kind]
         b[stage.dst] = a[stage.src]
