@@ -41,8 +41,8 @@ from checkpoints.weights import flat, quantized
 from jaxserve.model.decoder_layer import Carry
 from jaxserve.model.experts import expert_backend
 from jaxserve.model.head import embedding, output_head
-from jaxserve.model.image_rows import ImageRows
 from jaxserve.model.hybrid_layers import HybridLayers
+from jaxserve.model.image_rows import ImageRows
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.layer_scope import Quantization
 from jaxserve.model.layer_stack import LayerStack
