@@ -137,9 +137,8 @@ class StepInputs:
         tables, lora = self.batch.tables[index, :width], self.lora_rows(chunks, batch)
         seq_lens = (positions + 1) * (index != self.batch.spare)  # padding rows: 0
         states = state_slot_rows(chunks, [], batch, batch, self.config.num_state_slots > 0)
-        meta = AttentionMetadata(
-            self._kv_slots(tables, positions), tables, seq_lens, lora_slots=lora, state_slots=states
-        )
+        slots = self._kv_slots(tables, positions)
+        meta = AttentionMetadata(slots, tables, seq_lens, lora_slots=lora, state_slots=states)
         host_args = (tokens, positions, meta, np.arange(batch, dtype=np.int32), token_src)
         sampling, masks = self._sampling(chunks, batch_rows, self.sampler_rows(batch))
         return Program(
@@ -219,15 +218,13 @@ class StepInputs:
         num_decodes = self.decode_rows(num_tokens)
         decodes = list(decodes)
         decode_batch_rows = self.decode_batch_rows(decodes) if decode_batch_rows is None else decode_batch_rows
-        # It samples for its chunks and decodes, at most max_num_seqs (all running); padding rows
-        # are -1 (`DecoderModel`: the C++ head skips them; a 512-row step's 64 rows cost ~19 ms in
-        # the default model's bf16 head where it samples one row alone).
+        # It samples for its chunks and decodes, at most max_num_seqs; padding rows are -1 (the C++ head
+        # skips them: a 512-row step's 64 rows cost ~19 ms in the default model's bf16 head, not 1 row's).
         num_logits = min(num_seqs + num_decodes, self.config.max_num_seqs)
         r = RaggedRows.empty(num_tokens, num_seqs, num_decodes, width, num_logits)
         chunk_batch_rows = self._chunk_rows(chunks, r)
         decode_rows = self._joined_decode_rows(decodes, decode_batch_rows, r, len(chunks), num_seqs)
-        rows_per_chunk = [c.num_new_tokens for c in chunks] + [1] * len(decodes)
-        lora = self.lora_rows(chunks + decodes, num_tokens, rows_per_chunk)
+        lora = self.lora_rows(chunks + decodes, num_tokens, [c.num_new_tokens for c in chunks] + [1] * len(decodes))
         states = state_slot_rows(chunks, decodes, num_seqs, num_seqs + num_decodes, self.config.num_state_slots > 0)
         meta = AttentionMetadata(r.kv_slots, r.tables, r.seq_lens, r.query_start, decode_rows, lora, state_slots=states)
         host_args = with_image_rows((r.tokens, r.positions, meta, r.logits_indices, r.token_src), chunks, self.images)
