@@ -21,6 +21,7 @@ from jaxserve.encoder.batcher import EncoderBatcher, EncoderBuckets, EncoderRequ
 from jaxserve.encoder.runner import EncoderRunner
 from jaxserve.engine_client import DuplicateRequestError
 from jaxserve.engine_snapshot import EngineSnapshot, KVUsage, ReplicaLoad
+from jaxserve.image_prompt import PromptImage
 from jaxserve.output_processor import StepStats
 from jaxserve.outputs import Delta, FinishReason, Usage
 from jaxserve.pooling import PromptPooling
@@ -81,9 +82,13 @@ class EncoderEngine:
         """`jaxserve.LLM`'s entry: a text (or ids) to embed."""
         return self.add_prompt_ids(request_id, self.encode_prompt(prompt), params)
 
-    def add_prompt_ids(self, request_id: str, ids: list[int], params: SamplingParams) -> list[EncoderRequest]:
+    def add_prompt_ids(
+        self, request_id: str, ids: list[int], params: SamplingParams, images: tuple[PromptImage, ...] = ()
+    ) -> list[EncoderRequest]:
         """Queue an input to embed. `params.pooling` says only that it is an embedding: the
-        model's own pooling (`EncoderConfig.pooling`) picks its rows."""
+        model's own pooling (`EncoderConfig.pooling`) picks its rows. It takes no images."""
+        if images:
+            raise ValueError(f"{self.model_name} is a text embedding model: it takes no images")
         if params.pooling is None:
             raise ValueError(f"{self.model_name} is an embedding model: it pools its inputs and generates no text")
         if self.is_active(request_id):
