@@ -52,24 +52,17 @@ class LayerStack:
             split_rngs={"params": False},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=num_layers,
-        )(
-            cfg,
-            self.dtype,
-            self.param_dtype,
-            self.packed,
-            self.backend,
-            True,
-            self.cpu_matmul,
-            self.experts,
-            self.quantization,
-            **module,
-        )
+        )(*self._stacked_fields(cfg), **module)
 
     def layer(self, **module: Any) -> DecoderLayer:
         """One layer module with stacked weights, unbound (applied to its group's parameters:
         `jaxserve.model.hybrid_layers`); `module`: its other fields (group, attention)."""
-        return DecoderLayer(
-            self.config,
+        return DecoderLayer(*self._stacked_fields(self.config), parent=None, **module)
+
+    def _stacked_fields(self, config: ModelConfig) -> tuple:
+        """`DecoderLayer`'s positional fields for a layer of stacked weights under `config`."""
+        return (
+            config,
             self.dtype,
             self.param_dtype,
             self.packed,
@@ -78,8 +71,6 @@ class LayerStack:
             self.cpu_matmul,
             self.experts,
             self.quantization,
-            parent=None,
-            **module,
         )
 
     def unrolled(
