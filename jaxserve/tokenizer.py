@@ -165,6 +165,13 @@ class Tokenizer:
         """
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A pair of texts as the tokenizer's pair template joins them (BERT's `[CLS] a [SEP] b [SEP]`):
+        the ids of the first segment (with its special tokens) and of the second."""
+        encoding = self._tokenizer.encode(first, second, add_special_tokens=True)
+        split = encoding.type_ids.index(1) if 1 in encoding.type_ids else len(encoding.ids)
+        return encoding.ids[:split], encoding.ids[split:]
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 

@@ -64,6 +64,23 @@ def checked_ids(ids: list[int], info: ModelInfo, param: str, keep: int | None = 
     return ids
 
 
+def pair_ids(first: str, second: str, info: ModelInfo, keep: int | None = None) -> list[int]:
+    """A cross-encoder's input: `[CLS] first [SEP] second [SEP]` (the tokenizer's pair template). Truncation
+    shortens the second text only (Hugging Face's `only_second`). The first text may not hold the [SEP]
+    token itself: the model reads every token after the first [SEP] as the second text's."""
+    head, tail = info.tokenizer.encode_pair(first, second)
+    if head.count(info.encoder.sep_token_id) != 1:
+        raise bad_request("a text to score may not contain the separator token [SEP]", param="text_1")
+    limit = keep or info.max_model_len
+    if len(head) + len(tail) > limit:
+        if keep is None or len(head) + 1 >= keep:
+            code = "context_length_exceeded"
+            message = f"a pair has {len(head) + len(tail)} tokens and this model takes at most {limit}"
+            raise bad_request(message + (" (or set truncate_prompt_tokens)" if keep is None else ""), code=code)
+        tail = tail[: keep - len(head) - 1] + tail[-1:]
+    return checked_ids(head + tail, info, "text_2")
+
+
 def text_ids(text: str, info: ModelInfo, param: str, keep: int | None = None) -> list[int]:
     return checked_ids(info.tokenizer.encode(text, add_special_tokens=True) if text else [], info, param, keep)
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from jaxserve.sampling_params import SamplingParams
 from server.auth import OWNER_KEY
 from server.embedding_inputs import dimensions, embedding_inputs, encoded, encoding, finish_embedding
-from server.errors import APIError
+from server.errors import APIError, bad_request
 from server.generation import EngineRequest
 from server.protocol import check_fields, check_model, read_json_object
 from server.state import STATE, ServerState
@@ -67,6 +67,8 @@ async def embeddings(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     check_fields(body, EMBEDDING_FIELDS)
     check_model(body, state.info.name)
+    if state.info.encoder is not None and state.info.encoder.is_cross_encoder:
+        raise bad_request(f"{state.info.name} is a cross-encoder: it scores pairs of texts (/v1/score, /v1/rerank)")
     fmt, size = encoding(body), dimensions(body, state.info)
     inputs = embedding_inputs(body, state.info)
     vectors, prompt_tokens = await pooled_vectors(state, request, inputs, "embeddings", arrival)

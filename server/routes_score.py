@@ -1,14 +1,18 @@
 """`POST /v1/score` and `/v1/rerank` (and vLLM's unversioned `/score`, `/rerank`, `/v2/rerank`):
-vLLM's request and response shapes, for an embedding model scored by the cosine similarity of
-the embeddings (a bi-encoder; cross-encoder heads are not served).
+vLLM's request and response shapes. An embedding model (a bi-encoder) scores a pair by the cosine
+similarity of the two embeddings; a cross-encoder reads the pair as one input and scores it with its
+classifier head (its logit through sentence-transformers' activation, a sigmoid by default), as
+vLLM does for both kinds.
 
 Score: `text_1` and `text_2` are strings or lists of strings; one against many, or pairwise when
 both are lists of the same length. Rerank: a `query` and `documents`, sorted by relevance,
-`top_n` kept. Every text is embedded in one batch through the engine (`pooled_vectors`).
+`top_n` kept. Every text (a cross-encoder: every pair) runs in one batch through the engine
+(`pooled_vectors`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -17,7 +21,7 @@ import numpy as np
 from aiohttp import web
 
 from server.auth import OWNER_KEY
-from server.embedding_inputs import MAX_INPUTS, text_ids, truncation
+from server.embedding_inputs import MAX_INPUTS, pair_ids, text_ids, truncation
 from server.errors import bad_request
 from server.protocol import check_fields, check_model, read_json_object
 from server.routes_embeddings import finished, pooled_vectors
@@ -43,22 +47,31 @@ def _texts(body: dict[str, Any], field: str, single_ok: bool = True) -> list[str
     return value
 
 
-async def _similarities(
+async def _scores(
     state: ServerState, request: web.Request, body: dict[str, Any], queries: list[str], docs: list[str], endpoint: str
 ) -> tuple[list[float], int]:
-    """cosine(query i, doc i) for each pair (a single query is paired with every doc)."""
+    """The score of each pair (query i, doc i) (a single query is paired with every doc)."""
     arrival = time.perf_counter()
     state.limiter.admit(request[OWNER_KEY])
-    if state.info.encoder is None:
+    encoder = state.info.encoder
+    if encoder is None:
         raise bad_request(f"/v1/{endpoint} needs an embedding model; {state.info.name} is a text-generation model")
     keep = truncation(body, state.info)
+    pairs = list(zip(queries * len(docs) if len(queries) == 1 else queries, docs))
+    if encoder.is_cross_encoder:
+        ids = [pair_ids(a, b, state.info, keep) for a, b in pairs]
+        logits, prompt_tokens = await pooled_vectors(state, request, ids, endpoint, arrival)
+        return [_activated(float(v[0]), encoder.score_activation) for v in logits], prompt_tokens
     ids = [text_ids(t, state.info, endpoint, keep) for t in (*queries, *docs)]
     vectors, prompt_tokens = await pooled_vectors(state, request, ids, endpoint, arrival)
     unit = [finished(state, v) for v in vectors]
     unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in unit]
     q, d = unit[: len(queries)], unit[len(queries) :]
-    pairs = zip(q * len(d) if len(q) == 1 else q, d)
-    return [float(np.dot(a, b)) for a, b in pairs], prompt_tokens
+    return [float(np.dot(a, b)) for a, b in zip(q * len(d) if len(q) == 1 else q, d)], prompt_tokens
+
+
+def _activated(logit: float, activation: str) -> float:
+    return 1.0 / (1.0 + math.exp(-logit)) if activation == "sigmoid" else logit
 
 
 @routes.post("/v1/score")
@@ -71,7 +84,7 @@ async def score(request: web.Request) -> web.Response:
     first, second = _texts(body, "text_1"), _texts(body, "text_2")
     if len(first) > 1 and len(first) != len(second):
         raise bad_request("text_1 is a list: text_2 must be a list of the same length", param="text_2")
-    scores, tokens = await _similarities(state, request, body, first, second, "score")
+    scores, tokens = await _scores(state, request, body, first, second, "score")
     return web.json_response(
         {
             "id": f"score-{uuid.uuid4().hex}",
@@ -99,7 +112,7 @@ async def rerank(request: web.Request) -> web.Response:
     top_n = body.get("top_n", len(documents))
     if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
         raise bad_request("top_n must be a non-negative integer", param="top_n")
-    scores, tokens = await _similarities(state, request, body, [query], documents, "rerank")
+    scores, tokens = await _scores(state, request, body, [query], documents, "rerank")
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[: top_n or len(documents)]
     with_text = body.get("return_documents", True) is not False
     results = [

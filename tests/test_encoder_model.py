@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tokenizers
-from safetensors.numpy import save_file
+from encoder_dirs import TINY, write_sentence_transformers
 
 from checkpoints.encoders import EncoderConfig, is_encoder_spec, load_encoder
 from checkpoints.encoders.load import encoder_config_from_dir, load_sentence_transformers_dir
@@ -22,8 +21,6 @@ from jaxserve.encoder.batcher import EncoderBatcher, EncoderBuckets, EncoderRequ
 from jaxserve.model.encoder import encode, pooled_sums
 from jaxserve.pooling import POOLERS, ClsPooler, LastTokenPooler, MeanPooler, Pooler, PromptPooling
 from server.embedding_inputs import finish_embedding
-
-TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, max_len=64)
 
 
 def _model(architecture: str):
@@ -101,44 +98,10 @@ def test_batcher_packs_arrival_order_within_the_budget():
         batcher.add(EncoderRequest("x", [1] * 65, PromptPooling("mean")))
 
 
-def _write_st_dir(tmp_path, pooling: dict, normalize: bool):
-    """A sentence-transformers directory of a tiny random BERT, in Hugging Face's names."""
-    config = EncoderConfig("bert", **TINY, max_position_embeddings=64)
-    params = dict(iter_leaves(random_tree(declare_encoder(config), 1, np.float32)))
-    tensors = {}
-    for path, weight in flat(declare_encoder(config)).items():
-        for name, index in checkpoint_names(weight, weight.hf):
-            part = params[path][index]
-            tensors[name] = np.ascontiguousarray(part.swapaxes(-1, -2) if weight.is_kernel else part)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    hf = {"model_type": "bert", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64}
-    hf |= {"num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, "hidden_act": "gelu"}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"}]
-    modules.append({"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
-    if normalize:
-        modules.append({"path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
-    return params
-
-
-def _write_wordpiece(tmp_path) -> None:
-    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "world", "##s"])}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordPiece(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
-    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
-    tokenizer.enable_padding(length=16)  # as sentence-transformers' exports often are: the loader turns it off
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-
-
 def test_sentence_transformers_directory_loads_its_weights_and_config(tmp_path):
-    params = _write_st_dir(tmp_path, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, False)
-    _write_wordpiece(tmp_path)
+    params = write_sentence_transformers(
+        tmp_path, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, normalize=False
+    )
     assert is_encoder_spec(str(tmp_path))
     loaded = load_sentence_transformers_dir(tmp_path)
     assert (loaded.config.pooling, loaded.config.normalize, loaded.config.max_len) == ("cls", False, 32)

@@ -1,11 +1,12 @@
 """The configuration of a BERT-family encoder, and what sentence-transformers adds on top of it
-(the pooling and whether embeddings are normalised)."""
+(the pooling and whether embeddings are normalised), or the classifier head of a cross-encoder."""
 
 from __future__ import annotations
 
 import dataclasses
 
 POOLING_KINDS = ("mean", "cls", "last")
+SCORE_ACTIVATIONS = ("sigmoid", "identity")
 ARCHITECTURES = ("bert", "nomic_bert")
 
 
@@ -21,6 +22,11 @@ class EncoderConfig:
     one, else the model's context). `pooling` / `normalize`: from `1_Pooling/config.json` and a
     `Normalize` module in `modules.json` (GGUF: `pooling_type`; embeddings normalised).
     `matryoshka`: the model was trained so that its embeddings may be shortened (`dimensions`).
+    `num_labels`: 0 for an embedding model; 1 for a cross-encoder (`BertForSequenceClassification`,
+    e.g. sentence-transformers' `CrossEncoder` rerankers): BERT's pooler (dense + tanh over the CLS
+    row) and a classifier score a pair of texts, `[CLS] a [SEP] b [SEP]`, whose second segment
+    (token type 1) starts after the first `[SEP]` (`sep_token_id`). `score_activation`: what turns its
+    logit into the served score (sentence-transformers' `activation_fn`: a sigmoid unless it says identity).
     """
 
     architecture: str
@@ -37,6 +43,9 @@ class EncoderConfig:
     pooling: str = "mean"
     normalize: bool = True
     matryoshka: bool = False
+    num_labels: int = 0
+    sep_token_id: int | None = None
+    score_activation: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -45,12 +54,22 @@ class EncoderConfig:
             raise ValueError(f"unsupported pooling {self.pooling!r}; supported: {POOLING_KINDS}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.num_labels not in (0, 1):
+            raise ValueError(f"a classifier of {self.num_labels} labels: one label (a relevance score) is served")
+        if self.score_activation not in SCORE_ACTIVATIONS:
+            raise ValueError(f"unsupported score activation {self.score_activation!r}; supported: {SCORE_ACTIVATIONS}")
+        if self.num_labels and (self.pooling != "cls" or self.sep_token_id is None):
+            raise ValueError("a cross-encoder pools the CLS row and needs its [SEP] token id")
         if self.architecture == "bert" and self.max_len > self.max_position_embeddings:
             raise ValueError(f"max_len {self.max_len} exceeds the {self.max_position_embeddings} position embeddings")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        return self.num_labels > 0
 
     @property
     def rotary(self) -> bool:

@@ -25,8 +25,10 @@ from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamFiller, resolve_dtype
 from checkpoints.weights import flat
 
-# BERT checkpoints carry these; an embedding model uses neither (the pooler is BERT's CLS head).
+# BERT checkpoints carry these; an embedding model uses neither (the pooler is BERT's CLS head,
+# declared for a cross-encoder only).
 _UNUSED_HF = ("pooler.", "embeddings.position_ids")
+_CROSS_ENCODER = "BertForSequenceClassification"
 GGUF_ARCHITECTURES = {"bert": "bert", "nomic-bert": "nomic_bert"}
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type
 
@@ -92,13 +94,33 @@ def _sentence_transformers(directory: Path) -> dict[str, Any]:
     return fields
 
 
+def _cross_encoder(directory: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """A `BertForSequenceClassification` directory's head: its label count, CLS pooling, the [SEP]
+    that splits a pair, and sentence-transformers' `activation_fn` (a sigmoid by default)."""
+    if _CROSS_ENCODER not in hf.get("architectures", ()):
+        return {}
+    labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # transformers' default is 2
+    if labels != 1:
+        raise UnsupportedCheckpointError(
+            f"{directory}: a classifier of {labels} labels; cross-encoders of one label (a relevance score) are served"
+        )
+    activation = (hf.get("sentence_transformers") or {}).get("activation_fn", "Sigmoid").rsplit(".", 1)[-1]
+    if activation not in ("Sigmoid", "Identity"):
+        raise UnsupportedCheckpointError(f"{directory}: activation_fn {activation!r}; Sigmoid or Identity is served")
+    sep = bundle_from_file(directory).tokenizer.token_to_id("[SEP]")
+    if sep is None:
+        raise UnsupportedCheckpointError(f"{directory}: the tokenizer has no [SEP] token to split a pair of texts")
+    fields = {"num_labels": 1, "pooling": "cls", "normalize": False, "sep_token_id": sep}
+    return fields | {"score_activation": activation.lower()}
+
+
 def encoder_config_from_dir(directory: Path) -> EncoderConfig:
     hf = _read_json(directory / "config.json")
     if hf.get("model_type") != "bert" or hf.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedCheckpointError(f"{directory}: only BERT (absolute positions) is loaded from a directory")
     if hf.get("hidden_act", "gelu") != "gelu":
         raise UnsupportedCheckpointError(f"{directory}: hidden_act {hf['hidden_act']!r}; BERT's gelu is supported")
-    st = _sentence_transformers(directory)
+    st = _sentence_transformers(directory) | _cross_encoder(directory, hf)
     return EncoderConfig(
         architecture="bert",
         vocab_size=hf["vocab_size"],

@@ -105,4 +105,14 @@ def declare_encoder(config: EncoderConfig) -> Declaration:
         **_mlp(config),
         "mlp_norm": _norm(_HF_LAYER + "output.LayerNorm", "blk.{layer}.layer_output_norm", n, e),
     }
-    return {"embed": embed, "layers": layers}
+    out = {"embed": embed, "layers": layers}
+    if config.is_cross_encoder:  # BertForSequenceClassification's head (directories only)
+        out["pooler"] = {
+            "kernel": Weight((e, e), (EMBED, None), KERNEL, hf="pooler.dense.weight"),
+            "bias": Weight((e,), (None,), BIAS, hf="pooler.dense.bias"),
+        }
+        out["classifier"] = {
+            "kernel": Weight((e, config.num_labels), (EMBED, None), KERNEL, hf="classifier.weight"),
+            "bias": Weight((config.num_labels,), (None,), BIAS, hf="classifier.bias"),
+        }
+    return out

@@ -1,4 +1,4 @@
-"""The encoder's compiled programs: `pooled_sums` (`jaxserve.model.encoder`) for every
+"""The encoder's compiled programs: `pooled_outputs` (`jaxserve.model.encoder`) for every
 (rows, tokens) bucket, compiled ahead of time at warm-up, so serving compiles nothing."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from checkpoints.encoders.config import EncoderConfig
 from jaxserve.encoder.batcher import EncoderBuckets, EncoderRequest
-from jaxserve.model.encoder import pooled_sums
+from jaxserve.model.encoder import pooled_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class EncoderRunner:
         self.config = config
         self.buckets = buckets
         self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params))
-        self._program = jax.jit(functools.partial(pooled_sums, config))
+        self._program = jax.jit(functools.partial(pooled_outputs, config))
         self.compiled: dict[tuple[int, int], Any] = {}
         self.num_compilations = 0
 
@@ -51,7 +51,8 @@ class EncoderRunner:
         return time.perf_counter() - t0
 
     def run(self, batch: list[EncoderRequest], shape: tuple[int, int]) -> np.ndarray:
-        """Each input's pooled rows, summed ([len(batch), hidden] f32), and marks them launched."""
+        """Each input's pooled rows, summed ([len(batch), hidden] f32; a cross-encoder's logit [len(batch), 1]),
+        and marks them launched."""
         rows, tokens = shape
         ids = np.zeros((rows, tokens), np.int32)
         lengths = np.zeros((rows,), np.int32)

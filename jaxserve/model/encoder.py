@@ -7,6 +7,10 @@ are post-LayerNorm: `h = LN(h + attn(h))`, `h = LN(h + mlp(h))`. BERT adds absol
 embeddings and uses a GELU (erf) MLP with biases; nomic-bert rotates q and k (NeoX halves), fuses
 q/k/v and uses SwiGLU, without biases. Layers are scanned over their stacked weights, so compile
 time does not grow with depth.
+
+A cross-encoder (`EncoderConfig.is_cross_encoder`) reads a pair of texts as one row: the tokens after
+the first [SEP] are segment 1 (their token-type embedding), and its pooled CLS row goes through BERT's
+pooler (dense + tanh) and classifier to one logit (`pooled_outputs`).
 """
 
 from __future__ import annotations
@@ -66,12 +70,21 @@ def _mlp(config: EncoderConfig, p: dict[str, Any], h: jax.Array) -> jax.Array:
     return _linear(hidden, p["down"])
 
 
+def token_types(config: EncoderConfig, token_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids: 0 everywhere for an embedding model; for a cross-encoder, 1 after the
+    row's first [SEP] (BERT's pair template `[CLS] a [SEP] b [SEP]`)."""
+    if not config.is_cross_encoder:
+        return jnp.zeros_like(token_ids)
+    seps = jnp.cumsum(token_ids == config.sep_token_id, axis=1)
+    return jnp.minimum(seps - (token_ids == config.sep_token_id), 1).astype(jnp.int32)
+
+
 def encode(config: EncoderConfig, params: dict[str, Any], token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
     """Final hidden states [B, T, E] (f32) of rows `token_ids` [B, T] whose first `lengths` [B]
     tokens are real (the rest is padding, which nothing attends to)."""
     t = token_ids.shape[1]
     embed = params["embed"]
-    h = embed["tokens"][token_ids].astype(jnp.float32) + embed["token_types"][0]
+    h = embed["tokens"][token_ids].astype(jnp.float32) + embed["token_types"][token_types(config, token_ids)]
     if not config.rotary:
         h = h + embed["positions"][:t]
     h = _layer_norm(h, embed["norm"], config.layer_norm_eps)
@@ -91,3 +104,15 @@ def pooled_sums(
     """Per row, the sum of its final hidden states weighted by `weights` [B, T] (1 on the rows
     its `jaxserve.pooling.Pooler` takes, else 0): [B, E] f32."""
     return jnp.einsum("bt,bte->be", weights, encode(config, params, token_ids, lengths))
+
+
+def pooled_outputs(
+    config: EncoderConfig, params: dict[str, Any], token_ids: jax.Array, lengths: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """What each row serves: its pooled sums [B, E] (an embedding model), or a cross-encoder's logit
+    [B, 1] of its CLS row (`weights` one-hot on row 0, so the sum is that row)."""
+    pooled = pooled_sums(config, params, token_ids, lengths, weights)
+    if not config.is_cross_encoder:
+        return pooled
+    hidden = jnp.tanh(_linear(pooled, params["pooler"]))
+    return _linear(hidden, params["classifier"])
