@@ -66,10 +66,14 @@ class ServerState:
         it, and the LoRA adapter to run (None: the base model)."""
         model = check_model(body, self.info.name, self.adapters)
         if self.info.encoder is not None:
+            kind, routes = (
+                ("a cross-encoder", "/v1/score and /v1/rerank")
+                if self.info.encoder.is_cross_encoder
+                else ("an embedding model", "/v1/embeddings, /v1/score and /v1/rerank")
+            )
             raise APIError(
                 400,
-                f"{model} is an embedding model (encoder-only): it serves /v1/embeddings, /v1/score and "
-                "/v1/rerank, and generates no text",
+                f"{model} is {kind} (encoder-only): it serves {routes}, and generates no text",
                 code="model_not_generative",
             )
         if model == self.info.name:

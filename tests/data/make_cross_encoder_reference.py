@@ -33,7 +33,7 @@ from transformers import AutoModelForSequenceClassification
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).with_name("cross_encoder_reference.json")
-WRITE = "import sys; from pathlib import Path; from encoder_dirs import write_cross_encoder; write_cross_encoder(Path(sys.argv[1]))"
+WRITE = ROOT / "tests" / "encoder_dirs.py"  # run as a script: writes the reranker's directory
 PAIRS = [
     ("what is the capital of france", "paris is the capital of france"),
     ("what is the capital of france", "a dog sat on the mat"),
@@ -49,8 +49,8 @@ def main() -> None:
     parser.add_argument("--jaxserve-python", default="python3")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "JAX_PLATFORMS": "cpu"}
-        subprocess.run([args.jaxserve_python, "-c", WRITE, tmp], check=True, env=env, cwd=ROOT)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        subprocess.run([args.jaxserve_python, str(WRITE), tmp], check=True, env=env, cwd=ROOT)
         model, info = AutoModelForSequenceClassification.from_pretrained(
             tmp, dtype=torch.float32, output_loading_info=True
         )

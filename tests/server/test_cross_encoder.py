@@ -4,6 +4,7 @@
 The reference (tests/data/cross_encoder_reference.json) is sentence-transformers' `CrossEncoder.predict`
 on the same tiny random directory (made by tests/data/make_cross_encoder_reference.py, which also
 checks that transformers loads every weight); the test writes the directory again from the same seed.
+The same scores come through `jaxserve router` over a `jaxserve worker` serving the reranker.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from child_process import free_port
 from encoder_dirs import write_cross_encoder
+from router_cluster import start_router, start_worker, wait_idle
 from server_harness import KEY_A, ServerThread, send, wait_until_idle
 
 from checkpoints.encoders import load_encoder
@@ -29,6 +33,7 @@ from server.config import ServerConfig
 REFERENCE = json.loads((Path(__file__).parent.parent / "data" / "cross_encoder_reference.json").read_text())
 PAIRS = REFERENCE["pairs"]
 MODEL = "tiny-reranker"
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--max-model-len", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,23 @@ def reranker(tmp_path_factory):
     assert snap.num_compilations == engine.num_compilations  # nothing compiled while serving
     srv.stop()
     async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def routed_reranker(reranker, _compilation_cache):
+    """(router endpoint, worker port): the reranker's directory served by a worker behind a router."""
+    port = free_port()
+    worker = start_worker(port, ENGINE_FLAGS, jax.config.jax_compilation_cache_dir, model=str(reranker[1]))
+    router, endpoint = start_router([port], "--api-key", KEY_A, "--served-model-name", MODEL)
+    with worker, router:
+        worker.wait_for("worker listening", timeout=600)
+        router.wait_for("Running on", timeout=120)
+        yield endpoint, port
+        router.terminate()
+        worker.terminate()
+        router.finish(60)
+        worker.finish(60)
+    assert "Traceback" not in router.output + worker.output
 
 
 def _post(srv, path: str, body: dict):
@@ -116,6 +138,22 @@ def test_truncation_shortens_the_second_text(reranker):
 def test_bad_input_gets_a_400(reranker, path, body, message):
     reply = _post(reranker[0], path, body)
     assert reply.status == 400 and message in reply.json["error"]["message"], reply.json
+
+
+def test_the_router_serves_a_cross_encoder_worker(routed_reranker):
+    endpoint, port = routed_reranker
+    reply = _post(
+        endpoint, "/v1/score", {"text_1": [p["query"] for p in PAIRS], "text_2": [p["document"] for p in PAIRS]}
+    )
+    assert reply.status == 200, reply.json
+    np.testing.assert_allclose([d["score"] for d in reply.json["data"]], [p["score"] for p in PAIRS], atol=1e-5)
+    ranked = _post(endpoint, "/v1/rerank", {"query": PAIRS[0]["query"], "documents": [PAIRS[0]["document"], "cat"]})
+    assert ranked.status == 200 and len(ranked.json["results"]) == 2
+    assert _post(endpoint, "/v1/embeddings", {"input": "hello"}).status == 400
+    chat = _post(endpoint, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status == 400 and chat.json["error"]["code"] == "model_not_generative"
+    snap = wait_idle(port)
+    assert not snap.has_unfinished and snap.waiting == 0
 
 
 def test_other_heads_are_refused(tmp_path):

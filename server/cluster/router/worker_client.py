@@ -15,12 +15,14 @@ adapters the router's picture.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 
 import grpc
 import tokenizers
 
+from checkpoints.encoders.config import EncoderConfig
 from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.engine_client import EngineInfo, Pin
 from jaxserve.placement.kv_index import KVIndex
@@ -58,6 +60,7 @@ class WorkerInfo:
     special_tokens: tuple[tuple[str, str], ...]
     eos_token_ids: tuple[int, ...]
     hidden_size: int
+    encoder_config_json: str  # an encoder embedding model's config (empty: a decoder LM)
 
     @classmethod
     def from_message(cls, msg: pb.InfoResponse) -> WorkerInfo:
@@ -72,6 +75,7 @@ class WorkerInfo:
             tuple(sorted(msg.special_tokens.items())),
             tuple(msg.eos_token_ids),
             msg.hidden_size,
+            msg.encoder_config_json,
         )
 
     def mismatch(self, other: WorkerInfo) -> str | None:
@@ -86,6 +90,7 @@ class WorkerInfo:
             "special_tokens",
             "eos_token_ids",
             "hidden_size",
+            "encoder_config_json",
         ):
             if getattr(self, field) != getattr(other, field):
                 return f"it serves another {field.replace('_', ' ')}"
@@ -232,6 +237,7 @@ def engine_info(info: WorkerInfo, num_workers: int) -> EngineInfo:
         max_num_seqs=info.max_num_seqs * num_workers,
         block_size=info.block_size,
         hidden_size=info.hidden_size,
+        encoder=EncoderConfig(**json.loads(info.encoder_config_json)) if info.encoder_config_json else None,
     )
 
 

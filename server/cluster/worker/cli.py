@@ -81,7 +81,10 @@ def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
     engine = start_engine(kv_transfer_host=args.host if args.kv_transport == "device" else None)
     if engine is None:
         return 0
-    handoff = KVHandoff(engine, args.kv_lease_timeout, tls) if one_replica else None
+    if engine.info.encoder is not None and args.role != "both":
+        raise SystemExit(f"--role {args.role}: an encoder embedding model has no KV cache to hand off")
+    has_kv = one_replica and engine.info.encoder is None
+    handoff = KVHandoff(engine, args.kv_lease_timeout, tls) if has_kv else None
 
     async def serve() -> None:
         listener = WorkerListener(engine, args.host, args.port, args.role, handoff, tls)

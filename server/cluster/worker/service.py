@@ -9,7 +9,9 @@ leases, pulls) is `kv_handoff`'s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -55,6 +57,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             special_tokens=bundle.special_tokens,
             eos_token_ids=bundle.eos_token_ids,
             hidden_size=info.hidden_size,
+            encoder_config_json=json.dumps(dataclasses.asdict(info.encoder)) if info.encoder is not None else "",
         )
 
     async def Generate(

@@ -33,7 +33,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "instance_id", "model", "vocab_size", "max_model_len", "max_num_seqs", "block_size", "role", "tokenizer_json", "chat_template", "special_tokens", "eos_token_ids", "hidden_size")
+    __slots__ = ("protocol_version", "instance_id", "model", "vocab_size", "max_model_len", "max_num_seqs", "block_size", "role", "tokenizer_json", "chat_template", "special_tokens", "eos_token_ids", "hidden_size", "encoder_config_json")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class InfoResponse(_message.Message):
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     instance_id: str
     model: str
@@ -67,7 +68,8 @@ class InfoResponse(_message.Message):
     special_tokens: _containers.ScalarMap[str, str]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
-    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    encoder_config_json: str
+    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., encoder_config_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "session_id", "hold_kv", "kv_source")
@@ -334,7 +336,7 @@ class ListLoraAdaptersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoraAdaptersResponse(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "digests")
     class AdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +344,15 @@ class LoraAdaptersResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class DigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.ScalarMap[str, str]
-    def __init__(self, adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    digests: _containers.ScalarMap[str, bytes]
+    def __init__(self, adapters: _Optional[_Mapping[str, str]] = ..., digests: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
