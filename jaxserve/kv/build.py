@@ -33,6 +33,7 @@ def build_kv_manager(
     kv_events: bool = False,
     num_state_slots: int = 0,
     num_state_snapshots: int = 0,
+    sliding_window: int | None = None,
 ) -> KVCacheManager:
     """
     num_blocks, block_size: the device pool (block 0 reserved).
@@ -45,6 +46,8 @@ def build_kv_manager(
     kv_events: record the prefix cache's changes for a router (`manager.events`; needs the prefix cache).
     num_state_slots: a hybrid model's per-sequence state slots, slot 0 reserved (`state_slots.py`; 0: none).
     num_state_snapshots: of those, how many may keep snapshots for prefix hits (`state_snapshots.py`).
+    sliding_window: a model whose every attention layer slides: its sequences hold window-sized
+        caches (`window.py`); None: every block of a sequence.
     """
     pool = BlockPool(num_blocks, block_size)
     host = HostTier(num_host_slots)
@@ -76,6 +79,7 @@ def build_kv_manager(
         tier_link=link,
         state_slots=StateSlots(num_state_slots),
         num_snapshots=num_state_snapshots,
+        sliding_window=sliding_window,
     )
 
 
