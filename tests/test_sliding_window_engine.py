@@ -44,7 +44,7 @@ def model():
 def whole(model):
     """The whole-cache path: every block of a sequence kept."""
     llm = LLM(model, sliding_window_kv=False, **CONFIG)
-    assert llm.engine.kv.sliding_window is None
+    assert llm.engine.kv.window.size is None
     return llm
 
 
@@ -64,7 +64,7 @@ def one_by_one(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_window_cache_answers_transformers_and_the_whole_cache(model, whole, prefix_caching, assert_kv_all_free):
     llm = LLM(model, enable_prefix_caching=prefix_caching, **CONFIG)
-    assert llm.engine.config.kv_window == WINDOW and llm.engine.kv.sliding_window == WINDOW
+    assert llm.engine.config.kv_window == WINDOW and llm.engine.kv.window.size == WINDOW
     compiled = llm.engine.num_compilations
     cases = REFERENCE["cases"]
     new = len(cases[0]["new_ids"])

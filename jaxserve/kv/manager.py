@@ -27,7 +27,7 @@ that the tier holds; the scheduler may `loads.start(key, hit)` them into the hos
 admitting, then admit once `loads.poll()` has put them in the cache (`tier_loads.py`). Cached
 blocks are written to the tier as the copy plan's `*_TO_DISK` stages (`tier_link.py`).
 
-With `sliding_window` (a model whose every attention layer slides), `slide_window(handle, start)`
+With `sliding_window` (a model whose every attention layer slides), `window.slide(handle, start)`
 releases the blocks no query from `start` on reads (`window.py`).
 
 Design notes. A sequence locks the prefix-cache path of its cached leading blocks
@@ -56,7 +56,7 @@ from jaxserve.kv.state_slots import StateSlots
 from jaxserve.kv.state_snapshots import StateSnapshots, cut_to_snapshot
 from jaxserve.kv.tier_link import LowerTierLink
 from jaxserve.kv.tier_loads import TierLoads
-from jaxserve.kv.window import drop_out_of_window
+from jaxserve.kv.window import SlidingWindow
 
 
 class KVCacheManager:
@@ -93,7 +93,7 @@ class KVCacheManager:
         state_slots: a hybrid model's per-sequence state slots (`state_slots.py`): every admitted
             sequence holds one until it is freed; None: none (a model of attention layers only).
         num_snapshots: a hybrid's state snapshots kept for prefix hits, at most (`state_snapshots.py`).
-        sliding_window: the window of a model whose every attention layer slides: `slide_window`
+        sliding_window: the window of a model whose every attention layer slides: `window.slide`
             releases the blocks before it (`window.py`); None: sequences keep every block.
         """
         self.pool = pool
@@ -119,9 +119,9 @@ class KVCacheManager:
         self.events = events
         self.state_slots = state_slots or StateSlots(0)
         self.snapshots = StateSnapshots(self.state_slots, num_snapshots, copies, self._changed)
-        if sliding_window is not None and (sliding_window < 1 or self.state_slots.enabled):
-            raise ValueError(f"sliding_window {sliding_window}: must be >= 1, and not with state slots")
-        self.sliding_window = sliding_window
+        if sliding_window is not None and self.state_slots.enabled:
+            raise ValueError("a sliding_window does not go with state slots (a hybrid keeps every block)")
+        self.window = SlidingWindow(sliding_window, pool, prefix_cache, self._changed)
 
     def _changed(self) -> None:
         self._epoch += 1
@@ -250,14 +250,6 @@ class KVCacheManager:
             handle.num_blocks = keep
             handle.renew_version()
         handle.num_tokens = num_tokens
-
-    def slide_window(self, handle: KVHandle, start: int) -> None:
-        """Queries of the sequence from position `start` on (its next step's first one, or later)
-        read only the sliding window: release the blocks before it (`window.drop_out_of_window`).
-        Nothing without a sliding window."""
-        window, cache = self.sliding_window, self.prefix_cache
-        if window is not None and drop_out_of_window(self._on_device(handle), start, window, self.pool, cache):
-            self._epoch += 1
 
     # ------------------------------------------------------------------ prefix caching
 

@@ -18,9 +18,37 @@ decode ends up holding only its window.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool
 from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.prefix_cache import PrefixCache
+
+
+class SlidingWindow:
+    """The KV manager's sliding window (`KVCacheManager.window`): `size` tokens, or None (`enabled`
+    False) for a model that attends to every token it has (each sequence keeps every block)."""
+
+    def __init__(self, size: int | None, pool: BlockPool, cache: PrefixCache, changed: Callable[[], None]) -> None:
+        if size is not None and size < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {size}")
+        self.size = size
+        self._pool, self._cache, self._changed = pool, cache, changed
+
+    @property
+    def enabled(self) -> bool:
+        return self.size is not None
+
+    def slide(self, handle: KVHandle, start: int) -> None:
+        """Queries of the sequence from position `start` on (its next step's first one, or later)
+        read only the window: release the blocks before it (`drop_out_of_window`). Nothing when
+        disabled."""
+        if self.size is None:
+            return
+        if not handle.is_live or handle.host_slots is not None:
+            raise ValueError("the sequence is not on the device (freed or swapped out)")
+        if drop_out_of_window(handle, start, self.size, self._pool, self._cache):
+            self._changed()  # cached blocks may have become evictable: prefix hits made before are stale
 
 
 def first_needed_block(window: int, block_size: int, start: int) -> int:

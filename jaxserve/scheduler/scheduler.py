@@ -353,7 +353,7 @@ class Scheduler:
             if index is not None:
                 chunk.output_index = index
             self.cache_known_blocks(req)
-            self.kv.slide_window(req.kv, req.num_computed_tokens)  # later steps' queries start there
+            self.kv.window.slide(req.kv, req.num_computed_tokens)  # later steps' queries start there
             if self.kv.snapshots.enabled and end == req.num_prompt_tokens // bs * bs > chunk.start:
                 self.kv.snapshots.save(req.kv, req.prompt_token_ids, end // bs)
 
@@ -382,7 +382,7 @@ class Scheduler:
         bs, cached = self.config.block_size, req.kv.cached_blocks
         if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
             n = min(req.num_computed_tokens, req.num_known_tokens)
-            if self.kv.sliding_window is not None:
+            if self.kv.window.enabled:
                 n = min(n, req.num_prompt_tokens)
             if n // bs > cached:
                 self.kv.cache_full_blocks(req.kv, req.copy_cache_tokens(n))

@@ -26,7 +26,7 @@ def after_step(eng: FakeEngine, rid: str, prompt_len: int) -> None:
     eng.run_step(cache=False)
     req = eng.reqs[rid]
     eng.mgr.cache_full_blocks(req.kv, req.tokens[: min(req.computed, prompt_len)])
-    eng.mgr.slide_window(req.kv, req.computed)
+    eng.mgr.window.slide(req.kv, req.computed)
     eng.check_bookkeeping()
     eng.check_content()
 
