@@ -79,6 +79,12 @@ class KVHandle:
         dropped entries; empty while swapped out)."""
         return self._readonly[self.num_dropped : self.num_blocks] if self.num_blocks else self._readonly[:0]
 
+    @property
+    def may_cache_more(self) -> bool:
+        """Whether blocks after its cached ones may still join the prefix cache: not once the
+        sliding window dropped one of them (its KV is gone from the table)."""
+        return self.num_dropped <= self.cached_blocks
+
     def kv_slots(self, start: int, stop: int) -> np.ndarray:
         """int32 KV slots of token positions [start, stop) (the handle must be on the device)."""
         if self.host_slots is not None:

@@ -266,7 +266,7 @@ class KVCacheManager:
         bs = self.block_size
         full = len(token_ids) // bs
         done = handle.cached_blocks
-        if full <= done or handle.num_dropped > done:  # a dropped block cannot be cached any more
+        if full <= done or not handle.may_cache_more:
             return done
         cache, table = self.prefix_cache, handle.table
         result = cache.insert(token_ids[done * bs : full * bs], table[done:full].tolist(), parent=handle.path)

@@ -380,7 +380,7 @@ class Scheduler:
         if not self.config.enable_prefix_caching or req.status is not RequestStatus.RUNNING:
             return
         bs, cached = self.config.block_size, req.kv.cached_blocks
-        if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
+        if req.num_computed_tokens // bs > cached and req.kv.may_cache_more:  # a block filled since the last insert
             n = min(req.num_computed_tokens, req.num_known_tokens)
             if self.kv.window.enabled:
                 n = min(n, req.num_prompt_tokens)
