@@ -353,7 +353,8 @@ class Scheduler:
             if index is not None:
                 chunk.output_index = index
             self.cache_known_blocks(req)
-            self.kv.window.slide(req.kv, req.num_computed_tokens)  # later steps' queries start there
+            if req.status is RequestStatus.RUNNING:  # later steps' queries start at its computed tokens
+                self.kv.window.slide(req.kv, req.num_computed_tokens)
             if self.kv.snapshots.enabled and end == req.num_prompt_tokens // bs * bs > chunk.start:
                 self.kv.snapshots.save(req.kv, req.prompt_token_ids, end // bs)
 
