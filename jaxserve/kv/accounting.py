@@ -24,7 +24,7 @@ class KVUsage:
 
     num_blocks: int  # usable device blocks (the reserved block 0 excluded)
     free: int  # on the free list
-    used: int  # held by at least one request
+    used: int  # held by at least one request (or locked by one: cached blocks out of its sliding window)
     shared: int  # held by two or more requests
     cached: int  # stored in the prefix cache (some may also be used or pinned)
     cached_idle: int  # cached and held by no request or pin: reclaimable at once
@@ -48,9 +48,11 @@ class KVUsage:
 def kv_usage(mgr: KVCacheManager) -> KVUsage:
     """Block counts of a KV manager; O(blocks), so call it per scrape, not per step."""
     holders = np.zeros(mgr.pool.num_blocks, dtype=np.int32)
+    cache, host = mgr.prefix_cache, mgr.host
     for handle in mgr.live_handles():
         np.add.at(holders, handle.held_blocks, 1)
-    cache, host = mgr.prefix_cache, mgr.host
+        if handle.num_dropped and handle.cached_blocks:  # its cached blocks the window dropped: still locked by it
+            np.add.at(holders, cache.path_blocks(handle.path)[: handle.num_dropped], 1)
     swapped = sum(len(h.host_slots) for h in mgr.live_handles() if h.host_slots is not None)
     cached_blocks = np.fromiter(cache.device_blocks(), dtype=np.int64)
     cached_used = int((holders[cached_blocks] > 0).sum())

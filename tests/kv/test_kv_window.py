@@ -76,6 +76,7 @@ def test_the_prompt_stays_cached_while_its_last_block_is_in_the_window() -> None
     kv = eng.reqs["a"].kv
     assert kv.cached_blocks == 5 and kv.num_dropped > 0 and max(held) <= MOST_HELD
     assert mgr.prefix_cache.num_evictable_blocks == 0  # locked: the sequence holds its last block
+    assert mgr.usage().used == kv.num_dropped + len(kv.held_blocks)  # the dropped ones locked, so in use
     run_more = [eng.step("a", 1, 7) for _ in range(WINDOW)]
     assert all(run_more)
     after_step(eng, "a", len(prompt))
