@@ -7,37 +7,16 @@ compiles after warm-up and the pool is free after each test."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
+from sliding_window_harness import BS, CONFIG, LONG, REFERENCE, WINDOW, tiny_mistral
 
-from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
-
-REFERENCE = json.loads((Path(__file__).parent / "data" / "family_reference.json").read_text())["tiny"]["mistral"]
-WINDOW, BS = 8, 4
-CONFIG = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=16,  # prompts of 21 and 45 tokens take several chunks
-    max_model_len=128,
-    block_size=BS,
-    num_blocks=64,
-    decode_batch_buckets=(4,),
-    sampler_row_buckets=(4,),
-    prefill_token_buckets=(16,),
-    prefill_seq_buckets=(4,),
-    block_table_buckets=(32,),
-)
-LONG = [int(t) for t in np.random.default_rng(7).integers(3, 250, 56)]
 
 
 @pytest.fixture(scope="module")
 def model():
-    built = build_tiny_random(family="mistral", seed=REFERENCE["seed"])
-    assert built.config.sliding_window == WINDOW
-    return built
+    return tiny_mistral()
 
 
 @pytest.fixture(scope="module")
