@@ -35,6 +35,10 @@ class EngineConfig:
     # carry a scale per token and kv head (kernels_pallas/kv_quant.py)
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # A model whose every attention layer slides (Mistral's sliding_window) keeps window-sized caches: blocks
+    # wholly before the window are freed as a sequence grows (jaxserve/kv/window.py). False: every block kept.
+    # Models mixing sliding and full layers (Gemma 3, gpt-oss) keep every block either way.
+    sliding_window_kv: bool = True
     swap_space_blocks: int = 0  # host-tier capacity for swapped-out blocks (0 = no swapping)
     kv_host_bytes: int = 0  # host-tier capacity in bytes (the larger of this and swap_space_blocks wins)
     # Disk tier (off without a directory): blocks keyed by content, shared by engines on one directory

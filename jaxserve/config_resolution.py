@@ -18,6 +18,7 @@ from checkpoints.config import ModelConfig
 from jaxserve.config import EngineConfig
 from jaxserve.dtype_choice import weights_dtype
 from jaxserve.model import KVCache
+from jaxserve.model.attention import sliding_layers
 from jaxserve.model.state_cache import LinearStateCache
 from jaxserve.resolved_config import ResolvedConfig, ServedModel, resolve_limits
 from jaxserve.runner.pipeline_placement import plan_stages, stage_model_config
@@ -67,4 +68,5 @@ def served_model(config: EngineConfig, model: ModelConfig, dtype: str) -> Served
         kv_block_bytes=KVCache.bytes_per_block(paged_config(served), config.block_size, kv_dtype) * latent_copies,
         kv_devices=config.tensor_parallel_size * config.pipeline_parallel_size,
         state_slot_bytes=LinearStateCache.bytes_per_slot(served) if is_hybrid(served) else 0,
+        sliding_window=model.sliding_window if all(sliding_layers(model)) else None,
     )

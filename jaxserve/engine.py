@@ -110,6 +110,7 @@ class LLMEngine(EngineCoreOps):
             kv_events=ec.kv_events and ec.enable_prefix_caching,
             num_state_slots=ec.num_state_slots,
             num_state_snapshots=ec.num_state_snapshots,
+            sliding_window=ec.kv_window,
         )
         self.lora = (
             None

@@ -29,6 +29,8 @@ class ServedModel:
     # A hybrid's (Gated DeltaNet layers): bytes of one sequence's linear-attention state (its state slot), all
     # devices; 0: the model keeps no per-sequence state.
     state_slot_bytes: int = 0
+    # The window of a model whose every attention layer slides (None: a layer attends to all its tokens).
+    sliding_window: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +61,8 @@ class ResolvedConfig(EngineConfig):
     num_host_slots: int  # host-tier blocks (0: no host tier)
     num_state_slots: int = 0  # a hybrid's state slots, slot 0 reserved (jaxserve/kv/state_slots.py); 0: none
     num_state_snapshots: int = 0  # of those, kept as snapshots for prefix hits at most (jaxserve/kv/state_snapshots.py)
+    # Sequences hold only the blocks of this window (jaxserve/kv/window.py); None: every block.
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +111,7 @@ def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
         num_host_slots=_num_host_slots(config, served.kv_block_bytes, max_model_len // bs),
         num_state_slots=state_slots,
         num_state_snapshots=snapshots,
+        kv_window=_kv_window(config, served, max_model_len, state_slots),
         **buckets,
         verify_batch_buckets=_verify_batches(config, buckets["decode_batch_buckets"]),
     )
@@ -138,6 +143,15 @@ def hybrid_settings(config: EngineConfig, served: ServedModel) -> tuple[EngineCo
         raise ValueError(f"a Gated DeltaNet hybrid model does not run with {', '.join(refused)} yet")
     snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
     return dataclasses.replace(config, kv_events=False), config.max_num_seqs + 1 + snapshots, snapshots
+
+
+def _kv_window(config: EngineConfig, served: ServedModel, max_model_len: int, state_slots: int) -> int | None:
+    """The window sequences' caches are cut to: the model's, when every attention layer slides, the config
+    asks for it, the model keeps no per-sequence state besides (a hybrid) and a sequence can outgrow it."""
+    window = served.sliding_window
+    if window is None or not config.sliding_window_kv or state_slots or window >= max_model_len:
+        return None
+    return window
 
 
 def _max_model_len(config: EngineConfig, context: int, capacity: int) -> int:

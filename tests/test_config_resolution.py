@@ -173,3 +173,16 @@ def test_a_hybrid_budget_counts_its_state_slots_and_refuses_what_it_cannot_run_y
         with pytest.raises(ValueError, match=f"hybrid model does not run with {name}"):
             resolve(EngineConfig(**settings), hybrid)
     assert resolve(EngineConfig(), MODEL).num_state_slots == 0
+
+
+def test_only_a_model_whose_every_layer_slides_gets_window_sized_caches():
+    """`kv_window`: Mistral's window (every layer slides); None for a model with full layers too (Gemma 3,
+    gpt-oss: every block kept), with the flag off, and for a window no shorter than max_model_len."""
+    mistral = tiny_random_config(**TINY_FAMILIES["mistral"])
+    assert resolve(EngineConfig(num_blocks=64), mistral).kv_window == mistral.sliding_window == 8
+    assert resolve(EngineConfig(num_blocks=64, sliding_window_kv=False), mistral).kv_window is None
+    assert resolve(EngineConfig(num_blocks=64, max_model_len=16, block_size=4), mistral).kv_window == 8
+    assert resolve(EngineConfig(num_blocks=64, max_model_len=8, block_size=4), mistral).kv_window is None
+    for family in ("gemma3", "gpt_oss", "llama", "qwen3_5"):
+        model = tiny_random_config(**TINY_FAMILIES[family])
+        assert resolve(EngineConfig(num_blocks=64), model).kv_window is None, family

@@ -24,7 +24,7 @@ class KVUsage:
 
     num_blocks: int  # usable device blocks (the reserved block 0 excluded)
     free: int  # on the free list
-    used: int  # held by at least one request
+    used: int  # held by at least one request (or locked by one: cached blocks out of its sliding window)
     shared: int  # held by two or more requests
     cached: int  # stored in the prefix cache (some may also be used or pinned)
     cached_idle: int  # cached and held by no request or pin: reclaimable at once
@@ -48,9 +48,11 @@ class KVUsage:
 def kv_usage(mgr: KVCacheManager) -> KVUsage:
     """Block counts of a KV manager; O(blocks), so call it per scrape, not per step."""
     holders = np.zeros(mgr.pool.num_blocks, dtype=np.int32)
-    for handle in mgr.live_handles():
-        np.add.at(holders, handle.table[: handle.num_blocks], 1)
     cache, host = mgr.prefix_cache, mgr.host
+    for handle in mgr.live_handles():
+        np.add.at(holders, handle.held_blocks, 1)
+        if handle.num_dropped and handle.cached_blocks:  # its cached blocks the window dropped: still locked by it
+            np.add.at(holders, cache.path_blocks(handle.path)[: handle.num_dropped], 1)
     swapped = sum(len(h.host_slots) for h in mgr.live_handles() if h.host_slots is not None)
     cached_blocks = np.fromiter(cache.device_blocks(), dtype=np.int64)
     cached_used = int((holders[cached_blocks] > 0).sum())
@@ -98,21 +100,24 @@ def check_integrity(mgr: KVCacheManager) -> None:
 
 
 def _check_swapped(handle: KVHandle, block_size: int) -> None:
-    if handle.num_blocks or len(handle.host_slots) != -(-handle.num_tokens // block_size):
+    if handle.num_blocks or len(handle.host_slots) != -(-handle.num_tokens // block_size) - handle.num_dropped:
         raise AssertionError("a swapped sequence's host slots do not cover its tokens")
 
 
 def _check_on_device(handle: KVHandle, cache: PrefixCache) -> list[int]:
-    """Check a running sequence's table against its tokens and the cache; returns its blocks."""
-    blocks = handle.table[: handle.num_blocks].tolist()
-    if len(blocks) != -(-handle.num_tokens // handle.block_size):
-        raise AssertionError(f"a sequence has {len(blocks)} blocks for {handle.num_tokens} tokens")
-    if len(set(blocks)) != len(blocks) or RESERVED_BLOCK in blocks:
-        raise AssertionError("repeated or reserved block in a table")
-    if handle.path.end != handle.cached_blocks:
+    """Check a running sequence's table against its tokens and the cache; returns the blocks it holds
+    (its dropped entries, out of a sliding window, are the reserved block)."""
+    table, dropped = handle.table[: handle.num_blocks].tolist(), handle.num_dropped
+    blocks = table[dropped:]
+    if len(table) != -(-handle.num_tokens // handle.block_size):
+        raise AssertionError(f"a sequence has {len(table)} blocks for {handle.num_tokens} tokens")
+    if len(set(blocks)) != len(blocks) or RESERVED_BLOCK in blocks or set(table[:dropped]) - {RESERVED_BLOCK}:
+        raise AssertionError("repeated or reserved block in a table, or a dropped entry not the reserved block")
+    if handle.path.end != handle.cached_blocks or dropped >= handle.cached_blocks > 0:
         raise AssertionError(
-            f"a sequence's locked path ends at block {handle.path.end}, cached_blocks {handle.cached_blocks}"
+            f"a sequence's locked path ends at block {handle.path.end}, cached_blocks {handle.cached_blocks}, "
+            f"{dropped} dropped"
         )
-    if cache.path_blocks(handle.path) != blocks[: handle.cached_blocks]:
+    if cache.path_blocks(handle.path)[dropped:] != table[dropped : handle.cached_blocks]:
         raise AssertionError("a sequence's cached blocks differ from the cache")
     return blocks

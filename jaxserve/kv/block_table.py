@@ -5,6 +5,9 @@ The request owns its handle (`Request.kv`); the KV manager makes it (`admit`) an
 handle's *KV slots* are the token positions it has KV space for: tokens computed plus those
 being computed by the step being scheduled. The KV slot of position p is
 `table[p // block_size] * block_size + p % block_size`.
+
+With a sliding window (`window.py`) the first `num_dropped` entries are `RESERVED_BLOCK`: blocks
+wholly before the window, released; the attention kernels never read those positions.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class KVHandle:
         "chain",
         "is_live",
         "state_slot",
+        "num_dropped",
     )
 
     def __init__(
@@ -62,11 +66,24 @@ class KVHandle:
         self.chain = chain  # content keys of its blocks (the disk tier's write-through)
         self.is_live = True  # until `KVCacheManager.free`
         self.state_slot: int | None = None  # a hybrid model's (`state_slots.py`), from admission to `free`
+        self.num_dropped = 0  # leading entries released as out of the sliding window (`window.py`)
 
     @property
     def block_table(self) -> np.ndarray:
         """Read-only int32 view of the sequence's blocks (empty while swapped out)."""
         return self._readonly[: self.num_blocks]
+
+    @property
+    def held_blocks(self) -> np.ndarray:
+        """Read-only view of the blocks the sequence holds a reference on (the table after its
+        dropped entries; empty while swapped out)."""
+        return self._readonly[self.num_dropped : self.num_blocks] if self.num_blocks else self._readonly[:0]
+
+    @property
+    def may_cache_more(self) -> bool:
+        """Whether blocks after its cached ones may still join the prefix cache: not once the
+        sliding window dropped one of them (its KV is gone from the table)."""
+        return self.num_dropped <= self.cached_blocks
 
     def kv_slots(self, start: int, stop: int) -> np.ndarray:
         """int32 KV slots of token positions [start, stop) (the handle must be on the device)."""

@@ -33,6 +33,7 @@ def build_kv_manager(
     kv_events: bool = False,
     num_state_slots: int = 0,
     num_state_snapshots: int = 0,
+    sliding_window: int | None = None,
 ) -> KVCacheManager:
     """
     num_blocks, block_size: the device pool (block 0 reserved).
@@ -45,6 +46,7 @@ def build_kv_manager(
     kv_events: record the prefix cache's changes for a router (`manager.events`; needs the prefix cache).
     num_state_slots: a hybrid model's per-sequence state slots, slot 0 reserved (`state_slots.py`; 0: none).
     num_state_snapshots: of those, how many may keep snapshots for prefix hits (`state_snapshots.py`).
+    sliding_window: a window-sized cache per sequence, for a model whose every layer slides (`window.py`).
     """
     pool = BlockPool(num_blocks, block_size)
     host = HostTier(num_host_slots)
@@ -58,25 +60,29 @@ def build_kv_manager(
         raise ValueError("a tier below the host tier (disk or pool) needs the prefix cache")
     else:
         cache = NoPrefixCache(pool, host)
-    events = None
-    if kv_events:
-        if not isinstance(cache, RadixCache):
-            raise ValueError("KV events need the prefix cache")
-        events = KVEventLog(link.new_chain().seed)
-        _record_drops(cache, events, link.seeds, block_size)
     return KVCacheManager(
         pool,
         cache,
         host,
         copies,
-        events=events,
+        events=_event_log(cache, link, block_size) if kv_events else None,
         watermark_blocks=watermark_blocks,
         pin_budget_blocks=pin_budget_blocks,
         max_pinned_blocks=max_pinned_blocks,
         tier_link=link,
         state_slots=StateSlots(num_state_slots),
         num_snapshots=num_state_snapshots,
+        sliding_window=sliding_window,
     )
+
+
+def _event_log(cache: RadixCache | NoPrefixCache, link: LowerTierLink, block_size: int) -> KVEventLog:
+    """The log of the prefix cache's changes for a router (KV events)."""
+    if not isinstance(cache, RadixCache):
+        raise ValueError("KV events need the prefix cache")
+    events = KVEventLog(link.new_chain().seed)
+    _record_drops(cache, events, link.seeds, block_size)
+    return events
 
 
 def _record_drops(cache: RadixCache, events: KVEventLog, seeds: PathSeeds, block_size: int) -> None:

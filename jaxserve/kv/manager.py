@@ -27,11 +27,13 @@ that the tier holds; the scheduler may `loads.start(key, hit)` them into the hos
 admitting, then admit once `loads.poll()` has put them in the cache (`tier_loads.py`). Cached
 blocks are written to the tier as the copy plan's `*_TO_DISK` stages (`tier_link.py`).
 
+With `sliding_window` (a model whose every attention layer slides), `window.slide(handle, start)`
+releases the blocks no query from `start` on reads (`window.py`).
+
 Design notes. A sequence locks the prefix-cache path of its cached leading blocks
-(`cached_blocks`), so a block it holds is never evicted under it. Swap-out copies the whole
-table to the host (shared prefix blocks too: simple, and the sequence comes back whole whatever
-the cache did meanwhile). Token ids must fit in int32 (the cache keys
-tokens as int32 bytes); numpy int32 arrays match fastest.
+(`cached_blocks`), so a block it holds is never evicted under it. Swap-out copies every block the
+table holds to the host (shared prefix blocks too: the sequence comes back whole whatever the cache
+did meanwhile). Token ids must fit in int32 (the cache keys tokens as int32 bytes).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from jaxserve.kv.accounting import KVUsage, check_integrity, kv_usage
-from jaxserve.kv.block_pool import BlockPool
+from jaxserve.kv.block_pool import RESERVED_BLOCK, BlockPool
 from jaxserve.kv.block_table import KVHandle
 from jaxserve.kv.content_keys import ChainKeys
 from jaxserve.kv.copy_plan import CopyKind, CopyPlan, CopyStage
@@ -54,6 +56,7 @@ from jaxserve.kv.state_slots import StateSlots
 from jaxserve.kv.state_snapshots import StateSnapshots, cut_to_snapshot
 from jaxserve.kv.tier_link import LowerTierLink
 from jaxserve.kv.tier_loads import TierLoads
+from jaxserve.kv.window import SlidingWindow
 
 
 class KVCacheManager:
@@ -74,6 +77,7 @@ class KVCacheManager:
         events: KVEventLog | None = None,
         state_slots: StateSlots | None = None,
         num_snapshots: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         """
         prefix_cache, host, copies: the prefix cache over `pool`, the host tier and the copy plan
@@ -89,6 +93,8 @@ class KVCacheManager:
         state_slots: a hybrid model's per-sequence state slots (`state_slots.py`): every admitted
             sequence holds one until it is freed; None: none (a model of attention layers only).
         num_snapshots: a hybrid's state snapshots kept for prefix hits, at most (`state_snapshots.py`).
+        sliding_window: the window of a model whose every attention layer slides: `window.slide`
+            releases the blocks before it (`window.py`); None: sequences keep every block.
         """
         self.pool = pool
         self.block_size = pool.block_size
@@ -113,6 +119,9 @@ class KVCacheManager:
         self.events = events
         self.state_slots = state_slots or StateSlots(0)
         self.snapshots = StateSnapshots(self.state_slots, num_snapshots, copies, self._changed)
+        if sliding_window is not None and self.state_slots.enabled:
+            raise ValueError("a sliding_window does not go with state slots (a hybrid keeps every block)")
+        self.window = SlidingWindow(sliding_window, pool, prefix_cache, self._changed)
 
     def _changed(self) -> None:
         self._epoch += 1
@@ -257,7 +266,7 @@ class KVCacheManager:
         bs = self.block_size
         full = len(token_ids) // bs
         done = handle.cached_blocks
-        if full <= done:
+        if full <= done or not handle.may_cache_more:
             return done
         cache, table = self.prefix_cache, handle.table
         result = cache.insert(token_ids[done * bs : full * bs], table[done:full].tolist(), parent=handle.path)
@@ -302,14 +311,14 @@ class KVCacheManager:
             self.host.free(handle.host_slots)
             handle.host_slots = None
             return
-        self.pool.decref_all(handle.table[: handle.num_blocks].tolist())
-        handle.num_blocks = 0
+        self.pool.decref_all(handle.held_blocks.tolist())
+        handle.num_blocks = handle.num_dropped = 0
         self.prefix_cache.unlock(handle.path)
 
     # ------------------------------------------------------------------ swap
 
     def can_swap_out(self, handle: KVHandle) -> bool:
-        return self.prefix_cache.can_reserve_host(self._on_device(handle).num_blocks)
+        return self.prefix_cache.can_reserve_host(len(self._on_device(handle).held_blocks))
 
     def swap_out(self, handle: KVHandle) -> bool:
         """Preempt by copying the sequence's blocks to host slots and freeing them on the device.
@@ -320,10 +329,9 @@ class KVCacheManager:
         if not self.can_swap_out(handle):
             return False
         self._epoch += 1
-        n = handle.num_blocks
+        blocks = handle.held_blocks.tolist()  # the dropped ones stay dropped (`swap_in`)
         cache = self.prefix_cache
-        host_slots = cache.reserve_host(n)
-        blocks = handle.table[:n].tolist()
+        host_slots = cache.reserve_host(len(blocks))
         for block, host_slot in zip(blocks, host_slots):
             self.copies.add(CopyKind.DEVICE_TO_HOST, block, host_slot)
         self.pool.decref_all(blocks)
@@ -351,7 +359,7 @@ class KVCacheManager:
             self.copies.add(CopyKind.HOST_TO_DEVICE, host_slot, block)
         self.host.free(host_slots)
         handle.host_slots = None
-        handle.append(blocks)
+        handle.append([RESERVED_BLOCK] * handle.num_dropped + blocks)
         handle.renew_version()
         return True
 

@@ -353,6 +353,8 @@ class Scheduler:
             if index is not None:
                 chunk.output_index = index
             self.cache_known_blocks(req)
+            if req.status is RequestStatus.RUNNING:  # later steps' queries start at its computed tokens
+                self.kv.window.slide(req.kv, req.num_computed_tokens)
             if self.kv.snapshots.enabled and end == req.num_prompt_tokens // bs * bs > chunk.start:
                 self.kv.snapshots.save(req.kv, req.prompt_token_ids, end // bs)
 
@@ -373,11 +375,15 @@ class Scheduler:
 
     def cache_known_blocks(self, req: Request) -> None:
         """Insert the request's computed full blocks into the prefix cache, up to its first
-        token still in flight (called again when that token is read)."""
+        token still in flight (called again when that token is read). With a sliding window, only
+        its prompt's: a cached path stays locked while the request holds a block of it, so caching
+        the output would keep every block of a long decode (jaxserve/kv/window.py)."""
         if not self.config.enable_prefix_caching or req.status is not RequestStatus.RUNNING:
             return
         bs, cached = self.config.block_size, req.kv.cached_blocks
-        if req.num_computed_tokens // bs > cached:  # a block filled since the last insert
+        if req.num_computed_tokens // bs > cached and req.kv.may_cache_more:  # a block filled since the last insert
             n = min(req.num_computed_tokens, req.num_known_tokens)
+            if self.kv.window.enabled:
+                n = min(n, req.num_prompt_tokens)
             if n // bs > cached:
                 self.kv.cache_full_blocks(req.kv, req.copy_cache_tokens(n))

@@ -200,7 +200,7 @@ class FakeEngine:
                 continue
             assert len(table) == -(-req.kv.num_tokens // self.bs), "table does not cover tokens"
             assert req.kv.num_tokens == req.computed
-            np.add.at(holders, table, 1)
+            np.add.at(holders, table[req.kv.num_dropped :], 1)  # dropped: out of a sliding window
         cache = mgr.prefix_cache
         np.add.at(holders, np.fromiter(cache.device_blocks(), dtype=np.int64), 1)
         assert holders[0] == 0, "block 0 was handed out"
@@ -218,7 +218,9 @@ class FakeEngine:
         assert not self.pending
         for rid in self.running():
             req = self.reqs[rid]
-            np.testing.assert_array_equal(self.content(rid), req.tokens[: req.computed], err_msg=f"content of {rid}")
+            kept = req.kv.num_dropped * self.bs  # positions before: out of a sliding window
+            content = self.content(rid)[kept:]
+            np.testing.assert_array_equal(content, req.tokens[kept : req.computed], err_msg=f"content of {rid}")
         cache = self.mgr.prefix_cache
         for node in cache.nodes() if isinstance(cache, RadixCache) else []:
             key = np.frombuffer(node.key, dtype=np.int32).reshape(-1, self.bs)
