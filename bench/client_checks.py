@@ -4,10 +4,10 @@
                                    [--base-url URL --served-model NAME] [--server-args ...]
 
 Starts `jaxserve serve` on a free loopback port (or uses `--base-url`), then runs the checks of
-`bench/client_check_cases.py` in `--client-python` (an interpreter with the client libraries:
-openai, anthropic, openai-agents, langchain-openai, litellm; default: this one) and prints each
-check and the count: passed of those run, with the skipped (library not installed) named apart.
-`--json PATH` keeps the results.
+`bench/client_check_openai.py` and `bench/client_check_others.py` in `--client-python` (an
+interpreter with the client libraries: openai, anthropic, openai-agents, langchain-openai, litellm;
+default: this one) and prints each check and the count: passed of those run, with the skipped
+(library not installed) named apart. `--json PATH` keeps the results.
 """
 
 from __future__ import annotations
@@ -20,17 +20,20 @@ from pathlib import Path
 
 from bench.server_process import ManagedServer, free_port, jaxserve_argv
 
-CASES = Path(__file__).with_name("client_check_cases.py")
+SCRIPTS = [Path(__file__).with_name(name) for name in ("client_check_openai.py", "client_check_others.py")]
 KEY = "client-checks-key"
 
 
 def run_checks(client_python: str, base_url: str, model: str) -> list[dict]:
-    out = subprocess.run(
-        [client_python, str(CASES), base_url, model, KEY], capture_output=True, text=True, timeout=1800
-    )
-    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not results:
-        raise SystemExit(f"the checks did not run ({out.returncode}):\n{out.stderr[-3000:]}")
+    results = []
+    for script in SCRIPTS:
+        out = subprocess.run(
+            [client_python, str(script), base_url, model, KEY], capture_output=True, text=True, timeout=1800
+        )
+        ran = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        if out.returncode != 0 or not ran:
+            raise SystemExit(f"{script.name} did not run ({out.returncode}):\n{out.stderr[-3000:]}")
+        results += ran
     return results
 
 
