@@ -174,6 +174,7 @@ def test_bfloat16_logits_close_to_float32():
 
 
 @on_cpu
+@pytest.mark.slow  # ~50 s; the golden-prompts test below serves the default model in bf16 and f32 too
 def test_bfloat16_engine_greedy_text_matches_float32_on_the_default_model(assert_kv_all_free):
     """SmolLM2 in bf16 keeps f32's greedy continuation of short prompts (the first tokens)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]

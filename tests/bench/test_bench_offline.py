@@ -34,6 +34,7 @@ def test_throughput_counts_every_token_and_compiles_nothing_new(compile_cache):
     assert tiers["disk_loads"] == 0 and tiers["disk_bytes_written"] == 0  # no disk tier here
 
 
+@pytest.mark.slow  # ~65 s; the draft model is tested in test_speculative_draft_model, the report in the test above
 def test_throughput_reports_speculative_decoding_with_a_draft_model(compile_cache):
     """The target as its own draft: nearly every draft is accepted, and the report says so per position."""
 
