@@ -89,8 +89,8 @@ def test_the_speculative_config_flag_parses_json_and_names_what_is_wrong(capsys)
     assert engine_config_from_args(args).speculative_config == SpeculativeConfig("ngram", 4)
     assert engine_config_from_args(parser.parse_args([])).speculative_config is None
     with pytest.raises(SystemExit):
-        parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
-    assert "--speculative-config: speculative method 'mtp' is not supported yet" in capsys.readouterr().err
+        parser.parse_args(["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 1}'])
+    assert "--speculative-config: speculative method 'eagle3' is not supported yet" in capsys.readouterr().err
 
 
 def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int = 64):

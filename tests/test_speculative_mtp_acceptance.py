@@ -1,0 +1,40 @@
+"""MTP speculative decoding with one draft token (k = 1, the synchronous loop): greedy output the same as
+without it on a tiny random DeepSeek-V3, and an MTP layer whose drafts are known (`mtp_models.successor_model`)
+accepted as predicted: every draft (the MTP layer reads the target's hidden state right)."""
+
+from __future__ import annotations
+
+import pytest
+from mtp_models import ENGINE, PROMPTS, mtp, outputs, params_for, successor_model, tiny_deepseek_with_mtp
+
+from jaxserve import LLM, SamplingParams
+
+K = 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_deepseek_with_mtp()
+
+
+def test_one_draft_token_in_the_synchronous_loop_keeps_greedy_output(model, assert_kv_all_free):
+    plain = LLM(model, warm_up=False, **ENGINE)
+    llm = LLM(model, warm_up=False, async_scheduling=False, speculative_config=mtp(K), **ENGINE)
+    assert outputs(llm, PROMPTS, params_for(PROMPTS)) == outputs(plain, PROMPTS, params_for(PROMPTS))
+    assert llm.engine.stats.draft_tokens > 0
+    assert_kv_all_free(llm.engine)
+
+
+def test_an_mtp_layer_that_predicts_the_next_token_has_every_draft_accepted(model, assert_kv_all_free):
+    """The successor model (`mtp_models.successor_model`): its target emits t + 1 after t, and its MTP layer
+    drafts t_{i+2} from the target's h_i, always right (the overlapped loop, two requests, one prompt longer
+    than a prefill chunk)."""
+    successor = successor_model(model)
+    llm = LLM(successor, warm_up=False, speculative_config=mtp(K), **ENGINE)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(20, 100))}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert outputs(llm, prompts, params) == [list(range(8, 20)), list(range(100, 112))]
+    stats = llm.engine.stats
+    assert stats.num_drafts > 4 and stats.accepted_tokens == stats.num_drafts
+    assert stats.position_accepted == stats.position_drafts == [stats.num_drafts]
+    assert_kv_all_free(llm.engine)
