@@ -66,8 +66,7 @@ from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import SchedulerOutput
-from jaxserve.speculative.draft_loading import load_draft_proposer
-from jaxserve.speculative.mtp_proposer import build_mtp_proposer
+from jaxserve.speculative.draft_loading import load_model_proposer
 from jaxserve.speculative.proposer import build_proposer
 from jaxserve.structured import GrammarCompiler
 from jaxserve.text_stream import TextStream
@@ -124,11 +123,7 @@ class LLMEngine(EngineCoreOps):
         self.proposer = build_proposer(
             ec.speculative_config,
             ec.max_model_len,
-            lambda spec: (
-                build_mtp_proposer(spec, ec, self.runner)
-                if spec.method == "mtp"
-                else load_draft_proposer(spec, config, ec, loaded, self.runner.mesh)
-            ),
+            lambda spec: load_model_proposer(spec, config, ec, loaded, self.runner),
         )
         self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
         self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer)
