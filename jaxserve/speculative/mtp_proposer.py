@@ -22,16 +22,17 @@ import jax
 import numpy as np
 
 from jaxserve.model.experts import expert_backend
+from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.layer_stack import LayerStack
 from jaxserve.request import Request, RequestStatus
 from jaxserve.resolved_config import ResolvedConfig
-from jaxserve.runner.model_setup import build_cache
 from jaxserve.speculative.config import SpeculativeConfig
 from jaxserve.speculative.draft_model import DraftDevice, DraftModelProposer, DraftShapes
 from jaxserve.speculative.draft_programs import DraftPrograms
 from jaxserve.speculative.hidden_rows import HiddenRows, PendingHidden
 from jaxserve.speculative.mtp_model import mtp_layer_config
 from jaxserve.speculative.mtp_programs import MtpInputs, mtp_chain
+from sharding.rules import cache_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,12 @@ def build_mtp_proposer(spec: SpeculativeConfig, ec: ResolvedConfig, runner: Any)
     experts = model.experts or expert_backend(config)
     # Its own weights (not in the target's panels or packed pairs: `layout` converts only `layers`).
     stack = LayerStack(config, model.compute_dtype, model.dtype, False, model.backend, None, experts, ())
-    cache = build_cache(config, ec, runner.mesh, runner.kv_dtype)
+    cache = jax.jit(
+        lambda: KVCache.zeros(config, ec.num_blocks, ec.block_size, runner.kv_dtype),
+        out_shardings=cache_sharding(runner.mesh, latent=True),
+    )()
+    block_bytes = KVCache.bytes_per_block(config, ec.block_size, runner.kv_dtype)
+    logger.info("MTP latent cache: %d blocks (%.1f MB)", ec.num_blocks, ec.num_blocks * block_bytes / 1e6)
     params = runner.params["mtp"]
     if jax.tree.leaves(params)[0].shape[0] > 1:
         logger.info("the checkpoint has %d MTP layers: drafting with the first", jax.tree.leaves(params)[0].shape[0])
