@@ -1,6 +1,6 @@
-"""MTP speculative decoding with one draft token (k = 1, the synchronous loop): greedy output the same as
-without it on a tiny random DeepSeek-V3, and an MTP layer whose drafts are known (`mtp_models.successor_model`)
-accepted as predicted: every draft (the MTP layer reads the target's hidden state right)."""
+"""MTP speculative decoding with one draft token (k = 1): greedy output the same as without it on a tiny random
+DeepSeek-V3 (the synchronous loop; preemptions), and an MTP layer whose drafts are known
+(`mtp_models.successor_model`) accepted as predicted: every draft (it reads the target's hidden state right)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,28 @@ def model():
     return tiny_deepseek_with_mtp()
 
 
-def test_one_draft_token_in_the_synchronous_loop_keeps_greedy_output(model, assert_kv_all_free):
-    plain = LLM(model, warm_up=False, **ENGINE)
+@pytest.fixture(scope="module")
+def plain(model):
+    return LLM(model, warm_up=False, **ENGINE)
+
+
+def test_one_draft_token_in_the_synchronous_loop_keeps_greedy_output(model, plain, assert_kv_all_free):
     llm = LLM(model, warm_up=False, async_scheduling=False, speculative_config=mtp(K), **ENGINE)
     assert outputs(llm, PROMPTS, params_for(PROMPTS)) == outputs(plain, PROMPTS, params_for(PROMPTS))
     assert llm.engine.stats.draft_tokens > 0
     assert_kv_all_free(llm.engine)
+
+
+def test_preemption_frees_the_mtp_kv_and_greedy_output_stays(model, plain, assert_kv_all_free):
+    """A pool too small for the four requests preempts some (their MTP blocks and hidden states dropped, the
+    target's recomputed rows handed over again when they return): the same tokens."""
+    prompts = PROMPTS[1:5]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, warm_up=False, speculative_config=mtp(K), **{**ENGINE, "num_blocks": 24})
+    assert outputs(llm, prompts, params) == outputs(plain, prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.stats.draft_tokens > 0
+    assert_kv_all_free(llm.engine)
+    assert not llm.engine.proposer.hidden
 
 
 def test_an_mtp_layer_that_predicts_the_next_token_has_every_draft_accepted(model, assert_kv_all_free):
