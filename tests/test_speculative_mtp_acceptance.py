@@ -41,6 +41,24 @@ def test_preemption_frees_the_mtp_kv_and_greedy_output_stays(model, plain, asser
     assert not llm.engine.proposer.hidden
 
 
+def test_states_waiting_while_the_batch_is_too_large_to_draft_for_are_caught_up(model, plain, assert_kv_all_free):
+    """Three requests and `disable_by_batch_size` 1: no drafts while two or more run, yet no request's waiting
+    hidden states grow past a token bucket (64) and a prefill chunk (64); drafting starts when one is left."""
+    llm = LLM(model, warm_up=False, speculative_config=mtp(K, disable_by_batch_size=1), **ENGINE)
+    proposer, most = llm.engine.proposer, [0]
+    take_hidden = proposer.take_hidden
+
+    def watched(rows):
+        take_hidden(rows)
+        most[0] = max([most[0], *(p.num_rows for p in proposer.hidden.values())])
+
+    proposer.take_hidden = watched
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (70, 40, 100)]
+    assert outputs(llm, PROMPTS[:3], params) == outputs(plain, PROMPTS[:3], params)
+    assert 0 < most[0] < 128 and llm.engine.stats.draft_tokens > 0
+    assert_kv_all_free(llm.engine)
+
+
 def test_an_mtp_layer_that_predicts_the_next_token_has_every_draft_accepted(model, assert_kv_all_free):
     """The successor model (`mtp_models.successor_model`): its target emits t + 1 after t, and its MTP layer
     drafts t_{i+2} from the target's h_i, always right (the overlapped loop, two requests, one prompt longer

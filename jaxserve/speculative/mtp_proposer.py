@@ -7,9 +7,10 @@ sampling) over another model: the MTP layer, whose row at position p takes the t
 the target's last hidden state h_p. The engine hands it the hidden states each target step computed
 (`take_hidden`: the runner reads them off the steps only for a proposer that `wants_hidden`); they wait per
 request (`PendingHidden`) until the layer's catch-up computes their positions, which happens when the request
-is next drafted for (the engine reads every step before one that may draft, so they are all there). A
-position the target did not compute (a prefix-cache hit) is caught up with a zero hidden state: its latent
-then holds its token alone, which can only lower acceptance, never change the output.
+is next drafted for (the engine reads every step before one that may draft, so they are all there), or
+earlier, once a token bucket's worth waits (a batch too large to draft for). A position the target did not
+compute (a prefix-cache hit) is caught up with a zero hidden state: its latent then holds its token alone,
+which can only lower acceptance, never change the output.
 """
 
 from __future__ import annotations
@@ -53,10 +54,31 @@ class MtpProposer(DraftModelProposer):
 
     def take_hidden(self, rows: Sequence[HiddenRows]) -> None:
         """Keep a step's hidden states until the catch-up computes their positions; those of a request that
-        left the running batch since the step was launched (finished or preempted: released) are dropped."""
+        left the running batch since the step was launched (finished or preempted: released) are dropped.
+        Requests whose waiting states reach the largest token bucket are caught up now (`_catch_up_waiting`)."""
         for r in rows:
             if r.request.status is RequestStatus.RUNNING:
                 self.hidden.setdefault(r.request, PendingHidden(self.hidden_size)).add(r.position, r.rows)
+        self._catch_up_waiting()
+
+    def _catch_up_waiting(self) -> None:
+        """Catch up the requests with a token bucket's worth of states waiting, over the positions whose next
+        token is known: while the batch is too large to draft for, steps keep coming without a proposal, and
+        this bounds what waits on the host to about a bucket's rows per request (the chain's drafts are not
+        used; its blocks are reserved as a proposal's are, and a request the pool has no room for waits)."""
+        budget = min(tokens[-1] for tokens in self.shapes.tokens.values())
+        k, chunk = self.spec.num_speculative_tokens, []
+        for req, pending in self.hidden.items():
+            if pending.num_rows < budget or len(chunk) == self.shapes.seqs[-1]:
+                continue
+            start = self.kv.sequences[req].num_computed if req in self.kv.sequences else 0
+            n = min(req.num_known_tokens - 1 - start, budget)
+            seq = self.kv.reserve(req, start + n + k - 1) if n > 0 else None
+            if seq is not None:
+                chunk.append((req, seq, n))
+                budget -= n
+        if chunk:
+            self._run(chunk)
 
     def release(self, request: Request) -> None:
         super().release(request)
