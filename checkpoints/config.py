@@ -70,7 +70,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
-    num_nextn_predict_layers: int = 0  # multi-token prediction layers: loaded, not run
+    num_nextn_predict_layers: int = 0  # multi-token prediction layers: loaded, run by MTP speculation only
     # gpt-oss (issue 52): a learned logit per query head in each attention softmax's denominator
     # (`layers/sinks`), a bias on o_proj too, and experts with biases whose gate and up units are
     # interleaved in one kernel, under a clamped SwiGLU (set `swiglu_limit`: `model/experts.py`).

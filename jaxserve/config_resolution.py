@@ -23,6 +23,7 @@ from jaxserve.model.state_cache import LinearStateCache
 from jaxserve.resolved_config import ResolvedConfig, ServedModel, resolve_limits
 from jaxserve.runner.pipeline_placement import plan_stages, stage_model_config
 from jaxserve.runner.placement import plan_parallelism
+from jaxserve.speculative.mtp_target import check_mtp_target
 from kernels_pallas import default_attention_backend, kv_quant
 
 
@@ -54,6 +55,7 @@ def served_model(config: EngineConfig, model: ModelConfig, dtype: str) -> Served
     latent cache (multi-head latent attention) has no heads to split: every tensor-parallel device
     holds all of it, so a block's bytes over the devices count it once per device."""
     check_latent_attention(config, model)
+    check_mtp_target(config, model)
     served = dataclasses.replace(model, num_kv_heads=plan_parallelism(model, config).served_kv_heads)
     stages = plan_stages(served, config)
     if stages is not None:

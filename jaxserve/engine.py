@@ -60,13 +60,13 @@ from jaxserve.output_processor import OutputProcessor, StepStats
 from jaxserve.outputs import Delta, FinishReason
 from jaxserve.pooling import PromptPooling
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings
+from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings, read_hidden
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
 from jaxserve.runner.prepared_step import PreparedStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.output import SchedulerOutput
-from jaxserve.speculative.draft_loading import load_draft_proposer
+from jaxserve.speculative.draft_loading import load_model_proposer
 from jaxserve.speculative.proposer import build_proposer
 from jaxserve.structured import GrammarCompiler
 from jaxserve.text_stream import TextStream
@@ -119,12 +119,14 @@ class LLMEngine(EngineCoreOps):
                 loaded.config, ec.max_loras, ec.max_cpu_loras, ec.max_lora_rank, self.runner.write_lora_slot
             )
         )
-        # Speculative decoding (None: off); a draft model is loaded like the target, onto its mesh.
+        # Speculative decoding (None: off); a draft model is loaded like the target, onto its mesh; an MTP
+        # layer is the target's own (its hidden states read off every step).
         self.proposer = build_proposer(
             ec.speculative_config,
             ec.max_model_len,
-            lambda spec: load_draft_proposer(spec, config, ec, loaded, self.runner.mesh),
+            lambda spec: load_model_proposer(spec, config, ec, loaded, self.runner),
         )
+        self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
         self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(
@@ -384,6 +386,8 @@ class LLMEngine(EngineCoreOps):
     def _read(self, handle: StepHandle) -> list[Delta]:
         """Read an iteration's sampled tokens and update every request it sampled for."""
         results = self.runner.fetch(handle)
+        if self.runner.keep_hidden:  # before the tokens land: a request they finish is released
+            self.proposer.take_hidden(read_hidden(handle, results))
         self.stats.model_time += self.runner.last_fetch_time
         self.stats.overlapped_reads += handle.launches_before_fetch > handle.launch_index
         return self.outputs.land(handle, results)

@@ -1,9 +1,10 @@
 """Host side of speculative decoding (no JAX): the n-gram lookup, the config, the `Proposer` interface
-(`NgramProposer` and its pause), and the scheduler's drafts with their KV slots (allocated for every
-draft, released for the rejected)."""
+(`NgramProposer` and its pause), the scheduler's drafts with their KV slots (allocated for every
+draft, released for the rejected), and the hidden states an MTP proposer keeps (`PendingHidden`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from config_harness import resolved
 
@@ -13,6 +14,7 @@ from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.speculative import NgramProposer, SpeculativeConfig, build_proposer, propose_ngram
+from jaxserve.speculative.hidden_rows import PendingHidden
 
 
 def test_the_longest_recurring_ngram_proposes_what_followed_its_latest_occurrence():
@@ -30,6 +32,22 @@ def test_no_draft_without_a_recurring_ngram_of_at_least_min_n():
     assert propose_ngram([1, 2, 9, 1, 2, 8, 2], 3, 2, 3) == []  # only "2" recurs
     assert propose_ngram([7], 3, 1, 3) == []
     assert propose_ngram([1, 1], 0, 1, 1) == []
+
+
+def test_pending_hidden_states_by_position_zeros_where_none_came_and_recomputed_ones_replace():
+    def rows(first: int, n: int) -> np.ndarray:
+        return np.arange(first, first + n, dtype=np.float32)[:, None].repeat(2, axis=1)
+
+    pending = PendingHidden(2)
+    pending.add(4, rows(4, 6))  # positions 4 .. 9 (0 .. 3: a prefix-cache hit, never computed)
+    pending.add(10, rows(10, 2))
+    assert pending.take(2, 5)[:, 0].tolist() == [0, 0, 4, 5, 6]
+    pending.add(8, rows(108, 3))  # 8 .. 10 again (a verify step's rows after a preemption, say): they replace
+    assert pending.take(7, 5)[:, 0].tolist() == [7, 108, 109, 110, 0]
+    pending.drop_before(9)
+    assert pending.num_rows == 2 and pending.take(8, 3)[:, 0].tolist() == [0, 109, 110]
+    pending.drop_before(20)
+    assert pending.num_rows == 0 and not pending.segments
 
 
 def test_config_takes_vllms_names_from_json_or_a_dict():
@@ -89,8 +107,8 @@ def test_the_speculative_config_flag_parses_json_and_names_what_is_wrong(capsys)
     assert engine_config_from_args(args).speculative_config == SpeculativeConfig("ngram", 4)
     assert engine_config_from_args(parser.parse_args([])).speculative_config is None
     with pytest.raises(SystemExit):
-        parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
-    assert "--speculative-config: speculative method 'mtp' is not supported yet" in capsys.readouterr().err
+        parser.parse_args(["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 1}'])
+    assert "--speculative-config: speculative method 'eagle3' is not supported yet" in capsys.readouterr().err
 
 
 def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int = 64):

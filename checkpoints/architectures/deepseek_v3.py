@@ -15,7 +15,8 @@ the routed experts and the shared experts (`shared_{gate,up,down}_proj`) stacked
 (their Hugging Face names numbered from `first_k_dense_replace`, `Weight.layer_ids`).
 
 The multi-token prediction layers (`num_nextn_predict_layers`, stored as `model.layers.{L}`,
-... after the last layer) are declared under `mtp/` and loaded; the forward pass ignores them.
+... after the last layer) are declared under `mtp/` and loaded; the forward pass ignores them, MTP speculative
+decoding runs the first (`jaxserve/speculative/mtp_model.py`).
 """
 
 from __future__ import annotations

@@ -6,13 +6,14 @@
 
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.placement import checkpoint_shardings, enable_persistent_compilation_cache
-from jaxserve.runner.step_handle import StepHandle, read_pooled, read_prompt_scores
+from jaxserve.runner.step_handle import StepHandle, read_hidden, read_pooled, read_prompt_scores
 
 __all__ = [
     "ModelRunner",
     "StepHandle",
     "checkpoint_shardings",
     "enable_persistent_compilation_cache",
+    "read_hidden",
     "read_pooled",
     "read_prompt_scores",
 ]

@@ -112,6 +112,8 @@ class ModelRunner:
         # Multi-host: on process 0, called with every device operation of serving (see `_device`)
         # before it runs, so the other processes can `replay` it.
         self.mirror: Callable[[tuple], None] | None = None
+        # MTP speculation: each iteration's last hidden states are read too (`read_hidden`).
+        self.keep_hidden = False
         # Launches between their model and sampler phases: the phase, and the programs it ran.
         self._unsampled: dict[int, tuple[ModelPhase, list[Program]]] = {}
 
@@ -231,7 +233,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         masks = [write_token_masks(p).sampling.token_mask if p.masks else None for p in handle.prepared.programs]
         phase, outs = self._device("sample", handle.launch_index, masks)
-        start_reads(handle, self.inputs.batch, phase, outs, self.totals.counts_anything)
+        start_reads(handle, self.inputs.batch, phase, outs, self.totals.counts_anything, self.keep_hidden)
         self.last_launch_time += time.perf_counter() - t0
 
     def fetch(self, handle: StepHandle) -> list[tuple[ScheduledChunk, list[SampledToken]]]:

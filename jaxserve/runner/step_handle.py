@@ -1,6 +1,7 @@
 """A launched iteration (`StepHandle`) and its reads: `start_reads` starts copying what its
 programs gave back to the host, `read_tokens` waits for its sampled tokens (and updates the
-persistent batch), `read_prompt_scores` and `read_pooled` for its prompt scores and pooled rows."""
+persistent batch), `read_prompt_scores` and `read_pooled` for its prompt scores and pooled rows,
+`read_hidden` for its rows' last hidden states (MTP speculation only)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from jaxserve.outputs import SampledToken, TokenLogprob
 from jaxserve.request import Request
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.iteration import ModelPhase
-from jaxserve.runner.prepared_step import PooledRows, PreparedStep, PromptScores
+from jaxserve.runner.prepared_step import PooledRows, PreparedStep, Program, PromptScores
 from jaxserve.runner.step_counters import StepCounters
 from jaxserve.sampler import SamplerOutput
 from jaxserve.scheduler.output import ScheduledChunk
+from jaxserve.speculative.hidden_rows import HiddenRows
 
 
 @dataclasses.dataclass
@@ -35,6 +37,9 @@ class StepHandle:
     pooled: tuple[list[PooledRows], jax.Array] | None = None
     # Each model step's counters (not multi-step loops), when the runner counts anything.
     counters: list[StepCounters] = dataclasses.field(default_factory=list)
+    # MTP speculation: per model step (not multi-step loops), its chunks, each one's first row in its
+    # last hidden states, and those states [T, E].
+    hidden: list[tuple[list[ScheduledChunk], list[int], jax.Array]] = dataclasses.field(default_factory=list)
     # The iteration's host work, until its samplers are dispatched.
     prepared: PreparedStep | None = None
 
@@ -44,11 +49,17 @@ class StepHandle:
 
 
 def start_reads(
-    handle: StepHandle, batch: InputBatch, phase: ModelPhase, outs: list[SamplerOutput], counted: bool
+    handle: StepHandle,
+    batch: InputBatch,
+    phase: ModelPhase,
+    outs: list[SamplerOutput],
+    counted: bool,
+    keep_hidden: bool = False,
 ) -> None:
     """Record a dispatched iteration in the persistent batch and start copying to the host what
     the host will read of it: the tokens (log-probabilities only when a chunk asked), the prompt
-    scores, the pooled sums and (when `counted`) the model steps' counters."""
+    scores, the pooled sums, (when `counted`) the model steps' counters and (when `keep_hidden`)
+    the model steps' last hidden states."""
     prepared, handle.prepared = handle.prepared, None
     batch.unset.difference_update(prepared.reset_requests)
     # The tokens of decode and prefill programs land in the sampled buffer, at their offsets.
@@ -73,6 +84,11 @@ def start_reads(
     if phase.pooled is not None:
         phase.pooled.sums.copy_to_host_async()
         handle.pooled = (prepared.pooled, phase.pooled.sums)
+    if keep_hidden:
+        for chunks, program, step in zip(prepared.parts, prepared.programs, phase.steps):
+            if program.num_steps == 1:
+                step.hidden.copy_to_host_async()
+                handle.hidden.append((chunks, _first_rows(chunks, program), step.hidden))
     handle.counters = phase.counters if counted else []
     for counters in handle.counters:
         for field in counters:
@@ -153,3 +169,27 @@ def read_pooled(handle: StepHandle) -> list[tuple[Request, np.ndarray, int]]:
     pooled, sums = handle.pooled
     sums = np.asarray(sums)
     return [(p.request, sums[p.segment], len(p.positions)) for p in pooled]
+
+
+def _first_rows(chunks: list[ScheduledChunk], program: Program) -> list[int]:
+    """Each chunk's first row in a model step: a verify program's sequences take the same rows each, the
+    others' chunks their new tokens one after another (a prefill program's decodes one each, after its chunks)."""
+    if program.drafts is not None:
+        per_seq = len(program.host_args[0]) // program.key[1]
+        return [i * per_seq for i in range(len(chunks))]
+    return np.cumsum([0] + [c.num_new_tokens for c in chunks[:-1]]).tolist()
+
+
+def read_hidden(handle: StepHandle, results: list[tuple[ScheduledChunk, list[SampledToken]]]) -> list[HiddenRows]:
+    """A read iteration's last hidden states (kept when `start_reads` was asked to): per chunk, its request,
+    its first position and the f32 rows of the positions whose tokens stand (a verified decode's: its last
+    token and the drafts accepted, one row per token it sampled; `results` from `read_tokens`)."""
+    sampled = {id(c): len(tokens) for c, tokens in results}
+    out = []
+    for chunks, first_rows, hidden in handle.hidden:
+        rows = np.asarray(hidden, np.float32)
+        for c, first in zip(chunks, first_rows):
+            n = sampled.get(id(c), 0) if c.draft else c.num_new_tokens
+            if n:
+                out.append(HiddenRows(c.request, c.start, rows[first : first + n]))
+    return out

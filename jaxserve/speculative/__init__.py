@@ -1,5 +1,6 @@
-"""Speculative decoding: its settings, the `Proposer` interface that drafts tokens (n-gram prompt lookup
-today; host side, no JAX), and the device-side verification of the drafts (`jaxserve.speculative.verify`,
+"""Speculative decoding: its settings, the `Proposer` interface that drafts tokens (n-gram prompt lookup on
+the host, no JAX; a draft model, `draft_model`, and DeepSeek-V3's MTP layer, `mtp_proposer`, which import JAX
+and are built by the engine), and the device-side verification of the drafts (`jaxserve.speculative.verify`,
 which imports JAX and is loaded by the runner only)."""
 
 from jaxserve.speculative.config import SpeculativeConfig

@@ -3,9 +3,10 @@
 speculates (drafts pay where a step is bound by reading the weights, i.e. small batches; a large batch
 already uses the weights well and would only pay for the rejected rows).
 
-Methods: "ngram" (prompt lookup) and "draft_model" (a smaller model of the same tokenizer, `model`: a registry
-name or a path, loaded like the target, with `quantization` of its own if given). As in vLLM, a `model` given
-without a `method` means "draft_model".
+Methods: "ngram" (prompt lookup), "draft_model" (a smaller model of the same tokenizer, `model`: a registry
+name or a path, loaded like the target, with `quantization` of its own if given) and "mtp" (the target's own
+multi-token prediction layer: DeepSeek-V3 with `num_nextn_predict_layers` >= 1; vLLM's "deepseek_mtp" is read
+as "mtp"). As in vLLM, a `model` given without a `method` means "draft_model".
 
 The command line's JSON text and `LLM(speculative_config={...})`'s dict are read by `SpeculativeConfig.parse`;
 `EngineConfig.speculative_config` holds the result (None: speculation off)."""
@@ -18,8 +19,9 @@ from typing import Any
 
 DEFAULT_LOOKUP = 5  # vLLM's default n-gram size when neither bound is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-METHODS = ("ngram", "draft_model")  # served today
-PLANNED_METHODS = ("eagle3", "mtp")  # vLLM's names of the methods not served yet
+METHODS = ("ngram", "draft_model", "mtp")  # served today
+PLANNED_METHODS = ("eagle3",)  # vLLM's names of the methods not served yet
+ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's other names of a method served
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +58,8 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
-        """From vLLM's fields. `method` defaults to "draft_model" when a `model` is given, else "ngram"; one
-        n-gram bound given stands for both, as in vLLM."""
+        """From vLLM's fields. `method` defaults to "draft_model" when a `model` is given, else "ngram" (an alias
+        in `ALIASES` is read as its method); one n-gram bound given stands for both, as in vLLM."""
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
@@ -66,6 +68,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         fields = {"method": "draft_model" if value.get("model") is not None else "ngram", **value}
+        fields["method"] = ALIASES.get(fields["method"], fields["method"])
         lo, hi = fields.pop("prompt_lookup_min", None), fields.pop("prompt_lookup_max", None)
         if lo is not None or hi is not None:
             fields["prompt_lookup_min"] = hi if lo is None else lo

@@ -67,13 +67,28 @@ class DraftShapes:
 
 
 class DraftModelProposer:
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int, device: DraftDevice, shapes: DraftShapes):
+    """Its row at position p takes the request's token t_{p + offset}: a draft model's, t_p (it computes every
+    known token; the MTP proposer, `offset` 1, computes position p from t_{p+1} and the target's hidden state)."""
+
+    offset = 0
+    wants_hidden = False  # the target's hidden states are not needed (`MtpProposer` takes them)
+
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        max_model_len: int,
+        device: DraftDevice,
+        shapes: DraftShapes,
+        programs: DraftPrograms | None = None,
+    ):
         self.spec = spec
         self.max_model_len = max_model_len
         self.device = device
         self.shapes = shapes
         self.kv = DraftKV(device.num_blocks, device.block_size)
-        self.programs = DraftPrograms(device.model, device.block_size, spec.num_speculative_tokens, shapes.variants())
+        self.programs = programs or DraftPrograms(
+            device.model, device.block_size, spec.num_speculative_tokens, shapes.variants()
+        )
         self.stats = DraftStats()
         self.drafted_probs: dict[Request, np.ndarray] = {}  # q of each sampled request's last draft [k, V]
 
@@ -116,7 +131,7 @@ class DraftModelProposer:
             n = self._draft_len(req)
             if n is None:
                 continue
-            seq = self.kv.reserve(req, req.num_tokens + k - 1)  # the chain writes d_1 .. d_{k-1} too
+            seq = self.kv.reserve(req, self._known(req) + k - 1)  # the chain writes d_1 .. d_{k-1} too
             drafts[req] = []
             if seq is not None:
                 ready.append((req, seq))
@@ -126,6 +141,13 @@ class DraftModelProposer:
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return drafts
+
+    def _known(self, req: Request) -> int:
+        """Positions the model can compute for the request (each needs its token t_{p + offset})."""
+        return req.num_tokens - self.offset
+
+    def take_hidden(self, rows: Sequence[Any]) -> None:
+        """Nothing: a draft model reads no hidden states of the target."""
 
     def _draft_len(self, req: Request) -> int | None:
         """Tokens the request may be drafted (as `NgramProposer._draft`); None: not drafted for."""
@@ -137,15 +159,15 @@ class DraftModelProposer:
     def _draft_group(self, group: list[tuple[Request, DraftSequence]]) -> dict[Request, list[int]]:
         """Catch up the group's sequences (in chunks while they exceed the largest token bucket), then draft."""
         largest = self.shapes.tokens[bucket_for(len(group), self.shapes.seqs)][-1]
-        while sum(r.num_tokens - s.num_computed for r, s in group) > largest:
+        while sum(self._known(r) - s.num_computed for r, s in group) > largest:
             budget, chunk = largest, []
             for req, seq in group:
-                n = min(req.num_tokens - seq.num_computed - 1, budget)  # the last token waits for the drafting pass
+                n = min(self._known(req) - seq.num_computed - 1, budget)  # the last row waits for the drafting pass
                 if n > 0:
                     chunk.append((req, seq, n))
                     budget -= n
             self._run(chunk)
-        drafts, probs = self._run([(req, seq, req.num_tokens - seq.num_computed) for req, seq in group])
+        drafts, probs = self._run([(req, seq, self._known(req) - seq.num_computed) for req, seq in group])
         out = {}
         for i, (req, _) in enumerate(group):
             n = self._draft_len(req)
@@ -178,7 +200,7 @@ class DraftModelProposer:
             start = seq.num_computed
             positions = np.arange(start, start + n)
             table = self.kv.table(seq, width)
-            x.tokens[row : row + n] = req.copy_tokens(start, start + n)
+            x.tokens[row : row + n] = req.copy_tokens(start + self.offset, start + n + self.offset)
             x.positions[row : row + n] = positions
             x.kv_slots[row : row + n] = table[positions // bs] * bs + positions % bs
             x.tables[i] = table

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -101,11 +102,22 @@ def draft_chain(
 
 
 class DraftPrograms:
-    """The compiled variants of `draft_chain` for one draft model, by (S, T, W)."""
+    """The compiled variants of `draft_chain` for one draft model, by (S, T, W); or of another chain of the same
+    signature, `chain(model, block_size, k, params, cache, inputs)`, whose inputs of a variant's shapes
+    `example(S, T, W)` makes (the MTP layer's: `jaxserve.speculative.mtp_programs`)."""
 
-    def __init__(self, model: DecoderModel, block_size: int, k: int, variants: list[tuple[int, int, int]]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        block_size: int,
+        k: int,
+        variants: list[tuple[int, int, int]],
+        chain: Callable[..., tuple[Any, jax.Array, jax.Array]] = draft_chain,
+        example: Callable[[int, int, int], Any] = DraftInputs.zeros,
+    ) -> None:
         self.variants = sorted(variants)
-        self._fn = jax.jit(functools.partial(draft_chain, model, block_size, k), donate_argnums=(1,))
+        self._fn = jax.jit(functools.partial(chain, model, block_size, k), donate_argnums=(1,))
+        self._example = example
         self.compiled: dict[tuple[int, int, int], Any] = {}
         self.num_compilations = 0
 
@@ -115,14 +127,15 @@ class DraftPrograms:
                 self._compile(key, params, cache)
 
     def _compile(self, key: tuple[int, int, int], params: Any, cache: Any) -> Any:
-        example = DraftInputs.zeros(*key)
-        exe = self.compiled[key] = self._fn.lower(params, cache, example).compile()
+        exe = self.compiled[key] = self._fn.lower(params, cache, self._example(*key)).compile()
         self.num_compilations += 1
         return exe
 
-    def run(self, params: Any, cache: Any, x: DraftInputs) -> tuple[Any, jax.Array, jax.Array]:
-        """Run the variant of `x`'s shapes (compiled now, and counted, if warm-up did not)."""
-        key = (len(x.seq_lens), len(x.tokens), x.tables.shape[1])
+    def run(self, params: Any, cache: Any, x: Any) -> tuple[Any, jax.Array, jax.Array]:
+        """Run the variant of `x`'s shapes (compiled now, and counted, if warm-up did not); `x`: `DraftInputs`,
+        or a chain's inputs whose `draft` field is."""
+        d = getattr(x, "draft", x)
+        key = (len(d.seq_lens), len(d.tokens), d.tables.shape[1])
         exe = self.compiled.get(key)
         if exe is None:
             logger.warning("compiling a new draft variant at serving time: %s", key)

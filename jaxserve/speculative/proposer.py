@@ -3,12 +3,14 @@
 Before each step the scheduler hands the proposer the decodes it may run (`Proposer.propose`) and gets
 back the draft tokens of those it drafts for; it then only reserves KV slots for 1 + len(draft) tokens to
 verify per decode (under its token budget), and releases the slots of rejected drafts when the step is read.
-How drafts are made (n-gram lookup, a draft model; EAGLE-3 or MTP next) is the proposer's alone. A proposer
-that keeps state per request (a draft model's KV cache) drops it when the scheduler `release`s the request
-(finished, aborted, failed or preempted).
+How drafts are made (n-gram lookup, a draft model, the target's MTP layer; EAGLE-3 next) is the proposer's
+alone. A proposer that keeps state per request (a draft model's KV cache) drops it when the scheduler `release`s
+the request (finished, aborted, failed or preempted). One that `wants_hidden` (MTP) is given the target's last
+hidden states of every step the engine reads (`take_hidden`).
 
-`NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`) and `DraftModelProposer`
-(`jaxserve.speculative.draft_model`, which imports JAX and is built by the engine) implement it;
+`NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`), `DraftModelProposer`
+(`jaxserve.speculative.draft_model`) and `MtpProposer` (`jaxserve.speculative.mtp_proposer`; both import JAX
+and are built by the engine) implement it;
 `build_proposer` builds the configured one from `SpeculativeConfig` (None: speculation off).
 """
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.speculative.config import SpeculativeConfig
+from jaxserve.speculative.hidden_rows import HiddenRows
 from jaxserve.speculative.ngram import propose_ngram
 
 MAX_PAUSE = 16  # steps without drafting after draftless ones, at most
@@ -54,6 +57,16 @@ class Proposer(Protocol):
     def release(self, request: Request) -> None:
         """The request left the running batch (finished, aborted, failed or preempted): drop what the
         proposer keeps for it (a draft model's KV blocks)."""
+        ...
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether it drafts from the target's last hidden states (MTP): the runner then reads them off every
+        step, and the engine hands them over (`take_hidden`) as it reads each step."""
+        ...
+
+    def take_hidden(self, rows: Sequence[HiddenRows]) -> None:
+        """A read step's hidden states of the positions whose tokens stand (only when `wants_hidden`)."""
         ...
 
     def warm_up(self) -> None:
@@ -121,6 +134,11 @@ class NgramProposer:
     def release(self, request: Request) -> None:
         """Nothing kept per request."""
 
+    wants_hidden = False
+
+    def take_hidden(self, rows: Sequence[HiddenRows]) -> None:
+        """Nothing: the lookup reads tokens only."""
+
     def warm_up(self) -> None:
         """Nothing to compile: the lookup runs on the host."""
 
@@ -133,12 +151,13 @@ def build_proposer(
     load_draft: Callable[[SpeculativeConfig], Proposer] | None = None,
 ) -> Proposer | None:
     """The configured proposer (None: speculation off). Methods not served are refused by
-    `SpeculativeConfig` itself. "draft_model" is built by `load_draft` (the engine's: it loads the
-    draft model next to the target, `jaxserve.speculative.draft_model.load_draft_proposer`)."""
+    `SpeculativeConfig` itself. "draft_model" and "mtp" are built by `load_draft` (the engine's: it loads
+    the draft model next to the target, `jaxserve.speculative.draft_loading.load_draft_proposer`, or builds
+    the target's MTP layer, `jaxserve.speculative.mtp_proposer.build_mtp_proposer`)."""
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec, max_model_len)
-    if spec.method == "draft_model" and load_draft is not None:
+    if spec.method in ("draft_model", "mtp") and load_draft is not None:
         return load_draft(spec)
     raise ValueError(f"no proposer for speculative method {spec.method!r}")
