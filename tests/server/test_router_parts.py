@@ -130,11 +130,13 @@ def test_sampling_params_cross_the_wire_and_bad_json_is_a_clear_error():
 
 
 def test_workers_serving_other_models_cannot_join():
-    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,), 64)
+    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,), 64, "")
     assert info.mismatch(dataclasses.replace(info, max_num_seqs=8)) is None  # capacity may differ
     assert "block size" in info.mismatch(dataclasses.replace(info, block_size=16))
     assert "hidden size" in info.mismatch(dataclasses.replace(info, hidden_size=32))
     assert "tokenizer json" in info.mismatch(dataclasses.replace(info, tokenizer_json="[]"))
+    encoder = dataclasses.replace(info, encoder_config_json='{"architecture": "bert"}')
+    assert "encoder config json" in info.mismatch(encoder)  # a decoder and an encoder never mix
 
 
 @pytest.mark.parametrize(
@@ -194,7 +196,7 @@ def test_the_routers_running_capacity_is_the_sum_of_the_workers_that_are_up():
     """What the router's server admits against (`Admission`): each worker's own `max_num_seqs`, as its
     `Info` reported it, for the workers up now; a worker marked down takes its slots with it."""
     remote = RemoteEngine([WorkerClient("127.0.0.1:1"), WorkerClient("127.0.0.1:2")], ROUTER_POLICY)
-    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,), 64)
+    info = WorkerInfo("m", 300, 256, 4, 8, "{}", None, (("eos_token", "</s>"),), (2,), 64, "")
     assert remote.running_capacity() == 0  # nothing checked yet
     for worker, seqs in zip(remote.workers, (4, 6)):
         worker.up, worker.info = True, dataclasses.replace(info, max_num_seqs=seqs)
