@@ -1,9 +1,9 @@
 """The MTP module of the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5; tiny random, f32): declared and loaded
 under `mtp/` with the checkpoints' names (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`; the
-count in the config field each family's checkpoints use), its draft chain (`mtp_chain`: catch-up of a ragged
-batch, then k = 3 chained drafts) equal to a reference of the formula, for an untied head (Qwen3-Next, with
-its mixture of experts) and a tied one (Qwen3.5); and "mtp" on these targets refused by name until the
-verification of drafts rolls their recurrent state back."""
+count in the config field each family's checkpoints use; dropped where the config counts none), its draft
+chain (`mtp_chain`: catch-up of a ragged batch, then k = 3 chained drafts) equal to a reference of the
+formula, for an untied head (Qwen3-Next, with its mixture of experts) and a tied one (Qwen3.5); and "mtp" on
+these targets refused by name until the verification of drafts rolls their recurrent state back."""
 
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def test_the_mtp_module_is_written_and_loaded_under_the_checkpoints_names(family
     assert loaded.config == model.config
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree.leaves(loaded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+def test_an_mtp_module_the_config_does_not_count_is_dropped_on_load(tmp_path):
+    """A checkpoint with `mtp.*` tensors whose config.json names no MTP layer loads without them."""
+    model = build_tiny_random(family="qwen3_next", num_nextn_predict_layers=1)
+    save_hf_dir(model.params, model.config, model.tokenizer_bundle, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["num_nextn_predict_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_hf_dir(tmp_path)
+    assert loaded.config.num_nextn_predict_layers == 0 and "mtp" not in loaded.params
+    np.testing.assert_array_equal(loaded.params["lm_head"]["kernel"], model.params["lm_head"]["kernel"])
 
 
 def _inputs(lengths: list[int], tokens: list[np.ndarray], hidden: np.ndarray, width: int) -> MtpInputs:
