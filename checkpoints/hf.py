@@ -32,6 +32,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # Buffers some older checkpoints saved alongside the weights; they are recomputed, never loaded.
 _IGNORED_SUFFIX = "rotary_emb.inv_freq"
+_MTP_PREFIX = "mtp."  # Qwen3-Next / Qwen3.5's multi-token prediction module (`qwen3_5.mtp_weights`)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -101,6 +102,8 @@ def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedM
             if place is None:
                 if name.endswith(_IGNORED_SUFFIX) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
+                if name.startswith(_MTP_PREFIX) and not config.num_nextn_predict_layers:
+                    continue  # an MTP module the config does not count (as transformers drops it)
                 raise UnsupportedCheckpointError(f"{file}: unexpected weight {name!r} {array.shape}")
             path = place[0]
             array = arch.from_hf_tensor(path, array)

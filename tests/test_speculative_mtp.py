@@ -6,21 +6,16 @@ distribution, no compilation after warm-up, the MTP's KV freed, and the targets 
 
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from mtp_models import ENGINE, PROMPTS, mtp, outputs, params_for, tiny_deepseek_with_mtp
+from mtp_reference import reference_chain
 from sampling_stats import assert_same_distribution, seeded_first_tokens
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
-from jaxserve.model import AttentionMetadata, KVCache
-from jaxserve.model.rope import rope_tables
 from jaxserve.speculative.config import SpeculativeConfig
 
 
@@ -63,54 +58,6 @@ def test_greedy_output_is_the_same_with_mtp_batched_alone_and_after_prefix_hits(
 # ----- the drafts against the MTP formula -------------------------------------------------------------
 
 
-def _rms(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
-
-
-REFERENCE_ROWS = 128  # the reference's one causal pass, padded (rows past the sequence change none before)
-_JITTED: dict[int, object] = {}  # the reference layer compiled, by proposer
-
-
-def _reference_layer(stack, params, x):
-    """The MTP's decoder layer over REFERENCE_ROWS positions of one sequence, from a fresh cache."""
-    n, bs = REFERENCE_ROWS, 8
-    cache = KVCache.zeros(stack.config, 1 + n // bs, bs, jnp.float32)
-    positions = jnp.arange(n, dtype=jnp.int32)
-    table = jnp.arange(1, 1 + n // bs, dtype=jnp.int32)[None]
-    meta = AttentionMetadata(positions + bs, table, jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32))
-    layer = stack.scanned(1, parent=None)
-    (h, _), _ = layer.apply(
-        {"params": params}, (x, cache), jnp.arange(1), rope_tables(stack.config, positions), meta, None
-    )
-    return h
-
-
-def reference_chain(proposer, hidden: np.ndarray, tokens: list[int], k: int) -> list[int]:
-    """Greedy drafts of the MTP formula after `tokens` (N of them), from the target's hidden states
-    `hidden` [N - 1, E] of positions 0 .. N - 2: each draft recomputes every MTP position from scratch in
-    one causal pass over a fresh cache (position p: the token after it and h_p; past N - 2 the draft before
-    it and the layer's own output at p - 1). The decoder layer is the model's (`proposer.device.model`, the
-    layer's `LayerStack`); the rest is numpy."""
-    p = jax.tree.map(np.asarray, proposer.device.params)
-    eps = proposer.device.model.config.rms_norm_eps
-    layer = _JITTED.setdefault(id(proposer), jax.jit(functools.partial(_reference_layer, proposer.device.model)))
-    drafts: list[int] = []
-    states = list(hidden)
-    for _ in range(k):
-        n = len(states)
-        embedded = p["embedding"]["table"][0][np.asarray((list(tokens[1:]) + drafts)[:n])]
-        embedded[0] = 0.0  # position 0's embedding is masked
-        x = np.concatenate(
-            [_rms(embedded, p["enorm"]["scale"][0], eps), _rms(np.stack(states), p["hnorm"]["scale"][0], eps)], axis=1
-        )
-        x = np.pad(x @ p["eh_proj"]["kernel"][0], ((0, REFERENCE_ROWS - n), (0, 0)))
-        h = layer(proposer.device.params["layer"], jnp.asarray(x, jnp.float32))
-        out = np.asarray(h)[n - 1]
-        drafts.append(int(np.argmax(_rms(out, p["head_norm"]["scale"][0], eps) @ p["head"]["kernel"][0])))
-        states.append(out)
-    return drafts
-
-
 def test_drafts_are_the_mtp_formula_on_the_targets_hidden_states(speculative, assert_kv_all_free):
     """Every draft of a greedy request (k = 3, its prompt caught up in two chunks) equals `reference_chain` on
     the hidden states the engine handed the proposer."""
@@ -140,7 +87,7 @@ def test_drafts_are_the_mtp_formula_on_the_targets_hidden_states(speculative, as
     assert len(proposals) > 3
     for tokens, draft in proposals:
         hidden = np.stack([seen[i] for i in range(len(tokens) - 1)])
-        assert draft == reference_chain(proposer, hidden, tokens, len(draft))
+        assert draft == reference_chain(proposer.device.model, proposer.device.params, hidden, tokens, len(draft))
     assert_kv_all_free(engine)
 
 

@@ -11,6 +11,13 @@ Parameters (two layer groups, `layer_groups.py`): `linear_layers/` [L_linear, ..
 attn_norm, in_proj_{qkv,z,b,a}/kernel, gated_delta/{conv1d, A_log, dt_bias}, linear_norm,
 out_proj/kernel, mlp_norm, MLP; `layers/` [L_full, ...]: attn_norm, q_proj [E, 2 H D], k/v/o_proj,
 q_norm, k_norm, mlp_norm, MLP.
+
+The multi-token prediction (MTP) module, when the config counts its layers (`mtp_num_hidden_layers`,
+Qwen3.5's name; `num_nextn_predict_layers`, the name vLLM reads for Qwen3-Next), is declared under `mtp/`
+and loaded (the forward pass ignores it; `jaxserve/speculative/mtp_model.py` runs it): `mtp.fc` [2E -> E]
+(`eh_proj`) over the normed embedding then the normed hidden state (`mtp.pre_fc_norm_embedding`, `enorm`;
+`mtp.pre_fc_norm_hidden`, `hnorm`), `mtp.layers.{i}` (gated full-attention layers with the model's MLP,
+`layer/` [n, ...]) and `mtp.norm` (`head_norm`). It shares the model's embedding and head (no copies stored).
 """
 
 from __future__ import annotations
@@ -31,7 +38,20 @@ from checkpoints.architectures.layer_groups import (
     layer_groups,
 )
 from checkpoints.config import ModelConfig
-from checkpoints.weights import BIAS, CONV, EMBED, KV_HEADS, LAYERS, Q_HEADS, Declaration, Weight, flat, nest
+from checkpoints.weights import (
+    BIAS,
+    CONV,
+    EMBED,
+    KERNEL,
+    KV_HEADS,
+    LAYERS,
+    Q_HEADS,
+    SCALE,
+    Declaration,
+    Weight,
+    flat,
+    nest,
+)
 
 LINEAR_PREFIX = "model.layers.{layer}.linear_attn."
 CONV_PATH = "linear_layers/gated_delta/conv1d"
@@ -91,13 +111,39 @@ def group_weights(config: ModelConfig, group: LayerGroup, mlp: Any, deltanet: An
     return nest({path: dataclasses.replace(w, layer_ids=group.layers) for path, w in flat(declared).items()})
 
 
+def mtp_weights(config: ModelConfig, mlp: Any) -> Declaration:
+    """The MTP module (the module docstring): its norms and projection, unstacked, and its layers, stacked
+    gated full-attention layers with `mlp(layer config)` named `mtp.layers.{i}.*`."""
+    n, e = config.num_nextn_predict_layers, config.hidden_size
+    sub = dataclasses.replace(config, num_layers=n, layer_types=(FULL_ATTENTION,) * n, num_nextn_predict_layers=0)
+    layer = {**gated_attention(sub), **blocks.llama_norms(sub), **mlp(sub)}
+    renamed = {
+        path: dataclasses.replace(w, hf=w.hf.replace(blocks.HF_LAYER, "mtp.layers.{layer}.", 1), gguf=None)
+        for path, w in flat(layer).items()
+    }
+
+    def norm(hf: str) -> dict[str, Weight]:
+        return {"scale": Weight((e,), (EMBED,), SCALE, float32=True, hf=f"mtp.{hf}.weight")}
+
+    return {
+        "enorm": norm("pre_fc_norm_embedding"),
+        "hnorm": norm("pre_fc_norm_hidden"),
+        "eh_proj": {"kernel": Weight((2 * e, e), (None, EMBED), KERNEL, hf="mtp.fc.weight")},
+        "head_norm": norm("norm"),
+        "layer": nest(renamed),
+    }
+
+
 def hybrid_weights(config: ModelConfig, mlp: Any = blocks.dense_mlp, deltanet: Any = gated_deltanet) -> Declaration:
     """Embedding, head and each layer group's stacks (`mlp(group config)`: the MLP's weights;
-    `deltanet(group config)`: the Gated DeltaNet block's)."""
-    return {
+    `deltanet(group config)`: the Gated DeltaNet block's), and the MTP module's when the config has one."""
+    out = {
         **blocks.embedding_and_head(config),
         **{group.name: group_weights(config, group, mlp, deltanet) for group in layer_groups(config)},
     }
+    if config.num_nextn_predict_layers:
+        out["mtp"] = mtp_weights(config, mlp)
+    return out
 
 
 def hybrid_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -118,6 +164,7 @@ def hybrid_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
         "linear_value_head_dim": hf["linear_value_head_dim"],
         "linear_num_key_heads": hf["linear_num_key_heads"],
         "linear_num_value_heads": hf["linear_num_value_heads"],
+        "num_nextn_predict_layers": hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0,
     }
 
 
@@ -127,9 +174,12 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return hybrid_fields(hf, "qwen3_5")
 
 
-def hybrid_hf(config: ModelConfig, hf_class: str, model_type: str) -> dict[str, Any]:
-    """The `config.json` fields `hybrid_fields` reads back."""
+def hybrid_hf(config: ModelConfig, hf_class: str, model_type: str, mtp_field: str) -> dict[str, Any]:
+    """The `config.json` fields `hybrid_fields` reads back; the MTP's layer count under `mtp_field`
+    (written only when the model has MTP layers)."""
     d = common_hf(config, hf_class)
+    if config.num_nextn_predict_layers:
+        d[mtp_field] = config.num_nextn_predict_layers
     rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta"), **(d.pop("rope_scaling") or {})}
     return {
         **d,
@@ -146,7 +196,7 @@ def hybrid_hf(config: ModelConfig, hf_class: str, model_type: str) -> dict[str, 
 
 
 def to_hf(config: ModelConfig) -> dict[str, Any]:
-    return hybrid_hf(config, "Qwen3_5ForCausalLM", "qwen3_5_text")
+    return hybrid_hf(config, "Qwen3_5ForCausalLM", "qwen3_5_text", "mtp_num_hidden_layers")
 
 
 def _zero_centered(path: str) -> bool:

@@ -4,7 +4,8 @@ layers (`qwen3_5.py`), with a mixture-of-experts MLP in every layer: softmax ove
 of its own. Its Gated DeltaNet projections are fused as checkpoints store them, grouped by key head:
 `in_proj_qkvz` rows per key head [q (d_k), k (d_k), v, z (each H_v / H_k value heads)], `in_proj_ba`
 [b, a (H_v / H_k each)] (the block splits them: `jaxserve.model.gated_deltanet`). Configs with dense
-layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused.
+layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused. Its MTP
+module (`mtp.*`, counted by `num_nextn_predict_layers`) is Qwen3.5's (`qwen3_5.mtp_weights`) with this MLP.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def to_hf(config: ModelConfig) -> dict[str, Any]:
     return {
-        **hybrid_hf(config, "Qwen3NextForCausalLM", "qwen3_next"),
+        **hybrid_hf(config, "Qwen3NextForCausalLM", "qwen3_next", "num_nextn_predict_layers"),
         "num_experts": config.num_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
         "moe_intermediate_size": config.moe_intermediate_size,

@@ -5,8 +5,9 @@ already uses the weights well and would only pay for the rejected rows).
 
 Methods: "ngram" (prompt lookup), "draft_model" (a smaller model of the same tokenizer, `model`: a registry
 name or a path, loaded like the target, with `quantization` of its own if given) and "mtp" (the target's own
-multi-token prediction layer: DeepSeek-V3 with `num_nextn_predict_layers` >= 1; vLLM's "deepseek_mtp" is read
-as "mtp"). As in vLLM, a `model` given without a `method` means "draft_model".
+multi-token prediction layer: DeepSeek-V3 with `num_nextn_predict_layers` >= 1; vLLM's "deepseek_mtp" and
+"qwen3_next_mtp" are read as "mtp"; Qwen3-Next/Qwen3.5 targets are refused by name, `mtp_target`). As in vLLM,
+a `model` given without a `method` means "draft_model".
 
 The command line's JSON text and `LLM(speculative_config={...})`'s dict are read by `SpeculativeConfig.parse`;
 `EngineConfig.speculative_config` holds the result (None: speculation off)."""
@@ -21,7 +22,7 @@ DEFAULT_LOOKUP = 5  # vLLM's default n-gram size when neither bound is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 METHODS = ("ngram", "draft_model", "mtp")  # served today
 PLANNED_METHODS = ("eagle3",)  # vLLM's names of the methods not served yet
-ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's other names of a method served
+ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}  # vLLM's other names of a method served
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,20 @@
-"""DeepSeek-V3's multi-token prediction (MTP) layer as a function of its parameters (`mtp/` in the
-checkpoint's declaration, `checkpoints/architectures/deepseek_v3.py`).
+"""The multi-token prediction (MTP) layer as a function of its parameters (`mtp/` in the checkpoint's
+declaration): DeepSeek-V3's (`checkpoints/architectures/deepseek_v3.py`) and Qwen3-Next's / Qwen3.5's
+(`checkpoints/architectures/qwen3_5.py`, `mtp_weights`).
 
 At position i the layer takes h_i, the target's last hidden state there (before its final norm), and the
 token after it, t_{i+1}:
 
-    x = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])      (the embedding first, as DeepSeek and vLLM)
-    h' = decoder layer (MLA over the layer's own latent cache, then the mixture of experts)
+    x = eh_proj([enorm(embed(t_{i+1})) | hnorm(g(h_i))])      (the embedding first, as the checkpoints and vLLM)
+    h' = decoder layer (over the layer's own paged cache, then the model's MLP or mixture of experts)
     logits(t_{i+2}) = head(head_norm(h'))
 
-The token embedding at position 0 is zeroed (as vLLM's `deepseek_mtp` does). Chaining several drafts
-feeds h' back as the next position's hidden state, with the token just drafted.
+DeepSeek-V3: the layer's attention is MLA over a latent cache, its checkpoint stores its own copies of the
+embedding and head, g is the identity and the token embedding at position 0 is zeroed (as vLLM's
+`deepseek_mtp` does). Qwen3-Next / Qwen3.5: a gated full-attention layer over K/V heads, the model's own
+embedding and head (tied or not), and g the target's final norm (vLLM's `qwen3_next_mtp` takes the target
+model's output, which is final-normed). Chaining several drafts feeds h' back as the next position's hidden
+state, with the token just drafted; g does not apply to it (it is not a target's state).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from checkpoints.architectures.layer_groups import FULL_ATTENTION
 from checkpoints.config import ModelConfig
+from jaxserve.model.experts import expert_backend
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.layer_stack import LayerStack
 from jaxserve.model.linear import matmul
@@ -29,8 +36,42 @@ from jaxserve.model.rope import rope_tables
 
 def mtp_layer_config(config: ModelConfig) -> ModelConfig:
     """The config of the MTP's decoder layer: one layer, a mixture of experts (DeepSeek-V3's MTP layer
-    comes after the dense ones), and no MTP of its own. Its latent cache has this one layer."""
-    return dataclasses.replace(config, num_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0)
+    comes after the dense ones), full attention (a hybrid's), and no MTP of its own. Its cache (latent or
+    K/V heads) has this one layer."""
+    kinds = (FULL_ATTENTION,) if config.layer_types else None
+    return dataclasses.replace(
+        config, num_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0, layer_types=kinds
+    )
+
+
+def mtp_layer_stack(config: ModelConfig, dtype: Any, param_dtype: Any, backend: Any, experts: Any = None) -> LayerStack:
+    """How the MTP's decoder layer of a target of `config` is built: activations in `dtype`, weights in
+    `param_dtype`, the target's attention backend and expert function (`experts`; None: the default for a
+    mixture of experts). Its weights are its own, as loaded (not in the target's panels or packed pairs:
+    `layout` converts only `layers`)."""
+    layer_config = mtp_layer_config(config)
+    if experts is None and layer_config.num_experts:
+        experts = expert_backend(layer_config)
+    return LayerStack(layer_config, dtype, param_dtype, False, backend, None, experts, ())
+
+
+def mtp_params(params: Any) -> dict[str, Any]:
+    """What `mtp_forward` reads of a target's parameters: `mtp` (the checkpoint's MTP module), the embedding
+    table and head kernel it uses (DeepSeek-V3's own copies, stacked per MTP layer; else the model's, the
+    head absent where tied) and, where the hidden state is final-normed first (Qwen3-Next, Qwen3.5), the
+    target's final norm. The arrays are the target's (nothing copied)."""
+    mtp = params["mtp"]
+    if "embedding" in mtp:
+        return {"mtp": mtp, "embedding": mtp["embedding"]["table"], "head": mtp["head"]["kernel"]}
+    out = {"mtp": mtp, "embedding": params["embed"]["embedding"], "hidden_norm": params["final_norm"]["scale"]}
+    if "lm_head" in params:
+        out["head"] = params["lm_head"]["kernel"]
+    return out
+
+
+def _one(x: jax.Array, ndim: int) -> jax.Array:
+    """The first MTP layer's entry of a stacked array (DeepSeek-V3's per-layer copies), else `x` itself."""
+    return x[0] if x.ndim > ndim else x
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -48,23 +89,37 @@ def mtp_forward(
     cache: KVCache,
     meta: AttentionMetadata,
     rows: jax.Array,
+    chained: bool = False,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """(f32 logits [N, V] and the layer's output h' [N, E] at `rows`, the cache with the rows' latents
-    written). tokens [T]: t_{i+1} of each row; hidden [T, E]: h_i; positions [T]: i; `params`: the
-    checkpoint's `mtp` parameters (stacks of one layer); `stack`: how the decoder layer is built
-    (its config `mtp_layer_config`)."""
+    """(f32 logits [N, V] and the hidden state a chain feeds to the next position [N, E] at `rows`, the cache
+    with the rows' K/V or latents written). tokens [T]: t_{i+1} of each row; hidden [T, E]: h_i, a target's
+    state unless `chained` (what an earlier call returned); positions [T]: i; `params`: `mtp_params` of the
+    target's; `stack`: how the decoder layer is built (its config `mtp_layer_config`). The state returned is
+    the layer's output h' (DeepSeek-V3), or head_norm(h') where the target's states are final-normed first
+    (Qwen3-Next, Qwen3.5: vLLM's chain feeds the MTP's normed output back)."""
     cfg, act, eps = stack.config, stack.dtype, stack.config.rms_norm_eps
-    embedded = params["embedding"]["table"][0][tokens].astype(jnp.float32)
-    embedded = jnp.where((positions == 0)[:, None], 0.0, embedded)
+    mtp = params["mtp"]
+    embedded = _one(params["embedding"], 2)[tokens].astype(jnp.float32)
+    if cfg.is_mla:  # DeepSeek-V3
+        embedded = jnp.where((positions == 0)[:, None], 0.0, embedded)
+    if "hidden_norm" in params and not chained:
+        hidden = rms_norm(hidden, params["hidden_norm"], eps)
     x = jnp.concatenate(
-        [rms_norm(embedded, params["enorm"]["scale"][0], eps), rms_norm(hidden, params["hnorm"]["scale"][0], eps)],
+        [
+            rms_norm(embedded, _one(mtp["enorm"]["scale"], 1), eps),
+            rms_norm(hidden, _one(mtp["hnorm"]["scale"], 1), eps),
+        ],
         axis=-1,
     )
-    x = matmul(x.astype(act), params["eh_proj"]["kernel"][0]).astype(act)
+    x = matmul(x.astype(act), _one(mtp["eh_proj"]["kernel"], 2)).astype(act)
     layer = stack.scanned(1, parent=None)
     (h, cache), _ = layer.apply(
-        {"params": params["layer"]}, (x, cache), jnp.arange(1), rope_tables(cfg, positions), meta, None
+        {"params": mtp["layer"]}, (x, cache), jnp.arange(1), rope_tables(cfg, positions), meta, None
     )
-    out = h[rows]
-    normed = rms_norm(out, params["head_norm"]["scale"][0], eps).astype(act)
-    return matmul(normed, params["head"]["kernel"][0]), out, cache
+    normed = rms_norm(h[rows], _one(mtp["head_norm"]["scale"], 1), eps)
+    if "head" in params:
+        logits = matmul(normed.astype(act), _one(params["head"], 2))
+    else:  # tied: the embedding table [V, E] is the head
+        logits = matmul(normed.astype(act), params["embedding"], contract_w=1)
+    # the state a chain's next position takes: the output as the head reads it where targets' states are normed
+    return logits, (normed.astype(act) if "hidden_norm" in params else h[rows]), cache

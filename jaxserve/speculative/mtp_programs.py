@@ -6,7 +6,7 @@ with the target's hidden state h_p and the token t_{p+1} (`jaxserve.speculative.
 latents into the MTP layer's own cache and reads the logits after each sequence's last row, p = N - 2 for a
 request of N tokens: the distribution of t_N, the first draft. Then k - 1 decode steps in a `lax.scan` feed
 each drafted token back at the next position, with the layer's own output at the position before as its
-hidden state (the target's is not known there). Tokens are drawn as the draft model's are
+hidden state (the target's is not known there; `mtp_forward`'s `chained`). Tokens are drawn as the draft model's are
 (`draft_programs._next_token`: argmax for greedy rows, else from q = softmax(logits / temperature), keyed by
 the request's seed and the drafted token's position), and q is returned per drafted token for rejection
 sampling.
@@ -48,7 +48,8 @@ class MtpInputs(NamedTuple):
 def mtp_chain(
     stack: LayerStack, block_size: int, k: int, params: Any, cache: Any, inputs: MtpInputs
 ) -> tuple[Any, jax.Array, jax.Array]:
-    """(cache, drafts i32[S, k], q f32[S, k, V]): see the module docstring. `params`: the target's `mtp`."""
+    """(cache, drafts i32[S, k], q f32[S, k, V]): see the module docstring. `params`: `mtp_params` of the
+    target's."""
     x = inputs.draft
     meta = AttentionMetadata(x.kv_slots, x.tables, x.seq_lens, x.query_start)
     hidden = inputs.hidden.astype(stack.dtype)
@@ -70,7 +71,7 @@ def mtp_chain(
         step_meta = AttentionMetadata(
             jnp.where(live, page * block_size + pos % block_size, 0), x.tables, jnp.where(live, pos + 1, 0)
         )
-        logits, h, cache = mtp_forward(stack, params, token, h, pos, cache, step_meta, rows)
+        logits, h, cache = mtp_forward(stack, params, token, h, pos, cache, step_meta, rows, chained=True)
         token, q = _next_token(logits, keys(pos + 2), x.temperature)
         return (cache, token, h), (token, q)
 

@@ -22,16 +22,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.model.experts import expert_backend
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.layer_stack import LayerStack
 from jaxserve.request import Request, RequestStatus
 from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.speculative.config import SpeculativeConfig
 from jaxserve.speculative.draft_model import DraftDevice, DraftModelProposer, DraftShapes
 from jaxserve.speculative.draft_programs import DraftPrograms
 from jaxserve.speculative.hidden_rows import HiddenRows, PendingHidden
-from jaxserve.speculative.mtp_model import mtp_layer_config
+from jaxserve.speculative.mtp_model import mtp_layer_stack, mtp_params
 from jaxserve.speculative.mtp_programs import MtpInputs, mtp_chain
 from sharding.rules import cache_sharding
 
@@ -105,23 +103,24 @@ class MtpProposer(DraftModelProposer):
 
 
 def build_mtp_proposer(spec: SpeculativeConfig, ec: ResolvedConfig, runner: Any) -> MtpProposer:
-    """The MTP proposer of the target `runner` serves (`ModelRunner`; its checkpoint's `mtp` parameters, which
-    the runner already holds, and its attention and expert backends): a latent cache of one layer with as many
-    blocks as the target's (each MTP position is a target position). The target and settings were checked
-    when the config was resolved (`mtp_target.check_mtp_target`)."""
-    model, config = runner.model, mtp_layer_config(runner.config)
-    experts = model.experts or expert_backend(config)
-    # Its own weights (not in the target's panels or packed pairs: `layout` converts only `layers`).
-    stack = LayerStack(config, model.compute_dtype, model.dtype, False, model.backend, None, experts, ())
+    """The MTP proposer of the target `runner` serves (`ModelRunner`; its checkpoint's `mtp` parameters and the
+    embedding and head they share, which the runner already holds, and its attention and expert backends): a
+    cache of one layer (latent, or K/V heads) with as many blocks as the target's (each MTP position is a
+    target position). The target and settings were checked when the config was resolved
+    (`mtp_target.check_mtp_target`)."""
+    model = runner.model
+    stack = mtp_layer_stack(runner.config, model.compute_dtype, model.dtype, model.backend, model.experts)
+    config = stack.config
     cache = jax.jit(
         lambda: KVCache.zeros(config, ec.num_blocks, ec.block_size, runner.kv_dtype),
-        out_shardings=cache_sharding(runner.mesh, latent=True),
+        out_shardings=cache_sharding(runner.mesh, latent=config.is_mla),
     )()
     block_bytes = KVCache.bytes_per_block(config, ec.block_size, runner.kv_dtype)
-    logger.info("MTP latent cache: %d blocks (%.1f MB)", ec.num_blocks, ec.num_blocks * block_bytes / 1e6)
-    params = runner.params["mtp"]
-    if jax.tree.leaves(params)[0].shape[0] > 1:
-        logger.info("the checkpoint has %d MTP layers: drafting with the first", jax.tree.leaves(params)[0].shape[0])
+    logger.info("MTP cache: %d blocks (%.1f MB)", ec.num_blocks, ec.num_blocks * block_bytes / 1e6)
+    params = mtp_params(runner.params)
+    layers = jax.tree.leaves(params["mtp"]["layer"])[0].shape[0]
+    if layers > 1:
+        logger.info("the checkpoint has %d MTP layers: drafting with the first", layers)
     device = DraftDevice(stack, params, cache, ec.num_blocks, ec.block_size)
     shapes = DraftShapes.for_config(
         ec.verify_batch_buckets, spec.num_speculative_tokens, ec.prefill_token_buckets, ec.block_table_buckets
