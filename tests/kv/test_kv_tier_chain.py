@@ -9,9 +9,11 @@ import time
 
 import numpy as np
 import pytest
+from kv_sim import FakeEngine, as_block_arrays, new_host_array
 
-from jaxserve.kv import DiskTier, HostBlockArrays, KVTier, PoolTier, TierChain, fingerprint
+from jaxserve.kv import DiskTier, HostBlockArrays, KVTier, LoadStart, PoolTier, TierChain, build_kv_manager, fingerprint
 from jaxserve.kv.kv_tier import LoadJob
+from jaxserve.kv.tier_stats import TierStats
 from jaxserve.mooncake_store import MooncakeBlockStore
 from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
 
@@ -39,9 +41,10 @@ def disk_tier(directory, arrays: list[np.ndarray]) -> DiskTier:
     return DiskTier(directory, FP, BS, HostBlockArrays(arrays), 1 << 20)
 
 
-def pool_tier(master: PoolMaster, arrays: list[np.ndarray]) -> PoolTier:
+def pool_tier(master: PoolMaster, host: list[np.ndarray] | HostBlockArrays) -> PoolTier:
     store = MooncakeBlockStore(master.url, "127.0.0.1", 32 << 20)
-    return PoolTier(store, FP, BS, HostBlockArrays(arrays), 32 << 20, staging_blocks=3, probe_seconds=0.2)
+    host = host if isinstance(host, HostBlockArrays) else HostBlockArrays(host)
+    return PoolTier(store, FP, BS, host, 32 << 20, staging_blocks=3, probe_seconds=0.2)
 
 
 def chain(directory, master: PoolMaster) -> tuple[TierChain, list[np.ndarray]]:
@@ -154,6 +157,54 @@ def test_a_dead_master_leaves_the_disk_serving(tmp_path):
         assert tier.closed
     finally:
         m.kill()
+
+
+def fake_engine(make_tier) -> FakeEngine:
+    """A KV manager (kv_sim's token-id blocks) over the tier `make_tier` builds on its host slots."""
+    host = new_host_array(8, BS)
+    tier = make_tier(HostBlockArrays([as_block_arrays(host)]))
+    return FakeEngine(build_kv_manager(24, BS, watermark_blocks=0, num_host_slots=8, lower_tier=tier), host=host)
+
+
+def compute(eng: FakeEngine, prompt: list[int]) -> None:
+    """Prefill `prompt`: its full blocks enter the cache and are written through to the tier."""
+    assert eng.admit("r", prompt, chunk=len(prompt))
+    eng.run_step()
+    eng.execute_copies()
+    eng.mgr.tier_link.tier.flush()
+
+
+def test_a_prefix_loaded_from_both_tiers_counts_its_hits_per_tier(tmp_path, master):
+    prompt = list(range(300, 317))  # 4 full blocks and a token
+    on_disk = fake_engine(lambda host: DiskTier(tmp_path, FP, BS, host, 1 << 20))
+    compute(on_disk, prompt[:9])  # blocks 0 and 1 on the disk
+    in_pool = fake_engine(lambda host: pool_tier(master, host))
+    compute(in_pool, prompt)  # blocks 0 to 3 in the pool
+    both = fake_engine(lambda host: TierChain(DiskTier(tmp_path, FP, BS, host, 1 << 20), pool_tier(master, host)))
+    hit = both.mgr.match_prefix(prompt)
+    assert hit.num_tokens == 0 and hit.num_disk_tokens == 16
+    assert both.mgr.loads.start("r", hit) is LoadStart.STARTED
+    both.execute_copies()  # the planned copies run, then the load is submitted
+    deadline = time.monotonic() + 30
+    while not both.mgr.loads.poll() and time.monotonic() < deadline:
+        both.mgr.tier_link.tier.wait(0.1)
+    assert both.admit("r", prompt, chunk=1)  # 16 tokens from the host tier, the last one computed
+    both.run_step()
+    both.check_bookkeeping()
+    both.check_content()
+    assert list(both.content("r")) == prompt
+    assert both.mgr.tier_link.hit_tokens_by_tier == {"disk": 8, "pool": 8}
+    stats = TierStats.of(both.mgr)
+    assert stats.lower_tiers == ("disk", "pool") and stats.host_hit_tokens == 16
+    assert (stats.disk_hit_tokens, stats.pool_hit_tokens, stats.disk_loaded_blocks, stats.pool_loaded_blocks) == (
+        8,
+        8,
+        2,
+        2,
+    )
+    for eng in (on_disk, in_pool, both):
+        eng.drain()
+        eng.mgr.tier_link.tier.close()
 
 
 def test_the_tiers_must_share_a_fingerprint(tmp_path):
