@@ -98,7 +98,7 @@ class LLMEngine(EngineCoreOps):
         self.config = ec = resolve(config, loaded.config, dtype)
         self.vision = loaded.vision and loaded.vision.config  # a vision-language model's (None: text only)
         self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh, loaded.vision)
-        self.lower_tier = build_lower_tier(self.runner, self.model_name)  # disk, pool or None
+        self.lower_tier = build_lower_tier(self.runner, self.model_name)  # disk, pool, both or None
         self.kv = build_kv_manager(
             ec.num_blocks,
             ec.block_size,
