@@ -1,7 +1,6 @@
 """Builds an engine's tier below the host tier (the disk tier, the pool tier, or both chained: disk
-first, then pool): the fingerprint of
-what its KV bytes depend on, and the tier on the runner's host-tier arrays. (Here, not in
-jaxserve/kv, because it reads the model's arrays.)"""
+first, then pool): the fingerprint of what its KV bytes depend on, and the tier on the runner's
+host-tier arrays. (Here, not in jaxserve/kv, because it reads the model's arrays.)"""
 
 from __future__ import annotations
 
@@ -52,7 +51,12 @@ def build_lower_tier(runner: ModelRunner, model_name: str) -> KVTier | None:
     if ec.kv_disk_dir is not None:
         tiers.append(build_disk_tier(runner, model_name))
     if ec.kv_pool is not None:
-        tiers.append(build_pool_tier(runner, model_name))
+        try:
+            tiers.append(build_pool_tier(runner, model_name))
+        except BaseException:
+            for tier in tiers:  # the disk tier's threads stop with the failed start
+                tier.close()
+            raise
     if not tiers:
         return None
     tier = tiers[0] if len(tiers) == 1 else TierChain(*tiers)
