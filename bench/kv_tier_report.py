@@ -3,8 +3,9 @@ disk tier's bytes, loads and latency. The same keys whether they come from an en
 (`TierStats` before and after, `bench throughput` / `latency`) or from a server's `/metrics` scraped
 before and after (`bench serve` / `sweep`).
 
-Unlike the engine's `host_hit_tokens` (which includes what the disk loaded into the host tier), here
-the three hit counts are disjoint: device + host + disk = all cached prompt tokens.
+Unlike the engine's `host_hit_tokens` (which includes what the disk and the pool loaded into the host
+tier), here the hit counts are disjoint: device + host + disk + pool = all cached prompt tokens. (The
+pool's hits only: its bytes and loads are in `bench.kv_pool`'s report.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ PREFIX = "jaxserve"  # the server's metric prefix (server/metrics.py)
 
 
 def _summary(
-    hits: tuple[float, float, float],
+    hits: tuple[float, float, float, float],
     evictions: tuple[float, float, float],
     bytes_read: float,
     bytes_written: float,
@@ -27,11 +28,12 @@ def _summary(
     write_seconds: float,
     damaged: float,
 ) -> dict[str, Any]:
-    device, host_with_disk, disk = hits
+    device, host_with_lower, disk, pool = hits
     return {
         "device_hit_tokens": int(device),
-        "host_hit_tokens": int(host_with_disk - disk),
+        "host_hit_tokens": int(host_with_lower - disk - pool),
         "disk_hit_tokens": int(disk),
+        "pool_hit_tokens": int(pool),
         "device_evictions": int(evictions[0]),
         "host_evictions": int(evictions[1]),
         "disk_evictions": int(evictions[2]),
@@ -50,7 +52,7 @@ def from_tier_stats(before: TierStats, after: TierStats) -> dict[str, Any]:
     """The run's counters from an engine's `snapshot().tiers` taken before and after it."""
     d = after.minus(before)
     return _summary(
-        (d.device_hit_tokens, d.host_hit_tokens, d.disk_hit_tokens),
+        (d.device_hit_tokens, d.host_hit_tokens, d.disk_hit_tokens, d.pool_hit_tokens),
         (d.device_evictions, d.host_evictions, d.disk_evictions),
         d.disk_bytes_read,
         d.disk_bytes_written,
@@ -73,7 +75,7 @@ def from_server_counters(before: Mapping[str, float], after: Mapping[str, float]
 
     tiers = ("device", "host", "disk")
     return _summary(
-        tuple(delta("kv_tier_hit_tokens", f"tier={t}") for t in tiers),
+        tuple(delta("kv_tier_hit_tokens", f"tier={t}") for t in (*tiers, "pool")),
         tuple(delta("kv_tier_evictions", f"tier={t}") for t in tiers),
         delta("kv_disk_io_bytes", "direction=read"),
         delta("kv_disk_io_bytes", "direction=written"),

@@ -49,8 +49,9 @@ class EngineConfig:
     kv_disk_min_load_tokens: int = 64  # shorter disk hits are recomputed instead of loaded
     kv_disk_max_inflight_bytes: int = 256 << 20  # bytes being read from disk at once
     # Pool tier (off without a URL): blocks keyed by content in a store every engine of a cluster shares,
-    # mooncake://HOST:PORT (a Mooncake Store master). It takes the disk tier's place below the host tier and
-    # its kv_disk_write_through_hits, kv_disk_min_load_tokens and kv_disk_max_inflight_bytes. See
+    # mooncake://HOST:PORT (a Mooncake Store master). It sits below the host tier, and below the disk tier
+    # when there is one too (kv_tiers.py: lookups and loads ask the disk first, writes go to both), and shares
+    # kv_disk_write_through_hits, kv_disk_min_load_tokens and kv_disk_max_inflight_bytes. See
     # jaxserve/kv/pool_tier.py.
     kv_pool: str | None = None
     kv_pool_segment_bytes: int = 1 << 30  # memory this engine lends the pool
@@ -212,14 +213,11 @@ def _check_lora(c: EngineConfig) -> None:
 
 def _check_kv_tiers(c: EngineConfig) -> None:
     if c.kv_pool is not None:
-        if c.kv_disk_dir is not None:
-            raise ValueError("kv_pool and kv_disk_dir: one tier below the host tier for now, choose one")
         if not c.enable_prefix_caching:
             raise ValueError("the pool tier (kv_pool) needs enable_prefix_caching")
         if c.kv_pool_segment_bytes < 16 << 20:
             raise ValueError("kv_pool_segment_bytes must be at least 16 MiB")
         parse_pool_url(c.kv_pool)
-        return
     if c.kv_disk_dir is None:
         return
     if not c.kv_disk_dir:

@@ -52,7 +52,7 @@ from jaxserve.engine_client import DuplicateRequestError, UnknownAdapterError, e
 from jaxserve.engine_core_ops import EngineCoreOps
 from jaxserve.engine_snapshot import EngineSnapshot, ReplicaLoad
 from jaxserve.image_prompt import MultimodalPrompt, PromptImage
-from jaxserve.kv import CopyStage, DiskTier, build_kv_manager
+from jaxserve.kv import CopyStage, build_kv_manager
 from jaxserve.kv.tier_stats import TierStats
 from jaxserve.kv_tiers import build_lower_tier
 from jaxserve.lora.manager import AdapterRef, LoraManager
@@ -98,7 +98,7 @@ class LLMEngine(EngineCoreOps):
         self.config = ec = resolve(config, loaded.config, dtype)
         self.vision = loaded.vision and loaded.vision.config  # a vision-language model's (None: text only)
         self.runner = ModelRunner(loaded.config, loaded.params, ec, mesh, loaded.vision)
-        self.lower_tier = build_lower_tier(self.runner, self.model_name)  # disk, pool or None
+        self.lower_tier = build_lower_tier(self.runner, self.model_name)  # disk, pool, both or None
         self.kv = build_kv_manager(
             ec.num_blocks,
             ec.block_size,
@@ -292,12 +292,12 @@ class LLMEngine(EngineCoreOps):
         except Exception:  # noqa: BLE001 - e.g. a failed device: keep what is on disk, stop cleanly
             logger.exception("writing the prefix cache to the KV tier below the host at shutdown failed")
         self.lower_tier.close()
+        stored = ", ".join(f"{t.kind} {t.num_blocks} ({t.num_bytes / 1e6:.1f} MB)" for t in self.lower_tier.tiers)
         logger.info(
-            "KV %s tier closed: %d cached blocks written at shutdown; %d blocks (%.1f MB) stored",
-            "disk" if isinstance(self.lower_tier, DiskTier) else "pool",
+            "KV %s tier closed: %d cached blocks written at shutdown; blocks stored: %s",
+            self.lower_tier.kind,
             flushed,
-            self.lower_tier.num_blocks,
-            self.lower_tier.num_bytes / 1e6,
+            stored,
         )
 
     # ----- the loop -------------------------------------------------------------------------

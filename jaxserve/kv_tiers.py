@@ -1,6 +1,6 @@
-"""Builds an engine's tier below the host tier (the disk tier or the pool tier): the fingerprint of
-what its KV bytes depend on, and the tier on the runner's host-tier arrays. (Here, not in
-jaxserve/kv, because it reads the model's arrays.)"""
+"""Builds an engine's tier below the host tier (the disk tier, the pool tier, or both chained: disk
+first, then pool): the fingerprint of what its KV bytes depend on, and the tier on the runner's
+host-tier arrays. (Here, not in jaxserve/kv, because it reads the model's arrays.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxserve.kv import DiskTier, HostBlockArrays, KVTier, PoolTier, fingerprint
+from jaxserve.kv import DiskTier, HostBlockArrays, KVTier, PoolTier, TierChain, fingerprint
 from jaxserve.mooncake_store import MooncakeBlockStore
 from jaxserve.runner.pipeline_placement import model_layers_config
 from kernels_pallas import kv_quant
@@ -45,13 +45,23 @@ def kv_fingerprint(runner: ModelRunner, model_name: str, model_layers: bool = Fa
 
 
 def build_lower_tier(runner: ModelRunner, model_name: str) -> KVTier | None:
-    """The disk tier (--kv-disk-dir), the pool tier (--kv-pool) or None."""
+    """The disk tier (--kv-disk-dir), the pool tier (--kv-pool), both chained (the disk first), or None."""
     ec = runner.engine_config
+    tiers: list[KVTier] = []
+    if ec.kv_disk_dir is not None:
+        tiers.append(build_disk_tier(runner, model_name))
     if ec.kv_pool is not None:
-        return build_pool_tier(runner, model_name)
-    if ec.kv_disk_dir is None:
+        try:
+            tiers.append(build_pool_tier(runner, model_name))
+        except BaseException:
+            for tier in tiers:  # the disk tier's threads stop with the failed start
+                tier.close()
+            raise
+    if not tiers:
         return None
-    return build_disk_tier(runner, model_name)
+    tier = tiers[0] if len(tiers) == 1 else TierChain(*tiers)
+    runner.blocks.disk_sink = tier.write
+    return tier
 
 
 def build_pool_tier(runner: ModelRunner, model_name: str) -> PoolTier:
@@ -68,7 +78,6 @@ def build_pool_tier(runner: ModelRunner, model_name: str) -> PoolTier:
         ec.kv_pool_segment_bytes,
         max_inflight_bytes=ec.kv_disk_max_inflight_bytes,
     )
-    runner.blocks.disk_sink = tier.write
     logger.info("KV pool tier at %s: lending it %.1f GB", ec.kv_pool, ec.kv_pool_segment_bytes / 1e9)
     return tier
 
@@ -86,7 +95,6 @@ def build_disk_tier(runner: ModelRunner, model_name: str) -> DiskTier:
         ec.kv_disk_bytes,
         ec.kv_disk_max_inflight_bytes,
     )
-    runner.blocks.disk_sink = tier.write
     logger.info(
         "KV disk tier in %s: %d blocks (%.1f MB) found, budget %.1f GB",
         tier.root,

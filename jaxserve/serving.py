@@ -65,7 +65,8 @@ def _load_and_warm_up(
     print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", flush=True)
     replicas = getattr(engine, "replicas", [engine])
     _add_lora_modules(replicas, lora_modules or {})
-    for disk in {id(e.lower_tier): e.lower_tier for e in replicas if isinstance(e.lower_tier, DiskTier)}.values():
+    tiers = {id(t): t for e in replicas if e.lower_tier is not None for t in e.lower_tier.tiers}
+    for disk in (t for t in tiers.values() if isinstance(t, DiskTier)):
         found = f"{disk.num_blocks} blocks found ({disk.num_bytes / 1e6:.1f} MB)"
         print(f"KV disk tier in {disk.root}: {found}", flush=True)
     on_each = f" on each of {len(replicas)} replicas" if len(replicas) > 1 else ""

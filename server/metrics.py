@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxserve.engine_snapshot import KV_LOAD_SECONDS_BUCKETS, EngineSnapshot
+from jaxserve.engine_snapshot import KV_LOAD_SECONDS_BUCKETS, EngineSnapshot, TierStats
 
 PREFIX = "jaxserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -215,45 +216,59 @@ def _pipeline_metrics(s: EngineSnapshot) -> Iterator[Metric]:
 
 
 def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
-    """Per-tier counters of the KV cache: device, host and the lower tier, named by its kind (disk or pool)."""
+    """Per-tier counters of the KV cache: device, host and each tier below the host tier (disk, pool)."""
     t = s.tiers
-    lower = t.lower_tier_name
+    lower = t.lower_tier_names
     hits = CounterMetricFamily(
         f"{PREFIX}_kv_tier_hit_tokens",
-        "Prompt tokens served from each KV tier (host includes what the lower tier loaded)",
+        "Prompt tokens served from each KV tier (host includes what the tiers below it loaded)",
         labels=["tier"],
     )
-    for tier, value in (("device", t.device_hit_tokens), ("host", t.host_hit_tokens), (lower, t.disk_hit_tokens)):
+    for tier, value in (("device", t.device_hit_tokens), ("host", t.host_hit_tokens)):
         hits.add_metric([tier], value)
+    for kind in lower:
+        hits.add_metric([kind], getattr(t, f"{kind}_hit_tokens"))
     yield hits
     evictions = CounterMetricFamily(f"{PREFIX}_kv_tier_evictions", "Blocks evicted from each KV tier", labels=["tier"])
-    for tier, value in (("device", t.device_evictions), ("host", t.host_evictions), (lower, t.disk_evictions)):
+    for tier, value in (("device", t.device_evictions), ("host", t.host_evictions)):
         evictions.add_metric([tier], value)
+    for kind in lower:
+        evictions.add_metric([kind], getattr(t, f"{kind}_evictions"))
     yield evictions
-    disk_bytes = CounterMetricFamily(
-        f"{PREFIX}_kv_{lower}_io_bytes", f"Bytes of KV blocks the {lower} tier read and wrote", labels=["direction"]
+    for kind in lower:
+        yield from _lower_tier_metrics(t, kind)
+
+
+def _lower_tier_metrics(t: TierStats, kind: str) -> Iterator[Metric]:
+    """One tier below the host tier's counters, under its own name (`kv_disk_*`, `kv_pool_*`)."""
+
+    def field(name: str) -> Any:
+        return getattr(t, f"{kind}_{name}")
+
+    io_bytes = CounterMetricFamily(
+        f"{PREFIX}_kv_{kind}_io_bytes", f"Bytes of KV blocks the {kind} tier read and wrote", labels=["direction"]
     )
-    disk_bytes.add_metric(["read"], t.disk_bytes_read)
-    disk_bytes.add_metric(["written"], t.disk_bytes_written)
-    yield disk_bytes
+    io_bytes.add_metric(["read"], field("bytes_read"))
+    io_bytes.add_metric(["written"], field("bytes_written"))
+    yield io_bytes
     yield _load_histogram(
-        f"{PREFIX}_kv_{lower}_load_duration_seconds",
-        f"Wall time of each background load from the {lower} tier",
-        t.disk_load_seconds_counts,
-        t.disk_load_seconds,
+        f"{PREFIX}_kv_{kind}_load_duration_seconds",
+        f"Wall time of each background load from the {kind} tier",
+        field("load_seconds_counts"),
+        field("load_seconds"),
     )
     yield CounterMetricFamily(
-        f"{PREFIX}_kv_{lower}_write_seconds",
-        f"Summed wall time of block writes to the {lower} tier",
-        value=t.disk_write_seconds,
+        f"{PREFIX}_kv_{kind}_write_seconds",
+        f"Summed wall time of block writes to the {kind} tier",
+        value=field("write_seconds"),
     )
     yield CounterMetricFamily(
-        f"{PREFIX}_kv_{lower}_damaged_files",
-        f"Damaged blocks (files, pool objects) the {lower} tier found and deleted",
-        value=t.disk_damaged,
+        f"{PREFIX}_kv_{kind}_damaged_files",
+        f"Damaged blocks (files, pool objects) the {kind} tier found and deleted",
+        value=field("damaged"),
     )
     yield GaugeMetricFamily(
-        f"{PREFIX}_kv_{lower}_bytes", f"Bytes of KV blocks the {lower} tier holds", value=t.disk_bytes
+        f"{PREFIX}_kv_{kind}_bytes", f"Bytes of KV blocks the {kind} tier holds", value=field("bytes")
     )
 
 

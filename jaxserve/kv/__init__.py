@@ -4,8 +4,8 @@
 `build_kv_manager` builds one with its parts. A sequence's block table is a `KVHandle` that its
 request owns. The declared interfaces: `PrefixCache` (radix_cache.RadixCache,
 no_prefix_cache.NoPrefixCache), `SpillingPrefixCache` (RadixCache; what `TierLink` uses),
-`KVTier` (disk_tier.DiskTier; a tier below the host tier) and `LowerTierLink` (tier_link.TierLink,
-no_tier_link.NoTierLink; the cache's link to that tier).
+`KVTier` (disk_tier.DiskTier, pool_tier.PoolTier, tier_chain.TierChain over both; below the host
+tier) and `LowerTierLink` (tier_link.TierLink, no_tier_link.NoTierLink; the cache's link to that tier).
 """
 
 from jaxserve.kv.accounting import KVUsage
@@ -26,6 +26,7 @@ from jaxserve.kv.pool_tier import PoolTier
 from jaxserve.kv.prefix_cache import CachedPath, CacheStats, PrefixCache, PrefixMatch, SpillingPrefixCache
 from jaxserve.kv.prefix_hit import PrefixHit
 from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.kv.tier_chain import TierChain
 from jaxserve.kv.tier_link import LoadStart, LowerTierLink, TierLink
 
 __all__ = [
@@ -62,5 +63,6 @@ __all__ = [
     "PrefixMatch",
     "RadixCache",
     "SpillingPrefixCache",
+    "TierChain",
     "TierLink",
 ]

@@ -43,7 +43,7 @@ from jaxserve.kv.block_files import (
     read_header,
     write_block,
 )
-from jaxserve.kv.kv_tier import HostBlockArrays, KVTierStats, LoadJob, load_seconds_bucket
+from jaxserve.kv.kv_tier import HostBlockArrays, KVTier, KVTierStats, LoadJob, load_seconds_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,10 @@ class DiskTier:
     @property
     def num_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def tiers(self) -> tuple[KVTier, ...]:
+        return (self,)
 
     def contains(self, key: bytes) -> bool:
         """Is the block on disk (as far as the index or one `stat` can tell)?"""

@@ -12,6 +12,7 @@ planned into the copy plan, background loads into host slots.
 `PoolTier` (pool_tier.py: one object per block in a store every engine of a cluster shares, on
 Mooncake Store): `contains`/`num_leading` as existence checks, `plan_write`/`write` as puts of
 missing blocks, `start_load`/`poll` as gets through a registered array into the host slots.
+`TierChain` (tier_chain.py) is one over both: the disk tier, then the pool tier.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class LoadJob:
     loaded: int = 0
     done: bool = False
     cancelled: bool = False
+    # (tier kind, blocks) runs in chain order where more than one tier reads the job's blocks
+    # (`tier_chain.TierChain`); empty: the tier that started it reads them all
+    sources: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 def load_seconds_bucket(seconds: float) -> int:
@@ -91,9 +95,13 @@ def load_seconds_bucket(seconds: float) -> int:
 
 @runtime_checkable
 class KVTier(Protocol):
-    kind: str  # "disk" or "pool": the name its counters go by (`TierStats.lower_tier`, /metrics)
+    kind: str  # "disk" or "pool": the name its counters go by (`TierStats.lower_tiers`, /metrics)
     fingerprint: bytes  # the seed of the content keys it stores blocks under
     stats: KVTierStats
+
+    @property
+    def tiers(self) -> tuple[KVTier, ...]:
+        """The single tiers it is made of, upper first: itself, or a `TierChain`'s tiers."""
 
     @property
     def num_blocks(self) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxserve.kv.block_files import HEADER_BYTES, DamagedBlockFile, block_header, check_block, file_bytes
 from jaxserve.kv.block_store import MISSING, UNAVAILABLE, BlockStore
-from jaxserve.kv.kv_tier import HostBlockArrays, KVTierStats, LoadJob, load_seconds_bucket
+from jaxserve.kv.kv_tier import HostBlockArrays, KVTier, KVTierStats, LoadJob, load_seconds_bucket
 from jaxserve.kv.pool_health import KnownKeys, PoolHealth
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,10 @@ class PoolTier:
     def capacity_blocks(self) -> int:
         """Blocks that fit in the memory this engine lends the pool."""
         return self.capacity_bytes // self.object_bytes
+
+    @property
+    def tiers(self) -> tuple[KVTier, ...]:
+        return (self,)
 
     # ------------------------------------------------------------------ lookups (engine thread)
 

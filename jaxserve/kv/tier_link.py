@@ -1,4 +1,5 @@
-"""The prefix cache's link to the tier below the host tier (a `KVTier`: the disk tier today):
+"""The prefix cache's link to the tier below the host tier (a `KVTier`: the disk tier, the pool
+tier, or `TierChain` over both):
 content keys, writes to the tier, and background loads from it into the host tier. It reaches the
 cache only through `SpillingPrefixCache` and the tier only through `KVTier`.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -104,10 +105,10 @@ class _Load:
     host_slots: list[int]  # host slots the load holds until it is done
     done: bool = False
     cancelled: bool = False
-    loaded: tuple[int, int] = (0, 0)  # token positions the load added to the cache
-    # Where an earlier load of the same request began adding (a prefix loaded in parts, when the
-    # host tier had room for only some of it): the tier hits counted at admission start there.
-    loaded_from: int | None = None
+    # (tier kind, start, end): token positions the load added to the cache, by the tier that read
+    # them; with those of an earlier load of the same request (a prefix loaded in parts, when the
+    # host tier had room for only some of it). The tier hits counted at admission.
+    loaded: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class TierLink:
@@ -132,7 +133,7 @@ class TierLink:
         self.copies = copies
         self.block_size = cache.block_size
         self.write_through_hits = write_through_hits
-        self.hit_tokens = 0  # prompt tokens admitted from blocks the tier loaded
+        self.hit_tokens_by_tier: dict[str, int] = {}  # prompt tokens admitted from blocks a tier loaded, by kind
         self._loads: dict[Hashable, _Load] = {}
         self._by_job: dict[LoadJob, Hashable] = {}
         self._unsubmitted: list[tuple[list[bytes], list[bytes], list[int], Hashable]] = []
@@ -142,6 +143,11 @@ class TierLink:
 
     def new_chain(self) -> ChainKeys:
         return ChainKeys(self.seeds.seed, self.block_size)
+
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens admitted from blocks the tier (any tier of a chain) loaded."""
+        return sum(self.hit_tokens_by_tier.values())
 
     # ------------------------------------------------------------------ lookups
 
@@ -226,10 +232,10 @@ class TierLink:
             keys[run.path] = key
         planned = 0
         for key, kind, location, block_tokens in reversed(chosen):
-            if tier.contains(key):
+            if self._plan(kind, location, key, block_tokens):  # to each tier (of a chain) that lacks it
+                planned += 1
+            else:
                 tier.touch(key)
-                continue
-            planned += self._plan(kind, location, key, block_tokens)
         return planned
 
     # ------------------------------------------------------------------ loads
@@ -265,7 +271,7 @@ class TierLink:
         self._loads[req_id] = _Load(None, path, cache_tokens, host_slots=host_slots)
         if earlier is not None:  # its blocks are on the path locked now
             cache.unlock(earlier.path)
-            self._loads[req_id].loaded_from = earlier.loaded[0]
+            self._loads[req_id].loaded = earlier.loaded
         return LoadStart.STARTED
 
     def submit(self) -> None:
@@ -296,8 +302,8 @@ class TierLink:
             cache.unlock(load.path)
             load.path = path
             load.done = True
-            start = (path.end - good + len(unused)) * bs
-            load.loaded = (start if load.loaded_from is None else min(start, load.loaded_from), path.end * bs)
+            sources = job.sources or [(self.tier.kind, len(job.keys))]
+            load.loaded.extend(_loaded_ranges(sources, path.end - good, len(unused), good, bs))
         return bool(finished)
 
     def is_loading(self, req_id: Hashable) -> bool:
@@ -321,8 +327,9 @@ class TierLink:
             return
         del self._loads[req_id]
         self.cache.unlock(load.path)
-        start, end = load.loaded
-        self.hit_tokens += max(0, min(admitted_tokens, end) - start)
+        for kind, start, end in load.loaded:
+            hits = max(0, min(admitted_tokens, end) - start)
+            self.hit_tokens_by_tier[kind] = self.hit_tokens_by_tier.get(kind, 0) + hits
 
     # ------------------------------------------------------------------ checks
 
@@ -337,21 +344,38 @@ class TierLink:
         self.tier.check_integrity()
 
     def tier_stats(self) -> dict[str, Any]:
-        """The tier's `TierStats` fields: `disk_*` count the one lower tier, disk or pool (`lower_tier`)."""
-        s = self.tier.stats
-        return dict(
-            lower_tier=self.tier.kind,
-            disk_hit_tokens=self.hit_tokens,
-            disk_evictions=s.evictions,
-            disk_loads=s.loads,
-            disk_loaded_blocks=s.loaded_blocks,
-            disk_load_seconds=s.load_seconds,
-            disk_load_seconds_counts=tuple(s.load_seconds_counts),
-            disk_bytes_read=s.bytes_read,
-            disk_bytes_written=s.bytes_written,
-            disk_written_blocks=s.written_blocks,
-            disk_write_seconds=s.write_seconds,
-            disk_damaged=s.damaged,
-            disk_files=self.tier.num_blocks,
-            disk_bytes=self.tier.num_bytes,
-        )
+        """The `TierStats` fields of each tier below the host tier (`<kind>_*`: disk_*, pool_*)."""
+        fields: dict[str, Any] = {"lower_tiers": tuple(t.kind for t in self.tier.tiers)}
+        for t in self.tier.tiers:
+            s = t.stats
+            counters = dict(
+                hit_tokens=self.hit_tokens_by_tier.get(t.kind, 0),
+                evictions=s.evictions,
+                loads=s.loads,
+                loaded_blocks=s.loaded_blocks,
+                load_seconds=s.load_seconds,
+                load_seconds_counts=tuple(s.load_seconds_counts),
+                bytes_read=s.bytes_read,
+                bytes_written=s.bytes_written,
+                written_blocks=s.written_blocks,
+                write_seconds=s.write_seconds,
+                damaged=s.damaged,
+                files=t.num_blocks,
+                bytes=t.num_bytes,
+            )
+            fields.update((f"{t.kind}_{name}", value) for name, value in counters.items())
+        return fields
+
+
+def _loaded_ranges(
+    sources: list[tuple[str, int]], base: int, skip: int, good: int, block_size: int
+) -> list[tuple[str, int, int]]:
+    """(tier kind, start, end) token positions of a load's first `good` blocks, at block `base` on,
+    the first `skip` of them left out (the cache had them already), by the tier that read them."""
+    ranges, first = [], 0
+    for kind, n in sources:
+        lo, hi = max(first, skip), min(first + n, good)
+        if lo < hi:
+            ranges.append((kind, (base + lo) * block_size, (base + hi) * block_size))
+        first += n
+    return ranges

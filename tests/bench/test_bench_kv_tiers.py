@@ -80,6 +80,7 @@ def test_offline_and_server_counters_give_the_same_report(capsys):
         "device_hit_tokens": 64,
         "host_hit_tokens": 16,
         "disk_hit_tokens": 48,  # disjoint: host excludes disk
+        "pool_hit_tokens": 0,
         "device_evictions": 5,
         "host_evictions": 3,
         "disk_evictions": 1,

@@ -34,6 +34,10 @@ class MemoryTier:
         self._done: list[LoadJob] = []
 
     @property
+    def tiers(self) -> tuple[KVTier, ...]:
+        return (self,)
+
+    @property
     def num_blocks(self) -> int:
         return len(self.store)
 

@@ -45,13 +45,13 @@ def test_a_prefix_computed_on_one_worker_is_read_from_the_pool_by_another(_compi
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         want = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # full blocks; the last prompt token is computed
         deadline = time.monotonic() + 30  # until worker A's write-through reached the pool
-        while load(ports[0]).tiers.disk_written_blocks < want // BLOCK_SIZE and time.monotonic() < deadline:
+        while load(ports[0]).tiers.pool_written_blocks < want // BLOCK_SIZE and time.monotonic() < deadline:
             time.sleep(0.2)
         second = _complete(routers[1][1], prompt)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == want, second["usage"]
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         tiers = load(ports[1]).tiers
-        assert tiers.disk_hit_tokens == want and tiers.disk_loads >= 1
+        assert tiers.pool_hit_tokens == want and tiers.pool_loads >= 1
         for port in ports:
             snap = wait_idle(port)
             assert snap.kv.used == 0 and snap.kv_requests == 0
