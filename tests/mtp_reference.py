@@ -46,19 +46,19 @@ def reference_chain(stack, params, hidden: np.ndarray, tokens: list[int], k: int
 def reference_logits(stack, params, hidden: np.ndarray, tokens: list[int], k: int) -> tuple[list[int], np.ndarray]:
     """Greedy drafts of the MTP formula after `tokens` (N of them), from the target's hidden states `hidden`
     [N - 1, E] of positions 0 .. N - 2: each draft recomputes every MTP position from scratch (position p: the
-    token after it and the state at p: the target's, final-normed where `params` has the target's final norm;
-    past N - 2 the draft before it and the state the layer gave at p - 1: its output, or head_norm of it where
-    the target's states are normed). `params`: `mtp_params` of a target's; `stack`: the MTP layer's. Returns
+    token after it and the state at p: the target's, final-normed;
+    past N - 2 the draft before it and the state the layer gave at p - 1: its output (DeepSeek-V3) or head_norm
+    of it). `params`: `mtp_params` of a target's; `stack`: the MTP layer's. Returns
     the drafts and the logits [k, V] each was the argmax of (`reference_chain`: the drafts)."""
     p = jax.tree.map(np.asarray, params)
     m, eps = p["mtp"], stack.config.rms_norm_eps
     table = _one(p["embedding"], 2)
     head = _one(p["head"], 2) if "head" in p else table.T
-    normed = "hidden_norm" in p
+    feeds_normed = not stack.config.is_mla  # DeepSeek-V3's chain feeds the layer's output back
     layer = _JITTED.setdefault(id(stack), jax.jit(functools.partial(_reference_layer, stack)))
     drafts: list[int] = []
     logits = []
-    states = [_rms(h, p["hidden_norm"], eps) if normed else h for h in np.asarray(hidden, np.float32)]
+    states = [_rms(h, p["hidden_norm"], eps) for h in np.asarray(hidden, np.float32)]
     for _ in range(k):
         n = len(states)
         embedded = table[np.asarray((list(tokens[1:]) + drafts)[:n])]
@@ -76,5 +76,5 @@ def reference_logits(stack, params, hidden: np.ndarray, tokens: list[int], k: in
         out_normed = _rms(out, _one(m["head_norm"]["scale"], 1), eps)
         logits.append(out_normed @ head)
         drafts.append(int(np.argmax(logits[-1])))
-        states.append(out_normed if normed else out)
+        states.append(out_normed if feeds_normed else out)
     return drafts, np.stack(logits)

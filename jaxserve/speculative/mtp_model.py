@@ -2,19 +2,18 @@
 declaration): DeepSeek-V3's (`checkpoints/architectures/deepseek_v3.py`) and Qwen3-Next's / Qwen3.5's
 (`checkpoints/architectures/qwen3_5.py`, `mtp_weights`).
 
-At position i the layer takes h_i, the target's last hidden state there (before its final norm), and the
-token after it, t_{i+1}:
+At position i the layer takes h_i, the target's last hidden state there after its final norm g (the target
+model's output, as vLLM's `deepseek_mtp` and `qwen3_next_mtp` take it), and the token after it, t_{i+1}:
 
     x = eh_proj([enorm(embed(t_{i+1})) | hnorm(g(h_i))])      (the embedding first, as the checkpoints and vLLM)
     h' = decoder layer (over the layer's own paged cache, then the model's MLP or mixture of experts)
     logits(t_{i+2}) = head(head_norm(h'))
 
 DeepSeek-V3: the layer's attention is MLA over a latent cache, its checkpoint stores its own copies of the
-embedding and head, g is the identity and the token embedding at position 0 is zeroed (as vLLM's
-`deepseek_mtp` does). Qwen3-Next / Qwen3.5: a gated full-attention layer over K/V heads, the model's own
-embedding and head (tied or not), and g the target's final norm (vLLM's `qwen3_next_mtp` takes the target
-model's output, which is final-normed). Chaining several drafts feeds h' back as the next position's hidden
-state, with the token just drafted; g does not apply to it (it is not a target's state).
+embedding and head, and the token embedding at position 0 is zeroed (as vLLM's `deepseek_mtp` does); a chain
+feeds h' back. Qwen3-Next / Qwen3.5: a gated full-attention layer over K/V heads, the model's own embedding
+and head (tied or not); a chain feeds head_norm(h') back. Chaining several drafts feeds that state to the next
+position, with the token just drafted; g does not apply to it (it is not a target's state).
 """
 
 from __future__ import annotations
@@ -58,12 +57,13 @@ def mtp_layer_stack(config: ModelConfig, dtype: Any, param_dtype: Any, backend: 
 def mtp_params(params: Any) -> dict[str, Any]:
     """What `mtp_forward` reads of a target's parameters: `mtp` (the checkpoint's MTP module), the embedding
     table and head kernel it uses (DeepSeek-V3's own copies, stacked per MTP layer; else the model's, the
-    head absent where tied) and, where the hidden state is final-normed first (Qwen3-Next, Qwen3.5), the
-    target's final norm. The arrays are the target's (nothing copied)."""
-    mtp = params["mtp"]
+    head absent where tied) and the target's final norm (`hidden_norm`, g). The arrays are the target's
+    (nothing copied)."""
+    mtp, hidden_norm = params["mtp"], params["final_norm"]["scale"]
     if "embedding" in mtp:
-        return {"mtp": mtp, "embedding": mtp["embedding"]["table"], "head": mtp["head"]["kernel"]}
-    out = {"mtp": mtp, "embedding": params["embed"]["embedding"], "hidden_norm": params["final_norm"]["scale"]}
+        head = mtp["head"]["kernel"]
+        return {"mtp": mtp, "embedding": mtp["embedding"]["table"], "head": head, "hidden_norm": hidden_norm}
+    out = {"mtp": mtp, "embedding": params["embed"]["embedding"], "hidden_norm": hidden_norm}
     if "lm_head" in params:
         out["head"] = params["lm_head"]["kernel"]
     return out
@@ -95,14 +95,14 @@ def mtp_forward(
     with the rows' K/V or latents written). tokens [T]: t_{i+1} of each row; hidden [T, E]: h_i, a target's
     state unless `chained` (what an earlier call returned); positions [T]: i; `params`: `mtp_params` of the
     target's; `stack`: how the decoder layer is built (its config `mtp_layer_config`). The state returned is
-    the layer's output h' (DeepSeek-V3), or head_norm(h') where the target's states are final-normed first
-    (Qwen3-Next, Qwen3.5: vLLM's chain feeds the MTP's normed output back)."""
+    the layer's output h' (DeepSeek-V3), or head_norm(h') (Qwen3-Next, Qwen3.5: vLLM's chain feeds the MTP's
+    normed output back)."""
     cfg, act, eps = stack.config, stack.dtype, stack.config.rms_norm_eps
     mtp = params["mtp"]
     embedded = _one(params["embedding"], 2)[tokens].astype(jnp.float32)
     if cfg.is_mla:  # DeepSeek-V3
         embedded = jnp.where((positions == 0)[:, None], 0.0, embedded)
-    if "hidden_norm" in params and not chained:
+    if not chained:
         hidden = rms_norm(hidden, params["hidden_norm"], eps)
     x = jnp.concatenate(
         [
@@ -121,5 +121,5 @@ def mtp_forward(
         logits = matmul(normed.astype(act), _one(params["head"], 2))
     else:  # tied: the embedding table [V, E] is the head
         logits = matmul(normed.astype(act), params["embedding"], contract_w=1)
-    # the state a chain's next position takes: the output as the head reads it where targets' states are normed
-    return logits, (normed.astype(act) if "hidden_norm" in params else h[rows]), cache
+    # the state a chain's next position takes: DeepSeek-V3's layer output, else the output as the head reads it
+    return logits, (h[rows] if cfg.is_mla else normed.astype(act)), cache
