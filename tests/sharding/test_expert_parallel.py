@@ -15,15 +15,14 @@ import pytest
 from mesh_cases import run_worker
 
 BASELINES = ["mixtral:1x1x1", "qwen3_moe:1x1x1", "gpt_oss:1x1x1", "gpt_oss_mxfp4:1x1x1"]
-# FAMILY:DPxEPxTP. Each layout costs a warm-up: ep 2 and 4 alone, ep x tp, dp x ep, and tp alone.
+# FAMILY:DPxEPxTP. Each layout costs a warm-up (~13 s of CI): ep 4 and 2 alone (Mixtral, gpt-oss's MXFP4
+# experts), ep x tp (Qwen3-MoE; gpt-oss, whose sinks split with the heads over tp), dp x ep. Each family
+# runs each kind of split once.
 LAYOUTS = [
-    "mixtral:1x2x1",
     "mixtral:1x4x1",
-    "qwen3_moe:1x4x1",
     "qwen3_moe:1x2x2",
     "qwen3_moe:2x2x1",
     "gpt_oss:1x2x2",
-    "gpt_oss:1x1x2",
     "gpt_oss_mxfp4:1x2x1",
 ]
 pytestmark = pytest.mark.timeout(1800)
