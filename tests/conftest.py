@@ -43,3 +43,15 @@ def _assert_kv_all_free(engine) -> None:
 @pytest.fixture
 def assert_kv_all_free():
     return _assert_kv_all_free
+
+
+@pytest.fixture(scope="module")
+def master():
+    """A running `mooncake_master` (the KV pool's), one per test module; killed after it. Modules that
+    use it skip first where Mooncake cannot run (`mooncake_missing`)."""
+    from server.cluster.launch.mooncake_master import PoolMaster
+
+    m = PoolMaster()
+    m.start()
+    yield m
+    m.kill()

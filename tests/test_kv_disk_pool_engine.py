@@ -39,14 +39,6 @@ PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enu
 FULL_BLOCKS = 144 + 96  # the prompts' full blocks; the last prompt token is always computed
 
 
-@pytest.fixture(scope="module")
-def master():
-    m = PoolMaster()
-    m.start()
-    yield m
-    m.kill()
-
-
 def make(disk_dir=None, pool: str | None = None) -> LLM:
     tiers = {"kv_disk_dir": str(disk_dir)} if disk_dir is not None else {}
     tiers.update({"kv_pool": pool} if pool else {})

@@ -36,14 +36,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97))]
 
 
-@pytest.fixture(scope="module")
-def master():
-    m = PoolMaster()
-    m.start()
-    yield m
-    m.kill()
-
-
 def make(pool: str | None, family: str = "llama") -> LLM:
     return LLM(build_tiny_random(family=family), warm_up=False, **CONFIG, **({"kv_pool": pool} if pool else {}))
 

@@ -22,14 +22,6 @@ SHAPE = (2, 3, 8, BS, 5)  # layers, kv heads, host slots, block size, head dim
 FP = fingerprint({"model": "pool-test"})
 
 
-@pytest.fixture(scope="module")
-def master():
-    m = PoolMaster()
-    m.start()
-    yield m
-    m.kill()
-
-
 def make_tier(master: PoolMaster, fp: bytes = FP) -> tuple[PoolTier, list[np.ndarray]]:
     arrays = [np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)]
     store = MooncakeBlockStore(master.url, "127.0.0.1", 32 << 20)

@@ -25,14 +25,6 @@ SHAPE = (2, 3, 8, BS, 5)  # layers, kv heads, host slots, block size, head dim
 FP = fingerprint({"model": "chain-test"})
 
 
-@pytest.fixture(scope="module")
-def master():
-    m = PoolMaster()
-    m.start()
-    yield m
-    m.kill()
-
-
 def host_arrays() -> list[np.ndarray]:
     return [np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)]
 

@@ -6,9 +6,11 @@ over HTTP and to a worker over its internal gRPC service (`load`), to see its KV
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -38,6 +40,26 @@ def start_router(worker_ports: list[int], *flags: str) -> tuple[ChildProcess, En
     port = free_port()
     workers = [arg for p in worker_ports for arg in ("--worker", f"127.0.0.1:{p}")]
     return ChildProcess(jaxserve("router", "--port", str(port), *workers, *flags)), Endpoint(port)
+
+
+@contextlib.contextmanager
+def worker_behind_router(
+    engine_flags: list[str], cache_dir: str, *router_flags: str, model: str = "tiny-random"
+) -> Iterator[tuple[Endpoint, int, ChildProcess]]:
+    """One worker and a router over it, both ready: (the router's endpoint, the worker's port, the worker).
+    Both are stopped after; the router must not have printed a traceback."""
+    port = free_port()
+    worker = start_worker(port, engine_flags, cache_dir, model=model)
+    router, endpoint = start_router([port], *router_flags)
+    with worker, router:
+        worker.wait_for("worker listening", timeout=600)
+        router.wait_for("Running on", timeout=120)
+        yield endpoint, port, worker
+        router.terminate()
+        worker.terminate()
+        router.finish(60)
+        worker.finish(60)
+    assert "Traceback" not in router.output, router.output
 
 
 def load(worker_port: int) -> EngineSnapshot:

@@ -16,9 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from child_process import free_port
 from encoder_dirs import write_cross_encoder
-from router_cluster import start_router, start_worker, wait_idle
+from router_cluster import wait_idle, worker_behind_router
 from server_harness import KEY_A, ServerThread, send, wait_until_idle
 
 from checkpoints.encoders import load_encoder
@@ -56,18 +55,11 @@ def reranker(tmp_path_factory):
 @pytest.fixture(scope="module")
 def routed_reranker(reranker, _compilation_cache):
     """(router endpoint, worker port): the reranker's directory served by a worker behind a router."""
-    port = free_port()
-    worker = start_worker(port, ENGINE_FLAGS, jax.config.jax_compilation_cache_dir, model=str(reranker[1]))
-    router, endpoint = start_router([port], "--api-key", KEY_A, "--served-model-name", MODEL)
-    with worker, router:
-        worker.wait_for("worker listening", timeout=600)
-        router.wait_for("Running on", timeout=120)
+    flags = ("--api-key", KEY_A, "--served-model-name", MODEL)
+    cache = jax.config.jax_compilation_cache_dir
+    with worker_behind_router(ENGINE_FLAGS, cache, *flags, model=str(reranker[1])) as (endpoint, port, worker):
         yield endpoint, port
-        router.terminate()
-        worker.terminate()
-        router.finish(60)
-        worker.finish(60)
-    assert "Traceback" not in router.output + worker.output
+    assert "Traceback" not in worker.output
 
 
 def _post(srv, path: str, body: dict):

@@ -12,8 +12,7 @@ import aiohttp
 import jax
 import openai
 import pytest
-from child_process import free_port
-from router_cluster import start_router, start_worker, wait_idle
+from router_cluster import wait_idle, worker_behind_router
 from server_harness import KEY_A, MODEL_NAME, stream_events
 
 ENGINE = dict(
@@ -42,18 +41,9 @@ def _flags(config: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def routed(_compilation_cache):
     """(router endpoint, the worker's port)."""
-    port = free_port()
-    worker = start_worker(port, _flags(ENGINE), jax.config.jax_compilation_cache_dir)
-    router, endpoint = start_router([port], "--api-key", KEY_A)
-    with worker, router:
-        worker.wait_for("worker listening", timeout=600)
-        router.wait_for("Running on", timeout=120)
+    cache = jax.config.jax_compilation_cache_dir
+    with worker_behind_router(_flags(ENGINE), cache, "--api-key", KEY_A) as (endpoint, port, _worker):
         yield endpoint, port
-        router.terminate()
-        worker.terminate()
-        router.finish(60)
-        worker.finish(60)
-    assert "Traceback" not in router.output, router.output
 
 
 def _all_free(port: int) -> None:
