@@ -129,6 +129,7 @@ def test_forced_function_calls_then_their_output_continues_the_chain(client):
         input="Weather in Paris?",
         tools=[WEATHER],
         tool_choice="required",
+        parallel_tool_calls=False,  # one call, then the array closes: sampled, it still completes
         model=MODEL_NAME,
         temperature=0.8,
         max_output_tokens=60,
