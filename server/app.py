@@ -41,6 +41,7 @@ from server.metrics import ServerMetrics
 from server.model_info import ModelInfo
 from server.protocol import BODY_TIMEOUT, Limits
 from server.rate_limit import RateLimiter
+from server.reply_setup import check_reasoning_parser
 from server.response_store import ResponseStore
 from server.session_files import SessionFiles
 from server.session_kv import SessionKV
@@ -56,6 +57,7 @@ DRAIN_POLL_SECONDS = 0.05
 def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The server for `engine` (already started and warmed up)."""
     info = ModelInfo.from_engine(engine.info, config.served_model_name, config.chat_template)
+    check_reasoning_parser(config.reasoning_parser, info.template)
     keys = ApiKeys(config.api_keys)
     files = SessionFiles(config.session_dir) if config.session_dir is not None else None
     sessions = SessionStore(config.max_sessions_per_key, config.session_ttl, files, config.response_ttl)

@@ -172,8 +172,9 @@ def _add_reply_args(g: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default=None,
-        help="split a thinking model's <think>...</think> into reasoning_content (chat) and reasoning items "
-        "(Responses)",
+        help="split a thinking model's <think>...</think> into reasoning_content (chat), reasoning items "
+        "(Responses) and thinking blocks (Messages); openai_gptoss: gpt-oss's harmony channels, which a harmony "
+        "chat template's replies are read as without the flag too",
     )
     g.add_argument(
         "--chat-template", default=None, help="a jinja chat template (a file, or the text) instead of the model's"

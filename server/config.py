@@ -57,7 +57,7 @@ class ServerConfig:
 
     # The agent-facing API (server.tools, server.reasoning).
     strict_schemas: bool = True  # tool parameters and json_schema formats: no properties they do not list
-    reasoning_parser: str | None = None  # vLLM's names: "qwen3", "deepseek_r1"
+    reasoning_parser: str | None = None  # vLLM's names: "qwen3", "deepseek_r1", "openai_gptoss"
     chat_template: str | None = None  # jinja text used instead of the model's own chat template
 
     # Lifecycle.

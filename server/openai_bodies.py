@@ -290,7 +290,7 @@ class ChatShapes:
 
     def count_reasoning(self, choices: list[ChoiceOutput], usage: UsageCount) -> None:
         """Set the usage's reasoning tokens from the choices' finished replies."""
-        if self._parsing is not None and self._parsing.reasoning is not None:
+        if self._parsing is not None and self._parsing.reads_reasoning:
             usage.reasoning_tokens = sum(
                 self._parsing.reasoning_tokens(self.info.tokenizer, c.token_ids) for c in choices
             )
@@ -308,7 +308,7 @@ class ChatShapes:
             if self._parsing is not None:
                 parts = self._parsing.parts(c.text, finish_reason)
                 message["content"], finish_reason = parts.content, parts.finish_reason
-                if self._parsing.reasoning is not None:
+                if self._parsing.reads_reasoning:
                     message["reasoning_content"] = parts.reasoning
                 if parts.calls:
                     message["tool_calls"] = [call.as_dict() for call in parts.calls]

@@ -1,6 +1,7 @@
 """Reasoning parsers: a thinking model's `<think>...</think>` apart from its answer.
 
-`--reasoning-parser` takes vLLM's names:
+`--reasoning-parser` takes vLLM's names (and "openai_gptoss", gpt-oss's harmony channels, which
+`server.harmony` reads: a harmony template's replies are read so with or without the flag):
 - "deepseek_r1": the reply starts inside the think block (DeepSeek-R1's template opens it in the
   prompt); everything up to `</think>` is reasoning, and a reply that never closes it is all
   reasoning. A `<think>` the model writes itself at the start is dropped.
@@ -23,7 +24,8 @@ if TYPE_CHECKING:  # (server.config imports this module for its names)
     from jaxserve.tokenizer import Tokenizer
 
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
+THINK_PARSERS = ("qwen3", "deepseek_r1")  # the ones this module reads
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read to see whether it leaves a think block open
 
@@ -45,8 +47,8 @@ class ReasoningParser:
     @classmethod
     def for_prompt(cls, name: str, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> ReasoningParser:
         """The parser of a request whose prompt is `prompt_ids` (does it leave a think block open?)."""
-        if name not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {name!r}; known: {list(REASONING_PARSERS)}")
+        if name not in THINK_PARSERS:
+            raise ValueError(f"unknown think-block parser {name!r}; known: {list(THINK_PARSERS)}")
         tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         prompt_opens = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
         return cls(name, name == "deepseek_r1" or prompt_opens)

@@ -4,11 +4,13 @@ its prompt's token ids with the tools shown, `chat_template_kwargs`, and the `Re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
 from server.errors import bad_request
+from server.harmony import is_harmony_template
 from server.image_parts import ImageParts
 from server.model_info import ModelInfo
 from server.prompts import encode_chat, render_chat
@@ -54,19 +56,38 @@ def chat_prompt_ids(
     return ids, (ToolCalling(tool_format, choice) if shown_tools else None)
 
 
+def check_reasoning_parser(name: str | None, template: str | None) -> None:
+    """ValueError (at start-up) when `--reasoning-parser` does not fit the chat template's format."""
+    harmony = is_harmony_template(template)
+    if name == "openai_gptoss" and not harmony:
+        raise ValueError(
+            "reasoning parser openai_gptoss reads harmony channels; this chat template does not write them"
+        )
+    if name is not None and name != "openai_gptoss" and harmony:
+        raise ValueError(
+            f"this chat template writes harmony (gpt-oss's channels): reasoning parser {name} cannot read it"
+        )
+
+
 def reply_parsing(
     info: ModelInfo,
     reasoning_parser: str | None,
     tools: ToolCalling | None,
     prompt_ids: Sequence[int],
     params: SamplingParams,
-) -> ReplyParsing | None:
-    """How the request's replies are read; None when they are plain text. A reply held to JSON or
-    a choice (structured output, a forced call) is that from its first token, so it has no
-    reasoning; a regex or grammar may write a think block, and is read for one."""
+) -> tuple[ReplyParsing | None, SamplingParams]:
+    """How the request's replies are read (None when they are plain text), and the sampling
+    parameters to generate them with. A reply held to JSON or a choice (structured output, a
+    forced call) is that from its first token, so it has no reasoning; a regex or grammar may write
+    a think block, and is read for one. A harmony template's replies (gpt-oss's) are read as
+    channels whatever the reasoning parser, and keep their special tokens, which mark them."""
+    if params.guided is not None and params.guided.kind not in ("regex", "grammar"):
+        return (ReplyParsing(tools) if tools is not None else None), params
+    if is_harmony_template(info.template):
+        return ReplyParsing(tools, harmony=True), dataclasses.replace(params, skip_special_tokens=False)
     reasoning = None
-    if reasoning_parser is not None and (params.guided is None or params.guided.kind in ("regex", "grammar")):
+    if reasoning_parser is not None:
         reasoning = ReasoningParser.for_prompt(reasoning_parser, info.tokenizer, prompt_ids)
     if tools is None and reasoning is None:
-        return None
-    return ReplyParsing(tools, reasoning)
+        return None, params
+    return ReplyParsing(tools, reasoning), params

@@ -79,7 +79,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         ),
     )
     params = dataclasses.replace(params, lora=adapter)
-    parsing = reply_parsing(state.info, state.config.reasoning_parser, tools, ids, params)
+    parsing, params = reply_parsing(state.info, state.config.reasoning_parser, tools, ids, params)
     reply = MessageReply(new_message_id(), shown.name, parsing, req.stop_sequences, conversation.parallel)
     with state.admission.hold(1):
         generation = state.generation(request, [EngineRequest(reply.id, ids, params)], "messages", arrival)

@@ -107,7 +107,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    parsing = reply_parsing(state.info, state.config.reasoning_parser, calling, ids, params)
+    parsing, params = reply_parsing(state.info, state.config.reasoning_parser, calling, ids, params)
     shapes = ChatShapes(response_id, info, parsing, show_prompt_logprobs="prompt_logprobs" in body)
     with state.admission.hold(params.n):
         engine_request = EngineRequest(response_id, ids, params, images=images.rows)

@@ -101,7 +101,7 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn:
     )
     params = dataclasses.replace(params, lora=adapter)
     response_id = new_response_id()
-    parsing = reply_parsing(info, state.config.reasoning_parser, tools, ids, params)
+    parsing, params = reply_parsing(info, state.config.reasoning_parser, tools, ids, params)
     shapes = ResponseShapes(response_id, shown, req.echo, parsing)
     chain = next((s.placement_id for s in (context.previous, context.conversation) if s is not None), response_id)
     return Turn(req, shapes, context, chain, ids, params)

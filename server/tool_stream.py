@@ -68,7 +68,7 @@ class ToolStream:
         self._scanned = 0  # no call marker starts before this
         self._calls_at: int | None = None  # where the calls not yet complete start, once a call has
         self._calls_before = 0  # the (complete) calls before `_calls_at`
-        self._arguments: list[_Arguments] = []  # per call started
+        self._arguments: list[ArgumentsStream] = []  # per call started
         self._following: int | None = None  # the call whose arguments are read straight from the text
 
     def update(self, text: str, base: int = 0) -> list[Event]:
@@ -103,7 +103,7 @@ class ToolStream:
         for index, call in enumerate(calls):
             if index == len(self._arguments):
                 events.append(CallStart(index, call.name))
-                self._arguments.append(_Arguments())
+                self._arguments.append(ArgumentsStream())
             events += self._arguments[index].rest(index, call.arguments)
         return events, ToolReply(content, calls, finish_reason)
 
@@ -157,7 +157,7 @@ class ToolStream:
                 break  # calls start in order: a later one waits for this one's name
             if index == len(self._arguments):
                 events.append(CallStart(index, name))
-                self._arguments.append(_Arguments())
+                self._arguments.append(ArgumentsStream())
             events += self._arguments[index].more(index, raw)
             if index == first + len(calls) - 1 and self._arguments[index].follows(raw, text):
                 self._following = index
@@ -173,7 +173,7 @@ class ToolStream:
         return events
 
 
-class _Arguments:
+class ArgumentsStream:
     """A call's arguments as sent: their stable form, read as the raw text grows."""
 
     def __init__(self) -> None:
