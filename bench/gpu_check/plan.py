@@ -55,6 +55,9 @@ LLAMA3_8B = ModelConfig(
 # experts of 768 hidden units, top-8: the grouped matmuls) and Gemma 3 1B's (local 512-token
 # windows interleaved five to one with global layers), random weights in bf16.
 MOE_MODEL, WINDOW_MODEL = "qwen3-moe-16l", "gemma3-1b"
+# Stage `speculative`: DeepSeek-V3's attention (MLA, 128 heads) and experts' shapes on 2 layers (one dense,
+# one of 32 experts, top-8) and its MTP layer, random weights in bf16: ~7.6B parameters per engine.
+SPEC_MODEL = "deepseek-v3-2l"
 QWEN3_MOE_16L = ModelConfig(
     vocab_size=151936,
     hidden_size=2048,
@@ -72,6 +75,45 @@ QWEN3_MOE_16L = ModelConfig(
     moe_intermediate_size=768,
     norm_topk_prob=True,
     max_position_embeddings=40960,
+)
+DEEPSEEK_V3_2L = ModelConfig(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    num_layers=2,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    architecture="deepseek_v3",
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_interleave=True,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    scoring_func="sigmoid",
+    num_experts=32,
+    num_experts_per_tok=8,
+    moe_intermediate_size=2048,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=163840,
 )
 GEMMA3_1B = ModelConfig(
     vocab_size=262144,
@@ -141,6 +183,25 @@ TINY_GEMMA3 = dataclasses.replace(
     query_pre_attn_scalar=32.0,
     sliding_window=8,
     layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+)
+TINY_DEEPSEEK_V3 = dataclasses.replace(
+    DEEPSEEK_V3_2L,
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=16,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    n_group=2,
+    topk_group=1,
 )
 
 
@@ -236,6 +297,8 @@ def _stages(
         stages.append(Stage(f"engine_{model}", "engine", limits[f"engine_{model}"], model, optional=families_optional))
     # The 2026 families' kernels: MLA decode (mla_stage.py), the Gated DeltaNet delta rule (hybrid_stage.py).
     stages += [Stage(name, name, limits[name], optional=families_optional) for name in ("mla_decode_kernel", "hybrid")]
+    # MTP speculative decoding's costs against plain decoding on the same model (spec_stage.py).
+    stages.append(Stage("speculative", "speculative", limits["speculative"], SPEC_MODEL, optional=families_optional))
     return tuple(stages)
 
 
@@ -315,6 +378,7 @@ def _dry_run_plan() -> Plan:
         "lora": 300,
         "mla_decode_kernel": 200,
         "hybrid": 150,
+        "speculative": 300,
     }
     return Plan(
         dry_run=True,
@@ -325,6 +389,7 @@ def _dry_run_plan() -> Plan:
             "llama3-8b": TINY_LLAMA3,
             MOE_MODEL: TINY_QWEN3_MOE,
             WINDOW_MODEL: TINY_GEMMA3,
+            SPEC_MODEL: TINY_DEEPSEEK_V3,
         },
         correctness=(("smollm2-135m", "float32"), ("llama3-8b", "bfloat16")),
         correctness_pages=4,
@@ -366,6 +431,7 @@ def _gpu_plan(command_buffer_variant: bool) -> Plan:
         "lora": 60,
         "mla_decode_kernel": 40,
         "hybrid": 40,
+        "speculative": 90,
     }
     return Plan(
         dry_run=False,
@@ -375,6 +441,7 @@ def _gpu_plan(command_buffer_variant: bool) -> Plan:
             "llama3-8b": LLAMA3_8B,
             MOE_MODEL: QWEN3_MOE_16L,
             WINDOW_MODEL: GEMMA3_1B,
+            SPEC_MODEL: DEEPSEEK_V3_2L,
         },
         correctness=tuple((m, d) for m in _MODELS for d in ("float32", "bfloat16")),
         correctness_pages=64,

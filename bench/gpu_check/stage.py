@@ -29,6 +29,7 @@ RUNNERS = {
     "lora": ("bench.gpu_check.lora_stage", "run"),
     "mla_decode_kernel": ("bench.gpu_check.mla_stage", "run"),
     "hybrid": ("bench.gpu_check.hybrid_stage", "run"),
+    "speculative": ("bench.gpu_check.spec_stage", "run"),
 }
 
 

@@ -133,6 +133,21 @@ def _mla_section(stage: dict) -> list[str]:
     return [head] + _grid(["case", "kernel ms", "ref ms", "GB/s", "%copy", "err"], rows)
 
 
+def _speculative_section(stage: dict) -> list[str]:
+    info = stage["info"]
+    head = (
+        f"{info['model']}, {info['dtype']}, {info['draft_tokens']} drafts per step; D, V: drafting and the verify "
+        f"pass per step over a plain step T; break-even: accepted drafts per step where (1 + a) T = D + V; "
+        f"greedy outputs identical: {info.get('greedy_outputs_identical')}"
+    )
+    rows = [
+        [str(r["batch"]), _f(r["tok_per_s"], 0), _f(r["plain_tok_per_s"], 0), _f(r["ratio"], 2)]
+        + [_f(r.get(k), 2) for k in ("acceptance_rate", "draft_over_plain", "verify_over_plain", "break_even_accepted")]
+        for r in stage["rows"]
+    ]
+    return [head] + _grid(["batch", "spec tok/s", "plain tok/s", "ratio", "accept", "D/T", "V/T", "break-even a"], rows)
+
+
 def _models_section(stage: dict) -> list[str]:
     rows = [
         [
@@ -304,6 +319,9 @@ def render(summary: dict, plan: Plan) -> str:
         ] + _quant_section(stages["quantized_matmul"])
     if stages.get("mla_decode_kernel", {}).get("rows"):
         out += ["", "MLA decode kernel vs the pure-JAX absorbed form"] + _mla_section(stages["mla_decode_kernel"])
+    if stages.get("speculative", {}).get("rows"):
+        out += ["", "MTP speculative decoding (random MTP layer) against plain decoding"]
+        out += _speculative_section(stages["speculative"])
     engine_rows = _engine_rows(summary["stages"])
     if engine_rows:
         out += ["", "engine decode (LLMEngine, pallas attention, random weights; ctx = mean tokens per sequence)"]

@@ -120,6 +120,16 @@ def test_mla_decode_stage_measures_the_kernel_against_the_reference(dry_run):
 
 
 @pytest.mark.slow
+def test_speculative_stage_measures_mtp_costs_against_plain_decoding(dry_run):
+    spec = stage(dry_run[1], "speculative")
+    assert spec["status"] == "ok" and spec["info"]["greedy_outputs_identical"] is True
+    for r in spec["rows"]:
+        assert r["tok_per_s"] > 0 and r["plain_tok_per_s"] > 0 and r["draft_over_plain"] > 0
+        assert r["verify_over_plain"] > 0 and 0 <= r["acceptance_rate"] <= 1
+    assert "MTP speculative decoding (random MTP layer) against plain decoding" in dry_run[2]
+
+
+@pytest.mark.slow
 def test_engine_stages_compile_nothing_after_warm_up(dry_run):
     summary = dry_run[1]
     for model in PLAN.models:
