@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import socket
 import threading
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlsplit
@@ -24,6 +25,7 @@ SCHEME = "mooncake"
 _NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 _NO_SPACE = -200  # NO_AVAILABLE_HANDLE: the pool's segments are full
 _RPC_FAILED = range(-999, -899)  # RPC_FAIL and its kin: the master could not be reached
+MASTER_PROBE_SECONDS = 3.0  # Mooncake's own setup retries an absent master for over a minute
 
 
 def parse_pool_url(url: str) -> tuple[str, str]:
@@ -44,6 +46,16 @@ def _import_store():
             hint = " and the Debian package libibverbs1 (apt-get install -y libibverbs1)"
         raise RuntimeError(f"--kv-pool needs Mooncake Store: pip install 'jaxserve[mooncake]'{hint} ({e})") from None
     return MooncakeDistributedStore
+
+
+def _probe_master(master: str, url: str) -> None:
+    """RuntimeError at once when nothing listens at the master's address (rather than after Mooncake's
+    setup has retried it for over a minute)."""
+    host, port = master.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=MASTER_PROBE_SECONDS).close()
+    except OSError as e:
+        raise RuntimeError(f"the KV pool's master at {url} does not answer ({e}): is mooncake_master up?") from None
 
 
 def _code(result: int) -> int:
@@ -67,6 +79,7 @@ class MooncakeBlockStore:
         # Mooncake's transfer listeners bind every interface unless told otherwise: only this one.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         self._store = _import_store()()
+        _probe_master(master, url)
         rc = self._store.setup(local_host, metadata, segment_bytes, buffer_bytes, "tcp", "", master)
         if rc != 0:
             raise RuntimeError(f"could not join the KV pool at {url} (Mooncake setup returned {rc}): is its master up?")

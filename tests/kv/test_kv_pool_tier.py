@@ -123,6 +123,14 @@ def test_a_missing_block_ends_the_load(master):
     a.close()
 
 
+def test_a_pool_whose_master_does_not_answer_is_refused_at_once():
+    m = PoolMaster()  # its ports, with nothing listening on them
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="does not answer"):
+        MooncakeBlockStore(m.url, "127.0.0.1", 32 << 20)
+    assert time.monotonic() - t0 < 10.0
+
+
 def test_a_dead_master_marks_the_tier_down_until_a_new_one_answers():
     m = PoolMaster()
     m.start()
