@@ -2,7 +2,8 @@
 decoded and preprocessed off the event loop, and placed in the prompt (`jaxserve.image_prompt`).
 
 Accepted: chat completions' `{"type": "image_url", "image_url": {"url": ...}}` (or the url as a
-string) and Responses' `{"type": "input_image", "image_url": ...}`. A url is a `data:` URL with
+string), Responses' `{"type": "input_image", "image_url": ...}` (`server.response_items`) and
+Anthropic's image blocks as a url (`server.messages_request`). A url is a `data:` URL with
 base64 data, or, only under `--allowed-local-media-path`, a `file://` URL of a file inside that
 directory. Nothing is fetched from the network: an http(s) URL is a 400. Each limit (images per
 request, bytes and pixels per image) is a 400 that says which.
@@ -64,19 +65,27 @@ class ImageParts:
         return bool(self.urls)
 
     def take(self, part: dict[str, Any], where: str) -> str:
-        """The placeholder text of one image part (400 for a model without images, a malformed
-        part, or one image too many)."""
-        vision = self.info.vision
-        if vision is None:
-            raise bad_request(f"{where}: this model takes no images (it has no vision tower)", param=self.param)
+        """The placeholder text of one chat or Responses image part (`add`; 400 for a malformed part)."""
+        self.require_vision(where)
         url = part.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str):
             raise bad_request(f'{where}: an image part needs "image_url" (a url string, or {{"url": ...}})', self.param)
+        return self.add(url, where)
+
+    def require_vision(self, where: str) -> None:
+        """400 when the model takes no images."""
+        if self.info.vision is None:
+            raise bad_request(f"{where}: this model takes no images (it has no vision tower)", param=self.param)
+
+    def add(self, url: str, where: str) -> str:
+        """Collect the image at `url` (read by `load`); the placeholder text that stands for it in
+        its message (400 for a model without images, or one image too many)."""
+        self.require_vision(where)
         if len(self.urls) >= self.limits.max_images:
             raise bad_request(f"at most {self.limits.max_images} images per request", param=self.param)
         self.urls.append(url)
-        return self.info.tokenizer.decode([vision.boi_token_id], skip_special_tokens=False)
+        return self.info.tokenizer.decode([self.info.vision.boi_token_id], skip_special_tokens=False)
 
     async def load(self) -> None:
         """Read, decode and preprocess the images, in a worker thread (400 for one that cannot be used)."""

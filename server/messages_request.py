@@ -7,8 +7,10 @@ string or list of text blocks, never a message; messages are `user` or `assistan
 user message, each with non-empty content except a final assistant message, whose text the reply
 continues (a "prefill": no trailing whitespace); a `tool_result` answers a `tool_use` of the
 assistant message just before it; tool_use ids are unique. Content blocks are text, tool_use
-(assistant) and tool_result (user); image and document blocks are refused, as this server serves
-text models only.
+(assistant), tool_result and image (user; an image also inside a tool_result's content). An image's
+source is base64 data (`media_type` image/jpeg, png, gif or webp) or a url, read as chat's image
+urls are (`server.image_parts`: data: URLs, files under `--allowed-local-media-path`, never the
+network); a model without a vision tower refuses it. Document blocks are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 from typing import Any
 
 from server.errors import APIError, bad_request
+from server.image_parts import ImageParts
 from server.tools import ToolChoice, parse_tool_choice, parse_tools
 
 MESSAGES_FIELDS = frozenset(
@@ -43,8 +46,12 @@ TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
 TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
 TOOL_RESULT_KEYS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
 TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"})
-MEDIA_BLOCKS = frozenset({"image", "document"})
-BLOCKS_BY_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+IMAGE_KEYS = frozenset({"type", "source", "cache_control"})
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+BLOCKS_BY_ROLE = {
+    "user": ("text", "image", "tool_result"),
+    "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+}
 # An earlier reply's thinking, as clients send it back: accepted, not shown to the model (chat
 # templates drop the reasoning of earlier turns).
 THINKING_KEYS = {
@@ -80,9 +87,12 @@ class MessagesRequest:
     stream: bool
 
 
-def parse_messages_request(body: dict[str, Any], reasoning: bool = False) -> MessagesRequest:
+def parse_messages_request(
+    body: dict[str, Any], reasoning: bool = False, images: ImageParts | None = None
+) -> MessagesRequest:
     """A `POST /v1/messages` body (its fields already checked against MESSAGES_FIELDS); with
-    `reasoning` (a reasoning parser), `thinking` may be enabled."""
+    `reasoning` (a reasoning parser), `thinking` may be enabled; with `images`, image blocks are
+    collected there (without, they are refused)."""
     if "max_tokens" not in body:
         raise bad_request("max_tokens: field required", param="max_tokens")
     max_tokens = body["max_tokens"]
@@ -100,16 +110,17 @@ def parse_messages_request(body: dict[str, Any], reasoning: bool = False) -> Mes
     sampling = {name: body[name] for name in ("temperature", "top_p", "top_k") if name in body}
     if stop:  # kept in the text so the reply can say which one ended it (`stop_sequence`), then cut
         sampling.update(stop=stop, include_stop_str_in_output=True)
-    return MessagesRequest(parse_conversation(body, reasoning), max_tokens, stop, sampling, stream)
+    return MessagesRequest(parse_conversation(body, reasoning, images), max_tokens, stop, sampling, stream)
 
 
-def parse_conversation(body: dict[str, Any], reasoning: bool = False) -> Conversation:
-    """`system`, `messages`, `tools`, `tool_choice` and `thinking` of a messages or count_tokens body."""
+def parse_conversation(body: dict[str, Any], reasoning: bool = False, images: ImageParts | None = None) -> Conversation:
+    """`system`, `messages`, `tools`, `tool_choice` and `thinking` of a messages or count_tokens
+    body; image blocks, with `images`, collected there in the order of the prompt."""
     thinking = _thinking(body.get("thinking"), reasoning)
     tools = _tools(body.get("tools", []))
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     system = _system(body.get("system"))
-    messages, prefill = _messages(body.get("messages"))
+    messages, prefill = _messages(body.get("messages"), images)
     return Conversation(system + messages, prefill, tools, choice, parallel, thinking)
 
 
@@ -161,7 +172,7 @@ def _system(value: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": "\n".join(texts)}] if texts else []
 
 
-def _messages(value: Any) -> tuple[list[dict[str, Any]], str]:
+def _messages(value: Any, images: ImageParts | None) -> tuple[list[dict[str, Any]], str]:
     """Chat messages, and the prefill text of a final assistant message (which is not among them)."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list of messages", param="messages")
@@ -182,7 +193,7 @@ def _messages(value: Any) -> tuple[list[dict[str, Any]], str]:
         final_assistant = role == "assistant" and i == len(value) - 1
         blocks = _blocks(message.get("content"), where, role, allow_empty=final_assistant)
         if role == "user":
-            out += _user_messages(blocks, where, previous_ids)
+            out += _user_messages(blocks, where, previous_ids, images)
             previous_ids = set()
             continue
         calls = [_tool_call(block, f"{where}.content.{j}", seen_ids) for j, block in enumerate(blocks)]
@@ -213,17 +224,20 @@ def _blocks(content: Any, where: str, role: str, allow_empty: bool) -> list[dict
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind in MEDIA_BLOCKS:
-            raise bad_request(
-                f"{at}: {kind} content blocks are not supported: this server serves text models only",
-                param="messages",
-            )
+        if kind == "document":
+            raise bad_request(f"{at}: document content blocks are not supported", param="messages")
         if kind not in BLOCKS_BY_ROLE[role]:
             raise bad_request(
                 f"{at}: a {role} message may hold {' and '.join(BLOCKS_BY_ROLE[role])} blocks, not {kind!r}",
                 param="messages",
             )
-        keys = {"text": TEXT_KEYS, "tool_use": TOOL_USE_KEYS, "tool_result": TOOL_RESULT_KEYS, **THINKING_KEYS}[kind]
+        keys = {
+            "text": TEXT_KEYS,
+            "image": IMAGE_KEYS,
+            "tool_use": TOOL_USE_KEYS,
+            "tool_result": TOOL_RESULT_KEYS,
+            **THINKING_KEYS,
+        }[kind]
         if set(block) - keys:
             raise bad_request(f"{at} has unsupported fields: {sorted(set(block) - keys)}", param="messages")
         if kind == "text":
@@ -260,19 +274,26 @@ def _tool_call(block: dict[str, Any], where: str, seen_ids: set[str]) -> dict[st
     }
 
 
-def _user_messages(blocks: list[dict[str, Any]], where: str, open_ids: set[str]) -> list[dict[str, Any]]:
+def _user_messages(
+    blocks: list[dict[str, Any]], where: str, open_ids: set[str], images: ImageParts | None
+) -> list[dict[str, Any]]:
     """A user message's blocks, in order, as chat messages: each tool_result a "tool" message,
-    each run of text blocks a user message."""
+    each run of text and image blocks a user message (text blocks joined by newlines, each image
+    its placeholder, with nothing around it)."""
     out: list[dict[str, Any]] = []
     answered: set[str] = set()
+    last = None  # the kind of the block before, in the same chat message
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
-        if block["type"] == "text":
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += "\n" + block["text"]
+        if block["type"] in ("text", "image"):
+            text = block["text"] if block["type"] == "text" else _image(block, at, images)
+            if last is None:
+                out.append({"role": "user", "content": text})
             else:
-                out.append({"role": "user", "content": block["text"]})
+                out[-1]["content"] += ("\n" if last == block["type"] == "text" else "") + text
+            last = block["type"]
             continue
+        last = None
         call_id = block.get("tool_use_id")
         if not isinstance(call_id, str) or call_id not in open_ids:
             raise bad_request(
@@ -283,27 +304,45 @@ def _user_messages(blocks: list[dict[str, Any]], where: str, open_ids: set[str])
         if call_id in answered:
             raise bad_request(f"{at}: tool_use {call_id!r} is answered twice", param="messages")
         answered.add(call_id)
-        out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, at)})
+        out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, at, images)})
     return out
 
 
-def _tool_result_text(block: dict[str, Any], where: str) -> str:
+def _image(block: dict[str, Any], where: str, images: ImageParts | None) -> str:
+    """An image block's placeholder text (`ImageParts.add`, its source as a url)."""
+    if images is None:
+        raise bad_request(f"{where}: image content blocks are not supported here", param="messages")
+    images.require_vision(where)
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and set(source) == {"type", "media_type", "data"} and isinstance(source["data"], str):
+        if source["media_type"] not in IMAGE_MEDIA_TYPES:
+            raise bad_request(f"{where}.source.media_type must be one of {list(IMAGE_MEDIA_TYPES)}", param="messages")
+        return images.add(f"data:{source['media_type']};base64,{source['data']}", where)
+    if kind == "url" and set(source) == {"type", "url"} and isinstance(source["url"], str):
+        return images.add(source["url"], where)
+    raise bad_request(
+        f'{where}.source must be {{"type": "base64", "media_type": ..., "data": ...}} or {{"type": "url", "url": ...}}',
+        param="messages",
+    )
+
+
+def _tool_result_text(block: dict[str, Any], where: str, images: ImageParts | None) -> str:
     content = block.get("content", "")
     if isinstance(content, list):
         parts = []
         for k, part in enumerate(content):
+            at = f"{where}.content.{k}"
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_BLOCKS:
-                raise bad_request(
-                    f"{where}.content.{k}: {kind} blocks are not supported: this server serves text models only",
-                    param="messages",
-                )
+            if kind == "image" and not set(part) - IMAGE_KEYS:
+                parts.append(_image(part, at, images))
+                continue
             if kind != "text" or set(part) - TEXT_KEYS:
-                raise bad_request(f"{where}.content.{k}: a tool result holds text blocks only", param="messages")
-            parts.append(_text(part, f"{where}.content.{k}"))
+                raise bad_request(f"{at}: a tool result holds text and image blocks only", param="messages")
+            parts.append(_text(part, at))
         content = "\n".join(parts)
     if not isinstance(content, str):
-        raise bad_request(f"{where}.content must be a string or a list of text blocks", param="messages")
+        raise bad_request(f"{where}.content must be a string or a list of text and image blocks", param="messages")
     is_error = block.get("is_error", False)
     if not isinstance(is_error, bool):
         raise bad_request(f"{where}.is_error must be a boolean", param="messages")

@@ -77,7 +77,7 @@ async def start_in_background(
             turn.shapes.info.name,
             turn.shapes.id,
             messages,
-            {"object": body, "input_items": turn.request.items, "chain": turn.chain},
+            turn.record(body),
         )
     except BaseException:
         hold.close()

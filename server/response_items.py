@@ -3,10 +3,12 @@
 `input` is a string (one user message) or a list of items: messages (roles user, system,
 developer, assistant; text content or `input_text` / `output_text` parts), `function_call` items
 (an earlier reply's calls), `function_call_output` items (their results) and `reasoning` items
-(an earlier reply's reasoning: kept, not shown to the model). Each item is kept, with an id, for
-`GET /v1/responses/{id}/input_items` and a conversation's items. Anything else (images, files,
-item references, hosted tools) is a 400 that names it. A response's output items are items of
-these types too, so a conversation's items read back the same way.
+(an earlier reply's reasoning: kept, not shown to the model). A response's input messages (not
+the assistant's) may also hold `input_image` parts (`image_url` a url string, as chat's images:
+`server.image_parts`); a conversation's items may not. Each item is kept, with an id, for
+`GET /v1/responses/{id}/input_items` and a conversation's items. Anything else (files, item
+references, hosted tools) is a 400 that names it. A response's output items are items of these
+types too, so a conversation's items read back the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from server.errors import APIError, bad_request
+from server.image_parts import ImageParts
 
 MAX_ADDED_ITEMS = 20  # OpenAI's limit on the items a conversation gets at once
 MAX_PAGE = 100
@@ -25,6 +28,8 @@ PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
 TEXT_PARTS = ("input_text", "output_text")
 CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
+IMAGE_KEYS = frozenset({"type", "image_url", "detail", "file_id"})
+IMAGE_DETAILS = ("auto", "low", "high")  # accepted; a Gemma 3 image is always read at one size
 REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
 
 
@@ -32,8 +37,9 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def parse_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(chat messages, items with ids) of `input`."""
+def parse_input(value: Any, images: ImageParts | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(chat messages, items with ids) of `input`; with `images`, the input messages' image parts
+    are collected there and shown in their text as the model's image placeholder."""
     if isinstance(value, str):
         value = [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -46,7 +52,7 @@ def parse_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
             raise bad_request(f"{where} must be an object", param="input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            items.append(_message_item(item, where, messages))
+            items.append(_message_item(item, where, messages, images))
         elif kind == "function_call":
             items.append(_call_item(item, where, messages))
         elif kind == "function_call_output":
@@ -68,38 +74,60 @@ def _check_keys(item: dict[str, Any], allowed: frozenset[str], where: str) -> No
         raise bad_request(f"{where} has unsupported fields: {sorted(unknown)}", param="input")
 
 
-def _message_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def _message_item(
+    item: dict[str, Any], where: str, messages: list[dict[str, Any]], images: ImageParts | None
+) -> dict[str, Any]:
     _check_keys(item, MESSAGE_KEYS, where)
     role = item.get("role")
     if role not in MESSAGE_ROLES:
         raise bad_request(f"{where}.role must be one of {list(MESSAGE_ROLES)}", param="input")
-    text = _text_of(item.get("content"), f"{where}.content")
+    text, image_parts = _content(item.get("content"), f"{where}.content", images if role != "assistant" else None)
     messages.append({"role": "system" if role == "developer" else role, "content": text})
     part = "output_text" if role == "assistant" else "input_text"
-    return {
-        "type": "message",
-        "id": _id(item, "msg"),
-        "role": role,
-        "status": "completed",
-        "content": [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}],
-    }
+    parts = image_parts or [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]
+    return {"type": "message", "id": _id(item, "msg"), "role": role, "status": "completed", "content": parts}
+
+
+def _content(content: Any, where: str, images: ImageParts | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The text of a string or a list of text parts; with `images`, also of `input_image` parts
+    (collected there, each shown as the model's placeholder), and then, when it holds an image,
+    its parts as its item keeps them (else [], and its item keeps one text part)."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text parts", param="input")
+    texts, parts = [], []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images is not None:
+            texts.append(_image(part, at, images))
+            parts.append({"type": kind, "image_url": part["image_url"], "detail": part.get("detail", "auto")})
+        elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            _check_keys(part, PART_KEYS, at)
+            texts.append(part["text"])
+            parts.append({"type": "input_text", "text": part["text"]})
+        else:
+            what = "only input_text and output_text" if images is None else "input_text, output_text and input_image"
+            raise bad_request(f"{at}: {what} parts are supported, not {kind!r}", param="input")
+    return "".join(texts), (parts if any(p["type"] == "input_image" for p in parts) else [])
+
+
+def _image(part: dict[str, Any], where: str, images: ImageParts) -> str:
+    """An `input_image` part's placeholder (`ImageParts.add`); file ids are refused (no files here)."""
+    images.require_vision(where)
+    _check_keys(part, IMAGE_KEYS, where)
+    if part.get("file_id") is not None:
+        raise bad_request(f"{where}: file_id is not supported (this server keeps no files); send image_url", "input")
+    if part.get("detail", "auto") not in IMAGE_DETAILS:
+        raise bad_request(f"{where}.detail must be one of {list(IMAGE_DETAILS)}", param="input")
+    if not isinstance(part.get("image_url"), str):
+        raise bad_request(f"{where}.image_url must be a url string (a data: URL)", param="input")
+    return images.add(part["image_url"], where)
 
 
 def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of text parts", param="input")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise bad_request(
-                f"{where}[{j}]: only input_text and output_text parts are supported, not {kind!r}", param="input"
-            )
-        _check_keys(part, PART_KEYS, f"{where}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
+    return _content(content, where)[0]
 
 
 def _id(item: dict[str, Any], prefix: str) -> str:

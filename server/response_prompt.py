@@ -5,7 +5,12 @@ With `truncation: "disabled"` (the default) a prompt that does not fit, with the
 for, is a 400 (`context_length_exceeded`). With "auto" the oldest messages of the prior context
 and the input go first (never a system message: the instructions stay), with the results of the
 calls they made, until the prompt and `max_output_tokens` (at least one token) fit; when even
-the last message alone does not fit, it is the same 400.
+the last message alone does not fit, it is the same 400. A prompt with images is never truncated
+(its images' placeholders stay where they are): it fits, or it is that 400.
+
+A stored response whose input held images cannot be continued (`previous_response_id`: a 400): it
+keeps its input items, images included, but a chain's prompt is made of its stored text and
+token ids, which hold no images.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 from typing import Any
 
 from server.errors import bad_request
+from server.image_parts import ImageParts
 from server.model_info import ModelInfo
 from server.reply_setup import chat_prompt_ids
 from server.response_items import messages_of
@@ -41,6 +47,12 @@ def prior_context(responses: ResponseStore, owner: str, req: ResponseRequest, mo
     if req.previous_response_id is None:
         return PriorContext(None, None, [])
     previous = responses.previous(owner, req.previous_response_id)
+    if previous.response.get("images"):
+        raise bad_request(
+            f"response {req.previous_response_id} has images in its input, which a chain of responses does "
+            "not carry: send the whole conversation, its images included, as input",
+            param="previous_response_id",
+        )
     if previous.model != model:
         raise bad_request(
             f"response {req.previous_response_id} was made by model {previous.model!r}; its chain "
@@ -64,19 +76,20 @@ def within_message_limit(context: PriorContext, req: ResponseRequest, limit: int
 
 
 def fitted_prompt(
-    info: ModelInfo, messages: list[Message], req: ResponseRequest, output_tokens: int
+    info: ModelInfo, messages: list[Message], req: ResponseRequest, output_tokens: int, images: ImageParts
 ) -> tuple[list[int], ToolCalling | None]:
-    """The prompt's token ids and tool calling; with `req.truncation`, those of the fewest oldest
-    messages dropped that leave room for `output_tokens` (unchecked when none do: the caller's
-    checks answer with the 400)."""
+    """The prompt's token ids (with the loaded `images` in it) and tool calling; with
+    `req.truncation` and no images, those of the fewest oldest messages dropped that leave room for
+    `output_tokens` (unchecked when none do: the caller's checks answer with the 400)."""
     shown_tools = req.tools if req.tool_choice.mode != "none" else []
 
     def encode(drop: int) -> tuple[list[int], ToolCalling | None]:
-        return chat_prompt_ids(info, _without_oldest(messages, drop), shown_tools, req.tool_choice)
+        return chat_prompt_ids(info, _without_oldest(messages, drop), shown_tools, req.tool_choice, images=images)
 
     ids, calling = encode(0)
     droppable = sum(m["role"] not in ("system", "tool") for m in messages) - 1  # the newest turn stays
-    if len(ids) + output_tokens <= info.max_model_len or not req.truncation or droppable < 1:
+    fits = len(ids) + output_tokens <= info.max_model_len
+    if fits or not req.truncation or droppable < 1 or images:
         return ids, calling
     low, high = 1, droppable  # the prompt shrinks as more go: find the fewest dropped that fit
     while low < high:

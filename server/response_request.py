@@ -2,7 +2,8 @@
 as chat messages, function tools and `tool_choice` in chat completions' form, the sampling fields,
 `text.format` as structured output, and the request's settings that the response echoes.
 
-`input` is a string (one user message) or a list of items (`server.response_items`).
+`input` is a string (one user message) or a list of items (`server.response_items`), whose input
+messages may hold images (collected in the request's `ImageParts`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from server.errors import bad_request
+from server.image_parts import ImageParts
 from server.response_items import parse_input
 from server.response_tools import chat_tool_choice, function_tools
 from server.tools import ToolChoice, parse_tool_choice, parse_tools
@@ -90,13 +92,13 @@ class ResponseRequest:
     echo: dict[str, Any]  # what the response shows of the request (tools, text, sampling, metadata, ...)
 
 
-def parse_request(body: dict[str, Any]) -> ResponseRequest:
+def parse_request(body: dict[str, Any], images: ImageParts) -> ResponseRequest:
     for name, neutral in NEUTRAL.items():
         if name in body and body[name] not in neutral:
             raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
     if "input" not in body:
         raise bad_request("input is required", param="input")
-    messages, items = parse_input(body["input"])
+    messages, items = parse_input(body["input"], images)
     instructions = _optional(body, "instructions", str)
     previous = _optional(body, "previous_response_id", str)
     conversation = _conversation(body)
@@ -106,6 +108,8 @@ def parse_request(body: dict[str, Any]) -> ResponseRequest:
             param="conversation",
             code="mutually_exclusive",
         )
+    if conversation is not None and images:
+        raise bad_request("a conversation does not keep images: send them without conversation", param="conversation")
     truncation = body.get("truncation", "disabled")
     if truncation not in ("auto", "disabled", None):
         raise bad_request('truncation must be "auto" or "disabled"', param="truncation")

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
+from jaxserve.image_prompt import PromptImage
 from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
 from server.openai_bodies import ChoiceOutput, UsageCount
@@ -28,6 +29,12 @@ class Turn:
     chain: str  # the id of its chain's first response: where its KV lives
     prompt_ids: list[int]
     params: SamplingParams
+    images: tuple[PromptImage, ...] = ()  # the rows of its input's images among `prompt_ids`
+
+    def record(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What the stored response keeps besides its messages (`Session.response`); "images" (how
+        many its input held) marks one that no response may continue."""
+        return {"object": body, "input_items": self.request.items, "chain": self.chain, "images": len(self.images)}
 
 
 async def finish(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutput, usage: UsageCount) -> dict[str, Any]:
@@ -53,13 +60,13 @@ async def save(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutput,
         return
     history = [*turn.context.history, *turn.request.messages]
     messages = [*history, reply_message(state, turn, choice, body["output"])]
-    record = {"object": body, "input_items": turn.request.items, "chain": turn.chain}
+    record = turn.record(body)
     session = state.sessions.find(owner, turn.shapes.id, "response")  # a background one is stored already
     if session is None:
         session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages, record)
     else:
         state.sessions.commit(session, messages, record)
-    if conversation is None:
+    if conversation is None and not turn.images:  # (nothing continues a response with images)
         state.spawn(state.session_kv.pin_history(session, ids, replacing=turn.context.previous))
 
 

@@ -4,7 +4,8 @@
 A request's prompt is what chat completions would make of the same conversation
 (`server.messages_request` turns it into chat messages; `server.reply_setup` makes the prompt of
 both): the model's chat template, tools shown and tool calls parsed as there (a forced call
-enforced with structured output), a final assistant message's text continued. With a reasoning
+enforced with structured output), a final assistant message's text continued, images read as
+chat's are (`server.image_parts`). With a reasoning
 parser (`--reasoning-parser`) the reply's reasoning is a `thinking` block, and `thinking` sets the
 template's `enable_thinking`. Generation, limits and admission are the chat route's. Errors on these
 paths have Anthropic's shape (`server.errors`); a key may come as `x-api-key` (`server.auth`).
@@ -24,6 +25,7 @@ from aiohttp import web
 from server.auth import OWNER_KEY
 from server.errors import APIError
 from server.generation import EngineRequest, Generation
+from server.image_parts import ImageLimits, ImageParts
 from server.messages_reply import Event, MessageReply, new_message_id
 from server.messages_request import (
     COUNT_TOKENS_FIELDS,
@@ -45,11 +47,13 @@ routes = web.RouteTableDef()
 PING_SECONDS = 10.0  # a stream with nothing else to send for this long sends a `ping` event
 
 
-def encode_conversation(info: ModelInfo, conversation: Conversation) -> tuple[list[int], ToolCalling | None]:
-    """The prompt's token ids (as chat completions make them, then the prefill), and the tool
-    setup its reply is read with (None without tools)."""
+def encode_conversation(
+    info: ModelInfo, conversation: Conversation, images: ImageParts
+) -> tuple[list[int], ToolCalling | None]:
+    """The prompt's token ids (as chat completions make them, with the loaded `images`, then the
+    prefill), and the tool setup its reply is read with (None without tools)."""
     ids, tools = chat_prompt_ids(
-        info, conversation.messages, conversation.tools, conversation.choice, conversation.template_kwargs()
+        info, conversation.messages, conversation.tools, conversation.choice, conversation.template_kwargs(), images
     )
     if conversation.prefill:
         ids += info.tokenizer.encode(conversation.prefill)
@@ -64,9 +68,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     check_fields(body, MESSAGES_FIELDS)
     shown, adapter = state.model_for(body)
-    req = parse_messages_request(body, reasoning=state.config.reasoning_parser is not None)
+    images = ImageParts(state.info, ImageLimits.of(state.config))
+    req = parse_messages_request(body, state.config.reasoning_parser is not None, images)
     conversation = req.conversation
-    prompt, tools = encode_conversation(state.info, conversation)
+    await images.load()
+    prompt, tools = encode_conversation(state.info, conversation, images)
     ids = prompt_ids_or_400(prompt, state.info, "messages")
     params = build_sampling_params(
         req.sampling,
@@ -82,7 +88,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     parsing, params = reply_parsing(state.info, state.config.reasoning_parser, tools, ids, params)
     reply = MessageReply(new_message_id(), shown.name, parsing, req.stop_sequences, conversation.parallel)
     with state.admission.hold(1):
-        generation = state.generation(request, [EngineRequest(reply.id, ids, params)], "messages", arrival)
+        engine_request = EngineRequest(reply.id, ids, params, images=images.rows)
+        generation = state.generation(request, [engine_request], "messages", arrival)
         if req.stream:
             return await _stream(request, generation, reply)
         async with aclosing(generation.deltas()) as deltas:
@@ -98,8 +105,10 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     check_fields(body, COUNT_TOKENS_FIELDS)
     state.model_for(body)
-    reasoning = state.config.reasoning_parser is not None
-    ids, _ = encode_conversation(state.info, parse_conversation(body, reasoning))
+    images = ImageParts(state.info, ImageLimits.of(state.config))
+    conversation = parse_conversation(body, state.config.reasoning_parser is not None, images)
+    await images.load()
+    ids, _ = encode_conversation(state.info, conversation, images)
     return web.json_response({"input_tokens": len(ids)})
 
 

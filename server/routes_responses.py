@@ -13,10 +13,12 @@ A response's prompt is what chat completions would make of the same conversation
 as a system message, the stored conversation of `previous_response_id` or the items of
 `conversation` (`server.response_prompt`, which also truncates), then `input`; tools and
 `tool_choice` work as there (a forced call is enforced with structured output), and `text.format`
-is structured output. With `store` (the default) the response is kept (`server.response_store`), so
-a later one can continue it: its prompt then starts with exactly the tokens of the stored one
-(the reply's own token ids), which the prefix cache (pinned, or on the KV disk tier after a
-restart) still holds. Background responses: `server.response_background`.
+is structured output. Input messages may hold images (`input_image`), read as chat's are. With
+`store` (the default) the response is kept (`server.response_store`), so a later one can continue
+it: its prompt then starts with exactly the tokens of the stored one (the reply's own token ids),
+which the prefix cache (pinned, or on the KV disk tier after a restart) still holds; one whose
+input held images cannot be continued (`server.response_prompt`). Background responses:
+`server.response_background`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from aiohttp import web
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request
 from server.generation import EngineRequest, Generation
+from server.image_parts import ImageLimits, ImageParts
 from server.openai_bodies import ChoiceOutput
 from server.prompts import prompt_ids_or_400
 from server.protocol import Limits, build_sampling_params, check_fields, guided_setting, read_json_object
@@ -63,11 +66,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state.limiter.admit(owner)
     body = await read_json_object(request)
     check_fields(body, RESPONSE_FIELDS)
-    turn = _prepare(state, owner, body)
+    turn = await _prepare(state, owner, body)
     hold = contextlib.ExitStack()
     hold.enter_context(state.admission.hold(1))
     try:
-        engine_request = EngineRequest(turn.shapes.id, turn.prompt_ids, turn.params, session_id=turn.chain)
+        engine_request = EngineRequest(
+            turn.shapes.id, turn.prompt_ids, turn.params, session_id=turn.chain, images=turn.images
+        )
         generation = state.new_generation(owner, [engine_request], "responses", arrival)
         if turn.request.background:
             session = await start_in_background(state, owner, turn, generation, hold.pop_all())
@@ -82,14 +87,16 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         hold.close()
 
 
-def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn:
+async def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn:
     shown, adapter = state.model_for(body)
     info = state.info
-    req = parse_request(body)
+    images = ImageParts(info, ImageLimits.of(state.config), param="input")
+    req = parse_request(body, images)
     context = prior_context(state.responses, owner, req, shown.name)
     context = within_message_limit(context, req, state.config.max_session_messages)
     messages = context_messages(req.instructions, context.history, req.messages)
-    ids, tools = fitted_prompt(info, messages, req, _output_room(body))
+    await images.load()
+    ids, tools = fitted_prompt(info, messages, req, _output_room(body), images)
     ids = prompt_ids_or_400(ids, info, "input")
     params = build_sampling_params(
         req.sampling,
@@ -104,7 +111,7 @@ def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn:
     parsing, params = reply_parsing(info, state.config.reasoning_parser, tools, ids, params)
     shapes = ResponseShapes(response_id, shown, req.echo, parsing)
     chain = next((s.placement_id for s in (context.previous, context.conversation) if s is not None), response_id)
-    return Turn(req, shapes, context, chain, ids, params)
+    return Turn(req, shapes, context, chain, ids, params, images.rows)
 
 
 def _output_room(body: dict[str, Any]) -> int:

@@ -54,7 +54,7 @@ BAD_BODIES = {
     "first message from the assistant": ({**BASE, "messages": [{"role": "assistant", "content": "x"}]}, "first"),
     "an image block": (
         {**BASE, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-        "image content blocks are not supported",
+        "this model takes no images",
     ),
     "a document block": (
         {**BASE, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
@@ -73,7 +73,7 @@ BAD_BODIES = {
                 },
             ],
         },
-        "image",
+        "this model takes no images",
     ),
     "an unknown block type": ({**BASE, "messages": [{"role": "user", "content": [{"type": "thinking"}]}]}, "thinking"),
     "tool_use from the user": (

@@ -2,7 +2,10 @@
 client, served by the tiny Gemma 3 vision-language model: the reply's text is transformers' greedy
 tokens (tests/data/vlm_reference.json) for 1 and 2 images, streamed or not; file URLs only under
 --allowed-local-media-path; bad images (not an image, truncated base64, too large, too many, a
-remote URL) are clear 400s that leak nothing; no compilation after warm-up."""
+remote URL) are clear 400s that leak nothing; no compilation after warm-up. The same images through
+the Responses API (`input_image`, the `openai` client) and the Messages API (image blocks, the
+`anthropic` SDK; in a tool result too) make chat's prompt and reply; their bad images are 400s in
+each API's error shape; a stored response with images is not continued."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import io
 import json
 from pathlib import Path
 
+import anthropic
 import numpy as np
 import openai
 import pytest
@@ -28,6 +32,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from server.errors import APIError
 from server.image_parts import ImageLimits, ImageParts
+from server.messages_request import parse_conversation
 from server.model_info import ModelInfo
 from server.prompts import parse_messages
 from tests.data.vlm_images import image_png
@@ -84,13 +89,47 @@ def kv_free_after(vlm, assert_kv_all_free):
     assert engine.num_compilations == compiled
 
 
-def user_message(case: dict, url_of=lambda name: data_url(image_png(name))) -> list[dict]:
-    """The case's user text as content parts: each <start_of_image> an image part, in order."""
+def case_parts(case: dict, text_part, image_part) -> list[dict]:
+    """The case's user text as content parts: each <start_of_image> `image_part(name)`, in order,
+    the (non-empty) texts around them `text_part(text)`."""
     pieces = case["messages"][0]["content"].split("<start_of_image>")
-    parts: list[dict] = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    parts: list[dict] = [text_part(pieces[0])] if pieces[0] else []
     for name, text in zip(case["images"], pieces[1:]):
-        parts.append({"type": "image_url", "image_url": {"url": url_of(name)}})
-        parts += [{"type": "text", "text": text}] if text else []
+        parts.append(image_part(name))
+        parts += [text_part(text)] if text else []
+    return parts
+
+
+def user_message(case: dict, url_of=lambda name: data_url(image_png(name))) -> list[dict]:
+    """The case's user message for chat completions."""
+    parts = case_parts(
+        case,
+        lambda text: {"type": "text", "text": text},
+        lambda name: {"type": "image_url", "image_url": {"url": url_of(name)}},
+    )
+    return [{"role": "user", "content": parts}]
+
+
+def response_input(case: dict) -> list[dict]:
+    """The case's user message as the Responses API's input."""
+    parts = case_parts(
+        case,
+        lambda text: {"type": "input_text", "text": text},
+        lambda name: {"type": "input_image", "image_url": data_url(image_png(name)), "detail": "auto"},
+    )
+    return [{"role": "user", "content": parts}]
+
+
+def base64_block(png: bytes, media_type: str = "image/png") -> dict:
+    return {
+        "type": "image",
+        "source": {"type": "base64", "media_type": media_type, "data": base64.b64encode(png).decode()},
+    }
+
+
+def anthropic_messages(case: dict, block_of=lambda name: base64_block(image_png(name))) -> list[dict]:
+    """The case's user message as the Messages API's."""
+    parts = case_parts(case, lambda text: {"type": "text", "text": text}, block_of)
     return [{"role": "user", "content": parts}]
 
 
@@ -196,3 +235,174 @@ def test_the_bench_image_workload_runs_against_the_server(vlm):
     assert all(r.success for r in records), [r.error for r in records]
     assert sorted(r.group for r in records) == ["1-images", "1-images", "2-images", "2-images"]
     assert all(r.prompt_tokens >= 22 * int(r.group[0]) and r.output_tokens == 3 for r in records)
+
+
+def greedy_chat(client, messages: list[dict], max_tokens: int, **kw):
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=max_tokens, temperature=0.0, **kw
+    )
+
+
+@pytest.mark.parametrize("name", ["one_image", "two_images"])
+def test_responses_with_images_reply_as_chat(client, vlm, name):
+    case = REFERENCE[name]
+    chat = greedy_chat(client, user_message(case), len(case["new_ids"]))
+    out = client.responses.create(
+        model=MODEL_NAME,
+        input=response_input(case),
+        max_output_tokens=len(case["new_ids"]),
+        temperature=0.0,
+        store=False,
+    )
+    assert out.output_text == chat.choices[0].message.content == expected_text(vlm[2], case)
+    assert out.usage.input_tokens == chat.usage.prompt_tokens == len(case["prompt_ids"])
+
+
+def test_a_streamed_stored_response_with_an_image_keeps_it_and_is_not_continued(client, vlm):
+    """Its input items show the image; `previous_response_id` naming it is a 400 (a chain's prompt
+    holds no images); a text response's chain may go on with an image, then stops there."""
+    case = REFERENCE["other_image"]
+    events = list(
+        client.responses.create(
+            model=MODEL_NAME,
+            input=response_input(case),
+            max_output_tokens=len(case["new_ids"]),
+            temperature=0.0,
+            stream=True,
+        )
+    )
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected_text(vlm[2], case)
+    stored = events[-1].response
+    image = client.responses.input_items.list(stored.id).data[0].content[0]
+    assert image.type == "input_image" and image.image_url == data_url(image_png("blue"))
+    with pytest.raises(openai.BadRequestError, match="a chain of responses does not carry") as refused:
+        client.responses.create(model=MODEL_NAME, input="And?", previous_response_id=stored.id, max_output_tokens=2)
+    assert refused.value.body["param"] == "previous_response_id"
+    text = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=2, temperature=0.0)
+    looked = client.responses.create(
+        model=MODEL_NAME, input=response_input(case), previous_response_id=text.id, max_output_tokens=2, temperature=0.0
+    )
+    assert looked.usage.input_tokens > text.usage.input_tokens + vlm[2].vision.mm_tokens_per_image  # the chain's
+    with pytest.raises(openai.BadRequestError, match="a chain of responses does not carry"):
+        client.responses.create(model=MODEL_NAME, input="And?", previous_response_id=looked.id, max_output_tokens=2)
+    for response in (stored, text, looked):
+        client.responses.delete(response.id)  # (the text response's KV was pinned for its chain)
+
+
+@pytest.fixture
+def claude(vlm):
+    return anthropic.Anthropic(base_url=vlm[0].base_url, api_key=KEY_A, max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("name, stream", [("one_image", True), ("two_images", False)])
+def test_messages_with_images_reply_as_chat(client, claude, vlm, name, stream):
+    """Base64 sources, or streamed, a url source (a file under the allowed path)."""
+    case, media = REFERENCE[name], vlm[4]
+    chat = greedy_chat(client, user_message(case), len(case["new_ids"]))
+
+    def by_url(name: str) -> dict:
+        return {"type": "image", "source": {"type": "url", "url": (media / f"{name}.png").as_uri()}}
+
+    messages = anthropic_messages(case, by_url) if stream else anthropic_messages(case)
+    request = dict(model=MODEL_NAME, messages=messages, max_tokens=len(case["new_ids"]), extra_body={"temperature": 0})
+    if stream:
+        with claude.messages.stream(**request) as events:
+            text = "".join(events.text_stream)
+            message = events.get_final_message()
+    else:
+        message = claude.messages.create(**request)
+        text = "".join(block.text for block in message.content)
+    assert text == chat.choices[0].message.content == expected_text(vlm[2], case)
+    prompt_tokens = message.usage.input_tokens + message.usage.cache_read_input_tokens  # (Anthropic's split)
+    assert prompt_tokens == chat.usage.prompt_tokens == len(case["prompt_ids"])
+    counted = claude.messages.count_tokens(model=MODEL_NAME, messages=messages)
+    assert counted.input_tokens == len(case["prompt_ids"])
+
+
+def test_an_image_in_a_messages_tool_result_takes_its_place_in_the_tool_message(vlm):
+    """(Gemma 3's chat template renders no tool messages: only their parsing is checked here.)"""
+    engine, url = vlm[2], (vlm[4] / "red.png").as_uri()
+    info = ModelInfo("vlm", engine.tokenizer, 320, 192, 4, 8, 64, 0, vision=engine.vision)
+    images = ImageParts(info, ImageLimits())
+    image = {"type": "image", "source": {"type": "url", "url": url}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "Here:"}, image]}
+    messages = [
+        {"role": "user", "content": "Show me."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_picture", "input": {}}]},
+        {"role": "user", "content": [result]},
+    ]
+    conversation = parse_conversation({"messages": messages}, images=images)
+    assert conversation.messages[-1] == {
+        "role": "tool",
+        "tool_call_id": "toolu_1",
+        "content": "Here:\n<start_of_image>",
+    }
+    assert images.urls == [url]
+
+
+RED = data_url(image_png("red"))
+BAD_INPUT_IMAGES = {
+    "a remote url": (
+        {"type": "input_image", "image_url": "https://example.com/cat.png"},
+        "remote image URLs are not fetched",
+    ),
+    "bad base64": ({"type": "input_image", "image_url": RED[:-9]}, "base64 data is invalid or truncated"),
+    "a file id": ({"type": "input_image", "file_id": "file-123"}, "file_id is not supported"),
+    "an unknown detail": ({"type": "input_image", "image_url": RED, "detail": "max"}, "detail must be one of"),
+}
+
+
+@pytest.mark.parametrize("part, message", BAD_INPUT_IMAGES.values(), ids=BAD_INPUT_IMAGES)
+def test_bad_input_images_are_responses_400s(vlm, part, message):
+    content = [part, {"type": "input_text", "text": "hi"}]
+    body = {"model": MODEL_NAME, "input": [{"role": "user", "content": content}], "max_output_tokens": 2}
+    reply = send(vlm[0], "POST", "/v1/responses", body)
+    assert reply.status == 400, reply.text
+    assert message in reply.json["error"]["message"] and reply.json["error"]["param"] == "input", reply.json
+
+
+def test_too_many_images_or_a_conversation_with_one_are_responses_400s(vlm):
+    part = {"type": "input_image", "image_url": RED}
+    for content, extra, param, message in (
+        ([part, part, part], {}, "input", "at most 2 images per request"),
+        ([part], {"conversation": "conv_1"}, "conversation", "a conversation does not keep images"),
+    ):
+        body = {"model": MODEL_NAME, "input": [{"role": "user", "content": content}], "max_output_tokens": 2, **extra}
+        reply = send(vlm[0], "POST", "/v1/responses", body)
+        assert reply.status == 400 and reply.json["error"]["param"] == param, reply.text
+        assert message in reply.json["error"]["message"]
+
+
+BAD_IMAGE_BLOCKS = {
+    "a remote url": (
+        [{"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}],
+        "remote image URLs are not fetched",
+    ),
+    "bad base64": (
+        [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": RED[-20:-9]}}],
+        "base64 data is invalid or truncated",
+    ),
+    "not an image type": ([base64_block(image_png("red"), "application/pdf")], "media_type must be one of"),
+    "no source": ([{"type": "image"}], "source must be"),
+    "too many": ([base64_block(image_png("red"))] * 3, "at most 2 images per request"),
+    "a document": ([{"type": "document", "source": {"type": "text", "data": "x"}}], "document content blocks"),
+}
+
+
+@pytest.mark.parametrize("blocks, message", BAD_IMAGE_BLOCKS.values(), ids=BAD_IMAGE_BLOCKS)
+def test_bad_image_blocks_are_anthropic_400s(vlm, blocks, message):
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [*blocks, {"type": "text", "text": "hi"}]}],
+    }
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        reply = send(
+            vlm[0],
+            "POST",
+            path,
+            body if path == "/v1/messages" else {k: v for k, v in body.items() if k != "max_tokens"},
+        )
+        assert reply.status == 400, reply.text
+        assert reply.json["type"] == "error" and set(reply.json["error"]) == {"type", "message"}, reply.json
+        assert reply.json["error"]["type"] == "invalid_request_error" and message in reply.json["error"]["message"]

@@ -245,6 +245,15 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param):
     assert reply.json["error"]["param"] == param, reply.text
 
 
+def test_an_image_to_a_text_model_is_a_400(server):
+    content = [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}, {"type": "input_text", "text": "hi"}]
+    reply = send(
+        server, "POST", "/v1/responses", {"model": MODEL_NAME, "input": [{"role": "user", "content": content}]}
+    )
+    assert reply.status == 400 and reply.json["error"]["param"] == "input", reply.text
+    assert reply.json["error"]["message"] == "input[0].content[0]: this model takes no images (it has no vision tower)"
+
+
 def test_input_items_pages(client):
     items = [{"role": "user", "content": f"Line {i}"} for i in range(5)]
     out = client.responses.create(input=items, **GREEDY)
