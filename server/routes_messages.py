@@ -25,6 +25,7 @@ from aiohttp import web
 from server.auth import OWNER_KEY
 from server.errors import APIError
 from server.generation import EngineRequest, Generation
+from server.harmony import is_harmony_template
 from server.image_parts import ImageLimits, ImageParts
 from server.messages_reply import Event, MessageReply, new_message_id
 from server.messages_request import (
@@ -39,7 +40,7 @@ from server.prompts import prompt_ids_or_400
 from server.protocol import build_sampling_params, check_fields, max_tokens_setting, read_json_object
 from server.reply_setup import chat_prompt_ids, reply_parsing
 from server.sse import EventStream
-from server.state import STATE
+from server.state import STATE, ServerState
 from server.tools import ToolCalling, forced_constraint
 
 routes = web.RouteTableDef()
@@ -60,6 +61,11 @@ def encode_conversation(
     return ids, tools
 
 
+def _thinks(state: ServerState) -> bool:
+    """Whether replies are read for reasoning (thinking may be enabled): a reasoning parser, or harmony."""
+    return state.config.reasoning_parser is not None or is_harmony_template(state.info.template)
+
+
 @routes.post("/v1/messages")
 async def create_message(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
@@ -69,7 +75,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     check_fields(body, MESSAGES_FIELDS)
     shown, adapter = state.model_for(body)
     images = ImageParts(state.info, ImageLimits.of(state.config))
-    req = parse_messages_request(body, state.config.reasoning_parser is not None, images)
+    req = parse_messages_request(body, _thinks(state), images)
     conversation = req.conversation
     await images.load()
     prompt, tools = encode_conversation(state.info, conversation, images)
@@ -106,7 +112,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     check_fields(body, COUNT_TOKENS_FIELDS)
     state.model_for(body)
     images = ImageParts(state.info, ImageLimits.of(state.config))
-    conversation = parse_conversation(body, state.config.reasoning_parser is not None, images)
+    conversation = parse_conversation(body, _thinks(state), images)
     await images.load()
     ids, _ = encode_conversation(state.info, conversation, images)
     return web.json_response({"input_tokens": len(ids)})

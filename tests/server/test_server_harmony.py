@@ -3,7 +3,7 @@ tokens and whose chat template writes harmony, its replies forced into channels 
 random model writes none by itself). Chat completions and Responses show the analysis
 channel as reasoning, the final channel as content and a commentary message to `functions.NAME` as
 a call, streamed and not alike; the usage counts the reasoning tokens; `--reasoning-parser` must
-fit the template. (Messages reads replies with the same `ReplyStream`.)"""
+fit the template; Messages may think without it. (Messages reads replies with the same `ReplyStream`.)"""
 
 from __future__ import annotations
 
@@ -130,3 +130,19 @@ def test_the_reasoning_parser_must_fit_the_template(engine):
     chatml = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     with pytest.raises(ValueError, match="does not write them"):
         start_server(engine, reasoning_parser="openai_gptoss", chat_template=chatml)
+
+
+def test_messages_may_think_on_a_harmony_template_without_the_flag(engine):
+    server = start_server(engine)  # no --reasoning-parser: harmony's channels are read all the same
+    try:
+        body = {
+            "model": MODEL_NAME,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        }
+        reply = send(server, "POST", "/v1/messages", body)
+        assert reply.status == 200, reply.json
+        assert {b["type"] for b in reply.json["content"]} <= {"thinking", "text"}
+    finally:
+        server.stop()
