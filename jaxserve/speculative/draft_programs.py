@@ -74,6 +74,29 @@ def draft_chain(
     """(cache, drafts i32[S, k], q f32[S, k, V]): see the module docstring."""
     meta = AttentionMetadata(x.kv_slots, x.tables, x.seq_lens, x.query_start)
     logits, cache = model.apply({"params": params}, x.tokens, x.positions, cache, meta, x.last_rows)
+    rows = jnp.where(x.seq_lens > 0, jnp.arange(x.seq_lens.shape[0], dtype=jnp.int32), -1)
+
+    def feed(cache: Any, token: jax.Array, pos: jax.Array, step_meta: AttentionMetadata) -> tuple[jax.Array, Any]:
+        return model.apply({"params": params}, token, pos, cache, step_meta, rows)
+
+    return chain_drafts(x, block_size, k, logits, cache, feed, key_offset=0)
+
+
+def chain_drafts(
+    x: DraftInputs,
+    block_size: int,
+    k: int,
+    logits: jax.Array,
+    state: Any,
+    feed: Callable[[Any, jax.Array, jax.Array, AttentionMetadata], tuple[jax.Array, Any]],
+    key_offset: int,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """A chain of k drafts after the catch-up's `logits` (each sequence's distribution of its first draft):
+    the first drawn from them, then k - 1 steps in a `lax.scan`, each feeding the token just drafted at the
+    sequence's next position (N + j for the j-th, each sequence's page and slot of it in `x.tables`) through
+    `feed(state, tokens, positions, metadata) -> (logits, state)`. Draft j of a sequence is drawn with the
+    key of position N + j + `key_offset` (the position of the token it drafts, in the chain's own numbering).
+    Returns (state, drafts i32[S, k], q f32[S, k, V])."""
     seeds = jax.random.wrap_key_data(x.seeds, impl="threefry2x32")
     live = x.seq_lens > 0
     rows = jnp.arange(x.seq_lens.shape[0], dtype=jnp.int32)
@@ -82,23 +105,23 @@ def draft_chain(
     def keys(pos: jax.Array) -> jax.Array:
         return jax.vmap(lambda key, p: jax.random.fold_in(jax.random.fold_in(key, p), DRAFT_STREAM))(seeds, pos)
 
-    first, q = _next_token(logits.astype(jnp.float32), keys(x.seq_lens), x.temperature)
+    first, q = _next_token(logits.astype(jnp.float32), keys(x.seq_lens + key_offset), x.temperature)
 
     def step(carry, j):
-        cache, token = carry
+        state, token = carry
         pos = x.seq_lens + j  # the position of the token fed: d_{j + 1} at N + j
         page = x.tables[rows, jnp.minimum(pos // block_size, width - 1)]
         step_meta = AttentionMetadata(
             jnp.where(live, page * block_size + pos % block_size, 0), x.tables, jnp.where(live, pos + 1, 0)
         )
-        logits, cache = model.apply({"params": params}, token, pos, cache, step_meta, jnp.where(live, rows, -1))
-        token, q = _next_token(logits.astype(jnp.float32), keys(pos + 1), x.temperature)
-        return (cache, token), (token, q)
+        logits, state = feed(state, token, pos, step_meta)
+        token, q = _next_token(logits.astype(jnp.float32), keys(pos + 1 + key_offset), x.temperature)
+        return (state, token), (token, q)
 
-    (cache, _), (tokens, qs) = lax.scan(step, (cache, first), jnp.arange(k - 1, dtype=jnp.int32))
+    (state, _), (tokens, qs) = lax.scan(step, (state, first), jnp.arange(k - 1, dtype=jnp.int32))
     drafts = jnp.concatenate([first[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)
     probs = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
-    return cache, drafts, probs
+    return state, drafts, probs
 
 
 class DraftPrograms:
