@@ -3,11 +3,12 @@ same run (one after the other: the CPU is shared): for a decoder LM, Hugging Fac
 the same GGUF weights and the same token ids; for an encoder embedding model
 (`all-minilm-l6-v2`), sentence-transformers on the same directory and the same texts.
 
-    python3 -m bench.embeddings [--model M] [--texts 256] [--request-size 32] [--concurrency 8] \\
-        [--peer-python /work/refvenv/bin/python] [--server-arg=--max-prefill-seqs=32 ...]
+    python3 -m bench.embeddings [--model M] [--texts 256] [--words 8-16] [--request-size 32] \\
+        [--concurrency 8] [--peer-python /work/refvenv/bin/python] [--server-arg=--max-prefill-seqs=32 ...]
 
-Each run embeds `--texts` short texts (8-16 words, different in every run so the prefix cache
-holds none of them); the first run of each backend warms up and is not timed, `--runs` more are.
+Each run embeds `--texts` texts of `--words` words (8-16 by default, uniformly; different in every
+run so the prefix cache holds none of them); the first run of each backend warms up and is not
+timed, `--runs` more are.
 jaxserve's texts go as requests of `--request-size` inputs, `--concurrency` at a time; the peer
 embeds batches of `--peer-batch-size`. Reported: texts per second (median run) of each, their
 ratio, and the largest difference between the two backends' unit vectors (an encoder's pooling is
@@ -41,9 +42,9 @@ WORDS = (
 ).split()
 
 
-def texts(count: int, seed: int) -> list[str]:
+def texts(count: int, seed: int, words: tuple[int, int] = (8, 16)) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16))) + "." for _ in range(count)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) + "." for _ in range(count)]
 
 
 async def _embed_all(base_url: str, ids: list[list[int]], request_size: int, concurrency: int) -> tuple[float, list]:
@@ -80,6 +81,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--texts", type=int, default=256)
+    p.add_argument(
+        "--words",
+        type=lambda v: tuple(int(n) for n in v.split("-")),
+        default=(8, 16),
+        help="LOW-HIGH words per text, uniformly (a mixed-length workload: 2-150)",
+    )
     p.add_argument("--runs", type=int, default=3, help="timed runs of each backend (after one warm-up run)")
     p.add_argument("--request-size", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except PeerUnavailable as e:
         print(e)
         return 2
-    runs = [texts(args.texts, seed) for seed in range(args.runs + 1)]
+    runs = [texts(args.texts, seed, args.words) for seed in range(args.runs + 1)]
     port = free_port()
     server_args = [
         *(() if peer_name == "sentence-transformers" else ("--embedding-pooling", args.pooling)),
@@ -113,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     pooling = "the model's" if peer_name == "sentence-transformers" else args.pooling
     result |= {"peer": peer_name, "pooling": pooling}
     print(
-        f"{args.texts} texts of {result['mean_tokens_per_text']:.1f} tokens, {pooling} pooling, "
+        f"{args.texts} texts of {args.words[0]}-{args.words[1]} words, "
+        f"{result['mean_tokens_per_text']:.1f} tokens on average, {pooling} pooling, "
         f"median of {args.runs} runs:\n"
         f"  jaxserve      {result['jaxserve_texts_per_s']:8.1f} texts/s  (requests of {args.request_size}, "
         f"{args.concurrency} at a time)\n"
@@ -153,6 +161,7 @@ def _result(
         "model": args.model,
         "pooling": args.pooling,
         "texts": args.texts,
+        "words": list(args.words),
         "mean_tokens_per_text": sum(len(t) for t in ids[1]) / args.texts,
         "request_size": args.request_size,
         "concurrency": args.concurrency,

@@ -17,7 +17,7 @@ from checkpoints.encoders.load import encoder_config_from_dir, load_sentence_tra
 from checkpoints.encoders.weights import declare_encoder
 from checkpoints.params import checkpoint_names, iter_leaves
 from checkpoints.weights import flat, random_tree
-from jaxserve.encoder.batcher import EncoderBatcher, EncoderBuckets, EncoderRequest
+from jaxserve.encoder.batcher import EncoderBatcher, EncoderBuckets, EncoderRequest, token_bucket_sizes
 from jaxserve.model.encoder import encode, pooled_sums
 from jaxserve.pooling import POOLERS, ClsPooler, LastTokenPooler, MeanPooler, Pooler, PromptPooling
 from server.embedding_inputs import finish_embedding
@@ -82,20 +82,82 @@ def test_matryoshka_shortening_and_normalisation():
     np.testing.assert_allclose(short, standardised[:3] / np.linalg.norm(standardised[:3]), rtol=1e-6)
 
 
-def test_batcher_packs_arrival_order_within_the_budget():
+def _queue(batcher: EncoderBatcher, lengths: list[int], start: int = 0) -> None:
+    for i, n in enumerate(lengths, start):
+        batcher.add(EncoderRequest(str(i), [1] * n, PromptPooling("mean")))
+
+
+def _steps(batcher: EncoderBatcher) -> list[tuple[list[str], tuple[int, int]]]:
+    out = []
+    while batcher.waiting:
+        batch, shape = batcher.next_batch()
+        out.append(([r.request_id for r in batch], shape))
+    return out
+
+
+def test_token_buckets_are_at_most_one_and_a_half_apart():
+    assert token_bucket_sizes(256) == (16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert token_bucket_sizes(100) == (16, 24, 32, 48, 64, 96, 100) and token_bucket_sizes(12) == (12,)
+    buckets = EncoderBuckets(max_len=256, max_rows=64, token_budget=512)
+    assert [buckets.tokens_bucket(n) for n in (1, 16, 17, 25, 33, 65, 129, 193)] == [16, 16, 24, 32, 48, 96, 192, 256]
+    assert buckets.rows_for(16) == (1, 2, 4, 8, 16, 32) and buckets.rows_for(24) == (1, 2, 4, 8, 16, 21)
+    assert len(buckets.all()) == 37 and all(rows * tokens <= 512 for rows, tokens in buckets.all())
+
+
+def test_batcher_groups_a_token_bucket_and_pads_nothing_longer():
     buckets = EncoderBuckets(max_len=64, max_rows=8, token_budget=128)
     assert (8, 16) in buckets.all() and (2, 64) in buckets.all() and (4, 64) not in buckets.all()
     batcher = EncoderBatcher(buckets)
-    for i, n in enumerate([10, 12, 40, 60, 5]):
-        batcher.add(EncoderRequest(str(i), [1] * n, PromptPooling("mean")))
-    batch, shape = batcher.next_batch()
-    assert [r.request_id for r in batch] == ["0", "1"] and shape == (2, 16)  # with "2" it would be 4 x 64
-    batch, shape = batcher.next_batch()
-    assert [r.request_id for r in batch] == ["2", "3"] and shape == (2, 64)
-    batch, shape = batcher.next_batch()
-    assert [r.request_id for r in batch] == ["4"] and shape == (1, 16) and not batcher.waiting
+    _queue(batcher, [10, 12, 40, 60, 5])
+    # the 5-token input joins the first step (its bucket); no short input is padded to 48 or 64
+    assert _steps(batcher) == [(["0", "1", "4"], (4, 16)), (["2"], (1, 48)), (["3"], (1, 64))]
+    _queue(batcher, [60, 5, 5, 5, 5, 5, 5, 5])
+    assert _steps(batcher) == [(["0"], (1, 64)), ([str(i) for i in range(1, 8)], (8, 16))]
     with pytest.raises(ValueError, match="1 to 64"):
         batcher.add(EncoderRequest("x", [1] * 65, PromptPooling("mean")))
+
+
+def test_rows_a_step_pads_carry_the_longest_shorter_inputs():
+    batcher = EncoderBatcher(EncoderBuckets(max_len=64, max_rows=8, token_budget=256))
+    _queue(batcher, [30, 28, 31, 10, 20, 22, 60])
+    # three 32-token inputs make a 4-row step: its fourth row takes the earliest 24-token input
+    assert _steps(batcher) == [(["0", "1", "2", "4"], (4, 32)), (["3"], (1, 16)), (["5"], (1, 24)), (["6"], (1, 64))]
+
+
+def test_a_bucket_with_more_inputs_than_a_step_holds_runs_them_in_arrival_order():
+    batcher = EncoderBatcher(EncoderBuckets(max_len=64, max_rows=8, token_budget=128))
+    _queue(batcher, [16] * 10 + [3])
+    assert _steps(batcher) == [([str(i) for i in range(8)], (8, 16)), (["8", "9", "10"], (4, 16))]
+
+
+@pytest.mark.parametrize("max_len, max_rows, budget", [(256, 64, 512), (64, 8, 256), (64, 4, 64)])
+def test_every_step_takes_the_oldest_fits_its_shape_and_waits_are_bounded(max_len, max_rows, budget):
+    """Inputs arrive between steps, of random lengths: each step holds the oldest waiting input and
+    is a compiled shape within the budget, and an input is served within as many steps as there
+    were inputs ahead of it when it arrived, plus one."""
+    rng = np.random.default_rng(0)
+    buckets = EncoderBuckets(max_len, max_rows, budget)
+    batcher = EncoderBatcher(buckets)
+    deadline: dict[str, int] = {}
+    served: set[str] = set()
+    arrived, step = 0, 0
+    while arrived < 600 or batcher.waiting:
+        for n in rng.integers(1, max_len + 1, size=rng.integers(0, 12) if arrived < 600 else 0):
+            deadline[str(arrived)] = step + len(batcher.waiting) + 1
+            _queue(batcher, [int(n)], arrived)
+            arrived += 1
+        if not batcher.waiting:
+            continue
+        oldest = batcher.waiting[0].request_id
+        batch, (rows, tokens) = batcher.next_batch()
+        step += 1
+        ids = [r.request_id for r in batch]
+        assert ids[0] == oldest and ids == sorted(ids, key=int)  # the oldest first, arrival order
+        assert (rows, tokens) in buckets.all() and rows * tokens <= max(budget, tokens)
+        assert len(batch) <= rows and max(len(r.token_ids) for r in batch) <= tokens
+        assert all(step <= deadline[i] for i in ids) and not served & set(ids)
+        served |= set(ids)
+    assert served == set(deadline)
 
 
 def test_sentence_transformers_directory_loads_its_weights_and_config(tmp_path):

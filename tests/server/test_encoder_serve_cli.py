@@ -18,7 +18,7 @@ def test_serve_an_encoder_by_its_registry_name():
     small = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "64"]
     with ChildProcess(jaxserve("serve", "--model", "all-minilm-l6-v2", "--port", str(port), *small)) as child:
         child.wait_for("Running on", timeout=300)
-        assert "encoder shapes (rows x tokens): 1x16, 2x16, 4x16, 1x32, 2x32, 1x64" in child.output
+        assert "encoder shapes (rows x tokens): 1x16, 2x16, 4x16, 1x24, 2x24, 1x32, 2x32, 1x48, 1x64" in child.output
         srv = _Port(port)
         body = {"model": "all-minilm-l6-v2", "input": ["a cat", "a dog"]}
         reply = send(srv, "POST", "/v1/embeddings", body, key=None)
