@@ -173,7 +173,9 @@ def test_synchronous_multi_step_and_speculative_engines_give_the_same_tokens(mod
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def run(**options) -> tuple[list[list[int]], LLM]:
-        llm = LLM(model, warm_up=False, num_blocks=128, **ENGINE, **options)
+        # the reference fixture's pool size (no preemption with either): the default engine's programs
+        # are then the reference's, read from the compilation cache instead of compiled again
+        llm = LLM(model, warm_up=False, num_blocks=256, **ENGINE, **options)
         outs = llm.generate([{"prompt_token_ids": p} for p in repeating], greedy, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], llm
 
