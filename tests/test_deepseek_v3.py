@@ -115,11 +115,12 @@ def test_multi_token_prediction_weights_are_loaded_and_not_run(model, tmp_path):
     for (path, got), (_, want) in zip(iter_leaves(params), iter_leaves(model.params), strict=True):
         np.testing.assert_array_equal(got, want, err_msg=path)
     few = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = LLM(loaded, warm_up=False, num_blocks=64, **ENGINE)
+    # 256 blocks, as the reference fixture: one set of compiled programs for both (the cache's)
+    llm = LLM(loaded, warm_up=False, num_blocks=256, **ENGINE)
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], few, use_tqdm=False)[0].outputs[0].token_ids
     assert (
         out
-        == LLM(model, warm_up=False, num_blocks=64, **ENGINE)
+        == LLM(model, warm_up=False, num_blocks=256, **ENGINE)
         .generate([{"prompt_token_ids": PROMPTS[0]}], few, use_tqdm=False)[0]
         .outputs[0]
         .token_ids
@@ -173,7 +174,9 @@ def test_synchronous_multi_step_and_speculative_engines_give_the_same_tokens(mod
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def run(**options) -> tuple[list[list[int]], LLM]:
-        llm = LLM(model, warm_up=False, num_blocks=128, **ENGINE, **options)
+        # the reference fixture's pool size (no preemption with either): the default engine's programs
+        # are then the reference's, read from the compilation cache instead of compiled again
+        llm = LLM(model, warm_up=False, num_blocks=256, **ENGINE, **options)
         outs = llm.generate([{"prompt_token_ids": p} for p in repeating], greedy, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], llm
 

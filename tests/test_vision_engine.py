@@ -101,7 +101,7 @@ def test_same_text_with_another_image_finds_no_image_block(llm, assert_kv_all_fr
 
 
 def test_a_text_model_refuses_images(llm):
-    text_only = LLM(build_tiny_random(family="gemma3", vocab_size=320), **ENGINE)
+    text_only = LLM(build_tiny_random(family="gemma3", vocab_size=320), warm_up=False, **ENGINE)  # refused at once
     with pytest.raises(ValueError, match="takes no images"):
         text_only.generate(prompt_of(llm, CASES["one_image"]), greedy(2), use_tqdm=False)
 

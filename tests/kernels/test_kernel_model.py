@@ -8,6 +8,7 @@ batch with a padded entry; the pallas kernels run interpreted on CPU.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -142,17 +143,26 @@ def generate(config, backend_name, params, prompts, tables, steps):
     return np.stack(tokens, axis=1), np.stack(all_logits, axis=1)
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_tokens_match_reference(backend, family):
+@functools.cache
+def reference_run(family):
+    """A family's weights, prompts and block tables, and the reference backend's tokens and logits
+    on them: computed once per family (the same for every backend compared with them)."""
     config = CONFIGS[family]
     rng = np.random.default_rng(0)
     params = init_params(config)
     prompts = (rng.integers(0, config.vocab_size, 11), rng.integers(0, config.vocab_size, 17))
     tables = rng.permutation(np.arange(1, NUM_BLOCKS))[: 2 * WIDTH].reshape(2, WIDTH).astype(np.int32)
+    with jax.default_matmul_precision("float32"):
+        want = generate(config, "reference", params, prompts, tables, steps=6)
+    return params, prompts, tables, want
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_match_reference(backend, family):
+    params, prompts, tables, (want_tokens, want_logits) = reference_run(family)
     # IEEE f32 dense matmuls: on a GPU the default (TF32) would blur a 1e-4 comparison.
     with jax.default_matmul_precision("float32"):
-        want_tokens, want_logits = generate(config, "reference", params, prompts, tables, steps=6)
-        got_tokens, got_logits = generate(config, backend, params, prompts, tables, steps=6)
+        got_tokens, got_logits = generate(CONFIGS[family], backend, params, prompts, tables, steps=6)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got_tokens, want_tokens)

@@ -113,9 +113,13 @@ class Stream:
         assert self.resp.status == 200, self.resp.read()
 
     def next_event(self) -> Any:
-        """The next `data:` payload (parsed JSON, or "[DONE]"); None at the end of the body."""
+        """The next `data:` payload (parsed JSON, or "[DONE]"); None at the end of the body.
+
+        Lines are read through the response (its chunked framing decoded), so the body ends at its
+        last chunk: reading the raw socket instead would wait out the server's keep-alive timeout
+        (75 s) on the connection it keeps open after the response."""
         while True:
-            line = self.resp.fp.readline()
+            line = self.resp.readline()
             if not line:
                 return None
             text = line.decode().strip()
