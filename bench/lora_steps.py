@@ -144,7 +144,7 @@ def main() -> None:
 
     import jax
 
-    from bench.gpu_check.plan import SMOLLM2_135M
+    from bench.gpu_check.shapes import SMOLLM2_135M
     from checkpoints.tiny_random import random_params
     from jaxserve.lora.peft import load_peft_adapter
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from server.errors import APIError, bad_request
 from server.image_parts import ImageParts
+from server.messages_images import IMAGE_KEYS, image_block_text
 from server.tools import ToolChoice, parse_tool_choice, parse_tools
 
 MESSAGES_FIELDS = frozenset(
@@ -46,8 +47,6 @@ TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
 TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
 TOOL_RESULT_KEYS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
 TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"})
-IMAGE_KEYS = frozenset({"type", "source", "cache_control"})
-IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 BLOCKS_BY_ROLE = {
     "user": ("text", "image", "tool_result"),
     "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
@@ -286,7 +285,7 @@ def _user_messages(
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
         if block["type"] in ("text", "image"):
-            text = block["text"] if block["type"] == "text" else _image(block, at, images)
+            text = block["text"] if block["type"] == "text" else image_block_text(block, at, images)
             if last is None:
                 out.append({"role": "user", "content": text})
             else:
@@ -308,25 +307,6 @@ def _user_messages(
     return out
 
 
-def _image(block: dict[str, Any], where: str, images: ImageParts | None) -> str:
-    """An image block's placeholder text (`ImageParts.add`, its source as a url)."""
-    if images is None:
-        raise bad_request(f"{where}: image content blocks are not supported here", param="messages")
-    images.require_vision(where)
-    source = block.get("source")
-    kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "base64" and set(source) == {"type", "media_type", "data"} and isinstance(source["data"], str):
-        if source["media_type"] not in IMAGE_MEDIA_TYPES:
-            raise bad_request(f"{where}.source.media_type must be one of {list(IMAGE_MEDIA_TYPES)}", param="messages")
-        return images.add(f"data:{source['media_type']};base64,{source['data']}", where)
-    if kind == "url" and set(source) == {"type", "url"} and isinstance(source["url"], str):
-        return images.add(source["url"], where)
-    raise bad_request(
-        f'{where}.source must be {{"type": "base64", "media_type": ..., "data": ...}} or {{"type": "url", "url": ...}}',
-        param="messages",
-    )
-
-
 def _tool_result_text(block: dict[str, Any], where: str, images: ImageParts | None) -> str:
     content = block.get("content", "")
     if isinstance(content, list):
@@ -335,7 +315,7 @@ def _tool_result_text(block: dict[str, Any], where: str, images: ImageParts | No
             at = f"{where}.content.{k}"
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "image" and not set(part) - IMAGE_KEYS:
-                parts.append(_image(part, at, images))
+                parts.append(image_block_text(part, at, images))
                 continue
             if kind != "text" or set(part) - TEXT_KEYS:
                 raise bad_request(f"{at}: a tool result holds text and image blocks only", param="messages")

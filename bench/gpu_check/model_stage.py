@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import kernel_bench
-from bench.gpu_check.plan import MOE_MODEL, WINDOW_MODEL, Plan, Stage
+from bench.gpu_check.plan import Plan, Stage
 from bench.gpu_check.record import StageRecord, describe_error
+from bench.gpu_check.shapes import MOE_MODEL, WINDOW_MODEL
 from bench.kernel_bench import random_normal, scattered_tables
 from checkpoints.config import ModelConfig
 from jaxserve.model.experts import grouped_matmul_ragged, grouped_matmul_tiles
