@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tier_engines import TIER_ENGINE, random_prompts, run
 
 from checkpoints.tiny_random import build_tiny_random, tiny_random_config
 from jaxserve import LLM, SamplingParams
@@ -21,25 +22,7 @@ from jaxserve.model import KVCache
 from jaxserve.runner.block_moves import BlockMover
 from kernels_pallas import kv_quant
 
-CONFIG = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    max_model_len=256,
-    block_size=8,
-    num_blocks=96,
-    decode_batch_buckets=(4,),
-    block_table_buckets=(32,),
-    prefill_token_buckets=(64,),
-    prefill_seq_buckets=(4,),
-    kv_disk_min_load_tokens=16,
-)
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97, 40))]
-
-
-def run(llm: LLM) -> tuple[list[list[int]], list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+PROMPTS = random_prompts(150, 97, 40)
 
 
 def test_block_bytes_follow_the_dtype_and_scales():
@@ -141,7 +124,7 @@ def test_int8_blocks_survive_the_disk_tier(tmp_path, assert_kv_all_free):
     (rows with their scales) and serves the greedy tokens of the first run; the pool holds more
     blocks than f32's in the same bytes (the engine's own accounting)."""
     config = {
-        **CONFIG,
+        **TIER_ENGINE,
         "num_blocks": None,
         "kv_cache_memory": 96 * 2 * 2 * 2 * 8 * 16 * 4,  # 96 f32 blocks
         "kv_disk_dir": str(tmp_path),
@@ -150,12 +133,12 @@ def test_int8_blocks_survive_the_disk_tier(tmp_path, assert_kv_all_free):
     }
     first = LLM(build_tiny_random(), warm_up=False, **config)
     assert first.engine.runner.cache.k.dtype == jnp.int8 and first.engine.runner.num_blocks == 96 * 4 * 16 // 20
-    tokens = run(first)[0]
+    tokens = run(first, PROMPTS)[0]
     assert_kv_all_free(first.engine)
     first.close()
 
     second = LLM(build_tiny_random(), warm_up=False, **config)
-    again, cached = run(second)
+    again, cached = run(second, PROMPTS)
     assert again == tokens and cached[:2] == [144, 96]
     assert second.engine.snapshot().tiers.disk_hit_tokens >= 144 + 96
     assert_kv_all_free(second.engine)

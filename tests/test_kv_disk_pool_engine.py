@@ -9,9 +9,9 @@ import argparse
 
 import numpy as np
 import pytest
+from tier_engines import GREEDY, random_prompts, run, tier_llm
 
-from checkpoints.tiny_random import build_tiny_random
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM
 from jaxserve.engine_args import add_engine_args, engine_config_from_args
 from jaxserve.kv import TierChain
 from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
@@ -20,34 +20,14 @@ from server.metrics import ServerMetrics
 if (why := mooncake_missing()) is not None:
     pytest.skip(why, allow_module_level=True)
 
-CONFIG = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    max_model_len=256,
-    block_size=8,
-    num_blocks=96,
-    decode_batch_buckets=(4,),
-    block_table_buckets=(32,),
-    prefill_token_buckets=(64,),
-    prefill_seq_buckets=(4,),
-    kv_disk_min_load_tokens=16,
-    kv_disk_bytes=64 << 20,
-    kv_pool_segment_bytes=32 << 20,
-)
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97))]
+PROMPTS = random_prompts(150, 97)
 FULL_BLOCKS = 144 + 96  # the prompts' full blocks; the last prompt token is always computed
 
 
 def make(disk_dir=None, pool: str | None = None) -> LLM:
     tiers = {"kv_disk_dir": str(disk_dir)} if disk_dir is not None else {}
     tiers.update({"kv_pool": pool} if pool else {})
-    return LLM(build_tiny_random(), warm_up=False, **CONFIG, **tiers)
-
-
-def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+    return tier_llm(kv_disk_bytes=64 << 20, kv_pool_segment_bytes=32 << 20, **tiers)
 
 
 def close(llm: LLM, assert_kv_all_free) -> None:
@@ -58,13 +38,13 @@ def close(llm: LLM, assert_kv_all_free) -> None:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run(make())[0]
+    return run(make(), PROMPTS)[0]
 
 
 def test_another_engine_hits_the_pool_and_a_restart_hits_the_disk(tmp_path, master, reference, assert_kv_all_free):
     a = make(tmp_path / "a", master.url)
     assert isinstance(a.engine.lower_tier, TierChain)
-    assert run(a)[0] == reference
+    assert run(a, PROMPTS)[0] == reference
     a.engine.step()  # the last planned writes
     a.engine.lower_tier.flush()
     tiers = a.engine.snapshot().tiers
@@ -73,7 +53,7 @@ def test_another_engine_hits_the_pool_and_a_restart_hits_the_disk(tmp_path, mast
 
     # Another directory, the same pool (whose objects live in the memory engine a lends it: a runs on).
     b = make(tmp_path / "b", master.url)
-    assert run(b) == (reference, [144, 96])
+    assert run(b, PROMPTS) == (reference, [144, 96])
     snapshot = b.engine.snapshot()
     tiers = snapshot.tiers
     assert tiers.pool_hit_tokens == FULL_BLOCKS and tiers.pool_loads >= 1 and tiers.pool_bytes_read > 0
@@ -89,7 +69,7 @@ def test_another_engine_hits_the_pool_and_a_restart_hits_the_disk(tmp_path, mast
     close(a, assert_kv_all_free)
 
     restarted = make(tmp_path / "a", master.url)  # a's directory: its blocks come from its disk
-    assert run(restarted) == (reference, [144, 96])
+    assert run(restarted, PROMPTS) == (reference, [144, 96])
     tiers = restarted.engine.snapshot().tiers
     assert tiers.disk_hit_tokens == FULL_BLOCKS and tiers.disk_loads >= 1
     assert tiers.pool_hit_tokens == 0 and tiers.pool_loads == 0
@@ -101,7 +81,7 @@ def test_with_the_master_dead_the_disk_serves_and_requests_go_on(tmp_path, refer
     m.start()
     try:
         a, b = make(tmp_path, m.url), make(tmp_path, m.url)  # one directory, both started before any write
-        assert run(a)[0] == reference
+        assert run(a, PROMPTS)[0] == reference
         close(a, assert_kv_all_free)  # its blocks on the disk (and in the pool, until it leaves it)
         m.kill()
         more = [np.random.default_rng(10 + i).integers(3, 250, 60).tolist() for i in range(3)]
@@ -109,7 +89,7 @@ def test_with_the_master_dead_the_disk_serves_and_requests_go_on(tmp_path, refer
         assert all(len(t) == GREEDY.max_tokens for t in tokens)
         pool = b.engine.lower_tier.lower
         assert not pool.is_up and pool.stats.outages == 1
-        assert run(b) == (reference, [144, 96])  # the pool down, the disk serves: b finds a's files
+        assert run(b, PROMPTS) == (reference, [144, 96])  # the pool down, the disk serves: b finds a's files
         tiers = b.engine.snapshot().tiers
         assert tiers.disk_hit_tokens == FULL_BLOCKS and tiers.pool_hit_tokens == 0 and tiers.pool_loads == 0
         b.engine.step()

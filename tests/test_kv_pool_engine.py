@@ -10,39 +10,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from tier_engines import GREEDY, random_prompts, run, tier_llm
 
-from checkpoints.tiny_random import build_tiny_random
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM
 from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
 from server.metrics import ServerMetrics
 
 if (why := mooncake_missing()) is not None:
     pytest.skip(why, allow_module_level=True)
 
-CONFIG = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    max_model_len=256,
-    block_size=8,
-    num_blocks=96,
-    decode_batch_buckets=(4,),
-    block_table_buckets=(32,),
-    prefill_token_buckets=(64,),
-    prefill_seq_buckets=(4,),
-    kv_disk_min_load_tokens=16,
-    kv_pool_segment_bytes=32 << 20,
-)
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97))]
+PROMPTS = random_prompts(150, 97)
 
 
 def make(pool: str | None, family: str = "llama") -> LLM:
-    return LLM(build_tiny_random(family=family), warm_up=False, **CONFIG, **({"kv_pool": pool} if pool else {}))
-
-
-def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+    return tier_llm(family, kv_pool_segment_bytes=32 << 20, **({"kv_pool": pool} if pool else {}))
 
 
 def close(llm: LLM, assert_kv_all_free) -> None:
@@ -53,16 +34,16 @@ def close(llm: LLM, assert_kv_all_free) -> None:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run(make(None))[0]
+    return run(make(None), PROMPTS)[0]
 
 
 def test_a_second_engine_reads_the_prefix_from_the_pool(master, reference, assert_kv_all_free):
     a, b = make(master.url), make(master.url)
-    assert run(a)[0] == reference
+    assert run(a, PROMPTS)[0] == reference
     a.engine.step()  # the last planned writes
     a.engine.lower_tier.flush()
     assert a.engine.snapshot().tiers.pool_written_blocks >= (150 + 97) // 8
-    tokens, cached = run(b)
+    tokens, cached = run(b, PROMPTS)
     assert tokens == reference
     assert cached == [144, 96]  # full blocks from the pool, the last prompt token computed
     snapshot = b.engine.snapshot()
@@ -80,12 +61,12 @@ def test_a_second_engine_reads_the_prefix_from_the_pool(master, reference, asser
 
 def test_latent_blocks_of_deepseek_v3_go_through_the_pool(master, assert_kv_all_free):
     """A latent cache (one latent per token, no heads) is written to and read from the pool too."""
-    want = run(make(None, "deepseek_v3"))[0]
+    want = run(make(None, "deepseek_v3"), PROMPTS)[0]
     a, b = make(master.url, "deepseek_v3"), make(master.url, "deepseek_v3")
-    assert run(a)[0] == want
+    assert run(a, PROMPTS)[0] == want
     a.engine.step()
     a.engine.lower_tier.flush()
-    tokens, cached = run(b)
+    tokens, cached = run(b, PROMPTS)
     assert tokens == want and cached == [144, 96]
     close(a, assert_kv_all_free)
     close(b, assert_kv_all_free)
@@ -106,7 +87,7 @@ def test_a_master_killed_under_load_fails_no_request_and_a_restarted_one_is_used
             m.kill()
             outputs = running.result(timeout=600)[0]
         assert len(outputs) == len(prompts) and all(len(o) == GREEDY.max_tokens for o in outputs)
-        tokens, cached = run(llm)
+        tokens, cached = run(llm, PROMPTS)
         assert tokens == reference and not tier.is_up and tier.stats.outages == 1
         m.start()  # a new master, empty: the tier comes back and is written to again
         deadline = time.monotonic() + 60

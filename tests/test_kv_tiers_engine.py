@@ -7,37 +7,18 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
+from tier_engines import GREEDY, random_prompts, run, tier_llm
 
-from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.kv import disk_tier
 
-CONFIG = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    max_model_len=256,
-    block_size=8,
-    num_blocks=96,
-    decode_batch_buckets=(4,),
-    block_table_buckets=(32,),
-    prefill_token_buckets=(64,),
-    prefill_seq_buckets=(4,),
-    kv_disk_min_load_tokens=16,
-)
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPTS = [np.random.default_rng(i).integers(3, 250, n).tolist() for i, n in enumerate((150, 97, 40))]
+PROMPTS = random_prompts(150, 97, 40)
 
 
 def make(disk_dir=None, **overrides) -> LLM:
     extra = {"kv_disk_dir": str(disk_dir), "kv_disk_bytes": 64 << 20} if disk_dir is not None else {}
-    return LLM(build_tiny_random(), warm_up=False, **{**CONFIG, **extra, **overrides})
-
-
-def run(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+    return tier_llm(**{**extra, **overrides})
 
 
 def close(llm: LLM, assert_kv_all_free) -> None:
@@ -49,18 +30,18 @@ def close(llm: LLM, assert_kv_all_free) -> None:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run(make())[0]
+    return run(make(), PROMPTS)[0]
 
 
 def test_outputs_equal_with_the_disk_tier_on_off_and_after_a_restart(tmp_path, reference, assert_kv_all_free):
     first = make(tmp_path)
-    assert run(first)[0] == reference
+    assert run(first, PROMPTS)[0] == reference
     close(first, assert_kv_all_free)
     stats = first.engine.snapshot().tiers
     assert stats.disk_written_blocks >= (150 + 97 + 40) // 8 and stats.disk_files == stats.disk_written_blocks
 
     second = make(tmp_path)  # a restart: nothing on the device or the host
-    tokens, cached = run(second)
+    tokens, cached = run(second, PROMPTS)
     assert tokens == reference
     assert cached[0] == 144 and cached[1] == 96  # full blocks, last prompt token computed
     tiers = second.engine.snapshot().tiers
@@ -71,14 +52,14 @@ def test_outputs_equal_with_the_disk_tier_on_off_and_after_a_restart(tmp_path, r
 
 def test_a_clean_close_writes_the_prefix_cache_and_the_restart_hits_it(tmp_path, reference, assert_kv_all_free):
     first = make(tmp_path, kv_disk_write_through_hits=1000)  # nothing reaches the disk while it runs
-    assert run(first)[0] == reference
+    assert run(first, PROMPTS)[0] == reference
     assert first.engine.snapshot().tiers.disk_written_blocks == 0
     close(first, assert_kv_all_free)
     written = first.engine.snapshot().tiers.disk_written_blocks
     assert written >= (150 + 97 + 40) // 8 and written == len(list(tmp_path.glob("*/*/*.kvb")))
 
     second = make(tmp_path, kv_disk_write_through_hits=1000)
-    tokens, cached = run(second)
+    tokens, cached = run(second, PROMPTS)
     assert tokens == reference
     assert cached[0] == 144 and cached[1] == 96
     assert second.engine.snapshot().tiers.disk_hit_tokens >= 144 + 96
@@ -88,7 +69,7 @@ def test_a_clean_close_writes_the_prefix_cache_and_the_restart_hits_it(tmp_path,
 
 def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, reference, assert_kv_all_free):
     first = make(tmp_path)
-    run(first)
+    run(first, PROMPTS)
     close(first, assert_kv_all_free)
     files = sorted(tmp_path.glob("*/*/*.kvb"))
     victim = files[len(files) // 2]
@@ -96,7 +77,7 @@ def test_a_damaged_file_is_recomputed_and_outputs_do_not_change(tmp_path, refere
     data[len(data) // 2] ^= 0x40
     victim.write_bytes(bytes(data))
     second = make(tmp_path)
-    tokens, cached = run(second)
+    tokens, cached = run(second, PROMPTS)
     assert tokens == reference
     tiers = second.engine.snapshot().tiers
     # Undamaged, the restart hits every full prompt block (144 + 96 + 32 tokens); the damaged file's
