@@ -247,3 +247,14 @@ class FakeEngine:
         assert self.mgr.host.num_free == self.mgr.host.num_host_slots, "host slots leaked"
         usage = self.mgr.usage()
         assert usage.free == usage.num_blocks and usage.used == usage.cached == 0
+
+
+def random_blocks(seed: int, n: int, shape: tuple[int, ...]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
+    """n random blocks for host arrays of `shape` (layers, kv heads, slots, block size, head dim):
+    their keys, token bytes, and K and V arrays with the blocks on axis 2."""
+    rng = np.random.default_rng(seed)
+    layers, heads, _, block_size, head_dim = shape
+    keys = [rng.bytes(16) for _ in range(n)]
+    tokens = [rng.integers(0, 1000, block_size, dtype=np.int32).tobytes() for _ in range(n)]
+    arrays = [rng.standard_normal((layers, heads, n, block_size, head_dim), np.float32) for _ in range(2)]
+    return keys, tokens, arrays

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from kv_sim import random_blocks
 
 from jaxserve.kv import HostBlockArrays, PoolTier, fingerprint
 from jaxserve.kv.block_store import MISSING
@@ -26,15 +27,6 @@ def make_tier(master: PoolMaster, fp: bytes = FP) -> tuple[PoolTier, list[np.nda
     arrays = [np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)]
     store = MooncakeBlockStore(master.url, "127.0.0.1", 32 << 20)
     return PoolTier(store, fp, BS, HostBlockArrays(arrays), 32 << 20, staging_blocks=3, probe_seconds=0.2), arrays
-
-
-def blocks(seed: int, n: int) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
-    """n blocks: keys, token bytes, and K and V arrays with the blocks on axis 2."""
-    rng = np.random.default_rng(seed)
-    keys = [rng.bytes(16) for _ in range(n)]
-    tokens = [rng.integers(0, 1000, BS, dtype=np.int32).tobytes() for _ in range(n)]
-    shape = (SHAPE[0], SHAPE[1], n, BS, SHAPE[4])
-    return keys, tokens, [rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)]
 
 
 def write(tier: PoolTier, keys, tokens, arrays) -> list[int | None]:
@@ -65,7 +57,7 @@ def test_the_url_names_the_master():
 def test_a_second_client_reads_what_the_first_wrote(master):
     a, _ = make_tier(master)
     b, host_b = make_tier(master)
-    keys, tokens, arrays = blocks(0, 5)
+    keys, tokens, arrays = random_blocks(0, 5, SHAPE)
     write(a, keys, tokens, arrays)
     assert a.stats.written_blocks == 5 and a.num_blocks == 5
     assert b.num_leading(keys) == 5 and b.contains(keys[2])
@@ -80,7 +72,7 @@ def test_a_second_client_reads_what_the_first_wrote(master):
 def test_only_missing_blocks_are_written(master):
     a, _ = make_tier(master)
     b, _ = make_tier(master)
-    keys, tokens, arrays = blocks(1, 4)
+    keys, tokens, arrays = random_blocks(1, 4, SHAPE)
     write(a, keys[:2], tokens[:2], [x[:, :, :2] for x in arrays])
     assert write(a, keys[:2], tokens[:2], [x[:, :, :2] for x in arrays]) == [None, None]  # known stored
     write(b, keys, tokens, arrays)  # b did not know: it asks the pool and puts only the two it lacks
@@ -91,7 +83,7 @@ def test_only_missing_blocks_are_written(master):
 def test_a_damaged_or_foreign_object_is_never_used(master):
     a, _ = make_tier(master)
     b, host_b = make_tier(master)
-    keys, tokens, arrays = blocks(2, 3)
+    keys, tokens, arrays = random_blocks(2, 3, SHAPE)
     # Another model's block put first under the name of keys[1] (objects are written once: the
     # pool keeps the first), then garbage of the right length under the name of keys[2].
     other, _ = make_tier(master, fingerprint({"model": "another"}))
@@ -105,7 +97,7 @@ def test_a_damaged_or_foreign_object_is_never_used(master):
     job = load(b, keys, tokens, [0, 1, 2])
     assert job.loaded == 1 and b.stats.damaged == 1
     np.testing.assert_array_equal(host_b[0][:, :, 0], arrays[0][:, :, 0])
-    more, more_tokens, _ = blocks(5, 1)
+    more, more_tokens, _ = random_blocks(5, 1, SHAPE)
     staging[:] = 7
     assert other.store.put([a.name(more[0])], [staging.ctypes.data], [other.object_bytes]) == [0]
     assert b.contains(more[0]) and load(b, more, more_tokens, [3]).loaded == 0 and b.stats.damaged == 2
@@ -114,7 +106,7 @@ def test_a_damaged_or_foreign_object_is_never_used(master):
 
 def test_a_missing_block_ends_the_load(master):
     a, _ = make_tier(master)
-    keys, tokens, arrays = blocks(3, 3)
+    keys, tokens, arrays = random_blocks(3, 3, SHAPE)
     write(a, keys[:1], tokens[:1], [x[:, :, :1] for x in arrays])
     assert a.num_leading(keys) == 1
     job = load(a, keys, tokens, [0, 1, 2])
@@ -136,7 +128,7 @@ def test_a_dead_master_marks_the_tier_down_until_a_new_one_answers():
     m.start()
     try:
         tier, _ = make_tier(m)
-        keys, tokens, arrays = blocks(4, 2)
+        keys, tokens, arrays = random_blocks(4, 2, SHAPE)
         write(tier, keys, tokens, arrays)
         m.kill()
         t0 = time.monotonic()

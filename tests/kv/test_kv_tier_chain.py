@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from kv_sim import FakeEngine, as_block_arrays, new_host_array
+from kv_sim import FakeEngine, as_block_arrays, new_host_array, random_blocks
 
 from jaxserve.kv import DiskTier, HostBlockArrays, KVTier, LoadStart, PoolTier, TierChain, build_kv_manager, fingerprint
 from jaxserve.kv.kv_tier import LoadJob
@@ -44,15 +44,6 @@ def chain(directory, master: PoolMaster) -> tuple[TierChain, list[np.ndarray]]:
     return TierChain(disk_tier(directory, arrays), pool_tier(master, arrays)), arrays
 
 
-def blocks(seed: int, n: int) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
-    """n blocks: keys, token bytes, and K and V arrays with the blocks on axis 2."""
-    rng = np.random.default_rng(seed)
-    keys = [rng.bytes(16) for _ in range(n)]
-    tokens = [rng.integers(0, 1000, BS, dtype=np.int32).tobytes() for _ in range(n)]
-    shape = (SHAPE[0], SHAPE[1], n, BS, SHAPE[4])
-    return keys, tokens, [rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)]
-
-
 def write(tier: KVTier, keys, tokens, arrays, chosen: list[int]) -> list[int | None]:
     """Plan blocks `chosen` and hand their bytes over as the runner does; wait for the writes."""
     tickets = [tier.plan_write(keys[i], tokens[i]) for i in chosen]
@@ -81,7 +72,7 @@ def assert_loaded(host: list[np.ndarray], arrays: list[np.ndarray], blocks_slots
 
 def test_writes_go_through_to_each_tier_that_lacks_the_block(tmp_path, master):
     tier, _ = chain(tmp_path / "a", master)
-    keys, tokens, arrays = blocks(0, 3)
+    keys, tokens, arrays = random_blocks(0, 3, SHAPE)
     write(tier.upper, keys, tokens, arrays, [0])  # block 0 on the disk only
     assert not tier.lower.contains(keys[0])
     assert all(t is not None for t in write(tier, keys, tokens, arrays, [0, 1, 2]))
@@ -104,7 +95,7 @@ def test_writes_go_through_to_each_tier_that_lacks_the_block(tmp_path, master):
 
 def test_each_block_is_read_from_the_tier_that_holds_it(tmp_path, master):
     tier, host = chain(tmp_path, master)
-    keys, tokens, arrays = blocks(1, 6)
+    keys, tokens, arrays = random_blocks(1, 6, SHAPE)
     write(tier.upper, keys, tokens, arrays, [0, 1, 3])
     write(tier.lower, keys, tokens, arrays, [1, 2, 4])
     assert tier.contains(keys[2]) and not tier.contains(keys[5])
@@ -121,7 +112,7 @@ def test_each_block_is_read_from_the_tier_that_holds_it(tmp_path, master):
 
 def test_a_load_stops_at_the_first_block_missing_from_its_tier(tmp_path, master):
     tier, _ = chain(tmp_path, master)
-    keys, tokens, arrays = blocks(2, 4)
+    keys, tokens, arrays = random_blocks(2, 4, SHAPE)
     write(tier.upper, keys, tokens, arrays, [0, 1, 3])  # block 2 is nowhere: asked of the pool, missing
     job = load(tier, keys, tokens, [0, 1, 2, 3])
     assert job.sources == [("disk", 2), ("pool", 1), ("disk", 1)]
@@ -134,7 +125,7 @@ def test_a_dead_master_leaves_the_disk_serving(tmp_path):
     m.start()
     try:
         tier, host = chain(tmp_path, m)
-        keys, tokens, arrays = blocks(3, 4)
+        keys, tokens, arrays = random_blocks(3, 4, SHAPE)
         write(tier, keys, tokens, arrays, [0, 1])
         m.kill()
         assert tier.num_leading(keys) == 2 and not tier.lower.is_up  # the disk's, answered at once

@@ -68,7 +68,7 @@ def _read(stream: Stream, first: dict[str, Any]) -> tuple[str, list[Any]]:
     return text, [first, *events]
 
 
-@pytest.mark.slow  # ~45 s; test_router.py kills a worker mid-stream and resumes its stream in CI
+@pytest.mark.slow  # ~35 s; test_router.py kills a worker mid-stream and resumes its stream in CI
 def test_a_worker_killed_mid_stream_has_its_streams_resumed_on_the_other(cluster):
     endpoint = cluster["endpoint"]
     uninterrupted = {}
