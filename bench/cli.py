@@ -251,8 +251,9 @@ def _add_accuracy_command(sub: Any) -> None:
     p.add_argument("--positions", type=int, default=2000, help="next-token positions of the text to score")
     p.add_argument(
         "--reference-args",
-        default="--dtype float32",
-        help="engine flags of the reference, on top of the shared ones (one string)",
+        default="--dtype float32 --quantization none",
+        help="engine flags of the reference, on top of the shared ones (one string; the default: the "
+        "checkpoint's weights in f32, whatever --quantization auto would pick)",
     )
     p.add_argument(
         "--candidate-args",

@@ -27,7 +27,7 @@ from checkpoints.gguf_blocks import FORMATS, block_arrays, stored_arrays
 from checkpoints.gguf_tokenizer import build_gguf_tokenizer
 from checkpoints.loaded import LoadedModel
 from checkpoints.params import ParamFiller, ParamTree, checkpoint_names, iter_leaves, resolve_dtype
-from checkpoints.quant_format import QuantFormat
+from checkpoints.quant_format import HEADS, QuantFormat
 from checkpoints.tokenizer_bundle import TokenizerBundle, merge_eos_ids
 from checkpoints.weights import flat, nest, quantizable
 
@@ -211,10 +211,8 @@ def _load_params(
     return nest({**dict(iter_leaves(filler.finish())), **stored})
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: Any = "float32", quantized: bool = False) -> LoadedModel:
-    """Load config, parameters (dequantized to `dtype`; with `quantized`, the kernels stored in
-    Q8_0 / Q4_0 / Q4_1 / Q4_K kept as their blocks' codes and scales) and tokenizer from a GGUF file."""
-    path = Path(path)
+def _read(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any], ModelConfig]:
+    """The file's reader (memory-mapped), metadata and config."""
     source = str(path)
     reader = _open(path)
     meta = _metadata(reader)
@@ -223,9 +221,31 @@ def load_gguf(path: str | os.PathLike[str], dtype: Any = "float32", quantized: b
         raise CheckpointError(f"{source}: no token_embd.weight tensor")
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
     rope_factors = _tensor_array(tensors[ROPE_FACTORS], source).reshape(-1) if ROPE_FACTORS in tensors else None
-    config = config_from_metadata(meta, set(tensors), vocab_size, source, rope_factors)
-    params = _load_params(reader, config, resolve_dtype(dtype), source, quantized)
-    return LoadedModel(config=config, params=params, tokenizer_bundle=_tokenizer_bundle(meta, config, source))
+    return reader, meta, config_from_metadata(meta, set(tensors), vocab_size, source, rope_factors)
+
+
+def load_gguf(path: str | os.PathLike[str], dtype: Any = "float32", quantized: bool = False) -> LoadedModel:
+    """Load config, parameters (dequantized to `dtype`; with `quantized`, the kernels stored in
+    Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K kept as their blocks' codes and scales) and tokenizer from a GGUF file."""
+    path = Path(path)
+    reader, meta, config = _read(path)
+    params = _load_params(reader, config, resolve_dtype(dtype), str(path), quantized)
+    return LoadedModel(config=config, params=params, tokenizer_bundle=_tokenizer_bundle(meta, config, str(path)))
+
+
+def kept_layer_share(path: str | os.PathLike[str]) -> float:
+    """The share of the layers' quantizable kernels' weights (the output head aside) that
+    `load_gguf(path, quantized=True)` keeps as their blocks; the rest it dequantizes (a kernel of a
+    type the kernels do not read, e.g. Q5_0 or Q6_K, or whose layers mix types). Reads the header only."""
+    reader, _, config = _read(Path(path))
+    tensors = {t.name: t for t in reader.tensors}
+    kept = _stored_formats(tensors, config)
+    sizes = {}
+    for codes, (_, w) in quantizable(declare(config)).items():
+        if codes not in HEADS:
+            sizes[codes] = sum(int(tensors[n].n_elements) for n, _ in checkpoint_names(w, w.gguf) if n in tensors)
+    total = sum(sizes.values())
+    return sum(n for codes, n in sizes.items() if codes in kept) / total if total else 0.0
 
 
 def _tokenizer_bundle(meta: dict[str, Any], config: ModelConfig, source: str) -> TokenizerBundle:

@@ -8,6 +8,10 @@ scales f16):
 - Q4_0, 18 bytes / 32: d, then 16 bytes: input j in the low nibble of byte j, input 16 + j in its
   high nibble; w = d * (q - 8). -> 4 bits, scale d, min -8 d.
 - Q4_1, 20 bytes / 32: d, m, then the nibbles as Q4_0; w = d * q + m. -> scale d, min m.
+- Q5_0, 22 bytes / 32: d, 4 bytes of fifth bits (input j's in bit j, little-endian), then the
+  nibbles as Q4_0; w = d * (q - 16). -> 8 bits (the code q - 16 in [-16, 15]), scale d: as Q8_0,
+  exactly (the Q4_K_M files of models whose hidden size is not a multiple of 256 store most
+  kernels so, and mix it with Q8_0 across layers).
 - Q4_K, 144 bytes / 256: d, dmin, 12 bytes of eight 6-bit scales sc and mins m (one per 32
   inputs), 128 bytes of nibbles: each 64 inputs are 32 bytes, the first 32 inputs in the low
   nibbles, the next 32 in the high ones; w = d * sc * q - dmin * m. -> scale d * sc, min
@@ -26,6 +30,7 @@ Q = gguf.GGMLQuantizationType
 GROUP = 32
 FORMATS = {
     Q.Q8_0: QuantFormat(8, GROUP),
+    Q.Q5_0: QuantFormat(8, GROUP),
     Q.Q4_0: QuantFormat(4, Q4_GROUP),
     Q.Q4_1: QuantFormat(4, Q4_GROUP),
     Q.Q4_K: QuantFormat(4, Q4_GROUP),
@@ -59,6 +64,10 @@ def block_arrays(data: np.ndarray, qtype: Q) -> dict[str, np.ndarray]:
     if qtype == Q.Q8_0:
         codes = blocks[..., 2:].view(np.int8).reshape(rows, -1)
         return {CODES: codes, SCALE: _half(blocks[..., 0:2])}
+    if qtype == Q.Q5_0:
+        fifth = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [rows, blocks, 32]
+        codes = (_nibbles(blocks[..., 6:]) | (fifth << 4)).astype(np.int8) - 16
+        return {CODES: codes.reshape(rows, -1), SCALE: _half(blocks[..., 0:2])}
     if qtype in (Q.Q4_0, Q.Q4_1):
         d = _half(blocks[..., 0:2])
         m = -8.0 * d if qtype == Q.Q4_0 else _half(blocks[..., 2:4])

@@ -21,6 +21,8 @@ import dataclasses
 
 import numpy as np
 
+HEADS = ("embed/kernel", "lm_head/kernel")  # the codes paths of a tied and of an untied output head
+
 CODES, SCALE, MIN = "kernel", "kernel_scale", "kernel_min"  # leaf names beside each other
 Q4_GROUP = 32  # input features per 4-bit group (GGUF's blocks)
 

@@ -34,14 +34,13 @@ import jax.numpy as jnp
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.params import iter_leaves
-from checkpoints.quant_format import CODES, MIN, Q4_GROUP, SCALE, QuantFormat, format_of
+from checkpoints.quant_format import CODES, HEADS, MIN, Q4_GROUP, SCALE, QuantFormat, format_of
 from checkpoints.weights import nest, quantizable
 
 logger = logging.getLogger(__name__)
 
 INT8, Q4, GGUF = "int8", "q4", "gguf"  # the modes (GGUF's blocks: checkpoints.gguf; the others: jaxserve.config)
 Formats = dict[str, QuantFormat]  # {codes path (`checkpoints.weights.codes_path`): its storage}
-HEADS = ("embed/kernel", "lm_head/kernel")  # the codes paths of a tied and of an untied output head
 # The output head under int8 and q4: int8 codes with a scale per 32 hidden features of each token
 # (GGUF Q8_0's blocks). Measured on the default model over real text (tests/bench/test_quant_accuracy.py),
 # against f32: a scale per token lost 1.3 points of top-1 agreement (0.9775 -> 0.9647), and a

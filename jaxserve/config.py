@@ -14,7 +14,7 @@ import dataclasses
 from jaxserve.mooncake_store import parse_pool_url
 from jaxserve.speculative.config import SpeculativeConfig
 
-QUANTIZATIONS = ("none", "int8", "q4", "gguf")  # --quantization (checkpoints/quantize.py)
+QUANTIZATIONS = ("auto", "none", "int8", "q4", "gguf")  # --quantization (checkpoints/quantize.py)
 # The shape-bucket settings, in the order `ResolvedConfig` fills them in.
 BUCKETS = (
     "decode_batch_buckets",
@@ -78,8 +78,9 @@ class EngineConfig:
     dtype: str = "float32"
     # Weight-only quantization of the layers' dense kernels and the output head (a tied embedding
     # table with it): none | int8 (per output channel) | q4 (4 bits, groups of 32) | gguf (a .gguf
-    # file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks as stored). The other weights stay in `dtype`. See
-    # checkpoints/quantize.py.
+    # file's Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K blocks as stored) | auto (gguf where a GGUF file runs on the C++
+    # CPU kernels, else none: jaxserve/quantization_choice.py; the command line's default). The other
+    # weights stay in `dtype`. See checkpoints/quantize.py.
     quantization: str = "none"
     attention_backend: str | None = None  # None: the platform default (pallas on GPU)
     tensor_parallel_size: int = 1
@@ -191,7 +192,7 @@ def _check_pipeline(c: EngineConfig) -> None:
         name
         for name, on in (
             ("enable_lora", c.enable_lora),
-            ("quantization", c.quantization != "none"),
+            ("quantization", c.quantization not in ("none", "auto")),
             ("kv_cache_dtype", c.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")),
         )
         if on

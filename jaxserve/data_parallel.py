@@ -32,6 +32,7 @@ from jaxserve.engine_snapshot import EngineSnapshot
 from jaxserve.image_prompt import MultimodalPrompt
 from jaxserve.outputs import Delta
 from jaxserve.placement import Placement, PlacementPolicy
+from jaxserve.quantization_choice import weights_quantization
 from jaxserve.replica_adapters import ReplicaAdapters
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
@@ -66,7 +67,10 @@ class DataParallelEngine:
     ) -> DataParallelEngine:
         """`config.data_parallel_size` replicas over the first dp x pp x ep x tp devices; the
         checkpoint is read once and each replica places its own shards."""
-        config = dataclasses.replace(config, dtype=weights_dtype(config))  # "auto" chosen once for all replicas
+        # "auto" chosen once for all replicas
+        config = dataclasses.replace(
+            config, dtype=weights_dtype(config), quantization=weights_quantization(config, model)
+        )
         mesh = make_mesh(
             config.tensor_parallel_size,
             config.data_parallel_size,

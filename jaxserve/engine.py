@@ -38,6 +38,7 @@ part of an iteration fails that request alone; only a failure of the device iter
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -59,6 +60,7 @@ from jaxserve.lora.manager import AdapterRef, LoraManager
 from jaxserve.output_processor import OutputProcessor, StepStats
 from jaxserve.outputs import Delta, FinishReason
 from jaxserve.pooling import PromptPooling
+from jaxserve.quantization_choice import weights_quantization
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, StepHandle, checkpoint_shardings, read_hidden
 from jaxserve.runner.block_moves import BLOCK_MOVE_CHUNK
@@ -80,7 +82,8 @@ class LLMEngine(EngineCoreOps):
     operations (placement answers, pins, KV blocks, LoRA host copies) in `EngineCoreOps`."""
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, config: EngineConfig | None = None, mesh: Any = None):
-        config = config or EngineConfig()
+        asked = config or EngineConfig()  # the user's flags (a draft model's "auto" is chosen for its own file)
+        config = dataclasses.replace(asked, quantization=weights_quantization(asked, model))
         dtype = weights_dtype(config)  # "auto": this machine's choice
         if isinstance(model, LoadedModel):
             loaded = model
@@ -124,7 +127,7 @@ class LLMEngine(EngineCoreOps):
         self.proposer = build_proposer(
             ec.speculative_config,
             ec.max_model_len,
-            lambda spec: load_model_proposer(spec, config, ec, loaded, self.runner),
+            lambda spec: load_model_proposer(spec, asked, ec, loaded, self.runner),
         )
         self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
         self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer)

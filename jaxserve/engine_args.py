@@ -76,11 +76,13 @@ _SPECIAL_FLAGS: dict[str, dict[str, Any]] = {
         help="the weights' dtype; auto: bfloat16 on a CPU with AVX512-BF16 and the C++ "
         "kernels, else float32 (jaxserve/dtype_choice.py; logged at start)",
     ),
-    "quantization": dict(
+    "quantization": dict(  # the command line picks the faster mode of this machine, as for --dtype
+        default="auto",
         choices=QUANTIZATIONS,
         help="weight-only quantization of the layers' matmuls and the output head: int8 per "
         "output channel, q4 (4 bits, groups of 32; the head int8), gguf (a .gguf "
-        "file's Q8_0/Q4_0/Q4_1/Q4_K blocks as stored); checkpoints/quantize.py",
+        "file's Q8_0/Q5_0/Q4_0/Q4_1/Q4_K blocks as stored), none; auto: gguf for a GGUF file on the "
+        "C++ CPU kernels, else none (jaxserve/quantization_choice.py; logged at start)",
     ),
     "kv_cache_dtype": dict(  # checked when the config is resolved (kernels_pallas.kv_quant)
         help="auto (the weights' dtype: bf16 weights keep a bf16 cache), float32, bfloat16, fp8 "

@@ -5,7 +5,7 @@ and scales dequantize to (the same function, so only f32 rounding differs): `q4`
 kernels (the layers whose output features fill their panels) and the dequantize-then-dot of the
 others, `int8` through XLA's path alone (the `jax` attention backend takes no C++ matmul; slow). Served
 after warm-up it compiles nothing and leaves the KV pool free, and its weight bytes are those its
-declaration says. A GGUF file's Q8_0 / Q4_0 / Q4_1 blocks served as stored (the output head's too) give
+declaration says. A GGUF file's Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks served as stored (the output head's too) give
 the tokens of the same file dequantized to f32. The output head is quantized too (int8 in groups
 of 32 under `int8` and `q4`); tests/test_quantized_head.py tests it."""
 
@@ -116,7 +116,7 @@ def test_gguf_blocks_served_as_stored_give_the_tokens_of_the_dequantized_file(mo
     types = {
         "attn_q.weight": Q.Q4_0,
         "attn_k.weight": Q.Q4_1,
-        "attn_v.weight": Q.Q8_0,
+        "attn_v.weight": Q.Q5_0,  # as int8 codes, exactly
         "attn_output.weight": Q.Q4_0,
         "ffn_gate.weight": Q.Q8_0,
         "ffn_up.weight": Q.Q4_1,
@@ -137,3 +137,55 @@ def test_gguf_blocks_served_as_stored_give_the_tokens_of_the_dequantized_file(mo
     }
     assert served.engine.runner.params["layers"]["down_proj"]["kernel"].dtype == np.float32
     assert tokens(served) == tokens(LLM(str(path), warm_up=False, **ENGINE))
+
+
+def test_quantization_auto_serves_a_gguf_files_blocks_on_the_cpu_kernels(model, tmp_path, caplog):
+    """`quantization="auto"` (the command line's default) serves a GGUF file's blocks as stored where the
+    C++ CPU kernels read them, and full-precision weights otherwise (a model that is not a GGUF file, a
+    file whose kernels are mostly in other types, another attention backend, several devices, unrolled
+    layers); logged; a given mode is kept."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine_args import add_engine_args
+    from jaxserve.quantization_choice import choose_quantization, weights_quantization
+    from kernels_pallas import cpu_build
+
+    if jax.default_backend() != "cpu" or not cpu_build.available():
+        pytest.skip("auto picks gguf only on the C++ CPU kernels")
+    path = tmp_path / "tiny.gguf"
+    types = {"attn_q.weight": Q.Q4_1, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.F16, "output.weight": Q.Q4_0}
+    write_tiny_gguf(path, model, types=types)
+    with caplog.at_level("INFO", logger="jaxserve.quantization_choice"):
+        auto = LLM(str(path), quantization="auto", attention_backend="cpu", warm_up=False, **ENGINE)
+    assert "quantization auto: gguf" in caplog.text
+    assert auto.engine.config.quantization == "gguf"
+    assert {p: (f.bits, f.group) for p, f in auto.engine.runner.quantization.items()} == {
+        "layers/q_proj/kernel": (4, 32),
+        "layers/k_proj/kernel": (4, 32),
+        "layers/gate_proj/kernel": (8, 32),
+        "layers/up_proj/kernel": (8, 32),
+        "lm_head/kernel": (4, 32),
+    }
+    # (the blocks' tokens: test_gguf_blocks_served_as_stored_give_the_tokens_of_the_dequantized_file)
+
+    asked = EngineConfig(num_blocks=16, quantization="auto", attention_backend="cpu")
+    assert weights_quantization(asked, "smollm2-135m-instruct") == "gguf"  # a registry model is a GGUF file
+    assert weights_quantization(asked, "tiny-random") == "none"
+    assert weights_quantization(asked, str(tmp_path)) == "none"  # a directory: full precision
+    assert weights_quantization(asked, model) == "none"  # loaded by the caller
+    for other in (
+        dict(attention_backend="jax"),
+        dict(tensor_parallel_size=2),
+        dict(pipeline_parallel_size=2),
+        dict(unroll_layers=True),
+    ):
+        assert choose_quantization(dataclasses.replace(asked, **other), str(path))[0] == "none", other
+    assert weights_quantization(dataclasses.replace(asked, quantization="none"), str(path)) == "none"
+    full = tmp_path / "f16.gguf"  # no kernel in a type the kernels read: dequantized at every start
+    write_tiny_gguf(full, model, types={name: Q.F16 for name in types} | {"attn_k.weight": Q.Q4_1})
+    mode, why = choose_quantization(asked, str(full))
+    assert mode == "none" and "of the file's layer weights are in types the kernels read" in why, why
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).quantization == "auto"

@@ -13,6 +13,7 @@ from checkpoints.registry import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
 from jaxserve.dtype_choice import load_dtype
+from jaxserve.quantization_choice import weights_quantization
 from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.runner.model_setup import build_cache, serve_model
 from jaxserve.runner.placement import checkpoint_shardings
@@ -54,9 +55,10 @@ def load_draft_proposer(
     """The draft model `spec.model` loaded like the target (`config`: the user's flags, `spec.quantization` for
     the draft's own; `ec`: the target's resolved config) onto the target runner's `mesh`, with a KV cache of as
     many blocks as the target's (each draft position is a target position, so it never needs more)."""
+    asked = dataclasses.replace(config, quantization=spec.quantization or config.quantization)
     draft_config = dataclasses.replace(
         config,
-        quantization=spec.quantization or config.quantization,
+        quantization=weights_quantization(asked, spec.model),  # "auto": chosen for the draft's own file
         speculative_config=None,
         enable_lora=False,
         num_blocks=ec.num_blocks,

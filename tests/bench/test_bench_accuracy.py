@@ -146,7 +146,10 @@ def test_bench_accuracy_command_writes_the_table_and_json(tmp_path, capsys):
     assert args.func(args) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert result["positions"] == 100 and [r["mode"] for r in rows] == ["--dtype float32", "--dtype bfloat16"]
+    assert result["positions"] == 100 and [r["mode"] for r in rows] == [
+        "--dtype float32 --quantization none",
+        "--dtype bfloat16",
+    ]
     assert rows[0]["top1_agreement"] == 1.0 and 0.5 < rows[1]["top1_agreement"] <= 1.0
     assert rows[1]["weight_bytes"] < 0.6 * rows[0]["weight_bytes"]
     # `--kv-cache-dtype auto` is the weights' dtype: bf16 weights keep a bf16 cache, twice the tokens per GiB.

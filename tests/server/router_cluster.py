@@ -141,4 +141,7 @@ class Stream:
         return events
 
     def close(self) -> None:
+        """Disconnect. The response is closed too: a response that will close its connection
+        (`Connection: close`) holds the socket, and closing only the connection leaves it open."""
+        self.resp.close()
         self.conn.close()
