@@ -10,6 +10,7 @@ an image row. No compilation after warm-up, and the KV pool is free after every 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from checkpoints.tiny_smolvlm import build_tiny_smolvlm
 from jaxserve import LLM, SamplingParams
 from jaxserve.image_prompt import MultimodalPrompt
 from jaxserve.model.vision import image_embeddings
+from jaxserve.tiled_prompt import image_text
 from jaxserve.vision_inputs import expand_pictures, load_picture
 from tests.data.vlm_images import SIZES, image_png
 
@@ -77,6 +79,18 @@ def test_tiles_and_their_tokens_equal_transformers(llm, name):
     assert out.shape == (len(image.tiles), 4, 64)
     np.testing.assert_allclose(out[[0, -1], 0, :8], embeddings["first"], atol=2e-5)
     assert abs(float(out.sum()) - embeddings["sum"]) < 1e-3
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_an_unsplit_image_is_one_tile_as_transformers(llm, name):
+    vision = dataclasses.replace(llm.engine.vision, do_image_splitting=False)
+    image = load_picture(image_png(name), vision, 10**6)
+    want = REFERENCE["unsplit"][name]
+    assert (image.rows, image.cols, len(image.tiles)) == (0, 0, 1)
+    np.testing.assert_allclose(image.tiles[0].pixels[:, :2, :2], want["corner"], atol=1e-6)
+    assert abs(float(image.tiles[0].pixels.mean()) - want["mean"]) < 1e-6
+    marker = "<fake_token_around_image>"
+    assert image_text(image, "<image>", 4) == f"{marker}<global-img>{'<image>' * 4}{marker}"
 
 
 def test_prompts_expand_as_smolvlm_processor(llm):

@@ -19,7 +19,8 @@ JSON format:
              the first and the global tile}},
   "image_embeddings": {image: {"sum", "first": the first 8 values of token 0 of the first tile and
                        of the global tile}},
-  "cases": [{"name", "messages", "images", "prompt_ids", "new_ids", "new_margins"}]
+  "cases": [{"name", "messages", "images", "prompt_ids", "new_ids", "new_margins"}],
+  "unsplit": {image: {"mean", "corner": pixel_values[0, :, :2, :2]}}: `do_image_splitting` false
 }
 """
 
@@ -154,6 +155,10 @@ def main() -> None:
         settings.pop("image_processor_type")
         processor = SmolVLMImageProcessorPil(**settings)
         images = {name: Image.open(Path(tmp, name + ".png")).convert("RGB") for name in IMAGES}
+        unsplit = {}
+        for name, image in images.items():
+            values = processor([[image]], do_image_splitting=False, return_tensors="pt")["pixel_values"][0]
+            unsplit[name] = {"mean": float(values.mean()), "corner": values[0, :, :2, :2].tolist()}
         with torch.no_grad():
             pixels, embeddings = image_records(model, processor, images)
             cases = [
@@ -161,7 +166,7 @@ def main() -> None:
                 for name, text, names in CASES
             ]
     source = {"transformers": transformers.__version__, "torch": torch.__version__, "dtype": "float32"}
-    result = {"source": source, "pixels": pixels, "image_embeddings": embeddings, "cases": cases}
+    result = {"source": source, "pixels": pixels, "image_embeddings": embeddings, "cases": cases, "unsplit": unsplit}
     OUT.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {OUT}: {len(cases)} cases; min margin {min(min(c['new_margins']) for c in cases):.4f}")
     print(np.array([c["new_ids"] for c in cases]))
