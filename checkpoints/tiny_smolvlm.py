@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
 def special_tokens() -> list[str]:
     """SmolVLM's added tokens, in the order the tiny tokenizer numbers them."""
     tiles = [f"<row_{r}_col_{c}>" for r in range(1, MAX_TILES_PER_SIDE + 1) for c in range(1, MAX_TILES_PER_SIDE + 1)]
-    return [END_OF_UTTERANCE, idefics3_vision.FAKE_TOKEN, idefics3_vision.GLOBAL_TOKEN, IMAGE_TOKEN, *tiles]
+    return [END_OF_UTTERANCE, "<fake_token_around_image>", "<global-img>", IMAGE_TOKEN, *tiles]
 
 
 def tiny_vision_config(text_hidden_size: int, image_token_id: int) -> idefics3_vision.VisionConfig:

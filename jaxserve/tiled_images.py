@@ -18,6 +18,7 @@ from PIL import Image
 
 from jaxserve.images import ImageInput, decode, normalized, rgb
 
+TILED_FAMILY = "idefics3"  # the vision family whose images are tiles (`idefics3_vision.FAMILY`)
 _LANCZOS = Image.Resampling.LANCZOS
 _MAX_EDGE = 4096  # the processor's bound on any edge after the first resize
 

@@ -12,12 +12,23 @@ chunk may end inside one).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from checkpoints.architectures.idefics3_vision import FAKE_TOKEN, GLOBAL_TOKEN, VisionConfig
 from jaxserve.image_prompt import MultimodalPrompt, PromptImage, TextTokenizer
 from jaxserve.tiled_images import TiledImage
+
+# The processor's markers around an image's tokens (the tokenizer's special tokens of these names).
+FAKE_TOKEN = "<fake_token_around_image>"
+GLOBAL_TOKEN = "<global-img>"
+
+
+class TileTokens(Protocol):
+    """What a prompt's expansion needs of a vision tower's config (`idefics3_vision.VisionConfig`)."""
+
+    image_token_id: int
+    mm_tokens_per_image: int  # rows of one tile (the processor's `image_seq_len`)
 
 
 def image_text(image: TiledImage, image_token: str, seq_len: int) -> str:
@@ -32,7 +43,7 @@ def image_text(image: TiledImage, image_token: str, seq_len: int) -> str:
 
 
 def expand_tiled(
-    text: str, images: Sequence[TiledImage], tokenizer: TextTokenizer, vision: VisionConfig
+    text: str, images: Sequence[TiledImage], tokenizer: TextTokenizer, vision: TileTokens
 ) -> MultimodalPrompt:
     """The prompt of rendered `text` whose `<image>` placeholders stand for `images`, in order
     (ValueError when their numbers differ)."""
@@ -47,7 +58,7 @@ def expand_tiled(
     return MultimodalPrompt(ids, tile_spans(ids, images, vision))
 
 
-def tile_spans(ids: Sequence[int], images: Sequence[TiledImage], vision: VisionConfig) -> tuple[PromptImage, ...]:
+def tile_spans(ids: Sequence[int], images: Sequence[TiledImage], vision: TileTokens) -> tuple[PromptImage, ...]:
     """Where each tile's rows are in `ids`: runs of `mm_tokens_per_image` image tokens, one per tile
     in order (ValueError for a prompt that does not hold exactly those)."""
     tiles = [tile for image in images for tile in image.tiles]

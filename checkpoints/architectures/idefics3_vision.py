@@ -30,9 +30,6 @@ CLASSES = {"idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMFo
 HF_TOWER = "model.vision_model."
 HF_PROJECTION = "model.connector.modality_projection.proj.weight"
 HF_TEXT = "model.text_model."
-# The processor's markers around an image's tokens (the tokenizer's special tokens of these names).
-FAKE_TOKEN = "<fake_token_around_image>"
-GLOBAL_TOKEN = "<global-img>"
 
 
 @dataclasses.dataclass(frozen=True)
