@@ -70,9 +70,6 @@ class VisionConfig(siglip.EncoderGeometry):
         """Tokens of one tile (the processor's `image_seq_len`)."""
         return self.num_patches // self.scale_factor**2
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def from_hf(hf: dict[str, Any], text_hidden_size: int, processor: dict[str, Any]) -> VisionConfig:
     """The vision tower of a `config.json` and its `preprocessor_config.json` (`processor`, {} if none)."""
