@@ -3,11 +3,13 @@ and 4 images per call), and the time to first token of prompts with 1, 2 and 4 i
 text-only prompts of the same token count (each image new: no encoder cache or prefix cache hit),
 and of a second turn about the same image (encoder cache hit) against one about a new image.
 
-    python3 -m bench.vision_ttft [--repeats N]
+    python3 -m bench.vision_ttft [--repeats N] [--model gemma3|smolvlm]
 
-It runs the tiny random Gemma 3 vision-language model (`checkpoints.tiny_vlm`) on the default
-JAX device; times are medians of `--repeats` runs, and ratios against the text-only prompt of the
-same length measured in the same run (the only numbers to compare across machines).
+It runs a tiny random vision-language model (Gemma 3: `checkpoints.tiny_vlm`; SmolVLM:
+`checkpoints.tiny_smolvlm`, whose 48x48 pictures take 3 x 3 tiles and a global one) on the default
+JAX device; an "image" is one picture (SmolVLM: all its tiles, encoded 4 a call); times are
+medians of `--repeats` runs, and ratios against the text-only prompt of the same length measured
+in the same run (the only numbers to compare across machines).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import time
 import numpy as np
 from PIL import Image
 
+from checkpoints.tiny_smolvlm import build_tiny_smolvlm
 from checkpoints.tiny_vlm import build_tiny_vlm
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from jaxserve.image_prompt import MultimodalPrompt, expand_images
-from jaxserve.images import load_image
+from jaxserve.image_prompt import MultimodalPrompt
+from jaxserve.images import ImageInput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.vision_inputs import Picture, expand_pictures, load_picture
 
 ENGINE = dict(
     max_num_seqs=4,
@@ -39,19 +43,27 @@ ENGINE = dict(
     prefill_seq_buckets=(4,),
     block_table_buckets=(32,),
 )
+MODELS = {"gemma3": build_tiny_vlm, "smolvlm": build_tiny_smolvlm}
+# SmolVLM's four pictures take 4 x 10 tiles of 4 tokens and their markers: longer prompts.
+LONGER = dict(max_model_len=512, num_blocks=256, block_table_buckets=(64,))
 QUESTION = "Describe what you see."
 
 
 class _Images:
     """A new random picture at every call (so no cache holds it)."""
 
-    def __init__(self, size: int) -> None:
-        self.size, self.rng = size, np.random.default_rng(0)
+    def __init__(self, vision) -> None:
+        self.vision, self.rng = vision, np.random.default_rng(0)
 
-    def __call__(self):
+    def __call__(self) -> Picture:
         out = io.BytesIO()
         Image.fromarray(self.rng.integers(0, 256, (48, 48, 3), dtype=np.uint8), "RGB").save(out, format="PNG")
-        return load_image(out.getvalue(), self.size, 1 << 20)
+        return load_picture(out.getvalue(), self.vision, 1 << 20)
+
+
+def tower_inputs(pictures: list[Picture]) -> list[ImageInput]:
+    """The encoder's inputs of pictures: each one, or each tile of it."""
+    return [t for p in pictures for t in (p.tiles if hasattr(p, "tiles") else (p,))]
 
 
 def ttft(engine: LLMEngine, prompt, name: str) -> float:
@@ -64,9 +76,10 @@ def ttft(engine: LLMEngine, prompt, name: str) -> float:
 
 
 def image_prompt(engine: LLMEngine, images: list, text: str = QUESTION) -> MultimodalPrompt:
-    content = "<start_of_image>" * len(images) + text
+    placeholder = engine.tokenizer.decode([engine.vision.placeholder_token_id], skip_special_tokens=False)
+    content = placeholder * len(images) + text
     rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    return expand_images(rendered, images, engine.tokenizer, engine.vision)
+    return expand_pictures(rendered, images, engine.tokenizer, engine.vision)
 
 
 def text_prompt(engine: LLMEngine, length: int, salt: int) -> list[int]:
@@ -76,14 +89,15 @@ def text_prompt(engine: LLMEngine, length: int, salt: int) -> list[int]:
 
 
 def measure(engine: LLMEngine, repeats: int) -> list[dict]:
-    new_image = _Images(engine.vision.image_size)
+    new_image = _Images(engine.vision)
     rows, n = [], 0
     for count in (1, 2, 4):
         per_call = []
         for _ in range(repeats):
-            images = [new_image() for _ in range(count)]
+            inputs = tower_inputs([new_image() for _ in range(count)])
             t0 = time.perf_counter()
-            engine.runner.vision.encode(images)
+            for i in range(0, len(inputs), 4):
+                engine.runner.vision.encode(inputs[i : i + 4])
             per_call.append(time.perf_counter() - t0)
         image_s, text_s = [], []
         for _ in range(repeats):
@@ -107,7 +121,7 @@ def measure(engine: LLMEngine, repeats: int) -> list[dict]:
 def second_turn(engine: LLMEngine, repeats: int) -> dict:
     """TTFT of a turn about an image already encoded (another question: no prefix hit past the
     image's text) against the same turn about a new image."""
-    new_image = _Images(engine.vision.image_size)
+    new_image = _Images(engine.vision)
     hit, miss = [], []
     for i in range(repeats):
         seen = new_image()
@@ -120,8 +134,10 @@ def second_turn(engine: LLMEngine, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", choices=sorted(MODELS), default="gemma3")
     args = parser.parse_args(argv)
-    engine = LLMEngine(build_tiny_vlm(), EngineConfig(**ENGINE, enable_prefix_caching=False))
+    settings = {**ENGINE, **(LONGER if args.model == "smolvlm" else {})}
+    engine = LLMEngine(MODELS[args.model](), EngineConfig(**settings, enable_prefix_caching=False))
     engine.warm_up()
     rows = measure(engine, args.repeats)
     print("| images | prompt tokens | encoder ms/image | TTFT images ms | TTFT text ms | images/text |")

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from checkpoints import hf_vision
-from checkpoints.architectures import architecture, config_from_hf, config_to_hf, declare, gemma3_vision
+from checkpoints.architectures import architecture, config_from_hf, config_to_hf, declare
 from checkpoints.config import ModelConfig
 from checkpoints.errors import CheckpointError, UnsupportedCheckpointError
 from checkpoints.loaded import LoadedModel, VisionTower
@@ -68,14 +68,14 @@ def _iter_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
         raise CheckpointError(f"{file}: corrupted or truncated safetensors file: {e}") from e
 
 
-def _load_config(directory: Path) -> tuple[ModelConfig, gemma3_vision.VisionConfig | None]:
+def _load_config(directory: Path) -> tuple[ModelConfig, Any]:
     """The language model's config, and the vision tower's of a vision-language model."""
     hf_config = _read_json(directory / "config.json")
     try:
         if not hf_vision.is_multimodal(hf_config):
             return config_from_hf(hf_config), None
         config = config_from_hf(hf_vision.text_config(hf_config))
-        return config, gemma3_vision.from_hf(hf_config, config.hidden_size)
+        return config, hf_vision.vision_config(hf_config, config.hidden_size, directory)
     except KeyError as e:
         raise CheckpointError(f"{directory}/config.json: missing field {e}") from e
     except ValueError as e:
@@ -89,13 +89,14 @@ def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedM
         raise FileNotFoundError(f"model directory not found: {directory}")
     config, vision = _load_config(directory)
     arch = architecture(config.architecture)
-    names = (lambda w: w.hf) if vision is None else (lambda w: gemma3_vision.text_name(w.hf))
+    family = None if vision is None else hf_vision.family(vision)
+    names = (lambda w: w.hf) if family is None else (lambda w: family.text_name(w.hf))
     filler = ParamFiller(config, resolve_dtype(dtype), str(directory), names)
     tower = None if vision is None else hf_vision.VisionFiller(config, vision, resolve_dtype(dtype), str(directory))
     for file in _weight_files(directory):
         for name, array in _iter_tensors(file):
-            if tower is not None:
-                name = gemma3_vision.canonical_name(name)
+            if family is not None:
+                name = family.canonical_name(name)
                 if tower.put(name, array):
                     continue
             place = filler.place(name)
@@ -116,16 +117,16 @@ def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedM
     return LoadedModel(config=config, params=params, tokenizer_bundle=tokenizer_bundle, vision=vision_tower)
 
 
-def _hf_tensors(params: ParamTree, config: ModelConfig, multimodal: bool = False) -> dict[str, np.ndarray]:
-    """Parameters under Hugging Face names (inside a multimodal checkpoint's language model when
-    `multimodal`), `[out, in]`, contiguous."""
+def _hf_tensors(params: ParamTree, config: ModelConfig, vision: Any = None) -> dict[str, np.ndarray]:
+    """Parameters under Hugging Face names (inside a multimodal checkpoint's language model with
+    a `vision` tower's config), `[out, in]`, contiguous."""
     arch = architecture(config.architecture)
     leaves = dict(iter_leaves(params))
     tensors: dict[str, np.ndarray] = {}
     for path, weight in flat(declare(config)).items():
         value = arch.to_hf_tensor(path, np.asarray(leaves[path]))
         for name, index in checkpoint_names(weight, weight.hf):
-            name = gemma3_vision.text_name(name) if multimodal else name
+            name = name if vision is None else hf_vision.family(vision).text_name(name)
             part = value[index]
             tensors[name] = np.ascontiguousarray(part.swapaxes(-1, -2) if weight.is_kernel else part)
     return tensors
@@ -152,19 +153,20 @@ def save_hf_dir(
     vision: VisionTower | None = None,
 ) -> None:
     """Write a Hugging Face directory that `load_hf_dir` (and `transformers`) can read; with a
-    `vision` tower, a vision-language model's (`Gemma3ForConditionalGeneration`).
+    `vision` tower, a vision-language model's (`Gemma3ForConditionalGeneration`, `SmolVLMForConditionalGeneration`...).
 
     With `max_shard_bytes`, weights are split over several files with an index, as
     `transformers` does for large models.
     """
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = _hf_tensors(params, config, multimodal=vision is not None)
+    tensors = _hf_tensors(params, config, None if vision is None else vision.config)
     dtype = next(iter(tensors.values())).dtype
     hf_config = config_to_hf(config)
     if vision is not None:
         tensors.update(hf_vision.vision_tensors(vision))
         hf_config = hf_vision.multimodal_config(hf_config, vision.config)
+        hf_vision.write_processor(vision.config, directory)
     hf_config["torch_dtype"] = str(dtype)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(tokenizer.eos_token_ids)}

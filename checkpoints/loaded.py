@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from checkpoints.architectures.gemma3_vision import VisionConfig
+from checkpoints.architectures import gemma3_vision, idefics3_vision
 from checkpoints.config import ModelConfig
 from checkpoints.params import ParamTree
 from checkpoints.tokenizer_bundle import TokenizerBundle
@@ -12,10 +12,11 @@ from checkpoints.tokenizer_bundle import TokenizerBundle
 
 @dataclasses.dataclass
 class VisionTower:
-    """A vision-language model's image encoder and projector (`checkpoints.architectures.gemma3_vision`)."""
+    """A vision-language model's image encoder and projector (`checkpoints.architectures.gemma3_vision`,
+    `idefics3_vision`)."""
 
-    config: VisionConfig
-    params: ParamTree  # the declaration's tree (`gemma3_vision.weights`), numpy arrays
+    config: gemma3_vision.VisionConfig | idefics3_vision.VisionConfig
+    params: ParamTree  # the declaration's tree (the family's `weights`), numpy arrays
 
 
 @dataclasses.dataclass

@@ -134,8 +134,8 @@ class EngineInfo:
     # An encoder-only embedding model's `checkpoints.encoders.EncoderConfig` (its pooling,
     # normalisation, Matryoshka dimensions); None for a decoder LM.
     encoder: Any = None
-    # A vision-language model's vision tower (`checkpoints.architectures.gemma3_vision.VisionConfig`:
-    # its image size and image tokens); None: the model takes no images.
+    # A vision-language model's vision tower (`checkpoints.architectures.gemma3_vision.VisionConfig` or
+    # `idefics3_vision.VisionConfig`: its image size, tiling and image tokens); None: no images.
     vision: Any = None
 
 

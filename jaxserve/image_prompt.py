@@ -36,11 +36,14 @@ class TextTokenizer(Protocol):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptImage:
-    """One image of a prompt: its soft tokens are prompt positions [start, start + length)."""
+    """One image of a prompt (or one tile of it): its soft tokens are prompt positions
+    [start, start + length); `bidirectional`: they attend to each other both ways (Gemma 3), so a
+    prefill chunk never ends inside them; else causally, like text (Idefics3 / SmolVLM)."""
 
     start: int
     length: int
     image: ImageInput
+    bidirectional: bool = True
 
     @property
     def end(self) -> int:
@@ -96,11 +99,11 @@ def salt_cache_tokens(ids: list[int], images: Sequence[PromptImage]) -> None:
 
 def chunk_end(images: Sequence[PromptImage], start: int, n: int) -> int:
     """Tokens from `start` that a prefill chunk of at most `n` may take so that it ends at no
-    position inside an image (its rows attend to each other both ways, so the whole image is
-    computed in one step): fewer than `n` when it would split one, 0 when it starts inside or at
+    position inside a bidirectional image (its rows attend to each other both ways, so the whole
+    image is computed in one step): fewer than `n` when it would split one, 0 when it starts inside or at
     one that does not fit."""
     stop = start + n
     for image in images:
-        if image.start < stop < image.end:
+        if image.bidirectional and image.start < stop < image.end:
             return image.start - start if image.start > start else 0
     return n

@@ -57,7 +57,8 @@ def decode(data: bytes, max_pixels: int) -> Image.Image:
     return image
 
 
-def _rgb(image: Image.Image) -> Image.Image:
+def rgb(image: Image.Image) -> Image.Image:
+    """The image in RGB, transparency over white."""
     if image.mode == "RGB":
         return image
     rgba = image.convert("RGBA")
@@ -67,10 +68,13 @@ def _rgb(image: Image.Image) -> Image.Image:
 
 def preprocess(image: Image.Image, size: int) -> ImageInput:
     """Gemma 3's preprocessing of a decoded image into pixels [3, size, size] (see the module docstring)."""
-    resized = _rgb(image).resize((size, size), resample=Image.Resampling.BILINEAR)
-    scaled = (np.asarray(resized, np.float64) * (1 / 255)).astype(np.float32)
-    normalized = (scaled - np.float32(_MEAN)) / np.float32(_STD)
-    return ImageInput.of(normalized.transpose(2, 0, 1))
+    return ImageInput.of(normalized(rgb(image).resize((size, size), resample=Image.Resampling.BILINEAR)))
+
+
+def normalized(image: Image.Image) -> np.ndarray:
+    """An RGB image's pixels [3, H, W] f32: scaled by 1/255, normalised with mean and std 0.5."""
+    scaled = (np.asarray(image, np.float64) * (1 / 255)).astype(np.float32)
+    return ((scaled - np.float32(_MEAN)) / np.float32(_STD)).transpose(2, 0, 1)
 
 
 def load_image(data: bytes, size: int, max_pixels: int) -> ImageInput:

@@ -98,7 +98,7 @@ class Request:
 
     def prefill_chunk(self, start: int, n: int) -> int:
         """Tokens a prefill chunk from `start` may take, at most `n`: it never ends inside an
-        image (`chunk_end`; 0: it must wait for a step with room for the whole image)."""
+        image attended both ways (`chunk_end`; 0: it must wait for a step with room for the whole image)."""
         return chunk_end(self.images, start, n) if self.images else n
 
     @property

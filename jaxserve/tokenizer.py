@@ -199,8 +199,11 @@ class Tokenizer:
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
         from jaxserve.chat_template import compile_chat_template, normalize_message
+        from jaxserve.content_parts import IMAGE_PLACEHOLDER, reads_parts, with_parts
 
         normalized = [normalize_message(m) for m in messages]
+        if reads_parts(template):  # a template that renders a string content as nothing
+            normalized = with_parts(normalized, self.bundle.tokenizer.token_to_id(IMAGE_PLACEHOLDER) is not None)
         variables = {**self.bundle.special_tokens, **template_kwargs}
         return compile_chat_template(template).render(
             messages=normalized,

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from jaxserve.image_prompt import PromptImage, expand_images
-from jaxserve.images import ImageError, ImageInput, load_image
+from jaxserve.image_prompt import PromptImage
+from jaxserve.images import ImageError
+from jaxserve.vision_inputs import Picture, expand_pictures, load_picture
 from server.config import ServerConfig
 from server.errors import bad_request
 from server.model_info import ModelInfo
@@ -58,7 +59,7 @@ class ImageParts:
     limits: ImageLimits
     param: str = "messages"
     urls: list[str] = dataclasses.field(default_factory=list)
-    images: list[ImageInput] = dataclasses.field(default_factory=list)
+    images: list[Picture] = dataclasses.field(default_factory=list)
     rows: tuple[PromptImage, ...] = ()  # where `encode` placed them
 
     def __bool__(self) -> bool:
@@ -85,7 +86,7 @@ class ImageParts:
         if len(self.urls) >= self.limits.max_images:
             raise bad_request(f"at most {self.limits.max_images} images per request", param=self.param)
         self.urls.append(url)
-        return self.info.tokenizer.decode([self.info.vision.boi_token_id], skip_special_tokens=False)
+        return self.info.tokenizer.decode([self.info.vision.placeholder_token_id], skip_special_tokens=False)
 
     async def load(self) -> None:
         """Read, decode and preprocess the images, in a worker thread (400 for one that cannot be used)."""
@@ -95,18 +96,18 @@ class ImageParts:
     def encode(self, text: str) -> list[int]:
         """The token ids of rendered chat `text` with the loaded images expanded in it (`rows`)."""
         try:
-            prompt = expand_images(text, self.images, self.info.tokenizer, self.info.vision)
+            prompt = expand_pictures(text, self.images, self.info.tokenizer, self.info.vision)
         except ValueError as e:
             raise bad_request(f"the images do not fit the prompt: {e}", param=self.param) from None
         self.rows = prompt.images
         return prompt.token_ids
 
-    def _load(self, url: str, index: int) -> ImageInput:
+    def _load(self, url: str, index: int) -> Picture:
         data = self._read(url, index)
         if len(data) > self.limits.max_bytes:
             raise bad_request(f"image {index} has {len(data)} bytes; at most {self.limits.max_bytes}", self.param)
         try:
-            return load_image(data, self.info.vision.image_size, self.limits.max_pixels)
+            return load_picture(data, self.info.vision, self.limits.max_pixels)
         except ImageError as e:
             raise bad_request(f"image {index}: {e}", param=self.param) from None
 

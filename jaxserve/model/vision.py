@@ -1,4 +1,4 @@
-"""Gemma 3's vision tower (`checkpoints.architectures.gemma3_vision`): pixels -> soft-token embeddings.
+"""Vision towers (`checkpoints.architectures.gemma3_vision`, `idefics3_vision`): pixels -> soft-token embeddings.
 
 A pure function of the declared parameters and a batch of preprocessed images, jit-compiled by
 the runner per image-count bucket (its `vision` program). Every patch attends to every patch of
@@ -13,7 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from checkpoints.architectures import gemma3_vision, idefics3_vision
 from checkpoints.architectures.gemma3_vision import VisionConfig
+
+Tower = gemma3_vision.VisionConfig | idefics3_vision.VisionConfig  # the encoder of either family
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -28,7 +31,7 @@ def _linear(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return jnp.matmul(x, p["kernel"].astype(jnp.float32), precision=_HIGHEST) + p["bias"]
 
 
-def _patches(v: VisionConfig, pixels: jax.Array) -> jax.Array:
+def _patches(v: Tower, pixels: jax.Array) -> jax.Array:
     """[B, 3, H, W] -> [B, N, 3 * P * P]: each patch's pixels in (channel, row, column) order,
     the patches row by row (the order of a strided convolution's outputs, flattened)."""
     b, s, p = pixels.shape[0], v.patches_per_side, v.patch_size
@@ -36,7 +39,7 @@ def _patches(v: VisionConfig, pixels: jax.Array) -> jax.Array:
     return x.reshape(b, s * s, 3 * p * p)
 
 
-def _attention(v: VisionConfig, p: dict[str, Any], h: jax.Array) -> jax.Array:
+def _attention(v: Tower, p: dict[str, Any], h: jax.Array) -> jax.Array:
     b, n, c = h.shape
     q, k, val = (_linear(h, p[name]).reshape(b, n, v.num_heads, v.head_dim) for name in ("q_proj", "k_proj", "v_proj"))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=_HIGHEST) * v.head_dim**-0.5
@@ -45,7 +48,7 @@ def _attention(v: VisionConfig, p: dict[str, Any], h: jax.Array) -> jax.Array:
     return _linear(out, p["o_proj"])
 
 
-def encode_patches(v: VisionConfig, params: dict[str, Any], pixels: jax.Array) -> jax.Array:
+def encode_patches(v: Tower, params: dict[str, Any], pixels: jax.Array) -> jax.Array:
     """The SigLIP encoder's last hidden states [B, N, C] (f32) of images `pixels` [B, 3, H, W]."""
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
     h = _linear(_patches(v, pixels.astype(jnp.float32)), f32["patch_embed"]) + f32["position_embed"]["embedding"]
@@ -71,6 +74,20 @@ def project(v: VisionConfig, params: dict[str, Any], hidden: jax.Array) -> jax.A
     return jnp.matmul(normed, params["projector"]["kernel"].astype(jnp.float32), precision=_HIGHEST)
 
 
-def image_embeddings(v: VisionConfig, params: dict[str, Any], pixels: jax.Array) -> jax.Array:
+def connect(v: idefics3_vision.VisionConfig, params: dict[str, Any], hidden: jax.Array) -> jax.Array:
+    """Idefics3's connector: patch states [B, N, C] -> tokens [B, N / r**2, E] (f32), r = scale_factor.
+    The pixel shuffle makes each r x r block of patches (blocks row by row) one token whose features
+    are the block's patches' in row-major order; a linear layer projects them."""
+    b, _, c = hidden.shape
+    s, r = v.patches_per_side, v.scale_factor
+    blocks = hidden.reshape(b, s // r, r, s // r, r, c).transpose(0, 1, 3, 2, 4, 5)
+    shuffled = blocks.reshape(b, (s // r) ** 2, r * r * c)
+    return jnp.matmul(shuffled, params["projector"]["kernel"].astype(jnp.float32), precision=_HIGHEST)
+
+
+def image_embeddings(v: Tower, params: dict[str, Any], pixels: jax.Array) -> jax.Array:
     """Soft-token embeddings [B, mm_tokens_per_image, E] (f32) of preprocessed images [B, 3, H, W]."""
-    return project(v, params, encode_patches(v, params, pixels))
+    hidden = encode_patches(v, params, pixels)
+    if v.family == idefics3_vision.FAMILY:
+        return connect(v, params, hidden)
+    return project(v, params, hidden)

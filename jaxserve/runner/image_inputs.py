@@ -16,9 +16,10 @@ class EncoderCache:
     """Soft-token embeddings [mm_tokens_per_image, hidden_size] f32 by image digest, the least
     recently used out first once more than `capacity` are kept."""
 
-    def __init__(self, capacity: int, hidden_size: int) -> None:
+    def __init__(self, capacity: int, hidden_size: int, bidirectional: bool = True) -> None:
         self.capacity = capacity
         self.hidden_size = hidden_size
+        self.bidirectional = bidirectional  # its model's image rows attend both ways (`visible_until`)
         self._entries: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self.hits = self.misses = 0  # images a step found here, and those it encoded
 
@@ -40,12 +41,14 @@ class EncoderCache:
 
 def with_image_rows(host_args: tuple, chunks: list[ScheduledChunk], cache: EncoderCache | None) -> tuple:
     """A prefill program's host arguments (tokens, positions, meta, ...), with its image rows after
-    them and its rows' `visible_until` in the meta, when `cache` is a vision-language model's
-    encoder cache (holding the chunks' images); unchanged when it is None."""
+    them and (images attended both ways) its rows' `visible_until` in the meta, when `cache` is a
+    vision-language model's encoder cache (holding the chunks' images); unchanged when it is None."""
     if cache is None:
         return host_args
     positions, meta = host_args[1], host_args[2]
-    rows, meta.visible_until = image_rows(chunks, positions, cache)
+    rows, visible_until = image_rows(chunks, positions, cache)
+    if cache.bidirectional:
+        meta.visible_until = visible_until
     return (*host_args, rows)
 
 
@@ -66,6 +69,7 @@ def image_rows(
             at = slice(row + first - c.start, row + last - c.start)
             rows.embeds[at] = cache.get(image.image.digest)[first - image.start : last - image.start]
             rows.is_image[at] = True
-            visible_until[at] = min(image.end, stop) - 1  # the scheduler never splits an image
+            if image.bidirectional:
+                visible_until[at] = min(image.end, stop) - 1  # the scheduler never splits such an image
         row += c.num_new_tokens
     return rows, visible_until

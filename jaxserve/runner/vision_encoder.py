@@ -1,5 +1,6 @@
 """The vision encoder of a vision-language model's runner: its declared program, compiled per
-image-count bucket at warm-up, and the encoder cache.
+image-count bucket at warm-up, and the encoder cache (an image here is one square input of the
+tower: a Gemma 3 image, or one tile of an Idefics3 / SmolVLM image).
 
 An iteration's prefill chunks that hold rows of an image need its soft-token embeddings before
 their inputs are built (`encode_step`): an image already in the encoder cache (by its pixels'
@@ -41,14 +42,15 @@ class VisionEncoder:
     ) -> None:
         if mesh.size > 1:
             raise ValueError("images are served on one device only (no tensor, pipeline or expert parallelism)")
-        if step_tokens < tower.config.mm_tokens_per_image:  # an image is prefilled in one step
+        bidirectional = tower.config.bidirectional_images
+        if bidirectional and step_tokens < tower.config.mm_tokens_per_image:  # an image is prefilled in one step
             raise ValueError(
                 f"max_num_batched_tokens ({step_tokens}) must hold an image's "
                 f"{tower.config.mm_tokens_per_image} tokens: a prefill chunk never splits an image"
             )
         self.config = tower.config
         self.params = jax.device_put(cast_params(tower.params, jnp.dtype(dtype)), replicated(mesh))
-        self.cache = EncoderCache(capacity, tower.config.text_hidden_size)
+        self.cache = EncoderCache(capacity, tower.config.text_hidden_size, bidirectional)
         self._jitted = jax.jit(image_embeddings, static_argnums=0)
         self._compiled: dict[int, Any] = {}
         self.num_compilations = 0
