@@ -88,7 +88,9 @@ def test_the_head_is_handed_the_residual_streams_entering_its_aux_layers(model, 
 
 def test_seeded_sampling_keeps_its_distribution(plain, speculative, assert_kv_all_free):
     """The first three tokens of 160 seeded requests at temperature 1 (top-k 3), with and without EAGLE-3 drafts
-    (drawn from the head's q over its draft vocabulary, mapped to target ids, verified by rejection sampling)."""
+    (drawn from the head's q over its draft vocabulary, mapped to target ids, verified by rejection sampling:
+    the verify step takes q, so a draft is accepted with min(1, p / q), not p as a deterministic one)."""
+    assert speculative.engine.runner.inputs.verify_vocab == speculative.engine.model_config.vocab_size
     prompt = PROMPTS[4]
     drafted = speculative.engine.stats.draft_tokens
     with_eagle = seeded_first_tokens(speculative, prompt, 160, 3, 0)

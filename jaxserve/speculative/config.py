@@ -23,6 +23,8 @@ DEFAULT_LOOKUP = 5  # vLLM's default n-gram size when neither bound is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")  # served today
 WITH_MODEL = ("draft_model", "eagle3")  # the methods whose drafts come from `model`
+# The methods whose sampled drafts are drawn from a distribution q, which verification needs (rejection sampling).
+DRAWN_METHODS = ("draft_model", "mtp", "eagle3")
 ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}  # vLLM's other names of a method served
 
 
@@ -58,6 +60,11 @@ class SpeculativeConfig:
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
+
+    @property
+    def drafts_drawn(self) -> bool:
+        """Whether sampled drafts are drawn from a distribution q, which verification takes (rejection sampling)."""
+        return self.method in DRAWN_METHODS
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
