@@ -1,7 +1,8 @@
 """EAGLE-3 speculative decoding (`"method": "eagle3"`) on the tiny random Llama (2 layers, f32) with a random head
 written at test time in vLLM's layout (`eagle3_heads`: aux layers [0, 1, 1], a draft vocabulary of half the
 target's, d2t / t2d): greedy output token for token the same as without it (k = 3, batched and alone, prompts
-longer than a prefill chunk, prefix-cache hits), the aux states handed to the head, seeded sampling that keeps
+longer than a prefill chunk, prefix-cache hits), the aux states handed to the head and its drafts against a
+numpy reference (`eagle3_reference`), seeded sampling that keeps
 its distribution, no compilation after warm-up, both KV pools freed; a head built to predict the target
 (`eagle3_heads.successor_head`) accepted as predicted. The loader's tests: tests/test_speculative_eagle3_loading.py."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from eagle3_heads import random_head, successor_head
+from eagle3_reference import reference_chain
 from mtp_models import ENGINE, PROMPTS, outputs, params_for, successor_target
 from sampling_stats import assert_same_distribution, seeded_first_tokens
 
@@ -60,29 +62,39 @@ def test_greedy_output_is_the_same_with_eagle3_batched_alone_and_after_prefix_hi
     assert not engine.proposer.hidden
 
 
-def test_the_head_is_handed_the_residual_streams_entering_its_aux_layers(model, speculative, assert_kv_all_free):
+def test_the_head_gets_the_aux_streams_and_drafts_as_the_reference(model, speculative, assert_kv_all_free):
     """Aux layers [0, 1, 1]: each row handed over is [e(t) | x_1 | x_1], the embedding of the row's token (the
-    stream entering layer 0) and twice the stream entering layer 1 (not the embedding: layer 0 adds to it)."""
-    proposer, seen = speculative.engine.proposer, []
-    take_hidden = proposer.take_hidden
+    stream entering layer 0) and twice the stream entering layer 1 (layer 0 added to it); every greedy draft
+    (k = 3, an 80-token prompt caught up in two chunks) equals `eagle3_reference` on those rows."""
+    proposer, seen, proposals = speculative.engine.proposer, {}, []
+    take_hidden, propose = proposer.take_hidden, proposer.propose
 
-    def record(rows):
-        seen.extend(rows)
+    def record_hidden(rows):
+        for r in rows:
+            seen.update({r.position + i: row for i, row in enumerate(r.rows)})
         take_hidden(rows)
 
-    proposer.take_hidden = record
-    prompt = {"prompt_token_ids": np.random.default_rng(11).integers(3, 299, 40).tolist()}
+    def record_proposals(decodes, num_running):
+        drafts = propose(decodes, num_running)
+        proposals.extend((req.copy_tokens(), draft) for req, draft in (drafts or {}).items())
+        return drafts
+
+    proposer.take_hidden, proposer.propose = record_hidden, record_proposals
+    prompt = np.random.default_rng(11).integers(3, 299, 80).tolist()  # no prefix hit
     try:
-        outputs(speculative, [prompt], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)])
+        outputs(speculative, [{"prompt_token_ids": prompt}], [SamplingParams(max_tokens=12, temperature=0.0)])
     finally:
-        del proposer.take_hidden
+        del proposer.take_hidden, proposer.propose
     emb, e = np.asarray(model.params["embed"]["embedding"]), model.config.hidden_size
-    tokens = prompt["prompt_token_ids"]
-    first = next(r for r in seen if r.position == 0)
-    assert first.rows.shape == (40, 3 * e)
-    np.testing.assert_allclose(first.rows[:, :e], emb[tokens], rtol=1e-6)
-    np.testing.assert_array_equal(first.rows[:, e : 2 * e], first.rows[:, 2 * e :])
-    assert not np.allclose(first.rows[:, e : 2 * e], first.rows[:, :e])
+    rows = np.stack([seen[i] for i in range(80)])
+    np.testing.assert_allclose(rows[:, :e], emb[prompt], rtol=1e-6)
+    np.testing.assert_array_equal(rows[:, e : 2 * e], rows[:, 2 * e :])
+    assert not np.allclose(rows[:, e : 2 * e], rows[:, :e])
+    assert len(proposals) > 3
+    params = {name: np.asarray(a) for name, a in proposer.device.params.items()}
+    for tokens, draft in proposals:
+        aux = np.stack([seen[i] for i in range(len(tokens) - 1)])
+        assert draft == reference_chain(proposer.device.model.config, params, aux, tokens, len(draft))
     assert_kv_all_free(speculative.engine)
 
 
