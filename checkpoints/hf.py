@@ -44,7 +44,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: invalid JSON: {e}") from e
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX_FILE
     if index.is_file():
         names = sorted(set(_read_json(index).get("weight_map", {}).values()))
@@ -59,7 +59,7 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
+def iter_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
     try:
         with safe_open(str(file), framework="np") as f:
             for name in f.keys():
@@ -93,8 +93,8 @@ def load_hf_dir(path: str | os.PathLike[str], dtype: Any = "float32") -> LoadedM
     names = (lambda w: w.hf) if family is None else (lambda w: family.text_name(w.hf))
     filler = ParamFiller(config, resolve_dtype(dtype), str(directory), names)
     tower = None if vision is None else hf_vision.VisionFiller(config, vision, resolve_dtype(dtype), str(directory))
-    for file in _weight_files(directory):
-        for name, array in _iter_tensors(file):
+    for file in weight_files(directory):
+        for name, array in iter_tensors(file):
             if family is not None:
                 name = family.canonical_name(name)
                 if tower.put(name, array):

@@ -23,6 +23,7 @@ from jaxserve.model.state_cache import LinearStateCache
 from jaxserve.resolved_config import ResolvedConfig, ServedModel, resolve_limits
 from jaxserve.runner.pipeline_placement import plan_stages, stage_model_config
 from jaxserve.runner.placement import plan_parallelism
+from jaxserve.speculative.eagle3_config import check_eagle3_target
 from jaxserve.speculative.mtp_target import check_mtp_target
 from kernels_pallas import default_attention_backend, kv_quant
 
@@ -56,6 +57,7 @@ def served_model(config: EngineConfig, model: ModelConfig, dtype: str) -> Served
     holds all of it, so a block's bytes over the devices count it once per device."""
     check_latent_attention(config, model)
     check_mtp_target(config, model)
+    aux_layers = check_eagle3_target(config, model)
     served = dataclasses.replace(model, num_kv_heads=plan_parallelism(model, config).served_kv_heads)
     stages = plan_stages(served, config)
     if stages is not None:
@@ -71,4 +73,5 @@ def served_model(config: EngineConfig, model: ModelConfig, dtype: str) -> Served
         kv_devices=config.tensor_parallel_size * config.pipeline_parallel_size,
         state_slot_bytes=LinearStateCache.bytes_per_slot(served) if is_hybrid(served) else 0,
         sliding_window=model.sliding_window if all(sliding_layers(model)) else None,
+        aux_hidden_layers=aux_layers,
     )

@@ -31,6 +31,8 @@ class ServedModel:
     state_slot_bytes: int = 0
     # The window of a model whose every attention layer slides (None: a layer attends to all its tokens).
     sliding_window: int | None = None
+    # EAGLE-3 speculation: the target layers whose input states the head reads (() without it).
+    aux_hidden_layers: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +65,8 @@ class ResolvedConfig(EngineConfig):
     num_state_snapshots: int = 0  # of those, kept as snapshots for prefix hits at most (jaxserve/kv/state_snapshots.py)
     # Sequences hold only the blocks of this window (jaxserve/kv/window.py); None: every block.
     kv_window: int | None = None
+    # EAGLE-3 speculation: the model sows the residual stream entering these layers (`DecoderModel.aux_layers`).
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,6 +116,7 @@ def resolve_limits(config: EngineConfig, served: ServedModel) -> ResolvedConfig:
         num_state_slots=state_slots,
         num_state_snapshots=snapshots,
         kv_window=_kv_window(config, served, max_model_len, state_slots),
+        aux_hidden_layers=served.aux_hidden_layers,
         **buckets,
         verify_batch_buckets=_verify_batches(config, buckets["decode_batch_buckets"]),
     )

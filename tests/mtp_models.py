@@ -58,20 +58,27 @@ def _silenced(layer: dict) -> dict:
     return out
 
 
-def successor_model(model: LoadedModel) -> LoadedModel:
+def successor_target(model: LoadedModel) -> LoadedModel:
     """`model` changed so that every layer adds nothing: the last hidden state at a token t is its embedding
-    e(t), and the head, whose column s is e(s - 1), makes t + 1 (mod V) the target's next token. Its MTP
-    layer takes the hidden state alone (eh_proj: zeros over the embedding, the identity over the hidden
-    state), adds nothing either, and its head's column s is e(s - 2): from the target's h_i = e(t_i) it
-    drafts t_i + 2 = t_{i+2}, always right; a chained draft reads the layer's own output, a copy of its input,
-    so it drafts that token again, always wrong."""
+    e(t), and the head, whose column s is e(s - 1), makes t + 1 (mod V) the target's next token."""
     params = {k: v for k, v in model.params.items()}
     emb = np.asarray(params["embed"]["embedding"], np.float32)
     assert (np.argmax(emb @ emb.T, axis=1) == np.arange(len(emb))).all(), "an embedding row is not its own best match"
-    e = emb.shape[1]
     params["layers"] = _silenced(params["layers"])
-    params["final_norm"] = {"scale": np.ones(e, np.float32)}
+    params["final_norm"] = {"scale": np.ones(emb.shape[1], np.float32)}
     params["lm_head"] = {"kernel": np.roll(emb, 1, axis=0).T.copy()}
+    return LoadedModel(config=model.config, params=params, tokenizer_bundle=model.tokenizer_bundle)
+
+
+def successor_model(model: LoadedModel) -> LoadedModel:
+    """`successor_target` of `model` (the next token after t is t + 1), whose MTP layer takes the hidden state
+    alone (eh_proj: zeros over the embedding, the identity over the hidden state), adds nothing either, and
+    whose head's column s is e(s - 2): from the target's h_i = e(t_i) it drafts t_i + 2 = t_{i+2}, always
+    right; a chained draft reads the layer's own output, a copy of its input, so it drafts that token again,
+    always wrong."""
+    params = successor_target(model).params
+    emb = np.asarray(params["embed"]["embedding"], np.float32)
+    e = emb.shape[1]
     mtp = dict(params["mtp"])
     for norm in ("enorm", "hnorm", "head_norm"):
         mtp[norm] = {"scale": np.ones((1, e), np.float32)}

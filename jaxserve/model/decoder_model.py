@@ -75,6 +75,9 @@ class DecoderModel(nn.Module):
     # Pipeline parallel: runs the scanned layers as stages of a mesh's `pp` axis
     # (`jaxserve.model.pipeline.PipelineLayers`); the stacked layer weights and cache are split over it.
     pipeline: Callable[..., tuple] | None = None
+    # EAGLE-3 speculation: the residual stream entering these layers is sown too ("aux_hidden", [T, A * E];
+    # `LayerStack.run_with_aux`); () for every other use (the layers run as one scan).
+    aux_layers: tuple[int, ...] = ()
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -133,6 +136,12 @@ class DecoderModel(nn.Module):
             return HybridLayers(stack)(self.variables["params"], carry, rope, meta)
         if self.unroll_layers:
             return stack.unrolled(carry, rope, meta, lora)
+        if self.aux_layers and not self.is_initializing():
+            carry, load, aux = stack.run_with_aux(
+                self.variables["params"]["layers"], carry, self.aux_layers, rope, meta, lora
+            )
+            self.sow("intermediates", "aux_hidden", aux)
+            return carry, load
         if self.pipeline is not None and not self.is_initializing():
             carry, ticks = self.pipeline(stack.stage, self.variables["params"]["layers"], carry, rope, meta)
             self.sow("intermediates", "pipeline_ticks", ticks)  # which micro-batch each stage ran per tick

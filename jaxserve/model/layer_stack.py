@@ -42,8 +42,9 @@ class LayerStack:
     experts: Callable[..., jax.Array] | None
     quantization: Quantization
 
-    def scanned(self, num_layers: int, **module: Any) -> nn.Module:
-        """`num_layers` stacked layers as one scanned module (a child named `layers`, or unbound)."""
+    def scanned(self, num_layers: int, length: int | None = None, **module: Any) -> nn.Module:
+        """`num_layers` stacked layers as one scanned module (a child named `layers`, or unbound), scanning
+        `length` of them (all by default: a run of them, `run_with_aux`, takes their indices at the call)."""
         types = self.config.layer_types  # a pipeline stage's layers are all of one kind (`stage_model_config`)
         cfg = dataclasses.replace(self.config, num_layers=num_layers, layer_types=types and types[:num_layers])
         return nn.scan(
@@ -51,7 +52,7 @@ class LayerStack:
             variable_broadcast="params",
             split_rngs={"params": False},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=num_layers,
+            length=num_layers if length is None else length,
         )(*self._stacked_fields(cfg), **module)
 
     def layer(self, **module: Any) -> DecoderLayer:
@@ -93,6 +94,29 @@ class LayerStack:
             carry, load = layer(carry, jnp.int32(i), rope, meta, lora)
             loads.append(load)
         return carry, jnp.stack(loads)
+
+    def run_with_aux(
+        self,
+        params: Any,
+        carry: Carry,
+        aux_layers: tuple[int, ...],
+        rope: RopeTables,
+        meta: AttentionMetadata,
+        lora: LoraStacks | None,
+    ) -> tuple[Carry, jax.Array, jax.Array]:
+        """The scanned layers over their stacked weights `params` in runs that stop before each of `aux_layers`:
+        (the carry after every layer, the expert loads [L, X], the residual stream entering each aux layer,
+        concatenated in their order [T, len(aux_layers) * E]; vLLM's numbering: layer i's input, 0 the
+        embedding). EAGLE-3 speculation reads them (`jaxserve.speculative.eagle3_model`)."""
+        num_layers = self.config.num_layers
+        bounds = sorted({0, num_layers, *aux_layers})
+        states, loads = {}, []
+        for start, stop in zip(bounds, bounds[1:]):
+            states[start] = carry[0]
+            layers = self.scanned(num_layers, length=stop - start, parent=None)
+            carry, load = layers.apply({"params": params}, carry, jnp.arange(start, stop), rope, meta, lora)
+            loads.append(load)
+        return carry, jnp.concatenate(loads), jnp.concatenate([states[i] for i in aux_layers], axis=-1)
 
     def stage(self, params: Any, carry: Carry, rope: RopeTables, meta: AttentionMetadata) -> Carry:
         """A pipeline stage's layers: its slice [L / P, ...] of the stacked layer weights `params`

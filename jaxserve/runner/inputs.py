@@ -63,8 +63,8 @@ class StepInputs:
         spec = engine_config.speculative_config
         self.verify_rows = 0 if spec is None else spec.num_speculative_tokens + 1  # rows per verified sequence
         self.verify_batches = engine_config.verify_batch_buckets
-        # A draft model's (or MTP layer's) drafts carry q (rejection sampling): probabilities per draft token.
-        self.verify_vocab = vocab_size if spec is not None and spec.method in ("draft_model", "mtp") else 0
+        # Drawn drafts (a draft model's, MTP layer's, EAGLE-3 head's) carry q (rejection sampling): per draft token.
+        self.verify_vocab = vocab_size if spec is not None and spec.drafts_drawn else 0
 
     def sampler_rows(self, rows: int) -> int:
         return bucket_for(rows, self.config.sampler_row_buckets)

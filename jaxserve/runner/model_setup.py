@@ -82,7 +82,9 @@ def serve_model(config: ModelConfig, params: Any, ec: ResolvedConfig, mesh: Mesh
     quantization = formats_of(params)
     pipeline = pipeline_layers(mesh, ec) if stages is not None else None
     formats = tuple(sorted(quantization.items()))
-    model = DecoderModel(config, attention, dtype, ec.unroll_layers, matmul, experts, formats, pipeline)
+    model = DecoderModel(
+        config, attention, dtype, ec.unroll_layers, matmul, experts, formats, pipeline, ec.aux_hidden_layers
+    )
     # auto: the weights' dtype, as vLLM's, also on CPU where bf16 weights' activations are f32 (a
     # bf16 cache halves the bytes a decode step's attention reads: a batch-64 step at 256 tokens
     # 0.69x the time).

@@ -15,11 +15,13 @@ from jaxserve.sampler import SamplerOutput
 @dataclasses.dataclass(frozen=True)
 class ModelStepOutputs:
     """A model step's logits at its logits rows (padded to the sampler's row bucket, zeros, for
-    prefill steps), every row's last hidden state (prompt scores, pooling) and its counters."""
+    prefill steps), every row's last hidden state (prompt scores, pooling), its counters, and every
+    row's residual stream entering the model's aux layers (EAGLE-3 speculation, [T, A * E]; [T, 0] without)."""
 
     logits: jax.Array
     hidden: jax.Array
     counters: StepCounters
+    aux_hidden: jax.Array
 
 
 @jax.tree_util.register_dataclass

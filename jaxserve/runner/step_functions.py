@@ -85,7 +85,9 @@ class StepFunctions:
         found = variables["intermediates"]
         load = jnp.sum(found["expert_load"][0], axis=0) if "expert_load" in found else jnp.zeros(0, jnp.int32)
         ticks = found["pipeline_ticks"][0] if "pipeline_ticks" in found else jnp.zeros((0, 0), jnp.int32)
-        return state.with_cache(cache), ModelStepOutputs(logits, found["hidden"][0], StepCounters(load, ticks))
+        hidden = found["hidden"][0]
+        aux = found["aux_hidden"][0] if "aux_hidden" in found else jnp.zeros((hidden.shape[0], 0), hidden.dtype)
+        return state.with_cache(cache), ModelStepOutputs(logits, hidden, StepCounters(load, ticks), aux)
 
     def decode_step(
         self, state: DeviceState, inputs: HostPack, sampling, offset, sample_here
@@ -105,7 +107,7 @@ class StepFunctions:
             return sampler, SamplerOutput(*(jnp.zeros(x.shape, x.dtype) for x in out))
 
         sampler, out = lax.cond(sample_here, _sample_into, skip, state.sampler, logits, sampling, offset)
-        return state.with_sampler(sampler), DecodeStepOutputs(logits, step.hidden, step.counters, out)
+        return state.with_sampler(sampler), DecodeStepOutputs(logits, step.hidden, step.counters, step.aux_hidden, out)
 
     @staticmethod
     def sample_into(state: DeviceState, logits, sampling, offset) -> tuple[DeviceState, SamplerOutput]:

@@ -87,8 +87,10 @@ def start_reads(
     if keep_hidden:
         for chunks, program, step in zip(prepared.parts, prepared.programs, phase.steps):
             if program.num_steps == 1:
-                step.hidden.copy_to_host_async()
-                handle.hidden.append((chunks, _first_rows(chunks, program), step.hidden))
+                # EAGLE-3 reads the aux layers' states (a model built with them), MTP the last hidden state
+                hidden = step.aux_hidden if step.aux_hidden.shape[-1] else step.hidden
+                hidden.copy_to_host_async()
+                handle.hidden.append((chunks, _first_rows(chunks, program), hidden))
     handle.counters = phase.counters if counted else []
     for counters in handle.counters:
         for field in counters:

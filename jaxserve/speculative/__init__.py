@@ -1,7 +1,7 @@
 """Speculative decoding: its settings, the `Proposer` interface that drafts tokens (n-gram prompt lookup on
-the host, no JAX; a draft model, `draft_model`, and DeepSeek-V3's MTP layer, `mtp_proposer`, which import JAX
-and are built by the engine), and the device-side verification of the drafts (`jaxserve.speculative.verify`,
-which imports JAX and is loaded by the runner only)."""
+the host, no JAX; a draft model, `draft_model`, DeepSeek-V3's MTP layer, `mtp_proposer`, and an EAGLE-3 head,
+`eagle3_proposer`, which import JAX and are built by the engine), and the device-side verification of the
+drafts (`jaxserve.speculative.verify`, which imports JAX and is loaded by the runner only)."""
 
 from jaxserve.speculative.config import SpeculativeConfig
 from jaxserve.speculative.ngram import propose_ngram

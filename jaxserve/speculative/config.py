@@ -6,7 +6,8 @@ already uses the weights well and would only pay for the rejected rows).
 Methods: "ngram" (prompt lookup), "draft_model" (a smaller model of the same tokenizer, `model`: a registry
 name or a path, loaded like the target, with `quantization` of its own if given) and "mtp" (the target's own
 multi-token prediction layer: DeepSeek-V3 with `num_nextn_predict_layers` >= 1; vLLM's "deepseek_mtp" and
-"qwen3_next_mtp" are read as "mtp"; Qwen3-Next/Qwen3.5 targets are refused by name, `mtp_target`). As in vLLM,
+"qwen3_next_mtp" are read as "mtp"; Qwen3-Next/Qwen3.5 targets are refused by name, `mtp_target`) and "eagle3" (an
+EAGLE-3 head over the target's hidden states, `model`: its Hugging Face directory, `eagle3_config`). As in vLLM,
 a `model` given without a `method` means "draft_model".
 
 The command line's JSON text and `LLM(speculative_config={...})`'s dict are read by `SpeculativeConfig.parse`;
@@ -20,8 +21,10 @@ from typing import Any
 
 DEFAULT_LOOKUP = 5  # vLLM's default n-gram size when neither bound is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-METHODS = ("ngram", "draft_model", "mtp")  # served today
-PLANNED_METHODS = ("eagle3",)  # vLLM's names of the methods not served yet
+METHODS = ("ngram", "draft_model", "mtp", "eagle3")  # served today
+WITH_MODEL = ("draft_model", "eagle3")  # the methods whose drafts come from `model`
+# The methods whose sampled drafts are drawn from a distribution q, which verification needs (rejection sampling).
+DRAWN_METHODS = ("draft_model", "mtp", "eagle3")
 ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}  # vLLM's other names of a method served
 
 
@@ -36,13 +39,14 @@ class SpeculativeConfig:
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
-        if self.method in PLANNED_METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not supported yet (served: {', '.join(METHODS)})")
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; use one of {', '.join(METHODS)}")
-        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model.strip()):
-            raise ValueError('speculative method "draft_model" needs "model": a registry name or a path')
-        if self.method != "draft_model" and (self.model, self.quantization) != (None, None):
+        if self.method in WITH_MODEL and not (isinstance(self.model, str) and self.model.strip()):
+            what = "a registry name or a path" if self.method == "draft_model" else "the head's directory"
+            raise ValueError(f'speculative method "{self.method}" needs "model": {what}')
+        if self.method == "eagle3" and self.quantization is not None:
+            raise ValueError(f"speculative method 'eagle3' takes no quantization, got {self.quantization!r}")
+        if self.method not in WITH_MODEL and (self.model, self.quantization) != (None, None):
             raise ValueError(
                 f"speculative method {self.method!r} takes no model, got model={self.model!r}"
                 + (f", quantization={self.quantization!r}" if self.quantization is not None else "")
@@ -56,6 +60,11 @@ class SpeculativeConfig:
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
+
+    @property
+    def drafts_drawn(self) -> bool:
+        """Whether sampled drafts are drawn from a distribution q, which verification takes (rejection sampling)."""
+        return self.method in DRAWN_METHODS
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:

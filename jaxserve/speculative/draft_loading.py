@@ -1,7 +1,7 @@
 """Loading the draft model of `"method": "draft_model"`: with the target's loaders, flags and mesh, checked to
 share the target's tokenizer, served like the target (`serve_model`) with a KV cache of its own. And the
-engine's one entry to the proposers built with a model (`load_model_proposer`: the draft model's, or the
-target's own MTP layer's)."""
+engine's one entry to the proposers built with a model (`load_model_proposer`: the draft model's, the
+target's own MTP layer's, or an EAGLE-3 head's)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,19 @@ from jaxserve.runner.model_setup import build_cache, serve_model
 from jaxserve.runner.placement import checkpoint_shardings
 from jaxserve.speculative.config import SpeculativeConfig
 from jaxserve.speculative.draft_model import DraftDevice, DraftModelProposer, DraftShapes
+from jaxserve.speculative.eagle3_proposer import build_eagle3_proposer
 from jaxserve.speculative.mtp_proposer import MtpProposer, build_mtp_proposer
 
 
 def load_model_proposer(
     spec: SpeculativeConfig, config: EngineConfig, ec: ResolvedConfig, target: LoadedModel, runner: Any
 ) -> DraftModelProposer | MtpProposer:
-    """The proposer of "draft_model" (`load_draft_proposer`) or "mtp" (`build_mtp_proposer`, over the target
-    `runner` serves: `ModelRunner`)."""
+    """The proposer of "draft_model" (`load_draft_proposer`), "mtp" (`build_mtp_proposer`) or "eagle3"
+    (`build_eagle3_proposer`), over the target `runner` serves (`ModelRunner`)."""
     if spec.method == "mtp":
         return build_mtp_proposer(spec, ec, runner)
+    if spec.method == "eagle3":
+        return build_eagle3_proposer(spec, ec, runner)
     return load_draft_proposer(spec, config, ec, target, runner.mesh)
 
 

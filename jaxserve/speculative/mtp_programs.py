@@ -1,5 +1,6 @@
-"""The MTP layer's device program: catch up, then draft a chain of k tokens, in one dispatch (compiled by
-`DraftPrograms` with `mtp_chain` as its chain).
+"""The device program of a head over the target's hidden states (the MTP layer; an EAGLE-3 head the same way,
+its hidden rows the target's aux states): catch up, then draft a chain of k tokens, in one dispatch (compiled
+by `DraftPrograms` with `mtp_chain`, or `hidden_chain` of another forward, as its chain).
 
 A call takes S sequences' new rows as one ragged prefill (`MtpInputs`): row p of a sequence is position p,
 with the target's hidden state h_p and the token t_{p+1} (`jaxserve.speculative.mtp_model`). It writes their
@@ -15,6 +16,7 @@ rejection sampling.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model import AttentionMetadata
-from jaxserve.model.layer_stack import LayerStack
 from jaxserve.speculative.draft_programs import DraftInputs, chain_drafts
 from jaxserve.speculative.mtp_model import mtp_forward
 
@@ -44,23 +45,34 @@ class MtpInputs(NamedTuple):
         return functools.partial(cls.zeros, hidden_size=hidden_size)
 
 
-def mtp_chain(
-    stack: LayerStack, block_size: int, k: int, params: Any, cache: Any, inputs: MtpInputs
+def hidden_chain(
+    forward: Callable[..., tuple[jax.Array, jax.Array, Any]],
+    model: Any,
+    block_size: int,
+    k: int,
+    params: Any,
+    cache: Any,
+    inputs: MtpInputs,
 ) -> tuple[Any, jax.Array, jax.Array]:
-    """(cache, drafts i32[S, k], q f32[S, k, V]): see the module docstring. `params`: `mtp_params` of the
-    target's."""
+    """(cache, drafts i32[S, k], q f32[S, k, V]): see the module docstring. `forward(model, params, tokens,
+    hidden, positions, cache, meta, rows, chained) -> (logits, state fed on, cache)`: the head's (`mtp_forward`,
+    with `model` the MTP layer's `LayerStack` and `params` the target's `mtp_params`; or an EAGLE-3 head's,
+    `jaxserve.speculative.eagle3_model.eagle3_forward`)."""
     x = inputs.draft
     meta = AttentionMetadata(x.kv_slots, x.tables, x.seq_lens, x.query_start)
-    hidden = inputs.hidden.astype(stack.dtype)
-    logits, h, cache = mtp_forward(stack, params, x.tokens, hidden, x.positions, cache, meta, x.last_rows)
+    hidden = inputs.hidden.astype(model.dtype)
+    logits, h, cache = forward(model, params, x.tokens, hidden, x.positions, cache, meta, x.last_rows)
     rows = jnp.arange(x.seq_lens.shape[0], dtype=jnp.int32)
 
     def feed(state: tuple[Any, jax.Array], token: jax.Array, pos: jax.Array, step_meta: AttentionMetadata):
-        """The row at MTP position `pos`: the token just drafted, and the layer's output at the row before."""
+        """The row at the head's position `pos`: the token just drafted, and the head's output at the row before."""
         cache, h = state
-        logits, h, cache = mtp_forward(stack, params, token, h, pos, cache, step_meta, rows, chained=True)
+        logits, h, cache = forward(model, params, token, h, pos, cache, step_meta, rows, chained=True)
         return logits, (cache, h)
 
-    # An MTP row at position p drafts the token at p + 2: the keys are the drafted tokens' positions.
+    # A row at position p drafts the token at p + 2: the keys are the drafted tokens' positions.
     (cache, _), drafts, probs = chain_drafts(x, block_size, k, logits, (cache, h), feed, key_offset=1)
     return cache, drafts, probs
+
+
+mtp_chain = functools.partial(hidden_chain, mtp_forward)  # chain(stack, block_size, k, params, cache, inputs)

@@ -16,7 +16,7 @@ which can only lower acceptance, never change the output.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -41,11 +41,19 @@ class MtpProposer(DraftModelProposer):
     wants_hidden = True
 
     def __init__(
-        self, spec: SpeculativeConfig, max_model_len: int, device: DraftDevice, shapes: DraftShapes, hidden_size: int
+        self,
+        spec: SpeculativeConfig,
+        max_model_len: int,
+        device: DraftDevice,
+        shapes: DraftShapes,
+        hidden_size: int,
+        chain: Callable[..., Any] = mtp_chain,
     ) -> None:
+        """`hidden_size`: the width of the target's rows it takes; `chain`: its device program (`hidden_chain` of
+        its head's forward: the MTP layer's, or an EAGLE-3 head's)."""
         k = spec.num_speculative_tokens
         example = MtpInputs.example(hidden_size)
-        programs = DraftPrograms(device.model, device.block_size, k, shapes.variants(), mtp_chain, example)
+        programs = DraftPrograms(device.model, device.block_size, k, shapes.variants(), chain, example)
         super().__init__(spec, max_model_len, device, shapes, programs)
         self.hidden_size = hidden_size
         self.hidden: dict[Request, PendingHidden] = {}  # the target's states the layer has not computed yet

@@ -3,10 +3,10 @@
 Before each step the scheduler hands the proposer the decodes it may run (`Proposer.propose`) and gets
 back the draft tokens of those it drafts for; it then only reserves KV slots for 1 + len(draft) tokens to
 verify per decode (under its token budget), and releases the slots of rejected drafts when the step is read.
-How drafts are made (n-gram lookup, a draft model, the target's MTP layer; EAGLE-3 next) is the proposer's
+How drafts are made (n-gram lookup, a draft model, the target's MTP layer, an EAGLE-3 head) is the proposer's
 alone. A proposer that keeps state per request (a draft model's KV cache) drops it when the scheduler `release`s
-the request (finished, aborted, failed or preempted). One that `wants_hidden` (MTP) is given the target's last
-hidden states of every step the engine reads (`take_hidden`).
+the request (finished, aborted, failed or preempted). One that `wants_hidden` (MTP, EAGLE-3) is given the
+target's hidden states (the last ones; EAGLE-3's aux layers') of every step the engine reads (`take_hidden`).
 
 `NgramProposer` (prompt lookup, `jaxserve.speculative.ngram`), `DraftModelProposer`
 (`jaxserve.speculative.draft_model`) and `MtpProposer` (`jaxserve.speculative.mtp_proposer`; both import JAX
@@ -151,13 +151,14 @@ def build_proposer(
     load_draft: Callable[[SpeculativeConfig], Proposer] | None = None,
 ) -> Proposer | None:
     """The configured proposer (None: speculation off). Methods not served are refused by
-    `SpeculativeConfig` itself. "draft_model" and "mtp" are built by `load_draft` (the engine's: it loads
-    the draft model next to the target, `jaxserve.speculative.draft_loading.load_draft_proposer`, or builds
-    the target's MTP layer, `jaxserve.speculative.mtp_proposer.build_mtp_proposer`)."""
+    `SpeculativeConfig` itself. "draft_model", "mtp" and "eagle3" are built by `load_draft` (the engine's: it
+    loads the draft model next to the target, `jaxserve.speculative.draft_loading.load_draft_proposer`, builds
+    the target's MTP layer, `jaxserve.speculative.mtp_proposer.build_mtp_proposer`, or loads an EAGLE-3 head,
+    `jaxserve.speculative.eagle3_proposer.build_eagle3_proposer`)."""
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec, max_model_len)
-    if spec.method in ("draft_model", "mtp") and load_draft is not None:
+    if spec.method in ("draft_model", "mtp", "eagle3") and load_draft is not None:
         return load_draft(spec)
     raise ValueError(f"no proposer for speculative method {spec.method!r}")
