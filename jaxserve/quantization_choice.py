@@ -14,8 +14,8 @@ weights"):
   of models whose hidden size is not a multiple of 256 store Q5_0 and Q6_K: Qwen2.5-0.5B, Gemma 3 270M)
   would be dequantized at every start, where `none` restores a converted checkpoint once made.
   Quantizing full-precision weights is a choice left to `--quantization int8|q4`; off that CPU set-up
-  the quantized kernels are XLA's dequantize-then-dot, not measured faster; pipeline stages and MTP
-  drafting do not run quantized weights.
+  the quantized kernels are XLA's dequantize-then-dot, not measured faster; pipeline stages, MTP and
+  EAGLE-3 drafting do not run quantized weights.
 
 The choice is logged once at start; `--quantization none` (or any other mode) overrides it.
 """
@@ -94,8 +94,8 @@ def choose_quantization(config: EngineConfig, model: str | LoadedModel) -> tuple
     if not cpu_build.available():
         return "none", "no C++ compiler for the quantized kernels"
     spec = config.speculative_config
-    if spec is not None and spec.method == "mtp":
-        return "none", "MTP drafting runs full-precision weights"
+    if spec is not None and spec.method in ("mtp", "eagle3"):
+        return "none", f"{spec.method} drafting runs full-precision weights"
     share = kept_share(path)
     if share < MIN_KEPT_SHARE:
         return "none", (

@@ -147,6 +147,7 @@ def test_quantization_auto_serves_a_gguf_files_blocks_on_the_cpu_kernels(model, 
     from jaxserve.config import EngineConfig
     from jaxserve.engine_args import add_engine_args
     from jaxserve.quantization_choice import choose_quantization, weights_quantization
+    from jaxserve.speculative.config import SpeculativeConfig
     from kernels_pallas import cpu_build
 
     if jax.default_backend() != "cpu" or not cpu_build.available():
@@ -177,6 +178,8 @@ def test_quantization_auto_serves_a_gguf_files_blocks_on_the_cpu_kernels(model, 
         dict(tensor_parallel_size=2),
         dict(pipeline_parallel_size=2),
         dict(unroll_layers=True),
+        dict(speculative_config=SpeculativeConfig("mtp", 2)),
+        dict(speculative_config=SpeculativeConfig("eagle3", 2, model=str(tmp_path))),
     ):
         assert choose_quantization(dataclasses.replace(asked, **other), str(path))[0] == "none", other
     assert weights_quantization(dataclasses.replace(asked, quantization="none"), str(path)) == "none"
