@@ -129,7 +129,6 @@ def hybrid_settings(config: EngineConfig, served: ServedModel) -> tuple[EngineCo
         name
         for name, on in (
             ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
-            ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
             ("enable_lora", config.enable_lora),
             ("speculative_config", config.speculative_config is not None),
             ("num_scheduler_steps > 1", config.num_scheduler_steps > 1),
