@@ -166,7 +166,6 @@ def test_a_hybrid_budget_counts_its_state_slots_and_refuses_what_it_cannot_run_y
     assert ec.kv_block_bytes == KVCache.bytes_per_block(hybrid, 16, "float32") // 4  # 1 of 4 layers is paged
     for settings, name in (
         (dict(enable_lora=True), "enable_lora"),
-        (dict(num_scheduler_steps=4), "num_scheduler_steps > 1"),
         (dict(speculative_config=SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})), "spec"),
     ):
         with pytest.raises(ValueError, match=f"hybrid model does not run with {name}"):
