@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 import jax
-from tp_worker import count_xla_compilations
+from tp_worker import collectives, count_xla_compilations
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
@@ -86,6 +86,10 @@ def run_layout(family: str, ep: int, tp: int, wide: bool) -> dict:
         "accounting": accounting(engine),
         "arrays": array_shards(engine.runner),
         "mesh": dict(engine.runner.mesh.shape),
+        "collectives": {
+            "decode": collectives(engine.runner, ("decode", 4, 16)),
+            "prefill": collectives(engine.runner, ("prefill", 64, 4, 16)),
+        },
     }
 
 

@@ -51,3 +51,15 @@ def test_projections_and_states_split_by_heads(report, case):
     for name, (shape, shard) in r["arrays"].items():
         axis = {"state/conv": 3, "state/recurrent": 2, "linear_layers/out_proj/kernel": 1}.get(name, 2)
         assert shard == [d // tp if i == axis else d for i, d in enumerate(shape)], name
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+@pytest.mark.parametrize("step, rows", [("decode", 4), ("prefill", 64)])
+def test_each_layer_communicates_only_to_complete_its_row_parallel_projections(report, case, step, rows):
+    """Each device computes its heads' projections, conv, delta rule and gated norm on its own: in the layer
+    loop only the all-reduces of the row-parallel outputs [rows, E] (out_proj of the 3 Gated DeltaNet
+    layers, o_proj of the full-attention one, the MLPs'), no all-gather of a head's pieces."""
+    in_loop = [c for c in report[case]["collectives"][step] if c["in_layer_loop"]]
+    assert {(c["op"], c["shape"].split("{")[0]) for c in in_loop} == {("all-reduce", f"f32[{rows},64]")}
+    modules = [c["op_name"].rsplit("/", 2)[-2] for c in in_loop]
+    assert (modules.count("out_proj"), modules.count("o_proj")) == (3, 1)
