@@ -90,6 +90,9 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
+    # The Gated DeltaNet conv channels' order: `linear_shards` groups (tensor-parallel shards), each the
+    # queries, keys and values of its key heads; 1 (checkpoints' order): all queries, keys, values.
+    linear_shards: int = 1
     shared_expert_intermediate_size: int = 0  # Qwen3-Next: a shared expert beside the routed ones, sigmoid-gated
 
     def __post_init__(self) -> None:

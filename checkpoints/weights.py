@@ -38,6 +38,7 @@ FFW = "ffw"  # hidden units of a dense MLP
 EXPERTS = "experts"  # the experts of a mixture-of-experts layer
 EXPERT_FFW = "expert_ffw"  # hidden units of one expert
 ROUTER = "router"  # the router's output, one logit per expert (small: never split)
+LINEAR_HEADS = "linear_heads"  # a Gated DeltaNet's heads: its conv channels, value features, per-head parameters
 
 # How random weights are drawn (scaled like a trained network's, so activations keep unit
 # variance and greedy decoding is not dominated by ties).

@@ -134,10 +134,8 @@ def hybrid_settings(config: EngineConfig, served: ServedModel) -> tuple[EngineCo
         name
         for name, on in (
             ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
-            ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
             ("enable_lora", config.enable_lora),
             ("speculative_config", config.speculative_config is not None),
-            ("num_scheduler_steps > 1", config.num_scheduler_steps > 1),
             ("unroll_layers", config.unroll_layers),
             ("kv_disk_dir", config.kv_disk_dir is not None),
             ("kv_pool", config.kv_pool is not None),

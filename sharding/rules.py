@@ -8,7 +8,8 @@ partial sum and one all-reduce per block completes it). Attention then needs no 
 each device owns whole heads. The embedding and the LM head are split over the vocabulary; norms
 are replicated. Mixture-of-experts weights are split over `ep` by expert (expert parallelism) and
 over `tp` by each expert's hidden units. The KV cache `[L, KVH, NB, BS, D]` is split over kv
-heads, matching the k/v projections (and replicated over `ep`). With pipeline stages (`pp` > 1)
+heads, matching the k/v projections (and replicated over `ep`). A Gated DeltaNet layer splits by its
+heads the same way (`sharding.linear_heads`), and its states by state slot with them. With pipeline stages (`pp` > 1)
 the stacked layer axis of the layer weights and of the cache is split over `pp`
 (`sharding.pipeline`); the embedding, head and final norm are replicated over it.
 
@@ -29,7 +30,19 @@ from jax.sharding import PartitionSpec as P
 from checkpoints.architectures import declare
 from checkpoints.config import ModelConfig
 from checkpoints.quant_format import QuantFormat
-from checkpoints.weights import EXPERT_FFW, EXPERTS, FFW, KV_HEADS, LAYERS, Q_HEADS, VOCAB, Weight, flat, quantized
+from checkpoints.weights import (
+    EXPERT_FFW,
+    EXPERTS,
+    FFW,
+    KV_HEADS,
+    LAYERS,
+    LINEAR_HEADS,
+    Q_HEADS,
+    VOCAB,
+    Weight,
+    flat,
+    quantized,
+)
 from sharding.pipeline import PP
 
 logger = logging.getLogger(__name__)
@@ -45,6 +58,7 @@ LOGICAL_AXES: dict[str, str] = {
     FFW: TP,  # gate/up outputs (column-parallel), down inputs (row-parallel)
     EXPERTS: EP,  # whole experts per device
     EXPERT_FFW: TP,  # and each expert's hidden units split like a dense MLP's
+    LINEAR_HEADS: TP,  # a Gated DeltaNet's heads (sharding.linear_heads)
     LAYERS: PP,  # stacked layers: contiguous stages (only on a mesh with pp > 1)
 }
 KV_CACHE_SPEC = P(None, TP)  # [L, KVH, NB, BS, D]: split over kv heads (and over pp: `cache_sharding`)

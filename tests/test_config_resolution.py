@@ -165,14 +165,15 @@ def test_a_hybrid_budget_counts_its_state_slots_and_refuses_what_it_cannot_run_y
     assert off.num_blocks == (budget - 9 * slot_bytes) // ec.kv_block_bytes
     assert ec.kv_block_bytes == KVCache.bytes_per_block(hybrid, 16, "float32") // 4  # 1 of 4 layers is paged
     for settings, name in (
-        (dict(tensor_parallel_size=2), "tensor_parallel_size > 1"),
         (dict(enable_lora=True), "enable_lora"),
-        (dict(num_scheduler_steps=4), "num_scheduler_steps > 1"),
         (dict(speculative_config=SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})), "spec"),
     ):
         with pytest.raises(ValueError, match=f"hybrid model does not run with {name}"):
             resolve(EngineConfig(**settings), hybrid)
     assert resolve(EngineConfig(), MODEL).num_state_slots == 0
+    # tensor parallel runs it (tests/sharding/test_hybrid_parallel.py) where it divides the key heads (2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the model's 2 Gated DeltaNet key"):
+        resolve(EngineConfig(tensor_parallel_size=4), hybrid)
 
 
 def test_only_a_model_whose_every_layer_slides_gets_window_sized_caches():

@@ -67,3 +67,19 @@ def test_a_prefix_hit_restores_the_state_snapshot(model_dir, assert_kv_all_free)
         assert out.num_cached_tokens == cached and llm.engine.scheduler.num_preemptions == 0
         assert out.outputs[0].token_ids == case["new_ids"]
         assert_kv_all_free(llm.engine)
+
+
+def test_multi_step_decode_keeps_each_rows_state(model_dir, assert_kv_all_free):
+    """Four decode steps per device loop give transformers' tokens. A row whose min_tokens ends inside a
+    loop takes fewer of its steps (reading and writing the reserved state slot 0 past them), and its state
+    is still its own when it goes on."""
+    cases = REFERENCE["cases"]
+    new = len(cases[0]["new_ids"])
+    llm = LLM(load_model(str(model_dir)), **{**ENGINE, "num_blocks": 48}, num_scheduler_steps=4)  # no preemption
+    params = [SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, min_tokens=m) for m in (0, 6, 3, 0)]
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        assert out.outputs[0].token_ids == case["new_ids"], case["name"]
+    assert llm.engine.stats.num_steps < new  # loops: one step per token would take more
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert_kv_all_free(llm.engine)

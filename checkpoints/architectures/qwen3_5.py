@@ -45,6 +45,7 @@ from checkpoints.weights import (
     KERNEL,
     KV_HEADS,
     LAYERS,
+    LINEAR_HEADS,
     Q_HEADS,
     SCALE,
     Declaration,
@@ -72,32 +73,35 @@ def gated_attention(config: ModelConfig) -> Declaration:
     }
 
 
-def _per_layer(config: ModelConfig, shape: tuple[int, ...], init: str, hf: str, float32: bool = False) -> Weight:
-    axes = (LAYERS,) + (None,) * len(shape)
+def _per_head(config: ModelConfig, shape: tuple[int, ...], init: str, hf: str, float32: bool = False) -> Weight:
+    """A stacked Gated DeltaNet parameter whose first axis is over its heads (split like them)."""
+    axes = (LAYERS, LINEAR_HEADS) + (None,) * (len(shape) - 1)
     return Weight((config.num_layers, *shape), axes, init, float32=float32, hf=LINEAR_PREFIX + hf)
 
 
 def gated_deltanet(config: ModelConfig) -> Declaration:
     """The Gated DeltaNet block: input projections, the conv's taps, the decay's A_log and dt_bias,
-    the gated output norm and the output projection (never split: tensor parallelism is refused)."""
+    the gated output norm and the output projection. Under tensor parallelism split by heads: the input
+    projections column-parallel, the output projection row-parallel, the conv's channels and the per-head
+    parameters with their heads (`sharding.linear_heads` orders the conv channels by shard)."""
     e = config.hidden_size
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     key, value = hk * config.linear_key_head_dim, hv * config.linear_value_head_dim
     channels = 2 * key + value
 
-    def proj(name: str, fan_in: int, fan_out: int) -> dict[str, Weight]:
-        return blocks.linear(config, fan_in, fan_out, (None, None), f"linear_attn.{name}", f"ssm_{name}")
+    def proj(name: str, fan_in: int, fan_out: int, axes: tuple[str, str] = (EMBED, LINEAR_HEADS)) -> dict[str, Weight]:
+        return blocks.linear(config, fan_in, fan_out, axes, f"linear_attn.{name}", f"ssm_{name}")
 
     return {
         "in_proj_qkv": proj("in_proj_qkv", e, channels),
         "in_proj_z": proj("in_proj_z", e, value),
         "in_proj_b": proj("in_proj_b", e, hv),
         "in_proj_a": proj("in_proj_a", e, hv),
-        "out_proj": proj("out_proj", value, e),
+        "out_proj": proj("out_proj", value, e, (LINEAR_HEADS, EMBED)),
         "gated_delta": {
-            "conv1d": _per_layer(config, (channels, config.linear_conv_kernel_dim), CONV, "conv1d.weight"),
-            "A_log": _per_layer(config, (hv,), BIAS, "A_log", float32=True),
-            "dt_bias": _per_layer(config, (hv,), BIAS, "dt_bias", float32=True),
+            "conv1d": _per_head(config, (channels, config.linear_conv_kernel_dim), CONV, "conv1d.weight"),
+            "A_log": _per_head(config, (hv,), BIAS, "A_log", float32=True),
+            "dt_bias": _per_head(config, (hv,), BIAS, "dt_bias", float32=True),
         },
         "linear_norm": blocks.norm(config, "linear_attn.norm", "ssm_norm", config.linear_value_head_dim),
     }

@@ -3,7 +3,8 @@ layers (`qwen3_5.py`), with a mixture-of-experts MLP in every layer: softmax ove
 (renormalised with `norm_topk_prob`), plus a shared expert whose output is scaled by a sigmoid gate
 of its own. Its Gated DeltaNet projections are fused as checkpoints store them, grouped by key head:
 `in_proj_qkvz` rows per key head [q (d_k), k (d_k), v, z (each H_v / H_k value heads)], `in_proj_ba`
-[b, a (H_v / H_k each)] (the block splits them: `jaxserve.model.gated_deltanet`). Configs with dense
+[b, a (H_v / H_k each)] (the block splits them: `jaxserve.model.gated_deltanet`), so a tensor-parallel
+split of whole key-head groups keeps each head's pieces on one device. Configs with dense
 layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused. Its MTP
 module (`mtp.*`, counted by `num_nextn_predict_layers`) is Qwen3.5's (`qwen3_5.mtp_weights`) with this MLP.
 """
@@ -23,7 +24,9 @@ from checkpoints.architectures.qwen3_5 import (
     to_hf_tensor,
 )
 from checkpoints.config import ModelConfig
-from checkpoints.weights import Declaration
+from checkpoints.weights import EMBED, FFW, LINEAR_HEADS, Declaration
+
+HEADS = (EMBED, LINEAR_HEADS)  # the fused projections' outputs, grouped by key head: split like the heads
 
 
 def fused_deltanet(config: ModelConfig) -> Declaration:
@@ -32,8 +35,8 @@ def fused_deltanet(config: ModelConfig) -> Declaration:
     group = 2 * config.linear_key_head_dim + 2 * (hv // hk) * config.linear_value_head_dim
     separate = gated_deltanet(config)
     fused = {
-        "in_proj_qkvz": blocks.linear(config, e, hk * group, (None, None), "linear_attn.in_proj_qkvz", "ssm_in"),
-        "in_proj_ba": blocks.linear(config, e, 2 * hv, (None, None), "linear_attn.in_proj_ba", "ssm_ba"),
+        "in_proj_qkvz": blocks.linear(config, e, hk * group, HEADS, "linear_attn.in_proj_qkvz", "ssm_in"),
+        "in_proj_ba": blocks.linear(config, e, 2 * hv, HEADS, "linear_attn.in_proj_ba", "ssm_ba"),
     }
     return {**{k: v for k, v in separate.items() if not k.startswith("in_proj_")}, **fused}
 
@@ -43,9 +46,9 @@ def moe_with_shared_expert(config: ModelConfig) -> Declaration:
     e, f = config.hidden_size, config.shared_expert_intermediate_size
     return {
         **blocks.experts(config, "mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
-        "shared_gate_proj": blocks.linear(config, e, f, (None, None), "mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
-        "shared_up_proj": blocks.linear(config, e, f, (None, None), "mlp.shared_expert.up_proj", "ffn_up_shexp"),
-        "shared_down_proj": blocks.linear(config, f, e, (None, None), "mlp.shared_expert.down_proj", "ffn_down_shexp"),
+        "shared_gate_proj": blocks.linear(config, e, f, (EMBED, FFW), "mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+        "shared_up_proj": blocks.linear(config, e, f, (EMBED, FFW), "mlp.shared_expert.up_proj", "ffn_up_shexp"),
+        "shared_down_proj": blocks.linear(config, f, e, (FFW, EMBED), "mlp.shared_expert.down_proj", "ffn_down_shexp"),
         "shared_expert_gate": blocks.linear(config, e, 1, (None, None), "mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
     }
 

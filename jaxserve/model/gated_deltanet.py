@@ -109,17 +109,21 @@ class GatedDeltaNet:
             qkvz[..., i:j] for i, j in ((0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + width), (2 * dk + width, None))
         )
         ba = scope.dense("in_proj_ba", x).reshape(t, hk, 2 * per_key)
-        qkv = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+        shards = cfg.linear_shards  # each shard's queries, keys, values together (`_split`)
+        qkv = jnp.concatenate([part.reshape(t, shards, -1) for part in (q, k, v)], axis=-1).reshape(t, -1)
         return qkv, z.reshape(t, -1), ba[..., :per_key].reshape(t, -1), ba[..., per_key:].reshape(t, -1)
 
     def _split(self, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Conv outputs [..., C] -> q, k [..., H_v, d_k] (normed) and v [..., H_v, d_v]."""
+        """Conv outputs [..., C] -> q, k [..., H_v, d_k] (normed) and v [..., H_v, d_v]. The channels are
+        `linear_shards` groups of [queries, keys, values] of their key heads (`sharding.linear_heads`:
+        one group, the checkpoints' order, on one device)."""
         cfg = self.config
-        key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         lead = mixed.shape[:-1]
-        q = mixed[..., :key].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        k = mixed[..., key : 2 * key].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        v = mixed[..., 2 * key :].reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        grouped = mixed.reshape(*lead, cfg.linear_shards, -1)
+        key = cfg.linear_num_key_heads * cfg.linear_key_head_dim // cfg.linear_shards
+        q = grouped[..., :key].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        k = grouped[..., key : 2 * key].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        v = grouped[..., 2 * key :].reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
         q, k = normed_qk(q, k, cfg.linear_num_value_heads)
         return q, k, v
 

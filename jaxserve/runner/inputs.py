@@ -166,14 +166,9 @@ class StepInputs:
         tokens, token_src, positions = self._decode_inputs(index, chunks)
         num_steps = np.zeros(batch, np.int32)
         num_steps[: len(chunks)] = [c.num_steps for c in chunks]
-        host_args = (
-            tokens,
-            positions,
-            self.batch.tables[index, :width],
-            num_steps,
-            self.batch.stop_ids(index),
-            token_src,
-        )
+        states = state_slot_rows(chunks, [], batch, batch, self.config.num_state_slots > 0)  # a hybrid's; else None
+        tables, stop_ids = self.batch.tables[index, :width], self.batch.stop_ids(index)
+        host_args = (tokens, positions, tables, num_steps, stop_ids, token_src, states)
         sampling, masks = self._sampling(chunks, batch_rows, self.sampler_rows(batch))
         return Program(
             ("multi_decode", batch, width),

@@ -87,7 +87,7 @@ class ModelRunner:
         self.blocks = BlockMover(
             paged_of(cache), cache_sharding(self.mesh, self.config.is_mla), rep, self.num_host_slots
         )
-        kv = caches_sharding(self.config, self.mesh)
+        kv = caches_sharding(self.config, self.mesh, ec.block_size)
         self._copy_states = jax.jit(copy_states, donate_argnums=(0,), out_shardings=kv)
         constant = DeviceConstants(rep)
         # A vision-language model's encoder program and cache (None: text only).

@@ -28,7 +28,8 @@ from jaxserve.runner.placement import cast_params, plan_parallelism
 from kernels_pallas import cpu_matmul, default_attention_backend, get_attention_backend, kv_quant, shard_attention
 from kernels_pallas.mla_backends import get_mla_backend, shard_latent_attention
 from sharding.kv_heads import replicate_kv_heads
-from sharding.rules import cache_sharding, layer_sharding, param_shardings, replicated
+from sharding.linear_heads import shard_linear_channels, state_sharding
+from sharding.rules import cache_sharding, layer_sharding, param_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ def serve_model(config: ModelConfig, params: Any, ec: ResolvedConfig, mesh: Mesh
     # Tensor parallel: heads split over "tp"; kv heads repeated where tp needs more of them.
     plan = plan_parallelism(config, ec)
     config = dataclasses.replace(config, num_kv_heads=plan.served_kv_heads)
+    if is_hybrid(config):  # Gated DeltaNet conv channels by shard (sharding.linear_heads)
+        params = shard_linear_channels(params, config, plan.tp)
+        config = dataclasses.replace(config, linear_shards=plan.tp)
     # Pipeline stages: the layers (weights and cache) in whole stages over "pp" (pipeline_placement).
     stages = plan_stages(config, ec)
     if stages is not None:
@@ -119,12 +123,12 @@ def _place_params(served: ServedModel, ec: ResolvedConfig, mesh: Mesh, lora_conf
         served.adapters = served.lora_slots.zeros()
 
 
-def caches_sharding(config: ModelConfig, mesh: Mesh) -> Any:
+def caches_sharding(config: ModelConfig, mesh: Mesh, block_size: int) -> Any:
     """Where the model's caches lie: the paged cache split over kv heads (a latent cache replicated); a
-    hybrid's states replicated."""
+    hybrid's states split over their heads (`sharding.linear_heads`)."""
     if not is_hybrid(config):
         return cache_sharding(mesh, config.is_mla)
-    return ModelCaches(cache_sharding(mesh), replicated(mesh))
+    return ModelCaches(cache_sharding(mesh), LinearStateCache(*state_sharding(mesh), block_size))
 
 
 def build_cache(config: ModelConfig, ec: ResolvedConfig, mesh: Mesh, kv_dtype: Any) -> KVCache | ModelCaches:
@@ -139,7 +143,7 @@ def build_cache(config: ModelConfig, ec: ResolvedConfig, mesh: Mesh, kv_dtype: A
             ModelCaches(paged, LinearStateCache.zeros(config, ec.num_state_slots, bs)) if is_hybrid(config) else paged
         )
 
-    cache = jax.jit(zeros, out_shardings=caches_sharding(config, mesh))()
+    cache = jax.jit(zeros, out_shardings=caches_sharding(config, mesh, bs))()
     logger.info(
         "KV cache: %s, %d blocks of %d tokens (%d tokens in %.1f MB: %d tokens per GiB)",
         kv_quant.format_name(kv_dtype),

@@ -17,6 +17,7 @@ from checkpoints.params import param_shapes
 from jaxserve.config import EngineConfig
 from jaxserve.runner.pipeline_placement import plan_stages
 from sharding.experts import plan_expert_parallel
+from sharding.linear_heads import plan_linear_heads
 from sharding.mesh import TensorParallelPlan, make_mesh, plan_tensor_parallel
 from sharding.rules import param_shardings
 
@@ -74,6 +75,8 @@ def plan_parallelism(config: ModelConfig, engine_config: EngineConfig) -> Tensor
         raise ValueError(
             f"expert_parallel_size={ep} needs a mixture-of-experts model; {config.architecture} has no experts"
         )
+    if config.linear_num_key_heads:
+        plan_linear_heads(config, tp)
     return plan_tensor_parallel(config.num_heads, config.num_kv_heads, tp)
 
 

@@ -139,8 +139,9 @@ class StepFunctions:
         step writes the rows' K/V, samples their next tokens and feeds them to the next step.
         Row i's tokens are [B, loop_steps], -1 after its `num_steps[i]` steps or after a stop token
         it sampled; its log-probabilities are by row i * loop_steps + step. Past its steps a row
-        writes into block 0 (never allocated) and attends to nothing."""
-        tokens, positions, tables, num_steps, stop_ids, token_src = inputs.unpack()
+        writes into block 0 (never allocated) and attends to nothing, and a hybrid's row reads and
+        writes the reserved state slot 0, so its own state stays that after its last step."""
+        tokens, positions, tables, num_steps, stop_ids, token_src, states = inputs.unpack()
         bs, params = self.block_size, state.params
         batch, width = tables.shape
         rows = jnp.arange(batch, dtype=jnp.int32)
@@ -152,7 +153,12 @@ class StepFunctions:
             live = step < num_steps
             pos = positions + step
             page = tables[rows, jnp.minimum(pos // bs, width - 1)]
-            meta = AttentionMetadata(jnp.where(live, page * bs + pos % bs, 0), tables, jnp.where(live, pos + 1, 0))
+            meta = AttentionMetadata(
+                jnp.where(live, page * bs + pos % bs, 0),
+                tables,
+                jnp.where(live, pos + 1, 0),
+                state_slots=None if states is None else jnp.where(live, states, 0),
+            )
             logits, cache = self.model.apply({"params": params}, tokens, pos, cache, meta, rows)
             logits = jnp.pad(logits, ((0, pad_rows), (0, 0)))
             out, counts = sample(logits, sampling.at_positions(sampling.positions + step), counts)
