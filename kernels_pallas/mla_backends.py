@@ -4,7 +4,9 @@ model runs (its layers' attention reads the latent cache in the absorbed form:
 
 Every backend name maps to an MLA pair: the GPU backends' decode is the Pallas kernel
 (`mla_decode`), the rest runs the pure-JAX absorbed form (`mla_reference`: on CPU too, where no
-C++ MLA kernel exists yet; its prefill scores every row against every sequence of the step).
+C++ MLA kernel exists yet; its prefill scores every row against every sequence of the step). A
+prefill step of many rows does not call the backend's prefill: the model decompresses instead
+(`mla_decompressed`, chosen by `jaxserve.model.latent_attention.decompresses`).
 Under a mesh, `shard_latent_attention` splits the query heads over the tensor-parallel axis and
 reads the latent cache replicated (it has no heads to split).
 """

@@ -1,7 +1,8 @@
 """DeepSeek-V3 (tiny random model) beyond the tokens of tests/test_model_families.py: its latent
 cache's bytes and the settings refused with it, its multi-token prediction weights loaded but
 not run, its latent blocks moved through swap preemption and the disk tier with the same
-tokens after, the engine on its Pallas decode kernel, and the other ways a step runs."""
+tokens after, the engine on its Pallas decode kernel, the other ways a step runs, and its prefill
+by decompression against the absorbed form."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +23,8 @@ from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.config_resolution import resolve
-from jaxserve.model import KVCache
+from jaxserve.model import AttentionMetadata, DecoderModel, KVCache, latent_attention
+from kernels_pallas.mla_backends import get_mla_backend
 
 ENGINE = dict(
     max_num_seqs=8,
@@ -188,3 +191,30 @@ def test_synchronous_multi_step_and_speculative_engines_give_the_same_tokens(mod
     assert tokens == want
     stats = llm.engine.stats
     assert stats.speculative_steps > 0 and stats.draft_tokens > 0
+
+
+def chunk_logits(model, params, step, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
+    """Every position's logits of `tokens` run as successive prefill steps of `chunks` rows
+    (from the second on, a chunk after a prefix cached in paged blocks)."""
+    block, table = 8, np.arange(3, 3 + len(tokens) // 8 + 1, dtype=np.int32)
+    cache, out, start = KVCache.zeros(model.config, 32, block, jnp.float32), [], 0
+    for n in chunks:
+        pos = np.arange(start, start + n, dtype=np.int32)
+        meta = AttentionMetadata(
+            table[pos // block] * block + pos % block, table[None], np.array([start + n]), np.array([0, n])
+        )
+        logits, cache = step({"params": params}, tokens[start : start + n], pos, cache, meta, np.arange(n))
+        out.append(np.asarray(logits))
+        start += n
+    return np.concatenate(out)
+
+
+def test_prefill_by_decompression_gives_the_absorbed_forms_logits(model, monkeypatch):
+    cfg = model.config
+    assert latent_attention.decompresses(cfg, 40) and not latent_attention.decompresses(cfg, 8)
+    decoder = DecoderModel(cfg, get_mla_backend("reference"))
+    tokens = np.random.default_rng(0).integers(3, 299, 80).astype(np.int32)
+    decompressed = chunk_logits(decoder, model.params, jax.jit(lambda *a: decoder.apply(*a)), tokens, [40, 40])
+    monkeypatch.setattr(latent_attention, "decompresses", lambda config, rows: False)
+    absorbed = chunk_logits(decoder, model.params, jax.jit(lambda *a: decoder.apply(*a)), tokens, [40, 40])
+    np.testing.assert_allclose(decompressed, absorbed, atol=2e-5, rtol=1e-5)

@@ -9,7 +9,8 @@ layouts and swizzles, register layouts of the softmax, barrier use. From jax 0.1
 lowering asks for the target GPU, so every lowering here runs under an abstract mesh naming
 one (Hopper, whose compute capability both kernels target; Triton also for Ampere). PTX
 compilation and running are not covered: that needs a GPU (bench.gpu_check). The MLA decode
-kernel lowers at DeepSeek-V3's latent (512 + 64 values, in halves of 256 + 32) and a smaller one.
+kernel lowers at DeepSeek-V3's latent (512 + 64 values, in halves of 256 + 32) and a smaller one, and
+so does the MLA prefill by decompression (plain XLA) at DeepSeek-V3's shapes.
 """
 
 import contextlib
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import decode, decode_mosaic, kv_quant, mla_decode, prefill
+from kernels_pallas.mla_decompressed import mla_decompressed_prefill
 
 S = jax.ShapeDtypeStruct
 LAYERS, KV_HEADS, BLOCKS, BLOCK, DIM = 2, 2, 64, 16, 64
@@ -200,3 +202,23 @@ def test_triton_mla_decode_lowers(heads, latent_dim, rope_dim, dtype, options, d
         fn, q, half, half, S((), jnp.int32), S((4, 8), jnp.int32), S((4,), jnp.int32), device_kind=device_kind
     )
     assert TRITON_CALL in text
+
+
+def test_mla_prefill_by_decompression_lowers_at_deepseek_v3_shapes():
+    def fn(q_nope, q_pe, k, v, layer, tables, lengths, starts, kv_b):
+        return mla_decompressed_prefill(q_nope, q_pe, k, v, layer, tables, lengths, starts, kv_b, scale=0.1)
+
+    half = S((LAYERS, 1, BLOCKS, BLOCK, (512 + 64) // 2), jnp.bfloat16)
+    text = lowered_text(
+        fn,
+        S((64, 128, 128), jnp.bfloat16),
+        S((64, 128, 64), jnp.bfloat16),
+        half,
+        half,
+        S((), jnp.int32),
+        S((2, 8), jnp.int32),
+        S((2,), jnp.int32),
+        S((3,), jnp.int32),
+        S((512, 128, 128 + 128), jnp.bfloat16),
+    )
+    assert "dot_general" in text
