@@ -263,7 +263,8 @@ tokens = {}
 for tp in (1, 2):
     # the jax backend: at tp=1 too the packed kernels and XLA's dots (the cpu backend's bf16 panels
     # run only on one device; they are tested against XLA's dots above)
-    llm = LLM(model="tiny-random", dtype="bfloat16", tensor_parallel_size=tp, attention_backend="jax",
+    # warm_up=False: only tokens and shardings are checked here, so only the shapes served are compiled
+    llm = LLM(model="tiny-random", dtype="bfloat16", tensor_parallel_size=tp, attention_backend="jax", warm_up=False,
               max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, prefill_token_buckets=(32,),
               prefill_seq_buckets=(2,), decode_batch_buckets=(4,))
     kernel = llm.engine.runner.params["layers"]["q_proj"]["kernel"]

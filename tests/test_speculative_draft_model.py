@@ -126,17 +126,23 @@ def test_rejection_sampling_against_q_keeps_the_target_distribution():
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_greedy_output_is_the_same_with_the_draft_batched_and_alone(
-    plain, target, drafts, async_scheduling, assert_kv_all_free
+    plain, target, drafts, speculative, async_scheduling, assert_kv_all_free
 ):
     prompts = random_prompts(10, seed=1)
     params = [GREEDY[i % len(GREEDY)] for i in range(len(prompts) - 2)]
     params += [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 2  # they outlast the rest
     expected = outputs(plain, prompts, params)
-    config = spec(drafts["noisy"])
-    llm = LLM(target, warm_up=False, async_scheduling=async_scheduling, speculative_config=config, **SMALL)
+    if async_scheduling:  # the module's engine has these settings (asynchronous scheduling is the default)
+        assert speculative.engine.config.async_scheduling
+        llm = speculative
+    else:
+        config = spec(drafts["noisy"])
+        llm = LLM(target, warm_up=False, async_scheduling=async_scheduling, speculative_config=config, **SMALL)
+    stats = llm.engine.stats  # counted from here: this test's requests only (the shared engine's counts grow)
+    steps, drafted, accepted = stats.speculative_steps, stats.draft_tokens, stats.accepted_tokens
     assert outputs(llm, prompts, params) == expected  # 10 requests: above and below disable_by_batch_size
-    stats = llm.engine.stats
-    assert stats.speculative_steps > 0 and 0 < stats.accepted_tokens < stats.draft_tokens
+    drafted, accepted = stats.draft_tokens - drafted, stats.accepted_tokens - accepted
+    assert stats.speculative_steps > steps and 0 < accepted < drafted
     for i in (0, 1, 2):
         assert outputs(llm, prompts[i : i + 1], params[i : i + 1]) == expected[i : i + 1]
     assert_kv_all_free(llm.engine)

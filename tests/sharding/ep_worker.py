@@ -10,15 +10,17 @@ process makes the assertions.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
-from mesh_cases import PROMPTS, TINY_ENGINE, generate_greedy
+from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, generate_greedy
 from tp_worker import count_xla_compilations, shardings, step_logits
 
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import DataParallelEngine, make_engine
+from jaxserve.runner import enable_persistent_compilation_cache
 
 
 def run_layout(model, dp: int, ep: int, tp: int) -> dict:
@@ -44,6 +46,8 @@ def run_layout(model, dp: int, ep: int, tp: int) -> dict:
 
 def main(cases: list[str]) -> None:
     assert len(jax.devices()) == 8, jax.devices()
+    if os.environ.get(CACHE_ENV):  # the replicas of a dp layout compile the same programs
+        enable_persistent_compilation_cache(os.environ[CACHE_ENV])
     results = {}
     for case in cases:  # "FAMILY:DPxEPxTP"
         family, layout = case.split(":")

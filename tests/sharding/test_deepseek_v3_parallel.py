@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mesh_cases import run_worker
+from mesh_cases import QUICK_COMPILE, run_worker
 
 BASELINE = "deepseek_v3:1x1x1"
 LAYOUTS = ["deepseek_v3:1x1x2", "deepseek_v3:1x2x2"]  # FAMILY:DPxEPxTP
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(1800)
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    return run_worker("ep_worker.py", BASELINE, *LAYOUTS, timeout=1500)
+    # QUICK_COMPILE: the layouts and their one-device baseline compiled alike, in the same worker
+    return run_worker("ep_worker.py", BASELINE, *LAYOUTS, timeout=1500, xla_flags=QUICK_COMPILE)
 
 
 @pytest.mark.parametrize("case", LAYOUTS)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mesh_cases import run_worker
+from mesh_cases import CACHE_ENV, QUICK_COMPILE, run_worker
 
 BASELINES = ["mixtral:1x1x1", "qwen3_moe:1x1x1", "gpt_oss:1x1x1", "gpt_oss_mxfp4:1x1x1"]
 # FAMILY:DPxEPxTP. Each layout costs a warm-up (~13 s of CI): ep 4 and 2 alone (Mixtral, gpt-oss's MXFP4
@@ -29,8 +29,14 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return run_worker("ep_worker.py", *BASELINES, *LAYOUTS, timeout=1500)
+def report(tmp_path_factory) -> dict:
+    # QUICK_COMPILE: every layout and its one-device baseline compiled alike, in the same worker; the
+    # persistent cache serves a dp layout's second replica the programs of its first (still counted as
+    # compilations by count_xla_compilations, so none while serving stays checked).
+    cache = str(tmp_path_factory.mktemp("xla-cache-ep"))
+    return run_worker(
+        "ep_worker.py", *BASELINES, *LAYOUTS, env={CACHE_ENV: cache}, timeout=1500, xla_flags=QUICK_COMPILE
+    )
 
 
 def baseline(report: dict, case: str) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mesh_cases import CACHE_ENV, PROMPTS, TINY_ENGINE, run_worker
+from mesh_cases import CACHE_ENV, PROMPTS, QUICK_COMPILE, TINY_ENGINE, run_worker
 
 BASELINES = ["gqa:1x1", "few_kv:1x1"]
 # gqa: 8 query heads, 4 kv heads. few_kv: 8 query heads, 2 kv heads (fewer than tp=4), tied LM head.
@@ -35,7 +35,11 @@ pytestmark = pytest.mark.timeout(1800)
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     cache = str(tmp_path_factory.mktemp("xla-cache-tp"))
-    return run_worker("tp_worker.py", *BASELINES, *LAYOUTS, env={CACHE_ENV: cache}, timeout=1500)
+    # QUICK_COMPILE: every layout and its one-device baseline compiled alike, in the same worker (LLVM
+    # code-generation flags; the collectives of the compiled steps are still checked below)
+    return run_worker(
+        "tp_worker.py", *BASELINES, *LAYOUTS, env={CACHE_ENV: cache}, timeout=1500, xla_flags=QUICK_COMPILE
+    )
 
 
 def baseline(report: dict, case: str) -> dict:
