@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoints.hf import iter_tensors, weight_files
 from jaxserve.speculative.eagle3_config import NUM_AUX, Eagle3Config
 
 # our name -> (the checkpoint's name, transposed to [in, out])
@@ -57,6 +56,10 @@ def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
 
 
 def _read(directory: Path) -> dict[str, np.ndarray]:
+    # Imported here: the engine imports this module, and safetensors is not on every machine it runs on
+    # (the GPU machine's stack), nor needed without an EAGLE-3 head.
+    from checkpoints.hf import iter_tensors, weight_files
+
     tensors = {}
     for file in weight_files(directory):
         for name, array in iter_tensors(file):

@@ -132,8 +132,12 @@ def test_a_dead_master_marks_the_tier_down_until_a_new_one_answers():
         write(tier, keys, tokens, arrays)
         m.kill()
         t0 = time.monotonic()
-        assert tier.num_leading(keys) == 0 and not tier.is_up  # answered at once, not after a timeout
-        assert time.monotonic() - t0 < 2.0
+        assert tier.num_leading(keys) == 0 and not tier.is_up  # answered, not hung on the dead master
+        # Mooncake's own call fails at once when it sees the connection reset, or after its ~4 s retry when
+        # its ping thread saw it first (both seen on this VM); later calls do not reach Mooncake at all.
+        assert time.monotonic() - t0 < 8.0
+        t0 = time.monotonic()
+        assert tier.num_leading(keys) == 0 and time.monotonic() - t0 < 0.1  # the tier is down: no call
         assert tier.plan_write(b"x" * 16, tokens[0]) is None and not tier.can_load(1)
         assert tier.stats.outages == 1
         m.start()  # a new master: every object is gone, the tier comes back empty
