@@ -293,6 +293,38 @@ def test_a_chain_and_a_conversation_carry_their_images(client, vlm):
     client.conversations.delete(conv.id)
 
 
+def test_a_chain_keeps_its_images_once_each_across_a_restart(vlm, tmp_path):
+    """With --session-dir a chain's images are written with its stored responses (an image sent
+    twice is kept once), survive a restart, and go when the responses are deleted."""
+    ae = vlm[1]
+    case, greedy = REFERENCE["other_image"], dict(model=MODEL_NAME, max_output_tokens=2, temperature=0.0)
+    again = [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(image_png("blue"))}]}]
+    turns: list = []
+    stored = start_server(ae, api_keys=(KEY_A,), session_dir=tmp_path, max_images_per_request=2)
+    try:
+        client = openai.OpenAI(base_url=stored.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        turns.append(client.responses.create(input=response_input(case), **greedy))
+        turns.append(client.responses.create(input=again, previous_response_id=turns[0].id, **greedy))
+    finally:
+        stored.stop()
+    kept = json.loads((tmp_path / f"{turns[1].id}.json").read_text())["response"]["context_images"]
+    assert len(kept["order"]) == 2 and list(kept["urls"].values()) == [data_url(image_png("blue"))]
+    stored = start_server(ae, api_keys=(KEY_A,), session_dir=tmp_path, max_images_per_request=2)
+    try:
+        client = openai.OpenAI(base_url=stored.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        follow = [{"role": "user", "content": "And?"}]
+        chained = client.responses.create(input=follow, previous_response_id=turns[1].id, store=False, **greedy)
+        history = [*response_input(case), {"role": "assistant", "content": turns[0].output_text}]
+        whole = [*history, *again, {"role": "assistant", "content": turns[1].output_text}, *follow]
+        expected = client.responses.create(input=whole, store=False, **greedy)
+        assert chained.output_text == expected.output_text and chained.usage.input_tokens == expected.usage.input_tokens
+        for response in turns:
+            client.responses.delete(response.id)
+        assert not list(tmp_path.glob("resp_*.json"))
+    finally:
+        stored.stop()
+
+
 @pytest.fixture
 def claude(vlm):
     return anthropic.Anthropic(base_url=vlm[0].base_url, api_key=KEY_A, max_retries=0, timeout=60)
