@@ -6,7 +6,8 @@ string), Responses' `{"type": "input_image", "image_url": ...}` (`server.respons
 Anthropic's image blocks as a url (`server.messages_request`). A url is a `data:` URL with
 base64 data, or, only under `--allowed-local-media-path`, a `file://` URL of a file inside that
 directory. Nothing is fetched from the network: an http(s) URL is a 400. Each limit (images per
-request, bytes and pixels per image) is a 400 that says which.
+request, bytes and pixels per image) is a 400 that says which; the images of a stored context (a
+chain of responses, a conversation) count with the input's (`prepend`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import base64
 import binascii
 import dataclasses
 import re
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -87,6 +89,25 @@ class ImageParts:
             raise bad_request(f"at most {self.limits.max_images} images per request", param=self.param)
         self.urls.append(url)
         return self.info.tokenizer.decode([self.info.vision.placeholder_token_id], skip_special_tokens=False)
+
+    def collector(self, param: str) -> ImageParts:
+        """Parts that collect the images of a stored context (each stored within the limits), for
+        `prepend` to count them with this request's."""
+        return ImageParts(self.info, dataclasses.replace(self.limits, max_images=sys.maxsize), param)
+
+    def prepend(self, urls: list[str], param: str) -> None:
+        """Put the images of the context the request continues (`urls`, in its order) before its
+        input's: a 400 (naming `param`) when together they are more than a request may hold."""
+        if not urls:
+            return
+        self.require_vision(param)
+        if len(urls) + len(self.urls) > self.limits.max_images:
+            raise bad_request(
+                f"{param} holds {len(urls)} images and the input {len(self.urls)}: at most "
+                f"{self.limits.max_images} images per request, the context's included",
+                param=param,
+            )
+        self.urls = [*urls, *self.urls]
 
     async def load(self) -> None:
         """Read, decode and preprocess the images, in a worker thread (400 for one that cannot be used)."""

@@ -5,7 +5,7 @@ developer, assistant; text content or `input_text` / `output_text` parts), `func
 (an earlier reply's calls), `function_call_output` items (their results) and `reasoning` items
 (an earlier reply's reasoning: kept, not shown to the model). A response's input messages (not
 the assistant's) may also hold `input_image` parts (`image_url` a url string, as chat's images:
-`server.image_parts`); a conversation's items may not. Each item is kept, with an id, for
+`server.image_parts`), and so may a conversation's items. Each item is kept, with an id, for
 `GET /v1/responses/{id}/input_items` and a conversation's items. Anything else (files, item
 references, hosted tools) is a 400 that names it. A response's output items are items of these
 types too, so a conversation's items read back the same way.
@@ -194,19 +194,21 @@ def _reasoning_item(item: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def parse_items(value: Any, param: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def parse_items(value: Any, param: str, images: ImageParts) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`parse_input` for a list of items sent as `param` (a conversation's), errors naming it."""
     if not isinstance(value, list) or not value or len(value) > MAX_ADDED_ITEMS:
         raise bad_request(f"{param} must be a list of 1 to {MAX_ADDED_ITEMS} items", param=param)
     try:
-        return parse_input(value)
+        return parse_input(value, images)
     except APIError as e:
-        raise bad_request(param + e.message.removeprefix("input"), param=param) from None
+        where = e.message.removeprefix("input") if e.message.startswith("input") else f": {e.message}"
+        raise bad_request(param + where, param=param) from None
 
 
-def messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of stored items (a conversation's): what a prompt shows of them."""
-    return parse_input(items)[0] if items else []
+def messages_of(items: list[dict[str, Any]], images: ImageParts) -> list[dict[str, Any]]:
+    """The chat messages of stored items (a conversation's): what a prompt shows of them, their
+    images collected in `images`."""
+    return parse_input(items, images)[0] if items else []
 
 
 def item_page(items: list[dict[str, Any]], query: Mapping[str, str], what: str) -> dict[str, Any]:

@@ -8,14 +8,20 @@ calls they made, until the prompt and `max_output_tokens` (at least one token) f
 the last message alone does not fit, it is the same 400. A prompt with images is never truncated
 (its images' placeholders stay where they are): it fits, or it is that 400.
 
-A stored response whose input held images cannot be continued (`previous_response_id`: a 400): it
-keeps its input items, images included, but a chain's prompt is made of its stored text and
-token ids, which hold no images.
+Images go on with what is continued: a stored response keeps the urls of its context's images (its
+chain's and its input's, in prompt order; each distinct url once, keyed by its SHA-256) with its
+record, which is written, expires and is deleted with it; a conversation's items keep theirs. The
+continuation's prompt places them again (their placeholders are in the stored text), so it is the
+prompt of the whole conversation sent as input, and the prefix cache, keyed by the images' hashes,
+holds its start. They count with the input's images against the per-request limit (a 400 beyond
+it), and their messages are never dropped by `truncation: "auto"`. A `file://` image is kept as
+its url, read again (under `--allowed-local-media-path`) when the chain goes on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 from server.errors import bad_request
@@ -37,22 +43,23 @@ class PriorContext:
     previous: Session | None
     conversation: Session | None
     history: list[Message]
+    images: int = 0  # how many images `history` holds (placed before the input's)
 
 
-def prior_context(responses: ResponseStore, owner: str, req: ResponseRequest, model: str) -> PriorContext:
-    """The context of `previous_response_id` or `conversation` (404 when the key has none such)."""
+def prior_context(
+    responses: ResponseStore, owner: str, req: ResponseRequest, model: str, images: ImageParts
+) -> PriorContext:
+    """The context of `previous_response_id` or `conversation` (404 when the key has none such),
+    its images put before the input's in `images`."""
     if req.conversation is not None:
         conversation = responses.conversation(owner, req.conversation, param="conversation")
-        return PriorContext(None, conversation, messages_of(conversation.response["items"]))
+        found = images.collector("conversation")
+        history = messages_of(conversation.response["items"], found)
+        images.prepend(found.urls, "conversation")
+        return PriorContext(None, conversation, history, len(found.urls))
     if req.previous_response_id is None:
         return PriorContext(None, None, [])
     previous = responses.previous(owner, req.previous_response_id)
-    if previous.response.get("images"):
-        raise bad_request(
-            f"response {req.previous_response_id} has images in its input, which a chain of responses does "
-            "not carry: send the whole conversation, its images included, as input",
-            param="previous_response_id",
-        )
     if previous.model != model:
         raise bad_request(
             f"response {req.previous_response_id} was made by model {previous.model!r}; its chain "
@@ -60,7 +67,30 @@ def prior_context(responses: ResponseStore, owner: str, req: ResponseRequest, mo
             param="model",
             code="model_mismatch",
         )
-    return PriorContext(previous, None, previous.messages)
+    urls = stored_image_urls(previous.response, req.previous_response_id)
+    images.prepend(urls, "previous_response_id")
+    return PriorContext(previous, None, previous.messages, len(urls))
+
+
+def kept_images(urls: tuple[str, ...]) -> dict[str, Any]:
+    """What a stored response keeps of its context's images: their order, and each distinct url once."""
+    keys = [hashlib.sha256(url.encode()).hexdigest() for url in urls]
+    return {"order": keys, "urls": dict(zip(keys, urls))}
+
+
+def stored_image_urls(record: dict[str, Any], response_id: str) -> list[str]:
+    """The urls of a stored response's context images, in prompt order (`kept_images`); a 400 for
+    one with images stored by a server that did not keep them (it kept only their count)."""
+    kept = record.get("context_images")
+    if kept is not None:
+        return [kept["urls"][key] for key in kept["order"]]
+    if record.get("images"):
+        raise bad_request(
+            f"response {response_id} was stored without its images, which a chain then did not carry: "
+            "send the whole conversation, its images included, as input",
+            param="previous_response_id",
+        )
+    return []
 
 
 def within_message_limit(context: PriorContext, req: ResponseRequest, limit: int) -> PriorContext:
@@ -69,7 +99,8 @@ def within_message_limit(context: PriorContext, req: ResponseRequest, limit: int
     excess = len(context.history) + len(req.messages) + 1 - limit
     if excess <= 0:
         return context
-    history = _without_oldest(context.history, excess) if req.truncation else context.history
+    dropping = req.truncation and not context.images  # (an image's message stays with its image)
+    history = _without_oldest(context.history, excess) if dropping else context.history
     if len(history) + len(req.messages) + 1 > limit:
         raise bad_request(f"a chain of responses holds at most {limit} messages", param="input")
     return dataclasses.replace(context, history=history)

@@ -108,8 +108,6 @@ def parse_request(body: dict[str, Any], images: ImageParts) -> ResponseRequest:
             param="conversation",
             code="mutually_exclusive",
         )
-    if conversation is not None and images:
-        raise bad_request("a conversation does not keep images: send them without conversation", param="conversation")
     truncation = body.get("truncation", "disabled")
     if truncation not in ("auto", "disabled", None):
         raise bad_request('truncation must be "auto" or "disabled"', param="truncation")

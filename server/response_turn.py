@@ -12,7 +12,7 @@ from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
 from server.openai_bodies import ChoiceOutput, UsageCount
 from server.prompts import reply_token_ids
-from server.response_prompt import PriorContext
+from server.response_prompt import PriorContext, kept_images
 from server.response_request import ResponseRequest
 from server.response_shapes import ResponseShapes
 from server.sessions import Message, Session
@@ -29,12 +29,14 @@ class Turn:
     chain: str  # the id of its chain's first response: where its KV lives
     prompt_ids: list[int]
     params: SamplingParams
-    images: tuple[PromptImage, ...] = ()  # the rows of its input's images among `prompt_ids`
+    images: tuple[PromptImage, ...] = ()  # the rows of its prompt's images among `prompt_ids`
+    image_urls: tuple[str, ...] = ()  # their urls (its context's, then its input's)
 
     def record(self, body: dict[str, Any]) -> dict[str, Any]:
-        """What the stored response keeps besides its messages (`Session.response`); "images" (how
-        many its input held) marks one that no response may continue."""
-        return {"object": body, "input_items": self.request.items, "chain": self.chain, "images": len(self.images)}
+        """What the stored response keeps besides its messages (`Session.response`), its prompt's
+        images among them (for a response that continues it)."""
+        record = {"object": body, "input_items": self.request.items, "chain": self.chain}
+        return {**record, "context_images": kept_images(self.image_urls)} if self.image_urls else record
 
 
 async def finish(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutput, usage: UsageCount) -> dict[str, Any]:
@@ -48,14 +50,17 @@ async def finish(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutpu
 
 async def save(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutput, body: dict[str, Any]) -> None:
     """Store a finished response (with `store`), add its items to its conversation, and pin the
-    KV of its conversation, or of its chain of stored responses."""
+    KV of its conversation, or of its chain of stored responses. A prompt with images is not
+    pinned: a pin finds its blocks by token ids alone, and an image's blocks are keyed by its
+    hash too (the prefix cache still holds them while they are not evicted)."""
     ids = turn.prompt_ids + choice.token_ids
     conversation = turn.context.conversation
     if conversation is not None:
         conversation.model = turn.shapes.info.name  # (its pin is of this model's KV)
         items = [*conversation.response["items"], *turn.request.items, *body["output"]]
         state.responses.change_conversation(conversation, items=items)
-        state.spawn(state.session_kv.pin_history(conversation, ids))
+        if not turn.images:
+            state.spawn(state.session_kv.pin_history(conversation, ids))
     if not turn.request.store:
         return
     history = [*turn.context.history, *turn.request.messages]
@@ -66,7 +71,7 @@ async def save(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutput,
         session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages, record)
     else:
         state.sessions.commit(session, messages, record)
-    if conversation is None and not turn.images:  # (nothing continues a response with images)
+    if conversation is None and not turn.images:
         state.spawn(state.session_kv.pin_history(session, ids, replacing=turn.context.previous))
 
 

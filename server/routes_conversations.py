@@ -10,7 +10,9 @@
     DELETE /v1/conversations/{id}/items/{item_id}     remove it (the conversation comes back)
 
 A response created with `conversation` reads its items as the context before its input, and its
-input and output items are added to it when it ends (`server.routes_responses`). Conversations
+input and output items are added to it when it ends (`server.routes_responses`). Its items may
+hold images (`input_image` parts, checked as a response's input images are), which a response
+made in it places in its prompt (`server.response_prompt`). Conversations
 are stored as responses are (`server.response_store`): per key, written before they change when
 there is a `--session-dir`, expiring after `--response-ttl` idle.
 """
@@ -23,6 +25,7 @@ from aiohttp import web
 
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request
+from server.image_parts import ImageLimits, ImageParts
 from server.protocol import check_fields, read_json_object
 from server.response_items import item_list, item_page, parse_items
 from server.response_request import parse_metadata
@@ -41,6 +44,14 @@ def _conversation(request: web.Request) -> tuple[ServerState, Session]:
     return state, state.responses.conversation(request[OWNER_KEY], request.match_info["conversation_id"])
 
 
+async def _parsed_items(state: ServerState, value: Any) -> list[dict[str, Any]]:
+    """The items sent as `items`, their images (for a model that takes them) read to check them."""
+    images = ImageParts(state.info, ImageLimits.of(state.config), param="items")
+    _, items = parse_items(value, "items", images)
+    await images.load()
+    return items
+
+
 def _item(session: Session, request: web.Request) -> tuple[int, dict[str, Any]]:
     """(index, item) of the item the path names, or 404."""
     wanted = request.match_info["item_id"]
@@ -55,7 +66,7 @@ async def create_conversation(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json_object(request)
     check_fields(body, CONVERSATION_FIELDS)
-    items = parse_items(body["items"], "items")[1] if body.get("items") not in (None, []) else []
+    items = await _parsed_items(state, body["items"]) if body.get("items") not in (None, []) else []
     metadata = parse_metadata(body.get("metadata") or {})
     session = await state.responses.create_conversation(request[OWNER_KEY], state.info.name, items, metadata)
     return web.json_response(session.response["object"])
@@ -98,7 +109,7 @@ async def add_items(request: web.Request) -> web.Response:
     check_fields(body, ITEMS_FIELDS)
     if "items" not in body:
         raise bad_request("items is required", param="items")
-    _, added = parse_items(body["items"], "items")
+    added = await _parsed_items(state, body["items"])
     taken = {item["id"] for item in session.response["items"]}
     if any(item["id"] in taken for item in added) or len({item["id"] for item in added}) < len(added):
         raise bad_request("items: an item's id is already in the conversation", param="items")

@@ -16,8 +16,8 @@ as a system message, the stored conversation of `previous_response_id` or the it
 is structured output. Input messages may hold images (`input_image`), read as chat's are. With
 `store` (the default) the response is kept (`server.response_store`), so a later one can continue
 it: its prompt then starts with exactly the tokens of the stored one (the reply's own token ids),
-which the prefix cache (pinned, or on the KV disk tier after a restart) still holds; one whose
-input held images cannot be continued (`server.response_prompt`). Background responses:
+which the prefix cache (pinned, or on the KV disk tier after a restart) still holds; the images of
+its context are kept with it and placed again (`server.response_prompt`). Background responses:
 `server.response_background`.
 """
 
@@ -92,7 +92,7 @@ async def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn
     info = state.info
     images = ImageParts(info, ImageLimits.of(state.config), param="input")
     req = parse_request(body, images)
-    context = prior_context(state.responses, owner, req, shown.name)
+    context = prior_context(state.responses, owner, req, shown.name, images)
     context = within_message_limit(context, req, state.config.max_session_messages)
     messages = context_messages(req.instructions, context.history, req.messages)
     await images.load()
@@ -111,7 +111,7 @@ async def _prepare(state: ServerState, owner: str, body: dict[str, Any]) -> Turn
     parsing, params = reply_parsing(info, state.config.reasoning_parser, tools, ids, params)
     shapes = ResponseShapes(response_id, shown, req.echo, parsing)
     chain = next((s.placement_id for s in (context.previous, context.conversation) if s is not None), response_id)
-    return Turn(req, shapes, context, chain, ids, params, images.rows)
+    return Turn(req, shapes, context, chain, ids, params, images.rows, tuple(images.urls))
 
 
 def _output_room(body: dict[str, Any]) -> int:

@@ -5,7 +5,7 @@ tokens (tests/data/vlm_reference.json) for 1 and 2 images, streamed or not; file
 remote URL) are clear 400s that leak nothing; no compilation after warm-up. The same images through
 the Responses API (`input_image`, the `openai` client) and the Messages API (image blocks, the
 `anthropic` SDK; in a tool result too) make chat's prompt and reply; their bad images are 400s in
-each API's error shape; a stored response with images is not continued."""
+each API's error shape; a stored response or a conversation with images goes on with them."""
 
 from __future__ import annotations
 
@@ -258,35 +258,71 @@ def test_responses_with_images_reply_as_chat(client, vlm, name):
     assert out.usage.input_tokens == chat.usage.prompt_tokens == len(case["prompt_ids"])
 
 
-def test_a_streamed_stored_response_with_an_image_keeps_it_and_is_not_continued(client, vlm):
-    """Its input items show the image; `previous_response_id` naming it is a 400 (a chain's prompt
-    holds no images); a text response's chain may go on with an image, then stops there."""
-    case = REFERENCE["other_image"]
-    events = list(
-        client.responses.create(
-            model=MODEL_NAME,
-            input=response_input(case),
-            max_output_tokens=len(case["new_ids"]),
-            temperature=0.0,
-            stream=True,
-        )
+def test_a_chain_and_a_conversation_carry_their_images(client, vlm):
+    """A stored response with an image (streamed; its input items show it) goes on with text alone
+    (`previous_response_id`), and so does a conversation holding it and the reply: each replies as
+    the whole conversation sent as input, images included (same tokens, same prompt), starting from
+    the cached prefix of the first turn. A chain's images count against the per-request limit; a
+    deleted response's are gone with it."""
+    case, greedy = REFERENCE["other_image"], dict(model=MODEL_NAME, max_output_tokens=4, temperature=0.0)
+    events = list(client.responses.create(input=response_input(case), stream=True, **greedy))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == vlm[2].tokenizer.decode(
+        case["new_ids"][:4]
     )
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected_text(vlm[2], case)
-    stored = events[-1].response
-    image = client.responses.input_items.list(stored.id).data[0].content[0]
+    first = events[-1].response
+    image = client.responses.input_items.list(first.id).data[0].content[0]
     assert image.type == "input_image" and image.image_url == data_url(image_png("blue"))
-    with pytest.raises(openai.BadRequestError, match="a chain of responses does not carry") as refused:
-        client.responses.create(model=MODEL_NAME, input="And?", previous_response_id=stored.id, max_output_tokens=2)
+    follow = [{"role": "user", "content": "And the colours?"}]
+    chained = client.responses.create(input=follow, previous_response_id=first.id, **greedy)
+    assert chained.usage.input_tokens_details.cached_tokens >= len(case["prompt_ids"]) // 8 * 8
+    history = [*response_input(case), {"role": "assistant", "content": first.output_text}]
+    conv = client.conversations.create(items=history)
+    in_conversation = client.responses.create(input=follow, conversation=conv.id, store=False, **greedy)
+    whole = client.responses.create(input=[*history, *follow], store=False, **greedy)
+    for out in (chained, in_conversation):
+        assert out.output_text == whole.output_text and out.usage.input_tokens == whole.usage.input_tokens
+    assert in_conversation.usage.input_tokens_details.cached_tokens > 0
+    two = [{"role": "user", "content": [{"type": "input_image", "image_url": RED}] * 2}]
+    with pytest.raises(openai.BadRequestError, match="at most 2 images per request") as refused:
+        client.responses.create(input=two, previous_response_id=chained.id, **greedy)
     assert refused.value.body["param"] == "previous_response_id"
-    text = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=2, temperature=0.0)
-    looked = client.responses.create(
-        model=MODEL_NAME, input=response_input(case), previous_response_id=text.id, max_output_tokens=2, temperature=0.0
-    )
-    assert looked.usage.input_tokens > text.usage.input_tokens + vlm[2].vision.mm_tokens_per_image  # the chain's
-    with pytest.raises(openai.BadRequestError, match="a chain of responses does not carry"):
-        client.responses.create(model=MODEL_NAME, input="And?", previous_response_id=looked.id, max_output_tokens=2)
-    for response in (stored, text, looked):
-        client.responses.delete(response.id)  # (the text response's KV was pinned for its chain)
+    for response in (first, chained):
+        client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input=follow, previous_response_id=chained.id, **greedy)
+    client.conversations.delete(conv.id)
+
+
+def test_a_chain_keeps_its_images_once_each_across_a_restart(vlm, tmp_path):
+    """With --session-dir a chain's images are written with its stored responses (an image sent
+    twice is kept once), survive a restart, and go when the responses are deleted."""
+    ae = vlm[1]
+    case, greedy = REFERENCE["other_image"], dict(model=MODEL_NAME, max_output_tokens=2, temperature=0.0)
+    again = [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(image_png("blue"))}]}]
+    turns: list = []
+    stored = start_server(ae, api_keys=(KEY_A,), session_dir=tmp_path, max_images_per_request=2)
+    try:
+        client = openai.OpenAI(base_url=stored.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        turns.append(client.responses.create(input=response_input(case), **greedy))
+        turns.append(client.responses.create(input=again, previous_response_id=turns[0].id, **greedy))
+    finally:
+        stored.stop()
+    kept = json.loads((tmp_path / f"{turns[1].id}.json").read_text())["response"]["context_images"]
+    assert len(kept["order"]) == 2 and list(kept["urls"].values()) == [data_url(image_png("blue"))]
+    stored = start_server(ae, api_keys=(KEY_A,), session_dir=tmp_path, max_images_per_request=2)
+    try:
+        client = openai.OpenAI(base_url=stored.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        follow = [{"role": "user", "content": "And?"}]
+        chained = client.responses.create(input=follow, previous_response_id=turns[1].id, store=False, **greedy)
+        history = [*response_input(case), {"role": "assistant", "content": turns[0].output_text}]
+        whole = [*history, *again, {"role": "assistant", "content": turns[1].output_text}, *follow]
+        expected = client.responses.create(input=whole, store=False, **greedy)
+        assert chained.output_text == expected.output_text and chained.usage.input_tokens == expected.usage.input_tokens
+        for response in turns:
+            client.responses.delete(response.id)
+        assert not list(tmp_path.glob("resp_*.json"))
+    finally:
+        stored.stop()
 
 
 @pytest.fixture
@@ -361,16 +397,16 @@ def test_bad_input_images_are_responses_400s(vlm, part, message):
     assert message in reply.json["error"]["message"] and reply.json["error"]["param"] == "input", reply.json
 
 
-def test_too_many_images_or_a_conversation_with_one_are_responses_400s(vlm):
+def test_too_many_images_are_responses_and_conversations_400s(vlm):
     part = {"type": "input_image", "image_url": RED}
-    for content, extra, param, message in (
-        ([part, part, part], {}, "input", "at most 2 images per request"),
-        ([part], {"conversation": "conv_1"}, "conversation", "a conversation does not keep images"),
+    items = [{"role": "user", "content": [part, part, part]}]
+    for path, body, param in (
+        ("/v1/responses", {"model": MODEL_NAME, "input": items, "max_output_tokens": 2}, "input"),
+        ("/v1/conversations", {"items": items}, "items"),
     ):
-        body = {"model": MODEL_NAME, "input": [{"role": "user", "content": content}], "max_output_tokens": 2, **extra}
-        reply = send(vlm[0], "POST", "/v1/responses", body)
+        reply = send(vlm[0], "POST", path, body)
         assert reply.status == 400 and reply.json["error"]["param"] == param, reply.text
-        assert message in reply.json["error"]["message"]
+        assert "at most 2 images per request" in reply.json["error"]["message"]
 
 
 BAD_IMAGE_BLOCKS = {
