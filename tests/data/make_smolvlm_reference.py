@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from make_vlm_reference import greedy, load_checked  # this folder: the script's own directory is on sys.path
 from PIL import Image
 from transformers import AutoTokenizer, SmolVLMForConditionalGeneration
 from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
@@ -65,29 +66,6 @@ CASES = [
     ("two_images", "Compare <image> with <image> please.", ["red", "green"]),
     ("image_late", "The quick brown fox jumps over the lazy dog. " * 2 + "Now look: <image>", ["green"]),
 ]
-
-
-def greedy(model, inputs: dict, new_tokens: int) -> tuple[list[int], list[float]]:
-    out = model(**inputs, use_cache=True)
-    logits, cache, new_ids, margins = out.logits[0, -1], out.cache, [], []
-    for _ in range(new_tokens):
-        top2 = torch.topk(logits, 2).values
-        margins.append(round(float(top2[0] - top2[1]), 5))
-        next_id = int(torch.argmax(logits))
-        new_ids.append(next_id)
-        out = model(input_ids=torch.tensor([[next_id]]), cache=cache, use_cache=True)
-        logits, cache = out.logits[0, -1], out.cache
-    return new_ids, margins
-
-
-def load_checked(directory: Path) -> SmolVLMForConditionalGeneration:
-    model, info = SmolVLMForConditionalGeneration.from_pretrained(
-        str(directory), dtype=torch.float32, output_loading_info=True
-    )
-    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if problems:
-        raise SystemExit(f"{directory}: weights did not load cleanly: {problems}")
-    return model.eval()
 
 
 def prompt_text(text: str, rows: list[int], cols: list[int], seq_len: int) -> str:
@@ -149,7 +127,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
         subprocess.run([args.jaxserve_python, "-c", WRITE, tmp, *IMAGES], check=True, env=env, cwd=ROOT)
         directory = Path(tmp) / "model"
-        model = load_checked(directory)
+        model = load_checked(directory, SmolVLMForConditionalGeneration)
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
         settings = json.loads((directory / "preprocessor_config.json").read_text())
         settings.pop("image_processor_type")

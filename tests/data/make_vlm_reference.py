@@ -28,6 +28,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,10 +76,10 @@ def greedy(model, inputs: dict, new_tokens: int) -> tuple[list[int], list[float]
     return new_ids, margins
 
 
-def load_checked(directory: Path) -> Gemma3ForConditionalGeneration:
-    model, info = Gemma3ForConditionalGeneration.from_pretrained(
-        str(directory), dtype=torch.float32, output_loading_info=True
-    )
+def load_checked(directory: Path, model_class: type = Gemma3ForConditionalGeneration) -> Any:
+    """`model_class` from `directory` in f32, strictly: a missing, unexpected or misshapen weight stops the script
+    (make_smolvlm_reference.py loads its model with it too)."""
+    model, info = model_class.from_pretrained(str(directory), dtype=torch.float32, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:
         raise SystemExit(f"{directory}: weights did not load cleanly: {problems}")
