@@ -88,13 +88,7 @@ def from_hf(hf: dict[str, Any], text_hidden_size: int) -> VisionConfig:
     v = hf["vision_config"]
     siglip.check_hf(v, "Gemma 3")
     return VisionConfig(
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
-        num_layers=v["num_hidden_layers"],
-        num_heads=v["num_attention_heads"],
-        image_size=v["image_size"],
-        patch_size=v["patch_size"],
-        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        **siglip.fields_from_hf(v),
         mm_tokens_per_image=int(hf.get("mm_tokens_per_image", 256)),
         text_hidden_size=text_hidden_size,
         boi_token_id=int(hf.get("boi_token_index", 255999)),

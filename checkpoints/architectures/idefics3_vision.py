@@ -79,13 +79,7 @@ def from_hf(hf: dict[str, Any], text_hidden_size: int, processor: dict[str, Any]
     if tile != v["image_size"]:
         raise ValueError(f"the processor's tiles of {tile} pixels are not the vision tower's {v['image_size']}")
     return VisionConfig(
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
-        num_layers=v["num_hidden_layers"],
-        num_heads=v["num_attention_heads"],
-        image_size=v["image_size"],
-        patch_size=v["patch_size"],
-        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        **siglip.fields_from_hf(v),
         scale_factor=int(hf.get("scale_factor", 2)),
         text_hidden_size=text_hidden_size,
         image_token_id=int(hf.get("image_token_id", 128257)),

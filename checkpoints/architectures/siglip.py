@@ -74,6 +74,19 @@ def check_hf(v: dict[str, Any], family: str) -> None:
         raise ValueError("only 3-channel (RGB) vision towers are supported")
 
 
+def fields_from_hf(v: dict[str, Any]) -> dict[str, Any]:
+    """The encoder's `VisionConfig` fields from a `vision_config` (the inverse of `hf_fields`)."""
+    return {
+        "hidden_size": v["hidden_size"],
+        "intermediate_size": v["intermediate_size"],
+        "num_layers": v["num_hidden_layers"],
+        "num_heads": v["num_attention_heads"],
+        "image_size": v["image_size"],
+        "patch_size": v["patch_size"],
+        "layer_norm_eps": float(v.get("layer_norm_eps", 1e-6)),
+    }
+
+
 def hf_fields(v: Any) -> dict[str, Any]:
     """The encoder's fields of a `vision_config`."""
     return {
