@@ -19,6 +19,7 @@ from checkpoints.architectures import idefics3_vision
 from checkpoints.loaded import LoadedModel, VisionTower
 from checkpoints.params import resolve_dtype
 from checkpoints.tiny_random import build_tiny_random
+from checkpoints.tiny_vlm import TINY_TOWER
 from checkpoints.weights import random_tree
 
 END_OF_UTTERANCE = "<end_of_utterance>"
@@ -41,13 +42,7 @@ def special_tokens() -> list[str]:
 
 def tiny_vision_config(text_hidden_size: int, image_token_id: int) -> idefics3_vision.VisionConfig:
     return idefics3_vision.VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        image_size=32,
-        patch_size=4,
-        layer_norm_eps=1e-6,
+        **TINY_TOWER,
         scale_factor=4,
         text_hidden_size=text_hidden_size,
         image_token_id=image_token_id,

@@ -24,16 +24,16 @@ IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 VOCAB_SIZE = 320
 
 
+# The tiny SigLIP tower's shape, shared by the tiny vision-language models (this one and `tiny_smolvlm`).
+TINY_TOWER = dict(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, image_size=32, patch_size=4, layer_norm_eps=1e-6
+)
+
+
 def tiny_vision_config(text_hidden_size: int, first_image_token: int) -> gemma3_vision.VisionConfig:
     boi, eoi, soft = range(first_image_token, first_image_token + 3)
     return gemma3_vision.VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        image_size=32,
-        patch_size=4,
-        layer_norm_eps=1e-6,
+        **TINY_TOWER,
         mm_tokens_per_image=16,
         text_hidden_size=text_hidden_size,
         boi_token_id=boi,

@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import make_vlm_reference
 import numpy as np
 import torch
 import transformers
@@ -45,27 +46,11 @@ from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_stri
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).with_name("smolvlm_reference.json")
 NEW_TOKENS = 16
-IMAGES = ("red", "blue", "green")
+IMAGES = make_vlm_reference.IMAGES
 
-WRITE = """
-import sys
-from pathlib import Path
-from checkpoints.hf import save_hf_dir
-from checkpoints.tiny_smolvlm import build_tiny_smolvlm
-from tests.data.vlm_images import image_png
-model = build_tiny_smolvlm()
-save_hf_dir(model.params, model.config, model.tokenizer_bundle, sys.argv[1] + "/model", vision=model.vision)
-for name in sys.argv[2:]:
-    Path(sys.argv[1], name + ".png").write_bytes(image_png(name))
-"""
-
-# (name, user text with <image> where each image goes, images)
-CASES = [
-    ("one_image", "<image>What is in the picture?", ["red"]),
-    ("other_image", "<image>What is in the picture?", ["blue"]),
-    ("two_images", "Compare <image> with <image> please.", ["red", "green"]),
-    ("image_late", "The quick brown fox jumps over the lazy dog. " * 2 + "Now look: <image>", ["green"]),
-]
+# make_vlm_reference's writer and cases, for the tiny SmolVLM and its `<image>` placeholder.
+WRITE = make_vlm_reference.WRITE.replace("tiny_vlm", "tiny_smolvlm")
+CASES = [(name, text.replace("<start_of_image>", "<image>"), images) for name, text, images in make_vlm_reference.CASES]
 
 
 def prompt_text(text: str, rows: list[int], cols: list[int], seq_len: int) -> str:
