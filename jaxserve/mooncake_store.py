@@ -17,8 +17,6 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlsplit
 
-import numpy as np
-
 from jaxserve.kv.block_store import FAILED, FULL, MISSING, UNAVAILABLE
 
 SCHEME = "mooncake"
@@ -86,12 +84,10 @@ class MooncakeBlockStore:
         self._close_lock = threading.Lock()
         self._closed = False
 
-    def register(self, buffer: np.ndarray) -> None:
-        if not buffer.flags.c_contiguous:
-            raise ValueError("only contiguous arrays can be registered with the pool")
-        rc = self._store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+    def register(self, address: int, nbytes: int) -> None:
+        rc = self._store.register_buffer(address, nbytes)
         if rc != 0:
-            raise RuntimeError(f"Mooncake could not register {buffer.nbytes} bytes ({rc})")
+            raise RuntimeError(f"Mooncake could not register {nbytes} bytes ({rc})")
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         return [_code(r) if r < 0 else r for r in self._store.batch_is_exist(list(keys))]
@@ -99,8 +95,11 @@ class MooncakeBlockStore:
     def put(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
         return [_code(r) for r in self._store.batch_put_from(list(keys), list(addresses), list(sizes))]
 
-    def get(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        return [_code(r) for r in self._store.batch_get_into(list(keys), list(addresses), list(sizes))]
+    def get(self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+        got = self._store.batch_get_into_multi_buffers(
+            list(keys), [list(a) for a in addresses], [list(s) for s in sizes]
+        )
+        return [_code(r) for r in got]
 
     def close(self) -> None:
         with self._close_lock:

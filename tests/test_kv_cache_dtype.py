@@ -55,9 +55,11 @@ def test_disk_files_keep_rows_and_scales(tmp_path):
     """Blocks of an int8 host tier written to the disk tier and read back into other host slots come
     back byte for byte, scales included (what the engine's disk writes and loads do)."""
     rng = np.random.default_rng(1)
-    host = [
-        np.array(kv_quant.quantize(jnp.asarray(rng.standard_normal((2, 2, 4, 8, 16)) * 3), jnp.int8)) for _ in range(2)
-    ]
+    host = []
+    for _ in range(2):
+        rows = np.array(kv_quant.quantize(jnp.asarray(rng.standard_normal((2, 2, 4, 8, 16)) * 3), jnp.int8))
+        host.append(HostBlockArrays.allocate(rows.shape, rows.dtype))
+        host[-1][...] = rows
     written = [a.copy() for a in host]
     disk = DiskTier(tmp_path, fingerprint({"kv_cache_dtype": "int8"}), 8, HostBlockArrays(host), 1 << 20)
     keys, tokens = [bytes([i]) * 16 for i in (1, 2)], [bytes(32), bytes(32)]

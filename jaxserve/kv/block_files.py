@@ -9,7 +9,8 @@ A file is written to a temporary name in its own directory and renamed over the 
 directory, the next start) sees a whole file or none, and two writers of one key never mix
 their bytes. The checksum and the lengths catch what the rename cannot: a file truncated or
 damaged on the disk, or torn by a power cut. `read_block` raises `DamagedBlockFile` for those;
-the caller deletes the file and recomputes the block.
+the caller deletes the file and recomputes the block. A block is read straight into where its
+payload goes (a host slot's K and V: `HostBlockArrays.slot_parts`) and checked there.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import struct
 import tempfile
 import zlib
 from pathlib import Path
+
+import numpy as np
 
 MAGIC = b"JXKVBLK1"
 _HEADER = struct.Struct("<8s16s16sIQI")
@@ -82,39 +85,52 @@ def _check_header(raw: bytes, size: int) -> tuple[bytes, bytes, int, int]:
     return fp, key, num_tokens, payload_bytes
 
 
+def head_bytes(block_size: int) -> int:
+    """Bytes before a block's payload: the header and (at most) `block_size` token ids."""
+    return HEADER_BYTES + 4 * block_size
+
+
 def read_block(
-    path: Path, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int, buffer: memoryview
-) -> memoryview:
-    """The payload of the block file at `path`, checked against everything expected of it, read
-    into `buffer` (one the reader keeps: a fresh allocation per block would pay its page faults on
-    every read). The payload is a view of `buffer`, valid until the next read into it.
+    path: Path, fingerprint: bytes, key: bytes, tokens: bytes, head: np.ndarray, parts: list[np.ndarray]
+) -> None:
+    """Read the block file at `path` straight into `head` (header and token ids: a buffer the reader
+    keeps) and `parts` (its payload's destination, e.g. a host slot's K and V), and check it against
+    everything expected of it. `parts` hold garbage when this raises.
 
     FileNotFoundError when there is no file (another engine evicted it); DamagedBlockFile when
     it is not exactly the block asked for, whole and unchanged."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > len(buffer):
-            raise DamagedBlockFile(f"{size} bytes, more than a block file of this model")
-        data = buffer[:size]
-        n = f.readinto(data)
+    head = head[: HEADER_BYTES + len(tokens)]
+    expected = head.nbytes + sum(part.nbytes for part in parts)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected:
+            raise DamagedBlockFile(f"{size} bytes, this block's file has {expected}")
+        n = os.readv(fd, [head, *parts])
+    finally:
+        os.close(fd)
     if n != size:
         raise DamagedBlockFile("the file changed while it was read")
-    return check_block(data, fingerprint, key, tokens, payload_bytes)
+    check_block(head, parts, fingerprint, key, tokens, expected - head.nbytes)
 
 
-def check_block(data: memoryview, fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int) -> memoryview:
-    """The payload of a whole block's bytes (header, tokens, payload: a file's or a pool object's),
-    checked against everything expected of it; DamagedBlockFile when it is not exactly the block
-    asked for, whole and unchanged."""
-    fp, found_key, num_tokens, size = _check_header(bytes(data[:HEADER_BYTES]), len(data))
+def check_block(
+    head: np.ndarray, parts: list[np.ndarray], fingerprint: bytes, key: bytes, tokens: bytes, payload_bytes: int
+) -> None:
+    """Check a block read as `head` (header and token ids) and `parts` (its payload, in order: a
+    file's or a pool object's) against everything expected of it; DamagedBlockFile when it is not
+    exactly the block asked for, whole and unchanged."""
+    size = head.nbytes + sum(part.nbytes for part in parts)
+    header = head[:HEADER_BYTES].tobytes()
+    fp, found_key, num_tokens, found_payload = _check_header(header, size)
     if fp != fingerprint or found_key != key:
         raise DamagedBlockFile("the header names another block or model")
-    if size != payload_bytes or num_tokens * 4 != len(tokens):
+    if found_payload != payload_bytes or num_tokens * 4 != len(tokens):
         raise DamagedBlockFile("the block has another shape")
-    body = data[HEADER_BYTES:]
-    crc = _HEADER.unpack(bytes(data[:HEADER_BYTES]))[5]
-    if zlib.crc32(body) != crc:
+    crc = zlib.crc32(head[HEADER_BYTES:])
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    if crc != _HEADER.unpack(header)[5]:
         raise DamagedBlockFile("checksum mismatch")
-    if body[: len(tokens)] != tokens:
+    if head[HEADER_BYTES:].tobytes() != tokens:
         raise DamagedBlockFile("the block holds other tokens")
-    return body[len(tokens) :]

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-import numpy as np
-
 MISSING = -1  # no object under the key (never stored, or evicted by the pool)
 FULL = -2  # the pool has no room for the object now
 UNAVAILABLE = -3  # the store could not be reached
@@ -25,8 +23,8 @@ FAILED = -4  # any other failure of this object's transfer
 
 @runtime_checkable
 class BlockStore(Protocol):
-    def register(self, buffer: np.ndarray) -> None:
-        """Make a contiguous host array a source and destination of transfers."""
+    def register(self, address: int, nbytes: int) -> None:
+        """Make `nbytes` of host memory at `address` a source and destination of transfers."""
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         """Per key: 1 stored, 0 not, or a negative code."""
@@ -34,8 +32,9 @@ class BlockStore(Protocol):
     def put(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Store object i from `sizes[i]` bytes at `addresses[i]` (registered memory); per key 0 or a negative code."""
 
-    def get(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """Read object i into `sizes[i]` bytes at `addresses[i]`; per key the bytes read or a negative code."""
+    def get(self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Read object i into the registered ranges `sizes[i][j]` bytes at `addresses[i][j]`, filled in
+        order (its header to one place, its K and V to others); per key the bytes read or a negative code."""
 
     def close(self) -> None:
         """Leave the pool (the memory this process lent it goes with it). Idempotent."""

@@ -39,6 +39,7 @@ from jaxserve.kv.block_files import (
     TEMP_PREFIX,
     DamagedBlockFile,
     file_bytes,
+    head_bytes,
     read_block,
     read_header,
     write_block,
@@ -88,8 +89,8 @@ class DiskTier:
         self._done_event = threading.Event()
         self._writes: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
-        # the loader's one block buffer, its pages touched now (np.full): see read_block
-        self._read_buffer = memoryview(np.full(self.block_file_bytes, 0, np.uint8))
+        # the loader's buffer of a block's header and token ids (its payload goes straight to the host slot)
+        self._read_head = np.full(head_bytes(block_size), 0, np.uint8)
         self._scan()
         self._threads = [
             threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True),
@@ -314,7 +315,8 @@ class DiskTier:
                     break
                 path = self.path(key)
                 try:
-                    payload = read_block(path, self.fingerprint, key, tokens, self.payload_bytes, self._read_buffer)
+                    parts = self.host.slot_parts(host_slot)
+                    read_block(path, self.fingerprint, key, tokens, self._read_head, parts)
                 except FileNotFoundError:
                     self._forget(key)
                     with self._lock:
@@ -327,12 +329,11 @@ class DiskTier:
                     with self._lock:
                         self.stats.damaged += 1
                     break
-                self.host.store(host_slot, payload)
                 job.loaded += 1
                 with self._lock:
                     if key in self._index:
                         self._index.move_to_end(key)
-                    self.stats.bytes_read += len(payload) + (self.block_file_bytes - self.payload_bytes)
+                    self.stats.bytes_read += self.block_file_bytes
                 try:
                     os.utime(path)  # the LRU order survives a restart (the scan sorts by time)
                 except OSError:

@@ -11,7 +11,7 @@ planned into the copy plan, background loads into host slots.
 `DiskTier` (disk_tier.py: one file per block under a byte budget) implements it, and so does
 `PoolTier` (pool_tier.py: one object per block in a store every engine of a cluster shares, on
 Mooncake Store): `contains`/`num_leading` as existence checks, `plan_write`/`write` as puts of
-missing blocks, `start_load`/`poll` as gets through a registered array into the host slots.
+missing blocks, `start_load`/`poll` as gets straight into the host slots.
 `TierChain` (tier_chain.py) is one over both: the disk tier, then the pool tier.
 """
 
@@ -50,21 +50,38 @@ class KVTierStats:
 
 class HostBlockArrays:
     """The host tier's storage as numpy arrays with the host slot on axis 2 ([layers, heads, host slot, ...]);
-    a block's payload is the bytes of `arrays[0][:, :, host slot]`, then `arrays[1][:, :, host slot]`, ..."""
+    a block's payload is the bytes of `arrays[0][:, :, host slot]`, then `arrays[1][:, :, host slot]`, ...
+
+    Each array's memory is laid out slot-major (`allocate`): a host slot's part of an array is one
+    contiguous range, so a tier reads a block from a file or the pool straight into its slot
+    (`slot_parts`), with no copy through a staging buffer."""
 
     def __init__(self, arrays: Sequence[np.ndarray]) -> None:
         if not arrays or any(a.ndim < 3 for a in arrays):
             raise ValueError("host block arrays need a host slot axis (axis 2)")
+        for a in arrays:
+            slot = a[:, :, 0]
+            if not slot.flags.c_contiguous or a.strides[2] != slot.nbytes:
+                raise ValueError("host block arrays must be slot-major (HostBlockArrays.allocate)")
         self.arrays = list(arrays)
         self.payload_bytes = sum(a[:, :, 0].nbytes for a in self.arrays)
 
-    def store(self, host_slot: int, payload: memoryview) -> None:
-        offset = 0
-        for a in self.arrays:
-            view = a[:, :, host_slot]
-            n = view.nbytes
-            view[...] = np.frombuffer(payload[offset : offset + n], dtype=a.dtype).reshape(view.shape)
-            offset += n
+    @staticmethod
+    def allocate(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A zeroed array of `shape` ([layers, heads, host slots, ...]) laid out slot-major, its pages
+        touched now (np.full, not np.zeros' untouched pages): a first swap or tier load into it would
+        otherwise pay the page faults, on the request it exists for."""
+        order = (2, 0, 1, *range(3, len(shape)))
+        memory = np.full(tuple(shape[i] for i in order), 0, dtype)
+        return memory.transpose(np.argsort(order))
+
+    def memory(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each array's memory (to register with a store)."""
+        return [(a.ctypes.data, a.nbytes) for a in self.arrays]
+
+    def slot_parts(self, host_slot: int) -> list[np.ndarray]:
+        """A host slot's bytes in each array, in payload order (writable uint8 views)."""
+        return [a[:, :, host_slot].reshape(-1).view(np.uint8) for a in self.arrays]
 
     @staticmethod
     def payload(arrays: Sequence[Any], i: int) -> list[memoryview]:

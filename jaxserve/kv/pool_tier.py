@@ -7,13 +7,14 @@ the router use), holding the bytes a disk-tier file holds (header, token ids, K 
 `block_files`). A block read back is checked against everything expected of it (model, key,
 tokens, length, checksum), so a foreign or damaged object is never used.
 
-A writer and a loader thread move the bytes, through two arrays registered with the store (one
-for writes, one for loads, `staging_blocks` objects each), so the engine thread never waits:
-- a write copies its blocks into the write array and puts them in one batch, after one existence
-  check so that only blocks missing from the pool move;
-- a load gets its blocks into the load array in batches, checks each and copies its K and V into
-  its host slot; the first block missing (the pool evicts by its own policy) or damaged ends the
-  job, and the request recomputes from there.
+A writer and a loader thread move the bytes, through memory registered with the store, so the
+engine thread never waits:
+- a write copies its blocks into a staging array (`staging_blocks` objects) and puts them in one
+  batch, after one existence check so that only blocks missing from the pool move;
+- a load gets its blocks in batches straight into their host slots (the host tier's arrays are
+  registered; each object's header and token ids go to a small array of their own), then checks
+  each there; the first block missing (the pool evicts by its own policy) or damaged ends the job,
+  and the request recomputes from there (a damaged block's slot is never used).
 
 Faults. When the store cannot be reached (its master died), the tier marks itself down: lookups
 answer "not stored", writes are dropped, loads are not started, and a probe thread asks the store
@@ -73,9 +74,11 @@ class PoolTier:
         self._prefix = f"jaxserve/{fingerprint.hex()}/"
         # Touched now (np.full): the first transfers would otherwise pay the page faults.
         self._write_staging = np.full(staging_blocks * self.object_bytes, 0, np.uint8)
-        self._load_staging = np.full(staging_blocks * self.object_bytes, 0, np.uint8)
-        store.register(self._write_staging)
-        store.register(self._load_staging)
+        self._load_heads = np.full(staging_blocks * (self.object_bytes - self.payload_bytes), 0, np.uint8)
+        for array in (self._write_staging, self._load_heads):
+            store.register(array.ctypes.data, array.nbytes)
+        for address, nbytes in host.memory():  # loads land in the host slots themselves
+            store.register(address, nbytes)
         self._lock = threading.Lock()
         self._known = KnownKeys()
         # a restarted master has lost every object: forget what was known when it answers again
@@ -251,33 +254,34 @@ class PoolTier:
             self._done_event.set()
 
     def _load_batch(self, job: LoadJob, first: int) -> bool:
-        """Get job.keys[first : first + staging_blocks] into their host slots; False once one fails."""
+        """Get job.keys[first : first + staging_blocks] straight into their host slots (each object's
+        header and token ids into the load array); False once one fails."""
         batch = range(first, min(first + self.staging_blocks, len(job.keys)))
-        size = self.object_bytes
-        base = self._load_staging.ctypes.data
-        names = [self.name(job.keys[i]) for i in batch]
-        results = self.store.get(names, [base + j * size for j in range(len(batch))], [size] * len(batch))
+        head = self.object_bytes - self.payload_bytes
+        heads = [self._load_heads[j * head : (j + 1) * head] for j in range(len(batch))]
+        parts = [self.host.slot_parts(job.host_slots[i]) for i in batch]
+        buffers = [[a.ctypes.data for a in (h, *p)] for h, p in zip(heads, parts)]
+        sizes = [[head] + [part.nbytes for part in p] for p in parts]
+        results = self.store.get([self.name(job.keys[i]) for i in batch], buffers, sizes)
         self.health.check(results)
         for j, (i, result) in enumerate(zip(batch, results)):
             key = job.keys[i]
-            if result != size:
+            if result != self.object_bytes:
                 self._known.discard(key)
                 with self._lock:
                     self.stats.missing += result == MISSING
                 return False
             try:
-                obj = memoryview(self._load_staging[j * size : (j + 1) * size])
-                payload = check_block(obj, self.fingerprint, key, job.tokens[i], self.payload_bytes)
+                check_block(heads[j], parts[j], self.fingerprint, key, job.tokens[i], self.payload_bytes)
             except DamagedBlockFile as e:
                 logger.warning("KV pool object %s is unusable (%s); the block is recomputed", self.name(key), e)
                 self._known.discard(key)
                 with self._lock:
                     self.stats.damaged += 1
                 return False
-            self.host.store(job.host_slots[i], payload)
             job.loaded += 1
             with self._lock:
-                self.stats.bytes_read += size
+                self.stats.bytes_read += self.object_bytes
         self._known.add([job.keys[i] for i in batch])
         return True
 

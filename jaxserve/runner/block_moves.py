@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxserve.kv import CopyKind
+from jaxserve.kv import CopyKind, HostBlockArrays
 from jaxserve.model import KVCache
 
 BLOCK_MOVE_CHUNK = 32  # block moves are padded to this many (block 0 -> block 0)
@@ -33,10 +33,8 @@ class BlockMover:
         layers, kv_heads, _, block_size, head_dim = cache.k.shape
         host_shape = (layers, kv_heads, max(num_host_blocks, 1), block_size, head_dim)
         self.dtype = cache.k.dtype
-        # Written through now (np.full, not np.zeros' untouched pages): the first swap or tier load
-        # into them would otherwise pay the page faults, on the request it exists for.
-        self.host_k = np.full(host_shape, 0, self.dtype)
-        self.host_v = np.full(host_shape, 0, self.dtype)
+        self.host_k = HostBlockArrays.allocate(host_shape, self.dtype)
+        self.host_v = HostBlockArrays.allocate(host_shape, self.dtype)
         self.cache_sharding = cache_sharding
         kv, rep = cache_sharding, replicated
         self._gather = jax.jit(_gather, in_shardings=(kv, rep), out_shardings=kv)

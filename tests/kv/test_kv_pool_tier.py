@@ -24,7 +24,7 @@ FP = fingerprint({"model": "pool-test"})
 
 
 def make_tier(master: PoolMaster, fp: bytes = FP) -> tuple[PoolTier, list[np.ndarray]]:
-    arrays = [np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)]
+    arrays = [HostBlockArrays.allocate(SHAPE, np.float32), HostBlockArrays.allocate(SHAPE, np.float32)]
     store = MooncakeBlockStore(master.url, "127.0.0.1", 32 << 20)
     return PoolTier(store, fp, BS, HostBlockArrays(arrays), 32 << 20, staging_blocks=3, probe_seconds=0.2), arrays
 
@@ -89,7 +89,7 @@ def test_a_damaged_or_foreign_object_is_never_used(master):
     other, _ = make_tier(master, fingerprint({"model": "another"}))
     write(other, keys[1:2], tokens[1:2], [x[:, :, 1:2] for x in arrays])
     staging = np.zeros(other.object_bytes, np.uint8)
-    other.store.register(staging)
+    other.store.register(staging.ctypes.data, staging.nbytes)
     staging[:] = other._write_staging[: other.object_bytes]
     assert other.store.put([a.name(keys[1])], [staging.ctypes.data], [other.object_bytes]) == [0]
     write(a, keys, tokens, arrays)
@@ -111,7 +111,9 @@ def test_a_missing_block_ends_the_load(master):
     assert a.num_leading(keys) == 1
     job = load(a, keys, tokens, [0, 1, 2])
     assert job.loaded == 1 and a.stats.missing == 1
-    assert a.store.get([a.name(keys[2])], [a._load_staging.ctypes.data], [a.object_bytes]) == [MISSING]
+    into = np.zeros(a.object_bytes, np.uint8)
+    a.store.register(into.ctypes.data, into.nbytes)
+    assert a.store.get([a.name(keys[2])], [[into.ctypes.data]], [[a.object_bytes]]) == [MISSING]
     a.close()
 
 

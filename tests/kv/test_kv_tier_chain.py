@@ -26,7 +26,7 @@ FP = fingerprint({"model": "chain-test"})
 
 
 def host_arrays() -> list[np.ndarray]:
-    return [np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)]
+    return [HostBlockArrays.allocate(SHAPE, np.float32), HostBlockArrays.allocate(SHAPE, np.float32)]
 
 
 def disk_tier(directory, arrays: list[np.ndarray]) -> DiskTier:

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from kv_sim import FakeEngine, as_block_arrays, new_host_array
 
 from jaxserve.kv import HostBlockArrays, KVTier, KVTierStats, LoadStart, build_kv_manager, fingerprint
@@ -85,7 +86,8 @@ class MemoryTier:
             stored = self.store.get(key)
             if stored is None or stored[0] != block_tokens:
                 break
-            self.host.store(host_slot, memoryview(stored[1]))
+            (part,) = self.host.slot_parts(host_slot)  # one array: the payload is that slot's bytes
+            part[:] = np.frombuffer(stored[1], np.uint8)
             job.loaded += 1
         job.done = True
         self.stats.loads += 1
