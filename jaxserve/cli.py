@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_bench_parser
     from server.cli import add_serve_parser
     from server.cluster.launch.cli import add_launch_parser
+    from server.cluster.pool_tls import add_gateway_parser
     from server.cluster.router.cli import add_router_parser
     from server.cluster.worker.cli import add_worker_parser
 
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_parser(sub, add_engine_args, _engine_starter)
     add_router_parser(sub)
     add_launch_parser(sub)
+    add_gateway_parser(sub)
     add_bench_parser(sub)
     return parser
 

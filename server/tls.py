@@ -64,13 +64,30 @@ class ClusterTLS:
     cert: bytes
     key: bytes
     ca: bytes
+    files: tuple[str, str, str]  # the three paths (Python's ssl loads a chain from files only; child processes)
 
     @classmethod
     def load(cls, cert: str | Path, key: str | Path, ca: str | Path) -> ClusterTLS:
-        loaded = cls(_read(cert, "--cluster-tls-cert"), _read(key, "--cluster-tls-key"), _read(ca, "--cluster-tls-ca"))
+        loaded = cls(
+            _read(cert, "--cluster-tls-cert"),
+            _read(key, "--cluster-tls-key"),
+            _read(ca, "--cluster-tls-ca"),
+            (str(cert), str(key), str(ca)),
+        )
         _check_pair(cert, key, "--cluster-tls-cert/--cluster-tls-key")
         _check_ca(ca, "--cluster-tls-ca")
         return loaded
+
+    def ssl_context(self, server_side: bool) -> ssl.SSLContext:
+        """A plain TLS endpoint's context (the KV pool's control traffic: server/cluster/pool_tls.py):
+        it presents our certificate and requires the peer's to chain to the CA (a server requires
+        a client certificate; a client checks the server's name too)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(*self.files[:2])
+        ctx.load_verify_locations(cadata=self.ca.decode())
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """A listener that presents our certificate and refuses clients without a CA-signed one."""

@@ -1,5 +1,6 @@
 """TLS inside the cluster and HTTPS outside it: a `jaxserve worker` serving mutual TLS, routers
-presenting the cluster CA's certificate, and the public API over HTTPS (child processes, loopback).
+presenting the cluster CA's certificate, the worker's KV pool reached through its master's mutual-TLS
+gateway, and the public API over HTTPS (child processes, loopback).
 
 Certificates are made for the run (tests/server/tls_certs.py): the cluster's CA signs the worker's,
 the routers' and the HTTPS server's; a second CA signs a rogue certificate.
@@ -23,6 +24,8 @@ from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from router_cluster import start_worker
 from tls_certs import issue, make_ca
 
+from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
+from server.cluster.pool_tls import ForwarderProcess
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker.wire import snapshot_from_json
 from server.cluster.worker.worker_pb2_grpc import WorkerStub
@@ -55,12 +58,31 @@ def _https_flags(pki) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(pki, _compilation_cache):
-    """A worker serving mutual TLS only; router A (HTTPS, and its gRPC API on TLS) and router B
-    (HTTPS that requires client certificates), both presenting the cluster certificate to the worker."""
+def pool_flags(pki):
+    """A KV pool for the worker when Mooncake is installed: a real master on loopback behind its
+    mutual-TLS gateway (server/cluster/pool_tls.py), which the worker dials with its certificate."""
+    if mooncake_missing() is not None:
+        yield []
+        return
+    master = PoolMaster()
+    master.start()
+    tls = ClusterTLS.load(pki["worker"].cert, pki["worker"].key, pki["ca"])
+    gateway = ForwarderProcess("accept", "127.0.0.1:0", f"127.0.0.1:{master.rpc_port}", tls)
+    try:
+        yield ["--kv-pool", f"mooncake://{gateway.address}", "--kv-pool-segment-bytes", str(32 << 20)]
+    finally:
+        gateway.close()
+        master.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(pki, pool_flags, _compilation_cache):
+    """A worker serving mutual TLS only (its KV pool's master RPC too, where Mooncake is installed);
+    router A (HTTPS, and its gRPC API on TLS) and router B (HTTPS that requires client
+    certificates), both presenting the cluster certificate to the worker."""
     worker_port = free_port()
     cache_dir = jax.config.jax_compilation_cache_dir
-    worker = start_worker(worker_port, [*SMALL_ENGINE, *_cluster_flags(pki, "worker")], cache_dir)
+    worker = start_worker(worker_port, [*SMALL_ENGINE, *_cluster_flags(pki, "worker"), *pool_flags], cache_dir)
     routers = []
     grpc_port = free_port()
     try:
@@ -121,14 +143,30 @@ def _complete(client: openai.OpenAI) -> openai.types.Completion:
     )
 
 
+def _worker_snapshot(pki, port: int):
+    """The worker's load report, read over mutual TLS with the router's certificate."""
+    with grpc.secure_channel(f"127.0.0.1:{port}", _channel_credentials(pki, "router")) as channel:
+        return snapshot_from_json(WorkerStub(channel).Load(pb.LoadRequest(), timeout=30).snapshot_json)
+
+
 def test_router_with_the_cluster_cert_serves_over_https(cluster, pki):
     reply = _complete(_https_client(pki, cluster["https_port"]))
     assert reply.usage.completion_tokens == 6 and reply.choices[0].text
-    # The worker's pool is all free afterwards (read over mutual TLS with the router's certificate).
-    channel = grpc.secure_channel(f"127.0.0.1:{cluster['worker_port']}", _channel_credentials(pki, "router"))
-    with channel:
-        snapshot = snapshot_from_json(WorkerStub(channel).Load(pb.LoadRequest(), timeout=30).snapshot_json)
+    snapshot = _worker_snapshot(pki, cluster["worker_port"])  # its pool is all free afterwards
     assert not snapshot.has_unfinished and snapshot.kv.used == 0
+
+
+def test_the_workers_kv_pool_runs_through_its_mutual_tls_gateway(cluster, pki, pool_flags):
+    if not pool_flags:
+        pytest.skip(mooncake_missing())
+    client = _https_client(pki, cluster["https_port"])
+    prompt = [(5 * i) % 150 + 3 for i in range(70)]  # 8 full blocks, written through to the pool
+    client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 30
+    while (tiers := _worker_snapshot(pki, cluster["worker_port"]).tiers).pool_written_blocks < 8:
+        assert time.monotonic() < deadline, tiers
+        time.sleep(0.2)
+    assert tiers.lower_tiers == ("pool",)
 
 
 @pytest.fixture(scope="module")

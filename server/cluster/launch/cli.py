@@ -23,6 +23,7 @@ import threading
 from server.cluster.launch.mooncake_master import PoolMaster, mooncake_missing
 from server.cluster.launch.ray_cluster import ClusterNotFoundError, LocalCluster, check_reachable, choose_cluster
 from server.cluster.launch.topology import ROUTER_FLAG_OF_ROLE, Topology, TopologyError, WorkerSpec, load_topology
+from server.cluster.pool_tls import ForwarderProcess, cluster_tls_of_flags
 
 WORKER_READY = r"worker listening on (\S+)"
 ROUTER_READY = r"Running on (http://\S+)"
@@ -132,6 +133,7 @@ class Launch:
         self.router_url = ""
         self.local_host: str | None = None  # the launch's own one-node cluster: where workers listen
         self.pool_master: PoolMaster | None = None  # the KV pool's master (topology kv_pool), on this node
+        self.pool_gateway: ForwarderProcess | None = None  # its mutual-TLS front, when the workers use TLS
 
     def start(self) -> None:
         import ray
@@ -202,10 +204,21 @@ class Launch:
         if (why := mooncake_missing()) is not None:
             raise SystemExit(f"jaxserve launch: the topology's kv_pool needs Mooncake Store: {why}")
         host = self.local_host or ray.util.get_node_ip_address()
-        self.pool_master = PoolMaster(host, self.topology.kv_pool.port or None)
-        self.pool_master.start()
-        print(f"[launch] KV pool master on {self.pool_master.url}", flush=True)
-        return ["--kv-pool", self.pool_master.url]
+        port = self.topology.kv_pool.port or None
+        tls = cluster_tls_of_flags(self.topology.worker_specs()[0].flags)
+        if tls is None:
+            self.pool_master = PoolMaster(host, port)
+            self.pool_master.start()
+            url = self.pool_master.url
+        else:  # the workers are on mutual TLS: so is the master's RPC, through a gateway in front of it
+            self.pool_master = PoolMaster("127.0.0.1")
+            self.pool_master.start()
+            self.pool_gateway = ForwarderProcess(
+                "accept", f"{host}:{port or 0}", f"127.0.0.1:{self.pool_master.rpc_port}", tls
+            )
+            url = f"mooncake://{self.pool_gateway.address}"
+        print(f"[launch] KV pool master on {url}" + (" (mutual TLS)" if tls else ""), flush=True)
+        return ["--kv-pool", url]
 
     def _wait_all(self, refs: list) -> list[str]:
         import ray
@@ -272,6 +285,8 @@ class Launch:
                 ray.kill(p)
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+        if self.pool_gateway is not None:
+            self.pool_gateway.close()
         if self.pool_master is not None:
             self.pool_master.kill()
         print("[launch] stopped", flush=True)

@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Callable
 
 from server.cli import StartEngine
-from server.tls import add_cluster_tls_args, cluster_tls_from_args
+from server.tls import ClusterTLS, add_cluster_tls_args, cluster_tls_from_args
 
 ROLES = ("both", "prefill", "decode")
 TRANSPORTS = ("grpc", "device")
@@ -62,12 +62,6 @@ def add_worker_parser(
 
 
 def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
-    import asyncio
-    import signal
-
-    from server.cluster.worker.kv_handoff import KVHandoff
-    from server.cluster.worker.listener import WorkerListener
-
     if args.kv_lease_timeout <= 0:
         raise SystemExit("--kv-lease-timeout must be positive")
     one_replica = args.data_parallel_size == 1
@@ -78,6 +72,29 @@ def run_worker(args: argparse.Namespace, start_engine: StartEngine) -> int:
     if args.kv_transport == "device" and not one_replica:
         raise SystemExit("--kv-transport device runs one engine replica in one process")
     tls = cluster_tls_from_args(args)  # before the model loads: a wrong file stops us now
+    pool_forwarder = None
+    if tls is not None and args.kv_pool:  # the pool's master RPC over mutual TLS too
+        from server.cluster.pool_tls import pool_url_over_tls
+
+        try:
+            args.kv_pool, pool_forwarder = pool_url_over_tls(args.kv_pool, tls)
+        except (RuntimeError, ValueError) as e:
+            raise SystemExit(str(e)) from None
+    try:
+        return _serve_worker(args, start_engine, tls)
+    finally:
+        if pool_forwarder is not None:
+            pool_forwarder.close()
+
+
+def _serve_worker(args: argparse.Namespace, start_engine: StartEngine, tls: ClusterTLS | None) -> int:
+    import asyncio
+    import signal
+
+    from server.cluster.worker.kv_handoff import KVHandoff
+    from server.cluster.worker.listener import WorkerListener
+
+    one_replica = args.data_parallel_size == 1
     engine = start_engine(kv_transfer_host=args.host if args.kv_transport == "device" else None)
     if engine is None:
         return 0
