@@ -29,6 +29,7 @@ import yaml
 from child_process import SMALL_ENGINE, ChildProcess, free_port, jaxserve
 from router_cluster import Endpoint, wait_worker_status, workers
 from server_harness import send
+from tls_certs import issue, make_ca
 
 from server.cluster.launch.mooncake_master import mooncake_missing
 from server.cluster.launch.ray_cluster import ClusterNotFoundError, RayTarget, check_reachable, choose_cluster
@@ -223,15 +224,39 @@ def test_launch_without_an_address_starts_its_own_cluster_and_gets_a_killed_work
     assert not list(ray_tmp.glob("jaxserve-ray-*")), list(ray_tmp.iterdir())  # the launch's cluster is gone
 
 
-@pytest.mark.slow  # ~100 s; the launch that starts its own cluster covers router + two workers in CI
-def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(tmp_path, ray_tmp, _compilation_cache):
+def _cluster_tls_flags(directory: Path) -> list[str]:
+    ca = make_ca(directory, "cluster-ca")
+    # it must name the node's outward address too: Ray reports that one (the pool gateway listens there)
+    member = issue(ca, directory, "member", (ray.util.get_node_ip_address(),))
+    return [
+        "--cluster-tls-cert",
+        str(member.cert),
+        "--cluster-tls-key",
+        str(member.key),
+        "--cluster-tls-ca",
+        str(ca.cert),
+    ]
+
+
+@pytest.mark.slow  # ~100 s each; the launch that starts its own cluster covers router + two workers in CI
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "cluster-tls"])
+def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(
+    tls, tmp_path, ray_tmp, _compilation_cache
+):
+    """With cluster TLS (the router's and workers' args), the KV pool's master is behind its gateway."""
     gcs_port, router_port = free_port(), free_port()
-    worker_args = [*SMALL_ENGINE, "--compilation-cache-dir", jax.config.jax_compilation_cache_dir]
+    tls_flags = _cluster_tls_flags(tmp_path) if tls else []
+    worker_args = [*SMALL_ENGINE, "--compilation-cache-dir", jax.config.jax_compilation_cache_dir, *tls_flags]
+    router_args = ["--health-check-interval", "0.5", *tls_flags]
     config = tmp_path / "topology.yaml"
     config.write_text(
         yaml.safe_dump(
             _topology(
-                router={"host": "127.0.0.1", "port": router_port, "args": ["--health-check-interval", "0.5"]},
+                router={
+                    "host": "127.0.0.1",
+                    "port": router_port,
+                    "args": router_args,
+                },
                 workers=[{"role": "both", "count": 2, "cpus": 1, "args": worker_args}],
                 **({} if mooncake_missing() else {"kv_pool": {"port": 0}}),  # the workers share a KV pool
             )
@@ -277,6 +302,7 @@ def test_launch_serves_through_a_router_and_two_workers_on_a_local_ray_cluster(t
             ) as launch:
                 launch.wait_for("[launch] router on", timeout=600)
                 assert mooncake_missing() or "[launch] KV pool master on mooncake://" in launch.output
+                assert mooncake_missing() or ("(mutual TLS)" in launch.output) == tls
                 router = Endpoint(router_port)
                 placed = workers(router)
                 assert [w["status"] for w in placed] == ["up", "up"], placed

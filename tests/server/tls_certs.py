@@ -63,8 +63,9 @@ def make_ca(directory: Path, name: str) -> CA:
     return CA(path, key, subject)
 
 
-def issue(ca: CA, directory: Path, name: str) -> Issued:
-    """A certificate `ca` signs for `name`, valid for 127.0.0.1 and localhost, server and client use."""
+def issue(ca: CA, directory: Path, name: str, addresses: tuple[str, ...] = ()) -> Issued:
+    """A certificate `ca` signs for `name`, valid for 127.0.0.1, localhost and `addresses` (IPs),
+    server and client use."""
     key = ec.generate_private_key(ec.SECP256R1())
     builder = _validity(
         x509.CertificateBuilder()
@@ -74,7 +75,10 @@ def issue(ca: CA, directory: Path, name: str) -> Issued:
         .serial_number(x509.random_serial_number())
     )
     builder = builder.add_extension(
-        x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+        x509.SubjectAlternativeName(
+            [x509.DNSName("localhost")]
+            + [x509.IPAddress(ipaddress.ip_address(a)) for a in dict.fromkeys(("127.0.0.1", *addresses))]
+        ),
         critical=False,
     )
     builder = builder.add_extension(
