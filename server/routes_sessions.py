@@ -34,6 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxserve.image_prompt import cache_token_ids
 from jaxserve.sampling_params import SamplingParams
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request, not_found
@@ -54,7 +55,7 @@ from server.protocol import (
     read_json_object,
     require_str,
 )
-from server.session_images import attach, cache_ids, has_images, history_urls, kept_urls
+from server.session_images import attach, has_images, history_urls, kept_urls
 from server.sessions import Message, Session
 from server.state import STATE, ServerState
 
@@ -355,6 +356,6 @@ async def _reply(
             except APIError:
                 session.messages = previous  # not saved: the session stays as it is on disk
                 return
-            state.spawn(state.session_kv.pin_history(session, cache_ids(ids + choice.token_ids, images.rows)))
+            state.spawn(state.session_kv.pin_history(session, cache_token_ids(ids + choice.token_ids, images.rows)))
 
         return await respond(request, generation, ChatShapes(response_id, shown), stream, on_finish)

@@ -15,7 +15,6 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.image_prompt import PromptImage, salt_cache_tokens
 from server.errors import bad_request
 from server.image_parts import ImageParts
 
@@ -52,11 +51,3 @@ def kept_urls(messages: Sequence[dict[str, Any]], kept: dict[str, str]) -> dict[
 
 def has_images(messages: Sequence[dict[str, Any]]) -> bool:
     return any(m.get("images") for m in messages)
-
-
-def cache_ids(ids: Sequence[int], rows: tuple[PromptImage, ...]) -> list[int]:
-    """`ids` as the prefix cache keys them: the images' soft tokens salted by their digests (a pin
-    finds blocks by these)."""
-    salted = list(ids)
-    salt_cache_tokens(salted, rows)
-    return salted
