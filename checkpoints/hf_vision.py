@@ -9,6 +9,7 @@ the text config and tensors sit inside a multimodal checkpoint (`text_config`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
@@ -52,6 +53,20 @@ def is_multimodal(hf: dict[str, Any]) -> bool:
 def family(vision: Any) -> ModuleType:
     """The family module of a vision tower's config (`gemma3_vision` or `idefics3_vision`)."""
     return _BY_NAME[vision.family]
+
+
+def vision_to_json(vision: Any) -> str:
+    """A vision tower's config as a JSON object: its fields and its "family" (`vision_from_json`)."""
+    return json.dumps({"family": vision.family, **dataclasses.asdict(vision)})
+
+
+def vision_from_json(text: str) -> Any:
+    """The config `vision_to_json` wrote (ValueError for one it did not)."""
+    try:
+        fields = json.loads(text)
+        return _BY_NAME[fields.pop("family")].VisionConfig(**fields)
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
+        raise ValueError(f"not a vision config: {e!r}") from None
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from jaxserve.engine_client import (
     merge_choices,
 )
 from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.image_prompt import MultimodalPrompt, cache_token_ids
 from jaxserve.outputs import Delta, FinishReason
 from jaxserve.sampling_params import SamplingParams
 
@@ -48,7 +49,7 @@ ENGINE_CALL_TIMEOUT = 30.0  # seconds a call on the engine thread may wait for a
 @dataclasses.dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | MultimodalPrompt
     params: SamplingParams
     session_id: str | None
     deliver: Callable[[Delta | BaseException], None]
@@ -112,7 +113,7 @@ class AsyncEngine(AsyncKVTransfer):
     async def generate(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | MultimodalPrompt,
         params: SamplingParams,
         session_id: str | None = None,
         hold_kv: bool = False,
@@ -138,8 +139,8 @@ class AsyncEngine(AsyncKVTransfer):
                 self._inbox.put(_Abort(request_id))
                 self._release_unread(item)
 
-        if hold_kv and (params.n != 1 or not isinstance(prompt, list)):
-            raise ValueError("hold_kv needs n = 1 and the prompt's token ids")
+        if hold_kv and (params.n != 1 or isinstance(prompt, str)):
+            raise ValueError("hold_kv needs n = 1 and the prompt's token ids (with its images), not text")
         if params.lora is not None:
             await self._read_lora_host_copy(params.lora)
         self._inbox.put(_Add(request_id, prompt, params, session_id, deliver, hold_kv))
@@ -279,8 +280,10 @@ class AsyncEngine(AsyncKVTransfer):
             try:
                 engine.add_request(item.request_id, item.prompt, item.params, item.session_id)
                 self._deliver[item.request_id] = item.deliver
-                if item.hold_kv:
-                    self._hold_kv[item.request_id] = item.prompt
+                if item.hold_kv:  # held as the prefix cache keys the prompt (its images salted)
+                    p = item.prompt
+                    multimodal = isinstance(p, MultimodalPrompt)
+                    self._hold_kv[item.request_id] = cache_token_ids(p.token_ids, p.images) if multimodal else p
             except ValueError as e:  # the request cannot be served: the caller's error
                 item.deliver(e)
             except Exception as e:  # noqa: BLE001 - this request failed alone; the engine goes on

@@ -29,7 +29,7 @@ from jaxserve.engine import LLMEngine, StepStats
 from jaxserve.engine_client import DuplicateRequestError, Pin
 from jaxserve.engine_core import EngineCore
 from jaxserve.engine_snapshot import EngineSnapshot
-from jaxserve.image_prompt import MultimodalPrompt
+from jaxserve.image_prompt import MultimodalPrompt, cache_token_ids
 from jaxserve.outputs import Delta
 from jaxserve.placement import Placement, PlacementPolicy
 from jaxserve.quantization_choice import weights_quantization
@@ -159,8 +159,9 @@ class DataParallelEngine:
         if self.is_active(request_id):
             raise DuplicateRequestError(request_id)
         ids = self.encode_prompt(prompt)
-        replica = self.placement.choose(ids, session_id, params.lora)
         images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
+        # Placed as the replicas' caches key it: an image's rows salted by its digest.
+        replica = self.placement.choose(cache_token_ids(ids, images), session_id, params.lora)
         group = replica.add_prompt_ids(request_id, ids, params, images)
         self.placement.stick(session_id, replica)
         return group

@@ -89,12 +89,25 @@ def image_spans(ids: Sequence[int], images: Sequence[ImageInput], vision: Vision
 
 def salt_cache_tokens(ids: list[int], images: Sequence[PromptImage]) -> None:
     """Replace, in place, the soft tokens among `ids` (a prefix of the prompt) by ids drawn from their
-    image's digest, as the prefix cache keys them: negative, so never a real token; 31 bits of the
-    digest each, in turn, so an image of 4 or more soft tokens is keyed by 124 bits of it."""
+    image's digest, as the prefix cache keys them (`salt_rows`)."""
     for image in images:
-        words = np.frombuffer(image.image.digest, np.uint32) & 0x7FFFFFFF
-        for k in range(image.start, min(image.end, len(ids))):
-            ids[k] = -1 - int(words[(k - image.start) % len(words)])
+        salt_rows(ids, image.start, image.end, image.image.digest)
+
+
+def salt_rows(ids: list[int], start: int, end: int, digest: bytes) -> None:
+    """Replace, in place, `ids[start:end]` (as far as `ids` goes) by ids drawn from `digest`: negative,
+    so never a real token; 31 bits of the digest each, in turn, so an image of 4 or more soft tokens
+    is keyed by 124 bits of it."""
+    words = np.frombuffer(digest, np.uint32) & 0x7FFFFFFF
+    for k in range(start, min(end, len(ids))):
+        ids[k] = -1 - int(words[(k - start) % len(words)])
+
+
+def cache_token_ids(ids: Sequence[int], images: Sequence[PromptImage]) -> list[int]:
+    """A copy of `ids` as the prefix cache keys them: its images' soft tokens salted by their digests."""
+    salted = list(ids)
+    salt_cache_tokens(salted, images)
+    return salted
 
 
 def chunk_end(images: Sequence[PromptImage], start: int, n: int) -> int:

@@ -88,6 +88,10 @@ class ImageParts:
         if len(self.urls) >= self.limits.max_images:
             raise bad_request(f"at most {self.limits.max_images} images per request", param=self.param)
         self.urls.append(url)
+        return self.placeholder()
+
+    def placeholder(self) -> str:
+        """The text that stands for an image in a message (the model's image placeholder)."""
         return self.info.tokenizer.decode([self.info.vision.placeholder_token_id], skip_special_tokens=False)
 
     def collector(self, param: str) -> ImageParts:

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from jaxserve.image_prompt import PromptImage
+from jaxserve.image_prompt import PromptImage, cache_token_ids
 from jaxserve.sampling_params import SamplingParams
 from server.errors import APIError
 from server.openai_bodies import ChoiceOutput, UsageCount
@@ -50,17 +50,15 @@ async def finish(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutpu
 
 async def save(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutput, body: dict[str, Any]) -> None:
     """Store a finished response (with `store`), add its items to its conversation, and pin the
-    KV of its conversation, or of its chain of stored responses. A prompt with images is not
-    pinned: a pin finds its blocks by token ids alone, and an image's blocks are keyed by its
-    hash too (the prefix cache still holds them while they are not evicted)."""
-    ids = turn.prompt_ids + choice.token_ids
+    KV of its conversation, or of its chain of stored responses (its images' rows salted by their
+    digests, as the prefix cache keys them)."""
+    ids = cache_token_ids(turn.prompt_ids + choice.token_ids, turn.images)
     conversation = turn.context.conversation
     if conversation is not None:
         conversation.model = turn.shapes.info.name  # (its pin is of this model's KV)
         items = [*conversation.response["items"], *turn.request.items, *body["output"]]
         state.responses.change_conversation(conversation, items=items)
-        if not turn.images:
-            state.spawn(state.session_kv.pin_history(conversation, ids))
+        state.spawn(state.session_kv.pin_history(conversation, ids))
     if not turn.request.store:
         return
     history = [*turn.context.history, *turn.request.messages]
@@ -71,7 +69,7 @@ async def save(state: ServerState, owner: str, turn: Turn, choice: ChoiceOutput,
         session = await state.responses.create(owner, turn.shapes.info.name, turn.shapes.id, messages, record)
     else:
         state.sessions.commit(session, messages, record)
-    if conversation is None and not turn.images:
+    if conversation is None:
         state.spawn(state.session_kv.pin_history(session, ids, replacing=turn.context.previous))
 
 

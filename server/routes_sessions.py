@@ -15,6 +15,10 @@ Replies answer like `/v1/chat/completions` (one JSON object, or SSE chunks with 
 and take its sampling parameters, on top of the session's defaults. One reply at a time per
 session: a second gets 409.
 
+User messages may hold images (chat's `image_url` parts), kept with the session by hash
+(`server.session_images`): each turn's prompt places the history's images again, so it is the
+prompt of the conversation sent as chat, and its pin keys their blocks by the images' digests.
+
 Every route that changes a session looks the session up only after it has read the body (the
 only await before the change), so a session deleted while a slow body was arriving is a 404,
 never a late turn in a deleted session.
@@ -30,14 +34,16 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxserve.image_prompt import cache_token_ids
 from jaxserve.sampling_params import SamplingParams
 from server.auth import OWNER_KEY
 from server.errors import APIError, bad_request, not_found
 from server.generation import EngineRequest
 from server.http_reply import respond
+from server.image_parts import ImageLimits, ImageParts
 from server.model_info import ModelInfo
 from server.openai_bodies import ChatShapes, ChoiceOutput
-from server.prompts import encode_chat, parse_messages, prompt_ids_or_400, reply_token_ids
+from server.prompts import encode_chat, parse_messages, prompt_ids_or_400, render_chat, reply_token_ids
 from server.protocol import (
     GUIDED_FIELDS,
     SAMPLING_FIELDS,
@@ -49,6 +55,7 @@ from server.protocol import (
     read_json_object,
     require_str,
 )
+from server.session_images import attach, has_images, history_urls, kept_urls
 from server.sessions import Message, Session
 from server.state import STATE, ServerState
 
@@ -59,6 +66,10 @@ CREATE_FIELDS = DEFAULT_FIELDS | {"model", "system", "messages"}
 REPLY_FIELDS = DEFAULT_FIELDS | {"model", "stream", "stream_options"}  # model: the session's, if given
 MESSAGE_FIELDS = REPLY_FIELDS | {"role", "content"}
 CANCEL_WAIT_SECONDS = 30.0
+
+
+def _images(state: ServerState, param: str) -> ImageParts:
+    return ImageParts(state.info, ImageLimits.of(state.config), param=param)
 
 
 def _session(request: web.Request) -> tuple[ServerState, Session]:
@@ -117,13 +128,16 @@ async def create_session(request: web.Request) -> web.Response:
     check_fields(body, CREATE_FIELDS)
     model = state.model_for(body)[0].name  # the base model or a LoRA adapter, for every turn
     system = require_str(body, "system")
-    messages = parse_messages(body["messages"]) if "messages" in body else []
+    images = _images(state, "messages")
+    messages = parse_messages(body["messages"], images=images) if "messages" in body else []
+    urls = attach(messages, images)
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
     _check_length(state, messages)
     defaults = {k: v for k, v in body.items() if k in DEFAULT_FIELDS}
     _check_defaults(state, defaults)
-    session = state.sessions.create(request[OWNER_KEY], model, messages, defaults)
+    await images.load()  # (checked: a bad image is a 400 now, not at the first turn)
+    session = state.sessions.create(request[OWNER_KEY], model, messages, defaults, images=urls)
     return web.json_response(session.public())
 
 
@@ -163,10 +177,12 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         raise bad_request("only user messages can be posted; edit a message to change others", param="role")
     if "content" not in body:
         raise bad_request("content is required", param="content")
-    message = parse_messages([{"role": "user", "content": body["content"]}], param="content")[0]
+    images = _images(state, "content")
+    message = parse_messages([{"role": "user", "content": body["content"]}], param="content", images=images)[0]
+    urls = attach([message], images)
     messages = [*session.messages, message]
     _check_length(state, messages + [{"role": "assistant", "content": ""}])
-    return await _reply(request, state, session, body, messages, arrival, continuing=False)
+    return await _reply(request, state, session, body, messages, arrival, False, images, urls)
 
 
 @routes.put("/v1/sessions/{session_id}/messages/{index}")
@@ -184,16 +200,17 @@ async def edit_message(request: web.Request) -> web.StreamResponse:
     if "content" not in body:
         raise bad_request("content is required", param="content")
     role = body.get("role", session.messages[index]["role"])
-    message = parse_messages([{"role": role, "content": body["content"]}], param="content")[0]
+    images = _images(state, "content") if role == "user" else None
+    message = parse_messages([{"role": role, "content": body["content"]}], param="content", images=images)[0]
+    urls = attach([message], images) if images is not None else {}
     messages = [*session.messages[:index], message]
     if message["role"] != "user":
         _claim(session)
-        history = encode_chat(state.info, messages, add_generation_prompt=False)
-        state.sessions.commit(session, messages)
-        state.spawn(state.session_kv.pin_history(session, history))
+        state.sessions.commit(session, messages, images=kept_urls(messages, session.images))
+        _pin_text_history(state, session, messages)
         return web.json_response(session.public())
     state.limiter.admit(request[OWNER_KEY])
-    return await _reply(request, state, session, body, messages, arrival, continuing=False)
+    return await _reply(request, state, session, body, messages, arrival, False, images, urls)
 
 
 @routes.post("/v1/sessions/{session_id}/continue")
@@ -206,7 +223,7 @@ async def continue_reply(request: web.Request) -> web.StreamResponse:
     if not session.messages or session.messages[-1]["role"] != "assistant":
         raise bad_request("the last message is not an assistant message; there is nothing to continue")
     messages = [dict(m) for m in session.messages]
-    return await _reply(request, state, session, body, messages, arrival, continuing=True)
+    return await _reply(request, state, session, body, messages, arrival, True, _images(state, "messages"), {})
 
 
 @routes.post("/v1/sessions/{session_id}/fork")
@@ -218,10 +235,19 @@ async def fork_session(request: web.Request) -> web.Response:
     if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= len(session.messages):
         raise bad_request(f"at must be an integer in [0, {len(session.messages)}]", param="at")
     messages = session.messages[:at]
-    fork = state.sessions.create(session.owner, session.model, messages, session.defaults)
-    if messages:
-        await state.session_kv.pin_history(fork, encode_chat(state.info, messages, add_generation_prompt=False))
+    images = kept_urls(messages, session.images)
+    fork = state.sessions.create(session.owner, session.model, messages, session.defaults, images=images)
+    _pin_text_history(state, fork, messages)
     return web.json_response(fork.public())
+
+
+def _pin_text_history(state: ServerState, session: Session, messages: list[Message]) -> None:
+    """Pin a history that no reply follows (an edit, a fork). One holding images is not pinned (its
+    images are not read here, and its blocks are keyed by their digests); the prefix cache keeps
+    its blocks while they are not evicted, and its next turn pins them."""
+    if messages and not has_images(messages):
+        history = encode_chat(state.info, messages, add_generation_prompt=False)
+        state.spawn(state.session_kv.pin_history(session, history))
 
 
 @routes.post("/v1/sessions/{session_id}/cancel")
@@ -234,13 +260,39 @@ async def cancel_reply(request: web.Request) -> web.Response:
     return web.json_response(session.public())
 
 
-def _reply_prompt(info: ModelInfo, messages: list[Message], continuing: bool) -> tuple[list[int], list[int]]:
-    """The reply's prompt ids and, `continuing`, the ids of the open last message it extends."""
+def _reply_prompt(
+    info: ModelInfo, messages: list[Message], continuing: bool, images: ImageParts
+) -> tuple[list[int], list[int]]:
+    """The reply's prompt ids (the loaded `images` placed in them, as chat places them) and,
+    `continuing`, the ids of the open last message it extends."""
+
+    def encode(history: list[Message]) -> list[int]:
+        return images.encode(render_chat(info, history)) if images else encode_chat(info, history)
+
     if not continuing:
-        return encode_chat(info, messages), []
+        return encode(messages), []
     last = messages[-1]
     open_ids = last.get("token_ids") or (info.tokenizer.encode(last["content"]) if last["content"] else [])
-    return encode_chat(info, messages[:-1]) + open_ids, open_ids
+    return encode(messages[:-1]) + open_ids, open_ids
+
+
+async def _load_images(
+    state: ServerState, session: Session, messages: list[Message], images: ImageParts, urls: dict[str, str]
+) -> dict[str, str]:
+    """Read the turn's images, the history's first (400 when they are more than a request may hold);
+    the urls the session keeps with `messages`. 404 when the session was deleted meanwhile, 409 when
+    another turn changed it."""
+    kept = {**session.images, **urls}
+    images.prepend(history_urls(messages[:-1], kept), "messages")
+    if not images:
+        return kept_urls(messages, kept)
+    before = session.messages
+    await images.load()
+    if not state.sessions.contains(session):
+        raise not_found(f"no session {session.id!r}", code="session_not_found")
+    if session.messages is not before:
+        raise APIError(409, "the session changed while this turn's images were read", code="session_busy")
+    return kept_urls(messages, kept)
 
 
 def _reply_params(state: ServerState, session: Session, body: dict[str, Any], prompt_len: int) -> SamplingParams:
@@ -263,12 +315,15 @@ async def _reply(
     messages: list[Message],
     arrival: float,
     continuing: bool,
+    images: ImageParts,
+    urls: dict[str, str],
 ) -> web.StreamResponse:
     """Generate the assistant reply to `messages` (or, `continuing`, extend its last message)
-    and make `messages` plus the reply the session's history."""
+    and make `messages` plus the reply the session's history (`urls`: the new message's images)."""
     info = state.info
     shown, adapter = _session_model(state, session, body)
-    prompt, open_ids = _reply_prompt(info, messages, continuing)
+    kept = await _load_images(state, session, messages, images, urls)
+    prompt, open_ids = _reply_prompt(info, messages, continuing, images)
     ids = prompt_ids_or_400(prompt, info, param="messages")
     stream = parse_stream(body)
     params = dataclasses.replace(_reply_params(state, session, body, len(ids)), lora=adapter)
@@ -278,7 +333,7 @@ async def _reply(
         # From here to the reply's end the session is busy; nothing awaits before the claim.
         previous = session.messages
         session.messages = messages  # shown while the reply runs; committed when it ends
-        engine_request = EngineRequest(response_id, ids, params, session_id=session.id)
+        engine_request = EngineRequest(response_id, ids, params, session_id=session.id, images=images.rows)
         generation = state.generation(request, [engine_request], "session", arrival)
         session.reply = generation
         session.reply_done = asyncio.Event()
@@ -297,10 +352,10 @@ async def _reply(
                 reply["token_ids"] = stored
             history = [*messages[:-1], reply] if continuing else [*messages, reply]
             try:
-                state.sessions.commit(session, history)
+                state.sessions.commit(session, history, images=kept)
             except APIError:
                 session.messages = previous  # not saved: the session stays as it is on disk
                 return
-            state.spawn(state.session_kv.pin_history(session, ids + choice.token_ids))
+            state.spawn(state.session_kv.pin_history(session, cache_token_ids(ids + choice.token_ids, images.rows)))
 
         return await respond(request, generation, ChatShapes(response_id, shown), stream, on_finish)

@@ -64,6 +64,7 @@ class Session:
     # items, "chain": the id of the first response of its chain}; a conversation: {"object",
     # "items", "chain": its own id}; None for a session.
     response: dict[str, Any] | None = None
+    images: dict[str, str] = dataclasses.field(default_factory=dict)  # a session's image urls by key
     created_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
     last_used: float = dataclasses.field(default_factory=time.time)
     # Runtime only.
@@ -104,9 +105,10 @@ class Session:
         messages: list[Message] | None = None,
         last_used: float | None = None,
         response: dict[str, Any] | None = None,
+        images: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """What is written to disk: the session as it is, or with `messages`, `last_used` or
-        `response` replaced."""
+        """What is written to disk: the session as it is, or with `messages`, `last_used`,
+        `response` or `images` replaced."""
         record = {
             "id": self.id,
             "owner": self.owner,
@@ -118,6 +120,9 @@ class Session:
         }
         if self.response is not None or response is not None:
             record["response"] = self.response if response is None else response
+        kept = self.images if images is None else images
+        if kept:
+            record["images"] = kept
         return record
 
     @classmethod
@@ -154,15 +159,17 @@ class Session:
             and isinstance(response.get("chain"), str)
         ):
             raise ValueError(f"response must be an object with object, {items} and chain")
+        messages = [_checked_message(m, vocab_size) for m in r["messages"]]
         return cls(
             id=r["id"],
             owner=r["owner"],
             model=r["model"],
-            messages=[_checked_message(m, vocab_size) for m in r["messages"]],
+            messages=messages,
             defaults=dict(r["defaults"]),
             created_at=r["created_at"],
             last_used=float(r["last_used"]),
             response=response,
+            images=_checked_images(r.get("images", {}), messages),
         )
 
 
@@ -178,6 +185,10 @@ def _checked_message(m: Any, vocab_size: int) -> Message:
         message["tool_call_id"] = m["tool_call_id"]
     if "tool_calls" in m:
         message["tool_calls"] = _checked_tool_calls(m)
+    if "images" in m:
+        if m["role"] != "user" or not isinstance(m["images"], list) or not all(isinstance(k, str) for k in m["images"]):
+            raise ValueError("images must be the image keys of a user message")
+        message["images"] = list(m["images"])
     ids = m.get("token_ids")
     if ids is not None:
         if (
@@ -190,6 +201,16 @@ def _checked_message(m: Any, vocab_size: int) -> Message:
             raise ValueError("token_ids must be token ids of an assistant message")
         message["token_ids"] = ids
     return message
+
+
+def _checked_images(images: Any, messages: list[Message]) -> dict[str, str]:
+    """A session's image urls by key, each key one its messages name."""
+    if not isinstance(images, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in images.items()):
+        raise ValueError("images must map image keys to urls")
+    missing = {k for m in messages for k in m.get("images", ())} - images.keys()
+    if missing:
+        raise ValueError(f"the messages name images it does not keep: {sorted(missing)[:3]}")
+    return dict(images)
 
 
 def _checked_tool_calls(m: dict[str, Any]) -> list[dict[str, Any]]:
@@ -255,10 +276,11 @@ class SessionStore:
         defaults: dict[str, Any],
         response: dict[str, Any] | None = None,
         session_id: str | None = None,
+        images: dict[str, str] | None = None,
     ) -> Session:
-        """A new session (written first when there are files), or with `response` a stored
-        response or conversation (of id `session_id`; `server.response_store` keeps their count
-        per key)."""
+        """A new session (written first when there are files; `images`: the urls its messages'
+        images keys name), or with `response` a stored response or conversation (of id
+        `session_id`; `server.response_store` keeps their count per key)."""
         if response is None and len(self.owned_by(owner)) >= self.max_per_owner:
             raise APIError(
                 429,
@@ -272,6 +294,7 @@ class SessionStore:
             messages=[dict(m) for m in messages],
             defaults=dict(defaults),
             response=response,
+            images=dict(images or {}),
         )
         self._write(session.record())
         self._sessions[session.id] = session
@@ -313,17 +336,25 @@ class SessionStore:
                     raise _write_failed(e) from None
             del self._sessions[session.id]
 
-    def commit(self, session: Session, messages: list[Message], response: dict[str, Any] | None = None) -> None:
-        """Make `messages` the session's history (and `response` a stored response's record): on
-        disk first, then in memory (APIError 500, nothing changed, when the write fails). A
-        session deleted meanwhile stays deleted."""
+    def commit(
+        self,
+        session: Session,
+        messages: list[Message],
+        response: dict[str, Any] | None = None,
+        images: dict[str, str] | None = None,
+    ) -> None:
+        """Make `messages` the session's history (and `response` a stored response's record,
+        `images` the urls its messages' image keys name): on disk first, then in memory (APIError
+        500, nothing changed, when the write fails). A session deleted meanwhile stays deleted."""
         now = time.time()
         if self.contains(session):
-            self._write(session.record(messages, now, response))
+            self._write(session.record(messages, now, response, images))
         session.messages = messages
         session.last_used = now
         if response is not None:
             session.response = response
+        if images is not None:
+            session.images = images
 
     def save_all(self) -> None:
         """Write every session that is not replying as it is (at shutdown: last use times);

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 from pathlib import Path
 
 import anthropic
@@ -35,6 +36,7 @@ from server.image_parts import ImageLimits, ImageParts
 from server.messages_request import parse_conversation
 from server.model_info import ModelInfo
 from server.prompts import parse_messages
+from server.state import STATE
 from tests.data.vlm_images import image_png
 
 REFERENCE = {
@@ -85,8 +87,15 @@ def kv_free_after(vlm, assert_kv_all_free):
     yield
     srv, ae, engine, compiled, _ = vlm
     wait_until_idle(srv, ae)
+    deadline = time.monotonic() + 60  # the pins of deleted responses are released behind the engine's steps
+    while pinned_blocks(srv, ae) and time.monotonic() < deadline:
+        time.sleep(0.05)
     srv.engine_call(ae, lambda dp: [assert_kv_all_free(e) for e in dp.replicas])
     assert engine.num_compilations == compiled
+
+
+def pinned_blocks(srv, ae) -> int:
+    return srv.engine_call(ae, lambda dp: sum(e.kv.usage().pinned for e in dp.replicas))
 
 
 def case_parts(case: dict, text_part, image_part) -> list[dict]:
@@ -270,6 +279,10 @@ def test_a_chain_and_a_conversation_carry_their_images(client, vlm):
         case["new_ids"][:4]
     )
     first = events[-1].response
+    deadline = time.monotonic() + 30
+    while pinned_blocks(vlm[0], vlm[1]) < 25 // 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pinned_blocks(vlm[0], vlm[1]) >= 25 // 8  # the chain's pin holds the image's rows (9-24)
     image = client.responses.input_items.list(first.id).data[0].content[0]
     assert image.type == "input_image" and image.image_url == data_url(image_png("blue"))
     follow = [{"role": "user", "content": "And the colours?"}]
@@ -306,6 +319,9 @@ def test_a_chain_keeps_its_images_once_each_across_a_restart(vlm, tmp_path):
         turns.append(client.responses.create(input=response_input(case), **greedy))
         turns.append(client.responses.create(input=again, previous_response_id=turns[0].id, **greedy))
     finally:
+        deadline = time.monotonic() + 30  # the pins made after the replies, which the stop releases
+        while stored.app[STATE].background and time.monotonic() < deadline:
+            time.sleep(0.05)
         stored.stop()
     kept = json.loads((tmp_path / f"{turns[1].id}.json").read_text())["response"]["context_images"]
     assert len(kept["order"]) == 2 and list(kept["urls"].values()) == [data_url(image_png("blue"))]

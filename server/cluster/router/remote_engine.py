@@ -50,6 +50,7 @@ from jaxserve.engine_client import (
     merge_choices,
 )
 from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.image_prompt import MultimodalPrompt
 from jaxserve.outputs import Delta
 from jaxserve.placement import PlacementPolicy
 from jaxserve.sampling_params import SamplingParams
@@ -58,7 +59,7 @@ from server.cluster.router.worker_calls import CALL_TIMEOUT
 from server.cluster.router.worker_client import RemotePin, WorkerClient, engine_info
 from server.cluster.router.worker_pool import WorkerPool
 from server.cluster.worker import worker_pb2 as pb
-from server.cluster.worker.wire import snapshot_from_json
+from server.cluster.worker.wire import cache_ids_of, images_to_messages, snapshot_from_json
 from server.tls import ClusterTLS
 
 logger = logging.getLogger(__name__)
@@ -147,13 +148,15 @@ class RemoteEngine:
     async def generate(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | MultimodalPrompt,
         params: SamplingParams,
         session_id: str | None = None,
         hold_kv: bool = False,
     ) -> AsyncIterator[Delta]:
         """See `EngineClient.generate`: on the worker that placement picks (retried elsewhere when
-        it fails before streaming). A router holds no KV of its own (`hold_kv` is refused)."""
+        it fails before streaming), a prompt's images sent with it (placed by its ids with the
+        images' rows salted by their digests, as the workers' caches key them). A router holds no KV
+        of its own (`hold_kv` is refused)."""
         if hold_kv:
             raise ValueError("a router holds no KV blocks (hold_kv is a worker's)")
         if params.prompt_logprobs is not None:  # the worker protocol carries no prompt scores yet
@@ -161,9 +164,12 @@ class RemoteEngine:
         info = self.info
         ids = encode_prompt(prompt, info.tokenizer, info.vocab_size, info.max_model_len)
         params.check_vocabulary(self.info.vocab_size)
+        images = tuple(images_to_messages(prompt.images)) if isinstance(prompt, MultimodalPrompt) else ()
+        if images and info.vision is None:
+            raise ValueError("this model takes no images (it has no vision tower)")
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
-        worker = self.pool.place(ids, session_id, params.lora)
+        worker = self.pool.place(cache_ids_of(ids, images), session_id, params.lora)
         # Each choice counts in its worker's load from now to its end: the next request of a
         # burst, placed before this one's worker calls start, sees it.
         worker.in_flight += params.n
@@ -183,6 +189,7 @@ class RemoteEngine:
                 out,
                 self.info.tokenizer,
                 self.info.max_model_len,
+                images,
             )
             for i in range(params.n)
         ]
@@ -232,10 +239,12 @@ class RemoteEngine:
         except EngineDeadError:
             return None
         mine = [p for p in (*others, old) if isinstance(p, RemotePin) and p.on(worker)]
+        salted = any(t < 0 for t in token_ids)  # (a history holding images: their rows salted)
         request = pb.PinHistoryRequest(
             session_id=session_id,
             owner=owner,
-            token_ids=token_ids,
+            token_ids=() if salted else token_ids,
+            cache_token_ids=token_ids if salted else (),
             old_pin=old.remote_id if old in mine else 0,
             others=[p.remote_id for p in others if p in mine],
             lora=lora or "",

@@ -21,7 +21,7 @@ from server.cluster.router.worker_calls import CALL_TIMEOUT, prefill_once, strea
 from server.cluster.router.worker_client import WorkerClient
 from server.cluster.router.worker_pool import WorkerPool
 from server.cluster.worker import worker_pb2 as pb
-from server.cluster.worker.wire import params_to_json, usage_from_message
+from server.cluster.worker.wire import cache_ids_of, params_to_json, usage_from_message
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,12 @@ class Choice:
     out: asyncio.Queue
     tokenizer: Tokenizer
     max_model_len: int
+    images: tuple[pb.PromptImage, ...] = ()  # the prompt's images, as every worker request carries them
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The prompt as prefix caches key it (its images' rows salted): what placement matches."""
+        return cache_ids_of(self.ids, self.images)
 
     @property
     def wanted(self) -> SamplingParams:
@@ -71,6 +77,7 @@ class Choice:
             prompt_token_ids=self.ids + sequence.token_ids,
             sampling_params_json=params_to_json(decode_params(self.wanted, sequence.num_out)),
             session_id=self.session_id or "",
+            images=self.images,
             **fields,
         )
 
@@ -115,6 +122,7 @@ class SequenceRunner:
             prompt_token_ids=choice.ids,
             sampling_params_json=params_to_json(choice.wanted),
             session_id=choice.session_id or "",
+            images=choice.images,
         )
         await self._stream_retrying(choice, request, sequence)
 
@@ -161,7 +169,7 @@ class SequenceRunner:
                     return
                 request = choice.request(sequence)
             exclude = [w for w, instance in tried if w.instance_id == instance]
-            placed.worker = self.pool.pick(choice.ids, exclude, lora=wanted.lora)
+            placed.worker = self.pool.pick(choice.cache_ids, exclude, lora=wanted.lora)
             worker.in_flight -= 1  # the choice's load moves with it
             placed.worker.in_flight += 1
             logger.warning(
@@ -180,7 +188,7 @@ class SequenceRunner:
         there. Without a prefill worker up, or when the prefill worker fails before its token, the
         whole request runs on the decode worker."""
         try:
-            prefill = self.pool.pick(choice.ids, among=self.pool.prefill_workers)
+            prefill = self.pool.pick(choice.cache_ids, among=self.pool.prefill_workers)
         except EngineDeadError:
             return await self._run_whole(choice)
         choice.placed.prefill = prefill
@@ -207,6 +215,7 @@ class SequenceRunner:
             prompt_token_ids=choice.ids,
             hold_kv=True,
             sampling_params_json=params_to_json(prefill_params(choice.wanted)),
+            images=choice.images,
         )
         try:
             last = await prefill_once(prefill, request, sequence)

@@ -16,7 +16,7 @@ from jaxserve.outputs import Usage
 from server.cluster.router.sequence import RemoteSequence
 from server.cluster.router.worker_client import WorkerClient
 from server.cluster.worker import worker_pb2 as pb
-from server.cluster.worker.wire import embedding_from_message, usage_from_message
+from server.cluster.worker.wire import cache_ids_of, embedding_from_message, usage_from_message
 
 CALL_TIMEOUT = 30.0  # seconds a unary call (pins, loads, aborts) may take
 
@@ -42,7 +42,7 @@ async def stream_once(
         return sequence.stop_usage(cached_tokens if cached_tokens is not None else min(cached, sequence.num_prompt))
 
     worker.routed += 1
-    worker.sent.note(request.prompt_token_ids, lora, lora_slots)
+    worker.sent.note(cache_ids_of(request.prompt_token_ids, request.images), lora, lora_slots)
     call = worker.stub.Generate(request)
     try:
         async for msg in call:
@@ -87,7 +87,7 @@ async def prefill_once(
     when the stream ended without one)."""
     prefill.in_flight += 1
     prefill.routed += 1
-    prefill.sent.note(request.prompt_token_ids, None)
+    prefill.sent.note(cache_ids_of(request.prompt_token_ids, request.images), None)
     call = prefill.stub.Generate(request)
     try:
         async for msg in call:

@@ -23,6 +23,7 @@ import grpc
 import tokenizers
 
 from checkpoints.encoders.config import EncoderConfig
+from checkpoints.hf_vision import vision_from_json
 from checkpoints.tokenizer_bundle import TokenizerBundle
 from jaxserve.engine_client import EngineInfo, Pin
 from jaxserve.placement.kv_index import KVIndex
@@ -61,6 +62,7 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     hidden_size: int
     encoder_config_json: str  # an encoder embedding model's config (empty: a decoder LM)
+    vision_config_json: str = ""  # a vision-language model's tower (empty: no images)
 
     @classmethod
     def from_message(cls, msg: pb.InfoResponse) -> WorkerInfo:
@@ -76,6 +78,7 @@ class WorkerInfo:
             tuple(msg.eos_token_ids),
             msg.hidden_size,
             msg.encoder_config_json,
+            msg.vision_config_json,
         )
 
     def mismatch(self, other: WorkerInfo) -> str | None:
@@ -91,6 +94,7 @@ class WorkerInfo:
             "eos_token_ids",
             "hidden_size",
             "encoder_config_json",
+            "vision_config_json",
         ):
             if getattr(self, field) != getattr(other, field):
                 return f"it serves another {field.replace('_', ' ')}"
@@ -238,6 +242,7 @@ def engine_info(info: WorkerInfo, num_workers: int) -> EngineInfo:
         block_size=info.block_size,
         hidden_size=info.hidden_size,
         encoder=EncoderConfig(**json.loads(info.encoder_config_json)) if info.encoder_config_json else None,
+        vision=vision_from_json(info.vision_config_json) if info.vision_config_json else None,
     )
 
 

@@ -19,11 +19,20 @@ from contextlib import aclosing
 
 import grpc
 
+from checkpoints.hf_vision import vision_to_json
 from jaxserve.engine_client import EngineDeadError, KVTransferEngine, Pin, RequestFailedError, UnknownAdapterError
+from jaxserve.image_prompt import MultimodalPrompt
 from server.cluster.worker import worker_pb2 as pb
 from server.cluster.worker import worker_pb2_grpc
 from server.cluster.worker.kv_handoff import KVHandoff, LeaseGoneError
-from server.cluster.worker.wire import PROTOCOL_VERSION, delta_to_message, params_from_json, snapshot_to_json
+from server.cluster.worker.wire import (
+    PROTOCOL_VERSION,
+    cache_ids_of,
+    delta_to_message,
+    images_from_messages,
+    params_from_json,
+    snapshot_to_json,
+)
 from server.routes_ops import engine_problem
 
 logger = logging.getLogger(__name__)
@@ -58,6 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             eos_token_ids=bundle.eos_token_ids,
             hidden_size=info.hidden_size,
             encoder_config_json=json.dumps(dataclasses.asdict(info.encoder)) if info.encoder is not None else "",
+            vision_config_json=vision_to_json(info.vision) if info.vision is not None else "",
         )
 
     async def Generate(
@@ -72,11 +82,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if params.lora is not None and (request.hold_kv or request.HasField("kv_source")):
                 raise ValueError("KV handoff (hold_kv, kv_source) does not carry a LoRA adapter's KV")
             ids = list(request.prompt_token_ids)
+            images = images_from_messages(request.images, ids, self._engine.info.vision)
+            cache_ids = cache_ids_of(ids, request.images)  # as the prefix cache keys the prompt (its images salted)
             transfer = None
             if request.HasField("kv_source"):
-                hold, transfer = await self._handoff.pull_into_cache(ids, request.kv_source)
+                hold, transfer = await self._handoff.pull_into_cache(cache_ids, request.kv_source)
+            prompt = MultimodalPrompt(ids, images) if images else ids
             stream = self._engine.generate(
-                request.request_id, ids, params, request.session_id or None, hold_kv=request.hold_kv
+                request.request_id, prompt, params, request.session_id or None, hold_kv=request.hold_kv
             )
             async with aclosing(stream):  # leaving early (the call cancelled) aborts the request
                 async for delta in stream:
@@ -88,7 +101,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         self._handoff.release_hold(hold)
                         hold = None
                     if delta.kv_hold is not None:
-                        msg.lease.CopyFrom(self._handoff.lease(request.request_id, ids, delta.kv_hold))
+                        msg.lease.CopyFrom(self._handoff.lease(request.request_id, cache_ids, delta.kv_hold))
                     if request.hold_kv and delta.finished:
                         # Handed over: a caller that reads this message may cancel the call at once
                         # (the router does); one that never reads it leaves the lease to its timeout.
@@ -201,9 +214,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         old = self._pins.get(request.old_pin)
         others = [self._pins[i] for i in request.others if i in self._pins]
         ids = {id(self._pins[i]): i for i in (*request.others, request.old_pin) if i in self._pins}
-        result = await self._engine.pin_history(
-            request.session_id, request.owner, list(request.token_ids), old, others, request.lora or None
-        )
+        history = list(request.cache_token_ids or request.token_ids)  # (salted where it holds images)
+        lora = request.lora or None
+        result = await self._engine.pin_history(request.session_id, request.owner, history, old, others, lora)
         if result is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
         pin, released = result

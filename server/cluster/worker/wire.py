@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from jaxserve.engine_snapshot import EngineSnapshot, KVUsage, ReplicaLoad, TierStats
+from jaxserve.image_prompt import PromptImage, salt_rows
+from jaxserve.images import ImageInput
 from jaxserve.outputs import Delta, TokenLogprob, Usage
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.spec import GuidedDecoding
 from server.cluster.worker import worker_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: prompts carry their images (GenerateRequest.images)
 
 
 def params_to_json(params: SamplingParams) -> str:
@@ -50,6 +54,57 @@ def params_from_json(text: str) -> SamplingParams:
         return SamplingParams(**fields)
     except TypeError as e:
         raise ValueError(str(e)) from None
+
+
+def images_to_messages(images: Sequence[PromptImage]) -> list[pb.PromptImage]:
+    """A prompt's images as the worker protocol carries them: their rows, digests and pixels."""
+    return [
+        pb.PromptImage(
+            start=row.start,
+            length=row.length,
+            bidirectional=row.bidirectional,
+            digest=row.image.digest,
+            pixels=np.asarray(row.image.pixels, "<f4").tobytes(),
+            size=row.image.pixels.shape[-1],
+        )
+        for row in images
+    ]
+
+
+def images_from_messages(
+    messages: Sequence[pb.PromptImage], ids: Sequence[int], vision: Any
+) -> tuple[PromptImage, ...]:
+    """A request's images for a model with vision tower `vision` (its config; None: none), checked
+    against it and the prompt `ids`: each a tile of the tower's size whose digest is its pixels', its
+    rows in order over the image token (ValueError naming what does not fit)."""
+    if messages and vision is None:
+        raise ValueError("this model takes no images (it has no vision tower)")
+    images: list[PromptImage] = []
+    end = 0
+    for i, m in enumerate(messages):
+        size = vision.image_size
+        if m.size != size or len(m.pixels) != 3 * size * size * 4:
+            raise ValueError(f"image {i}: its pixels are not [3, {size}, {size}] float32")
+        rows = ids[m.start : m.start + m.length]
+        tokens = len(rows) == m.length == vision.mm_tokens_per_image and all(t == vision.image_token_id for t in rows)
+        if m.start < end or not tokens:
+            raise ValueError(f"image {i}: its rows [{m.start}, {m.start + m.length}) are not its image tokens")
+        if m.bidirectional != vision.bidirectional_images:
+            raise ValueError(f"image {i}: bidirectional must be {vision.bidirectional_images} for this model")
+        image = ImageInput.of(np.frombuffer(m.pixels, "<f4").reshape(3, size, size))
+        if image.digest != m.digest:
+            raise ValueError(f"image {i}: its digest is not its pixels'")
+        images.append(PromptImage(m.start, m.length, image, m.bidirectional))
+        end = m.start + m.length
+    return tuple(images)
+
+
+def cache_ids_of(prompt_ids: Sequence[int], images: Sequence[pb.PromptImage]) -> list[int]:
+    """A request's prompt as prefix caches key it: its `images`' rows salted by their digests."""
+    ids = list(prompt_ids)
+    for m in images:
+        salt_rows(ids, m.start, m.start + m.length, m.digest)
+    return ids
 
 
 def delta_to_message(delta: Delta) -> pb.GenerateResponse:

@@ -33,7 +33,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "instance_id", "model", "vocab_size", "max_model_len", "max_num_seqs", "block_size", "role", "tokenizer_json", "chat_template", "special_tokens", "eos_token_ids", "hidden_size", "encoder_config_json")
+    __slots__ = ("protocol_version", "instance_id", "model", "vocab_size", "max_model_len", "max_num_seqs", "block_size", "role", "tokenizer_json", "chat_template", "special_tokens", "eos_token_ids", "hidden_size", "encoder_config_json", "vision_config_json")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class InfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    VISION_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     instance_id: str
     model: str
@@ -69,23 +70,42 @@ class InfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
     encoder_config_json: str
-    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., encoder_config_json: _Optional[str] = ...) -> None: ...
+    vision_config_json: str
+    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., encoder_config_json: _Optional[str] = ..., vision_config_json: _Optional[str] = ...) -> None: ...
+
+class PromptImage(_message.Message):
+    __slots__ = ("start", "length", "bidirectional", "digest", "pixels", "size")
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BIDIRECTIONAL_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    length: int
+    bidirectional: bool
+    digest: bytes
+    pixels: bytes
+    size: int
+    def __init__(self, start: _Optional[int] = ..., length: _Optional[int] = ..., bidirectional: _Optional[bool] = ..., digest: _Optional[bytes] = ..., pixels: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "session_id", "hold_kv", "kv_source")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "session_id", "hold_kv", "kv_source", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HOLD_KV_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     session_id: str
     hold_kv: bool
     kv_source: KVSource
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., session_id: _Optional[str] = ..., hold_kv: _Optional[bool] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[PromptImage]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., session_id: _Optional[str] = ..., hold_kv: _Optional[bool] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ..., images: _Optional[_Iterable[_Union[PromptImage, _Mapping]]] = ...) -> None: ...
 
 class KVLease(_message.Message):
     __slots__ = ("lease_id", "num_blocks", "last_key", "timeout_s", "transfer_address")
@@ -258,20 +278,22 @@ class LoadResponse(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_requests: _Optional[int] = ..., snapshot_json: _Optional[str] = ..., kv_leases: _Optional[int] = ...) -> None: ...
 
 class PinHistoryRequest(_message.Message):
-    __slots__ = ("session_id", "owner", "token_ids", "old_pin", "others", "lora")
+    __slots__ = ("session_id", "owner", "token_ids", "old_pin", "others", "lora", "cache_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OLD_PIN_FIELD_NUMBER: _ClassVar[int]
     OTHERS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     owner: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     old_pin: int
     others: _containers.RepeatedScalarFieldContainer[int]
     lora: str
-    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., old_pin: _Optional[int] = ..., others: _Optional[_Iterable[int]] = ..., lora: _Optional[str] = ...) -> None: ...
+    cache_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., old_pin: _Optional[int] = ..., others: _Optional[_Iterable[int]] = ..., lora: _Optional[str] = ..., cache_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PinHistoryResponse(_message.Message):
     __slots__ = ("pin", "num_blocks", "num_tokens", "released")
