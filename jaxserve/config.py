@@ -68,6 +68,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_prefill_seqs: int = 4  # sequences in one ragged prefill step
     max_num_partial_prefills: int = 1  # long prompts being chunked at once
+    # Images (vision tower inputs: a SmolVLM tile is one) a step may encode; encoder cache hits are free.
+    # None: no limit. See jaxserve/scheduler/encoder_budget.py.
+    max_num_encoder_images: int | None = None
     scheduling_policy: str = "fcfs"  # fcfs | priority | lpm
     preemption_mode: str = "recompute"  # recompute | swap
     watermark_blocks: int | None = None  # free blocks kept for running requests (None: 1%)
@@ -164,6 +167,8 @@ def _check_sizes(c: EngineConfig) -> None:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "num_scheduler_steps"):
         if not _positive_int(getattr(c, name)):
             raise ValueError(f"{name} must be an integer >= 1, got {getattr(c, name)!r}")
+    if c.max_num_encoder_images is not None and not _positive_int(c.max_num_encoder_images):
+        raise ValueError(f"max_num_encoder_images must be an integer >= 1 or None, got {c.max_num_encoder_images!r}")
     if c.num_blocks is not None and (not _positive_int(c.num_blocks) or c.num_blocks < 2):
         raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {c.num_blocks!r}")
     if c.max_model_len is not None and (not _positive_int(c.max_model_len) or c.max_model_len % c.block_size):

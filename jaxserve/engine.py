@@ -130,7 +130,8 @@ class LLMEngine(EngineCoreOps):
             lambda spec: load_model_proposer(spec, asked, ec, loaded, self.runner),
         )
         self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
-        self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer)
+        encoded = self.runner.vision.cache if self.runner.vision is not None else frozenset()
+        self.scheduler = Scheduler(ec, self.kv, self.lora, self.proposer, encoded_images=encoded)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(
             loaded.tokenizer_bundle.tokenizer, self.model_config.vocab_size, self.eos_token_ids

@@ -5,8 +5,12 @@ from __future__ import annotations
 import time
 import zlib
 
+import numpy as np
+import pytest
 from config_harness import resolved
 
+from jaxserve.image_prompt import PromptImage
+from jaxserve.images import ImageInput
 from jaxserve.kv import build_kv_manager
 from jaxserve.outputs import FinishReason
 from jaxserve.request import Request, RequestStatus
@@ -14,7 +18,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 
 
-def make(num_blocks=64, **cfg):
+def make(num_blocks=64, encoded=frozenset(), **cfg):
     base = dict(
         block_size=4,
         max_model_len=256,
@@ -31,7 +35,7 @@ def make(num_blocks=64, **cfg):
         enable_prefix_cache=config.enable_prefix_caching,
         num_host_slots=config.swap_space_blocks,
     )
-    return Scheduler(config, kv)
+    return Scheduler(config, kv, encoded_images=encoded)
 
 
 def req(rid, n_prompt, max_tokens=4, priority=0, prompt=None):
@@ -55,10 +59,11 @@ def step(s: Scheduler):
 
 
 def test_no_jax_import():
+    import jaxserve.scheduler.encoder_budget as encoder_budget
     import jaxserve.scheduler.output as output
     import jaxserve.scheduler.scheduler as scheduler
 
-    for mod in (scheduler, output):
+    for mod in (scheduler, output, encoder_budget):
         assert "import jax" not in open(mod.__file__).read()
 
 
@@ -215,3 +220,85 @@ def test_the_decode_loop_says_how_many_steps_each_decode_runs_and_the_scheduler_
     assert {r.request_id: r.kv.num_tokens - before[r.request_id] for r in (a, b)} == {"a": 4, "b": 2}
     # A prompt waiting to start: the loop would hold it back, so every decode takes one step.
     assert s.decode_loop.steps_of([a, b], lambda: False)(a) == 1
+
+
+def digest(name: str) -> bytes:
+    return name.encode().ljust(16, b"-")  # digests are 16 bytes (the prefix cache's salt reads them)
+
+
+def image_req(rid, n_prompt, images):
+    """A prompt with 4-token images at the positions `images` maps to their names."""
+    spans = tuple(PromptImage(at, 4, ImageInput(np.zeros(1, np.float32), digest(n))) for at, n in images.items())
+    r = req(rid, n_prompt, max_tokens=1)
+    r.images = spans
+    return r
+
+
+def encoded_by_step(s: Scheduler, cache: set, max_steps: int = 20) -> list[set]:
+    """Run until every request is done; per step, the names of the images not in `cache` that its chunks
+    hold (which the runner would encode, then keep in `cache`)."""
+    steps = []
+    while s.num_unfinished and len(steps) < max_steps:
+        out = step(s)
+        new = {
+            i.image.digest
+            for c in out.prefills
+            for i in c.request.images
+            if i.start < c.start + c.num_new_tokens and c.start < i.end and i.image.digest not in cache
+        }
+        cache |= new
+        steps.append({d.rstrip(b"-").decode() for d in new})
+    assert not s.num_unfinished
+    return steps
+
+
+def test_encoder_budget_defers_images_past_it_to_later_steps():
+    prompts = {"a": {4: "a1", 12: "a2", 20: "a3"}, "b": {0: "b1"}}
+    for limit, want in ((None, [{"a1", "a2", "a3", "b1"}]), (2, [{"a1", "a2"}, {"a3", "b1"}])):
+        cache: set = set()
+        s = make(encoded=cache, max_num_encoder_images=limit, max_num_partial_prefills=2)
+        for rid, images in prompts.items():
+            s.add_request(image_req(rid, 28, images))
+        steps = [new for new in encoded_by_step(s, cache) if new]
+        assert steps == want, limit
+
+
+def test_a_step_encodes_one_image_at_least_so_every_prompt_goes_on():
+    cache: set = set()
+    s = make(encoded=cache, max_num_encoder_images=1)
+    s.add_request(image_req("a", 24, {0: "a1", 4: "a2", 8: "a3"}))  # images back to back from its start
+    chunks = []
+    for new in encoded_by_step(s, cache):
+        assert len(new) <= 1
+        chunks.append(new)
+    assert [c for c in chunks if c] == [{"a1"}, {"a2"}, {"a3"}]
+
+
+def test_cached_and_repeated_images_cost_nothing():
+    cache = {digest("seen")}
+    s = make(encoded=cache, max_num_encoder_images=1)
+    s.add_request(image_req("a", 28, {4: "seen", 12: "new", 20: "new"}))
+    out = step(s)
+    assert [c.num_new_tokens for c in out.prefills] == [28]  # one image to encode: all in one step
+
+
+def test_without_chunked_prefill_a_prompt_over_the_budget_runs_alone():
+    cache: set = set()
+    s = make(
+        encoded=cache,
+        max_num_encoder_images=1,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=256,
+        prefill_token_buckets=(256,),
+    )
+    s.add_request(image_req("many", 20, {0: "m1", 8: "m2"}))
+    s.add_request(image_req("one", 20, {0: "o1"}))
+    s.add_request(req("text", 20, max_tokens=1))
+    out = step(s)
+    assert {c.request.request_id: c.num_new_tokens for c in out.prefills} == {"many": 20, "text": 20}
+    assert [c.request.request_id for c in step(s).prefills] == ["one"]
+
+
+def test_encoder_budget_must_be_positive():
+    with pytest.raises(ValueError, match="max_num_encoder_images must be an integer >= 1"):
+        make(max_num_encoder_images=0)

@@ -135,3 +135,22 @@ class _Tok:
         for mark, i in self.MARKS.items():
             text = text.replace(mark, chr(i))
         return [0 if ch == "\n" else ord(ch) if ord(ch) < 4 else 4 for ch in text]
+
+
+def test_encoder_budget_spreads_a_prompts_images_over_steps(llm, assert_kv_all_free):
+    """One image a step (`max_num_encoder_images=1`) in a step that holds the whole two-image prompt: its
+    second image waits for the next step, each encoder call takes one image, the tokens are unchanged."""
+    case = CASES["two_images"]
+    budgeted = LLM(
+        build_tiny_vlm(),
+        **{**ENGINE, "max_num_batched_tokens": 96, "prefill_token_buckets": (96,)},
+        max_num_encoder_images=1,
+    )
+    vision = budgeted.engine.runner.vision
+    calls = []
+    encode = vision.encode
+    vision.encode = lambda images: calls.append(len(images)) or encode(images)
+    [out] = budgeted.generate(prompt_of(llm, case), greedy(len(case["new_ids"])), use_tqdm=False)
+    assert out.outputs[0].token_ids == case["new_ids"]
+    assert calls == [1, 1]
+    assert_kv_all_free(budgeted.engine)

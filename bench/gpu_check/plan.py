@@ -127,6 +127,8 @@ def _stages(
     stages += [Stage(name, name, limits[name], optional=families_optional) for name in ("mla_decode_kernel", "hybrid")]
     # MTP speculative decoding's costs against plain decoding on the same model (spec_stage.py).
     stages.append(Stage("speculative", "speculative", limits["speculative"], SPEC_MODEL, optional=families_optional))
+    # Gemma 3 4B's vision tower as the runner serves it: checked, and timed per image (vision_stage.py).
+    stages.append(Stage("vision_encoder", "vision_encoder", limits["vision_encoder"], optional=families_optional))
     return tuple(stages)
 
 
@@ -207,6 +209,7 @@ def _dry_run_plan() -> Plan:
         "mla_decode_kernel": 200,
         "hybrid": 150,
         "speculative": 300,
+        "vision_encoder": 150,
     }
     return Plan(
         dry_run=True,
@@ -260,6 +263,7 @@ def _gpu_plan(command_buffer_variant: bool) -> Plan:
         "mla_decode_kernel": 40,
         "hybrid": 40,
         "speculative": 90,
+        "vision_encoder": 90,
     }
     return Plan(
         dry_run=False,

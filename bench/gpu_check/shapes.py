@@ -127,6 +127,31 @@ GEMMA3_1B = ModelConfig(
     max_position_embeddings=32768,
     layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)),
 )
+# Gemma 3 270M's shape: the text model `bench.vision_ttft --real-shape` pairs with Gemma 3 4B's vision
+# tower (4B's own text model, 4.3B parameters, is too large for a CPU machine's f32 figures).
+GEMMA3_270M = dataclasses.replace(
+    GEMMA3_1B,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_layers=18,
+    num_heads=4,
+    layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)),
+)
+# Gemma 3 4B's vision tower (`gemma3_vision.VisionConfig` fields but its token ids): SigLIP with 27 layers
+# of 1152 features (16 heads, MLP 4304) over 896-pixel images in 14-pixel patches (4096 patches), pooled
+# to 256 soft tokens and projected to the 4B text model's 2560 features. Stage `vision_encoder` and
+# `bench.vision_ttft --real-shape`.
+GEMMA3_4B_TOWER = dict(
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_layers=27,
+    num_heads=16,
+    image_size=896,
+    patch_size=14,
+    layer_norm_eps=1e-6,
+    mm_tokens_per_image=256,
+    text_hidden_size=2560,
+)
 # Dry-run stand-ins: the same attention grouping (3 and 4 query heads per kv head), tiny sizes.
 TINY_SMOLLM2 = dataclasses.replace(
     SMOLLM2_135M,

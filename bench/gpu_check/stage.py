@@ -30,6 +30,7 @@ RUNNERS = {
     "mla_decode_kernel": ("bench.gpu_check.mla_stage", "run"),
     "hybrid": ("bench.gpu_check.hybrid_stage", "run"),
     "speculative": ("bench.gpu_check.spec_stage", "run"),
+    "vision_encoder": ("bench.gpu_check.vision_stage", "run"),
 }
 
 

@@ -148,6 +148,22 @@ def _speculative_section(stage: dict) -> list[str]:
     return [head] + _grid(["batch", "spec tok/s", "plain tok/s", "ratio", "accept", "D/T", "V/T", "break-even a"], rows)
 
 
+def _vision_section(stage: dict) -> list[str]:
+    info = stage["info"]
+    tower, check = info["tower"], info.get("correctness", {})
+    head = (
+        f"{tower['num_layers']} layers of {tower['hidden_size']}, {tower['image_size']}-pixel images in "
+        f"{tower['patch_size']}-pixel patches -> {tower['mm_tokens_per_image']} tokens of "
+        f"{tower['text_hidden_size']}, {info['dtype']} weights, f32 compute; ms: pixels in, soft tokens "
+        f"on the host; vs float64 numpy ({check.get('shape', 'n/a')}): max err "
+        + ("n/a" if "max_err" not in check else f"{check['max_err']:.1e} (bound {check['bound']:.1e})")
+    )
+    rows = [
+        [str(r["images"]), _f(r["ms_per_call"], 2), _f(r["ms_per_image"], 2), _f(r["tflops"], 2)] for r in stage["rows"]
+    ]
+    return [head] + _grid(["images", "ms/call", "ms/image", "TFLOP/s"], rows)
+
+
 def _models_section(stage: dict) -> list[str]:
     rows = [
         [
@@ -274,6 +290,26 @@ def _goal_rows(stages: dict[str, dict], plan: Plan) -> list[list[str]]:
     ]
 
 
+def _family_sections(stages: dict[str, dict]) -> list[str]:
+    """The sections of the quantized matmuls, MLA, speculative decoding and the vision encoder."""
+    out: list[str] = []
+    if stages.get("quantized_matmul", {}).get("rows"):
+        out += [
+            "",
+            "weight-only quantized layer matmuls (dequantize fused into a bf16 dot) vs bf16, 8B shapes; "
+            "% copy: weight bytes per second over the device copy's",
+        ] + _quant_section(stages["quantized_matmul"])
+    if stages.get("mla_decode_kernel", {}).get("rows"):
+        out += ["", "MLA decode kernel vs the pure-JAX absorbed form"] + _mla_section(stages["mla_decode_kernel"])
+    if stages.get("speculative", {}).get("rows"):
+        out += ["", "MTP speculative decoding (random MTP layer) against plain decoding"]
+        out += _speculative_section(stages["speculative"])
+    if stages.get("vision_encoder", {}).get("rows"):
+        out += ["", "vision encoder (Gemma 3 4B's SigLIP and projector, random weights)"]
+        out += _vision_section(stages["vision_encoder"])
+    return out
+
+
 def render(summary: dict, plan: Plan) -> str:
     stages = {s["name"]: s for s in summary["stages"]}
     env = stages.get("env", {}).get("info", {})
@@ -311,17 +347,7 @@ def render(summary: dict, plan: Plan) -> str:
         if text.getvalue():
             out += ["", f"{title} ({info.get('dtype')}, {info.get('model_shape')} attention shape)"]
             out += text.getvalue().rstrip("\n").splitlines()
-    if stages.get("quantized_matmul", {}).get("rows"):
-        out += [
-            "",
-            "weight-only quantized layer matmuls (dequantize fused into a bf16 dot) vs bf16, 8B shapes; "
-            "% copy: weight bytes per second over the device copy's",
-        ] + _quant_section(stages["quantized_matmul"])
-    if stages.get("mla_decode_kernel", {}).get("rows"):
-        out += ["", "MLA decode kernel vs the pure-JAX absorbed form"] + _mla_section(stages["mla_decode_kernel"])
-    if stages.get("speculative", {}).get("rows"):
-        out += ["", "MTP speculative decoding (random MTP layer) against plain decoding"]
-        out += _speculative_section(stages["speculative"])
+    out += _family_sections(stages)
     engine_rows = _engine_rows(summary["stages"])
     if engine_rows:
         out += ["", "engine decode (LLMEngine, pallas attention, random weights; ctx = mean tokens per sequence)"]

@@ -38,6 +38,10 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, digest: object) -> bool:
+        """Whether it holds the image (without making it the most recently used)."""
+        return digest in self._entries
+
 
 def with_image_rows(host_args: tuple, chunks: list[ScheduledChunk], cache: EncoderCache | None) -> tuple:
     """A prefill program's host arguments (tokens, positions, meta, ...), with its image rows after

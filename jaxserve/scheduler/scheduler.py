@@ -13,7 +13,8 @@ sequence cap (`max_num_seqs`):
    are admitted in policy order (FCFS, priority, or longest cached prefix first), with their
    cached prefix taken from the radix cache. At most `max_num_partial_prefills` prompts are
    chunked at once; a request whose next block is being computed by another request in this
-   very step waits one step and then hits the cache instead of computing it twice.
+   very step waits one step and then hits the cache instead of computing it twice. A chunk stops
+   before an image past the step's encoder budget (`max_num_encoder_images`: `encoder_budget.py`).
 
 With a `Proposer` (speculative decoding), the decodes scheduled are offered to it for drafts, and each it
 drafts for gets KV slots for its draft's tokens besides, if the pool has them (drafts never preempt anyone);
@@ -39,6 +40,7 @@ from jaxserve.outputs import FinishReason
 from jaxserve.request import Request, RequestStatus
 from jaxserve.resolved_config import ResolvedConfig
 from jaxserve.scheduler.blocks_in_flight import BlocksInFlight
+from jaxserve.scheduler.encoder_budget import EncodedImages, EncoderBudget
 from jaxserve.scheduler.multi_step import DecodeLoop, build_decode_loop
 from jaxserve.scheduler.output import ScheduledChunk, SchedulerOutput
 from jaxserve.scheduler.policy import waiting_in_policy_order
@@ -58,6 +60,7 @@ class Scheduler:
         adapters: LoraManager | None = None,
         proposer: Proposer | None = None,
         decode_loop: DecodeLoop | None = None,
+        encoded_images: EncodedImages = frozenset(),  # the encoder cache: its images cost no encoder budget
     ):
         self.config = config
         self.kv = kv
@@ -65,6 +68,7 @@ class Scheduler:
         self.proposer = proposer  # speculative decoding: drafts to verify (None: off)
         # Multi-step decode: each decode's steps in one device loop (the config's when not given).
         self.decode_loop = decode_loop if decode_loop is not None else build_decode_loop(config)
+        self._encoder = EncoderBudget(config.max_num_encoder_images, encoded_images, config.enable_chunked_prefill)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -118,6 +122,7 @@ class Scheduler:
         out = SchedulerOutput()
         self.kv.loads.poll()
         budget = self.config.max_num_batched_tokens
+        self._encoder.digests.clear()  # the images this step encodes: none yet
         budget -= self._schedule_decodes(out)
         self._schedule_swap_ins(out)
         self._schedule_prefills(out, budget)
@@ -220,8 +225,9 @@ class Scheduler:
                     continue
                 others = self._others_could_start(budget, num_partial + 1, len(out.prefills) + 1, besides=req)
                 n = req.prefill_chunk(hit.num_tokens, self._partial_chunk_limit(budget, others))
-                if n == 0:
-                    continue  # it would split an image: it waits for a step with room for it
+            n = self._encoder.cut(req.images, hit.num_tokens, n, may_split=num_partial < cfg.max_num_partial_prefills)
+            if n == 0:
+                continue  # it would split an image, or reach one past the encoder budget: it waits for room
             n = self._to_snapshot(req, hit.num_tokens, n)
             if req.adapter is not None:
                 # Behind a request waiting for a LoRA slot, adapter requests wait too (even of resident
@@ -276,6 +282,7 @@ class Scheduler:
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput, in_flight: BlocksInFlight) -> int:
         """Continue a running prefill with up to `budget` tokens; return how many (0: no room)."""
         n = req.prefill_chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+        n = self._encoder.cut(req.images, req.num_computed_tokens, n)
         n = self._to_snapshot(req, req.num_computed_tokens, n)
         if n == 0 or not self.kv.allocate_kv_slots(req.kv, n):
             return 0
@@ -290,6 +297,7 @@ class Scheduler:
 
     def _add_prefill(self, req: Request, n: int, out: SchedulerOutput, in_flight: BlocksInFlight) -> int:
         out.prefills.append(self._chunk(req, n))
+        self._encoder.take(req.images, req.num_computed_tokens, n)
         if self.config.enable_prefix_caching:
             bs = self.config.block_size
             first, last = req.num_computed_tokens // bs, min(req.num_computed_tokens + n, req.num_prompt_tokens) // bs

@@ -259,3 +259,38 @@ def test_hybrid_stage_checks_the_chunked_delta_rule_against_token_by_token(tmp_p
     rows = {r["impl"]: r for r in result["rows"]}
     assert set(rows) == {"chunked", "token by token", "recurrent (decode step)"}
     assert rows["chunked"]["max_err"] <= rows["chunked"]["bound"] and all(r["ms"] > 0 for r in rows.values())
+
+
+def test_vision_encoder_stage_checks_the_served_tower_and_times_each_bucket(tmp_path):
+    """Stage `vision_encoder` on its own (the dry run runs it too): the served encoder within its bound
+    of the float64 reference, a row per image-count bucket, nothing compiled after warm-up."""
+    spec = PLAN.stage("vision_encoder")
+    result = run_stage(spec, tmp_path, True, limit_s=spec.limit_s, command_buffers=False)
+    assert result["status"] == "ok", result
+    info = result["info"]
+    assert 0 < info["correctness"]["max_err"] <= info["correctness"]["bound"]
+    assert info["compilations_at_warm_up"] == 3 and info["compilations_after_warm_up"] == 0
+    assert [r["images"] for r in result["rows"]] == [1, 2, 4]
+    assert all(r["ms_per_image"] > 0 and r["tflops"] > 0 for r in result["rows"])
+
+
+def test_vision_reference_follows_the_tower():
+    """The stage's float64 reference is a second implementation: it equals the tower's JAX forward on
+    the tiny tower, and a perturbed weight moves it (so the stage's check can fail)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.gpu_check import vision_stage
+    from checkpoints.architectures import gemma3_vision
+    from checkpoints.weights import random_tree
+    from jaxserve.model.vision import image_embeddings
+
+    v = vision_stage.tower_config(dry_run=True)
+    params = random_tree(gemma3_vision.weights(v), 0, jnp.float32)
+    pixels = np.stack([i.pixels for i in vision_stage.random_images(v, 2, seed=0)])
+    want = np.asarray(image_embeddings(v, params, pixels))
+    got = vision_stage.reference_embeddings(v, params, pixels)
+    assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
+    params["layers"]["fc2"]["kernel"] = params["layers"]["fc2"]["kernel"] * 1.01
+    moved = vision_stage.reference_embeddings(v, params, pixels)
+    assert np.max(np.abs(moved - want)) > 1e-3 * np.max(np.abs(want))
