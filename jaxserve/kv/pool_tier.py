@@ -12,9 +12,10 @@ engine thread never waits:
 - a write copies its blocks into a staging array (`staging_blocks` objects) and puts them in one
   batch, after one existence check so that only blocks missing from the pool move;
 - a load gets its blocks in batches straight into their host slots (the host tier's arrays are
-  registered; each object's header and token ids go to a small array of their own), then checks
-  each there; the first block missing (the pool evicts by its own policy) or damaged ends the job,
-  and the request recomputes from there (a damaged block's slot is never used).
+  registered; each object's header and token ids go to a small array of their own), and a checker
+  thread checks each batch there while the next one is got; the first block missing (the pool
+  evicts by its own policy) or damaged ends the job, and the request recomputes from there (a
+  damaged block's slot, and those got after it, are never used).
 
 Faults. When the store cannot be reached (its master died), the tier marks itself down: lookups
 answer "not stored", writes are dropped, loads are not started, and a probe thread asks the store
@@ -29,6 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,9 @@ from jaxserve.kv.kv_tier import HostBlockArrays, KVTier, KVTierStats, LoadJob, l
 from jaxserve.kv.pool_health import KnownKeys, PoolHealth
 
 logger = logging.getLogger(__name__)
+
+_WHOLE: Future[bool] = Future()  # a check that found its batch whole (before a job's first batch)
+_WHOLE.set_result(True)
 
 
 class PoolTier:
@@ -74,7 +79,9 @@ class PoolTier:
         self._prefix = f"jaxserve/{fingerprint.hex()}/"
         # Touched now (np.full): the first transfers would otherwise pay the page faults.
         self._write_staging = np.full(staging_blocks * self.object_bytes, 0, np.uint8)
-        self._load_heads = np.full(staging_blocks * (self.object_bytes - self.payload_bytes), 0, np.uint8)
+        # two halves: a batch's heads are checked while the next batch's are got
+        self._load_heads = np.full(2 * staging_blocks * (self.object_bytes - self.payload_bytes), 0, np.uint8)
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kv-pool-checker")
         for array in (self._write_staging, self._load_heads):
             store.register(array.ctypes.data, array.nbytes)
         for address, nbytes in host.memory():  # loads land in the host slots themselves
@@ -235,9 +242,7 @@ class PoolTier:
         while (job := self._loads.get()) is not None:
             t0 = time.perf_counter()
             try:
-                for first in range(0, len(job.keys), self.staging_blocks):
-                    if job.cancelled or not self._load_batch(job, first):
-                        break
+                self._load(job)
             except Exception:  # noqa: BLE001 - a failed load costs a recompute, never the engine
                 logger.exception("reading KV blocks from the pool failed")
                 if job.loaded < len(job.keys):  # not offered again: recomputed from there
@@ -253,17 +258,38 @@ class PoolTier:
                 self._done.append(job)
             self._done_event.set()
 
-    def _load_batch(self, job: LoadJob, first: int) -> bool:
-        """Get job.keys[first : first + staging_blocks] straight into their host slots (each object's
-        header and token ids into the load array); False once one fails."""
+    def _load(self, job: LoadJob) -> None:
+        """Get the job's blocks in batches of `staging_blocks`, each batch checked on the checker
+        thread while the next one is got; stop at the first block missing or damaged."""
+        checked: Future[bool] = _WHOLE
+        try:
+            for n, first in enumerate(range(0, len(job.keys), self.staging_blocks)):
+                if job.cancelled:
+                    break
+                got = self._get_batch(job, first, n % 2)
+                if not checked.result():  # the batch before it was not whole: this one is not used
+                    return
+                checked = self._checker.submit(self._check_batch, job, *got)
+        finally:
+            wait([checked])  # no check outlives its job
+        checked.result()  # (raises what the last check raised)
+
+    def _get_batch(self, job: LoadJob, first: int, area: int) -> tuple[range, list, list, list[int]]:
+        """Get job.keys[first : first + staging_blocks] straight into their host slots, each object's
+        header and token ids into half `area` of the load heads' array; (batch, heads, parts, results)."""
         batch = range(first, min(first + self.staging_blocks, len(job.keys)))
         head = self.object_bytes - self.payload_bytes
-        heads = [self._load_heads[j * head : (j + 1) * head] for j in range(len(batch))]
+        start = area * self.staging_blocks
+        heads = [self._load_heads[(start + j) * head : (start + j + 1) * head] for j in range(len(batch))]
         parts = [self.host.slot_parts(job.host_slots[i]) for i in batch]
         buffers = [[a.ctypes.data for a in (h, *p)] for h, p in zip(heads, parts)]
         sizes = [[head] + [part.nbytes for part in p] for p in parts]
         results = self.store.get([self.name(job.keys[i]) for i in batch], buffers, sizes)
         self.health.check(results)
+        return batch, heads, parts, results
+
+    def _check_batch(self, job: LoadJob, batch: range, heads: list, parts: list, results: list[int]) -> bool:
+        """Count a got batch's blocks loaded, in order, while whole and unchanged; False at the first not."""
         for j, (i, result) in enumerate(zip(batch, results)):
             key = job.keys[i]
             if result != self.object_bytes:
@@ -309,6 +335,7 @@ class PoolTier:
         self.health.stop.set()
         for t in self._threads:
             t.join(60)
+        self._checker.shutdown()
         self.store.close()
 
     def check_integrity(self) -> None:

@@ -104,6 +104,21 @@ def test_a_damaged_or_foreign_object_is_never_used(master):
     a.close(), b.close(), other.close()
 
 
+def test_a_damaged_block_ends_the_load_though_the_next_batch_was_got(master):
+    a, _ = make_tier(master)
+    b, host_b = make_tier(master)
+    keys, tokens, arrays = random_blocks(4, 6, SHAPE)  # two batches of the staging array's 3
+    garbage = np.full(a.object_bytes, 7, np.uint8)
+    a.store.register(garbage.ctypes.data, garbage.nbytes)
+    assert a.store.put([a.name(keys[1])], [garbage.ctypes.data], [a.object_bytes]) == [0]
+    write(a, keys, tokens, arrays)
+    job = load(b, keys, tokens, [5, 4, 3, 2, 1, 0])
+    assert job.loaded == 1 and b.stats.damaged == 1 and b.stats.bytes_read == b.object_bytes
+    np.testing.assert_array_equal(host_b[0][:, :, 5], arrays[0][:, :, 0])
+    assert b.num_leading(keys[2:]) == 4  # the blocks after it are still in the pool, for a later load
+    a.close(), b.close()
+
+
 def test_a_missing_block_ends_the_load(master):
     a, _ = make_tier(master)
     keys, tokens, arrays = random_blocks(3, 3, SHAPE)
