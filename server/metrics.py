@@ -114,6 +114,11 @@ def _speculative_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily(
         f"{PREFIX}_spec_decode_draft_seconds", "Seconds spent drafting (the proposer)", value=s.draft_seconds
     )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_spec_decode_mean_draft_length",
+        "Draft length chosen per decode step (0: drafting off; adaptive_draft_length), since the start",
+        value=s.mean_draft_length,
+    )
     drafted = CounterMetricFamily(
         f"{PREFIX}_spec_decode_position_draft_tokens", "Drafts with a token at this position", labels=["position"]
     )

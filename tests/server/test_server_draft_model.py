@@ -36,7 +36,7 @@ def test_serve_with_a_draft_model_keeps_greedy_text(tmp_path):
     plain = LLM(target, warm_up=False, **small_engine_kwargs())
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].text for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3, "adaptive_draft_length": False}
     port = free_port()
     command = ["serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", "k1", *SMALL_ENGINE]
     with ChildProcess(jaxserve(*command, "--speculative-config", json.dumps(spec))) as child:
