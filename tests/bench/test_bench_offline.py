@@ -48,6 +48,7 @@ def test_throughput_reports_speculative_decoding_with_a_draft_model(compile_cach
     assert ours["spec_acceptance_rate"] > 0.9 and ours["spec_acceptance_rate_position_1"] > 0.9
     assert ours["spec_mean_accepted_tokens"] == ours["spec_accepted_tokens"] / ours["spec_drafts"]
     assert ours["spec_draft_seconds"] > 0 and ours["compilations_during_run"] == 0
+    assert ours["spec_mean_draft_length"] == 2  # pinned: k = 2 at every decode step
 
 
 def test_latency_reports_prefill_and_decode(compile_cache):

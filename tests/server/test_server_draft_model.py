@@ -60,6 +60,7 @@ def test_serve_with_a_draft_model_keeps_greedy_text(tmp_path):
         drafted = found["jaxserve_spec_decode_position_draft_tokens"].samples[0].value
         assert summary["drafts"] == num_drafts and summary["acceptance_rate_position_0"] == accepted["0"] / drafted
         assert summary["mean_accepted_tokens"] == pytest.approx(sum(accepted.values()) / num_drafts)
+        assert summary["mean_draft_length"] == 3  # pinned: k = 3 at every decode step
         child.terminate()
         assert child.finish(60) == 0
         assert "Traceback" not in child.output, child.output

@@ -99,6 +99,8 @@ def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
             "jaxserve_spec_decode_num_drafts": stats.num_drafts,
             "jaxserve_spec_decode_mean_accepted_tokens": stats.accepted_tokens / stats.num_drafts,
             "jaxserve_spec_decode_draft_seconds": pytest.approx(engine.proposer.draft_seconds),
+            "jaxserve_spec_decode_chosen_draft_tokens": engine.proposer.draft_length.chosen_tokens,
+            "jaxserve_spec_decode_draft_length_steps": engine.proposer.draft_length.decode_steps,
             "jaxserve_spec_decode_mean_draft_length": engine.snapshot().mean_draft_length,
         }
         assert stats.speculative_steps > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
