@@ -21,10 +21,14 @@ Cost model (per verify step, concurrency 1): plain decoding emits 1 token per ta
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import time
 
 from checkpoints.registry import load_model
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.tokenizer import Tokenizer
 
 MODES = ("fixed", "adaptive")  # the speculative engines: k pinned, k adapted
 
@@ -83,39 +87,60 @@ def main(argv: list[str] | None = None) -> None:
         "quantization": args.draft_quantization,
     }
     target = load_model(args.target, dtype=args.dtype, gguf_blocks=args.quantization == "gguf")
-    llms = {"plain": LLM(target, **engine)}
-    for mode in args.modes:
-        llms[mode] = LLM(target, speculative_config={**spec, "adaptive_draft_length": mode == "adaptive"}, **engine)
-    tok = llms["plain"].get_tokenizer()
+    tok = Tokenizer(target.tokenizer_bundle)
     chat = [[{"role": "user", "content": p}] for p in CODE_PROMPTS]
     prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in chat]
     print(
         f"target {args.target} ({args.quantization}), draft {args.draft} ({args.draft_quantization}), k {args.k}, "
         f"{len(prompts)} code prompts, {args.tokens} tokens, greedy, one run"
     )
+    # One engine at a time (two 1.5B engines and a draft each do not fit beside other work in 24 GiB): each runs
+    # every concurrency, then is dropped.
+    runs: dict[tuple[str, int], Run] = {}
+    for mode in ("plain", *args.modes):
+        speculative = {"speculative_config": {**spec, "adaptive_draft_length": mode == "adaptive"}}
+        llm = LLM(target, **engine, **({} if mode == "plain" else speculative))
+        for c in args.concurrency:
+            runs[mode, c] = Run.of(llm, prompts, c, args.tokens)
+        del llm
+        gc.collect()
     for c in args.concurrency:
         print(f"  concurrency {c}:")
-        for line in _compare(llms, prompts, c, args.tokens):
+        for line in _compare({m: runs[m, k] for m, k in runs if k == c}, c):
             print(f"    {line}")
 
 
-def _compare(llms: dict[str, LLM], prompts: list[list[int]], concurrency: int, tokens: int) -> list[str]:
-    """One run of each engine on the prompts; a line per speculative engine: rates, acceptance, draft lengths and
-    (fixed k) the cost model's terms."""
-    before = {key: llm.engine.snapshot() for key, llm in llms.items()}
-    calls_before = {key: llm.engine.proposer.stats.steps for key, llm in llms.items() if key != "plain"}
-    seconds, outputs = {}, {}
-    for key, llm in llms.items():
-        seconds[key], outputs[key] = run(llm, prompts, concurrency, tokens)
-    generated = sum(len(o) for o in outputs["plain"])
-    rate = {k: generated / s for k, s in seconds.items()}
-    target_step = seconds["plain"] / (generated / concurrency)  # a plain decode step (prefill included)
+@dataclasses.dataclass
+class Run:
+    """One engine's run of the prompts at one concurrency: its time, outputs, and its counters' increments."""
+
+    seconds: float
+    outputs: list[list[int]]
+    before: EngineSnapshot
+    after: EngineSnapshot
+    drafting_calls: int  # the proposer's drafting steps
+
+    @classmethod
+    def of(cls, llm: LLM, prompts: list[list[int]], concurrency: int, tokens: int) -> Run:
+        proposer = llm.engine.proposer
+        before, calls = llm.engine.snapshot(), proposer.stats.steps if proposer is not None else 0
+        seconds, outputs = run(llm, prompts, concurrency, tokens)
+        after = llm.engine.snapshot()
+        return cls(seconds, outputs, before, after, (proposer.stats.steps if proposer is not None else 0) - calls)
+
+
+def _compare(runs: dict[str, Run], concurrency: int) -> list[str]:
+    """A line for the plain engine, and per speculative engine: rates, acceptance, draft lengths and (fixed k) the
+    cost model's terms."""
+    plain = runs["plain"]
+    generated = sum(len(o) for o in plain.outputs)
+    rate = {k: generated / r.seconds for k, r in runs.items()}
+    target_step = plain.seconds / (generated / concurrency)  # a plain decode step (prefill included)
     lines = [f"plain {rate['plain']:.1f} tok/s (T = plain step {target_step:.3f} s)"]
-    for key in llms:
+    for key, r in runs.items():
         if key == "plain":
             continue
-        engine = llms[key].engine
-        b, a = before[key], engine.snapshot()
+        b, a = r.before, r.after
         drafts = a.num_drafts - b.num_drafts
         drafted, accepted = a.draft_tokens - b.draft_tokens, a.accepted_tokens - b.accepted_tokens
         per_position = [
@@ -133,12 +158,12 @@ def _compare(llms: dict[str, LLM], prompts: list[list[int]], concurrency: int, t
             f"length {mean_length:.2f} ({steps} of {decode_steps} decode steps drafted)"
         )
         if key == "fixed":
-            drafting_step = draft_s / max(engine.proposer.stats.steps - calls_before[key], 1)
-            verify_step = (seconds[key] - draft_s) / max(steps, 1)
+            drafting_step = draft_s / max(r.drafting_calls, 1)
+            verify_step = (r.seconds - draft_s) / max(steps, 1)
             line += (
                 f"; drafting step {drafting_step / target_step:.2f} T, verify step {verify_step / target_step:.2f} T"
             )
-        same = outputs[key] == outputs["plain"]
+        same = r.outputs == plain.outputs
         lines.append(line + f"; greedy outputs {'identical' if same else 'DIFFER'}")
     return lines
 
