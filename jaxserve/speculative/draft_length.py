@@ -20,14 +20,15 @@ The cost model, per batch bucket b (the running batch rounded up to a power of t
 Step times are the engine's (`observe`: a step's scheduling, drafting, launch and read, not the read of the
 step in flight before it): only decode-only steps are measured, and a plain one only when the step before it
 was plain too (in the overlapped loop a step's time is then one device step). Each figure is an exponential
-average, so it follows the load.
+average, so it follows the load. Host work between steps (outside `LLMEngine.step`) is not in them.
 
 Probing: while an estimate of the bucket is missing, steps measure it (K first, then 0). Then every
 `interval` steps at the bucket a probe runs the other extreme: K while the choice is below K (acceptance at
-every position, draft and verify time measured again: drafting turns back on when it would pay), else two
-plain steps (the second one measured). A probe that leaves the choice as it was doubles the interval, from
-MIN_INTERVAL up to MAX_INTERVAL; one that changes it, or brings the other choice's rate closer by TREND or
-more, starts again from MIN_INTERVAL.
+every position, draft and verify time measured again: drafting turns back on when it would pay), else three
+plain steps (the first one follows a speculative step: not measured). A probe's step times weigh PROBE_WEIGHT
+in their averages (other steps WEIGHT): the option not chosen is measured by probes alone. A probe that leaves
+the choice as it was doubles the interval, from MIN_INTERVAL up to MAX_INTERVAL; one that changes it, or brings
+the other choice's rate closer by TREND or more, starts again from MIN_INTERVAL.
 
 With `adaptive_draft_length` off the choice is K always (a pinned k, for benchmarks). Either way the choices
 are counted for /metrics (`chosen_tokens` over `decode_steps`: the mean draft length).
@@ -43,11 +44,12 @@ if TYPE_CHECKING:
     from jaxserve.scheduler.output import SchedulerOutput
 
 MIN_INTERVAL = 8  # steps between probes at a bucket, at first
-MAX_INTERVAL = 256
+MAX_INTERVAL = 64  # at most: the option not chosen is measured by probes alone, and the load changes
 DECAY = 0.9  # of the acceptance counts, per speculative step measured
 WEIGHT = 0.25  # of a new step time in its exponential average
+PROBE_WEIGHT = 0.5  # of a probe step's: the option not chosen is measured by probes alone
 TREND = 1.1  # a probe that moved the other choice's rate closer by this factor probes again soon
-PLAIN_PROBE = 2  # plain steps in a probe of k = 0 (the first one follows a speculative step: not measured)
+PLAIN_PROBE = 3  # plain steps in a probe of k = 0 (the first one follows a speculative step: not measured)
 
 
 @dataclasses.dataclass
@@ -65,8 +67,8 @@ class BucketCosts:
     gap_before_probe: float = 0.0  # the probe's rate over the choice's then
 
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else (1 - WEIGHT) * old + WEIGHT * new
+def _average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def bucket_of(batch: int) -> int:
@@ -149,12 +151,13 @@ class DraftLength:
         self.chosen_tokens += k
         costs = self.buckets[bucket]
         speculative = sched.is_speculative
+        weight = WEIGHT if costs.probe is None else PROBE_WEIGHT
         if not sched.prefills:
             if speculative:
-                costs.per_draft_token = _average(costs.per_draft_token, drafting / k)
-                costs.verify = _average(costs.verify, max(seconds - drafting, 0.0))
+                costs.per_draft_token = _average(costs.per_draft_token, drafting / k, weight)
+                costs.verify = _average(costs.verify, max(seconds - drafting, 0.0), weight)
             elif self._previous_plain:
-                costs.decode = _average(costs.decode, seconds / max(c.num_steps for c in sched.decodes))
+                costs.decode = _average(costs.decode, seconds / max(c.num_steps for c in sched.decodes), weight)
         self._previous_plain = not speculative and not sched.prefills
         if speculative:
             self._take_counts(*counts)
