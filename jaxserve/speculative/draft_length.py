@@ -27,8 +27,8 @@ Probing: while an estimate of the bucket is missing, steps measure it (K first, 
 every position, draft and verify time measured again: drafting turns back on when it would pay), else three
 plain steps (the first one follows a speculative step: not measured). A probe's step times weigh PROBE_WEIGHT
 in their averages (other steps WEIGHT): the option not chosen is measured by probes alone. A probe that leaves
-the choice as it was doubles the interval, from MIN_INTERVAL up to MAX_INTERVAL; one that changes it, or brings
-the other choice's rate closer by TREND or more, starts again from MIN_INTERVAL.
+the choice as it was doubles the interval, from MIN_INTERVAL up to MAX_INTERVAL; one that changes it starts
+again from MIN_INTERVAL.
 
 With `adaptive_draft_length` off the choice is K always (a pinned k, for benchmarks). Either way the choices
 are counted for /metrics (`chosen_tokens` over `decode_steps`: the mean draft length).
@@ -48,7 +48,6 @@ MAX_INTERVAL = 64  # at most: the option not chosen is measured by probes alone,
 DECAY = 0.9  # of the acceptance counts, per speculative step measured
 WEIGHT = 0.25  # of a new step time in its exponential average
 PROBE_WEIGHT = 0.5  # of a probe step's: the option not chosen is measured by probes alone
-TREND = 1.1  # a probe that moved the other choice's rate closer by this factor probes again soon
 PLAIN_PROBE = 3  # plain steps in a probe of k = 0 (the first one follows a speculative step: not measured)
 
 
@@ -64,7 +63,6 @@ class BucketCosts:
     probe: int | None = None  # the k of the probe under way
     probe_steps: int = 0  # its steps left
     before_probe: int = 0  # the choice when it started
-    gap_before_probe: float = 0.0  # the probe's rate over the choice's then
 
 
 def _average(old: float | None, new: float, weight: float) -> float:
@@ -181,8 +179,8 @@ class DraftLength:
                 costs.probe_steps -= 1
             if costs.probe_steps > 0:
                 return
-            best, costs.probe = self.best(costs), None
-            settled = best == costs.before_probe and self._gap(costs, best) < TREND * costs.gap_before_probe
+            costs.probe = None
+            settled = self.best(costs) == costs.before_probe
             costs.interval = min(2 * costs.interval, MAX_INTERVAL) if settled else MIN_INTERVAL
             return
         best = self.best(costs)
@@ -192,9 +190,4 @@ class DraftLength:
         costs.steps = 0
         costs.probe = self.max_tokens if best < self.max_tokens else 0
         costs.probe_steps = 1 if costs.probe else PLAIN_PROBE
-        costs.before_probe, costs.gap_before_probe = best, self._gap(costs, best)
-
-    def _gap(self, costs: BucketCosts, best: int | None) -> float:
-        """The probe's rate over the best one's (below 1 while the choice stands)."""
-        probe = self.max_tokens if best != self.max_tokens else 0
-        return self.rate(costs, probe) / self.rate(costs, best)
+        costs.before_probe = best
