@@ -1,15 +1,17 @@
 """Draft-model speculative decoding against plain decoding, measured in the same run, with its cost model.
 
-Two engines serve one target: one with `--speculative-config '{"model": DRAFT, ...}'`, one without. For each
-concurrency c the same greedy code prompts run c at a time through each (offline `LLM.generate`), and the bench
-prints output tokens/s of each and their ratio, the acceptance rate (in all and per draft position), the mean
-accepted tokens per draft, and the cost model's terms: a drafting step's time (k draft tokens, catch-up
-included) and a verify step's time, each over a plain decode step's time. Greedy outputs are checked to be
-identical.
+Three engines serve one target: one without a draft, one with `--speculative-config '{"model": DRAFT,
+"num_speculative_tokens": k, "adaptive_draft_length": false}'` (k pinned: "fixed") and one with the draft length
+adapted (the default: "adaptive", `jaxserve.speculative.draft_length`). For each concurrency c the same greedy
+code prompts run c at a time through each (offline `LLM.generate`), and the bench prints output tokens/s of each
+and their ratio to plain, the acceptance rate (in all and per draft position), the mean accepted tokens per
+draft and the mean draft length chosen per decode step, and for the fixed engine the cost model's terms: a
+drafting step's time (k draft tokens, catch-up included) and a verify step's time, each over a plain decode
+step's time. Greedy outputs are checked to be identical.
 
     PYTHONPATH=. python -m bench.draft_model [--target qwen2.5-coder-1.5b-instruct]
         [--draft qwen2.5-coder-0.5b-instruct] [--concurrency 1 4] [--tokens 128] [--k 4]
-        [--dtype float32] [--quantization gguf] [--draft-quantization q4]
+        [--dtype float32] [--quantization gguf] [--draft-quantization q4] [--modes fixed adaptive]
 
 Cost model (per verify step, concurrency 1): plain decoding emits 1 token per target step T; speculation emits
 1 + a tokens (a: mean accepted drafts) per D + V (D: drafting k tokens, V: the verify step), so the gain is
@@ -19,10 +21,16 @@ Cost model (per verify step, concurrency 1): plain decoding emits 1 token per ta
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import time
 
 from checkpoints.registry import load_model
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine_snapshot import EngineSnapshot
+from jaxserve.tokenizer import Tokenizer
+
+MODES = ("fixed", "adaptive")  # the speculative engines: k pinned, k adapted
 
 CODE_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -57,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--draft-quantization", default="q4", help="the draft's own (its GGUF's Q5_0 kernels are not kept as stored)"
     )
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="speculative engines run")
     args = parser.parse_args(argv)
     batch = max(args.concurrency)
     engine = dict(
@@ -78,51 +87,85 @@ def main(argv: list[str] | None = None) -> None:
         "quantization": args.draft_quantization,
     }
     target = load_model(args.target, dtype=args.dtype, gguf_blocks=args.quantization == "gguf")
-    llms = {"plain": LLM(target, **engine), "spec": LLM(target, speculative_config=spec, **engine)}
-    tok = llms["plain"].get_tokenizer()
+    tok = Tokenizer(target.tokenizer_bundle)
     chat = [[{"role": "user", "content": p}] for p in CODE_PROMPTS]
     prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in chat]
     print(
         f"target {args.target} ({args.quantization}), draft {args.draft} ({args.draft_quantization}), k {args.k}, "
         f"{len(prompts)} code prompts, {args.tokens} tokens, greedy, one run"
     )
+    # One engine at a time (two 1.5B engines and a draft each do not fit beside other work in 24 GiB): each runs
+    # every concurrency, then is dropped.
+    runs: dict[tuple[str, int], Run] = {}
+    for mode in ("plain", *args.modes):
+        speculative = {"speculative_config": {**spec, "adaptive_draft_length": mode == "adaptive"}}
+        llm = LLM(target, **engine, **({} if mode == "plain" else speculative))
+        for c in args.concurrency:
+            runs[mode, c] = Run.of(llm, prompts, c, args.tokens)
+        del llm
+        gc.collect()
     for c in args.concurrency:
-        print(f"  concurrency {c}: " + _compare(llms, prompts, c, args.tokens))
+        print(f"  concurrency {c}:")
+        for line in _compare({m: runs[m, k] for m, k in runs if k == c}, c):
+            print(f"    {line}")
 
 
-def _compare(llms: dict[str, LLM], prompts: list[list[int]], concurrency: int, tokens: int) -> str:
-    """One run of each engine on the prompts; a line of rates, acceptance and the cost model's terms."""
-    engine = llms["spec"].engine
-    before = engine.snapshot()
-    calls_before = engine.proposer.stats.steps
-    seconds, outputs = {}, {}
-    for key, llm in llms.items():
-        seconds[key], outputs[key] = run(llm, prompts, concurrency, tokens)
-    after = engine.snapshot()
-    generated = sum(len(o) for o in outputs["plain"])
-    rate = {k: generated / s for k, s in seconds.items()}
-    drafts = after.num_drafts - before.num_drafts
-    drafted, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
-    per_position = [
-        f"{(a1 - a0) / (n1 - n0):.2f}" if n1 > n0 else "n/a"
-        for n0, a0, n1, a1 in zip(
-            before.position_drafts, before.position_accepted, after.position_drafts, after.position_accepted
+@dataclasses.dataclass
+class Run:
+    """One engine's run of the prompts at one concurrency: its time, outputs, and its counters' increments."""
+
+    seconds: float
+    outputs: list[list[int]]
+    before: EngineSnapshot
+    after: EngineSnapshot
+    drafting_calls: int  # the proposer's drafting steps
+
+    @classmethod
+    def of(cls, llm: LLM, prompts: list[list[int]], concurrency: int, tokens: int) -> Run:
+        proposer = llm.engine.proposer
+        before, calls = llm.engine.snapshot(), proposer.stats.steps if proposer is not None else 0
+        seconds, outputs = run(llm, prompts, concurrency, tokens)
+        after = llm.engine.snapshot()
+        return cls(seconds, outputs, before, after, (proposer.stats.steps if proposer is not None else 0) - calls)
+
+
+def _compare(runs: dict[str, Run], concurrency: int) -> list[str]:
+    """A line for the plain engine, and per speculative engine: rates, acceptance, draft lengths and (fixed k) the
+    cost model's terms."""
+    plain = runs["plain"]
+    generated = sum(len(o) for o in plain.outputs)
+    rate = {k: generated / r.seconds for k, r in runs.items()}
+    target_step = plain.seconds / (generated / concurrency)  # a plain decode step (prefill included)
+    lines = [f"plain {rate['plain']:.1f} tok/s (T = plain step {target_step:.3f} s)"]
+    for key, r in runs.items():
+        if key == "plain":
+            continue
+        b, a = r.before, r.after
+        drafts = a.num_drafts - b.num_drafts
+        drafted, accepted = a.draft_tokens - b.draft_tokens, a.accepted_tokens - b.accepted_tokens
+        per_position = [
+            f"{(a1 - a0) / (n1 - n0):.2f}" if n1 > n0 else "n/a"
+            for n0, a0, n1, a1 in zip(b.position_drafts, b.position_accepted, a.position_drafts, a.position_accepted)
+        ]
+        steps = a.speculative_steps - b.speculative_steps
+        draft_s = a.draft_seconds - b.draft_seconds
+        decode_steps = a.draft_length_steps - b.draft_length_steps
+        mean_length = (a.chosen_draft_tokens - b.chosen_draft_tokens) / max(decode_steps, 1)
+        line = (
+            f"{key}: {rate[key]:.1f} tok/s, ratio {rate[key] / rate['plain']:.2f}x; "
+            f"acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted}; by position "
+            f"{', '.join(per_position)}), mean accepted {accepted / max(drafts, 1):.2f} per draft; mean draft "
+            f"length {mean_length:.2f} ({steps} of {decode_steps} decode steps drafted)"
         )
-    ]
-    steps = after.speculative_steps - before.speculative_steps
-    draft_s = after.draft_seconds - before.draft_seconds
-    drafting_steps = engine.proposer.stats.steps - calls_before
-    target_step = seconds["plain"] / (generated / concurrency)  # a plain decode step (prefill included)
-    verify_step = (seconds["spec"] - draft_s) / max(steps, 1)
-    draft_step = draft_s / max(drafting_steps, 1)
-    return (
-        f"plain {rate['plain']:.1f} tok/s, spec {rate['spec']:.1f} tok/s, ratio {rate['spec'] / rate['plain']:.2f}x; "
-        f"acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted}; by position {', '.join(per_position)}), "
-        f"mean accepted {accepted / max(drafts, 1):.2f} per draft; drafting step {draft_step:.3f} s "
-        f"= {draft_step / target_step:.2f} T, verify step {verify_step:.3f} s = "
-        f"{verify_step / target_step:.2f} T (T = plain step {target_step:.3f} s); "
-        f"greedy outputs {'identical' if outputs['plain'] == outputs['spec'] else 'DIFFER'}"
-    )
+        if key == "fixed":
+            drafting_step = draft_s / max(r.drafting_calls, 1)
+            verify_step = (r.seconds - draft_s) / max(steps, 1)
+            line += (
+                f"; drafting step {drafting_step / target_step:.2f} T, verify step {verify_step / target_step:.2f} T"
+            )
+        same = r.outputs == plain.outputs
+        lines.append(line + f"; greedy outputs {'identical' if same else 'DIFFER'}")
+    return lines
 
 
 if __name__ == "__main__":

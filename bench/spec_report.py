@@ -1,7 +1,7 @@
 """Speculative decoding's counters over one benchmark run: acceptance rate (in all and per draft position),
-mean accepted tokens per draft, and drafting time. The same keys whether they come from an engine in this
-process (`EngineSnapshot` before and after: `bench throughput`) or from a server's `/metrics` scraped before
-and after (`bench serve` / `sweep`)."""
+mean accepted tokens per draft, drafting time, and the mean draft length chosen per decode step. The same keys
+whether they come from an engine in this process (`EngineSnapshot` before and after: `bench throughput`) or from
+a server's `/metrics` scraped before and after (`bench serve` / `sweep`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _summary(
     accepted: float,
     seconds: float,
     per_position: list[tuple[float, float]],
+    lengths: tuple[float, float],
 ) -> dict[str, Any] | None:
     if not drafts:
         return None
@@ -31,6 +32,7 @@ def _summary(
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_tokens": accepted / drafts,  # per draft; vLLM's mean acceptance length is one more
         "draft_seconds": seconds,
+        "mean_draft_length": lengths[0] / lengths[1] if lengths[1] else 0.0,  # chosen per decode step, 0 counted
         **{f"acceptance_rate_position_{j}": a / n if n else 0.0 for j, (n, a) in enumerate(per_position)},
     }
 
@@ -50,6 +52,10 @@ def from_snapshots(before: EngineSnapshot, after: EngineSnapshot) -> dict[str, A
         after.accepted_tokens - before.accepted_tokens,
         after.draft_seconds - before.draft_seconds,
         positions,
+        (
+            after.chosen_draft_tokens - before.chosen_draft_tokens,
+            after.draft_length_steps - before.draft_length_steps,
+        ),
     )
 
 
@@ -73,4 +79,5 @@ def from_server_counters(before: Mapping[str, float], after: Mapping[str, float]
         delta(f"{PREFIX}_accepted_tokens_total"),
         delta(f"{PREFIX}_draft_seconds_total"),
         positions,
+        (delta(f"{PREFIX}_chosen_draft_tokens_total"), delta(f"{PREFIX}_draft_length_steps_total")),
     )

@@ -1,31 +1,25 @@
 """The engine: one step loop owning the scheduler, the KV manager and the model runner.
 
-`step()` runs one iteration of one of two loops. Both schedule an iteration, launch it on the
-device without waiting (`_launch`), and read an iteration's sampled tokens (`_read`): write each
-over its placeholder, apply every stop rule (`_update`, the one place), detokenize, free finished
-sequences, return the deltas.
+`step()` runs one iteration of one of two loops. Both schedule an iteration, launch it on the device
+without waiting (`_launch`), and read an iteration's sampled tokens (`_read`): write each over its
+placeholder, apply every stop rule (`_update`, the one place), detokenize, free finished sequences.
 
 - The synchronous loop (`async_scheduling=False`) reads the iteration it launched.
-- The overlapped loop (the default) launches iteration N+1 and then reads N while N+1 runs: the
-  host's scheduling and output processing hide behind the device's work, and N's tokens feed
-  N+1 on the device.
+- The overlapped loop (the default) launches iteration N+1 and then reads N while N+1 runs: the host's
+  scheduling and output processing hide behind the device's work, and N's tokens feed N+1 on the device.
 
 Three kinds of iteration change what the overlapped loop may overlap:
 
-- Speculative decoding (`speculative_config`): a `Proposer` drafts from a request's known tokens,
-  and a verified decode's accepted count decides where its next step starts. So while the
-  proposer may draft (n-gram: few requests running, no pause after draftless steps) the iteration
-  in flight is read before scheduling, and one that verifies drafts is read at once. At such
-  batch sizes the device step dwarfs the host work that overlap would hide. Greedy output is the
-  same either way (tests/test_speculative.py).
-- Multi-step decode (`num_scheduler_steps` K > 1, the scheduler's `DecodeLoop`): an iteration
-  of unconstrained decodes runs up to K steps in one device program and is read at once, like a
-  verify step (`SchedulerOutput.samples_several`): the host's work is paid once per K tokens
-  instead of overlapped.
-- Structured output: a constrained request's next mask depends on its last token. The next
-  iteration's model step is dispatched first, then the iteration in flight is read, then the
-  masks are written and the sampler dispatched (`ModelRunner.run_sampler`; a multi-host leader
-  mirrors the two as separate device operations, so it does the same).
+- Speculative decoding (`speculative_config`): a `Proposer` drafts from a request's known tokens, and a
+  verified decode's accepted count decides where its next step starts. So while the proposer may draft (few
+  running, a draft length above 0 chosen from each step's time, `_observe`) the iteration in flight is read
+  before scheduling, and one that verifies drafts is read at once. Greedy output is the same either way.
+- Multi-step decode (`num_scheduler_steps` K > 1, the scheduler's `DecodeLoop`): an iteration of
+  unconstrained decodes runs up to K steps in one device program and is read at once, like a verify step
+  (`SchedulerOutput.samples_several`): the host's work is paid once per K tokens instead of overlapped.
+- Structured output: a constrained request's next mask depends on its last token. The next iteration's
+  model step is dispatched first, then the iteration in flight is read, then the masks are written and the
+  sampler dispatched (`ModelRunner.run_sampler`; a multi-host leader mirrors the two, so it does the same).
 
 Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own thread only.
 
@@ -315,9 +309,11 @@ class LLMEngine(EngineCoreOps):
     def _synchronous_step(self) -> list[Delta]:
         """Schedule an iteration, launch it, read it."""
         deltas: list[Delta] = []
-        handle = self._launch(self.scheduler.schedule(), deltas)
+        t0 = time.perf_counter()
+        handle = self._launch(sched := self.scheduler.schedule(), deltas)
         if handle is not None:
             deltas += self._read(handle)
+        self._observe(sched, t0)
         return deltas
 
     def _overlapped_step(self) -> list[Delta]:
@@ -330,6 +326,7 @@ class LLMEngine(EngineCoreOps):
             and self.proposer.may_propose(len(self.scheduler.running))
         ):
             deltas += self._read(self._take_in_flight())
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         handle = self._launch(sched, deltas)
         if sched.samples_several:  # its next iteration depends on what it kept
@@ -340,7 +337,14 @@ class LLMEngine(EngineCoreOps):
             previous, self._in_flight = self._in_flight, handle
             if previous is not None:
                 deltas += self._read(previous)
+        self._observe(sched, t0)
         return deltas
+
+    def _observe(self, sched: SchedulerOutput, t0: float) -> None:
+        """The proposer's draft length learns the step's time since `t0` and the acceptance counts."""
+        if self.proposer is not None:
+            counts = (self.stats.position_drafts, self.stats.position_accepted)
+            self.proposer.draft_length.observe(sched, time.perf_counter() - t0, self.proposer.draft_seconds, counts)
 
     def _launch(self, sched: SchedulerOutput, deltas: list[Delta]) -> StepHandle | None:
         """Launch a scheduled iteration (None for an empty one). A launch that waits for grammar

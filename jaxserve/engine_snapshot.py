@@ -74,7 +74,7 @@ class EngineSnapshot:
     kv_transfer: KVTransferStats = KVTransferStats()  # a disaggregating router's
     # Speculative decoding: steps that verified drafts, draft tokens verified and accepted, drafts verified
     # (decodes that carried one), per draft position the drafts with a token there and those accepted, and
-    # the seconds spent drafting.
+    # the seconds spent drafting; the draft lengths chosen (0: drafting off) summed over the decode steps.
     speculative_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -82,6 +82,8 @@ class EngineSnapshot:
     position_drafts: tuple[int, ...] = ()
     position_accepted: tuple[int, ...] = ()
     draft_seconds: float = 0.0
+    chosen_draft_tokens: int = 0
+    draft_length_steps: int = 0
     # Mixture of experts, per expert (all layers; empty for a dense model): token-to-expert
     # assignments since the start, and in the last model step read.
     expert_tokens: tuple[int, ...] = ()
@@ -134,6 +136,11 @@ class EngineSnapshot:
     def mean_accepted_tokens(self) -> float:
         """Draft tokens accepted per verified draft (vLLM's mean acceptance length is one more)."""
         return self.accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_draft_length(self) -> float:
+        """The draft length chosen per decode step, 0 counted (`jaxserve.speculative.draft_length`)."""
+        return self.chosen_draft_tokens / self.draft_length_steps if self.draft_length_steps else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -82,6 +82,8 @@ class StepStats:
             position_drafts=tuple((self.position_drafts + [0] * k)[:k]),
             position_accepted=tuple((self.position_accepted + [0] * k)[:k]),
             draft_seconds=proposer.draft_seconds if proposer is not None else 0.0,
+            chosen_draft_tokens=proposer.draft_length.chosen_tokens if proposer is not None else 0,
+            draft_length_steps=proposer.draft_length.decode_steps if proposer is not None else 0,
         )
 
     def count_launch(self, sched: SchedulerOutput, prepared: PreparedStep, model_time: float) -> None:

@@ -96,7 +96,7 @@ def _counter_metrics(s: EngineSnapshot) -> Iterator[Metric]:
 
 def _speculative_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     """Speculative decoding: drafts verified and accepted (in all and per draft position), tokens accepted
-    per draft, and the time spent drafting."""
+    per draft, the time spent drafting, and the draft lengths chosen."""
     yield CounterMetricFamily(
         f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)", value=s.draft_tokens
     )
@@ -113,6 +113,21 @@ def _speculative_metrics(s: EngineSnapshot) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         f"{PREFIX}_spec_decode_draft_seconds", "Seconds spent drafting (the proposer)", value=s.draft_seconds
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_spec_decode_chosen_draft_tokens",
+        "Draft lengths chosen, summed over decode steps (adaptive_draft_length)",
+        value=s.chosen_draft_tokens,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_spec_decode_draft_length_steps",
+        "Decode steps a draft length was counted for (0: drafting off)",
+        value=s.draft_length_steps,
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_spec_decode_mean_draft_length",
+        "Draft length chosen per decode step (0: drafting off; adaptive_draft_length), since the start",
+        value=s.mean_draft_length,
     )
     drafted = CounterMetricFamily(
         f"{PREFIX}_spec_decode_position_draft_tokens", "Drafts with a token at this position", labels=["position"]

@@ -34,7 +34,7 @@ GREEDY = [
 
 
 def mtp(k: int, **kw) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k, **kw}
+    return {"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False, **kw}
 
 
 def outputs(llm: LLM, prompts: list[dict], params) -> list[list[int]]:

@@ -187,6 +187,7 @@ def test_synchronous_multi_step_and_speculative_engines_give_the_same_tokens(mod
     assert run(async_scheduling=False)[0] == want
     assert run(num_scheduler_steps=4)[0] == want
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    ngram["adaptive_draft_length"] = False
     tokens, llm = run(async_scheduling=False, speculative_config=ngram)
     assert tokens == want
     stats = llm.engine.stats

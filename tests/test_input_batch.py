@@ -487,6 +487,7 @@ SPEC = {
     "prompt_lookup_min": 1,
     "prompt_lookup_max": 3,
     "disable_by_batch_size": 4,
+    "adaptive_draft_length": False,
 }
 CASES = {
     "async-recompute": dict(ASYNC_SMALL, async_scheduling=True, num_blocks=40),

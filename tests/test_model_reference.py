@@ -78,6 +78,7 @@ def test_speculative_greedy_tokens_match_transformers(smollm2, assert_kv_all_fre
     from jaxserve import LLM, SamplingParams
 
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec["adaptive_draft_length"] = False
     llm = LLM(smollm2, warm_up=False, speculative_config=spec, **ENGINE)
     cases = REFERENCE["greedy"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

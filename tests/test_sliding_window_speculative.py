@@ -10,6 +10,7 @@ from sliding_window_harness import CONFIG, LONG, WINDOW, tiny_mistral
 from jaxserve import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM["adaptive_draft_length"] = False
 # Repeating prompts, so the n-gram proposer drafts, and some drafts are accepted.
 PROMPTS = [LONG[:20] * 3, [int(t) for t in np.random.default_rng(3).integers(3, 20, 37)]]
 

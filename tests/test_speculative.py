@@ -41,6 +41,7 @@ SPEC = {
     "prompt_lookup_min": 1,
     "prompt_lookup_max": 3,
     "disable_by_batch_size": 4,
+    "adaptive_draft_length": False,  # every step drafts k (the adaptive choice: test_speculative_adaptive)
 }
 
 

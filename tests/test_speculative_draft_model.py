@@ -54,7 +54,13 @@ def drafts(target, tmp_path_factory):
 
 
 def spec(path: str, **kw) -> dict:
-    return {"model": path, "num_speculative_tokens": K, "disable_by_batch_size": 4, **kw}
+    return {
+        "model": path,
+        "num_speculative_tokens": K,
+        "disable_by_batch_size": 4,
+        "adaptive_draft_length": False,
+        **kw,
+    }
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,12 @@ def test_the_15b_target_with_the_05b_draft_keeps_greedy_output(assert_kv_all_fre
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     del plain
-    spec = {"model": DRAFT, "num_speculative_tokens": 4, "quantization": "q4"}  # its Q5_0 kernels: not kept as stored
+    spec = {
+        "model": DRAFT,
+        "num_speculative_tokens": 4,
+        "quantization": "q4",
+        "adaptive_draft_length": False,
+    }  # its Q5_0 kernels: not kept as stored
     llm = LLM(target, warm_up=False, speculative_config=spec, **ENGINE)
     for prompt, tokens in zip(prompts, expected):  # one at a time: each speculates from its first decode
         assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == tokens

@@ -20,7 +20,7 @@ from jaxserve import LLM, SamplingParams
 
 
 def eagle3(head: str, k: int) -> dict:
-    return {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": k, "adaptive_draft_length": False}
 
 
 @pytest.fixture(scope="module")

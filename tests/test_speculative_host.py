@@ -119,7 +119,12 @@ def make_scheduler(k: int = 3, disable_by_batch_size: int = 8, num_blocks: int =
         block_size=4,
         num_blocks=num_blocks,
         speculative_config=SpeculativeConfig(
-            "ngram", k, prompt_lookup_min=1, prompt_lookup_max=2, disable_by_batch_size=disable_by_batch_size
+            "ngram",
+            k,
+            prompt_lookup_min=1,
+            prompt_lookup_max=2,
+            disable_by_batch_size=disable_by_batch_size,
+            adaptive_draft_length=False,
         ),
     )
     kv = build_kv_manager(num_blocks, 4)

@@ -1,7 +1,9 @@
 """`--speculative-config`: one type, with vLLM's names (`method`, `num_speculative_tokens`, `model`,
 `prompt_lookup_min`, `prompt_lookup_max`) plus `disable_by_batch_size`, the largest decode batch that still
 speculates (drafts pay where a step is bound by reading the weights, i.e. small batches; a large batch
-already uses the weights well and would only pay for the rejected rows).
+already uses the weights well and would only pay for the rejected rows), and `adaptive_draft_length` (on by
+default: each step's draft length, 0 included, is chosen by a cost model measured online,
+`jaxserve.speculative.draft_length`; off: `num_speculative_tokens` every step).
 
 Methods: "ngram" (prompt lookup), "draft_model" (a smaller model of the same tokenizer, `model`: a registry
 name or a path, loaded like the target, with `quantization` of its own if given) and "mtp" (the target's own
@@ -37,6 +39,9 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model of "draft_model" (a registry name or a path)
     quantization: str | None = None  # the draft model's `--quantization` (None: the target's)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # Each step drafts the k in 0 .. num_speculative_tokens its measured cost model picks (`draft_length`);
+    # false: num_speculative_tokens always (a pinned k, for benchmarks).
+    adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,6 +60,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.adaptive_draft_length, bool):
+            value = self.adaptive_draft_length
+            raise ValueError(f"speculative_config adaptive_draft_length must be true or false, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "

@@ -28,6 +28,7 @@ from jaxserve.config import bucket_for
 from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.speculative.config import SpeculativeConfig
 from jaxserve.speculative.draft_kv import DraftKV, DraftSequence
+from jaxserve.speculative.draft_length import DraftLength
 from jaxserve.speculative.draft_programs import DraftInputs, DraftPrograms
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class DraftModelProposer:
             device.model, device.block_size, spec.num_speculative_tokens, shapes.variants()
         )
         self.stats = DraftStats()
+        self.draft_length = DraftLength(spec.num_speculative_tokens, spec.adaptive_draft_length)
         self.drafted_probs: dict[Request, np.ndarray] = {}  # q of each sampled request's last draft [k, V]
 
     @property
@@ -105,7 +107,7 @@ class DraftModelProposer:
         self.programs.compile_all(self.device.params, self.device.cache)
 
     def may_propose(self, num_running: int) -> bool:
-        return num_running <= self.spec.disable_by_batch_size
+        return num_running <= self.spec.disable_by_batch_size and self.draft_length.choose(num_running) > 0
 
     def on_scheduled(self, looked_up: bool, drafted: bool) -> None:
         """Nothing to adapt: the draft model drafts whenever it may."""
@@ -120,15 +122,15 @@ class DraftModelProposer:
     def propose(self, decodes: Sequence[Request], num_running: int) -> dict[Request, list[int]] | None:
         """None unless `may_propose` and every decode's context has room for a verify step; else a draft
         for each decode that may get one ([] when the draft's pool has no room for it)."""
-        k = self.spec.num_speculative_tokens
-        room = self.max_model_len - k
+        room = self.max_model_len - self.spec.num_speculative_tokens
         if not decodes or not self.may_propose(num_running) or any(r.num_tokens > room for r in decodes):
             return None
         t0 = time.perf_counter()
+        k = self.draft_length.choose(num_running)
         drafts: dict[Request, list[int]] = {}
         ready: list[tuple[Request, DraftSequence]] = []
         for req in decodes:
-            n = self._draft_len(req)
+            n = self._draft_len(req, k)
             if n is None:
                 continue
             seq = self.kv.reserve(req, self._known(req) + k - 1)  # the chain writes d_1 .. d_{k-1} too
@@ -137,7 +139,7 @@ class DraftModelProposer:
                 ready.append((req, seq))
         largest = self.shapes.seqs[-1]
         for i in range(0, len(ready), largest):
-            drafts.update(self._draft_group(ready[i : i + largest]))
+            drafts.update(self._draft_group(ready[i : i + largest], k))
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return drafts
@@ -149,15 +151,15 @@ class DraftModelProposer:
     def take_hidden(self, rows: Sequence[Any]) -> None:
         """Nothing: a draft model reads no hidden states of the target."""
 
-    def _draft_len(self, req: Request) -> int | None:
-        """Tokens the request may be drafted (as `NgramProposer._draft`); None: not drafted for."""
-        n = min(self.spec.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
+    def _draft_len(self, req: Request, k: int) -> int | None:
+        """Tokens the request may be drafted, at most `k` (as `NgramProposer._draft`); None: not drafted for."""
+        n = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
         if n <= 0 or req.grammar is not None or PLACEHOLDER in req.output_token_ids[-1:]:
             return None
         return n
 
-    def _draft_group(self, group: list[tuple[Request, DraftSequence]]) -> dict[Request, list[int]]:
-        """Catch up the group's sequences (in chunks while they exceed the largest token bucket), then draft."""
+    def _draft_group(self, group: list[tuple[Request, DraftSequence]], k: int) -> dict[Request, list[int]]:
+        """Catch up the group's sequences (in chunks while they exceed the largest token bucket), then draft k."""
         largest = self.shapes.tokens[bucket_for(len(group), self.shapes.seqs)][-1]
         while sum(self._known(r) - s.num_computed for r, s in group) > largest:
             budget, chunk = largest, []
@@ -167,10 +169,10 @@ class DraftModelProposer:
                     chunk.append((req, seq, n))
                     budget -= n
             self._run(chunk)
-        drafts, probs = self._run([(req, seq, self._known(req) - seq.num_computed) for req, seq in group])
+        drafts, probs = self._run([(req, seq, self._known(req) - seq.num_computed) for req, seq in group], k)
         out = {}
         for i, (req, _) in enumerate(group):
-            n = self._draft_len(req)
+            n = self._draft_len(req, k)
             out[req] = drafts[i, :n].tolist()
             if req.params.temperature > 0:
                 self.drafted_probs[req] = np.asarray(probs[i, :n])
@@ -178,10 +180,10 @@ class DraftModelProposer:
                 self.drafted_probs.pop(req, None)
         return out
 
-    def _run(self, chunk: list[tuple[Request, DraftSequence, int]]) -> tuple[np.ndarray, Any]:
-        """Prefill each sequence's next n tokens into the draft cache and draft after them: drafts
-        [S, k] on the host, q [S, k, V] on the device (read only for sampled requests)."""
-        x = self._inputs(chunk)
+    def _run(self, chunk: list[tuple[Request, DraftSequence, int]], num_drafts: int = 1) -> tuple[np.ndarray, Any]:
+        """Prefill each sequence's next n tokens into the draft cache and draft `num_drafts` after them (one for a
+        catch-up alone): drafts [S, k] on the host, q [S, k, V] on the device (read only for sampled requests)."""
+        x = self._inputs(chunk, num_drafts)
         self.device.cache, drafts, probs = self.programs.run(self.device.params, self.device.cache, x)
         for _, seq, n in chunk:
             seq.num_computed += n
@@ -189,12 +191,13 @@ class DraftModelProposer:
         sampled = any(req.params.temperature > 0 for req, _, _ in chunk)
         return np.asarray(jax.device_get(drafts)), (jax.device_get(probs) if sampled else None)
 
-    def _inputs(self, chunk: list[tuple[Request, DraftSequence, int]]) -> DraftInputs:
+    def _inputs(self, chunk: list[tuple[Request, DraftSequence, int]], num_drafts: int) -> DraftInputs:
         bs, shapes = self.device.block_size, self.shapes
         seqs = bucket_for(len(chunk), shapes.seqs)
         total = sum(n for _, _, n in chunk)
         width = bucket_for(max(len(s.blocks) for _, s, _ in chunk), shapes.widths)
         x = DraftInputs.zeros(seqs, bucket_for(total, shapes.tokens[seqs]), width)
+        x.num_drafts[...] = num_drafts
         row = 0
         for i, (req, seq, n) in enumerate(chunk):
             start = seq.num_computed

@@ -2,8 +2,9 @@
 
 A call takes S sequences' new tokens as one ragged prefill (`DraftInputs`: the tokens each sequence's
 target accepted since the draft last ran, ending with its last known token), writes their K/V into the
-draft's own cache and reads the logits after each sequence's last token; then k - 1 decode steps in a
-`lax.scan` feed each drafted token back. Each drafted token is the argmax of the draft's logits for a
+draft's own cache and reads the logits after each sequence's last token; then up to k - 1 decode steps in a
+loop feed each drafted token back (`num_drafts` of the inputs: the draft length is chosen per call, on one
+compiled program, `jaxserve.speculative.draft_length`). Each drafted token is the argmax of the draft's logits for a
 greedy row, or a draw from q = softmax(logits / temperature) for a sampled row (keyed by the request's seed
 and the token's position, in a stream of its own), and q is returned per drafted token: rejection sampling
 in the target's verify step needs it (`jaxserve.speculative.verify`).
@@ -43,6 +44,7 @@ class DraftInputs(NamedTuple):
     last_rows: np.ndarray  # i32[S]: the row of its last new token (-1: padding)
     temperature: np.ndarray  # f32[S]: <= 0 drafts greedily
     seeds: np.ndarray  # u32[S, 2]: the request's key data (threefry2x32)
+    num_drafts: np.ndarray  # i32[]: tokens to draft, 1 .. k (the chain stops there; a dynamic loop bound)
 
     @classmethod
     def zeros(cls, seqs: int, tokens: int, width: int) -> DraftInputs:
@@ -57,6 +59,7 @@ class DraftInputs(NamedTuple):
             np.full(seqs, -1, np.int32),
             np.zeros(seqs, np.float32),
             np.zeros((seqs, 2), np.uint32),
+            np.ones((), np.int32),
         )
 
 
@@ -92,10 +95,12 @@ def chain_drafts(
     key_offset: int,
 ) -> tuple[Any, jax.Array, jax.Array]:
     """A chain of k drafts after the catch-up's `logits` (each sequence's distribution of its first draft):
-    the first drawn from them, then k - 1 steps in a `lax.scan`, each feeding the token just drafted at the
-    sequence's next position (N + j for the j-th, each sequence's page and slot of it in `x.tables`) through
-    `feed(state, tokens, positions, metadata) -> (logits, state)`. Draft j of a sequence is drawn with the
-    key of position N + j + `key_offset` (the position of the token it drafts, in the chain's own numbering).
+    the first drawn from them, then `x.num_drafts` - 1 steps (at most k - 1: a loop whose bound is an input,
+    so every draft length runs on one compiled program; the rows past it stay 0), each feeding the token just
+    drafted at the sequence's next position (N + j for the j-th, each sequence's page and slot of it in
+    `x.tables`) through `feed(state, tokens, positions, metadata) -> (logits, state)`. Draft j of a sequence
+    is drawn with the key of position N + j + `key_offset` (the position of the token it drafts, in the chain's
+    own numbering).
     Returns (state, drafts i32[S, k], q f32[S, k, V])."""
     seeds = jax.random.wrap_key_data(x.seeds, impl="threefry2x32")
     live = x.seq_lens > 0
@@ -107,8 +112,8 @@ def chain_drafts(
 
     first, q = _next_token(logits.astype(jnp.float32), keys(x.seq_lens + key_offset), x.temperature)
 
-    def step(carry, j):
-        state, token = carry
+    def step(j: jax.Array, carry: tuple[Any, jax.Array, jax.Array, jax.Array]) -> tuple[Any, ...]:
+        state, token, drafts, probs = carry
         pos = x.seq_lens + j  # the position of the token fed: d_{j + 1} at N + j
         page = x.tables[rows, jnp.minimum(pos // block_size, width - 1)]
         step_meta = AttentionMetadata(
@@ -116,11 +121,13 @@ def chain_drafts(
         )
         logits, state = feed(state, token, pos, step_meta)
         token, q = _next_token(logits.astype(jnp.float32), keys(pos + 1 + key_offset), x.temperature)
-        return (state, token), (token, q)
+        drafts = lax.dynamic_update_slice(drafts, token[:, None], (0, j + 1))
+        return state, token, drafts, lax.dynamic_update_slice(probs, q[:, None], (0, j + 1, 0))
 
-    (state, _), (tokens, qs) = lax.scan(step, (state, first), jnp.arange(k - 1, dtype=jnp.int32))
-    drafts = jnp.concatenate([first[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)
-    probs = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+    drafts = jnp.zeros((len(rows), k), jnp.int32).at[:, 0].set(first)
+    probs = jnp.zeros((len(rows), k, q.shape[-1]), jnp.float32).at[:, 0].set(q)
+    steps = jnp.clip(x.num_drafts, 1, k) - 1
+    state, _, drafts, probs = lax.fori_loop(0, steps, step, (state, first, drafts, probs))
     return state, drafts, probs
 
 

@@ -5,7 +5,7 @@ by `DraftPrograms` with `mtp_chain`, or `hidden_chain` of another forward, as it
 A call takes S sequences' new rows as one ragged prefill (`MtpInputs`): row p of a sequence is position p,
 with the target's hidden state h_p and the token t_{p+1} (`jaxserve.speculative.mtp_model`). It writes their
 latents into the MTP layer's own cache and reads the logits after each sequence's last row, p = N - 2 for a
-request of N tokens: the distribution of t_N, the first draft. Then k - 1 decode steps in a `lax.scan` feed
+request of N tokens: the distribution of t_N, the first draft. Then up to k - 1 decode steps in a loop feed
 each drafted token back at the next position, with the layer's own output at the position before as its
 hidden state (the target's is not known there; `mtp_forward`'s `chained`). The chain is the draft model's
 (`draft_programs.chain_drafts`: argmax for greedy rows, else a draw from q = softmax(logits / temperature),

@@ -90,16 +90,16 @@ class MtpProposer(DraftModelProposer):
         super().release(request)
         self.hidden.pop(request, None)
 
-    def _run(self, chunk: list[tuple[Request, Any, int]]) -> tuple[np.ndarray, Any]:
-        out = super()._run(chunk)
+    def _run(self, chunk: list[tuple[Request, Any, int]], num_drafts: int = 1) -> tuple[np.ndarray, Any]:
+        out = super()._run(chunk, num_drafts)
         for req, seq, _ in chunk:
             if req in self.hidden:
                 self.hidden[req].drop_before(seq.num_computed)
         return out
 
-    def _inputs(self, chunk: list[tuple[Request, Any, int]]) -> MtpInputs:
+    def _inputs(self, chunk: list[tuple[Request, Any, int]], num_drafts: int) -> MtpInputs:
         """The draft model's rows (tokens shifted by `offset`) with each row's hidden state h_p."""
-        x = super()._inputs(chunk)
+        x = super()._inputs(chunk, num_drafts)
         hidden = np.zeros((len(x.tokens), self.hidden_size), np.float32)
         row = 0
         for req, seq, n in chunk:

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxserve.request import PLACEHOLDER, Request
 from jaxserve.speculative.config import SpeculativeConfig
+from jaxserve.speculative.draft_length import DraftLength
 from jaxserve.speculative.hidden_rows import HiddenRows
 from jaxserve.speculative.ngram import propose_ngram
 
@@ -32,6 +33,9 @@ MAX_PAUSE = 16  # steps without drafting after draftless ones, at most
 
 class Proposer(Protocol):
     """Draft tokens for decodes, verified by the target model in one step (`jaxserve.speculative.verify`)."""
+
+    # Each step's draft length (0: no drafting), from a cost model the engine feeds (`DraftLength.observe`).
+    draft_length: DraftLength
 
     def may_propose(self, num_running: int) -> bool:
         """Whether the next step may carry drafts with `num_running` requests running. While it may, the
@@ -92,13 +96,18 @@ class NgramProposer:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int):
         self.spec = spec
         self.max_model_len = max_model_len
+        self.draft_length = DraftLength(spec.num_speculative_tokens, spec.adaptive_draft_length)
         self._backoff = 0  # length of the last pause (0: the last step that looked up drafted)
         self._pause = 0  # steps left to schedule without drafting
         self.draft_seconds = 0.0
 
     def may_propose(self, num_running: int) -> bool:
-        """Drafting on, no pause after draftless steps, and at most `disable_by_batch_size` running."""
-        return not self._pause and num_running <= self.spec.disable_by_batch_size
+        """No pause after draftless steps, at most `disable_by_batch_size` running, and a draft length chosen."""
+        return (
+            not self._pause
+            and num_running <= self.spec.disable_by_batch_size
+            and self.draft_length.choose(num_running) > 0
+        )
 
     def propose(self, decodes: Sequence[Request], num_running: int) -> dict[Request, list[int]] | None:
         """None unless `may_propose` and every decode's context has room for a verify step (k + 1
@@ -107,16 +116,17 @@ class NgramProposer:
         if not decodes or not self.may_propose(num_running) or any(r.num_tokens > room for r in decodes):
             return None
         t0 = time.perf_counter()
-        drafts = {req: self._draft(req) for req in decodes}
+        k = self.draft_length.choose(num_running)
+        drafts = {req: self._draft(req, k) for req in decodes}
         self.draft_seconds += time.perf_counter() - t0
         return {req: draft for req, draft in drafts.items() if draft is not None}
 
-    def _draft(self, req: Request) -> list[int] | None:
-        """The request's n-gram draft, at most as long as it may still generate ([] if its tokens hold
-        none); None, not looked up, for a constrained request (its next masks depend on each token), one
-        with a token in flight, or one with no token left to draft."""
+    def _draft(self, req: Request, k: int) -> list[int] | None:
+        """The request's n-gram draft of at most `k` tokens and as many as it may still generate ([] if its
+        tokens hold none); None, not looked up, for a constrained request (its next masks depend on each
+        token), one with a token in flight, or one with no token left to draft."""
         spec = self.spec
-        k = min(spec.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
+        k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
         if k <= 0 or req.grammar is not None or PLACEHOLDER in req.output_token_ids[-1:]:
             return None
         return propose_ngram(req.copy_tokens(), k, spec.prompt_lookup_min, spec.prompt_lookup_max)

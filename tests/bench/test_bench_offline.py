@@ -41,13 +41,14 @@ def test_throughput_reports_speculative_decoding_with_a_draft_model(compile_cach
     def make(tokenizer, special):
         return random_workload(TokenSampler(tokenizer, 0, special), 2, input_len=20, output_len=12)
 
-    spec = {"model": "tiny-random", "num_speculative_tokens": 2}
+    spec = {"model": "tiny-random", "num_speculative_tokens": 2, "adaptive_draft_length": False}
     engine = {**SMALL_ENGINE, "compilation_cache_dir": compile_cache, "speculative_config": spec}
     ours = run_throughput("tiny-random", engine, make, show_progress=False)["backends"]["jaxserve"]["results"]
     assert ours["spec_drafts"] > 0 and ours["spec_draft_tokens"] <= 2 * ours["spec_drafts"]
     assert ours["spec_acceptance_rate"] > 0.9 and ours["spec_acceptance_rate_position_1"] > 0.9
     assert ours["spec_mean_accepted_tokens"] == ours["spec_accepted_tokens"] / ours["spec_drafts"]
     assert ours["spec_draft_seconds"] > 0 and ours["compilations_during_run"] == 0
+    assert ours["spec_mean_draft_length"] == 2  # pinned: k = 2 at every decode step
 
 
 def test_latency_reports_prefill_and_decode(compile_cache):

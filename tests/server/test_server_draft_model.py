@@ -36,7 +36,7 @@ def test_serve_with_a_draft_model_keeps_greedy_text(tmp_path):
     plain = LLM(target, warm_up=False, **small_engine_kwargs())
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].text for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3, "adaptive_draft_length": False}
     port = free_port()
     command = ["serve", "--model", MODEL_NAME, "--port", str(port), "--api-key", "k1", *SMALL_ENGINE]
     with ChildProcess(jaxserve(*command, "--speculative-config", json.dumps(spec))) as child:
@@ -60,6 +60,7 @@ def test_serve_with_a_draft_model_keeps_greedy_text(tmp_path):
         drafted = found["jaxserve_spec_decode_position_draft_tokens"].samples[0].value
         assert summary["drafts"] == num_drafts and summary["acceptance_rate_position_0"] == accepted["0"] / drafted
         assert summary["mean_accepted_tokens"] == pytest.approx(sum(accepted.values()) / num_drafts)
+        assert summary["mean_draft_length"] == 3  # pinned: k = 3 at every decode step
         child.terminate()
         assert child.finish(60) == 0
         assert "Traceback" not in child.output, child.output

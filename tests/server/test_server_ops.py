@@ -77,6 +77,7 @@ def test_a_stopped_engine_is_unhealthy_and_refuses_work(async_engine):
 
 def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec["adaptive_draft_length"] = False
     engine = LLMEngine(
         build_tiny_random(), EngineConfig(**TEST_ENGINE, speculative_config=SpeculativeConfig.from_dict(spec))
     )
@@ -98,8 +99,13 @@ def test_metrics_count_speculative_drafts_and_acceptances(assert_kv_all_free):
             "jaxserve_spec_decode_num_drafts": stats.num_drafts,
             "jaxserve_spec_decode_mean_accepted_tokens": stats.accepted_tokens / stats.num_drafts,
             "jaxserve_spec_decode_draft_seconds": pytest.approx(engine.proposer.draft_seconds),
+            "jaxserve_spec_decode_chosen_draft_tokens": engine.proposer.draft_length.chosen_tokens,
+            "jaxserve_spec_decode_draft_length_steps": engine.proposer.draft_length.decode_steps,
+            "jaxserve_spec_decode_mean_draft_length": engine.snapshot().mean_draft_length,
         }
         assert stats.speculative_steps > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
+        # Pinned: k = 3 chosen at every decode step but those of an n-gram pause (after a step with no draft).
+        assert 0 < found["jaxserve_spec_decode_mean_draft_length"] <= 3
         # Per draft position (k = 3): drafts with a token there never grow with the position, and their sums
         # are the totals.
         per_position = {
