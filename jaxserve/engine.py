@@ -23,8 +23,7 @@ Three kinds of iteration change what the overlapped loop may overlap:
 
 Not thread-safe: the async wrapper (`jaxserve.async_engine`) calls it from its own thread only.
 
-Embeddings (`SamplingParams.pooling`): a pooling request is prefilled like any prompt (sharing the
-prefix cache) while its steps pool its rows' final hidden states (see `output_processor`).
+Embeddings (`SamplingParams.pooling`) are prefilled like any prompt, pooling final hidden states (`output_processor`).
 
 Fault isolation: an exception while preparing or post-processing (`output_processor`) one request's
 part of an iteration fails that request alone; only a failure of the device iteration propagates.

@@ -68,6 +68,7 @@ def _inputs(lengths: list[int], tokens: list[np.ndarray], hidden: np.ndarray, wi
     """One catch-up call over sequences of N tokens each (rows: positions 0 .. N - 2, the token after each)."""
     x = MtpInputs.zeros(4, 64, width, hidden.shape[1])
     d, row = x.draft, 0
+    d.num_drafts[...] = K  # the whole chain
     for i, (n, toks) in enumerate(zip(lengths, tokens)):
         rows = np.arange(n - 1)
         table = np.arange(1 + i * width, 1 + (i + 1) * width, dtype=np.int32)

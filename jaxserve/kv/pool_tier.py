@@ -239,11 +239,22 @@ class PoolTier:
         return job
 
     def _load_loop(self) -> None:
+        """Each job's blocks in batches of `staging_blocks`, each batch checked on the checker thread
+        while the next is got; a job stops at its first block missing or damaged."""
         while (job := self._loads.get()) is not None:
             t0 = time.perf_counter()
+            checked: Future[bool] = _WHOLE
             try:
-                self._load(job)
+                for n, first in enumerate(range(0, len(job.keys), self.staging_blocks)):
+                    if job.cancelled:
+                        break
+                    got = self._get_batch(job, first, n % 2)
+                    if not checked.result():  # the batch before it was not whole: this one is not used
+                        break
+                    checked = self._checker.submit(self._check_batch, job, *got)
+                checked.result()  # the last check (raises what it raised)
             except Exception:  # noqa: BLE001 - a failed load costs a recompute, never the engine
+                wait([checked])  # no check outlives its job
                 logger.exception("reading KV blocks from the pool failed")
                 if job.loaded < len(job.keys):  # not offered again: recomputed from there
                     self._known.discard(job.keys[job.loaded])
@@ -257,22 +268,6 @@ class PoolTier:
                 job.done = True
                 self._done.append(job)
             self._done_event.set()
-
-    def _load(self, job: LoadJob) -> None:
-        """Get the job's blocks in batches of `staging_blocks`, each batch checked on the checker
-        thread while the next one is got; stop at the first block missing or damaged."""
-        checked: Future[bool] = _WHOLE
-        try:
-            for n, first in enumerate(range(0, len(job.keys), self.staging_blocks)):
-                if job.cancelled:
-                    break
-                got = self._get_batch(job, first, n % 2)
-                if not checked.result():  # the batch before it was not whole: this one is not used
-                    return
-                checked = self._checker.submit(self._check_batch, job, *got)
-        finally:
-            wait([checked])  # no check outlives its job
-        checked.result()  # (raises what the last check raised)
 
     def _get_batch(self, job: LoadJob, first: int, area: int) -> tuple[range, list, list, list[int]]:
         """Get job.keys[first : first + staging_blocks] straight into their host slots, each object's

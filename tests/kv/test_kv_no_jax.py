@@ -26,6 +26,7 @@ ALLOWED_ROOTS = {
     "threading",
     "time",
     "zlib",
+    "concurrent",  # the pool tier's checker thread (concurrent.futures)
 }
 
 
