@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from draft_models import noisy_copy
+from draft_models import write_drafts
 
-from checkpoints.orbax_io import save_orbax
 from checkpoints.tiny_random import build_tiny_random
 from jaxserve import LLM, SamplingParams
 from jaxserve.speculative.draft_length import DraftLength, bucket_of
@@ -37,10 +36,7 @@ def target():
 @pytest.fixture(scope="module")
 def drafts(target, tmp_path_factory):
     """A noisy copy of the target (drafts often accepted) and a random one-layer model (almost never)."""
-    root = tmp_path_factory.mktemp("drafts")
-    save_orbax(noisy_copy(target, 0.35, seed=1), root / "noisy")
-    save_orbax(build_tiny_random(seed=7, num_layers=1), root / "small")
-    return {"noisy": str(root / "noisy"), "small": str(root / "small")}
+    return write_drafts(target, tmp_path_factory.mktemp("drafts"))
 
 
 @pytest.fixture(scope="module")

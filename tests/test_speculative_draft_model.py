@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draft_models import noisy_copy
+from draft_models import write_drafts
 from sampling_stats import assert_distributed_as, assert_same_distribution, seeded_first_tokens
 from tokenizers import Tokenizer
 
@@ -47,10 +47,7 @@ def target():
 @pytest.fixture(scope="module")
 def drafts(target, tmp_path_factory):
     """Paths of two drafts: a noisy copy of the target, and a random model of one layer."""
-    root = tmp_path_factory.mktemp("drafts")
-    save_orbax(noisy_copy(target, 0.35, seed=1), root / "noisy")
-    save_orbax(build_tiny_random(seed=7, num_layers=1), root / "small")
-    return {"noisy": str(root / "noisy"), "small": str(root / "small")}
+    return write_drafts(target, tmp_path_factory.mktemp("drafts"))
 
 
 def spec(path: str, **kw) -> dict:
