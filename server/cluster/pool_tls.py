@@ -35,6 +35,7 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from server.cluster import host_port, listen_host_port
 from server.tls import ClusterTLS, add_cluster_tls_args, cluster_tls_from_args
 
 logger = logging.getLogger(__name__)
@@ -142,10 +143,8 @@ def cluster_tls_of_flags(flags: Sequence[str]) -> ClusterTLS | None:
     return cluster_tls_from_args(p.parse_known_args(list(flags))[0])
 
 
-def _address(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise SystemExit(f"{flag} must look like HOST:PORT, got {text!r}")
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
     return host, int(port)
 
 
@@ -154,9 +153,11 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         "kv-pool-gateway",
         help="the KV pool master's mutual-TLS front: clients with a CA-signed certificate reach a loopback master",
     )
-    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where workers dial the pool (--kv-pool)")
     p.add_argument(
-        "--master", dest="to", required=True, metavar="HOST:PORT", help="mooncake_master's RPC address (on loopback)"
+        "--listen", type=listen_host_port, required=True, metavar="HOST:PORT", help="where workers dial it (--kv-pool)"
+    )
+    p.add_argument(
+        "--master", dest="to", type=host_port, required=True, metavar="HOST:PORT", help="the master's RPC (on loopback)"
     )
     add_cluster_tls_args(p.add_argument_group("cluster TLS (required)"))
     p.set_defaults(func=lambda args: run_forwarder(args, "accept"))
@@ -170,7 +171,7 @@ def run_forwarder(args: argparse.Namespace, mode: str) -> int:
     tls = cluster_tls_from_args(args)
     if tls is None:
         raise SystemExit("the KV pool's TLS forwarder needs --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca")
-    listen, target = _address(args.listen, "--listen"), _address(args.to, "--to")
+    listen, target = _split(args.listen), _split(args.to)
     accept, dial = (tls.ssl_context(True), None) if mode == "accept" else (None, tls.ssl_context(False))
 
     async def run() -> None:
@@ -198,8 +199,8 @@ def run_forwarder(args: argparse.Namespace, mode: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m server.cluster.pool_tls", description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=("accept", "dial"), help="TLS on the accepting (a gateway) or dialling side")
-    p.add_argument("--listen", required=True, metavar="HOST:PORT")
-    p.add_argument("--to", required=True, metavar="HOST:PORT")
+    p.add_argument("--listen", type=listen_host_port, required=True, metavar="HOST:PORT")
+    p.add_argument("--to", type=host_port, required=True, metavar="HOST:PORT")
     p.add_argument("--until-stdin-closes", action="store_true", help="exit when standard input closes (a child)")
     add_cluster_tls_args(p.add_argument_group("cluster TLS"))
     args = p.parse_args(argv)

@@ -13,16 +13,10 @@ import argparse
 
 from jaxserve.placement import PlacementPolicy
 from server.cli import add_server_args, run_app, server_config_from_args
+from server.cluster import host_port
 from server.tls import add_cluster_tls_args, cluster_tls_from_args
 
 DEFAULTS = PlacementPolicy()  # SGLang's router's
-
-
-def _address(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"a worker is HOST:PORT, got {text!r}")
-    return text
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,7 +24,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     g = p.add_argument_group("workers")
     g.add_argument(
         "--worker",
-        type=_address,
+        type=host_port,
         action="append",
         default=[],
         metavar="HOST:PORT",
@@ -38,7 +32,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     g.add_argument(
         "--prefill-worker",
-        type=_address,
+        type=host_port,
         action="append",
         default=[],
         metavar="HOST:PORT",
@@ -47,7 +41,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     g.add_argument(
         "--decode-worker",
-        type=_address,
+        type=host_port,
         action="append",
         default=[],
         metavar="HOST:PORT",
