@@ -207,7 +207,9 @@ def test_launch_without_an_address_starts_its_own_cluster_and_gets_a_killed_work
         assert [w["status"] for w in placed] == ["up", "up"], placed
         assert all(w["address"].startswith("127.0.0.1:") for w in placed), placed  # on loopback
         assert send(router, "POST", "/v1/completions", body, key=None).status == 200
-        pid = int(re.search(r"\[worker-0\] started pid (\d+)", launch.output).group(1))
+        # Ray forwards the actor's line on its own schedule: it may come after the launcher's own lines
+        started = launch.wait_for("[worker-0] started pid", timeout=60)
+        pid = int(re.search(r"\[worker-0\] started pid (\d+)", started).group(1))
         os.kill(pid, signal.SIGKILL)
         wait_worker_status(router, 0, "down", timeout=30)
         reply = send(router, "POST", "/v1/completions", body, key=None)  # the other worker serves meanwhile
